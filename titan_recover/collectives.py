@@ -1,0 +1,102 @@
+"""Fault-tolerant replicate-dimension collectives.
+
+For shard index ``k`` the live replicas' rank ``k`` form one gloo process group per
+membership epoch, built under the store prefix ``replicate/e<epoch>/s<k>``: a rank of
+an old epoch can never join a newer group. Collectives are asynchronous and polled,
+so they return within a bounded time once the epoch moves on (a peer died or hung);
+an abandoned group and its buffers are parked, never reused or freed mid-flight.
+Callers pass fresh buffers (out-of-place), so a broken collective never touches
+local gradients.
+"""
+
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from titan_recover.membership import Membership
+
+POLL_S = 0.0005
+
+
+class CollectiveAborted(RuntimeError):
+    """The collective did not finish for this epoch; retry in the next one."""
+
+
+class ReplicateGroups:
+    """This rank's replicate-dim process groups, one per epoch."""
+
+    def __init__(self, store: dist.Store, replica: int, shard: int, timeout_s: float) -> None:
+        self.store = store
+        self.replica = replica
+        self.shard = shard
+        self.timeout = timedelta(seconds=timeout_s)
+        self._groups: dict[int, dist.ProcessGroupGloo | None] = {}
+        self._parked: list[object] = []  # abandoned groups/work/buffers: kept alive, never reused
+
+    def _build(self, membership: Membership, abort: Callable[[], bool]) -> dist.ProcessGroupGloo | None:
+        if membership.epoch in self._groups:
+            return self._groups[membership.epoch]
+        size = len(membership.members)
+        if size == 1:
+            group = None
+        else:
+            prefix = dist.PrefixStore(f"replicate/e{membership.epoch}/s{self.shard}/", self.store)
+            rank = membership.members.index(self.replica)
+            result: list[object] = []
+
+            def build() -> None:
+                try:
+                    result.append(dist.ProcessGroupGloo(prefix, rank, size, self.timeout))
+                except Exception as e:  # a peer never showed up
+                    result.append(e)
+
+            # rendezvous blocks until every member connects; poll so a dead member
+            # only costs us until the coordinator moves the epoch on
+            thread = threading.Thread(target=build, daemon=True)
+            thread.start()
+            while not result:
+                if abort():
+                    self._parked.append(thread)
+                    raise CollectiveAborted(f"epoch {membership.epoch} ended while building its group")
+                time.sleep(POLL_S)
+            if isinstance(result[0], Exception):
+                raise CollectiveAborted(f"building the epoch {membership.epoch} group failed: {result[0]}")
+            group = result[0]  # type: ignore[assignment]
+        # older epochs' groups are done with; park them (destroying may block on dead peers)
+        for epoch in [e for e in self._groups if e < membership.epoch]:
+            self._parked.append(self._groups.pop(epoch))
+        self._groups[membership.epoch] = group
+        return group
+
+    def allreduce(
+        self,
+        membership: Membership,
+        tensors: list[torch.Tensor],
+        abort: Callable[[], bool],
+        on_launched: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Sums ``tensors`` in place across the epoch's members, or raises CollectiveAborted.
+
+        ``on_launched`` runs once the all-reduce is in flight (a fault injection point).
+        """
+        group = self._build(membership, abort)
+        if group is None:
+            on_launched()
+            return
+        works = [group.allreduce([t]) for t in tensors]
+        on_launched()
+        while not all(w.is_completed() for w in works):
+            if abort():
+                self._parked.append((works, tensors))
+                raise CollectiveAborted(f"epoch {membership.epoch} ended during the all-reduce")
+            time.sleep(POLL_S)
+        try:
+            for w in works:
+                w.wait()
+        except Exception as e:
+            self._parked.append((works, tensors))
+            raise CollectiveAborted(f"all-reduce failed in epoch {membership.epoch}: {e}") from e

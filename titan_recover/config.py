@@ -1,0 +1,157 @@
+"""The ``[recover]`` section of a TorchTitan job config.
+
+Loaded through TorchTitan's ``job.custom_config_module = "titan_recover.config"``,
+so it is set from TOML or from the CLI as ``--recover.key value`` like any other
+section. R and the shard degree are TorchTitan's own
+``parallelism.data_parallel_replicate_degree`` / ``data_parallel_shard_degree``:
+the same TOML describes stock HSDP (``enable = false``) and titan_recover.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value titan_recover cannot run with; the message names the key."""
+
+
+@dataclass
+class Recover:
+    enable: bool = False
+    """Run the replicate dimension as fault-tolerant replica groups. false = stock TorchTitan HSDP."""
+
+    policy: str = "balanced"
+    """Workload policy that hands microbatch ids to live replicas (see titan_recover.workload)."""
+
+    min_replicas: int = 1
+    """Stop with an error when fewer replica groups than this are left."""
+
+    fault_plan: str = "none"
+    """Failures to inject, e.g. "kill replica=1 rank=1 step=10 phase=backward" (see titan_recover.faults)."""
+
+    heartbeat_interval_s: float = 0.1
+    """How often every rank bumps its heartbeat counter in the coordinator's store."""
+
+    heartbeat_timeout_s: float = 5.0
+    """A rank whose heartbeat stalls this long is declared failed (hangs, SIGSTOP)."""
+
+    report_confirm_s: float = 0.5
+    """After a survivor reports a collective error, fence replicas silent for this long."""
+
+    collective_timeout_s: float = 30.0
+    """Timeout of the replicate-dimension process groups (building and all-reduce)."""
+
+    startup_timeout_s: float = 600.0
+    """How long a replica group may take to send its first heartbeat."""
+
+    coordinator_port: int = 0
+    """TCP port of the coordinator's store; 0 picks a free one."""
+
+
+@dataclass
+class JobConfig:
+    recover: Recover = field(default_factory=Recover)
+
+
+def _check_types(section: Any, name: str) -> None:
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        expected = {bool: bool, int: int, float: (int, float), str: str}[f.type]
+        ok = isinstance(value, expected) and not (
+            expected is not bool and isinstance(value, bool)
+        )
+        if not ok:
+            raise ConfigError(
+                f"{name}.{f.name} must be of type {f.type.__name__}, got {value!r}"
+            )
+
+
+def validate(job_config: Any) -> Recover:
+    """Checks ``[recover]`` and the parallelism it relies on; returns the section."""
+    from titan_recover import faults, workload
+
+    rc: Recover = job_config.recover
+    _check_types(rc, "recover")
+    if rc.min_replicas < 1:
+        raise ConfigError(f"recover.min_replicas must be >= 1, got {rc.min_replicas}")
+    for key in (
+        "heartbeat_interval_s",
+        "heartbeat_timeout_s",
+        "report_confirm_s",
+        "collective_timeout_s",
+        "startup_timeout_s",
+    ):
+        if getattr(rc, key) <= 0:
+            raise ConfigError(f"recover.{key} must be > 0, got {getattr(rc, key)}")
+    if rc.heartbeat_timeout_s <= 2 * rc.heartbeat_interval_s:
+        raise ConfigError(
+            "recover.heartbeat_timeout_s must be more than twice "
+            f"recover.heartbeat_interval_s, got {rc.heartbeat_timeout_s} "
+            f"and {rc.heartbeat_interval_s}"
+        )
+    if not 0 <= rc.coordinator_port < 65536:
+        raise ConfigError(f"recover.coordinator_port out of range: {rc.coordinator_port}")
+    try:
+        workload.get_policy(rc.policy)
+    except workload.WorkloadError as e:
+        raise ConfigError(f"recover.policy: {e}") from e
+    try:
+        faults.parse_fault_plan(rc.fault_plan)
+    except faults.FaultPlanError as e:
+        raise ConfigError(f"recover.fault_plan: {e}") from e
+
+    par = job_config.parallelism
+    replicas, shards = par.data_parallel_replicate_degree, par.data_parallel_shard_degree
+    if replicas < 1:
+        raise ConfigError(
+            f"parallelism.data_parallel_replicate_degree must be >= 1, got {replicas}"
+        )
+    if shards < 1:
+        raise ConfigError(
+            "parallelism.data_parallel_shard_degree must be set explicitly (>= 1) "
+            f"with titan_recover, got {shards}"
+        )
+    if rc.min_replicas > replicas:
+        raise ConfigError(
+            f"recover.min_replicas ({rc.min_replicas}) is more than "
+            f"parallelism.data_parallel_replicate_degree ({replicas})"
+        )
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
+        if getattr(par, key) != 1:
+            raise ConfigError(f"parallelism.{key} must be 1 with titan_recover (got {getattr(par, key)})")
+    tr = job_config.training
+    per_microbatch = tr.local_batch_size * shards
+    if tr.global_batch_size <= 0 or tr.global_batch_size % (per_microbatch * replicas):
+        raise ConfigError(
+            f"training.global_batch_size ({tr.global_batch_size}) must be a positive "
+            "multiple of training.local_batch_size * data_parallel_shard_degree * "
+            f"data_parallel_replicate_degree ({per_microbatch * replicas})"
+        )
+    return rc
+
+
+def num_microbatches(job_config: Any) -> int:
+    """M: global microbatches per step; one microbatch is local_batch_size samples on each shard."""
+    tr, par = job_config.training, job_config.parallelism
+    return tr.global_batch_size // (tr.local_batch_size * par.data_parallel_shard_degree)
+
+
+def load(argv: list[str]) -> Any:
+    """Parses TorchTitan args (``--job.config_file ...`` and ``--section.key value``) and
+    validates ``[recover]``; ``ConfigError`` names the bad key."""
+    from torchtitan.config import ConfigManager
+
+    try:
+        job_config = ConfigManager().parse_args(argv)
+    except SystemExit:
+        raise
+    except ValueError as e:  # TorchTitan's unknown-field error, TOML decode errors
+        raise ConfigError(str(e)) from e
+    if not hasattr(job_config, "recover"):
+        raise ConfigError(
+            'the job config has no [recover] section: set [job] custom_config_module = '
+            '"titan_recover.config" in the TOML'
+        )
+    validate(job_config)
+    return job_config

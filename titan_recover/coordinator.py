@@ -1,0 +1,149 @@
+"""The coordinator process: owns membership (live replica groups, epoch) and detection.
+
+Started by the launcher, never a trainer. Its state lives in its own TCPStore;
+the decisions come from ``membership`` (pure logic); this module only moves data
+between the store, the detector and the event log.
+
+    python -m titan_recover.coordinator --job.config_file X.toml [--section.key value ...]
+    (serves on the port in $TITAN_RECOVER_COORDINATOR)
+"""
+
+import sys
+import time
+
+from titan_recover import config, store
+from titan_recover.events import EventLog
+from titan_recover.membership import FailureDetector, Membership, TooFewReplicasError, next_membership
+
+POLL_S = 0.01
+
+
+def log(msg: str) -> None:
+    print(f"[titan_recover coordinator] {msg}", flush=True)
+
+
+class Coordinator:
+    def __init__(self, job_config: object, port: int) -> None:
+        rc = job_config.recover  # type: ignore[attr-defined]
+        par = job_config.parallelism  # type: ignore[attr-defined]
+        self.rc = rc
+        self.shards = par.data_parallel_shard_degree
+        self.store = store.serve(port, rc.collective_timeout_s)
+        self.events = EventLog(job_config.job.dump_folder)  # type: ignore[attr-defined]
+        self.membership = Membership(0, tuple(range(par.data_parallel_replicate_degree)))
+        self.detector = FailureDetector(
+            members=self.membership.members,
+            shards=self.shards,
+            timeout_s=rc.heartbeat_timeout_s,
+            confirm_s=rc.report_confirm_s,
+            startup_s=rc.startup_timeout_s,
+            start=time.monotonic(),
+        )
+        self.next_report = 1
+        self._publish(self.membership)
+
+    def _publish(self, membership: Membership) -> None:
+        # members/<e> is written before the epoch, so whoever sees an epoch can read its members
+        store.put_json(self.store, store.members_key(membership.epoch), membership.to_json())
+        self.store.set(store.EPOCH, str(membership.epoch))
+
+    def _step(self) -> int:
+        """The step in progress: one past the last committed step."""
+        return int(self.store.add(store.PROGRESS, 0)) + 1
+
+    def _poll_heartbeats(self, now: float) -> None:
+        for replica in self.membership.members:
+            for shard in range(self.shards):
+                count = int(self.store.add(store.heartbeat_key(replica, shard), 0))
+                if count:
+                    self.detector.beat(replica, shard, count, now)
+
+    def _poll_reports(self, now: float) -> None:
+        count = int(self.store.add(store.REPORTS, 0))
+        while self.next_report <= count:
+            key = store.report_key(self.next_report)
+            if not self.store.check([key]):
+                return  # reserved but not yet written
+            self.next_report += 1
+            try:
+                rec = store.get_json(self.store, key, ("epoch", "cause"))
+            except store.MessageError as e:
+                log(f"ignoring malformed report: {e}")
+                continue
+            suspect = rec.get("suspect")
+            if suspect is None and rec["epoch"] < self.membership.epoch:
+                continue  # about an epoch already replaced
+            self.detector.report(suspect, str(rec["cause"]), now)
+
+    def _failure_time(self, replica: int, default: float) -> float:
+        """When an injected fault fired (measurement only), else when it was detected."""
+        key = store.fault_key(replica)
+        if self.store.check([key]):
+            try:
+                return float(store.get_json(self.store, key, ("time",))["time"])
+            except (store.MessageError, TypeError, ValueError):
+                pass
+        return default
+
+    def _fence(self, failed: dict[int, str]) -> bool:
+        """Publishes the next epoch without ``failed``; False when too few replicas remain."""
+        wall = time.time()
+        step = self._step()
+        first = wall
+        for replica, cause in sorted(failed.items()):
+            t = self._failure_time(replica, wall)
+            first = min(first, t)
+            self.events.emit("failure", replica=replica, step=step, cause=cause, time=t)
+            log(f"replica {replica} failed at step {step}: {cause}")
+        try:
+            new = next_membership(self.membership, failed, self.rc.min_replicas)
+        except TooFewReplicasError as e:
+            store.put_json(self.store, store.FATAL, {"error": str(e)})
+            self.events.emit("fatal", step=step, error=str(e))
+            log(f"FATAL: {e}")
+            return False
+        self._publish(new)
+        self.membership = new
+        self.detector.set_members(new.members)
+        if failed:
+            latency = time.time() - first
+            self.events.emit("recovered", step=step, epoch=new.epoch, members=list(new.members), latency_s=latency)
+            log(f"epoch {new.epoch}: members {list(new.members)} (recovered in {latency:.3f}s)")
+        else:
+            log(f"epoch {new.epoch}: retrying with the same members {list(new.members)}")
+        return True
+
+    def _finished(self) -> bool:
+        return all(
+            int(self.store.add(store.finished_key(r), 0)) >= self.shards for r in self.membership.members
+        )
+
+    def run(self) -> int:
+        log(f"serving; members {list(self.membership.members)} x {self.shards} shards")
+        while True:
+            now = time.monotonic()
+            self._poll_heartbeats(now)
+            self._poll_reports(now)
+            failed, retry = self.detector.decide(now)
+            if (failed or retry) and not self._fence(failed):
+                return 1
+            if self._finished():
+                self.store.set(store.STATUS, "done")
+                log("all live replica groups finished")
+                return 0
+            time.sleep(POLL_S)
+
+
+def main(argv: list[str]) -> int:
+    address = store.coordinator_address()
+    job_config = config.load(argv)
+    port = int(address.rpartition(":")[2])
+    coordinator = Coordinator(job_config, port)
+    try:
+        return coordinator.run()
+    finally:
+        time.sleep(1.0)  # let trainers read the final keys before the store goes away
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

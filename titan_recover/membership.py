@@ -1,0 +1,118 @@
+"""Membership and failure decisions: pure logic, no processes, no store.
+
+The coordinator feeds heartbeats and reports in and publishes what comes out, so
+every rule here is testable in microseconds.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+
+class TooFewReplicasError(RuntimeError):
+    """Fewer live replica groups than ``recover.min_replicas``."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Live replica groups of one epoch. Epochs only grow; an epoch's members never change."""
+
+    epoch: int
+    members: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "members": list(self.members)}
+
+    @staticmethod
+    def from_json(obj: dict[str, Any]) -> "Membership":
+        epoch, members = obj.get("epoch"), obj.get("members")
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"membership epoch must be a non-negative int, got {epoch!r}")
+        if not isinstance(members, list) or not all(isinstance(m, int) and m >= 0 for m in members):
+            raise ValueError(f"membership members must be a list of replica ids, got {members!r}")
+        if len(set(members)) != len(members):
+            raise ValueError(f"membership members repeat a replica: {members!r}")
+        return Membership(epoch, tuple(sorted(members)))
+
+
+def next_membership(current: Membership, failed: Iterable[int], min_replicas: int) -> Membership:
+    """The membership after fencing ``failed``; a new epoch even when nobody left (a retry)."""
+    gone = set(failed)
+    members = tuple(m for m in current.members if m not in gone)
+    if len(members) < min_replicas:
+        raise TooFewReplicasError(
+            f"only {len(members)} replica group(s) left {list(members)} after losing "
+            f"{sorted(gone)}; recover.min_replicas is {min_replicas}"
+        )
+    return Membership(current.epoch + 1, members)
+
+
+@dataclass
+class FailureDetector:
+    """Decides which replica groups have failed from heartbeats and reports.
+
+    - A report that names a suspect (a rank whose own group's collective broke, or the
+      launcher seeing a group's process exit) fences that group at once.
+    - A report without a suspect (a replicate-dim collective error: some peer is gone)
+      fences, ``confirm_s`` later, every member whose heartbeat was silent that long;
+      if nobody was silent, the epoch is retried with the same members.
+    - A rank whose heartbeat counter has not moved for ``timeout_s`` (or
+      ``startup_s`` before its first beat) is failed: this catches hangs.
+    A slow rank whose heartbeat thread still runs is never failed.
+    """
+
+    members: tuple[int, ...]
+    shards: int
+    timeout_s: float
+    confirm_s: float
+    startup_s: float
+    start: float
+    _beats: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
+    _suspects: dict[int, str] = field(default_factory=dict)
+    _unnamed: list[tuple[float, str]] = field(default_factory=list)
+
+    def set_members(self, members: Iterable[int]) -> None:
+        self.members = tuple(sorted(members))
+        self._suspects = {r: c for r, c in self._suspects.items() if r in self.members}
+
+    def beat(self, replica: int, shard: int, count: int, now: float) -> None:
+        last = self._beats.get((replica, shard))
+        if last is None or count != last[0]:
+            self._beats[(replica, shard)] = (count, now)
+
+    def report(self, suspect: int | None, cause: str, now: float) -> None:
+        if suspect is None:
+            self._unnamed.append((now, cause))
+        elif suspect in self.members:
+            self._suspects.setdefault(suspect, cause)
+
+    def _silent_for(self, replica: int, now: float) -> tuple[float, bool]:
+        """Longest silence among the replica's ranks, and whether any never beat."""
+        worst, never = 0.0, False
+        for shard in range(self.shards):
+            last = self._beats.get((replica, shard))
+            if last is None:
+                never = True
+                worst = max(worst, now - self.start)
+            else:
+                worst = max(worst, now - last[1])
+        return worst, never
+
+    def decide(self, now: float) -> tuple[dict[int, str], bool]:
+        """Returns (failed replica -> cause, retry): retry means bump the epoch anyway."""
+        failed = dict(self._suspects)
+        retry = False
+        due = [(t, c) for t, c in self._unnamed if now >= t + self.confirm_s]
+        for replica in self.members:
+            if replica in failed:
+                continue
+            silent, never = self._silent_for(replica, now)
+            if never and silent >= self.startup_s:
+                failed[replica] = f"no heartbeat within {self.startup_s:g}s of start"
+            elif not never and silent >= self.timeout_s:
+                failed[replica] = f"heartbeat silent for {silent:.2f}s"
+            elif due and not never and silent >= self.confirm_s:
+                failed[replica] = f"silent {silent:.2f}s after collective error ({due[0][1]})"
+        if due:
+            self._unnamed = [(t, c) for t, c in self._unnamed if now < t + self.confirm_s]
+            retry = not failed
+        return failed, retry

@@ -1,0 +1,157 @@
+"""Process plumbing for the coordinator's state: torch's TCPStore, JSON values only.
+
+Every key titan_recover uses is named here. Values are JSON (never pickle) so a
+peer's bytes can never run code; a value that does not decode to the expected
+shape raises ``MessageError`` naming the key.
+"""
+
+import json
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+COORDINATOR_ENV = "TITAN_RECOVER_COORDINATOR"  # host:port of the coordinator's store
+REPLICA_ENV = "TITAN_RECOVER_REPLICA"  # this process's replica group id
+
+EPOCH = "epoch"
+REPORTS = "reports"
+FATAL = "fatal"
+STATUS = "status"
+PROGRESS = "progress"  # last committed step
+
+
+def members_key(epoch: int) -> str:
+    return f"members/{epoch}"
+
+
+def heartbeat_key(replica: int, shard: int) -> str:
+    return f"hb/{replica}/{shard}"
+
+
+def ok_key(step: int, epoch: int) -> str:
+    return f"ok/{step}/{epoch}"
+
+
+def decision_key(step: int, epoch: int) -> str:
+    return f"decision/{step}/{epoch}"
+
+
+def report_key(index: int) -> str:
+    return f"report/{index}"
+
+
+def fault_key(replica: int) -> str:
+    return f"fault/{replica}"
+
+
+def finished_key(replica: int) -> str:
+    return f"finished/{replica}"
+
+
+class MessageError(ValueError):
+    """A store value that is not the JSON message expected under its key."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def serve(port: int, timeout_s: float) -> dist.TCPStore:
+    """The coordinator's store server."""
+    return dist.TCPStore(
+        "0.0.0.0", port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+
+
+def coordinator_address() -> str:
+    """``host:port`` of the coordinator's store, from the environment the launcher sets."""
+    address = os.environ.get(COORDINATOR_ENV, "")
+    host, sep, port = address.rpartition(":")
+    if not host or not sep or not port.isdigit():
+        raise RuntimeError(
+            f"{COORDINATOR_ENV} must be host:port of the titan_recover coordinator, got {address!r}; "
+            "start training with run_train.sh"
+        )
+    return address
+
+
+def connect(address: str, timeout_s: float = 60.0) -> dist.TCPStore:
+    """A client of the coordinator's store at ``host:port``."""
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def put_json(store: dist.TCPStore, key: str, value: Any) -> None:
+    store.set(key, json.dumps(value))
+
+
+def decode_json(key: str, raw: bytes, required: tuple[str, ...] = ()) -> Any:
+    try:
+        value = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MessageError(f"store key {key!r} does not hold JSON: {raw[:80]!r} ({e})") from e
+    if required:
+        if not isinstance(value, dict):
+            raise MessageError(f"store key {key!r} must hold a JSON object, got {value!r}")
+        missing = [f for f in required if f not in value]
+        if missing:
+            raise MessageError(f"store key {key!r} lacks fields {missing}: {value!r}")
+    return value
+
+
+def get_json(store: dist.TCPStore, key: str, required: tuple[str, ...] = ()) -> Any:
+    return decode_json(key, store.get(key), required)
+
+
+def get_int(store: dist.TCPStore, key: str) -> int:
+    raw = store.get(key)
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise MessageError(f"store key {key!r} must hold an integer, got {raw[:80]!r}") from e
+
+
+def wait_for(store: dist.TCPStore, key: str, timeout_s: float, poll_s: float = 0.002) -> None:
+    """Polls until ``key`` exists (``TCPStore.wait`` logs a warning per timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"store key {key!r} did not appear within {timeout_s:g}s")
+        time.sleep(poll_s)
+
+
+def report(store: dist.TCPStore, record: dict[str, Any]) -> None:
+    """Tells the coordinator about a failure seen from here."""
+    index = store.add(REPORTS, 1)
+    put_json(store, report_key(index), {**record, "time": time.time()})
+
+
+class Heartbeat:
+    """Bumps this rank's heartbeat counter from a daemon thread with its own store client."""
+
+    def __init__(self, address: str, replica: int, shard: int, interval_s: float) -> None:
+        self._store = connect(address)
+        self._key = heartbeat_key(replica, shard)
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="titan-recover-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._store.add(self._key, 1)
+            except Exception:  # the coordinator is gone: the run is ending
+                return
+            self._stop.wait(self._interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self._interval + 1)

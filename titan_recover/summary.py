@@ -1,0 +1,46 @@
+"""The end-of-run summary, read back from the event log."""
+
+from typing import Any
+
+from titan_recover.events import read_events
+
+
+def summarize_events(path: str) -> dict[str, Any]:
+    events = list(read_events(path))
+    steps = [e for e in events if e["event"] == "step"]
+    recovered = [e for e in events if e["event"] == "recovered"]
+    out: dict[str, Any] = {
+        "steps": len(steps),
+        "microbatches_per_step": sorted({len(e["microbatches"]) for e in steps}),
+        "failures": [
+            {k: e[k] for k in ("replica", "step", "cause")} for e in events if e["event"] == "failure"
+        ],
+        "recovery_latency_s": [round(e["latency_s"], 3) for e in recovered],
+        "final_members": steps[-1]["members"] if steps else [],
+        "final_loss": steps[-1]["loss"] if steps else None,
+        "fatal": [e["error"] for e in events if e["event"] == "fatal"],
+    }
+    if len(steps) >= 2:
+        span = steps[-1]["time"] - steps[0]["time"]
+        out["step_time_s"] = span / (len(steps) - 1)
+    return out
+
+
+def format_summary(s: dict[str, Any], tokens_per_step: int) -> str:
+    lines = [
+        "titan_recover summary",
+        f"  steps committed      : {s['steps']}",
+        f"  microbatches per step: {s['microbatches_per_step']}",
+        f"  failures             : {len(s['failures'])}",
+    ]
+    lines += [f"    replica {f['replica']} at step {f['step']}: {f['cause']}" for f in s["failures"]]
+    if s["recovery_latency_s"]:
+        lines.append(f"  recovery latency (s) : {s['recovery_latency_s']}")
+    if "step_time_s" in s:
+        lines.append(f"  mean step time (s)   : {s['step_time_s']:.3f}")
+        lines.append(f"  tokens/s             : {tokens_per_step / s['step_time_s']:.0f}")
+    if s["final_loss"] is not None:
+        lines.append(f"  final loss           : {s['final_loss']:.4f}")
+    lines.append(f"  final members        : {s['final_members']}")
+    lines += [f"  FATAL: {err}" for err in s["fatal"]]
+    return "\n".join(lines)
