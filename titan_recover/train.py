@@ -173,7 +173,9 @@ class RecoverTrainer(Trainer):
         return epoch
 
     def _compute(self, microbatch: int, tally: torch.Tensor, index: int, count: int) -> None:
+        start = time.perf_counter()
         inputs, labels = self.dataloader.load(self.step, microbatch)
+        self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
         with self.injector.microbatch(self.model_parts[0], self.step, index, count):
             loss = self.forward_backward_step(
                 input_dict={"input": inputs}, labels=labels, global_valid_tokens=self.global_tokens
