@@ -128,6 +128,30 @@ def test_prepare_token_file_deterministic_and_idempotent(tmp_path, tokenizer):
     assert open(a, "rb").read() == data[:2_000]
 
 
+def test_interrupted_rewrite_never_pairs_stale_sidecar(tmp_path, monkeypatch):
+    import titan_recover.data as data_mod
+
+    path = prepare_token_file(str(tmp_path / "t.bin"), 4_000, seed=0)
+    original = open(path, "rb").read()
+    real_write = data_mod._atomic_write
+
+    def crash_on_sidecar(target: str, payload: bytes) -> None:
+        if target.endswith(".json"):
+            raise KeyboardInterrupt("killed between tokens and sidecar")
+        real_write(target, payload)
+
+    monkeypatch.setattr(data_mod, "_atomic_write", crash_on_sidecar)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_token_file(path, 4_000, seed=1)
+    monkeypatch.undo()
+    assert open(path, "rb").read() != original  # new tokens were published ...
+    with pytest.raises(ValueError, match="missing"):  # ... but nothing vouches for them
+        TokenFile(path)
+    prepare_token_file(path, 4_000, seed=0)
+    assert open(path, "rb").read() == original
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
 def test_prepare_token_file_rejects_bad_num_tokens(tmp_path):
     with pytest.raises(ValueError, match="num_tokens"):
         prepare_token_file(str(tmp_path / "x.bin"), 0)
@@ -145,6 +169,13 @@ def test_token_file_rejects_truncated_and_missing_sidecar(tmp_path):
 
     prepare_token_file(path, 5_000)  # repairs the truncated file
     assert TokenFile(path).num_tokens == 5_000
+
+    with open(path, "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(ValueError, match="size 10002") as e:
+        TokenFile(path)
+    assert path in str(e.value)
+    prepare_token_file(path, 5_000)
 
     sidecar = path + ".json"
     with open(sidecar, "w") as f:

@@ -39,6 +39,12 @@ import titan_recover.train_spec  # noqa: F401  registers llama3_recover
 EPOCH_POLL_S = 0.005
 
 
+def _brief(e: BaseException) -> str:
+    """One line of an error for the event log (gloo's messages run on for paragraphs)."""
+    text = f"{type(e).__name__}: {e}".splitlines()[0]
+    return text.split(". This is typically")[0][:200]
+
+
 class ReplicaFenced(RuntimeError):
     """This replica group was declared failed; it must not rejoin this step."""
 
@@ -214,7 +220,7 @@ class RecoverTrainer(Trainer):
             )
         except CollectiveAborted as e:
             if not self._epoch_moved(epoch):
-                store.report(self.store, {"replica": self.replica, "shard": self.shard, "epoch": epoch, "step": self.step, "suspect": None, "cause": str(e)})
+                store.report(self.store, {"replica": self.replica, "shard": self.shard, "epoch": epoch, "step": self.step, "suspect": None, "cause": _brief(e)})
             return None
         expected = len(membership.members) * self.parallel_dims.world_size
         decision = store.decision_key(self.step, epoch)
@@ -256,7 +262,7 @@ class RecoverTrainer(Trainer):
             raise
         except Exception as e:
             # an error inside this group (a peer of ours died): the whole group is lost
-            store.report(self.store, {"replica": self.replica, "shard": self.shard, "epoch": epoch, "step": self.step, "suspect": self.replica, "cause": f"{type(e).__name__}: {e}"})
+            store.report(self.store, {"replica": self.replica, "shard": self.shard, "epoch": epoch, "step": self.step, "suspect": self.replica, "cause": _brief(e)})
             raise
         self._commit(membership, *reduced, lr)
 
