@@ -152,6 +152,27 @@ def test_interrupted_rewrite_never_pairs_stale_sidecar(tmp_path, monkeypatch):
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 
 
+def test_racing_identical_writer_keeps_file_readable(tmp_path, monkeypatch):
+    """A rank that lost the start-up race rewrites identical bytes; readers never fail."""
+    import titan_recover.data as data_mod
+
+    path = prepare_token_file(str(tmp_path / "t.bin"), 4_000)
+    original = open(path, "rb").read()
+    real_write = data_mod._atomic_write
+    writes = []
+
+    def check_readable_then_write(target: str, payload: bytes) -> None:
+        assert TokenFile(path).num_tokens == 4_000
+        writes.append(target)
+        real_write(target, payload)
+
+    monkeypatch.setattr(data_mod, "_file_is_current", lambda *args: False)
+    monkeypatch.setattr(data_mod, "_atomic_write", check_readable_then_write)
+    prepare_token_file(path, 4_000)
+    assert writes == [path, path + ".json"]
+    assert open(path, "rb").read() == original
+
+
 def test_prepare_token_file_rejects_bad_num_tokens(tmp_path):
     with pytest.raises(ValueError, match="num_tokens"):
         prepare_token_file(str(tmp_path / "x.bin"), 0)

@@ -56,10 +56,9 @@ def run_recover(job_config: object, argv: list[str]) -> int:
         f"coordinator at {address}; starting replica groups {local} of {replicas}, "
         f"{par.data_parallel_shard_degree} FSDP ranks each"
     )
-    worker_args = [*argv, "--parallelism.data_parallel_replicate_degree", "1"]
     groups = {
         r: subprocess.Popen(
-            torchrun(par.data_parallel_shard_degree, worker_args, f"replica{r}"),
+            torchrun(par.data_parallel_shard_degree, argv, f"replica{r}"),
             env={**env, store.REPLICA_ENV: str(r)},
         )
         for r in local

@@ -75,6 +75,18 @@ class RecoverTrainer(Trainer):
             self._memberships: dict[int, Membership] = {}
             self._epoch_checked = (0.0, 0)
 
+    def init_distributed(self) -> Any:
+        """In recover mode this torchrun world is one replica group: TorchTitan sees
+        dp_replicate = 1; the replicate dimension is titan_recover's, across jobs."""
+        par = self.job_config.parallelism
+        if not self.rc.enable:
+            return super().init_distributed()
+        replicas, par.data_parallel_replicate_degree = par.data_parallel_replicate_degree, 1
+        try:
+            return super().init_distributed()
+        finally:
+            par.data_parallel_replicate_degree = replicas
+
     # ---- shared by both modes -------------------------------------------------------
 
     def _on_fault(self, fault: Fault) -> None:

@@ -1,0 +1,72 @@
+"""Runs real titan_recover jobs (coordinator + torchrun replica groups) for the tests."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
+
+# Small enough for many multi-process runs on a 2-core CI machine.
+TINY = [
+    "--model.flavor", "tiny",
+    "--training.seq_len", "64",
+    "--training.steps", "6",
+    "--lr_scheduler.warmup_steps", "2",
+    "--metrics.log_freq", "1",
+]
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    events: list[dict]
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["event"] == kind]
+
+    def steps(self) -> dict[int, dict]:
+        steps: dict[int, dict] = {}
+        for e in self.of("step"):
+            assert e["step"] not in steps, f"step {e['step']} logged twice"
+            steps[e["step"]] = e
+        return steps
+
+
+def run_job(dump: Path, *overrides: str, timeout: int = 300) -> Run:
+    cmd = [
+        sys.executable, "-m", "titan_recover.launch",
+        "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump), *TINY, *overrides,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    path = dump / "recover_events.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return Run(proc.returncode, proc.stdout + proc.stderr, events)
+
+
+def assert_same_trajectory(reference: Run, run: Run, rel_tol: float, num_microbatches: int) -> None:
+    """Every step once, M microbatches each, the reference's data digest, loss within rel_tol."""
+    ref, got = reference.steps(), run.steps()
+    assert sorted(got) == sorted(ref), f"steps differ: {sorted(got)} vs {sorted(ref)}"
+    for step, e in got.items():
+        assert e["microbatches"] == list(range(num_microbatches)), (step, e["microbatches"])
+        assert e["data_digest"] == ref[step]["data_digest"], f"step {step}: data digest differs"
+        rel = abs(e["loss"] - ref[step]["loss"]) / abs(ref[step]["loss"])
+        assert rel <= rel_tol, f"step {step}: loss {e['loss']} vs {ref[step]['loss']} (rel {rel:.2e})"
+
+
+@pytest.fixture(scope="session")
+def failure_free(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """titan_recover, 2 replica groups x 2 shards, no failure: the reference trajectory."""
+    run = run_job(tmp_path_factory.mktemp("failure_free"), "--recover.fault_plan", "none")
+    assert run.returncode == 0, run.output[-3000:]
+    return run
