@@ -13,6 +13,7 @@ events so their trajectories can be compared.
 """
 
 import os
+import resource
 import time
 from typing import Any, Iterator
 
@@ -57,6 +58,7 @@ class RecoverTrainer(Trainer):
     def __init__(self, job_config: JobConfig) -> None:
         self.rc = validate(job_config)
         self.events = EventLog(job_config.job.dump_folder)
+        self._ft_buffer_bytes = 0
         if self.rc.enable:
             self.replica = int(os.environ[store.REPLICA_ENV])
             self.shard = int(os.environ["RANK"])
@@ -223,6 +225,7 @@ class RecoverTrainer(Trainer):
         if self.parallel_dims.world_size > 1:
             dist.all_reduce(group_tally)  # inside the group: sum over shards
         flat = torch.cat([g.reshape(-1) for g in self._grads()])
+        self._ft_buffer_bytes = flat.numel() * flat.element_size()  # the one extra gradient copy
         try:
             self.groups.allreduce(
                 membership,
@@ -299,6 +302,11 @@ class RecoverTrainer(Trainer):
 
     def train(self) -> None:
         super().train()
+        self.events.emit(
+            "rank_memory", replica=self.replica, rank=self.shard,
+            max_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            ft_buffer_mb=self._ft_buffer_bytes / 2**20,
+        )
         if self.rc.enable:
             self.store.add(store.finished_key(self.replica), 1)
             self.heartbeat.stop()
