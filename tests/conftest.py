@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from titan_recover.compare import compare_runs
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
 
@@ -55,13 +57,10 @@ def run_job(dump: Path, *overrides: str, timeout: int = 300) -> Run:
 
 def assert_same_trajectory(reference: Run, run: Run, rel_tol: float, num_microbatches: int) -> None:
     """Every step once, M microbatches each, the reference's data digest, loss within rel_tol."""
-    ref, got = reference.steps(), run.steps()
-    assert sorted(got) == sorted(ref), f"steps differ: {sorted(got)} vs {sorted(ref)}"
-    for step, e in got.items():
-        assert e["microbatches"] == list(range(num_microbatches)), (step, e["microbatches"])
-        assert e["data_digest"] == ref[step]["data_digest"], f"step {step}: data digest differs"
-        rel = abs(e["loss"] - ref[step]["loss"]) / abs(ref[step]["loss"])
-        assert rel <= rel_tol, f"step {step}: loss {e['loss']} vs {ref[step]['loss']} (rel {rel:.2e})"
+    assert run.of("step") and all(len(e["microbatches"]) == num_microbatches for e in reference.of("step"))
+    result = compare_runs(reference.events, run.events, rel_tol)
+    assert not result.problems, result.problems
+    assert result.steps == len(reference.of("step"))
 
 
 @pytest.fixture(scope="session")
