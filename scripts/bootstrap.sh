@@ -5,11 +5,15 @@ VENV=${VENV:-"$PWD/.venv"}
 PYTHON=${PYTHON:-python3}
 stamp="$VENV/.titan_recover-installed"
 if [ ! -f "$stamp" ] || ! cmp -s pyproject.toml "$stamp"; then
-    echo "[bootstrap] setting up $VENV (first run takes a few minutes)" >&2
+    echo "[bootstrap] setting up $VENV (first run takes a few minutes; log: $VENV/install.log)" >&2
     [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install --quiet --upgrade pip >&2
-    "$VENV/bin/python" -m pip install --quiet "torch==2.13.0" >&2
-    "$VENV/bin/python" -m pip install --quiet -e ".[test]" >&2
+    if ! { "$VENV/bin/python" -m pip install --upgrade pip \
+        && "$VENV/bin/python" -m pip install "torch==2.13.0" \
+        && "$VENV/bin/python" -m pip install -e ".[test]"; } > "$VENV/install.log" 2>&1; then
+        tail -n 30 "$VENV/install.log" >&2
+        echo "[bootstrap] installing packages failed; full log: $VENV/install.log" >&2
+        exit 1
+    fi
     cp pyproject.toml "$stamp"
 fi
 export PYTHONUNBUFFERED=1

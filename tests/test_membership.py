@@ -1,0 +1,354 @@
+"""Tests for titan_recover.membership: epochs, fencing, and the failure detector.
+
+The detector is pure logic driven with explicit ``now`` values, so no test here
+sleeps or starts a process.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from titan_recover.membership import (
+    FailureDetector,
+    Membership,
+    TooFewReplicasError,
+    next_membership,
+)
+
+# --- Membership JSON --------------------------------------------------------
+
+
+def test_to_json_from_json_round_trip_through_real_json() -> None:
+    m = Membership(7, (0, 2, 5))
+    obj = m.to_json()
+    assert obj == {"epoch": 7, "members": [0, 2, 5]}
+    back = Membership.from_json(json.loads(json.dumps(obj)))
+    assert back == m
+    assert isinstance(back.members, tuple)
+
+
+def test_from_json_sorts_members() -> None:
+    assert Membership.from_json({"epoch": 0, "members": [3, 0, 2]}).members == (0, 2, 3)
+
+
+def test_from_json_accepts_epoch_zero_and_no_members() -> None:
+    assert Membership.from_json({"epoch": 0, "members": []}) == Membership(0, ())
+
+
+@pytest.mark.parametrize("epoch", [-1, 1.0, "3", None])
+def test_from_json_rejects_bad_epoch(epoch: object) -> None:
+    obj = {"members": [0, 1]}
+    if epoch is not None:
+        obj["epoch"] = epoch
+    with pytest.raises(ValueError, match="epoch must be a non-negative int") as info:
+        Membership.from_json(obj)
+    assert repr(epoch) in str(info.value)
+
+
+@pytest.mark.parametrize("members", ["0,1", {"0": 1}, (0, 1), None, 3])
+def test_from_json_rejects_non_list_members(members: object) -> None:
+    with pytest.raises(ValueError, match="members must be a list of replica ids") as info:
+        Membership.from_json({"epoch": 1, "members": members})
+    assert repr(members) in str(info.value)
+
+
+@pytest.mark.parametrize("members", [[0, -1], [-3], [0, "1"], [0, 1.0], [None]])
+def test_from_json_rejects_bad_replica_ids(members: list) -> None:
+    with pytest.raises(ValueError, match="members must be a list of replica ids") as info:
+        Membership.from_json({"epoch": 1, "members": members})
+    assert repr(members) in str(info.value)
+
+
+def test_from_json_rejects_repeated_ids() -> None:
+    with pytest.raises(ValueError, match="repeat a replica") as info:
+        Membership.from_json({"epoch": 2, "members": [0, 1, 1]})
+    assert "[0, 1, 1]" in str(info.value)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: from_json accepts JSON booleans as epoch/replica ids (bool is an int subclass); "
+    "workload._normalize_live rejects bools, membership does not",
+)
+@pytest.mark.parametrize("obj", [{"epoch": True, "members": [0]}, {"epoch": 1, "members": [False, True]}])
+def test_from_json_rejects_booleans(obj: dict) -> None:
+    with pytest.raises(ValueError):
+        Membership.from_json(obj)
+
+
+# --- next_membership -------------------------------------------------------
+
+
+def test_next_membership_removes_failed_and_bumps_epoch() -> None:
+    new = next_membership(Membership(3, (0, 1, 2, 3)), [1, 3], min_replicas=1)
+    assert new == Membership(4, (0, 2))
+
+
+def test_next_membership_ignores_non_members_in_failed() -> None:
+    assert next_membership(Membership(0, (0, 1)), {5}, min_replicas=2) == Membership(1, (0, 1))
+
+
+def test_next_membership_retry_with_nobody_failed_still_bumps_epoch() -> None:
+    cur = Membership(5, (0, 1))
+    new = next_membership(cur, [], min_replicas=2)
+    assert new.epoch == 6
+    assert new.members == cur.members
+
+
+def test_next_membership_exactly_min_replicas_left_is_fine() -> None:
+    assert next_membership(Membership(0, (0, 1, 2)), [0], min_replicas=2).members == (1, 2)
+
+
+def test_too_few_replicas_message_names_min_and_what_is_left() -> None:
+    with pytest.raises(TooFewReplicasError) as info:
+        next_membership(Membership(2, (0, 1, 2)), [0, 2], min_replicas=2)
+    msg = str(info.value)
+    assert "recover.min_replicas is 2" in msg
+    assert "only 1 replica group(s) left [1]" in msg
+    assert "[0, 2]" in msg  # what was lost
+
+
+def test_too_few_replicas_when_all_fail() -> None:
+    with pytest.raises(TooFewReplicasError, match=r"only 0 replica group\(s\) left \[\]"):
+        next_membership(Membership(0, (0, 1)), [0, 1], min_replicas=1)
+
+
+# --- FailureDetector ----------------------------------------------------------
+
+INTERVAL = 0.1
+
+
+def make_detector(
+    members: tuple[int, ...] = (0, 1, 2),
+    shards: int = 2,
+    timeout_s: float = 5.0,
+    confirm_s: float = 0.5,
+    startup_s: float = 60.0,
+    start: float = 1000.0,
+) -> FailureDetector:
+    return FailureDetector(
+        members=members, shards=shards, timeout_s=timeout_s,
+        confirm_s=confirm_s, startup_s=startup_s, start=start,
+    )
+
+
+class Beats:
+    """Per-rank heartbeat counters, as the coordinator reads them from the store."""
+
+    def __init__(self, det: FailureDetector) -> None:
+        self.det = det
+        self.counts: dict[tuple[int, int], int] = {}
+
+    def tick(self, now: float, replicas: tuple[int, ...], shards: tuple[int, ...] | None = None) -> None:
+        for r in replicas:
+            for s in shards if shards is not None else range(self.det.shards):
+                self.counts[(r, s)] = self.counts.get((r, s), 0) + 1
+                self.det.beat(r, s, self.counts[(r, s)], now)
+
+    def poll(self, now: float) -> None:
+        """Feed the current (possibly unchanged) counts, like a coordinator poll."""
+        for (r, s), c in self.counts.items():
+            self.det.beat(r, s, c, now)
+
+
+def run_until(det: FailureDetector, beats: Beats, t0: float, t1: float, beating: tuple[int, ...]) -> float:
+    """Advance time from t0 to t1 in heartbeat intervals with ``beating`` replicas alive."""
+    t = t0
+    while t < t1 - 1e-9:
+        t = round(t + INTERVAL, 6)
+        beats.tick(t, beating)
+        beats.poll(t)
+    return t
+
+
+def test_all_beating_nothing_failed() -> None:
+    det = make_detector()
+    beats = Beats(det)
+    t = run_until(det, beats, 1000.0, 1030.0, (0, 1, 2))
+    assert det.decide(t) == ({}, False)
+
+
+def test_named_suspect_is_fenced_at_once() -> None:
+    det = make_detector()
+    beats = Beats(det)
+    beats.tick(1000.1, (0, 1, 2))
+    det.report(1, "peer in my group died", now=1000.1)
+    failed, retry = det.decide(1000.1)
+    assert failed == {1: "peer in my group died"}
+    assert retry is False
+
+
+def test_first_cause_of_a_suspect_is_kept() -> None:
+    det = make_detector()
+    Beats(det).tick(1000.1, (0, 1, 2))
+    det.report(2, "first", now=1000.1)
+    det.report(2, "second", now=1000.2)
+    assert det.decide(1000.2)[0] == {2: "first"}
+
+
+def test_report_naming_a_non_member_is_ignored() -> None:
+    det = make_detector(members=(0, 1))
+    Beats(det).tick(1000.1, (0, 1))
+    det.report(7, "not one of ours", now=1000.1)
+    assert det.decide(1000.1) == ({}, False)
+    assert det.decide(1001.0) == ({}, False)
+
+
+def test_unnamed_report_fences_only_the_silent_replica_after_confirm() -> None:
+    det = make_detector(confirm_s=0.5)
+    beats = Beats(det)
+    t = run_until(det, beats, 1000.0, 1002.0, (0, 1, 2))
+    # replica 1 dies at t; survivors keep beating; a survivor reports a collective error
+    det.report(None, "allreduce broke", now=t + 0.05)
+    report_t = t + 0.05
+    # before confirm_s has passed: nothing, not even a retry
+    t2 = run_until(det, beats, t, report_t + 0.4, (0, 2))
+    assert t2 < report_t + 0.5
+    assert det.decide(t2) == ({}, False)
+    # once confirm_s has passed since the report: replica 1 (silent > confirm_s) only
+    t3 = run_until(det, beats, t2, report_t + 0.5, (0, 2))
+    failed, retry = det.decide(t3)
+    assert set(failed) == {1}
+    assert "allreduce broke" in failed[1]
+    assert retry is False
+    # the report is consumed: later decisions do not fence anybody else
+    det.set_members((0, 2))
+    t4 = run_until(det, beats, t3, t3 + 1.0, (0, 2))
+    assert det.decide(t4) == ({}, False)
+
+
+def test_unnamed_report_not_due_one_tick_before_confirm() -> None:
+    det = make_detector(confirm_s=0.5)
+    beats = Beats(det)
+    beats.tick(1000.0, (0, 1, 2))
+    det.report(None, "broke", now=1001.0)
+    # replica 1 is silent well past confirm_s (but below timeout_s), replicas 0 and 2 beat
+    beats.tick(1001.49, (0, 2))
+    assert det.decide(1001.49) == ({}, False)
+    beats.tick(1001.5, (0, 2))
+    failed, retry = det.decide(1001.5)
+    assert set(failed) == {1} and retry is False
+
+
+def test_unnamed_report_with_everybody_beating_is_a_retry() -> None:
+    det = make_detector(confirm_s=0.5)
+    beats = Beats(det)
+    t = run_until(det, beats, 1000.0, 1001.0, (0, 1, 2))
+    det.report(None, "transient", now=t)
+    t = run_until(det, beats, t, t + 0.6, (0, 1, 2))
+    assert det.decide(t) == ({}, True)
+    # the retry consumed the report
+    t = run_until(det, beats, t, t + 0.6, (0, 1, 2))
+    assert det.decide(t) == ({}, False)
+
+
+def test_one_silent_shard_makes_its_replica_silent() -> None:
+    det = make_detector(confirm_s=0.5)
+    beats = Beats(det)
+    t = run_until(det, beats, 1000.0, 1001.0, (0, 1, 2))
+    det.report(None, "broke", now=t)
+    # replica 2's shard 1 stops; its shard 0 keeps beating
+    for _ in range(6):
+        t = round(t + INTERVAL, 6)
+        beats.tick(t, (0, 1))
+        beats.tick(t, (2,), shards=(0,))
+    failed, retry = det.decide(t)
+    assert set(failed) == {2} and retry is False
+
+
+def test_slow_but_alive_rank_is_never_failed() -> None:
+    """A rank stuck in a long computation whose heartbeat thread still runs."""
+    det = make_detector(timeout_s=5.0, confirm_s=0.5)
+    beats = Beats(det)
+    t = 1000.0
+    for _ in range(600):  # 60 s, decisions every tick
+        t = round(t + INTERVAL, 6)
+        beats.tick(t, (0, 1, 2))
+        assert det.decide(t) == ({}, False)
+
+
+def test_silent_for_timeout_is_failed_slightly_less_is_not() -> None:
+    det = make_detector(timeout_s=5.0)
+    beats = Beats(det)
+    beats.tick(1000.5, (0, 1, 2))
+    last_beat_of_1 = 1000.5
+    t = 1000.5
+    while t < last_beat_of_1 + 4.9:
+        t = round(t + INTERVAL, 6)
+        beats.tick(t, (0, 2))
+        beats.poll(t)  # replica 1's counter is read but does not move
+    assert det.decide(last_beat_of_1 + 4.99) == ({}, False)
+    failed, retry = det.decide(last_beat_of_1 + 5.0)
+    assert set(failed) == {1}
+    assert "silent" in failed[1]
+    assert retry is False
+
+
+def test_unchanged_counter_does_not_refresh_the_time() -> None:
+    """Reading the same count again (a hung rank) is silence, not a beat."""
+    det = make_detector(members=(0,), timeout_s=5.0)
+    det.beat(0, 0, 3, now=1000.0)
+    det.beat(0, 1, 3, now=1000.0)
+    for t in (1001.0, 1002.0, 1003.0, 1004.0, 1004.9):
+        det.beat(0, 0, 3, now=t)
+        det.beat(0, 1, 7 + int(t), now=t)  # shard 1 keeps moving
+        assert det.decide(t) == ({}, False)
+    failed, _ = det.decide(1005.0)
+    assert set(failed) == {0}
+
+
+def test_replica_that_never_beat_fails_only_after_startup() -> None:
+    det = make_detector(startup_s=60.0, timeout_s=5.0, confirm_s=0.5, start=1000.0)
+    beats = Beats(det)
+    # replica 2's shard 1 never beats; everything else does
+    t = 1000.0
+    while t < 1059.9:
+        t = round(t + INTERVAL, 6)
+        beats.tick(t, (0, 1))
+        beats.tick(t, (2,), shards=(0,))
+        assert det.decide(t) == ({}, False), t
+    assert det.decide(1059.99) == ({}, False)
+    failed, retry = det.decide(1060.0)
+    assert set(failed) == {2}
+    assert "no heartbeat within 60s" in failed[2]
+    assert retry is False
+
+
+def test_unnamed_report_does_not_fence_a_replica_that_never_beat() -> None:
+    """Before its first beat a replica is only judged by startup_s."""
+    det = make_detector(startup_s=60.0, confirm_s=0.5, start=1000.0)
+    beats = Beats(det)
+    beats.tick(1000.1, (0, 1))
+    det.report(None, "broke", now=1000.1)
+    beats.tick(1001.0, (0, 1))
+    assert det.decide(1001.0) == ({}, True)
+
+
+def test_set_members_drops_suspects_of_removed_replicas() -> None:
+    det = make_detector(members=(0, 1, 2))
+    beats = Beats(det)
+    beats.tick(1000.1, (0, 1, 2))
+    det.report(1, "died", now=1000.1)
+    det.report(2, "also died", now=1000.1)
+    det.set_members([0, 2])  # 1 fenced by somebody else; 2 still a member
+    assert det.members == (0, 2)
+    assert det.decide(1000.1)[0] == {2: "also died"}
+    det.set_members([0])
+    assert det.decide(1000.2) == ({}, False)
+
+
+def test_set_members_sorts() -> None:
+    det = make_detector(members=(0, 1, 2))
+    det.set_members([2, 0])
+    assert det.members == (0, 2)
+
+
+def test_removed_replica_silence_is_ignored() -> None:
+    det = make_detector(members=(0, 1), timeout_s=5.0)
+    beats = Beats(det)
+    beats.tick(1000.1, (0, 1))
+    det.set_members([0])
+    t = run_until(det, beats, 1000.1, 1020.0, (0,))
+    assert det.decide(t) == ({}, False)
