@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from titan_recover.membership import Membership
 
-POLL_S = 0.0005
+POLL_S = 0.001
 
 
 class CollectiveAborted(RuntimeError):

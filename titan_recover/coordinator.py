@@ -15,7 +15,7 @@ from titan_recover import config, store
 from titan_recover.events import EventLog
 from titan_recover.membership import FailureDetector, Membership, TooFewReplicasError, next_membership
 
-POLL_S = 0.01
+POLL_S = 0.02  # detection is bounded by report_confirm_s / heartbeats, not by this
 
 
 def log(msg: str) -> None:
