@@ -67,11 +67,6 @@ def test_from_json_rejects_repeated_ids() -> None:
     assert "[0, 1, 1]" in str(info.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: from_json accepts JSON booleans as epoch/replica ids (bool is an int subclass); "
-    "workload._normalize_live rejects bools, membership does not",
-)
 @pytest.mark.parametrize("obj", [{"epoch": True, "members": [0]}, {"epoch": 1, "members": [False, True]}])
 def test_from_json_rejects_booleans(obj: dict) -> None:
     with pytest.raises(ValueError):

@@ -8,6 +8,7 @@ the same TOML describes stock HSDP (``enable = false``) and titan_recover.
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,8 +83,8 @@ def validate(job_config: Any) -> Recover:
         "collective_timeout_s",
         "startup_timeout_s",
     ):
-        if getattr(rc, key) <= 0:
-            raise ConfigError(f"recover.{key} must be > 0, got {getattr(rc, key)}")
+        if not math.isfinite(getattr(rc, key)) or getattr(rc, key) <= 0:
+            raise ConfigError(f"recover.{key} must be a finite number > 0, got {getattr(rc, key)}")
     if rc.heartbeat_timeout_s <= 2 * rc.heartbeat_interval_s:
         raise ConfigError(
             "recover.heartbeat_timeout_s must be more than twice "

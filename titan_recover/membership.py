@@ -25,13 +25,17 @@ class Membership:
     @staticmethod
     def from_json(obj: dict[str, Any]) -> "Membership":
         epoch, members = obj.get("epoch"), obj.get("members")
-        if not isinstance(epoch, int) or epoch < 0:
+        if not _is_id(epoch):
             raise ValueError(f"membership epoch must be a non-negative int, got {epoch!r}")
-        if not isinstance(members, list) or not all(isinstance(m, int) and m >= 0 for m in members):
+        if not isinstance(members, list) or not all(_is_id(m) for m in members):
             raise ValueError(f"membership members must be a list of replica ids, got {members!r}")
         if len(set(members)) != len(members):
             raise ValueError(f"membership members repeat a replica: {members!r}")
         return Membership(epoch, tuple(sorted(members)))
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def next_membership(current: Membership, failed: Iterable[int], min_replicas: int) -> Membership:

@@ -1,0 +1,163 @@
+"""Tests for titan_recover.config: the [recover] section as TorchTitan loads it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from titan_recover import config
+from titan_recover.config import ConfigError, Recover
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
+
+
+@pytest.fixture(autouse=True)
+def _run_in_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the shipped TOML names ./titan_recover/assets and ./data relative to the repo root
+    monkeypatch.chdir(ROOT)
+
+
+def load(*overrides: str, config_file: Path = CONFIG):
+    return config.load(["--job.config_file", str(config_file), *overrides])
+
+
+def test_shipped_config_loads_and_validates() -> None:
+    toml = tomllib.loads(CONFIG.read_text())
+    jc = load()
+    rc = jc.recover
+    assert isinstance(rc, Recover)
+    # every [recover] value of the TOML reaches the section
+    for key, value in toml["recover"].items():
+        assert getattr(rc, key) == value, key
+    par, tr = toml["parallelism"], toml["training"]
+    assert jc.parallelism.data_parallel_replicate_degree == par["data_parallel_replicate_degree"]
+    assert jc.parallelism.data_parallel_shard_degree == par["data_parallel_shard_degree"]
+    assert config.validate(jc) is rc
+    assert config.num_microbatches(jc) == tr["global_batch_size"] // (
+        tr["local_batch_size"] * par["data_parallel_shard_degree"]
+    )
+
+
+def test_cli_overrides_reach_the_section() -> None:
+    jc = load("--recover.min_replicas", "2", "--recover.policy", "speed", "--recover.fault_plan", "none",
+              "--training.global_batch_size", "32")
+    assert jc.recover.min_replicas == 2
+    assert jc.recover.policy == "speed"
+    assert jc.recover.fault_plan == "none"
+    assert config.num_microbatches(jc) == 8
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["--recover.min_replicas", "0"], "recover.min_replicas"),
+        (["--recover.min_replicas", "3"], "recover.min_replicas"),
+        (["--recover.heartbeat_timeout_s", "0.1"], "recover.heartbeat_timeout_s"),
+        (["--recover.heartbeat_interval_s", "0"], "recover.heartbeat_interval_s"),
+        (["--recover.report_confirm_s", "-1"], "recover.report_confirm_s"),
+        (["--recover.coordinator_port", "70000"], "recover.coordinator_port"),
+        (["--recover.policy", "nosuch"], "recover.policy"),
+        (["--recover.fault_plan", "explode replica=1 step=2"], "recover.fault_plan"),
+        (["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree"),
+        (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree"),
+        (["--training.global_batch_size", "10"], "training.global_batch_size"),
+        (["--training.global_batch_size", "0"], "training.global_batch_size"),
+    ],
+)
+def test_bad_value_names_the_full_key(overrides: list[str], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(*overrides)
+    assert key in str(info.value)
+
+
+def test_min_replicas_above_replicate_degree_names_both_keys() -> None:
+    with pytest.raises(ConfigError) as info:
+        load("--recover.min_replicas", "3")
+    msg = str(info.value)
+    assert "recover.min_replicas (3)" in msg
+    assert "parallelism.data_parallel_replicate_degree (2)" in msg
+
+
+def test_timeout_must_exceed_twice_the_interval() -> None:
+    with pytest.raises(ConfigError, match="heartbeat_interval_s"):
+        load("--recover.heartbeat_timeout_s", "0.2")  # exactly twice 0.1
+    assert load("--recover.heartbeat_timeout_s", "0.21").recover.heartbeat_timeout_s == 0.21
+
+
+def test_bad_fault_plan_message_names_the_token() -> None:
+    with pytest.raises(ConfigError, match="'explode'"):
+        load("--recover.fault_plan", "explode replica=1 step=2")
+
+
+def test_bad_policy_lists_the_choices() -> None:
+    with pytest.raises(ConfigError) as info:
+        load("--recover.policy", "nosuch")
+    assert "'nosuch'" in str(info.value) and "balanced" in str(info.value)
+
+
+def write_toml(tmp_path: Path, edit) -> Path:
+    text = CONFIG.read_text()
+    new = edit(text)
+    assert new != text, "the edit did not change the shipped TOML"
+    path = tmp_path / "job.toml"
+    path.write_text(new)
+    return path
+
+
+@pytest.mark.filterwarnings("ignore:The field `recover")  # tyro notices the type, but only warns
+def test_wrong_type_from_toml_names_the_key(tmp_path: Path) -> None:
+    path = write_toml(
+        tmp_path,
+        lambda t: re.sub(r"(?m)^heartbeat_timeout_s = 5\.0$", 'heartbeat_timeout_s = "fast"', t),
+    )
+    with pytest.raises(ConfigError) as info:
+        load(config_file=path)
+    assert "recover.heartbeat_timeout_s" in str(info.value)
+    assert "'fast'" in str(info.value)
+
+
+def test_int_where_float_expected_in_toml_is_fine(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, lambda t: re.sub(r"(?m)^heartbeat_timeout_s = 5\.0$", "heartbeat_timeout_s = 5", t))
+    assert load(config_file=path).recover.heartbeat_timeout_s == 5
+
+
+@pytest.mark.filterwarnings("ignore:The field `recover")
+@pytest.mark.parametrize("bad", ["1.5", "true"])
+def test_wrong_type_for_int_in_toml(tmp_path: Path, bad: str) -> None:
+    path = write_toml(tmp_path, lambda t: re.sub(r"(?m)^min_replicas = 1$", f"min_replicas = {bad}", t))
+    with pytest.raises(ConfigError, match=r"recover\.min_replicas must be of type int"):
+        load(config_file=path)
+
+
+def test_unknown_key_in_recover_section(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, lambda t: t + "\nheartbeat_timout_s = 3.0\n")
+    with pytest.raises(ConfigError) as info:
+        load(config_file=path)
+    assert "heartbeat_timout_s" in str(info.value)
+
+
+@pytest.mark.parametrize("key", ["recover.heartbeat_timeout_s", "recover.report_confirm_s"])
+def test_nan_durations_are_rejected(key: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load(f"--{key}", "nan")
+
+
+def test_launch_rejects_bad_config_with_exit_code_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_recover.launch",
+         "--job.config_file", str(CONFIG), "--recover.min_replicas", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "recover.min_replicas" in proc.stderr
+    # nothing was started: no coordinator or replica group printed anything
+    assert "coordinator" not in proc.stdout
+    assert "replica group" not in proc.stdout

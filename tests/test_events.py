@@ -1,0 +1,248 @@
+"""Tests for titan_recover.events (the JSONL event log) and titan_recover.summary."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from titan_recover.events import EVENTS_FILE, EventLog, events_path, read_events
+from titan_recover.summary import format_summary, summarize_events
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# --- EventLog -----------------------------------------------------------------------
+
+
+def test_events_path() -> None:
+    assert events_path("/some/dump") == f"/some/dump/{EVENTS_FILE}"
+    assert EVENTS_FILE == "recover_events.jsonl"
+
+
+def test_emit_creates_folder_and_appends(tmp_path: Path) -> None:
+    folder = tmp_path / "new" / "dump"
+    log = EventLog(str(folder))
+    before = time.time()
+    rec = log.emit("step", step=1, loss=2.5)
+    log.emit("failure", replica=1, step=2, cause="x", time=123.0)
+    log.close()
+    assert rec["event"] == "step" and rec["step"] == 1 and before <= rec["time"] <= time.time()
+    lines = (folder / EVENTS_FILE).read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [rec, {"event": "failure", "replica": 1, "step": 2, "cause": "x", "time": 123.0}]
+    # a second log on the same folder appends, it does not truncate
+    again = EventLog(str(folder))
+    again.emit("fatal", error="e")
+    again.close()
+    assert [e["event"] for e in read_events(str(folder / EVENTS_FILE))] == ["step", "failure", "fatal"]
+
+
+# Each writer emits at least ``n`` lines and keeps going until the file holds bytes it did
+# not write (the other writer has started), then writes one more line: so each writer has
+# a line after the other's first line and the two provably overlap, without any sleep.
+WRITE_UNTIL_OVERLAP = """
+import os
+from titan_recover.events import EventLog
+
+def write_until_overlap(folder, writer, n, payload, cap=200000):
+    log = EventLog(folder)
+    mine = 0
+    try:
+        for i in range(cap):
+            line = log.emit("spam", writer=writer, i=i, pad=writer * payload)
+            mine += len(__import__("json").dumps(line, sort_keys=True)) + 1
+            if i + 1 >= n and os.path.getsize(log.path) > mine:
+                # the other writer has written: one more line lands after its first one
+                log.emit("spam", writer=writer, i=i + 1, pad=writer * payload)
+                return i + 2
+        raise RuntimeError(f"writer {writer} never saw the other writer")
+    finally:
+        log.close()
+"""
+exec(WRITE_UNTIL_OVERLAP)
+
+
+def _check_no_interleaving(path: Path, writers: tuple[str, str], payload: int) -> None:
+    raw = path.read_bytes()
+    assert raw.endswith(b"\n")
+    lines = raw.decode().split("\n")[:-1]
+    seen: dict[str, list[int]] = {w: [] for w in writers}
+    order = []
+    for line in lines:
+        record = json.loads(line)  # a torn or interleaved line would not parse
+        assert record["event"] == "spam"
+        assert record["pad"] == record["writer"] * payload
+        seen[record["writer"]].append(record["i"])
+        order.append(record["writer"])
+    for writer in writers:
+        assert seen[writer] == list(range(len(seen[writer])))  # every line, in its writer's order
+        assert len(seen[writer]) >= 100
+    switches = sum(a != b for a, b in zip(order, order[1:]))
+    assert switches >= 2, "the writers did not overlap"
+
+
+def test_two_logs_in_threads_never_interleave(tmp_path: Path) -> None:
+    payload = 3000
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def write(writer: str) -> None:
+        barrier.wait()
+        try:
+            write_until_overlap(str(tmp_path), writer, 100, payload)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    _check_no_interleaving(tmp_path / EVENTS_FILE, ("a", "b"), payload)
+
+
+WRITER = WRITE_UNTIL_OVERLAP + """
+import sys
+sys.stdin.read()  # start together
+write_until_overlap(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+"""
+
+
+def test_two_processes_never_interleave(tmp_path: Path) -> None:
+    payload = 2000
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(tmp_path), w, "100", str(payload)],
+            cwd=ROOT, stdin=subprocess.PIPE,
+        )
+        for w in ("p", "q")
+    ]
+    for p in procs:
+        p.stdin.close()
+    for p in procs:
+        assert p.wait(timeout=60) == 0
+    _check_no_interleaving(tmp_path / EVENTS_FILE, ("p", "q"), payload)
+
+
+# --- read_events ----------------------------------------------------------------------
+
+
+def test_read_events_skips_blank_lines(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    path.write_text('{"event": "a"}\n\n   \n{"event": "b", "x": 1}\n')
+    assert list(read_events(str(path))) == [{"event": "a"}, {"event": "b", "x": 1}]
+
+
+def test_read_events_names_file_and_line_for_non_json(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    path.write_text('{"event": "a"}\n\n{"event": "b"\n')
+    with pytest.raises(ValueError) as info:
+        list(read_events(str(path)))
+    assert f"{path}:3:" in str(info.value)
+    assert "not JSON" in str(info.value)
+
+
+@pytest.mark.parametrize("line", ['{"step": 1}', "[1, 2]", '"event"', "3"])
+def test_read_events_names_file_and_line_for_non_event(tmp_path: Path, line: str) -> None:
+    path = tmp_path / "log.jsonl"
+    path.write_text('{"event": "a"}\n' + line + "\n")
+    with pytest.raises(ValueError) as info:
+        list(read_events(str(path)))
+    assert f"{path}:2:" in str(info.value)
+    assert "not an event object" in str(info.value)
+
+
+def test_read_events_yields_before_a_bad_line(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    path.write_text('{"event": "a"}\nnot json\n')
+    it = read_events(str(path))
+    assert next(it) == {"event": "a"}
+    with pytest.raises(ValueError, match=":2:"):
+        next(it)
+
+
+# --- summary ------------------------------------------------------------------------------
+
+HAND_WRITTEN = [
+    {"event": "step", "step": 1, "time": 100.0, "loss": 8.0, "microbatches": [0, 1, 2, 3], "members": [0, 1]},
+    {"event": "step", "step": 2, "time": 102.0, "loss": 7.5, "microbatches": [0, 1, 2, 3], "members": [0, 1]},
+    {"event": "rank_memory", "replica": 0, "rank": 0, "max_rss_mb": 100.0, "time": 102.1},
+    {"event": "failure", "replica": 1, "step": 3, "cause": "torchrun of replica 1 exited with code -9", "time": 102.5},
+    {"event": "recovered", "step": 3, "epoch": 1, "members": [0], "latency_s": 0.12345, "time": 102.6},
+    {"event": "step", "step": 3, "time": 104.5, "loss": 7.25, "microbatches": [0, 1, 2, 3], "members": [0]},
+    {"event": "step", "step": 4, "time": 106.0, "loss": 6.875, "microbatches": [0, 1, 2, 3], "members": [0]},
+]
+
+
+def write_log(path: Path, events: list[dict]) -> str:
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return str(path)
+
+
+def test_summarize_events(tmp_path: Path) -> None:
+    s = summarize_events(write_log(tmp_path / EVENTS_FILE, HAND_WRITTEN))
+    assert s["steps"] == 4
+    assert s["microbatches_per_step"] == [4]
+    assert s["failures"] == [{"replica": 1, "step": 3, "cause": "torchrun of replica 1 exited with code -9"}]
+    assert s["recovery_latency_s"] == [0.123]
+    assert s["final_members"] == [0]
+    assert s["final_loss"] == 6.875
+    assert s["fatal"] == []
+    assert s["step_time_s"] == pytest.approx(2.0)  # (106 - 100) / 3
+
+
+def test_format_summary_contains_the_numbers(tmp_path: Path) -> None:
+    s = summarize_events(write_log(tmp_path / EVENTS_FILE, HAND_WRITTEN))
+    text = format_summary(s, tokens_per_step=4096)
+    assert "steps committed      : 4" in text
+    assert "microbatches per step: [4]" in text
+    assert "failures             : 1" in text
+    assert "replica 1 at step 3: torchrun of replica 1 exited with code -9" in text
+    assert "recovery latency (s) : [0.123]" in text
+    assert "mean step time (s)   : 2.000" in text
+    assert "tokens/s             : 2048" in text
+    assert "final loss           : 6.8750" in text
+    assert "final members        : [0]" in text
+    assert "FATAL" not in text
+
+
+def test_summary_of_a_fatal_run_without_steps(tmp_path: Path) -> None:
+    events = [
+        {"event": "failure", "replica": 0, "step": 1, "cause": "a", "time": 1.0},
+        {"event": "failure", "replica": 1, "step": 1, "cause": "b", "time": 1.0},
+        {"event": "fatal", "step": 1, "error": "only 0 replica group(s) left []", "time": 1.1},
+    ]
+    s = summarize_events(write_log(tmp_path / EVENTS_FILE, events))
+    assert s["steps"] == 0 and s["final_loss"] is None and s["final_members"] == []
+    assert "step_time_s" not in s
+    assert len(s["failures"]) == 2
+    text = format_summary(s, tokens_per_step=100)
+    assert "FATAL: only 0 replica group(s) left []" in text
+    assert "final loss" not in text and "tokens/s" not in text and "recovery latency" not in text
+
+
+def test_summary_of_a_single_step_has_no_step_time(tmp_path: Path) -> None:
+    s = summarize_events(write_log(tmp_path / EVENTS_FILE, HAND_WRITTEN[:1]))
+    assert s["steps"] == 1 and "step_time_s" not in s
+    assert s["final_loss"] == 8.0 and s["final_members"] == [0, 1]
+    assert "mean step time" not in format_summary(s, tokens_per_step=1)
+
+
+def test_summary_mixed_microbatch_counts(tmp_path: Path) -> None:
+    events = [dict(HAND_WRITTEN[0]), dict(HAND_WRITTEN[1], microbatches=[0, 1]), dict(HAND_WRITTEN[5])]
+    s = summarize_events(write_log(tmp_path / EVENTS_FILE, events))
+    assert s["microbatches_per_step"] == [2, 4]
+
+
+def test_summarize_events_of_what_event_log_wrote(tmp_path: Path) -> None:
+    log = EventLog(str(tmp_path))
+    log.emit("step", step=1, loss=3.0, microbatches=[0, 1], members=[0, 1], time=10.0)
+    log.emit("step", step=2, loss=2.0, microbatches=[0, 1], members=[0, 1], time=11.0)
+    log.close()
+    s = summarize_events(events_path(str(tmp_path)))
+    assert (s["steps"], s["final_loss"], s["step_time_s"]) == (2, 2.0, 1.0)

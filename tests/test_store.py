@@ -1,0 +1,222 @@
+"""Tests for titan_recover.store against a real TCPStore server on a free port."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from titan_recover import store
+from titan_recover.store import MessageError
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[dist.TCPStore, str]]:
+    port = store.free_port()
+    srv = store.serve(port, 5)
+    yield srv, f"127.0.0.1:{port}"
+    del srv
+
+
+@pytest.fixture
+def client(server: tuple[dist.TCPStore, str]) -> dist.TCPStore:
+    return store.connect(server[1], timeout_s=5)
+
+
+@pytest.fixture
+def key(request: pytest.FixtureRequest) -> str:
+    """A key of its own for every test (the server is shared by the module)."""
+    return f"test/{request.node.name}"
+
+
+def test_free_port_is_bindable() -> None:
+    port = store.free_port()
+    assert 0 < port < 65536
+
+
+def test_key_names() -> None:
+    assert store.members_key(3) == "members/3"
+    assert store.heartbeat_key(1, 0) == "hb/1/0"
+    assert store.ok_key(5, 2) == "ok/5/2"
+    assert store.decision_key(5, 2) == "decision/5/2"
+    assert store.report_key(4) == "report/4"
+    assert store.fault_key(1) == "fault/1"
+    assert store.finished_key(0) == "finished/0"
+
+
+def test_put_get_json_round_trip_between_clients(server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str) -> None:
+    value = {"epoch": 3, "members": [0, 2], "cause": "ünïcode ✓", "nested": {"x": [1.5, None, True]}}
+    store.put_json(client, key, value)
+    other = store.connect(server[1], timeout_s=5)
+    assert store.get_json(other, key) == value
+    assert store.get_json(server[0], key, ("epoch", "members")) == value
+    assert json.loads(client.get(key).decode()) == value  # it is plain JSON text in the store
+
+
+@pytest.mark.parametrize("value", [[1, 2], "text", 7, None])
+def test_json_non_objects_round_trip_without_required_fields(client: dist.TCPStore, key: str, value: object) -> None:
+    store.put_json(client, key, value)
+    assert store.get_json(client, key) == value
+
+
+def test_non_utf8_bytes_raise_message_error(client: dist.TCPStore, key: str) -> None:
+    client.set(key, b"\xff\xfe\x80garbage")
+    with pytest.raises(MessageError) as info:
+        store.get_json(client, key)
+    assert repr(key) in str(info.value)
+    assert "does not hold JSON" in str(info.value)
+
+
+def test_non_json_text_raises_message_error(client: dist.TCPStore, key: str) -> None:
+    client.set(key, "{epoch: 1")
+    with pytest.raises(MessageError) as info:
+        store.get_json(client, key, ("epoch",))
+    assert repr(key) in str(info.value)
+    assert "{epoch: 1" in str(info.value)
+
+
+def test_pickle_bytes_are_not_unpickled(client: dist.TCPStore, key: str) -> None:
+    import pickle
+
+    client.set(key, pickle.dumps({"epoch": 1}))
+    with pytest.raises(MessageError, match=repr(key)):
+        store.get_json(client, key, ("epoch",))
+
+
+def test_list_where_object_required_raises(client: dist.TCPStore, key: str) -> None:
+    store.put_json(client, key, [{"epoch": 1}])
+    with pytest.raises(MessageError) as info:
+        store.get_json(client, key, ("epoch",))
+    assert repr(key) in str(info.value)
+    assert "must hold a JSON object" in str(info.value)
+
+
+def test_missing_required_fields_are_named(client: dist.TCPStore, key: str) -> None:
+    store.put_json(client, key, {"epoch": 1, "extra": 2})
+    with pytest.raises(MessageError) as info:
+        store.get_json(client, key, ("epoch", "members", "cause"))
+    msg = str(info.value)
+    assert repr(key) in msg
+    assert "['members', 'cause']" in msg
+    assert store.get_json(client, key, ("epoch",)) == {"epoch": 1, "extra": 2}
+
+
+def test_decode_json_directly() -> None:
+    assert store.decode_json("k", b'{"a": 1}', ("a",)) == {"a": 1}
+    with pytest.raises(MessageError, match="'k'"):
+        store.decode_json("k", b"", ())
+
+
+def test_get_int(client: dist.TCPStore, key: str) -> None:
+    client.set(key, "42")
+    assert store.get_int(client, key) == 42
+    assert client.add(key + "/counter", 5) == 5
+    assert store.get_int(client, key + "/counter") == 5
+
+
+@pytest.mark.parametrize("raw", [b"forty-two", b"", b"1.5", b"\xff\xfe", b'{"epoch": 1}'])
+def test_get_int_on_garbage_raises_message_error(client: dist.TCPStore, key: str, raw: bytes) -> None:
+    client.set(key, raw)
+    with pytest.raises(MessageError) as info:
+        store.get_int(client, key)
+    assert repr(key) in str(info.value)
+    assert "must hold an integer" in str(info.value)
+
+
+def test_report_increments_counter_and_stores_record() -> None:
+    # a store of its own so that REPORTS starts at zero
+    port = store.free_port()
+    srv = store.serve(port, 5)
+    c = store.connect(f"127.0.0.1:{port}", timeout_s=5)
+    before = time.time()
+    store.report(c, {"replica": 1, "epoch": 0, "suspect": None, "cause": "boom"})
+    store.report(c, {"replica": 0, "epoch": 0, "suspect": 0, "cause": "bang"})
+    after = time.time()
+    assert store.get_int(c, store.REPORTS) == 2
+    first = store.get_json(srv, store.report_key(1), ("epoch", "cause", "time"))
+    second = store.get_json(srv, store.report_key(2), ("epoch", "cause", "time"))
+    assert {k: first[k] for k in ("replica", "epoch", "suspect", "cause")} == {
+        "replica": 1, "epoch": 0, "suspect": None, "cause": "boom",
+    }
+    assert second["cause"] == "bang" and second["suspect"] == 0
+    assert before <= first["time"] <= second["time"] <= after
+    assert not srv.check([store.report_key(0)])  # indices start at 1, as the coordinator reads them
+    assert not srv.check([store.report_key(3)])
+
+
+def test_wait_for_returns_once_the_key_exists(client: dist.TCPStore, key: str) -> None:
+    client.set(key, "x")
+    store.wait_for(client, key, timeout_s=1.0)
+
+
+def test_wait_for_times_out_naming_the_key(client: dist.TCPStore, key: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        store.wait_for(client, key + "/never", timeout_s=0.2)
+    assert repr(key + "/never") in str(info.value)
+    assert "0.2s" in str(info.value)
+    assert time.monotonic() - start < 4.0  # well before the store's own 5 s timeout
+
+
+def test_coordinator_address_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(store.COORDINATOR_ENV, "10.0.0.5:29500")
+    assert store.coordinator_address() == "10.0.0.5:29500"
+
+
+@pytest.mark.parametrize("value", [None, "", "localhost", "localhost:", ":29500", "host:port", "host:12a"])
+def test_coordinator_address_unset_or_malformed(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
+    if value is None:
+        monkeypatch.delenv(store.COORDINATOR_ENV, raising=False)
+    else:
+        monkeypatch.setenv(store.COORDINATOR_ENV, value)
+    with pytest.raises(RuntimeError) as info:
+        store.coordinator_address()
+    msg = str(info.value)
+    assert store.COORDINATOR_ENV in msg
+    assert "run_train.sh" in msg
+    assert repr(value or "") in msg
+
+
+def read_counter(s: dist.TCPStore, key: str) -> int:
+    return int(s.add(key, 0))
+
+
+def test_heartbeat_counts_then_stops(server: tuple[dist.TCPStore, str]) -> None:
+    srv, address = server
+    key = store.heartbeat_key(7, 3)
+    hb = store.Heartbeat(address, replica=7, shard=3, interval_s=0.05)
+    try:
+        seen = [read_counter(srv, key)]
+        deadline = time.monotonic() + 10.0
+        while seen[-1] < 6 and time.monotonic() < deadline:  # ~0.3 s at 50 ms per beat
+            time.sleep(0.01)
+            seen.append(read_counter(srv, key))
+        assert seen[-1] >= 6, f"heartbeat counter only reached {seen[-1]}"
+        assert seen == sorted(seen)  # it only ever grows
+        assert len(set(seen)) >= 3  # it moved several times while we watched
+    finally:
+        hb.stop()
+    assert not hb._thread.is_alive()
+    stopped = read_counter(srv, key)
+    # for several more intervals after stop() the counter does not move
+    deadline = time.monotonic() + 0.2  # four intervals
+    while time.monotonic() < deadline:
+        assert read_counter(srv, key) == stopped
+        time.sleep(0.01)
+
+
+def test_heartbeat_thread_ends_when_the_server_goes_away() -> None:
+    port = store.free_port()
+    srv = store.serve(port, 5)
+    hb = store.Heartbeat(f"127.0.0.1:{port}", replica=0, shard=0, interval_s=0.02)
+    deadline = time.monotonic() + 10.0
+    while read_counter(srv, store.heartbeat_key(0, 0)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert read_counter(srv, store.heartbeat_key(0, 0)) >= 2
+    del srv  # the coordinator exits
+    hb._thread.join(timeout=10.0)
+    assert not hb._thread.is_alive()
+    hb.stop()
