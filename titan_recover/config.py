@@ -37,7 +37,7 @@ class Recover:
     heartbeat_timeout_s: float = 5.0
     """A rank whose heartbeat stalls this long is declared failed (hangs, SIGSTOP)."""
 
-    report_confirm_s: float = 0.5
+    report_confirm_s: float = 1.0
     """After a survivor reports a collective error, fence replicas silent for this long."""
 
     collective_timeout_s: float = 30.0
