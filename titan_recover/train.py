@@ -235,7 +235,7 @@ class RecoverTrainer(Trainer):
             )
         except CollectiveAborted as e:
             if not self._epoch_moved(epoch):
-                store.report(self.store, {"replica": self.replica, "shard": self.shard, "epoch": epoch, "step": self.step, "suspect": None, "cause": _brief(e)})
+                store.report(self.store, {"replica": self.replica, "shard": self.shard, "epoch": epoch, "step": self.step, "suspect": None, "cause": f"replicate all-reduce broke (replica {self.replica} rank {self.shard}): {_brief(e)}"})
             return None
         expected = len(membership.members) * self.parallel_dims.world_size
         decision = store.decision_key(self.step, epoch)
@@ -279,7 +279,7 @@ class RecoverTrainer(Trainer):
             raise
         except Exception as e:
             # an error inside this group (a peer of ours died): the whole group is lost
-            store.report(self.store, {"replica": self.replica, "shard": self.shard, "epoch": epoch, "step": self.step, "suspect": self.replica, "cause": _brief(e)})
+            store.report(self.store, {"replica": self.replica, "shard": self.shard, "epoch": epoch, "step": self.step, "suspect": self.replica, "cause": f"rank {self.shard} saw its own group fail: {_brief(e)}"})
             raise
         self._commit(membership, *reduced, lr)
 
