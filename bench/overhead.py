@@ -29,7 +29,9 @@ def run(mode: str, steps: int, extra: list[str]) -> tuple[float, float, float]:
         cmd = [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG),
                "--job.dump_folder", dump, "--training.steps", str(steps), "--recover.fault_plan", "none",
                flag, *extra]
-        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{mode} run failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
         events = list(read_events(str(Path(dump) / "recover_events.jsonl")))
     times = [e["time"] for e in events if e["event"] == "step"][WARMUP_STEPS:]
     gaps = [b - a for a, b in zip(times, times[1:])]
