@@ -37,40 +37,68 @@ class ReplicateGroups:
         self._groups: dict[int, dist.ProcessGroupGloo | None] = {}
         self._parked: list[object] = []  # abandoned groups/work/buffers: kept alive, never reused
 
+    def _connect(self, prefix: str, rank: int, size: int, abort: Callable[[], bool]) -> dist.ProcessGroupGloo:
+        """A gloo group under ``prefix``; raises CollectiveAborted if ``abort()`` first."""
+        store = dist.PrefixStore(prefix, self.store)
+        result: list[object] = []
+
+        def build() -> None:
+            try:
+                result.append(dist.ProcessGroupGloo(store, rank, size, self.timeout))
+            except Exception as e:  # a peer never showed up
+                result.append(e)
+
+        # rendezvous blocks until every member connects; poll so a dead member
+        # only costs us until the coordinator moves the epoch on
+        thread = threading.Thread(target=build, daemon=True)
+        thread.start()
+        while not result:
+            if abort():
+                self._parked.append(thread)
+                raise CollectiveAborted(f"{prefix} ended while building its group")
+            time.sleep(POLL_S)
+        if isinstance(result[0], Exception):
+            raise CollectiveAborted(f"building {prefix} failed: {result[0]}")
+        return result[0]  # type: ignore[return-value]
+
     def _build(self, membership: Membership, abort: Callable[[], bool]) -> dist.ProcessGroupGloo | None:
         if membership.epoch in self._groups:
             return self._groups[membership.epoch]
         size = len(membership.members)
-        if size == 1:
-            group = None
-        else:
-            prefix = dist.PrefixStore(f"replicate/e{membership.epoch}/s{self.shard}/", self.store)
-            rank = membership.members.index(self.replica)
-            result: list[object] = []
-
-            def build() -> None:
-                try:
-                    result.append(dist.ProcessGroupGloo(prefix, rank, size, self.timeout))
-                except Exception as e:  # a peer never showed up
-                    result.append(e)
-
-            # rendezvous blocks until every member connects; poll so a dead member
-            # only costs us until the coordinator moves the epoch on
-            thread = threading.Thread(target=build, daemon=True)
-            thread.start()
-            while not result:
-                if abort():
-                    self._parked.append(thread)
-                    raise CollectiveAborted(f"epoch {membership.epoch} ended while building its group")
-                time.sleep(POLL_S)
-            if isinstance(result[0], Exception):
-                raise CollectiveAborted(f"building the epoch {membership.epoch} group failed: {result[0]}")
-            group = result[0]  # type: ignore[assignment]
+        group = None
+        if size > 1:
+            prefix = f"replicate/e{membership.epoch}/s{self.shard}/"
+            group = self._connect(prefix, membership.members.index(self.replica), size, abort)
         # older epochs' groups are done with; park them (destroying may block on dead peers)
         for epoch in [e for e in self._groups if e < membership.epoch]:
             self._parked.append(self._groups.pop(epoch))
         self._groups[membership.epoch] = group
         return group
+
+    def _wait(self, works: list[dist.Work], tensors: list[torch.Tensor], abort: Callable[[], bool], what: str) -> None:
+        while not all(w.is_completed() for w in works):
+            if abort():
+                self._parked.append((works, tensors))
+                raise CollectiveAborted(f"{what}: the epoch ended first")
+            time.sleep(POLL_S)
+        try:
+            for w in works:
+                w.wait()
+        except Exception as e:
+            self._parked.append((works, tensors))
+            raise CollectiveAborted(f"{what} failed: {e}") from e
+
+    def pair(self, epoch: int, joiner: int, donor: bool, abort: Callable[[], bool]) -> dist.ProcessGroupGloo:
+        """The two-rank group (donor = rank 0) that hands ``joiner`` its state in ``epoch``."""
+        group = self._connect(f"transfer/e{epoch}/s{self.shard}/r{joiner}/", 0 if donor else 1, 2, abort)
+        self._parked.append(group)  # one transfer only
+        return group
+
+    def broadcast(self, group: dist.ProcessGroupGloo, tensor: torch.Tensor, abort: Callable[[], bool]) -> None:
+        """Sends ``tensor`` from rank 0 of ``group`` into the others' ``tensor``, or raises CollectiveAborted."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._wait([group.broadcast([tensor], opts)], [tensor], abort, "state transfer")
 
     def allreduce(
         self,
@@ -89,14 +117,4 @@ class ReplicateGroups:
             return
         works = [group.allreduce([t]) for t in tensors]
         on_launched()
-        while not all(w.is_completed() for w in works):
-            if abort():
-                self._parked.append((works, tensors))
-                raise CollectiveAborted(f"epoch {membership.epoch} ended during the all-reduce")
-            time.sleep(POLL_S)
-        try:
-            for w in works:
-                w.wait()
-        except Exception as e:
-            self._parked.append((works, tensors))
-            raise CollectiveAborted(f"all-reduce failed in epoch {membership.epoch}: {e}") from e
+        self._wait(works, tensors, abort, f"all-reduce in epoch {membership.epoch}")

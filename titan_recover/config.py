@@ -49,6 +49,12 @@ class Recover:
     coordinator_port: int = 0
     """TCP port of the coordinator's store; 0 picks a free one."""
 
+    max_restarts: int = 3
+    """How often torchrun restarts a failed replica group, which then rejoins from a live peer."""
+
+    digest_interval: int = 10
+    """Every this many steps (and at the last) each replica logs a digest of its parameters."""
+
 
 @dataclass
 class JobConfig:
@@ -76,6 +82,10 @@ def validate(job_config: Any) -> Recover:
     _check_types(rc, "recover")
     if rc.min_replicas < 1:
         raise ConfigError(f"recover.min_replicas must be >= 1, got {rc.min_replicas}")
+    if rc.max_restarts < 0:
+        raise ConfigError(f"recover.max_restarts must be >= 0, got {rc.max_restarts}")
+    if rc.digest_interval < 1:
+        raise ConfigError(f"recover.digest_interval must be >= 1, got {rc.digest_interval}")
     for key in (
         "heartbeat_interval_s",
         "heartbeat_timeout_s",

@@ -3,19 +3,27 @@
 Grammar (whitespace-separated ``key=value`` after an action, entries joined by ``;``)::
 
     plan   := "none" | entry (";" entry)*
-    entry  := "kill" key=value ...
-    keys   := replica=INT   replica group whose rank dies (required)
+    entry  := ("kill" | "stop" | "sleep") key=value ...
+    keys   := replica=INT   replica group of the rank (required)
               rank=INT      rank inside that group (its shard index; default 0)
-              step=INT      training step, 1-based (required)
-              phase=NAME    forward | backward | allreduce | optimizer (default backward)
+              step=INT      training step, 1-based (required, except for join/donate:
+                            there it is optional and matches any step)
+              phase=NAME    forward | backward | allreduce | optimizer | join | donate
+                            (default backward)
               microbatch=INT  which of the replica's microbatches in that step, counted
                             from 0 in the order it computes them (forward/backward only;
                             default 1, or its last one if it has fewer)
+              attempt=INT   which incarnation of the replica group (torchrun's restart
+                            count): default 0, the first; 1 for phase=join
+              seconds=FLOAT how long to sleep (sleep only, required)
 
-``kill`` sends SIGKILL to the chosen rank itself at that point: mid-forward and
-mid-backward mean inside the middle transformer block of that microbatch; allreduce
-means after the replicate all-reduce was launched; optimizer means after the step
-was agreed, before ``optimizer.step()``.
+Actions: ``kill`` sends SIGKILL to the rank itself, ``stop`` sends SIGSTOP (a hang:
+the process and its heartbeat freeze), ``sleep`` makes it slow but alive. Points:
+mid-forward and mid-backward mean inside the middle transformer block of that
+microbatch; allreduce means after the replicate all-reduce was launched; optimizer
+means after the step was agreed, before ``optimizer.step()``; join means a restarted
+rank in the middle of receiving its state, donate a live rank in the middle of
+sending it (after the header, before the tensors).
 """
 
 import contextlib
@@ -27,8 +35,9 @@ from typing import Callable, Iterator
 
 import torch
 
-PHASES = ("forward", "backward", "allreduce", "optimizer")
-ACTIONS = ("kill",)
+PHASES = ("forward", "backward", "allreduce", "optimizer", "join", "donate")
+TRANSFER_PHASES = ("join", "donate")  # step is optional for these
+ACTIONS = ("kill", "stop", "sleep")
 
 
 class FaultPlanError(ValueError):
@@ -39,10 +48,12 @@ class FaultPlanError(ValueError):
 class Fault:
     action: str
     replica: int
-    step: int
+    step: int | None
     rank: int = 0
     phase: str = "backward"
     microbatch: int = 1
+    attempt: int = 0
+    seconds: float = 0.0
 
 
 def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
@@ -66,7 +77,15 @@ def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
                 if value not in PHASES:
                     raise FaultPlanError(f"unknown phase {value!r}; choose one of {PHASES}")
                 fields[key] = value
-            elif key in ("replica", "rank", "step", "microbatch"):
+            elif key == "seconds":
+                try:
+                    seconds = float(value)
+                except ValueError:
+                    raise FaultPlanError(f"seconds must be a number, got {value!r}") from None
+                if not 0 < seconds < float("inf"):
+                    raise FaultPlanError(f"seconds must be finite and > 0, got {value!r}")
+                fields[key] = seconds
+            elif key in ("replica", "rank", "step", "microbatch", "attempt"):
                 try:
                     number = int(value)
                 except ValueError:
@@ -76,9 +95,20 @@ def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
                 fields[key] = number
             else:
                 raise FaultPlanError(f"unknown key {key!r} in {entry.strip()!r}")
-        for required in ("replica", "step"):
-            if required not in fields:
-                raise FaultPlanError(f"{required}= is required in {entry.strip()!r}")
+        phase = fields.setdefault("phase", "backward")
+        required = ["replica"] if phase in TRANSFER_PHASES else ["replica", "step"]
+        if action == "sleep":
+            required.append("seconds")
+        elif "seconds" in fields:
+            raise FaultPlanError(f"seconds= only goes with sleep, in {entry.strip()!r}")
+        for key in required:
+            if key not in fields:
+                raise FaultPlanError(f"{key}= is required in {entry.strip()!r}")
+        if phase == "join":
+            fields.setdefault("attempt", 1)
+            if fields["attempt"] == 0:
+                raise FaultPlanError(f"phase=join happens only in a restarted group (attempt >= 1), in {entry.strip()!r}")
+        fields.setdefault("step", None)
         faults.append(Fault(action=action, **fields))  # type: ignore[arg-type]
     return tuple(faults)
 
@@ -92,26 +122,34 @@ class FaultInjector:
         replica: int,
         rank: int,
         on_fire: Callable[[Fault], None],
+        attempt: int = 0,
     ) -> None:
-        self.faults = [f for f in parse_fault_plan(plan) if (f.replica, f.rank) == (replica, rank)]
+        self.faults = [
+            f for f in parse_fault_plan(plan) if (f.replica, f.rank, f.attempt) == (replica, rank, attempt)
+        ]
         self.on_fire = on_fire
 
     def _match(self, step: int, phase: str, index: int | None = None, count: int = 0) -> Fault | None:
         for f in self.faults:
-            if f.step != step or f.phase != phase:
+            if f.phase != phase or f.step not in (None, step):
                 continue
             if index is None or index == min(f.microbatch, count - 1):
                 return f
         return None
 
     def _fire(self, fault: Fault) -> None:
+        if fault not in self.faults:
+            return  # each fault fires once
+        self.faults.remove(fault)
         self.on_fire(fault)
-        if fault.action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(60)  # SIGKILL is asynchronous; never run on past it
+        if fault.action == "sleep":
+            time.sleep(fault.seconds)  # slow, not dead: the heartbeat thread keeps beating
+            return
+        os.kill(os.getpid(), signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
+        time.sleep(60)  # signals are asynchronous; never run on past a kill
 
     def at(self, step: int, phase: str) -> None:
-        """Call at the allreduce and optimizer points."""
+        """Call at the allreduce, optimizer, join and donate points."""
         fault = self._match(step, phase)
         if fault is not None:
             self._fire(fault)

@@ -2,15 +2,24 @@
 
 ``[recover] enable = true``: starts the coordinator (unless ``$TITAN_RECOVER_COORDINATOR``
 points at one on another node), then R ``torchrun`` jobs of ``dp_shard`` ranks each,
-and reports a group whose torchrun exits abnormally, which shortens detection.
+and restarts a group's torchrun when it fails, up to ``[recover] max_restarts``
+times: only the failed group restarts, and it rejoins from a live peer. When the
+coordinator fences a group that is hung rather than dead (e.g. SIGSTOP), this
+launcher SIGKILLs its ranks first. (torchrun's own ``--max_restarts`` is not used:
+with ``--standalone`` in torch 2.13 a restarted group read its previous attempt's
+gloo addresses and failed to connect.)
 ``enable = false``: one ``torchrun`` world of R x dp_shard ranks, stock TorchTitan HSDP.
 Either way the run ends with a summary from ``recover_events.jsonl``.
 """
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
+
+import torch.distributed as dist
 
 from titan_recover import config, store
 from titan_recover.dataloader import token_file_for
@@ -31,6 +40,74 @@ def torchrun(nproc: int, argv: list[str], role: str) -> list[str]:
         "--max_restarts", "0", "--role", role, "--tee", "3", "--local-ranks-filter", "0",
         "-m", "titan_recover.train", *argv,
     ]
+
+
+def kill_fenced(client: object, replica: int, shards: int, handled: dict[int, int]) -> None:
+    """SIGKILLs the ranks of a fenced incarnation of ``replica`` that run on this host.
+
+    A fenced group may be hung (SIGSTOP, a wedged collective) rather than dead;
+    torchrun only restarts a group once one of its processes exits.
+    """
+    key = store.fenced_key(replica)
+    if not client.check([key]):  # type: ignore[attr-defined]
+        return
+    attempt = store.get_json(client, key, ("attempt",))["attempt"]  # type: ignore[arg-type]
+    if handled.get(replica, -1) >= attempt:
+        return
+    handled[replica] = attempt
+    for shard in range(shards):
+        pid_key = store.pid_key(replica, attempt, shard)
+        if not client.check([pid_key]):  # type: ignore[attr-defined]
+            continue
+        rec = store.get_json(client, pid_key, ("pid", "host"))  # type: ignore[arg-type]
+        pid = rec["pid"]
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if rec["host"] != socket.gethostname() or b"titan_recover.train" not in f.read():
+                    continue  # not ours (another host, or the pid was reused)
+            os.kill(pid, signal.SIGKILL)
+            log(f"killed rank {shard} of fenced replica {replica} (attempt {attempt}, pid {pid})")
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # already gone
+
+
+class ReplicaGroups:
+    """This node's replica groups: one torchrun job each, restarted when it fails."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], replicas: list[int], shards: int, max_restarts: int) -> None:
+        self.argv, self.env, self.shards, self.max_restarts = argv, env, shards, max_restarts
+        self.attempts = {r: 0 for r in replicas}
+        self.procs = {r: self._start(r) for r in replicas}
+        self.given_up: set[int] = set()
+        self.killed: dict[int, int] = {}
+
+    def _start(self, replica: int) -> subprocess.Popen:
+        env = {**self.env, store.REPLICA_ENV: str(replica), store.ATTEMPT_ENV: str(self.attempts[replica])}
+        return subprocess.Popen(torchrun(self.shards, self.argv, f"replica{replica}"), env=env)
+
+    def watch(self, client: object) -> None:
+        """One look: kill fenced leftovers, restart failed groups, report groups out of restarts."""
+        if client.check([store.FATAL]) or client.check([store.STATUS]):  # type: ignore[attr-defined]
+            return  # the run is ending: restart nothing
+        for r, proc in self.procs.items():
+            kill_fenced(client, r, self.shards, self.killed)
+            code = proc.poll()
+            if code in (None, 0) or r in self.given_up:
+                continue
+            if self.attempts[r] < self.max_restarts:
+                self.attempts[r] += 1
+                log(f"replica group {r} exited with code {code}; restart {self.attempts[r]} of {self.max_restarts}")
+                self.procs[r] = self._start(r)
+                continue
+            self.given_up.add(r)
+            epoch = store.get_int(client, store.EPOCH)  # type: ignore[arg-type]
+            cause = f"torchrun of replica {r} exited with code {code} (no restarts left)"
+            store.report(client, {"replica": r, "epoch": epoch, "suspect": r, "cause": cause})  # type: ignore[arg-type]
+
+    def done(self) -> bool:
+        return all(p.poll() is not None for p in self.procs.values()) and not any(
+            p.returncode != 0 and r not in self.given_up for r, p in self.procs.items()
+        )
 
 
 def run_stock(job_config: object, argv: list[str]) -> int:
@@ -56,36 +133,34 @@ def run_recover(job_config: object, argv: list[str]) -> int:
         f"coordinator at {address}; starting replica groups {local} of {replicas}, "
         f"{par.data_parallel_shard_degree} FSDP ranks each"
     )
-    groups = {
-        r: subprocess.Popen(
-            torchrun(par.data_parallel_shard_degree, argv, f"replica{r}"),
-            env={**env, store.REPLICA_ENV: str(r)},
-        )
-        for r in local
-    }
-    reported: set[int] = set()
+    groups = ReplicaGroups(argv, env, local, par.data_parallel_shard_degree, rc.max_restarts)
     try:
         while True:
-            for r, proc in groups.items():
-                code = proc.poll()
-                if code not in (None, 0) and r not in reported:
-                    reported.add(r)
-                    store.report(client, {"replica": r, "epoch": -1, "suspect": r, "cause": f"torchrun of replica {r} exited with code {code}"})
             if coordinator is not None and coordinator.poll() is not None:
                 break
-            if coordinator is None and all(p.poll() is not None for p in groups.values()):
+            if coordinator is None and groups.done():
                 break
+            try:
+                groups.watch(client)
+            except dist.DistError:
+                if coordinator is None:
+                    raise
+                try:  # the store went away: fine if the coordinator is finishing
+                    coordinator.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError("lost the coordinator's store while the coordinator still runs") from None
             time.sleep(0.05)
-        status = coordinator.returncode if coordinator is not None else max(p.returncode for p in groups.values() if p.returncode is not None)
+        procs = list(groups.procs.values())
+        status = coordinator.returncode if coordinator is not None else max(p.returncode for p in procs)
         deadline = time.monotonic() + 30
-        for proc in groups.values():
+        for proc in procs:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
         return status
     finally:
-        for proc in [*groups.values(), coordinator]:
+        for proc in [*groups.procs.values(), coordinator]:
             if proc is not None and proc.poll() is None:
                 proc.kill()
 

@@ -5,7 +5,7 @@ every rule here is testable in microseconds.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 
 class TooFewReplicasError(RuntimeError):
@@ -38,8 +38,14 @@ def _is_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def next_membership(current: Membership, failed: Iterable[int], min_replicas: int) -> Membership:
-    """The membership after fencing ``failed``; a new epoch even when nobody left (a retry)."""
+def next_membership(
+    current: Membership, failed: Iterable[int], min_replicas: int, joining: Iterable[int] = ()
+) -> Membership:
+    """The membership after fencing ``failed``; a new epoch even when nobody left (a retry).
+
+    ``joining`` are members still waiting for their state: at least one member must
+    hold the training state, or nobody could hand it on.
+    """
     gone = set(failed)
     members = tuple(m for m in current.members if m not in gone)
     if len(members) < min_replicas:
@@ -47,7 +53,50 @@ def next_membership(current: Membership, failed: Iterable[int], min_replicas: in
             f"only {len(members)} replica group(s) left {list(members)} after losing "
             f"{sorted(gone)}; recover.min_replicas is {min_replicas}"
         )
+    if not set(members) - set(joining):
+        raise TooFewReplicasError(
+            f"no replica group with training state is left after losing {sorted(gone)} "
+            f"(only rejoining groups {list(members)}); resume from a checkpoint"
+        )
     return Membership(current.epoch + 1, members)
+
+
+def admit(current: Membership, joiner: int) -> Membership:
+    """The membership that admits a (re)started replica group, in a new epoch."""
+    if joiner in current.members:
+        raise ValueError(f"replica {joiner} is already a member of epoch {current.epoch}; fence it first")
+    return Membership(current.epoch + 1, tuple(sorted((*current.members, joiner))))
+
+
+def joiners(history: Sequence[Membership]) -> tuple[int, ...]:
+    """Members of the last epoch that lack the state the step started from.
+
+    ``history`` runs from the epoch the previous step committed with to now. A
+    member absent from any of these epochs was (re)admitted during the step: it
+    must receive the state before it can take part in the step's all-reduce.
+    """
+    last = history[-1].members
+    return tuple(r for r in last if any(r not in m.members for m in history))
+
+
+def donor(membership: Membership, joining: Sequence[int], joiner: int) -> int:
+    """Which member sends ``joiner`` its state: joiners are spread over the members with state."""
+    donors = [m for m in membership.members if m not in joining]
+    if not donors:
+        raise TooFewReplicasError(f"epoch {membership.epoch} has no member with training state")
+    return donors[sorted(joining).index(joiner) % len(donors)]
+
+
+def join_action(members: Sequence[int], replica: int, admitted_attempt: int, attempt: int, ready: int, shards: int) -> str:
+    """What the coordinator does with a join request of ``replica``'s incarnation ``attempt``.
+
+    "wait": not every rank of the group is up yet, or the request is stale;
+    "admit": admit it in a new epoch; "replace": its previous incarnation is still a
+    member (the restart beat detection), so fence that first, then admit.
+    """
+    if attempt <= admitted_attempt or ready < shards:
+        return "wait"
+    return "replace" if replica in members else "admit"
 
 
 @dataclass
@@ -74,9 +123,14 @@ class FailureDetector:
     _suspects: dict[int, str] = field(default_factory=dict)
     _unnamed: list[tuple[float, str]] = field(default_factory=list)
 
-    def set_members(self, members: Iterable[int]) -> None:
+    def set_members(self, members: Iterable[int], now: float | None = None) -> None:
+        """New members count as having beaten at ``now`` (a joiner's old beats are stale)."""
+        fresh = set(members) - set(self.members)
         self.members = tuple(sorted(members))
         self._suspects = {r: c for r, c in self._suspects.items() if r in self.members}
+        for replica in fresh:
+            for shard in range(self.shards):
+                self._beats[(replica, shard)] = (-1, self.start if now is None else now)
 
     def beat(self, replica: int, shard: int, count: int, now: float) -> None:
         last = self._beats.get((replica, shard))

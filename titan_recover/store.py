@@ -22,7 +22,13 @@ EPOCH = "epoch"
 REPORTS = "reports"
 FATAL = "fatal"
 STATUS = "status"
-PROGRESS = "progress"  # last committed step
+PROGRESS = "progress"  # {"step", "epoch", "time"} of the last committed step
+ATTEMPT_ENV = "TITAN_RECOVER_ATTEMPT"  # incarnation of this replica group: 0, then +1 per restart
+
+
+def attempt() -> int:
+    """This process's incarnation of its replica group (the launcher counts restarts)."""
+    return int(os.environ.get(ATTEMPT_ENV, "0"))
 
 
 def members_key(epoch: int) -> str:
@@ -51,6 +57,41 @@ def fault_key(replica: int) -> str:
 
 def finished_key(replica: int) -> str:
     return f"finished/{replica}"
+
+
+def join_key(replica: int) -> str:
+    """{"attempt"}: a (re)started replica group asks to be admitted."""
+    return f"join/{replica}"
+
+
+def join_ready_key(replica: int, attempt: int) -> str:
+    """Counter: how many ranks of that incarnation are up and waiting."""
+    return f"join/{replica}/{attempt}"
+
+
+def admitted_key(replica: int) -> str:
+    """{"attempt", "epoch"}: the coordinator's answer to a join request."""
+    return f"admitted/{replica}"
+
+
+def fenced_key(replica: int) -> str:
+    """{"attempt", "epoch"}: that incarnation is out; its launcher kills what is left of it."""
+    return f"fenced/{replica}"
+
+
+def pid_key(replica: int, attempt: int, shard: int) -> str:
+    """{"pid", "host"} of one rank, so the launcher can kill a hung (fenced) incarnation."""
+    return f"pid/{replica}/{attempt}/{shard}"
+
+
+def transfer_key(replica: int, shard: int) -> str:
+    """{"bytes", "transfer_s", "step", "epoch"} of a joiner rank's last state transfer."""
+    return f"transfer/{replica}/{shard}"
+
+
+def digest_key(step: int) -> str:
+    """The first replica's parameter digest at ``step``; later replicas compare to it."""
+    return f"param_digest/{step}"
 
 
 class MessageError(ValueError):

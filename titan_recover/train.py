@@ -3,17 +3,22 @@
 With ``[recover] enable = true`` each torchrun job is one replica group (FSDP over
 ``dp_shard``) and ``train_step`` runs, top to bottom:
 
-    assignment -> accumulate owned microbatches -> FT all-reduce -> agreement -> commit
+    hand state to rejoiners -> assignment -> accumulate owned microbatches
+    -> FT all-reduce -> agreement -> commit
 
-re-entering the loop in a new epoch when membership changes mid-step. With
+re-entering the loop in a new epoch when membership changes mid-step. A group
+that torchrun restarted first asks the coordinator to admit it, then receives
+parameters, optimizer, scheduler and step from a live peer (no checkpoint read). With
 ``enable = false`` it is stock TorchTitan HSDP; both modes log the same per-step
 events so their trajectories can be compared.
 
     torchrun ... -m titan_recover.train --job.config_file X.toml   (run_train.sh does this)
 """
 
+import hashlib
 import os
 import resource
+import socket
 import time
 from typing import Any, Iterator
 
@@ -28,7 +33,7 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer, main
 
-from titan_recover import data, recovery, store, workload
+from titan_recover import data, membership, recovery, store, transfer
 from titan_recover.collectives import CollectiveAborted, ReplicateGroups
 from titan_recover.config import num_microbatches, validate
 from titan_recover.events import EventLog
@@ -54,28 +59,44 @@ class RunFailed(RuntimeError):
     """The coordinator stopped the run (e.g. fewer than min_replicas left)."""
 
 
+class RunFinished(Exception):
+    """The run ended while this (rejoining) group was still waiting to take part."""
+
+
+def log(msg: str) -> None:
+    print(f"[titan_recover] {msg}", flush=True)
+
+
 class RecoverTrainer(Trainer):
     def __init__(self, job_config: JobConfig) -> None:
         self.rc = validate(job_config)
         self.events = EventLog(job_config.job.dump_folder)
         self._ft_buffer_bytes = 0
+        self.attempt = store.attempt()
         if self.rc.enable:
             self.replica = int(os.environ[store.REPLICA_ENV])
             self.shard = int(os.environ["RANK"])
             address = store.coordinator_address()
             self.store = store.connect(address, self.rc.collective_timeout_s)
             self.heartbeat = store.Heartbeat(address, self.replica, self.shard, self.rc.heartbeat_interval_s)
+            store.put_json(
+                self.store, store.pid_key(self.replica, self.attempt, self.shard),
+                {"pid": os.getpid(), "host": socket.gethostname()},
+            )
         else:
             self.replica, self.shard = divmod(int(os.environ["RANK"]), job_config.parallelism.data_parallel_shard_degree)
         super().__init__(job_config)
         self.num_microbatches = num_microbatches(job_config)
-        self.injector = FaultInjector(self.rc.fault_plan, self.replica, self.shard, self._on_fault)
+        self.injector = FaultInjector(self.rc.fault_plan, self.replica, self.shard, self._on_fault, self.attempt)
         self.global_tokens = float(self.dataloader.valid_tokens_per_step())
         if self.rc.enable:
             self.groups = ReplicateGroups(self.store, self.replica, self.shard, self.rc.collective_timeout_s)
             self.base_epoch = 0  # the epoch the previous step committed with
             self._memberships: dict[int, Membership] = {}
             self._epoch_checked = (0.0, 0)
+            self.rejoining = self.attempt > 0  # a restarted group holds no state until a peer sends it
+            self._synced_epoch = -1  # the last epoch in which this rank received the state
+            self._adapt_checkpointer()
 
     def init_distributed(self) -> Any:
         """In recover mode this torchrun world is one replica group: TorchTitan sees
@@ -91,8 +112,21 @@ class RecoverTrainer(Trainer):
 
     # ---- shared by both modes -------------------------------------------------------
 
+    def _adapt_checkpointer(self) -> None:
+        """DCP checkpoints stay a backstop: one replica group saves (the step's leader),
+        and a rejoining group never loads one: its state comes from a live peer."""
+        save, self._leader = self.checkpointer.save, True
+
+        def save_if_leader(curr_step: int, last_step: bool = False) -> None:
+            if self._leader:
+                save(curr_step, last_step)
+
+        self.checkpointer.save = save_if_leader  # type: ignore[method-assign]
+        if self.rejoining:
+            self.checkpointer.load = lambda step=-1: False  # type: ignore[method-assign]
+
     def _on_fault(self, fault: Fault) -> None:
-        record = {"replica": self.replica, "rank": self.shard, "step": self.step, "phase": fault.phase}
+        record = {"replica": self.replica, "rank": self.shard, "attempt": self.attempt, "step": self.step, "phase": fault.phase}
         if self.rc.enable:
             store.put_json(self.store, store.fault_key(self.replica), {**record, "time": time.time()})
         self.events.emit("fault_injected", action=fault.action, **record)
@@ -169,6 +203,8 @@ class RecoverTrainer(Trainer):
     def _store_epoch(self) -> int:
         if self.store.check([store.FATAL]):
             raise RunFailed(store.get_json(self.store, store.FATAL, ("error",))["error"])
+        if self.rejoining and self.store.check([store.STATUS]):
+            raise RunFinished()  # the groups with state finished without us
         return store.get_int(self.store, store.EPOCH)
 
     def _epoch_moved(self, epoch: int) -> bool:
@@ -192,6 +228,120 @@ class RecoverTrainer(Trainer):
             epoch = int(t.item())
         return epoch
 
+    def _group_all(self, ok: bool) -> bool:
+        """True only if every rank of this replica group says so (they then act alike)."""
+        if self.parallel_dims.world_size > 1:
+            t = torch.tensor([int(ok)], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            ok = bool(t.item())
+        return ok
+
+    # ---- rejoin: admission and state transfer -----------------------------------------
+
+    def should_continue_training(self) -> bool:
+        if self.rc.enable and self.rejoining and self._synced_epoch < 0:
+            try:
+                self._join()
+            except RunFinished:
+                log(f"replica {self.replica} rank {self.shard}: the run finished before it could rejoin")
+                return False
+        return super().should_continue_training()
+
+    def _join(self) -> None:
+        """Asks the coordinator to admit this restarted group, then takes the state from a live peer."""
+        if self.shard == 0:
+            store.put_json(self.store, store.join_key(self.replica), {"attempt": self.attempt})
+        self.store.add(store.join_ready_key(self.replica, self.attempt), 1)
+        log(f"replica {self.replica} rank {self.shard} (attempt {self.attempt}) asks to rejoin")
+        key = store.admitted_key(self.replica)
+        while not (
+            self.store.check([key]) and store.get_json(self.store, key, ("attempt",))["attempt"] == self.attempt
+        ):
+            self._store_epoch()  # raises if the run failed or finished meanwhile
+            time.sleep(EPOCH_POLL_S)
+        epoch = self._agree_epoch()
+        while not self._group_all(self._receive_state(epoch)):
+            epoch = self._agree_epoch(newer_than=epoch)
+        self.step -= 1  # TorchTitan's loop adds one before the step we join in
+
+    def _receive_state(self, epoch: int) -> bool:
+        """Takes the state from this shard's donor in ``epoch``; False if that broke."""
+        if self.replica not in self._membership(epoch).members:
+            raise ReplicaFenced(f"replica {self.replica} was fenced out in epoch {epoch} while rejoining")
+        try:
+            group = self.groups.pair(epoch, self.replica, donor=False, abort=lambda: self._epoch_moved(epoch))
+            start = time.perf_counter()
+            header, nbytes = transfer.receive(
+                self.groups, group, self.model_parts, self.optimizers,
+                abort=lambda: self._epoch_moved(epoch),
+                after_header=lambda h: self.injector.at(h.get("step"), "join"),
+            )
+        except CollectiveAborted as e:
+            self._report_transfer(epoch, f"state transfer to replica {self.replica} rank {self.shard} broke", e)
+            return False
+        elapsed = time.perf_counter() - start
+        step, base_epoch, tokens = (header.get(k) for k in ("step", "base_epoch", "ntokens_seen"))
+        if not all(isinstance(v, int) for v in (step, base_epoch, tokens)):
+            raise store.MessageError(f"state transfer header has bad counters: step {step!r}, base_epoch {base_epoch!r}")
+        if self._synced_epoch >= 0 and step != self.step:
+            raise transfer.TransferError(f"donor is at step {step}, this rank at {self.step}")
+        transfer.restore(header, self.optimizers, self.lr_schedulers)
+        self.step, self.base_epoch, self.ntokens_seen = step, base_epoch, tokens
+        self._synced_epoch = epoch
+        store.put_json(
+            self.store, store.transfer_key(self.replica, self.shard),
+            {"bytes": nbytes, "transfer_s": elapsed, "step": step, "epoch": epoch},
+        )
+        log(f"replica {self.replica} rank {self.shard}: received {nbytes / 2**20:.1f} MiB of state "
+            f"for step {step} in {elapsed:.3f}s (epoch {epoch})")
+        return True
+
+    def _send_state(self, epoch: int, joiner: int) -> bool:
+        """Hands this rank's state to the same shard of ``joiner``; False if that broke."""
+        try:
+            group = self.groups.pair(epoch, joiner, donor=True, abort=lambda: self._epoch_moved(epoch))
+            header = transfer.meta(
+                {"step": self.step, "base_epoch": self.base_epoch, "ntokens_seen": self.ntokens_seen},
+                self.optimizers, self.lr_schedulers,
+            )
+            nbytes = transfer.send(
+                self.groups, group, header, self.model_parts, self.optimizers,
+                abort=lambda: self._epoch_moved(epoch),
+                after_header=lambda: self.injector.at(self.step, "donate"),
+            )
+        except CollectiveAborted as e:
+            self._report_transfer(epoch, f"state transfer from replica {self.replica} rank {self.shard} to replica {joiner} broke", e)
+            return False
+        log(f"replica {self.replica} rank {self.shard}: sent {nbytes / 2**20:.1f} MiB of state to replica {joiner} (epoch {epoch})")
+        return True
+
+    def _report_transfer(self, epoch: int, cause: str, e: BaseException) -> None:
+        if not self._epoch_moved(epoch):  # a peer broke it, not a newer epoch
+            store.report(self.store, {"replica": self.replica, "shard": self.shard, "epoch": epoch, "step": self.step, "suspect": None, "cause": f"{cause}: {_brief(e)}"})
+
+    def _sync_state(self, history: list[Membership]) -> bool:
+        """Before any work in an epoch: donors send, rejoiners receive the step's starting state.
+
+        Members (re)admitted during this step take part in its all-reduce with no
+        microbatches of their own, so they end the step with everyone's state.
+        Returns the same answer on every rank of this group; False: retry in a newer epoch.
+        """
+        joining = membership.joiners(history)
+        if not joining:
+            return True
+        current = history[-1]
+        ok = True
+        if self.replica in joining:
+            if current.epoch > self._synced_epoch:
+                ok = self._receive_state(current.epoch)
+        else:
+            for joiner in joining:
+                if membership.donor(current, joining, joiner) == self.replica:
+                    ok = self._send_state(current.epoch, joiner) and ok
+        return self._group_all(ok)
+
+    # ---- the step -------------------------------------------------------------------
+
     def _compute(self, microbatch: int, tally: torch.Tensor, index: int, count: int) -> None:
         start = time.perf_counter()
         inputs, labels = self.dataloader.load(self.step, microbatch)
@@ -209,7 +359,9 @@ class RecoverTrainer(Trainer):
         grads = []
         for m in self.model_parts:
             for p in m.parameters():
-                if p.grad is not None:
+                if p.requires_grad:
+                    if p.grad is None:  # a rejoiner owns no microbatch in the step it joins
+                        p.grad = torch.zeros_like(p)
                     g = p.grad
                     grads.append(g.to_local() if hasattr(g, "to_local") else g)
         return grads
@@ -262,6 +414,9 @@ class RecoverTrainer(Trainer):
                 membership = history[-1]
                 if self.replica not in membership.members:
                     raise ReplicaFenced(f"replica {self.replica} was fenced out in epoch {epoch}")
+                if not self._sync_state(history):
+                    epoch = self._agree_epoch(newer_than=epoch)
+                    continue
                 owned = recovery.step_assignment(self.rc.policy, history, self.num_microbatches)[self.replica]
                 for m in owned:
                     if m not in done:
@@ -275,7 +430,7 @@ class RecoverTrainer(Trainer):
                 if reduced is not None:
                     break
                 epoch = self._agree_epoch(newer_than=epoch)
-        except (ReplicaFenced, RunFailed, recovery.InvariantError):
+        except (ReplicaFenced, RunFailed, recovery.InvariantError, transfer.TransferError, store.MessageError):
             raise
         except Exception as e:
             # an error inside this group (a peer of ours died): the whole group is lost
@@ -293,14 +448,45 @@ class RecoverTrainer(Trainer):
         self.injector.at(self.step, "optimizer")
         grad_norm = self._optimizer_step()
         self.base_epoch = membership.epoch
-        if self.replica == membership.members[0] and self.shard == 0:
-            self.store.set(store.PROGRESS, str(self.step))
+        self.rejoining = False  # from here on this group holds the state like any member
+        self._leader = self.replica == membership.members[0]
+        if self._leader and self.shard == 0:
+            store.put_json(self.store, store.PROGRESS, {"step": self.step, "epoch": membership.epoch, "time": time.time()})
             self._log_step(summary, membership.epoch, list(membership.members), grad_norm)
+        if self.step % self.rc.digest_interval == 0 or self.step == self.job_config.training.steps:
+            self._check_param_digest()
         if self.metrics_processor.should_log(self.step):
+            if not self.metrics_processor.data_loading_times:
+                self.metrics_processor.data_loading_times.append(0.0)  # computed nothing since the last log
             self.metrics_processor.log(
                 self.step, summary.loss, summary.loss, grad_norm,
                 extra_metrics={"n_tokens_seen": self.ntokens_seen, "lr": lr},
             )
+
+    def _param_digest(self) -> str:
+        """A digest of this replica's full parameter state: every shard, in order."""
+        h = hashlib.blake2b(digest_size=8)
+        for m in self.model_parts:
+            for p in m.parameters():
+                local = p.data.to_local() if hasattr(p.data, "to_local") else p.data
+                h.update(local.detach().contiguous().view(torch.uint8).numpy())
+        mine = torch.tensor(list(h.digest()), dtype=torch.int64)
+        shards = [mine]
+        if self.parallel_dims.world_size > 1:
+            shards = [torch.empty_like(mine) for _ in range(self.parallel_dims.world_size)]
+            dist.all_gather(shards, mine)
+        return hashlib.blake2b(bytes(torch.cat(shards).tolist()), digest_size=8).hexdigest()
+
+    def _check_param_digest(self) -> None:
+        """Logs the digest; the first replica to report a step sets it, the others must match."""
+        digest = self._param_digest()
+        if self.shard != 0:
+            return
+        self.events.emit("param_digest", step=self.step, replica=self.replica, digest=digest)
+        expected = self.store.compare_set(store.digest_key(self.step), "", digest).decode()
+        if expected != digest:
+            self.events.emit("param_digest_mismatch", step=self.step, replica=self.replica, digest=digest, expected=expected)
+            log(f"ERROR: replica {self.replica} parameters differ from another replica's at step {self.step}: {digest} != {expected}")
 
     def train(self) -> None:
         super().train()

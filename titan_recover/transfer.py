@@ -1,0 +1,171 @@
+"""Checkpoint-free rejoin: a live rank hands a restarted rank everything the step needs.
+
+The donor is the rank with the same shard index in a live replica group; both
+sides hold the same model and optimizer layout, so each lists the same tensors
+from its own objects and the bytes go straight into the joiner's tensors. Over
+the two-rank gloo group (donor = rank 0) go three broadcasts:
+
+1. ``int64 [header bytes, payload bytes]``
+2. the header, JSON (never pickle): step, base epoch, tokens seen, LR scheduler
+   state, optimizer hyperparameters, and the manifest ``[[name, dtype, shape], ...]``
+3. the payload: the tensors' bytes in manifest order (parameters, optimizer state,
+   the CPU RNG state)
+
+The joiner checks the manifest against its own before taking any byte; a
+mismatch is a ``TransferError`` naming the first difference. The data loader needs
+nothing: its whole position is the step number.
+"""
+
+import json
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+from titan_recover.collectives import ReplicateGroups
+from titan_recover.store import MessageError
+
+MAX_HEADER_BYTES = 64 << 20  # a larger header is a corrupted message, not a model
+RNG = "rng/cpu"
+HYPER_TYPES = (int, float, bool, str, type(None))  # param-group entries the LR schedule may change
+
+
+class TransferError(RuntimeError):
+    """The donor's state does not fit this rank's model or optimizer."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def state_tensors(model_parts: list[torch.nn.Module], optimizers: Any) -> list[tuple[str, torch.Tensor]]:
+    """This rank's share of the training state, as named local tensors (live, not copies)."""
+    tensors = []
+    for i, model in enumerate(model_parts):
+        for name, p in model.named_parameters():
+            tensors.append((f"model{i}/{name}", _local(p.data)))
+    for i, opt in enumerate(optimizers.optimizers):
+        for g, group in enumerate(opt.param_groups):
+            for j, p in enumerate(group["params"]):
+                for key, value in sorted(opt.state.get(p, {}).items()):
+                    if isinstance(value, torch.Tensor):
+                        tensors.append((f"optim{i}/g{g}/p{j}/{key}", _local(value)))
+    tensors.append((RNG, torch.get_rng_state()))
+    return tensors
+
+
+def meta(trainer_state: dict[str, Any], optimizers: Any, lr_schedulers: Any) -> dict[str, Any]:
+    """The non-tensor state: the trainer's counters, LR schedulers and hyperparameters."""
+    return {
+        **trainer_state,
+        "lr_schedulers": [s.state_dict() for s in lr_schedulers.schedulers],
+        "param_groups": [
+            [{k: v for k, v in group.items() if isinstance(v, HYPER_TYPES)} for group in opt.param_groups]
+            for opt in optimizers.optimizers
+        ],
+    }
+
+
+def manifest(tensors: list[tuple[str, torch.Tensor]]) -> list[list[Any]]:
+    return [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors]
+
+
+def pack(tensors: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in tensors])
+
+
+def unpack(payload: torch.Tensor, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Copies the payload's bytes into ``tensors`` in place."""
+    offset = 0
+    with torch.no_grad():
+        for _, t in tensors:
+            n = t.numel() * t.element_size()
+            chunk = payload[offset : offset + n]
+            if offset % t.element_size():
+                chunk = chunk.clone()  # a dtype view needs an aligned start
+            t.copy_(chunk.view(t.dtype).view(t.shape))
+            offset += n
+
+
+def check_manifest(theirs: object, ours: list[list[Any]]) -> None:
+    if not isinstance(theirs, list) or len(theirs) != len(ours):
+        count = len(theirs) if isinstance(theirs, list) else theirs
+        raise TransferError(
+            f"the donor sent {count} tensors, this rank has {len(ours)}: "
+            "are both replica groups running the same model, optimizer and parallelism?"
+        )
+    for mine, sent in zip(ours, theirs):
+        if mine != sent:
+            raise TransferError(f"the donor's tensor {sent} does not match this rank's {mine}")
+
+
+def send(
+    groups: ReplicateGroups,
+    group: Any,
+    header: dict[str, Any],
+    model_parts: list[torch.nn.Module],
+    optimizers: Any,
+    abort: Callable[[], bool],
+    after_header: Callable[[], None],
+) -> int:
+    """The donor's side; returns the payload bytes."""
+    tensors = state_tensors(model_parts, optimizers)
+    raw = json.dumps({**header, "tensors": manifest(tensors)}).encode()
+    payload = pack(tensors)
+    groups.broadcast(group, torch.tensor([len(raw), payload.numel()], dtype=torch.int64), abort)
+    groups.broadcast(group, torch.frombuffer(bytearray(raw), dtype=torch.uint8), abort)
+    after_header()
+    groups.broadcast(group, payload, abort)
+    return payload.numel()
+
+
+def receive(
+    groups: ReplicateGroups,
+    group: Any,
+    model_parts: list[torch.nn.Module],
+    optimizers: Any,
+    abort: Callable[[], bool],
+    after_header: Callable[[dict[str, Any]], None],
+) -> tuple[dict[str, Any], int]:
+    """The joiner's side: fills this rank's tensors; returns (header, payload bytes).
+
+    A fresh optimizer has no state until it steps: if the donor's has, it is created
+    first (zero grads, lr 0), as DCP does before loading, then overwritten.
+    """
+    sizes = torch.zeros(2, dtype=torch.int64)
+    groups.broadcast(group, sizes, abort)
+    header_len, payload_len = (int(v) for v in sizes)
+    if not 0 < header_len <= MAX_HEADER_BYTES or payload_len < 0:
+        raise MessageError(f"state transfer sizes are corrupt: header {header_len} B, payload {payload_len} B")
+    raw = torch.empty(header_len, dtype=torch.uint8)
+    groups.broadcast(group, raw, abort)
+    try:
+        header = json.loads(raw.numpy().tobytes().decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MessageError(f"state transfer header is not JSON: {e}") from e
+    if not isinstance(header, dict) or "tensors" not in header:
+        raise MessageError("state transfer header lacks its tensor manifest")
+    with_optim = any(str(entry[0]).startswith("optim") for entry in header["tensors"] if isinstance(entry, list) and entry)
+    if with_optim:
+        for opt in optimizers.optimizers:
+            _init_optim_state(opt)
+    tensors = state_tensors(model_parts, optimizers)
+    check_manifest(header["tensors"], manifest(tensors))
+    expected = sum(t.numel() * t.element_size() for _, t in tensors)
+    if payload_len != expected:
+        raise TransferError(f"the donor sends {payload_len} bytes of state, this rank holds {expected}")
+    after_header(header)
+    payload = torch.empty(payload_len, dtype=torch.uint8)
+    groups.broadcast(group, payload, abort)
+    unpack(payload, tensors)
+    torch.set_rng_state(dict(tensors)[RNG])
+    return header, payload_len
+
+
+def restore(header: dict[str, Any], optimizers: Any, lr_schedulers: Any) -> None:
+    """Applies the header's LR scheduler state and optimizer hyperparameters."""
+    for scheduler, sd in zip(lr_schedulers.schedulers, header["lr_schedulers"], strict=True):
+        scheduler.load_state_dict(sd)
+    for opt, groups in zip(optimizers.optimizers, header["param_groups"], strict=True):
+        for group, sent in zip(opt.param_groups, groups, strict=True):
+            group.update({k: v for k, v in sent.items() if k in group and k != "params"})
