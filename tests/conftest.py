@@ -63,6 +63,27 @@ def assert_same_trajectory(reference: Run, run: Run, rel_tol: float, num_microba
     assert result.steps == len(reference.of("step"))
 
 
+def assert_all_rejoined(run: Run, replicas: int, last_step: int) -> None:
+    """The run ends with every replica live and all of them holding the same parameters."""
+    assert run.steps()[last_step]["members"] == list(range(replicas))
+    digests = {e["replica"]: e["digest"] for e in run.of("param_digest") if e["step"] == last_step}
+    assert sorted(digests) == list(range(replicas)), run.of("param_digest")
+    assert len(set(digests.values())) == 1, digests
+    assert not run.of("param_digest_mismatch")
+
+
+THREE = ["--parallelism.data_parallel_replicate_degree", "3", "--parallelism.data_parallel_shard_degree", "1",
+         "--training.global_batch_size", "12"]  # M = 12 / 2 = 6, two each
+
+
+@pytest.fixture(scope="session")
+def three_replicas(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """3 single-rank replica groups, no failure: the reference for the R=3 scenarios."""
+    run = run_job(tmp_path_factory.mktemp("three_replicas"), *THREE, "--recover.fault_plan", "none")
+    assert run.returncode == 0, run.output[-3000:]
+    return run
+
+
 @pytest.fixture(scope="session")
 def failure_free(tmp_path_factory: pytest.TempPathFactory) -> Run:
     """titan_recover, 2 replica groups x 2 shards, no failure: the reference trajectory."""

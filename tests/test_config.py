@@ -65,6 +65,10 @@ def test_cli_overrides_reach_the_section() -> None:
         (["--recover.coordinator_port", "70000"], "recover.coordinator_port"),
         (["--recover.policy", "nosuch"], "recover.policy"),
         (["--recover.fault_plan", "explode replica=1 step=2"], "recover.fault_plan"),
+        (["--recover.max_restarts", "-1"], "recover.max_restarts"),
+        (["--recover.digest_interval", "0"], "recover.digest_interval"),
+        (["--recover.digest_interval", "-5"], "recover.digest_interval"),
+        (["--recover.fault_plan", "sleep replica=1 step=2"], "recover.fault_plan"),
         (["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree"),
         (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree"),
         (["--training.global_batch_size", "10"], "training.global_batch_size"),
@@ -83,6 +87,36 @@ def test_min_replicas_above_replicate_degree_names_both_keys() -> None:
     msg = str(info.value)
     assert "recover.min_replicas (3)" in msg
     assert "parallelism.data_parallel_replicate_degree (2)" in msg
+
+
+def test_max_restarts_and_digest_interval_defaults() -> None:
+    assert Recover().max_restarts == 3
+    assert Recover().digest_interval == 10
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--recover.max_restarts", "-1"], "recover.max_restarts must be >= 0, got -1"),
+        (["--recover.digest_interval", "0"], "recover.digest_interval must be >= 1, got 0"),
+    ],
+)
+def test_restart_and_digest_bounds_messages(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(*overrides)
+    assert message in str(info.value)
+
+
+def test_restart_and_digest_lowest_valid_values_load() -> None:
+    rc = load("--recover.max_restarts", "0", "--recover.digest_interval", "1").recover
+    assert (rc.max_restarts, rc.digest_interval) == (0, 1)
+    rc = load("--recover.max_restarts", "7", "--recover.digest_interval", "25").recover
+    assert (rc.max_restarts, rc.digest_interval) == (7, 25)
+
+
+def test_new_fault_actions_are_accepted_in_config() -> None:
+    plan = "sleep replica=0 step=2 phase=optimizer seconds=0.5; stop replica=1 phase=donate; kill replica=1 phase=join"
+    assert load("--recover.fault_plan", plan).recover.fault_plan == plan
 
 
 def test_timeout_must_exceed_twice_the_interval() -> None:
@@ -133,6 +167,18 @@ def test_int_where_float_expected_in_toml_is_fine(tmp_path: Path) -> None:
 def test_wrong_type_for_int_in_toml(tmp_path: Path, bad: str) -> None:
     path = write_toml(tmp_path, lambda t: re.sub(r"(?m)^min_replicas = 1$", f"min_replicas = {bad}", t))
     with pytest.raises(ConfigError, match=r"recover\.min_replicas must be of type int"):
+        load(config_file=path)
+
+
+@pytest.mark.filterwarnings("ignore:The field `recover")
+@pytest.mark.parametrize("key, bad", [("max_restarts", "2.5"), ("digest_interval", '"often"'), ("max_restarts", "true")])
+def test_wrong_type_for_restart_and_digest_in_toml(tmp_path: Path, key: str, bad: str) -> None:
+    def edit(text: str) -> str:  # replace the key's line, or add one if the TOML leaves it at its default
+        text = re.sub(rf"(?m)^{key} = .*\n", "", text)
+        return text.replace("[recover]\n", f"[recover]\n{key} = {bad}\n", 1)
+
+    path = write_toml(tmp_path, edit)
+    with pytest.raises(ConfigError, match=rf"recover\.{key} must be of type int"):
         load(config_file=path)
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Run, assert_same_trajectory, run_job
+from conftest import THREE, Run, assert_same_trajectory, run_job
 
 M = 4  # global_batch_size 16 / (local_batch_size 2 * 2 shards)
 
@@ -20,7 +20,7 @@ def test_matches_stock_torchtitan_hsdp(tmp_path: Path, failure_free: Run) -> Non
 
 @pytest.mark.parametrize("phase", ["forward", "backward", "allreduce"])
 def test_sigkill_mid_step_keeps_trajectory(tmp_path: Path, failure_free: Run, phase: str) -> None:
-    run = run_job(tmp_path, "--recover.fault_plan", f"kill replica=1 rank=1 step=3 phase={phase}")
+    run = run_job(tmp_path, "--recover.max_restarts", "0", "--recover.fault_plan", f"kill replica=1 rank=1 step=3 phase={phase}")
     assert run.returncode == 0, run.output[-3000:]
     assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=M)
     (injected,) = run.of("fault_injected")
@@ -33,21 +33,18 @@ def test_sigkill_mid_step_keeps_trajectory(tmp_path: Path, failure_free: Run, ph
     assert steps[2]["members"] == [0, 1] and steps[3]["members"] == [0] and steps[6]["members"] == [0]
 
 
-def test_two_replicas_lost_in_one_step_down_to_one_survivor(tmp_path: Path) -> None:
-    three = ["--parallelism.data_parallel_replicate_degree", "3", "--parallelism.data_parallel_shard_degree", "1",
-             "--training.global_batch_size", "12"]  # M = 12 / 2 = 6, two each
-    reference = run_job(tmp_path / "ref", *three, "--recover.fault_plan", "none")
-    assert reference.returncode == 0, reference.output[-3000:]
+def test_two_replicas_lost_in_one_step_down_to_one_survivor(tmp_path: Path, three_replicas: Run) -> None:
     plan = "kill replica=1 step=3 phase=backward; kill replica=2 step=3 phase=forward microbatch=0"
-    run = run_job(tmp_path / "kill", *three, "--recover.fault_plan", plan)
+    run = run_job(tmp_path, *THREE, "--recover.max_restarts", "0", "--recover.fault_plan", plan)
     assert run.returncode == 0, run.output[-3000:]
-    assert_same_trajectory(reference, run, rel_tol=1e-3, num_microbatches=6)
+    assert_same_trajectory(three_replicas, run, rel_tol=1e-3, num_microbatches=6)
     assert sorted(f["replica"] for f in run.of("failure")) == [1, 2]
     assert run.steps()[6]["members"] == [0]
 
 
 def test_below_min_replicas_is_a_clear_error(tmp_path: Path) -> None:
-    run = run_job(tmp_path, "--recover.min_replicas", "2", "--recover.fault_plan", "kill replica=1 step=2 phase=backward")
+    run = run_job(tmp_path, "--recover.min_replicas", "2", "--recover.max_restarts", "0",
+                  "--recover.fault_plan", "kill replica=1 step=2 phase=backward")
     assert run.returncode != 0
     assert "recover.min_replicas is 2" in run.output
     assert run.of("fatal") and max(run.steps()) == 1

@@ -6,10 +6,19 @@ The injector calls ``on_fire`` before it SIGKILLs its own process, so an
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
 from titan_recover.faults import PHASES, Fault, FaultInjector, FaultPlanError, parse_fault_plan
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # --- parse_fault_plan ----------------------------------------------------------
 
@@ -266,3 +275,220 @@ def test_module_dict_layers_use_the_middle_value() -> None:
             for layer in model.layers.values():
                 h = layer(h)
     assert log == ["b0", "b1", "b2"]
+
+
+# --- stop / sleep actions, join / donate phases, attempts ------------------------
+
+
+def test_stop_parses() -> None:
+    (f,) = parse_fault_plan("stop replica=1 rank=1 step=4 phase=allreduce")
+    assert f == Fault(action="stop", replica=1, step=4, rank=1, phase="allreduce")
+    assert f.seconds == 0.0
+
+
+def test_sleep_parses_seconds_as_float() -> None:
+    (f,) = parse_fault_plan("sleep replica=0 step=3 phase=optimizer seconds=2.5")
+    assert f == Fault(action="sleep", replica=0, step=3, phase="optimizer", seconds=2.5)
+    (g,) = parse_fault_plan("sleep replica=0 step=3 seconds=1")
+    assert g.seconds == 1.0 and isinstance(g.seconds, float)
+
+
+@pytest.mark.parametrize("phase, step", [("join", None), ("donate", None), ("join", 4), ("donate", 7)])
+def test_transfer_phases_make_step_optional(phase: str, step: int | None) -> None:
+    plan = f"kill replica=1 phase={phase}" + (f" step={step}" if step is not None else "")
+    (f,) = parse_fault_plan(plan)
+    assert f.phase == phase
+    assert f.step == step
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "allreduce", "optimizer"])
+def test_other_phases_still_require_step(phase: str) -> None:
+    with pytest.raises(FaultPlanError, match="step= is required"):
+        parse_fault_plan(f"kill replica=1 phase={phase}")
+
+
+def test_attempt_defaults() -> None:
+    kill, donate, join = parse_fault_plan(
+        "kill replica=1 step=2; kill replica=0 phase=donate; kill replica=1 phase=join"
+    )
+    assert kill.attempt == 0
+    assert donate.attempt == 0
+    assert join.attempt == 1  # a join only happens in a restarted group
+
+
+def test_explicit_attempt() -> None:
+    a, b, c = parse_fault_plan(
+        "kill replica=1 step=2 attempt=2; stop replica=1 phase=join attempt=3; kill replica=0 phase=donate attempt=1"
+    )
+    assert (a.attempt, b.attempt, c.attempt) == (2, 3, 1)
+
+
+@pytest.mark.parametrize(
+    "plan, fragments",
+    [
+        ("sleep replica=1 step=2", ["seconds= is required", "'sleep replica=1 step=2'"]),
+        ("sleep replica=1 phase=join", ["seconds= is required"]),
+        ("sleep replica=1 step=2 seconds=0", ["seconds must be finite and > 0", "'0'"]),
+        ("sleep replica=1 step=2 seconds=-1.5", ["seconds must be finite and > 0", "'-1.5'"]),
+        ("sleep replica=1 step=2 seconds=inf", ["seconds must be finite and > 0", "'inf'"]),
+        ("sleep replica=1 step=2 seconds=nan", ["seconds must be finite and > 0", "'nan'"]),
+        ("sleep replica=1 step=2 seconds=abc", ["seconds must be a number", "'abc'"]),
+        ("sleep replica=1 step=2 seconds=", ["expected key=value", "'seconds='"]),
+        ("kill replica=1 step=2 seconds=1", ["seconds= only goes with sleep", "'kill replica=1 step=2 seconds=1'"]),
+        ("stop replica=1 step=2 seconds=0.5", ["seconds= only goes with sleep", "'stop replica=1 step=2 seconds=0.5'"]),
+        ("kill replica=1 phase=join attempt=0", ["phase=join", "attempt >= 1", "'kill replica=1 phase=join attempt=0'"]),
+        ("kill replica=1 step=2 attempt=-1", ["attempt out of range", "-1"]),
+        ("kill replica=1 step=2 attempt=x", ["attempt must be an integer", "'x'"]),
+        ("kill replica=1 phase=donate step=0", ["step out of range", "0"]),
+        ("pause replica=1 step=2", ["unknown action", "'pause'"]),
+    ],
+)
+def test_new_grammar_errors_name_the_problem(plan: str, fragments: list[str]) -> None:
+    with pytest.raises(FaultPlanError) as info:
+        parse_fault_plan(plan)
+    for fragment in fragments:
+        assert fragment in str(info.value), (plan, str(info.value))
+
+
+def test_injector_keeps_only_faults_of_its_attempt() -> None:
+    plan = (
+        "kill replica=1 step=2 phase=allreduce; kill replica=1 step=3 phase=allreduce attempt=1; "
+        "kill replica=1 phase=join; kill replica=1 phase=donate attempt=2; kill replica=0 step=5 attempt=1"
+    )
+    assert [(f.step, f.phase) for f in FaultInjector(plan, 1, 0, raise_fired).faults] == [(2, "allreduce")]
+    assert [(f.step, f.phase) for f in FaultInjector(plan, 1, 0, raise_fired, attempt=1).faults] == [
+        (3, "allreduce"), (None, "join"),
+    ]
+    assert [(f.step, f.phase) for f in FaultInjector(plan, 1, 0, raise_fired, attempt=2).faults] == [(None, "donate")]
+    assert FaultInjector(plan, 1, 0, raise_fired, attempt=3).faults == []
+    assert [f.step for f in FaultInjector(plan, 0, 0, raise_fired, attempt=1).faults] == [5]
+
+
+def test_other_attempts_faults_do_not_fire() -> None:
+    inj = injector("kill replica=1 step=2 phase=allreduce attempt=1; kill replica=1 phase=join")
+    inj.at(2, "allreduce")  # attempt 0: neither is ours
+    inj.at(2, "join")
+
+
+def test_each_fault_fires_once() -> None:
+    inj = injector("kill replica=1 step=3 phase=allreduce")
+    with pytest.raises(Fired):
+        inj.at(3, "allreduce")
+    assert inj.faults == []
+    inj.at(3, "allreduce")  # a retry of the same step in a newer epoch: nothing
+
+
+def test_step_none_matches_any_step_of_its_phase() -> None:
+    fired: list[Fault] = []
+    inj = FaultInjector("sleep replica=1 phase=donate seconds=0.001", 1, 0, on_fire=fired.append)
+    for step in (1, 5, 99):
+        inj.at(step, "join")
+        inj.at(step, "allreduce")
+    assert fired == []
+    inj.at(37, "donate")
+    assert [f.phase for f in fired] == ["donate"]
+    inj.at(38, "donate")  # fired once
+    assert len(fired) == 1
+
+
+def test_step_none_join_fault_fires_at_any_step() -> None:
+    inj = FaultInjector("kill replica=2 rank=1 phase=join", 2, 1, raise_fired, attempt=1)
+    with pytest.raises(Fired) as info:
+        inj.at(12345, "join")
+    assert info.value.fault.step is None
+
+
+def test_fault_with_a_step_at_a_transfer_phase_fires_only_at_that_step() -> None:
+    inj = injector("kill replica=1 step=4 phase=donate")
+    inj.at(3, "donate")
+    inj.at(5, "donate")
+    with pytest.raises(Fired):
+        inj.at(4, "donate")
+
+
+def test_sleep_sleeps_calls_on_fire_and_carries_on() -> None:
+    fired: list[Fault] = []
+    inj = FaultInjector("sleep replica=1 step=2 phase=optimizer seconds=0.05", 1, 0, on_fire=fired.append)
+    t0 = time.perf_counter()
+    inj.at(2, "optimizer")
+    elapsed = time.perf_counter() - t0
+    assert elapsed >= 0.05
+    assert elapsed < 5.0
+    assert fired == [Fault("sleep", replica=1, step=2, phase="optimizer", seconds=0.05)]
+    t0 = time.perf_counter()
+    inj.at(2, "optimizer")  # once only: no second sleep
+    assert time.perf_counter() - t0 < 0.05
+    assert len(fired) == 1
+
+
+def test_sleep_in_forward_slows_the_microbatch_but_it_completes(model: Tiny) -> None:
+    fired: list[Fault] = []
+    inj = FaultInjector("sleep replica=1 step=2 phase=forward microbatch=0 seconds=0.05", 1, 0, on_fire=fired.append)
+    t0 = time.perf_counter()
+    with inj.microbatch(model, step=2, index=0, count=1):
+        out = model(x())
+    assert time.perf_counter() - t0 >= 0.05
+    assert out.shape == (2, 4)
+    assert model.log == ["b0", "b1", "b2"]
+    assert len(fired) == 1 and fired[0].phase == "forward"
+
+
+# kill and stop signal the process itself, so they run in a child python
+
+CHILD = """
+import sys
+from titan_recover.faults import FaultInjector
+inj = FaultInjector(sys.argv[1], replica=1, rank=0, on_fire=lambda f: print("fired", f.action, flush=True), attempt=int(sys.argv[2]))
+inj.at(3, sys.argv[3])
+print("survived", flush=True)
+"""
+
+
+def spawn(plan: str, phase: str, attempt: int = 0) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, plan, str(attempt), phase],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def test_kill_sends_sigkill_to_its_own_process() -> None:
+    proc = spawn("kill replica=1 step=3 phase=allreduce", "allreduce")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, (out, err)
+    assert "fired kill" in out
+    assert "survived" not in out
+
+
+def test_kill_at_join_of_a_restarted_group_sends_sigkill() -> None:
+    proc = spawn("kill replica=1 phase=join", "join", attempt=1)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, (out, err)
+    assert "survived" not in out
+
+
+def test_child_not_matching_survives() -> None:
+    """The harness itself: a fault of another attempt does nothing."""
+    proc = spawn("kill replica=1 phase=join", "join", attempt=0)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, (out, err)
+    assert "survived" in out and "fired" not in out
+
+
+def test_stop_sends_sigstop_to_its_own_process() -> None:
+    proc = spawn("stop replica=1 step=3 phase=optimizer", "optimizer")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            pid, status = os.waitpid(proc.pid, os.WUNTRACED | os.WNOHANG)
+            if pid:
+                break
+            assert time.monotonic() < deadline, "the child neither stopped nor exited"
+            time.sleep(0.01)
+        assert os.WIFSTOPPED(status), status
+        assert os.WSTOPSIG(status) == signal.SIGSTOP
+    finally:
+        proc.kill()
+        out, err = proc.communicate(timeout=30)
+    assert "fired stop" in out
+    assert "survived" not in out
+    assert proc.returncode == -signal.SIGKILL

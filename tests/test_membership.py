@@ -14,6 +14,10 @@ from titan_recover.membership import (
     FailureDetector,
     Membership,
     TooFewReplicasError,
+    admit,
+    donor,
+    join_action,
+    joiners,
     next_membership,
 )
 
@@ -108,6 +112,150 @@ def test_too_few_replicas_message_names_min_and_what_is_left() -> None:
 def test_too_few_replicas_when_all_fail() -> None:
     with pytest.raises(TooFewReplicasError, match=r"only 0 replica group\(s\) left \[\]"):
         next_membership(Membership(0, (0, 1)), [0, 1], min_replicas=1)
+
+
+def test_only_joiners_left_is_too_few() -> None:
+    with pytest.raises(TooFewReplicasError) as info:
+        next_membership(Membership(4, (0, 1, 2)), [0], min_replicas=1, joining=[1, 2])
+    msg = str(info.value)
+    assert "no replica group with training state" in msg
+    assert "[1, 2]" in msg  # the joiners that are left
+    assert "[0]" in msg  # what was lost
+
+
+def test_one_member_with_state_left_is_enough() -> None:
+    new = next_membership(Membership(4, (0, 1, 2)), [0], min_replicas=1, joining=[2])
+    assert new == Membership(5, (1, 2))
+
+
+def test_failed_joiner_does_not_count_against_the_rest() -> None:
+    assert next_membership(Membership(4, (0, 1)), [1], min_replicas=1, joining=[1]) == Membership(5, (0,))
+
+
+def test_retry_with_only_joiners_is_too_few() -> None:
+    with pytest.raises(TooFewReplicasError, match="no replica group with training state"):
+        next_membership(Membership(2, (1,)), [], min_replicas=1, joining=(1,))
+
+
+def test_min_replicas_is_checked_before_joiners() -> None:
+    with pytest.raises(TooFewReplicasError, match="recover.min_replicas is 3"):
+        next_membership(Membership(0, (0, 1, 2)), [0], min_replicas=3, joining=[1, 2])
+
+
+# --- admit -----------------------------------------------------------------------
+
+
+def test_admit_bumps_epoch_and_sorts() -> None:
+    assert admit(Membership(4, (0, 2)), 1) == Membership(5, (0, 1, 2))
+    assert admit(Membership(4, (0, 2)), 7) == Membership(5, (0, 2, 7))
+    assert admit(Membership(0, ()), 3) == Membership(1, (3,))
+
+
+def test_admit_keeps_the_current_membership_unchanged() -> None:
+    cur = Membership(2, (1,))
+    admit(cur, 0)
+    assert cur == Membership(2, (1,))
+
+
+def test_admit_of_a_member_is_an_error() -> None:
+    with pytest.raises(ValueError) as info:
+        admit(Membership(6, (0, 1)), 1)
+    msg = str(info.value)
+    assert "replica 1 is already a member of epoch 6" in msg
+    assert "fence it first" in msg
+
+
+# --- joiners ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "history",
+    [
+        [Membership(3, (0, 1))],
+        [Membership(3, (0, 1)), Membership(4, (0, 1)), Membership(5, (0, 1))],
+        [Membership(3, (0, 1, 2)), Membership(4, (0, 2))],  # a fence only
+    ],
+)
+def test_no_joiners_in_steady_state_or_after_a_fence(history: list[Membership]) -> None:
+    assert joiners(history) == ()
+
+
+def test_admitted_during_the_step_is_a_joiner() -> None:
+    assert joiners([Membership(3, (0,)), Membership(4, (0, 1))]) == (1,)
+
+
+def test_fenced_and_readmitted_within_the_history_is_a_joiner() -> None:
+    history = [Membership(3, (0, 1)), Membership(4, (0,)), Membership(5, (0, 1))]
+    assert joiners(history) == (1,)
+
+
+def test_replaced_in_one_step_still_a_joiner() -> None:
+    """join_action "replace": fenced and re-admitted between the same two commits."""
+    history = [Membership(3, (0, 1, 2)), Membership(4, (0, 2)), Membership(5, (0, 1, 2)), Membership(6, (0, 1, 2))]
+    assert joiners(history) == (1,)
+
+
+def test_several_joiners_come_in_member_order() -> None:
+    history = [Membership(0, (1,)), Membership(1, (1, 3)), Membership(2, (0, 1, 3))]
+    assert joiners(history) == (0, 3)
+
+
+def test_only_last_epoch_members_can_be_joiners() -> None:
+    history = [Membership(0, (0,)), Membership(1, (0, 1)), Membership(2, (0,))]  # 1 admitted, then fenced
+    assert joiners(history) == ()
+
+
+# --- donor -----------------------------------------------------------------------
+
+
+def test_donor_spreads_joiners_over_members_with_state() -> None:
+    m = Membership(5, (0, 1, 2, 3))
+    assert donor(m, (1, 3), 1) == 0
+    assert donor(m, (1, 3), 3) == 2
+
+
+def test_donor_order_does_not_depend_on_joining_order() -> None:
+    m = Membership(5, (0, 1, 2, 3))
+    for joiner in (1, 3):
+        assert donor(m, (3, 1), joiner) == donor(m, (1, 3), joiner)
+
+
+def test_donor_wraps_when_joiners_outnumber_donors() -> None:
+    m = Membership(2, (0, 1, 2, 3, 4))
+    assert [donor(m, (4, 2, 3), j) for j in (2, 3, 4)] == [0, 1, 0]
+
+
+def test_single_donor_serves_every_joiner() -> None:
+    m = Membership(2, (0, 1, 2))
+    assert [donor(m, (1, 2), j) for j in (1, 2)] == [0, 0]
+
+
+def test_no_donor_is_too_few_replicas() -> None:
+    with pytest.raises(TooFewReplicasError, match="epoch 7 has no member with training state"):
+        donor(Membership(7, (1, 2)), (1, 2), 1)
+
+
+# --- join_action -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "members, replica, admitted, attempt, ready, shards, action",
+    [
+        ((0,), 1, 0, 1, 2, 2, "admit"),
+        ((0, 2), 1, -1, 0, 1, 1, "admit"),  # never admitted before
+        ((0, 1), 1, 0, 1, 2, 2, "replace"),  # the restart beat detection
+        ((0,), 1, 0, 1, 1, 2, "wait"),  # not all ranks up
+        ((0, 1), 1, 0, 1, 0, 2, "wait"),
+        ((0,), 1, 1, 1, 2, 2, "wait"),  # already admitted this attempt
+        ((0, 1), 1, 1, 1, 2, 2, "wait"),  # ... and it is a member
+        ((0,), 1, 2, 1, 2, 2, "wait"),  # stale request of an older attempt
+        ((0,), 1, 1, 2, 3, 2, "admit"),  # more ready than shards: enough
+    ],
+)
+def test_join_action(
+    members: tuple[int, ...], replica: int, admitted: int, attempt: int, ready: int, shards: int, action: str
+) -> None:
+    assert join_action(members, replica, admitted, attempt, ready, shards) == action
 
 
 # --- FailureDetector ----------------------------------------------------------
@@ -347,3 +495,58 @@ def test_removed_replica_silence_is_ignored() -> None:
     det.set_members([0])
     t = run_until(det, beats, 1000.1, 1020.0, (0,))
     assert det.decide(t) == ({}, False)
+
+
+def test_set_members_gives_a_new_member_a_fresh_beat() -> None:
+    det = make_detector(members=(0,), timeout_s=5.0, startup_s=60.0, start=1000.0)
+    beats = Beats(det)
+    t = run_until(det, beats, 1000.0, 1100.0, (0,))
+    # replica 1 is admitted long after start, before its first beat reached the detector
+    det.set_members([1, 0], now=t)
+    assert det.members == (0, 1)
+    assert det.decide(t) == ({}, False)
+    t2 = run_until(det, beats, t, t + 4.9, (0,))
+    assert det.decide(t2) == ({}, False)
+    failed, retry = det.decide(t + 5.0)  # judged by timeout_s from its admission
+    assert set(failed) == {1} and "silent" in failed[1]
+    assert retry is False
+
+
+def test_set_members_forgets_a_rejoiners_stale_silence() -> None:
+    det = make_detector(members=(0, 1), timeout_s=5.0, start=1000.0)
+    beats = Beats(det)
+    beats.tick(1000.1, (0, 1))
+    det.set_members([0], now=1000.2)  # replica 1 fenced; its last beat was at 1000.1
+    t = run_until(det, beats, 1000.1, 1050.0, (0,))
+    det.set_members([0, 1], now=t)  # restarted and re-admitted
+    assert det.decide(t) == ({}, False)
+    t = run_until(det, beats, t, t + 20.0, (0, 1))  # the new incarnation beats
+    assert det.decide(t) == ({}, False)
+
+
+def test_set_members_keeps_old_members_beats() -> None:
+    """Only newly added members get a fresh beat: a silent old member stays silent."""
+    det = make_detector(members=(0, 1), timeout_s=5.0, start=1000.0)
+    beats = Beats(det)
+    beats.tick(1000.1, (0, 1))
+    t = run_until(det, beats, 1000.1, 1010.0, (0,))  # replica 1 silent since 1000.1
+    det.set_members([0, 1, 2], now=t)
+    failed, _ = det.decide(t)
+    assert set(failed) == {1}
+
+
+def test_new_member_then_beating_is_never_failed() -> None:
+    det = make_detector(members=(0,), timeout_s=5.0, start=1000.0)
+    beats = Beats(det)
+    t = run_until(det, beats, 1000.0, 1200.0, (0,))
+    det.set_members([0, 1], now=t)
+    for _ in range(200):
+        t = round(t + INTERVAL, 6)
+        beats.tick(t, (0, 1))
+        assert det.decide(t) == ({}, False)
+
+
+def test_set_members_accepts_a_one_shot_iterable() -> None:
+    det = make_detector(members=(0, 1))
+    det.set_members((r for r in (0, 1, 2)), now=1000.0)
+    assert det.members == (0, 1, 2)

@@ -124,10 +124,14 @@ class FailureDetector:
     _unnamed: list[tuple[float, str]] = field(default_factory=list)
 
     def set_members(self, members: Iterable[int], now: float | None = None) -> None:
-        """New members count as having beaten at ``now`` (a joiner's old beats are stale)."""
-        fresh = set(members) - set(self.members)
-        self.members = tuple(sorted(members))
+        """Called with each new epoch. Pending unnamed reports were about the old epoch
+        and are dropped; new members count as having beaten at ``now`` (a joiner's old
+        beats are stale)."""
+        new = tuple(sorted(members))
+        fresh = set(new) - set(self.members)
+        self.members = new
         self._suspects = {r: c for r, c in self._suspects.items() if r in self.members}
+        self._unnamed = []
         for replica in fresh:
             for shard in range(self.shards):
                 self._beats[(replica, shard)] = (-1, self.start if now is None else now)

@@ -19,6 +19,12 @@ def summarize_events(path: str) -> dict[str, Any]:
         "final_members": steps[-1]["members"] if steps else [],
         "final_loss": steps[-1]["loss"] if steps else None,
         "fatal": [e["error"] for e in events if e["event"] == "fatal"],
+        "rejoined": [
+            {k: e[k] for k in ("replica", "step", "downtime_s", "transfer_s", "bytes")}
+            for e in events if e["event"] == "rejoined"
+        ],
+        "digest_steps": sorted({e["step"] for e in events if e["event"] == "param_digest"}),
+        "digest_mismatches": [e for e in events if e["event"] == "param_digest_mismatch"],
     }
     if len(steps) >= 2:
         span = steps[-1]["time"] - steps[0]["time"]
@@ -36,6 +42,15 @@ def format_summary(s: dict[str, Any], tokens_per_step: int) -> str:
     lines += [f"    replica {f['replica']} at step {f['step']}: {f['cause']}" for f in s["failures"]]
     if s["recovery_latency_s"]:
         lines.append(f"  recovery latency (s) : {s['recovery_latency_s']}")
+    lines.append(f"  rejoined             : {len(s['rejoined'])}")
+    lines += [
+        f"    replica {r['replica']} at step {r['step']}: down {r['downtime_s']:.1f}s, "
+        f"state {r['bytes'] / 2**20:.1f} MiB in {r['transfer_s']:.3f}s"
+        for r in s["rejoined"]
+    ]
+    if s["digest_steps"]:
+        verdict = "MISMATCH" if s["digest_mismatches"] else "equal across replicas"
+        lines.append(f"  param digests        : {verdict} at steps {s['digest_steps']}")
     if "step_time_s" in s:
         lines.append(f"  mean step time (s)   : {s['step_time_s']:.3f}")
         lines.append(f"  tokens/s             : {tokens_per_step / s['step_time_s']:.0f}")

@@ -88,10 +88,11 @@ def unpack(payload: torch.Tensor, tensors: list[tuple[str, torch.Tensor]]) -> No
 
 
 def check_manifest(theirs: object, ours: list[list[Any]]) -> None:
-    if not isinstance(theirs, list) or len(theirs) != len(ours):
-        count = len(theirs) if isinstance(theirs, list) else theirs
+    if not isinstance(theirs, list):
+        raise TransferError(f"the donor's tensor manifest is not a list: {theirs!r:.80}")
+    if len(theirs) != len(ours):
         raise TransferError(
-            f"the donor sent {count} tensors, this rank has {len(ours)}: "
+            f"the donor sent {len(theirs)} tensors, this rank has {len(ours)}: "
             "are both replica groups running the same model, optimizer and parallelism?"
         )
     for mine, sent in zip(ours, theirs):

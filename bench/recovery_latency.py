@@ -1,0 +1,96 @@
+"""Recovery latency against the number of replica groups, side by side in one run.
+
+For each R (single-process replica groups of the tiny model, M = 2R microbatches),
+runs the same failure and reads the coordinator's ``recovered`` event: seconds from
+the failure to the new epoch published. Two failures:
+
+- ``kill``: replica 1 SIGKILLed mid-backward; survivors' all-reduce breaks, they
+  report, the coordinator fences the replica silent for ``report_confirm_s``.
+- ``stop``: replica 1 SIGSTOPed (a hang); only its heartbeat going silent for
+  ``heartbeat_timeout_s`` tells.
+
+With ``--rejoin`` the failed group also restarts and the ``rejoined`` event gives
+its downtime, state bytes and transfer time.
+
+    .venv/bin/python bench/recovery_latency.py [--replicas 2 4 8] [--repeats 2] [--rejoin]
+
+Writes bench/results/recovery_latency.json.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from titan_recover.events import read_events
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
+RESULTS = ROOT / "bench" / "results"
+FAULTS = {
+    "kill": "kill replica=1 step=3 phase=backward",
+    "stop": "stop replica=1 step=3 phase=backward",
+}
+WAIT = "sleep replica=0 step=4 phase=optimizer seconds=30"  # keeps the run going while the group restarts
+
+
+def run(replicas: int, fault: str, rejoin: bool) -> dict:
+    plan = FAULTS[fault] + (f"; {WAIT}" if rejoin else "")
+    with tempfile.TemporaryDirectory() as dump:
+        cmd = [
+            sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG),
+            "--job.dump_folder", dump, "--model.flavor", "tiny", "--training.seq_len", "64",
+            "--training.steps", "8", "--lr_scheduler.warmup_steps", "2",
+            "--parallelism.data_parallel_replicate_degree", str(replicas),
+            "--parallelism.data_parallel_shard_degree", "1",
+            "--training.global_batch_size", str(4 * replicas),
+            "--recover.max_restarts", "1" if rejoin else "0",
+            "--recover.fault_plan", plan,
+        ]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"R={replicas} {fault} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+        events = list(read_events(str(Path(dump) / "recover_events.jsonl")))
+    (recovered,) = [e for e in events if e["event"] == "recovered"]
+    result = {"replicas": replicas, "fault": fault, "latency_s": recovered["latency_s"]}
+    back = [e for e in events if e["event"] == "rejoined"]
+    if rejoin and back:
+        result.update({k: back[0][k] for k in ("downtime_s", "transfer_s", "bytes")})
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--faults", nargs="+", default=list(FAULTS), choices=list(FAULTS))
+    parser.add_argument("--rejoin", action="store_true", help="also restart the failed group and time its rejoin")
+    args = parser.parse_args()
+    rows = []
+    for repeat in range(args.repeats):
+        for fault in args.faults:
+            for replicas in args.replicas:  # interleaved, so machine noise spreads over every R
+                row = run(replicas, fault, args.rejoin)
+                rows.append(row)
+                print(f"repeat {repeat + 1} {fault:4s} R={replicas}: " + ", ".join(
+                    f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+                    if k not in ("replicas", "fault")), flush=True)
+    print("\nrecovery latency (s), median over repeats")
+    print("fault  " + "  ".join(f"R={r:<5d}" for r in args.replicas))
+    summary = {}
+    for fault in args.faults:
+        medians = [statistics.median(x["latency_s"] for x in rows if x["fault"] == fault and x["replicas"] == r)
+                   for r in args.replicas]
+        summary[fault] = dict(zip(map(str, args.replicas), medians))
+        print(f"{fault:5s}  " + "  ".join(f"{m:<7.3f}" for m in medians))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "recovery_latency.json"
+    path.write_text(json.dumps({"runs": rows, "median_latency_s": summary}, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Restart and checkpoint-free rejoin with real processes: SIGKILL, SIGSTOP, slow ranks,
+and failures in the middle of a state transfer.
+
+A restarted group needs several seconds to start (imports, model build), longer
+than the tiny model's remaining steps, so the survivors are made slow (a ``sleep``
+fault, which must not get them evicted) while it comes back.
+"""
+
+from pathlib import Path
+
+from conftest import THREE, Run, assert_all_rejoined, assert_same_trajectory, run_job
+
+M = 4
+WAIT = "sleep replica={r} step={s} phase=optimizer seconds=25"  # survivors wait for the restart
+
+
+def rejoined(run: Run, replica: int) -> dict:
+    (event,) = [e for e in run.of("rejoined") if e["replica"] == replica]
+    assert event["bytes"] > 0 and 0 < event["transfer_s"] < event["downtime_s"]
+    return event
+
+
+def test_kill_restart_rejoin_keeps_trajectory(tmp_path: Path, failure_free: Run) -> None:
+    plan = f"kill replica=1 rank=1 step=2 phase=backward; {WAIT.format(r=0, s=3)}"
+    run = run_job(tmp_path, "--recover.fault_plan", plan)
+    assert run.returncode == 0, run.output[-3000:]
+    assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=M)
+    assert [f["replica"] for f in run.of("failure")] == [1]  # the 25 s sleeper was not evicted
+    (admitted,) = run.of("admitted")
+    assert (admitted["replica"], admitted["attempt"]) == (1, 1)
+    assert rejoined(run, 1)["step"] <= 6
+    assert run.steps()[2]["members"] == [0]
+    assert_all_rejoined(run, replicas=2, last_step=6)
+
+
+def test_sigstop_is_detected_fenced_and_restarted(tmp_path: Path, failure_free: Run) -> None:
+    plan = f"stop replica=1 rank=0 step=2 phase=backward; {WAIT.format(r=0, s=3)}"
+    run = run_job(tmp_path, "--recover.heartbeat_timeout_s", "3", "--recover.fault_plan", plan)
+    assert run.returncode == 0, run.output[-3000:]
+    assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=M)
+    (failure,) = run.of("failure")
+    assert failure["replica"] == 1 and "heartbeat silent" in failure["cause"]
+    (recovered,) = run.of("recovered")
+    assert 2.5 < recovered["latency_s"] < 10  # the hang costs about heartbeat_timeout_s
+    assert "killed rank 0 of fenced replica 1" in run.output  # the hung rank was cleared away
+    rejoined(run, 1)
+    assert_all_rejoined(run, replicas=2, last_step=6)
+
+
+def test_joiner_killed_mid_transfer_retries(tmp_path: Path, failure_free: Run) -> None:
+    plan = (
+        "kill replica=1 rank=1 step=2 phase=backward; kill replica=1 rank=0 phase=join; "
+        f"{WAIT.format(r=0, s=3)}; {WAIT.format(r=0, s=4)}"
+    )
+    run = run_job(tmp_path, "--recover.fault_plan", plan)
+    assert run.returncode == 0, run.output[-3000:]
+    assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=M)
+    assert [(e["replica"], e["attempt"]) for e in run.of("admitted")] == [(1, 1), (1, 2)]
+    assert any(e["phase"] == "join" and e["attempt"] == 1 for e in run.of("fault_injected"))
+    rejoined(run, 1)
+    assert_all_rejoined(run, replicas=2, last_step=6)
+
+
+def test_donor_killed_mid_transfer_another_donor_takes_over(tmp_path: Path, three_replicas: Run) -> None:
+    plan = (
+        "kill replica=2 step=2 phase=backward; kill replica=0 phase=donate; "
+        f"{WAIT.format(r=1, s=3)}; {WAIT.format(r=1, s=4)}"
+    )
+    run = run_job(tmp_path, *THREE, "--recover.fault_plan", plan)
+    assert run.returncode == 0, run.output[-3000:]
+    assert_same_trajectory(three_replicas, run, rel_tol=1e-3, num_microbatches=6)
+    assert sorted(f["replica"] for f in run.of("failure")) == [0, 2]
+    rejoined(run, 0)
+    rejoined(run, 2)
+    assert_all_rejoined(run, replicas=3, last_step=6)
+
+
+def test_dcp_checkpoint_backstop_resumes_on_the_failure_free_data(tmp_path: Path, failure_free: Run) -> None:
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last-save-model-only",
+            "--recover.max_restarts", "0"]
+    lost = run_job(tmp_path, *ckpt, "--recover.fault_plan", "kill replica=0 step=5; kill replica=1 step=5")
+    assert lost.returncode != 0 and lost.of("fatal")  # every replica gone: only the checkpoint is left
+    assert (tmp_path / "checkpoint" / "step-4").is_dir()
+    resumed = run_job(tmp_path, *ckpt, "--recover.fault_plan", "none")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    steps, reference = resumed.steps(), failure_free.steps()
+    assert sorted(steps) == [5, 6]
+    for t in (5, 6):
+        assert steps[t]["data_digest"] == reference[t]["data_digest"]
+        assert abs(steps[t]["loss"] - reference[t]["loss"]) <= 1e-3 * abs(reference[t]["loss"])
