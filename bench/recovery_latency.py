@@ -14,7 +14,7 @@ its downtime, state bytes and transfer time.
 
     .venv/bin/python bench/recovery_latency.py [--replicas 2 4 8] [--repeats 2] [--rejoin]
 
-Writes bench/results/recovery_latency.json.
+Writes bench/results/recovery_latency.json (recovery_latency_rejoin.json with --rejoin).
 """
 
 import argparse
@@ -78,17 +78,19 @@ def main() -> None:
                 print(f"repeat {repeat + 1} {fault:4s} R={replicas}: " + ", ".join(
                     f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
                     if k not in ("replicas", "fault")), flush=True)
-    print("\nrecovery latency (s), median over repeats")
-    print("fault  " + "  ".join(f"R={r:<5d}" for r in args.replicas))
-    summary = {}
-    for fault in args.faults:
-        medians = [statistics.median(x["latency_s"] for x in rows if x["fault"] == fault and x["replicas"] == r)
-                   for r in args.replicas]
-        summary[fault] = dict(zip(map(str, args.replicas), medians))
-        print(f"{fault:5s}  " + "  ".join(f"{m:<7.3f}" for m in medians))
+    print("\nmedians over repeats (s)")
+    print("         " + "  ".join(f"R={r:<5d}" for r in args.replicas))
+    summary: dict[str, dict] = {}
+    for key in ("latency_s", "downtime_s", "transfer_s") if args.rejoin else ("latency_s",):
+        print(f"{key}:")
+        for fault in args.faults:
+            medians = [statistics.median(x.get(key, float("nan")) for x in rows if x["fault"] == fault and x["replicas"] == r)
+                       for r in args.replicas]
+            summary.setdefault(key, {})[fault] = dict(zip(map(str, args.replicas), medians))
+            print(f"  {fault:5s}  " + "  ".join(f"{m:<7.3f}" for m in medians))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "recovery_latency.json"
-    path.write_text(json.dumps({"runs": rows, "median_latency_s": summary}, indent=2))
+    path = RESULTS / ("recovery_latency_rejoin.json" if args.rejoin else "recovery_latency.json")
+    path.write_text(json.dumps({"runs": rows, "median": summary}, indent=2))
     print(f"wrote {path}")
 
 

@@ -550,3 +550,17 @@ def test_set_members_accepts_a_one_shot_iterable() -> None:
     det = make_detector(members=(0, 1))
     det.set_members((r for r in (0, 1, 2)), now=1000.0)
     assert det.members == (0, 1, 2)
+
+
+def test_new_epoch_drops_unnamed_reports_about_the_old_one() -> None:
+    """A survivor's report about the epoch that fenced replica 2 must not cause a retry later."""
+    det = make_detector(confirm_s=0.5)
+    beats = Beats(det)
+    t = run_until(det, beats, 1000.0, 1001.0, (0, 1, 2))
+    det.report(2, "its own group broke", now=t)
+    det.report(None, "all-reduce broke: replica 2 is gone", now=t)
+    failed, _ = det.decide(t)
+    assert set(failed) == {2}
+    det.set_members((0, 1), now=t)
+    t = run_until(det, beats, t, t + 0.6, (0, 1))
+    assert det.decide(t) == ({}, False)

@@ -42,6 +42,16 @@ def torchrun(nproc: int, argv: list[str], role: str) -> list[str]:
     ]
 
 
+def is_incarnation(pid: int, replica: int, attempt: int) -> bool:
+    """Whether ``pid`` is a rank of that incarnation (its environment says so), not a reused pid."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = set(f.read().split(b"\0"))
+    except OSError:  # gone already
+        return False
+    return {f"{store.REPLICA_ENV}={replica}".encode(), f"{store.ATTEMPT_ENV}={attempt}".encode()} <= env
+
+
 def kill_fenced(client: object, replica: int, shards: int, handled: dict[int, int]) -> None:
     """SIGKILLs the ranks of a fenced incarnation of ``replica`` that run on this host.
 
@@ -61,13 +71,12 @@ def kill_fenced(client: object, replica: int, shards: int, handled: dict[int, in
             continue
         rec = store.get_json(client, pid_key, ("pid", "host"))  # type: ignore[arg-type]
         pid = rec["pid"]
+        if rec["host"] != socket.gethostname() or not is_incarnation(pid, replica, attempt):
+            continue  # another host's rank, or the pid now belongs to someone else
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if rec["host"] != socket.gethostname() or b"titan_recover.train" not in f.read():
-                    continue  # not ours (another host, or the pid was reused)
             os.kill(pid, signal.SIGKILL)
             log(f"killed rank {shard} of fenced replica {replica} (attempt {attempt}, pid {pid})")
-        except (FileNotFoundError, ProcessLookupError):
+        except ProcessLookupError:
             pass  # already gone
 
 

@@ -277,7 +277,7 @@ class RecoverTrainer(Trainer):
                 after_header=lambda h: self.injector.at(h.get("step"), "join"),
             )
         except CollectiveAborted as e:
-            self._report_transfer(epoch, f"state transfer to replica {self.replica} rank {self.shard} broke", e)
+            self._report_broken(epoch, f"state transfer to replica {self.replica} rank {self.shard} broke", e)
             return False
         elapsed = time.perf_counter() - start
         step, base_epoch, tokens = (header.get(k) for k in ("step", "base_epoch", "ntokens_seen"))
@@ -310,12 +310,13 @@ class RecoverTrainer(Trainer):
                 after_header=lambda: self.injector.at(self.step, "donate"),
             )
         except CollectiveAborted as e:
-            self._report_transfer(epoch, f"state transfer from replica {self.replica} rank {self.shard} to replica {joiner} broke", e)
+            self._report_broken(epoch, f"state transfer from replica {self.replica} rank {self.shard} to replica {joiner} broke", e)
             return False
         log(f"replica {self.replica} rank {self.shard}: sent {nbytes / 2**20:.1f} MiB of state to replica {joiner} (epoch {epoch})")
         return True
 
-    def _report_transfer(self, epoch: int, cause: str, e: BaseException) -> None:
+    def _report_broken(self, epoch: int, cause: str, e: BaseException) -> None:
+        """Tells the coordinator a replicate-dim collective broke, without knowing whose fault."""
         if not self._epoch_moved(epoch):  # a peer broke it, not a newer epoch
             store.report(self.store, {"replica": self.replica, "shard": self.shard, "epoch": epoch, "step": self.step, "suspect": None, "cause": f"{cause}: {_brief(e)}"})
 
@@ -386,8 +387,7 @@ class RecoverTrainer(Trainer):
                 on_launched=lambda: self.injector.at(self.step, "allreduce"),
             )
         except CollectiveAborted as e:
-            if not self._epoch_moved(epoch):
-                store.report(self.store, {"replica": self.replica, "shard": self.shard, "epoch": epoch, "step": self.step, "suspect": None, "cause": f"replicate all-reduce broke (replica {self.replica} rank {self.shard}): {_brief(e)}"})
+            self._report_broken(epoch, f"replicate all-reduce broke (replica {self.replica} rank {self.shard})", e)
             return None
         expected = len(membership.members) * self.parallel_dims.world_size
         decision = store.decision_key(self.step, epoch)
