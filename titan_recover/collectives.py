@@ -19,7 +19,13 @@ import torch.distributed as dist
 
 from titan_recover.membership import Membership
 
-POLL_S = 0.001
+POLL_S = (0.0005, 0.005)  # first and longest pause while waiting: quick for short waits, light for long ones
+
+
+def backoff(pause: float) -> float:
+    """Sleeps ``pause`` and returns the next one (doubling up to the longest)."""
+    time.sleep(pause)
+    return min(2 * pause, POLL_S[1])
 
 
 class CollectiveAborted(RuntimeError):
@@ -52,11 +58,12 @@ class ReplicateGroups:
         # only costs us until the coordinator moves the epoch on
         thread = threading.Thread(target=build, daemon=True)
         thread.start()
+        pause = POLL_S[0]
         while not result:
             if abort():
                 self._parked.append(thread)
                 raise CollectiveAborted(f"{prefix} ended while building its group")
-            time.sleep(POLL_S)
+            pause = backoff(pause)
         if isinstance(result[0], Exception):
             raise CollectiveAborted(f"building {prefix} failed: {result[0]}")
         return result[0]  # type: ignore[return-value]
@@ -76,11 +83,12 @@ class ReplicateGroups:
         return group
 
     def _wait(self, works: list[dist.Work], tensors: list[torch.Tensor], abort: Callable[[], bool], what: str) -> None:
+        pause = POLL_S[0]
         while not all(w.is_completed() for w in works):
             if abort():
                 self._parked.append((works, tensors))
                 raise CollectiveAborted(f"{what}: the epoch ended first")
-            time.sleep(POLL_S)
+            pause = backoff(pause)
         try:
             for w in works:
                 w.wait()

@@ -34,7 +34,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer, main
 
 from titan_recover import data, membership, recovery, store, transfer
-from titan_recover.collectives import CollectiveAborted, ReplicateGroups
+from titan_recover.collectives import POLL_S, CollectiveAborted, ReplicateGroups, backoff
 from titan_recover.config import num_microbatches, validate
 from titan_recover.events import EventLog
 from titan_recover.faults import Fault, FaultInjector
@@ -393,13 +393,12 @@ class RecoverTrainer(Trainer):
         decision = store.decision_key(self.step, epoch)
         if self.store.add(store.ok_key(self.step, epoch), 1) == expected:
             self.store.compare_set(decision, "", "commit")
-        pause = 0.0005
+        pause = POLL_S[0]
         while not self.store.check([decision]):
             if self._epoch_moved(epoch):
                 self.store.compare_set(decision, "", "abort")
             else:
-                time.sleep(pause)
-                pause = min(2 * pause, 0.004)  # slower replicas: back off, sparing the CPU
+                pause = backoff(pause)  # slower replicas: spare the CPU
         return (flat, group_tally) if self.store.get(decision) == b"commit" else None
 
     def _recover_step(self) -> None:
