@@ -95,7 +95,7 @@ class ReplicaGroups:
         return subprocess.Popen(torchrun(self.shards, self.argv, f"replica{replica}"), env=env)
 
     def watch(self, client: object) -> None:
-        """One look: kill fenced leftovers, restart failed groups, report groups out of restarts."""
+        """One look: kill fenced leftovers, report and restart failed groups."""
         if client.check([store.FATAL]) or client.check([store.STATUS]):  # type: ignore[attr-defined]
             return  # the run is ending: restart nothing
         for r, proc in self.procs.items():
@@ -103,15 +103,17 @@ class ReplicaGroups:
             code = proc.poll()
             if code in (None, 0) or r in self.given_up:
                 continue
-            if self.attempts[r] < self.max_restarts:
-                self.attempts[r] += 1
-                log(f"replica group {r} exited with code {code}; restart {self.attempts[r]} of {self.max_restarts}")
-                self.procs[r] = self._start(r)
-                continue
-            self.given_up.add(r)
+            # the group is certainly dead: say so first (faster than heartbeats), then restart it
+            restart = self.attempts[r] < self.max_restarts
             epoch = store.get_int(client, store.EPOCH)  # type: ignore[arg-type]
-            cause = f"torchrun of replica {r} exited with code {code} (no restarts left)"
+            cause = f"torchrun of replica {r} exited with code {code}" + ("" if restart else " (no restarts left)")
             store.report(client, {"replica": r, "epoch": epoch, "suspect": r, "cause": cause})  # type: ignore[arg-type]
+            if not restart:
+                self.given_up.add(r)
+                continue
+            self.attempts[r] += 1
+            log(f"replica group {r} exited with code {code}; restart {self.attempts[r]} of {self.max_restarts}")
+            self.procs[r] = self._start(r)
 
     def done(self) -> bool:
         return all(p.poll() is not None for p in self.procs.values()) and not any(
