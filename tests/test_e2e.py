@@ -35,9 +35,13 @@ def test_sigkill_mid_step_keeps_trajectory(tmp_path: Path, failure_free: Run, ph
 
 def test_two_replicas_lost_in_one_step_down_to_one_survivor(tmp_path: Path, three_replicas: Run) -> None:
     plan = "kill replica=1 step=3 phase=backward; kill replica=2 step=3 phase=forward microbatch=0"
-    run = run_job(tmp_path, *THREE, "--recover.max_restarts", "0", "--recover.fault_plan", plan)
+    run = run_job(tmp_path, *THREE, "--recover.max_restarts", "0", "--recover.collective_timeout_s", "60",
+                  "--recover.fault_plan", plan)
     assert run.returncode == 0, run.output[-3000:]
     assert_same_trajectory(three_replicas, run, rel_tol=1e-3, num_microbatches=6)
+    # no survivor waits out a collective timeout (a rendezvous with a dead peer once held its store client)
+    steps = run.steps()
+    assert steps[3]["time"] - steps[2]["time"] < 30
     assert sorted(f["replica"] for f in run.of("failure")) == [1, 2]
     assert run.steps()[6]["members"] == [0]
 

@@ -44,8 +44,12 @@ class ReplicateGroups:
         self._parked: list[object] = []  # abandoned groups/work/buffers: kept alive, never reused
 
     def _connect(self, prefix: str, rank: int, size: int, abort: Callable[[], bool]) -> dist.ProcessGroupGloo:
-        """A gloo group under ``prefix``; raises CollectiveAborted if ``abort()`` first."""
-        store = dist.PrefixStore(prefix, self.store)
+        """A gloo group under ``prefix``; raises CollectiveAborted if ``abort()`` first.
+
+        The rendezvous gets a store connection of its own (``clone``): its blocking
+        ``get`` of a dead peer's address must not hold up this rank's other store calls.
+        """
+        store = dist.PrefixStore(prefix, self.store.clone())
         result: list[object] = []
 
         def build() -> None:
