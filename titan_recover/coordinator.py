@@ -146,9 +146,8 @@ class Coordinator:
             log(f"epoch {new.epoch}: retrying with the same members {list(new.members)}")
         return True
 
-    def _poll_joins(self, now: float) -> bool:
+    def _poll_joins(self, now: float, progress: dict | None) -> bool:
         """Admits restarted groups whose ranks are all up; False when that is fatal."""
-        progress = self._progress()
         if progress is not None and progress["step"] >= self.steps:
             return True  # the last step is done: nothing left to join
         for replica in range(self.replicas):
@@ -164,7 +163,7 @@ class Coordinator:
             action = join_action(self.membership.members, replica, self.attempts.get(replica, -1), attempt, ready, self.shards)
             if action == "wait":
                 continue
-            if action == "replace" and not self._fence({replica: f"restarted by torchrun (attempt {attempt})"}):
+            if action == "replace" and not self._fence({replica: f"restarted by its launcher (attempt {attempt})"}):
                 return False
             new = admit(self.membership, replica)
             self._publish(new)
@@ -176,9 +175,8 @@ class Coordinator:
             log(f"epoch {new.epoch}: replica {replica} (attempt {attempt}) admitted, members {list(new.members)}")
         return True
 
-    def _poll_rejoined(self) -> None:
+    def _poll_rejoined(self, progress: dict | None) -> None:
         """A joiner is back once a step commits in an epoch it is a member of."""
-        progress = self._progress()
         if progress is None:
             return
         for replica, epoch in list(self.joining.items()):
@@ -223,9 +221,10 @@ class Coordinator:
             failed, retry = self.detector.decide(now)
             if (failed or retry) and not self._fence(failed):
                 return 1
-            if not self._poll_joins(now):
+            progress = self._progress()  # once per pass: both below read it
+            if not self._poll_joins(now, progress):
                 return 1
-            self._poll_rejoined()
+            self._poll_rejoined(progress)
             if self._finished():
                 self.store.set(store.STATUS, "done")
                 log("all live replica groups finished")

@@ -7,7 +7,7 @@ With ``[recover] enable = true`` each torchrun job is one replica group (FSDP ov
     -> FT all-reduce -> agreement -> commit
 
 re-entering the loop in a new epoch when membership changes mid-step. A group
-that torchrun restarted first asks the coordinator to admit it, then receives
+the launcher restarted first asks the coordinator to admit it, then receives
 parameters, optimizer, scheduler and step from a live peer (no checkpoint read). With
 ``enable = false`` it is stock TorchTitan HSDP; both modes log the same per-step
 events so their trajectories can be compared.
@@ -363,8 +363,7 @@ class RecoverTrainer(Trainer):
                 if p.requires_grad:
                     if p.grad is None:  # a rejoiner owns no microbatch in the step it joins
                         p.grad = torch.zeros_like(p)
-                    g = p.grad
-                    grads.append(g.to_local() if hasattr(g, "to_local") else g)
+                    grads.append(transfer.local(p.grad))
         return grads
 
     def _reduce_and_agree(self, membership: Membership, tally: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -467,8 +466,7 @@ class RecoverTrainer(Trainer):
         h = hashlib.blake2b(digest_size=8)
         for m in self.model_parts:
             for p in m.parameters():
-                local = p.data.to_local() if hasattr(p.data, "to_local") else p.data
-                h.update(local.detach().contiguous().view(torch.uint8).numpy())
+                h.update(transfer.local(p.data).detach().contiguous().view(torch.uint8).numpy())
         mine = torch.tensor(list(h.digest()), dtype=torch.int64)
         shards = [mine]
         if self.parallel_dims.world_size > 1:

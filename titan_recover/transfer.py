@@ -34,7 +34,8 @@ class TransferError(RuntimeError):
     """The donor's state does not fit this rank's model or optimizer."""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly FSDP DTensor) tensor."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -43,13 +44,13 @@ def state_tensors(model_parts: list[torch.nn.Module], optimizers: Any) -> list[t
     tensors = []
     for i, model in enumerate(model_parts):
         for name, p in model.named_parameters():
-            tensors.append((f"model{i}/{name}", _local(p.data)))
+            tensors.append((f"model{i}/{name}", local(p.data)))
     for i, opt in enumerate(optimizers.optimizers):
         for g, group in enumerate(opt.param_groups):
             for j, p in enumerate(group["params"]):
                 for key, value in sorted(opt.state.get(p, {}).items()):
                     if isinstance(value, torch.Tensor):
-                        tensors.append((f"optim{i}/g{g}/p{j}/{key}", _local(value)))
+                        tensors.append((f"optim{i}/g{g}/p{j}/{key}", local(value)))
     tensors.append((RNG, torch.get_rng_state()))
     return tensors
 
