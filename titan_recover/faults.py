@@ -13,8 +13,8 @@ Grammar (whitespace-separated ``key=value`` after an action, entries joined by `
               microbatch=INT  which of the replica's microbatches in that step, counted
                             from 0 in the order it computes them (forward/backward only;
                             default 1, or its last one if it has fewer)
-              attempt=INT   which incarnation of the replica group (torchrun's restart
-                            count): default 0, the first; 1 for phase=join
+              attempt=INT   which incarnation of the replica group (how often the
+                            launcher restarted it): default 0, the first; 1 for phase=join
               seconds=FLOAT how long to sleep (sleep only, required)
 
 Actions: ``kill`` sends SIGKILL to the rank itself, ``stop`` sends SIGSTOP (a hang:
