@@ -2,60 +2,69 @@
 
 Alternates runs of the same config with ``[recover] enable = false`` (stock HSDP, one
 torchrun world) and ``enable = true`` (R torchrun replica groups + coordinator), and
-prints step-time and peak-RSS ratios (recover / stock) with min/median/max over pairs.
+reports step-time and peak-RSS ratios (recover / stock) with min/median/max over pairs.
 Steady-state step time = median gap between consecutive step events, first steps skipped.
 
-    .venv/bin/python bench/overhead.py [--pairs 3] [--steps 20] [extra --section.key value ...]
+    .venv/bin/python -m bench.overhead [--quick] [--pairs 3] [--steps 20] [extra --section.key value ...]
+                                                       -> bench/results/overhead.json
 """
 
 import argparse
 import statistics
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-from titan_recover.events import read_events
+from bench.common import launch, of, write_result
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
 WARMUP_STEPS = 3
 
 
-def run(mode: str, steps: int, extra: list[str]) -> tuple[float, float, float]:
-    """(median step time s, max RSS of any rank MiB, FT buffer MiB) of one run."""
-    with tempfile.TemporaryDirectory() as dump:
-        flag = "--recover.enable" if mode == "recover" else "--recover.no-enable"
-        cmd = [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG),
-               "--job.dump_folder", dump, "--training.steps", str(steps), "--recover.fault_plan", "none",
-               flag, *extra]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{mode} run failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-        events = list(read_events(str(Path(dump) / "recover_events.jsonl")))
-    times = [e["time"] for e in events if e["event"] == "step"][WARMUP_STEPS:]
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    mem = [e for e in events if e["event"] == "rank_memory"]
-    return statistics.median(gaps), max(e["max_rss_mb"] for e in mem), max(e["ft_buffer_mb"] for e in mem)
+def measure(mode: str, steps: int, extra: list[str]) -> dict:
+    """Median step time, max RSS of any rank and FT buffer of one run."""
+    flag = "--recover.enable" if mode == "recover" else "--recover.no-enable"
+    events, _ = launch(["--training.steps", str(steps), "--recover.fault_plan", "none", flag, *extra], f"{mode} run")
+    times = [e["time"] for e in of(events, "step")][WARMUP_STEPS:]
+    mem = of(events, "rank_memory")
+    return {
+        "step_s": statistics.median(b - a for a, b in zip(times, times[1:])),
+        "max_rss_mb": max(e["max_rss_mb"] for e in mem),
+        "ft_buffer_mb": max(e["ft_buffer_mb"] for e in mem),
+    }
+
+
+def spread(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def run(pairs: int, steps: int, extra: list[str]) -> dict:
+    rows = []
+    for i in range(pairs):
+        stock, recover = measure("stock", steps, extra), measure("recover", steps, extra)
+        rows.append({"stock": stock, "recover": recover})
+        print(f"pair {i + 1}: step time stock {stock['step_s']:.3f}s recover {recover['step_s']:.3f}s "
+              f"(ratio {recover['step_s'] / stock['step_s']:.3f}); peak RSS stock {stock['max_rss_mb']:.0f} MiB "
+              f"recover {recover['max_rss_mb']:.0f} MiB; FT buffer {recover['ft_buffer_mb']:.1f} MiB", flush=True)
+    step = spread([r["recover"]["step_s"] / r["stock"]["step_s"] for r in rows])
+    rss = spread([r["recover"]["max_rss_mb"] / r["stock"]["max_rss_mb"] for r in rows])
+    return {
+        "setup": {"config": "train_configs/llama3_debug_cpu.toml", "pairs": pairs, "steps": steps, "extra": extra},
+        "pairs": rows,
+        "step_time_ratio": step,
+        "peak_rss_ratio": rss,
+        "overhead_step_time_ratio": step["median"],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 pair of 12 steps")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     args, extra = parser.parse_known_args()
-    rows = []
-    for i in range(args.pairs):
-        stock = run("stock", args.steps, extra)
-        recover = run("recover", args.steps, extra)
-        rows.append((stock, recover))
-        print(f"pair {i + 1}: step time stock {stock[0]:.3f}s recover {recover[0]:.3f}s "
-              f"(ratio {recover[0] / stock[0]:.3f}); peak RSS stock {stock[1]:.0f} MiB "
-              f"recover {recover[1]:.0f} MiB; FT buffer {recover[2]:.1f} MiB", flush=True)
-    for name, k in (("step time", 0), ("peak RSS", 1)):
-        ratios = sorted(r[k] / s[k] for s, r in rows)
-        print(f"{name} ratio recover/stock: min {ratios[0]:.3f} median {statistics.median(ratios):.3f} "
-              f"max {ratios[-1]:.3f}")
+    pairs, steps = (1, 12) if args.quick else (args.pairs, args.steps)
+    result = run(pairs, steps, extra)
+    for name in ("step_time_ratio", "peak_rss_ratio"):
+        r = result[name]
+        print(f"{name} recover/stock: min {r['min']:.3f} median {r['median']:.3f} max {r['max']:.3f}")
+    print(f"wrote {write_result('overhead', result)}")
 
 
 if __name__ == "__main__":

@@ -14,24 +14,16 @@ admission (process start, imports, model build), ``transfer_s`` and ``bytes`` it
 state transfer. Its ``downtime_s`` (failure to first commit back) here includes the
 30 s the survivor is made to sleep so that the short run outlives the restart.
 
-    .venv/bin/python bench/recovery_latency.py [--replicas 2 4 8] [--repeats 2] [--rejoin]
+    .venv/bin/python -m bench.recovery_latency [--replicas 2 4 8] [--repeats 2] [--rejoin]
 
 Writes bench/results/recovery_latency.json (recovery_latency_rejoin.json with --rejoin).
 """
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-from titan_recover.events import read_events
+from bench.common import launch, of, write_result
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
-RESULTS = ROOT / "bench" / "results"
 FAULTS = {
     "kill": "kill replica=1 step=3 phase=backward",
     "stop": "stop replica=1 step=3 phase=backward",
@@ -41,27 +33,21 @@ WAIT = "sleep replica=0 step=4 phase=optimizer seconds=30"  # keeps the run goin
 
 def run(replicas: int, fault: str, rejoin: bool) -> dict:
     plan = FAULTS[fault] + (f"; {WAIT}" if rejoin else "")
-    with tempfile.TemporaryDirectory() as dump:
-        cmd = [
-            sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG),
-            "--job.dump_folder", dump, "--model.flavor", "tiny", "--training.seq_len", "64",
-            "--training.steps", "8", "--lr_scheduler.warmup_steps", "2",
-            "--parallelism.data_parallel_replicate_degree", str(replicas),
-            "--parallelism.data_parallel_shard_degree", "1",
-            "--training.global_batch_size", str(4 * replicas),
-            "--recover.max_restarts", "1" if rejoin else "0",
-            "--recover.fault_plan", plan,
-        ]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"R={replicas} {fault} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-        events = list(read_events(str(Path(dump) / "recover_events.jsonl")))
-    (recovered,) = [e for e in events if e["event"] == "recovered"]
+    events, _ = launch([
+        "--model.flavor", "tiny", "--training.seq_len", "64",
+        "--training.steps", "8", "--lr_scheduler.warmup_steps", "2",
+        "--parallelism.data_parallel_replicate_degree", str(replicas),
+        "--parallelism.data_parallel_shard_degree", "1",
+        "--training.global_batch_size", str(4 * replicas),
+        "--recover.max_restarts", "1" if rejoin else "0",
+        "--recover.fault_plan", plan,
+    ], f"R={replicas} {fault}")
+    (recovered,) = of(events, "recovered")
     result = {"replicas": replicas, "fault": fault, "latency_s": recovered["latency_s"]}
-    back = [e for e in events if e["event"] == "rejoined"]
+    back = of(events, "rejoined")
     if rejoin and back:
-        (failure,) = [e for e in events if e["event"] == "failure"]
-        admitted = [e for e in events if e["event"] == "admitted"][0]
+        (failure,) = of(events, "failure")
+        admitted = of(events, "admitted")[0]
         result["restart_s"] = admitted["time"] - failure["time"]
         result.update({k: back[0][k] for k in ("downtime_s", "transfer_s", "bytes")})
     return result
@@ -93,11 +79,8 @@ def main() -> None:
                        for r in args.replicas]
             summary.setdefault(key, {})[fault] = dict(zip(map(str, args.replicas), medians))
             print(f"  {fault:5s}  " + "  ".join(f"{m:<7.3f}" for m in medians))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / ("recovery_latency_rejoin.json" if args.rejoin else "recovery_latency.json")
-    path.write_text(json.dumps({"runs": rows, "median": summary}, indent=2))
+    path = write_result("recovery_latency_rejoin" if args.rejoin else "recovery_latency", {"runs": rows, "median": summary})
     print(f"wrote {path}")
-
 
 if __name__ == "__main__":
     main()

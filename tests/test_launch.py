@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from titan_recover import store
+from titan_recover import launch, store
 from titan_recover.launch import is_incarnation
 
 
@@ -22,3 +22,10 @@ def test_is_incarnation_reads_the_rank_environment() -> None:
         proc.kill()
         proc.wait()
     assert not is_incarnation(proc.pid, replica=3, attempt=1)  # gone
+
+
+def test_ranks_on_a_host_share_its_cores(monkeypatch) -> None:
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 8)
+    assert launch.with_threads({"A": "1"}, 4) == {"A": "1", "OMP_NUM_THREADS": "2"}
+    assert launch.with_threads({}, 16) == {"OMP_NUM_THREADS": "1"}
+    assert launch.with_threads({"OMP_NUM_THREADS": "3"}, 4) == {"OMP_NUM_THREADS": "3"}  # the user's choice wins

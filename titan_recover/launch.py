@@ -8,7 +8,8 @@ coordinator fences a group that is hung rather than dead (e.g. SIGSTOP), this
 launcher SIGKILLs its ranks first. (torchrun's own ``--max_restarts`` is not used:
 with ``--standalone`` in torch 2.13 a restarted group read its previous attempt's
 gloo addresses and failed to connect.)
-``enable = false``: one ``torchrun`` world of R x dp_shard ranks, stock TorchTitan HSDP.
+``enable = false``: one ``torchrun`` world of R x dp_shard ranks, stock TorchTitan HSDP,
+restarted as a whole on failure (checkpoint-and-restart).
 Either way the run ends with a summary from ``recover_events.jsonl``.
 """
 
@@ -40,6 +41,18 @@ def torchrun(nproc: int, argv: list[str], role: str) -> list[str]:
         "--max_restarts", "0", "--role", role, "--tee", "3", "--local-ranks-filter", "0",
         "-m", "titan_recover.train", *argv,
     ]
+
+
+def with_threads(env: dict[str, str], local_ranks: int) -> dict[str, str]:
+    """Splits this host's cores among its ranks (unless ``OMP_NUM_THREADS`` is set).
+
+    torchrun sets one thread per rank only when it starts several; a replica group of
+    one rank would otherwise take every core, and R such groups on one host oversubscribe
+    it, which made CPU steps 10-20x slower while OpenMP threads spun against each other.
+    """
+    if "OMP_NUM_THREADS" in env:
+        return env
+    return {**env, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // local_ranks))}
 
 
 def is_incarnation(pid: int, replica: int, attempt: int) -> bool:
@@ -122,10 +135,20 @@ class ReplicaGroups:
 
 
 def run_stock(job_config: object, argv: list[str]) -> int:
+    """Checkpoint-and-restart: the whole world restarts, up to ``max_restarts`` times, and
+    TorchTitan resumes from its latest DCP checkpoint (from step 0 when there is none)."""
     par = job_config.parallelism  # type: ignore[attr-defined]
+    max_restarts = job_config.recover.max_restarts  # type: ignore[attr-defined]
     nproc = par.data_parallel_replicate_degree * par.data_parallel_shard_degree
     log(f"[recover] enable = false: stock TorchTitan HSDP, {nproc} ranks in one torchrun world")
-    return subprocess.call(torchrun(nproc, argv, "hsdp"))
+    attempt = 0
+    while True:
+        env = with_threads({**os.environ, store.ATTEMPT_ENV: str(attempt)}, nproc)
+        code = subprocess.call(torchrun(nproc, argv, "hsdp"), env=env)
+        if code == 0 or attempt == max_restarts:
+            return code
+        attempt += 1
+        log(f"torchrun exited with code {code}; restarting the whole job ({attempt} of {max_restarts})")
 
 
 def run_recover(job_config: object, argv: list[str]) -> int:
@@ -133,7 +156,7 @@ def run_recover(job_config: object, argv: list[str]) -> int:
     par = job_config.parallelism  # type: ignore[attr-defined]
     replicas = par.data_parallel_replicate_degree
     local = [int(r) for r in os.environ.get(REPLICAS_ENV, ",".join(map(str, range(replicas)))).split(",")]
-    env = dict(os.environ)
+    env = with_threads(dict(os.environ), len(local) * par.data_parallel_shard_degree)
     coordinator = None
     if store.COORDINATOR_ENV not in env:
         env[store.COORDINATOR_ENV] = f"127.0.0.1:{rc.coordinator_port or store.free_port()}"

@@ -165,7 +165,8 @@ class RecoverTrainer(Trainer):
     # ---- stock TorchTitan HSDP (enable = false) -----------------------------------
 
     def _stock_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
-        """Stock ``train_step``, plus one small all-reduce to log the same step event."""
+        """Stock ``train_step``, plus one small all-reduce to log the same step event
+        (and the fault plan's forward/backward faults, for checkpoint-and-restart baselines)."""
         tally = recovery.new_tally(self.num_microbatches)
         ids = iter(self.dataloader.failure_free_ids)
         self._stock_pieces: list[tuple[int, int, int]] = []
@@ -187,9 +188,12 @@ class RecoverTrainer(Trainer):
             self._log_step(summary, 0, members, None)
 
     def forward_backward_step(self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor) -> torch.Tensor:
-        loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
-        if not self.rc.enable:
-            self._stock_losses.append(loss.detach())
+        if self.rc.enable:
+            return super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        index, count = len(self._stock_losses), self.gradient_accumulation_steps
+        with self.injector.microbatch(self.model_parts[0], self.step, index, count):
+            loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        self._stock_losses.append(loss.detach())
         return loss
 
     # ---- titan_recover (enable = true) ----------------------------------------------

@@ -1,0 +1,108 @@
+"""Effective throughput: titan_recover against checkpoint-and-restart, same successive failures.
+
+Both run the default model with R = 2 single-rank replica groups (M = 4 microbatches)
+for N steps while replica 1 is SIGKILLed mid-backward three times (at steps a, b, c;
+the i-th kill hits the i-th incarnation):
+
+- checkpoint-and-restart: stock TorchTitan HSDP (``--recover.no-enable``) with a DCP
+  checkpoint every K steps; on a failure the launcher restarts the whole torchrun job,
+  which resumes from the latest checkpoint. K is swept and the best K is the baseline.
+- titan_recover: the survivor finishes every step with all M microbatches while the
+  killed group restarts and rejoins from it.
+
+Reported per run: wall time of the whole command for the same N steps, tokens committed
+per second (N x global batch x seq_len / wall), and the costs a simulator needs
+(step time, checkpoint save, restart, detection, rejoin), measured from the event logs.
+
+    .venv/bin/python -m bench.ckpt_restart [--quick]     -> bench/results/ckpt_restart.json
+"""
+
+import argparse
+import statistics
+
+from bench.common import launch, of, write_result
+
+SHAPE = ["--parallelism.data_parallel_shard_degree", "1", "--training.global_batch_size", "8"]
+TOKENS_PER_STEP = 8 * 128  # global batch x seq_len of the default config
+FULL = {"steps": 60, "kills": (8, 28, 48), "ks": (3, 5, 10, 20)}
+QUICK = {"steps": 40, "kills": (5, 18, 31), "ks": (5, 10)}
+
+
+def fault_plan(kills: tuple[int, ...]) -> str:
+    return "; ".join(f"kill replica=1 step={s} attempt={i}" for i, s in enumerate(kills))
+
+
+def step_gaps(steps: list[dict]) -> list[float]:
+    return [b["time"] - a["time"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1]
+
+
+def measure(system: str, steps: int, kills: tuple[int, ...], k: int | None = None) -> dict:
+    args = [*SHAPE, "--training.steps", str(steps), "--recover.fault_plan", fault_plan(kills),
+            "--recover.max_restarts", str(len(kills))]
+    if k is not None:
+        args += ["--recover.no-enable", "--checkpoint.enable", "--checkpoint.interval", str(k),
+                 "--checkpoint.folder", "checkpoint"]
+    events, wall = launch(args, f"{system} run")
+    step_events = of(events, "step")
+    faults = of(events, "fault_injected")
+    if len(faults) != len(kills):
+        raise RuntimeError(f"{system}: {len(faults)} of {len(kills)} kills fired; space the kills wider")
+    final = {e["step"]: e for e in step_events}
+    if sorted(final) != list(range(1, steps + 1)):
+        raise RuntimeError(f"{system}: committed steps {sorted(final)} are not 1..{steps}")
+    run = {
+        "system": system, "ckpt_every": k, "wall_s": wall, "tokens_per_s": steps * TOKENS_PER_STEP / wall,
+        "steps_computed": len(step_events), "train_s": step_events[-1]["time"] - step_events[0]["time"],
+        "losses": [final[s]["loss"] for s in range(1, steps + 1)],
+        "digests": [final[s]["data_digest"] for s in range(1, steps + 1)],
+    }
+    if k is None:
+        full = [e for e in step_events if len(e["members"]) == 2]
+        run["step_s"] = statistics.median(step_gaps(full))
+        run["detect_s"] = [e["latency_s"] for e in of(events, "recovered")]
+        failed = [e["time"] for e in of(events, "failure")]
+        run["rejoin_s"] = [a["time"] - f for a, f in zip(of(events, "admitted"), failed)]
+        run["transfer_s"] = [e["transfer_s"] for e in of(events, "rejoined")]
+    else:
+        gaps = {b["step"]: b["time"] - a["time"] for a, b in zip(step_events, step_events[1:]) if b["step"] == a["step"] + 1}
+        normal = statistics.median(g for s, g in gaps.items() if (s - 1) % k)
+        run["step_s"] = normal
+        run["ckpt_save_s"] = max(0.0, statistics.median(g for s, g in gaps.items() if (s - 1) % k == 0) - normal)
+        restarts = []
+        for fault in faults:  # fault -> the restarted job's first step, less that step's own compute
+            first = next(e for e in step_events if e["time"] > fault["time"])
+            restarts.append(first["time"] - fault["time"] - normal)
+        run["restart_s"] = restarts
+    return run
+
+
+def run(quick: bool) -> dict:
+    plan = QUICK if quick else FULL
+    runs = [measure("titan_recover", plan["steps"], plan["kills"])]
+    print(f"titan_recover: {runs[0]['wall_s']:.1f} s", flush=True)
+    for k in plan["ks"]:
+        runs.append(measure(f"ckpt-restart K={k}", plan["steps"], plan["kills"], k))
+        print(f"ckpt-restart K={k}: {runs[-1]['wall_s']:.1f} s", flush=True)
+    recover, baselines = runs[0], runs[1:]
+    best = max(baselines, key=lambda r: r["tokens_per_s"])
+    same_data = all(r["digests"] == recover["digests"] for r in baselines)
+    return {
+        "setup": {"replica_groups": 2, "ranks_per_group": 1, "microbatches": 4, "model": "llama3 debugmodel",
+                  "tokens_per_step": TOKENS_PER_STEP, **plan},
+        "runs": runs,
+        "best_ckpt_every": best["ckpt_every"],
+        "same_data_every_step": same_data,
+        "ckpt_restart_effective_throughput_ratio": recover["tokens_per_s"] / best["tokens_per_s"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    result = run(parser.parse_args().quick)
+    path = write_result("ckpt_restart", result)
+    print(f"ratio {result['ckpt_restart_effective_throughput_ratio']:.2f}x (best K = {result['best_ckpt_every']}); wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

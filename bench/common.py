@@ -1,0 +1,40 @@
+"""What every benchmark shares: paths, one launcher run, results files."""
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from titan_recover.events import read_events
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
+RESULTS = ROOT / "bench" / "results"
+
+
+def launch(args: list[str], what: str) -> tuple[list[dict], float]:
+    """Runs ``titan_recover.launch`` with the default config plus ``args`` in a fresh dump
+    folder; returns its events and the wall time of the whole command. A failed run
+    raises with the tail of its output."""
+    with tempfile.TemporaryDirectory() as dump:
+        cmd = [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG),
+               "--job.dump_folder", dump, *args]
+        start = time.monotonic()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        wall = time.monotonic() - start
+        if proc.returncode != 0:
+            raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+        return list(read_events(str(Path(dump) / "recover_events.jsonl"))), wall
+
+
+def of(events: list[dict], kind: str) -> list[dict]:
+    return [e for e in events if e["event"] == kind]
+
+
+def write_result(name: str, result: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path

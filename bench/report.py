@@ -1,0 +1,158 @@
+"""The benchmark report: headline numbers, a summary table and PNG plots from bench/results.
+
+    .venv/bin/python -m bench.report [results_dir]   -> summary.json, summary.md, *.png there
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no screen
+import matplotlib.pyplot as plt  # noqa: E402
+
+from bench.common import RESULTS  # noqa: E402
+
+# headline key -> (scenario file, how to read it)
+HEADLINES = {
+    "overhead_step_time_ratio": ("overhead", "step time recover / stock, no failures (median of pairs)"),
+    "torchft_max_rel_loss_dev": ("fidelity", "torchft: max per-step relative loss deviation from its failure-free run"),
+    "recover_max_rel_loss_dev": ("fidelity", "titan_recover: same, same kill"),
+    "ckpt_restart_effective_throughput_ratio": ("ckpt_restart", "tokens/s titan_recover / best-K checkpoint-and-restart, 3 kills"),
+    "sim_calibration_error": ("goodput", "simulator vs measured training time, worst run of scenario 3"),
+    "sim_paper_setting_ratio": ("goodput", "simulated effective throughput ratio, 512 GPUs with 256 lost"),
+}
+
+
+def load(results: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json")) if p.stem != "summary"}
+
+
+def headline(scenarios: dict[str, dict]) -> dict:
+    return {key: scenarios.get(scenario, {}).get(key) for key, (scenario, _) in HEADLINES.items()}
+
+
+def _fmt(value: object) -> str:
+    if value is None:
+        return "not run"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def table(scenarios: dict[str, dict]) -> str:
+    rows = ["| metric | value | meaning |", "|---|---|---|"]
+    rows += [f"| `{key}` | {_fmt(value)} | {HEADLINES[key][1]} |" for key, value in headline(scenarios).items()]
+    return "\n".join(rows)
+
+
+def _save(fig: plt.Figure, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_ckpt_restart(data: dict, calibration: dict | None, out: Path) -> Path:
+    runs = data["runs"]
+    names = [r["system"] for r in runs]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    xs = range(len(runs))
+    ax.bar([x - 0.2 for x in xs], [r["train_s"] + r["step_s"] for r in runs], 0.4, label="measured")
+    if calibration:
+        ax.bar([x + 0.2 for x in xs], [r["predicted_s"] for r in calibration["runs"]], 0.4, label="simulated")
+    ax.set_xticks(list(xs), names, rotation=15)
+    ax.set_ylabel(f"seconds for {data['setup']['steps']} steps")
+    ax.set_title(f"{len(data['setup']['kills'])} kills: training time (lower is better)")
+    ax.legend()
+    return _save(fig, out / "ckpt_restart.png")
+
+
+def plot_paper(goodput: dict, out: Path) -> Path:
+    curves = goodput["paper_setting"]["result"]["curves"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, label in (("recover", "titan_recover"), ("restart", "checkpoint-and-restart")):
+        t, tokens, gpu_h = zip(*curves[name])
+        left.plot([x / 60 for x in t], [y / 1e9 for y in tokens], label=label)
+        right.plot(gpu_h, [y / 1e9 for y in tokens], label=label)
+    left.set_xlabel("wall time (min)")
+    right.set_xlabel("GPU-hours")
+    right.axvline(234, color="grey", linestyle=":")
+    for ax in (left, right):
+        ax.set_ylabel("tokens committed (billions)")
+        ax.legend()
+    fig.suptitle("simulated: 512 GPUs, 256 lost in 4 failures spread over the run")
+    return _save(fig, out / "goodput_paper.png")
+
+
+def plot_sweep(goodput: dict, out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    rates = sorted({r["rate_per_gpu_hour"] for r in goodput["sweep"]})
+    for rate in rates:
+        rows = [r for r in goodput["sweep"] if r["rate_per_gpu_hour"] == rate]
+        ax.plot([r["gpus"] for r in rows], [r["throughput_ratio"] for r in rows], marker="o", label=f"{rate:g} /GPU-h")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("effective throughput ratio")
+    ax.set_title("simulated titan_recover / checkpoint-and-restart (Young/Daly K)")
+    ax.legend(title="failure rate")
+    return _save(fig, out / "goodput_sweep.png")
+
+
+def plot_latency(goodput: dict, out: Path) -> Path:
+    scale = goodput["latency_scale"]
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for name, label in (("latency_s", "survivors regrouped"), ("restart_s", "failed group rejoined")):
+        measured = scale["measured"][name]
+        ax.plot([int(r) * 8 for r in measured], list(measured.values()), "o", label=f"{label} (measured, x8 GPUs/group)")
+        ext = scale["extrapolated"]
+        ax.plot([e["devices"] for e in ext], [e[name] for e in ext], "--", label=f"{label} (linear fit)")
+    fr = scale["flashrecovery"]
+    ax.plot([fr["devices"]], [fr["restore_s"]], "k*", markersize=12, label="FlashRecovery (reported)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("devices")
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=7)
+    return _save(fig, out / "recovery_latency.png")
+
+
+def plot_fidelity(data: dict, out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for system in ("torchft", "recover"):
+        dev = data.get(f"{system}_rel_loss_dev")
+        if dev:
+            ax.plot(range(1, len(dev) + 1), dev, marker=".", label=system)
+    ax.set_xlabel("step")
+    ax.set_ylabel("relative loss deviation from failure-free")
+    ax.set_title("same kill, each against its own failure-free run")
+    ax.legend()
+    return _save(fig, out / "fidelity.png")
+
+
+def plots(scenarios: dict[str, dict], out: Path) -> list[Path]:
+    made = []
+    goodput = scenarios.get("goodput")
+    if "ckpt_restart" in scenarios:
+        made.append(plot_ckpt_restart(scenarios["ckpt_restart"], goodput and goodput["calibration"], out))
+    if goodput:
+        made += [plot_paper(goodput, out), plot_sweep(goodput, out), plot_latency(goodput, out)]
+    if "fidelity" in scenarios:
+        made.append(plot_fidelity(scenarios["fidelity"], out))
+    return made
+
+
+def main(argv: list[str]) -> None:
+    results = Path(argv[0]) if argv else RESULTS
+    scenarios = load(results)
+    (results / "summary.json").write_text(json.dumps(headline(scenarios), indent=2) + "\n")
+    md = table(scenarios)
+    (results / "summary.md").write_text(md + "\n")
+    made = plots(scenarios, results)
+    print(md)
+    print("plots: " + ", ".join(str(p) for p in made))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Every benchmark scenario side by side on this machine: ./bench/run.sh [--quick]
+# Writes bench/results/<scenario>.json, PNG plots and summary.{json,md}; prints the table.
+# --quick (under 10 minutes on 2 cores): fewer pairs, steps and K values, and the recovery
+# latency at R = 2, 4, 8 is read from bench/results/ instead of measured again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS="test,bench" source ./scripts/bootstrap.sh
+PY="$VENV/bin/python"
+mode=()
+if [ "${1:-}" = "--quick" ]; then mode=(--quick); fi
+start=$SECONDS
+step() { echo; echo "=== bench: $* ($((SECONDS - start)) s)"; "$PY" -m "$@"; }
+step bench.overhead "${mode[@]}"
+step bench.fidelity "${mode[@]}"
+step bench.ckpt_restart "${mode[@]}"
+if [ ${#mode[@]} -eq 0 ]; then
+    step bench.recovery_latency --repeats 2
+    step bench.recovery_latency --repeats 1 --faults kill --rejoin
+fi
+step bench.simulate
+step bench.report
+echo "bench finished in $((SECONDS - start)) s"

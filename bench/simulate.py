@@ -1,0 +1,138 @@
+"""The goodput simulator, calibrated on this machine and extrapolated to large clusters.
+
+1. Calibration: the costs measured by ``bench.ckpt_restart`` (step time, checkpoint
+   save, restart, detection, rejoin, transfer) go into ``titan_recover.goodput``; it
+   replays the same kills and predicts each run's training time (first to last step).
+   ``sim_calibration_error`` is the largest relative error over those runs.
+2. The paper's setting (512 GPUs, 256 lost spread over the run, 234 GPU-hours): the
+   effective-throughput ratio and the tokens by 234 GPU-hours, with the two curves.
+3. Sweeps: the ratio against cluster size (512 to 16,384 GPUs) and per-GPU failure rate,
+   each baseline at its Young/Daly checkpoint interval.
+4. Recovery latency against scale: the measured latency and restart time at R = 2, 4, 8
+   (``bench/recovery_latency.py``), fitted linearly in R and extrapolated.
+
+    .venv/bin/python -m bench.simulate     -> bench/results/goodput.json (needs ckpt_restart.json)
+"""
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+from bench.common import RESULTS, write_result
+from titan_recover import goodput as g
+
+SIZES = (512, 1024, 2048, 4096, 8192, 16384)
+RATES = (1e-5, 3e-5, 1e-4, 3e-4)  # failures per GPU-hour (1e-4: one per 10,000 GPU-hours)
+SWEEP_HOURS = 24.0
+SWEEP_REPAIR_S = 3600.0  # a failed node is swapped for a spare within the hour
+FLASHRECOVERY = {"devices": 4800, "restore_s": 150.0}
+
+
+def calibration(measured: dict) -> dict:
+    runs, setup = measured["runs"], measured["setup"]
+    recover, baselines = runs[0], runs[1:]
+    costs = g.Costs(
+        step_s=recover["step_s"],
+        ckpt_save_s=statistics.median(b["ckpt_save_s"] for b in baselines),
+        restart_s=statistics.median(r for b in baselines for r in b["restart_s"]),
+        detect_s=statistics.median(recover["detect_s"]),
+        rejoin_s=statistics.median(recover["rejoin_s"]),
+        transfer_s=statistics.median(recover["transfer_s"]),
+        repair_s=0.0,  # a killed process restarts at once on the same machine
+    )
+    cluster = g.Cluster(gpus=setup["replica_groups"], group_gpus=setup["ranks_per_group"],
+                        microbatches=setup["microbatches"], tokens_per_step=setup["tokens_per_step"])
+    failures = [g.Failure(step=s) for s in setup["kills"]]
+    horizon = g.Horizon(steps=setup["steps"])
+    rows = []
+    for run in runs:
+        if run["ckpt_every"] is None:
+            sim = g.simulate_recover(cluster, costs, failures, horizon)
+        else:
+            sim = g.simulate_restart(cluster, costs, failures, horizon, run["ckpt_every"])
+        measured_s = run["train_s"] + run["step_s"]  # first to last step event, plus the first step
+        rows.append({"system": run["system"], "measured_s": measured_s, "predicted_s": sim.wall_s,
+                     "error": abs(sim.wall_s - measured_s) / measured_s})
+    best = min(rows[1:], key=lambda r: r["measured_s"])
+    predicted_best = min(r["predicted_s"] for r in rows[1:])
+    return {
+        "costs": costs.__dict__,
+        "runs": rows,
+        "measured_train_ratio": best["measured_s"] / rows[0]["measured_s"],
+        "predicted_train_ratio": predicted_best / rows[0]["predicted_s"],
+        "sim_calibration_error": max(r["error"] for r in rows),
+    }
+
+
+def paper() -> dict:
+    main = g.paper_setting(curves=True)
+    per_events = {events: g.paper_setting(events=events)["throughput_ratio"] for events in (2, 4, 8, 16, 32)}
+    return {"costs": g.PAPER_COSTS.__dict__, "cluster": g.PAPER_CLUSTER.__dict__, "events": 4, "result": main,
+            "ratio_by_failure_events": per_events}
+
+
+def sweep() -> list[dict]:
+    rows = []
+    costs = dataclasses.replace(g.PAPER_COSTS, repair_s=SWEEP_REPAIR_S)
+    for gpus in SIZES:
+        cluster = g.Cluster(gpus, g.PAPER_CLUSTER.group_gpus, g.MICROBATCHES_PER_GROUP * gpus // g.PAPER_CLUSTER.group_gpus,
+                            g.PAPER_CLUSTER.tokens_per_step)
+        horizon = g.Horizon(wall_s=SWEEP_HOURS * g.HOUR)
+        for rate in RATES:
+            failures = g.poisson_failures(cluster, rate, horizon.wall_s, seed=gpus)
+            k = g.young_daly_steps(costs, g.mtbf_s(cluster, failures, horizon, rate))
+            res = g.compare(cluster, costs, failures, horizon, k)
+            rows.append({"gpus": gpus, "rate_per_gpu_hour": rate, "failures": len(failures), "ckpt_every": k,
+                         "throughput_ratio": res["throughput_ratio"]})
+    return rows
+
+
+def latency_scale(results: Path) -> dict:
+    """Fits measured recovery latency and restart time against R and extrapolates."""
+    kill = json.loads((results / "recovery_latency.json").read_text())["median"]["latency_s"]["kill"]
+    rejoin = json.loads((results / "recovery_latency_rejoin.json").read_text())["median"]["restart_s"]["kill"]
+    out: dict = {"measured": {"latency_s": kill, "restart_s": rejoin}}
+    for name, data in (("latency_s", kill), ("restart_s", rejoin)):
+        xs = [float(r) for r in data]
+        a, b = g.fit_line(xs, list(data.values()))
+        out[f"{name}_fit"] = {"a": a, "b_per_group": b}
+    per_group = g.PAPER_CLUSTER.group_gpus
+    out["extrapolated"] = []
+    for devices in (512, 1024, FLASHRECOVERY["devices"], 16384):
+        groups = devices // per_group
+        row = {"devices": devices, "groups": groups}
+        for name in ("latency_s", "restart_s"):
+            row[name] = out[f"{name}_fit"]["a"] + out[f"{name}_fit"]["b_per_group"] * groups
+        out["extrapolated"].append(row)
+    out["flashrecovery"] = FLASHRECOVERY
+    return out
+
+
+def run(results: Path = RESULTS) -> dict:
+    measured = json.loads((results / "ckpt_restart.json").read_text())
+    cal = calibration(measured)
+    pap = paper()
+    return {
+        "calibration": cal,
+        "paper_setting": pap,
+        "sweep": sweep(),
+        "latency_scale": latency_scale(results),
+        "sim_calibration_error": cal["sim_calibration_error"],
+        "sim_paper_setting_ratio": pap["result"]["throughput_ratio"],
+        "sim_paper_tokens_ratio_at_234_gpu_hours": pap["result"]["tokens_ratio_at_gpu_hours"],
+    }
+
+
+def main() -> None:
+    result = run()
+    path = write_result("goodput", result)
+    for r in result["calibration"]["runs"]:
+        print(f"calibration {r['system']:20s} measured {r['measured_s']:6.1f} s  predicted {r['predicted_s']:6.1f} s  "
+              f"error {r['error']:.1%}")
+    print(f"paper setting: {result['sim_paper_setting_ratio']:.2f}x effective throughput, "
+          f"{result['sim_paper_tokens_ratio_at_234_gpu_hours']:.2f}x tokens at 234 GPU-hours; wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,394 @@
+"""Goodput simulator: titan_recover against checkpoint-and-restart on a large cluster.
+
+A discrete-event model of one pre-training run. The cluster is R replica groups of
+``group_gpus`` GPUs each; every step sums M microbatches. Failures come from a
+per-GPU rate (Poisson), from a trace of times, or at given step numbers (to replay a
+measured benchmark). A failure takes out the replica group of the failed GPU; its
+hardware is usable again after ``repair_s`` (0: a process crash, restarted at once;
+``inf``: the GPUs are lost for good).
+
+- **checkpoint-and-restart**: a blocking checkpoint every K steps (``young_daly_steps``
+  gives the optimum); a failure throws away the steps since the last checkpoint and
+  costs ``restart_s`` (detect, relaunch, load), after which the job runs on the
+  groups healthy at that moment, keeping M (more accumulation per group).
+- **titan_recover**: a failure costs ``detect_s`` (detection + regroup) plus the lost
+  group's share of the step in flight; survivors carry all M microbatches, so a step
+  takes ``ceil(M / live) / ceil(M / R)`` times as long. A repaired group starts
+  (``rejoin_s``) and is admitted after survivors pause ``transfer_s`` to send its state.
+
+Pure Python, no process plumbing: ``python -m titan_recover.goodput --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import sys
+from dataclasses import asdict, dataclass, field, replace
+
+HOUR = 3600.0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    group_gpus: int
+    microbatches: int  # M: microbatches summed per step (>= number of groups)
+    tokens_per_step: int
+
+    @property
+    def groups(self) -> int:
+        return self.gpus // self.group_gpus
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds. ``step_s`` is the failure-free step time with every group live."""
+
+    step_s: float
+    ckpt_save_s: float  # blocking checkpoint save (baseline)
+    restart_s: float  # baseline: failure -> training again (detect, relaunch, load checkpoint)
+    detect_s: float  # titan_recover: failure -> survivors regrouped
+    rejoin_s: float  # titan_recover: repaired group's process start -> asks to join
+    transfer_s: float  # titan_recover: survivors' pause while a joiner receives its state
+    repair_s: float = math.inf  # failed group's hardware usable again (0: restart at once)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failure: at wall time ``time_s``, or when progress first reaches ``step``
+    (after the previous step-triggered failure fired). ``groups`` groups fail at once."""
+
+    time_s: float | None = None
+    step: int | None = None
+    groups: int = 1
+
+
+@dataclass
+class Result:
+    system: str
+    wall_s: float
+    steps: int
+    tokens: float
+    gpu_hours: float
+    failures: int
+    curve: list[tuple[float, float, float]] = field(default_factory=list)  # (time s, tokens, GPU-hours)
+
+    @property
+    def throughput(self) -> float:
+        """Effective throughput: tokens committed per second of wall time."""
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def tokens_at_gpu_hours(self, budget: float) -> float:
+        """Tokens committed by the time ``budget`` GPU-hours were spent (linear in between)."""
+        prev = (0.0, 0.0, 0.0)
+        for point in self.curve:
+            if point[2] >= budget:
+                span = point[2] - prev[2]
+                frac = (budget - prev[2]) / span if span > 0 else 1.0
+                return prev[1] + frac * (point[1] - prev[1])
+            prev = point
+        return prev[1]
+
+
+def step_time(cluster: Cluster, costs: Costs, live: int) -> float:
+    """A step with ``live`` groups: each computes ceil(M / live) microbatches."""
+    per_microbatch = costs.step_s / math.ceil(cluster.microbatches / cluster.groups)
+    return per_microbatch * math.ceil(cluster.microbatches / live)
+
+
+def young_daly_interval_s(ckpt_save_s: float, mtbf_s: float) -> float:
+    """Daly's optimum checkpoint interval (compute time between checkpoints)."""
+    if ckpt_save_s >= 2 * mtbf_s:
+        return mtbf_s
+    ratio = ckpt_save_s / (2 * mtbf_s)
+    return math.sqrt(2 * ckpt_save_s * mtbf_s) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - ckpt_save_s
+
+
+def young_daly_steps(costs: Costs, mtbf_s: float) -> int:
+    return max(1, round(young_daly_interval_s(costs.ckpt_save_s, mtbf_s) / costs.step_s))
+
+
+def poisson_failures(cluster: Cluster, rate_per_gpu_hour: float, horizon_s: float, seed: int = 0) -> list[Failure]:
+    """Failures of a cluster whose GPUs fail independently (rate per GPU-hour)."""
+    rng, t, out = random.Random(seed), 0.0, []
+    rate = rate_per_gpu_hour * cluster.gpus / HOUR
+    while rate > 0:
+        t += rng.expovariate(rate)
+        if t >= horizon_s:
+            break
+        out.append(Failure(time_s=t))
+    return out
+
+
+def spread_failures(count: int, horizon_s: float, groups: int = 1) -> list[Failure]:
+    """``count`` failures evenly spread over the run (the paper's "lost spread over the run")."""
+    return [Failure(time_s=horizon_s * (i + 1) / (count + 1), groups=groups) for i in range(count)]
+
+
+@dataclass(frozen=True)
+class Horizon:
+    """When a simulated run stops: whichever comes first."""
+
+    steps: int | None = None
+    wall_s: float = math.inf
+    gpu_hours: float = math.inf
+
+
+class _Run:
+    """The clock, failures, repairs and curve of one simulated run (shared by both systems)."""
+
+    def __init__(self, system: str, cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon) -> None:
+        self.system, self.cluster, self.costs, self.horizon = system, cluster, costs, horizon
+        self.timed = sorted((f for f in failures if f.time_s is not None), key=lambda f: f.time_s)  # type: ignore[arg-type,return-value]
+        self.by_step = [f for f in failures if f.step is not None]
+        self.t, self.steps, self.fired, self.gpu_hours = 0.0, 0, 0, 0.0
+        self.healthy = cluster.groups  # groups whose hardware works (they are paid for)
+        self.repairs: list[float] = []  # heap: when failed groups' hardware is back
+        self.curve: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)]
+
+    def done(self) -> bool:
+        h = self.horizon
+        return (h.steps is not None and self.steps >= h.steps) or self.t >= h.wall_s or self.gpu_hours >= h.gpu_hours
+
+    def advance(self, until: float) -> None:
+        """Moves the clock to ``until``, charging GPU-hours for healthy groups and repairing."""
+        while self.t < until:
+            nxt = min(until, self.repairs[0] if self.repairs else math.inf)
+            self.gpu_hours += (nxt - self.t) * self.healthy * self.cluster.group_gpus / HOUR
+            self.t = nxt
+            while self.repairs and self.repairs[0] <= self.t:
+                heapq.heappop(self.repairs)
+                self.healthy += 1
+
+    def _step_due(self) -> bool:
+        return bool(self.by_step) and self.by_step[0].step == self.steps + 1
+
+    def next_failure(self, start: float, duration: float) -> float:
+        """When the next failure hits, for a stretch of work [start, start + duration):
+        a step-triggered one mid-way, a timed one at its time; math.inf if none."""
+        timed = self.timed[0].time_s if self.timed else math.inf
+        return min(timed, start + duration / 2) if self._step_due() else timed  # type: ignore[return-value]
+
+    def fail(self) -> int:
+        """Fires the failure due now; returns how many healthy groups it took."""
+        timed_now = bool(self.timed) and self.timed[0].time_s <= self.t  # type: ignore[operator]
+        failure = self.timed.pop(0) if timed_now or not self._step_due() else self.by_step.pop(0)
+        lost = min(failure.groups, self.healthy)
+        self.healthy -= lost
+        self.fired += 1
+        for _ in range(lost):
+            heapq.heappush(self.repairs, self.t + self.costs.repair_s)
+        return lost
+
+    def record(self) -> None:
+        self.curve.append((self.t, self.steps * float(self.cluster.tokens_per_step), self.gpu_hours))
+
+    def result(self) -> Result:
+        self.record()
+        tokens = self.steps * float(self.cluster.tokens_per_step)
+        return Result(self.system, self.t, self.steps, tokens, self.gpu_hours, self.fired, self.curve)
+
+
+def simulate_restart(cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon, ckpt_every: int) -> Result:
+    """Checkpoint-and-restart with a blocking checkpoint every ``ckpt_every`` steps."""
+    run = _Run(f"ckpt-restart K={ckpt_every}", cluster, costs, failures, horizon)
+    live, ckpt_step = cluster.groups, 0
+    while not run.done():
+        saving = (run.steps + 1) % ckpt_every == 0
+        dt = step_time(cluster, costs, live) + (costs.ckpt_save_s if saving else 0.0)
+        at = run.next_failure(run.t, dt)
+        if at >= run.t + dt:
+            run.advance(run.t + dt)
+            run.steps += 1
+            ckpt_step = run.steps if saving else ckpt_step
+            run.record()
+            continue
+        run.advance(at)
+        run.fail()
+        run.steps = ckpt_step  # work since the last checkpoint is lost
+        restart_end = run.t + costs.restart_s
+        while run.timed and run.timed[0].time_s < restart_end:  # a failure during the restart starts it over
+            run.advance(run.timed[0].time_s)  # type: ignore[arg-type]
+            run.fail()
+            restart_end = run.t + costs.restart_s
+        run.advance(restart_end)
+        if run.healthy == 0:  # nothing to restart on until hardware comes back
+            if not run.repairs:
+                break
+            run.advance(run.repairs[0])
+        live = run.healthy
+        run.record()
+    return run.result()
+
+
+def _recover_step(run: _Run, live: int, joins: list[float]) -> int:
+    """One titan_recover step; returns the groups live at its end (0: every group died)."""
+    cluster, costs = run.cluster, run.costs
+    per_mb = costs.step_s / math.ceil(cluster.microbatches / cluster.groups)
+    remaining = float(cluster.microbatches)
+    while remaining > 0 and live > 0:
+        dt = per_mb * math.ceil(remaining / live)
+        at = run.next_failure(run.t, dt)
+        if at >= run.t + dt:
+            run.advance(run.t + dt)
+            return live
+        done = remaining * (at - run.t) / dt
+        run.advance(at)
+        lost = min(run.fail(), live)
+        remaining -= done * (1 - lost / live)  # survivors keep their work; the failed groups' share is redone
+        live -= lost
+        for _ in range(lost):
+            heapq.heappush(joins, run.t + costs.repair_s + costs.rejoin_s)
+        run.advance(run.t + costs.detect_s)
+    return live
+
+
+def simulate_recover(cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon) -> Result:
+    """titan_recover: survivors finish the step in flight and carry all M microbatches."""
+    run = _Run("titan_recover", cluster, costs, failures, horizon)
+    live = cluster.groups
+    joins: list[float] = []  # heap: when a restarted group asks to join
+    while not run.done():
+        while joins and joins[0] <= run.t:  # admitted at a step boundary; survivors pause to send the state
+            heapq.heappop(joins)
+            run.advance(run.t + costs.transfer_s)
+            live += 1
+        live = _recover_step(run, live, joins)
+        if live == 0:  # no group holds the state: the DCP backstop, which this model leaves out
+            break
+        run.steps += 1
+        run.record()
+    return run.result()
+
+
+def mtbf_s(cluster: Cluster, failures: list[Failure], horizon: Horizon, rate_per_gpu_hour: float | None = None) -> float:
+    """Mean time between failures of the whole job, for the Young/Daly interval."""
+    if rate_per_gpu_hour:
+        return HOUR / (rate_per_gpu_hour * cluster.gpus)
+    times = [f.time_s for f in failures if f.time_s is not None]
+    span = horizon.wall_s if math.isfinite(horizon.wall_s) else (max(times) if times else math.inf)
+    return span / len(times) if times else math.inf
+
+
+def compare(
+    cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon, ckpt_every: int, curves: bool = False
+) -> dict:
+    """Both systems on the same failures; ratios are titan_recover over checkpoint-and-restart.
+    With ``curves``, also each run's (time s, tokens, GPU-hours) points."""
+    rec = simulate_recover(cluster, costs, failures, horizon)
+    base = simulate_restart(cluster, costs, failures, horizon, ckpt_every)
+    out: dict = {
+        "ckpt_every": ckpt_every,
+        "recover": summary(rec),
+        "restart": summary(base),
+        "throughput_ratio": rec.throughput / base.throughput if base.throughput else math.inf,
+    }
+    if math.isfinite(horizon.gpu_hours):
+        r, b = rec.tokens_at_gpu_hours(horizon.gpu_hours), base.tokens_at_gpu_hours(horizon.gpu_hours)
+        out["tokens_ratio_at_gpu_hours"] = r / b if b else math.inf
+    if curves:
+        out["curves"] = {"recover": rec.curve, "restart": base.curve}
+    return out
+
+
+def summary(result: Result) -> dict:
+    return {
+        "system": result.system, "wall_s": result.wall_s, "steps": result.steps, "tokens": result.tokens,
+        "gpu_hours": result.gpu_hours, "failures": result.failures, "tokens_per_s": result.throughput,
+    }
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x`` (to extrapolate measured costs to more groups)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
+# The paper's setting: 512 GPUs, 256 of them lost spread over the run, compared at 234
+# GPU-hours. The costs are GPU-cluster assumptions of ours, not numbers from the paper:
+# a ~10 s step, a 30 s blocking DCP save, a 5 min job restart (reschedule, rendezvous,
+# load), and for titan_recover the detection/regroup and the state transfer of a group.
+MICROBATCHES_PER_GROUP = 8  # gradient accumulation per group when all are live
+PAPER_CLUSTER = Cluster(gpus=512, group_gpus=8, microbatches=512, tokens_per_step=4 * 2**20)
+PAPER_COSTS = Costs(step_s=10.0, ckpt_save_s=30.0, restart_s=300.0, detect_s=5.0, rejoin_s=120.0, transfer_s=5.0)
+PAPER_LOST_GPUS, PAPER_GPU_HOURS = 256, 234.0
+
+
+def paper_setting(costs: Costs = PAPER_COSTS, events: int = 4, curves: bool = False) -> dict:
+    """``events`` failures, each losing 256 / events GPUs for good, evenly spread over the
+    time the failure-free cluster takes to spend 234 GPU-hours."""
+    cluster = PAPER_CLUSTER
+    lost_groups = PAPER_LOST_GPUS // cluster.group_gpus
+    if lost_groups % events:
+        raise ValueError(f"{PAPER_LOST_GPUS} GPUs in groups of {cluster.group_gpus} do not split into {events} events")
+    span = PAPER_GPU_HOURS * HOUR / cluster.gpus
+    failures = spread_failures(events, span, groups=lost_groups // events)
+    horizon = Horizon(gpu_hours=PAPER_GPU_HOURS)
+    costs = replace(costs, repair_s=math.inf)
+    return compare(cluster, costs, failures, horizon, young_daly_steps(costs, span / events), curves)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m titan_recover.goodput", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    c = p.add_argument_group("cluster")
+    c.add_argument("--gpus", type=int, default=PAPER_CLUSTER.gpus)
+    c.add_argument("--group-gpus", type=int, default=PAPER_CLUSTER.group_gpus, help="GPUs per replica group")
+    c.add_argument("--microbatches", type=int, default=None,
+                   help=f"M per step (default: {MICROBATCHES_PER_GROUP} per group)")
+    c.add_argument("--tokens-per-step", type=int, default=PAPER_CLUSTER.tokens_per_step)
+    k = p.add_argument_group("costs (seconds)")
+    for name, value in asdict(PAPER_COSTS).items():
+        k.add_argument(f"--{name.replace('_', '-')}", type=float, default=value)
+    f = p.add_argument_group("failures (one of)")
+    f.add_argument("--failure-rate", type=float, help="failures per GPU-hour (Poisson; use --repair-s)")
+    f.add_argument("--trace", help="JSON list of failure times in seconds")
+    f.add_argument("--paper", action="store_true", help="the paper's setting: 512 GPUs, 256 lost, 234 GPU-hours")
+    f.add_argument("--events", type=int, default=4, help="with --paper: how many failures lose the 256 GPUs")
+    h = p.add_argument_group("horizon")
+    h.add_argument("--hours", type=float, default=24.0, help="wall-clock hours to simulate")
+    h.add_argument("--ckpt-every", type=int, help="baseline checkpoint interval in steps (default: Young/Daly)")
+    h.add_argument("--seed", type=int, default=0)
+    h.add_argument("--json", help="also write the result here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    costs = Costs(**{name: getattr(args, name) for name in asdict(PAPER_COSTS)})
+    if args.paper:
+        result = paper_setting(costs, args.events)
+    else:
+        cluster = Cluster(args.gpus, args.group_gpus, args.microbatches or MICROBATCHES_PER_GROUP * (args.gpus // args.group_gpus), args.tokens_per_step)
+        if cluster.groups < 1 or cluster.microbatches < cluster.groups:
+            raise SystemExit(f"error: need --gpus >= --group-gpus and --microbatches >= {cluster.groups} groups")
+        horizon = Horizon(wall_s=args.hours * HOUR)
+        if args.trace:
+            with open(args.trace) as fh:
+                failures = [Failure(time_s=float(t)) for t in json.load(fh)]
+        else:
+            failures = poisson_failures(cluster, args.failure_rate or 0.0, horizon.wall_s, args.seed)
+        ckpt = args.ckpt_every or young_daly_steps(costs, mtbf_s(cluster, failures, horizon, args.failure_rate))
+        result = compare(cluster, costs, failures, horizon, ckpt)
+    for side in ("recover", "restart"):
+        s = result[side]
+        print(f"{s['system']:22s} wall {s['wall_s'] / HOUR:7.2f} h  steps {s['steps']:7d}  failures {s['failures']:4d}  "
+              f"GPU-hours {s['gpu_hours']:9.1f}  tokens/s {s['tokens_per_s']:12.0f}")
+    print(f"effective throughput ratio titan_recover / checkpoint-and-restart: {result['throughput_ratio']:.2f}x")
+    if "tokens_ratio_at_gpu_hours" in result:
+        print(f"tokens at {PAPER_GPU_HOURS:g} GPU-hours: {result['tokens_ratio_at_gpu_hours']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
