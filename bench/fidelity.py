@@ -25,7 +25,7 @@ Per system, against its own failure-free run:
   first step that commits after it; that step's own compute is inside, so the median
   failure-free step time is reported beside it.
 
-    .venv/bin/python bench/fidelity.py [--quick] [--shards 1|2]
+    .venv/bin/python -m bench.fidelity [--quick] [--shards 1|2]
 
 Needs torchft (a benchmark extra): ``.venv/bin/pip install torchft==0.2.0`` (it keeps the
 installed torch). Writes bench/results/fidelity.json and prints a short table.
@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
@@ -50,13 +50,12 @@ from typing import Any
 
 import torch
 
+from bench.common import CONFIG, ROOT, write_result
 from titan_recover import data
 from titan_recover.events import events_path, read_events
+from titan_recover.launch import with_threads
 from titan_recover.store import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
-RESULTS = ROOT / "bench" / "results"
 BIN = Path(sys.executable).parent
 RUN_TIMEOUT_S = 900
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -76,6 +75,7 @@ class Setup:
     global_batch: int = 16
     warmup_steps: int = 2
     seed: int = 42
+    killed_replica: int = 1
     heartbeat_timeout_s: float = 5.0  # titan_recover's [recover] default; the Lighthouse's default too
 
     @property
@@ -84,7 +84,7 @@ class Setup:
 
     @property
     def fault_plan(self) -> str:
-        return f"kill replica=1 rank=0 step={self.fault_step} phase=backward"
+        return f"kill replica={self.killed_replica} rank=0 step={self.fault_step} phase=backward"
 
     def overrides(self) -> list[str]:
         """TorchTitan CLI overrides shared by both systems (the rest comes from CONFIG)."""
@@ -116,7 +116,7 @@ class Step:
 
 @dataclass
 class Run:
-    command: list[str]
+    commands: list[str]  # shell lines, in the order they were started
     wall_s: float
     steps: dict[int, Step]
     fault_time: float | None
@@ -124,8 +124,16 @@ class Run:
 
 
 def _start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """Starts ``cmd`` in its own session, so that ``_stop`` also reaches torchrun's workers."""
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGKILLs what is left of a process started by ``_start`` and its children."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _failed(what: str, log: Path, code: int | None) -> RuntimeError:
@@ -152,8 +160,12 @@ def run_recover(setup: Setup, plan: str, dump: Path) -> Run:
     log = dump / "launch.log"
     start = time.monotonic()
     proc = _start(cmd, log, ENV)
-    if proc.wait(timeout=RUN_TIMEOUT_S) != 0:
-        raise _failed("titan_recover", log, proc.returncode)
+    try:
+        code = proc.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        _stop(proc)
+    if code != 0:
+        raise _failed("titan_recover", log, code)
     wall = time.monotonic() - start
     events = list(read_events(events_path(str(dump))))
     steps = {
@@ -165,7 +177,7 @@ def run_recover(setup: Setup, plan: str, dump: Path) -> Run:
     }
     extra = {"recovered_latency_s": [e["latency_s"] for e in events if e["event"] == "recovered"],
              "failures": [e["cause"] for e in events if e["event"] == "failure"]}
-    return Run(cmd, wall, steps, _fault_time(events), extra)
+    return Run([shlex.join(cmd)], wall, steps, _fault_time(events), extra)
 
 
 # ---- torchft --------------------------------------------------------------------------
@@ -217,7 +229,8 @@ def run_torchft(setup: Setup, plan: str, dump: Path) -> Run:
     cmds: dict[int, list[str]] = {}
     try:
         _wait_listening(port, lighthouse, lighthouse_log)
-        env = {**ENV, "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}
+        # the same thread split titan_recover's launcher makes, so neither oversubscribes the cores
+        env = with_threads({**ENV, "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}, setup.replicas * setup.shards)
         start = time.monotonic()
         for r in range(setup.replicas):
             cmds[r] = [
@@ -231,26 +244,22 @@ def run_torchft(setup: Setup, plan: str, dump: Path) -> Run:
                 "--recover.fault_plan", plan,
             ]
             groups[r] = _start(cmds[r], dump / f"replica{r}.log", env)
-        killed = {1} if plan != "none" else set()
         for r, proc in groups.items():
-            if proc.wait(timeout=RUN_TIMEOUT_S) != 0 and r not in killed:
+            if proc.wait(timeout=RUN_TIMEOUT_S) != 0 and not (plan != "none" and r == setup.killed_replica):
                 raise _failed(f"torchft replica group {r}", dump / f"replica{r}.log", proc.returncode)
         wall = time.monotonic() - start
     finally:
         for proc in [*groups.values(), lighthouse]:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            _stop(proc)
     events = list(read_events(events_path(str(dump))))
     extra = {
-        "lighthouse_command": shlex.join(lighthouse_cmd),
-        "env": {"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:<port>"},
-        "replica_commands": {r: shlex.join(c) for r, c in cmds.items()},
+        "env": {"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"},
         "participants": {e["step"]: e["participants"] for e in events
                          if e["event"] == "ft_step" and e["replica"] == 0 and e["rank"] == 0},
         "uncommitted_steps": sorted({e["step"] for e in events if e["event"] == "ft_step" and not e["committed"]}),
     }
-    return Run(cmds[0], wall, _torchft_steps(setup, events), _fault_time(events), extra)
+    commands = [shlex.join(c) for c in (lighthouse_cmd, *cmds.values())]
+    return Run(commands, wall, _torchft_steps(setup, events), _fault_time(events), extra)
 
 
 # ---- analysis -------------------------------------------------------------------------
@@ -302,7 +311,7 @@ def analyze(setup: Setup, ff: Run, kill: Run) -> dict[str, Any]:
         "median_ff_step_s": _median_step_time(ff),
         "per_step": per_step,
         "wall_s": {"ff": round(ff.wall_s, 1), "kill": round(kill.wall_s, 1)},
-        "commands": {"ff": shlex.join(ff.command), "kill": shlex.join(kill.command)},
+        "commands": {"ff": ff.commands, "kill": kill.commands},
         "details": {"ff": ff.extra, "kill": kill.extra},
     }
 
@@ -312,7 +321,7 @@ def analyze(setup: Setup, ff: Run, kill: Run) -> dict[str, Any]:
 
 def run(quick: bool, out_dir: Path, shards: int = 1) -> dict[str, Any]:
     """Runs failure-free and kill under torchft and titan_recover; returns the results."""
-    import torchft  # noqa: F401  fail early, with the install hint, if the extra is missing
+    import torchft  # noqa: F401  fails at once if the bench extra (torchft) is missing
 
     setup = Setup(steps=20, fault_step=8, shards=shards) if quick else Setup(steps=40, fault_step=15, shards=shards)
     started = time.monotonic()
@@ -323,11 +332,13 @@ def run(quick: bool, out_dir: Path, shards: int = 1) -> dict[str, Any]:
         systems[name] = analyze(setup, ff, kill)
     short = {"torchft": "torchft", "titan_recover": "recover"}
     top = {f"{short[n]}_{k}": systems[n][k] for n in systems for k in (
-        "max_rel_loss_dev", "samples_skipped", "samples_repeated")}
-    top.update({f"{short[n]}_recovery_s": systems[n]["recovery_s"] for n in systems})
-    top.update({f"{short[n]}_median_ff_step_s": systems[n]["median_ff_step_s"] for n in systems})
+        "max_rel_loss_dev", "samples_skipped", "samples_repeated", "recovery_s", "median_ff_step_s")}
+    for n, r in systems.items():  # per step, step 1 first; None where the kill run did not commit
+        top[f"{short[n]}_rel_loss_dev"] = [row["rel_dev"] for row in r["per_step"]]
+        top[f"{short[n]}_global_batch"] = r["global_batch_per_step"]
     return {
         **top,
+        "commands": {n: r["commands"] for n, r in systems.items()},
         "setup": {
             **asdict(setup), "num_microbatches": setup.num_microbatches, "fault_plan": setup.fault_plan,
             "config": str(CONFIG.relative_to(ROOT)), "model": "llama3_recover (torchft: llama3_recover_torchft, "
@@ -337,7 +348,7 @@ def run(quick: bool, out_dir: Path, shards: int = 1) -> dict[str, Any]:
             "titan_recover": "titan_recover.launch, [recover] max_restarts = 0",
             "recovery_s": "wall time from the SIGKILL to the end of the survivors' first committed step after it",
             "versions": {"torch": torch.__version__, "torchft": _version("torchft"), "torchtitan": _version("torchtitan")},
-            "install": "pip install torchft==0.2.0  (keeps torch; adds only opentelemetry and protobuf packages)",
+            "install": "pip install torchft==0.2.0  (keeps torch 2.13.0+cpu; adds torchft, opentelemetry-* and googleapis-common-protos)",
         },
         "systems": systems,
         "wall_s": round(time.monotonic() - started, 1),
@@ -361,9 +372,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="fidelity_") as tmp:
         result = run(args.quick, Path(tmp), args.shards)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "fidelity.json"
-    path.write_text(json.dumps(result, indent=2))
+    path = write_result("fidelity", result)
     s = result["setup"]
     print(f"\n{s['replicas']} replica groups x {s['shards']} FSDP ranks, llama3 {s['flavor']}, {s['steps']} steps, "
           f"{s['global_batch']} samples/step; {s['fault_plan']}; no restart")

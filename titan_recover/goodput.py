@@ -285,11 +285,11 @@ def compare(
         "ckpt_every": ckpt_every,
         "recover": summary(rec),
         "restart": summary(base),
-        "throughput_ratio": rec.throughput / base.throughput if base.throughput else math.inf,
+        "throughput_ratio": rec.throughput / base.throughput if base.throughput else None,  # None: baseline made nothing
     }
     if math.isfinite(horizon.gpu_hours):
         r, b = rec.tokens_at_gpu_hours(horizon.gpu_hours), base.tokens_at_gpu_hours(horizon.gpu_hours)
-        out["tokens_ratio_at_gpu_hours"] = r / b if b else math.inf
+        out["tokens_ratio_at_gpu_hours"] = r / b if b else None
     if curves:
         out["curves"] = {"recover": rec.curve, "restart": base.curve}
     return out
@@ -323,12 +323,14 @@ PAPER_LOST_GPUS, PAPER_GPU_HOURS = 256, 234.0
 
 def paper_setting(costs: Costs = PAPER_COSTS, events: int = 4, curves: bool = False) -> dict:
     """``events`` failures, each losing 256 / events GPUs for good, evenly spread over the
-    time the failure-free cluster takes to spend 234 GPU-hours."""
+    run, which ends when 234 GPU-hours are spent."""
     cluster = PAPER_CLUSTER
     lost_groups = PAPER_LOST_GPUS // cluster.group_gpus
     if lost_groups % events:
         raise ValueError(f"{PAPER_LOST_GPUS} GPUs in groups of {cluster.group_gpus} do not split into {events} events")
-    span = PAPER_GPU_HOURS * HOUR / cluster.gpus
+    # events at span * i / (events + 1): the cluster spends equal time at each size
+    mean_gpus = cluster.gpus - PAPER_LOST_GPUS / 2
+    span = PAPER_GPU_HOURS * HOUR / mean_gpus
     failures = spread_failures(events, span, groups=lost_groups // events)
     horizon = Horizon(gpu_hours=PAPER_GPU_HOURS)
     costs = replace(costs, repair_s=math.inf)
@@ -360,6 +362,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _times(ratio: float | None) -> str:
+    return f"{ratio:.2f}x" if ratio is not None else "unbounded (checkpoint-and-restart committed nothing)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     costs = Costs(**{name: getattr(args, name) for name in asdict(PAPER_COSTS)})
@@ -381,9 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         s = result[side]
         print(f"{s['system']:22s} wall {s['wall_s'] / HOUR:7.2f} h  steps {s['steps']:7d}  failures {s['failures']:4d}  "
               f"GPU-hours {s['gpu_hours']:9.1f}  tokens/s {s['tokens_per_s']:12.0f}")
-    print(f"effective throughput ratio titan_recover / checkpoint-and-restart: {result['throughput_ratio']:.2f}x")
+    print(f"effective throughput ratio titan_recover / checkpoint-and-restart: {_times(result['throughput_ratio'])}")
     if "tokens_ratio_at_gpu_hours" in result:
-        print(f"tokens at {PAPER_GPU_HOURS:g} GPU-hours: {result['tokens_ratio_at_gpu_hours']:.2f}x")
+        print(f"tokens at {PAPER_GPU_HOURS:g} GPU-hours: {_times(result['tokens_ratio_at_gpu_hours'])}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)

@@ -162,13 +162,14 @@ def run_recover(job_config: object, argv: list[str]) -> int:
         env[store.COORDINATOR_ENV] = f"127.0.0.1:{rc.coordinator_port or store.free_port()}"
         coordinator = subprocess.Popen([sys.executable, "-m", "titan_recover.coordinator", *argv], env=env)
     address = env[store.COORDINATOR_ENV]
-    client = store.connect(address, timeout_s=60)
     log(
         f"coordinator at {address}; starting replica groups {local} of {replicas}, "
         f"{par.data_parallel_shard_degree} FSDP ranks each"
     )
+    # started at once: their ranks import and build the model while the coordinator comes up
     groups = ReplicaGroups(argv, env, local, par.data_parallel_shard_degree, rc.max_restarts)
     try:
+        client = store.connect(address, timeout_s=60)
         while True:
             if coordinator is not None and coordinator.poll() is not None:
                 break
