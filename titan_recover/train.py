@@ -29,6 +29,7 @@ cpu_shim.apply()  # before any torchtitan module binds the device type
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import JobConfig
 from torchtitan.distributed import utils as dist_utils
@@ -365,12 +366,17 @@ class RecoverTrainer(Trainer):
         self.metrics_processor.ntokens_since_last_log += labels.numel()
 
     def _grads(self) -> list[torch.Tensor]:
+        """Each parameter's local gradient, laid out like the parameter. TP can leave a
+        gradient Partial or Replicate where its parameter is Replicate or Shard; it is
+        redistributed first, so every replica (and a rejoiner's zeros) flattens the same shapes."""
         grads = []
         for m in self.model_parts:
             for p in m.parameters():
                 if p.requires_grad:
                     if p.grad is None:  # a rejoiner owns no microbatch in the step it joins
                         p.grad = torch.zeros_like(p)
+                    elif isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
                     grads.append(transfer.local(p.grad))
         return grads
 
