@@ -69,8 +69,9 @@ def test_cli_overrides_reach_the_section() -> None:
         (["--recover.digest_interval", "0"], "recover.digest_interval"),
         (["--recover.digest_interval", "-5"], "recover.digest_interval"),
         (["--recover.fault_plan", "sleep replica=1 step=2"], "recover.fault_plan"),
-        (["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree"),
-        (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree"),
+        (["--parallelism.tensor_parallel_degree", "0"], "parallelism.tensor_parallel_degree"),
+        (["--parallelism.pipeline_parallel_degree", "0"], "parallelism.pipeline_parallel_degree"),
+        (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree"),
         (["--training.global_batch_size", "10"], "training.global_batch_size"),
         (["--training.global_batch_size", "0"], "training.global_batch_size"),
     ],
@@ -207,3 +208,31 @@ def test_launch_rejects_bad_config_with_exit_code_2() -> None:
     # nothing was started: no coordinator or replica group printed anything
     assert "coordinator" not in proc.stdout
     assert "replica group" not in proc.stdout
+
+
+def _par(pp: int, replicas: int, shards: int, tp: int) -> object:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(pipeline_parallel_degree=pp, data_parallel_replicate_degree=replicas,
+                           data_parallel_shard_degree=shards, tensor_parallel_degree=tp)
+
+
+def test_group_coordinates_keep_each_ranks_pp_shard_tp_coordinate() -> None:
+    # TorchTitan's world is (pp, dp_replicate, dp_shard, tp); a group's own is (pp, dp_shard, tp)
+    pp, replicas, shards, tp = 2, 3, 2, 2
+    par = _par(pp, replicas, shards, tp)
+    seen = set()
+    for rank in range(pp * replicas * shards * tp):
+        p, rest = divmod(rank, replicas * shards * tp)
+        r, rest = divmod(rest, shards * tp)
+        s, t = divmod(rest, tp)
+        assert config.group_coordinates(rank, par) == (r, (p * shards + s) * tp + t)
+        seen.add(config.group_coordinates(rank, par))
+    assert seen == {(r, k) for r in range(replicas) for k in range(config.group_ranks(par))}
+
+
+def test_one_rank_per_data_shard_reports_the_tally() -> None:
+    par = _par(pp=2, replicas=1, shards=2, tp=2)  # group ranks: (stage, shard, tp)
+    reporters = [k for k in range(config.group_ranks(par)) if config.reports_data(k, par)]
+    assert reporters == [4, 6]  # last stage, tp rank 0, shards 0 and 1
+    assert [config.reports_data(k, _par(1, 2, 2, 1)) for k in range(2)] == [True, True]  # plain HSDP

@@ -128,9 +128,14 @@ def validate(job_config: Any) -> Recover:
             f"recover.min_replicas ({rc.min_replicas}) is more than "
             f"parallelism.data_parallel_replicate_degree ({replicas})"
         )
-    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
-        if getattr(par, key) != 1:
-            raise ConfigError(f"parallelism.{key} must be 1 with titan_recover (got {getattr(par, key)})")
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree"):
+        if getattr(par, key) < 1:
+            raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(par, key)}")
+    if par.context_parallel_degree != 1:
+        raise ConfigError(
+            f"parallelism.context_parallel_degree must be 1 with titan_recover (got {par.context_parallel_degree}): "
+            "context parallelism inside a replica group is not supported yet"
+        )
     tr = job_config.training
     per_microbatch = tr.local_batch_size * shards
     if tr.global_batch_size <= 0 or tr.global_batch_size % (per_microbatch * replicas):
@@ -140,6 +145,32 @@ def validate(job_config: Any) -> Recover:
             f"data_parallel_replicate_degree ({per_microbatch * replicas})"
         )
     return rc
+
+
+def group_ranks(par: Any) -> int:
+    """Ranks in one replica group: its TorchTitan world, dp_shard x tp x pp."""
+    return par.data_parallel_shard_degree * par.tensor_parallel_degree * par.pipeline_parallel_degree
+
+
+def group_coordinates(rank: int, par: Any) -> tuple[int, int]:
+    """(replica, rank inside its group) of a global rank of the stock HSDP world.
+
+    TorchTitan lays the world out as (pp, dp_replicate, dp_shard, tp); a replica group's
+    own world is (pp, dp_shard, tp), so a rank keeps its (pp, dp_shard, tp) coordinate.
+    """
+    tp, shards, replicas = par.tensor_parallel_degree, par.data_parallel_shard_degree, par.data_parallel_replicate_degree
+    rest, t = divmod(rank, tp)
+    rest, s = divmod(rest, shards)
+    p, r = divmod(rest, replicas)
+    return r, (p * shards + s) * tp + t
+
+
+def reports_data(rank_in_group: int, par: Any) -> bool:
+    """Whether this rank speaks for its data shard in the step tally: with TP every rank of
+    a shard reads the same microbatch, and with PP only the last stage has the loss."""
+    tp, shards = par.tensor_parallel_degree, par.data_parallel_shard_degree
+    stage = rank_in_group // (shards * tp)
+    return rank_in_group % tp == 0 and stage == par.pipeline_parallel_degree - 1
 
 
 def num_microbatches(job_config: Any) -> int:

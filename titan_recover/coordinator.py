@@ -37,7 +37,7 @@ class Coordinator:
         par = job_config.parallelism  # type: ignore[attr-defined]
         self.rc = rc
         self.steps = job_config.training.steps  # type: ignore[attr-defined]
-        self.shards = par.data_parallel_shard_degree
+        self.shards = config.group_ranks(par)  # ranks per replica group, each with a heartbeat
         self.replicas = par.data_parallel_replicate_degree
         self.store = store.serve(port, rc.collective_timeout_s)
         self.events = EventLog(job_config.job.dump_folder)  # type: ignore[attr-defined]

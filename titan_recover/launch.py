@@ -1,14 +1,14 @@
 """The launcher behind ``run_train.sh``: coordinator + one torchrun job per replica group.
 
 ``[recover] enable = true``: starts the coordinator (unless ``$TITAN_RECOVER_COORDINATOR``
-points at one on another node), then R ``torchrun`` jobs of ``dp_shard`` ranks each,
+points at one on another node), then R ``torchrun`` jobs of dp_shard x tp x pp ranks each,
 and restarts a group's torchrun when it fails, up to ``[recover] max_restarts``
 times: only the failed group restarts, and it rejoins from a live peer. When the
 coordinator fences a group that is hung rather than dead (e.g. SIGSTOP), this
 launcher SIGKILLs its ranks first. (torchrun's own ``--max_restarts`` is not used:
 with ``--standalone`` in torch 2.13 a restarted group read its previous attempt's
 gloo addresses and failed to connect.)
-``enable = false``: one ``torchrun`` world of R x dp_shard ranks, stock TorchTitan HSDP,
+``enable = false``: one ``torchrun`` world of R x dp_shard x tp x pp ranks, stock TorchTitan,
 restarted as a whole on failure (checkpoint-and-restart).
 Either way the run ends with a summary from ``recover_events.jsonl``.
 """
@@ -139,7 +139,7 @@ def run_stock(job_config: object, argv: list[str]) -> int:
     TorchTitan resumes from its latest DCP checkpoint (from step 0 when there is none)."""
     par = job_config.parallelism  # type: ignore[attr-defined]
     max_restarts = job_config.recover.max_restarts  # type: ignore[attr-defined]
-    nproc = par.data_parallel_replicate_degree * par.data_parallel_shard_degree
+    nproc = par.data_parallel_replicate_degree * config.group_ranks(par)
     log(f"[recover] enable = false: stock TorchTitan HSDP, {nproc} ranks in one torchrun world")
     attempt = 0
     while True:
@@ -156,7 +156,8 @@ def run_recover(job_config: object, argv: list[str]) -> int:
     par = job_config.parallelism  # type: ignore[attr-defined]
     replicas = par.data_parallel_replicate_degree
     local = [int(r) for r in os.environ.get(REPLICAS_ENV, ",".join(map(str, range(replicas)))).split(",")]
-    env = with_threads(dict(os.environ), len(local) * par.data_parallel_shard_degree)
+    ranks = config.group_ranks(par)
+    env = with_threads(dict(os.environ), len(local) * ranks)
     coordinator = None
     if store.COORDINATOR_ENV not in env:
         env[store.COORDINATOR_ENV] = f"127.0.0.1:{rc.coordinator_port or store.free_port()}"
@@ -164,10 +165,11 @@ def run_recover(job_config: object, argv: list[str]) -> int:
     address = env[store.COORDINATOR_ENV]
     log(
         f"coordinator at {address}; starting replica groups {local} of {replicas}, "
-        f"{par.data_parallel_shard_degree} FSDP ranks each"
+        f"{ranks} ranks each (dp_shard {par.data_parallel_shard_degree} x tp {par.tensor_parallel_degree} "
+        f"x pp {par.pipeline_parallel_degree})"
     )
     # started at once: their ranks import and build the model while the coordinator comes up
-    groups = ReplicaGroups(argv, env, local, par.data_parallel_shard_degree, rc.max_restarts)
+    groups = ReplicaGroups(argv, env, local, ranks, rc.max_restarts)
     try:
         client = store.connect(address, timeout_s=60)
         while True:

@@ -1,7 +1,8 @@
 """The training entry point: TorchTitan's Trainer with a fault-tolerant replicate dimension.
 
-With ``[recover] enable = true`` each torchrun job is one replica group (FSDP over
-``dp_shard``) and ``train_step`` runs, top to bottom:
+With ``[recover] enable = true`` each torchrun job is one replica group (a TorchTitan
+world of dp_shard x tp x pp ranks; rank k of every group holds the same coordinate, and
+the replicate all-reduce joins those) and ``train_step`` runs, top to bottom:
 
     hand state to rejoiners -> assignment -> accumulate owned microbatches
     -> FT all-reduce -> agreement -> commit
@@ -28,6 +29,7 @@ cpu_shim.apply()  # before any torchtitan module binds the device type
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import JobConfig
 from torchtitan.distributed import utils as dist_utils
@@ -35,7 +37,7 @@ from torchtitan.train import Trainer, main
 
 from titan_recover import data, membership, recovery, store, transfer
 from titan_recover.collectives import POLL_S, CollectiveAborted, ReplicateGroups, backoff
-from titan_recover.config import num_microbatches, validate
+from titan_recover.config import group_coordinates, num_microbatches, reports_data, validate
 from titan_recover.events import EventLog
 from titan_recover.faults import Fault, FaultInjector
 from titan_recover.membership import Membership
@@ -84,7 +86,8 @@ class RecoverTrainer(Trainer):
                 {"pid": os.getpid(), "host": socket.gethostname()},
             )
         else:
-            self.replica, self.shard = divmod(int(os.environ["RANK"]), job_config.parallelism.data_parallel_shard_degree)
+            self.replica, self.shard = group_coordinates(int(os.environ["RANK"]), job_config.parallelism)
+        self.reports_data = reports_data(self.shard, job_config.parallelism)
         super().__init__(job_config)
         self.num_microbatches = num_microbatches(job_config)
         self.injector = FaultInjector(self.rc.fault_plan, self.replica, self.shard, self._on_fault, self.attempt)
@@ -179,8 +182,9 @@ class RecoverTrainer(Trainer):
                 yield input_dict, labels
 
         super().train_step(tallied())
-        for (m, digest, tokens), loss in zip(self._stock_pieces, self._stock_losses):
-            recovery.tally_microbatch(tally, m, digest, tokens, loss)
+        if self.reports_data:
+            for (m, digest, tokens), loss in zip(self._stock_pieces, self._stock_losses):
+                recovery.tally_microbatch(tally, m, digest, tokens, loss)
         dist.all_reduce(tally)
         summary = recovery.summarize(tally, self.parallel_dims.dp_shard, int(self.global_tokens))
         if dist.get_rank() == 0:
@@ -356,17 +360,23 @@ class RecoverTrainer(Trainer):
                 input_dict={"input": inputs}, labels=labels, global_valid_tokens=self.global_tokens
             )
         tokens = int((labels != IGNORE_INDEX).sum())
-        recovery.tally_microbatch(tally, microbatch, data.piece_digest(inputs, labels), tokens, loss.detach())
+        if self.reports_data:
+            recovery.tally_microbatch(tally, microbatch, data.piece_digest(inputs, labels), tokens, loss.detach())
         self.ntokens_seen += labels.numel()
         self.metrics_processor.ntokens_since_last_log += labels.numel()
 
     def _grads(self) -> list[torch.Tensor]:
+        """Each parameter's local gradient, laid out like the parameter. TP can leave a
+        gradient Partial or Replicate where its parameter is Replicate or Shard; it is
+        redistributed first, so every replica (and a rejoiner's zeros) flattens the same shapes."""
         grads = []
         for m in self.model_parts:
             for p in m.parameters():
                 if p.requires_grad:
                     if p.grad is None:  # a rejoiner owns no microbatch in the step it joins
                         p.grad = torch.zeros_like(p)
+                    elif isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
                     grads.append(transfer.local(p.grad))
         return grads
 
@@ -441,7 +451,7 @@ class RecoverTrainer(Trainer):
         self._commit(membership, *reduced, lr)
 
     def _commit(self, membership: Membership, flat: torch.Tensor, tally: torch.Tensor, lr: float) -> None:
-        summary = recovery.summarize(tally, self.parallel_dims.world_size, int(self.global_tokens))
+        summary = recovery.summarize(tally, self.parallel_dims.dp_shard, int(self.global_tokens))
         offset = 0
         with torch.no_grad():
             for g in self._grads():
