@@ -110,3 +110,11 @@ def test_cli_writes_json(tmp_path, capsys) -> None:
 def test_cli_rejects_an_impossible_cluster() -> None:
     with pytest.raises(SystemExit, match="--microbatches >= 8 groups"):
         g.main(["--gpus", "64", "--microbatches", "4"])
+
+
+def test_best_ckpt_every_beats_or_matches_every_other_interval() -> None:
+    kills = [g.Failure(step=s) for s in (4, 9, 14)]
+    horizon = g.Horizon(steps=20)
+    best = g.best_ckpt_every(CLUSTER, COSTS, kills, horizon, upto=10)
+    walls = {k: g.simulate_restart(CLUSTER, COSTS, kills, horizon, k).wall_s for k in range(1, 11)}
+    assert walls[best] == min(walls.values())
