@@ -214,7 +214,7 @@ def main(argv: list[str]) -> int:
         os.remove(path)
     start = time.time()
     code = (run_recover if job_config.recover.enable else run_stock)(job_config, argv)
-    tr, par = job_config.training, job_config.parallelism
+    tr = job_config.training
     if os.path.exists(path):
         print(format_summary(summarize_events(path), tr.global_batch_size * tr.seq_len), flush=True)
     log(f"{'finished' if code == 0 else 'FAILED'} in {time.time() - start:.1f}s; events: {path}")
