@@ -34,8 +34,9 @@ def fault_plan(kills: tuple[int, ...]) -> str:
     return "; ".join(f"kill replica=1 step={s} attempt={i}" for i, s in enumerate(kills))
 
 
-def step_gaps(steps: list[dict]) -> list[float]:
-    return [b["time"] - a["time"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1]
+def step_gaps(steps: list[dict]) -> dict[int, float]:
+    """Step number -> seconds since the previous step's event, for consecutive steps only."""
+    return {b["step"]: b["time"] - a["time"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1}
 
 
 def measure(system: str, steps: int, kills: tuple[int, ...], k: int | None = None) -> dict:
@@ -59,14 +60,13 @@ def measure(system: str, steps: int, kills: tuple[int, ...], k: int | None = Non
     }
     if k is None:
         full = [e for e in step_events if len(e["members"]) == 2]
-        run["step_s"] = statistics.median(step_gaps(full))
+        run["step_s"] = statistics.median(step_gaps(full).values())
         run["detect_s"] = [e["latency_s"] for e in of(events, "recovered")]
         failed = [e["time"] for e in of(events, "failure")]
         run["rejoin_s"] = [a["time"] - f for a, f in zip(of(events, "admitted"), failed)]
         run["transfer_s"] = [e["transfer_s"] for e in of(events, "rejoined")]
-        first_step = run["step_s"]
     else:
-        gaps = {b["step"]: b["time"] - a["time"] for a, b in zip(step_events, step_events[1:]) if b["step"] == a["step"] + 1}
+        gaps = step_gaps(step_events)
         normal = statistics.median(g for s, g in gaps.items() if (s - 1) % k)
         run["step_s"] = normal
         run["ckpt_save_s"] = max(0.0, statistics.median(g for s, g in gaps.items() if (s - 1) % k == 0) - normal)
@@ -75,9 +75,8 @@ def measure(system: str, steps: int, kills: tuple[int, ...], k: int | None = Non
             first = next(e for e in step_events if e["time"] > fault["time"])
             restarts.append(first["time"] - fault["time"] - normal)
         run["restart_s"] = restarts
-        first_step = normal
     # training time: the first step's start (one step before its event) to the last commit
-    run["train_s"] = step_events[-1]["time"] - step_events[0]["time"] + first_step
+    run["train_s"] = step_events[-1]["time"] - step_events[0]["time"] + run["step_s"]
     run["tokens_per_s"] = steps * TOKENS_PER_STEP / run["train_s"]
     run["command_tokens_per_s"] = steps * TOKENS_PER_STEP / wall
     return run

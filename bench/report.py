@@ -107,7 +107,9 @@ def plot_latency(goodput: dict, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for name, label in (("latency_s", "survivors regrouped"), ("restart_s", "failed group rejoined")):
         measured = scale["measured"][name]
-        ax.plot([int(r) * 8 for r in measured], list(measured.values()), "o", label=f"{label} (measured, x8 GPUs/group)")
+        per_group = scale["gpus_per_group"]
+        ax.plot([int(r) * per_group for r in measured], list(measured.values()), "o",
+                label=f"{label} (measured, x{per_group} GPUs/group)")
         ext = scale["extrapolated"]
         ax.plot([e["devices"] for e in ext], [e[name] for e in ext], "--", label=f"{label} (linear fit)")
     fr = scale["flashrecovery"]

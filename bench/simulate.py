@@ -106,6 +106,7 @@ def latency_scale(results: Path) -> dict:
         a, b = g.fit_line(xs, list(data.values()))
         out[f"{name}_fit"] = {"a": a, "b_per_group": b}
     per_group = g.PAPER_CLUSTER.group_gpus
+    out["gpus_per_group"] = per_group  # how a measured R maps to devices
     out["extrapolated"] = []
     for devices in (512, 1024, FLASHRECOVERY["devices"], 16384):
         groups = devices // per_group
