@@ -289,19 +289,19 @@ def test_send_receive_hands_the_joiner_the_donors_state(address: str) -> None:
 
     def donor() -> int:
         g = groups(address, 0)
-        pair = g.pair(epoch=1, joiner=1, donor=True, abort=never)
-        header = transfer.meta({"step": 7, "base_epoch": 1, "ntokens_seen": 4096}, d_opts, d_scheds)
-        return transfer.send(g, pair, header, [d_model], d_opts, abort=never, after_header=lambda: calls.append("donor"))
+        with g.pair(epoch=1, joiner=1, donor=True, abort=never) as pair:
+            header = transfer.meta({"step": 7, "base_epoch": 1, "ntokens_seen": 4096}, d_opts, d_scheds)
+            return transfer.send(g, pair, header, [d_model], d_opts, abort=never, after_header=lambda: calls.append("donor"))
 
     def joiner() -> tuple[dict[str, Any], int]:
         g = groups(address, 1)
-        pair = g.pair(epoch=1, joiner=1, donor=False, abort=never)
 
         def after_header(h: dict[str, Any]) -> None:
             calls.append(("joiner", h["step"]))
             torch.rand(100)  # moves the RNG on: the transfer must set it back to the donor's
 
-        return transfer.receive(g, pair, [j_model], j_opts, abort=never, after_header=after_header)
+        with g.pair(epoch=1, joiner=1, donor=False, abort=never) as pair:
+            return transfer.receive(g, pair, [j_model], j_opts, abort=never, after_header=after_header)
 
     results = run_both(donor, joiner)
     for side in ("donor", "joiner"):
@@ -356,13 +356,13 @@ def test_send_receive_without_optimizer_state(address: str) -> None:
 
     def donor() -> int:
         g = groups(address, 0)
-        pair = g.pair(epoch=1, joiner=1, donor=True, abort=never)
-        return transfer.send(g, pair, {"step": 0}, [d_model], d_opts, abort=never, after_header=lambda: None)
+        with g.pair(epoch=1, joiner=1, donor=True, abort=never) as pair:
+            return transfer.send(g, pair, {"step": 0}, [d_model], d_opts, abort=never, after_header=lambda: None)
 
     def joiner() -> tuple[dict[str, Any], int]:
         g = groups(address, 1)
-        pair = g.pair(epoch=1, joiner=1, donor=False, abort=never)
-        return transfer.receive(g, pair, [j_model], j_opts, abort=never, after_header=lambda h: None)
+        with g.pair(epoch=1, joiner=1, donor=False, abort=never) as pair:
+            return transfer.receive(g, pair, [j_model], j_opts, abort=never, after_header=lambda h: None)
 
     results = run_both(donor, joiner)
     assert not isinstance(results["donor"], BaseException), repr(results["donor"])
@@ -382,19 +382,19 @@ def test_receive_rejects_a_different_model_and_the_donor_aborts(address: str) ->
 
     def donor() -> int:
         g = groups(address, 0)
-        pair = g.pair(epoch=1, joiner=1, donor=True, abort=never)
-        return transfer.send(
-            g, pair, {"step": 3}, [d_model], d_opts,
-            abort=joiner_failed.is_set, after_header=lambda: payload_reached.append(True),
-        )
+        with g.pair(epoch=1, joiner=1, donor=True, abort=never) as pair:
+            return transfer.send(
+                g, pair, {"step": 3}, [d_model], d_opts,
+                abort=joiner_failed.is_set, after_header=lambda: payload_reached.append(True),
+            )
 
     def joiner() -> tuple[dict[str, Any], int]:
         g = groups(address, 1)
-        pair = g.pair(epoch=1, joiner=1, donor=False, abort=never)
-        try:
-            return transfer.receive(g, pair, [j_model], j_opts, abort=never, after_header=lambda h: None)
-        finally:
-            joiner_failed.set()
+        with g.pair(epoch=1, joiner=1, donor=False, abort=never) as pair:
+            try:
+                return transfer.receive(g, pair, [j_model], j_opts, abort=never, after_header=lambda h: None)
+            finally:
+                joiner_failed.set()
 
     results = run_both(donor, joiner)
     err = results["joiner"]
@@ -411,9 +411,9 @@ def test_receive_rejects_a_different_model_and_the_donor_aborts(address: str) ->
 def test_a_pair_is_its_own_two_rank_group(address: str) -> None:
     def side(replica: int) -> Callable[[], tuple[int, int]]:
         def run() -> tuple[int, int]:
-            pair = groups(address, replica).pair(epoch=3, joiner=1, donor=replica == 0, abort=never)
-            assert isinstance(pair, dist.ProcessGroupGloo)
-            return pair.rank(), pair.size()
+            with groups(address, replica).pair(epoch=3, joiner=1, donor=replica == 0, abort=never) as pair:
+                assert isinstance(pair, dist.ProcessGroupGloo)
+                return pair.rank(), pair.size()
         return run
 
     results = run_both(side(0), side(1))

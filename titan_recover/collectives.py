@@ -1,25 +1,36 @@
 """Fault-tolerant replicate-dimension collectives.
 
-For shard index ``k`` the live replicas' rank ``k`` form one gloo process group per
+For shard index ``k`` the live replicas' rank ``k`` form one process group per
 membership epoch, built under the store prefix ``replicate/e<epoch>/s<k>``: a rank of
 an old epoch can never join a newer group. Collectives are asynchronous and polled,
 so they return within a bounded time once the epoch moves on (a peer died or hung);
 an abandoned group and its buffers are parked, never reused or freed mid-flight.
 Callers pass fresh buffers (out-of-place), so a broken collective never touches
 local gradients.
+
+The groups are gloo, or NCCL where every rank has a GPU of its own (see
+``titan_recover.devices``). An abandoned NCCL group is aborted (``ncclCommAbort``):
+a collective whose peer died would otherwise spin on the GPU forever and wedge the
+rank's later kernels. Its communicators are non-blocking, so building and aborting
+never wait on a dead peer.
 """
 
+import os
 import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from titan_recover.config import ConfigError
 from titan_recover.membership import Membership
+from titan_recover.store import REPLICATE_BACKEND
 
 POLL_S = (0.0005, 0.005)  # first and longest pause while waiting: quick for short waits, light for long ones
+NCCL_NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"  # bounds a non-blocking communicator's setup
 
 
 def backoff(pause: float) -> float:
@@ -35,16 +46,47 @@ class CollectiveAborted(RuntimeError):
 class ReplicateGroups:
     """This rank's replicate-dim process groups, one per epoch."""
 
-    def __init__(self, store: dist.Store, replica: int, shard: int, timeout_s: float) -> None:
+    def __init__(
+        self, store: dist.Store, replica: int, shard: int, timeout_s: float,
+        backend: str = "gloo", device: torch.device = torch.device("cpu"),
+    ) -> None:
         self.store = store
         self.replica = replica
         self.shard = shard
         self.timeout = timedelta(seconds=timeout_s)
-        self._groups: dict[int, dist.ProcessGroupGloo | None] = {}
+        self.backend = backend
+        self.device = device if backend == "nccl" else torch.device("cpu")  # where transfer buffers live
+        self._groups: dict[int, dist.Backend | None] = {}
         self._parked: list[object] = []  # abandoned groups/work/buffers: kept alive, never reused
+        agreed = store.compare_set(REPLICATE_BACKEND, "", backend).decode()
+        if agreed != backend:
+            raise ConfigError(
+                f"replica {replica} runs the replicate dimension on {backend}, another replica group on {agreed}: "
+                "every host must agree; set recover.replicate_backend explicitly on all of them"
+            )
+        if backend == "nccl":
+            os.environ.setdefault(NCCL_NONBLOCKING_TIMEOUT_ENV, str(max(1, int(timeout_s))))
 
-    def _connect(self, prefix: str, rank: int, size: int, abort: Callable[[], bool]) -> dist.ProcessGroupGloo:
-        """A gloo group under ``prefix``; raises CollectiveAborted if ``abort()`` first.
+    def _new_group(self, store: dist.Store, rank: int, size: int) -> dist.Backend:
+        if self.backend == "gloo":
+            return dist.ProcessGroupGloo(store, rank, size, self.timeout)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.blocking = False  # setup and abort return instead of waiting on a dead peer
+        opts._timeout = self.timeout
+        group = dist.ProcessGroupNCCL(store, rank, size, opts)
+        group.eager_connect_single_device(self.device)  # connect now, inside the abortable rendezvous
+        return group
+
+    def _discard(self, group: dist.Backend | None) -> None:
+        """Parks a group that will not be used again; an NCCL one is aborted first."""
+        if group is None or any(g is group for g in self._parked):
+            return
+        if self.backend == "nccl":
+            group.abort()
+        self._parked.append(group)
+
+    def _connect(self, prefix: str, rank: int, size: int, abort: Callable[[], bool]) -> dist.Backend:
+        """A group under ``prefix``; raises CollectiveAborted if ``abort()`` first.
 
         The rendezvous gets a store connection of its own (``clone``): its blocking
         ``get`` of a dead peer's address must not hold up this rank's other store calls.
@@ -54,7 +96,7 @@ class ReplicateGroups:
 
         def build() -> None:
             try:
-                result.append(dist.ProcessGroupGloo(store, rank, size, self.timeout))
+                result.append(self._new_group(store, rank, size))
             except Exception as e:  # a peer never showed up
                 result.append(e)
 
@@ -72,7 +114,7 @@ class ReplicateGroups:
             raise CollectiveAborted(f"building {prefix} failed: {result[0]}")
         return result[0]  # type: ignore[return-value]
 
-    def _build(self, membership: Membership, abort: Callable[[], bool]) -> dist.ProcessGroupGloo | None:
+    def _build(self, membership: Membership, abort: Callable[[], bool]) -> dist.Backend | None:
         if membership.epoch in self._groups:
             return self._groups[membership.epoch]
         size = len(membership.members)
@@ -82,15 +124,16 @@ class ReplicateGroups:
             group = self._connect(prefix, membership.members.index(self.replica), size, abort)
         # older epochs' groups are done with; park them (destroying may block on dead peers)
         for epoch in [e for e in self._groups if e < membership.epoch]:
-            self._parked.append(self._groups.pop(epoch))
+            self._discard(self._groups.pop(epoch))
         self._groups[membership.epoch] = group
         return group
 
-    def _wait(self, works: list[dist.Work], tensors: list[torch.Tensor], abort: Callable[[], bool], what: str) -> None:
+    def _wait(self, group: dist.Backend, works: list[dist.Work], tensors: list[torch.Tensor], abort: Callable[[], bool], what: str) -> None:
         pause = POLL_S[0]
         while not all(w.is_completed() for w in works):
             if abort():
                 self._parked.append((works, tensors))
+                self._discard(group)
                 raise CollectiveAborted(f"{what}: the epoch ended first")
             pause = backoff(pause)
         try:
@@ -98,19 +141,23 @@ class ReplicateGroups:
                 w.wait()
         except Exception as e:
             self._parked.append((works, tensors))
+            self._discard(group)
             raise CollectiveAborted(f"{what} failed: {e}") from e
 
-    def pair(self, epoch: int, joiner: int, donor: bool, abort: Callable[[], bool]) -> dist.ProcessGroupGloo:
-        """The two-rank group (donor = rank 0) that hands ``joiner`` its state in ``epoch``."""
+    @contextmanager
+    def pair(self, epoch: int, joiner: int, donor: bool, abort: Callable[[], bool]) -> Iterator[dist.Backend]:
+        """The two-rank group (donor = rank 0) that hands ``joiner`` its state in ``epoch``; one transfer only."""
         group = self._connect(f"transfer/e{epoch}/s{self.shard}/r{joiner}/", 0 if donor else 1, 2, abort)
-        self._parked.append(group)  # one transfer only
-        return group
+        try:
+            yield group
+        finally:
+            self._discard(group)
 
-    def broadcast(self, group: dist.ProcessGroupGloo, tensor: torch.Tensor, abort: Callable[[], bool]) -> None:
+    def broadcast(self, group: dist.Backend, tensor: torch.Tensor, abort: Callable[[], bool]) -> None:
         """Sends ``tensor`` from rank 0 of ``group`` into the others' ``tensor``, or raises CollectiveAborted."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self._wait([group.broadcast([tensor], opts)], [tensor], abort, "state transfer")
+        self._wait(group, [group.broadcast([tensor], opts)], [tensor], abort, "state transfer")
 
     def allreduce(
         self,
@@ -129,4 +176,8 @@ class ReplicateGroups:
             return
         works = [group.allreduce([t]) for t in tensors]
         on_launched()
-        self._wait(works, tensors, abort, f"all-reduce in epoch {membership.epoch}")
+        try:
+            self._wait(group, works, tensors, abort, f"all-reduce in epoch {membership.epoch}")
+        except CollectiveAborted:
+            self._groups.pop(membership.epoch, None)  # discarded; the caller moves on to a newer epoch
+            raise

@@ -55,6 +55,10 @@ class Recover:
     digest_interval: int = 10
     """Every this many steps (and at the last) each replica logs a digest of its parameters."""
 
+    replicate_backend: str = "auto"
+    """Backend of the replicate-dimension groups: "nccl", "gloo", or "auto" (NCCL where every
+    rank has a GPU of its own, else gloo); the launcher resolves "auto" (see titan_recover.devices)."""
+
 
 @dataclass
 class JobConfig:
@@ -76,7 +80,7 @@ def _check_types(section: Any, name: str) -> None:
 
 def validate(job_config: Any) -> Recover:
     """Checks ``[recover]`` and the parallelism it relies on; returns the section."""
-    from titan_recover import faults, workload
+    from titan_recover import devices, faults, workload
 
     rc: Recover = job_config.recover
     _check_types(rc, "recover")
@@ -103,6 +107,10 @@ def validate(job_config: Any) -> Recover:
         )
     if not 0 <= rc.coordinator_port < 65536:
         raise ConfigError(f"recover.coordinator_port out of range: {rc.coordinator_port}")
+    if rc.replicate_backend not in devices.BACKENDS:
+        raise ConfigError(
+            f"recover.replicate_backend must be one of {', '.join(devices.BACKENDS)}, got {rc.replicate_backend!r}"
+        )
     try:
         workload.get_policy(rc.policy)
     except workload.WorkloadError as e:

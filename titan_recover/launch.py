@@ -20,9 +20,10 @@ import subprocess
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 
-from titan_recover import config, store
+from titan_recover import config, devices, store
 from titan_recover.dataloader import token_file_for
 from titan_recover.events import events_path
 from titan_recover.summary import format_summary, summarize_events
@@ -93,18 +94,29 @@ def kill_fenced(client: object, replica: int, shards: int, handled: dict[int, in
             pass  # already gone
 
 
+def with_gpus(env: dict[str, str], visible: str | None) -> dict[str, str]:
+    """``env`` with the GPUs a group may use (unchanged on a CPU host)."""
+    return env if visible is None else {**env, "CUDA_VISIBLE_DEVICES": visible}
+
+
+def device_plan(requested: str, groups: int, ranks: int) -> devices.DevicePlan:
+    """This host's device plan; a ``config.ConfigError`` if it cannot run the groups."""
+    gpus = devices.host_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
+    return devices.plan(requested, gpus, groups, ranks, dist.is_nccl_available())
+
+
 class ReplicaGroups:
     """This node's replica groups: one torchrun job each, restarted when it fails."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], replicas: list[int], shards: int, max_restarts: int) -> None:
-        self.argv, self.env, self.shards, self.max_restarts = argv, env, shards, max_restarts
-        self.attempts = {r: 0 for r in replicas}
-        self.procs = {r: self._start(r) for r in replicas}
+    def __init__(self, argv: list[str], envs: dict[int, dict[str, str]], shards: int, max_restarts: int) -> None:
+        self.argv, self.envs, self.shards, self.max_restarts = argv, envs, shards, max_restarts
+        self.attempts = {r: 0 for r in envs}
+        self.procs = {r: self._start(r) for r in envs}
         self.given_up: set[int] = set()
         self.killed: dict[int, int] = {}
 
     def _start(self, replica: int) -> subprocess.Popen:
-        env = {**self.env, store.REPLICA_ENV: str(replica), store.ATTEMPT_ENV: str(self.attempts[replica])}
+        env = {**self.envs[replica], store.REPLICA_ENV: str(replica), store.ATTEMPT_ENV: str(self.attempts[replica])}
         return subprocess.Popen(torchrun(self.shards, self.argv, f"replica{replica}"), env=env)
 
     def watch(self, client: object) -> None:
@@ -140,10 +152,11 @@ def run_stock(job_config: object, argv: list[str]) -> int:
     par = job_config.parallelism  # type: ignore[attr-defined]
     max_restarts = job_config.recover.max_restarts  # type: ignore[attr-defined]
     nproc = par.data_parallel_replicate_degree * config.group_ranks(par)
+    visible = device_plan("gloo", 1, nproc).visible[0]  # one world: a GPU per rank, or the CPU
     log(f"[recover] enable = false: stock TorchTitan HSDP, {nproc} ranks in one torchrun world")
     attempt = 0
     while True:
-        env = with_threads({**os.environ, store.ATTEMPT_ENV: str(attempt)}, nproc)
+        env = with_gpus(with_threads({**os.environ, store.ATTEMPT_ENV: str(attempt)}, nproc), visible)
         code = subprocess.call(torchrun(nproc, argv, "hsdp"), env=env)
         if code == 0 or attempt == max_restarts:
             return code
@@ -157,6 +170,8 @@ def run_recover(job_config: object, argv: list[str]) -> int:
     replicas = par.data_parallel_replicate_degree
     local = [int(r) for r in os.environ.get(REPLICAS_ENV, ",".join(map(str, range(replicas)))).split(",")]
     ranks = config.group_ranks(par)
+    plan = device_plan(rc.replicate_backend, len(local), ranks)
+    argv = [*argv, "--recover.replicate_backend", plan.backend]
     env = with_threads(dict(os.environ), len(local) * ranks)
     coordinator = None
     if store.COORDINATOR_ENV not in env:
@@ -168,8 +183,11 @@ def run_recover(job_config: object, argv: list[str]) -> int:
         f"{ranks} ranks each (dp_shard {par.data_parallel_shard_degree} x tp {par.tensor_parallel_degree} "
         f"x pp {par.pipeline_parallel_degree})"
     )
+    gpus = "" if plan.visible[0] is None else f"; GPUs per group: {' | '.join(map(str, plan.visible))}"
+    log(f"replicate dimension on {plan.backend} ({plan.reason}){gpus}")
     # started at once: their ranks import and build the model while the coordinator comes up
-    groups = ReplicaGroups(argv, env, local, ranks, rc.max_restarts)
+    envs = {r: with_gpus(env, visible) for r, visible in zip(local, plan.visible)}
+    groups = ReplicaGroups(argv, envs, ranks, rc.max_restarts)
     try:
         client = store.connect(address, timeout_s=60)
         while True:
@@ -213,7 +231,11 @@ def main(argv: list[str]) -> int:
     if os.path.exists(path):
         os.remove(path)
     start = time.time()
-    code = (run_recover if job_config.recover.enable else run_stock)(job_config, argv)
+    try:
+        code = (run_recover if job_config.recover.enable else run_stock)(job_config, argv)
+    except config.ConfigError as e:  # the host cannot run this layout: nothing was started
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     tr = job_config.training
     if os.path.exists(path):
         print(format_summary(summarize_events(path), tr.global_batch_size * tr.seq_len), flush=True)

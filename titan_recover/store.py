@@ -23,6 +23,7 @@ REPORTS = "reports"
 FATAL = "fatal"
 STATUS = "status"
 PROGRESS = "progress"  # {"step", "epoch", "time"} of the last committed step
+REPLICATE_BACKEND = "replicate_backend"  # "gloo" or "nccl": the first rank sets it, every other must match
 ATTEMPT_ENV = "TITAN_RECOVER_ATTEMPT"  # incarnation of this replica group: 0, then +1 per restart
 
 

@@ -93,7 +93,10 @@ class RecoverTrainer(Trainer):
         self.injector = FaultInjector(self.rc.fault_plan, self.replica, self.shard, self._on_fault, self.attempt)
         self.global_tokens = float(self.dataloader.valid_tokens_per_step())
         if self.rc.enable:
-            self.groups = ReplicateGroups(self.store, self.replica, self.shard, self.rc.collective_timeout_s)
+            self.groups = ReplicateGroups(
+                self.store, self.replica, self.shard, self.rc.collective_timeout_s,
+                backend="nccl" if self.rc.replicate_backend == "nccl" else "gloo", device=self.device,
+            )
             self.base_epoch = 0  # the epoch the previous step committed with
             self._memberships: dict[int, Membership] = {}
             self._epoch_checked = (0.0, 0)
@@ -185,6 +188,7 @@ class RecoverTrainer(Trainer):
         if self.reports_data:
             for (m, digest, tokens), loss in zip(self._stock_pieces, self._stock_losses):
                 recovery.tally_microbatch(tally, m, digest, tokens, loss)
+        tally = tally.to(self.device)  # on GPUs the world's group is NCCL
         dist.all_reduce(tally)
         summary = recovery.summarize(tally, self.parallel_dims.dp_shard, int(self.global_tokens))
         if dist.get_rank() == 0:
@@ -231,7 +235,7 @@ class RecoverTrainer(Trainer):
                 raise TimeoutError(f"no epoch after {newer_than} within {self.rc.collective_timeout_s}s")
             time.sleep(EPOCH_POLL_S)
         if self.parallel_dims.world_size > 1:
-            t = torch.tensor([epoch], dtype=torch.int64)
+            t = torch.tensor([epoch], dtype=torch.int64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             epoch = int(t.item())
         return epoch
@@ -239,7 +243,7 @@ class RecoverTrainer(Trainer):
     def _group_all(self, ok: bool) -> bool:
         """True only if every rank of this replica group says so (they then act alike)."""
         if self.parallel_dims.world_size > 1:
-            t = torch.tensor([int(ok)], dtype=torch.int64)
+            t = torch.tensor([int(ok)], dtype=torch.int64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             ok = bool(t.item())
         return ok
@@ -277,13 +281,13 @@ class RecoverTrainer(Trainer):
         if self.replica not in self._membership(epoch).members:
             raise ReplicaFenced(f"replica {self.replica} was fenced out in epoch {epoch} while rejoining")
         try:
-            group = self.groups.pair(epoch, self.replica, donor=False, abort=lambda: self._epoch_moved(epoch))
-            start = time.perf_counter()
-            header, nbytes = transfer.receive(
-                self.groups, group, self.model_parts, self.optimizers,
-                abort=lambda: self._epoch_moved(epoch),
-                after_header=lambda h: self.injector.at(h.get("step"), "join"),
-            )
+            with self.groups.pair(epoch, self.replica, donor=False, abort=lambda: self._epoch_moved(epoch)) as group:
+                start = time.perf_counter()
+                header, nbytes = transfer.receive(
+                    self.groups, group, self.model_parts, self.optimizers,
+                    abort=lambda: self._epoch_moved(epoch),
+                    after_header=lambda h: self.injector.at(h.get("step"), "join"),
+                )
         except CollectiveAborted as e:
             self._report_broken(epoch, f"state transfer to replica {self.replica} rank {self.shard} broke", e)
             return False
@@ -306,17 +310,17 @@ class RecoverTrainer(Trainer):
 
     def _send_state(self, epoch: int, joiner: int) -> bool:
         """Hands this rank's state to the same shard of ``joiner``; False if that broke."""
+        header = transfer.meta(
+            {"step": self.step, "base_epoch": self.base_epoch, "ntokens_seen": self.ntokens_seen},
+            self.optimizers, self.lr_schedulers,
+        )
         try:
-            group = self.groups.pair(epoch, joiner, donor=True, abort=lambda: self._epoch_moved(epoch))
-            header = transfer.meta(
-                {"step": self.step, "base_epoch": self.base_epoch, "ntokens_seen": self.ntokens_seen},
-                self.optimizers, self.lr_schedulers,
-            )
-            nbytes = transfer.send(
-                self.groups, group, header, self.model_parts, self.optimizers,
-                abort=lambda: self._epoch_moved(epoch),
-                after_header=lambda: self.injector.at(self.step, "donate"),
-            )
+            with self.groups.pair(epoch, joiner, donor=True, abort=lambda: self._epoch_moved(epoch)) as group:
+                nbytes = transfer.send(
+                    self.groups, group, header, self.model_parts, self.optimizers,
+                    abort=lambda: self._epoch_moved(epoch),
+                    after_header=lambda: self.injector.at(self.step, "donate"),
+                )
         except CollectiveAborted as e:
             self._report_broken(epoch, f"state transfer from replica {self.replica} rank {self.shard} to replica {joiner} broke", e)
             return False
@@ -355,13 +359,15 @@ class RecoverTrainer(Trainer):
         start = time.perf_counter()
         inputs, labels = self.dataloader.load(self.step, microbatch)
         self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
+        digest = data.piece_digest(inputs, labels) if self.reports_data else 0  # of the CPU copy
         with self.injector.microbatch(self.model_parts[0], self.step, index, count):
             loss = self.forward_backward_step(
-                input_dict={"input": inputs}, labels=labels, global_valid_tokens=self.global_tokens
+                input_dict={"input": inputs.to(self.device)}, labels=labels.to(self.device),
+                global_valid_tokens=self.global_tokens,
             )
         tokens = int((labels != IGNORE_INDEX).sum())
         if self.reports_data:
-            recovery.tally_microbatch(tally, microbatch, data.piece_digest(inputs, labels), tokens, loss.detach())
+            recovery.tally_microbatch(tally, microbatch, digest, tokens, loss.detach())
         self.ntokens_seen += labels.numel()
         self.metrics_processor.ntokens_since_last_log += labels.numel()
 
@@ -387,7 +393,7 @@ class RecoverTrainer(Trainer):
         None when it must be retried in the next one (local gradients untouched).
         """
         epoch = membership.epoch
-        group_tally = tally.clone()
+        group_tally = tally.to(self.device, copy=True)
         if self.parallel_dims.world_size > 1:
             dist.all_reduce(group_tally)  # inside the group: sum over shards
         flat = torch.cat([g.reshape(-1) for g in self._grads()])
@@ -480,8 +486,8 @@ class RecoverTrainer(Trainer):
         h = hashlib.blake2b(digest_size=8)
         for m in self.model_parts:
             for p in m.parameters():
-                h.update(transfer.local(p.data).detach().contiguous().view(torch.uint8).numpy())
-        mine = torch.tensor(list(h.digest()), dtype=torch.int64)
+                h.update(transfer.local(p.data).detach().contiguous().view(torch.uint8).cpu().numpy())
+        mine = torch.tensor(list(h.digest()), dtype=torch.int64, device=self.device)
         shards = [mine]
         if self.parallel_dims.world_size > 1:
             shards = [torch.empty_like(mine) for _ in range(self.parallel_dims.world_size)]

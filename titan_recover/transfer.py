@@ -3,13 +3,14 @@
 The donor is the rank with the same shard index in a live replica group; both
 sides hold the same model and optimizer layout, so each lists the same tensors
 from its own objects and the bytes go straight into the joiner's tensors. Over
-the two-rank gloo group (donor = rank 0) go three broadcasts:
+the two-rank replicate-dim group (donor = rank 0; on ``groups.device``: the CPU for
+gloo, the rank's GPU for NCCL) go three broadcasts:
 
 1. ``int64 [header bytes, payload bytes]``
 2. the header, JSON (never pickle): step, base epoch, tokens seen, LR scheduler
    state, optimizer hyperparameters, and the manifest ``[[name, dtype, shape], ...]``
 3. the payload: the tensors' bytes in manifest order (parameters, optimizer state,
-   the CPU RNG state)
+   the CPU RNG state, and the CUDA one on GPUs)
 
 The joiner checks the manifest against its own before taking any byte; a
 mismatch is a ``TransferError`` naming the first difference. The data loader needs
@@ -27,6 +28,7 @@ from titan_recover.store import MessageError
 
 MAX_HEADER_BYTES = 64 << 20  # a larger header is a corrupted message, not a model
 RNG = "rng/cpu"
+CUDA_RNG = "rng/cuda"
 HYPER_TYPES = (int, float, bool, str, type(None))  # param-group entries the LR schedule may change
 
 
@@ -52,6 +54,8 @@ def state_tensors(model_parts: list[torch.nn.Module], optimizers: Any) -> list[t
                     if isinstance(value, torch.Tensor):
                         tensors.append((f"optim{i}/g{g}/p{j}/{key}", local(value)))
     tensors.append((RNG, torch.get_rng_state()))
+    if torch.cuda.is_available():
+        tensors.append((CUDA_RNG, torch.cuda.get_rng_state()))
     return tensors
 
 
@@ -71,8 +75,9 @@ def manifest(tensors: list[tuple[str, torch.Tensor]]) -> list[list[Any]]:
     return [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors]
 
 
-def pack(tensors: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in tensors])
+def pack(tensors: list[tuple[str, torch.Tensor]], device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """The tensors' bytes in order, as one buffer on ``device`` (state may span CPU and GPU)."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).to(device) for _, t in tensors])
 
 
 def unpack(payload: torch.Tensor, tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -113,9 +118,9 @@ def send(
     """The donor's side; returns the payload bytes."""
     tensors = state_tensors(model_parts, optimizers)
     raw = json.dumps({**header, "tensors": manifest(tensors)}).encode()
-    payload = pack(tensors)
-    groups.broadcast(group, torch.tensor([len(raw), payload.numel()], dtype=torch.int64), abort)
-    groups.broadcast(group, torch.frombuffer(bytearray(raw), dtype=torch.uint8), abort)
+    payload = pack(tensors, groups.device)
+    groups.broadcast(group, torch.tensor([len(raw), payload.numel()], dtype=torch.int64, device=groups.device), abort)
+    groups.broadcast(group, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(groups.device), abort)
     after_header()
     groups.broadcast(group, payload, abort)
     return payload.numel()
@@ -134,15 +139,15 @@ def receive(
     A fresh optimizer has no state until it steps: if the donor's has, it is created
     first (zero grads, lr 0), as DCP does before loading, then overwritten.
     """
-    sizes = torch.zeros(2, dtype=torch.int64)
+    sizes = torch.zeros(2, dtype=torch.int64, device=groups.device)
     groups.broadcast(group, sizes, abort)
     header_len, payload_len = (int(v) for v in sizes)
     if not 0 < header_len <= MAX_HEADER_BYTES or payload_len < 0:
         raise MessageError(f"state transfer sizes are corrupt: header {header_len} B, payload {payload_len} B")
-    raw = torch.empty(header_len, dtype=torch.uint8)
+    raw = torch.empty(header_len, dtype=torch.uint8, device=groups.device)
     groups.broadcast(group, raw, abort)
     try:
-        header = json.loads(raw.numpy().tobytes().decode())
+        header = json.loads(raw.cpu().numpy().tobytes().decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise MessageError(f"state transfer header is not JSON: {e}") from e
     if not isinstance(header, dict) or "tensors" not in header:
@@ -157,10 +162,12 @@ def receive(
     if payload_len != expected:
         raise TransferError(f"the donor sends {payload_len} bytes of state, this rank holds {expected}")
     after_header(header)
-    payload = torch.empty(payload_len, dtype=torch.uint8)
+    payload = torch.empty(payload_len, dtype=torch.uint8, device=groups.device)
     groups.broadcast(group, payload, abort)
     unpack(payload, tensors)
     torch.set_rng_state(dict(tensors)[RNG])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(dict(tensors)[CUDA_RNG])
     return header, payload_len
 
 

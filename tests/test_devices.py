@@ -1,0 +1,101 @@
+"""Tests for titan_recover.devices: GPUs per replica group and the replicate backend.
+
+Pure decisions from a host's facts; the launcher test at the end runs the real
+launcher on this (GPU-less) machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from titan_recover import store
+from titan_recover.collectives import ReplicateGroups
+from titan_recover.config import ConfigError
+from titan_recover.devices import host_gpus, plan
+
+ROOT = Path(__file__).resolve().parents[1]
+GPUS8 = [str(i) for i in range(8)]
+
+
+def test_cpu_host_runs_gloo_and_leaves_the_environment_alone() -> None:
+    for requested in ("auto", "gloo"):
+        p = plan(requested, [], groups=2, ranks=2, nccl_available=False)
+        assert (p.backend, p.visible) == ("gloo", [None, None])
+    assert "no GPUs" in plan("auto", [], 2, 2, True).reason
+
+
+def test_nccl_on_a_cpu_host_names_the_key_and_the_way_out() -> None:
+    with pytest.raises(ConfigError, match=r'recover.replicate_backend = "nccl" needs CUDA GPUs.*use "gloo" or "auto"'):
+        plan("nccl", [], groups=2, ranks=1, nccl_available=False)
+
+
+def test_groups_get_disjoint_gpus_and_nccl_when_the_host_has_enough() -> None:
+    p = plan("auto", GPUS8, groups=2, ranks=4, nccl_available=True)
+    assert p.backend == "nccl"
+    assert p.visible == ["0,1,2,3", "4,5,6,7"]
+    assert plan("nccl", GPUS8, groups=8, ranks=1, nccl_available=True).visible == GPUS8
+
+
+def test_groups_share_gpus_beyond_the_hosts_count_and_auto_falls_back_to_gloo() -> None:
+    one = plan("auto", ["0"], groups=2, ranks=1, nccl_available=True)
+    assert (one.backend, one.visible) == ("gloo", ["0", "0"])
+    assert "2 groups x 1 ranks share 1 GPUs" in one.reason
+    # every rank of a group still has a GPU of its own (NCCL inside the group needs it)
+    three = plan("auto", ["0", "1", "2"], groups=2, ranks=2, nccl_available=True)
+    assert three.visible == ["0,1", "2,0"]
+    for visible in three.visible:
+        assert len(set(visible.split(","))) == 2
+
+
+def test_nccl_asked_for_where_it_cannot_run_says_why() -> None:
+    with pytest.raises(ConfigError, match="share 1 GPUs, and NCCL needs one GPU per rank"):
+        plan("nccl", ["0"], groups=2, ranks=1, nccl_available=True)
+    with pytest.raises(ConfigError, match="built without NCCL"):
+        plan("nccl", GPUS8, groups=2, ranks=2, nccl_available=False)
+    no_nccl = plan("auto", GPUS8, groups=2, ranks=2, nccl_available=False)
+    assert no_nccl.backend == "gloo" and "without NCCL" in no_nccl.reason
+
+
+def test_gloo_asked_for_keeps_the_gpus_but_not_nccl() -> None:
+    p = plan("gloo", GPUS8, groups=2, ranks=2, nccl_available=True)
+    assert (p.backend, p.visible) == ("gloo", ["0,1", "2,3"])
+
+
+def test_a_group_larger_than_the_host_is_refused() -> None:
+    with pytest.raises(ConfigError, match="a replica group of 4 ranks .* needs 4 GPUs, one per rank, and this host has 2"):
+        plan("auto", ["0", "1"], groups=1, ranks=4, nccl_available=True)
+
+
+def test_host_gpus_follow_cuda_visible_devices() -> None:
+    assert host_gpus(None, 3) == ["0", "1", "2"]
+    assert host_gpus("4, 6", 2) == ["4", "6"]
+    assert host_gpus("", 0) == []
+    assert plan("auto", host_gpus("4,6", 2), groups=2, ranks=1, nccl_available=True).visible == ["4", "6"]
+
+
+def test_replica_groups_on_different_backends_are_refused() -> None:
+    port = store.free_port()
+    server = store.serve(port, timeout_s=10)  # kept alive for the clients below
+    address = f"127.0.0.1:{port}"
+    ReplicateGroups(store.connect(address, 10), replica=0, shard=0, timeout_s=10, backend="gloo")
+    ReplicateGroups(store.connect(address, 10), replica=1, shard=0, timeout_s=10, backend="gloo")
+    with pytest.raises(ConfigError, match="replica 2 runs the replicate dimension on nccl, another replica group on gloo"):
+        ReplicateGroups(store.connect(address, 10), replica=2, shard=0, timeout_s=10, backend="nccl")
+
+
+@pytest.mark.skipif(dist.is_nccl_available(), reason="checks the refusal on a host without NCCL")
+def test_launcher_refuses_nccl_without_gpus_before_starting_anything() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_recover.launch", "--job.config_file",
+         str(ROOT / "train_configs" / "llama3_debug_cpu.toml"), "--recover.replicate_backend", "nccl"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert 'recover.replicate_backend = "nccl" needs CUDA GPUs' in proc.stderr
+    assert "replica group" not in proc.stdout  # no coordinator, no group
