@@ -152,11 +152,10 @@ def run_stock(job_config: object, argv: list[str]) -> int:
     par = job_config.parallelism  # type: ignore[attr-defined]
     max_restarts = job_config.recover.max_restarts  # type: ignore[attr-defined]
     nproc = par.data_parallel_replicate_degree * config.group_ranks(par)
-    visible = device_plan("gloo", 1, nproc).visible[0]  # one world: a GPU per rank, or the CPU
     log(f"[recover] enable = false: stock TorchTitan HSDP, {nproc} ranks in one torchrun world")
     attempt = 0
     while True:
-        env = with_gpus(with_threads({**os.environ, store.ATTEMPT_ENV: str(attempt)}, nproc), visible)
+        env = with_threads({**os.environ, store.ATTEMPT_ENV: str(attempt)}, nproc)
         code = subprocess.call(torchrun(nproc, argv, "hsdp"), env=env)
         if code == 0 or attempt == max_restarts:
             return code
