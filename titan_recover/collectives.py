@@ -71,7 +71,7 @@ class ReplicateGroups:
         if self.backend == "gloo":
             return dist.ProcessGroupGloo(store, rank, size, self.timeout)
         opts = dist.ProcessGroupNCCL.Options()
-        opts.config.blocking = False  # setup and abort return instead of waiting on a dead peer
+        opts.config.blocking = 0  # setup and abort return instead of waiting on a dead peer
         opts._timeout = self.timeout
         group = dist.ProcessGroupNCCL(store, rank, size, opts)
         group.eager_connect_single_device(self.device)  # connect now, inside the abortable rendezvous
