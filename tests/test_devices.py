@@ -12,12 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from titan_recover import store
-from titan_recover.collectives import ReplicateGroups
+from titan_recover.collectives import CollectiveAborted, ReplicateGroups
 from titan_recover.config import ConfigError
 from titan_recover.devices import host_gpus, plan
+from titan_recover.membership import Membership
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS8 = [str(i) for i in range(8)]
@@ -79,14 +81,76 @@ def test_host_gpus_follow_cuda_visible_devices() -> None:
     assert plan("auto", host_gpus("4,6", 2), groups=2, ranks=1, nccl_available=True).visible == ["4", "6"]
 
 
-def test_replica_groups_on_different_backends_are_refused() -> None:
+@pytest.fixture
+def address() -> str:
     port = store.free_port()
-    server = store.serve(port, timeout_s=10)  # kept alive for the clients below
-    address = f"127.0.0.1:{port}"
+    server = store.serve(port, timeout_s=10)
+    yield f"127.0.0.1:{port}"
+    del server
+
+
+def test_replica_groups_on_different_backends_are_refused(address: str) -> None:
     ReplicateGroups(store.connect(address, 10), replica=0, shard=0, timeout_s=10, backend="gloo")
     ReplicateGroups(store.connect(address, 10), replica=1, shard=0, timeout_s=10, backend="gloo")
     with pytest.raises(ConfigError, match="replica 2 runs the replicate dimension on nccl, another replica group on gloo"):
         ReplicateGroups(store.connect(address, 10), replica=2, shard=0, timeout_s=10, backend="nccl")
+
+
+class _StuckGroup:
+    """Stands in for an NCCL communicator whose peer died: its work never completes.
+
+    Only the bookkeeping is under test here (which groups get aborted, and how often);
+    real NCCL needs GPUs, which this suite never has.
+    """
+
+    def __init__(self) -> None:
+        self.aborts = 0
+        self.launched = False
+
+    def allreduce(self, tensors: list[torch.Tensor], *opts: object) -> object:
+        self.launched = True
+        return type("Work", (), {"is_completed": lambda self: False})()
+
+    broadcast = allreduce
+
+    def abort(self) -> None:
+        self.aborts += 1
+
+
+def test_abandoned_nccl_groups_are_aborted_once(address: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", raising=False)
+    made: list[_StuckGroup] = []
+    groups = ReplicateGroups(store.connect(address, 10), replica=0, shard=0, timeout_s=7, backend="nccl")
+    assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "7"
+    monkeypatch.setattr(groups, "_new_group", lambda *args: made.append(_StuckGroup()) or made[-1])
+
+    def epoch_over() -> bool:  # the coordinator moves on once the all-reduce is stuck in flight
+        return made[-1].launched if made else False
+
+    with pytest.raises(CollectiveAborted, match="all-reduce in epoch 1: the epoch ended first"):
+        groups.allreduce(Membership(1, (0, 1)), [torch.zeros(3)], abort=epoch_over)
+    assert [g.aborts for g in made] == [1]
+    # the next epoch builds a new group; the aborted one is not aborted again
+    with pytest.raises(CollectiveAborted, match="epoch 2"):
+        groups.allreduce(Membership(2, (0, 1)), [torch.zeros(3)], abort=epoch_over)
+    assert [g.aborts for g in made] == [1, 1]
+    # a transfer pair is aborted once the transfer is over, and once only if it broke
+    with groups.pair(epoch=3, joiner=1, donor=True, abort=lambda: False) as pair:
+        assert pair is made[-1] and pair.aborts == 0
+    assert [g.aborts for g in made] == [1, 1, 1]
+    with pytest.raises(CollectiveAborted, match="state transfer"):
+        with groups.pair(epoch=4, joiner=1, donor=True, abort=epoch_over) as pair:
+            groups.broadcast(pair, torch.zeros(3), abort=epoch_over)
+    assert [g.aborts for g in made] == [1, 1, 1, 1]
+
+
+def test_gloo_groups_are_parked_not_aborted(address: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[_StuckGroup] = []
+    groups = ReplicateGroups(store.connect(address, 10), replica=0, shard=0, timeout_s=7, backend="gloo")
+    monkeypatch.setattr(groups, "_new_group", lambda *args: made.append(_StuckGroup()) or made[-1])
+    with pytest.raises(CollectiveAborted, match="the epoch ended first"):
+        groups.allreduce(Membership(1, (0, 1)), [torch.zeros(3)], abort=lambda: bool(made) and made[0].launched)
+    assert made[0].aborts == 0  # gloo has no abort that is safe with a dead peer: parked instead
 
 
 @pytest.mark.skipif(dist.is_nccl_available(), reason="checks the refusal on a host without NCCL")
