@@ -119,10 +119,10 @@ class ReplicaGroups:
         env = {**self.envs[replica], store.REPLICA_ENV: str(replica), store.ATTEMPT_ENV: str(self.attempts[replica])}
         return subprocess.Popen(torchrun(self.shards, self.argv, f"replica{replica}"), env=env)
 
-    def watch(self, client: object) -> None:
-        """One look: kill fenced leftovers, report and restart failed groups."""
+    def watch(self, client: object) -> bool:
+        """One look: kill fenced leftovers, report and restart failed groups; False once the run is ending."""
         if client.check([store.FATAL]) or client.check([store.STATUS]):  # type: ignore[attr-defined]
-            return  # the run is ending: restart nothing
+            return False  # restart nothing
         for r, proc in self.procs.items():
             kill_fenced(client, r, self.shards, self.killed)
             code = proc.poll()
@@ -139,6 +139,7 @@ class ReplicaGroups:
             self.attempts[r] += 1
             log(f"replica group {r} exited with code {code}; restart {self.attempts[r]} of {self.max_restarts}")
             self.procs[r] = self._start(r)
+        return True
 
     def done(self) -> bool:
         return all(p.poll() is not None for p in self.procs.values()) and not any(
@@ -195,7 +196,9 @@ def run_recover(job_config: object, argv: list[str]) -> int:
             if coordinator is None and groups.done():
                 break
             try:
-                groups.watch(client)
+                if not groups.watch(client) and coordinator is not None:
+                    coordinator.wait()  # the run is ending and the store ends with it: no more store calls
+                    break
             except dist.DistError:
                 if coordinator is None:
                     raise
