@@ -197,6 +197,23 @@ def test_nan_durations_are_rejected(key: str) -> None:
         load(f"--{key}", "nan")
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["--parallelism.data_parallel_shard_degree", "1"],  # the shipped plan kills rank 1: gone
+        ["--recover.fault_plan", "stop replica=2 step=3"],
+        ["--recover.fault_plan", "kill replica=0 step=3; sleep replica=1 rank=2 step=4 seconds=1"],
+    ],
+)
+def test_fault_aimed_at_no_rank_is_refused(overrides: list[str]) -> None:
+    with pytest.raises(ConfigError, match=r"recover.fault_plan: .* names no rank: the job has 2 replica groups \(0..1\)"):
+        load(*overrides)
+
+
+def test_fault_at_the_last_rank_of_the_last_group_loads() -> None:
+    assert load("--recover.fault_plan", "kill replica=1 rank=1 step=3").recover.fault_plan
+
+
 def test_launch_rejects_bad_config_with_exit_code_2() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "titan_recover.launch",

@@ -116,7 +116,7 @@ def validate(job_config: Any) -> Recover:
     except workload.WorkloadError as e:
         raise ConfigError(f"recover.policy: {e}") from e
     try:
-        faults.parse_fault_plan(rc.fault_plan)
+        plan = faults.parse_fault_plan(rc.fault_plan)
     except faults.FaultPlanError as e:
         raise ConfigError(f"recover.fault_plan: {e}") from e
 
@@ -139,6 +139,12 @@ def validate(job_config: Any) -> Recover:
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree"):
         if getattr(par, key) < 1:
             raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(par, key)}")
+    for f in plan:  # a fault aimed at no rank would silently never fire
+        if f.replica >= replicas or f.rank >= group_ranks(par):
+            raise ConfigError(
+                f"recover.fault_plan: '{f.action} replica={f.replica} rank={f.rank}' names no rank: "
+                f"the job has {replicas} replica groups (0..{replicas - 1}) of {group_ranks(par)} ranks (0..{group_ranks(par) - 1})"
+            )
     if par.context_parallel_degree != 1:
         raise ConfigError(
             f"parallelism.context_parallel_degree must be 1 with titan_recover (got {par.context_parallel_degree}): "
