@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from bench.common import CONFIG, ROOT, write_result
+from bench.common import CONFIG, ROOT, of, write_result
 from titan_recover import data
 from titan_recover.events import events_path, read_events
 from titan_recover.launch import with_threads
@@ -141,8 +141,8 @@ def _failed(what: str, log: Path, code: int | None) -> RuntimeError:
 
 
 def _fault_time(events: list[dict[str, Any]]) -> float | None:
-    times = [e["time"] for e in events if e["event"] == "fault_injected"]
-    return times[0] if times else None
+    faults = of(events, "fault_injected")
+    return faults[0]["time"] if faults else None
 
 
 # ---- titan_recover --------------------------------------------------------------------
@@ -173,10 +173,10 @@ def run_recover(setup: Setup, plan: str, dump: Path) -> Run:
             loss=e["loss"], time=e["time"], replicas=e["members"], data=[e["data_digest"]], by_replica={},
             samples=[s for m in e["microbatches"] for k in range(setup.shards) for s in setup.samples(e["step"], m, k)],
         )
-        for e in events if e["event"] == "step"
+        for e in of(events, "step")
     }
-    extra = {"recovered_latency_s": [e["latency_s"] for e in events if e["event"] == "recovered"],
-             "failures": [e["cause"] for e in events if e["event"] == "failure"]}
+    extra = {"recovered_latency_s": [e["latency_s"] for e in of(events, "recovered")],
+             "failures": [e["cause"] for e in of(events, "failure")]}
     return Run([shlex.join(cmd)], wall, steps, _fault_time(events), extra)
 
 
@@ -200,8 +200,8 @@ def _torchft_steps(setup: Setup, events: list[dict[str, Any]]) -> dict[int, Step
     """Committed steps from the per-rank ``ft_step`` events. A group's loss is the sum of its
     ranks' (each is divided by the group's tokens already); the step's is the mean over groups."""
     by_step: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
-    for e in events:
-        if e["event"] == "ft_step" and e["committed"]:
+    for e in of(events, "ft_step"):
+        if e["committed"]:
             by_step[e["step"]].append(e)
     steps = {}
     for step, ranks in by_step.items():
@@ -254,9 +254,8 @@ def run_torchft(setup: Setup, plan: str, dump: Path) -> Run:
     events = list(read_events(events_path(str(dump))))
     extra = {
         "env": {"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"},
-        "participants": {e["step"]: e["participants"] for e in events
-                         if e["event"] == "ft_step" and e["replica"] == 0 and e["rank"] == 0},
-        "uncommitted_steps": sorted({e["step"] for e in events if e["event"] == "ft_step" and not e["committed"]}),
+        "participants": {e["step"]: e["participants"] for e in of(events, "ft_step") if e["replica"] == e["rank"] == 0},
+        "uncommitted_steps": sorted({e["step"] for e in of(events, "ft_step") if not e["committed"]}),
     }
     commands = [shlex.join(c) for c in (lighthouse_cmd, *cmds.values())]
     return Run(commands, wall, _torchft_steps(setup, events), _fault_time(events), extra)
