@@ -22,7 +22,7 @@ restart, detection, rejoin), read from the event logs.
 import argparse
 import statistics
 
-from bench.common import launch, of, write_result
+from bench.common import launch, of, step_gaps, write_result
 
 SHAPE = ["--parallelism.data_parallel_shard_degree", "1", "--training.global_batch_size", "8"]
 TOKENS_PER_STEP = 8 * 128  # global batch x seq_len of the default config
@@ -32,11 +32,6 @@ QUICK = {"steps": 40, "kills": (5, 18, 31), "ks": (5, 10)}
 
 def fault_plan(kills: tuple[int, ...]) -> str:
     return "; ".join(f"kill replica=1 step={s} attempt={i}" for i, s in enumerate(kills))
-
-
-def step_gaps(steps: list[dict]) -> dict[int, float]:
-    """Step number -> seconds since the previous step's event, for consecutive steps only."""
-    return {b["step"]: b["time"] - a["time"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1}
 
 
 def measure(system: str, steps: int, kills: tuple[int, ...], k: int | None = None) -> dict:

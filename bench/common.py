@@ -33,6 +33,11 @@ def of(events: list[dict], kind: str) -> list[dict]:
     return [e for e in events if e["event"] == kind]
 
 
+def step_gaps(steps: list[dict]) -> dict[int, float]:
+    """Step number -> seconds since the previous step's event, for consecutive steps only."""
+    return {b["step"]: b["time"] - a["time"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1}
+
+
 def write_result(name: str, result: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

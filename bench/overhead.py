@@ -12,7 +12,7 @@ Steady-state step time = median gap between consecutive step events, first steps
 import argparse
 import statistics
 
-from bench.common import launch, of, write_result
+from bench.common import launch, of, step_gaps, write_result
 
 WARMUP_STEPS = 3
 
@@ -21,10 +21,9 @@ def measure(mode: str, steps: int, extra: list[str]) -> dict:
     """Median step time, max RSS of any rank and FT buffer of one run."""
     flag = "--recover.enable" if mode == "recover" else "--recover.no-enable"
     events, _ = launch(["--training.steps", str(steps), "--recover.fault_plan", "none", flag, *extra], f"{mode} run")
-    times = [e["time"] for e in of(events, "step")][WARMUP_STEPS:]
     mem = of(events, "rank_memory")
     return {
-        "step_s": statistics.median(b - a for a, b in zip(times, times[1:])),
+        "step_s": statistics.median(step_gaps(of(events, "step")[WARMUP_STEPS:]).values()),
         "max_rss_mb": max(e["max_rss_mb"] for e in mem),
         "ft_buffer_mb": max(e["ft_buffer_mb"] for e in mem),
     }
