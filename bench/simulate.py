@@ -25,8 +25,8 @@ from titan_recover import goodput as g
 SIZES = (512, 1024, 2048, 4096, 8192, 16384)
 RATES = (1e-5, 3e-5, 1e-4, 3e-4)  # failures per GPU-hour (1e-4: one per 10,000 GPU-hours)
 SWEEP_HOURS = 24.0
-SWEEP_REPAIR_S = 3600.0
-SWEEP_SEEDS = 5  # a failed node is swapped for a spare within the hour
+SWEEP_REPAIR_S = 3600.0  # a failed node is swapped for a spare within the hour
+SWEEP_SEEDS = 5  # independent failure draws per point
 FLASHRECOVERY = {"devices": 4800, "restore_s": 150.0}
 
 
