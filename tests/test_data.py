@@ -12,17 +12,10 @@ import pytest
 import torch
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-from titan_recover.data import (
-    TOKENIZER_DIR,
-    TokenFile,
-    load_microbatch,
-    piece_digest,
-    prepare_from_hf,
-    prepare_token_file,
-    sample_indices,
-    synthetic_corpus,
-    train_tokenizer,
-)
+from titan_recover import prepare
+from titan_recover.data import load_samples, piece_digest, sample_indices
+from titan_recover.synthetic import TOKENIZER_DIR, synthetic_corpus, train_tokenizer
+from titan_recover.tokens import TokenDataset
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +24,11 @@ def tokenizer() -> HuggingFaceTokenizer:
 
 
 @pytest.fixture(scope="module")
-def token_path(tmp_path_factory) -> str:
-    return prepare_token_file(str(tmp_path_factory.mktemp("tokens") / "train.bin"), 20_000)
-
-
-def _expected_stream(tok: HuggingFaceTokenizer, docs, num_tokens: int) -> np.ndarray:
-    """Reference: per-document HuggingFaceTokenizer.encode with BOS/EOS, concatenated."""
-    out: list[int] = []
-    for doc in docs:
-        out += tok.encode(doc, add_bos=True, add_eos=True)
-        if len(out) >= num_tokens:
-            break
-    return np.array(out[:num_tokens], dtype=np.uint16)
+def dataset(tmp_path_factory) -> TokenDataset:
+    folder = str(tmp_path_factory.mktemp("tokens"))
+    prepare.prepare(folder, prepare.synthetic_tasks(20_000, 2, seed=0), TOKENIZER_DIR, {"synthetic": 20_000},
+                    workers=1, progress=False)
+    return TokenDataset(folder)
 
 
 # ------------------------------------------------------------------ tokenizer
@@ -96,144 +82,6 @@ def test_corpus_is_deterministic_and_structured():
     assert sum(counts[:20]) > 0.3 * len(words)
 
 
-# ------------------------------------------------------------------ token file
-
-
-def test_prepare_token_file_deterministic_and_idempotent(tmp_path, tokenizer):
-    a = prepare_token_file(str(tmp_path / "a" / "x.bin"), 30_000)  # creates the dir
-    b = prepare_token_file(str(tmp_path / "y.bin"), 30_000)
-    data = open(a, "rb").read()
-    assert data == open(b, "rb").read()
-    assert len(data) == 60_000
-    expected = _expected_stream(tokenizer, synthetic_corpus(10_000), 30_000)
-    np.testing.assert_array_equal(np.frombuffer(data, dtype="<u2"), expected)
-
-    meta = json.load(open(a + ".json"))
-    assert meta["num_tokens"] == 30_000 and meta["dtype"] == "uint16"
-    assert meta["seed"] == 0 and meta["vocab_size"] == 2048
-    assert len(meta["tokenizer_sha256"]) == 64
-    assert meta["data_sha256"] == hashlib.sha256(data).hexdigest()
-
-    before = os.stat(a)
-    assert prepare_token_file(a, 30_000) == a
-    after = os.stat(a)
-    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
-    assert not [f for f in os.listdir(tmp_path / "a") if f.endswith(".tmp")]
-
-    # Different parameters at the same path rewrite it.
-    prepare_token_file(a, 30_000, seed=1)
-    assert open(a, "rb").read() != data
-    assert json.load(open(a + ".json"))["seed"] == 1
-    prepare_token_file(a, 1_000)
-    assert open(a, "rb").read() == data[:2_000]
-
-
-def test_interrupted_rewrite_never_pairs_stale_sidecar(tmp_path, monkeypatch):
-    import titan_recover.data as data_mod
-
-    path = prepare_token_file(str(tmp_path / "t.bin"), 4_000, seed=0)
-    original = open(path, "rb").read()
-    real_write = data_mod._atomic_write
-
-    def crash_on_sidecar(target: str, payload: bytes) -> None:
-        if target.endswith(".json"):
-            raise KeyboardInterrupt("killed between tokens and sidecar")
-        real_write(target, payload)
-
-    monkeypatch.setattr(data_mod, "_atomic_write", crash_on_sidecar)
-    with pytest.raises(KeyboardInterrupt):
-        prepare_token_file(path, 4_000, seed=1)
-    monkeypatch.undo()
-    assert open(path, "rb").read() != original  # new tokens were published ...
-    with pytest.raises(ValueError, match="missing"):  # ... but nothing vouches for them
-        TokenFile(path)
-    prepare_token_file(path, 4_000, seed=0)
-    assert open(path, "rb").read() == original
-    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
-
-
-def test_racing_identical_writer_keeps_file_readable(tmp_path, monkeypatch):
-    """A rank that lost the start-up race rewrites identical bytes; readers never fail."""
-    import titan_recover.data as data_mod
-
-    path = prepare_token_file(str(tmp_path / "t.bin"), 4_000)
-    original = open(path, "rb").read()
-    real_write = data_mod._atomic_write
-    writes = []
-
-    def check_readable_then_write(target: str, payload: bytes) -> None:
-        assert TokenFile(path).num_tokens == 4_000
-        writes.append(target)
-        real_write(target, payload)
-
-    monkeypatch.setattr(data_mod, "_file_is_current", lambda *args: False)
-    monkeypatch.setattr(data_mod, "_atomic_write", check_readable_then_write)
-    prepare_token_file(path, 4_000)
-    assert writes == [path, path + ".json"]
-    assert open(path, "rb").read() == original
-
-
-def test_prepare_token_file_rejects_bad_num_tokens(tmp_path):
-    with pytest.raises(ValueError, match="num_tokens"):
-        prepare_token_file(str(tmp_path / "x.bin"), 0)
-
-
-def test_token_file_rejects_truncated_and_missing_sidecar(tmp_path):
-    path = prepare_token_file(str(tmp_path / "t.bin"), 5_000)
-    assert TokenFile(path).num_tokens == 5_000
-
-    with open(path, "r+b") as f:
-        f.truncate(9_998)
-    with pytest.raises(ValueError, match="size 9998") as e:
-        TokenFile(path)
-    assert path in str(e.value)
-
-    prepare_token_file(path, 5_000)  # repairs the truncated file
-    assert TokenFile(path).num_tokens == 5_000
-
-    with open(path, "ab") as f:
-        f.write(b"\0\0")
-    with pytest.raises(ValueError, match="size 10002") as e:
-        TokenFile(path)
-    assert path in str(e.value)
-    prepare_token_file(path, 5_000)
-
-    sidecar = path + ".json"
-    with open(sidecar, "w") as f:
-        f.write("{not json")
-    with pytest.raises(ValueError, match="cannot read metadata") as e:
-        TokenFile(path)
-    assert sidecar in str(e.value)
-
-    with open(sidecar, "w") as f:
-        json.dump({"num_tokens": 5_000, "dtype": "int32"}, f)
-    with pytest.raises(ValueError, match="corrupt metadata"):
-        TokenFile(path)
-
-    os.remove(sidecar)
-    with pytest.raises(ValueError, match="missing") as e:
-        TokenFile(path)
-    assert path in str(e.value) and sidecar in str(e.value)
-
-
-def test_window_formula_and_wraparound(token_path):
-    tf = TokenFile(token_path)
-    raw = np.fromfile(token_path, dtype="<u2")
-    seq_len = 64
-    span = tf.num_tokens - seq_len - 1
-    for s in (0, 1, 7, 311, 10**9 + 3):
-        start = (s * seq_len) % span
-        w = tf.window(s, seq_len)
-        assert w.shape == (seq_len + 1,)
-        np.testing.assert_array_equal(w, raw[start:start + seq_len + 1])
-    # Consecutive samples tile the stream with a one-token overlap for the label.
-    assert tf.window(1, seq_len)[0] == tf.window(0, seq_len)[-1]
-    with pytest.raises(ValueError, match="too few"):
-        tf.window(0, tf.num_tokens)
-    with pytest.raises(ValueError, match="sample_index"):
-        tf.window(-1, seq_len)
-
-
 # ------------------------------------------------------------------ addressing
 
 
@@ -272,31 +120,26 @@ def test_sample_indices_validation(args, kwargs, name):
         sample_indices(*args, **sizes)
 
 
-def test_load_microbatch_identical_across_opens(token_path):
-    kw = dict(num_microbatches=2, shards=3, local_batch=4, seq_len=32)
-    x1, y1 = load_microbatch(TokenFile(token_path), 5, 1, 2, **kw)
-    x2, y2 = load_microbatch(TokenFile(token_path), 5, 1, 2, **kw)
+def test_load_samples_identical_across_opens(dataset):
+    kw = dict(seq_len=32, seed=7, vocab_size=2048)
+    samples = sample_indices(5, 1, 2, num_microbatches=2, shards=3, local_batch=4)
+    x1, y1 = load_samples(dataset, samples, **kw)
+    x2, y2 = load_samples(TokenDataset(dataset.folder), samples, **kw)
     assert x1.dtype == y1.dtype == torch.int64
     assert x1.shape == y1.shape == (4, 32)
     assert torch.equal(x1, x2) and torch.equal(y1, y2)
     assert torch.equal(y1[:, :-1], x1[:, 1:])  # labels are inputs shifted by one
-
-    tf = TokenFile(token_path)
-    idx = sample_indices(5, 1, 2, num_microbatches=2, shards=3, local_batch=4)
-    for row, s in enumerate(idx):
-        w = torch.from_numpy(tf.window(s, 32).astype(np.int64))
-        assert torch.equal(x1[row], w[:-1]) and torch.equal(y1[row], w[1:])
-
-    x3, _ = load_microbatch(tf, 5, 1, 1, **kw)
+    x3, _ = load_samples(dataset, sample_indices(5, 1, 1, num_microbatches=2, shards=3, local_batch=4), **kw)
     assert not torch.equal(x1, x3)
+    x4, _ = load_samples(dataset, samples, **{**kw, "seed": 8})  # another order
+    assert not torch.equal(x1, x4)
 
 
 # ------------------------------------------------------------------ digest
 
 
-def test_piece_digest(token_path):
-    x, y = load_microbatch(TokenFile(token_path), 1, 0, 0, num_microbatches=1, shards=1,
-                           local_batch=2, seq_len=16)
+def test_piece_digest(dataset):
+    x, y = load_samples(dataset, [0, 1], seq_len=16, seed=0, vocab_size=2048)
     d = piece_digest(x, y)
     assert 0 <= d < 2**40
     raw = hashlib.blake2b(x.numpy().tobytes() + y.numpy().tobytes()).digest()
@@ -307,37 +150,3 @@ def test_piece_digest(token_path):
     x2 = x.clone()
     x2[1, 7] += 1
     assert piece_digest(x2, y) != d
-
-
-# ------------------------------------------------------------------ HF datasets
-
-
-def test_prepare_from_hf_local_dataset(tmp_path, monkeypatch, tokenizer):
-    from datasets import load_dataset
-    from torchtitan.hf_datasets import DatasetConfig
-    from torchtitan.hf_datasets.text_datasets import DATASETS
-
-    docs = list(synthetic_corpus(60, seed=11))
-    data_file = tmp_path / "local.jsonl"
-    data_file.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    cache = str(tmp_path / "hf_cache")
-    monkeypatch.setitem(DATASETS, "titan_recover_local", DatasetConfig(
-        path=str(data_file),
-        loader=lambda p: load_dataset("json", data_files=p, split="train", cache_dir=cache),
-        sample_processor=lambda sample: sample["text"],
-    ))
-
-    path = str(tmp_path / "hf.bin")
-    assert prepare_from_hf("titan_recover_local", None, path, 3_000) == path
-    np.testing.assert_array_equal(np.fromfile(path, dtype="<u2"),
-                                  _expected_stream(tokenizer, docs, 3_000))
-    meta = json.load(open(path + ".json"))
-    assert meta["dataset"] == "titan_recover_local" and meta["num_tokens"] == 3_000
-    assert TokenFile(path).num_tokens == 3_000
-
-    mtime = os.stat(path).st_mtime_ns
-    prepare_from_hf("titan_recover_local", None, path, 3_000)
-    assert os.stat(path).st_mtime_ns == mtime
-
-    with pytest.raises(ValueError, match="yielded only"):
-        prepare_from_hf("titan_recover_local", None, str(tmp_path / "big.bin"), 10**7)

@@ -55,6 +55,10 @@ class Recover:
     digest_interval: int = 10
     """Every this many steps (and at the last) each replica logs a digest of its parameters."""
 
+    data_seed: int = 0
+    """Seed of the sample order: each data epoch visits every window of the corpus once, in an
+    order drawn from this seed and the epoch (see titan_recover.order)."""
+
     replicate_backend: str = "auto"
     """Backend of the replicate-dimension groups: "nccl", "gloo", or "auto" (NCCL where every
     rank has a GPU of its own, else gloo); the launcher resolves "auto" (see titan_recover.devices)."""
@@ -105,6 +109,8 @@ def validate(job_config: Any) -> Recover:
             f"recover.heartbeat_interval_s, got {rc.heartbeat_timeout_s} "
             f"and {rc.heartbeat_interval_s}"
         )
+    if rc.data_seed < 0:
+        raise ConfigError(f"recover.data_seed must be >= 0, got {rc.data_seed}")
     if not 0 <= rc.coordinator_port < 65536:
         raise ConfigError(f"recover.coordinator_port out of range: {rc.coordinator_port}")
     if rc.replicate_backend not in devices.BACKENDS:

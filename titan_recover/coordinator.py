@@ -215,6 +215,11 @@ class Coordinator:
     def run(self) -> int:
         log(f"serving; members {list(self.membership.members)} x {self.shards} shards")
         while True:
+            if self.store.check([store.FATAL]):  # a rank stopped the run (e.g. a DataError)
+                error = store.get_json(self.store, store.FATAL, ("error",))["error"]
+                self.events.emit("fatal", step=self._step(), error=error)
+                log(f"FATAL: {error}")
+                return 1
             now = time.monotonic()
             self._poll_heartbeats(now)
             self._poll_reports(now)

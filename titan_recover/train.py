@@ -41,6 +41,7 @@ from titan_recover.config import group_coordinates, num_microbatches, reports_da
 from titan_recover.events import EventLog
 from titan_recover.faults import Fault, FaultInjector
 from titan_recover.membership import Membership
+from titan_recover.tokens import DataError
 
 import titan_recover.train_spec  # noqa: F401  registers llama3_recover
 
@@ -138,6 +139,10 @@ class RecoverTrainer(Trainer):
         self.events.emit("fault_injected", action=fault.action, **record)
 
     def _log_step(self, summary: recovery.StepSummary, epoch: int, members: list[int], grad_norm: float | None) -> None:
+        for data_epoch in self.dataloader.epochs_started(self.step):
+            self.events.emit("data_epoch", step=self.step, epoch=data_epoch, samples=self.dataloader.windows)
+            log(f"data epoch {data_epoch} begins at step {self.step}: all {self.dataloader.windows:,} samples "
+                "of the corpus were read once; they are read again in a new order")
         self.events.emit(
             "step",
             step=self.step,
@@ -449,6 +454,9 @@ class RecoverTrainer(Trainer):
                     break
                 epoch = self._agree_epoch(newer_than=epoch)
         except (ReplicaFenced, RunFailed, recovery.InvariantError, transfer.TransferError, store.MessageError):
+            raise
+        except DataError as e:  # the data, not this group, is broken: every replica would meet it
+            store.put_json(self.store, store.FATAL, {"error": f"DataError: {e}"})
             raise
         except Exception as e:
             # an error inside this group (a peer of ours died): the whole group is lost
