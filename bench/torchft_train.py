@@ -50,7 +50,7 @@ from titan_recover.faults import Fault, FaultInjector
 
 SPEC = "llama3_recover_torchft"
 STARTUP_TIMEOUT_S = 600.0
-_BASE = get_train_spec(titan_recover.train_spec.NAME)
+_BASE = get_train_spec("llama3_recover")
 
 
 def _parallelize(model: torch.nn.Module, parallel_dims: Any, job_config: Any) -> torch.nn.Module:

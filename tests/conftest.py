@@ -90,3 +90,31 @@ def failure_free(tmp_path_factory: pytest.TempPathFactory) -> Run:
     run = run_job(tmp_path_factory.mktemp("failure_free"), "--recover.fault_plan", "none")
     assert run.returncode == 0, run.output[-3000:]
     return run
+
+
+def write_standin_tokenizer(folder: Path, vocab_size: int = 70_000) -> Path:
+    """A word-level tokenizer with ``vocab_size`` entries (more than uint16 holds): words ``w<i>`` are id i.
+
+    Stands in for Llama 3's 128,256-entry tokenizer, which needs a download.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<|begin_of_text|>": 1, "<|end_of_text|>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
+    return folder
+
+
+def write_jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def run_data_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m titan_recover.data ARGS`` in a real process."""
+    return subprocess.run([sys.executable, "-m", "titan_recover.data", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)

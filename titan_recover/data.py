@@ -9,6 +9,7 @@ Whichever process loads a microbatch gets bit-identical tensors.
     python -m titan_recover.data prepare OUT --tokenizer DIR (--files F ... | --dataset NAME | --synthetic N)
     python -m titan_recover.data index DIR --tokenizer DIR     # adopt datatrove / Megatron files
     python -m titan_recover.data verify DIR                    # every shard's sha256
+    python -m titan_recover.data check --job.config_file X.toml [--section.key value]   # the job's data, as a launch checks it
     python -m titan_recover.data tokenizer OUT                 # regenerate the shipped tokenizer
 """
 
@@ -83,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--max-tokens", type=int, help="prepare exactly this many tokens (default: all of the input)")
     prep.add_argument("--workers", type=int, help="worker processes (default: every core)")
     prep.add_argument("--text-key", default="text", help="field holding the text in jsonl/parquet records")
-    prep.add_argument("--task-mb", type=int, default=prepare.TASK_BYTES >> 20, help="input MB per output shard")
+    prep.add_argument("--task-mb", type=float, default=prepare.TASK_BYTES / 2**20, help="input MB per output shard")
     prep.add_argument("--shards", type=int, default=4, help="--synthetic: number of shards")
     prep.add_argument("--seed", type=int, default=0, help="--synthetic: corpus seed")
     idx = sub.add_parser("index", help="write manifest.json for datatrove (.ds) or Megatron (.bin/.idx) files")
@@ -92,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     idx.add_argument("--dtype", choices=sorted(tokens.DTYPES), help="datatrove token width (default: from the vocabulary)")
     ver = sub.add_parser("verify", help="check every shard's sha256 against the manifest")
     ver.add_argument("folder")
+    sub.add_parser("check", help="check a job's data as the launcher does: --job.config_file X.toml [--section.key value ...]",
+                   add_help=False)
     tok = sub.add_parser("tokenizer", help="regenerate the shipped synthetic tokenizer")
     tok.add_argument("out")
     return p
@@ -102,12 +105,25 @@ def _describe(m: tokens.Manifest) -> str:
             f"({m.dtype}, vocabulary {m.vocab_size:,}, largest id {m.max_token_id:,})")
 
 
+def _check(argv: Sequence[str]) -> str:
+    from titan_recover import config, cpu_shim
+
+    cpu_shim.apply()
+    from titan_recover.dataloader import check_data
+
+    return check_data(config.load(list(argv)))
+
+
 def main(argv: Sequence[str]) -> int:
-    args = _parser().parse_args(argv)
+    args, rest = _parser().parse_known_args(argv)
+    if rest and args.command != "check":
+        _parser().error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        if args.command == "prepare":
+        if args.command == "check":
+            print(_check(rest))
+        elif args.command == "prepare":
             if args.files:
-                tasks, source = prepare.file_tasks(args.files, args.task_mb << 20), {"files": sorted(args.files)}
+                tasks, source = prepare.file_tasks(args.files, max(1, int(args.task_mb * 2**20))), {"files": sorted(args.files)}
             elif args.dataset:
                 tasks = prepare.hf_tasks(args.dataset, args.dataset_path)
                 source = {"dataset": args.dataset, "dataset_path": args.dataset_path}
@@ -133,7 +149,7 @@ def main(argv: Sequence[str]) -> int:
 
             train_tokenizer(args.out)
             print(f"wrote tokenizer to {args.out}")
-    except DataError as e:
+    except (DataError, ValueError) as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

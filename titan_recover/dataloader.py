@@ -12,6 +12,7 @@ folder's manifest matches the job's tokenizer and model vocabulary and that ever
 has its listed size; a violation is a ``DataError`` naming the file.
 """
 
+import importlib
 import os
 from typing import Any, Iterator
 
@@ -154,4 +155,27 @@ def build_addressable_dataloader(
         seed=job_config.recover.data_seed,
         vocab_size=model_vocab_size(job_config),
         failure_free_ids=ids,
+    )
+
+
+def check_data(job_config: Any) -> str:
+    """Opens the job's dataset as every rank will and loads its first microbatch, so a bad folder
+    stops the launcher before anything starts; returns a line describing the data."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    if job_config.experimental.custom_import:  # registers the job's TrainSpec
+        importlib.import_module(job_config.experimental.custom_import)
+    if not os.path.isdir(job_config.model.hf_assets_path):
+        raise DataError(
+            f"model.hf_assets_path {job_config.model.hf_assets_path}: no such tokenizer folder (for a Hugging Face "
+            "model, download it with TorchTitan's scripts/download_hf_assets.py --assets tokenizer)"
+        )
+    tokenizer = HuggingFaceTokenizer(job_config.model.hf_assets_path)
+    loader = build_addressable_dataloader(job_config.parallelism.data_parallel_shard_degree, 0, tokenizer, job_config)
+    loader.load(1, 0)
+    m, tr = loader.dataset.manifest, job_config.training
+    return (
+        f"data: {loader.dataset.folder}: {m.num_tokens:,} tokens in {len(m.shards)} {m.layout} shards ({m.dtype}, "
+        f"ids < {m.max_token_id + 1:,}); {loader.windows:,} samples of {tr.seq_len + 1} tokens, "
+        f"read once every {loader.windows / loader.samples_per_step():,.1f} steps"
     )

@@ -13,7 +13,6 @@ restarted as a whole on failure (checkpoint-and-restart).
 Either way the run ends with a summary from ``recover_events.jsonl``.
 """
 
-import importlib
 import os
 import signal
 import socket
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from titan_recover import config, devices, store
-from titan_recover.dataloader import open_dataset
+from titan_recover.dataloader import check_data
 from titan_recover.events import events_path
 from titan_recover.summary import format_summary, summarize_events
 from titan_recover.tokens import DataError
@@ -228,22 +227,6 @@ def run_recover(job_config: object, argv: list[str]) -> int:
                 proc.kill()
 
 
-def check_data(job_config: object) -> None:
-    """Opens the job's dataset as every rank will, so a bad folder stops the run before it starts."""
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
-
-    if job_config.experimental.custom_import:  # type: ignore[attr-defined]  # registers the TrainSpec
-        importlib.import_module(job_config.experimental.custom_import)  # type: ignore[attr-defined]
-    tokenizer = HuggingFaceTokenizer(job_config.model.hf_assets_path)  # type: ignore[attr-defined]
-    dataset = open_dataset(job_config, tokenizer.get_vocab_size())
-    m, tr = dataset.manifest, job_config.training  # type: ignore[attr-defined]
-    windows = dataset.num_windows(tr.seq_len)
-    log(
-        f"data: {dataset.folder}: {m.num_tokens:,} tokens in {len(m.shards)} {m.layout} shards ({m.dtype}); "
-        f"{windows:,} samples of {tr.seq_len + 1} tokens, one pass every {windows / tr.global_batch_size:,.1f} steps"
-    )
-
-
 def main(argv: list[str]) -> int:
     try:
         job_config = config.load(argv)
@@ -251,7 +234,7 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        check_data(job_config)  # prepared (synthetic) and checked once, before any rank starts
+        log(check_data(job_config))  # prepared (synthetic) and checked once, before any rank starts
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

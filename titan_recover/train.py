@@ -43,7 +43,7 @@ from titan_recover.faults import Fault, FaultInjector
 from titan_recover.membership import Membership
 from titan_recover.tokens import DataError
 
-import titan_recover.train_spec  # noqa: F401  registers llama3_recover
+import titan_recover.train_spec  # noqa: F401  registers llama3_recover, qwen3_recover
 
 EPOCH_POLL_S = 0.02  # how stale a rank's view of the epoch may be while it waits
 
