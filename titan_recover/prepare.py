@@ -289,7 +289,7 @@ def prepare(folder: str, tasks: list[Task], tokenizer_dir: str, source: dict, *,
     os.makedirs(folder, exist_ok=True)
     identity = tokens.tokenizer_identity(tokenizer_dir)
     request = {**source, "max_tokens": max_tokens, "text_key": text_key}
-    with open(os.path.join(folder, ".prepare.lock"), "w") as lock:
+    with open(os.path.join(folder, ".prepare.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent preparations of one folder take turns
         with contextlib.suppress(DataError):
             current = tokens.read_manifest(folder)

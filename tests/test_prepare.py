@@ -1,0 +1,173 @@
+"""The preparation command (real processes, real SIGKILL), and the launcher's data checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, run_data_cli, run_job, write_jsonl, write_standin_tokenizer
+from titan_recover import prepare
+from titan_recover.synthetic import TOKENIZER_DIR, synthetic_corpus
+from titan_recover.tokens import DataError, TokenDataset
+
+
+def all_tokens(folder: str) -> np.ndarray:
+    ds = TokenDataset(folder)
+    return np.concatenate([np.fromfile(ds.path(s), dtype=ds.dtype) for s in ds.manifest.shards])
+
+
+def encode(docs: list[str]) -> np.ndarray:
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    tok = HuggingFaceTokenizer(TOKENIZER_DIR)
+    return np.concatenate([tok.encode(d, add_bos=True, add_eos=True) for d in docs])
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[str]:
+    return list(synthetic_corpus(300, seed=21))
+
+
+def test_jsonl_parquet_and_text_inputs_every_document_once_in_order(tmp_path: Path, docs: list[str]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_jsonl(tmp_path / "a.jsonl", docs[:100])
+    pq.write_table(pa.table({"text": docs[100:200]}), tmp_path / "b.parquet", row_group_size=10)
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i, d in enumerate(docs[200:]):
+        (texts / f"{i:03d}.txt").write_text(d)
+    tasks = prepare.file_tasks([str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet"), str(texts)], task_bytes=8_000)
+    assert {t.kind for t in tasks} == {"jsonl", "parquet", "text"} and len(tasks) > 6
+    m = prepare.prepare(str(tmp_path / "out"), tasks, TOKENIZER_DIR, {"files": "abc"}, workers=2, progress=False)
+    assert m.num_documents == 300 and len(m.shards) == len(tasks)
+    np.testing.assert_array_equal(all_tokens(str(tmp_path / "out")), encode(docs))
+
+
+def test_prepare_command_is_idempotent_and_caps_exactly(tmp_path: Path, docs: list[str]) -> None:
+    write_jsonl(tmp_path / "in.jsonl", docs)
+    out = tmp_path / "out"
+    r = run_data_cli("prepare", str(out), "--tokenizer", TOKENIZER_DIR, "--files", str(tmp_path / "in.jsonl"),
+                     "--task-mb", "0.02", "--workers", "2")
+    assert r.returncode == 0, r.stderr
+    assert "prepare" in r.stderr and "shard" in r.stderr  # the progress bar
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["num_tokens"] == encode(docs).size and len(manifest["shards"]) > 3
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    r = run_data_cli("prepare", str(out), "--tokenizer", TOKENIZER_DIR, "--files", str(tmp_path / "in.jsonl"),
+                     "--task-mb", "0.02", "--workers", "2")
+    assert r.returncode == 0 and {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps  # nothing redone
+
+    total = manifest["num_tokens"]
+    cap = total // 2 + 7  # inside a shard
+    m = prepare.prepare(str(tmp_path / "cap"), prepare.file_tasks([str(tmp_path / "in.jsonl")], 20_000), TOKENIZER_DIR,
+                        {"files": "in"}, max_tokens=cap, workers=2, progress=False)
+    assert m.num_tokens == cap
+    np.testing.assert_array_equal(all_tokens(str(tmp_path / "cap")), encode(docs)[:cap])
+    assert tokens_verify_clean(str(tmp_path / "cap"))
+    with pytest.raises(DataError, match=f"holds {total:,} tokens, fewer than --max-tokens"):
+        prepare.prepare(str(tmp_path / "big"), prepare.file_tasks([str(tmp_path / "in.jsonl")], 20_000), TOKENIZER_DIR,
+                        {"files": "in"}, max_tokens=total + 1, workers=2, progress=False)
+    assert not (tmp_path / "big" / "manifest.json").exists()
+
+
+def tokens_verify_clean(folder: str) -> bool:
+    from titan_recover.tokens import verify
+
+    return verify(folder) == []
+
+
+def test_prepare_resumes_after_sigkill(tmp_path: Path, docs: list[str]) -> None:
+    write_jsonl(tmp_path / "in.jsonl", docs * 4)
+    args = ["--tokenizer", TOKENIZER_DIR, "--files", str(tmp_path / "in.jsonl"), "--task-mb", "0.01", "--workers", "1"]
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "titan_recover.data", "prepare", str(out), *args], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(list(out.glob("*.done.json"))) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, "prepare ended before it could be interrupted"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists()
+    finished = {p.name: p.stat().st_mtime_ns for p in out.glob("*.done.json")}
+    r = run_data_cli("prepare", str(out), *args)
+    assert r.returncode == 0, r.stderr
+    assert all((out / name).stat().st_mtime_ns == t for name, t in finished.items())  # finished tasks were kept
+    np.testing.assert_array_equal(all_tokens(str(out)), encode(docs * 4))
+    assert tokens_verify_clean(str(out)) and not list(out.glob("*.tmp*"))
+
+
+def test_torchtitan_hf_dataset_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docs: list[str]) -> None:
+    from datasets import load_dataset
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    write_jsonl(tmp_path / "local.jsonl", docs)
+    cache = str(tmp_path / "hf_cache")
+    monkeypatch.setitem(DATASETS, "titan_recover_local", DatasetConfig(
+        path=str(tmp_path / "local.jsonl"),
+        loader=lambda p: load_dataset("json", data_files=p, split="train", cache_dir=cache),
+        sample_processor=lambda sample: sample["text"],
+    ))
+    tasks = prepare.hf_tasks("titan_recover_local", None, rows_per_task=70)
+    assert len(tasks) == 5
+    prepare.prepare(str(tmp_path / "out"), tasks, TOKENIZER_DIR, {"dataset": "titan_recover_local"}, workers=2,
+                    progress=False)
+    np.testing.assert_array_equal(all_tokens(str(tmp_path / "out")), encode(docs))
+    with pytest.raises(DataError, match="not one of TorchTitan's text datasets"):
+        prepare.hf_tasks("no_such_dataset", None)
+
+
+# ------------------------------------------------------------------ launcher checks (exit 2, nothing starts)
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    out = tmp_path / "data"
+    prepare.prepare(str(out), prepare.synthetic_tasks(20_000, 2, seed=0), TOKENIZER_DIR, {"synthetic": 20_000},
+                    workers=1, progress=False)
+    return out
+
+
+def test_launcher_refuses_a_truncated_shard(tmp_path: Path, folder: Path) -> None:
+    os.truncate(folder / "00001.ds", 1234)
+    run = run_job(tmp_path / "run", "--training.dataset_path", str(folder), timeout=120)
+    assert run.returncode == 2, run.output[-2000:]
+    assert f"error: {folder / '00001.ds'}: 1234 bytes, but manifest.json lists" in run.output
+    assert "torchrun" not in run.output and not run.events
+
+
+def test_launcher_refuses_another_tokenizer(tmp_path: Path, folder: Path) -> None:
+    tok = write_standin_tokenizer(tmp_path / "tok", 2048)
+    run = run_job(tmp_path / "run", "--training.dataset_path", str(folder), "--model.hf_assets_path", str(tok), timeout=120)
+    assert run.returncode == 2, run.output[-2000:]
+    assert f"error: {folder / 'manifest.json'}: tokenized with another tokenizer" in run.output
+
+
+def test_8b_config_data_path_prepares_and_loads(tmp_path: Path) -> None:
+    """The 8B GPU configs' data path with a 128k-class vocabulary (a stand-in tokenizer: the real one
+    needs a download): prepared, checked against llama3 8B's 128,256-row embedding, first microbatch loaded."""
+    tok = write_standin_tokenizer(tmp_path / "tok", 128_000)
+    write_jsonl(tmp_path / "c4.jsonl", [f"w{127_999} " + " ".join(f"w{3 + (i * 7919 + j) % 127_990}" for j in range(3000))
+                                        for i in range(12)])
+    r = run_data_cli("prepare", str(tmp_path / "c4"), "--tokenizer", str(tok), "--files", str(tmp_path / "c4.jsonl"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "c4" / "manifest.json").read_text())["dtype"] == "uint32"
+    config = ["--job.config_file", str(ROOT / "train_configs" / "llama3_8b_hsdp_gpu.toml"),
+              "--model.hf_assets_path", str(tok), "--training.dataset_path", str(tmp_path / "c4")]
+    r = run_data_cli("check", *config)
+    assert r.returncode == 0, r.stderr
+    assert "36,036 tokens in 1 datatrove shards (uint32, ids < 128,000)" in r.stdout
+    assert "samples of 8193 tokens" in r.stdout
+    r = run_data_cli("check", *config, "--model.flavor", "debugmodel")  # 2048 embedding rows
+    assert r.returncode == 2 and "token ids go up to 127,999" not in r.stderr and "vocabulary of 2048" in r.stderr
