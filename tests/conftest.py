@@ -41,10 +41,10 @@ class Run:
         return steps
 
 
-def run_job(dump: Path, *overrides: str, timeout: int = 300) -> Run:
+def run_job(dump: Path, *overrides: str, timeout: int = 300, config: Path = CONFIG) -> Run:
     cmd = [
         sys.executable, "-m", "titan_recover.launch",
-        "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump), *TINY, *overrides,
+        "--job.config_file", str(config), "--job.dump_folder", str(dump), *TINY, *overrides,
     ]
     proc = subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
