@@ -20,15 +20,10 @@ import subprocess
 import sys
 import time
 
-from titan_recover import cpu_shim
-
-cpu_shim.apply()  # before any torchtitan module binds the device type (the data check imports them)
-
 import torch
 import torch.distributed as dist
 
-from titan_recover import config, devices, store
-from titan_recover.dataloader import check_data
+from titan_recover import config, cpu_shim, devices, store
 from titan_recover.events import events_path
 from titan_recover.summary import format_summary, summarize_events
 from titan_recover.tokens import DataError
@@ -228,11 +223,14 @@ def run_recover(job_config: object, argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
+    cpu_shim.apply()  # before torchtitan binds its device type: the data check imports its models
     try:
         job_config = config.load(argv)
     except config.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from titan_recover.dataloader import check_data
+
     try:
         log(check_data(job_config))  # prepared (synthetic) and checked once, before any rank starts
     except DataError as e:

@@ -141,13 +141,16 @@ def _hf_config(name: str) -> Any:
     return DATASETS[name]
 
 
+def _streaming_shards(ds: Any) -> int | None:
+    """Files of a streaming (iterable) HF dataset; None for a map-style one."""
+    return getattr(ds, "num_shards", None) or getattr(ds, "n_shards", None)
+
+
 def hf_tasks(name: str, dataset_path: str | None, rows_per_task: int = 100_000) -> list[Task]:
     """One task per file of a streaming dataset, or per ``rows_per_task`` rows of a local one."""
     cfg = _hf_config(name)
     ds = cfg.loader(dataset_path or cfg.path)
-    n = getattr(ds, "num_shards", None) or getattr(ds, "n_shards", None)
-    if n is None:  # map-style
-        n = max(1, -(-len(ds) // rows_per_task))
+    n = _streaming_shards(ds) or max(1, -(-len(ds) // rows_per_task))
     return [Task(i, "hf", (name, dataset_path, i, n)) for i in range(n)]
 
 
@@ -182,8 +185,8 @@ def _texts(task: Task, text_key: str) -> Iterator[str]:
         name, dataset_path, i, n = task.args
         cfg = _hf_config(name)
         ds = cfg.loader(dataset_path or cfg.path)
-        shard = ds.shard(num_shards=n, index=i) if hasattr(ds, "num_shards") or hasattr(ds, "n_shards") else ds.shard(num_shards=n, index=i, contiguous=True)
-        for sample in shard:
+        part = ds.shard(num_shards=n, index=i) if _streaming_shards(ds) else ds.shard(num_shards=n, index=i, contiguous=True)
+        for sample in part:
             yield cfg.sample_processor(sample)
     else:
         raise DataError(f"unknown task kind {task.kind!r}")

@@ -35,6 +35,11 @@ TINY: dict[str, Any] = {
 
 def _with_sum_reduction(parallelize: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
     def parallelize_fn(model: torch.nn.Module, parallel_dims: Any, job_config: Any) -> torch.nn.Module:
+        if getattr(model, "enable_weight_tying", False) and parallel_dims.fsdp_enabled:
+            raise ValueError(
+                f"model.flavor {job_config.model.flavor!r} ties its embedding and output weights, which TorchTitan "
+                "0.2.2 shards in two FSDP groups and torch 2.13's FSDP2 rejects; choose an untied flavor (e.g. tiny)"
+            )
         model = parallelize(model, parallel_dims, job_config)
         if cpu_shim.needed():
             cpu_shim.force_sum_reduction(model)
