@@ -18,7 +18,6 @@ shards (what is measured is the reader, not the text).
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -64,9 +63,12 @@ def read_rate(folder: Path, count: int, vocab: int) -> float:
 
 
 def _rss_child(folder: str, count: int) -> None:
-    """In a fresh process: read ``count`` microbatches, print peak RSS in MiB."""
+    """In a fresh process: read ``count`` microbatches, print its peak RSS in MiB. VmHWM, not
+    ``ru_maxrss``: Linux keeps ru_maxrss across execve, so it would count the parent's forked image."""
     read_rate(Path(folder), count, 1 << 17)
-    print(json.dumps({"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    print(json.dumps({key: int(status[field].split()[0]) / 1024
+                      for key, field in (("max_rss_mb", "VmHWM"), ("anon_mb", "RssAnon"), ("file_mb", "RssFile"))}))
 
 
 def prepare_rate(workdir: Path, workers: int, docs_file: Path) -> dict:
@@ -107,8 +109,9 @@ def main(argv: list[str]) -> None:
             write_random_corpus(folder, size, 128_256)
             out = subprocess.run([sys.executable, "-m", "bench.data", "--rss-child", str(folder), str(count)],
                                  cwd=ROOT, capture_output=True, text=True, check=True)
-            rss[size] = json.loads(out.stdout.strip().splitlines()[-1])["max_rss_mb"]
-            print(f"rss: {size:,} tokens -> {rss[size]:.1f} MiB")
+            rss[size] = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"rss: {size:,} tokens -> peak {rss[size]['max_rss_mb']:.1f} MiB "
+                  f"(now {rss[size]['anon_mb']:.1f} anonymous, {rss[size]['file_mb']:.1f} file-backed)")
     result = {
         "data_prepare_tokens_per_s": runs[1]["tokens_per_s"],
         "data_prepare_runs": runs,
@@ -121,7 +124,7 @@ def main(argv: list[str]) -> None:
         "data_read_note": f"seq_len {SEQ_LEN}, local batch 1, uint32 ids, 10^8-token corpus in page cache; "
                           f"need: {H100_8B_TOKENS_PER_S} tokens/s per H100 (TorchTitan, Llama 3.1 8B, Float8)",
         "data_rss_mb_by_tokens": {str(k): v for k, v in rss.items()},
-        "data_rss_growth_ratio": rss[sizes[-1]] / rss[sizes[0]],
+        "data_rss_growth_ratio": rss[sizes[-1]]["max_rss_mb"] / rss[sizes[0]]["max_rss_mb"],
         "cpu_count": cores,
         "quick": args.quick,
     }

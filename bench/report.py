@@ -22,6 +22,9 @@ HEADLINES = {
     "ckpt_restart_effective_throughput_ratio": ("ckpt_restart", "tokens/s titan_recover / best-K checkpoint-and-restart, 3 kills"),
     "sim_calibration_error": ("goodput", "simulator vs measured training time, worst run of scenario 3"),
     "sim_paper_setting_ratio": ("goodput", "simulated effective throughput ratio, 512 GPUs with 256 lost"),
+    "data_prepare_tokens_per_s": ("data", "tokens/s of the prepare command on every core of this machine"),
+    "data_read_vs_needed_ratio": ("data", "one rank's microbatches/s at seq 8192 / what one H100 of an 8B run consumes"),
+    "data_rss_growth_ratio": ("data", "a reading rank's peak RSS at 1B tokens / at 1M tokens"),
 }
 
 

@@ -14,6 +14,7 @@ step() { echo; echo "=== bench: $* ($((SECONDS - start)) s)"; "$PY" -m "$@"; }
 step bench.overhead "${mode[@]}"
 step bench.fidelity "${mode[@]}"
 step bench.ckpt_restart "${mode[@]}"
+step bench.data "${mode[@]}"
 if [ ${#mode[@]} -eq 0 ]; then
     step bench.recovery_latency --repeats 2
     step bench.recovery_latency --repeats 1 --faults kill --rejoin

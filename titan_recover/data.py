@@ -3,7 +3,7 @@
 Recovery replays and re-assigns microbatches, so every sample is addressed by a pure
 function: ``(step, microbatch, shard)`` -> global sample indices (``sample_indices``) ->
 ``(data epoch, window)`` of the corpus (``order.window_of``, a seeded permutation per
-epoch) -> ``seq_len + 1`` tokens of a memory-mapped shard (``tokens.TokenDataset``).
+epoch) -> ``seq_len + 1`` tokens of a shard file (``tokens.TokenDataset``).
 Whichever process loads a microbatch gets bit-identical tensors.
 
     python -m titan_recover.data prepare OUT --tokenizer DIR (--files F ... | --dataset NAME | --synthetic N)
