@@ -26,7 +26,7 @@ def tokenizer() -> HuggingFaceTokenizer:
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> TokenDataset:
     folder = str(tmp_path_factory.mktemp("tokens"))
-    prepare.prepare(folder, prepare.synthetic_tasks(20_000, 2, seed=0), TOKENIZER_DIR, {"synthetic": 20_000},
+    prepare.prepare_synthetic(folder, TOKENIZER_DIR, 20_000, 2, 0,
                     workers=1, progress=False)
     return TokenDataset(folder)
 

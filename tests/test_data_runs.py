@@ -58,7 +58,7 @@ def test_qwen3_on_prepared_shards_kill_rejoin_keeps_trajectory_across_data_epoch
 
 def test_token_changed_under_the_run_is_a_data_error_not_a_replica_failure(tmp_path: Path) -> None:
     folder = tmp_path / "data"
-    prepare.prepare(str(folder), prepare.synthetic_tasks(20_000, 2, seed=0), TOKENIZER_DIR, {"synthetic": 20_000},
+    prepare.prepare_synthetic(str(folder), TOKENIZER_DIR, 20_000, 2, 0,
                     workers=1, progress=False)
     dataset = TokenDataset(str(folder))
     windows = dataset.num_windows(64)

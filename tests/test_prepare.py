@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -134,7 +135,7 @@ def test_torchtitan_hf_dataset_by_name(tmp_path: Path, monkeypatch: pytest.Monke
 @pytest.fixture
 def folder(tmp_path: Path) -> Path:
     out = tmp_path / "data"
-    prepare.prepare(str(out), prepare.synthetic_tasks(20_000, 2, seed=0), TOKENIZER_DIR, {"synthetic": 20_000},
+    prepare.prepare_synthetic(str(out), TOKENIZER_DIR, 20_000, 2, 0,
                     workers=1, progress=False)
     return out
 
@@ -169,3 +170,47 @@ def test_8b_config_data_path_prepares_and_loads(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "36,036 tokens in 1 datatrove shards (uint32, ids < 128,000)" in r.stdout
     assert "samples of 8193 tokens" in r.stdout
+
+
+def test_a_worker_killed_mid_task_ends_prepare_with_a_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              docs: list[str]) -> None:
+    """multiprocessing's pool replaces a dead worker but never answers for its task: the stall deadline does."""
+    write_jsonl(tmp_path / "in.jsonl", docs * 40)
+    monkeypatch.setattr(prepare, "STALL_S", 2.0)
+
+    def kill_worker() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == os.getpid()]
+            workers = [c for c in children if any(f.endswith(".ds.tmp") for f in _open_files(c))]  # mid-shard
+            if workers:
+                os.kill(workers[0], signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_worker)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(DataError, match=r"no token written for 2 s while waiting for task .* a worker died"):
+        prepare.prepare(str(tmp_path / "out"), prepare.file_tasks([str(tmp_path / "in.jsonl")], 1 << 30),
+                        TOKENIZER_DIR, {"files": "in"}, workers=1, progress=False)
+    killer.join()
+    assert time.monotonic() - start < 60
+    assert not list((tmp_path / "out").glob("*.tmp*"))  # the dead worker's half shard was removed
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _open_files(pid: int) -> list[str]:
+    files = []
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            files.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    except OSError:  # gone, or the fd closed meanwhile
+        pass
+    return files

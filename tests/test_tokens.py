@@ -112,7 +112,7 @@ def test_our_folder_is_read_by_datatrove(tmp_path: Path) -> None:
     from datatrove.utils.dataset import DatatroveFolderDataset
 
     folder = str(tmp_path / "ours")
-    prepare.prepare(folder, prepare.synthetic_tasks(6_000, 3, seed=1), TOKENIZER_DIR, {"synthetic": 6_000},
+    prepare.prepare_synthetic(folder, TOKENIZER_DIR, 6_000, 3, 1,
                     workers=1, progress=False)
     ours = TokenDataset(folder)
     seq = 31
@@ -165,7 +165,7 @@ def test_index_refuses_a_wrong_token_width(tmp_path: Path) -> None:
 @pytest.fixture
 def small(tmp_path: Path) -> TokenDataset:
     folder = str(tmp_path / "small")
-    prepare.prepare(folder, prepare.synthetic_tasks(5_000, 2, seed=0), TOKENIZER_DIR, {"synthetic": 5_000},
+    prepare.prepare_synthetic(folder, TOKENIZER_DIR, 5_000, 2, 0,
                     workers=1, progress=False)
     return TokenDataset(folder)
 

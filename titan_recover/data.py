@@ -122,16 +122,16 @@ def main(argv: Sequence[str]) -> int:
         if args.command == "check":
             print(_check(rest))
         elif args.command == "prepare":
-            if args.files:
-                tasks, source = prepare.file_tasks(args.files, max(1, int(args.task_mb * 2**20))), {"files": sorted(args.files)}
-            elif args.dataset:
+            kwargs = {"max_tokens": args.max_tokens, "workers": args.workers, "text_key": args.text_key}
+            if args.synthetic is not None:
+                m = prepare.prepare_synthetic(args.out, args.tokenizer, args.synthetic, args.shards, args.seed, **kwargs)
+            elif args.files:
+                tasks = prepare.file_tasks(args.files, max(1, int(args.task_mb * 2**20)))
+                m = prepare.prepare(args.out, tasks, args.tokenizer, {"files": sorted(args.files)}, **kwargs)
+            else:
                 tasks = prepare.hf_tasks(args.dataset, args.dataset_path)
                 source = {"dataset": args.dataset, "dataset_path": args.dataset_path}
-            else:
-                tasks = prepare.synthetic_tasks(args.synthetic, args.shards, args.seed)
-                source = {"synthetic": args.synthetic, "shards": args.shards, "seed": args.seed}
-            m = prepare.prepare(args.out, tasks, args.tokenizer, source, max_tokens=args.max_tokens,
-                                workers=args.workers, text_key=args.text_key)
+                m = prepare.prepare(args.out, tasks, args.tokenizer, source, **kwargs)
             print(f"{args.out}: {_describe(m)}")
         elif args.command == "index":
             vocab = prepare.Encoder.for_tokenizer(args.tokenizer)[1]

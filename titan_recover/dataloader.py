@@ -119,8 +119,7 @@ def open_dataset(job_config: Any, tokenizer_vocab: int) -> TokenDataset:
     if tr.dataset == SYNTHETIC:
         folder = tr.dataset_path or DEFAULT_SYNTHETIC_DIR
         if not os.path.exists(os.path.join(folder, tokens.MANIFEST)):
-            tasks = prepare.synthetic_tasks(SYNTHETIC_TOKENS, SYNTHETIC_SHARDS, seed=0)
-            prepare.prepare(folder, tasks, tokenizer_dir, {"synthetic": SYNTHETIC_TOKENS, "shards": SYNTHETIC_SHARDS, "seed": 0})
+            prepare.prepare_synthetic(folder, tokenizer_dir, SYNTHETIC_TOKENS, SYNTHETIC_SHARDS)
     elif not tr.dataset_path:
         raise DataError(
             f"training.dataset = {tr.dataset!r} needs training.dataset_path: a folder prepared with "

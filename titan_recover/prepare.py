@@ -18,6 +18,7 @@ import glob
 import json
 import multiprocessing
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
@@ -29,6 +30,7 @@ from titan_recover.tokens import DataError, Manifest, Shard
 
 TASK_BYTES = 64 << 20  # input bytes per task (one output shard each)
 ENCODE_BATCH = 1024  # documents per tokenizer call
+STALL_S = 600.0  # no token written by any worker for this long, while a task is awaited: give up with a message
 SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "text"}
 
 
@@ -73,13 +75,14 @@ class Encoder:
 
 
 def _expand(paths: list[str]) -> list[str]:
+    """Files named, globbed, or of a known type inside a named folder, in a fixed order."""
     files: list[str] = []
     for p in paths:
         if os.path.isdir(p):
-            found = [f for f in glob.glob(os.path.join(glob.escape(p), "**", "*"), recursive=True) if os.path.isfile(f)]
+            inside = glob.glob(os.path.join(glob.escape(p), "**", "*"), recursive=True)
+            files += sorted(f for f in inside if os.path.isfile(f) and os.path.splitext(f)[1] in SUFFIXES)
         else:
-            found = glob.glob(p) or [p]
-        files += sorted(f for f in found if os.path.splitext(f)[1] in SUFFIXES or not os.path.isdir(p))
+            files += sorted(glob.glob(p)) or [p]
     for f in files:
         if not os.path.isfile(f):
             raise DataError(f"{f}: no such input file")
@@ -123,6 +126,13 @@ def file_tasks(paths: list[str], task_bytes: int = TASK_BYTES) -> list[Task]:
     if texts:
         out.append(Task(0, "text", tuple(texts)))
     return [Task(i, t.kind, t.args) for i, t in enumerate(out)]
+
+
+def prepare_synthetic(folder: str, tokenizer_dir: str, num_tokens: int, shards: int, seed: int = 0,
+                      **kwargs: Any) -> Manifest:
+    """``prepare`` of exactly ``num_tokens`` synthetic tokens in ``shards`` shards."""
+    return prepare(folder, synthetic_tasks(num_tokens, shards, seed), tokenizer_dir,
+                   {"synthetic": num_tokens, "shards": shards, "seed": seed}, **kwargs)
 
 
 def synthetic_tasks(num_tokens: int, shards: int, seed: int) -> list[Task]:
@@ -268,6 +278,30 @@ def _run_job(job: tuple) -> Shard:
 # --------------------------------------------------------------------------------------
 
 
+def _remove_partial(folder: str) -> None:
+    """Half-written shards of interrupted or stopped workers (never in a record or the manifest)."""
+    for path in glob.glob(os.path.join(glob.escape(folder), "*.ds.tmp*")):
+        os.remove(path)
+
+
+def _await(results: Any, task: Task, counter: Any, bar: Any) -> Shard:
+    """The next task's shard; a ``DataError`` after ``STALL_S`` without a token from any worker
+    (a worker that died, e.g. of memory, takes its task with it and the pool never answers)."""
+    last, stalled_since = counter.value, time.monotonic()
+    while True:
+        try:
+            return results.next(timeout=0.5)
+        except multiprocessing.TimeoutError:
+            bar.set_postfix(tokens=f"{counter.value:,}", refresh=True)
+            if counter.value != last:
+                last, stalled_since = counter.value, time.monotonic()
+            elif time.monotonic() - stalled_since > STALL_S:
+                raise DataError(
+                    f"no token written for {STALL_S:.0f} s while waiting for task {task.to_json()}: a worker died "
+                    "(out of memory?) or its input stalls; a rerun resumes from the finished shards"
+                ) from None
+
+
 def _cut(folder: str, shard: Shard, keep: int, dtype: str) -> Shard:
     """Shortens a finished shard to its first ``keep`` tokens (the one that crosses max_tokens)."""
     path = os.path.join(folder, shard.file)
@@ -276,15 +310,12 @@ def _cut(folder: str, shard: Shard, keep: int, dtype: str) -> Shard:
     ends = np.fromfile(f"{path}.index", dtype="<u8")
     ends = np.append(ends[ends < keep], np.uint64(keep))
     tokens.atomic_write(f"{path}.index", ends.astype("<u8").tobytes())
-    arr = np.fromfile(path, dtype=tokens.DTYPES[dtype])
-    return Shard(shard.file, keep, int(ends.size), int(arr.max()), tokens.file_sha256(path))
+    return tokens.scan_shard(path, shard.file, dtype, int(ends.size))
 
 
 def prepare(folder: str, tasks: list[Task], tokenizer_dir: str, source: dict, *, max_tokens: int | None = None,
             workers: int | None = None, text_key: str = "text", progress: bool = True) -> Manifest:
     """Tokenizes ``tasks`` into ``folder`` (idempotent, resumable) and writes its manifest."""
-    import sys
-
     from tqdm import tqdm
 
     if max_tokens is not None and max_tokens <= 0:
@@ -303,6 +334,7 @@ def prepare(folder: str, tasks: list[Task], tokenizer_dir: str, source: dict, *,
                        "eos": list(encoder.eos), "text_key": text_key, "source": source}
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(folder, tokens.MANIFEST))  # stale: never describes new shards
+        _remove_partial(folder)
         done = {t.index: s for t in tasks if (s := _read_record(folder, t, fingerprint)) is not None}
         todo = [t for t in tasks if t.index not in done]
         quotas = {t.index: t.args[1] if t.kind == "synthetic" else None for t in tasks}
@@ -314,33 +346,31 @@ def prepare(folder: str, tasks: list[Task], tokenizer_dir: str, source: dict, *,
                    disable=not progress, mininterval=0.1 if sys.stderr.isatty() else 10)
         shards: list[Shard] = []
         total = 0
-        with ctx.Pool(workers, initializer=_init_worker, initargs=(counter,)) as pool:
-            results = pool.imap(_run_job, [(folder, t, encoder, fingerprint, quotas[t.index]) for t in todo])
-            for task in tasks:
-                if task.index in done:
-                    shard = done[task.index]
-                else:
-                    while True:
-                        try:
-                            shard = results.next(timeout=0.5)
-                            break
-                        except multiprocessing.TimeoutError:
-                            bar.set_postfix(tokens=f"{counter.value:,}", refresh=True)
-                    bar.update(1)
-                    bar.set_postfix(tokens=f"{counter.value:,}",
-                                    tok_per_s=f"{counter.value / max(1e-9, time.monotonic() - start):,.0f}")
-                if max_tokens is not None and total + shard.tokens >= max_tokens:
-                    if total + shard.tokens > max_tokens:
-                        shard = _cut(folder, shard, max_tokens - total, encoder.dtype)
-                        tokens.write_json(_record_path(folder, task.index), {"task": "cut", "shard": asdict(shard)})
-                    shards.append(shard)
-                    total = max_tokens
-                    pool.terminate()
-                    break
-                if shard.tokens:
-                    shards.append(shard)
-                total += shard.tokens
-        bar.close()
+        try:
+            with ctx.Pool(workers, initializer=_init_worker, initargs=(counter,)) as pool:
+                results = pool.imap(_run_job, [(folder, t, encoder, fingerprint, quotas[t.index]) for t in todo])
+                for task in tasks:
+                    if task.index in done:
+                        shard = done[task.index]
+                    else:
+                        shard = _await(results, task, counter, bar)
+                        bar.update(1)
+                        bar.set_postfix(tokens=f"{counter.value:,}",
+                                        tok_per_s=f"{counter.value / max(1e-9, time.monotonic() - start):,.0f}")
+                    if max_tokens is not None and total + shard.tokens >= max_tokens:
+                        if total + shard.tokens > max_tokens:
+                            shard = _cut(folder, shard, max_tokens - total, encoder.dtype)
+                            tokens.write_json(_record_path(folder, task.index), {"task": "cut", "shard": asdict(shard)})
+                        shards.append(shard)
+                        total = max_tokens
+                        pool.terminate()
+                        break
+                    if shard.tokens:
+                        shards.append(shard)
+                    total += shard.tokens
+        finally:  # the pool has stopped its workers: nobody writes any more
+            bar.close()
+            _remove_partial(folder)  # half shards of workers stopped at max_tokens, or dead
         if max_tokens is not None and total < max_tokens:
             raise DataError(f"the input holds {total:,} tokens, fewer than --max-tokens {max_tokens:,}")
         if not shards:

@@ -377,19 +377,22 @@ class ShardWriter:
                 os.remove(p)
 
 
-def _scan(path: str, dtype: str, documents: int) -> Shard:
-    """One pass over a shard: sha256 and largest id (for ``index``)."""
-    arr = np.memmap(path, dtype=DTYPES[dtype], mode="r") if os.path.getsize(path) else np.zeros(0, DTYPES[dtype])
-    biggest = 0
-    for start in range(0, arr.size, _HASH_CHUNK):
-        chunk = np.asarray(arr[start:start + _HASH_CHUNK])
-        if chunk.size and chunk.min() < 0:
-            raise DataError(f"{path}: negative token id {int(chunk.min())}")
-        biggest = max(biggest, int(chunk.max()) if chunk.size else 0)
-    return Shard(os.path.basename(path), int(arr.size), documents, biggest, file_sha256(path))
+def scan_shard(path: str, file: str, dtype: str, documents: int) -> Shard:
+    """One read of a shard file: its token count, sha256 and largest id (``file``: its name in the folder)."""
+    width, digest, biggest, size = DTYPES[dtype].itemsize, hashlib.sha256(), 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):  # a multiple of every token width
+            if len(chunk) % width:
+                raise DataError(f"{path}: not a whole number of {width}-byte tokens")
+            digest.update(chunk)
+            ids = np.frombuffer(chunk, dtype=DTYPES[dtype])
+            if ids.min() < 0:
+                raise DataError(f"{path}: negative token id {int(ids.min())}")
+            biggest, size = max(biggest, int(ids.max())), size + len(chunk)
+    return Shard(file, size // width, documents, biggest, digest.hexdigest())
 
 
-def _datatrove_shard(path: str, dtype: str) -> Shard:
+def _datatrove_shard(path: str, file: str, dtype: str) -> Shard:
     width = DTYPES[dtype].itemsize
     size = os.path.getsize(path)
     if size % width:
@@ -403,10 +406,10 @@ def _datatrove_shard(path: str, dtype: str) -> Shard:
             f"{index}: documents end at token {int(ends[-1])}, but {path} holds {size // width} tokens of "
             f"{width} bytes: is the token width right (--dtype)?"
         )
-    return _scan(path, dtype, int(ends.size))
+    return scan_shard(path, file, dtype, int(ends.size))
 
 
-def _megatron_shard(path: str, dtype: str) -> Shard:
+def _megatron_shard(path: str, file: str, dtype: str) -> Shard:
     idx = path[: -len(".bin")] + ".idx"
     found = megatron_dtype(idx)
     if found != dtype:
@@ -414,7 +417,7 @@ def _megatron_shard(path: str, dtype: str) -> Shard:
     with open(idx, "rb") as f:
         f.seek(len(MEGATRON_MAGIC) + 9)
         _sequences, documents = struct.unpack("<QQ", f.read(16))
-    return _scan(path, dtype, max(0, documents - 1))  # Megatron's document index starts with a 0
+    return scan_shard(path, file, dtype, max(0, documents - 1))  # Megatron's document index starts with a 0
 
 
 def index_folder(folder: str, tokenizer_dir: str, vocab_size: int, dtype: str | None = None) -> Manifest:
@@ -432,10 +435,7 @@ def index_folder(folder: str, tokenizer_dir: str, vocab_size: int, dtype: str | 
     if dtype not in DTYPES:
         raise DataError(f"token dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     read = _datatrove_shard if layout == "datatrove" else _megatron_shard
-    shards = []
-    for path in files:
-        shard = read(path, dtype)
-        shards.append(Shard(os.path.relpath(path, folder), shard.tokens, shard.documents, shard.max_token_id, shard.sha256))
+    shards = [read(path, os.path.relpath(path, folder), dtype) for path in files]
     manifest = Manifest(layout, dtype, tokenizer_identity(tokenizer_dir), vocab_size, tuple(shards),
                         {"indexed_from": layout, "tokenizer_dir": os.path.abspath(tokenizer_dir)})
     if manifest.max_token_id >= vocab_size:
