@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch.distributed as dist
@@ -184,10 +191,24 @@ def read_counter(s: dist.TCPStore, key: str) -> int:
     return int(s.add(key, 0))
 
 
+def wait_until(predicate: Callable[[], bool], timeout_s: float) -> float:
+    """Seconds until ``predicate()`` held; fails the test after ``timeout_s``."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, f"not within {timeout_s}s"
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def never_lost(reason: str) -> None:
+    raise AssertionError(f"lifeline declared the coordinator lost: {reason}")
+
+
 def test_heartbeat_counts_then_stops(server: tuple[dist.TCPStore, str]) -> None:
     srv, address = server
     key = store.heartbeat_key(7, 3)
-    hb = store.Heartbeat(address, replica=7, shard=3, interval_s=0.05)
+    lost: list[str] = []
+    hb = store.Heartbeat(address, key, interval_s=0.05, coordinator_timeout_s=1e6, on_lost=lost.append)
     try:
         seen = [read_counter(srv, key)]
         deadline = time.monotonic() + 10.0
@@ -199,24 +220,135 @@ def test_heartbeat_counts_then_stops(server: tuple[dist.TCPStore, str]) -> None:
         assert len(set(seen)) >= 3  # it moved several times while we watched
     finally:
         hb.stop()
-    assert not hb._thread.is_alive()
+    assert not any(t.is_alive() for t in hb._threads)
+    assert lost == []
     stopped = read_counter(srv, key)
-    # for several more intervals after stop() the counter does not move
     deadline = time.monotonic() + 0.2  # four intervals
     while time.monotonic() < deadline:
         assert read_counter(srv, key) == stopped
         time.sleep(0.01)
 
 
-def test_heartbeat_thread_ends_when_the_server_goes_away() -> None:
+class ResettingProxy:
+    """A TCP proxy in front of a store server that can reset every connection through it."""
+
+    def __init__(self, target_port: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.target = target_port
+        self.pairs: list[tuple[socket.socket, socket.socket]] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                a, _ = self.listener.accept()
+            except OSError:
+                return
+            b = socket.create_connection(("127.0.0.1", self.target))
+            self.pairs.append((a, b))
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def reset_all(self) -> None:
+        for a, b in self.pairs:
+            for s in (a, b):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, not FIN
+                s.close()
+        self.pairs = []
+
+
+def test_heartbeat_survives_a_connection_reset(server: tuple[dist.TCPStore, str]) -> None:
+    """A transient reset must not end the heartbeat (it would fence a healthy rank)."""
+    srv, _ = server
+    proxy = ResettingProxy(int(server[1].rpartition(":")[2]))
+    key = store.heartbeat_key(8, 0)
+    hb = store.Heartbeat(f"127.0.0.1:{proxy.port}", key, 0.02, coordinator_timeout_s=1e6, on_lost=never_lost)
+    try:
+        wait_until(lambda: read_counter(srv, key) >= 3, 10)
+        for _ in range(3):
+            proxy.reset_all()
+            before = read_counter(srv, key)
+            wait_until(lambda: read_counter(srv, key) >= before + 3, 10)  # beating again, on a new connection
+        assert all(t.is_alive() for t in hb._threads)
+    finally:
+        hb.stop()
+
+
+def test_heartbeat_of_a_stuck_main_loop_reports_itself_then_stops(server: tuple[dist.TCPStore, str]) -> None:
+    srv, address = server
+    key = store.heartbeat_key(9, 1)
+    report = {"replica": 9, "shard": 1, "epoch": 0, "suspect": 9}
+    hb = store.Heartbeat(address, key, 0.02, 1e6, never_lost, progress_timeout_s=0.5,
+                         stuck_report=lambda idle, where: {**report, "cause": f"stuck {idle:.1f}s at {where}"})
+    try:
+        before = read_counter(srv, store.REPORTS)
+        wait_until(lambda: read_counter(srv, key) >= 5, 10)  # beats freely before the loop's first tick
+        for _ in range(40):
+            hb.tick("microbatch 0")
+            time.sleep(0.02)
+        beating = read_counter(srv, key)
+        assert beating > 5 and read_counter(srv, store.REPORTS) == before  # ticking: no report
+        wait_until(lambda: read_counter(srv, store.REPORTS) > before, 5)  # no tick for 0.5 s: it reports
+        rec = store.read_report(srv, store.report_key(read_counter(srv, store.REPORTS)))
+        assert rec["suspect"] == 9 and "at microbatch 0" in rec["cause"]
+        silent = read_counter(srv, key)
+        time.sleep(0.3)
+        assert read_counter(srv, key) == silent  # and it stopped beating
+        hb.tick("microbatch 1")
+        wait_until(lambda: read_counter(srv, key) > silent, 5)  # progress again: beats again
+    finally:
+        hb.stop()
+
+
+COORDINATOR = """
+import sys, time
+from titan_recover import store
+srv = store.serve(int(sys.argv[1]), 30)
+print("up", flush=True)
+while True:
+    srv.add(store.ALIVE, 1)
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL])
+def test_lifeline_notices_a_frozen_or_killed_coordinator(sig: signal.Signals) -> None:
+    """A real coordinator-like process; every store call against a SIGSTOPped server would
+    block, so the verdict comes from a second thread within the bound."""
     port = store.free_port()
-    srv = store.serve(port, 5)
-    hb = store.Heartbeat(f"127.0.0.1:{port}", replica=0, shard=0, interval_s=0.02)
-    deadline = time.monotonic() + 10.0
-    while read_counter(srv, store.heartbeat_key(0, 0)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert read_counter(srv, store.heartbeat_key(0, 0)) >= 2
-    del srv  # the coordinator exits
-    hb._thread.join(timeout=10.0)
-    assert not hb._thread.is_alive()
-    hb.stop()
+    proc = subprocess.Popen([sys.executable, "-c", COORDINATOR, str(port)], stdout=subprocess.PIPE, text=True)
+    lost: list[tuple[float, str]] = []
+    try:
+        assert proc.stdout.readline() == "up\n"
+        hb = store.Heartbeat(f"127.0.0.1:{port}", store.heartbeat_key(0, 0), 0.05, coordinator_timeout_s=2.0,
+                             on_lost=lambda reason: lost.append((time.monotonic(), reason)))
+        time.sleep(1.0)
+        assert lost == []  # alive and answering: no verdict
+        os.kill(proc.pid, sig)
+        start = time.monotonic()
+        wait_until(lambda: bool(lost), 10)
+        took = lost[0][0] - start
+        if sig == signal.SIGSTOP:
+            assert "no sign of life" in lost[0][1] and f"127.0.0.1:{port}" in lost[0][1]
+            assert 1.0 <= took <= 2.0 + 2.0, took  # the bound, not a TCP timeout
+        else:
+            assert "refused" in lost[0][1]
+            assert took < 2.0, took  # a dead process is noticed before the silence bound
+        hb.stop()
+    finally:
+        proc.kill()
+        proc.wait()

@@ -4,7 +4,9 @@ For shard index ``k`` the live replicas' rank ``k`` form one process group per
 membership epoch, built under the store prefix ``replicate/e<epoch>/s<k>``: a rank of
 an old epoch can never join a newer group. Collectives are asynchronous and polled,
 so they return within a bounded time once the epoch moves on (a peer died or hung);
-an abandoned group and its buffers are parked, never reused or freed mid-flight.
+an abandoned group and its buffers are parked, never reused or freed mid-flight, and
+freed once nothing runs on them any more (gloo ends a collective with a dead peer at
+its timeout), so memory, threads and descriptors do not grow failure after failure.
 Callers pass fresh buffers (out-of-place), so a broken collective never touches
 local gradients.
 
@@ -20,10 +22,12 @@ import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+
+from dataclasses import dataclass, field
 
 from titan_recover.config import ConfigError
 from titan_recover.membership import Membership
@@ -43,6 +47,23 @@ class CollectiveAborted(RuntimeError):
     """The collective did not finish for this epoch; retry in the next one."""
 
 
+@dataclass
+class Parked:
+    """What an abandoned group or collective still holds until nothing runs on it."""
+
+    group: object = None
+    works: list[dist.Work] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    builder: threading.Thread | None = None  # a rendezvous thread that may still return a group
+    built: list[object] = field(default_factory=list)  # ...into this list
+
+    def busy(self) -> bool:
+        return (self.builder is not None and self.builder.is_alive()) or not all(w.is_completed() for w in self.works)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
 class ReplicateGroups:
     """This rank's replicate-dim process groups, one per epoch."""
 
@@ -57,7 +78,7 @@ class ReplicateGroups:
         self.backend = backend
         self.device = device if backend == "nccl" else torch.device("cpu")  # where transfer buffers live
         self._groups: dict[int, dist.Backend | None] = {}
-        self._parked: list[object] = []  # abandoned groups/work/buffers: kept alive, never reused
+        self._parked: list[Parked] = []  # abandoned groups/work/buffers: kept until idle, never reused
         agreed = store.compare_set(REPLICATE_BACKEND, "", backend).decode()
         if agreed != backend:
             raise ConfigError(
@@ -77,13 +98,33 @@ class ReplicateGroups:
         group.eager_connect_single_device(self.device)  # connect now, inside the abortable rendezvous
         return group
 
-    def _discard(self, group: dist.Backend | None) -> None:
-        """Parks a group that will not be used again; an NCCL one is aborted first."""
-        if group is None or any(g is group for g in self._parked):
+    def _discard(
+        self, group: dist.Backend | None, works: Sequence[dist.Work] = (), tensors: Sequence[torch.Tensor] = ()
+    ) -> None:
+        """Parks a group that will not be used again (an NCCL one is aborted first), with
+        the collectives still in flight on it and their buffers."""
+        if group is None and not works:
             return
-        if self.backend == "nccl":
+        if group is not None and self.backend == "nccl" and not any(p.group is group for p in self._parked):
             group.abort()
-        self._parked.append(group)
+        self._parked.append(Parked(group, list(works), list(tensors)))
+        self._reap()
+
+    def _reap(self) -> None:
+        """Frees what is parked once nothing runs on it: its collectives ended (a dead
+        peer's at the group timeout) and no rendezvous thread can still hand a group back."""
+        idle = [p for p in self._parked if not p.busy()]
+        self._parked = [p for p in self._parked if p.busy()]
+        for p in idle:
+            for late in p.built:  # a rendezvous that finished after we gave up on it
+                if self.backend == "nccl" and isinstance(late, dist.Backend):
+                    late.abort()
+        del idle  # the last references: gloo closes its pairs and joins its threads here
+
+    def parked(self) -> dict[str, float]:
+        """What abandoned collectives hold right now (for the event log's resources events)."""
+        self._reap()
+        return {"entries": len(self._parked), "mb": round(sum(p.nbytes() for p in self._parked) / 2**20, 1)}
 
     def _connect(self, prefix: str, rank: int, size: int, abort: Callable[[], bool]) -> dist.Backend:
         """A group under ``prefix``; raises CollectiveAborted if ``abort()`` first.
@@ -107,7 +148,7 @@ class ReplicateGroups:
         pause = POLL_S[0]
         while not result:
             if abort():
-                self._parked.append(thread)
+                self._parked.append(Parked(builder=thread, built=result))
                 raise CollectiveAborted(f"{prefix} ended while building its group")
             pause = backoff(pause)
         if isinstance(result[0], Exception):
@@ -132,16 +173,14 @@ class ReplicateGroups:
         pause = POLL_S[0]
         while not all(w.is_completed() for w in works):
             if abort():
-                self._parked.append((works, tensors))
-                self._discard(group)
+                self._discard(group, works, tensors)
                 raise CollectiveAborted(f"{what}: the epoch ended first")
             pause = backoff(pause)
         try:
             for w in works:
                 w.wait()
         except Exception as e:
-            self._parked.append((works, tensors))
-            self._discard(group)
+            self._discard(group, works, tensors)
             raise CollectiveAborted(f"{what} failed: {e}") from e
 
     @contextmanager

@@ -9,6 +9,7 @@ the same TOML describes stock HSDP (``enable = false``) and titan_recover.
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,20 @@ class Recover:
 
     startup_timeout_s: float = 600.0
     """How long a replica group may take to send its first heartbeat."""
+
+    coordinator_timeout_s: float = 30.0
+    """Every process of the run stops, with one line saying how to resume, when the coordinator
+    shows no sign of life this long (frozen or its host gone); a killed one is noticed at once."""
+
+    progress_timeout_s: float = 600.0
+    """A rank whose main loop makes no progress this long (deadlock, hung read or save) is fenced,
+    even though its heartbeat thread runs. Keep it above the longest pause of the loop:
+    a checkpoint save, the first step's compilation."""
+
+    max_step_retries: int = 3
+    """A step whose replicate collectives break this many times with nobody silent is not retried
+    again: the replicas that never reported a break (the ones the others waited for) are fenced,
+    or, if every replica reported one, the run stops naming them."""
 
     coordinator_port: int = 0
     """TCP port of the coordinator's store; 0 picks a free one."""
@@ -92,6 +107,8 @@ def validate(job_config: Any) -> Recover:
         raise ConfigError(f"recover.min_replicas must be >= 1, got {rc.min_replicas}")
     if rc.max_restarts < 0:
         raise ConfigError(f"recover.max_restarts must be >= 0, got {rc.max_restarts}")
+    if rc.max_step_retries < 1:
+        raise ConfigError(f"recover.max_step_retries must be >= 1, got {rc.max_step_retries}")
     if rc.digest_interval < 1:
         raise ConfigError(f"recover.digest_interval must be >= 1, got {rc.digest_interval}")
     for key in (
@@ -100,6 +117,8 @@ def validate(job_config: Any) -> Recover:
         "report_confirm_s",
         "collective_timeout_s",
         "startup_timeout_s",
+        "coordinator_timeout_s",
+        "progress_timeout_s",
     ):
         if not math.isfinite(getattr(rc, key)) or getattr(rc, key) <= 0:
             raise ConfigError(f"recover.{key} must be a finite number > 0, got {getattr(rc, key)}")
@@ -165,6 +184,16 @@ def validate(job_config: Any) -> Recover:
             f"data_parallel_replicate_degree ({per_microbatch * replicas})"
         )
     return rc
+
+
+def resume_hint(job_config: Any) -> str:
+    """What to do after the run stopped for good: the DCP checkpoint is the backstop."""
+    ckpt = job_config.checkpoint
+    if ckpt.enable:
+        where = os.path.join(job_config.job.dump_folder, ckpt.folder)
+        return f"To resume, run the same command again: TorchTitan resumes from the last checkpoint in {where}"
+    return ("To resume, run the same command again; [checkpoint] enable = false, so the run starts over "
+            "(enable checkpoints to resume where it stopped)")
 
 
 def group_ranks(par: Any) -> int:

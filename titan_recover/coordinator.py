@@ -13,18 +13,22 @@ step commits.
 import sys
 import time
 
-from titan_recover import config, store
+from titan_recover import config, resources, store
 from titan_recover.events import EventLog
 from titan_recover.membership import (
     FailureDetector,
     Membership,
     TooFewReplicasError,
     admit,
+    job_error,
     join_action,
     next_membership,
+    retry_verdict,
 )
 
 POLL_S = 0.02  # detection is bounded by report_confirm_s / heartbeats, not by this
+REPORT_GRACE_S = 5.0  # a reserved report slot still empty after this: its reporter died in between
+STEP_FIELDS = ("step", "epoch", "members", "microbatches", "data_digest", "loss", "time")
 
 
 def log(msg: str) -> None:
@@ -51,6 +55,11 @@ class Coordinator:
             start=time.monotonic(),
         )
         self.next_report = 1
+        self.empty_slots: dict[int, float] = {}  # reserved report slots not yet written -> first seen
+        self.progress: dict | None = None  # {"step", "epoch", "time"} of the last committed step
+        self.retries = 0  # epochs retried with the same members in the step in progress
+        self.reporters: set[int] = set()  # replicas that reported a broken collective in this step
+        self.errors: dict[int, tuple[str, int]] = {}  # replica -> (its ranks' own error, step)
         self.history: dict[int, Membership] = {}
         self.attempts = {r: 0 for r in self.membership.members}  # incarnation of each member
         self.admitted_epoch = {r: 0 for r in self.membership.members}
@@ -65,16 +74,27 @@ class Coordinator:
         self.history[membership.epoch] = membership
         self.membership = membership
 
-    def _progress(self) -> dict | None:
-        """{"step", "epoch", "time"} of the last committed step, if any."""
-        if not self.store.check([store.PROGRESS]):
-            return None
-        return store.get_json(self.store, store.PROGRESS, ("step", "epoch", "time"))
-
     def _step(self) -> int:
         """The step in progress: one past the last committed step."""
-        progress = self._progress()
-        return 1 if progress is None else int(progress["step"]) + 1
+        return 1 if self.progress is None else int(self.progress["step"]) + 1
+
+    def _poll_steps(self) -> None:
+        """Logs each committed step once, in order, from the record its first committer wrote."""
+        while self.store.check([key := store.step_key(self._step())]):
+            try:
+                rec = store.get_json(self.store, key, STEP_FIELDS)
+                if rec["step"] != self._step() or not isinstance(rec["epoch"], int) or rec["epoch"] not in self.history:
+                    raise store.MessageError(f"store key {key!r}: step record for another step or epoch: {rec!r:.200}")
+            except store.MessageError as e:
+                log(f"ignoring malformed step record: {e}")
+                self.store.delete_key(key)  # a member rewrites it when it commits the step
+                return
+            self.events.step(rec)
+            for epoch in rec.get("data_epochs", []):
+                log(f"data epoch {epoch} begins at step {rec['step']}: every sample of the corpus was read "
+                    "once; they are read again in a new order")
+            self.progress = {k: rec[k] for k in ("step", "epoch", "time")}
+            self.retries, self.reporters = 0, set()
 
     def _poll_heartbeats(self, now: float) -> None:
         for replica in self.membership.members:
@@ -84,54 +104,74 @@ class Coordinator:
                     self.detector.beat(replica, shard, count, now)
 
     def _poll_reports(self, now: float) -> None:
+        """Reads new reports; a reserved slot never written (its reporter died between
+        reserving and writing) is skipped after ``REPORT_GRACE_S``, holding up no later report."""
         count = int(self.store.add(store.REPORTS, 0))
-        while self.next_report <= count:
-            key = store.report_key(self.next_report)
+        for index in range(self.next_report, count + 1):
+            self.empty_slots.setdefault(index, now)
+        self.next_report = max(self.next_report, count + 1)
+        for index, since in sorted(self.empty_slots.items()):
+            key = store.report_key(index)
             if not self.store.check([key]):
-                return  # reserved but not yet written
-            self.next_report += 1
+                if now - since > REPORT_GRACE_S:
+                    del self.empty_slots[index]
+                    log(f"report slot {index} was reserved but never written (its reporter died?); skipped")
+                continue
+            del self.empty_slots[index]
             try:
-                rec = store.get_json(self.store, key, ("epoch", "cause"))
+                rec = store.read_report(self.store, key)
             except store.MessageError as e:
                 log(f"ignoring malformed report: {e}")
                 continue
-            suspect = rec.get("suspect")
-            if suspect is None and rec["epoch"] < self.membership.epoch:
-                continue  # about an epoch already replaced
-            if suspect is not None and rec["epoch"] < self.admitted_epoch.get(suspect, 0):
-                continue  # about an incarnation already replaced
-            self.detector.report(suspect, str(rec["cause"]), now)
+            self._take_report(rec, now)
 
-    def _failure_time(self, replica: int, default: float) -> float:
-        """When an injected fault hit this incarnation (measurement only), else when it was detected."""
+    def _take_report(self, rec: dict, now: float) -> None:
+        suspect = rec.get("suspect")
+        if suspect is None and rec["epoch"] < self.membership.epoch:
+            return  # about an epoch already replaced
+        if suspect is not None and rec["epoch"] < self.admitted_epoch.get(suspect, 0):
+            return  # about an incarnation already replaced
+        if suspect is None and rec.get("replica") is not None:
+            self.reporters.add(rec["replica"])
+        if suspect is not None and rec.get("error") and rec.get("step") is not None:
+            self.errors[suspect] = (rec["error"], rec["step"])
+        self.detector.report(suspect, rec["cause"], now)
+
+    def _failure_time(self, replica: int, cause: str, detected: float, now: float) -> tuple[float, str]:
+        """When this incarnation failed, and by which clock: an injected fault's own time
+        (measurement only), the last heartbeat of a silent rank, else the detection."""
         key = store.fault_key(replica)
         if self.store.check([key]):
             try:
                 rec = store.get_json(self.store, key, ("time", "attempt"))
                 if rec["attempt"] == self.attempts[replica]:
-                    return float(rec["time"])
+                    return float(rec["time"]), "fault_injected"
             except (store.MessageError, TypeError, ValueError):
                 pass
-        return default
+        last = self.detector.silent_since(replica)
+        if cause.startswith("heartbeat silent") and last is not None:
+            return detected - (now - last), "last_heartbeat"
+        return detected, "detected"
 
     def _fence(self, failed: dict[int, str]) -> bool:
         """Publishes the next epoch without ``failed``; False when too few replicas remain."""
-        wall = time.time()
+        wall, now = time.time(), time.monotonic()
+        self._poll_steps()  # a step committed just before the failure belongs before it
         step = self._step()
         first = wall
         for replica, cause in sorted(failed.items()):
-            t = self._failure_time(replica, wall)
+            t, clock = self._failure_time(replica, cause, wall, now)
             first = min(first, t)
             self.down_since.setdefault(replica, t)
-            self.events.emit("failure", replica=replica, step=step, cause=cause, time=t)
+            self.events.emit("failure", replica=replica, step=step, cause=cause, time=t, clock=clock)
             log(f"replica {replica} failed at step {step}: {cause}")
+        error = job_error(self.errors, self.membership.members)
+        if error is not None:
+            return self._stop(f"the job's own error, not a hardware failure: {error}; fix it and run again")
         try:
-            new = next_membership(self.membership, failed, self.rc.min_replicas, self.joining)
+            new = next_membership(self.membership, failed, self.rc.min_replicas, self._still_joining())
         except TooFewReplicasError as e:
-            store.put_json(self.store, store.FATAL, {"error": str(e)})
-            self.events.emit("fatal", step=step, error=str(e))
-            log(f"FATAL: {e}")
-            return False
+            return self._stop(str(e))
         self._publish(new)
         for replica in failed:
             self.joining.pop(replica, None)
@@ -141,13 +181,45 @@ class Coordinator:
         if failed:
             latency = time.time() - first
             self.events.emit("recovered", step=step, epoch=new.epoch, members=list(new.members), latency_s=latency)
+            self.events.emit("resources", process="coordinator", step=step, **resources.usage())
             log(f"epoch {new.epoch}: members {list(new.members)} (recovered in {latency:.3f}s)")
         else:
             log(f"epoch {new.epoch}: retrying with the same members {list(new.members)}")
         return True
 
-    def _poll_joins(self, now: float, progress: dict | None) -> bool:
+    def _stop(self, error: str) -> bool:
+        """Ends the run: every process sees ``fatal`` and stops; False for the caller to return."""
+        store.put_json(self.store, store.FATAL, {"error": error})
+        self.events.emit("fatal", step=self._step(), error=error)
+        log(f"FATAL: {error}")
+        return False
+
+    def _still_joining(self) -> dict[int, int]:
+        """Joiners without state. One admitted in an epoch whose step the store already
+        marks committed holds that step's state, even if nobody has logged it yet."""
+        decision = store.decision_key(self._step(), self.membership.epoch)
+        if self.store.check([decision]) and self.store.get(decision) == b"commit":
+            return {r: e for r, e in self.joining.items() if e > self.membership.epoch}
+        return self.joining
+
+    def _retry(self) -> bool:
+        """The step's collectives broke with nobody silent: retry, fence who held it up, or stop."""
+        self.retries += 1
+        verdict, who = retry_verdict(self.membership.members, self.reporters, self.retries - 1, self.rc.max_step_retries)
+        if verdict == "retry":
+            return self._fence({})
+        if verdict == "fence":
+            reporters = sorted(self.reporters)
+            return self._fence({r: f"step {self._step()} broke {self.retries} times: replicas {reporters} "
+                                   "reported broken collectives and this one never did (it held them up)" for r in who})
+        return self._stop(
+            f"step {self._step()} broke {self.retries} times with every replica ({list(who)}) reporting broken "
+            "collectives and none silent: check the network between the replica groups"
+        )
+
+    def _poll_joins(self, now: float) -> bool:
         """Admits restarted groups whose ranks are all up; False when that is fatal."""
+        progress = self.progress
         if progress is not None and progress["step"] >= self.steps:
             return True  # the last step is done: nothing left to join
         for replica in range(self.replicas):
@@ -156,6 +228,8 @@ class Coordinator:
                 continue
             try:
                 attempt = store.get_json(self.store, key, ("attempt",))["attempt"]
+                if not store._is_int(attempt) or attempt < 0:
+                    raise store.MessageError(f"store key {key!r}: attempt must be a non-negative integer, got {attempt!r}")
                 ready = int(self.store.add(store.join_ready_key(replica, attempt), 0))
             except (store.MessageError, TypeError, ValueError) as e:
                 log(f"ignoring malformed join request of replica {replica}: {e}")
@@ -175,8 +249,9 @@ class Coordinator:
             log(f"epoch {new.epoch}: replica {replica} (attempt {attempt}) admitted, members {list(new.members)}")
         return True
 
-    def _poll_rejoined(self, progress: dict | None) -> None:
+    def _poll_rejoined(self) -> None:
         """A joiner is back once a step commits in an epoch it is a member of."""
+        progress = self.progress
         if progress is None:
             return
         for replica, epoch in list(self.joining.items()):
@@ -215,21 +290,27 @@ class Coordinator:
     def run(self) -> int:
         log(f"serving; members {list(self.membership.members)} x {self.shards} shards")
         while True:
+            self.store.add(store.ALIVE, 1)  # every process watches this move
             if self.store.check([store.FATAL]):  # a rank stopped the run (e.g. a DataError)
-                error = store.get_json(self.store, store.FATAL, ("error",))["error"]
+                try:
+                    error = str(store.get_json(self.store, store.FATAL, ("error",))["error"])
+                except store.MessageError as e:
+                    error = f"a process stopped the run with a malformed message: {e}"
                 self.events.emit("fatal", step=self._step(), error=error)
                 log(f"FATAL: {error}")
                 return 1
             now = time.monotonic()
+            self._poll_steps()
             self._poll_heartbeats(now)
             self._poll_reports(now)
             failed, retry = self.detector.decide(now)
-            if (failed or retry) and not self._fence(failed):
+            if failed and not self._fence(failed):
                 return 1
-            progress = self._progress()  # once per pass: both below read it
-            if not self._poll_joins(now, progress):
+            if retry and not failed and not self._retry():
                 return 1
-            self._poll_rejoined(progress)
+            if not self._poll_joins(now):
+                return 1
+            self._poll_rejoined()
             if self._finished():
                 self.store.set(store.STATUS, "done")
                 log("all live replica groups finished")
@@ -245,7 +326,7 @@ def main(argv: list[str]) -> int:
     try:
         return coordinator.run()
     finally:
-        time.sleep(1.0)  # let trainers read the final keys before the store goes away
+        time.sleep(4 * store.PROBE_S)  # let every process read the final keys before the store goes away
 
 
 if __name__ == "__main__":

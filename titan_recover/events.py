@@ -33,6 +33,12 @@ class EventLog:
         os.write(self._fd, (json.dumps(record, sort_keys=True) + "\n").encode())
         return record
 
+    def step(self, record: dict[str, Any]) -> None:
+        """A committed step, preceded by the data epochs it starts (see ``order.epochs_started``)."""
+        for epoch in record.get("data_epochs", ()):
+            self.emit("data_epoch", step=record["step"], epoch=epoch, samples=record.get("samples"))
+        self.emit("step", **{k: v for k, v in record.items() if k not in ("data_epochs", "samples")})
+
     def close(self) -> None:
         os.close(self._fd)
 

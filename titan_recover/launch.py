@@ -13,11 +13,13 @@ restarted as a whole on failure (checkpoint-and-restart).
 Either way the run ends with a summary from ``recover_events.jsonl``.
 """
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -33,6 +35,18 @@ REPLICAS_ENV = "TITAN_RECOVER_REPLICAS"  # comma-separated replica ids this node
 
 def log(msg: str) -> None:
     print(f"[titan_recover launcher] {msg}", flush=True)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Asks the kernel to SIGKILL this process when its parent dies: a SIGKILLed
+    launcher (or torchrun agent) then leaves no orphaned rank behind."""
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def torchrun(nproc: int, argv: list[str], role: str) -> list[str]:
@@ -117,7 +131,13 @@ class ReplicaGroups:
 
     def _start(self, replica: int) -> subprocess.Popen:
         env = {**self.envs[replica], store.REPLICA_ENV: str(replica), store.ATTEMPT_ENV: str(self.attempts[replica])}
-        return subprocess.Popen(torchrun(self.shards, self.argv, f"replica{replica}"), env=env)
+        return subprocess.Popen(torchrun(self.shards, self.argv, f"replica{replica}"), env=env, preexec_fn=die_with_parent)
+
+    def kill(self) -> None:
+        """SIGKILLs every group's torchrun agent; its ranks die with it (``die_with_parent``)."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
 
     def watch(self, client: object) -> bool:
         """One look: kill fenced leftovers, report and restart failed groups; False once the run is ending."""
@@ -188,8 +208,25 @@ def run_recover(job_config: object, argv: list[str]) -> int:
     # started at once: their ranks import and build the model while the coordinator comes up
     envs = {r: with_gpus(env, visible) for r, visible in zip(local, plan.visible)}
     groups = ReplicaGroups(argv, envs, ranks, rc.max_restarts)
+    lost_once = threading.Lock()
+
+    def on_lost(reason: str) -> None:
+        """The run cannot go on: stop everything this launcher started, say why and how to resume."""
+        if not lost_once.acquire(blocking=False):
+            return
+        if coordinator is not None and coordinator.poll() in (0, 1):
+            return  # it finished (done or fatal) and closed its store: not lost
+        groups.kill()
+        if coordinator is not None:
+            if coordinator.poll() is None:
+                coordinator.kill()  # frozen: it would never answer again
+            elif coordinator.returncode < 0:
+                reason = f"its process (pid {coordinator.pid}) died of signal {-coordinator.returncode}; {reason}"
+        store.exit_lost("launcher", reason, config.resume_hint(job_config))
+
     try:
         client = store.connect(address, timeout_s=60)
+        lifeline = store.Heartbeat(address, None, 0.1, rc.coordinator_timeout_s, on_lost)
         while True:
             if coordinator is not None and coordinator.poll() is not None:
                 break
@@ -197,16 +234,19 @@ def run_recover(job_config: object, argv: list[str]) -> int:
                 break
             try:
                 if not groups.watch(client) and coordinator is not None:
-                    coordinator.wait()  # the run is ending and the store ends with it: no more store calls
+                    lifeline.stop()  # the run is ending and the store ends with it
+                    coordinator.wait()
                     break
             except dist.DistError:
+                lifeline.settle()  # a lost coordinator ends this process in on_lost
                 if coordinator is None:
                     raise
-                try:  # the store went away: fine if the coordinator is finishing
-                    coordinator.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    raise RuntimeError("lost the coordinator's store while the coordinator still runs") from None
+                coordinator.wait(timeout=10)  # it finished and took its store along
+                break
             time.sleep(0.05)
+        lifeline.stop()
+        if coordinator is not None and coordinator.returncode not in (0, 1):
+            on_lost(f"it exited with code {coordinator.returncode}")
         procs = list(groups.procs.values())
         status = coordinator.returncode if coordinator is not None else max(p.returncode for p in procs)
         deadline = time.monotonic() + 30
@@ -217,9 +257,9 @@ def run_recover(job_config: object, argv: list[str]) -> int:
                 proc.kill()
         return status
     finally:
-        for proc in [*groups.procs.values(), coordinator]:
-            if proc is not None and proc.poll() is None:
-                proc.kill()
+        groups.kill()
+        if coordinator is not None and coordinator.poll() is None:
+            coordinator.kill()
 
 
 def main(argv: list[str]) -> int:

@@ -141,6 +141,11 @@ class FailureDetector:
         if last is None or count != last[0]:
             self._beats[(replica, shard)] = (count, now)
 
+    def silent_since(self, replica: int) -> float | None:
+        """When the replica's most silent rank last beat (None if one never did)."""
+        beats = [self._beats.get((replica, shard)) for shard in range(self.shards)]
+        return None if any(b is None for b in beats) else min(b[1] for b in beats)  # type: ignore[index]
+
     def report(self, suspect: int | None, cause: str, now: float) -> None:
         if suspect is None:
             self._unnamed.append((now, cause))
@@ -178,3 +183,46 @@ class FailureDetector:
             self._unnamed = [(t, c) for t, c in self._unnamed if now < t + self.confirm_s]
             retry = not failed
         return failed, retry
+
+
+def retry_verdict(members: Sequence[int], reporters: Iterable[int], retries: int, max_retries: int) -> tuple[str, tuple[int, ...]]:
+    """What to do when a step's collectives broke again with nobody silent.
+
+    "retry" while fewer than ``max_retries`` retries of this step have run; then
+    "fence" the members that never reported a break (the ones everybody else waited
+    for: slow, or stuck where no heartbeat can tell), or "stop" when every member
+    reported one (no culprit to blame: a network fault between the groups).
+    """
+    if retries < max_retries:
+        return "retry", ()
+    culprits = tuple(m for m in members if m not in set(reporters))
+    if culprits and len(culprits) < len(members):
+        return "fence", culprits
+    return "stop", tuple(members)
+
+
+def job_error(errors: dict[int, tuple[str, int]], members: Sequence[int]) -> str | None:
+    """The error that is the job's own, not a hardware fault, or None.
+
+    ``errors`` maps a replica to the (error, step) its ranks raised. Replica groups do
+    not share hardware, so one error at one step on two of them, or on every member,
+    comes from the job (its code, config or data), and restarting would only repeat it.
+    """
+    seen: dict[tuple[str, int], set[int]] = {}
+    for replica, key in errors.items():
+        seen.setdefault(key, set()).add(replica)
+    for (error, step), replicas in sorted(seen.items(), key=lambda kv: -len(kv[1])):
+        if len(replicas) >= 2 or set(members) <= replicas:
+            return f"replica groups {sorted(replicas)} all raised, at step {step}: {error}"
+    return None
+
+
+def diverged(digests: dict[int, str], leader: int) -> set[int]:
+    """Replicas whose parameter digest differs from the reference: the digest a majority
+    holds, or the leader's when no digest has a majority (two replicas disagreeing)."""
+    counts: dict[str, int] = {}
+    for d in digests.values():
+        counts[d] = counts.get(d, 0) + 1
+    best = max(counts, key=counts.__getitem__, default=None)
+    reference = best if best is not None and 2 * counts[best] > len(digests) else digests.get(leader, best)
+    return {r for r, d in digests.items() if d != reference}

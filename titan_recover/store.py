@@ -8,10 +8,11 @@ shape raises ``MessageError`` naming the key.
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -22,7 +23,8 @@ EPOCH = "epoch"
 REPORTS = "reports"
 FATAL = "fatal"
 STATUS = "status"
-PROGRESS = "progress"  # {"step", "epoch", "time"} of the last committed step
+ALIVE = "coordinator/alive"  # the coordinator bumps it every pass: a frozen coordinator stops it
+PROBE_S = 0.5  # how often a lifeline reads ALIVE; the coordinator lingers longer than that at the end
 REPLICATE_BACKEND = "replicate_backend"  # "gloo" or "nccl": the first rank sets it, every other must match
 ATTEMPT_ENV = "TITAN_RECOVER_ATTEMPT"  # incarnation of this replica group: 0, then +1 per restart
 
@@ -50,6 +52,11 @@ def decision_key(step: int, epoch: int) -> str:
 
 def report_key(index: int) -> str:
     return f"report/{index}"
+
+
+def step_key(step: int) -> str:
+    """The record of committed ``step``: the first member to commit it writes it, the coordinator logs it."""
+    return f"step/{step}"
 
 
 def fault_key(replica: int) -> str:
@@ -90,9 +97,9 @@ def transfer_key(replica: int, shard: int) -> str:
     return f"transfer/{replica}/{shard}"
 
 
-def digest_key(step: int) -> str:
-    """The first replica's parameter digest at ``step``; later replicas compare to it."""
-    return f"param_digest/{step}"
+def digest_key(step: int, replica: int) -> str:
+    """A replica's parameter digest at ``step``; each member compares every member's."""
+    return f"param_digest/{step}/{replica}"
 
 
 class MessageError(ValueError):
@@ -170,30 +177,167 @@ def wait_for(store: dist.TCPStore, key: str, timeout_s: float, poll_s: float = 0
 
 
 def report(store: dist.TCPStore, record: dict[str, Any]) -> None:
-    """Tells the coordinator about a failure seen from here."""
+    """Tells the coordinator about a failure seen from here.
+
+    A slot is reserved (``add``) then written (``set``); a reporter that dies in
+    between leaves an empty slot, which the coordinator skips after a grace period.
+    """
     index = store.add(REPORTS, 1)
     put_json(store, report_key(index), {**record, "time": time.time()})
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_report(store: dist.TCPStore, key: str) -> dict[str, Any]:
+    """A failure report, checked field by field: a peer's bytes are validated, never trusted."""
+    rec = get_json(store, key, ("epoch", "cause"))
+    if not _is_int(rec["epoch"]) or rec["epoch"] < 0:
+        raise MessageError(f"store key {key!r}: epoch must be a non-negative integer, got {rec['epoch']!r}")
+    for field in ("suspect", "replica", "step"):
+        value = rec.get(field)
+        if value is not None and (not _is_int(value) or value < 0):
+            raise MessageError(f"store key {key!r}: {field} must be a non-negative integer, got {value!r}")
+    if not isinstance(rec["cause"], str) or not isinstance(rec.get("error", ""), str):
+        raise MessageError(f"store key {key!r}: cause and error must be strings: {rec!r:.200}")
+    return rec
+
+
+def connection_refused(address: str) -> bool:
+    """Whether nothing listens at ``host:port`` any more (a killed coordinator), in at most a second.
+
+    A TCPStore client retries a refused connection until its timeout; a plain socket says at once.
+    """
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # unreachable or slow: the silence bound decides
+        return False
+
+
 class Heartbeat:
-    """Bumps this rank's heartbeat counter from a daemon thread with its own store client."""
+    """This process's lifeline to the coordinator, run by daemon threads with their own store client.
 
-    def __init__(self, address: str, replica: int, shard: int, interval_s: float) -> None:
-        self._store = connect(address)
-        self._key = heartbeat_key(replica, shard)
-        self._interval = interval_s
+    - Beats ``key`` every ``interval_s``, but only while the main loop shows progress
+      (``tick``) within ``progress_timeout_s``: a rank whose main thread is stuck
+      (deadlock, hung read or save) reports itself once (``stuck_report``) and stops
+      beating, so it is fenced instead of holding every retry up.
+    - Retries a failed store call on a fresh connection: a transient reset must not
+      fence a healthy rank.
+    - Watches the coordinator: its alive counter must move within ``coordinator_timeout_s``
+      and its port must not refuse connections, or ``on_lost(reason)`` runs, from a
+      second thread so that a store call blocked on a frozen server cannot hide it.
+      Once the run is ending (status or fatal set) a vanished coordinator is expected.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        key: str | None,
+        interval_s: float,
+        coordinator_timeout_s: float,
+        on_lost: Callable[[str], None],
+        progress_timeout_s: float | None = None,
+        stuck_report: Callable[[float, str], dict[str, Any]] | None = None,
+    ) -> None:
+        self._address, self._key, self._interval = address, key, interval_s
+        self._timeout, self._on_lost = coordinator_timeout_s, on_lost
+        self._progress_timeout, self._stuck_report = progress_timeout_s, stuck_report
+        now = time.monotonic()
+        self._tick: tuple[float, str] | None = None
+        self._alive = (-1, now)  # the coordinator's alive counter, and when it last moved
+        self._refused = False
+        self._error = ""
+        self._contact = 0.0  # when a store call last succeeded
+        self.ending = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="titan-recover-heartbeat", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._beat, name="titan-recover-heartbeat", daemon=True),
+            threading.Thread(target=self._watch, name="titan-recover-watch", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
 
-    def _run(self) -> None:
+    def tick(self, where: str) -> None:
+        """Called by the main loop whenever it makes progress; ``where`` names the place."""
+        self._tick = (time.monotonic(), where)
+
+    def _idle(self, now: float) -> tuple[float, str] | None:
+        """(seconds, where) when the main loop has shown no progress for too long."""
+        if self._progress_timeout is None or self._tick is None:
+            return None
+        idle = now - self._tick[0]
+        return (idle, self._tick[1]) if idle >= self._progress_timeout else None
+
+    def _beat(self) -> None:
+        client: dist.TCPStore | None = None
+        reported, next_probe = False, 0.0
         while not self._stop.is_set():
+            now = time.monotonic()
             try:
-                self._store.add(self._key, 1)
-            except Exception:  # the coordinator is gone: the run is ending
-                return
+                if client is None:
+                    client = connect(self._address, min(self._timeout, 60.0))
+                idle = self._idle(now)
+                if idle is None:
+                    reported = False
+                    if self._key is not None:
+                        client.add(self._key, 1)
+                elif not reported and self._stuck_report is not None:
+                    report(client, self._stuck_report(*idle))
+                    reported = True
+                if now >= next_probe:
+                    alive = int(client.add(ALIVE, 0))
+                    if alive != self._alive[0]:
+                        self._alive = (alive, time.monotonic())
+                    self.ending = self.ending or client.check([STATUS]) or client.check([FATAL])
+                    next_probe = now + min(PROBE_S, self._timeout / 4)
+                self._error, self._contact = "", time.monotonic()
+            except Exception as e:  # retried on a fresh connection; the watch bounds how long
+                client, self._error = None, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                self._refused = connection_refused(self._address)
             self._stop.wait(self._interval)
+
+    def verdict(self) -> str | None:
+        """Why the coordinator counts as lost, or None while it lives (or the run is ending)."""
+        if self.ending or self._stop.is_set():
+            return None
+        if self._refused:
+            return f"the coordinator at {self._address} refused the connection: its process is gone"
+        silent = time.monotonic() - self._alive[1]
+        if silent >= self._timeout:
+            error = f" (last error: {self._error})" if self._error else ""
+            return f"no sign of life from the coordinator at {self._address} for {silent:.0f}s{error}"
+        return None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(0.25, self._timeout / 4)):
+            reason = self.verdict()
+            if reason is not None:
+                self._on_lost(reason)
+                return
+
+    def settle(self, timeout_s: float = 3.0) -> None:
+        """After a failed store call in the main thread: waits until the lifeline reaches
+        the coordinator again (the error was local) or finds it lost (``on_lost`` runs)."""
+        start = time.monotonic()
+        while time.monotonic() < start + timeout_s and self._contact <= start:
+            time.sleep(0.05)
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2 * self._interval + 1)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=2 * self._interval + 1)
+
+
+EXIT_COORDINATOR_LOST = 3
+
+
+def exit_lost(who: str, reason: str, hint: str) -> None:
+    """Ends this process at once with one line: the run cannot go on without its coordinator."""
+    print(f"error: {who}: lost the titan_recover coordinator: {reason}. {hint}", file=sys.stderr, flush=True)
+    os._exit(EXIT_COORDINATOR_LOST)

@@ -17,7 +17,9 @@ events so their trajectories can be compared.
 """
 
 import hashlib
+import json
 import os
+import re
 import resource
 import socket
 import time
@@ -35,12 +37,12 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer, main
 
-from titan_recover import data, membership, recovery, store, transfer
+from titan_recover import data, membership, recovery, resources, store, transfer
 from titan_recover.collectives import POLL_S, CollectiveAborted, ReplicateGroups, backoff
-from titan_recover.config import group_coordinates, num_microbatches, reports_data, validate
+from titan_recover.config import group_coordinates, num_microbatches, reports_data, resume_hint, validate
 from titan_recover.events import EventLog
 from titan_recover.faults import Fault, FaultInjector
-from titan_recover.membership import Membership
+from titan_recover.membership import Membership, diverged
 from titan_recover.tokens import DataError
 
 import titan_recover.train_spec  # noqa: F401  registers llama3_recover, qwen3_recover
@@ -54,6 +56,17 @@ def _brief(e: BaseException) -> str:
     return text.split(". This is typically")[0][:200]
 
 
+PEER_FAILURE = re.compile(r"gloo|nccl|connection|timed out|timeout|closed by peer|broken pipe", re.IGNORECASE)
+
+
+def own_error(e: BaseException) -> str | None:
+    """The error as the same text on every replica that raises it, or None when it may be
+    a peer's failure seen from here (a collective broke): only the former can be the job's."""
+    if isinstance(e, dist.DistError) or PEER_FAILURE.search(str(e)):
+        return None
+    return re.sub(r"0x[0-9a-fA-F]+", "0x?", _brief(e))
+
+
 class ReplicaFenced(RuntimeError):
     """This replica group was declared failed; it must not rejoin this step."""
 
@@ -64,6 +77,10 @@ class RunFailed(RuntimeError):
 
 class RunFinished(Exception):
     """The run ended while this (rejoining) group was still waiting to take part."""
+
+
+class ReplicaDiverged(RuntimeError):
+    """This replica's parameters differ from the others': it reported itself and restarts."""
 
 
 def log(msg: str) -> None:
@@ -81,7 +98,13 @@ class RecoverTrainer(Trainer):
             self.shard = int(os.environ["RANK"])
             address = store.coordinator_address()
             self.store = store.connect(address, self.rc.collective_timeout_s)
-            self.heartbeat = store.Heartbeat(address, self.replica, self.shard, self.rc.heartbeat_interval_s)
+            self._epoch_seen = 0
+            self.heartbeat = store.Heartbeat(
+                address, store.heartbeat_key(self.replica, self.shard), self.rc.heartbeat_interval_s,
+                self.rc.coordinator_timeout_s,
+                on_lost=lambda reason: store.exit_lost(f"replica {self.replica} rank {self.shard}", reason, resume_hint(job_config)),
+                progress_timeout_s=self.rc.progress_timeout_s, stuck_report=self._stuck_report,
+            )
             store.put_json(
                 self.store, store.pid_key(self.replica, self.attempt, self.shard),
                 {"pid": os.getpid(), "host": socket.gethostname()},
@@ -138,21 +161,20 @@ class RecoverTrainer(Trainer):
             store.put_json(self.store, store.fault_key(self.replica), {**record, "time": time.time()})
         self.events.emit("fault_injected", action=fault.action, **record)
 
-    def _log_step(self, summary: recovery.StepSummary, epoch: int, members: list[int], grad_norm: float | None) -> None:
-        for data_epoch in self.dataloader.epochs_started(self.step):
-            self.events.emit("data_epoch", step=self.step, epoch=data_epoch, samples=self.dataloader.windows)
-            log(f"data epoch {data_epoch} begins at step {self.step}: all {self.dataloader.windows:,} samples "
-                "of the corpus were read once; they are read again in a new order")
-        self.events.emit(
-            "step",
-            step=self.step,
-            epoch=epoch,
-            members=members,
-            microbatches=list(summary.microbatches),
-            data_digest=summary.data_digest,
-            loss=summary.loss,
-            grad_norm=grad_norm,
-        )
+    def _step_record(self, summary: recovery.StepSummary, epoch: int, members: list[int], grad_norm: float | None) -> dict[str, Any]:
+        """What the event log says about a committed step (the same in both modes)."""
+        return {
+            "step": self.step,
+            "epoch": epoch,
+            "members": members,
+            "microbatches": list(summary.microbatches),
+            "data_digest": summary.data_digest,
+            "loss": summary.loss,
+            "grad_norm": grad_norm,
+            "time": time.time(),
+            "data_epochs": self.dataloader.epochs_started(self.step),
+            "samples": self.dataloader.windows,
+        }
 
     def _optimizer_step(self) -> float:
         grad_norm = dist_utils.clip_grad_norm_(
@@ -198,7 +220,7 @@ class RecoverTrainer(Trainer):
         summary = recovery.summarize(tally, self.parallel_dims.dp_shard, int(self.global_tokens))
         if dist.get_rank() == 0:
             members = list(range(self.parallel_dims.dp_replicate))
-            self._log_step(summary, 0, members, None)
+            self.events.step(self._step_record(summary, 0, members, None))
 
     def forward_backward_step(self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor) -> torch.Tensor:
         if self.rc.enable:
@@ -217,17 +239,27 @@ class RecoverTrainer(Trainer):
             self._memberships[epoch] = Membership.from_json(raw)
         return self._memberships[epoch]
 
+    def _stuck_report(self, idle: float, where: str) -> dict[str, Any]:
+        """The report the heartbeat thread sends when this rank's main loop is stuck."""
+        return {
+            "replica": self.replica, "shard": self.shard, "epoch": self._epoch_seen, "step": self.step,
+            "suspect": self.replica, "cause": f"the main loop of rank {self.shard} made no progress for {idle:.0f}s (last: {where})",
+        }
+
     def _store_epoch(self) -> int:
+        self.heartbeat.tick(f"waiting at step {self.step}")  # a loop that polls is not stuck
         if self.store.check([store.FATAL]):
             raise RunFailed(store.get_json(self.store, store.FATAL, ("error",))["error"])
         if self.rejoining and self.store.check([store.STATUS]):
             raise RunFinished()  # the groups with state finished without us
-        return store.get_int(self.store, store.EPOCH)
+        self._epoch_seen = store.get_int(self.store, store.EPOCH)
+        return self._epoch_seen
 
     def _epoch_moved(self, epoch: int) -> bool:
         """Throttled check whether the coordinator has published a newer epoch."""
         last_time, last_epoch = self._epoch_checked
         now = time.monotonic()
+        self.heartbeat.tick(f"in a collective at step {self.step}")
         if now - last_time >= EPOCH_POLL_S:
             self._epoch_checked = (now, self._store_epoch())
         return self._epoch_checked[1] > epoch
@@ -361,6 +393,7 @@ class RecoverTrainer(Trainer):
     # ---- the step -------------------------------------------------------------------
 
     def _compute(self, microbatch: int, tally: torch.Tensor, index: int, count: int) -> None:
+        self.heartbeat.tick(f"microbatch {microbatch} of step {self.step}")
         start = time.perf_counter()
         inputs, labels = self.dataloader.load(self.step, microbatch)
         self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
@@ -459,8 +492,12 @@ class RecoverTrainer(Trainer):
             store.put_json(self.store, store.FATAL, {"error": f"DataError: {e}"})
             raise
         except Exception as e:
-            # an error inside this group (a peer of ours died): the whole group is lost
-            store.report(self.store, {"replica": self.replica, "shard": self.shard, "epoch": epoch, "step": self.step, "suspect": self.replica, "cause": f"rank {self.shard} saw its own group fail: {_brief(e)}"})
+            # an error inside this group (a peer of ours died, or our own error): the whole group is lost
+            self.heartbeat.settle()  # a lost coordinator ends the process here, with its own message
+            record = {"replica": self.replica, "shard": self.shard, "epoch": epoch, "step": self.step, "suspect": self.replica}
+            error = own_error(e)
+            cause = f"rank {self.shard} raised {error}" if error else f"rank {self.shard} saw its own group fail: {_brief(e)}"
+            store.report(self.store, {**record, "cause": cause, **({"error": error} if error else {})})
             raise
         self._commit(membership, *reduced, lr)
 
@@ -473,14 +510,19 @@ class RecoverTrainer(Trainer):
                 offset += g.numel()
         self.injector.at(self.step, "optimizer")
         grad_norm = self._optimizer_step()
+        after_failure = membership.epoch != self.base_epoch and not self.rejoining
         self.base_epoch = membership.epoch
         self.rejoining = False  # from here on this group holds the state like any member
         self._leader = self.replica == membership.members[0]
-        if self._leader and self.shard == 0:
-            store.put_json(self.store, store.PROGRESS, {"step": self.step, "epoch": membership.epoch, "time": time.time()})
-            self._log_step(summary, membership.epoch, list(membership.members), grad_norm)
+        if self.shard == 0:
+            # every member offers the record, the first one counts: a member dying after the commit loses nothing
+            record = self._step_record(summary, membership.epoch, list(membership.members), grad_norm)
+            self.store.compare_set(store.step_key(self.step), "", json.dumps(record))
+            if after_failure:  # leaks would show here, failure after failure
+                self.events.emit("resources", process="rank", replica=self.replica, rank=self.shard, step=self.step,
+                                 parked=self.groups.parked(), **resources.usage())
         if self.step % self.rc.digest_interval == 0 or self.step == self.job_config.training.steps:
-            self._check_param_digest()
+            self._check_param_digest(membership)
         if self.metrics_processor.should_log(self.step):
             if not self.metrics_processor.data_loading_times:
                 self.metrics_processor.data_loading_times.append(0.0)  # computed nothing since the last log
@@ -502,19 +544,42 @@ class RecoverTrainer(Trainer):
             dist.all_gather(shards, mine)
         return hashlib.blake2b(bytes(torch.cat(shards).tolist()), digest_size=8).hexdigest()
 
-    def _check_param_digest(self) -> None:
-        """Logs the digest; the first replica to report a step sets it, the others must match."""
+    def _check_param_digest(self, current: Membership) -> None:
+        """Logs the digest and compares it with every member's. A replica whose parameters
+        differ from the majority's (the leader's when two disagree) reports itself and
+        restarts: it rejoins with a live peer's state instead of training on diverged weights."""
         digest = self._param_digest()
-        if self.shard != 0:
-            return
-        self.events.emit("param_digest", step=self.step, replica=self.replica, digest=digest)
-        expected = self.store.compare_set(store.digest_key(self.step), "", digest).decode()
-        if expected != digest:
-            self.events.emit("param_digest_mismatch", step=self.step, replica=self.replica, digest=digest, expected=expected)
-            log(f"ERROR: replica {self.replica} parameters differ from another replica's at step {self.step}: {digest} != {expected}")
+        ok = True
+        if self.shard == 0:
+            self.events.emit("param_digest", step=self.step, replica=self.replica, digest=digest)
+            self.store.set(store.digest_key(self.step, self.replica), digest)
+            keys = {r: store.digest_key(self.step, r) for r in current.members}
+            deadline = time.monotonic() + self.rc.collective_timeout_s
+            while not self.store.check(list(keys.values())) and time.monotonic() < deadline:
+                live = self._membership(self._store_epoch()).members  # a member fenced meanwhile never writes
+                keys = {r: k for r, k in keys.items() if r in live}
+                time.sleep(EPOCH_POLL_S)
+            digests = {r: self.store.get(k).decode() for r, k in keys.items() if self.store.check([k])}
+            if self.replica in diverged(digests, current.members[0]):
+                expected = sorted(set(digests.values()) - {digest})
+                self.events.emit("param_digest_mismatch", step=self.step, replica=self.replica, digest=digest, expected=expected)
+                log(f"ERROR: replica {self.replica} parameters differ from the others' at step {self.step}: "
+                    f"{digest} != {expected}; it leaves and rejoins with a live peer's state")
+                ok = False
+        if not self._group_all(ok):
+            cause = f"its parameters diverged from the other replicas' at step {self.step} (digest mismatch)"
+            if self.shard == 0:
+                store.report(self.store, {"replica": self.replica, "shard": self.shard, "epoch": current.epoch,
+                                          "step": self.step, "suspect": self.replica, "cause": cause})
+            raise ReplicaDiverged(f"replica {self.replica}: {cause}")
 
     def train(self) -> None:
-        super().train()
+        try:
+            super().train()
+        except Exception:
+            if self.rc.enable:
+                self.heartbeat.settle()  # a lost coordinator ends the process with its one line instead
+            raise
         self.events.emit(
             "rank_memory", replica=self.replica, rank=self.shard,
             max_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -526,4 +591,7 @@ class RecoverTrainer(Trainer):
 
 
 if __name__ == "__main__":
+    from titan_recover.launch import die_with_parent
+
+    die_with_parent()  # a SIGKILLed torchrun agent (or its launcher) takes its ranks along
     main(RecoverTrainer)
