@@ -75,6 +75,10 @@ def test_cli_overrides_reach_the_section() -> None:
         (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree"),
         (["--training.global_batch_size", "10"], "training.global_batch_size"),
         (["--training.global_batch_size", "0"], "training.global_batch_size"),
+        (["--recover.restart_window_s", "0"], "recover.restart_window_s"),
+        (["--recover.restart_window_s", "-60"], "recover.restart_window_s"),
+        (["--recover.restart_window_s", "inf"], "recover.restart_window_s"),
+        (["--recover.restart_window_s", "nan"], "recover.restart_window_s"),
     ],
 )
 def test_bad_value_names_the_full_key(overrides: list[str], key: str) -> None:
@@ -93,6 +97,7 @@ def test_min_replicas_above_replicate_degree_names_both_keys() -> None:
 
 def test_max_restarts_and_digest_interval_defaults() -> None:
     assert Recover().max_restarts == 3
+    assert Recover().restart_window_s == 3600.0
     assert Recover().digest_interval == 10
 
 

@@ -50,7 +50,13 @@ class Recover:
     """TCP port of the coordinator's store; 0 picks a free one."""
 
     max_restarts: int = 3
-    """How often torchrun restarts a failed replica group, which then rejoins from a live peer."""
+    """How often the launcher may restart a failed replica group (which then rejoins from a live
+    peer) within restart_window_s; a group that fails more often is left out. With enable = false:
+    restarts of the whole job (checkpoint-and-restart)."""
+
+    restart_window_s: float = 3600.0
+    """Restarts of a group older than this no longer count against max_restarts, so a long run
+    keeps healing occasional failures and gives up only on a group that keeps failing."""
 
     digest_interval: int = 10
     """Every this many steps (and at the last) each replica logs a digest of its parameters."""
@@ -100,6 +106,7 @@ def validate(job_config: Any) -> Recover:
         "report_confirm_s",
         "collective_timeout_s",
         "startup_timeout_s",
+        "restart_window_s",
     ):
         if not math.isfinite(getattr(rc, key)) or getattr(rc, key) <= 0:
             raise ConfigError(f"recover.{key} must be a finite number > 0, got {getattr(rc, key)}")

@@ -3,13 +3,13 @@
 ``[recover] enable = true``: starts the coordinator (unless ``$TITAN_RECOVER_COORDINATOR``
 points at one on another node), then R ``torchrun`` jobs of dp_shard x tp x pp ranks each,
 and restarts a group's torchrun when it fails, up to ``[recover] max_restarts``
-times: only the failed group restarts, and it rejoins from a live peer. When the
+times within ``restart_window_s`` (titan_recover.restarts): only the failed group restarts, and it rejoins from a live peer. When the
 coordinator fences a group that is hung rather than dead (e.g. SIGSTOP), this
 launcher SIGKILLs its ranks first. (torchrun's own ``--max_restarts`` is not used:
 with ``--standalone`` in torch 2.13 a restarted group read its previous attempt's
 gloo addresses and failed to connect.)
 ``enable = false``: one ``torchrun`` world of R x dp_shard x tp x pp ranks, stock TorchTitan,
-restarted as a whole on failure (checkpoint-and-restart).
+restarted as a whole on failure (checkpoint-and-restart), on the same budget.
 Either way the run ends with a summary from ``recover_events.jsonl``.
 """
 
@@ -19,12 +19,14 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from titan_recover import config, cpu_shim, devices, store
 from titan_recover.events import events_path
+from titan_recover.restarts import RestartBudget
 from titan_recover.summary import format_summary, summarize_events
 from titan_recover.tokens import DataError
 
@@ -108,9 +110,18 @@ def device_plan(requested: str, groups: int, ranks: int) -> devices.DevicePlan:
 class ReplicaGroups:
     """This node's replica groups: one torchrun job each, restarted when it fails."""
 
-    def __init__(self, argv: list[str], envs: dict[int, dict[str, str]], shards: int, max_restarts: int) -> None:
-        self.argv, self.envs, self.shards, self.max_restarts = argv, envs, shards, max_restarts
-        self.attempts = {r: 0 for r in envs}
+    def __init__(
+        self,
+        argv: list[str],
+        envs: dict[int, dict[str, str]],
+        shards: int,
+        max_restarts: int,
+        restart_window_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.argv, self.envs, self.shards, self.clock = argv, envs, shards, clock
+        self.attempts = {r: 0 for r in envs}  # incarnation numbers: unique, never reset by the window
+        self.budgets = {r: RestartBudget(max_restarts, restart_window_s) for r in envs}
         self.procs = {r: self._start(r) for r in envs}
         self.given_up: set[int] = set()
         self.killed: dict[int, int] = {}
@@ -129,15 +140,20 @@ class ReplicaGroups:
             if code in (None, 0) or r in self.given_up:
                 continue
             # the group is certainly dead: say so first (faster than heartbeats), then restart it
-            restart = self.attempts[r] < self.max_restarts
+            now = self.clock()
+            restart = self.budgets[r].take(now)
             epoch = store.get_int(client, store.EPOCH)  # type: ignore[arg-type]
-            cause = f"torchrun of replica {r} exited with code {code}" + ("" if restart else " (no restarts left)")
+            cause = f"torchrun of replica {r} exited with code {code}" + ("" if restart else " (no restarts left in the window)")
             store.report(client, {"replica": r, "epoch": epoch, "suspect": r, "cause": cause})  # type: ignore[arg-type]
             if not restart:
+                log(
+                    f"replica group {r} exited with code {code}; {self.budgets[r].refusal(now)}; not restarting it; "
+                    "the run goes on with the other groups"
+                )
                 self.given_up.add(r)
                 continue
             self.attempts[r] += 1
-            log(f"replica group {r} exited with code {code}; restart {self.attempts[r]} of {self.max_restarts}")
+            log(f"replica group {r} exited with code {code}; {self.budgets[r].used(now)} (attempt {self.attempts[r]})")
             self.procs[r] = self._start(r)
         return True
 
@@ -148,23 +164,29 @@ class ReplicaGroups:
 
 
 def run_stock(job_config: object, argv: list[str]) -> int:
-    """Checkpoint-and-restart: the whole world restarts, up to ``max_restarts`` times, and
-    TorchTitan resumes from its latest DCP checkpoint (from step 0 when there is none)."""
+    """Checkpoint-and-restart: the whole world restarts, up to ``max_restarts`` times within
+    ``restart_window_s``, and TorchTitan resumes from its latest DCP checkpoint (from step 0 when there is none)."""
     par = job_config.parallelism  # type: ignore[attr-defined]
-    max_restarts = job_config.recover.max_restarts  # type: ignore[attr-defined]
+    rc = job_config.recover  # type: ignore[attr-defined]
+    budget = RestartBudget(rc.max_restarts, rc.restart_window_s)
     nproc = par.data_parallel_replicate_degree * config.group_ranks(par)
     log(f"[recover] enable = false: stock TorchTitan HSDP, {nproc} ranks in one torchrun world")
     attempt = 0
     while True:
         env = with_threads({**os.environ, store.ATTEMPT_ENV: str(attempt)}, nproc)
         code = subprocess.call(torchrun(nproc, argv, "hsdp"), env=env)
-        if code == 0 or attempt == max_restarts:
+        now = time.monotonic()
+        if code == 0:
+            return code
+        if not budget.take(now):
+            log(f"torchrun exited with code {code}; {budget.refusal(now)}; not restarting the job")
             return code
         attempt += 1
-        log(f"torchrun exited with code {code}; restarting the whole job ({attempt} of {max_restarts})")
+        log(f"torchrun exited with code {code}; restarting the whole job ({budget.used(now)}, attempt {attempt})")
 
 
-def run_recover(job_config: object, argv: list[str]) -> int:
+def run_recover(job_config: object, argv: list[str], local: list[int], coordinator_address: str | None) -> int:
+    """The replica groups ``local`` of this node, and the coordinator unless ``coordinator_address`` names one."""
     rc = job_config.recover  # type: ignore[attr-defined]
     par = job_config.parallelism  # type: ignore[attr-defined]
     replicas = par.data_parallel_replicate_degree
@@ -187,7 +209,7 @@ def run_recover(job_config: object, argv: list[str]) -> int:
     log(f"replicate dimension on {plan.backend} ({plan.reason}){gpus}")
     # started at once: their ranks import and build the model while the coordinator comes up
     envs = {r: with_gpus(env, visible) for r, visible in zip(local, plan.visible)}
-    groups = ReplicaGroups(argv, envs, ranks, rc.max_restarts)
+    groups = ReplicaGroups(argv, envs, ranks, rc.max_restarts, rc.restart_window_s)
     try:
         client = store.connect(address, timeout_s=60)
         while True:
