@@ -132,6 +132,18 @@ def test_timeout_must_exceed_twice_the_interval() -> None:
     assert load("--recover.heartbeat_timeout_s", "0.21").recover.heartbeat_timeout_s == 0.21
 
 
+@pytest.mark.parametrize("confirm", ["0.1", "0.05"])
+def test_report_confirm_must_exceed_the_heartbeat_interval(confirm: str) -> None:
+    # shorter than one heartbeat interval, it fenced healthy replicas between two beats
+    with pytest.raises(ConfigError) as info:
+        load("--recover.report_confirm_s", confirm)
+    assert (
+        "recover.report_confirm_s must be more than recover.heartbeat_interval_s" in str(info.value)
+        and f"got {confirm} and 0.1" in str(info.value)
+    )
+    assert load("--recover.report_confirm_s", "0.11").recover.report_confirm_s == 0.11
+
+
 def test_bad_fault_plan_message_names_the_token() -> None:
     with pytest.raises(ConfigError, match="'explode'"):
         load("--recover.fault_plan", "explode replica=1 step=2")

@@ -116,6 +116,12 @@ def validate(job_config: Any) -> Recover:
             f"recover.heartbeat_interval_s, got {rc.heartbeat_timeout_s} "
             f"and {rc.heartbeat_interval_s}"
         )
+    if rc.report_confirm_s <= rc.heartbeat_interval_s:
+        raise ConfigError(
+            "recover.report_confirm_s must be more than recover.heartbeat_interval_s (a healthy replica "
+            "is silent up to one interval between beats and would be fenced), got "
+            f"{rc.report_confirm_s} and {rc.heartbeat_interval_s}"
+        )
     if rc.data_seed < 0:
         raise ConfigError(f"recover.data_seed must be >= 0, got {rc.data_seed}")
     if not 0 <= rc.coordinator_port < 65536:
