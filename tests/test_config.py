@@ -144,6 +144,32 @@ def test_report_confirm_must_exceed_the_heartbeat_interval(confirm: str) -> None
     assert load("--recover.report_confirm_s", "0.11").recover.report_confirm_s == 0.11
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--recover.fault_plan", "kill replica=1 step=31"],
+         "recover.fault_plan: 'kill replica=1 step=31' can never fire: the run ends at training.steps = 30"),
+        (["--training.steps", "6", "--recover.fault_plan", "kill replica=0 step=3; stop replica=1 phase=donate step=7"],
+         "'stop replica=1 step=7' can never fire: the run ends at training.steps = 6"),
+        (["--recover.max_restarts", "0", "--recover.fault_plan", "kill replica=1 step=3 attempt=1"],
+         "recover.fault_plan: 'kill replica=1 phase=backward attempt=1' can never fire: recover.max_restarts = 0 "
+         "allows no restart, so only attempt 0 ever runs"),
+        (["--recover.max_restarts", "0", "--recover.fault_plan", "kill replica=1 phase=join"],
+         "'kill replica=1 phase=join attempt=1' can never fire: recover.max_restarts = 0"),
+    ],
+)
+def test_fault_that_can_never_fire_is_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(*overrides)
+    assert message in str(info.value)
+
+
+def test_fault_at_the_last_step_or_a_late_attempt_loads() -> None:
+    assert load("--recover.fault_plan", "kill replica=1 step=30").recover.fault_plan
+    # restarts count per window: a long run may reach any attempt, even past max_restarts
+    assert load("--recover.max_restarts", "1", "--recover.fault_plan", "kill replica=1 step=3 attempt=5").recover.fault_plan
+
+
 def test_bad_fault_plan_message_names_the_token() -> None:
     with pytest.raises(ConfigError, match="'explode'"):
         load("--recover.fault_plan", "explode replica=1 step=2")

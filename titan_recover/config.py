@@ -164,6 +164,18 @@ def validate(job_config: Any) -> Recover:
                 f"recover.fault_plan: '{f.action} replica={f.replica} rank={f.rank}' names no rank: "
                 f"the job has {replicas} replica groups (0..{replicas - 1}) of {group_ranks(par)} ranks (0..{group_ranks(par) - 1})"
             )
+        steps = job_config.training.steps
+        if f.step is not None and f.step > steps:
+            raise ConfigError(
+                f"recover.fault_plan: '{f.action} replica={f.replica} step={f.step}' can never fire: "
+                f"the run ends at training.steps = {steps}"
+            )
+        # with restarts counted per window any attempt can come in a long enough run; with none, only attempt 0
+        if f.attempt > 0 and rc.max_restarts == 0:
+            raise ConfigError(
+                f"recover.fault_plan: '{f.action} replica={f.replica} phase={f.phase} attempt={f.attempt}' can "
+                "never fire: recover.max_restarts = 0 allows no restart, so only attempt 0 ever runs"
+            )
     if par.context_parallel_degree != 1:
         raise ConfigError(
             f"parallelism.context_parallel_degree must be 1 with titan_recover (got {par.context_parallel_degree}): "
