@@ -14,6 +14,7 @@ Either way the run ends with a summary from ``recover_events.jsonl``.
 """
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -31,6 +32,44 @@ from titan_recover.summary import format_summary, summarize_events
 from titan_recover.tokens import DataError
 
 REPLICAS_ENV = "TITAN_RECOVER_REPLICAS"  # comma-separated replica ids this node launches
+
+
+def parse_replicas(value: str | None, replicas: int) -> list[int]:
+    """The replica groups this node launches, from ``$TITAN_RECOVER_REPLICAS`` (unset: all of them).
+
+    Checked before anything starts: a bad id used to end in a traceback, or in groups that
+    never come (an id out of range, or one listed twice) while the coordinator waits for them.
+    """
+    if value is None:
+        return list(range(replicas))
+    fix = (
+        f"set it to the comma-separated replica groups this node launches, ids 0..{replicas - 1} "
+        f"(parallelism.data_parallel_replicate_degree = {replicas}), e.g. 0,1; or unset it to launch all"
+    )
+    ids: list[int] = []
+    for item in value.split(","):
+        if not re.fullmatch(r"-?\d+", item.strip(), re.ASCII):
+            what = "an empty entry" if not item.strip() else f"{item.strip()!r} is not a replica id"
+            raise config.ConfigError(f"{REPLICAS_ENV}={value!r}: {what}; {fix}")
+        r = int(item)
+        if not 0 <= r < replicas:
+            raise config.ConfigError(f"{REPLICAS_ENV}={value!r}: replica {r} is out of range; {fix}")
+        if r in ids:
+            raise config.ConfigError(f"{REPLICAS_ENV}={value!r}: replica {r} is listed twice; {fix}")
+        ids.append(r)
+    return ids
+
+
+def check_coordinator(address: str) -> str:
+    """``$TITAN_RECOVER_COORDINATOR`` checked as ``host:port`` before anything starts (a bad one
+    failed only once the replica groups were up); returns it."""
+    host, _, port = address.rpartition(":")
+    fix = "set it to host:port of the coordinator another node's launcher started, or unset it to start one here"
+    if not host or any(c.isspace() for c in host) or not re.fullmatch(r"\d+", port, re.ASCII):
+        raise config.ConfigError(f"{store.COORDINATOR_ENV}={address!r} is not host:port; {fix}")
+    if not 0 < int(port) < 65536:
+        raise config.ConfigError(f"{store.COORDINATOR_ENV}={address!r}: port {int(port)} is out of range 1..65535; {fix}")
+    return address
 
 
 def log(msg: str) -> None:
@@ -190,16 +229,14 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
     rc = job_config.recover  # type: ignore[attr-defined]
     par = job_config.parallelism  # type: ignore[attr-defined]
     replicas = par.data_parallel_replicate_degree
-    local = [int(r) for r in os.environ.get(REPLICAS_ENV, ",".join(map(str, range(replicas)))).split(",")]
     ranks = config.group_ranks(par)
     plan = device_plan(rc.replicate_backend, len(local), ranks)
     argv = [*argv, "--recover.replicate_backend", plan.backend]
     env = with_threads(dict(os.environ), len(local) * ranks)
-    coordinator = None
-    if store.COORDINATOR_ENV not in env:
-        env[store.COORDINATOR_ENV] = f"127.0.0.1:{rc.coordinator_port or store.free_port()}"
+    coordinator, address = None, coordinator_address
+    if address is None:
+        address = env[store.COORDINATOR_ENV] = f"127.0.0.1:{rc.coordinator_port or store.free_port()}"
         coordinator = subprocess.Popen([sys.executable, "-m", "titan_recover.coordinator", *argv], env=env)
-    address = env[store.COORDINATOR_ENV]
     log(
         f"coordinator at {address}; starting replica groups {local} of {replicas}, "
         f"{ranks} ranks each (dp_shard {par.data_parallel_shard_degree} x tp {par.tensor_parallel_degree} "
@@ -248,6 +285,11 @@ def main(argv: list[str]) -> int:
     cpu_shim.apply()  # before torchtitan binds its device type: the data check imports its models
     try:
         job_config = config.load(argv)
+        if job_config.recover.enable:  # the node's environment, checked before the data and any process
+            local = parse_replicas(os.environ.get(REPLICAS_ENV), job_config.parallelism.data_parallel_replicate_degree)
+            address = os.environ.get(store.COORDINATOR_ENV)
+            if address is not None:
+                check_coordinator(address)
     except config.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -263,7 +305,10 @@ def main(argv: list[str]) -> int:
         os.remove(path)
     start = time.time()
     try:
-        code = (run_recover if job_config.recover.enable else run_stock)(job_config, argv)
+        if job_config.recover.enable:
+            code = run_recover(job_config, argv, local, address)
+        else:
+            code = run_stock(job_config, argv)
     except config.ConfigError as e:  # the host cannot run this layout: nothing was started
         print(f"error: {e}", file=sys.stderr)
         return 2
