@@ -1,4 +1,4 @@
-"""Bad input from the node's environment: a clear error (exit 2) before anything starts."""
+"""Bad input from the node's environment or the tokenizer folder: a clear error (exit 2) before anything starts."""
 
 import os
 import subprocess
@@ -9,7 +9,10 @@ import pytest
 
 from titan_recover import store
 from titan_recover.config import ConfigError
+from titan_recover.dataloader import check_tokenizer_folder
 from titan_recover.launch import REPLICAS_ENV, check_coordinator, parse_replicas
+from titan_recover.synthetic import TOKENIZER_DIR
+from titan_recover.tokens import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
@@ -68,6 +71,15 @@ def test_bad_coordinator_env_names_the_variable_and_value(address: str, problem:
     assert str(info.value).startswith(f"{store.COORDINATOR_ENV}={address!r}{'' if problem[0] == ':' else ' '}{problem}")
 
 
+def test_tokenizer_folder_needs_tokenizer_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    check_tokenizer_folder(TOKENIZER_DIR)
+    with pytest.raises(DataError, match=rf"^model.hf_assets_path: no tokenizer at {tmp_path} \(the folder has no tokenizer.json\)"):
+        check_tokenizer_folder(str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # a relative path: say where it was looked for
+    with pytest.raises(DataError, match=rf"no tokenizer at assets/tok \(no such folder, relative to the working directory {tmp_path}\)"):
+        check_tokenizer_folder("assets/tok")
+
+
 def launch(*overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python -m titan_recover.launch`` with the shipped config; it must refuse in seconds."""
     return subprocess.run(
@@ -88,3 +100,12 @@ def test_launcher_refuses_a_bad_environment_before_starting(env: dict[str, str],
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert message in proc.stderr
     assert "coordinator" not in proc.stdout and "data:" not in proc.stdout  # refused before the data check
+
+
+@pytest.mark.parametrize("folder", ["/nonexistent", "empty"])
+def test_launcher_refuses_a_missing_tokenizer(folder: str, tmp_path: Path) -> None:
+    path = folder if folder.startswith("/") else str(tmp_path)  # an empty folder: TorchTitan's traceback, exit 1
+    proc = launch("--model.hf_assets_path", path)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"error: model.hf_assets_path: no tokenizer at {path} (" in proc.stderr
+    assert "Traceback" not in proc.stderr and "coordinator" not in proc.stdout
