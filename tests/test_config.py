@@ -75,6 +75,10 @@ def test_cli_overrides_reach_the_section() -> None:
         (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree"),
         (["--training.global_batch_size", "10"], "training.global_batch_size"),
         (["--training.global_batch_size", "0"], "training.global_batch_size"),
+        (["--recover.restart_window_s", "0"], "recover.restart_window_s"),
+        (["--recover.restart_window_s", "-60"], "recover.restart_window_s"),
+        (["--recover.restart_window_s", "inf"], "recover.restart_window_s"),
+        (["--recover.restart_window_s", "nan"], "recover.restart_window_s"),
     ],
 )
 def test_bad_value_names_the_full_key(overrides: list[str], key: str) -> None:
@@ -93,6 +97,7 @@ def test_min_replicas_above_replicate_degree_names_both_keys() -> None:
 
 def test_max_restarts_and_digest_interval_defaults() -> None:
     assert Recover().max_restarts == 3
+    assert Recover().restart_window_s == 3600.0
     assert Recover().digest_interval == 10
 
 
@@ -125,6 +130,44 @@ def test_timeout_must_exceed_twice_the_interval() -> None:
     with pytest.raises(ConfigError, match="heartbeat_interval_s"):
         load("--recover.heartbeat_timeout_s", "0.2")  # exactly twice 0.1
     assert load("--recover.heartbeat_timeout_s", "0.21").recover.heartbeat_timeout_s == 0.21
+
+
+@pytest.mark.parametrize("confirm", ["0.1", "0.05"])
+def test_report_confirm_must_exceed_the_heartbeat_interval(confirm: str) -> None:
+    # shorter than one heartbeat interval, it fenced healthy replicas between two beats
+    with pytest.raises(ConfigError) as info:
+        load("--recover.report_confirm_s", confirm)
+    assert (
+        "recover.report_confirm_s must be more than recover.heartbeat_interval_s" in str(info.value)
+        and f"got {confirm} and 0.1" in str(info.value)
+    )
+    assert load("--recover.report_confirm_s", "0.11").recover.report_confirm_s == 0.11
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--recover.fault_plan", "kill replica=1 step=31"],
+         "recover.fault_plan: 'kill replica=1 step=31' can never fire: the run ends at training.steps = 30"),
+        (["--training.steps", "6", "--recover.fault_plan", "kill replica=0 step=3; stop replica=1 phase=donate step=7"],
+         "'stop replica=1 step=7' can never fire: the run ends at training.steps = 6"),
+        (["--recover.max_restarts", "0", "--recover.fault_plan", "kill replica=1 step=3 attempt=1"],
+         "recover.fault_plan: 'kill replica=1 phase=backward attempt=1' can never fire: recover.max_restarts = 0 "
+         "allows no restart, so only attempt 0 ever runs"),
+        (["--recover.max_restarts", "0", "--recover.fault_plan", "kill replica=1 phase=join"],
+         "'kill replica=1 phase=join attempt=1' can never fire: recover.max_restarts = 0"),
+    ],
+)
+def test_fault_that_can_never_fire_is_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(*overrides)
+    assert message in str(info.value)
+
+
+def test_fault_at_the_last_step_or_a_late_attempt_loads() -> None:
+    assert load("--recover.fault_plan", "kill replica=1 step=30").recover.fault_plan
+    # restarts count per window: a long run may reach any attempt, even past max_restarts
+    assert load("--recover.max_restarts", "1", "--recover.fault_plan", "kill replica=1 step=3 attempt=5").recover.fault_plan
 
 
 def test_bad_fault_plan_message_names_the_token() -> None:

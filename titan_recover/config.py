@@ -65,7 +65,13 @@ class Recover:
     """TCP port of the coordinator's store; 0 picks a free one."""
 
     max_restarts: int = 3
-    """How often torchrun restarts a failed replica group, which then rejoins from a live peer."""
+    """How often the launcher may restart a failed replica group (which then rejoins from a live
+    peer) within restart_window_s; a group that fails more often is left out. With enable = false:
+    restarts of the whole job (checkpoint-and-restart)."""
+
+    restart_window_s: float = 3600.0
+    """Restarts of a group older than this no longer count against max_restarts, so a long run
+    keeps healing occasional failures and gives up only on a group that keeps failing."""
 
     digest_interval: int = 10
     """Every this many steps (and at the last) each replica logs a digest of its parameters."""
@@ -119,6 +125,7 @@ def validate(job_config: Any) -> Recover:
         "startup_timeout_s",
         "coordinator_timeout_s",
         "progress_timeout_s",
+        "restart_window_s",
     ):
         if not math.isfinite(getattr(rc, key)) or getattr(rc, key) <= 0:
             raise ConfigError(f"recover.{key} must be a finite number > 0, got {getattr(rc, key)}")
@@ -127,6 +134,12 @@ def validate(job_config: Any) -> Recover:
             "recover.heartbeat_timeout_s must be more than twice "
             f"recover.heartbeat_interval_s, got {rc.heartbeat_timeout_s} "
             f"and {rc.heartbeat_interval_s}"
+        )
+    if rc.report_confirm_s <= rc.heartbeat_interval_s:
+        raise ConfigError(
+            "recover.report_confirm_s must be more than recover.heartbeat_interval_s (a healthy replica "
+            "is silent up to one interval between beats and would be fenced), got "
+            f"{rc.report_confirm_s} and {rc.heartbeat_interval_s}"
         )
     if rc.data_seed < 0:
         raise ConfigError(f"recover.data_seed must be >= 0, got {rc.data_seed}")
@@ -169,6 +182,18 @@ def validate(job_config: Any) -> Recover:
             raise ConfigError(
                 f"recover.fault_plan: '{f.action} replica={f.replica} rank={f.rank}' names no rank: "
                 f"the job has {replicas} replica groups (0..{replicas - 1}) of {group_ranks(par)} ranks (0..{group_ranks(par) - 1})"
+            )
+        steps = job_config.training.steps
+        if f.step is not None and f.step > steps:
+            raise ConfigError(
+                f"recover.fault_plan: '{f.action} replica={f.replica} step={f.step}' can never fire: "
+                f"the run ends at training.steps = {steps}"
+            )
+        # with restarts counted per window any attempt can come in a long enough run; with none, only attempt 0
+        if f.attempt > 0 and rc.max_restarts == 0:
+            raise ConfigError(
+                f"recover.fault_plan: '{f.action} replica={f.replica} phase={f.phase} attempt={f.attempt}' can "
+                "never fire: recover.max_restarts = 0 allows no restart, so only attempt 0 ever runs"
             )
     if par.context_parallel_degree != 1:
         raise ConfigError(

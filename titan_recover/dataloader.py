@@ -157,18 +157,32 @@ def build_addressable_dataloader(
     )
 
 
+def check_tokenizer_folder(path: str) -> None:
+    """A ``DataError`` unless ``path`` holds a ``tokenizer.json`` (what titan_recover tokenizes with).
+
+    Checked before TorchTitan looks: its own errors for a missing folder blame a deprecated
+    ``tokenizer_path`` or list files, and never name the key to fix.
+    """
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return
+    where = "the folder has no tokenizer.json" if os.path.isdir(path) else "no such folder"
+    if not os.path.isabs(path):
+        where += f", relative to the working directory {os.getcwd()}"
+    raise DataError(
+        f"model.hf_assets_path: no tokenizer at {path} ({where}); set it to a folder with the model's "
+        "tokenizer.json (for a Hugging Face model, download it with TorchTitan's scripts/download_hf_assets.py "
+        "--assets tokenizer)"
+    )
+
+
 def check_data(job_config: Any) -> str:
     """Opens the job's dataset as every rank will and loads its first microbatch, so a bad folder
     stops the launcher before anything starts; returns a line describing the data."""
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
+    check_tokenizer_folder(job_config.model.hf_assets_path)
     if job_config.experimental.custom_import:  # registers the job's TrainSpec
         importlib.import_module(job_config.experimental.custom_import)
-    if not os.path.isdir(job_config.model.hf_assets_path):
-        raise DataError(
-            f"model.hf_assets_path {job_config.model.hf_assets_path}: no such tokenizer folder (for a Hugging Face "
-            "model, download it with TorchTitan's scripts/download_hf_assets.py --assets tokenizer)"
-        )
     tokenizer = HuggingFaceTokenizer(job_config.model.hf_assets_path)
     loader = build_addressable_dataloader(job_config.parallelism.data_parallel_shard_degree, 0, tokenizer, job_config)
     loader.load(1, 0)

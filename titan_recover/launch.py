@@ -3,34 +3,75 @@
 ``[recover] enable = true``: starts the coordinator (unless ``$TITAN_RECOVER_COORDINATOR``
 points at one on another node), then R ``torchrun`` jobs of dp_shard x tp x pp ranks each,
 and restarts a group's torchrun when it fails, up to ``[recover] max_restarts``
-times: only the failed group restarts, and it rejoins from a live peer. When the
+times within ``restart_window_s`` (titan_recover.restarts): only the failed group restarts, and it rejoins from a live peer. When the
 coordinator fences a group that is hung rather than dead (e.g. SIGSTOP), this
 launcher SIGKILLs its ranks first. (torchrun's own ``--max_restarts`` is not used:
 with ``--standalone`` in torch 2.13 a restarted group read its previous attempt's
 gloo addresses and failed to connect.)
 ``enable = false``: one ``torchrun`` world of R x dp_shard x tp x pp ranks, stock TorchTitan,
-restarted as a whole on failure (checkpoint-and-restart).
+restarted as a whole on failure (checkpoint-and-restart), on the same budget.
 Either way the run ends with a summary from ``recover_events.jsonl``.
 """
 
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from titan_recover import config, cpu_shim, devices, store
 from titan_recover.events import events_path
+from titan_recover.restarts import RestartBudget
 from titan_recover.summary import format_summary, summarize_events
 from titan_recover.tokens import DataError
 
 REPLICAS_ENV = "TITAN_RECOVER_REPLICAS"  # comma-separated replica ids this node launches
+
+
+def parse_replicas(value: str | None, replicas: int) -> list[int]:
+    """The replica groups this node launches, from ``$TITAN_RECOVER_REPLICAS`` (unset: all of them).
+
+    Checked before anything starts: a bad id used to end in a traceback, or in groups that
+    never come (an id out of range, or one listed twice) while the coordinator waits for them.
+    """
+    if value is None:
+        return list(range(replicas))
+    fix = (
+        f"set it to the comma-separated replica groups this node launches, ids 0..{replicas - 1} "
+        f"(parallelism.data_parallel_replicate_degree = {replicas}), e.g. 0,1; or unset it to launch all"
+    )
+    ids: list[int] = []
+    for item in value.split(","):
+        if not re.fullmatch(r"-?\d+", item.strip(), re.ASCII):
+            what = "an empty entry" if not item.strip() else f"{item.strip()!r} is not a replica id"
+            raise config.ConfigError(f"{REPLICAS_ENV}={value!r}: {what}; {fix}")
+        r = int(item)
+        if not 0 <= r < replicas:
+            raise config.ConfigError(f"{REPLICAS_ENV}={value!r}: replica {r} is out of range; {fix}")
+        if r in ids:
+            raise config.ConfigError(f"{REPLICAS_ENV}={value!r}: replica {r} is listed twice; {fix}")
+        ids.append(r)
+    return ids
+
+
+def check_coordinator(address: str) -> str:
+    """``$TITAN_RECOVER_COORDINATOR`` checked as ``host:port`` before anything starts (a bad one
+    failed only once the replica groups were up); returns it."""
+    host, _, port = address.rpartition(":")
+    fix = "set it to host:port of the coordinator another node's launcher started, or unset it to start one here"
+    if not host or any(c.isspace() for c in host) or not re.fullmatch(r"\d+", port, re.ASCII):
+        raise config.ConfigError(f"{store.COORDINATOR_ENV}={address!r} is not host:port; {fix}")
+    if not 0 < int(port) < 65536:
+        raise config.ConfigError(f"{store.COORDINATOR_ENV}={address!r}: port {int(port)} is out of range 1..65535; {fix}")
+    return address
 
 
 def log(msg: str) -> None:
@@ -122,9 +163,18 @@ def device_plan(requested: str, groups: int, ranks: int) -> devices.DevicePlan:
 class ReplicaGroups:
     """This node's replica groups: one torchrun job each, restarted when it fails."""
 
-    def __init__(self, argv: list[str], envs: dict[int, dict[str, str]], shards: int, max_restarts: int) -> None:
-        self.argv, self.envs, self.shards, self.max_restarts = argv, envs, shards, max_restarts
-        self.attempts = {r: 0 for r in envs}
+    def __init__(
+        self,
+        argv: list[str],
+        envs: dict[int, dict[str, str]],
+        shards: int,
+        max_restarts: int,
+        restart_window_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.argv, self.envs, self.shards, self.clock = argv, envs, shards, clock
+        self.attempts = {r: 0 for r in envs}  # incarnation numbers: unique, never reset by the window
+        self.budgets = {r: RestartBudget(max_restarts, restart_window_s) for r in envs}
         self.procs = {r: self._start(r) for r in envs}
         self.given_up: set[int] = set()
         self.killed: dict[int, int] = {}
@@ -149,15 +199,20 @@ class ReplicaGroups:
             if code in (None, 0) or r in self.given_up:
                 continue
             # the group is certainly dead: say so first (faster than heartbeats), then restart it
-            restart = self.attempts[r] < self.max_restarts
+            now = self.clock()
+            restart = self.budgets[r].take(now)
             epoch = store.get_int(client, store.EPOCH)  # type: ignore[arg-type]
-            cause = f"torchrun of replica {r} exited with code {code}" + ("" if restart else " (no restarts left)")
+            cause = f"torchrun of replica {r} exited with code {code}" + ("" if restart else " (no restarts left in the window)")
             store.report(client, {"replica": r, "epoch": epoch, "suspect": r, "cause": cause})  # type: ignore[arg-type]
             if not restart:
+                log(
+                    f"replica group {r} exited with code {code}; {self.budgets[r].refusal(now)}; not restarting it; "
+                    "the run goes on with the other groups"
+                )
                 self.given_up.add(r)
                 continue
             self.attempts[r] += 1
-            log(f"replica group {r} exited with code {code}; restart {self.attempts[r]} of {self.max_restarts}")
+            log(f"replica group {r} exited with code {code}; {self.budgets[r].used(now)} (attempt {self.attempts[r]})")
             self.procs[r] = self._start(r)
         return True
 
@@ -168,36 +223,40 @@ class ReplicaGroups:
 
 
 def run_stock(job_config: object, argv: list[str]) -> int:
-    """Checkpoint-and-restart: the whole world restarts, up to ``max_restarts`` times, and
-    TorchTitan resumes from its latest DCP checkpoint (from step 0 when there is none)."""
+    """Checkpoint-and-restart: the whole world restarts, up to ``max_restarts`` times within
+    ``restart_window_s``, and TorchTitan resumes from its latest DCP checkpoint (from step 0 when there is none)."""
     par = job_config.parallelism  # type: ignore[attr-defined]
-    max_restarts = job_config.recover.max_restarts  # type: ignore[attr-defined]
+    rc = job_config.recover  # type: ignore[attr-defined]
+    budget = RestartBudget(rc.max_restarts, rc.restart_window_s)
     nproc = par.data_parallel_replicate_degree * config.group_ranks(par)
     log(f"[recover] enable = false: stock TorchTitan HSDP, {nproc} ranks in one torchrun world")
     attempt = 0
     while True:
         env = with_threads({**os.environ, store.ATTEMPT_ENV: str(attempt)}, nproc)
         code = subprocess.call(torchrun(nproc, argv, "hsdp"), env=env)
-        if code == 0 or attempt == max_restarts:
+        now = time.monotonic()
+        if code == 0:
+            return code
+        if not budget.take(now):
+            log(f"torchrun exited with code {code}; {budget.refusal(now)}; not restarting the job")
             return code
         attempt += 1
-        log(f"torchrun exited with code {code}; restarting the whole job ({attempt} of {max_restarts})")
+        log(f"torchrun exited with code {code}; restarting the whole job ({budget.used(now)}, attempt {attempt})")
 
 
-def run_recover(job_config: object, argv: list[str]) -> int:
+def run_recover(job_config: object, argv: list[str], local: list[int], coordinator_address: str | None) -> int:
+    """The replica groups ``local`` of this node, and the coordinator unless ``coordinator_address`` names one."""
     rc = job_config.recover  # type: ignore[attr-defined]
     par = job_config.parallelism  # type: ignore[attr-defined]
     replicas = par.data_parallel_replicate_degree
-    local = [int(r) for r in os.environ.get(REPLICAS_ENV, ",".join(map(str, range(replicas)))).split(",")]
     ranks = config.group_ranks(par)
     plan = device_plan(rc.replicate_backend, len(local), ranks)
     argv = [*argv, "--recover.replicate_backend", plan.backend]
     env = with_threads(dict(os.environ), len(local) * ranks)
-    coordinator = None
-    if store.COORDINATOR_ENV not in env:
-        env[store.COORDINATOR_ENV] = f"127.0.0.1:{rc.coordinator_port or store.free_port()}"
+    coordinator, address = None, coordinator_address
+    if address is None:
+        address = env[store.COORDINATOR_ENV] = f"127.0.0.1:{rc.coordinator_port or store.free_port()}"
         coordinator = subprocess.Popen([sys.executable, "-m", "titan_recover.coordinator", *argv], env=env)
-    address = env[store.COORDINATOR_ENV]
     log(
         f"coordinator at {address}; starting replica groups {local} of {replicas}, "
         f"{ranks} ranks each (dp_shard {par.data_parallel_shard_degree} x tp {par.tensor_parallel_degree} "
@@ -207,7 +266,7 @@ def run_recover(job_config: object, argv: list[str]) -> int:
     log(f"replicate dimension on {plan.backend} ({plan.reason}){gpus}")
     # started at once: their ranks import and build the model while the coordinator comes up
     envs = {r: with_gpus(env, visible) for r, visible in zip(local, plan.visible)}
-    groups = ReplicaGroups(argv, envs, ranks, rc.max_restarts)
+    groups = ReplicaGroups(argv, envs, ranks, rc.max_restarts, rc.restart_window_s)
     lost_once = threading.Lock()
 
     def on_lost(reason: str) -> None:
@@ -266,6 +325,11 @@ def main(argv: list[str]) -> int:
     cpu_shim.apply()  # before torchtitan binds its device type: the data check imports its models
     try:
         job_config = config.load(argv)
+        if job_config.recover.enable:  # the node's environment, checked before the data and any process
+            local = parse_replicas(os.environ.get(REPLICAS_ENV), job_config.parallelism.data_parallel_replicate_degree)
+            address = os.environ.get(store.COORDINATOR_ENV)
+            if address is not None:
+                check_coordinator(address)
     except config.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -281,7 +345,10 @@ def main(argv: list[str]) -> int:
         os.remove(path)
     start = time.time()
     try:
-        code = (run_recover if job_config.recover.enable else run_stock)(job_config, argv)
+        if job_config.recover.enable:
+            code = run_recover(job_config, argv, local, address)
+        else:
+            code = run_stock(job_config, argv)
     except config.ConfigError as e:  # the host cannot run this layout: nothing was started
         print(f"error: {e}", file=sys.stderr)
         return 2

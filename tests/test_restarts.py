@@ -1,0 +1,123 @@
+"""The restart budget per time window (titan_recover.restarts) and the launcher's use of it (no processes)."""
+
+import json
+
+import pytest
+
+from titan_recover import launch, store
+from titan_recover.restarts import RestartBudget, restart_allowed
+
+HOUR = 3600.0
+
+
+@pytest.mark.parametrize(
+    "past, now, allowed",
+    [
+        ([], 0.0, True),
+        ([0.0, 10.0], 20.0, True),
+        ([0.0, 10.0, 20.0], 30.0, False),  # 3 within the hour: the 4th failure is one too many
+        ([0.0, 10.0, 20.0], HOUR - 1, False),
+        ([0.0, 10.0, 20.0], HOUR, True),  # the first is an hour old: it no longer counts
+        ([0.0, 10.0, 20.0, HOUR, HOUR + 5], HOUR + 15, False),  # 10, 20 still count with the two new ones
+        ([0.0, 10.0, 20.0, HOUR, HOUR + 5], HOUR + 20, True),
+    ],
+)
+def test_restart_allowed_counts_only_the_window(past: list[float], now: float, allowed: bool) -> None:
+    assert restart_allowed(past, now, max_restarts=3, window_s=HOUR) is allowed
+
+
+def test_no_restarts_means_none_ever() -> None:
+    assert not restart_allowed([], 0.0, max_restarts=0, window_s=HOUR)
+    budget = RestartBudget(0, HOUR)
+    assert not budget.take(1e9)
+    assert budget.refusal(1e9) == "recover.max_restarts = 0 allows no restart"
+
+
+def test_a_failure_every_few_hours_never_runs_out() -> None:
+    budget = RestartBudget(3, HOUR)
+    assert all(budget.take(t * 3 * HOUR) for t in range(1000))  # weeks of one failure per 3 hours
+    assert budget.times == [999 * 3 * HOUR]  # older restarts are dropped
+
+
+def test_flapping_is_refused_and_said_so() -> None:
+    budget = RestartBudget(3, HOUR)
+    assert [budget.take(t) for t in (0.0, 100.0, 1000.0)] == [True, True, True]
+    assert budget.used(1000.0) == "restart 3 of 3 within 3600 s"
+    assert not budget.take(1200.0)
+    assert budget.times == [0.0, 100.0, 1000.0]  # a refusal records nothing
+    assert budget.refusal(1200.0) == (
+        "it failed 4 times within 3600 s (restarted 1200 s, 1100 s, 200 s ago, and failed again now; "
+        "recover.max_restarts = 3 per recover.restart_window_s): it is flapping"
+    )
+    assert budget.take(HOUR)  # the one at 0 left the window
+
+
+class FakeProc:
+    def __init__(self) -> None:
+        self.code: int | None = None
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+class FakeStore:
+    """The few TCPStore calls ReplicaGroups.watch makes."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {store.EPOCH: b"0"}
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def add(self, key: str, n: int) -> int:
+        self.data[key] = str(int(self.data.get(key, b"0")) + n).encode()
+        return int(self.data[key])
+
+    def causes(self) -> list[str]:
+        n = int(self.data.get(store.REPORTS, b"0"))
+        return [json.loads(self.data[store.report_key(i)])["cause"] for i in range(1, n + 1)]
+
+
+def test_replica_groups_restart_per_window_and_give_up_on_flapping(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started: list[tuple[int, int]] = []  # (replica, attempt) of every torchrun started
+
+    def start(self: launch.ReplicaGroups, replica: int) -> FakeProc:
+        started.append((replica, self.attempts[replica]))
+        return FakeProc()
+
+    monkeypatch.setattr(launch.ReplicaGroups, "_start", start)
+    now = [0.0]
+    groups = launch.ReplicaGroups([], {0: {}, 1: {}}, 1, max_restarts=1, restart_window_s=HOUR, clock=lambda: now[0])
+    client = FakeStore()
+
+    def fail(at: float) -> None:
+        now[0] = at
+        groups.procs[1].code = 9
+        assert groups.watch(client)
+
+    fail(10.0)
+    fail(10.0 + 2 * HOUR)  # the first restart is outside the window: a whole-run budget of 1 refused this
+    assert started == [(0, 0), (1, 0), (1, 1), (1, 2)]  # incarnation numbers keep growing
+    fail(20.0 + 2 * HOUR)  # the second failure within the hour
+    assert started == [(0, 0), (1, 0), (1, 1), (1, 2)] and groups.given_up == {1}
+    assert groups.watch(client) and len(started) == 4  # given up for good
+    assert client.causes() == [
+        "torchrun of replica 1 exited with code 9",
+        "torchrun of replica 1 exited with code 9",
+        "torchrun of replica 1 exited with code 9 (no restarts left in the window)",
+    ]
+    out = capsys.readouterr().out
+    assert "replica group 1 exited with code 9; restart 1 of 1 within 3600 s (attempt 2)" in out
+    assert (
+        "replica group 1 exited with code 9; it failed 2 times within 3600 s (restarted 10 s ago, and failed "
+        "again now; recover.max_restarts = 1 per recover.restart_window_s): it is flapping; not restarting it; "
+        "the run goes on with the other groups"
+    ) in out

@@ -1,0 +1,111 @@
+"""Bad input from the node's environment or the tokenizer folder: a clear error (exit 2) before anything starts."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_recover import store
+from titan_recover.config import ConfigError
+from titan_recover.dataloader import check_tokenizer_folder
+from titan_recover.launch import REPLICAS_ENV, check_coordinator, parse_replicas
+from titan_recover.synthetic import TOKENIZER_DIR
+from titan_recover.tokens import DataError
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
+
+
+@pytest.mark.parametrize(
+    "value, replicas, ids",
+    [(None, 3, [0, 1, 2]), ("1", 2, [1]), ("2,0", 3, [2, 0]), (" 0, 1 ", 2, [0, 1])],
+)
+def test_replicas_env_lists_this_nodes_groups(value: str | None, replicas: int, ids: list[int]) -> None:
+    assert parse_replicas(value, replicas) == ids
+
+
+@pytest.mark.parametrize(
+    "value, problem",
+    [
+        ("1,x", "'x' is not a replica id"),
+        ("", "an empty entry"),
+        ("1,,0", "an empty entry"),
+        ("0.5", "'0.5' is not a replica id"),
+        ("1,1", "replica 1 is listed twice"),
+        ("2", "replica 2 is out of range"),
+        ("-1", "replica -1 is out of range"),
+    ],
+)
+def test_bad_replicas_env_names_the_variable_and_value(value: str, problem: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_replicas(value, 2)
+    msg = str(info.value)
+    assert msg.startswith(f"{REPLICAS_ENV}={value!r}: {problem};"), msg
+    assert "ids 0..1 (parallelism.data_parallel_replicate_degree = 2)" in msg
+
+
+@pytest.mark.parametrize("address", ["10.0.0.5:29500", "node-3.cluster:1", "localhost:65535"])
+def test_coordinator_env_host_port(address: str) -> None:
+    assert check_coordinator(address) == address
+
+
+@pytest.mark.parametrize(
+    "address, problem",
+    [
+        ("", "is not host:port"),
+        ("localhost", "is not host:port"),
+        (":29500", "is not host:port"),
+        ("localhost:", "is not host:port"),
+        ("localhost:http", "is not host:port"),
+        ("local host:29500", "is not host:port"),
+        ("localhost:-1", "is not host:port"),
+        ("localhost:0", ": port 0 is out of range 1..65535"),
+        ("localhost:65536", ": port 65536 is out of range 1..65535"),
+    ],
+)
+def test_bad_coordinator_env_names_the_variable_and_value(address: str, problem: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_coordinator(address)
+    assert str(info.value).startswith(f"{store.COORDINATOR_ENV}={address!r}{'' if problem[0] == ':' else ' '}{problem}")
+
+
+def test_tokenizer_folder_needs_tokenizer_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    check_tokenizer_folder(TOKENIZER_DIR)
+    with pytest.raises(DataError, match=rf"^model.hf_assets_path: no tokenizer at {tmp_path} \(the folder has no tokenizer.json\)"):
+        check_tokenizer_folder(str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # a relative path: say where it was looked for
+    with pytest.raises(DataError, match=rf"no tokenizer at assets/tok \(no such folder, relative to the working directory {tmp_path}\)"):
+        check_tokenizer_folder("assets/tok")
+
+
+def launch(*overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m titan_recover.launch`` with the shipped config; it must refuse in seconds."""
+    return subprocess.run(
+        [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), *overrides],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({REPLICAS_ENV: "1,x"}, f"error: {REPLICAS_ENV}='1,x': 'x' is not a replica id"),
+        ({store.COORDINATOR_ENV: "10.0.0.5:0"}, f"error: {store.COORDINATOR_ENV}='10.0.0.5:0': port 0 is out of range"),
+    ],
+)
+def test_launcher_refuses_a_bad_environment_before_starting(env: dict[str, str], message: str) -> None:
+    proc = launch(env=env)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert "coordinator" not in proc.stdout and "data:" not in proc.stdout  # refused before the data check
+
+
+@pytest.mark.parametrize("folder", ["/nonexistent", "empty"])
+def test_launcher_refuses_a_missing_tokenizer(folder: str, tmp_path: Path) -> None:
+    path = folder if folder.startswith("/") else str(tmp_path)  # an empty folder: TorchTitan's traceback, exit 1
+    proc = launch("--model.hf_assets_path", path)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"error: model.hf_assets_path: no tokenizer at {path} (" in proc.stderr
+    assert "Traceback" not in proc.stderr and "coordinator" not in proc.stdout
