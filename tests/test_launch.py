@@ -4,7 +4,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from titan_recover import launch, store
+from titan_recover.config import ConfigError
 from titan_recover.launch import is_incarnation
 
 
@@ -29,3 +32,17 @@ def test_ranks_on_a_host_share_its_cores(monkeypatch) -> None:
     assert launch.with_threads({"A": "1"}, 4) == {"A": "1", "OMP_NUM_THREADS": "2"}
     assert launch.with_threads({}, 16) == {"OMP_NUM_THREADS": "1"}
     assert launch.with_threads({"OMP_NUM_THREADS": "3"}, 4) == {"OMP_NUM_THREADS": "3"}  # the user's choice wins
+
+
+def test_coordinator_listens_on_loopback_when_every_group_is_local() -> None:
+    assert launch.coordinator_bind("", [0, 1], 2) == "127.0.0.1"
+    assert launch.coordinator_bind("", [1, 0], 2) == "127.0.0.1"
+    assert launch.coordinator_bind("10.0.0.5", [0, 1], 2) == "10.0.0.5"  # the user's choice wins
+
+
+def test_coordinator_of_a_multi_node_run_needs_an_address() -> None:
+    assert launch.coordinator_bind("0.0.0.0", [0, 1], 4) == "0.0.0.0"
+    assert launch.coordinator_bind("10.0.0.5", [0], 2) == "10.0.0.5"
+    with pytest.raises(ConfigError) as info:
+        launch.coordinator_bind("", [0, 1], 4)
+    assert "[2, 3]" in str(info.value) and "coordinator_bind" in str(info.value)

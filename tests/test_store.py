@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 
@@ -220,3 +221,70 @@ def test_heartbeat_thread_ends_when_the_server_goes_away() -> None:
     hb._thread.join(timeout=10.0)
     assert not hb._thread.is_alive()
     hb.stop()
+
+
+# --- who may connect: the interface the coordinator's store listens on -----------------
+
+
+def non_loopback_ip() -> str | None:
+    """An IPv4 address of this machine other than loopback (the route a UDP socket would take)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+        except OSError:
+            return None
+        ip = s.getsockname()[0]
+    return None if ip.startswith("127.") or ip == "0.0.0.0" else ip
+
+
+def accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except ConnectionRefusedError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def lan_ip() -> str:
+    ip = non_loopback_ip()
+    if ip is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to connect to")
+    return ip
+
+
+def test_serve_listens_on_loopback_by_default(lan_ip: str) -> None:
+    port = store.free_port()
+    srv = store.serve(port, 5)
+    assert accepts("127.0.0.1", port)
+    assert not accepts(lan_ip, port)  # another host could not reach it either
+    del srv
+
+
+def test_serve_listens_on_the_address_it_is_given(lan_ip: str) -> None:
+    port = store.free_port()
+    srv = store.serve(port, 5, bind=lan_ip)
+    assert accepts(lan_ip, port)
+    assert not accepts("127.0.0.1", port)
+    client = store.connect(f"{lan_ip}:{port}", timeout_s=5)
+    client.set("k", "v")
+    assert srv.get("k") == b"v"
+    del srv
+
+
+def test_serve_on_all_interfaces_when_asked(lan_ip: str) -> None:
+    port = store.free_port()
+    srv = store.serve(port, 5, bind="0.0.0.0")
+    assert accepts("127.0.0.1", port) and accepts(lan_ip, port)
+    del srv
+
+
+def test_serve_on_a_taken_port_names_it() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError) as info:
+            store.serve(port, 5)
+    msg = str(info.value)
+    assert f"127.0.0.1:{port}" in msg and "coordinator_port" in msg

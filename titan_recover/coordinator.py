@@ -39,7 +39,7 @@ class Coordinator:
         self.steps = job_config.training.steps  # type: ignore[attr-defined]
         self.shards = config.group_ranks(par)  # ranks per replica group, each with a heartbeat
         self.replicas = par.data_parallel_replicate_degree
-        self.store = store.serve(port, rc.collective_timeout_s)
+        self.store = store.serve(port, rc.collective_timeout_s, rc.coordinator_bind or store.LOOPBACK)
         self.events = EventLog(job_config.job.dump_folder)  # type: ignore[attr-defined]
         self.membership = Membership(0, tuple(range(par.data_parallel_replicate_degree)))
         self.detector = FailureDetector(

@@ -105,6 +105,24 @@ def device_plan(requested: str, groups: int, ranks: int) -> devices.DevicePlan:
     return devices.plan(requested, gpus, groups, ranks, dist.is_nccl_available())
 
 
+def coordinator_bind(configured: str, local: list[int], replicas: int) -> str:
+    """Where the coordinator this launcher starts listens: loopback when every replica group
+    runs on this node, else the address the user chose ([recover] coordinator_bind).
+
+    A multi-node run must choose it: listening on every interface by default would open
+    the store to any host that can route to this one.
+    """
+    if configured:
+        return configured
+    if sorted(local) == list(range(replicas)):
+        return store.LOOPBACK
+    others = sorted(set(range(replicas)) - set(local))
+    raise config.ConfigError(
+        f"replica groups {others} run on other nodes, which cannot reach a coordinator on loopback: set "
+        "[recover] coordinator_bind to this node's address on the network they share (or 0.0.0.0 for every interface)"
+    )
+
+
 class ReplicaGroups:
     """This node's replica groups: one torchrun job each, restarted when it fails."""
 
@@ -175,7 +193,8 @@ def run_recover(job_config: object, argv: list[str]) -> int:
     env = with_threads(dict(os.environ), len(local) * ranks)
     coordinator = None
     if store.COORDINATOR_ENV not in env:
-        env[store.COORDINATOR_ENV] = f"127.0.0.1:{rc.coordinator_port or store.free_port()}"
+        host = store.local_host(coordinator_bind(rc.coordinator_bind, local, replicas))
+        env[store.COORDINATOR_ENV] = f"{host}:{rc.coordinator_port or store.free_port()}"
         coordinator = subprocess.Popen([sys.executable, "-m", "titan_recover.coordinator", *argv], env=env)
     address = env[store.COORDINATOR_ENV]
     log(

@@ -105,10 +105,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(port: int, timeout_s: float) -> dist.TCPStore:
-    """The coordinator's store server."""
+LOOPBACK = "127.0.0.1"
+
+
+def local_host(bind: str) -> str:
+    """The host a client on this machine dials to reach a store listening on ``bind``."""
+    return {"0.0.0.0": LOOPBACK, "::": "::1"}.get(bind, bind)
+
+
+def listen(bind: str, port: int) -> int:
+    """A listening socket on ``bind:port`` only; its file descriptor, which the caller then owns.
+
+    TCPStore's own server listens on every interface whatever host it is given, so
+    the coordinator binds the socket itself and hands it over (``master_listen_fd``).
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise RuntimeError(f"cannot listen on {bind}:{port}: {e}; check [recover] coordinator_bind") from e
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a fixed port is free again right after a run
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(
+            f"cannot listen on {bind}:{port}: {e}; is another job using that port? "
+            "Set [recover] coordinator_port to a free port (0 picks one), or fix [recover] coordinator_bind"
+        ) from e
+    return sock.detach()
+
+
+def serve(port: int, timeout_s: float, bind: str = LOOPBACK) -> dist.TCPStore:
+    """The coordinator's store server, reachable on ``bind`` only (loopback unless other nodes need it)."""
     return dist.TCPStore(
-        "0.0.0.0", port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        local_host(bind), port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+        master_listen_fd=listen(bind, port),
     )
 
 
