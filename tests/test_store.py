@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
 from titan_recover import store
 from titan_recover.store import MessageError
+
+from conftest import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -288,3 +295,87 @@ def test_serve_on_a_taken_port_names_it() -> None:
             store.serve(port, 5)
     msg = str(info.value)
     assert f"127.0.0.1:{port}" in msg and "coordinator_port" in msg
+
+
+# --- who may connect: the run's secret ----------------------------------------------------
+
+SERVE = """
+import sys
+from titan_recover import store
+srv = store.serve(int(sys.argv[1]), 30)
+store.put_json(srv, store.EPOCH, 3)
+print("up", flush=True)
+sys.stdin.read()  # serves until the test closes stdin
+"""
+
+
+@contextmanager
+def coordinator_process(secret: str) -> Iterator[str]:
+    """A store server in a process of its own, run with ``secret``; yields its address."""
+    port = store.free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE, str(port)], cwd=ROOT, env={**os.environ, store.SECRET_ENV: secret},
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout.readline() == "up\n"
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=10)
+
+
+def test_a_client_of_another_run_is_refused_within_a_bound() -> None:
+    with coordinator_process("run-a-secret") as address:
+        start = time.monotonic()
+        with pytest.raises(store.WrongRunError) as info:
+            store.connect(address, timeout_s=2, secret="run-b-secret")
+        assert time.monotonic() - start < 5
+        msg = str(info.value)
+        assert f"the coordinator at {address} does not serve this run" in msg
+        assert store.SECRET_ENV in msg and "another job on that port" in msg
+        assert store.get_int(store.connect(address, timeout_s=2, secret="run-a-secret"), store.EPOCH) == 3
+
+
+def test_a_client_with_the_runs_secret_in_its_environment_connects(monkeypatch: pytest.MonkeyPatch) -> None:
+    with coordinator_process("run-a-secret") as address:
+        monkeypatch.setenv(store.SECRET_ENV, "run-a-secret")
+        assert store.get_int(store.connect(address, timeout_s=2), store.EPOCH) == 3
+        monkeypatch.setenv(store.SECRET_ENV, "run-b-secret")
+        with pytest.raises(store.WrongRunError):
+            store.connect(address, timeout_s=1)
+
+
+def test_without_a_secret_nothing_connects_or_serves(monkeypatch: pytest.MonkeyPatch, server: tuple[dist.TCPStore, str]) -> None:
+    monkeypatch.delenv(store.SECRET_ENV)
+    for call in (lambda: store.connect(server[1], timeout_s=1), lambda: store.serve(store.free_port(), 1)):
+        with pytest.raises(RuntimeError) as info:
+            call()
+        assert f"{store.SECRET_ENV} is not set" in str(info.value)
+
+
+def test_the_runs_keys_are_out_of_reach_without_its_secret(server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str) -> None:
+    host, _, port = server[1].rpartition(":")
+    stray = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))  # no secret
+    store.put_json(client, key, {"epoch": 1})
+    assert not stray.check([key])
+    stray.set(key, "overwritten by a stray client")
+    assert store.get_json(server[0], key, ("epoch",)) == {"epoch": 1}
+
+
+def test_a_runs_store_clones_and_does_what_the_trainer_asks(server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str) -> None:
+    clone = client.clone()  # collectives.ReplicateGroups builds each group on a clone
+    assert clone.underlying_store is not client.underlying_store  # a connection of its own
+    clone.set(key, "v")
+    assert client.get(key) == b"v"
+    assert client.compare_set(key + "/cs", "", "first") == b"first"
+    assert clone.compare_set(key + "/cs", "", "second") == b"first"
+    assert client.add(key + "/n", 2) == 2 and clone.add(key + "/n", 3) == 5
+    assert clone.check([key, key + "/cs"]) and not clone.check([key + "/missing"])
+    clone.multi_set([key + "/a", key + "/b"], ["1", "2"])
+    assert client.multi_get([key + "/a", key + "/b"]) == [b"1", b"2"]
+    clone.wait([key + "/a"])
+    group_store = dist.PrefixStore(f"{key}/replicate/e1/s0/", client.clone())  # as collectives nests it
+    group_store.set("addr", "x")
+    assert not server[0].check(["addr"]) and group_store.get("addr") == b"x"
+    assert client.delete_key(key) and not server[0].check([key])

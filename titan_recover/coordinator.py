@@ -7,7 +7,7 @@ admits restarted ones in a new epoch, and logs when a rejoined group's first
 step commits.
 
     python -m titan_recover.coordinator --job.config_file X.toml [--section.key value ...]
-    (serves on the port in $TITAN_RECOVER_COORDINATOR)
+    (serves on the port in $TITAN_RECOVER_COORDINATOR, the run whose secret is $TITAN_RECOVER_SECRET)
 """
 
 import sys

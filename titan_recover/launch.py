@@ -10,10 +10,14 @@ with ``--standalone`` in torch 2.13 a restarted group read its previous attempt'
 gloo addresses and failed to connect.)
 ``enable = false``: one ``torchrun`` world of R x dp_shard x tp x pp ranks, stock TorchTitan,
 restarted as a whole on failure (checkpoint-and-restart).
+The coordinator listens on loopback unless ``[recover] coordinator_bind`` says otherwise, and every
+process of the run reaches its keys through the run's secret, ``$TITAN_RECOVER_SECRET`` (made here
+for a single-node run, given by the user for a multi-node one): see the README's trust model.
 Either way the run ends with a summary from ``recover_events.jsonl``.
 """
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -123,6 +127,19 @@ def coordinator_bind(configured: str, local: list[int], replicas: int) -> str:
     )
 
 
+def run_secret(env: dict[str, str], only_this_node: bool) -> str:
+    """The run's secret: the user's ``$TITAN_RECOVER_SECRET``, or a fresh one when this launcher
+    starts the coordinator and every replica group, so no other launcher needs to know it."""
+    if env.get(store.SECRET_ENV):
+        return env[store.SECRET_ENV]
+    if only_this_node:
+        return secrets.token_hex(16)
+    raise config.ConfigError(
+        f"a multi-node run needs one secret on every node: set {store.SECRET_ENV} to the same value for each "
+        f"node's launcher, e.g. export {store.SECRET_ENV}=$(python -c 'import secrets; print(secrets.token_hex(16))')"
+    )
+
+
 class ReplicaGroups:
     """This node's replica groups: one torchrun job each, restarted when it fails."""
 
@@ -191,6 +208,8 @@ def run_recover(job_config: object, argv: list[str]) -> int:
     plan = device_plan(rc.replicate_backend, len(local), ranks)
     argv = [*argv, "--recover.replicate_backend", plan.backend]
     env = with_threads(dict(os.environ), len(local) * ranks)
+    only_this_node = store.COORDINATOR_ENV not in env and sorted(local) == list(range(replicas))
+    env[store.SECRET_ENV] = run_secret(env, only_this_node)
     coordinator = None
     if store.COORDINATOR_ENV not in env:
         host = store.local_host(coordinator_bind(rc.coordinator_bind, local, replicas))
@@ -208,7 +227,7 @@ def run_recover(job_config: object, argv: list[str]) -> int:
     envs = {r: with_gpus(env, visible) for r, visible in zip(local, plan.visible)}
     groups = ReplicaGroups(argv, envs, ranks, rc.max_restarts)
     try:
-        client = store.connect(address, timeout_s=60)
+        client = store.connect(address, timeout_s=60, secret=env[store.SECRET_ENV])
         while True:
             if coordinator is not None and coordinator.poll() is not None:
                 break

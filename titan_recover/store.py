@@ -17,6 +17,9 @@ import torch.distributed as dist
 
 COORDINATOR_ENV = "TITAN_RECOVER_COORDINATOR"  # host:port of the coordinator's store
 REPLICA_ENV = "TITAN_RECOVER_REPLICA"  # this process's replica group id
+SECRET_ENV = "TITAN_RECOVER_SECRET"  # this run's secret: every key of the run is stored under it
+HELLO = "hello"  # the coordinator sets it on start: a client that cannot read it is not in this run
+HELLO_WAIT_S = 10.0  # how long a client waits for it (the coordinator sets it right after listening)
 
 EPOCH = "epoch"
 REPORTS = "reports"
@@ -99,6 +102,10 @@ class MessageError(ValueError):
     """A store value that is not the JSON message expected under its key."""
 
 
+class WrongRunError(RuntimeError):
+    """The store at the coordinator's address does not know this run's secret."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -137,12 +144,33 @@ def listen(bind: str, port: int) -> int:
     return sock.detach()
 
 
-def serve(port: int, timeout_s: float, bind: str = LOOPBACK) -> dist.TCPStore:
-    """The coordinator's store server, reachable on ``bind`` only (loopback unless other nodes need it)."""
-    return dist.TCPStore(
+def run_secret() -> str:
+    """This run's secret, from the environment the launcher sets."""
+    secret = os.environ.get(SECRET_ENV, "")
+    if not secret:
+        raise RuntimeError(
+            f"{SECRET_ENV} is not set: start training with run_train.sh, whose launcher makes one per run; "
+            "in a multi-node run give every node's launcher the same value"
+        )
+    return secret
+
+
+def in_run(tcp: dist.TCPStore, secret: str) -> dist.PrefixStore:
+    """``tcp`` seen through the run's secret: a process that lacks it never reads or writes these keys."""
+    return dist.PrefixStore(f"run/{secret}", tcp)
+
+
+def serve(port: int, timeout_s: float, bind: str = LOOPBACK, secret: str | None = None) -> dist.PrefixStore:
+    """The coordinator's store server, reachable on ``bind`` only (loopback unless other nodes need it),
+    holding the keys of the run whose secret is ``secret`` (default: ``$TITAN_RECOVER_SECRET``)."""
+    secret = secret or run_secret()
+    tcp = dist.TCPStore(
         local_host(bind), port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
         master_listen_fd=listen(bind, port),
     )
+    server = in_run(tcp, secret)
+    server.set(HELLO, "titan_recover")
+    return server
 
 
 def coordinator_address() -> str:
@@ -157,10 +185,19 @@ def coordinator_address() -> str:
     return address
 
 
-def connect(address: str, timeout_s: float = 60.0) -> dist.TCPStore:
-    """A client of the coordinator's store at ``host:port``."""
+def connect(address: str, timeout_s: float = 60.0, secret: str | None = None) -> dist.PrefixStore:
+    """A client of the coordinator's store at ``host:port``, in the run whose secret is ``secret``
+    (default: ``$TITAN_RECOVER_SECRET``); a ``WrongRunError`` if that store does not serve the run."""
     host, _, port = address.rpartition(":")
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    client = in_run(dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s)), secret or run_secret())
+    try:
+        wait_for(client, HELLO, min(timeout_s, HELLO_WAIT_S))
+    except TimeoutError:
+        raise WrongRunError(
+            f"the coordinator at {address} does not serve this run (wrong or missing {SECRET_ENV}, or another job "
+            f"on that port): give every launcher of the run the same {SECRET_ENV}, or use another coordinator_port"
+        ) from None
+    return client
 
 
 def put_json(store: dist.TCPStore, key: str, value: Any) -> None:
