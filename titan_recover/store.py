@@ -188,8 +188,9 @@ def coordinator_address() -> str:
 def connect(address: str, timeout_s: float = 60.0, secret: str | None = None) -> dist.PrefixStore:
     """A client of the coordinator's store at ``host:port``, in the run whose secret is ``secret``
     (default: ``$TITAN_RECOVER_SECRET``); a ``WrongRunError`` if that store does not serve the run."""
+    secret = secret or run_secret()
     host, _, port = address.rpartition(":")
-    client = in_run(dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s)), secret or run_secret())
+    client = in_run(dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s)), secret)
     try:
         wait_for(client, HELLO, min(timeout_s, HELLO_WAIT_S))
     except TimeoutError:
