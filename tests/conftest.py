@@ -2,13 +2,16 @@
 
 import json
 import os
+import secrets
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from titan_recover import store
 from titan_recover.compare import compare_runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +44,14 @@ class Run:
         return steps
 
 
+@pytest.fixture(scope="session", autouse=True)
+def run_secret() -> Iterator[str]:
+    """The in-process tests play every role of one run: coordinator, launcher and ranks share its secret."""
+    os.environ[store.SECRET_ENV] = secret = secrets.token_hex(16)
+    yield secret
+    del os.environ[store.SECRET_ENV]
+
+
 def run_job(dump: Path, *overrides: str, timeout: int = 300, config: Path = CONFIG) -> Run:
     cmd = [
         sys.executable, "-m", "titan_recover.launch",
@@ -48,7 +59,7 @@ def run_job(dump: Path, *overrides: str, timeout: int = 300, config: Path = CONF
     ]
     proc = subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**{k: v for k, v in os.environ.items() if k != store.SECRET_ENV}, "PYTHONUNBUFFERED": "1"},  # its launcher makes one
     )
     path = dump / "recover_events.jsonl"
     events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

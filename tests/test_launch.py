@@ -4,8 +4,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from titan_recover import launch, store
+from titan_recover.config import ConfigError
 from titan_recover.launch import is_incarnation
+
+from conftest import CONFIG, ROOT
+from test_store import accepts, non_loopback_ip
 
 
 def test_is_incarnation_reads_the_rank_environment() -> None:
@@ -29,3 +35,50 @@ def test_ranks_on_a_host_share_its_cores(monkeypatch) -> None:
     assert launch.with_threads({"A": "1"}, 4) == {"A": "1", "OMP_NUM_THREADS": "2"}
     assert launch.with_threads({}, 16) == {"OMP_NUM_THREADS": "1"}
     assert launch.with_threads({"OMP_NUM_THREADS": "3"}, 4) == {"OMP_NUM_THREADS": "3"}  # the user's choice wins
+
+
+def test_coordinator_listens_on_loopback_when_every_group_is_local() -> None:
+    assert launch.coordinator_bind("", [0, 1], 2) == "127.0.0.1"
+    assert launch.coordinator_bind("", [1, 0], 2) == "127.0.0.1"
+    assert launch.coordinator_bind("10.0.0.5", [0, 1], 2) == "10.0.0.5"  # the user's choice wins
+
+
+def test_coordinator_of_a_multi_node_run_needs_an_address() -> None:
+    assert launch.coordinator_bind("0.0.0.0", [0, 1], 4) == "0.0.0.0"
+    assert launch.coordinator_bind("10.0.0.5", [0], 2) == "10.0.0.5"
+    with pytest.raises(ConfigError) as info:
+        launch.coordinator_bind("", [0, 1], 4)
+    assert "[2, 3]" in str(info.value) and "coordinator_bind" in str(info.value)
+
+
+def test_a_single_node_launcher_makes_a_fresh_secret_per_run() -> None:
+    first, second = launch.run_secret({}, only_this_node=True), launch.run_secret({}, only_this_node=True)
+    assert len(first) == 32 and first != second
+    assert launch.run_secret({store.SECRET_ENV: "given"}, only_this_node=True) == "given"  # the user's wins
+
+
+def test_a_multi_node_launcher_needs_the_users_secret() -> None:
+    assert launch.run_secret({store.SECRET_ENV: "shared"}, only_this_node=False) == "shared"
+    for env in ({}, {store.SECRET_ENV: ""}):
+        with pytest.raises(ConfigError) as info:
+            launch.run_secret(env, only_this_node=False)
+        assert f"set {store.SECRET_ENV} to the same value" in str(info.value)
+
+
+def test_the_coordinator_serves_its_run_only_on_loopback(tmp_path) -> None:
+    """The real coordinator process as a single-node launcher starts it (no coordinator_bind)."""
+    port = store.free_port()
+    env = {**os.environ, store.COORDINATOR_ENV: f"127.0.0.1:{port}", store.SECRET_ENV: "this-run"}
+    cmd = [sys.executable, "-m", "titan_recover.coordinator", "--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = store.connect(f"127.0.0.1:{port}", timeout_s=60, secret="this-run")
+        assert store.get_int(client, store.EPOCH) == 0
+        with pytest.raises(store.WrongRunError):
+            store.connect(f"127.0.0.1:{port}", timeout_s=1, secret="another-run")
+        ip = non_loopback_ip()
+        if ip is not None:
+            assert not accepts(ip, port)
+    finally:
+        proc.kill()
+        proc.wait()

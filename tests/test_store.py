@@ -12,12 +12,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
 from titan_recover import store
 from titan_recover.store import MessageError
+
+from conftest import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -352,3 +356,154 @@ def test_lifeline_notices_a_frozen_or_killed_coordinator(sig: signal.Signals) ->
     finally:
         proc.kill()
         proc.wait()
+
+
+# --- who may connect: the interface the coordinator's store listens on -----------------
+
+
+def non_loopback_ip() -> str | None:
+    """An IPv4 address of this machine other than loopback (the route a UDP socket would take)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+        except OSError:
+            return None
+        ip = s.getsockname()[0]
+    return None if ip.startswith("127.") or ip == "0.0.0.0" else ip
+
+
+def accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except ConnectionRefusedError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def lan_ip() -> str:
+    ip = non_loopback_ip()
+    if ip is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to connect to")
+    return ip
+
+
+def test_serve_listens_on_loopback_by_default(lan_ip: str) -> None:
+    port = store.free_port()
+    srv = store.serve(port, 5)
+    assert accepts("127.0.0.1", port)
+    assert not accepts(lan_ip, port)  # another host could not reach it either
+    del srv
+
+
+def test_serve_listens_on_the_address_it_is_given(lan_ip: str) -> None:
+    port = store.free_port()
+    srv = store.serve(port, 5, bind=lan_ip)
+    assert accepts(lan_ip, port)
+    assert not accepts("127.0.0.1", port)
+    client = store.connect(f"{lan_ip}:{port}", timeout_s=5)
+    client.set("k", "v")
+    assert srv.get("k") == b"v"
+    del srv
+
+
+def test_serve_on_all_interfaces_when_asked(lan_ip: str) -> None:
+    port = store.free_port()
+    srv = store.serve(port, 5, bind="0.0.0.0")
+    assert accepts("127.0.0.1", port) and accepts(lan_ip, port)
+    del srv
+
+
+def test_serve_on_a_taken_port_names_it() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError) as info:
+            store.serve(port, 5)
+    msg = str(info.value)
+    assert f"127.0.0.1:{port}" in msg and "coordinator_port" in msg
+
+
+# --- who may connect: the run's secret ----------------------------------------------------
+
+SERVE = """
+import sys
+from titan_recover import store
+srv = store.serve(int(sys.argv[1]), 30)
+store.put_json(srv, store.EPOCH, 3)
+print("up", flush=True)
+sys.stdin.read()  # serves until the test closes stdin
+"""
+
+
+@contextmanager
+def coordinator_process(secret: str) -> Iterator[str]:
+    """A store server in a process of its own, run with ``secret``; yields its address."""
+    port = store.free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE, str(port)], cwd=ROOT, env={**os.environ, store.SECRET_ENV: secret},
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout.readline() == "up\n"
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=10)
+
+
+def test_a_client_of_another_run_is_refused_within_a_bound() -> None:
+    with coordinator_process("run-a-secret") as address:
+        start = time.monotonic()
+        with pytest.raises(store.WrongRunError) as info:
+            store.connect(address, timeout_s=2, secret="run-b-secret")
+        assert time.monotonic() - start < 5
+        msg = str(info.value)
+        assert f"the coordinator at {address} does not serve this run" in msg
+        assert store.SECRET_ENV in msg and "another job on that port" in msg
+        assert store.get_int(store.connect(address, timeout_s=2, secret="run-a-secret"), store.EPOCH) == 3
+
+
+def test_a_client_with_the_runs_secret_in_its_environment_connects(monkeypatch: pytest.MonkeyPatch) -> None:
+    with coordinator_process("run-a-secret") as address:
+        monkeypatch.setenv(store.SECRET_ENV, "run-a-secret")
+        assert store.get_int(store.connect(address, timeout_s=2), store.EPOCH) == 3
+        monkeypatch.setenv(store.SECRET_ENV, "run-b-secret")
+        with pytest.raises(store.WrongRunError):
+            store.connect(address, timeout_s=1)
+
+
+def test_without_a_secret_nothing_connects_or_serves(monkeypatch: pytest.MonkeyPatch, server: tuple[dist.TCPStore, str]) -> None:
+    monkeypatch.delenv(store.SECRET_ENV)
+    for call in (lambda: store.connect(server[1], timeout_s=1), lambda: store.serve(store.free_port(), 1)):
+        with pytest.raises(RuntimeError) as info:
+            call()
+        assert f"{store.SECRET_ENV} is not set" in str(info.value)
+
+
+def test_the_runs_keys_are_out_of_reach_without_its_secret(server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str) -> None:
+    host, _, port = server[1].rpartition(":")
+    stray = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))  # no secret
+    store.put_json(client, key, {"epoch": 1})
+    assert not stray.check([key])
+    stray.set(key, "overwritten by a stray client")
+    assert store.get_json(server[0], key, ("epoch",)) == {"epoch": 1}
+
+
+def test_a_runs_store_clones_and_does_what_the_trainer_asks(server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str) -> None:
+    clone = client.clone()  # collectives.ReplicateGroups builds each group on a clone
+    assert clone.underlying_store is not client.underlying_store  # a connection of its own
+    clone.set(key, "v")
+    assert client.get(key) == b"v"
+    assert client.compare_set(key + "/cs", "", "first") == b"first"
+    assert clone.compare_set(key + "/cs", "", "second") == b"first"
+    assert client.add(key + "/n", 2) == 2 and clone.add(key + "/n", 3) == 5
+    assert clone.check([key, key + "/cs"]) and not clone.check([key + "/missing"])
+    clone.multi_set([key + "/a", key + "/b"], ["1", "2"])
+    assert client.multi_get([key + "/a", key + "/b"]) == [b"1", b"2"]
+    clone.wait([key + "/a"])
+    group_store = dist.PrefixStore(f"{key}/replicate/e1/s0/", client.clone())  # as collectives nests it
+    group_store.set("addr", "x")
+    assert not server[0].check(["addr"]) and group_store.get("addr") == b"x"
+    assert client.delete_key(key) and not server[0].check([key])

@@ -131,6 +131,61 @@ def test_unpack_into_parameters_does_not_track_grad() -> None:
     assert lin.weight.grad_fn is None and lin.weight.requires_grad
 
 
+# --- checksum --------------------------------------------------------------------
+
+
+def reference_checksum(payload: torch.Tensor) -> int:
+    """The checksum's definition in plain Python: sum of (2i + 1) * word i, mod 2**64, signed."""
+    raw = payload.numpy().tobytes()
+    raw += bytes(-len(raw) % 8)  # the last word is zero-padded
+    total = sum((2 * i + 1) * int.from_bytes(raw[8 * i : 8 * i + 8], "little") for i in range(len(raw) // 8))
+    total %= 1 << 64
+    return total - (1 << 64) if total >= 1 << 63 else total
+
+
+def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("n", [0, 5, 8, 61, 4096 + 3])
+def test_checksum_is_its_definition_in_any_chunking(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    payload = random_bytes(n)
+    expected = reference_checksum(payload)
+    assert transfer.checksum(payload) == expected
+    monkeypatch.setattr(transfer, "CHECKSUM_CHUNK", 3)  # many passes, the last one short
+    assert transfer.checksum(payload) == expected
+
+
+def test_equal_payloads_have_equal_checksums() -> None:
+    payload = random_bytes(1000, seed=1)
+    assert transfer.checksum(payload) == transfer.checksum(payload.clone()) == transfer.checksum(random_bytes(1000, seed=1))
+    assert transfer.checksum(pack(mixed_tensors())) == transfer.checksum(pack(mixed_tensors()))
+
+
+def test_a_flipped_byte_anywhere_changes_the_checksum() -> None:
+    payload = random_bytes(8 * 9 + 5, seed=2)  # a zero-padded last word too
+    good = transfer.checksum(payload)
+    for i in range(payload.numel()):
+        for mask in (0x01, 0x80, 0xFF):
+            bad = payload.clone()
+            bad[i] ^= mask
+            assert transfer.checksum(bad) != good, (i, mask)
+
+
+def test_moved_words_change_the_checksum() -> None:
+    payload = random_bytes(64, seed=3)
+    swapped = payload.view(torch.int64)[[1, 0, *range(2, 8)]].view(torch.uint8)
+    assert transfer.checksum(swapped) != transfer.checksum(payload)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_checksum_on_the_gpu_equals_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    payload = random_bytes((3 << 20) + 7, seed=4)
+    assert transfer.checksum(payload.cuda()) == transfer.checksum(payload)
+    monkeypatch.setattr(transfer, "CHECKSUM_CHUNK", 1000)
+    assert transfer.checksum(payload.cuda()) == transfer.checksum(payload)
+
+
 # --- manifest / check_manifest ---------------------------------------------------
 
 
@@ -405,6 +460,40 @@ def test_receive_rejects_a_different_model_and_the_donor_aborts(address: str) ->
     assert payload_reached == [True]  # it blocked on the payload, after the header
     # the joiner took no byte of the donor's state
     for name, v in j_model.state_dict().items():
+        assert torch.equal(v, j_before[name]), name
+
+
+def test_receive_refuses_a_payload_corrupted_on_the_way(address: str) -> None:
+    d_model, d_opts, _ = make_trainer(seed=0, steps=1)
+    j_model, j_opts, _ = make_trainer(seed=1, steps=0)
+    j_before = {k: v.clone() for k, v in j_model.state_dict().items()}
+
+    def donor() -> int:
+        g = groups(address, 0)
+        broadcast, sent = g.broadcast, []
+
+        def corrupting(group: Any, tensor: torch.Tensor, abort: Callable[[], bool]) -> None:
+            sent.append(tensor)
+            if len(sent) == 3:  # the payload: one bit flips on the wire
+                tensor = tensor.clone()
+                tensor[tensor.numel() // 2] ^= 0x10
+            broadcast(group, tensor, abort)
+
+        g.broadcast = corrupting  # type: ignore[method-assign]
+        with g.pair(epoch=1, joiner=1, donor=True, abort=never) as pair:
+            return transfer.send(g, pair, {"step": 2}, [d_model], d_opts, abort=never, after_header=lambda: None)
+
+    def joiner() -> tuple[dict[str, Any], int]:
+        g = groups(address, 1)
+        with g.pair(epoch=1, joiner=1, donor=False, abort=never) as pair:
+            return transfer.receive(g, pair, [j_model], j_opts, abort=never, after_header=lambda h: None)
+
+    results = run_both(donor, joiner)
+    assert isinstance(results["donor"], int), repr(results["donor"])
+    err = results["joiner"]
+    assert isinstance(err, store.MessageError), repr(err)
+    assert "state transfer payload is corrupt" in str(err) and "checksum" in str(err)
+    for name, v in j_model.state_dict().items():  # the joiner took no byte of it
         assert torch.equal(v, j_before[name]), name
 
 

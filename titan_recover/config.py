@@ -64,6 +64,11 @@ class Recover:
     coordinator_port: int = 0
     """TCP port of the coordinator's store; 0 picks a free one."""
 
+    coordinator_bind: str = ""
+    """Address the coordinator's store listens on. "" = loopback (127.0.0.1), for a run whose
+    replica groups all run on the coordinator's node; a multi-node run must name an address the
+    other nodes reach, e.g. this node's IP on the cluster network (or 0.0.0.0: every interface)."""
+
     max_restarts: int = 3
     """How often the launcher may restart a failed replica group (which then rejoins from a live
     peer) within restart_window_s; a group that fails more often is left out. With enable = false:

@@ -7,7 +7,7 @@ admits restarted ones in a new epoch, and logs when a rejoined group's first
 step commits.
 
     python -m titan_recover.coordinator --job.config_file X.toml [--section.key value ...]
-    (serves on the port in $TITAN_RECOVER_COORDINATOR)
+    (serves on the port in $TITAN_RECOVER_COORDINATOR, the run whose secret is $TITAN_RECOVER_SECRET)
 """
 
 import sys
@@ -43,7 +43,7 @@ class Coordinator:
         self.steps = job_config.training.steps  # type: ignore[attr-defined]
         self.shards = config.group_ranks(par)  # ranks per replica group, each with a heartbeat
         self.replicas = par.data_parallel_replicate_degree
-        self.store = store.serve(port, rc.collective_timeout_s)
+        self.store = store.serve(port, rc.collective_timeout_s, rc.coordinator_bind or store.LOOPBACK)
         self.events = EventLog(job_config.job.dump_folder)  # type: ignore[attr-defined]
         self.membership = Membership(0, tuple(range(par.data_parallel_replicate_degree)))
         self.detector = FailureDetector(

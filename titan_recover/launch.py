@@ -10,12 +10,16 @@ with ``--standalone`` in torch 2.13 a restarted group read its previous attempt'
 gloo addresses and failed to connect.)
 ``enable = false``: one ``torchrun`` world of R x dp_shard x tp x pp ranks, stock TorchTitan,
 restarted as a whole on failure (checkpoint-and-restart), on the same budget.
+The coordinator listens on loopback unless ``[recover] coordinator_bind`` says otherwise, and every
+process of the run reaches its keys through the run's secret, ``$TITAN_RECOVER_SECRET`` (made here
+for a single-node run, given by the user for a multi-node one): see the README's trust model.
 Either way the run ends with a summary from ``recover_events.jsonl``.
 """
 
 import ctypes
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -160,6 +164,37 @@ def device_plan(requested: str, groups: int, ranks: int) -> devices.DevicePlan:
     return devices.plan(requested, gpus, groups, ranks, dist.is_nccl_available())
 
 
+def coordinator_bind(configured: str, local: list[int], replicas: int) -> str:
+    """Where the coordinator this launcher starts listens: loopback when every replica group
+    runs on this node, else the address the user chose ([recover] coordinator_bind).
+
+    A multi-node run must choose it: listening on every interface by default would open
+    the store to any host that can route to this one.
+    """
+    if configured:
+        return configured
+    if sorted(local) == list(range(replicas)):
+        return store.LOOPBACK
+    others = sorted(set(range(replicas)) - set(local))
+    raise config.ConfigError(
+        f"replica groups {others} run on other nodes, which cannot reach a coordinator on loopback: set "
+        "[recover] coordinator_bind to this node's address on the network they share (or 0.0.0.0 for every interface)"
+    )
+
+
+def run_secret(env: dict[str, str], only_this_node: bool) -> str:
+    """The run's secret: the user's ``$TITAN_RECOVER_SECRET``, or a fresh one when this launcher
+    starts the coordinator and every replica group, so no other launcher needs to know it."""
+    if env.get(store.SECRET_ENV):
+        return env[store.SECRET_ENV]
+    if only_this_node:
+        return secrets.token_hex(16)
+    raise config.ConfigError(
+        f"a multi-node run needs one secret on every node: set {store.SECRET_ENV} to the same value for each "
+        f"node's launcher, e.g. export {store.SECRET_ENV}=$(python -c 'import secrets; print(secrets.token_hex(16))')"
+    )
+
+
 class ReplicaGroups:
     """This node's replica groups: one torchrun job each, restarted when it fails."""
 
@@ -253,9 +288,12 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
     plan = device_plan(rc.replicate_backend, len(local), ranks)
     argv = [*argv, "--recover.replicate_backend", plan.backend]
     env = with_threads(dict(os.environ), len(local) * ranks)
+    only_this_node = coordinator_address is None and sorted(local) == list(range(replicas))
+    env[store.SECRET_ENV] = run_secret(env, only_this_node)
     coordinator, address = None, coordinator_address
     if address is None:
-        address = env[store.COORDINATOR_ENV] = f"127.0.0.1:{rc.coordinator_port or store.free_port()}"
+        host = store.local_host(coordinator_bind(rc.coordinator_bind, local, replicas))
+        address = env[store.COORDINATOR_ENV] = f"{host}:{rc.coordinator_port or store.free_port()}"
         coordinator = subprocess.Popen([sys.executable, "-m", "titan_recover.coordinator", *argv], env=env)
     log(
         f"coordinator at {address}; starting replica groups {local} of {replicas}, "
@@ -284,8 +322,8 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
         store.exit_lost("launcher", reason, config.resume_hint(job_config))
 
     try:
-        client = store.connect(address, timeout_s=60)
-        lifeline = store.Heartbeat(address, None, 0.1, rc.coordinator_timeout_s, on_lost)
+        client = store.connect(address, timeout_s=60, secret=env[store.SECRET_ENV])
+        lifeline = store.Heartbeat(address, None, 0.1, rc.coordinator_timeout_s, on_lost, secret=env[store.SECRET_ENV])
         while True:
             if coordinator is not None and coordinator.poll() is not None:
                 break

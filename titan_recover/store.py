@@ -18,6 +18,9 @@ import torch.distributed as dist
 
 COORDINATOR_ENV = "TITAN_RECOVER_COORDINATOR"  # host:port of the coordinator's store
 REPLICA_ENV = "TITAN_RECOVER_REPLICA"  # this process's replica group id
+SECRET_ENV = "TITAN_RECOVER_SECRET"  # this run's secret: every key of the run is stored under it
+HELLO = "hello"  # the coordinator sets it on start: a client that cannot read it is not in this run
+HELLO_WAIT_S = 10.0  # how long a client waits for it (the coordinator sets it right after listening)
 
 EPOCH = "epoch"
 REPORTS = "reports"
@@ -106,17 +109,75 @@ class MessageError(ValueError):
     """A store value that is not the JSON message expected under its key."""
 
 
+class WrongRunError(RuntimeError):
+    """The store at the coordinator's address does not know this run's secret."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
 
 
-def serve(port: int, timeout_s: float) -> dist.TCPStore:
-    """The coordinator's store server."""
-    return dist.TCPStore(
-        "0.0.0.0", port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+LOOPBACK = "127.0.0.1"
+
+
+def local_host(bind: str) -> str:
+    """The host a client on this machine dials to reach a store listening on ``bind``."""
+    return {"0.0.0.0": LOOPBACK, "::": "::1"}.get(bind, bind)
+
+
+def listen(bind: str, port: int) -> int:
+    """A listening socket on ``bind:port`` only; its file descriptor, which the caller then owns.
+
+    TCPStore's own server listens on every interface whatever host it is given, so
+    the coordinator binds the socket itself and hands it over (``master_listen_fd``).
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise RuntimeError(f"cannot listen on {bind}:{port}: {e}; check [recover] coordinator_bind") from e
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a fixed port is free again right after a run
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(
+            f"cannot listen on {bind}:{port}: {e}; is another job using that port? "
+            "Set [recover] coordinator_port to a free port (0 picks one), or fix [recover] coordinator_bind"
+        ) from e
+    return sock.detach()
+
+
+def run_secret() -> str:
+    """This run's secret, from the environment the launcher sets."""
+    secret = os.environ.get(SECRET_ENV, "")
+    if not secret:
+        raise RuntimeError(
+            f"{SECRET_ENV} is not set: start training with run_train.sh, whose launcher makes one per run; "
+            "in a multi-node run give every node's launcher the same value"
+        )
+    return secret
+
+
+def in_run(tcp: dist.TCPStore, secret: str) -> dist.PrefixStore:
+    """``tcp`` seen through the run's secret: a process that lacks it never reads or writes these keys."""
+    return dist.PrefixStore(f"run/{secret}", tcp)
+
+
+def serve(port: int, timeout_s: float, bind: str = LOOPBACK, secret: str | None = None) -> dist.PrefixStore:
+    """The coordinator's store server, reachable on ``bind`` only (loopback unless other nodes need it),
+    holding the keys of the run whose secret is ``secret`` (default: ``$TITAN_RECOVER_SECRET``)."""
+    secret = secret or run_secret()
+    tcp = dist.TCPStore(
+        local_host(bind), port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+        master_listen_fd=listen(bind, port),
     )
+    server = in_run(tcp, secret)
+    server.set(HELLO, "titan_recover")
+    return server
 
 
 def coordinator_address() -> str:
@@ -131,10 +192,20 @@ def coordinator_address() -> str:
     return address
 
 
-def connect(address: str, timeout_s: float = 60.0) -> dist.TCPStore:
-    """A client of the coordinator's store at ``host:port``."""
+def connect(address: str, timeout_s: float = 60.0, secret: str | None = None) -> dist.PrefixStore:
+    """A client of the coordinator's store at ``host:port``, in the run whose secret is ``secret``
+    (default: ``$TITAN_RECOVER_SECRET``); a ``WrongRunError`` if that store does not serve the run."""
+    secret = secret or run_secret()
     host, _, port = address.rpartition(":")
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    client = in_run(dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s)), secret)
+    try:
+        wait_for(client, HELLO, min(timeout_s, HELLO_WAIT_S))
+    except TimeoutError:
+        raise WrongRunError(
+            f"the coordinator at {address} does not serve this run (wrong or missing {SECRET_ENV}, or another job "
+            f"on that port): give every launcher of the run the same {SECRET_ENV}, or use another coordinator_port"
+        ) from None
+    return client
 
 
 def put_json(store: dist.TCPStore, key: str, value: Any) -> None:
@@ -243,8 +314,9 @@ class Heartbeat:
         on_lost: Callable[[str], None],
         progress_timeout_s: float | None = None,
         stuck_report: Callable[[float, str], dict[str, Any]] | None = None,
+        secret: str | None = None,
     ) -> None:
-        self._address, self._key, self._interval = address, key, interval_s
+        self._address, self._key, self._interval, self._secret = address, key, interval_s, secret
         self._timeout, self._on_lost = coordinator_timeout_s, on_lost
         self._progress_timeout, self._stuck_report = progress_timeout_s, stuck_report
         now = time.monotonic()
@@ -280,7 +352,7 @@ class Heartbeat:
             now = time.monotonic()
             try:
                 if client is None:
-                    client = connect(self._address, min(self._timeout, 60.0))
+                    client = connect(self._address, min(self._timeout, 60.0), self._secret)
                 idle = self._idle(now)
                 if idle is None:
                     reported = False

@@ -8,13 +8,15 @@ gloo, the rank's GPU for NCCL) go three broadcasts:
 
 1. ``int64 [header bytes, payload bytes]``
 2. the header, JSON (never pickle): step, base epoch, tokens seen, LR scheduler
-   state, optimizer hyperparameters, and the manifest ``[[name, dtype, shape], ...]``
+   state, optimizer hyperparameters, the manifest ``[[name, dtype, shape], ...]``
+   and the payload's checksum
 3. the payload: the tensors' bytes in manifest order (parameters, optimizer state,
    the CPU RNG state, and the CUDA one on GPUs)
 
 The joiner checks the manifest against its own before taking any byte; a
-mismatch is a ``TransferError`` naming the first difference. The data loader needs
-nothing: its whole position is the step number.
+mismatch is a ``TransferError`` naming the first difference. It checks the payload's
+checksum before copying it into its tensors; a mismatch is a ``MessageError``. The
+data loader needs nothing: its whole position is the step number.
 """
 
 import json
@@ -30,6 +32,7 @@ MAX_HEADER_BYTES = 64 << 20  # a larger header is a corrupted message, not a mod
 RNG = "rng/cpu"
 CUDA_RNG = "rng/cuda"
 HYPER_TYPES = (int, float, bool, str, type(None))  # param-group entries the LR schedule may change
+CHECKSUM_CHUNK = 1 << 22  # 8-byte words per checksum pass: bounds its temporaries to 2 x 32 MiB
 
 
 class TransferError(RuntimeError):
@@ -93,6 +96,29 @@ def unpack(payload: torch.Tensor, tensors: list[tuple[str, torch.Tensor]]) -> No
             offset += n
 
 
+def checksum(payload: torch.Tensor) -> int:
+    """Sum of (2i + 1) x word i over the payload's 8-byte words (the last one zero-padded), mod 2**64.
+
+    Computed with torch ops where the payload lives (a GPU for NCCL): no host copy, one
+    pass. The weights are odd, hence invertible mod 2**64, so any change within one word
+    changes the sum, and equal words in different places weigh differently. int64
+    arithmetic wraps, and sums mod 2**64 do not depend on order: every device and thread
+    count gives the same value. A check against corruption, not against a forger.
+    """
+    n = payload.numel()
+    whole = n - n % 8
+    words = payload[:whole].view(torch.int64)
+    tail = torch.zeros(8, dtype=torch.uint8, device=payload.device)
+    tail[: n - whole] = payload[whole:]
+    weights = torch.arange(1, 2 * min(CHECKSUM_CHUNK, words.numel()) + 1, 2, dtype=torch.int64, device=payload.device)
+    total = (2 * words.numel() + 1) * tail.view(torch.int64)[0]
+    for start in range(0, words.numel(), CHECKSUM_CHUNK):
+        chunk = words[start : start + CHECKSUM_CHUNK]
+        # weight of word start + i = (2i + 1) + 2 * start
+        total += (chunk * weights[: chunk.numel()]).sum() + 2 * start * chunk.sum()
+    return int(total.item())
+
+
 def check_manifest(theirs: object, ours: list[list[Any]]) -> None:
     if not isinstance(theirs, list):
         raise TransferError(f"the donor's tensor manifest is not a list: {theirs!r:.80}")
@@ -117,8 +143,8 @@ def send(
 ) -> int:
     """The donor's side; returns the payload bytes."""
     tensors = state_tensors(model_parts, optimizers)
-    raw = json.dumps({**header, "tensors": manifest(tensors)}).encode()
     payload = pack(tensors, groups.device)
+    raw = json.dumps({**header, "tensors": manifest(tensors), "payload_checksum": checksum(payload)}).encode()
     groups.broadcast(group, torch.tensor([len(raw), payload.numel()], dtype=torch.int64, device=groups.device), abort)
     groups.broadcast(group, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(groups.device), abort)
     after_header()
@@ -152,6 +178,10 @@ def receive(
         raise MessageError(f"state transfer header is not JSON: {e}") from e
     if not isinstance(header, dict) or "tensors" not in header:
         raise MessageError("state transfer header lacks its tensor manifest")
+    if not isinstance(header.get("payload_checksum"), int):
+        raise MessageError(
+            "state transfer header lacks the payload's checksum: do both replica groups run the same titan_recover?"
+        )
     with_optim = any(str(entry[0]).startswith("optim") for entry in header["tensors"] if isinstance(entry, list) and entry)
     if with_optim:
         for opt in optimizers.optimizers:
@@ -164,6 +194,12 @@ def receive(
     after_header(header)
     payload = torch.empty(payload_len, dtype=torch.uint8, device=groups.device)
     groups.broadcast(group, payload, abort)
+    received = checksum(payload)
+    if received != header["payload_checksum"]:
+        raise MessageError(
+            f"state transfer payload is corrupt: its checksum is {received}, the donor's was "
+            f"{header['payload_checksum']} ({payload_len} B): it changed between the two ranks; none of it was applied"
+        )
     unpack(payload, tensors)
     torch.set_rng_state(dict(tensors)[RNG])
     if torch.cuda.is_available():
