@@ -564,3 +564,35 @@ def test_new_epoch_drops_unnamed_reports_about_the_old_one() -> None:
     det.set_members((0, 1), now=t)
     t = run_until(det, beats, t, t + 0.6, (0, 1))
     assert det.decide(t) == ({}, False)
+
+
+# --- bounded retries, the job's own errors, diverged replicas -------------------------
+
+from titan_recover.membership import diverged, job_error, retry_verdict  # noqa: E402
+
+
+def test_retry_verdict_retries_then_fences_the_silent_then_stops() -> None:
+    assert retry_verdict((0, 1, 2), {0}, retries=0, max_retries=2) == ("retry", ())
+    assert retry_verdict((0, 1, 2), {0}, retries=1, max_retries=2) == ("retry", ())
+    assert retry_verdict((0, 1, 2), {0, 2}, retries=2, max_retries=2) == ("fence", (1,))
+    assert retry_verdict((0, 1, 2), {0}, retries=5, max_retries=2) == ("fence", (1, 2))
+    assert retry_verdict((0, 1), {0, 1}, retries=2, max_retries=2) == ("stop", (0, 1))
+    assert retry_verdict((0, 1), set(), retries=2, max_retries=2) == ("stop", (0, 1))  # nobody to tell apart
+
+
+def test_job_error_needs_two_replicas_or_every_member() -> None:
+    assert job_error({}, (0, 1)) is None
+    assert job_error({1: ("E", 3)}, (0, 1)) is None  # one replica: could be its hardware
+    assert job_error({0: ("E", 3), 1: ("E", 4)}, (0, 1, 2)) is None  # not the same step
+    assert job_error({0: ("E", 3), 1: ("F", 3)}, (0, 1, 2)) is None  # not the same error
+    assert "[0, 2]" in job_error({0: ("E", 3), 2: ("E", 3)}, (0, 1, 2))  # type: ignore[operator]
+    assert "[0]" in job_error({0: ("E", 1)}, (0,))  # type: ignore[operator]  # every member (R = 1)
+
+
+def test_diverged_majority_else_leader() -> None:
+    assert diverged({0: "a", 1: "a", 2: "b"}, leader=0) == {2}
+    assert diverged({0: "b", 1: "a", 2: "a"}, leader=0) == {0}  # the majority wins over the leader
+    assert diverged({0: "a", 1: "b"}, leader=0) == {1}  # a tie: the leader's is the reference
+    assert diverged({0: "a", 1: "b"}, leader=1) == {0}
+    assert diverged({0: "a", 1: "a"}, leader=0) == set()
+    assert diverged({}, leader=0) == set()

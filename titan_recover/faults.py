@@ -3,7 +3,7 @@
 Grammar (whitespace-separated ``key=value`` after an action, entries joined by ``;``)::
 
     plan   := "none" | entry (";" entry)*
-    entry  := ("kill" | "stop" | "sleep") key=value ...
+    entry  := ("kill" | "stop" | "sleep" | "corrupt") key=value ...
     keys   := replica=INT   replica group of the rank (required)
               rank=INT      rank inside that group (its shard index; default 0)
               step=INT      training step, 1-based (required, except for join/donate:
@@ -18,7 +18,9 @@ Grammar (whitespace-separated ``key=value`` after an action, entries joined by `
               seconds=FLOAT how long to sleep (sleep only, required)
 
 Actions: ``kill`` sends SIGKILL to the rank itself, ``stop`` sends SIGSTOP (a hang:
-the process and its heartbeat freeze), ``sleep`` makes it slow but alive. Points:
+the process and its heartbeat freeze), ``sleep`` makes it slow but alive, ``corrupt``
+flips the sign of the rank's first parameter shard (a silent data corruption: the
+replica trains on with parameters that differ from the others'). Points:
 mid-forward and mid-backward mean inside the middle transformer block of that
 microbatch; allreduce means after the replicate all-reduce was launched; optimizer
 means after the step was agreed, before ``optimizer.step()``; join means a restarted
@@ -37,7 +39,7 @@ import torch
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "join", "donate")
 TRANSFER_PHASES = ("join", "donate")  # step is optional for these
-ACTIONS = ("kill", "stop", "sleep")
+ACTIONS = ("kill", "stop", "sleep", "corrupt")
 
 
 class FaultPlanError(ValueError):
@@ -137,7 +139,7 @@ class FaultInjector:
                 return f
         return None
 
-    def _fire(self, fault: Fault) -> None:
+    def _fire(self, fault: Fault, model: torch.nn.Module | None = None) -> None:
         if fault not in self.faults:
             return  # each fault fires once
         self.faults.remove(fault)
@@ -145,14 +147,21 @@ class FaultInjector:
         if fault.action == "sleep":
             time.sleep(fault.seconds)  # slow, not dead: the heartbeat thread keeps beating
             return
+        if fault.action == "corrupt":
+            if model is None:
+                raise FaultPlanError(f"corrupt needs the model, which phase {fault.phase} does not reach")
+            with torch.no_grad():
+                p = next(model.parameters())
+                (p.to_local() if hasattr(p, "to_local") else p).neg_()
+            return
         os.kill(os.getpid(), signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
         time.sleep(60)  # signals are asynchronous; never run on past a kill
 
-    def at(self, step: int, phase: str) -> None:
-        """Call at the allreduce, optimizer, join and donate points."""
+    def at(self, step: int, phase: str, model: torch.nn.Module | None = None) -> None:
+        """Call at the allreduce, optimizer, join and donate points (``model``: what corrupt alters)."""
         fault = self._match(step, phase)
         if fault is not None:
-            self._fire(fault)
+            self._fire(fault, model)
 
     @contextlib.contextmanager
     def microbatch(self, model: torch.nn.Module, step: int, index: int, count: int) -> Iterator[None]:
@@ -166,9 +175,9 @@ class FaultInjector:
 
         def hook(_module: torch.nn.Module, _args: object, output: torch.Tensor) -> None:
             if fwd is not None:
-                self._fire(fwd)
+                self._fire(fwd, model)
             if bwd is not None and output.requires_grad:
-                output.register_hook(lambda grad: self._fire(bwd))
+                output.register_hook(lambda grad: self._fire(bwd, model))
 
         handle = block.register_forward_hook(hook)
         try:

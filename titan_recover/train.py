@@ -508,7 +508,7 @@ class RecoverTrainer(Trainer):
             for g in self._grads():
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
-        self.injector.at(self.step, "optimizer")
+        self.injector.at(self.step, "optimizer", self.model_parts[0])
         grad_norm = self._optimizer_step()
         after_failure = membership.epoch != self.base_epoch and not self.rejoining
         self.base_epoch = membership.epoch

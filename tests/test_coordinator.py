@@ -1,0 +1,191 @@
+"""The coordinator's decisions against a real TCPStore, driven pass by pass from the test.
+
+A ``Coordinator`` object serves a real store on a free port; the test plays the ranks
+and launchers through real store clients, so every message crosses a socket.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from titan_recover import store
+from titan_recover.config import Recover
+from titan_recover.coordinator import REPORT_GRACE_S, Coordinator
+
+
+@pytest.fixture
+def make(tmp_path: Path) -> Iterator:
+    made: list[Coordinator] = []
+
+    def make(replicas: int = 2, **recover: object) -> tuple[Coordinator, object]:
+        job = SimpleNamespace(
+            recover=Recover(enable=True, **recover),
+            parallelism=SimpleNamespace(data_parallel_replicate_degree=replicas, data_parallel_shard_degree=1,
+                                        tensor_parallel_degree=1, pipeline_parallel_degree=1),
+            training=SimpleNamespace(steps=10),
+            job=SimpleNamespace(dump_folder=str(tmp_path)),
+        )
+        port = store.free_port()
+        c = Coordinator(job, port)
+        made.append(c)
+        return c, store.connect(f"127.0.0.1:{port}", timeout_s=10)
+
+    yield make
+    for c in made:
+        del c.store
+
+
+def events(tmp_path: Path, kind: str) -> list[dict]:
+    lines = (tmp_path / "recover_events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def beat(client: object, *replicas: int) -> None:
+    for r in replicas:
+        client.add(store.heartbeat_key(r, 0), 1)  # type: ignore[attr-defined]
+
+
+def test_a_reserved_but_never_written_report_slot_blocks_no_later_report(make) -> None:
+    c, client = make()
+    client.add(store.REPORTS, 1)  # a reporter reserved slot 1 and died before writing it
+    store.report(client, {"replica": 0, "epoch": 0, "suspect": 1, "cause": "torchrun of replica 1 exited"})
+    now = time.monotonic()
+    beat(client, 0, 1)
+    c._poll_heartbeats(now)
+    c._poll_reports(now)
+    failed, _ = c.detector.decide(now)
+    assert failed == {1: "torchrun of replica 1 exited"}  # slot 2 was read past the empty slot 1
+    assert list(c.empty_slots) == [1]
+    c._poll_reports(now + REPORT_GRACE_S + 0.1)
+    assert c.empty_slots == {}  # given up on after the grace period: nothing is retried forever
+
+
+def test_malformed_reports_and_joins_are_ignored_not_fatal(make, capsys: pytest.CaptureFixture) -> None:
+    c, client = make()
+    store.report(client, {"replica": 0, "epoch": "0", "suspect": 1, "cause": "x"})  # epoch as a string
+    store.report(client, {"replica": 0, "epoch": 0, "suspect": "1", "cause": "x"})
+    store.report(client, {"replica": 0, "epoch": 0, "suspect": 1, "cause": ["x"]})
+    store.put_json(client, store.join_key(1), {"attempt": "one"})
+    store.put_json(client, store.report_key(99), "not even an object")
+    now = time.monotonic()
+    c._poll_reports(now)
+    assert c._poll_joins(now)
+    assert c.detector.decide(now) == ({}, False)  # nothing was taken from them
+    out = capsys.readouterr().out
+    assert out.count("ignoring malformed report") == 3 and "ignoring malformed join request of replica 1" in out
+    store.report(client, {"replica": 0, "epoch": 0, "suspect": 1, "cause": "real"})
+    c._poll_reports(now)
+    assert c.detector.decide(now)[0] == {1: "real"}  # and later reports still count
+
+
+def test_a_silent_rank_is_stamped_with_its_last_heartbeat(make, tmp_path: Path) -> None:
+    """Latency of a hang counts from when the rank went silent, not from its detection."""
+    c, client = make(heartbeat_timeout_s=0.6)
+    beat(client, 0, 1)
+    deadline = time.monotonic() + 10
+    while True:
+        now = time.monotonic()
+        beat(client, 0)  # replica 1 is frozen (SIGSTOP from outside: no fault record)
+        c._poll_heartbeats(now)
+        failed, _ = c.detector.decide(now)
+        if failed:
+            break
+        assert now < deadline
+        time.sleep(0.02)
+    assert list(failed) == [1]
+    assert c._fence(failed)
+    (failure,) = events(tmp_path, "failure")
+    (recovered,) = events(tmp_path, "recovered")
+    assert failure["clock"] == "last_heartbeat"
+    assert 0.6 <= recovered["latency_s"] < 2.0, recovered
+
+
+def test_a_joiner_that_took_part_in_a_committed_step_keeps_the_run(make) -> None:
+    """The leader (the joiner's donor) dies right after the joiner's first commit: the
+    joiner holds that step's state, so the run goes on with it."""
+    c, client = make()
+    assert c._fence({1: "killed"})
+    store.put_json(client, store.join_key(1), {"attempt": 1})
+    client.add(store.join_ready_key(1, 1), 1)
+    assert c._poll_joins(time.monotonic())
+    assert c.joining == {1: 2} and c.membership.members == (0, 1)
+    client.set(store.decision_key(1, 2), "commit")  # step 1 committed in epoch 2; nobody logged it yet
+    assert c._fence({0: "torchrun of replica 0 exited"})
+    assert c.membership.members == (1,)
+    assert not client.check([store.FATAL])
+
+
+def test_without_a_commit_a_lone_joiner_cannot_carry_the_run(make) -> None:
+    c, client = make()
+    assert c._fence({1: "killed"})
+    store.put_json(client, store.join_key(1), {"attempt": 1})
+    client.add(store.join_ready_key(1, 1), 1)
+    assert c._poll_joins(time.monotonic())
+    assert not c._fence({0: "killed"})
+    assert "no replica group with training state" in store.get_json(client, store.FATAL, ("error",))["error"]
+
+
+def _broken_allreduce(c: Coordinator, client: object, *reporters: int) -> tuple[dict, bool]:
+    for r in reporters:
+        store.report(client, {"replica": r, "epoch": c.membership.epoch, "suspect": None, "cause": "all-reduce broke"})  # type: ignore[arg-type]
+    now = time.monotonic()
+    beat(client, 0, 1, 2)
+    c._poll_heartbeats(now)
+    c._poll_reports(now)
+    later = now + c.rc.report_confirm_s + 0.01
+    beat(client, 0, 1, 2)
+    c._poll_heartbeats(later)
+    return c.detector.decide(later)
+
+
+def test_retries_of_a_step_are_bounded_then_the_replica_that_held_it_up_is_fenced(make, tmp_path: Path) -> None:
+    c, client = make(replicas=3, max_step_retries=2, report_confirm_s=0.2)
+    for attempt in range(2):
+        failed, retry = _broken_allreduce(c, client, 0, 2)
+        assert (failed, retry) == ({}, True)
+        assert c._retry()
+        assert c.membership.members == (0, 1, 2)  # retried with the same members
+    failed, retry = _broken_allreduce(c, client, 0, 2)
+    assert retry and c._retry()
+    assert c.membership.members == (0, 2)  # replica 1 never reported a break: the others waited for it
+    (failure,) = events(tmp_path, "failure")
+    assert failure["replica"] == 1 and "never did" in failure["cause"]
+
+
+def test_when_every_replica_reports_breaks_the_run_stops_naming_them(make) -> None:
+    c, client = make(replicas=2, max_step_retries=1, report_confirm_s=0.2)
+    _broken_allreduce(c, client, 0, 1)
+    assert c._retry()
+    _broken_allreduce(c, client, 0, 1)
+    assert not c._retry()
+    error = store.get_json(client, store.FATAL, ("error",))["error"]
+    assert "every replica ([0, 1])" in error and "network" in error
+
+
+def test_the_same_error_on_two_replicas_stops_the_run_as_the_jobs_own(make, tmp_path: Path) -> None:
+    c, client = make(replicas=3)
+    error = "NotImplementedError: FlexAttention has no CPU backward"
+    for r in (0, 2):
+        store.report(client, {"replica": r, "epoch": 0, "step": 1, "suspect": r, "cause": f"rank 0 raised {error}", "error": error})
+    now = time.monotonic()
+    c._poll_reports(now)
+    failed, _ = c.detector.decide(now)
+    assert sorted(failed) == [0, 2]
+    assert not c._fence(failed)
+    (fatal,) = events(tmp_path, "fatal")
+    assert "the job's own error" in fatal["error"] and "[0, 2]" in fatal["error"] and error in fatal["error"]
+
+
+def test_one_replicas_own_error_is_treated_as_its_failure(make) -> None:
+    c, client = make(replicas=3)
+    store.report(client, {"replica": 1, "epoch": 0, "step": 4, "suspect": 1, "cause": "rank 0 raised E", "error": "E"})
+    now = time.monotonic()
+    c._poll_reports(now)
+    assert c._fence(c.detector.decide(now)[0])
+    assert c.membership.members == (0, 2)
