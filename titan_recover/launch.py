@@ -318,7 +318,7 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
             if coordinator.poll() is None:
                 coordinator.kill()  # frozen: it would never answer again
             elif coordinator.returncode < 0:
-                reason = f"its process (pid {coordinator.pid}) died of signal {-coordinator.returncode}; {reason}"
+                reason = f"the coordinator at {address} (pid {coordinator.pid}) died of signal {-coordinator.returncode}"
         store.exit_lost("launcher", reason, config.resume_hint(job_config))
 
     try:
@@ -343,7 +343,7 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
             time.sleep(0.05)
         lifeline.stop()
         if coordinator is not None and coordinator.returncode not in (0, 1):
-            on_lost(f"it exited with code {coordinator.returncode}")
+            on_lost(f"the coordinator at {address} exited with code {coordinator.returncode}")
         procs = list(groups.procs.values())
         status = coordinator.returncode if coordinator is not None else max(p.returncode for p in procs)
         deadline = time.monotonic() + 30

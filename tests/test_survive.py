@@ -1,0 +1,147 @@
+"""What a long run meets, with real processes: a frozen or killed coordinator, a rank that
+stops making progress, a leader dying right after a commit, a replica whose parameters
+diverge, and an error that is the job's own rather than a failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CONFIG, ROOT, TINY, Run, assert_all_rejoined, assert_same_trajectory, run_job
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _tree(pid: int) -> list[int]:
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(_children(p))
+    return tree
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _steps_logged(dump: Path) -> int:
+    path = dump / "recover_events.jsonl"
+    if not path.exists():
+        return 0
+    return sum(1 for line in path.read_text().splitlines() if '"event": "step"' in line)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
+def test_a_frozen_or_killed_coordinator_stops_every_process_with_one_line(tmp_path: Path, sig: signal.Signals) -> None:
+    cmd = [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG),
+           "--job.dump_folder", str(tmp_path), *TINY, "--training.steps", "500", "--recover.fault_plan", "none",
+           "--recover.coordinator_timeout_s", "4"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    coordinator = None
+    try:
+        deadline = time.monotonic() + 240
+        while _steps_logged(tmp_path) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        run = _tree(proc.pid)
+        (coordinator,) = [p for p in _children(proc.pid) if b"titan_recover.coordinator" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        os.kill(coordinator, sig)
+        start = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if coordinator is not None and _alive(coordinator):
+            os.kill(coordinator, signal.SIGKILL)
+    assert proc.returncode == 3, err[-3000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("error: launcher: lost the titan_recover coordinator")]
+    assert "127.0.0.1:" in line and "To resume, run the same command again" in line
+    assert ("no sign of life" if sig == signal.SIGSTOP else "signal 9") in line, line
+    assert took < (4 + 10 if sig == signal.SIGSTOP else 10), took  # the bound, not a TCP timeout
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in run) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in run if _alive(p)]  # no rank, agent or coordinator is left behind
+
+
+def test_the_leader_dying_right_after_a_commit_loses_no_step(tmp_path: Path, failure_free: Run) -> None:
+    """Replica 0 (the leader, which used to log steps) dies after step 3 was agreed: replica 1
+    applies step 3 and its record is the one logged; every step once."""
+    run = run_job(tmp_path, "--recover.fault_plan", "kill replica=0 rank=0 step=3 phase=optimizer")
+    assert run.returncode == 0, run.output[-3000:]
+    assert sorted(run.steps()) == list(range(1, 7))
+    assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=4)
+    assert [e["replica"] for e in run.of("failure")] == [0]
+    assert_all_rejoined(run, replicas=2, last_step=6)
+
+
+def test_a_rank_sleeping_past_the_collective_timeout_is_fenced_after_bounded_retries(tmp_path: Path, failure_free: Run) -> None:
+    run = run_job(tmp_path, "--recover.fault_plan", "sleep replica=1 rank=0 step=3 seconds=120",
+                  "--recover.collective_timeout_s", "3", "--recover.max_step_retries", "2")
+    assert run.returncode == 0, run.output[-3000:]
+    (failure,) = run.of("failure")
+    assert failure["replica"] == 1 and "never did" in failure["cause"], failure
+    assert len([line for line in run.output.splitlines() if "retrying with the same members" in line]) == 2
+    assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=4)
+    assert_all_rejoined(run, replicas=2, last_step=6)
+
+
+def test_a_stuck_main_loop_is_fenced_although_its_heartbeat_thread_runs(tmp_path: Path, failure_free: Run) -> None:
+    run = run_job(tmp_path, "--recover.fault_plan", "sleep replica=1 rank=1 step=3 seconds=120",
+                  "--recover.progress_timeout_s", "5")
+    assert run.returncode == 0, run.output[-3000:]
+    (failure,) = run.of("failure")
+    assert failure["replica"] == 1 and "made no progress" in failure["cause"] and "step 3" in failure["cause"], failure
+    assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=4)
+    assert_all_rejoined(run, replicas=2, last_step=6)
+
+
+def test_a_diverged_replica_leaves_and_rejoins_with_a_live_peers_state(tmp_path: Path, failure_free: Run) -> None:
+    run = run_job(tmp_path, "--recover.fault_plan", "corrupt replica=1 rank=1 step=2 phase=optimizer",
+                  "--recover.digest_interval", "2")
+    assert run.returncode == 0, run.output[-3000:]
+    (mismatch,) = run.of("param_digest_mismatch")
+    assert (mismatch["replica"], mismatch["step"]) == (1, 2)
+    (failure,) = run.of("failure")
+    assert failure["replica"] == 1 and "diverged" in failure["cause"]
+    assert [e["replica"] for e in run.of("rejoined")] == [1]
+    assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=4)
+    digests = {e["replica"]: e["digest"] for e in run.of("param_digest") if e["step"] == 6}
+    assert sorted(digests) == [0, 1] and len(set(digests.values())) == 1, digests
+
+
+def test_the_jobs_own_error_stops_the_run_at_once(tmp_path: Path) -> None:
+    """FlexAttention has no CPU backward: every replica raises the same error at step 1."""
+    start = time.monotonic()
+    run = run_job(tmp_path, "--model.flavor", "debugmodel_flex_attn", "--recover.fault_plan", "none")
+    took = time.monotonic() - start
+    assert run.returncode != 0
+    (fatal,) = run.of("fatal")
+    assert "the job's own error" in fatal["error"] and "step 1" in fatal["error"], fatal
+    assert not run.of("admitted")  # nothing was restarted and let in again
+    assert "the job's own error" in run.output
+    assert took < 120, took
