@@ -3,7 +3,7 @@
 Grammar (whitespace-separated ``key=value`` after an action, entries joined by ``;``)::
 
     plan   := "none" | entry (";" entry)*
-    entry  := ("kill" | "stop" | "sleep" | "corrupt") key=value ...
+    entry  := ("kill" | "stop" | "sleep" | "corrupt" | "raise") key=value ...
     keys   := replica=INT   replica group of the rank (required)
               rank=INT      rank inside that group (its shard index; default 0)
               step=INT      training step, 1-based (required, except for join/donate:
@@ -20,7 +20,9 @@ Grammar (whitespace-separated ``key=value`` after an action, entries joined by `
 Actions: ``kill`` sends SIGKILL to the rank itself, ``stop`` sends SIGSTOP (a hang:
 the process and its heartbeat freeze), ``sleep`` makes it slow but alive, ``corrupt``
 flips the sign of the rank's first parameter shard (a silent data corruption: the
-replica trains on with parameters that differ from the others'). Points:
+replica trains on with parameters that differ from the others'), ``raise`` raises an
+exception in the training code (a bug of the job: the same entry on several replicas
+stands for a config or code error that every replica meets). Points:
 mid-forward and mid-backward mean inside the middle transformer block of that
 microbatch; allreduce means after the replicate all-reduce was launched; optimizer
 means after the step was agreed, before ``optimizer.step()``; join means a restarted
@@ -39,7 +41,11 @@ import torch
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "join", "donate")
 TRANSFER_PHASES = ("join", "donate")  # step is optional for these
-ACTIONS = ("kill", "stop", "sleep", "corrupt")
+ACTIONS = ("kill", "stop", "sleep", "corrupt", "raise")
+
+
+class InjectedError(RuntimeError):
+    """The ``raise`` action: an error of the job's own code, as a test needs one."""
 
 
 class FaultPlanError(ValueError):
@@ -147,6 +153,8 @@ class FaultInjector:
         if fault.action == "sleep":
             time.sleep(fault.seconds)  # slow, not dead: the heartbeat thread keeps beating
             return
+        if fault.action == "raise":
+            raise InjectedError(f"injected error at step {fault.step} ({fault.phase})")
         if fault.action == "corrupt":
             if model is None:
                 raise FaultPlanError(f"corrupt needs the model, which phase {fault.phase} does not reach")
