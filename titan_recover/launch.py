@@ -83,13 +83,14 @@ def log(msg: str) -> None:
 
 
 PR_SET_PDEATHSIG = 1
+LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a forked child must not dlopen (threads may hold its lock)
 
 
 def die_with_parent() -> None:
     """Asks the kernel to SIGKILL this process when its parent dies: a SIGKILLed
     launcher (or torchrun agent) then leaves no orphaned rank behind."""
     parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before the request took effect
         os.kill(os.getpid(), signal.SIGKILL)
 
