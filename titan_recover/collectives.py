@@ -139,7 +139,7 @@ class ReplicateGroups:
             try:
                 result.append(self._new_group(store, rank, size))
             except Exception as e:  # a peer never showed up
-                result.append(e)
+                result.append(e.with_traceback(None))  # no frame cycle: freed without a gc pass
 
         # rendezvous blocks until every member connects; poll so a dead member
         # only costs us until the coordinator moves the epoch on
@@ -176,12 +176,15 @@ class ReplicateGroups:
                 self._discard(group, works, tensors)
                 raise CollectiveAborted(f"{what}: the epoch ended first")
             pause = backoff(pause)
+        error = None
         try:
             for w in works:
                 w.wait()
-        except Exception as e:
+        except Exception as e:  # raised below, outside this frame's reference cycle with ``e``,
+            error = f"{what} failed: {e}"  # so the group and its buffers are freed without a gc pass
+        if error is not None:
             self._discard(group, works, tensors)
-            raise CollectiveAborted(f"{what} failed: {e}") from e
+            raise CollectiveAborted(error)
 
     @contextmanager
     def pair(self, epoch: int, joiner: int, donor: bool, abort: Callable[[], bool]) -> Iterator[dist.Backend]:
