@@ -6,7 +6,8 @@ and restarts a group's torchrun when it fails, up to ``[recover] max_restarts``
 times within ``restart_window_s`` (titan_recover.restarts): only the failed group restarts, and it rejoins from a live peer.
 Each launcher first claims its groups in the coordinator's store (titan_recover.claims): a group runs
 under one launcher, a dead launcher's groups go to the one started in its place, and incarnation
-numbers are the store's, so a replacement's groups rejoin. When the
+numbers are the store's, so a replacement's groups rejoin. Only the launcher that starts the
+coordinator starts a new event log; the others append to it. When the
 coordinator fences a group that is hung rather than dead (e.g. SIGSTOP), this
 launcher SIGKILLs its ranks first. (torchrun's own ``--max_restarts`` is not used:
 with ``--standalone`` in torch 2.13 a restarted group read its previous attempt's
@@ -218,6 +219,7 @@ class ReplicaGroups:
         self.procs: dict[int, subprocess.Popen] = {}
         self.given_up: set[int] = set()
         self.killed: dict[int, int] = {}
+        self.outcome: int | None = None  # the run's exit status (1: fatal) once the coordinator ended it
 
     def start(self, replica: int, attempt: int) -> None:
         self.attempts[replica] = attempt
@@ -235,8 +237,10 @@ class ReplicaGroups:
 
     def watch(self, client: object) -> bool:
         """One look: kill fenced leftovers, report and restart failed groups; False once the run is ending."""
-        if client.check([store.FATAL]) or client.check([store.STATUS]):  # type: ignore[attr-defined]
-            return False  # restart nothing
+        for key, outcome in ((store.FATAL, 1), (store.STATUS, 0)):
+            if client.check([key]):  # type: ignore[attr-defined]
+                self.outcome = outcome
+                return False  # restart nothing
         for r, proc in self.procs.items():
             kill_fenced(client, r, self.shards, self.killed)
             code = proc.poll()
@@ -355,29 +359,35 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
             if coordinator is None and groups.done():
                 break
             try:
-                if not groups.watch(client) and coordinator is not None:
+                if not groups.watch(client):
                     lifeline.stop()  # the run is ending and the store ends with it
-                    coordinator.wait()
+                    if coordinator is not None:
+                        coordinator.wait()
                     break
             except dist.DistError:
                 lifeline.settle()  # a lost coordinator ends this process in on_lost
-                if coordinator is None:
+                if coordinator is not None:
+                    coordinator.wait(timeout=10)  # it finished and took its store along
+                elif not lifeline.ending:
                     raise
-                coordinator.wait(timeout=10)  # it finished and took its store along
-                break
+                break  # the run ended and the coordinator's store with it: expected, not lost
             time.sleep(0.05)
         lifeline.stop()
         if coordinator is not None and coordinator.returncode not in (0, 1):
             on_lost(f"it exited with code {coordinator.returncode}")
         procs = list(groups.procs.values())
-        status = coordinator.returncode if coordinator is not None else max(p.returncode for p in procs)
         deadline = time.monotonic() + 30
-        for proc in procs:
+        for r, proc in groups.procs.items():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                log(f"replica group {r} was still running 30s after the run ended (starting, rejoining or hung): stopped")
                 proc.kill()
-        return status
+                proc.wait()
+        if coordinator is not None:
+            return coordinator.returncode
+        # the run's status, as on the coordinator's node: a group still starting or rejoining at the end does not fail it
+        return groups.outcome if groups.outcome is not None else max(p.returncode for p in procs)
     finally:
         if lifeline is not None:
             lifeline.stop()  # what follows stops the coordinator on purpose
@@ -388,6 +398,8 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
 
 def main(argv: list[str]) -> int:
     cpu_shim.apply()  # before torchtitan binds its device type: the data check imports its models
+    local: list[int] = []
+    address: str | None = None
     try:
         job_config = config.load(argv)
         if job_config.recover.enable:  # the node's environment, checked before the data and any process
@@ -406,8 +418,9 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     path = events_path(job_config.job.dump_folder)
-    if os.path.exists(path):
-        os.remove(path)
+    first = address is None  # this launcher starts the run and its coordinator; other nodes' launchers join it
+    if first and os.path.exists(path):
+        os.remove(path)  # a new run's log; a joining launcher (another node, or a replacement) only appends
     start = time.time()
     try:
         if job_config.recover.enable:
@@ -421,7 +434,10 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tr = job_config.training
-    if os.path.exists(path):
+    if not first:
+        log(f"the run's summary is printed by the launcher that started its coordinator ({address}); "
+            f"this node's ranks logged their events to {path}")
+    elif os.path.exists(path):
         print(format_summary(summarize_events(path), tr.global_batch_size * tr.seq_len), flush=True)
     log(f"{'finished' if code == 0 else 'FAILED'} in {time.time() - start:.1f}s; events: {path}")
     return code
