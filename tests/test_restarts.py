@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from titan_recover import launch, store
+from titan_recover import claims, launch, store
 from titan_recover.restarts import RestartBudget, restart_allowed
 
 HOUR = 3600.0
@@ -59,6 +59,10 @@ class FakeProc:
     def poll(self) -> int | None:
         return self.code
 
+    @property
+    def returncode(self) -> int | None:
+        return self.code
+
 
 class FakeStore:
     """The few TCPStore calls ReplicaGroups.watch makes."""
@@ -79,6 +83,11 @@ class FakeStore:
         self.data[key] = str(int(self.data.get(key, b"0")) + n).encode()
         return int(self.data[key])
 
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        if self.data.get(key, b"") == expected.encode():
+            self.data[key] = desired.encode()
+        return self.data[key]
+
     def causes(self) -> list[str]:
         n = int(self.data.get(store.REPORTS, b"0"))
         return [json.loads(self.data[store.report_key(i)])["cause"] for i in range(1, n + 1)]
@@ -95,8 +104,12 @@ def test_replica_groups_restart_per_window_and_give_up_on_flapping(
 
     monkeypatch.setattr(launch.ReplicaGroups, "_start", start)
     now = [0.0]
-    groups = launch.ReplicaGroups([], {0: {}, 1: {}}, 1, max_restarts=1, restart_window_s=HOUR, clock=lambda: now[0])
+    me = claims.Launcher.this()
+    groups = launch.ReplicaGroups([], {0: {}, 1: {}}, 1, max_restarts=1, restart_window_s=HOUR, launcher=me, clock=lambda: now[0])
     client = FakeStore()
+    claims.claim(client, me, [0, 1], stale_s=1.0, log=print)  # type: ignore[arg-type]
+    for r in (0, 1):
+        groups.start(r, claims.incarnation(client, r))  # type: ignore[arg-type]
 
     def fail(at: float) -> None:
         now[0] = at
@@ -121,3 +134,22 @@ def test_replica_groups_restart_per_window_and_give_up_on_flapping(
         "again now; recover.max_restarts = 1 per recover.restart_window_s): it is flapping; not restarting it; "
         "the run goes on with the other groups"
     ) in out
+
+
+def test_a_group_taken_over_by_another_launcher_is_left_to_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """This launcher looked dead (e.g. SIGSTOPped) and a replacement claimed its group: it must
+    neither report that group's exit (it would fence the replacement's incarnation) nor restart it."""
+    monkeypatch.setattr(launch.ReplicaGroups, "_start", lambda self, replica: FakeProc())
+    me, replacement = claims.Launcher.this(), claims.Launcher.this()
+    groups = launch.ReplicaGroups([], {1: {}}, 1, max_restarts=3, restart_window_s=HOUR, launcher=me)
+    client = FakeStore()
+    claims.claim(client, me, [1], stale_s=1.0, log=print)  # type: ignore[arg-type]
+    groups.start(1, claims.incarnation(client, 1))  # type: ignore[arg-type]
+    client.compare_set(store.owner_key(1), me.record, replacement.record)  # the replacement's takeover
+    groups.procs[1].code = -9  # fenced by the replacement's join, its ranks killed
+    assert groups.watch(client)
+    assert groups.given_up == {1} and groups.attempts == {1: 0} and client.causes() == []
+    assert "replica group 1 exited with code -9; another launcher took it over" in capsys.readouterr().out
+    assert groups.done()

@@ -3,7 +3,11 @@
 ``[recover] enable = true``: starts the coordinator (unless ``$TITAN_RECOVER_COORDINATOR``
 points at one on another node), then R ``torchrun`` jobs of dp_shard x tp x pp ranks each,
 and restarts a group's torchrun when it fails, up to ``[recover] max_restarts``
-times within ``restart_window_s`` (titan_recover.restarts): only the failed group restarts, and it rejoins from a live peer. When the
+times within ``restart_window_s`` (titan_recover.restarts): only the failed group restarts, and it rejoins from a live peer.
+Each launcher first claims its groups in the coordinator's store (titan_recover.claims): a group runs
+under one launcher, a dead launcher's groups go to the one started in its place, and incarnation
+numbers are the store's, so a replacement's groups rejoin. Only the launcher that starts the
+coordinator starts a new event log; the others append to it. When the
 coordinator fences a group that is hung rather than dead (e.g. SIGSTOP), this
 launcher SIGKILLs its ranks first. (torchrun's own ``--max_restarts`` is not used:
 with ``--standalone`` in torch 2.13 a restarted group read its previous attempt's
@@ -31,13 +35,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from titan_recover import config, cpu_shim, devices, store
+from titan_recover import claims, config, cpu_shim, devices, store
 from titan_recover.events import events_path
 from titan_recover.restarts import RestartBudget
 from titan_recover.summary import format_summary, summarize_events
 from titan_recover.tokens import DataError
 
-REPLICAS_ENV = "TITAN_RECOVER_REPLICAS"  # comma-separated replica ids this node launches
+REPLICAS_ENV = store.REPLICAS_ENV  # comma-separated replica ids this node launches
 
 
 def parse_replicas(value: str | None, replicas: int) -> list[int]:
@@ -197,7 +201,8 @@ def run_secret(env: dict[str, str], only_this_node: bool) -> str:
 
 
 class ReplicaGroups:
-    """This node's replica groups: one torchrun job each, restarted when it fails."""
+    """This node's replica groups: one torchrun job each, restarted when it fails
+    while this launcher still holds its claim (``claims``)."""
 
     def __init__(
         self,
@@ -206,14 +211,20 @@ class ReplicaGroups:
         shards: int,
         max_restarts: int,
         restart_window_s: float,
+        launcher: claims.Launcher,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.argv, self.envs, self.shards, self.clock = argv, envs, shards, clock
-        self.attempts = {r: 0 for r in envs}  # incarnation numbers: unique, never reset by the window
+        self.argv, self.envs, self.shards, self.launcher, self.clock = argv, envs, shards, launcher, clock
+        self.attempts: dict[int, int] = {}  # the incarnation each group runs, numbered by the store (claims.incarnation)
         self.budgets = {r: RestartBudget(max_restarts, restart_window_s) for r in envs}
-        self.procs = {r: self._start(r) for r in envs}
+        self.procs: dict[int, subprocess.Popen] = {}
         self.given_up: set[int] = set()
         self.killed: dict[int, int] = {}
+        self.outcome: int | None = None  # the run's exit status (1: fatal) once the coordinator ended it
+
+    def start(self, replica: int, attempt: int) -> None:
+        self.attempts[replica] = attempt
+        self.procs[replica] = self._start(replica)
 
     def _start(self, replica: int) -> subprocess.Popen:
         env = {**self.envs[replica], store.REPLICA_ENV: str(replica), store.ATTEMPT_ENV: str(self.attempts[replica])}
@@ -227,12 +238,19 @@ class ReplicaGroups:
 
     def watch(self, client: object) -> bool:
         """One look: kill fenced leftovers, report and restart failed groups; False once the run is ending."""
-        if client.check([store.FATAL]) or client.check([store.STATUS]):  # type: ignore[attr-defined]
-            return False  # restart nothing
+        for key, outcome in ((store.FATAL, 1), (store.STATUS, 0)):
+            if client.check([key]):  # type: ignore[attr-defined]
+                self.outcome = outcome
+                return False  # restart nothing
         for r, proc in self.procs.items():
             kill_fenced(client, r, self.shards, self.killed)
             code = proc.poll()
             if code in (None, 0) or r in self.given_up:
+                continue
+            if not claims.holds(client, self.launcher, r):  # type: ignore[arg-type]
+                log(f"replica group {r} exited with code {code}; another launcher took it over (this one looked dead): "
+                    "leaving it to that one")
+                self.given_up.add(r)
                 continue
             # the group is certainly dead: say so first (faster than heartbeats), then restart it
             now = self.clock()
@@ -247,9 +265,9 @@ class ReplicaGroups:
                 )
                 self.given_up.add(r)
                 continue
-            self.attempts[r] += 1
-            log(f"replica group {r} exited with code {code}; {self.budgets[r].used(now)} (attempt {self.attempts[r]})")
-            self.procs[r] = self._start(r)
+            attempt = claims.incarnation(client, r)  # type: ignore[arg-type]
+            log(f"replica group {r} exited with code {code}; {self.budgets[r].used(now)} (attempt {attempt})")
+            self.start(r, attempt)
         return True
 
     def done(self) -> bool:
@@ -303,9 +321,14 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
     )
     gpus = "" if plan.visible[0] is None else f"; GPUs per group: {' | '.join(map(str, plan.visible))}"
     log(f"replicate dimension on {plan.backend} ({plan.reason}){gpus}")
-    # started at once: their ranks import and build the model while the coordinator comes up
     envs = {r: with_gpus(env, visible) for r, visible in zip(local, plan.visible)}
-    groups = ReplicaGroups(argv, envs, ranks, rc.max_restarts, rc.restart_window_s)
+    me = claims.Launcher.this()
+    groups = ReplicaGroups(argv, envs, ranks, rc.max_restarts, rc.restart_window_s, me)
+    if coordinator is not None:
+        # started at once, as their first incarnation (the store is new): their ranks import and build
+        # the model while the coordinator comes up; they are claimed as soon as it is up
+        for r in local:
+            groups.start(r, 0)
     lost_once = threading.Lock()
 
     def on_lost(reason: str) -> None:
@@ -322,39 +345,53 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
                 reason = f"the coordinator at {address} (pid {coordinator.pid}) died of signal {-coordinator.returncode}"
         store.exit_lost("launcher", reason, config.resume_hint(job_config))
 
+    lifeline: store.Heartbeat | None = None
     try:
         client = store.connect(address, timeout_s=60, secret=env[store.SECRET_ENV])
-        lifeline = store.Heartbeat(address, None, 0.1, rc.coordinator_timeout_s, on_lost, secret=env[store.SECRET_ENV])
+        lifeline = store.Heartbeat(address, me.key, 0.1, rc.coordinator_timeout_s, on_lost, secret=env[store.SECRET_ENV])
+        claims.claim(client, me, local, rc.heartbeat_timeout_s, log)
+        for r in local:
+            attempt = claims.incarnation(client, r)  # 0 for the groups started above
+            if r not in groups.procs:  # >= 1 for a group that ran under a launcher now dead: it rejoins
+                groups.start(r, attempt)
         while True:
             if coordinator is not None and coordinator.poll() is not None:
                 break
             if coordinator is None and groups.done():
                 break
             try:
-                if not groups.watch(client) and coordinator is not None:
+                if not groups.watch(client):
                     lifeline.stop()  # the run is ending and the store ends with it
-                    coordinator.wait()
+                    if coordinator is not None:
+                        coordinator.wait()
                     break
             except dist.DistError:
                 lifeline.settle()  # a lost coordinator ends this process in on_lost
-                if coordinator is None:
+                if coordinator is not None:
+                    coordinator.wait(timeout=10)  # it finished and took its store along
+                elif not lifeline.ending:
                     raise
-                coordinator.wait(timeout=10)  # it finished and took its store along
-                break
+                break  # the run ended and the coordinator's store with it: expected, not lost
             time.sleep(0.05)
         lifeline.stop()
         if coordinator is not None and coordinator.returncode not in (0, 1):
             on_lost(f"the coordinator at {address} exited with code {coordinator.returncode}")
         procs = list(groups.procs.values())
-        status = coordinator.returncode if coordinator is not None else max(p.returncode for p in procs)
         deadline = time.monotonic() + 30
-        for proc in procs:
+        for r, proc in groups.procs.items():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                log(f"replica group {r} was still running 30s after the run ended (starting, rejoining or hung): stopped")
                 proc.kill()
-        return status
+                proc.wait()
+        if coordinator is not None:
+            return coordinator.returncode
+        # the run's status, as on the coordinator's node: a group still starting or rejoining at the end does not fail it
+        return groups.outcome if groups.outcome is not None else max(p.returncode for p in procs)
     finally:
+        if lifeline is not None:
+            lifeline.stop()  # what follows stops the coordinator on purpose
         groups.kill()
         if coordinator is not None and coordinator.poll() is None:
             coordinator.kill()
@@ -362,6 +399,8 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
 
 def main(argv: list[str]) -> int:
     cpu_shim.apply()  # before torchtitan binds its device type: the data check imports its models
+    local: list[int] = []
+    address: str | None = None
     try:
         job_config = config.load(argv)
         if job_config.recover.enable:  # the node's environment, checked before the data and any process
@@ -380,8 +419,9 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     path = events_path(job_config.job.dump_folder)
-    if os.path.exists(path):
-        os.remove(path)
+    first = address is None  # this launcher starts the run and its coordinator; other nodes' launchers join it
+    if first and os.path.exists(path):
+        os.remove(path)  # a new run's log; a joining launcher (another node, or a replacement) only appends
     start = time.time()
     try:
         if job_config.recover.enable:
@@ -391,8 +431,14 @@ def main(argv: list[str]) -> int:
     except config.ConfigError as e:  # the host cannot run this layout: nothing was started
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except claims.ClaimRefused as e:  # another launcher runs these groups: what this one started is stopped
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     tr = job_config.training
-    if os.path.exists(path):
+    if not first:
+        log(f"the run's summary is printed by the launcher that started its coordinator ({address}); "
+            f"this node's ranks logged their events to {path}")
+    elif os.path.exists(path):
         print(format_summary(summarize_events(path), tr.global_batch_size * tr.seq_len), flush=True)
     log(f"{'finished' if code == 0 else 'FAILED'} in {time.time() - start:.1f}s; events: {path}")
     return code

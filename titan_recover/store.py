@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 COORDINATOR_ENV = "TITAN_RECOVER_COORDINATOR"  # host:port of the coordinator's store
 REPLICA_ENV = "TITAN_RECOVER_REPLICA"  # this process's replica group id
+REPLICAS_ENV = "TITAN_RECOVER_REPLICAS"  # comma-separated replica group ids a node's launcher runs
 SECRET_ENV = "TITAN_RECOVER_SECRET"  # this run's secret: every key of the run is stored under it
 HELLO = "hello"  # the coordinator sets it on start: a client that cannot read it is not in this run
 HELLO_WAIT_S = 10.0  # how long a client waits for it (the coordinator sets it right after listening)
@@ -33,7 +34,7 @@ ATTEMPT_ENV = "TITAN_RECOVER_ATTEMPT"  # incarnation of this replica group: 0, t
 
 
 def attempt() -> int:
-    """This process's incarnation of its replica group (the launcher counts restarts)."""
+    """This process's incarnation of its replica group (counted in the store: ``incarnation_key``)."""
     return int(os.environ.get(ATTEMPT_ENV, "0"))
 
 
@@ -93,6 +94,21 @@ def fenced_key(replica: int) -> str:
 def pid_key(replica: int, attempt: int, shard: int) -> str:
     """{"pid", "host"} of one rank, so the launcher can kill a hung (fenced) incarnation."""
     return f"pid/{replica}/{attempt}/{shard}"
+
+
+def owner_key(replica: int) -> str:
+    """{"launcher", "host", "pid"}: the launcher that runs this replica group (``claims``)."""
+    return f"owner/{replica}"
+
+
+def launcher_key(launcher: str) -> str:
+    """Counter: a launcher's lifeline bumps it; one that stops moving lets others take its claims over."""
+    return f"launcher/{launcher}"
+
+
+def incarnation_key(replica: int) -> str:
+    """Counter: incarnations of this replica group started so far, by any launcher of the run."""
+    return f"incarnation/{replica}"
 
 
 def transfer_key(replica: int, shard: int) -> str:

@@ -1,0 +1,183 @@
+"""Multi-node launchers: claims of replica groups, a node's launcher lost and started again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from titan_recover import claims, store
+
+from conftest import CONFIG, ROOT, TINY, Run, assert_all_rejoined
+
+
+@pytest.fixture
+def client() -> Iterator[dist.Store]:
+    port = store.free_port()
+    server = store.serve(port, 5)
+    yield store.connect(f"127.0.0.1:{port}", timeout_s=5)
+    del server
+
+
+class Lifeline:
+    """Beats a launcher's counter like its ``store.Heartbeat`` does, until stopped."""
+
+    def __init__(self, client: dist.Store, launcher: claims.Launcher) -> None:
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._beat, args=(client.clone(), launcher.key), daemon=True)
+        self.thread.start()
+
+    def _beat(self, client: dist.Store, key: str) -> None:
+        while not self.stopped.wait(0.1):
+            client.add(key, 1)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
+def test_a_live_launchers_claim_is_refused_quickly_and_a_silent_ones_taken_over(client: dist.Store) -> None:
+    first, second, lines = claims.Launcher.this(), claims.Launcher.this(), []
+    lifeline = Lifeline(client, first)
+    claims.claim(client, first, [0, 1], stale_s=5.0, log=lines.append)
+    assert lines == [] and claims.holds(client, first, 0) and claims.holds(client, first, 1)
+    assert [claims.incarnation(client, r) for r in (0, 1)] == [0, 0]  # their first starts
+    started = time.monotonic()
+    with pytest.raises(claims.ClaimRefused) as info:
+        claims.claim(client, second, [2, 1], stale_s=5.0, log=lines.append)
+    assert time.monotonic() - started < 2.0  # a live owner answers within its beat, not the whole bound
+    message = str(info.value)
+    assert message.startswith(f"replica groups [1] already run under a live launcher ([1] by {first})"), message
+    assert f"on host {first.host} (pid {first.pid})" in message and store.REPLICAS_ENV in message
+    assert claims.holds(client, first, 1) and client.get(store.owner_key(2)) == b""  # its claim on 2 released
+    lifeline.stop()  # the first launcher dies
+    claims.claim(client, second, [2, 1], stale_s=0.5, log=lines.append)
+    assert claims.holds(client, second, 1) and claims.holds(client, second, 2) and not claims.holds(client, first, 1)
+    assert lines[-1] == f"took over replica groups [1] from {first}, which shows no sign of life"
+    assert claims.incarnation(client, 1) == 1  # the replacement's group rejoins; a new group starts at 0
+    assert claims.incarnation(client, 2) == 0
+
+
+def test_a_malformed_claim_is_refused_naming_the_key(client: dist.Store) -> None:
+    client.set(store.owner_key(0), '{"launcher": 7, "host": "h", "pid": 1}')
+    with pytest.raises(claims.ClaimRefused, match=r"cannot tell who runs replica groups \[0\]: store key 'owner/0'"):
+        claims.claim(client, claims.Launcher.this(), [0], stale_s=0.1, log=print)
+
+
+class Node:
+    """One node's launcher, in a session of its own so that the whole node can be SIGKILLed."""
+
+    def __init__(self, name: str, dump: Path, args: list[str], env: dict[str, str]) -> None:
+        self.log = dump.parent / f"{name}.log"
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            args, cwd=ROOT, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def kill_node(self) -> None:
+        """SIGKILL of the launcher and its whole tree: torchrun agent and ranks."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def __enter__(self) -> "Node":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.kill_node()
+
+
+def events(dump: Path) -> list[dict]:
+    """The run's events so far (a line still being written, after the last newline, is left for later)."""
+    path = dump / "recover_events.jsonl"
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
+
+
+def wait_until(what: str, predicate: Callable[[], bool], timeout: float, nodes: list[Node]) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        ended = [n for n in nodes if n.proc.poll() is not None]
+        if time.monotonic() > deadline or ended:
+            tails = "\n".join(f"--- {n.log.name}\n{n.output()[-3000:]}" for n in nodes)
+            pytest.fail(f"{what}: {'timed out' if not ended else f'{ended[0].log.name} exited'}\n{tails}")
+        time.sleep(0.1)
+
+
+STEPS, HOLD = 10, 4
+# Replica 0, alone by then, holds step 4 while node B's replacement starts and is admitted (it imports torch
+# twice over, launcher and rank, and waits out the dead launcher's claim) and a duplicate launcher is refused.
+# On a busy machine that can take longer than the hold: the steps after it leave more time, as they slow down too.
+HOLDS = f"sleep replica=0 step={HOLD} phase=optimizer seconds=60"
+
+
+def test_a_lost_nodes_launcher_started_again_brings_its_group_back(tmp_path: Path) -> None:
+    """Two launchers on one host stand for two nodes: A runs the coordinator and replica 0, B replica 1.
+
+    B's whole tree is SIGKILLed after step 1: replica 1 is failed and replica 0 goes on alone. B's
+    command, started again (B2), takes B's claim over; a third launcher claiming replica 1 while B2
+    lives is refused (exit 2). Replica 1 comes back as incarnation 1 by state transfer; A and B2 end
+    with exit 0, every step is logged once and nothing of the first part is lost.
+    """
+    dump = tmp_path / "dump"
+    port, secret = store.free_port(), "nodes-test-secret"
+    args = [
+        sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
+        *TINY, "--training.steps", str(STEPS), "--parallelism.data_parallel_shard_degree", "1",
+        "--training.global_batch_size", "8", "--recover.fault_plan", HOLDS,
+        "--recover.collective_timeout_s", "90",  # the joiner waits for its donor through the hold
+        "--recover.coordinator_port", str(port), "--recover.coordinator_bind", "127.0.0.1",
+    ]
+    env = {**os.environ, store.SECRET_ENV: secret, "PYTHONUNBUFFERED": "1"}
+    env_b = {**env, store.REPLICAS_ENV: "1", store.COORDINATOR_ENV: f"127.0.0.1:{port}"}
+    steps = lambda: [e for e in events(dump) if e["event"] == "step"]  # noqa: E731
+    with Node("a", dump, args, {**env, store.REPLICAS_ENV: "0"}) as a, Node("b", dump, args, env_b) as b:
+        wait_until("step 1", lambda: len(steps()) >= 1, 240, [a, b])
+        b.kill_node()
+        with Node("b2", dump, args, env_b) as b2:
+            client = store.connect(f"127.0.0.1:{port}", timeout_s=30, secret=secret)
+            owner = lambda: claims.read_owner("owner/1", client.get(store.owner_key(1)))  # noqa: E731
+            wait_until("B2 takes replica 1 over", lambda: owner().pid == b2.proc.pid, 120, [a, b2])
+            with Node("c", dump, args, env_b) as c:  # a duplicate: the same group while B2 lives
+                assert c.wait(timeout=120) == 2, c.output()[-3000:]
+            print(f"the duplicate launcher ended {time.monotonic() - c.started:.1f}s after it started")
+            assert a.wait(timeout=180) == 0, a.output()[-3000:]
+            assert b2.wait(timeout=60) == 0, b2.output()[-3000:]
+    assert (
+        f"error: replica groups [1] already run under a live launcher ([1] by the launcher on host "
+        f"{socket.gethostname()} (pid {b2.proc.pid}))" in c.output()
+    ), c.output()[-3000:]
+    assert "Traceback" not in c.output() and "[replica" not in c.output()  # it started nothing
+    run = Run(0, a.output(), events(dump))
+    assert sorted(run.steps()) == list(range(1, STEPS + 1))  # each once (Run.steps); B2 erased none of B's time
+    [failure] = run.of("failure")
+    assert failure["replica"] == 1 and 2 <= failure["step"] <= HOLD, failure
+    [recovered] = run.of("recovered")
+    assert recovered["members"] == [0]
+    [admitted] = run.of("admitted")
+    assert admitted["replica"] == 1 and admitted["attempt"] == 1  # the store's incarnation count, not 0 again
+    [rejoined] = run.of("rejoined")
+    assert rejoined["replica"] == 1 and rejoined["step"] > HOLD and rejoined["bytes"] > 0
+    for s, e in run.steps().items():  # both, replica 0 alone (at least through the hold), both again
+        assert e["members"] == ([0] if failure["step"] <= s < rejoined["step"] else [0, 1]), (s, e)
+    assert_all_rejoined(run, 2, STEPS)
+    assert "took over replica groups [1] from the launcher on host" in b2.output()
+    assert "the run's summary is printed by the launcher that started its coordinator" in b2.output()
+    assert "rejoined             : 1" in a.output() and "failures             : 1" in a.output()
+    for node in (a, b2):
+        assert "Traceback" not in node.output(), node.output()[-3000:]

@@ -1,0 +1,139 @@
+"""Which launcher runs which replica group: claims and incarnation numbers in the coordinator's store.
+
+Each node's launcher claims the groups it was given (``owner/<replica>``, an atomic
+compare-and-set) before starting them: two launchers given the same group would
+otherwise both run it. A claim whose launcher shows no sign of life (its lifeline
+counter ``launcher/<id>`` still for ``stale_s``) is taken over: that is how the same
+command, started again on a node whose launcher died, gets that node's groups back.
+A live owner's claim is refused.
+
+Incarnation numbers come from the store (``incarnation/<replica>``), not from a
+launcher's memory: a replacement launcher's first start of a group that already ran
+is attempt >= 1, so the group asks to rejoin and receives its state from a live peer.
+"""
+
+import json
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.distributed as dist
+
+from titan_recover import store
+
+POLL_S = 0.05  # how often a claimant looks at a contested owner's lifeline counter
+
+
+class ClaimRefused(RuntimeError):
+    """Another launcher, alive, already runs some of this launcher's replica groups."""
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """One launcher process of the run; ``id`` is unique even across hosts and pid reuse."""
+
+    id: str
+    host: str
+    pid: int
+
+    @staticmethod
+    def this() -> "Launcher":
+        host, pid = socket.gethostname(), os.getpid()
+        return Launcher(f"{host}:{pid}:{secrets.token_hex(4)}", host, pid)
+
+    @property
+    def key(self) -> str:
+        """The counter its lifeline beats (``store.Heartbeat``'s key)."""
+        return store.launcher_key(self.id)
+
+    @property
+    def record(self) -> str:
+        return json.dumps({"launcher": self.id, "host": self.host, "pid": self.pid}, sort_keys=True)
+
+    def __str__(self) -> str:
+        return f"the launcher on host {self.host} (pid {self.pid})"
+
+
+def read_owner(key: str, raw: bytes) -> Launcher:
+    """An owner record, checked field by field: a peer's bytes are validated, never trusted."""
+    rec = store.decode_json(key, raw, ("launcher", "host", "pid"))
+    if not isinstance(rec["launcher"], str) or not isinstance(rec["host"], str) or not store._is_int(rec["pid"]):
+        raise store.MessageError(f"store key {key!r}: launcher and host must be strings, pid an integer: {rec!r:.200}")
+    return Launcher(rec["launcher"], rec["host"], rec["pid"])
+
+
+def silent(client: dist.Store, owners: set[Launcher], stale_s: float) -> set[Launcher]:
+    """The ``owners`` whose lifeline counter does not move for ``stale_s``: they are dead (or
+    cut off for longer than the coordinator's own heartbeat bound). A live one answers within
+    one lifeline interval, so a refusal is quick; only a dead owner costs the whole wait."""
+    start = {o: int(client.add(o.key, 0)) for o in owners}
+    waiting, deadline = set(owners), time.monotonic() + stale_s
+    while waiting and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        waiting = {o for o in waiting if int(client.add(o.key, 0)) == start[o]}
+    return waiting
+
+
+def claim(client: dist.Store, me: Launcher, replicas: list[int], stale_s: float, log: Callable[[str], None]) -> None:
+    """Claims ``replicas`` for ``me``, taking over those of launchers silent for ``stale_s``.
+
+    Raises ``ClaimRefused`` naming the groups, their live launcher and what to do; the
+    claims made here are released then, so the right launcher is not kept waiting.
+    """
+    try:
+        _claim(client, me, replicas, stale_s, log)
+    except store.MessageError as e:
+        release(client, me, replicas)
+        raise ClaimRefused(f"cannot tell who runs replica groups {replicas}: {e}") from None
+
+
+def _claim(client: dist.Store, me: Launcher, replicas: list[int], stale_s: float, log: Callable[[str], None]) -> None:
+    held: dict[int, tuple[bytes, Launcher]] = {}  # claimed by someone else: their exact value, them
+    for r in replicas:
+        raw = client.compare_set(store.owner_key(r), "", me.record)
+        if raw != me.record.encode():
+            held[r] = (raw, read_owner(store.owner_key(r), raw))
+    owners = {o for _, o in held.values()}
+    if owners:
+        log(f"replica groups {sorted(held)} are claimed by {', '.join(map(str, owners))}; taking them over "
+            f"unless it shows a sign of life within {stale_s:g}s")
+    dead = silent(client, owners, stale_s)
+    live: dict[int, Launcher] = {}
+    for r, (raw, owner) in sorted(held.items()):
+        if owner not in dead:
+            live[r] = owner
+            continue
+        got = client.compare_set(store.owner_key(r), raw.decode(), me.record)
+        if got == b"":  # taken over and released meanwhile by a launcher that was refused
+            got = client.compare_set(store.owner_key(r), "", me.record)
+        if got != me.record.encode():  # another launcher took it over first
+            live[r] = read_owner(store.owner_key(r), got)
+    if live:
+        release(client, me, replicas)
+        who = "; ".join(f"{sorted(r for r in live if live[r] == o)} by {o}" for o in dict.fromkeys(live.values()))
+        raise ClaimRefused(
+            f"replica groups {sorted(live)} already run under a live launcher ({who}); a replica group runs under "
+            f"one launcher. Give each node its own groups in {store.REPLICAS_ENV}; to move groups to this node, stop that "
+            f"launcher first (its claims are taken over once it has shown no sign of life for {stale_s:g}s)"
+        )
+    if dead:
+        log(f"took over replica groups {sorted(held)} from {', '.join(map(str, dead))}, which shows no sign of life")
+
+
+def release(client: dist.Store, me: Launcher, replicas: list[int]) -> None:
+    """Gives up ``me``'s claims on ``replicas`` (those another launcher holds stay as they are)."""
+    for r in replicas:
+        client.compare_set(store.owner_key(r), me.record, "")
+
+
+def holds(client: dist.Store, me: Launcher, replica: int) -> bool:
+    """Whether ``me`` still runs ``replica``: another launcher takes it over when ``me`` looked dead."""
+    return client.get(store.owner_key(replica)) == me.record.encode()
+
+
+def incarnation(client: dist.Store, replica: int) -> int:
+    """The next incarnation number of ``replica``: 0 for its first start in the run, whoever starts it."""
+    return int(client.add(store.incarnation_key(replica), 1)) - 1
