@@ -347,7 +347,7 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
 
     lifeline: store.Heartbeat | None = None
     try:
-        client = store.connect(address, timeout_s=60, secret=env[store.SECRET_ENV])
+        client = store.connect(address, timeout_s=rc.startup_timeout_s, secret=env[store.SECRET_ENV])  # it may still be starting
         lifeline = store.Heartbeat(address, me.key, 0.1, rc.coordinator_timeout_s, on_lost, secret=env[store.SECRET_ENV])
         claims.claim(client, me, local, rc.heartbeat_timeout_s, log)
         for r in local:

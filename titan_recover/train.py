@@ -23,6 +23,7 @@ import re
 import resource
 import socket
 import time
+from datetime import timedelta
 from typing import Any, Iterator
 
 from titan_recover import cpu_shim
@@ -97,7 +98,8 @@ class RecoverTrainer(Trainer):
             self.replica = int(os.environ[store.REPLICA_ENV])
             self.shard = int(os.environ["RANK"])
             address = store.coordinator_address()
-            self.store = store.connect(address, self.rc.collective_timeout_s)
+            self.store = store.connect(address, self.rc.startup_timeout_s)  # the coordinator may still be starting
+            self.store.set_timeout(timedelta(seconds=self.rc.collective_timeout_s))
             self._epoch_seen = 0
             self.heartbeat = store.Heartbeat(
                 address, store.heartbeat_key(self.replica, self.shard), self.rc.heartbeat_interval_s,
