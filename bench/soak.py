@@ -125,6 +125,7 @@ class View:
     node1: frozenset[int] = frozenset()  # groups of the second launcher (--nodes 2)
     lost: frozenset[int] = frozenset()  # groups that will not come back
     fresh: int | None = None  # a group admitted just now (its state transfer is starting)
+    down: frozenset[int] = frozenset()  # failed groups not admitted again yet (an admission is coming)
 
 
 def _donor(view: View, joiner: int) -> int | None:
@@ -174,7 +175,9 @@ def pick(schedule: Sequence[str], view: View, rng: random.Random, lookahead: int
     Right after an admission (``view.fresh``) the first transfer kind among the next
     ``lookahead`` entries goes if it can. Otherwise transfer kinds wait for an admission and
     the first other kind goes if it can; if it cannot yet (e.g. ``two_groups`` while a group
-    is still restarting) the driver waits for it, so that no kind starves.
+    is still restarting) the driver waits for it, so that no kind starves. When only transfer
+    kinds are left and no group is down or joining, no admission would ever come: an extra
+    ``kill`` (index -1, not taken from the schedule) makes one.
     """
     if view.fresh is not None:
         for i, kind in enumerate(schedule[:lookahead]):
@@ -185,6 +188,8 @@ def pick(schedule: Sequence[str], view: View, rng: random.Random, lookahead: int
             continue
         t = targets_for(kind, view, rng)
         return (i, kind, t) if t else None
+    if schedule and not view.down and not view.joining and (t := targets_for("kill", view, rng)):
+        return -1, "kill", t
     return None
 
 
@@ -275,6 +280,7 @@ class Tracker:
             for f in self.pending():
                 if r in f.targets and r not in f.failed:
                     f.failed[r] = now
+                    f.detail.setdefault("causes", {})[str(r)] = e["cause"][:200]
                     break
             else:
                 self.unmatched.append((e, now))
@@ -322,8 +328,9 @@ class Tracker:
         if self.fresh is not None and now - self.fresh[1] <= fresh_s and self.fresh[0] in self.joining:
             fresh = self.fresh[0]
         in_flight = {r for f in self.pending() for r in f.targets}
+        down = set(range(self.replicas)) - self.holders - set(self.joining) - self.lost
         return View(frozenset(self.holders), dict(self.joining), frozenset(in_flight), self.spare, self.node1,
-                    frozenset(self.lost), fresh)
+                    frozenset(self.lost), fresh, frozenset(down))
 
 
 def incarnation_of_resources(events: Iterable[dict[str, Any]]) -> Iterable[tuple[dict[str, Any], int]]:
@@ -444,6 +451,7 @@ def summarize(
         "collateral_failures": [{k: e.get(k) for k in ("replica", "step", "cause")} for e in collateral],
         "rejoins": len(of("rejoined")),
         "slow_fenced": sum(f.kind == "slow" and f.outcome == "fenced" for f in faults),
+        "extra_kills": sum(bool(f.detail.get("extra")) for f in faults),  # to make an admission for a transfer kind
         "unresolved_faults": [f.index for f in unresolved],
         "mean_recovery_latency_s": round(sum(latency) / len(latency), 3) if latency else None,
         "max_recovery_latency_logged_s": round(max(logged), 3) if logged else None,  # the events' latency_s
@@ -843,12 +851,18 @@ class Soak:
                     choice = pick(schedule, view, self.rng)
                     if choice is not None and (view.fresh is None or choice[1] in TRANSFER_KINDS or now >= next_at):
                         i, kind, targets = choice
+                        if kind in TRANSFER_KINDS:  # somewhere in the transfer: its group setup, header or tensors
+                            time.sleep(self.rng.uniform(0.0, a.transfer_delay_s))
+                            now = time.monotonic()
                         fault = self.inject(kind, targets, tracker, now)
                         if fault is None:
                             choice = None  # its processes are not all there (yet): counts as blocked
                         else:
-                            schedule.pop(i)
-                            random_injected += 1
+                            if i >= 0:
+                                schedule.pop(i)
+                                random_injected += 1
+                            else:  # only transfer kinds left: this kill makes a group restart and rejoin
+                                fault.detail["extra"] = True
                             blocked_since, next_at = None, None
                             self.log(f"fault {fault.index} ({random_injected}/{a.faults}): {kind} replicas {list(targets)} "
                                      f"{ {k: v for k, v in fault.detail.items() if k != 'pids'} }", tracker.step)
@@ -954,6 +968,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--collective-timeout-s", type=float, default=10.0)
     p.add_argument("--digest-interval", type=int, default=10)
     p.add_argument("--hang-s", type=float, default=120.0, help="no committed step this long is a hang")
+    p.add_argument("--transfer-delay-s", type=float, default=0.5,
+                   help="kill_joiner/kill_donor strike up to this long after the admission")
     p.add_argument("--block-s", type=float, default=90.0, help="a kind that cannot go this long is put back")
     p.add_argument("--reference", type=Path, default=None, help="reuse this reference event log (same command)")
     p.add_argument("--out", type=Path, default=RESULTS / "soak.json")

@@ -190,3 +190,16 @@ def test_growth_like_for_like_counts_only_samples_with_as_many_members() -> None
     assert g["fd_growth"] == 1 and g["rss_growth_ratio"] == 1.04
     assert g["same_members"] == {"members": 2, "samples": 2, "rss_growth_ratio": 1.04, "thread_growth": 0, "fd_growth": 1}
     assert g["rss_growth_ratio_second_half"] == round(104.0 / 103.0, 4)
+
+
+def test_pick_makes_an_admission_when_only_transfer_kinds_are_left() -> None:
+    rng = random.Random(0)
+    schedule = ["kill_joiner", "kill_donor"]
+    i, kind, (target,) = soak.pick(schedule, _view({0, 1, 2}, spare=2), rng)
+    assert (i, kind) == (-1, "kill") and target in (0, 1)  # an extra kill, not from the schedule
+    assert soak.pick(schedule, _view({1, 2}, spare=2, down=frozenset({0})), rng) is None  # one is coming
+    assert soak.pick(schedule, _view({1, 2}, {0: 1}, spare=2), rng) is None
+    assert soak.pick(schedule, _view({1, 2}, {0: 1}, spare=2, fresh=0), rng)[:2] == (0, "kill_joiner")
+    tr = soak.Tracker(3, spare=2)
+    tr.feed(_failure(0, 1), 1.0)
+    assert tr.view(1.0).down == {0}
