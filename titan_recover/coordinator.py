@@ -139,7 +139,8 @@ class Coordinator:
 
     def _failure_time(self, replica: int, cause: str, detected: float, now: float) -> tuple[float, str]:
         """When this incarnation failed, and by which clock: an injected fault's own time
-        (measurement only), the last heartbeat of a silent rank, else the detection."""
+        (measurement only), else the last heartbeat of its most silent rank (the failure
+        came after it; found by a report or by silence alike), else the detection."""
         key = store.fault_key(replica)
         if self.store.check([key]):
             try:
@@ -148,8 +149,8 @@ class Coordinator:
                     return float(rec["time"]), "fault_injected"
             except (store.MessageError, TypeError, ValueError):
                 pass
-        last = self.detector.silent_since(replica)
-        if cause.startswith("heartbeat silent") and last is not None:
+        last = self.detector.silent_since(replica)  # a dead or hung rank beats no more; a live one just beat
+        if last is not None:
             return detected - (now - last), "last_heartbeat"
         return detected, "detected"
 
