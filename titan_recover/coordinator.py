@@ -75,8 +75,15 @@ class Coordinator:
         self.membership = membership
 
     def _step(self) -> int:
-        """The step in progress: one past the last committed step."""
-        return 1 if self.progress is None else int(self.progress["step"]) + 1
+        """The step in progress: one past the last committed step (or the checkpoint resumed from)."""
+        if self.progress is not None:
+            return int(self.progress["step"]) + 1
+        if self.store.check([store.START_STEP]):
+            try:
+                return store.get_int(self.store, store.START_STEP) + 1
+            except store.MessageError as e:
+                log(f"ignoring malformed start step: {e}")
+        return 1
 
     def _poll_steps(self) -> None:
         """Logs each committed step once, in order, from the record its first committer wrote."""

@@ -27,6 +27,7 @@ EPOCH = "epoch"
 REPORTS = "reports"
 FATAL = "fatal"
 STATUS = "status"
+START_STEP = "start_step"  # the step the run resumed from (0, or a DCP checkpoint's): records start after it
 ALIVE = "coordinator/alive"  # the coordinator bumps it every pass: a frozen coordinator stops it
 PROBE_S = 0.5  # how often a lifeline reads ALIVE; the coordinator lingers longer than that at the end
 REPLICATE_BACKEND = "replicate_backend"  # "gloo" or "nccl": the first rank sets it, every other must match

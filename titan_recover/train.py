@@ -128,6 +128,7 @@ class RecoverTrainer(Trainer):
             self._epoch_checked = (0.0, 0)
             self.rejoining = self.attempt > 0  # a restarted group holds no state until a peer sends it
             self._synced_epoch = -1  # the last epoch in which this rank received the state
+            self._start_told = False
             self._adapt_checkpointer()
 
     def init_distributed(self) -> Any:
@@ -461,6 +462,9 @@ class RecoverTrainer(Trainer):
         return (flat, group_tally) if self.store.get(decision) == b"commit" else None
 
     def _recover_step(self) -> None:
+        if not self.rejoining and not self._start_told:  # after start or a DCP resume: records begin after it
+            self.store.compare_set(store.START_STEP, "", str(self.step - 1))
+            self._start_told = True
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         tally = recovery.new_tally(self.num_microbatches)
