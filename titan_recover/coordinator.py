@@ -57,6 +57,7 @@ class Coordinator:
         self.next_report = 1
         self.empty_slots: dict[int, float] = {}  # reserved report slots not yet written -> first seen
         self.progress: dict | None = None  # {"step", "epoch", "time"} of the last committed step
+        self.start_step: int | None = None  # the step the ranks started from (a DCP checkpoint's, or 0)
         self.retries = 0  # epochs retried with the same members in the step in progress
         self.reporters: set[int] = set()  # replicas that reported a broken collective in this step
         self.errors: dict[int, tuple[str, int]] = {}  # replica -> (its ranks' own error, step)
@@ -78,12 +79,12 @@ class Coordinator:
         """The step in progress: one past the last committed step (or the checkpoint resumed from)."""
         if self.progress is not None:
             return int(self.progress["step"]) + 1
-        if self.store.check([store.START_STEP]):
+        if self.start_step is None and self.store.check([store.START_STEP]):  # written once: read once
             try:
-                return store.get_int(self.store, store.START_STEP) + 1
+                self.start_step = store.get_int(self.store, store.START_STEP)
             except store.MessageError as e:
                 log(f"ignoring malformed start step: {e}")
-        return 1
+        return (self.start_step or 0) + 1
 
     def _poll_steps(self) -> None:
         """Logs each committed step once, in order, from the record its first committer wrote."""
@@ -144,7 +145,7 @@ class Coordinator:
             self.errors[suspect] = (rec["error"], rec["step"])
         self.detector.report(suspect, rec["cause"], now)
 
-    def _failure_time(self, replica: int, cause: str, detected: float, now: float) -> tuple[float, str]:
+    def _failure_time(self, replica: int, detected: float, now: float) -> tuple[float, str]:
         """When this incarnation failed, and by which clock: an injected fault's own time
         (measurement only), else the last heartbeat of its most silent rank (the failure
         came after it; found by a report or by silence alike), else the detection."""
@@ -168,7 +169,7 @@ class Coordinator:
         step = self._step()
         first = wall
         for replica, cause in sorted(failed.items()):
-            t, clock = self._failure_time(replica, cause, wall, now)
+            t, clock = self._failure_time(replica, wall, now)
             first = min(first, t)
             self.down_since.setdefault(replica, t)
             self.events.emit("failure", replica=replica, step=step, cause=cause, time=t, clock=clock)
@@ -207,7 +208,7 @@ class Coordinator:
         marks committed holds that step's state, even if nobody has logged it yet."""
         decision = store.decision_key(self._step(), self.membership.epoch)
         if self.store.check([decision]) and self.store.get(decision) == b"commit":
-            return {r: e for r, e in self.joining.items() if e > self.membership.epoch}
+            return {}  # every joiner was admitted in this epoch or before, so it took part in the commit
         return self.joining
 
     def _retry(self) -> bool:
