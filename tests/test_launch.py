@@ -82,3 +82,15 @@ def test_the_coordinator_serves_its_run_only_on_loopback(tmp_path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on() -> None:
+    code = ("import os, signal, sys, threading, time\n"
+            "from titan_recover.launch import dumps_stacks\n"
+            "dumps_stacks()\n"
+            "threading.Thread(target=time.sleep, args=(5,), name='sleeper', daemon=True).start()\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "print('still running', flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == "still running\n", r.stderr[-2000:]
+    assert "Current thread" in r.stderr and "Thread 0x" in r.stderr.replace("Current thread", ""), r.stderr[-2000:]

@@ -101,6 +101,7 @@ def test_prepare_resumes_after_sigkill(tmp_path: Path, docs: list[str]) -> None:
     proc.wait()
     assert not (out / "manifest.json").exists()
     finished = {p.name: p.stat().st_mtime_ns for p in out.glob("*.done.json")}
+    (out / ".tmp.killed_inside_atomic_write").write_bytes(b"half a record")  # as a kill there leaves it
     r = run_data_cli("prepare", str(out), *args)
     assert r.returncode == 0, r.stderr
     assert all((out / name).stat().st_mtime_ns == t for name, t in finished.items())  # finished tasks were kept

@@ -203,3 +203,17 @@ def test_pick_makes_an_admission_when_only_transfer_kinds_are_left() -> None:
     tr = soak.Tracker(3, spare=2)
     tr.feed(_failure(0, 1), 1.0)
     assert tr.view(1.0).down == {0}
+
+
+def test_loss_past_the_tolerance_is_a_violation_unless_the_control_drifts_as_far() -> None:
+    ref = [_step(n, [0, 1, 2]) for n in (1, 2, 3)]
+    run = [_step(1, [0, 1, 2]), {**_step(2, [0, 2]), "loss": _step(2, [0])["loss"] * 1.003}, _step(3, [0, 1, 2])]
+    far = soak.compare_runs(ref, run, soak.REL_TOL)
+    assert list(far.loss) == [2] and not far.exact
+    assert soak.loss_violations(far, None) == ["step 2: loss 5.015000 vs 5.000000 (rel 3.00e-03): past 0.001, no control run"]
+    control = [*ref[:2], {**ref[2], "loss": ref[2]["loss"] * (1 - 0.002)}]  # drifts 2e-3: 3e-3 is within 2x
+    assert soak.loss_violations(far, soak.compare_runs(ref, control, soak.REL_TOL)) == []
+    calm = [*ref[:2], {**ref[2], "loss": ref[2]["loss"] * (1 + 1e-4)}]  # drifts 1e-4: 3e-3 is not float rounding
+    assert "more than 2 x the control's 1.00e-04" in soak.loss_violations(far, soak.compare_runs(ref, calm, soak.REL_TOL))[0]
+    near = soak.compare_runs(ref, calm, soak.REL_TOL)
+    assert soak.loss_violations(near, None) == []  # within the tolerance: nothing to explain

@@ -52,39 +52,62 @@ def _steps_logged(dump: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if '"event": "step"' in line)
 
 
+def _described(pids: list[int]) -> list[str]:
+    out = []
+    for p in pids:
+        try:
+            out.append(f"{p}: {Path(f'/proc/{p}/cmdline').read_bytes().replace(bytes(1), b' ').decode()[:200]}")
+        except OSError:
+            pass
+    return out
+
+
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
 def test_a_frozen_or_killed_coordinator_stops_every_process_with_one_line(tmp_path: Path, sig: signal.Signals) -> None:
     cmd = [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG),
            "--job.dump_folder", str(tmp_path), *TINY, "--training.steps", "500", "--recover.fault_plan", "none",
            "--recover.coordinator_timeout_s", "4"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    coordinator = None
+    # output to files: a pipe would also wait for every process that inherited it, and the
+    # launcher's own exit is what is measured here (leftovers are checked below, by name)
+    out_path, err_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, text=True,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    coordinator, run = None, []
     try:
         deadline = time.monotonic() + 240
         while _steps_logged(tmp_path) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
             time.sleep(0.2)
         run = _tree(proc.pid)
         (coordinator,) = [p for p in _children(proc.pid) if b"titan_recover.coordinator" in Path(f"/proc/{p}/cmdline").read_bytes()]
         os.kill(coordinator, sig)
         start = time.monotonic()
-        out, err = proc.communicate(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGUSR1)  # the launcher prints every thread's stack (launch.dumps_stacks)
+            time.sleep(2)
+            pytest.fail(f"the launcher still ran 60s after the coordinator got {sig.name}; alive: "
+                        f"{_described([p for p in _tree(proc.pid) if _alive(p)])}\n{err_path.read_text()[-8000:]}")
         took = time.monotonic() - start
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in run) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [p for p in run if _alive(p)]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        if coordinator is not None and _alive(coordinator):
-            os.kill(coordinator, signal.SIGKILL)
-    assert proc.returncode == 3, err[-3000:]
-    (line,) = [x for x in err.splitlines() if x.startswith("error: launcher: lost the titan_recover coordinator")]
+        for p in run:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+    err_text = err_path.read_text()
+    assert proc.returncode == 3, err_text[-3000:]
+    (line,) = [x for x in err_text.splitlines() if x.startswith("error: launcher: lost the titan_recover coordinator")]
     assert "127.0.0.1:" in line and "To resume, run the same command again" in line
     assert ("no sign of life" if sig == signal.SIGSTOP else "signal 9") in line, line
     assert took < (4 + 10 if sig == signal.SIGSTOP else 10), took  # the bound, not a TCP timeout
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in run) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in run if _alive(p)]  # no rank, agent or coordinator is left behind
+    assert not left, _described(left)  # no rank, agent or coordinator is left behind
 
 
 def test_the_leader_dying_right_after_a_commit_loses_no_step(tmp_path: Path, failure_free: Run) -> None:

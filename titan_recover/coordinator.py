@@ -339,4 +339,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from titan_recover.launch import dumps_stacks
+
+    dumps_stacks()
     sys.exit(main(sys.argv[1:]))

@@ -21,6 +21,7 @@ Either way the run ends with a summary from ``recover_events.jsonl``.
 """
 
 import ctypes
+import faulthandler
 import os
 import re
 import secrets
@@ -97,6 +98,12 @@ def die_with_parent() -> None:
     LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before the request took effect
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def dumps_stacks() -> None:
+    """``kill -USR1 <pid>`` prints every thread's stack to this process's stderr: what a
+    process that looks hung is doing, without stopping it (launcher, coordinator, ranks)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def torchrun(nproc: int, argv: list[str], role: str) -> list[str]:
@@ -445,4 +452,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    dumps_stacks()
     sys.exit(main(sys.argv[1:]))

@@ -279,9 +279,11 @@ def _run_job(job: tuple) -> Shard:
 
 
 def _remove_partial(folder: str) -> None:
-    """Half-written shards of interrupted or stopped workers (never in a record or the manifest)."""
-    for path in glob.glob(os.path.join(glob.escape(folder), "*.ds.tmp*")):
-        os.remove(path)
+    """Half-written shards and records of interrupted or stopped workers (never in a record or
+    the manifest); called under the folder's lock, so no other preparation is writing them."""
+    for pattern in ("*.ds.tmp*", f"{tokens.ATOMIC_PREFIX}*"):
+        for path in glob.glob(os.path.join(glob.escape(folder), pattern)):
+            os.remove(path)
 
 
 def _await(results: Any, task: Task, counter: Any, bar: Any) -> Shard:

@@ -85,9 +85,12 @@ def tokenizer_identity(tokenizer_dir: str) -> str:
     return digest.hexdigest()
 
 
+ATOMIC_PREFIX = ".tmp."  # a process killed inside ``atomic_write`` leaves such a file behind
+
+
 def atomic_write(path: str, data: bytes) -> None:
     """Temp file in the same folder + ``os.replace``: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp.")
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=ATOMIC_PREFIX)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -597,7 +597,8 @@ class RecoverTrainer(Trainer):
 
 
 if __name__ == "__main__":
-    from titan_recover.launch import die_with_parent
+    from titan_recover.launch import die_with_parent, dumps_stacks
 
     die_with_parent()  # a SIGKILLed torchrun agent (or its launcher) takes its ranks along
+    dumps_stacks()
     main(RecoverTrainer)
