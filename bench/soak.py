@@ -67,7 +67,7 @@ from typing import Any, Iterable, Sequence
 
 from bench.common import CONFIG, ROOT, RESULTS
 from titan_recover.compare import Comparison, compare_runs
-from titan_recover.events import events_path
+from titan_recover.events import events_path, read_events
 from titan_recover.membership import Membership, TooFewReplicasError, donor
 
 RANDOM_KINDS = ("kill", "stop", "slow", "kill_agent", "two_groups", "kill_joiner", "kill_donor")
@@ -971,14 +971,14 @@ def run_reference(setup: Setup, dump: Path, extra: Sequence[str] = ()) -> tuple[
         code = subprocess.call(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"})
     if code != 0:
         raise RuntimeError(f"failure-free run failed (exit {code}); see {dump / 'node0.log'}")
-    events = [json.loads(x) for x in Path(events_path(str(dump / "node0"))).read_text().splitlines() if x.strip()]
+    events = list(read_events(events_path(str(dump / "node0"))))
     return events, time.monotonic() - start, cmd
 
 
 def read_all(dump: Path) -> list[dict[str, Any]]:
     """Every event of the run: node0's log, plus node1's (its rotated parts too) merged by time."""
     files = sorted(dump.glob("node*/recover_events*.jsonl"))
-    events = [json.loads(x) for f in files for x in f.read_text().splitlines() if x.strip()]
+    events = [e for f in files for e in read_events(str(f))]
     if len(files) > 1:
         events.sort(key=lambda e: e.get("time", 0.0))  # stable: one file's own order is kept for equal times
     return events
@@ -1042,12 +1042,12 @@ def main(argv: list[str] | None = None) -> int:
     reference, ref_wall, ref_cmd = None, None, None
     control, control_wall, control_cmd = None, None, None
     if a.reference is not None:
-        reference = [json.loads(x) for x in a.reference.read_text().splitlines() if x.strip()]
+        reference = list(read_events(str(a.reference)))
     elif ended["hang"] is None:
         soak.log(f"run ended in {wall:.0f}s; the failure-free reference ({steps} steps) now")
         reference, ref_wall, ref_cmd = run_reference(setup, OUT / "reference")
     if a.control is not None:
-        control = [json.loads(x) for x in a.control.read_text().splitlines() if x.strip()]
+        control = list(read_events(str(a.control)))
     elif ended["hang"] is None:
         soak.log(f"the failure-free control ({steps} steps, one group sums all M) now")
         control, control_wall, control_cmd = run_reference(setup, OUT / "control", CONTROL)
