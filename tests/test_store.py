@@ -318,6 +318,40 @@ def test_heartbeat_of_a_stuck_main_loop_reports_itself_then_stops(server: tuple[
         hb.stop()
 
 
+def test_a_client_finds_a_store_that_comes_up_late_at_once() -> None:
+    """A coordinator busy importing torch on a loaded host listens late; the TCPStore client's
+    own backoff found one that came up after 20 s 5 to 10 s late (measured 3 of 3)."""
+    port = store.free_port()
+    up: list[float] = []
+    servers: list[dist.PrefixStore] = []
+
+    def start_late() -> None:
+        time.sleep(20)
+        servers.append(store.serve(port, 30))
+        up.append(time.monotonic())
+
+    threading.Thread(target=start_late, daemon=True).start()
+    client = store.connect(f"127.0.0.1:{port}", timeout_s=60)
+    connected = time.monotonic()
+    assert client.get(store.HELLO) == b"titan_recover"
+    assert connected - up[0] < 2.0, connected - up[0]
+
+
+def test_a_client_stops_waiting_when_told_the_coordinator_is_gone() -> None:
+    port = store.free_port()  # nothing listens there
+    checks = iter([None, None, "its process exited with code 1"])
+    start = time.monotonic()
+    with pytest.raises(store.CoordinatorGone, match="exited with code 1"):
+        store.connect(f"127.0.0.1:{port}", timeout_s=60, gone=lambda: next(checks))
+    assert time.monotonic() - start < 5
+
+
+def test_a_client_that_finds_nothing_listening_names_the_address_and_the_key() -> None:
+    port = store.free_port()
+    with pytest.raises(TimeoutError, match=rf"nothing listens at 127.0.0.1:{port} after 0.5s .*startup_timeout_s"):
+        store.connect(f"127.0.0.1:{port}", timeout_s=0.5)
+
+
 COORDINATOR = """
 import sys, time
 from titan_recover import store

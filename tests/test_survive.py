@@ -38,6 +38,13 @@ def _tree(pid: int) -> list[int]:
     return tree
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -60,6 +67,29 @@ def _described(pids: list[int]) -> list[str]:
         except OSError:
             pass
     return out
+
+
+def _kernel_view(pid: int) -> str:
+    """What the kernel says of a process that ignores SIGUSR1: its state and signal masks, and
+    every thread's state, wait channel, syscall and kernel stack (a hang below Python)."""
+    proc = Path(f"/proc/{pid}")
+    lines = []
+    try:
+        lines += [x for x in (proc / "status").read_text().splitlines() if x.split(":")[0] in
+                  ("State", "Threads", "SigQ", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")]
+        for task in sorted((proc / "task").iterdir()):
+            info = {}
+            for name in ("comm", "wchan", "syscall", "stack"):
+                try:
+                    info[name] = (task / name).read_text().strip()
+                except OSError as e:
+                    info[name] = f"({e.strerror})"
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            lines.append(f"task {task.name} {info['comm']} state {state} wchan {info['wchan']} syscall {info['syscall']}")
+            lines += ["    " + x for x in info["stack"].splitlines()]
+    except OSError as e:
+        lines.append(f"({pid}: {e.strerror})")
+    return "\n".join(lines)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
@@ -89,7 +119,8 @@ def test_a_frozen_or_killed_coordinator_stops_every_process_with_one_line(tmp_pa
             os.kill(proc.pid, signal.SIGUSR1)  # the launcher prints every thread's stack (launch.dumps_stacks)
             time.sleep(2)
             pytest.fail(f"the launcher still ran 60s after the coordinator got {sig.name}; alive: "
-                        f"{_described([p for p in _tree(proc.pid) if _alive(p)])}\n{err_path.read_text()[-8000:]}")
+                        f"{_described([p for p in _tree(proc.pid) if _alive(p)])}\nlauncher {proc.pid}, as the "
+                        f"kernel sees it:\n{_kernel_view(proc.pid)}\n{err_path.read_text()[-6000:]}")
         took = time.monotonic() - start
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in run) and time.monotonic() < deadline:
@@ -108,6 +139,31 @@ def test_a_frozen_or_killed_coordinator_stops_every_process_with_one_line(tmp_pa
     assert ("no sign of life" if sig == signal.SIGSTOP else "signal 9") in line, line
     assert took < (4 + 10 if sig == signal.SIGSTOP else 10), took  # the bound, not a TCP timeout
     assert not left, _described(left)  # no rank, agent or coordinator is left behind
+
+
+def test_a_coordinator_killed_before_it_serves_the_run_stops_the_launcher_at_once(tmp_path: Path) -> None:
+    """Killed while it still imports torch: the launcher, waiting for it to listen, must not
+    wait out ``startup_timeout_s`` (it did, in CI: the run's coordinator was killed before the
+    launcher's own connect had found it)."""
+    cmd = [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG),
+           "--job.dump_folder", str(tmp_path), *TINY, "--recover.fault_plan", "none"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        coordinator: list[int] = []
+        while not coordinator:
+            assert proc.poll() is None and time.monotonic() < deadline
+            coordinator = [p for p in _children(proc.pid) if b"titan_recover.coordinator" in _cmdline(p)]
+            time.sleep(0.02)
+        os.kill(coordinator[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 3, err[-3000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("error: launcher: lost the titan_recover coordinator")]
+    assert f"(pid {coordinator[0]}) died of signal 9" in line and "To resume" in line, line
 
 
 def test_the_leader_dying_right_after_a_commit_loses_no_step(tmp_path: Path, failure_free: Run) -> None:

@@ -352,9 +352,18 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
                 reason = f"the coordinator at {address} (pid {coordinator.pid}) died of signal {-coordinator.returncode}"
         store.exit_lost("launcher", reason, config.resume_hint(job_config))
 
+    def coordinator_gone() -> str | None:
+        if coordinator is None or coordinator.poll() is None:
+            return None
+        return f"the coordinator at {address} exited with code {coordinator.returncode} before it served the run"
+
     lifeline: store.Heartbeat | None = None
     try:
-        client = store.connect(address, timeout_s=rc.startup_timeout_s, secret=env[store.SECRET_ENV])  # it may still be starting
+        try:  # it may still be starting, or die doing so
+            client = store.connect(address, rc.startup_timeout_s, env[store.SECRET_ENV], gone=coordinator_gone)
+        except store.CoordinatorGone as e:
+            on_lost(str(e))
+            return coordinator.returncode  # type: ignore[union-attr]  # 0 or 1: it ended on its own and said why
         lifeline = store.Heartbeat(address, me.key, 0.1, rc.coordinator_timeout_s, on_lost, secret=env[store.SECRET_ENV])
         claims.claim(client, me, local, rc.heartbeat_timeout_s, log)
         for r in local:
