@@ -297,3 +297,51 @@ def test_one_rank_per_data_shard_reports_the_tally() -> None:
     reporters = [k for k in range(config.group_ranks(par)) if config.reports_data(k, par)]
     assert reporters == [4, 6]  # last stage, tp rank 0, shards 0 and 1
     assert [config.reports_data(k, _par(1, 2, 2, 1)) for k in range(2)] == [True, True]  # plain HSDP
+
+
+# --- parameter precision on a CPU (cpu_shim.precision_args) ---------------------------
+
+
+def test_a_cpu_run_gets_float32_parameters_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from titan_recover import cpu_shim
+
+    monkeypatch.setattr(cpu_shim, "needed", lambda: True)
+    argv = ["--job.config_file", str(CONFIG)]
+    jc = config.load(argv)
+    assert jc.training.mixed_precision_param == "bfloat16"  # TorchTitan's default
+    out = cpu_shim.precision_args(argv, jc)
+    assert out == [*argv, "--training.mixed_precision_param", "float32"]
+    assert jc.training.mixed_precision_param == "float32"
+    assert config.load(out).training.mixed_precision_param == "float32"  # what ranks parse
+
+
+@pytest.mark.parametrize("flag", [["--training.mixed_precision_param", "bfloat16"],
+                                  ["--training.mixed-precision-param", "bfloat16"],
+                                  ["--training.mixed_precision_param=bfloat16"]])
+def test_a_precision_on_the_command_line_is_kept(monkeypatch: pytest.MonkeyPatch, flag: list[str]) -> None:
+    from titan_recover import cpu_shim
+
+    monkeypatch.setattr(cpu_shim, "needed", lambda: True)
+    argv = ["--job.config_file", str(CONFIG), *flag]
+    jc = config.load(argv)
+    assert cpu_shim.precision_args(argv, jc) == argv and jc.training.mixed_precision_param == "bfloat16"
+
+
+def test_a_precision_in_the_toml_is_kept(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from titan_recover import cpu_shim
+
+    monkeypatch.setattr(cpu_shim, "needed", lambda: True)
+    toml = tmp_path / "job.toml"
+    toml.write_text(CONFIG.read_text().replace("[training]\n", '[training]\nmixed_precision_param = "bfloat16"\n'))
+    argv = ["--job.config_file", str(toml)]
+    jc = config.load(argv)
+    assert cpu_shim.precision_args(argv, jc) == argv and jc.training.mixed_precision_param == "bfloat16"
+
+
+def test_an_accelerator_keeps_torchtitans_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from titan_recover import cpu_shim
+
+    monkeypatch.setattr(cpu_shim, "needed", lambda: False)
+    argv = ["--job.config_file", str(CONFIG)]
+    jc = config.load(argv)
+    assert cpu_shim.precision_args(argv, jc) == argv and jc.training.mixed_precision_param == "bfloat16"

@@ -434,6 +434,11 @@ def main(argv: list[str]) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    cpu_argv = cpu_shim.precision_args(argv, job_config)
+    if cpu_argv != argv:
+        log("no accelerator: parameters in float32 (bfloat16 is emulated on most CPUs, ~13x slower); "
+            "--training.mixed_precision_param bfloat16 to override")
+    argv = cpu_argv
     path = events_path(job_config.job.dump_folder)
     first = address is None  # this launcher starts the run and its coordinator; other nodes' launchers join it
     if first and os.path.exists(path):

@@ -97,6 +97,8 @@ class RecoverTrainer(Trainer):
         if self.rc.enable:
             self.replica = int(os.environ[store.REPLICA_ENV])
             self.shard = int(os.environ["RANK"])
+            prof = job_config.profiling  # each group is a torchrun world of its own: rank 0 of every group would share a file
+            prof.save_traces_folder = os.path.join(prof.save_traces_folder, f"replica{self.replica}")
             address = store.coordinator_address()
             self.store = store.connect(address, self.rc.startup_timeout_s)  # the coordinator may still be starting
             self.store.set_timeout(timedelta(seconds=self.rc.collective_timeout_s))
