@@ -193,7 +193,8 @@ class Coordinator:
             self.events.emit("resources", process="coordinator", step=step, **resources.usage())
             log(f"epoch {new.epoch}: members {list(new.members)} (recovered in {latency:.3f}s)")
         else:
-            log(f"epoch {new.epoch}: retrying with the same members {list(new.members)}")
+            log(f"epoch {new.epoch}: retrying step {step} with the same members {list(new.members)} "
+                f"(retry {self.retries} of at most {self.rc.max_step_retries})")
         return True
 
     def _stop(self, error: str) -> bool:
