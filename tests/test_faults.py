@@ -492,3 +492,40 @@ def test_stop_sends_sigstop_to_its_own_process() -> None:
     assert "fired stop" in out
     assert "survived" not in out
     assert proc.returncode == -signal.SIGKILL
+
+
+# --- slow: a persistent straggler ---------------------------------------------------
+
+
+def test_slow_parses_and_needs_a_factor_above_one() -> None:
+    (f,) = parse_fault_plan("slow replica=1 factor=2.5 step=3")
+    assert (f.action, f.replica, f.factor, f.step) == ("slow", 1, 2.5, 3)
+    assert parse_fault_plan("slow replica=0 factor=4")[0].step is None  # from the first step
+    for plan, fragment in [
+        ("slow replica=1", "factor= is required"),
+        ("slow replica=1 factor=1", "factor must be finite and > 1"),
+        ("slow replica=1 factor=inf", "factor must be finite"),
+        ("slow replica=1 factor=2 rank=1", "not rank"),
+        ("slow replica=1 factor=2 phase=forward", "not phase"),
+        ("kill replica=1 step=2 factor=2", "factor= only goes with slow"),
+    ]:
+        with pytest.raises(FaultPlanError, match=fragment):
+            parse_fault_plan(plan)
+
+
+def test_slow_slows_every_rank_and_incarnation_of_its_replica_from_its_step() -> None:
+    fired: list[Fault] = []
+    plan = "slow replica=1 factor=3 step=2; slow replica=0 factor=2"
+    for rank, attempt in [(0, 0), (1, 0), (0, 2)]:
+        inj = FaultInjector(plan, replica=1, rank=rank, on_fire=fired.append, attempt=attempt)
+        assert inj.slow_factor(1) == 1.0
+        assert [inj.slow_factor(s) for s in (2, 3, 50)] == [3.0, 3.0, 3.0]
+    assert len(fired) == 3  # reported once per process, at its first slowed microbatch
+    assert FaultInjector(plan, replica=2, rank=0, on_fire=fired.append).slow_factor(5) == 1.0
+
+
+def test_slow_is_not_a_one_shot_fault() -> None:
+    inj = FaultInjector("slow replica=0 factor=2", replica=0, rank=0, on_fire=lambda f: None)
+    assert inj.faults == []  # never fired or removed by at()/microbatch()
+    inj.at(1, "backward")
+    assert inj.slow_factor(1) == 2.0

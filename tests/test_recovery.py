@@ -17,6 +17,7 @@ from titan_recover.recovery import (
     InvariantError,
     StepSummary,
     new_tally,
+    tally_time,
     step_assignment,
     summarize,
     tally_microbatch,
@@ -213,3 +214,18 @@ def test_token_mismatch_is_an_error() -> None:
     with pytest.raises(InvariantError) as info:
         summarize(t, shards, expected_tokens=64)
     assert "66" in str(info.value) and "expected 64" in str(info.value)
+
+
+def test_seconds_per_microbatch_and_quotas_come_out_of_the_reduced_tally() -> None:
+    m, slots = 4, 3
+    reduced = new_tally(m, slots)
+    for replica, ids, seconds in [(0, (0, 1, 2), 0.5), (2, (3,), 2.0)]:
+        t = new_tally(m, slots)
+        for mb in ids:
+            tally_microbatch(t, mb, 1, 10, torch.tensor(1.0))
+            tally_time(t, slots, replica, seconds)
+        reduced += t
+    s = summarize(reduced, 1, expected_tokens=40, replica_slots=slots)
+    assert s.microbatches == (0, 1, 2, 3)
+    assert s.quotas == {0: 3, 2: 1}
+    assert s.seconds_per_microbatch == {0: 0.5, 2: 2.0}  # replica 1 computed nothing: no measurement

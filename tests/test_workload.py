@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 import subprocess
@@ -15,12 +16,15 @@ import pytest
 from titan_recover import workload
 from titan_recover.workload import (
     POLICIES,
+    Speeds,
     WorkloadError,
     assign,
     check_assignment,
     get_policy,
+    predicted_step_s,
     reassign,
     register_policy,
+    update_speeds,
 )
 
 SPEEDS_SAMPLE = {0: 2.0, 1: 0.5, 2: 1.25, 3: 3.0, 5: 0.1, 8: 7.0}
@@ -369,3 +373,65 @@ def test_misbehaving_policy_is_rejected(isolated_registry: dict, quotas: dict) -
 def test_module_does_not_import_torch() -> None:
     code = "import sys, titan_recover.workload; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+# --- measured speeds: smoothing, hysteresis, transfer ----------------------------------
+
+
+def _settle(speeds: Speeds, measured: dict[int, float], steps: int, live=(0, 1), m: int = 8) -> list[dict[int, int]]:
+    quotas = []
+    for _ in range(steps):
+        quotas.append(assign("speed", live, m, speeds.rates()))
+        speeds = update_speeds(speeds, measured, live, m, smoothing=0.5, threshold=0.1)
+    return [{r: len(ids) for r, ids in q.items()} for q in quotas]
+
+
+def test_equal_replicas_keep_equal_quotas_under_noise() -> None:
+    rng = random.Random(0)
+    speeds = Speeds()
+    for _ in range(200):
+        noisy = {r: 1.0 + rng.uniform(-0.05, 0.05) for r in (0, 1, 2, 3)}
+        speeds = update_speeds(speeds, noisy, (0, 1, 2, 3), 8, smoothing=0.3, threshold=0.1)
+        assert {r: len(ids) for r, ids in assign("speed", (0, 1, 2, 3), 8, speeds.rates()).items()} == {0: 2, 1: 2, 2: 2, 3: 2}
+
+
+def test_a_4x_straggler_gets_fewer_microbatches_after_one_step() -> None:
+    quotas = _settle(Speeds(), {0: 1.0, 1: 4.0}, steps=4)
+    assert quotas[0] == {0: 4, 1: 4}  # nothing measured yet
+    assert quotas[1:] == [{0: 6, 1: 2}] * 3  # 6 x 1 s and 2 x 4 s: 8 s against 16 s balanced
+
+
+def test_a_small_gain_does_not_move_work() -> None:
+    assert _settle(Speeds(), {0: 1.0, 1: 1.05}, steps=5) == [{0: 4, 1: 4}] * 5
+
+
+def test_smoothing_follows_a_replica_that_recovers() -> None:
+    speeds = Speeds()
+    for _ in range(3):
+        speeds = update_speeds(speeds, {0: 1.0, 1: 4.0}, (0, 1), 8, smoothing=0.5, threshold=0.1)
+    assert speeds.estimate == {0: 1.0, 1: 4.0}
+    for _ in range(10):
+        speeds = update_speeds(speeds, {0: 1.0, 1: 1.0}, (0, 1), 8, smoothing=0.5, threshold=0.1)
+    assert {r: len(i) for r, i in assign("speed", (0, 1), 8, speeds.rates()).items()} == {0: 4, 1: 4}
+
+
+def test_a_replica_that_computed_nothing_keeps_its_estimate_and_a_new_one_gets_the_mean() -> None:
+    speeds = update_speeds(Speeds(), {0: 1.0, 1: 3.0}, (0, 1), 8, 0.5, 0.1)
+    kept = update_speeds(speeds, {0: 1.0}, (0, 1, 2), 8, 0.5, 0.1)
+    assert kept.estimate[1] == 3.0
+    assert predicted_step_s({0: 4, 1: 2, 2: 2}, kept.estimate) == 6.0  # replica 2 counts at the mean, 2.0
+
+
+def test_update_refuses_a_bad_measurement() -> None:
+    with pytest.raises(WorkloadError, match="replica 1"):
+        update_speeds(Speeds(), {1: float("nan")}, (0, 1), 4, 0.5, 0.1)
+
+
+def test_speeds_travel_as_json_exactly_and_bad_input_is_named() -> None:
+    speeds = update_speeds(Speeds(), {0: 0.1234567891234, 3: 2.0}, (0, 3), 8, 0.3, 0.1)
+    assert Speeds.from_json(json.loads(json.dumps(speeds.to_json()))) == speeds
+    assert Speeds.from_json({"estimate": {}, "applied": {}}).rates() is None
+    for bad in [None, {"estimate": []}, {"estimate": {"x": 1.0}, "applied": {}},
+                {"estimate": {"1": -1.0}, "applied": {}}, {"estimate": {"1": True}, "applied": {}}]:
+        with pytest.raises(WorkloadError, match="speeds"):
+            Speeds.from_json(bad)

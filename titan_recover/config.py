@@ -26,6 +26,14 @@ class Recover:
     policy: str = "balanced"
     """Workload policy that hands microbatch ids to live replicas (see titan_recover.workload)."""
 
+    speed_smoothing: float = 0.3
+    """Weight of the newest step in each replica's measured seconds per microbatch (an
+    exponential average); the ``speed`` policy's quotas come from these measurements."""
+
+    rebalance_threshold: float = 0.1
+    """The ``speed`` policy moves work between replicas only when that cuts the predicted step
+    time by more than this fraction, so measurement noise does not reshuffle quotas."""
+
     min_replicas: int = 1
     """Stop with an error when fewer replica groups than this are left."""
 
@@ -146,6 +154,9 @@ def validate(job_config: Any) -> Recover:
             "is silent up to one interval between beats and would be fenced), got "
             f"{rc.report_confirm_s} and {rc.heartbeat_interval_s}"
         )
+    for key in ("speed_smoothing", "rebalance_threshold"):
+        if not 0 < getattr(rc, key) <= 1:
+            raise ConfigError(f"recover.{key} must be in (0, 1], got {getattr(rc, key)}")
     if rc.data_seed < 0:
         raise ConfigError(f"recover.data_seed must be >= 0, got {rc.data_seed}")
     if not 0 <= rc.coordinator_port < 65536:
@@ -224,6 +235,11 @@ def resume_hint(job_config: Any) -> str:
         return f"To resume, run the same command again: TorchTitan resumes from the last checkpoint in {where}"
     return ("To resume, run the same command again; [checkpoint] enable = false, so the run starts over "
             "(enable checkpoints to resume where it stopped)")
+
+
+def replica_ids(job_config: Any) -> int:
+    """How many replica ids the run has (0 .. n-1): one per replica group it starts."""
+    return job_config.parallelism.data_parallel_replicate_degree
 
 
 def group_ranks(par: Any) -> int:

@@ -3,7 +3,7 @@
 Grammar (whitespace-separated ``key=value`` after an action, entries joined by ``;``)::
 
     plan   := "none" | entry (";" entry)*
-    entry  := ("kill" | "stop" | "sleep" | "corrupt" | "raise") key=value ...
+    entry  := ("kill" | "stop" | "sleep" | "corrupt" | "raise" | "slow") key=value ...
     keys   := replica=INT   replica group of the rank (required)
               rank=INT      rank inside that group (its shard index; default 0)
               step=INT      training step, 1-based (required, except for join/donate:
@@ -16,13 +16,18 @@ Grammar (whitespace-separated ``key=value`` after an action, entries joined by `
               attempt=INT   which incarnation of the replica group (how often the
                             launcher restarted it): default 0, the first; 1 for phase=join
               seconds=FLOAT how long to sleep (sleep only, required)
+              factor=FLOAT  how many times as long each microbatch takes (slow only,
+                            required, > 1)
 
 Actions: ``kill`` sends SIGKILL to the rank itself, ``stop`` sends SIGSTOP (a hang:
 the process and its heartbeat freeze), ``sleep`` makes it slow but alive, ``corrupt``
 flips the sign of the rank's first parameter shard (a silent data corruption: the
 replica trains on with parameters that differ from the others'), ``raise`` raises an
 exception in the training code (a bug of the job: the same entry on several replicas
-stands for a config or code error that every replica meets). Points:
+stands for a config or code error that every replica meets). ``slow`` makes a straggler:
+from ``step`` on (default: the first), every microbatch of every rank of that replica
+group, in every incarnation, takes ``factor`` times as long (it sleeps the difference
+after computing), as a slower GPU or a throttled host would. Points:
 mid-forward and mid-backward mean inside the middle transformer block of that
 microbatch; allreduce means after the replicate all-reduce was launched; optimizer
 means after the step was agreed, before ``optimizer.step()``; join means a restarted
@@ -41,7 +46,7 @@ import torch
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "join", "donate")
 TRANSFER_PHASES = ("join", "donate")  # step is optional for these
-ACTIONS = ("kill", "stop", "sleep", "corrupt", "raise")
+ACTIONS = ("kill", "stop", "sleep", "corrupt", "raise", "slow")
 
 
 class InjectedError(RuntimeError):
@@ -62,6 +67,17 @@ class Fault:
     microbatch: int = 1
     attempt: int = 0
     seconds: float = 0.0
+    factor: float = 1.0
+
+
+def _positive(key: str, value: str, above: float) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise FaultPlanError(f"{key} must be a number, got {value!r}") from None
+    if not above < number < float("inf"):
+        raise FaultPlanError(f"{key} must be finite and > {above:g}, got {value!r}")
+    return number
 
 
 def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
@@ -86,13 +102,9 @@ def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
                     raise FaultPlanError(f"unknown phase {value!r}; choose one of {PHASES}")
                 fields[key] = value
             elif key == "seconds":
-                try:
-                    seconds = float(value)
-                except ValueError:
-                    raise FaultPlanError(f"seconds must be a number, got {value!r}") from None
-                if not 0 < seconds < float("inf"):
-                    raise FaultPlanError(f"seconds must be finite and > 0, got {value!r}")
-                fields[key] = seconds
+                fields[key] = _positive(key, value, 0)
+            elif key == "factor":
+                fields[key] = _positive(key, value, 1)
             elif key in ("replica", "rank", "step", "microbatch", "attempt"):
                 try:
                     number = int(value)
@@ -103,12 +115,16 @@ def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
                 fields[key] = number
             else:
                 raise FaultPlanError(f"unknown key {key!r} in {entry.strip()!r}")
+        if action == "slow" and (extra := sorted(fields.keys() - {"replica", "step", "factor"})):
+            raise FaultPlanError(f"slow takes replica=, factor= and step= only (it slows every rank of the "
+                                 f"group, in every incarnation), not {', '.join(extra)}, in {entry.strip()!r}")
         phase = fields.setdefault("phase", "backward")
-        required = ["replica"] if phase in TRANSFER_PHASES else ["replica", "step"]
-        if action == "sleep":
-            required.append("seconds")
-        elif "seconds" in fields:
-            raise FaultPlanError(f"seconds= only goes with sleep, in {entry.strip()!r}")
+        required = ["replica"] if phase in TRANSFER_PHASES or action == "slow" else ["replica", "step"]
+        for key, owner in (("seconds", "sleep"), ("factor", "slow")):
+            if action == owner:
+                required.append(key)
+            elif key in fields:
+                raise FaultPlanError(f"{key}= only goes with {owner}, in {entry.strip()!r}")
         for key in required:
             if key not in fields:
                 raise FaultPlanError(f"{key}= is required in {entry.strip()!r}")
@@ -132,10 +148,25 @@ class FaultInjector:
         on_fire: Callable[[Fault], None],
         attempt: int = 0,
     ) -> None:
+        plan_faults = parse_fault_plan(plan)
         self.faults = [
-            f for f in parse_fault_plan(plan) if (f.replica, f.rank, f.attempt) == (replica, rank, attempt)
+            f for f in plan_faults if f.action != "slow" and (f.replica, f.rank, f.attempt) == (replica, rank, attempt)
         ]
+        self.slow = [f for f in plan_faults if f.action == "slow" and f.replica == replica]
+        self._slowing: set[Fault] = set()
         self.on_fire = on_fire
+
+    def slow_factor(self, step: int) -> float:
+        """How many times as long this rank's microbatches take at ``step`` (1.0: not slowed);
+        a slow fault fires (is reported) at its first slowed microbatch."""
+        factor = 1.0
+        for f in self.slow:
+            if f.step is None or f.step <= step:
+                factor *= f.factor
+                if f not in self._slowing:
+                    self._slowing.add(f)
+                    self.on_fire(f)
+        return factor
 
     def _match(self, step: int, phase: str, index: int | None = None, count: int = 0) -> Fault | None:
         for f in self.faults:

@@ -8,12 +8,15 @@ microbatches move.
 
 Each rank tallies what it computed in one float64 vector that travels with the
 gradients through the same all-reduce: [loss, label tokens, data digest,
-count per microbatch id]. After the reduction every rank can check that each of
-the M microbatches was summed exactly once (once per shard) before stepping.
+count per microbatch id, compute seconds per replica id, microbatches per replica id].
+After the reduction every rank can check that each of the M microbatches was summed
+exactly once (once per shard) before stepping, and knows how long each replica took
+per microbatch: one rank per replica writes its slots, so every rank reads the same
+exact value (the next step's quotas depend on it).
 """
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -27,17 +30,27 @@ class InvariantError(RuntimeError):
     """A reduced step does not sum exactly the M failure-free microbatches."""
 
 
-def step_assignment(policy: str, history: Sequence[Membership], num_microbatches: int) -> workload.Assignment:
-    """Owners of the step's microbatches after the epochs ``history`` (base epoch first)."""
-    assignment = workload.assign(policy, history[0].members, num_microbatches)
+def step_assignment(
+    policy: str, history: Sequence[Membership], num_microbatches: int, rates: Mapping[int, float] | None = None
+) -> workload.Assignment:
+    """Owners of the step's microbatches after the epochs ``history`` (base epoch first);
+    ``rates``: microbatches per second per replica, from the committed steps."""
+    assignment = workload.assign(policy, history[0].members, num_microbatches, rates)
     for membership in history[1:]:
-        assignment = workload.reassign(policy, assignment, membership.members)
+        assignment = workload.reassign(policy, assignment, membership.members, rates)
     workload.check_assignment(assignment, num_microbatches)
     return assignment
 
 
-def new_tally(num_microbatches: int) -> torch.Tensor:
-    return torch.zeros(COUNTS + num_microbatches, dtype=torch.float64)
+def new_tally(num_microbatches: int, replica_slots: int = 0) -> torch.Tensor:
+    """``replica_slots``: replica ids whose time is measured (none in stock mode)."""
+    return torch.zeros(COUNTS + num_microbatches + 2 * replica_slots, dtype=torch.float64)
+
+
+def _slots(tally: torch.Tensor, replica_slots: int) -> tuple[int, int]:
+    """Where the seconds and the microbatch counts per replica start."""
+    seconds = len(tally) - 2 * replica_slots
+    return seconds, seconds + replica_slots
 
 
 def tally_microbatch(tally: torch.Tensor, microbatch: int, digest: int, tokens: int, loss: torch.Tensor) -> None:
@@ -47,17 +60,27 @@ def tally_microbatch(tally: torch.Tensor, microbatch: int, digest: int, tokens: 
     tally[COUNTS + microbatch] += 1
 
 
+def tally_time(tally: torch.Tensor, replica_slots: int, replica: int, seconds: float) -> None:
+    """One microbatch of ``replica`` took ``seconds``; only one rank per replica may call this."""
+    seconds_at, counts_at = _slots(tally, replica_slots)
+    tally[seconds_at + replica] += seconds
+    tally[counts_at + replica] += 1
+
+
 @dataclass(frozen=True)
 class StepSummary:
     loss: float
     tokens: int
     microbatches: tuple[int, ...]
     data_digest: str
+    seconds_per_microbatch: dict[int, float]  # replicas that computed some microbatches
+    quotas: dict[int, int]  # microbatches each replica computed in the step
 
 
-def summarize(tally: torch.Tensor, shards: int, expected_tokens: int) -> StepSummary:
+def summarize(tally: torch.Tensor, shards: int, expected_tokens: int, replica_slots: int = 0) -> StepSummary:
     """Checks a reduced tally: every microbatch counted once per shard, all tokens there."""
-    counts = tally[COUNTS:].tolist()
+    seconds_at, counts_at = _slots(tally, replica_slots)
+    counts = tally[COUNTS:seconds_at].tolist()
     wrong = {m: c / shards for m, c in enumerate(counts) if c != shards}
     if wrong:
         raise InvariantError(
@@ -66,9 +89,12 @@ def summarize(tally: torch.Tensor, shards: int, expected_tokens: int) -> StepSum
     tokens = int(tally[TOKENS])
     if tokens != expected_tokens:
         raise InvariantError(f"step summed {tokens} label tokens, expected {expected_tokens}")
+    seconds, computed = tally[seconds_at:counts_at].tolist(), tally[counts_at:].tolist()
     return StepSummary(
         loss=float(tally[LOSS]),
         tokens=tokens,
         microbatches=tuple(range(len(counts))),
         data_digest=f"{int(tally[DIGEST]):016x}",
+        seconds_per_microbatch={r: s / n for r, (s, n) in enumerate(zip(seconds, computed)) if n},
+        quotas={r: int(n) for r, n in enumerate(computed) if n},
     )

@@ -38,9 +38,9 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer, main
 
-from titan_recover import data, membership, recovery, resources, store, transfer
+from titan_recover import data, membership, recovery, resources, store, transfer, workload
 from titan_recover.collectives import POLL_S, CollectiveAborted, ReplicateGroups, backoff
-from titan_recover.config import group_coordinates, num_microbatches, reports_data, resume_hint, validate
+from titan_recover.config import group_coordinates, num_microbatches, replica_ids, reports_data, resume_hint, validate
 from titan_recover.events import EventLog
 from titan_recover.faults import Fault, FaultInjector
 from titan_recover.membership import Membership, diverged
@@ -118,6 +118,8 @@ class RecoverTrainer(Trainer):
         self.reports_data = reports_data(self.shard, job_config.parallelism)
         super().__init__(job_config)
         self.num_microbatches = num_microbatches(job_config)
+        self.replica_slots = replica_ids(job_config) if self.rc.enable else 0
+        self.speeds = workload.Speeds()  # seconds per microbatch of each replica, from committed steps
         self.injector = FaultInjector(self.rc.fault_plan, self.replica, self.shard, self._on_fault, self.attempt)
         self.global_tokens = float(self.dataloader.valid_tokens_per_step())
         if self.rc.enable:
@@ -178,6 +180,8 @@ class RecoverTrainer(Trainer):
             "grad_norm": grad_norm,
             "time": time.time(),
             "data_epochs": self.dataloader.epochs_started(self.step),
+            "quotas": {str(r): n for r, n in summary.quotas.items()},
+            "seconds_per_microbatch": {str(r): t for r, t in summary.seconds_per_microbatch.items()},
             "samples": self.dataloader.windows,
         }
 
@@ -337,10 +341,14 @@ class RecoverTrainer(Trainer):
         step, base_epoch, tokens = (header.get(k) for k in ("step", "base_epoch", "ntokens_seen"))
         if not all(isinstance(v, int) for v in (step, base_epoch, tokens)):
             raise store.MessageError(f"state transfer header has bad counters: step {step!r}, base_epoch {base_epoch!r}")
+        try:
+            speeds = workload.Speeds.from_json(header.get("speeds"))
+        except workload.WorkloadError as e:
+            raise store.MessageError(f"state transfer header: {e}") from e
         if self._synced_epoch >= 0 and step != self.step:
             raise transfer.TransferError(f"donor is at step {step}, this rank at {self.step}")
         transfer.restore(header, self.optimizers, self.lr_schedulers)
-        self.step, self.base_epoch, self.ntokens_seen = step, base_epoch, tokens
+        self.step, self.base_epoch, self.ntokens_seen, self.speeds = step, base_epoch, tokens, speeds
         self._synced_epoch = epoch
         store.put_json(
             self.store, store.transfer_key(self.replica, self.shard),
@@ -353,7 +361,8 @@ class RecoverTrainer(Trainer):
     def _send_state(self, epoch: int, joiner: int) -> bool:
         """Hands this rank's state to the same shard of ``joiner``; False if that broke."""
         header = transfer.meta(
-            {"step": self.step, "base_epoch": self.base_epoch, "ntokens_seen": self.ntokens_seen},
+            {"step": self.step, "base_epoch": self.base_epoch, "ntokens_seen": self.ntokens_seen,
+             "speeds": self.speeds.to_json()},  # the joiner derives the same quotas from here on
             self.optimizers, self.lr_schedulers,
         )
         try:
@@ -411,6 +420,10 @@ class RecoverTrainer(Trainer):
         tokens = int((labels != IGNORE_INDEX).sum())
         if self.reports_data:
             recovery.tally_microbatch(tally, microbatch, digest, tokens, loss.detach())
+        if (factor := self.injector.slow_factor(self.step)) > 1:  # a straggler, for tests and benches
+            time.sleep((factor - 1) * (time.perf_counter() - start))
+        if self.shard == 0:  # one rank per replica times it: every rank reads the same sum
+            recovery.tally_time(tally, self.replica_slots, self.replica, time.perf_counter() - start)
         self.ntokens_seen += labels.numel()
         self.metrics_processor.ntokens_since_last_log += labels.numel()
 
@@ -469,7 +482,7 @@ class RecoverTrainer(Trainer):
             self._start_told = True
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
-        tally = recovery.new_tally(self.num_microbatches)
+        tally = recovery.new_tally(self.num_microbatches, self.replica_slots)
         done: set[int] = set()
         epoch = self._agree_epoch()
         try:
@@ -481,7 +494,7 @@ class RecoverTrainer(Trainer):
                 if not self._sync_state(history):
                     epoch = self._agree_epoch(newer_than=epoch)
                     continue
-                owned = recovery.step_assignment(self.rc.policy, history, self.num_microbatches)[self.replica]
+                owned = recovery.step_assignment(self.rc.policy, history, self.num_microbatches, self.speeds.rates())[self.replica]
                 for m in owned:
                     if m not in done:
                         self._compute(m, tally, len(done), len(owned))
@@ -510,7 +523,11 @@ class RecoverTrainer(Trainer):
         self._commit(membership, *reduced, lr)
 
     def _commit(self, membership: Membership, flat: torch.Tensor, tally: torch.Tensor, lr: float) -> None:
-        summary = recovery.summarize(tally, self.parallel_dims.dp_shard, int(self.global_tokens))
+        summary = recovery.summarize(tally, self.parallel_dims.dp_shard, int(self.global_tokens), self.replica_slots)
+        self.speeds = workload.update_speeds(
+            self.speeds, summary.seconds_per_microbatch, membership.members, self.num_microbatches,
+            self.rc.speed_smoothing, self.rc.rebalance_threshold,
+        )
         offset = 0
         with torch.no_grad():
             for g in self._grads():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 Assignment = dict[int, tuple[int, ...]]
@@ -84,6 +85,74 @@ def speed(
 
 
 POLICIES: dict[str, Policy] = {"balanced": balanced, "speed": speed}
+
+
+@dataclass(frozen=True)
+class Speeds:
+    """Seconds per microbatch of each replica, as the committed steps measured them.
+
+    ``estimate`` follows the measurements (an exponential average); ``applied`` is what
+    the quotas are computed from, and moves to the estimate only when that would cut the
+    step's predicted time by more than the threshold, so noise does not reshuffle work
+    every step. Every rank derives both from the same committed tallies with the same
+    float64 operations, so every rank holds the same values with no extra round.
+    """
+
+    estimate: dict[int, float] = field(default_factory=dict)
+    applied: dict[int, float] = field(default_factory=dict)
+
+    def rates(self) -> dict[int, float] | None:
+        """Microbatches per second for the ``speed`` policy; None (equal quotas) before any measurement."""
+        return {r: 1.0 / t for r, t in self.applied.items()} or None
+
+    def to_json(self) -> dict[str, dict[str, float]]:
+        return {"estimate": {str(r): t for r, t in self.estimate.items()},
+                "applied": {str(r): t for r, t in self.applied.items()}}
+
+    @staticmethod
+    def from_json(obj: object) -> "Speeds":
+        """Validates what a peer sent (a state transfer header): replica ids to finite times > 0."""
+        def times(part: object) -> dict[int, float]:
+            if not isinstance(part, dict):
+                raise WorkloadError(f"speeds must map replica ids to seconds, got {part!r:.200}")
+            out = {}
+            for key, value in part.items():
+                if not (isinstance(key, str) and key.isdigit()) or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                        or not math.isfinite(value) or value <= 0:
+                    raise WorkloadError(f"speeds: bad entry {key!r}: {value!r}")
+                out[int(key)] = float(value)
+            return out
+
+        if not isinstance(obj, dict):
+            raise WorkloadError(f"speeds must be an object, got {obj!r:.200}")
+        return Speeds(times(obj.get("estimate")), times(obj.get("applied")))
+
+
+def predicted_step_s(quotas: Mapping[int, int], seconds: Mapping[int, float]) -> float:
+    """A step lasts as long as its slowest replica: max of quota x seconds per microbatch."""
+    known = [seconds[r] for r in quotas if r in seconds]
+    default = sum(known) / len(known) if known else 1.0
+    return max((q * seconds.get(r, default) for r, q in quotas.items()), default=0.0)
+
+
+def update_speeds(
+    speeds: Speeds, measured: Mapping[int, float], live: Iterable[int], num_items: int,
+    smoothing: float, threshold: float,
+) -> Speeds:
+    """The speeds after a committed step that measured ``measured`` (seconds per microbatch of
+    the replicas that computed some). Replicas that computed nothing keep their estimate."""
+    estimate = dict(speeds.estimate)
+    for replica, seconds in sorted(measured.items()):
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise WorkloadError(f"seconds per microbatch of replica {replica} must be finite and > 0, got {seconds!r}")
+        old = estimate.get(replica)
+        estimate[replica] = seconds if old is None else old + smoothing * (seconds - old)
+    replicas = _normalize_live(live)
+    current = speed(replicas, num_items, Speeds(applied=speeds.applied).rates())
+    candidate = speed(replicas, num_items, Speeds(applied=estimate).rates())
+    if predicted_step_s(candidate, estimate) < (1 - threshold) * predicted_step_s(current, estimate):
+        return Speeds(estimate, dict(estimate))
+    return Speeds(estimate, dict(speeds.applied))
 
 
 def register_policy(name: str, fn: Policy) -> None:
