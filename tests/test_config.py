@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from titan_recover import config
-from titan_recover.config import ConfigError, Recover
+from titan_recover.config import ConfigError, Recover, replica_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
@@ -156,6 +156,11 @@ def test_report_confirm_must_exceed_the_heartbeat_interval(confirm: str) -> None
          "allows no restart, so only attempt 0 ever runs"),
         (["--recover.max_restarts", "0", "--recover.fault_plan", "kill replica=1 phase=join"],
          "'kill replica=1 phase=join attempt=1' can never fire: recover.max_restarts = 0"),
+        (["--recover.spares", "1", "--recover.fault_plan", "kill replica=1 phase=join attempt=0"],
+         "'kill replica=1 phase=join attempt=0' can never fire: replica 1 starts as a member and joins only once "
+         "restarted (attempt >= 1); only a hot spare (replica 2..2) joins in its first incarnation"),
+        (["--recover.spares", "1", "--recover.fault_plan", "kill replica=3 step=3"],
+         "names no rank: the job has 3 replica groups (0..2, spares included)"),
     ],
 )
 def test_fault_that_can_never_fire_is_refused(overrides: list[str], message: str) -> None:
@@ -345,3 +350,17 @@ def test_an_accelerator_keeps_torchtitans_default(monkeypatch: pytest.MonkeyPatc
     argv = ["--job.config_file", str(CONFIG)]
     jc = config.load(argv)
     assert cpu_shim.precision_args(argv, jc) == argv and jc.training.mixed_precision_param == "bfloat16"
+
+
+def test_spares_add_replica_ids_that_faults_may_name() -> None:
+    job = load("--recover.spares", "2", "--recover.fault_plan", "kill replica=3 phase=join attempt=0; kill replica=2 step=3")
+    assert replica_ids(job) == 4  # 2 members + 2 spares
+    with pytest.raises(ConfigError, match="recover.spares must be >= 0, got -1"):
+        load("--recover.spares", "-1")
+
+
+@pytest.mark.parametrize("key", ["speed_smoothing", "rebalance_threshold"])
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.1"])
+def test_speed_keys_are_fractions(key: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=f"recover.{key} must be in \\(0, 1\\], got {value}"):
+        load(f"--recover.{key}", value)

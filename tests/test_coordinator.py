@@ -189,3 +189,74 @@ def test_one_replicas_own_error_is_treated_as_its_failure(make) -> None:
     c._poll_reports(now)
     assert c._fence(c.detector.decide(now)[0])
     assert c.membership.members == (0, 2)
+
+
+# --- hot spares ------------------------------------------------------------------------
+
+
+def ask_to_join(client: object, replica: int, attempt: int) -> None:
+    store.put_json(client, store.join_key(replica), {"attempt": attempt})  # type: ignore[arg-type]
+    client.add(store.join_ready_key(replica, attempt), 1)  # type: ignore[attr-defined]
+
+
+def test_a_spare_waits_while_the_membership_is_full_and_replaces_a_failed_group_at_once(make, tmp_path: Path) -> None:
+    c, client = make(spares=1)
+    ask_to_join(client, 2, 0)  # the spare, up since the start
+    assert c._poll_joins(time.monotonic())
+    assert c.membership.members == (0, 1) and c.spares == {2: 0}
+    assert not client.check([store.admitted_key(2)])
+    assert c._fence({1: "torchrun of replica 1 exited"})
+    assert c._poll_joins(time.monotonic())  # the very next pass: no process start in between
+    assert c.membership.members == (0, 2) and c.spares == {}
+    assert store.get_json(client, store.admitted_key(2), ("attempt", "epoch")) == {"attempt": 0, "epoch": 2}
+    (admitted,) = events(tmp_path, "admitted")
+    assert admitted["replica"] == 2 and admitted["replaces"] == 1
+    ask_to_join(client, 1, 1)  # the failed group, restarted, becomes the spare
+    assert c._poll_joins(time.monotonic())
+    assert c.membership.members == (0, 2) and c.spares == {1: 1}
+    assert [e["replica"] for e in events(tmp_path, "spare_ready")] == [2, 1]
+
+
+def test_a_spare_replacing_a_group_is_timed_from_that_groups_failure(make, tmp_path: Path) -> None:
+    c, client = make(spares=1)
+    ask_to_join(client, 2, 0)
+    c._poll_joins(time.monotonic())
+    assert c._fence({1: "killed"})
+    failed_at = c.down_since[1]
+    c._poll_joins(time.monotonic())
+    assert c.repairs == {2: (1, failed_at)}
+    assert c._fence({2: "killed while receiving its state"})  # the spare dies before its first step
+    assert c.down_since == {1: failed_at}  # replica 1's failure is open again, not the spare's
+    ask_to_join(client, 1, 1)
+    c._poll_joins(time.monotonic())
+    assert c.repairs == {1: (1, failed_at)}
+    client.set(store.step_key(1), json.dumps({"step": 1, "epoch": c.membership.epoch, "members": [0, 1],
+                                               "microbatches": [0, 1], "data_digest": "0", "loss": 1.0,
+                                               "time": failed_at + 30.0}))
+    c._poll_steps()
+    c._poll_rejoined()
+    (rejoined,) = events(tmp_path, "rejoined")
+    assert rejoined["replica"] == 1 and "replaces" not in rejoined and rejoined["downtime_s"] == pytest.approx(30.0)
+
+
+def test_a_spare_that_hangs_while_waiting_is_fenced_not_admitted(make, tmp_path: Path) -> None:
+    c, client = make(spares=1, heartbeat_timeout_s=1.0, report_confirm_s=0.5)
+    ask_to_join(client, 2, 0)
+    now = time.monotonic()
+    c._poll_joins(now)
+    beat(client, 0, 1, 2)
+    c._poll_heartbeats(now)
+    later = now + 1.5
+    beat(client, 0, 1)  # the spare's heartbeat stalled (SIGSTOP)
+    c._poll_heartbeats(later)
+    c._poll_joins(later)
+    assert c.spares == {}
+    assert store.get_json(client, store.fenced_key(2), ("attempt",))["attempt"] == 0  # its launcher kills it
+    (lost,) = events(tmp_path, "spare_lost")
+    assert lost["replica"] == 2 and "waiting as a spare" in lost["cause"]
+    assert c._fence({1: "killed"})
+    c._poll_joins(later)
+    assert c.membership.members == (0,)  # the hung spare is not admitted
+    ask_to_join(client, 2, 1)  # restarted by its launcher: a spare again
+    c._poll_joins(later + 0.1)
+    assert c.membership.members == (0, 2)

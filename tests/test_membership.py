@@ -19,6 +19,7 @@ from titan_recover.membership import (
     join_action,
     joiners,
     next_membership,
+    repaired_failure,
 )
 
 # --- Membership JSON --------------------------------------------------------
@@ -596,3 +597,20 @@ def test_diverged_majority_else_leader() -> None:
     assert diverged({0: "a", 1: "b"}, leader=1) == {0}
     assert diverged({0: "a", 1: "a"}, leader=0) == set()
     assert diverged({}, leader=0) == set()
+
+
+def test_an_admission_repairs_its_own_failure_else_the_oldest() -> None:
+    assert repaired_failure(2, {}) is None  # nothing failed
+    assert repaired_failure(1, {1: 9.0, 3: 5.0}) == 1  # a failed group back in its own place
+    assert repaired_failure(2, {1: 9.0, 3: 5.0}) == 3  # a spare stands in for the longest-standing failure
+    assert repaired_failure(2, {4: 5.0, 3: 5.0}) == 3  # ties: the lowest id
+
+
+def test_expect_restarts_a_replicas_clock() -> None:
+    d = FailureDetector(members=(0,), shards=2, timeout_s=5, confirm_s=1, startup_s=60, start=0.0)
+    d.beat(3, 0, 7, 1.0)
+    assert d.silent_since(3) is None  # shard 1 never beat
+    d.expect(3, 100.0)
+    assert d.silent_since(3) == 100.0  # its old beats are stale: it counts as up from now
+    d.beat(3, 0, 7, 101.0)  # any count moves it on
+    assert d.silent_since(3) == 100.0 and d._beats[(3, 0)] == (7, 101.0)

@@ -34,6 +34,12 @@ class Recover:
     """The ``speed`` policy moves work between replicas only when that cuts the predicted step
     time by more than this fraction, so measurement noise does not reshuffle quotas."""
 
+    spares: int = 0
+    """Hot spare replica groups started with the job (ids R .. R+spares-1): each builds the model,
+    connects and waits outside the membership, costing no collective. On a failure the coordinator
+    admits a ready spare at once (state from a live peer); the failed group restarts and waits as
+    a spare. Each holds the devices of one replica group."""
+
     min_replicas: int = 1
     """Stop with an error when fewer replica groups than this are left."""
 
@@ -122,6 +128,8 @@ def validate(job_config: Any) -> Recover:
 
     rc: Recover = job_config.recover
     _check_types(rc, "recover")
+    if rc.spares < 0:
+        raise ConfigError(f"recover.spares must be >= 0, got {rc.spares}")
     if rc.min_replicas < 1:
         raise ConfigError(f"recover.min_replicas must be >= 1, got {rc.min_replicas}")
     if rc.max_restarts < 0:
@@ -193,11 +201,18 @@ def validate(job_config: Any) -> Recover:
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree"):
         if getattr(par, key) < 1:
             raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(par, key)}")
+    ids = replica_ids(job_config)
     for f in plan:  # a fault aimed at no rank would silently never fire
-        if f.replica >= replicas or f.rank >= group_ranks(par):
+        if f.replica >= ids or f.rank >= group_ranks(par):
             raise ConfigError(
                 f"recover.fault_plan: '{f.action} replica={f.replica} rank={f.rank}' names no rank: "
-                f"the job has {replicas} replica groups (0..{replicas - 1}) of {group_ranks(par)} ranks (0..{group_ranks(par) - 1})"
+                f"the job has {ids} replica groups (0..{ids - 1}{', spares included' if rc.spares else ''}) of {group_ranks(par)} ranks (0..{group_ranks(par) - 1})"
+            )
+        if f.phase == "join" and f.attempt == 0 and f.replica < replicas:
+            raise ConfigError(
+                f"recover.fault_plan: '{f.action} replica={f.replica} phase=join attempt=0' can never fire: replica "
+                f"{f.replica} starts as a member and joins only once restarted (attempt >= 1); only a hot spare "
+                f"(replica {replicas}..{ids - 1}) joins in its first incarnation"
             )
         steps = job_config.training.steps
         if f.step is not None and f.step > steps:
@@ -238,8 +253,9 @@ def resume_hint(job_config: Any) -> str:
 
 
 def replica_ids(job_config: Any) -> int:
-    """How many replica ids the run has (0 .. n-1): one per replica group it starts."""
-    return job_config.parallelism.data_parallel_replicate_degree
+    """How many replica ids the run has (0 .. n-1): one per replica group it starts. The first
+    ``data_parallel_replicate_degree`` are the members of epoch 0, the rest hot spares."""
+    return job_config.parallelism.data_parallel_replicate_degree + job_config.recover.spares
 
 
 def group_ranks(par: Any) -> int:

@@ -3,8 +3,9 @@
 Started by the launcher, never a trainer. Its state lives in its own TCPStore;
 the decisions come from ``membership`` (pure logic); this module only moves data
 between the store, the detector and the event log. It fences failed groups,
-admits restarted ones in a new epoch, and logs when a rejoined group's first
-step commits.
+admits restarted ones (or hot spares, which wait ready outside the membership) in a
+new epoch while fewer than R groups are members, and logs when an admitted group's
+first step commits.
 
     python -m titan_recover.coordinator --job.config_file X.toml [--section.key value ...]
     (serves on the port in $TITAN_RECOVER_COORDINATOR, the run whose secret is $TITAN_RECOVER_SECRET)
@@ -23,6 +24,7 @@ from titan_recover.membership import (
     job_error,
     join_action,
     next_membership,
+    repaired_failure,
     retry_verdict,
 )
 
@@ -42,7 +44,8 @@ class Coordinator:
         self.rc = rc
         self.steps = job_config.training.steps  # type: ignore[attr-defined]
         self.shards = config.group_ranks(par)  # ranks per replica group, each with a heartbeat
-        self.replicas = par.data_parallel_replicate_degree
+        self.replicas = par.data_parallel_replicate_degree  # members wanted; the rest of the ids are spares
+        self.replica_ids = config.replica_ids(job_config)
         self.store = store.serve(port, rc.collective_timeout_s, rc.coordinator_bind or store.LOOPBACK)
         self.events = EventLog(job_config.job.dump_folder)  # type: ignore[attr-defined]
         self.membership = Membership(0, tuple(range(par.data_parallel_replicate_degree)))
@@ -65,7 +68,10 @@ class Coordinator:
         self.attempts = {r: 0 for r in self.membership.members}  # incarnation of each member
         self.admitted_epoch = {r: 0 for r in self.membership.members}
         self.joining: dict[int, int] = {}  # admitted, no step committed yet -> admission epoch
-        self.down_since: dict[int, float] = {}  # failed replica -> when (for the rejoin downtime)
+        self.down_since: dict[int, float] = {}  # failed replica, not yet replaced -> when it failed
+        self.repairs: dict[int, tuple[int, float]] = {}  # admitted group -> (failed replica it replaces, when)
+        self.spares: dict[int, int] = {}  # groups ready to join while the membership is full -> attempt
+        self.dropped: dict[int, int] = {}  # waiting incarnations fenced for silence -> attempt
         self._publish(self.membership)
 
     def _publish(self, membership: Membership) -> None:
@@ -105,7 +111,7 @@ class Coordinator:
             self.retries, self.reporters = 0, set()
 
     def _poll_heartbeats(self, now: float) -> None:
-        for replica in self.membership.members:
+        for replica in (*self.membership.members, *self.spares):
             for shard in range(self.shards):
                 count = int(self.store.add(store.heartbeat_key(replica, shard), 0))
                 if count:
@@ -171,7 +177,11 @@ class Coordinator:
         for replica, cause in sorted(failed.items()):
             t, clock = self._failure_time(replica, wall, now)
             first = min(first, t)
-            self.down_since.setdefault(replica, t)
+            if replica in self.repairs:  # failed before its first step: what it was to repair is open again
+                replaced, since = self.repairs.pop(replica)
+                self.down_since[replaced] = since
+            else:
+                self.down_since.setdefault(replica, t)
             self.events.emit("failure", replica=replica, step=step, cause=cause, time=t, clock=clock)
             log(f"replica {replica} failed at step {step}: {cause}")
         error = job_error(self.errors, self.membership.members)
@@ -228,11 +238,13 @@ class Coordinator:
         )
 
     def _poll_joins(self, now: float) -> bool:
-        """Admits restarted groups whose ranks are all up; False when that is fatal."""
+        """Admits groups whose ranks are all up while fewer than R are members (restarted ones,
+        or hot spares waiting since the start); the others wait as spares. False when fatal."""
         progress = self.progress
         if progress is not None and progress["step"] >= self.steps:
             return True  # the last step is done: nothing left to join
-        for replica in range(self.replicas):
+        ready: dict[int, int] = {}
+        for replica in range(self.replica_ids):
             key = store.join_key(replica)
             if not self.store.check([key]):
                 continue
@@ -240,24 +252,59 @@ class Coordinator:
                 attempt = store.get_json(self.store, key, ("attempt",))["attempt"]
                 if not store._is_int(attempt) or attempt < 0:
                     raise store.MessageError(f"store key {key!r}: attempt must be a non-negative integer, got {attempt!r}")
-                ready = int(self.store.add(store.join_ready_key(replica, attempt), 0))
+                up = int(self.store.add(store.join_ready_key(replica, attempt), 0))
             except (store.MessageError, TypeError, ValueError) as e:
                 log(f"ignoring malformed join request of replica {replica}: {e}")
                 continue
-            action = join_action(self.membership.members, replica, self.attempts.get(replica, -1), attempt, ready, self.shards)
-            if action == "wait":
-                continue
-            if action == "replace" and not self._fence({replica: f"restarted by its launcher (attempt {attempt})"}):
-                return False
-            new = admit(self.membership, replica)
-            self._publish(new)
-            self.attempts[replica] = attempt
-            self.admitted_epoch[replica] = self.joining[replica] = new.epoch
-            self.detector.set_members(new.members, now)
-            store.put_json(self.store, store.admitted_key(replica), {"attempt": attempt, "epoch": new.epoch})
-            self.events.emit("admitted", replica=replica, attempt=attempt, epoch=new.epoch, step=self._step())
-            log(f"epoch {new.epoch}: replica {replica} (attempt {attempt}) admitted, members {list(new.members)}")
+            seen = max(self.attempts.get(replica, -1), self.dropped.get(replica, -1))
+            action = join_action(self.membership.members, replica, seen, attempt, up, self.shards)
+            if action == "replace":  # its previous incarnation is still a member: it takes its own place back
+                if not self._fence({replica: f"restarted by its launcher (attempt {attempt})"}):
+                    return False
+                self._admit(replica, attempt, now)
+            elif action == "admit":
+                ready[replica] = attempt
+        for replica, attempt in sorted(ready.items()):
+            if replica not in self.spares:
+                self.spares[replica] = attempt
+                self.detector.expect(replica, now)  # its beats are watched from now on
+                self.events.emit("spare_ready", replica=replica, attempt=attempt, step=self._step())
+        self.spares = {r: a for r, a in self.spares.items() if ready.get(r) == a}
+        self._drop_silent_spares(now)
+        free = self.replicas - len(self.membership.members)
+        for replica in sorted(self.spares)[:max(0, free)]:
+            self._admit(replica, self.spares.pop(replica), now)
         return True
+
+    def _drop_silent_spares(self, now: float) -> None:
+        """A waiting group whose heartbeat stalled (hung while waiting) is fenced: its launcher
+        kills it and starts it again, instead of it being admitted to hold the others up."""
+        for replica, attempt in sorted(self.spares.items()):
+            last = self.detector.silent_since(replica)
+            if last is None or now - last < self.rc.heartbeat_timeout_s:
+                continue
+            del self.spares[replica]
+            self.dropped[replica] = attempt
+            store.put_json(self.store, store.fenced_key(replica), {"attempt": attempt, "epoch": self.membership.epoch})
+            cause = f"heartbeat silent for {now - last:.2f}s while waiting as a spare"
+            self.events.emit("spare_lost", replica=replica, attempt=attempt, step=self._step(), cause=cause)
+            log(f"spare replica {replica} (attempt {attempt}) fenced: {cause}")
+
+    def _admit(self, replica: int, attempt: int, now: float) -> None:
+        """Makes a ready group a member in a new epoch; it takes the state from a live peer."""
+        new = admit(self.membership, replica)
+        self._publish(new)
+        self.attempts[replica] = attempt
+        self.admitted_epoch[replica] = self.joining[replica] = new.epoch
+        self.detector.set_members(new.members, now)
+        replaced = repaired_failure(replica, self.down_since)
+        if replaced is not None:
+            self.repairs[replica] = (replaced, self.down_since.pop(replaced))
+        store.put_json(self.store, store.admitted_key(replica), {"attempt": attempt, "epoch": new.epoch})
+        instead = "" if replaced in (None, replica) else f" in place of replica {replaced}"
+        self.events.emit("admitted", replica=replica, attempt=attempt, epoch=new.epoch, step=self._step(),
+                         **({"replaces": replaced} if replaced is not None else {}))
+        log(f"epoch {new.epoch}: replica {replica} (attempt {attempt}) admitted{instead}, members {list(new.members)}")
 
     def _poll_rejoined(self) -> None:
         """A joiner is back once a step commits in an epoch it is a member of."""
@@ -270,14 +317,16 @@ class Coordinator:
                 continue
             del self.joining[replica]
             records = [self._transfer_record(replica, shard) for shard in range(self.shards)]
-            downtime = progress["time"] - self.down_since.pop(replica, progress["time"])
+            replaced, since = self.repairs.pop(replica, (replica, progress["time"]))
+            downtime = progress["time"] - since
             self.events.emit(
                 "rejoined", replica=replica, step=progress["step"],
                 bytes=sum(r.get("bytes", 0) for r in records),
                 transfer_s=max(r.get("transfer_s", 0.0) for r in records),
-                downtime_s=downtime,
+                downtime_s=downtime, **({"replaces": replaced} if replaced != replica else {}),
             )
-            log(f"replica {replica} rejoined at step {progress['step']}, {downtime:.1f}s after it failed")
+            what = "rejoined" if replaced == replica else f"(a spare) replaced replica {replaced}"
+            log(f"replica {replica} {what} at step {progress['step']}, {downtime:.1f}s after the failure")
 
     def _transfer_record(self, replica: int, shard: int) -> dict:
         key = store.transfer_key(replica, shard)

@@ -15,6 +15,7 @@ Grammar (whitespace-separated ``key=value`` after an action, entries joined by `
                             default 1, or its last one if it has fewer)
               attempt=INT   which incarnation of the replica group (how often the
                             launcher restarted it): default 0, the first; 1 for phase=join
+                            (0 there only for a hot spare, whose first incarnation joins)
               seconds=FLOAT how long to sleep (sleep only, required)
               factor=FLOAT  how many times as long each microbatch takes (slow only,
                             required, > 1)
@@ -129,9 +130,7 @@ def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
             if key not in fields:
                 raise FaultPlanError(f"{key}= is required in {entry.strip()!r}")
         if phase == "join":
-            fields.setdefault("attempt", 1)
-            if fields["attempt"] == 0:
-                raise FaultPlanError(f"phase=join happens only in a restarted group (attempt >= 1), in {entry.strip()!r}")
+            fields.setdefault("attempt", 1)  # attempt=0 only for a hot spare (checked against the layout by config)
         fields.setdefault("step", None)
         faults.append(Fault(action=action, **fields))  # type: ignore[arg-type]
     return tuple(faults)

@@ -46,7 +46,8 @@ REPLICAS_ENV = store.REPLICAS_ENV  # comma-separated replica ids this node launc
 
 
 def parse_replicas(value: str | None, replicas: int) -> list[int]:
-    """The replica groups this node launches, from ``$TITAN_RECOVER_REPLICAS`` (unset: all of them).
+    """The replica groups this node launches, from ``$TITAN_RECOVER_REPLICAS`` (unset: all of them,
+    spares included: ``replicas`` counts every id).
 
     Checked before anything starts: a bad id used to end in a traceback, or in groups that
     never come (an id out of range, or one listed twice) while the coordinator waits for them.
@@ -55,7 +56,7 @@ def parse_replicas(value: str | None, replicas: int) -> list[int]:
         return list(range(replicas))
     fix = (
         f"set it to the comma-separated replica groups this node launches, ids 0..{replicas - 1} "
-        f"(parallelism.data_parallel_replicate_degree = {replicas}), e.g. 0,1; or unset it to launch all"
+        f"(parallelism.data_parallel_replicate_degree + recover.spares = {replicas}), e.g. 0,1; or unset it to launch all"
     )
     ids: list[int] = []
     for item in value.split(","):
@@ -309,7 +310,7 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
     """The replica groups ``local`` of this node, and the coordinator unless ``coordinator_address`` names one."""
     rc = job_config.recover  # type: ignore[attr-defined]
     par = job_config.parallelism  # type: ignore[attr-defined]
-    replicas = par.data_parallel_replicate_degree
+    replicas = config.replica_ids(job_config)
     ranks = config.group_ranks(par)
     plan = device_plan(rc.replicate_backend, len(local), ranks)
     argv = [*argv, "--recover.replicate_backend", plan.backend]
@@ -321,8 +322,10 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
         host = store.local_host(coordinator_bind(rc.coordinator_bind, local, replicas))
         address = env[store.COORDINATOR_ENV] = f"{host}:{rc.coordinator_port or store.free_port()}"
         coordinator = subprocess.Popen([sys.executable, "-m", "titan_recover.coordinator", *argv], env=env)
+    spares = [r for r in local if r >= par.data_parallel_replicate_degree]
     log(
-        f"coordinator at {address}; starting replica groups {local} of {replicas}, "
+        f"coordinator at {address}; starting replica groups {local} of {replicas}"
+        f"{f' ({spares} as hot spares)' if spares else ''}, "
         f"{ranks} ranks each (dp_shard {par.data_parallel_shard_degree} x tp {par.tensor_parallel_degree} "
         f"x pp {par.pipeline_parallel_degree})"
     )
@@ -420,7 +423,7 @@ def main(argv: list[str]) -> int:
     try:
         job_config = config.load(argv)
         if job_config.recover.enable:  # the node's environment, checked before the data and any process
-            local = parse_replicas(os.environ.get(REPLICAS_ENV), job_config.parallelism.data_parallel_replicate_degree)
+            local = parse_replicas(os.environ.get(REPLICAS_ENV), config.replica_ids(job_config))
             address = os.environ.get(store.COORDINATOR_ENV)
             if address is not None:
                 check_coordinator(address)

@@ -68,6 +68,15 @@ def admit(current: Membership, joiner: int) -> Membership:
     return Membership(current.epoch + 1, tuple(sorted((*current.members, joiner))))
 
 
+def repaired_failure(joiner: int, down_since: dict[int, float]) -> int | None:
+    """Which failed replica an admission makes good: the joiner's own failure when it was a
+    failed member coming back, else the longest-standing one (a spare takes its place), or
+    None when nothing failed (a group that joins a run that lacked it from the start)."""
+    if joiner in down_since:
+        return joiner
+    return min(down_since, key=lambda r: (down_since[r], r)) if down_since else None
+
+
 def joiners(history: Sequence[Membership]) -> tuple[int, ...]:
     """Members of the last epoch that lack the state the step started from.
 
@@ -133,8 +142,13 @@ class FailureDetector:
         self._suspects = {r: c for r, c in self._suspects.items() if r in self.members}
         self._unnamed = []
         for replica in fresh:
-            for shard in range(self.shards):
-                self._beats[(replica, shard)] = (-1, self.start if now is None else now)
+            self.expect(replica, self.start if now is None else now)
+
+    def expect(self, replica: int, now: float) -> None:
+        """The replica's ranks count as having beaten at ``now``: a group that has just come up
+        (beats of its earlier incarnation are stale)."""
+        for shard in range(self.shards):
+            self._beats[(replica, shard)] = (-1, now)
 
     def beat(self, replica: int, shard: int, count: int, now: float) -> None:
         last = self._beats.get((replica, shard))

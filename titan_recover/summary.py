@@ -20,7 +20,7 @@ def summarize_events(path: str) -> dict[str, Any]:
         "final_loss": steps[-1]["loss"] if steps else None,
         "fatal": [e["error"] for e in events if e["event"] == "fatal"],
         "rejoined": [
-            {k: e[k] for k in ("replica", "step", "downtime_s", "transfer_s", "bytes")}
+            {k: e.get(k) for k in ("replica", "step", "downtime_s", "transfer_s", "bytes", "replaces")}
             for e in events if e["event"] == "rejoined"
         ],
         "digest_steps": sorted({e["step"] for e in events if e["event"] == "param_digest"}),
@@ -30,6 +30,11 @@ def summarize_events(path: str) -> dict[str, Any]:
         span = steps[-1]["time"] - steps[0]["time"]
         out["step_time_s"] = span / (len(steps) - 1)
     return out
+
+
+def _spare(rejoined: dict[str, Any]) -> str:
+    """How a hot spare's admission reads: the failed group it stood in for."""
+    return "" if rejoined["replaces"] is None else f" (spare, for replica {rejoined['replaces']})"
 
 
 def format_summary(s: dict[str, Any], tokens_per_step: int) -> str:
@@ -44,7 +49,7 @@ def format_summary(s: dict[str, Any], tokens_per_step: int) -> str:
         lines.append(f"  recovery latency (s) : {s['recovery_latency_s']}")
     lines.append(f"  rejoined             : {len(s['rejoined'])}")
     lines += [
-        f"    replica {r['replica']} at step {r['step']}: down {r['downtime_s']:.1f}s, "
+        f"    replica {r['replica']}{_spare(r)} at step {r['step']}: down {r['downtime_s']:.1f}s, "
         f"state {r['bytes'] / 2**20:.1f} MiB in {r['transfer_s']:.3f}s"
         for r in s["rejoined"]
     ]

@@ -130,7 +130,8 @@ class RecoverTrainer(Trainer):
             self.base_epoch = 0  # the epoch the previous step committed with
             self._memberships: dict[int, Membership] = {}
             self._epoch_checked = (0.0, 0)
-            self.rejoining = self.attempt > 0  # a restarted group holds no state until a peer sends it
+            # a restarted group, or a hot spare, holds no state until a peer sends it
+            self.rejoining = self.attempt > 0 or self.replica >= job_config.parallelism.data_parallel_replicate_degree
             self._synced_epoch = -1  # the last epoch in which this rank received the state
             self._start_told = False
             self._adapt_checkpointer()
@@ -310,7 +311,8 @@ class RecoverTrainer(Trainer):
         if self.shard == 0:
             store.put_json(self.store, store.join_key(self.replica), {"attempt": self.attempt})
         self.store.add(store.join_ready_key(self.replica, self.attempt), 1)
-        log(f"replica {self.replica} rank {self.shard} (attempt {self.attempt}) asks to rejoin")
+        log(f"replica {self.replica} rank {self.shard} (attempt {self.attempt}) asks to join; "
+            "it waits as a hot spare while the membership is full")
         key = store.admitted_key(self.replica)
         while not (
             self.store.check([key]) and store.get_json(self.store, key, ("attempt",))["attempt"] == self.attempt
