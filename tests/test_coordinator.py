@@ -260,3 +260,15 @@ def test_a_spare_that_hangs_while_waiting_is_fenced_not_admitted(make, tmp_path:
     ask_to_join(client, 2, 1)  # restarted by its launcher: a spare again
     c._poll_joins(later + 0.1)
     assert c.membership.members == (0, 2)
+
+
+def test_a_spare_whose_launcher_reports_it_dead_is_dropped_at_once(make, tmp_path: Path) -> None:
+    c, client = make(spares=1)
+    ask_to_join(client, 2, 0)
+    now = time.monotonic()
+    c._poll_joins(now)
+    store.report(client, {"replica": 2, "epoch": 0, "suspect": 2, "cause": "torchrun of replica 2 exited with code 1"})
+    c._poll_reports(now)
+    assert c.spares == {} and c.detector.decide(now) == ({}, False)  # no member failed
+    (lost,) = events(tmp_path, "spare_lost")
+    assert lost["cause"] == "torchrun of replica 2 exited with code 1"

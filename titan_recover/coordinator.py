@@ -149,6 +149,8 @@ class Coordinator:
             self.reporters.add(rec["replica"])
         if suspect is not None and rec.get("error") and rec.get("step") is not None:
             self.errors[suspect] = (rec["error"], rec["step"])
+        if suspect in self.spares:  # e.g. its launcher saw it exit while it waited
+            self._drop_spare(suspect, rec["cause"])
         self.detector.report(suspect, rec["cause"], now)
 
     def _failure_time(self, replica: int, detected: float, now: float) -> tuple[float, str]:
@@ -279,16 +281,17 @@ class Coordinator:
     def _drop_silent_spares(self, now: float) -> None:
         """A waiting group whose heartbeat stalled (hung while waiting) is fenced: its launcher
         kills it and starts it again, instead of it being admitted to hold the others up."""
-        for replica, attempt in sorted(self.spares.items()):
+        for replica in sorted(self.spares):
             last = self.detector.silent_since(replica)
-            if last is None or now - last < self.rc.heartbeat_timeout_s:
-                continue
-            del self.spares[replica]
-            self.dropped[replica] = attempt
-            store.put_json(self.store, store.fenced_key(replica), {"attempt": attempt, "epoch": self.membership.epoch})
-            cause = f"heartbeat silent for {now - last:.2f}s while waiting as a spare"
-            self.events.emit("spare_lost", replica=replica, attempt=attempt, step=self._step(), cause=cause)
-            log(f"spare replica {replica} (attempt {attempt}) fenced: {cause}")
+            if last is not None and now - last >= self.rc.heartbeat_timeout_s:
+                self._drop_spare(replica, f"heartbeat silent for {now - last:.2f}s while waiting as a spare")
+
+    def _drop_spare(self, replica: int, cause: str) -> None:
+        attempt = self.spares.pop(replica)
+        self.dropped[replica] = attempt
+        store.put_json(self.store, store.fenced_key(replica), {"attempt": attempt, "epoch": self.membership.epoch})
+        self.events.emit("spare_lost", replica=replica, attempt=attempt, step=self._step(), cause=cause)
+        log(f"spare replica {replica} (attempt {attempt}) fenced: {cause}")
 
     def _admit(self, replica: int, attempt: int, now: float) -> None:
         """Makes a ready group a member in a new epoch; it takes the state from a live peer."""
