@@ -1,11 +1,14 @@
-"""The goodput simulator: hand-computed timelines, Young/Daly, the CLI (pure, milliseconds)."""
+"""The goodput simulator: hand-computed timelines, Young/Daly, spares, stragglers, the CLI,
+the bench's spare cost (pure, milliseconds)."""
 
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 
+from bench import simulate
 from titan_recover import goodput as g
 
 CLUSTER = g.Cluster(gpus=2, group_gpus=1, microbatches=4, tokens_per_step=100)
@@ -241,3 +244,14 @@ def test_paper_setting_with_spares_and_a_straggler() -> None:
 def test_cli_spares_and_stragglers(capsys) -> None:
     assert g.main(["--paper", "--spares", "1", "--slowdown", "2", "--policy", "speed", "--spare-admit-s", "12"]) == 0
     assert "effective throughput ratio" in capsys.readouterr().out
+
+
+def test_the_paper_spares_take_the_measured_admission_cost_if_any(tmp_path: Path) -> None:
+    calibrated = {"detect_s": 0.7, "transfer_s": 0.2, "step_s": 0.3}
+    derived = simulate.paper_spares(tmp_path, calibrated)
+    assert derived["spare_cost_source"] == "derived" and derived["spare_admit_s"] == pytest.approx(1.2)
+    assert derived["spare_downtime_floor_s"] == 10.0  # the paper's own detection and transfer
+    (tmp_path / "spares.json").write_text(json.dumps({"spare_rejoin_downtime_s": 14.5}))
+    measured = simulate.paper_spares(tmp_path, calibrated)
+    assert (measured["spare_cost_source"], measured["spare_admit_s"], measured["spare_downtime_floor_s"]) == ("measured", 14.5, 14.5)
+    assert sorted(measured["by_spares"]) == [0, 1, 2]
