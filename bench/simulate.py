@@ -10,6 +10,14 @@
    (Poisson, mean of 5 draws), each baseline at its Young/Daly checkpoint interval.
 4. Recovery latency against scale: the measured latency and restart time at R = 2, 4, 8
    (``bench/recovery_latency.py``), fitted linearly in R and extrapolated.
+5. Hot spares: the paper's setting with 0, 1, 2 spare groups (on top of the 512 GPUs, paid
+   from the same 234 GPU-hours, so the run and its failures' spread are shorter). A spare's
+   admission costs the downtime measured with spares (``spares.json``,
+   ``spare_rejoin_downtime_s``) or, until that exists, the calibration's detection +
+   transfer + one step (``spare_cost_source``: ``derived``).
+6. Stragglers: one group of the paper's cluster 2x and 4x slower for the whole run, under
+   each quota policy (equal, by speed, the fractional bound): the failure-free step and the
+   paper setting's throughput.
 
     .venv/bin/python -m bench.simulate     -> bench/results/goodput.json (needs ckpt_restart.json)
 """
@@ -28,6 +36,9 @@ SWEEP_HOURS = 24.0
 SWEEP_REPAIR_S = 3600.0  # a failed node is swapped for a spare within the hour
 SWEEP_SEEDS = 5  # independent failure draws per point
 FLASHRECOVERY = {"devices": 4800, "restore_s": 150.0}
+SPARES = (0, 1, 2)
+SLOWDOWNS = (2, 4)
+POLICIES = ("balanced", "speed", "ideal")
 
 
 def calibration(measured: dict) -> dict:
@@ -75,6 +86,43 @@ def paper() -> dict:
     }
     return {"costs": g.PAPER_COSTS.__dict__, "cluster": g.PAPER_CLUSTER.__dict__, "events": 4, "result": main,
             "ratio_by_failure_events": per_events, "ratio_by_restart_s": per_restart}
+
+
+def paper_spares(results: Path, calibrated: dict) -> dict:
+    """The paper setting with hot spares. The spare's cost is measured on this machine, as
+    the other costs the calibration uses; the paper's own detection and transfer still
+    bound a spare's downtime from below (``spare_downtime_floor_s``)."""
+    path = results / "spares.json"
+    measured = json.loads(path.read_text()).get("spare_rejoin_downtime_s") if path.exists() else None
+    admit = float(measured) if measured is not None else (
+        calibrated["detect_s"] + calibrated["transfer_s"] + calibrated["step_s"])
+    costs = dataclasses.replace(g.PAPER_COSTS, spare_admit_s=admit)
+    return {
+        "spare_cost_source": "measured" if measured is not None else "derived",
+        "spare_admit_s": admit,
+        "spare_downtime_floor_s": max(admit, costs.detect_s + costs.transfer_s),
+        "by_spares": {n: g.paper_setting(costs, spares=n) for n in SPARES},
+    }
+
+
+def paper_stragglers() -> dict:
+    """One straggling group in the paper setting: its failure-free step and titan_recover's
+    throughput over the run, by quota policy (the baseline's quotas stay equal)."""
+    cluster, costs = g.PAPER_CLUSTER, g.PAPER_COSTS
+    out: dict = {"groups": 1, "nominal_step_s": g.step_time(cluster, costs, cluster.groups),
+                 "nominal_tokens_per_s": g.paper_setting()["recover"]["tokens_per_s"], "by_slowdown": {}}
+    for slowdown in SLOWDOWNS:
+        straggler = g.Straggler(slowdown)
+        runs = {p: g.paper_setting(stragglers=[straggler], policy=p) for p in POLICIES}
+        tokens = {p: r["recover"]["tokens_per_s"] for p, r in runs.items()}
+        out["by_slowdown"][slowdown] = {
+            "step_s": {p: g.step_time(cluster, costs, cluster.groups, [1 / slowdown], p) for p in POLICIES},
+            "tokens_per_s": tokens,
+            "throughput_ratio": {p: r["throughput_ratio"] for p, r in runs.items()},
+            "speed_over_balanced": tokens["speed"] / tokens["balanced"],
+            "speed_over_ideal": tokens["speed"] / tokens["ideal"],
+        }
+    return out
 
 
 def sweep() -> list[dict]:
@@ -127,6 +175,8 @@ def run(results: Path = RESULTS) -> dict:
         "paper_setting": pap,
         "sweep": sweep(),
         "latency_scale": latency_scale(results),
+        "paper_spares": paper_spares(results, cal["costs"]),
+        "paper_stragglers": paper_stragglers(),
         "sim_calibration_error": cal["sim_calibration_error"],
         "sim_paper_setting_ratio": pap["result"]["throughput_ratio"],
         "sim_paper_tokens_ratio_at_234_gpu_hours": pap["result"]["tokens_ratio_at_gpu_hours"],
@@ -140,7 +190,17 @@ def main() -> None:
         print(f"calibration {r['system']:20s} measured {r['measured_s']:6.1f} s  predicted {r['predicted_s']:6.1f} s  "
               f"error {r['error']:.1%}")
     print(f"paper setting: {result['sim_paper_setting_ratio']:.2f}x effective throughput, "
-          f"{result['sim_paper_tokens_ratio_at_234_gpu_hours']:.2f}x tokens at 234 GPU-hours; wrote {path}")
+          f"{result['sim_paper_tokens_ratio_at_234_gpu_hours']:.2f}x tokens at 234 GPU-hours")
+    spares = result["paper_spares"]
+    print(f"  spare admission: {spares['spare_admit_s']:.2f} s ({spares['spare_cost_source']}), "
+          f"{spares['spare_downtime_floor_s']:.2f} s at least in the paper's costs")
+    for n, r in spares["by_spares"].items():
+        print(f"  {n} spares: titan_recover {r['recover']['tokens_per_s']:.0f} tokens/s, {r['throughput_ratio']:.2f}x, "
+              f"{r['tokens_ratio_at_gpu_hours']:.2f}x tokens at 234 GPU-hours")
+    for slowdown, r in result["paper_stragglers"]["by_slowdown"].items():
+        print(f"  one group {slowdown}x slower: failure-free step " + ", ".join(f"{p} {t:.2f} s" for p, t in r["step_s"].items())
+              + f"; paper run tokens/s speed/balanced {r['speed_over_balanced']:.2f}x, speed/ideal {r['speed_over_ideal']:.2f}x")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,12 @@ hardware is usable again after ``repair_s`` (0: a process crash, restarted at on
   group's share of the step in flight; survivors carry all M microbatches, so a step
   takes ``ceil(M / live) / ceil(M / R)`` times as long. A repaired group starts
   (``rejoin_s``) and is admitted after survivors pause ``transfer_s`` to send its state.
+  With hot spares (``Cluster.spares``), a ready spare is called up at once instead
+  (``spare_admit_s``) and the restarted group becomes a spare.
+
+Both systems pay for every working group, spares included. Stragglers (``Straggler``)
+slow some groups for a time window; titan_recover splits the microbatches by a
+``Policy`` (equal quotas, or quotas in proportion to speed), the baseline equally.
 
 Pure Python, no process plumbing: ``python -m titan_recover.goodput --help``.
 """
@@ -28,17 +34,22 @@ import json
 import math
 import random
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import Literal
 
 HOUR = 3600.0
 
 
 @dataclass(frozen=True)
 class Cluster:
-    gpus: int
+    gpus: int  # the training groups' GPUs; spares come on top
     group_gpus: int
     microbatches: int  # M: microbatches summed per step (>= number of groups)
     tokens_per_step: int
+    # hot spare groups started with the job: model built, outside the membership, no
+    # collectives, no throughput, but their GPUs are paid for (they are not failed here)
+    spares: int = 0
 
     @property
     def groups(self) -> int:
@@ -56,6 +67,17 @@ class Costs:
     rejoin_s: float  # titan_recover: repaired group's process start -> asks to join
     transfer_s: float  # titan_recover: survivors' pause while a joiner receives its state
     repair_s: float = math.inf  # failed group's hardware usable again (0: restart at once)
+    # titan_recover with a ready spare: failure -> the spare trains, less the wait for the
+    # step boundary where it joins (survivors pause transfer_s then, as for any joiner);
+    # never less than detect_s + transfer_s, the default (the spare is admitted once the
+    # failure is detected)
+    spare_admit_s: float | None = None
+
+    @property
+    def spare_ask_s(self) -> float:
+        """Failure -> a called-up spare asks to join (its transfer pause comes after)."""
+        admit = self.detect_s + self.transfer_s if self.spare_admit_s is None else self.spare_admit_s
+        return admit - self.transfer_s
 
 
 @dataclass(frozen=True)
@@ -66,6 +88,22 @@ class Failure:
     time_s: float | None = None
     step: int | None = None
     groups: int = 1
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """``groups`` live groups run at 1 / ``slowdown`` of the nominal speed from wall time
+    ``start_s`` to ``end_s``. Failures spare them (they hit full-speed groups)."""
+
+    slowdown: float
+    groups: int = 1
+    start_s: float = 0.0
+    end_s: float = math.inf
+
+
+# How titan_recover splits a step's microbatches: "balanced", equal quotas; "speed", quotas
+# in proportion to the groups' speeds; "ideal", fractional quotas in proportion (a bound).
+Policy = Literal["balanced", "speed", "ideal"]
 
 
 @dataclass
@@ -95,10 +133,33 @@ class Result:
         return prev[1]
 
 
-def step_time(cluster: Cluster, costs: Costs, live: int) -> float:
-    """A step with ``live`` groups: each computes ceil(M / live) microbatches."""
+def quotas(microbatches: int, speeds: Sequence[float], policy: Policy = "balanced") -> list[int]:
+    """Integer microbatches per group, by largest remainder: equal shares ("balanced") or
+    shares in proportion to speed ("speed"). Ties go to the earlier group, so the stragglers,
+    listed first, get a balanced step's extra microbatches: the worst case."""
+    weights = speeds if policy == "speed" else [1.0] * len(speeds)
+    exact = [microbatches * w / sum(weights) for w in weights]
+    out = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda i: out[i] - exact[i])
+    for i in by_remainder[: microbatches - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def step_time(cluster: Cluster, costs: Costs, live: int, slow: Sequence[float] = (), policy: Policy = "balanced",
+              microbatches: float | None = None) -> float:
+    """A step of ``microbatches`` (default M; a fraction counts whole) on ``live`` groups,
+    ``slow`` the speeds of the straggling ones (1 = nominal): the time of the group that
+    finishes last. Without stragglers, each computes ceil(M / live) microbatches."""
     per_microbatch = costs.step_s / math.ceil(cluster.microbatches / cluster.groups)
-    return per_microbatch * math.ceil(cluster.microbatches / live)
+    work = cluster.microbatches if microbatches is None else microbatches
+    slow = slow[:live]
+    if policy == "ideal":
+        return per_microbatch * work / (sum(slow) + live - len(slow))
+    if not slow:  # equal speeds, both policies: in closed form, as the sweeps take millions of steps
+        return per_microbatch * math.ceil(work / live)
+    speeds = [*slow, *[1.0] * (live - len(slow))]
+    return per_microbatch * max(q / s for q, s in zip(quotas(math.ceil(work), speeds, policy), speeds))
 
 
 def young_daly_interval_s(ckpt_save_s: float, mtbf_s: float) -> float:
@@ -142,12 +203,14 @@ class Horizon:
 class _Run:
     """The clock, failures, repairs and curve of one simulated run (shared by both systems)."""
 
-    def __init__(self, system: str, cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon) -> None:
+    def __init__(self, system: str, cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon,
+                 stragglers: Sequence[Straggler]) -> None:
         self.system, self.cluster, self.costs, self.horizon = system, cluster, costs, horizon
         self.timed = sorted((f for f in failures if f.time_s is not None), key=lambda f: f.time_s)  # type: ignore[arg-type,return-value]
         self.by_step = [f for f in failures if f.step is not None]
+        self.stragglers = stragglers
         self.t, self.steps, self.fired, self.gpu_hours = 0.0, 0, 0, 0.0
-        self.healthy = cluster.groups  # groups whose hardware works (they are paid for)
+        self.healthy = cluster.groups + cluster.spares  # groups whose hardware works (they are paid for)
         self.repairs: list[float] = []  # heap: when failed groups' hardware is back
         self.curve: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)]
 
@@ -165,6 +228,11 @@ class _Run:
                 heapq.heappop(self.repairs)
                 self.healthy += 1
 
+    def slow(self) -> list[float]:
+        """Speeds of the groups straggling now: a step's are taken when it (or, after a
+        failure, its remainder) starts."""
+        return [1 / s.slowdown for s in self.stragglers if s.start_s <= self.t < s.end_s for _ in range(s.groups)]
+
     def _step_due(self) -> bool:
         return bool(self.by_step) and self.by_step[0].step == self.steps + 1
 
@@ -174,11 +242,11 @@ class _Run:
         timed = self.timed[0].time_s if self.timed else math.inf
         return min(timed, start + duration / 2) if self._step_due() else timed  # type: ignore[return-value]
 
-    def fail(self) -> int:
-        """Fires the failure due now; returns how many healthy groups it took."""
+    def fail(self, exposed: int) -> int:
+        """Fires the failure due now on ``exposed`` training groups; returns how many it took."""
         timed_now = bool(self.timed) and self.timed[0].time_s <= self.t  # type: ignore[operator]
         failure = self.timed.pop(0) if timed_now or not self._step_due() else self.by_step.pop(0)
-        lost = min(failure.groups, self.healthy)
+        lost = min(failure.groups, exposed, self.healthy)
         self.healthy -= lost
         self.fired += 1
         for _ in range(lost):
@@ -194,13 +262,15 @@ class _Run:
         return Result(self.system, self.t, self.steps, tokens, self.gpu_hours, self.fired, self.curve)
 
 
-def simulate_restart(cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon, ckpt_every: int) -> Result:
-    """Checkpoint-and-restart with a blocking checkpoint every ``ckpt_every`` steps."""
-    run = _Run(f"ckpt-restart K={ckpt_every}", cluster, costs, failures, horizon)
+def simulate_restart(cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon, ckpt_every: int,
+                     stragglers: Sequence[Straggler] = ()) -> Result:
+    """Checkpoint-and-restart with a blocking checkpoint every ``ckpt_every`` steps. Its
+    quotas are equal; a restart takes up to R working groups, spares included."""
+    run = _Run(f"ckpt-restart K={ckpt_every}", cluster, costs, failures, horizon, stragglers)
     live, ckpt_step = cluster.groups, 0
     while not run.done():
         saving = (run.steps + 1) % ckpt_every == 0
-        dt = step_time(cluster, costs, live) + (costs.ckpt_save_s if saving else 0.0)
+        dt = step_time(cluster, costs, live, run.slow()) + (costs.ckpt_save_s if saving else 0.0)
         at = run.next_failure(run.t, dt)
         if at >= run.t + dt:
             run.advance(run.t + dt)
@@ -209,56 +279,82 @@ def simulate_restart(cluster: Cluster, costs: Costs, failures: list[Failure], ho
             run.record()
             continue
         run.advance(at)
-        run.fail()
+        run.fail(live)
         run.steps = ckpt_step  # work since the last checkpoint is lost
         restart_end = run.t + costs.restart_s
         while run.timed and run.timed[0].time_s < restart_end:  # a failure during the restart starts it over
             run.advance(run.timed[0].time_s)  # type: ignore[arg-type]
-            run.fail()
+            run.fail(min(cluster.groups, run.healthy))
             restart_end = run.t + costs.restart_s
         run.advance(restart_end)
         if run.healthy == 0:  # nothing to restart on until hardware comes back
             if not run.repairs:
                 break
             run.advance(run.repairs[0])
-        live = run.healthy
+        live = min(cluster.groups, run.healthy)
         run.record()
     return run.result()
 
 
-def _recover_step(run: _Run, live: int, joins: list[float]) -> int:
+@dataclass
+class _Outside:
+    """titan_recover's working groups outside the membership: ``ready`` ones (spares) and a
+    heap of when restarted groups and called-up spares ask to join."""
+
+    ready: int
+    asks: list[float] = field(default_factory=list)
+
+    def lose(self, t: float, costs: Costs) -> None:
+        """A training group failed at ``t``: a ready spare, if any, is called up, and the
+        failed group restarts (a spare if no place is left when it asks)."""
+        if self.ready:
+            self.ready -= 1
+            heapq.heappush(self.asks, t + costs.spare_ask_s)
+        heapq.heappush(self.asks, t + costs.repair_s + costs.rejoin_s)
+
+    def admit(self, run: _Run, live: int) -> int:
+        """At a step boundary, admits asking groups while places are free, survivors pausing
+        ``transfer_s`` for each; returns the groups live after."""
+        while True:
+            while self.asks and self.asks[0] <= run.t:
+                heapq.heappop(self.asks)
+                self.ready += 1
+            if live == run.cluster.groups or not self.ready:
+                return live
+            self.ready -= 1
+            run.advance(run.t + run.costs.transfer_s)
+            live += 1
+
+
+def _recover_step(run: _Run, live: int, outside: _Outside, policy: Policy) -> int:
     """One titan_recover step; returns the groups live at its end (0: every group died)."""
-    cluster, costs = run.cluster, run.costs
-    per_mb = costs.step_s / math.ceil(cluster.microbatches / cluster.groups)
-    remaining = float(cluster.microbatches)
+    remaining = float(run.cluster.microbatches)
     while remaining > 0 and live > 0:
-        dt = per_mb * math.ceil(remaining / live)
+        dt = step_time(run.cluster, run.costs, live, run.slow(), policy, remaining)
         at = run.next_failure(run.t, dt)
         if at >= run.t + dt:
             run.advance(run.t + dt)
             return live
         done = remaining * (at - run.t) / dt
         run.advance(at)
-        lost = min(run.fail(), live)
-        remaining -= done * (1 - lost / live)  # survivors keep their work; the failed groups' share is redone
+        lost = run.fail(live)
+        # survivors keep their work; the failed groups' share (an equal one, even with stragglers) is redone
+        remaining -= done * (1 - lost / live)
         live -= lost
         for _ in range(lost):
-            heapq.heappush(joins, run.t + costs.repair_s + costs.rejoin_s)
-        run.advance(run.t + costs.detect_s)
+            outside.lose(run.t, run.costs)
+        run.advance(run.t + run.costs.detect_s)
     return live
 
 
-def simulate_recover(cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon) -> Result:
+def simulate_recover(cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon,
+                     stragglers: Sequence[Straggler] = (), policy: Policy = "balanced") -> Result:
     """titan_recover: survivors finish the step in flight and carry all M microbatches."""
-    run = _Run("titan_recover", cluster, costs, failures, horizon)
-    live = cluster.groups
-    joins: list[float] = []  # heap: when a restarted group asks to join
+    run = _Run("titan_recover", cluster, costs, failures, horizon, stragglers)
+    live, outside = cluster.groups, _Outside(ready=cluster.spares)
     while not run.done():
-        while joins and joins[0] <= run.t:  # admitted at a step boundary; survivors pause to send the state
-            heapq.heappop(joins)
-            run.advance(run.t + costs.transfer_s)
-            live += 1
-        live = _recover_step(run, live, joins)
+        live = outside.admit(run, live)
+        live = _recover_step(run, live, outside, policy)
         if live == 0:  # no group holds the state: the DCP backstop, which this model leaves out
             break
         run.steps += 1
@@ -276,12 +372,14 @@ def mtbf_s(cluster: Cluster, failures: list[Failure], horizon: Horizon, rate_per
 
 
 def compare(
-    cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon, ckpt_every: int, curves: bool = False
+    cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon, ckpt_every: int, curves: bool = False,
+    stragglers: Sequence[Straggler] = (), policy: Policy = "balanced",
 ) -> dict:
-    """Both systems on the same failures; ratios are titan_recover over checkpoint-and-restart.
-    With ``curves``, also each run's (time s, tokens, GPU-hours) points."""
-    rec = simulate_recover(cluster, costs, failures, horizon)
-    base = simulate_restart(cluster, costs, failures, horizon, ckpt_every)
+    """Both systems on the same failures and stragglers (titan_recover's quotas by
+    ``policy``); ratios are titan_recover over checkpoint-and-restart. With ``curves``,
+    also each run's (time s, tokens, GPU-hours) points."""
+    rec = simulate_recover(cluster, costs, failures, horizon, stragglers, policy)
+    base = simulate_restart(cluster, costs, failures, horizon, ckpt_every, stragglers)
     out: dict = {
         "ckpt_every": ckpt_every,
         "recover": summary(rec),
@@ -303,10 +401,12 @@ def summary(result: Result) -> dict:
     }
 
 
-def best_ckpt_every(cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon, upto: int) -> int:
+def best_ckpt_every(cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon, upto: int,
+                    stragglers: Sequence[Straggler] = ()) -> int:
     """The checkpoint interval (1..upto steps) that gives the baseline its highest throughput
     on these very failures: fairer than Young/Daly when failures are not random."""
-    return max(range(1, upto + 1), key=lambda k: simulate_restart(cluster, costs, failures, horizon, k).throughput)
+    return max(range(1, upto + 1),
+               key=lambda k: simulate_restart(cluster, costs, failures, horizon, k, stragglers).throughput)
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -328,22 +428,26 @@ PAPER_COSTS = Costs(step_s=10.0, ckpt_save_s=30.0, restart_s=300.0, detect_s=5.0
 PAPER_LOST_GPUS, PAPER_GPU_HOURS = 256, 234.0
 
 
-def paper_setting(costs: Costs = PAPER_COSTS, events: int = 4, curves: bool = False) -> dict:
+def paper_setting(costs: Costs = PAPER_COSTS, events: int = 4, curves: bool = False, spares: int = 0,
+                  stragglers: Sequence[Straggler] = (), policy: Policy = "balanced") -> dict:
     """``events`` failures, each losing 256 / events GPUs for good, evenly spread over the
     run, which ends when 234 GPU-hours are spent. The baseline checkpoints at the interval
-    that suits it best on these failures (searched up to twice the Young/Daly one)."""
-    cluster = PAPER_CLUSTER
+    that suits it best on these failures (searched up to twice the Young/Daly one).
+    ``spares`` groups come on top of the 512 GPUs, paid from the same budget: the run, and
+    with it the failures' spread, is that much shorter."""
+    cluster = replace(PAPER_CLUSTER, spares=spares)
     lost_groups = PAPER_LOST_GPUS // cluster.group_gpus
     if lost_groups % events:
         raise ValueError(f"{PAPER_LOST_GPUS} GPUs in groups of {cluster.group_gpus} do not split into {events} events")
     # events at span * i / (events + 1): the cluster spends equal time at each size
-    mean_gpus = cluster.gpus - PAPER_LOST_GPUS / 2
+    mean_gpus = cluster.gpus + cluster.spares * cluster.group_gpus - PAPER_LOST_GPUS / 2
     span = PAPER_GPU_HOURS * HOUR / mean_gpus
     failures = spread_failures(events, span, groups=lost_groups // events)
     horizon = Horizon(gpu_hours=PAPER_GPU_HOURS)
     costs = replace(costs, repair_s=math.inf)
     daly = young_daly_steps(costs, span / events)
-    out = compare(cluster, costs, failures, horizon, best_ckpt_every(cluster, costs, failures, horizon, 2 * daly), curves)
+    ckpt_every = best_ckpt_every(cluster, costs, failures, horizon, 2 * daly, stragglers)
+    out = compare(cluster, costs, failures, horizon, ckpt_every, curves, stragglers, policy)
     out["young_daly_steps"] = daly
     return out
 
@@ -357,6 +461,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--microbatches", type=int, default=None,
                    help=f"M per step (default: {MICROBATCHES_PER_GROUP} per group)")
     c.add_argument("--tokens-per-step", type=int, default=PAPER_CLUSTER.tokens_per_step)
+    c.add_argument("--spares", type=int, default=0, help="hot spare groups on top of --gpus")
     k = p.add_argument_group("costs (seconds)")
     for name, value in asdict(PAPER_COSTS).items():
         k.add_argument(f"--{name.replace('_', '-')}", type=float, default=value)
@@ -365,6 +470,11 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--trace", help="JSON list of failure times in seconds")
     f.add_argument("--paper", action="store_true", help="the paper's setting: 512 GPUs, 256 lost, 234 GPU-hours")
     f.add_argument("--events", type=int, default=4, help="with --paper: how many failures lose the 256 GPUs")
+    s = p.add_argument_group("stragglers (the whole run)")
+    s.add_argument("--slowdown", type=float, help="some groups run this many times slower")
+    s.add_argument("--slow-groups", type=int, default=1, help="how many groups straggle")
+    s.add_argument("--policy", choices=("balanced", "speed", "ideal"), default="balanced",
+                   help="titan_recover's microbatch quotas: equal, by speed, or fractional by speed (a bound)")
     h = p.add_argument_group("horizon")
     h.add_argument("--hours", type=float, default=24.0, help="wall-clock hours to simulate")
     h.add_argument("--ckpt-every", type=int, help="baseline checkpoint interval in steps (default: Young/Daly)")
@@ -380,10 +490,12 @@ def _times(ratio: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     costs = Costs(**{name: getattr(args, name) for name in asdict(PAPER_COSTS)})
+    stragglers = [Straggler(args.slowdown, args.slow_groups)] if args.slowdown else []
     if args.paper:
-        result = paper_setting(costs, args.events)
+        result = paper_setting(costs, args.events, spares=args.spares, stragglers=stragglers, policy=args.policy)
     else:
-        cluster = Cluster(args.gpus, args.group_gpus, args.microbatches or MICROBATCHES_PER_GROUP * (args.gpus // args.group_gpus), args.tokens_per_step)
+        cluster = Cluster(args.gpus, args.group_gpus, args.microbatches or MICROBATCHES_PER_GROUP * (args.gpus // args.group_gpus),
+                          args.tokens_per_step, args.spares)
         if cluster.groups < 1 or cluster.microbatches < cluster.groups:
             raise SystemExit(f"error: need --gpus >= --group-gpus and --microbatches >= {cluster.groups} groups")
         horizon = Horizon(wall_s=args.hours * HOUR)
@@ -393,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             failures = poisson_failures(cluster, args.failure_rate or 0.0, horizon.wall_s, args.seed)
         ckpt = args.ckpt_every or young_daly_steps(costs, mtbf_s(cluster, failures, horizon, args.failure_rate))
-        result = compare(cluster, costs, failures, horizon, ckpt)
+        result = compare(cluster, costs, failures, horizon, ckpt, stragglers=stragglers, policy=args.policy)
     for side in ("recover", "restart"):
         s = result[side]
         print(f"{s['system']:22s} wall {s['wall_s'] / HOUR:7.2f} h  steps {s['steps']:7d}  failures {s['failures']:4d}  "
