@@ -12,6 +12,9 @@ from titan_recover.events import read_events
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
 RESULTS = ROOT / "bench" / "results"
+# every benchmark names its precision: CPU runs are float32 (bfloat16 is emulated on CPUs without
+# AVX-512-BF16/AMX, ~13x slower), and results record it
+PRECISION = ["--training.mixed_precision_param", "float32"]
 
 
 def launch(args: list[str], what: str) -> tuple[list[dict], float]:

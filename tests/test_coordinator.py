@@ -204,11 +204,11 @@ def test_a_spare_waits_while_the_membership_is_full_and_replaces_a_failed_group_
     ask_to_join(client, 2, 0)  # the spare, up since the start
     assert c._poll_joins(time.monotonic())
     assert c.membership.members == (0, 1) and c.spares == {2: 0}
-    assert not client.check([store.admitted_key(2)])
+    assert not client.check([store.admitted_key(2, 0)])
     assert c._fence({1: "torchrun of replica 1 exited"})
     assert c._poll_joins(time.monotonic())  # the very next pass: no process start in between
     assert c.membership.members == (0, 2) and c.spares == {}
-    assert store.get_json(client, store.admitted_key(2), ("attempt", "epoch")) == {"attempt": 0, "epoch": 2}
+    assert store.get_json(client, store.admitted_key(2, 0), ("attempt", "epoch")) == {"attempt": 0, "epoch": 2}
     (admitted,) = events(tmp_path, "admitted")
     assert admitted["replica"] == 2 and admitted["replaces"] == 1
     ask_to_join(client, 1, 1)  # the failed group, restarted, becomes the spare

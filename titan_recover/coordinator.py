@@ -303,7 +303,7 @@ class Coordinator:
         replaced = repaired_failure(replica, self.down_since)
         if replaced is not None:
             self.repairs[replica] = (replaced, self.down_since.pop(replaced))
-        store.put_json(self.store, store.admitted_key(replica), {"attempt": attempt, "epoch": new.epoch})
+        store.put_json(self.store, store.admitted_key(replica, attempt), {"attempt": attempt, "epoch": new.epoch})
         instead = "" if replaced in (None, replica) else f" in place of replica {replaced}"
         self.events.emit("admitted", replica=replica, attempt=attempt, epoch=new.epoch, step=self._step(),
                          **({"replaces": replaced} if replaced is not None else {}))

@@ -82,9 +82,10 @@ def join_ready_key(replica: int, attempt: int) -> str:
     return f"join/{replica}/{attempt}"
 
 
-def admitted_key(replica: int) -> str:
-    """{"attempt", "epoch"}: the coordinator's answer to a join request."""
-    return f"admitted/{replica}"
+def admitted_key(replica: int, attempt: int) -> str:
+    """{"attempt", "epoch"}: the coordinator's answer to the join request of that incarnation
+    (one key per incarnation, so a waiting group blocks on it instead of polling)."""
+    return f"admitted/{replica}/{attempt}"
 
 
 def fenced_key(replica: int) -> str:

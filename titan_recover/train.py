@@ -313,10 +313,8 @@ class RecoverTrainer(Trainer):
         self.store.add(store.join_ready_key(self.replica, self.attempt), 1)
         log(f"replica {self.replica} rank {self.shard} (attempt {self.attempt}) asks to join; "
             "it waits as a hot spare while the membership is full")
-        key = store.admitted_key(self.replica)
-        while not (
-            self.store.check([key]) and store.get_json(self.store, key, ("attempt",))["attempt"] == self.attempt
-        ):
+        key = store.admitted_key(self.replica, self.attempt)
+        while not self.store.check([key]):  # TCPStore.wait would log a warning per timeout while a spare waits
             self._store_epoch()  # raises if the run failed or finished meanwhile
             time.sleep(EPOCH_POLL_S)
         epoch = self._agree_epoch()
