@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from bench.common import CONFIG, ROOT, of, write_result
+from bench.common import CONFIG, PRECISION, ROOT, of, write_result
 from titan_recover import data
 from titan_recover.events import events_path, read_events
 from titan_recover.launch import with_threads
@@ -93,7 +93,7 @@ class Setup:
             "--training.steps", str(self.steps), "--training.local_batch_size", str(self.local_batch),
             "--training.global_batch_size", str(self.global_batch),
             "--lr_scheduler.warmup_steps", str(self.warmup_steps), "--debug.seed", str(self.seed),
-            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
+            *PRECISION, "--metrics.log_freq", "1",
             "--parallelism.data_parallel_shard_degree", str(self.shards),
         ]
 

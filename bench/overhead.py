@@ -12,7 +12,7 @@ Steady-state step time = median gap between consecutive step events, first steps
 import argparse
 import statistics
 
-from bench.common import launch, of, step_gaps, write_result
+from bench.common import PRECISION, launch, of, step_gaps, write_result
 
 WARMUP_STEPS = 3
 
@@ -20,7 +20,8 @@ WARMUP_STEPS = 3
 def measure(mode: str, steps: int, extra: list[str]) -> dict:
     """Median step time, max RSS of any rank and FT buffer of one run."""
     flag = "--recover.enable" if mode == "recover" else "--recover.no-enable"
-    events, _ = launch(["--training.steps", str(steps), "--recover.fault_plan", "none", flag, *extra], f"{mode} run")
+    events, _ = launch(["--training.steps", str(steps), "--recover.fault_plan", "none", flag, *PRECISION, *extra],
+                       f"{mode} run")
     mem = of(events, "rank_memory")
     return {
         "step_s": statistics.median(step_gaps(of(events, "step")[WARMUP_STEPS:]).values()),
@@ -44,7 +45,8 @@ def run(pairs: int, steps: int, extra: list[str]) -> dict:
     step = spread([r["recover"]["step_s"] / r["stock"]["step_s"] for r in rows])
     rss = spread([r["recover"]["max_rss_mb"] / r["stock"]["max_rss_mb"] for r in rows])
     return {
-        "setup": {"config": "train_configs/llama3_debug_cpu.toml", "pairs": pairs, "steps": steps, "extra": extra},
+        "setup": {"config": "train_configs/llama3_debug_cpu.toml", "pairs": pairs, "steps": steps, "extra": extra,
+                  "precision": PRECISION[-1]},
         "pairs": rows,
         "step_time_ratio": step,
         "peak_rss_ratio": rss,

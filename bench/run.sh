@@ -15,9 +15,13 @@ step bench.overhead "${mode[@]}"
 step bench.fidelity "${mode[@]}"
 step bench.ckpt_restart "${mode[@]}"
 step bench.data "${mode[@]}"
+step bench.stragglers
 if [ ${#mode[@]} -eq 0 ]; then
     step bench.recovery_latency --repeats 2
     step bench.recovery_latency --repeats 1 --faults kill --rejoin
+    step bench.spares  # R = 2, 4, 8 with and without a hot spare (about 30 minutes on 2 cores)
+else
+    step bench.spares --replicas 2 --ff-repeats 1
 fi
 if [ -n "${SOAK_FAULTS:-}" ]; then  # the soak (issue #12) runs over an hour on 2 cores: only when asked, e.g. SOAK_FAULTS=100
     step bench.soak --faults "$SOAK_FAULTS"

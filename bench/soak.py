@@ -65,7 +65,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from bench.common import CONFIG, ROOT, RESULTS
+from bench.common import CONFIG, PRECISION, RESULTS, ROOT
 from titan_recover.compare import Comparison, compare_runs
 from titan_recover.events import events_path, read_events
 from titan_recover.membership import Membership, TooFewReplicasError, donor
@@ -625,7 +625,7 @@ class Setup:
     def args(self, dump: Path, plan: str | None = None) -> list[str]:
         return [
             sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG.relative_to(ROOT)),
-            "--job.dump_folder", str(dump), "--training.mixed_precision_param", "float32",
+            "--job.dump_folder", str(dump), *PRECISION,
             "--training.steps", str(self.steps), "--debug.seed", "42", "--metrics.log_freq", "10",
             "--parallelism.data_parallel_replicate_degree", str(self.replicas),
             "--parallelism.data_parallel_shard_degree", str(self.shards),
@@ -1062,7 +1062,7 @@ def main(argv: list[str] | None = None) -> int:
                                 + " " + shlex.join(["python", *c["cmd"][1:]])).strip() for n, c in soak.commands.items()},
         "reference_command": shlex.join(["python", *ref_cmd[1:]]) if ref_cmd else (str(a.reference) if a.reference else None),
         "control_command": shlex.join(["python", *control_cmd[1:]]) if control_cmd else (str(a.control) if a.control else None),
-        "precision": "float32", "model": "llama3 debugmodel", "replicas": a.replicas, "shards": a.shards,
+        "precision": PRECISION[-1], "model": "llama3 debugmodel", "replicas": a.replicas, "shards": a.shards,
         "nodes": a.nodes, "spare": a.spare, "steps": steps, "seed": a.seed,
         "microbatches": 2 * a.replicas, "heartbeat_timeout_s": a.heartbeat_timeout_s,
         "collective_timeout_s": a.collective_timeout_s, "random_faults_target": a.faults,
