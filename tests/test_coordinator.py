@@ -272,3 +272,12 @@ def test_a_spare_whose_launcher_reports_it_dead_is_dropped_at_once(make, tmp_pat
     assert c.spares == {} and c.detector.decide(now) == ({}, False)  # no member failed
     (lost,) = events(tmp_path, "spare_lost")
     assert lost["cause"] == "torchrun of replica 2 exited with code 1"
+
+
+def test_a_restarted_group_with_room_is_admitted_without_waiting_as_a_spare(make, tmp_path: Path) -> None:
+    c, client = make(spares=1)
+    assert c._fence({1: "killed"})
+    ask_to_join(client, 1, 1)
+    assert c._poll_joins(time.monotonic())
+    assert c.membership.members == (0, 1) and c.spares == {}
+    assert not (tmp_path / "recover_events.jsonl").read_text().count('"spare_ready"')

@@ -266,16 +266,18 @@ class Coordinator:
                 self._admit(replica, attempt, now)
             elif action == "admit":
                 ready[replica] = attempt
-        for replica, attempt in sorted(ready.items()):
-            if replica not in self.spares:
-                self.spares[replica] = attempt
-                self.detector.expect(replica, now)  # its beats are watched from now on
-                self.events.emit("spare_ready", replica=replica, attempt=attempt, step=self._step())
-        self.spares = {r: a for r, a in self.spares.items() if ready.get(r) == a}
+        self.spares = {r: a for r, a in self.spares.items() if ready.get(r) == a}  # same incarnation, still waiting
         self._drop_silent_spares(now)
-        free = self.replicas - len(self.membership.members)
-        for replica in sorted(self.spares)[:max(0, free)]:
-            self._admit(replica, self.spares.pop(replica), now)
+        ready = {r: a for r, a in ready.items() if a > self.dropped.get(r, -1)}
+        free = max(0, self.replicas - len(self.membership.members))
+        for replica in sorted(ready)[:free]:
+            self.spares.pop(replica, None)
+            self._admit(replica, ready[replica], now)
+        for replica in sorted(ready)[free:]:
+            if replica not in self.spares:
+                self.spares[replica] = ready[replica]
+                self.detector.expect(replica, now)  # its beats are watched from now on
+                self.events.emit("spare_ready", replica=replica, attempt=ready[replica], step=self._step())
         return True
 
     def _drop_silent_spares(self, now: float) -> None:
