@@ -25,6 +25,11 @@ HEADLINES = {
     "data_prepare_tokens_per_s": ("data", "tokens/s of the prepare command on every core of this machine"),
     "data_read_vs_needed_ratio": ("data", "one rank's microbatches/s at seq 8192 / what one H100 of an 8B run consumes"),
     "data_rss_growth_ratio": ("data", "a reading rank's peak RSS at 1B tokens / at 1M tokens"),
+    "spare_rejoin_downtime_s": ("spares", "failure to full membership with a hot spare, worst of R = 2, 4, 8"),
+    "restart_rejoin_downtime_s": ("spares", "the same by restarting the failed group, no spare"),
+    "spare_failure_free_step_ratio": ("spares", "failure-free step time with a waiting spare / without, worst R"),
+    "straggler_speed_vs_ideal": ("stragglers", "step time with the speed policy / ideal, one of 2 groups F times slower (F: ratio)"),
+    "straggler_balanced_vs_ideal": ("stragglers", "the same with the balanced policy"),
 }
 
 
@@ -41,6 +46,8 @@ def _fmt(value: object) -> str:
         return "not run"
     if isinstance(value, float):
         return f"{value:.3g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items())
     return str(value)
 
 
