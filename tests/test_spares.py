@@ -22,7 +22,7 @@ ONE_SHARD = ["--parallelism.data_parallel_shard_degree", "1", "--training.steps"
 M = 8
 # replica 0 pauses after a commit so that a restarted group has time to come up within the run
 # (the others wait for it in the next all-reduce: a long collective timeout)
-PAUSE = "sleep replica=0 step={step} phase=optimizer seconds=45"
+PAUSE = "sleep replica=0 step={step} phase=optimizer seconds=40"
 SPARE = ["--recover.spares", "1", "--recover.collective_timeout_s", "120"]
 
 
