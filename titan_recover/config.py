@@ -208,7 +208,7 @@ def validate(job_config: Any) -> Recover:
                 f"recover.fault_plan: '{f.action} replica={f.replica} rank={f.rank}' names no rank: "
                 f"the job has {ids} replica groups (0..{ids - 1}{', spares included' if rc.spares else ''}) of {group_ranks(par)} ranks (0..{group_ranks(par) - 1})"
             )
-        if f.phase == "join" and f.attempt == 0 and f.replica < replicas:
+        if f.phase == "join" and f.attempt == 0 and not is_spare(f.replica, job_config):
             raise ConfigError(
                 f"recover.fault_plan: '{f.action} replica={f.replica} phase=join attempt=0' can never fire: replica "
                 f"{f.replica} starts as a member and joins only once restarted (attempt >= 1); only a hot spare "
@@ -256,6 +256,11 @@ def replica_ids(job_config: Any) -> int:
     """How many replica ids the run has (0 .. n-1): one per replica group it starts. The first
     ``data_parallel_replicate_degree`` are the members of epoch 0, the rest hot spares."""
     return job_config.parallelism.data_parallel_replicate_degree + job_config.recover.spares
+
+
+def is_spare(replica: int, job_config: Any) -> bool:
+    """Whether ``replica`` starts as a hot spare, outside the members of epoch 0."""
+    return replica >= job_config.parallelism.data_parallel_replicate_degree
 
 
 def group_ranks(par: Any) -> int:

@@ -322,7 +322,7 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
         host = store.local_host(coordinator_bind(rc.coordinator_bind, local, replicas))
         address = env[store.COORDINATOR_ENV] = f"{host}:{rc.coordinator_port or store.free_port()}"
         coordinator = subprocess.Popen([sys.executable, "-m", "titan_recover.coordinator", *argv], env=env)
-    spares = [r for r in local if r >= par.data_parallel_replicate_degree]
+    spares = [r for r in local if config.is_spare(r, job_config)]
     log(
         f"coordinator at {address}; starting replica groups {local} of {replicas}"
         f"{f' ({spares} as hot spares)' if spares else ''}, "

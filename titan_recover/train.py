@@ -40,7 +40,9 @@ from torchtitan.train import Trainer, main
 
 from titan_recover import data, membership, recovery, resources, store, transfer, workload
 from titan_recover.collectives import POLL_S, CollectiveAborted, ReplicateGroups, backoff
-from titan_recover.config import group_coordinates, num_microbatches, replica_ids, reports_data, resume_hint, validate
+from titan_recover.config import (
+    group_coordinates, is_spare, num_microbatches, replica_ids, reports_data, resume_hint, validate,
+)
 from titan_recover.events import EventLog
 from titan_recover.faults import Fault, FaultInjector
 from titan_recover.membership import Membership, diverged
@@ -131,7 +133,7 @@ class RecoverTrainer(Trainer):
             self._memberships: dict[int, Membership] = {}
             self._epoch_checked = (0.0, 0)
             # a restarted group, or a hot spare, holds no state until a peer sends it
-            self.rejoining = self.attempt > 0 or self.replica >= job_config.parallelism.data_parallel_replicate_degree
+            self.rejoining = self.attempt > 0 or is_spare(self.replica, job_config)
             self._synced_epoch = -1  # the last epoch in which this rank received the state
             self._start_told = False
             self._adapt_checkpointer()
