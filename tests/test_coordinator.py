@@ -37,6 +37,7 @@ def make(tmp_path: Path) -> Iterator:
         return c, store.connect(f"127.0.0.1:{port}", timeout_s=10)
 
     yield make
+    NODES.clear()
     for c in made:
         del c.store
 
@@ -46,9 +47,60 @@ def events(tmp_path: Path, kind: str) -> list[dict]:
     return [e for e in map(json.loads, lines) if e["event"] == kind]
 
 
+class FakeNode:
+    """Plays a node agent over a real store client: registers, then writes node messages
+    exactly as ``agent.NodeAgent`` does (each replica group here has one rank)."""
+
+    def __init__(self, client: object, name: str = "node-a") -> None:
+        self.client, self.key, self.seq = client, store.launcher_key(name), 0
+        self.groups: dict[int, dict] = {}
+        self.write()
+        client.set(store.node_key(int(client.add(store.NODES, 1))), name)  # type: ignore[attr-defined]
+
+    def write(self) -> None:
+        self.seq += 1
+        message = {"seq": self.seq, "groups": {str(r): e for r, e in self.groups.items()}}
+        self.client.set(self.key, json.dumps(message))  # type: ignore[attr-defined]
+
+    def entry(self, replica: int, attempt: int | None = None, ready: int = 0, **fields: object) -> None:
+        old = self.groups.get(replica, {"attempt": 0, "ready": 0})
+        self.groups[replica] = {"attempt": old["attempt"] if attempt is None else attempt, "ranks": 1,
+                                "ready": ready if attempt is not None else old["ready"], "finished": 0,
+                                "silent_s": 0.0, **fields}
+
+    def beat(self, *replicas: int) -> None:
+        for r in replicas:
+            self.entry(r)
+        self.write()
+
+    def hang(self, replica: int, silent_s: float) -> None:
+        """Its rank has not beaten for ``silent_s``, as the agent counts it."""
+        self.groups[replica]["silent_s"] = silent_s
+        self.write()
+
+
+NODES: dict[int, FakeNode] = {}
+
+
+def node(client: object) -> FakeNode:
+    if id(client) not in NODES:
+        NODES[id(client)] = FakeNode(client)
+    return NODES[id(client)]
+
+
 def beat(client: object, *replicas: int) -> None:
-    for r in replicas:
-        client.add(store.heartbeat_key(r, 0), 1)  # type: ignore[attr-defined]
+    node(client).beat(*replicas)
+
+
+def poll(c: Coordinator, now: float) -> None:
+    """One read of the node messages (the coordinator reads them once per heartbeat interval)."""
+    c.next_node_read = 0.0
+    c._poll_nodes(now)
+
+
+def joins(c: Coordinator, now: float) -> bool:
+    poll(c, now)
+    return c._poll_joins(now)
 
 
 def test_a_reserved_but_never_written_report_slot_blocks_no_later_report(make) -> None:
@@ -57,7 +109,7 @@ def test_a_reserved_but_never_written_report_slot_blocks_no_later_report(make) -
     store.report(client, {"replica": 0, "epoch": 0, "suspect": 1, "cause": "torchrun of replica 1 exited"})
     now = time.monotonic()
     beat(client, 0, 1)
-    c._poll_heartbeats(now)
+    poll(c, now)
     c._poll_reports(now)
     failed, _ = c.detector.decide(now)
     assert failed == {1: "torchrun of replica 1 exited"}  # slot 2 was read past the empty slot 1
@@ -71,14 +123,17 @@ def test_malformed_reports_and_joins_are_ignored_not_fatal(make, capsys: pytest.
     store.report(client, {"replica": 0, "epoch": "0", "suspect": 1, "cause": "x"})  # epoch as a string
     store.report(client, {"replica": 0, "epoch": 0, "suspect": "1", "cause": "x"})
     store.report(client, {"replica": 0, "epoch": 0, "suspect": 1, "cause": ["x"]})
-    store.put_json(client, store.join_key(1), {"attempt": "one"})
+    fake = node(client)
+    fake.groups[1] = {"attempt": "one", "ranks": 1, "ready": 1, "finished": 0, "silent_s": 0.0}
+    fake.write()
     store.put_json(client, store.report_key(99), "not even an object")
     now = time.monotonic()
     c._poll_reports(now)
-    assert c._poll_joins(now)
+    assert joins(c, now)
     assert c.detector.decide(now) == ({}, False)  # nothing was taken from them
     out = capsys.readouterr().out
-    assert out.count("ignoring malformed report") == 3 and "ignoring malformed join request of replica 1" in out
+    assert out.count("ignoring malformed report") == 3 and "ignoring malformed node message" in out
+    assert "group 1 needs non-negative integers" in out
     store.report(client, {"replica": 0, "epoch": 0, "suspect": 1, "cause": "real"})
     c._poll_reports(now)
     assert c.detector.decide(now)[0] == {1: "real"}  # and later reports still count
@@ -88,11 +143,14 @@ def test_a_silent_rank_is_stamped_with_its_last_heartbeat(make, tmp_path: Path) 
     """Latency of a hang counts from when the rank went silent, not from its detection."""
     c, client = make(heartbeat_timeout_s=0.6)
     beat(client, 0, 1)
+    frozen = time.monotonic()
+    poll(c, frozen)  # then replica 1 is frozen (SIGSTOP from outside: no fault record)
     deadline = time.monotonic() + 10
     while True:
         now = time.monotonic()
-        beat(client, 0)  # replica 1 is frozen (SIGSTOP from outside: no fault record)
-        c._poll_heartbeats(now)
+        beat(client, 0)
+        node(client).hang(1, time.monotonic() - frozen)
+        poll(c, now)
         failed, _ = c.detector.decide(now)
         if failed:
             break
@@ -111,9 +169,8 @@ def test_a_joiner_that_took_part_in_a_committed_step_keeps_the_run(make) -> None
     joiner holds that step's state, so the run goes on with it."""
     c, client = make()
     assert c._fence({1: "killed"})
-    store.put_json(client, store.join_key(1), {"attempt": 1})
-    client.add(store.join_ready_key(1, 1), 1)
-    assert c._poll_joins(time.monotonic())
+    ask_to_join(client, 1, 1)
+    assert joins(c, time.monotonic())
     assert c.joining == {1: 2} and c.membership.members == (0, 1)
     client.set(store.decision_key(1, 2), "commit")  # step 1 committed in epoch 2; nobody logged it yet
     assert c._fence({0: "torchrun of replica 0 exited"})
@@ -124,9 +181,8 @@ def test_a_joiner_that_took_part_in_a_committed_step_keeps_the_run(make) -> None
 def test_without_a_commit_a_lone_joiner_cannot_carry_the_run(make) -> None:
     c, client = make()
     assert c._fence({1: "killed"})
-    store.put_json(client, store.join_key(1), {"attempt": 1})
-    client.add(store.join_ready_key(1, 1), 1)
-    assert c._poll_joins(time.monotonic())
+    ask_to_join(client, 1, 1)
+    assert joins(c, time.monotonic())
     assert not c._fence({0: "killed"})
     assert "no replica group with training state" in store.get_json(client, store.FATAL, ("error",))["error"]
 
@@ -136,11 +192,11 @@ def _broken_allreduce(c: Coordinator, client: object, *reporters: int) -> tuple[
         store.report(client, {"replica": r, "epoch": c.membership.epoch, "suspect": None, "cause": "all-reduce broke"})  # type: ignore[arg-type]
     now = time.monotonic()
     beat(client, 0, 1, 2)
-    c._poll_heartbeats(now)
+    poll(c, now)
     c._poll_reports(now)
     later = now + c.rc.report_confirm_s + 0.01
     beat(client, 0, 1, 2)
-    c._poll_heartbeats(later)
+    poll(c, later)
     return c.detector.decide(later)
 
 
@@ -195,24 +251,25 @@ def test_one_replicas_own_error_is_treated_as_its_failure(make) -> None:
 
 
 def ask_to_join(client: object, replica: int, attempt: int) -> None:
-    store.put_json(client, store.join_key(replica), {"attempt": attempt})  # type: ignore[arg-type]
-    client.add(store.join_ready_key(replica, attempt), 1)  # type: ignore[attr-defined]
+    """Every rank of that incarnation is up and waits to be admitted (its slot says READY)."""
+    node(client).entry(replica, attempt, ready=1)
+    node(client).write()
 
 
 def test_a_spare_waits_while_the_membership_is_full_and_replaces_a_failed_group_at_once(make, tmp_path: Path) -> None:
     c, client = make(spares=1)
     ask_to_join(client, 2, 0)  # the spare, up since the start
-    assert c._poll_joins(time.monotonic())
+    assert joins(c, time.monotonic())
     assert c.membership.members == (0, 1) and c.spares == {2: 0}
     assert not client.check([store.admitted_key(2, 0)])
     assert c._fence({1: "torchrun of replica 1 exited"})
-    assert c._poll_joins(time.monotonic())  # the very next pass: no process start in between
+    assert joins(c, time.monotonic())  # the very next pass: no process start in between
     assert c.membership.members == (0, 2) and c.spares == {}
     assert store.get_json(client, store.admitted_key(2, 0), ("attempt", "epoch")) == {"attempt": 0, "epoch": 2}
     (admitted,) = events(tmp_path, "admitted")
     assert admitted["replica"] == 2 and admitted["replaces"] == 1
     ask_to_join(client, 1, 1)  # the failed group, restarted, becomes the spare
-    assert c._poll_joins(time.monotonic())
+    assert joins(c, time.monotonic())
     assert c.membership.members == (0, 2) and c.spares == {1: 1}
     assert [e["replica"] for e in events(tmp_path, "spare_ready")] == [2, 1]
 
@@ -220,15 +277,15 @@ def test_a_spare_waits_while_the_membership_is_full_and_replaces_a_failed_group_
 def test_a_spare_replacing_a_group_is_timed_from_that_groups_failure(make, tmp_path: Path) -> None:
     c, client = make(spares=1)
     ask_to_join(client, 2, 0)
-    c._poll_joins(time.monotonic())
+    joins(c, time.monotonic())
     assert c._fence({1: "killed"})
     failed_at = c.down_since[1]
-    c._poll_joins(time.monotonic())
+    joins(c, time.monotonic())
     assert c.repairs == {2: (1, failed_at)}
     assert c._fence({2: "killed while receiving its state"})  # the spare dies before its first step
     assert c.down_since == {1: failed_at}  # replica 1's failure is open again, not the spare's
     ask_to_join(client, 1, 1)
-    c._poll_joins(time.monotonic())
+    joins(c, time.monotonic())
     assert c.repairs == {1: (1, failed_at)}
     client.set(store.step_key(1), json.dumps({"step": 1, "epoch": c.membership.epoch, "members": [0, 1],
                                                "microbatches": [0, 1], "data_digest": "0", "loss": 1.0,
@@ -243,22 +300,23 @@ def test_a_spare_that_hangs_while_waiting_is_fenced_not_admitted(make, tmp_path:
     c, client = make(spares=1, heartbeat_timeout_s=1.0, report_confirm_s=0.5)
     ask_to_join(client, 2, 0)
     now = time.monotonic()
-    c._poll_joins(now)
+    joins(c, now)
     beat(client, 0, 1, 2)
-    c._poll_heartbeats(now)
+    poll(c, now)
     later = now + 1.5
-    beat(client, 0, 1)  # the spare's heartbeat stalled (SIGSTOP)
-    c._poll_heartbeats(later)
-    c._poll_joins(later)
+    beat(client, 0, 1)
+    node(client).hang(2, 1.5)  # the spare's heartbeat stalled (SIGSTOP)
+    poll(c, later)
+    joins(c, later)
     assert c.spares == {}
     assert store.get_json(client, store.fenced_key(2), ("attempt",))["attempt"] == 0  # its launcher kills it
     (lost,) = events(tmp_path, "spare_lost")
     assert lost["replica"] == 2 and "waiting as a spare" in lost["cause"]
     assert c._fence({1: "killed"})
-    c._poll_joins(later)
+    joins(c, later)
     assert c.membership.members == (0,)  # the hung spare is not admitted
     ask_to_join(client, 2, 1)  # restarted by its launcher: a spare again
-    c._poll_joins(later + 0.1)
+    joins(c, later + 0.1)
     assert c.membership.members == (0, 2)
 
 
@@ -266,7 +324,7 @@ def test_a_spare_whose_launcher_reports_it_dead_is_dropped_at_once(make, tmp_pat
     c, client = make(spares=1)
     ask_to_join(client, 2, 0)
     now = time.monotonic()
-    c._poll_joins(now)
+    joins(c, now)
     store.report(client, {"replica": 2, "epoch": 0, "suspect": 2, "cause": "torchrun of replica 2 exited with code 1"})
     c._poll_reports(now)
     assert c.spares == {} and c.detector.decide(now) == ({}, False)  # no member failed
@@ -278,6 +336,6 @@ def test_a_restarted_group_with_room_is_admitted_without_waiting_as_a_spare(make
     c, client = make(spares=1)
     assert c._fence({1: "killed"})
     ask_to_join(client, 1, 1)
-    assert c._poll_joins(time.monotonic())
+    assert joins(c, time.monotonic())
     assert c.membership.members == (0, 1) and c.spares == {}
     assert not (tmp_path / "recover_events.jsonl").read_text().count('"spare_ready"')

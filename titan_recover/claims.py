@@ -3,7 +3,7 @@
 Each node's launcher claims the groups it was given (``owner/<replica>``, an atomic
 compare-and-set) before starting them: two launchers given the same group would
 otherwise both run it. A claim whose launcher shows no sign of life (its lifeline
-counter ``launcher/<id>`` still for ``stale_s``) is taken over: that is how the same
+node message ``launcher/<id>`` unchanged for ``stale_s``) is taken over: that is how the same
 command, started again on a node whose launcher died, gets that node's groups back.
 A live owner's claim is refused.
 
@@ -46,7 +46,7 @@ class Launcher:
 
     @property
     def key(self) -> str:
-        """The counter its lifeline beats (``store.Heartbeat``'s key)."""
+        """Where its lifeline writes its node message (``store.Heartbeat``'s key)."""
         return store.launcher_key(self.id)
 
     @property
@@ -65,15 +65,20 @@ def read_owner(key: str, raw: bytes) -> Launcher:
     return Launcher(rec["launcher"], rec["host"], rec["pid"])
 
 
+def _message(client: dist.Store, owner: Launcher) -> bytes:
+    """The owner's node message as it stands (a sequence number makes every beat differ)."""
+    return client.get(owner.key) if client.check([owner.key]) else b""
+
+
 def silent(client: dist.Store, owners: set[Launcher], stale_s: float) -> set[Launcher]:
-    """The ``owners`` whose lifeline counter does not move for ``stale_s``: they are dead (or
+    """The ``owners`` whose node message does not change for ``stale_s``: they are dead (or
     cut off for longer than the coordinator's own heartbeat bound). A live one answers within
     one lifeline interval, so a refusal is quick; only a dead owner costs the whole wait."""
-    start = {o: int(client.add(o.key, 0)) for o in owners}
+    start = {o: _message(client, o) for o in owners}
     waiting, deadline = set(owners), time.monotonic() + stale_s
     while waiting and time.monotonic() < deadline:
         time.sleep(POLL_S)
-        waiting = {o for o in waiting if int(client.add(o.key, 0)) == start[o]}
+        waiting = {o for o in waiting if _message(client, o) == start[o]}
     return waiting
 
 

@@ -47,7 +47,8 @@ class Recover:
     """Failures to inject, e.g. "kill replica=1 rank=1 step=10 phase=backward" (see titan_recover.faults)."""
 
     heartbeat_interval_s: float = 0.1
-    """How often every rank bumps its heartbeat counter in the coordinator's store."""
+    """How often every rank beats into its node channel, and every node agent (launcher) writes
+    its node message, the coordinator's one read per node."""
 
     heartbeat_timeout_s: float = 5.0
     """A rank whose heartbeat stalls this long is declared failed (hangs, SIGSTOP)."""

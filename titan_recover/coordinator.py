@@ -18,9 +18,11 @@ from titan_recover import config, resources, store
 from titan_recover.events import EventLog
 from titan_recover.membership import (
     FailureDetector,
+    GroupView,
     Membership,
     TooFewReplicasError,
     admit,
+    group_views,
     job_error,
     join_action,
     next_membership,
@@ -51,7 +53,6 @@ class Coordinator:
         self.membership = Membership(0, tuple(range(par.data_parallel_replicate_degree)))
         self.detector = FailureDetector(
             members=self.membership.members,
-            shards=self.shards,
             timeout_s=rc.heartbeat_timeout_s,
             confirm_s=rc.report_confirm_s,
             startup_s=rc.startup_timeout_s,
@@ -72,6 +73,12 @@ class Coordinator:
         self.repairs: dict[int, tuple[int, float]] = {}  # admitted group -> (failed replica it replaces, when)
         self.spares: dict[int, int] = {}  # groups ready to join while the membership is full -> attempt
         self.dropped: dict[int, int] = {}  # waiting incarnations fenced for silence -> attempt
+        self.nodes: list[str] = []  # the launcher key of every registered node, in order
+        self.pending_nodes: dict[int, float] = {}  # registrations not yet named -> first seen
+        self.node_raw: dict[str, bytes] = {}  # each node's last message, and when it last changed
+        self.node_groups: dict[str, tuple[dict[int, dict], float]] = {}
+        self.views: dict[tuple[int, int], GroupView] = {}  # (replica, attempt) -> folded over its nodes
+        self.next_node_read = 0.0
         self._publish(self.membership)
 
     def _publish(self, membership: Membership) -> None:
@@ -110,12 +117,45 @@ class Coordinator:
             self.progress = {k: rec[k] for k in ("step", "epoch", "time")}
             self.retries, self.reporters = 0, set()
 
-    def _poll_heartbeats(self, now: float) -> None:
+    def _poll_nodes(self, now: float) -> None:
+        """Reads every node's message in one request, once per heartbeat interval, and folds
+        them per replica group: the only liveness the coordinator reads (its work grows with
+        nodes, not ranks). Beats of the current incarnations reach the detector; a rank whose
+        main loop is stuck is reported as its group's failure."""
+        if now < self.next_node_read:
+            return
+        self.next_node_read = now + self.rc.heartbeat_interval_s
+        count = int(self.store.add(store.NODES, 0))
+        for index in range(len(self.nodes) + len(self.pending_nodes) + 1, count + 1):
+            self.pending_nodes[index] = now
+        for index, since in sorted(self.pending_nodes.items()):
+            if self.store.check([store.node_key(index)]):  # written right after the counter
+                del self.pending_nodes[index]
+                self.nodes.append(store.launcher_key(self.store.get(store.node_key(index)).decode(errors="replace")))
+            elif now - since > REPORT_GRACE_S:
+                del self.pending_nodes[index]
+                log(f"node {index} registered but never named its launcher (it died in between?); skipped")
+        if not self.nodes:
+            return
+        for key, raw in zip(self.nodes, self.store.multi_get(self.nodes)):
+            if raw == self.node_raw.get(key):
+                continue  # its lifeline did not write since: its groups age
+            self.node_raw[key] = raw
+            try:
+                self.node_groups[key] = (store.read_node_message(key, raw), now)
+            except store.MessageError as e:
+                log(f"ignoring malformed node message: {e}")
+        self.views = group_views(
+            (replica, entry, seen) for groups, seen in self.node_groups.values() for replica, entry in groups.items()
+        )
         for replica in (*self.membership.members, *self.spares):
-            for shard in range(self.shards):
-                count = int(self.store.add(store.heartbeat_key(replica, shard), 0))
-                if count:
-                    self.detector.beat(replica, shard, count, now)
+            attempt = self.attempts.get(replica) if replica in self.membership.members else self.spares[replica]
+            view = self.views.get((replica, attempt))  # type: ignore[arg-type]
+            if view is None or view.ranks < self.shards:
+                continue  # not every rank has beaten yet: the startup bound holds
+            self.detector.beat(replica, view.alive_at)
+            if view.stuck is not None:
+                self.detector.report(replica, view.stuck, now)
 
     def _poll_reports(self, now: float) -> None:
         """Reads new reports; a reserved slot never written (its reporter died between
@@ -246,18 +286,12 @@ class Coordinator:
         if progress is not None and progress["step"] >= self.steps:
             return True  # the last step is done: nothing left to join
         ready: dict[int, int] = {}
-        for replica in range(self.replica_ids):
-            key = store.join_key(replica)
-            if not self.store.check([key]):
+        asking = {replica: attempt for (replica, attempt), view in sorted(self.views.items()) if view.ready}
+        for replica, attempt in asking.items():  # the latest incarnation of each group whose ranks wait
+            if replica >= self.replica_ids:
+                log(f"ignoring a join request of replica {replica}: the run has ids 0..{self.replica_ids - 1}")
                 continue
-            try:
-                attempt = store.get_json(self.store, key, ("attempt",))["attempt"]
-                if not store._is_int(attempt) or attempt < 0:
-                    raise store.MessageError(f"store key {key!r}: attempt must be a non-negative integer, got {attempt!r}")
-                up = int(self.store.add(store.join_ready_key(replica, attempt), 0))
-            except (store.MessageError, TypeError, ValueError) as e:
-                log(f"ignoring malformed join request of replica {replica}: {e}")
-                continue
+            up = self.views[(replica, attempt)].ready
             seen = max(self.attempts.get(replica, -1), self.dropped.get(replica, -1))
             action = join_action(self.membership.members, replica, seen, attempt, up, self.shards)
             if action == "replace":  # its previous incarnation is still a member: it takes its own place back
@@ -346,10 +380,14 @@ class Coordinator:
     def _finished(self) -> bool:
         """Every member with state has finished (a group still rejoining is not waited for)."""
         return all(
-            int(self.store.add(store.finished_key(r), 0)) >= self.shards
+            (view := self.views.get((r, self.attempts[r]))) is not None and view.finished >= self.shards
             for r in self.membership.members
             if r not in self.joining
         )
+
+    def end(self) -> None:
+        """Wakes every node agent, blocked until the next epoch, to read the run's end (done or fatal)."""
+        self._publish(Membership(self.membership.epoch + 1, self.membership.members))
 
     def run(self) -> int:
         log(f"serving; members {list(self.membership.members)} x {self.shards} shards")
@@ -365,7 +403,7 @@ class Coordinator:
                 return 1
             now = time.monotonic()
             self._poll_steps()
-            self._poll_heartbeats(now)
+            self._poll_nodes(now)
             self._poll_reports(now)
             failed, retry = self.detector.decide(now)
             if failed and not self._fence(failed):
@@ -388,7 +426,9 @@ def main(argv: list[str]) -> int:
     port = int(address.rpartition(":")[2])
     coordinator = Coordinator(job_config, port)
     try:
-        return coordinator.run()
+        code = coordinator.run()
+        coordinator.end()
+        return code
     finally:
         time.sleep(4 * store.PROBE_S)  # let every process read the final keys before the store goes away
 

@@ -36,7 +36,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from titan_recover import claims, config, cpu_shim, devices, store
+from titan_recover import claims, config, cpu_shim, devices, node_channel, store
+from titan_recover.agent import NodeAgent
 from titan_recover.events import events_path
 from titan_recover.restarts import RestartBudget
 from titan_recover.summary import format_summary, summarize_events
@@ -138,8 +139,9 @@ def is_incarnation(pid: int, replica: int, attempt: int) -> bool:
     return {f"{store.REPLICA_ENV}={replica}".encode(), f"{store.ATTEMPT_ENV}={attempt}".encode()} <= env
 
 
-def kill_fenced(client: object, replica: int, shards: int, handled: dict[int, int]) -> None:
-    """SIGKILLs the ranks of a fenced incarnation of ``replica`` that run on this host.
+def kill_fenced(client: object, agent: NodeAgent, replica: int, handled: dict[int, int]) -> None:
+    """SIGKILLs the ranks of a fenced incarnation of ``replica`` that run on this node
+    (their pids are in its channel).
 
     A fenced group may be hung (SIGSTOP, a wedged collective) rather than dead;
     torchrun only restarts a group once one of its processes exits.
@@ -151,17 +153,12 @@ def kill_fenced(client: object, replica: int, shards: int, handled: dict[int, in
     if handled.get(replica, -1) >= attempt:
         return
     handled[replica] = attempt
-    for shard in range(shards):
-        pid_key = store.pid_key(replica, attempt, shard)
-        if not client.check([pid_key]):  # type: ignore[attr-defined]
-            continue
-        rec = store.get_json(client, pid_key, ("pid", "host"))  # type: ignore[arg-type]
-        pid = rec["pid"]
-        if rec["host"] != socket.gethostname() or not is_incarnation(pid, replica, attempt):
-            continue  # another host's rank, or the pid now belongs to someone else
+    for pid in agent.pids(replica, attempt):
+        if not is_incarnation(pid, replica, attempt):
+            continue  # the pid now belongs to someone else
         try:
             os.kill(pid, signal.SIGKILL)
-            log(f"killed rank {shard} of fenced replica {replica} (attempt {attempt}, pid {pid})")
+            log(f"killed a rank of fenced replica {replica} (attempt {attempt}, pid {pid})")
         except ProcessLookupError:
             pass  # already gone
 
@@ -220,9 +217,12 @@ class ReplicaGroups:
         max_restarts: int,
         restart_window_s: float,
         launcher: claims.Launcher,
+        agent: NodeAgent,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.argv, self.envs, self.shards, self.launcher, self.clock = argv, envs, shards, launcher, clock
+        self.agent = agent
+        self.fences_read = (-2, 0.0)  # the epoch at the last look for fenced incarnations, and when
         self.attempts: dict[int, int] = {}  # the incarnation each group runs, numbered by the store (claims.incarnation)
         self.budgets = {r: RestartBudget(max_restarts, restart_window_s) for r in envs}
         self.procs: dict[int, subprocess.Popen] = {}
@@ -235,7 +235,9 @@ class ReplicaGroups:
         self.procs[replica] = self._start(replica)
 
     def _start(self, replica: int) -> subprocess.Popen:
-        env = {**self.envs[replica], store.REPLICA_ENV: str(replica), store.ATTEMPT_ENV: str(self.attempts[replica])}
+        attempt = self.attempts[replica]
+        env = {**self.envs[replica], store.REPLICA_ENV: str(replica), store.ATTEMPT_ENV: str(attempt),
+               node_channel.CHANNEL_ENV: self.agent.open(replica, attempt)}
         return subprocess.Popen(torchrun(self.shards, self.argv, f"replica{replica}"), env=env, preexec_fn=die_with_parent)
 
     def kill(self) -> None:
@@ -246,12 +248,15 @@ class ReplicaGroups:
 
     def watch(self, client: object) -> bool:
         """One look: kill fenced leftovers, report and restart failed groups; False once the run is ending."""
-        for key, outcome in ((store.FATAL, 1), (store.STATUS, 0)):
-            if client.check([key]):  # type: ignore[attr-defined]
-                self.outcome = outcome
-                return False  # restart nothing
+        flags = self.agent.flags  # pushed with the epoch
+        if flags:
+            self.outcome = 1 if flags & node_channel.FATAL else 0
+            return False  # restart nothing
+        now = self.clock()
+        look = (self.agent.epoch, now) if self.agent.epoch != self.fences_read[0] or now - self.fences_read[1] >= store.PROBE_S else None
         for r, proc in self.procs.items():
-            kill_fenced(client, r, self.shards, self.killed)
+            if look:  # a fence comes with a new epoch (a waiting spare's, within PROBE_S)
+                kill_fenced(client, self.agent, r, self.killed)
             code = proc.poll()
             if code in (None, 0) or r in self.given_up:
                 continue
@@ -263,7 +268,7 @@ class ReplicaGroups:
             # the group is certainly dead: say so first (faster than heartbeats), then restart it
             now = self.clock()
             restart = self.budgets[r].take(now)
-            epoch = store.get_int(client, store.EPOCH)  # type: ignore[arg-type]
+            epoch = max(self.agent.epoch, 0)
             cause = f"torchrun of replica {r} exited with code {code}" + ("" if restart else " (no restarts left in the window)")
             store.report(client, {"replica": r, "epoch": epoch, "suspect": r, "cause": cause})  # type: ignore[arg-type]
             if not restart:
@@ -276,6 +281,8 @@ class ReplicaGroups:
             attempt = claims.incarnation(client, r)  # type: ignore[arg-type]
             log(f"replica group {r} exited with code {code}; {self.budgets[r].used(now)} (attempt {attempt})")
             self.start(r, attempt)
+        if look:
+            self.fences_read = look
         return True
 
     def done(self) -> bool:
@@ -333,7 +340,8 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
     log(f"replicate dimension on {plan.backend} ({plan.reason}){gpus}")
     envs = {r: with_gpus(env, visible) for r, visible in zip(local, plan.visible)}
     me = claims.Launcher.this()
-    groups = ReplicaGroups(argv, envs, ranks, rc.max_restarts, rc.restart_window_s, me)
+    agent = NodeAgent(address, env[store.SECRET_ENV], ranks)
+    groups = ReplicaGroups(argv, envs, ranks, rc.max_restarts, rc.restart_window_s, me, agent)
     if coordinator is not None:
         # started at once, as their first incarnation (the store is new): their ranks import and build
         # the model while the coordinator comes up; they are claimed as soon as it is up
@@ -367,7 +375,11 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
         except store.CoordinatorGone as e:
             on_lost(str(e))
             return coordinator.returncode  # type: ignore[union-attr]  # 0 or 1: it ended on its own and said why
-        lifeline = store.Heartbeat(address, me.key, 0.1, rc.coordinator_timeout_s, on_lost, secret=env[store.SECRET_ENV])
+        client.set(me.key, agent.message())  # the node's message exists before anyone reads it
+        client.set(store.node_key(int(client.add(store.NODES, 1))), me.id)  # the coordinator reads it from now on
+        lifeline = store.Heartbeat(address, me.key, rc.heartbeat_interval_s, rc.coordinator_timeout_s, on_lost,
+                                   agent.message, secret=env[store.SECRET_ENV], ended=lambda: bool(agent.flags))
+        agent.start(on_error=log)
         claims.claim(client, me, local, rc.heartbeat_timeout_s, log)
         for r in local:
             attempt = claims.incarnation(client, r)  # 0 for the groups started above
@@ -412,6 +424,7 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
         if lifeline is not None:
             lifeline.stop()  # what follows stops the coordinator on purpose
         groups.kill()
+        agent.close()
         if coordinator is not None and coordinator.poll() is None:
             coordinator.kill()
 

@@ -108,6 +108,34 @@ def join_action(members: Sequence[int], replica: int, admitted_attempt: int, att
     return "replace" if replica in members else "admit"
 
 
+@dataclass(frozen=True)
+class GroupView:
+    """One incarnation of a replica group, folded from the node messages of the nodes it runs on."""
+
+    ranks: int  # ranks that have beaten (or finished)
+    ready: int  # ranks waiting to be admitted
+    finished: int
+    alive_at: float  # when its most silent rank last beat (coordinator's clock)
+    stuck: str | None = None  # why a rank's main loop counts as stuck, if one's does
+
+
+def group_views(entries: Iterable[tuple[int, dict, float]]) -> dict[tuple[int, int], GroupView]:
+    """(replica, attempt) -> its view, from (replica, node message entry, when that message was
+    last seen changing): counts add up over nodes, the most silent node sets ``alive_at``."""
+    views: dict[tuple[int, int], GroupView] = {}
+    for replica, entry, seen in entries:
+        key = (replica, entry["attempt"])
+        stuck = entry.get("stuck")
+        why = None if stuck is None else f"the main loop of its rank {stuck['rank']} made no progress (at step {stuck['step']})"
+        alive_at = seen - entry["silent_s"]
+        old = views.get(key)
+        if old is not None:
+            alive_at, why = min(alive_at, old.alive_at), old.stuck or why
+            entry = {f: entry[f] + getattr(old, f) for f in ("ranks", "ready", "finished")}
+        views[key] = GroupView(entry["ranks"], entry["ready"], entry["finished"], alive_at, why)
+    return views
+
+
 @dataclass
 class FailureDetector:
     """Decides which replica groups have failed from heartbeats and reports.
@@ -117,18 +145,18 @@ class FailureDetector:
     - A report without a suspect (a replicate-dim collective error: some peer is gone)
       fences, ``confirm_s`` later, every member whose heartbeat was silent that long;
       if nobody was silent, the epoch is retried with the same members.
-    - A rank whose heartbeat counter has not moved for ``timeout_s`` (or
-      ``startup_s`` before its first beat) is failed: this catches hangs.
+    - A group one of whose ranks has not beaten for ``timeout_s`` (or ``startup_s`` before
+      every rank's first beat) is failed: this catches hangs and dead nodes. Beats arrive
+      folded per group from the node messages (``group_views``).
     A slow rank whose heartbeat thread still runs is never failed.
     """
 
     members: tuple[int, ...]
-    shards: int
     timeout_s: float
     confirm_s: float
     startup_s: float
     start: float
-    _beats: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
+    _beats: dict[int, float] = field(default_factory=dict)  # replica -> when its most silent rank last beat
     _suspects: dict[int, str] = field(default_factory=dict)
     _unnamed: list[tuple[float, str]] = field(default_factory=list)
 
@@ -145,20 +173,17 @@ class FailureDetector:
             self.expect(replica, self.start if now is None else now)
 
     def expect(self, replica: int, now: float) -> None:
-        """The replica's ranks count as having beaten at ``now``: a group that has just come up
+        """The replica counts as having beaten at ``now``: a group that has just come up
         (beats of its earlier incarnation are stale)."""
-        for shard in range(self.shards):
-            self._beats[(replica, shard)] = (-1, now)
+        self._beats[replica] = now
 
-    def beat(self, replica: int, shard: int, count: int, now: float) -> None:
-        last = self._beats.get((replica, shard))
-        if last is None or count != last[0]:
-            self._beats[(replica, shard)] = (count, now)
+    def beat(self, replica: int, alive_at: float) -> None:
+        """Every rank of the replica's current incarnation had beaten at ``alive_at``."""
+        self._beats[replica] = max(alive_at, self._beats.get(replica, alive_at))
 
     def silent_since(self, replica: int) -> float | None:
         """When the replica's most silent rank last beat (None if one never did)."""
-        beats = [self._beats.get((replica, shard)) for shard in range(self.shards)]
-        return None if any(b is None for b in beats) else min(b[1] for b in beats)  # type: ignore[index]
+        return self._beats.get(replica)
 
     def report(self, suspect: int | None, cause: str, now: float) -> None:
         if suspect is None:
@@ -167,16 +192,9 @@ class FailureDetector:
             self._suspects.setdefault(suspect, cause)
 
     def _silent_for(self, replica: int, now: float) -> tuple[float, bool]:
-        """Longest silence among the replica's ranks, and whether any never beat."""
-        worst, never = 0.0, False
-        for shard in range(self.shards):
-            last = self._beats.get((replica, shard))
-            if last is None:
-                never = True
-                worst = max(worst, now - self.start)
-            else:
-                worst = max(worst, now - last[1])
-        return worst, never
+        """Longest silence among the replica's ranks, and whether one never beat."""
+        last = self._beats.get(replica)
+        return (now - self.start, True) if last is None else (now - last, False)
 
     def decide(self, now: float) -> tuple[dict[int, str], bool]:
         """Returns (failed replica -> cause, retry): retry means bump the epoch anyway."""

@@ -43,10 +43,6 @@ def members_key(epoch: int) -> str:
     return f"members/{epoch}"
 
 
-def heartbeat_key(replica: int, shard: int) -> str:
-    return f"hb/{replica}/{shard}"
-
-
 def ok_key(step: int, epoch: int) -> str:
     return f"ok/{step}/{epoch}"
 
@@ -68,23 +64,9 @@ def fault_key(replica: int) -> str:
     return f"fault/{replica}"
 
 
-def finished_key(replica: int) -> str:
-    return f"finished/{replica}"
-
-
-def join_key(replica: int) -> str:
-    """{"attempt"}: a (re)started replica group asks to be admitted."""
-    return f"join/{replica}"
-
-
-def join_ready_key(replica: int, attempt: int) -> str:
-    """Counter: how many ranks of that incarnation are up and waiting."""
-    return f"join/{replica}/{attempt}"
-
-
 def admitted_key(replica: int, attempt: int) -> str:
-    """{"attempt", "epoch"}: the coordinator's answer to the join request of that incarnation
-    (one key per incarnation, so a waiting group blocks on it instead of polling)."""
+    """{"attempt", "epoch"}: the coordinator's answer to that incarnation's ranks being ready to
+    join (their node agents say so); it comes with a new epoch, which is when a joiner looks."""
     return f"admitted/{replica}/{attempt}"
 
 
@@ -93,19 +75,23 @@ def fenced_key(replica: int) -> str:
     return f"fenced/{replica}"
 
 
-def pid_key(replica: int, attempt: int, shard: int) -> str:
-    """{"pid", "host"} of one rank, so the launcher can kill a hung (fenced) incarnation."""
-    return f"pid/{replica}/{attempt}/{shard}"
-
-
 def owner_key(replica: int) -> str:
     """{"launcher", "host", "pid"}: the launcher that runs this replica group (``claims``)."""
     return f"owner/{replica}"
 
 
 def launcher_key(launcher: str) -> str:
-    """Counter: a launcher's lifeline bumps it; one that stops moving lets others take its claims over."""
+    """A launcher's node message (``agent.NodeAgent.message``), rewritten by its lifeline every
+    heartbeat interval; one that stops changing lets others take its claims over."""
     return f"launcher/{launcher}"
+
+
+NODES = "nodes"  # counter: launchers registered so far; node_key(1..n) name them
+
+
+def node_key(index: int) -> str:
+    """The launcher id of the ``index``-th launcher to register (its message is under ``launcher_key``)."""
+    return f"node/{index}"
 
 
 def incarnation_key(replica: int) -> str:
@@ -315,6 +301,32 @@ def report(store: dist.TCPStore, record: dict[str, Any]) -> None:
     put_json(store, report_key(index), {**record, "time": time.time()})
 
 
+NODE_GROUP_FIELDS = ("attempt", "ranks", "ready", "finished", "silent_s")
+
+
+def read_node_message(key: str, raw: bytes) -> dict[int, dict[str, Any]]:
+    """A node message's groups (replica -> its entry), checked field by field."""
+    rec = decode_json(key, raw, ("seq", "groups"))
+    if not _is_int(rec["seq"]) or not isinstance(rec["groups"], dict):
+        raise MessageError(f"store key {key!r}: seq must be an integer and groups an object: {rec!r:.200}")
+    groups: dict[int, dict[str, Any]] = {}
+    for replica, entry in rec["groups"].items():
+        if not (isinstance(replica, str) and replica.isdigit() and isinstance(entry, dict)):
+            raise MessageError(f"store key {key!r}: group {replica!r} is not a replica id with an object: {entry!r:.200}")
+        missing = [f for f in NODE_GROUP_FIELDS if f not in entry]
+        counts = [entry.get(f) for f in NODE_GROUP_FIELDS[:4]]
+        silent = entry.get("silent_s")
+        if missing or not all(_is_int(v) and v >= 0 for v in counts) or isinstance(silent, bool) \
+                or not isinstance(silent, (int, float)) or not 0 <= silent < float("inf"):
+            raise MessageError(f"store key {key!r}: group {replica} needs non-negative integers "
+                               f"{list(NODE_GROUP_FIELDS[:4])} and seconds silent_s: {entry!r:.200}")
+        stuck = entry.get("stuck")
+        if stuck is not None and not (isinstance(stuck, dict) and all(_is_int(stuck.get(f)) for f in ("rank", "step"))):
+            raise MessageError(f"store key {key!r}: group {replica}: stuck needs integers rank and step: {stuck!r:.200}")
+        groups[int(replica)] = entry
+    return groups
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -349,41 +361,37 @@ def connection_refused(address: str) -> bool:
 
 
 class Heartbeat:
-    """This process's lifeline to the coordinator, run by daemon threads with their own store client.
+    """A launcher's lifeline to the coordinator, run by daemon threads with their own store client.
 
-    - Beats ``key`` every ``interval_s``, but only while the main loop shows progress
-      (``tick``) within ``progress_timeout_s``: a rank whose main thread is stuck
-      (deadlock, hung read or save) reports itself once (``stuck_report``) and stops
-      beating, so it is fenced instead of holding every retry up.
+    - Writes ``message()`` (the node agent's message: ``agent.NodeAgent.message``) under
+      ``key`` every ``interval_s``: the coordinator's only per-node read, and the sign of
+      life other launchers look at before taking this one's replica groups over (``claims``).
     - Retries a failed store call on a fresh connection: a transient reset must not
-      fence a healthy rank.
+      fence a healthy node.
     - Watches the coordinator: its alive counter must move within ``coordinator_timeout_s``
       and its port must not refuse connections, or ``on_lost(reason)`` runs, from a
       second thread so that a store call blocked on a frozen server cannot hide it.
-      Once the run is ending (status or fatal set) a vanished coordinator is expected.
+      Once the run is ending (``ended()``: the coordinator published done or fatal) a
+      vanished coordinator is expected.
     """
 
     def __init__(
         self,
         address: str,
-        key: str | None,
+        key: str,
         interval_s: float,
         coordinator_timeout_s: float,
         on_lost: Callable[[str], None],
-        progress_timeout_s: float | None = None,
-        stuck_report: Callable[[float, str], dict[str, Any]] | None = None,
+        message: Callable[[], str],
         secret: str | None = None,
+        ended: Callable[[], bool] = lambda: False,
     ) -> None:
         self._address, self._key, self._interval, self._secret = address, key, interval_s, secret
-        self._timeout, self._on_lost = coordinator_timeout_s, on_lost
-        self._progress_timeout, self._stuck_report = progress_timeout_s, stuck_report
-        now = time.monotonic()
-        self._tick: tuple[float, str] | None = None
-        self._alive = (-1, now)  # the coordinator's alive counter, and when it last moved
+        self._timeout, self._on_lost, self._message, self._ended = coordinator_timeout_s, on_lost, message, ended
+        self._alive = (-1, time.monotonic())  # the coordinator's alive counter, and when it last moved
         self._refused = False
         self._error = ""
         self._contact = 0.0  # when a store call last succeeded
-        self.ending = False
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._beat, name="titan-recover-heartbeat", daemon=True),
@@ -392,44 +400,29 @@ class Heartbeat:
         for t in self._threads:
             t.start()
 
-    def tick(self, where: str) -> None:
-        """Called by the main loop whenever it makes progress; ``where`` names the place."""
-        self._tick = (time.monotonic(), where)
-
-    def _idle(self, now: float) -> tuple[float, str] | None:
-        """(seconds, where) when the main loop has shown no progress for too long."""
-        if self._progress_timeout is None or self._tick is None:
-            return None
-        idle = now - self._tick[0]
-        return (idle, self._tick[1]) if idle >= self._progress_timeout else None
-
     def _beat(self) -> None:
         client: dist.TCPStore | None = None
-        reported, next_probe = False, 0.0
+        next_probe = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
             try:
                 if client is None:
                     client = connect(self._address, min(self._timeout, 60.0), self._secret)
-                idle = self._idle(now)
-                if idle is None:
-                    reported = False
-                    if self._key is not None:
-                        client.add(self._key, 1)
-                elif not reported and self._stuck_report is not None:
-                    report(client, self._stuck_report(*idle))
-                    reported = True
+                client.set(self._key, self._message())
                 if now >= next_probe:
                     alive = int(client.add(ALIVE, 0))
                     if alive != self._alive[0]:
                         self._alive = (alive, time.monotonic())
-                    self.ending = self.ending or client.check([STATUS]) or client.check([FATAL])
                     next_probe = now + min(PROBE_S, self._timeout / 4)
                 self._error, self._contact = "", time.monotonic()
             except Exception as e:  # retried on a fresh connection; the watch bounds how long
                 client, self._error = None, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
                 self._refused = connection_refused(self._address)
             self._stop.wait(self._interval)
+
+    @property
+    def ending(self) -> bool:
+        return self._ended()
 
     def verdict(self) -> str | None:
         """Why the coordinator counts as lost, or None while it lives (or the run is ending)."""

@@ -21,7 +21,6 @@ import json
 import os
 import re
 import resource
-import socket
 import time
 from datetime import timedelta
 from typing import Any, Iterator
@@ -38,7 +37,7 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer, main
 
-from titan_recover import data, membership, recovery, resources, store, transfer, workload
+from titan_recover import data, membership, node_channel, recovery, resources, store, transfer, workload
 from titan_recover.collectives import POLL_S, CollectiveAborted, ReplicateGroups, backoff
 from titan_recover.config import (
     group_coordinates, is_spare, num_microbatches, replica_ids, reports_data, resume_hint, validate,
@@ -104,16 +103,14 @@ class RecoverTrainer(Trainer):
             address = store.coordinator_address()
             self.store = store.connect(address, self.rc.startup_timeout_s)  # the coordinator may still be starting
             self.store.set_timeout(timedelta(seconds=self.rc.collective_timeout_s))
-            self._epoch_seen = 0
-            self.heartbeat = store.Heartbeat(
-                address, store.heartbeat_key(self.replica, self.shard), self.rc.heartbeat_interval_s,
+            # liveness and epochs go through this node's agent (the launcher), not the coordinator's store
+            self.channel = node_channel.Channel.open(os.environ.get(node_channel.CHANNEL_ENV, ""))
+            self.slot = int(os.environ["LOCAL_RANK"])
+            self.channel.set_state(self.slot, node_channel.STARTING)
+            self.heartbeat = node_channel.RankBeat(
+                self.channel, self.slot, self.rc.heartbeat_interval_s, self.rc.progress_timeout_s,
                 self.rc.coordinator_timeout_s,
                 on_lost=lambda reason: store.exit_lost(f"replica {self.replica} rank {self.shard}", reason, resume_hint(job_config)),
-                progress_timeout_s=self.rc.progress_timeout_s, stuck_report=self._stuck_report,
-            )
-            store.put_json(
-                self.store, store.pid_key(self.replica, self.attempt, self.shard),
-                {"pid": os.getpid(), "host": socket.gethostname()},
             )
         else:
             self.replica, self.shard = group_coordinates(int(os.environ["RANK"]), job_config.parallelism)
@@ -251,21 +248,16 @@ class RecoverTrainer(Trainer):
             self._memberships[epoch] = Membership.from_json(raw)
         return self._memberships[epoch]
 
-    def _stuck_report(self, idle: float, where: str) -> dict[str, Any]:
-        """The report the heartbeat thread sends when this rank's main loop is stuck."""
-        return {
-            "replica": self.replica, "shard": self.shard, "epoch": self._epoch_seen, "step": self.step,
-            "suspect": self.replica, "cause": f"the main loop of rank {self.shard} made no progress for {idle:.0f}s (last: {where})",
-        }
-
     def _store_epoch(self) -> int:
+        """The latest epoch, as this node's agent pushed it into the channel (-1: none yet)."""
         self.heartbeat.tick(f"waiting at step {self.step}")  # a loop that polls is not stuck
-        if self.store.check([store.FATAL]):
+        self.channel.set_step(self.slot, self.step)
+        flags = self.channel.flags()
+        if flags & node_channel.FATAL:
             raise RunFailed(store.get_json(self.store, store.FATAL, ("error",))["error"])
-        if self.rejoining and self.store.check([store.STATUS]):
+        if self.rejoining and flags & node_channel.DONE:
             raise RunFinished()  # the groups with state finished without us
-        self._epoch_seen = store.get_int(self.store, store.EPOCH)
-        return self._epoch_seen
+        return self.channel.epoch()
 
     def _epoch_moved(self, epoch: int) -> bool:
         """Throttled check whether the coordinator has published a newer epoch."""
@@ -310,15 +302,18 @@ class RecoverTrainer(Trainer):
 
     def _join(self) -> None:
         """Asks the coordinator to admit this restarted group, then takes the state from a live peer."""
-        if self.shard == 0:
-            store.put_json(self.store, store.join_key(self.replica), {"attempt": self.attempt})
-        self.store.add(store.join_ready_key(self.replica, self.attempt), 1)
+        self.channel.set_state(self.slot, node_channel.READY)  # the agent tells the coordinator
         log(f"replica {self.replica} rank {self.shard} (attempt {self.attempt}) asks to join; "
             "it waits as a hot spare while the membership is full")
-        key = store.admitted_key(self.replica, self.attempt)
-        while not self.store.check([key]):  # TCPStore.wait would log a warning per timeout while a spare waits
-            self._store_epoch()  # raises if the run failed or finished meanwhile
+        key, looked = store.admitted_key(self.replica, self.attempt), -2
+        while True:  # an admission comes with a new epoch: the store is read only then
+            epoch = self._store_epoch()  # raises if the run failed or finished meanwhile
+            if epoch != looked:
+                if self.store.check([key]):
+                    break
+                looked = epoch
             time.sleep(EPOCH_POLL_S)
+        self.channel.set_state(self.slot, node_channel.RUNNING)
         epoch = self._agree_epoch()
         while not self._group_all(self._receive_state(epoch)):
             epoch = self._agree_epoch(newer_than=epoch)
@@ -516,7 +511,6 @@ class RecoverTrainer(Trainer):
             raise
         except Exception as e:
             # an error inside this group (a peer of ours died, or our own error): the whole group is lost
-            self.heartbeat.settle()  # a lost coordinator ends the process here, with its own message
             record = {"replica": self.replica, "shard": self.shard, "epoch": epoch, "step": self.step, "suspect": self.replica}
             error = own_error(e)
             cause = f"rank {self.shard} raised {error}" if error else f"rank {self.shard} saw its own group fail: {_brief(e)}"
@@ -601,19 +595,14 @@ class RecoverTrainer(Trainer):
             raise ReplicaDiverged(f"replica {self.replica}: {cause}")
 
     def train(self) -> None:
-        try:
-            super().train()
-        except Exception:
-            if self.rc.enable:
-                self.heartbeat.settle()  # a lost coordinator ends the process with its one line instead
-            raise
+        super().train()
         self.events.emit(
             "rank_memory", replica=self.replica, rank=self.shard,
             max_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             ft_buffer_mb=self._ft_buffer_bytes / 2**20,
         )
         if self.rc.enable:
-            self.store.add(store.finished_key(self.replica), 1)
+            self.channel.set_state(self.slot, node_channel.FINISHED)
             self.heartbeat.stop()
 
 

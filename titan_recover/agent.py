@@ -1,0 +1,145 @@
+"""A node's agent: the launcher's side of the control plane, once per node instead of once per rank.
+
+- **Liveness per node.** The ranks of each local replica group beat into a shared-memory
+  channel (``node_channel``); the agent folds them into one node message, written by its
+  lifeline thread every ``heartbeat_interval_s`` under its launcher key: per group its
+  incarnation, how many local ranks have beaten, are ready to join or have finished, how
+  long the most silent one has been silent, and a rank whose main loop is stuck. The
+  coordinator reads every node's message in one ``multi_get``: its work grows with nodes.
+- **Epochs pushed.** One thread per node blocks on the store until the next epoch's
+  members are published (``TCPStore.wait``: the server answers when the key is set) and
+  writes the epoch into every local channel, where ranks read it from memory.
+"""
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import numpy as np
+
+from titan_recover import node_channel, store
+from titan_recover.node_channel import Channel
+
+EPOCH_WAIT_S = 24 * 3600.0  # one wait per epoch; a lost coordinator is the lifeline's to find, within its bound
+
+
+@dataclass
+class SlotWatch:
+    """When each local rank of one incarnation last beat, as this agent saw it."""
+
+    beats: np.ndarray
+    changed: np.ndarray
+
+    @staticmethod
+    def new(slots: int, now: float) -> "SlotWatch":
+        return SlotWatch(np.zeros(slots, dtype=np.int64), np.full(slots, now))
+
+    def entry(self, attempt: int, slots: np.ndarray, now: float) -> dict[str, Any]:
+        """This incarnation's part of the node message, from its slots (rows of beat, state, pid, step)."""
+        beat, state = slots[:, node_channel.BEAT], slots[:, node_channel.STATE]
+        moved = beat != self.beats
+        self.changed[moved] = now
+        self.beats = beat.copy()
+        finished = state == node_channel.FINISHED
+        live = (beat > 0) & ~finished
+        entry: dict[str, Any] = {
+            "attempt": attempt,
+            "ranks": int(((beat > 0) | finished).sum()),
+            "ready": int((state == node_channel.READY).sum()),
+            "finished": int(finished.sum()),
+            "silent_s": round(float((now - self.changed[live]).max()), 3) if live.any() else 0.0,
+        }
+        stuck = np.flatnonzero(state == node_channel.STUCK)
+        if len(stuck):
+            entry["stuck"] = {"rank": int(stuck[0]), "step": int(slots[stuck[0], node_channel.STEP])}
+        return entry
+
+
+@dataclass
+class NodeAgent:
+    """The channels of this node's replica groups, the node message and the epoch push."""
+
+    address: str
+    secret: str
+    slots: int  # local ranks per group
+    channels: dict[int, Channel] = field(default_factory=dict)  # replica -> its current incarnation's channel
+    attempts: dict[int, int] = field(default_factory=dict)
+    watches: dict[int, SlotWatch] = field(default_factory=dict)
+    epoch: int = -1
+    flags: int = 0
+    seq: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _waiter: threading.Thread | None = None
+
+    def open(self, replica: int, attempt: int) -> str:
+        """A fresh channel for this incarnation of ``replica``; its path, for the ranks' environment.
+        The previous incarnation's file is unlinked: its leftovers cannot pass for the new one."""
+        channel = Channel.create(replica, attempt, self.slots)
+        with self._lock:
+            old = self.channels.get(replica)
+            channel.publish(self.epoch, self.flags)
+            self.channels[replica], self.attempts[replica] = channel, attempt
+            self.watches[replica] = SlotWatch.new(self.slots, time.monotonic())
+        if old is not None:
+            old.remove()
+        return channel.path
+
+    def pids(self, replica: int, attempt: int) -> list[int]:
+        """The pids the ranks of that incarnation wrote into their slots (none if it is not the current one)."""
+        with self._lock:
+            if self.attempts.get(replica) != attempt:
+                return []
+            slots = self.channels[replica].read_slots()
+        return [int(p) for p in slots[:, node_channel.PID] if p > 0]
+
+    def message(self) -> str:
+        """The node message: one JSON object for every local group, written by the lifeline thread."""
+        now = time.monotonic()
+        with self._lock:
+            self.seq += 1
+            for channel in self.channels.values():
+                channel.tick()  # the ranks watch this move
+            groups = {
+                str(r): self.watches[r].entry(self.attempts[r], channel.read_slots(), now)
+                for r, channel in self.channels.items()
+            }
+        return json.dumps({"seq": self.seq, "groups": groups})
+
+    def _publish(self, epoch: int, flags: int) -> None:
+        with self._lock:
+            self.epoch, self.flags = epoch, flags
+            for channel in self.channels.values():
+                channel.publish(epoch, flags)
+
+    def start(self, on_error: Callable[[str], None]) -> None:
+        """Starts pushing epochs into the channels (a daemon thread with its own store client)."""
+        self._waiter = threading.Thread(target=self._push_epochs, args=(on_error,), name="titan-recover-epochs", daemon=True)
+        self._waiter.start()
+
+    def _push_epochs(self, on_error: Callable[[str], None]) -> None:
+        client = None
+        while not self.flags:
+            try:
+                if client is None:
+                    client = store.connect(self.address, 60.0, self.secret)
+                epoch = store.get_int(client, store.EPOCH)
+                flags = (node_channel.FATAL if client.check([store.FATAL]) else 0) | (
+                    node_channel.DONE if client.check([store.STATUS]) else 0)
+                self._publish(epoch, flags)
+                if not flags:
+                    client.wait([store.members_key(epoch + 1)], timedelta(seconds=EPOCH_WAIT_S))
+            except store.MessageError as e:
+                on_error(f"malformed epoch in the coordinator's store: {e}")
+                time.sleep(1.0)
+            except Exception:  # a reset or a timeout: a fresh connection (the lifeline bounds a lost coordinator)
+                client = None
+                time.sleep(0.1)
+
+    def close(self) -> None:
+        """Unlinks every channel file (ranks still running keep their mappings)."""
+        with self._lock:
+            for channel in self.channels.values():
+                channel.remove()
