@@ -12,10 +12,12 @@ import pytest
 
 from titan_recover.membership import (
     FailureDetector,
+    GroupView,
     Membership,
     TooFewReplicasError,
     admit,
     donor,
+    group_views,
     join_action,
     joiners,
     next_membership,
@@ -266,35 +268,37 @@ INTERVAL = 0.1
 
 def make_detector(
     members: tuple[int, ...] = (0, 1, 2),
-    shards: int = 2,
     timeout_s: float = 5.0,
     confirm_s: float = 0.5,
     startup_s: float = 60.0,
     start: float = 1000.0,
 ) -> FailureDetector:
     return FailureDetector(
-        members=members, shards=shards, timeout_s=timeout_s,
+        members=members, timeout_s=timeout_s,
         confirm_s=confirm_s, startup_s=startup_s, start=start,
     )
 
 
 class Beats:
-    """Per-rank heartbeat counters, as the coordinator reads them from the store."""
+    """Two ranks per group beating, folded as the node agent (when each rank last beat) and
+    the coordinator (a group beats once every rank has, as of its most silent one) fold them."""
 
-    def __init__(self, det: FailureDetector) -> None:
-        self.det = det
-        self.counts: dict[tuple[int, int], int] = {}
+    def __init__(self, det: FailureDetector, ranks: int = 2) -> None:
+        self.det, self.ranks = det, ranks
+        self.changed: dict[tuple[int, int], float] = {}
 
     def tick(self, now: float, replicas: tuple[int, ...], shards: tuple[int, ...] | None = None) -> None:
         for r in replicas:
-            for s in shards if shards is not None else range(self.det.shards):
-                self.counts[(r, s)] = self.counts.get((r, s), 0) + 1
-                self.det.beat(r, s, self.counts[(r, s)], now)
+            for s in shards if shards is not None else range(self.ranks):
+                self.changed[(r, s)] = now
+        self.poll(now)
 
     def poll(self, now: float) -> None:
-        """Feed the current (possibly unchanged) counts, like a coordinator poll."""
-        for (r, s), c in self.counts.items():
-            self.det.beat(r, s, c, now)
+        """One coordinator read: ranks that did not beat since keep their old times."""
+        for r in sorted({r for r, _ in self.changed}):
+            times = [self.changed.get((r, s)) for s in range(self.ranks)]
+            if None not in times:
+                self.det.beat(r, min(times))  # type: ignore[type-var]
 
 
 def run_until(det: FailureDetector, beats: Beats, t0: float, t1: float, beating: tuple[int, ...]) -> float:
@@ -430,14 +434,13 @@ def test_silent_for_timeout_is_failed_slightly_less_is_not() -> None:
     assert retry is False
 
 
-def test_unchanged_counter_does_not_refresh_the_time() -> None:
-    """Reading the same count again (a hung rank) is silence, not a beat."""
+def test_a_group_is_as_alive_as_its_most_silent_rank() -> None:
+    """Rank 0 hangs while rank 1 keeps beating: the group counts as silent since rank 0's last beat."""
     det = make_detector(members=(0,), timeout_s=5.0)
-    det.beat(0, 0, 3, now=1000.0)
-    det.beat(0, 1, 3, now=1000.0)
+    beats = Beats(det)
+    beats.tick(1000.0, (0,))
     for t in (1001.0, 1002.0, 1003.0, 1004.0, 1004.9):
-        det.beat(0, 0, 3, now=t)
-        det.beat(0, 1, 7 + int(t), now=t)  # shard 1 keeps moving
+        beats.tick(t, (0,), shards=(1,))
         assert det.decide(t) == ({}, False)
     failed, _ = det.decide(1005.0)
     assert set(failed) == {0}
@@ -607,10 +610,21 @@ def test_an_admission_repairs_its_own_failure_else_the_oldest() -> None:
 
 
 def test_expect_restarts_a_replicas_clock() -> None:
-    d = FailureDetector(members=(0,), shards=2, timeout_s=5, confirm_s=1, startup_s=60, start=0.0)
-    d.beat(3, 0, 7, 1.0)
-    assert d.silent_since(3) is None  # shard 1 never beat
+    d = FailureDetector(members=(0,), timeout_s=5, confirm_s=1, startup_s=60, start=0.0)
+    assert d.silent_since(3) is None  # never beat
     d.expect(3, 100.0)
     assert d.silent_since(3) == 100.0  # its old beats are stale: it counts as up from now
-    d.beat(3, 0, 7, 101.0)  # any count moves it on
-    assert d.silent_since(3) == 100.0 and d._beats[(3, 0)] == (7, 101.0)
+    d.beat(3, 1.0)  # a stale view (its earlier incarnation's) does not move it back
+    assert d.silent_since(3) == 100.0
+    d.beat(3, 101.0)
+    assert d.silent_since(3) == 101.0
+
+
+def test_group_views_add_ranks_over_nodes_and_take_the_most_silent() -> None:
+    a = {"attempt": 1, "ranks": 4, "ready": 4, "finished": 0, "silent_s": 0.5}
+    b = {"attempt": 1, "ranks": 4, "ready": 3, "finished": 0, "silent_s": 2.0, "stuck": {"rank": 3, "step": 7}}
+    old = {"attempt": 0, "ranks": 8, "ready": 0, "finished": 0, "silent_s": 0.0}
+    views = group_views([(5, a, 100.0), (5, b, 99.0), (5, old, 50.0)])
+    assert views[(5, 1)] == GroupView(ranks=8, ready=7, finished=0, alive_at=97.0,
+                                      stuck="the main loop of its rank 3 made no progress (at step 7)")
+    assert views[(5, 0)].alive_at == 50.0  # another incarnation: a view of its own

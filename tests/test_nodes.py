@@ -30,7 +30,7 @@ def client() -> Iterator[dist.Store]:
 
 
 class Lifeline:
-    """Beats a launcher's counter like its ``store.Heartbeat`` does, until stopped."""
+    """Writes a launcher's node message like its ``store.Heartbeat`` does, until stopped."""
 
     def __init__(self, client: dist.Store, launcher: claims.Launcher) -> None:
         self.stopped = threading.Event()
@@ -38,8 +38,10 @@ class Lifeline:
         self.thread.start()
 
     def _beat(self, client: dist.Store, key: str) -> None:
+        seq = 0
         while not self.stopped.wait(0.1):
-            client.add(key, 1)
+            seq += 1
+            client.set(key, json.dumps({"seq": seq, "groups": {}}))
 
     def stop(self) -> None:
         self.stopped.set()

@@ -1,0 +1,141 @@
+"""The local channel between a node agent and its ranks, and the agent's node message.
+
+Real shared-memory files, real threads and, for the rank side, a real second process:
+nothing here talks to a store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from titan_recover import node_channel, store
+from titan_recover.agent import NodeAgent, SlotWatch
+from titan_recover.node_channel import Channel, ChannelError, RankBeat
+
+from conftest import ROOT
+
+
+@pytest.fixture
+def channel(tmp_path: Path) -> Channel:
+    return Channel.create(replica=3, attempt=1, slots=2, directory=str(tmp_path))
+
+
+def wait_until(predicate, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout_s}s"
+        time.sleep(0.01)
+
+
+def test_a_rank_in_another_process_sees_the_epoch_the_agent_pushes(channel: Channel) -> None:
+    code = (
+        "import sys, time\n"
+        "from titan_recover.node_channel import Channel, RUNNING\n"
+        "c = Channel.open(sys.argv[1]); c.set_state(1, RUNNING)\n"
+        "while c.epoch() < 4: time.sleep(0.001)\n"
+        "print(c.epoch(), c.flags(), flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, channel.path], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: channel.read_slots()[1, node_channel.STATE] == node_channel.RUNNING, 30)
+        assert channel.read_slots()[1, node_channel.PID] == proc.pid  # the agent can kill it by pid
+        channel.publish(4, node_channel.DONE)
+        assert proc.communicate(timeout=30)[0].split() == ["4", str(node_channel.DONE)]
+    finally:
+        proc.kill()
+
+
+def test_a_file_that_is_not_a_channel_is_refused_naming_it(tmp_path: Path) -> None:
+    bogus = tmp_path / "bogus"
+    bogus.write_bytes(b"\0" * 4096)
+    with pytest.raises(ChannelError, match="not a titan_recover node channel"):
+        Channel.open(str(bogus))
+    with pytest.raises(ChannelError, match="cannot open the node channel"):
+        Channel.open(str(tmp_path / "missing"))
+    with pytest.raises(ChannelError, match="has no slot"):
+        Channel.create(0, 0, 2, str(tmp_path)).beat(2)
+
+
+def test_a_stuck_main_loop_marks_its_slot_and_stops_beating_then_resumes(channel: Channel) -> None:
+    beat = RankBeat(channel, 0, interval_s=0.02, progress_timeout_s=0.5, agent_timeout_s=1e6, on_lost=pytest.fail)
+    try:
+        for _ in range(40):  # ticking: beats, never stuck
+            beat.tick("microbatch 0")
+            channel.tick()
+            time.sleep(0.02)
+        slots = channel.read_slots()
+        assert slots[0, node_channel.BEAT] > 5 and slots[0, node_channel.STATE] != node_channel.STUCK
+        wait_until(lambda: channel.read_slots()[0, node_channel.STATE] == node_channel.STUCK, 5)  # no tick for 0.5 s
+        silent = channel.read_slots()[0, node_channel.BEAT]
+        time.sleep(0.2)
+        assert channel.read_slots()[0, node_channel.BEAT] == silent  # and it stopped beating
+        beat.tick("microbatch 1")
+        wait_until(lambda: channel.read_slots()[0, node_channel.BEAT] > silent, 5)  # progress again: beats again
+    finally:
+        beat.stop()
+
+
+def test_a_rank_whose_agent_stops_beating_is_told_within_the_bound(channel: Channel) -> None:
+    lost: list[tuple[float, str]] = []
+    beat = RankBeat(channel, 1, 0.02, 1e6, agent_timeout_s=0.5, on_lost=lambda r: lost.append((time.monotonic(), r)))
+    try:
+        for _ in range(30):  # a live agent: no verdict
+            channel.tick()
+            time.sleep(0.02)
+        assert lost == []
+        frozen = time.monotonic()
+        wait_until(lambda: bool(lost), 5)
+        assert 0.4 <= lost[0][0] - frozen < 2.0 and "node agent" in lost[0][1]
+    finally:
+        beat.stop()
+
+
+def test_slot_watch_counts_ranks_and_the_most_silent_one(channel: Channel) -> None:
+    watch = SlotWatch.new(2, now=100.0)
+    channel.beat(0)
+    channel.beat(1)
+    assert watch.entry(1, channel.read_slots(), 100.5) == {"attempt": 1, "ranks": 2, "ready": 0, "finished": 0, "silent_s": 0.0}
+    channel.beat(0)  # rank 1 goes silent
+    channel.set_step(1, 7)
+    entry = watch.entry(1, channel.read_slots(), 102.0)
+    assert entry["silent_s"] == 1.5 and entry["ranks"] == 2
+    channel.set_state(1, node_channel.STUCK)
+    assert watch.entry(1, channel.read_slots(), 102.1)["stuck"] == {"rank": 1, "step": 7}
+    channel.set_state(0, node_channel.FINISHED)
+    channel.set_state(1, node_channel.READY)
+    entry = watch.entry(1, channel.read_slots(), 103.0)
+    assert (entry["finished"], entry["ready"]) == (1, 1) and "stuck" not in entry
+
+
+def test_the_node_message_passes_the_coordinators_check_and_new_incarnations_get_fresh_files(tmp_path: Path) -> None:
+    agent = NodeAgent("127.0.0.1:1", "secret", slots=2)
+    first = agent.open(0, 0)
+    agent.open(1, 0)
+    Channel.open(first).beat(0)
+    raw = agent.message().encode()
+    groups = store.read_node_message("launcher/x", raw)
+    assert sorted(groups) == [0, 1] and groups[0]["ranks"] == 1 and json.loads(raw)["seq"] == 1
+    second = agent.open(0, 1)  # a restart: the old file is gone, the new one starts clean
+    assert not os.path.exists(first) and os.path.exists(second)
+    assert store.read_node_message("launcher/x", agent.message().encode())[0]["attempt"] == 1
+    agent.close()
+    assert not os.path.exists(second)
+
+
+@pytest.mark.parametrize("groups", [
+    {"0": {"attempt": -1, "ranks": 1, "ready": 0, "finished": 0, "silent_s": 0}},
+    {"x": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0, "silent_s": 0}},
+    {"0": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0}},
+    {"0": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0, "silent_s": "1"}},
+    {"0": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0, "silent_s": 0, "stuck": {"rank": "0"}}},
+])
+def test_a_malformed_node_message_is_refused_naming_the_key(groups: dict) -> None:
+    with pytest.raises(store.MessageError, match="launcher/x"):
+        store.read_node_message("launcher/x", json.dumps({"seq": 1, "groups": groups}).encode())
