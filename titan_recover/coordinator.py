@@ -78,6 +78,7 @@ class Coordinator:
         self.node_raw: dict[str, bytes] = {}  # each node's last message, and when it last changed
         self.node_groups: dict[str, tuple[dict[int, dict], float]] = {}
         self.views: dict[tuple[int, int], GroupView] = {}  # (replica, attempt) -> folded over its nodes
+        self.asking: dict[int, int] = {}  # replica -> its latest incarnation whose ranks wait to join
         self.next_node_read = 0.0
         self._publish(self.membership)
 
@@ -148,6 +149,7 @@ class Coordinator:
         self.views = group_views(
             (replica, entry, seen) for groups, seen in self.node_groups.values() for replica, entry in groups.items()
         )
+        self.asking = {replica: attempt for (replica, attempt), view in sorted(self.views.items()) if view.ready}
         for replica in (*self.membership.members, *self.spares):
             attempt = self.attempts.get(replica) if replica in self.membership.members else self.spares[replica]
             view = self.views.get((replica, attempt))  # type: ignore[arg-type]
@@ -286,8 +288,7 @@ class Coordinator:
         if progress is not None and progress["step"] >= self.steps:
             return True  # the last step is done: nothing left to join
         ready: dict[int, int] = {}
-        asking = {replica: attempt for (replica, attempt), view in sorted(self.views.items()) if view.ready}
-        for replica, attempt in asking.items():  # the latest incarnation of each group whose ranks wait
+        for replica, attempt in self.asking.items():
             if replica >= self.replica_ids:
                 log(f"ignoring a join request of replica {replica}: the run has ids 0..{self.replica_ids - 1}")
                 continue

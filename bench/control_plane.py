@@ -1,0 +1,368 @@
+"""Control-plane load test: the real coordinator and store, simulated nodes and ranks that
+speak the protocol but train nothing, at 1,024 / 4,096 / 16,384 ranks (8 per node, one
+replica group per node); today's design and the one it replaced, side by side.
+
+    .venv/bin/python -m bench.control_plane [--ranks 1024 4096 16384] [--workers 4] [--before-rev ff61664]
+
+- ``after``: this tree. Each simulated node is a real ``agent.NodeAgent``: its 8 ranks beat
+  into real shared-memory channels, its node message is written every heartbeat interval
+  (the request its lifeline makes), its epoch thread blocks on the store, and each rank
+  reads its channel every 20 ms.
+- ``before``: the coordinator of ``--before-rev`` (extracted with ``git archive``) and the
+  requests ranks and launchers made then, key for key: every rank bumped ``hb/<r>/<k>``
+  every 0.1 s, probed the coordinator every 0.5 s (3 requests) and, while waiting or in a
+  collective, checked ``fatal`` and read ``epoch`` every 20 ms; every launcher bumped its
+  counter every 0.1 s, probed every 0.5 s and looked at ``fatal``, ``status`` and its
+  group's ``fenced`` key every 50 ms. A load generator on a 2-core machine cannot issue
+  that many: it issues them as fast as it can, and ``demanded_requests_per_s`` says how
+  many the protocol asked for.
+
+Measured per design and size: a process death (its agent reports the exit) and a hung rank
+(it stops beating) to the new epoch, the slowest rank to see that epoch, the coordinator
+process's CPU (it also runs the store server) and store requests per second (the
+generator's and the coordinator's own, counted). A whole node's death (agent and ranks
+silent) is measured too: only the heartbeat bound can find it, in both designs.
+"""
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from bench.common import CONFIG, ROOT, write_result
+
+RANKS_PER_NODE = 8
+WAIT_S = 120.0  # bound on any one measured event
+
+COORDINATOR_MAIN = """
+import json, sys, threading, time
+from titan_recover import config
+from titan_recover.coordinator import Coordinator
+
+counts_path, port = sys.argv[1], int(sys.argv[2])
+job = config.load(sys.argv[3:])
+c = Coordinator(job, port)
+
+
+class Counting:
+    '''The coordinator's store, counting the requests the coordinator makes.'''
+    def __init__(self, inner):
+        self.inner, self.n = inner, 0
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+        def call(*a, **k):
+            self.n += 1
+            return attr(*a, **k)
+        return call
+
+
+c.store = Counting(c.store)
+
+
+def dump():
+    while True:
+        with open(counts_path + ".tmp", "w") as f:
+            json.dump({"requests": c.store.n, "time": time.time()}, f)
+        import os; os.replace(counts_path + ".tmp", counts_path)
+        time.sleep(0.25)
+
+
+threading.Thread(target=dump, daemon=True).start()
+sys.exit(c.run())
+"""
+
+
+def extract(rev: str, into: str) -> str:
+    """``titan_recover/`` as it was at ``rev``, for the before design's coordinator."""
+    archive = os.path.join(into, "before.tar")
+    subprocess.run(["git", "archive", "-o", archive, rev, "titan_recover"], cwd=ROOT, check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ---- the load generator (one process per slice of the nodes) --------------------------------
+
+
+class Counter:
+    """A store client that counts its requests."""
+
+    def __init__(self, client: object) -> None:
+        self.client, self.n = client, 0
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.client, name)
+
+        def call(*a, **k):
+            self.n += 1
+            return attr(*a, **k)
+
+        return call
+
+
+def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Queue, outbox: mp.Queue) -> None:
+    """Simulates ``nodes`` until told to stop; answers commands with measurements."""
+    from titan_recover import store
+
+    client = Counter(store.connect(address, 60.0, secret))
+    dead: set[int] = set()  # groups whose ranks are gone (killed, or their node died)
+    hung: set[int] = set()  # groups one of whose ranks beats no more
+    down: set[int] = set()  # nodes that are gone, agent and all
+    seen: dict[int, dict[int, float]] = {}  # epoch -> node -> when its slowest rank first saw it
+    newest = {n: -1 for n in nodes}
+
+    def saw(n: int, epoch: int) -> None:
+        """Node ``n``'s ranks have all read ``epoch`` (and so every epoch before it) by now."""
+        for e in range(newest[n] + 1, epoch + 1):
+            seen.setdefault(e, {})[n] = time.time()
+        newest[n] = max(newest[n], epoch)
+
+    if design == "after":
+        from titan_recover import node_channel
+        from titan_recover.agent import NodeAgent
+
+        agents = {n: NodeAgent(address, secret, RANKS_PER_NODE) for n in nodes}
+        channels = {}
+        for n, agent in agents.items():
+            path = agent.open(n, 0)
+            channels[n] = node_channel.Channel.open(path)
+            client.set(store.launcher_key(f"sim{n}"), agent.message())
+            client.set(store.node_key(int(client.add(store.NODES, 1))), f"sim{n}")
+            agent.start(on_error=print)
+        slot_beats = {n: c.words[node_channel.HEADER + node_channel.BEAT::node_channel.SLOT] for n, c in channels.items()}
+    outbox.put(("up", nodes[0]))
+    next_beat = next_probe = next_launcher = time.monotonic()
+    while True:
+        now = time.monotonic()
+        while not inbox.empty():
+            cmd, node = inbox.get()
+            if cmd == "stop":
+                outbox.put(("requests", client.n))
+                return
+            if cmd == "requests":
+                outbox.put(("requests", client.n))
+            elif cmd == "kill":  # its torchrun exited: the agent (launcher) reports it, as launch.py does
+                dead.add(node)
+                t = time.time()
+                if design == "after":
+                    agents[node].channels.pop(node).remove()
+                store.report(client, {"replica": node, "epoch": 0, "suspect": node, "cause": f"torchrun of replica {node} exited"})
+                outbox.put(("killed", t))
+            elif cmd == "hang":
+                hung.add(node)
+                outbox.put(("hung", time.time()))
+            elif cmd == "node_down":
+                down.add(node)
+                dead.add(node)
+                outbox.put(("down", time.time()))
+            elif cmd == "seen":  # the slowest live rank of this worker to see epoch ``node``
+                live = [t for n, t in seen.get(node, {}).items() if n not in dead]
+                complete = len(live) == len([n for n in nodes if n not in dead])
+                outbox.put(("seen", max(live) if live and complete else None))
+        if design == "after":
+            if now >= next_beat:  # every rank's beat thread, then every node's lifeline write
+                for n in nodes:
+                    if n not in dead:
+                        beats = slot_beats[n]
+                        if n in hung:
+                            beats[1:] += 1  # rank 0 beats no more
+                        else:
+                            beats += 1
+                for n in nodes:
+                    if n not in down:
+                        client.set(store.launcher_key(f"sim{n}"), agents[n].message())
+                if now >= next_probe:
+                    for n in nodes:
+                        if n not in down:
+                            client.add(store.ALIVE, 0)
+                    next_probe = now + store.PROBE_S
+                next_beat = now + 0.1
+            for n in nodes:  # every rank reads its channel (8 ranks: the same word)
+                saw(n, channels[n].epoch())
+            time.sleep(max(0.0, 0.02 - (time.monotonic() - now)))
+        else:
+            heartbeats = now >= next_beat
+            probes = now >= next_probe
+            launchers = now >= next_launcher
+            for n in nodes:
+                if n in down:
+                    continue
+                if launchers:  # launch.py's watch loop every 50 ms
+                    client.check([store.FATAL])
+                    client.check([store.STATUS])
+                    client.check([store.fenced_key(n)])
+                if heartbeats:  # its lifeline
+                    client.add(f"launcher/sim{n}", 1)
+                if probes:
+                    client.add(store.ALIVE, 0)
+                    client.check([store.STATUS])
+                    client.check([store.FATAL])
+                if n in dead:
+                    continue
+                for k in range(RANKS_PER_NODE):
+                    if heartbeats and not (n in hung and k == 0):
+                        client.add(f"hb/{n}/{k}", 1)
+                    if probes:
+                        client.add(store.ALIVE, 0)
+                        client.check([store.STATUS])
+                        client.check([store.FATAL])
+                    client.check([store.FATAL])  # _store_epoch, every 20 ms while waiting
+                    epoch = int(client.get(store.EPOCH))
+                    if k == RANKS_PER_NODE - 1:  # the node's last rank to read in this round
+                        saw(n, epoch)
+            next_beat = now + 0.1 if heartbeats else next_beat
+            next_probe = now + store.PROBE_S if probes else next_probe
+            next_launcher = now + 0.05 if launchers else next_launcher
+            time.sleep(max(0.0, 0.02 - (time.monotonic() - now)))
+
+
+# ---- one run: a design at one size --------------------------------------------------------
+
+
+def demanded(design: str, nodes: int) -> float:
+    """Requests per second the protocol asks of the generator (nodes, ranks), without the coordinator's."""
+    if design == "after":
+        return nodes * (10 + 2)  # node message every 0.1 s, alive probe every 0.5 s
+    per_rank = 10 + 3 * 2 + 2 * 50  # heartbeat, probe, fatal + epoch every 20 ms
+    per_launcher = 10 + 3 * 2 + 3 * 20
+    return nodes * (RANKS_PER_NODE * per_rank + per_launcher)
+
+
+def run(design: str, ranks: int, workers: int, tree: str, scratch: str) -> dict:
+    from titan_recover import store
+
+    nodes = ranks // RANKS_PER_NODE
+    port, secret = store.free_port(), f"bench{os.getpid()}{design}{ranks}"
+    address = f"127.0.0.1:{port}"
+    dump = tempfile.mkdtemp(dir=scratch)
+    counts = os.path.join(dump, "counts.json")
+    env = {**os.environ, store.SECRET_ENV: secret, store.COORDINATOR_ENV: address, "PYTHONPATH": tree}
+    args = ["--job.config_file", str(CONFIG), "--job.dump_folder", dump,
+            "--parallelism.data_parallel_replicate_degree", str(nodes),
+            "--parallelism.data_parallel_shard_degree", str(RANKS_PER_NODE),
+            "--training.steps", "1000000", "--recover.min_replicas", "1",
+            "--training.local_batch_size", "1", "--training.global_batch_size", str(ranks)]
+    coordinator = subprocess.Popen([sys.executable, "-c", COORDINATOR_MAIN, counts, str(port), *args], cwd=tree, env=env,
+                                   stdout=open(os.path.join(dump, "coordinator.log"), "w"), stderr=subprocess.STDOUT)
+    ctx = mp.get_context("spawn")
+    procs, inboxes, outboxes = [], [], []
+    try:
+        main = store.connect(address, 120.0, secret,
+                             gone=lambda: None if coordinator.poll() is None else "the coordinator exited")
+        slices = [list(range(nodes))[i::workers] for i in range(workers)]
+        for part in slices:
+            inbox, outbox = ctx.Queue(), ctx.Queue()
+            p = ctx.Process(target=worker, args=(design, part, address, secret, inbox, outbox), daemon=True)
+            p.start()
+            procs.append(p), inboxes.append(inbox), outboxes.append(outbox)
+        for outbox in outboxes:
+            assert outbox.get(timeout=WAIT_S)[0] == "up"
+        time.sleep(5.0)  # every node has beaten for a while
+
+        def ask(i: int, cmd: str, arg: int = -1) -> object:
+            inboxes[i].put((cmd, arg))
+            return outboxes[i].get(timeout=WAIT_S)[1]
+
+        def requests() -> int:
+            return sum(ask(i, "requests") for i in range(workers)) + json.loads(Path(counts).read_text())["requests"]
+
+        # steady state: coordinator CPU and store requests over a window without failures
+        window = 10.0
+        cpu0, req0, t0 = cpu_seconds(coordinator.pid), requests(), time.monotonic()
+        time.sleep(window)
+        cpu1, req1, t1 = cpu_seconds(coordinator.pid), requests(), time.monotonic()
+
+        def next_epoch(epoch: int) -> float:
+            main.wait([store.members_key(epoch + 1)], timedelta(seconds=WAIT_S))
+            return time.time()
+
+        def propagation(epoch: int, published: float) -> float | None:
+            deadline = time.monotonic() + WAIT_S
+            while time.monotonic() < deadline:
+                slowest = [ask(i, "seen", epoch) for i in range(workers)]
+                if None not in slowest:
+                    return max(slowest) - published  # type: ignore[type-var]
+                time.sleep(0.2)
+            return None
+
+        epoch = store.get_int(main, store.EPOCH)
+        killed = ask(0, "kill", slices[0][0])
+        woke = next_epoch(epoch)
+        death = woke - killed  # type: ignore[operator]
+        prop = [propagation(epoch + 1, woke)]
+        epoch = store.get_int(main, store.EPOCH)
+        hung = ask(1 % workers, "hang", slices[1 % workers][1])
+        woke = next_epoch(epoch)
+        hang = woke - hung  # type: ignore[operator]
+        prop.append(propagation(epoch + 1, woke))
+        epoch = store.get_int(main, store.EPOCH)
+        gone = ask(2 % workers, "node_down", slices[2 % workers][2])
+        node_death = next_epoch(epoch) - gone  # type: ignore[operator]
+        for inbox in inboxes:
+            inbox.put(("stop", -1))
+        return {
+            "death_detect_s": round(death, 3),
+            "hang_detect_s": round(hang, 3),
+            "node_death_detect_s": round(node_death, 3),
+            "epoch_propagation_s": None if None in prop else round(max(prop), 3),  # type: ignore[type-var]
+            "coordinator_cpu_cores": round((cpu1 - cpu0) / (t1 - t0), 3),
+            "store_requests_per_s": round((req1 - req0) / (t1 - t0)),
+            "demanded_requests_per_s": demanded(design, nodes),
+        }
+    except BaseException:
+        print(Path(dump, "coordinator.log").read_text()[-3000:], file=sys.stderr)
+        raise
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        coordinator.kill()
+        coordinator.wait()
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--workers", type=int, default=4, help="load generator processes")
+    ap.add_argument("--before-rev", default="ff61664", help="the commit of the per-rank design")
+    ap.add_argument("--designs", nargs="+", default=["before", "after"], choices=["before", "after"])
+    args = ap.parse_args(argv)
+    bad = [n for n in args.ranks if n % RANKS_PER_NODE or n // RANKS_PER_NODE < 3 * args.workers]
+    if bad:
+        ap.error(f"--ranks {bad}: each must be a multiple of {RANKS_PER_NODE} with at least 3 nodes per worker")
+    result: dict = {"ranks": args.ranks, "ranks_per_node": RANKS_PER_NODE, "workers": args.workers,
+                    "before_rev": args.before_rev, "cpus": os.cpu_count(), "heartbeat_timeout_s": 5.0}
+    with tempfile.TemporaryDirectory() as scratch:
+        trees = {"after": str(ROOT), "before": extract(args.before_rev, tempfile.mkdtemp(dir=scratch))}
+        for design in args.designs:
+            result[design] = {key: [] for key in ("death_detect_s", "hang_detect_s", "node_death_detect_s",
+                                                    "epoch_propagation_s", "coordinator_cpu_cores",
+                                                    "store_requests_per_s", "demanded_requests_per_s")}
+            for ranks in args.ranks:
+                start = time.monotonic()
+                row = run(design, ranks, args.workers, trees[design], scratch)
+                for key, value in row.items():
+                    result[design][key].append(value)
+                print(f"{design:6} {ranks:6} ranks: {json.dumps(row)} ({time.monotonic() - start:.0f}s)", flush=True)
+    print(f"wrote {write_result('control_plane', result)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
