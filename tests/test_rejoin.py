@@ -42,7 +42,7 @@ def test_sigstop_is_detected_fenced_and_restarted(tmp_path: Path, failure_free: 
     assert failure["replica"] == 1 and "heartbeat silent" in failure["cause"]
     (recovered,) = run.of("recovered")
     assert 2.5 < recovered["latency_s"] < 10  # the hang costs about heartbeat_timeout_s
-    assert "killed rank 0 of fenced replica 1" in run.output  # the hung rank was cleared away
+    assert "killed local rank 0 of fenced replica 1" in run.output  # the hung rank was cleared away
     rejoined(run, 1)
     assert_all_rejoined(run, replicas=2, last_step=6)
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from titan_recover.agent import NodeAgent
 from titan_recover import claims, launch, store
 from titan_recover.restarts import RestartBudget, restart_allowed
 
@@ -105,7 +106,8 @@ def test_replica_groups_restart_per_window_and_give_up_on_flapping(
     monkeypatch.setattr(launch.ReplicaGroups, "_start", start)
     now = [0.0]
     me = claims.Launcher.this()
-    groups = launch.ReplicaGroups([], {0: {}, 1: {}}, 1, max_restarts=1, restart_window_s=HOUR, launcher=me, clock=lambda: now[0])
+    groups = launch.ReplicaGroups([], {0: {}, 1: {}}, 1, max_restarts=1, restart_window_s=HOUR, launcher=me,
+                                 agent=NodeAgent("127.0.0.1:1", "secret", 1), clock=lambda: now[0])
     client = FakeStore()
     claims.claim(client, me, [0, 1], stale_s=1.0, log=print)  # type: ignore[arg-type]
     for r in (0, 1):
@@ -143,7 +145,8 @@ def test_a_group_taken_over_by_another_launcher_is_left_to_it(
     neither report that group's exit (it would fence the replacement's incarnation) nor restart it."""
     monkeypatch.setattr(launch.ReplicaGroups, "_start", lambda self, replica: FakeProc())
     me, replacement = claims.Launcher.this(), claims.Launcher.this()
-    groups = launch.ReplicaGroups([], {1: {}}, 1, max_restarts=3, restart_window_s=HOUR, launcher=me)
+    groups = launch.ReplicaGroups([], {1: {}}, 1, max_restarts=3, restart_window_s=HOUR, launcher=me,
+                                  agent=NodeAgent("127.0.0.1:1", "secret", 1))
     client = FakeStore()
     claims.claim(client, me, [1], stale_s=1.0, log=print)  # type: ignore[arg-type]
     groups.start(1, claims.incarnation(client, 1))  # type: ignore[arg-type]

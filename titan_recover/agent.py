@@ -87,13 +87,14 @@ class NodeAgent:
             old.remove()
         return channel.path
 
-    def pids(self, replica: int, attempt: int) -> list[int]:
-        """The pids the ranks of that incarnation wrote into their slots (none if it is not the current one)."""
+    def pids(self, replica: int, attempt: int) -> dict[int, int]:
+        """Local rank -> pid, as the ranks of that incarnation wrote them into their slots
+        (none if it is not the current one)."""
         with self._lock:
-            if self.attempts.get(replica) != attempt:
-                return []
+            if self.attempts.get(replica) != attempt or replica not in self.channels:
+                return {}
             slots = self.channels[replica].read_slots()
-        return [int(p) for p in slots[:, node_channel.PID] if p > 0]
+        return {k: int(p) for k, p in enumerate(slots[:, node_channel.PID]) if p > 0}
 
     def message(self) -> str:
         """The node message: one JSON object for every local group, written by the lifeline thread."""

@@ -153,12 +153,12 @@ def kill_fenced(client: object, agent: NodeAgent, replica: int, handled: dict[in
     if handled.get(replica, -1) >= attempt:
         return
     handled[replica] = attempt
-    for pid in agent.pids(replica, attempt):
+    for local_rank, pid in agent.pids(replica, attempt).items():
         if not is_incarnation(pid, replica, attempt):
             continue  # the pid now belongs to someone else
         try:
             os.kill(pid, signal.SIGKILL)
-            log(f"killed a rank of fenced replica {replica} (attempt {attempt}, pid {pid})")
+            log(f"killed local rank {local_rank} of fenced replica {replica} (attempt {attempt}, pid {pid})")
         except ProcessLookupError:
             pass  # already gone
 
