@@ -37,8 +37,8 @@ from torchtitan.train import Trainer, main
 from titan_recover import data, membership, recovery, resources, store, transfer, workload
 from titan_recover.collectives import CollectiveAborted, ReplicateGroups
 from titan_recover.config import is_spare, replica_ids, resume_hint, validate
-from titan_recover.logged_trainer import LoggedTrainer
 from titan_recover.faults import Fault
+from titan_recover.logged_trainer import LoggedTrainer
 from titan_recover.manager import ReplicaFenced, ReplicaManager, RunFinished, log
 from titan_recover.membership import Membership, diverged
 from titan_recover.stock import StockTrainer
