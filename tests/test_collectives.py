@@ -40,7 +40,7 @@ def test_a_survivor_holds_no_more_after_ten_broken_epochs() -> None:
     port = store.free_port()
     server = store.serve(port, 30)
     address = f"127.0.0.1:{port}"
-    groups = ReplicateGroups(store.connect(address, 30), replica=0, shard=0, timeout_s=2)
+    groups = ReplicateGroups(store.connect(address, 30), replica=0, group_rank=0, timeout_s=2)
     peer = subprocess.Popen([sys.executable, "-c", PEER, address, str(FAILURES + 2)], cwd=ROOT)
     try:
         def broken_epoch(epoch: int) -> None:

@@ -325,7 +325,7 @@ def run_both(donor: Callable[[], Any], joiner: Callable[[], Any], timeout_s: flo
 
 
 def groups(address: str, replica: int) -> ReplicateGroups:
-    return ReplicateGroups(store.connect(address, 30), replica, shard=0, timeout_s=30)
+    return ReplicateGroups(store.connect(address, 30), replica, group_rank=0, timeout_s=30)
 
 
 def never() -> bool:

@@ -1,6 +1,6 @@
 """Fault-tolerant replicate-dimension collectives.
 
-For shard index ``k`` the live replicas' rank ``k`` form one process group per
+For group rank ``k`` the live replicas' rank ``k`` form one process group per
 membership epoch, built under the store prefix ``replicate/e<epoch>/s<k>``: a rank of
 an old epoch can never join a newer group. Collectives are asynchronous and polled,
 so they return within a bounded time once the epoch moves on (a peer died or hung);
@@ -68,12 +68,12 @@ class ReplicateGroups:
     """This rank's replicate-dim process groups, one per epoch."""
 
     def __init__(
-        self, store: dist.Store, replica: int, shard: int, timeout_s: float,
+        self, store: dist.Store, replica: int, group_rank: int, timeout_s: float,
         backend: str = "gloo", device: torch.device = torch.device("cpu"),
     ) -> None:
         self.store = store
         self.replica = replica
-        self.shard = shard
+        self.group_rank = group_rank  # this rank's index inside its replica group
         self.timeout = timedelta(seconds=timeout_s)
         self.backend = backend
         self.device = device if backend == "nccl" else torch.device("cpu")  # where transfer buffers live
@@ -161,7 +161,7 @@ class ReplicateGroups:
         size = len(membership.members)
         group = None
         if size > 1:
-            prefix = f"replicate/e{membership.epoch}/s{self.shard}/"
+            prefix = f"replicate/e{membership.epoch}/s{self.group_rank}/"
             group = self._connect(prefix, membership.members.index(self.replica), size, abort)
         # older epochs' groups are done with; park them (destroying may block on dead peers)
         for epoch in [e for e in self._groups if e < membership.epoch]:
@@ -189,7 +189,7 @@ class ReplicateGroups:
     @contextmanager
     def pair(self, epoch: int, joiner: int, donor: bool, abort: Callable[[], bool]) -> Iterator[dist.Backend]:
         """The two-rank group (donor = rank 0) that hands ``joiner`` its state in ``epoch``; one transfer only."""
-        group = self._connect(f"transfer/e{epoch}/s{self.shard}/r{joiner}/", 0 if donor else 1, 2, abort)
+        group = self._connect(f"transfer/e{epoch}/s{self.group_rank}/r{joiner}/", 0 if donor else 1, 2, abort)
         try:
             yield group
         finally:

@@ -282,12 +282,12 @@ def group_coordinates(rank: int, par: Any) -> tuple[int, int]:
     return r, (p * shards + s) * tp + t
 
 
-def reports_data(rank_in_group: int, par: Any) -> bool:
+def reports_data(group_rank: int, par: Any) -> bool:
     """Whether this rank speaks for its data shard in the step tally: with TP every rank of
     a shard reads the same microbatch, and with PP only the last stage has the loss."""
     tp, shards = par.tensor_parallel_degree, par.data_parallel_shard_degree
-    stage = rank_in_group // (shards * tp)
-    return rank_in_group % tp == 0 and stage == par.pipeline_parallel_degree - 1
+    stage = group_rank // (shards * tp)
+    return group_rank % tp == 0 and stage == par.pipeline_parallel_degree - 1
 
 
 def num_microbatches(job_config: Any) -> int:

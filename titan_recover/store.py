@@ -99,9 +99,9 @@ def incarnation_key(replica: int) -> str:
     return f"incarnation/{replica}"
 
 
-def transfer_key(replica: int, shard: int) -> str:
+def transfer_key(replica: int, group_rank: int) -> str:
     """{"bytes", "transfer_s", "step", "epoch"} of a joiner rank's last state transfer."""
-    return f"transfer/{replica}/{shard}"
+    return f"transfer/{replica}/{group_rank}"
 
 
 def digest_key(step: int, replica: int) -> str:

@@ -1,6 +1,6 @@
 """Checkpoint-free rejoin: a live rank hands a restarted rank everything the step needs.
 
-The donor is the rank with the same shard index in a live replica group; both
+The donor is the rank with the same group rank in a live replica group; both
 sides hold the same model and optimizer layout, so each lists the same tensors
 from its own objects and the bytes go straight into the joiner's tensors. Over
 the two-rank replicate-dim group (donor = rank 0; on ``groups.device``: the CPU for

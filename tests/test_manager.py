@@ -1,0 +1,243 @@
+"""The protocol client of one rank (``manager.ReplicaManager``), in-process and fast.
+
+The coordinator's store is an in-process ``HashStore`` seen through the run prefix (as
+``store.in_run`` does), the node agent is played by publishing into a real channel file,
+and the replicate-dim groups are a stand-in with ``ReplicateGroups``' interface. The
+real collectives and processes are the e2e tests'.
+"""
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from titan_recover import node_channel, store
+from titan_recover.collectives import CollectiveAborted
+from titan_recover.config import Recover
+from titan_recover.manager import ReplicaFenced, ReplicaManager, RunFailed, RunFinished
+from titan_recover.membership import Membership
+from titan_recover.tokens import DataError
+
+RC = Recover(collective_timeout_s=0.5, heartbeat_interval_s=0.01, coordinator_timeout_s=3600.0)
+
+
+class FakeGroups:
+    """``ReplicateGroups.allreduce``: every member contributed the same tensors, or it broke."""
+
+    def __init__(self, error: str | None = None, during: Callable[[], None] = lambda: None) -> None:
+        self.error, self.during = error, during
+        self.calls: list[int] = []
+
+    def allreduce(self, membership: Membership, tensors: list[torch.Tensor], abort: Callable[[], bool],
+                  on_launched: Callable[[], None] = lambda: None) -> None:
+        self.calls.append(membership.epoch)
+        on_launched()
+        self.during()
+        if self.error is not None or abort():
+            raise CollectiveAborted(self.error or "the epoch ended first")
+        for t in tensors:
+            t.mul_(len(membership.members))
+
+    def pair(self, epoch: int, joiner: int, donor: bool, abort: Callable[[], bool]) -> None:
+        raise AssertionError("no transfer in these tests")
+
+
+class Coordinator:
+    """What the coordinator and the node agent do, by hand: publish memberships and epochs."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.store = dist.PrefixStore("run/test", dist.HashStore())
+        self.channel = node_channel.Channel.create(0, 0, slots=4, directory=str(tmp_path))
+        self.managers: list[ReplicaManager] = []
+
+    def publish(self, epoch: int, members: tuple[int, ...], flags: int = 0) -> None:
+        store.put_json(self.store, store.members_key(epoch), Membership(epoch, members).to_json())
+        store.put_json(self.store, store.EPOCH, epoch)
+        self.channel.publish(epoch, flags)
+
+    def manager(self, replica: int = 0, group_rank: int = 0, attempt: int = 0, rejoining: bool = False,
+                groups: FakeGroups | None = None) -> ReplicaManager:
+        lost: list[str] = []
+        m = ReplicaManager(self.store, self.channel, slot=len(self.managers), replica=replica, group_rank=group_rank,
+                           attempt=attempt, rejoining=rejoining, rc=RC, on_lost=lost.append)
+        m.attach(groups or FakeGroups(), torch.device("cpu"), 1)
+        self.managers.append(m)
+        return m
+
+    def slot_state(self, m: ReplicaManager) -> int:
+        return int(self.channel.read_slots()[m.slot, node_channel.STATE])
+
+    def reports(self) -> list[dict]:
+        count = self.store.add(store.REPORTS, 0)
+        return [store.read_report(self.store, store.report_key(i)) for i in range(1, count + 1)]
+
+
+@pytest.fixture
+def coord(tmp_path: Path) -> Iterator[Coordinator]:
+    c = Coordinator(tmp_path)
+    yield c
+    for m in c.managers:
+        m.heartbeat.stop()
+    c.channel.remove()
+
+
+def later(seconds: float, action: Callable[[], None]) -> threading.Thread:
+    t = threading.Thread(target=lambda: (time.sleep(seconds), action()), daemon=True)
+    t.start()
+    return t
+
+
+def test_commits_when_every_member_votes(coord: Coordinator) -> None:
+    coord.publish(0, (0, 1))
+    a, b = coord.manager(0), coord.manager(1)
+    assert a.start_step(1) == 0 and b.start_step(1) == 0
+    assert store.get_int(coord.store, store.START_STEP) == 0  # records begin after step 0
+    current = a.history(0)[-1]
+    grads = [torch.ones(3), torch.ones(1)]
+    assert a.allreduce(current, grads, on_launched=lambda: None)
+    assert grads[0].tolist() == [2.0, 2.0, 2.0]
+    votes: list[bool] = []
+    voter = threading.Thread(target=lambda: votes.append(a.should_commit(current)))
+    voter.start()
+    time.sleep(0.05)
+    assert not coord.store.check([store.decision_key(1, 0)])  # one vote of two: no decision yet
+    assert b.should_commit(current)
+    voter.join(timeout=5)
+    assert votes == [True]
+    assert coord.store.get(store.decision_key(1, 0)) == b"commit"
+    assert not a.committed(current)  # the same epoch as the previous step: no failure in between
+    assert not coord.reports()
+
+
+def test_aborts_when_the_epoch_moves_during_the_vote(coord: Coordinator) -> None:
+    coord.publish(0, (0, 1))
+    a = coord.manager(0)
+    current = a.history(a.start_step(1))[-1]
+    later(0.05, lambda: coord.publish(1, (0,)))  # replica 1 was fenced before it voted
+    start = time.monotonic()
+    assert not a.should_commit(current)
+    assert time.monotonic() - start < 1.0
+    assert coord.store.get(store.decision_key(1, 0)) == b"abort"
+    late = coord.manager(1)  # its vote comes too late to change the outcome
+    late.step = 1
+    assert not late.should_commit(current)
+    assert a.agree_epoch(newer_than=0) == 1
+    assert a.history(1)[-1].members == (0,)
+    assert a.committed(a.history(1)[-1])  # committing in a later epoch than the last step's
+
+
+def test_a_broken_allreduce_is_reported_with_its_cause(coord: Coordinator) -> None:
+    coord.publish(0, (0, 1))
+    m = coord.manager(1, group_rank=1, groups=FakeGroups(error="Connection closed by peer"))
+    current = m.history(m.start_step(3))[-1]
+    grads = [torch.ones(2)]
+    assert not m.allreduce(current, grads, on_launched=lambda: None)
+    assert grads[0].tolist() == [1.0, 1.0]
+    (report,) = coord.reports()
+    assert {k: report[k] for k in ("replica", "shard", "epoch", "step", "suspect")} == \
+        {"replica": 1, "shard": 1, "epoch": 0, "step": 3, "suspect": None}
+    assert "replicate all-reduce broke (replica 1 rank 1)" in report["cause"]
+    assert "Connection closed by peer" in report["cause"]
+
+
+def test_an_allreduce_aborted_by_a_new_epoch_is_not_reported(coord: Coordinator) -> None:
+    coord.publish(0, (0, 1))
+    groups = FakeGroups(during=lambda: coord.publish(1, (0,)))
+    m = coord.manager(0, groups=groups)
+    current = m.history(m.start_step(2))[-1]
+    assert not m.allreduce(current, [torch.ones(1)], on_launched=lambda: None)
+    assert groups.calls == [0] and not coord.reports()
+
+
+def test_the_groups_own_failure_is_reported_with_the_error(coord: Coordinator) -> None:
+    coord.publish(0, (0, 1))
+    m = coord.manager(1, group_rank=0)
+    m.start_step(4)
+    m.report_failure(0, ValueError("bad shape at 0xdeadbeef"))
+    m.report_failure(0, RuntimeError("[gloo] Connection reset by peer"))
+    m.report_failure(0, ReplicaFenced("fenced"))  # the coordinator knows: nothing to say
+    (own, peer) = coord.reports()
+    assert own["suspect"] == 1 and own["error"] == "ValueError: bad shape at 0x?"
+    assert own["cause"] == "rank 0 raised ValueError: bad shape at 0x?" and own["step"] == 4
+    assert peer["suspect"] == 1 and "error" not in peer and "saw its own group fail" in peer["cause"]
+    m.report_failure(0, DataError("token file truncated"))  # every replica would meet it: the run stops
+    assert store.get_json(coord.store, store.FATAL, ("error",))["error"] == "DataError: token file truncated"
+    assert len(coord.reports()) == 2
+
+
+def test_a_fenced_replica_raises(coord: Coordinator) -> None:
+    coord.publish(0, (0, 1))
+    coord.publish(1, (0,))
+    m = coord.manager(1)
+    assert m.start_step(1) == 1
+    with pytest.raises(ReplicaFenced, match="replica 1 was fenced out in epoch 1"):
+        m.history(1)
+
+
+def test_the_run_failing_reaches_every_wait(coord: Coordinator) -> None:
+    coord.publish(0, (0, 1))
+    m = coord.manager(0)
+    store.put_json(coord.store, store.FATAL, {"error": "only 1 replica group(s) left"})
+    coord.channel.publish(0, node_channel.FATAL)
+    with pytest.raises(RunFailed, match="only 1 replica group"):
+        m.start_step(1)
+
+
+def test_agreeing_on_a_newer_epoch_is_bounded(coord: Coordinator) -> None:
+    coord.publish(0, (0, 1))
+    m = coord.manager(0)
+    m.rc = dataclasses.replace(RC, collective_timeout_s=0.05)
+    with pytest.raises(TimeoutError, match="no epoch after 0 within 0.05s"):
+        m.agree_epoch(newer_than=0)
+
+
+def test_join_request_then_admission(coord: Coordinator) -> None:
+    coord.publish(0, (0, 1))
+    m = coord.manager(2, attempt=1, rejoining=True)
+    assert coord.slot_state(m) == node_channel.STARTING
+    waiter = threading.Thread(target=m.wait_for_admission, args=(0,), daemon=True)
+    waiter.start()
+    time.sleep(0.05)
+    assert coord.slot_state(m) == node_channel.READY  # the node agent tells the coordinator
+    coord.store.set(store.admitted_key(2, 1), '{"attempt": 1, "epoch": 1}')
+    time.sleep(0.05)
+    assert waiter.is_alive()  # an admission comes with a new epoch: only then is the store read
+    coord.publish(1, (0, 1, 2))
+    waiter.join(timeout=5)
+    assert not waiter.is_alive() and coord.slot_state(m) == node_channel.RUNNING
+    assert m.agree_epoch() == 1
+    m.start_step(1)
+    assert not coord.store.check([store.START_STEP])  # a rejoiner holds no state: it does not say where records begin
+
+
+def test_a_spare_waiting_for_admission_ends_with_the_run(coord: Coordinator) -> None:
+    coord.publish(0, (0, 1))
+    m = coord.manager(2, rejoining=True)
+    later(0.05, lambda: coord.channel.publish(0, node_channel.DONE))
+    with pytest.raises(RunFinished):
+        m.wait_for_admission(0)
+
+
+def test_records_digests_and_the_end(coord: Coordinator) -> None:
+    coord.publish(0, (0, 1, 2))
+    m = coord.manager(0)
+    m.start_step(5)
+    m.publish_step({"step": 5, "loss": 1.0})
+    coord.managers.append(other := ReplicaManager(  # a second member offers its record too: the first counts
+        coord.store, coord.channel, slot=1, replica=1, group_rank=0, attempt=0, rejoining=False, rc=RC, on_lost=print))
+    other.step = 5
+    other.publish_step({"step": 5, "loss": 2.0})
+    assert store.get_json(coord.store, store.step_key(5))["loss"] == 1.0
+    coord.store.set(store.digest_key(5, 1), "abc")
+    coord.publish(1, (0, 1))  # replica 2 was fenced: nobody waits for its digest
+    assert m.exchange_digests((0, 1, 2), "abc") == {0: "abc", 1: "abc"}
+    m.record_transfer({"bytes": 1, "transfer_s": 0.1, "step": 5, "epoch": 1})
+    assert coord.store.check(["transfer/0/0"])  # the key string other processes read
+    m.finish()
+    assert coord.slot_state(m) == node_channel.FINISHED

@@ -1,0 +1,69 @@
+"""TorchTitan's Trainer plus what both modes log, so their trajectories can be compared.
+
+Stock HSDP (``stock.StockTrainer``) and titan_recover (``train.RecoverTrainer``) each log
+one ``step`` event per committed step with the same fields (microbatch ids, data digest,
+loss, ...), fire the fault plan's faults at the same points and end with a ``rank_memory``
+event. ``group_rank`` is a rank's index inside its replica group, ``replica`` the group.
+"""
+
+import resource
+import time
+from typing import Any
+
+from titan_recover import cpu_shim
+
+cpu_shim.apply()  # before any torchtitan module binds the device type
+
+from torchtitan.config import JobConfig
+from torchtitan.train import Trainer
+
+from titan_recover import recovery, store
+from titan_recover.config import Recover, num_microbatches, reports_data
+from titan_recover.events import EventLog
+from titan_recover.faults import Fault, FaultInjector
+
+
+class LoggedTrainer(Trainer):
+    def __init__(self, job_config: JobConfig, rc: Recover, replica: int, group_rank: int) -> None:
+        self.rc = rc
+        self.events = EventLog(job_config.job.dump_folder)
+        self.attempt = store.attempt()
+        self.replica, self.group_rank = replica, group_rank
+        self.reports_data = reports_data(group_rank, job_config.parallelism)
+        self.ft_buffer_bytes = 0  # the replicate all-reduce's one extra gradient copy (none in stock mode)
+        super().__init__(job_config)
+        self.num_microbatches = num_microbatches(job_config)
+        self.injector = FaultInjector(rc.fault_plan, replica, group_rank, self._on_fault, self.attempt)
+        self.global_tokens = float(self.dataloader.valid_tokens_per_step())
+
+    def _fault_record(self, fault: Fault) -> dict[str, Any]:
+        return {"replica": self.replica, "rank": self.group_rank, "attempt": self.attempt, "step": self.step,
+                "phase": fault.phase}
+
+    def _on_fault(self, fault: Fault) -> None:
+        self.events.emit("fault_injected", action=fault.action, **self._fault_record(fault))
+
+    def _step_record(self, summary: recovery.StepSummary, epoch: int, members: list[int], grad_norm: float | None) -> dict[str, Any]:
+        """What the event log says about a committed step (the same in both modes)."""
+        return {
+            "step": self.step,
+            "epoch": epoch,
+            "members": members,
+            "microbatches": list(summary.microbatches),
+            "data_digest": summary.data_digest,
+            "loss": summary.loss,
+            "grad_norm": grad_norm,
+            "time": time.time(),
+            "data_epochs": self.dataloader.epochs_started(self.step),
+            "quotas": {str(r): n for r, n in summary.quotas.items()},
+            "seconds_per_microbatch": {str(r): t for r, t in summary.seconds_per_microbatch.items()},
+            "samples": self.dataloader.windows,
+        }
+
+    def train(self) -> None:
+        super().train()
+        self.events.emit(
+            "rank_memory", replica=self.replica, rank=self.group_rank,
+            max_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            ft_buffer_mb=self.ft_buffer_bytes / 2**20,
+        )

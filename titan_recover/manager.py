@@ -1,0 +1,363 @@
+"""The protocol client of one rank: what a rank says to and hears from the coordinator.
+
+A ``ReplicaManager`` is to titan_recover what torchft's ``Manager`` is to torchft: the
+trainer asks it which epoch a step runs in (``start_step``), hands it the gradients
+(``allreduce``) and asks whether the step commits (``should_commit``); everything else
+the protocol needs lives here too, so the trainer never touches a store key:
+
+- the epoch view: the latest epoch, as this node's agent pushed it (``_read_epoch``, the
+  one place that reads it and the run's fatal/done flags), agreed inside the replica
+  group, and whether it moved while a collective runs;
+- the membership of each epoch (cached: an epoch's members never change);
+- the commit vote (``ok/<step>/<epoch>`` counter, ``decision/<step>/<epoch>`` outcome);
+- failure reports: a replicate-dim collective that broke, the group's own failure, a
+  fault the plan injected, a diverged replica;
+- the rejoin handshake (ready to join, then the admission) and the transfer record;
+- START_STEP, the committed step's record, the parameter digests, and the end of the run;
+- the rank's lifeline (``node_channel.RankBeat``), started once, before TorchTitan builds
+  the model, so the node agent sees the rank beat while it starts.
+
+Words: a *replica group* is one torchrun world; ``group_rank`` is a rank's index inside
+its group (the same coordinate on every group; the replicate all-reduce joins them);
+``shard`` is kept for the FSDP data shard.
+"""
+
+import json
+import os
+import re
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+import torch.distributed as dist
+
+from titan_recover import node_channel, recovery, store, transfer
+from titan_recover.collectives import POLL_S, CollectiveAborted, backoff
+from titan_recover.config import Recover
+from titan_recover.membership import Membership
+from titan_recover.tokens import DataError
+
+EPOCH_POLL_S = 0.02  # how stale a rank's view of the epoch may be while it waits
+
+
+class ReplicaFenced(RuntimeError):
+    """This replica group was declared failed; it must not rejoin this step."""
+
+
+class RunFailed(RuntimeError):
+    """The coordinator stopped the run (e.g. fewer than min_replicas left)."""
+
+
+class RunFinished(Exception):
+    """The run ended while this (rejoining) group was still waiting to take part."""
+
+
+PEER_FAILURE = re.compile(r"gloo|nccl|connection|timed out|timeout|closed by peer|broken pipe", re.IGNORECASE)
+
+
+def brief(e: BaseException) -> str:
+    """One line of an error for a report or the event log (gloo's messages run on for paragraphs)."""
+    text = f"{type(e).__name__}: {e}".splitlines()[0]
+    return text.split(". This is typically")[0][:200]
+
+
+def own_error(e: BaseException) -> str | None:
+    """The error as the same text on every replica that raises it, or None when it may be
+    a peer's failure seen from here (a collective broke): only the former can be the job's."""
+    if isinstance(e, dist.DistError) or PEER_FAILURE.search(str(e)):
+        return None
+    return re.sub(r"0x[0-9a-fA-F]+", "0x?", brief(e))
+
+
+def log(msg: str) -> None:
+    print(f"[titan_recover] {msg}", flush=True)
+
+
+class Collectives(Protocol):
+    """What the manager needs of ``collectives.ReplicateGroups`` (tests pass a stand-in)."""
+
+    def allreduce(
+        self, membership: Membership, tensors: list[torch.Tensor], abort: Callable[[], bool],
+        on_launched: Callable[[], None] = ...,
+    ) -> None: ...
+
+    def pair(self, epoch: int, joiner: int, donor: bool, abort: Callable[[], bool]) -> Any: ...
+
+
+# raised as they are: the protocol already knows (fenced, run stopped), or no group failure
+# explains them (a step that does not add up, a bad transfer, a malformed message)
+NOT_REPORTED = (ReplicaFenced, RunFailed, recovery.InvariantError, transfer.TransferError, store.MessageError)
+
+
+class ReplicaManager:
+    """The protocol client of rank ``group_rank`` of replica group ``replica``.
+
+    Built in two stages: ``__init__`` (or ``connect``) before TorchTitan initializes, so the
+    lifeline beats while the model is built; ``attach`` once the rank's device, its group's
+    world and the replicate-dim groups exist.
+    """
+
+    def __init__(
+        self,
+        client: dist.Store,
+        channel: node_channel.Channel,
+        *,
+        slot: int,
+        replica: int,
+        group_rank: int,
+        attempt: int,
+        rejoining: bool,
+        rc: Recover,
+        on_lost: Callable[[str], None],
+    ) -> None:
+        self.store, self.channel, self.slot = client, channel, slot
+        self.replica, self.group_rank, self.attempt, self.rc = replica, group_rank, attempt, rc
+        self.rejoining = rejoining  # holds no training state until a peer sends it
+        self.base_epoch = 0  # the epoch the previous step committed with
+        self.step = 0  # the step this rank works on (its reports and its channel slot name it)
+        self.groups: Collectives | None = None
+        self.device = torch.device("cpu")
+        self.group_size = 1  # ranks in this replica group
+        self._memberships: dict[int, Membership] = {}
+        self._epoch_checked = (0.0, 0)
+        self._start_told = False
+        channel.set_state(slot, node_channel.STARTING)
+        self.heartbeat = node_channel.RankBeat(  # the one lifeline of this rank
+            channel, slot, rc.heartbeat_interval_s, rc.progress_timeout_s, rc.coordinator_timeout_s, on_lost=on_lost,
+        )
+
+    @classmethod
+    def connect(
+        cls, rc: Recover, *, replica: int, group_rank: int, attempt: int, rejoining: bool, resume_hint: str
+    ) -> "ReplicaManager":
+        """The manager of this process: the coordinator's store (it may still be starting) and
+        the channel of this node's agent, both named by the environment the launcher sets."""
+        client = store.connect(store.coordinator_address(), rc.startup_timeout_s)
+        client.set_timeout(timedelta(seconds=rc.collective_timeout_s))
+        channel = node_channel.Channel.open(os.environ.get(node_channel.CHANNEL_ENV, ""))
+        who = f"replica {replica} rank {group_rank}"
+        return cls(
+            client, channel, slot=int(os.environ["LOCAL_RANK"]), replica=replica, group_rank=group_rank,
+            attempt=attempt, rejoining=rejoining, rc=rc,
+            on_lost=lambda reason: store.exit_lost(who, reason, resume_hint),
+        )
+
+    def attach(self, groups: Collectives, device: torch.device, group_size: int) -> None:
+        """The replicate-dim groups, and the device and size of this group's own world
+        (where the in-group agreements run), once TorchTitan has set them up."""
+        self.groups, self.device, self.group_size = groups, device, group_size
+
+    # ---- the epoch view -------------------------------------------------------------
+
+    def _read_epoch(self) -> int:
+        """The latest epoch, as this node's agent pushed it into the channel (-1: none yet);
+        raises RunFailed / RunFinished when the run stopped. The only read of the epoch."""
+        self.heartbeat.tick(f"waiting at step {self.step}")  # a loop that polls is not stuck
+        self.channel.set_step(self.slot, self.step)
+        flags = self.channel.flags()
+        if flags & node_channel.FATAL:
+            raise RunFailed(store.get_json(self.store, store.FATAL, ("error",))["error"])
+        if self.rejoining and flags & node_channel.DONE:
+            raise RunFinished()  # the groups with state finished without us
+        return self.channel.epoch()
+
+    def epoch_moved(self, epoch: int) -> bool:
+        """Throttled check whether the coordinator has published an epoch after ``epoch``
+        (the abort test of every replicate-dim collective)."""
+        last_time, last_epoch = self._epoch_checked
+        now = time.monotonic()
+        self.heartbeat.tick(f"in a collective at step {self.step}")
+        if now - last_time >= EPOCH_POLL_S:
+            self._epoch_checked = (now, self._read_epoch())
+        return self._epoch_checked[1] > epoch
+
+    def agree_epoch(self, newer_than: int = -1) -> int:
+        """The epoch every rank of this replica group continues in (max of their views)."""
+        deadline = time.monotonic() + self.rc.collective_timeout_s
+        while (epoch := self._read_epoch()) <= newer_than:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no epoch after {newer_than} within {self.rc.collective_timeout_s}s")
+            time.sleep(EPOCH_POLL_S)
+        if self.group_size > 1:
+            t = torch.tensor([epoch], dtype=torch.int64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            epoch = int(t.item())
+        return epoch
+
+    def group_all(self, ok: bool) -> bool:
+        """True only if every rank of this replica group says so (they then act alike)."""
+        if self.group_size > 1:
+            t = torch.tensor([int(ok)], dtype=torch.int64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            ok = bool(t.item())
+        return ok
+
+    def membership(self, epoch: int) -> Membership:
+        if epoch not in self._memberships:
+            raw = store.get_json(self.store, store.members_key(epoch), ("epoch", "members"))
+            try:
+                self._memberships[epoch] = Membership.from_json(raw)
+            except ValueError as e:
+                raise store.MessageError(f"store key {store.members_key(epoch)!r}: {e}") from e
+        return self._memberships[epoch]
+
+    def history(self, epoch: int) -> list[Membership]:
+        """The memberships from the epoch the previous step committed with through ``epoch``
+        (what the step's assignment is replayed from); ReplicaFenced if we are not in ``epoch``."""
+        history = [self.membership(e) for e in range(self.base_epoch, epoch + 1)]
+        if self.replica not in history[-1].members:
+            raise ReplicaFenced(f"replica {self.replica} was fenced out in epoch {epoch}")
+        return history
+
+    # ---- the step -------------------------------------------------------------------
+
+    def start_step(self, step: int) -> int:
+        """Begins ``step``; returns the epoch this group starts it in. A group holding state
+        tells the coordinator once where the run's step records begin (after a DCP resume too)."""
+        self.step = step
+        if not self.rejoining and not self._start_told:
+            self.store.compare_set(store.START_STEP, "", str(step - 1))
+            self._start_told = True
+        return self.agree_epoch()
+
+    def allreduce(self, membership: Membership, tensors: list[torch.Tensor], on_launched: Callable[[], None]) -> bool:
+        """Sums ``tensors`` in place across ``membership``'s replicas; False (reported, the
+        caller's other buffers untouched) when it broke or the epoch moved first."""
+        assert self.groups is not None, "attach() first"
+        epoch = membership.epoch
+        try:
+            self.groups.allreduce(membership, tensors, abort=lambda: self.epoch_moved(epoch), on_launched=on_launched)
+        except CollectiveAborted as e:
+            self.report_broken(epoch, f"replicate all-reduce broke (replica {self.replica} rank {self.group_rank})", e)
+            return False
+        return True
+
+    def should_commit(self, membership: Membership) -> bool:
+        """The agreement round after the all-reduce: every rank of every member votes, and
+        the step commits in this epoch only if all did before the epoch moved.
+
+        A collective can succeed on some ranks and fail on others; the first writer of
+        the decision wins, so every rank acts on the same outcome. The wait ends with the
+        last vote or a new epoch (the coordinator fences a member that stops beating);
+        a slow member still beating is waited for, and named in the log.
+        """
+        epoch = membership.epoch
+        expected = len(membership.members) * self.group_size
+        decision = store.decision_key(self.step, epoch)
+        if self.store.add(store.ok_key(self.step, epoch), 1) == expected:
+            self.store.compare_set(decision, "", "commit")
+        pause, start, told = POLL_S[0], time.monotonic(), False
+        while not self.store.check([decision]):
+            if self.epoch_moved(epoch):
+                self.store.compare_set(decision, "", "abort")
+            else:
+                pause = backoff(pause)  # slower replicas: spare the CPU
+            if not told and time.monotonic() - start > self.rc.collective_timeout_s:
+                votes = self.store.add(store.ok_key(self.step, epoch), 0)
+                log(f"replica {self.replica} rank {self.group_rank}: step {self.step} epoch {epoch} has {votes} of "
+                    f"{expected} commit votes after {self.rc.collective_timeout_s:g}s; it waits for the rest or a new epoch")
+                told = True
+        return self.store.get(decision) == b"commit"
+
+    def committed(self, membership: Membership) -> bool:
+        """Records that the step committed in ``membership``'s epoch; True when that epoch
+        differs from the previous step's on a group that held state (a failure or an
+        admission happened during the step)."""
+        changed = membership.epoch != self.base_epoch and not self.rejoining
+        self.base_epoch = membership.epoch
+        self.rejoining = False  # from here on this group holds the state like any member
+        return changed
+
+    def publish_step(self, record: dict[str, Any]) -> None:
+        """Offers the committed step's record; the first member's counts (the coordinator logs
+        it), so a member dying after the commit loses nothing."""
+        self.store.compare_set(store.step_key(self.step), "", json.dumps(record))
+
+    def exchange_digests(self, members: tuple[int, ...], digest: str) -> dict[int, str]:
+        """Publishes this replica's parameter digest of the step and collects the members'
+        (a member fenced meanwhile never writes; the wait is bounded by collective_timeout_s)."""
+        self.store.set(store.digest_key(self.step, self.replica), digest)
+        keys = {r: store.digest_key(self.step, r) for r in members}
+        deadline = time.monotonic() + self.rc.collective_timeout_s
+        while not self.store.check(list(keys.values())) and time.monotonic() < deadline:
+            live = self.membership(self._read_epoch()).members
+            keys = {r: k for r, k in keys.items() if r in live}
+            time.sleep(EPOCH_POLL_S)
+        return {r: self.store.get(k).decode() for r, k in keys.items() if self.store.check([k])}
+
+    def tick(self, where: str) -> None:
+        """The main loop made progress (at ``where``): the lifeline keeps beating."""
+        self.heartbeat.tick(where)
+
+    def finish(self) -> None:
+        """This rank finished the run: its agent counts it, and its lifeline stops."""
+        self.channel.set_state(self.slot, node_channel.FINISHED)
+        self.heartbeat.stop()
+
+    # ---- failure reports ------------------------------------------------------------
+
+    def _report(self, epoch: int, suspect: int | None, cause: str, **extra: str) -> None:
+        store.report(self.store, {"replica": self.replica, "shard": self.group_rank, "epoch": epoch,
+                                  "step": self.step, "suspect": suspect, "cause": cause, **extra})
+
+    def report_broken(self, epoch: int, cause: str, e: BaseException) -> None:
+        """Tells the coordinator a replicate-dim collective broke, without knowing whose fault."""
+        if not self.epoch_moved(epoch):  # a peer broke it, not a newer epoch
+            self._report(epoch, None, f"{cause}: {brief(e)}")
+
+    def report_failure(self, epoch: int, e: BaseException) -> None:
+        """Tells the coordinator this group failed in ``epoch`` with ``e`` (a peer of ours died,
+        or our own error); bad data stops the run instead, as every replica would meet it.
+        ``NOT_REPORTED`` errors are left alone."""
+        if isinstance(e, NOT_REPORTED):
+            return
+        if isinstance(e, DataError):
+            store.put_json(self.store, store.FATAL, {"error": f"DataError: {e}"})
+            return
+        error = own_error(e)
+        rank = self.group_rank
+        cause = f"rank {rank} raised {error}" if error else f"rank {rank} saw its own group fail: {brief(e)}"
+        self._report(epoch, self.replica, cause, **({"error": error} if error else {}))
+
+    def report_diverged(self, epoch: int, cause: str) -> None:
+        """This replica's parameters differ from the others': it reports itself before it restarts."""
+        self._report(epoch, self.replica, cause)
+
+    def report_fault(self, record: dict[str, Any]) -> None:
+        """An injected fault, for the coordinator's log (detection latency is measured from it)."""
+        store.put_json(self.store, store.fault_key(self.replica), {**record, "time": time.time()})
+
+    # ---- rejoin ---------------------------------------------------------------------
+
+    def wait_for_admission(self, step: int) -> None:
+        """Tells this node's agent the rank is ready to join (the agent tells the coordinator
+        once every rank of the group is), then waits for the admission. A hot spare waits here
+        while the membership is full: the wait ends with the admission, or with the run
+        (RunFinished / RunFailed), and the lifeline ends it if the coordinator is lost."""
+        self.step = step
+        self.channel.set_state(self.slot, node_channel.READY)
+        log(f"replica {self.replica} rank {self.group_rank} (attempt {self.attempt}) asks to join; "
+            "it waits as a hot spare while the membership is full")
+        key, looked = store.admitted_key(self.replica, self.attempt), -2
+        while True:  # an admission comes with a new epoch: the store is read only then
+            epoch = self._read_epoch()
+            if epoch != looked:
+                if self.store.check([key]):
+                    break
+                looked = epoch
+            time.sleep(EPOCH_POLL_S)
+        self.channel.set_state(self.slot, node_channel.RUNNING)
+
+    @contextmanager
+    def transfer_group(self, epoch: int, joiner: int, donor: bool) -> Iterator[Any]:
+        """The two-rank group that hands ``joiner`` this group rank's state in ``epoch``;
+        it aborts when the epoch moves."""
+        assert self.groups is not None, "attach() first"
+        with self.groups.pair(epoch, joiner, donor=donor, abort=lambda: self.epoch_moved(epoch)) as group:
+            yield group
+
+    def record_transfer(self, record: dict[str, Any]) -> None:
+        """{"bytes", "transfer_s", "step", "epoch"} of the state this rank received (the coordinator logs it)."""
+        store.put_json(self.store, store.transfer_key(self.replica, self.group_rank), record)
