@@ -18,7 +18,7 @@ replica group per node); today's design and the one it replaced, side by side.
   many the protocol asked for.
 
 Measured per design and size: a process death (its agent reports the exit) and a hung rank
-(it stops beating) to the new epoch, the slowest rank to see that epoch, the coordinator
+(from its last beat) to the new epoch, the slowest rank to see that epoch, the coordinator
 process's CPU (it also runs the store server) and store requests per second (the
 generator's and the coordinator's own, counted). A whole node's death (agent and ranks
 silent) is measured too: only the heartbeat bound can find it, in both designs.
@@ -123,6 +123,7 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
     dead: set[int] = set()  # groups whose ranks are gone (killed, or their node died)
     hung: set[int] = set()  # groups one of whose ranks beats no more
     down: set[int] = set()  # nodes that are gone, agent and all
+    last_beat = {n: time.time() for n in nodes}  # when rank 0 of each node last beat: a hang counts from there
     seen: dict[int, dict[int, float]] = {}  # epoch -> node -> when its slowest rank first saw it
     newest = {n: -1 for n in nodes}
 
@@ -165,7 +166,7 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
                 outbox.put(("killed", t))
             elif cmd == "hang":
                 hung.add(node)
-                outbox.put(("hung", time.time()))
+                outbox.put(("hung", last_beat[node]))
             elif cmd == "node_down":
                 down.add(node)
                 dead.add(node)
@@ -183,6 +184,7 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
                             beats[1:] += 1  # rank 0 beats no more
                         else:
                             beats += 1
+                            last_beat[n] = time.time()
                 for n in nodes:
                     if n not in down:
                         client.set(store.launcher_key(f"sim{n}"), agents[n].message())
@@ -217,6 +219,8 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
                 for k in range(RANKS_PER_NODE):
                     if heartbeats and not (n in hung and k == 0):
                         client.add(f"hb/{n}/{k}", 1)
+                        if k == 0:
+                            last_beat[n] = time.time()
                     if probes:
                         client.add(store.ALIVE, 0)
                         client.check([store.STATUS])
