@@ -395,6 +395,7 @@ class Coordinator:
         while True:
             self.store.add(store.ALIVE, 1)  # every process watches this move
             if self.store.check([store.FATAL]):  # a rank stopped the run (e.g. a DataError)
+                self._poll_steps()  # steps committed before it belong before it
                 try:
                     error = str(store.get_json(self.store, store.FATAL, ("error",))["error"])
                 except store.MessageError as e:
