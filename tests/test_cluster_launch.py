@@ -1,10 +1,16 @@
-"""The cluster launch scripts: the Slurm batch script's syntax and dry run, the Kubernetes manifest."""
+"""The cluster launch scripts, without a cluster: the Slurm batch script (its dry run, and its real
+path under a stand-in srun/scontrol), the per-node command scripts/node.sh, the Kubernetes manifest."""
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
+import shutil
 import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import yaml
@@ -12,66 +18,291 @@ import yaml
 from conftest import CONFIG, ROOT
 
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
+NODE_SH = ROOT / "scripts" / "node.sh"
+MANIFEST = ROOT / "scripts" / "k8s" / "train-indexed-job.yaml"
+CFG = str(CONFIG.relative_to(ROOT))
+# what the scripts read from the environment: the tests' own values only
+OURS = ("SLURM", "TITAN_RECOVER_", "DRY_RUN", "NODE_", "NUM_NODES", "COORDINATOR_", "GROUPS_PER_NODE", "SPARES",
+        "GPUS_PER_NODE", "RANKS_PER_GROUP", "CONFIG_FILE", "PLAN_ONLY", "SHOW_SECRET", "VENV", "EXTRAS", "PYTHON")
+
+
+def clean_env(**env: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(OURS)}, **env}
+
+
+def sh(script: Path | str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=clean_env(**env))
 
 
 def dry_run(nodes: str, *args: str, **env: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TITAN_RECOVER_"))}
-    return subprocess.run(["bash", str(SBATCH), *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**clean, "DRY_RUN": "1", "DRY_RUN_NODES": nodes, **env})
+    return sh(SBATCH, *args, DRY_RUN="1", DRY_RUN_NODES=nodes, GPUS_PER_NODE=env.pop("GPUS_PER_NODE", "0"), **env)
 
 
-def test_the_batch_script_parses() -> None:
-    subprocess.run(["bash", "-n", str(SBATCH)], check=True)
+@dataclass
+class Node:
+    """One ``node i (host): TITAN_RECOVER_SECRET=... env [-u VAR] VAR=... ./run_train.sh ARGS`` line."""
+
+    index: int
+    host: str
+    env: dict[str, str]
+    unset: list[str]
+    args: list[str]
+
+    @property
+    def replicas(self) -> list[int]:
+        return [int(r) for r in self.env["TITAN_RECOVER_REPLICAS"].split(",")]
+
+    def arg(self, name: str) -> str:
+        return self.args[self.args.index(name) + 1]
 
 
-@pytest.mark.parametrize("nodes,groups,spares", [("n1 n2", "1", "0"), ("a b c", "2", "1")])
-def test_the_dry_run_prints_one_launcher_per_node(nodes: str, groups: str, spares: str) -> None:
-    out = dry_run(nodes, str(CONFIG), "--training.steps", "100", GROUPS_PER_NODE=groups, SPARES=spares)
+def nodes_in(stdout: str) -> list[Node]:
+    nodes = []
+    for line in stdout.splitlines():
+        m = re.fullmatch(r"(?:\d+: )?node (\d+) \((\S+)\): (.*)", line)  # srun --label prefixes "i: "
+        if not m:
+            continue
+        words = shlex.split(m[3])  # the printed command reads back as the words it runs
+        assert words[0].startswith("TITAN_RECOVER_SECRET=") and words[1] == "env", line
+        env, unset, i = {"TITAN_RECOVER_SECRET": words[0].split("=", 1)[1]}, [], 2
+        while words[i] != "./run_train.sh":
+            if words[i] == "-u":
+                unset.append(words[i + 1])
+                i += 2
+            else:
+                key, _, value = words[i].partition("=")
+                env[key] = value
+                i += 1
+        nodes.append(Node(int(m[1]), m[2], env, unset, words[i + 1:]))
+    return nodes
+
+
+def check_layout(nodes: list[Node], hosts: list[str], groups: int, spares: int, coordinator: str) -> None:
+    """One launcher per node; only node 0 starts the coordinator; one secret; the ids partitioned."""
+    assert [(n.index, n.host) for n in nodes] == list(enumerate(hosts))
+    for n in nodes:
+        if n.index == 0:  # the launcher without TITAN_RECOVER_COORDINATOR starts it
+            assert "TITAN_RECOVER_COORDINATOR" not in n.env and n.unset == ["TITAN_RECOVER_COORDINATOR"]
+        else:
+            assert n.env["TITAN_RECOVER_COORDINATOR"] == coordinator and not n.unset
+        assert n.replicas == list(range(n.index * groups, (n.index + 1) * groups))
+        assert int(n.arg("--parallelism.data_parallel_replicate_degree")) == len(hosts) * groups - spares
+        assert int(n.arg("--recover.spares")) == spares
+        assert n.arg("--recover.coordinator_port") == coordinator.rsplit(":", 1)[1]
+        assert n.arg("--recover.coordinator_bind")
+    secrets = {n.env["TITAN_RECOVER_SECRET"] for n in nodes}
+    assert len(secrets) == 1 and re.fullmatch(r"[0-9a-f]{32}", secrets.pop())
+    ids = sorted(r for n in nodes for r in n.replicas)
+    assert ids == list(range(len(hosts) * groups))
+
+
+def test_the_scripts_parse() -> None:
+    for script in (SBATCH, NODE_SH):
+        subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+@pytest.mark.parametrize("hosts,groups,spares", [(["n1", "n2"], 1, 0), (["a", "b", "c"], 2, 1), (["x", "y", "z"], 3, 0)])
+def test_the_dry_run_prints_one_launcher_per_node(hosts: list[str], groups: int, spares: int) -> None:
+    out = dry_run(" ".join(hosts), CFG, "--training.steps", "100", "--job.description", "two words",
+                  GROUPS_PER_NODE=str(groups), SPARES=str(spares))
     assert out.returncode == 0, out.stderr
-    lines = [line for line in out.stdout.splitlines() if line.startswith("node ")]
-    hosts, g = nodes.split(), int(groups)
-    assert len(lines) == len(hosts)
-    secrets, ids = set(), []
-    for i, line in enumerate(lines):
-        env = dict(re.findall(r"(\w+)=(\S+)", line.split("./run_train.sh")[0]))
-        secrets.add(env["TITAN_RECOVER_SECRET"])
-        ids += [int(r) for r in env["TITAN_RECOVER_REPLICAS"].split(",")]
-        assert env["CONFIG_FILE"] == str(CONFIG)
-        assert ("TITAN_RECOVER_COORDINATOR" in env) == (i > 0)  # node 0 starts the coordinator
-        if i:
-            assert env["TITAN_RECOVER_COORDINATOR"] == f"{hosts[0]}:29510"
-        replicas = len(hosts) * g - int(spares)
-        assert f"--parallelism.data_parallel_replicate_degree {replicas} --recover.spares {spares} " in line
-        assert line.endswith("--training.steps 100")
-    assert len(secrets) == 1 and len(next(iter(secrets))) == 32  # one secret for the run
-    assert ids == list(range(len(hosts) * g))  # the replica ids, split among the nodes
+    nodes = nodes_in(out.stdout)
+    check_layout(nodes, hosts, groups, spares, f"{hosts[0]}:29510")
+    for n in nodes:
+        assert n.env["CONFIG_FILE"] == CFG
+        assert n.args[-4:] == ["--training.steps", "100", "--job.description", "two words"]
+    assert "DRY_RUN: nothing started" in out.stdout
+    assert "srun --nodes=%d --ntasks=%d --ntasks-per-node=1 " % (len(hosts), len(hosts)) in out.stdout
+
+
+def test_the_defaults_one_group_per_cpu_node_and_a_fresh_secret_per_run() -> None:
+    first, second = (dry_run("n1 n2", CFG) for _ in range(2))
+    one, two = nodes_in(first.stdout), nodes_in(second.stdout)
+    check_layout(one, ["n1", "n2"], 1, 0, "n1:29510")
+    assert one[0].env["TITAN_RECOVER_SECRET"] != two[0].env["TITAN_RECOVER_SECRET"]
+    assert one[0].arg("--recover.coordinator_bind") == "0.0.0.0"
+
+
+def test_the_nodes_come_from_the_slurm_node_list(tmp_path: Path) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text(  # stands for `scontrol show hostnames LIST`
+        '#!/usr/bin/env bash\n[ "$1 $2 $3" = "show hostnames gpu[07-09]" ] || { echo "unexpected: $*" >&2; exit 1; }\n'
+        "printf '%s\\n' gpu07 gpu08 gpu09\n"
+    )
+    (fake / "scontrol").chmod(0o755)
+    path = f"{fake}:{os.environ['PATH']}"
+    out = sh(SBATCH, CFG, DRY_RUN="1", PATH=path, SLURM_JOB_NODELIST="gpu[07-09]", SLURM_NNODES="3", GPUS_PER_NODE="0",
+             TITAN_RECOVER_PORT="31000", COORDINATOR_BIND="10.0.0.7")
+    assert out.returncode == 0, out.stderr
+    nodes = nodes_in(out.stdout)
+    check_layout(nodes, ["gpu07", "gpu08", "gpu09"], 1, 0, "gpu07:31000")
+    assert {n.arg("--recover.coordinator_bind") for n in nodes} == {"10.0.0.7"}
+    wrong = sh(SBATCH, CFG, DRY_RUN="1", PATH=path, SLURM_JOB_NODELIST="gpu[07-09]", SLURM_NNODES="4")
+    assert wrong.returncode == 2 and "SLURM_NNODES=4 but the node list has 3 hosts" in wrong.stderr
+
+
+def test_the_real_path_runs_node_sh_once_per_node_under_srun(tmp_path: Path) -> None:
+    """sbatch's own path with a stand-in srun that runs its task on each node in turn, in plan-only
+    mode: the same per-node commands as the dry run, and no secret in the batch script's log."""
+    fake, venv = tmp_path / "bin", tmp_path / "venv"
+    fake.mkdir()
+    venv.mkdir()
+    # an up-to-date stamp makes scripts/bootstrap.sh a no-op; PYTHON=false makes any install fail at once
+    want = ((ROOT / "pyproject.toml").read_text() + "extras: test\n").rstrip("\n")
+    (venv / ".titan_recover-installed").write_text(want + "\n")
+    (fake / "scontrol").write_text("#!/usr/bin/env bash\nprintf '%s\\n' c1 c2 c3\n")
+    (fake / "srun").write_text(
+        "#!/usr/bin/env bash\n"
+        'printf "%s\\n" "$@" > "$FAKE_SRUN_ARGS"\n'
+        "while [[ $1 == --* ]]; do shift; done\n"
+        'for i in 0 1 2; do node=c$((i + 1)); SLURMD_NODENAME=$node PLAN_ONLY=1 SHOW_SECRET=1 "$@" | sed "s/^/$i: /" || exit; done\n'
+    )
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    srun_args = tmp_path / "srun-args"
+    out = sh(SBATCH, CFG, "--training.steps", "7", PATH=f"{fake}:{os.environ['PATH']}", SLURM_JOB_NODELIST="c[1-3]",
+             SLURM_NNODES="3", SLURM_SUBMIT_DIR=str(ROOT), SLURM_CPUS_ON_NODE="16", GPUS_PER_NODE="0",
+             GROUPS_PER_NODE="2", VENV=str(venv), EXTRAS="test", PYTHON="false", FAKE_SRUN_ARGS=str(srun_args),
+             TITAN_RECOVER_COORDINATOR="stale:1", NODE_INDEX="5")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ignoring TITAN_RECOVER_COORDINATOR=stale:1" in out.stdout and "ignoring NODE_INDEX=5" in out.stdout
+    plan = [line for line in out.stdout.splitlines() if line.startswith("node ")]
+    ran = [line for line in out.stdout.splitlines() if re.match(r"\d: node ", line)]
+    assert len(plan) == len(ran) == 3
+    assert all("TITAN_RECOVER_SECRET='<hidden>'" in line for line in plan)  # the log has no secret
+    nodes = nodes_in("\n".join(ran))  # what srun's tasks ran, each finding its index from its host name
+    check_layout(nodes, ["c1", "c2", "c3"], 2, 0, "c1:29510")
+    def unlabelled(line: str) -> str:
+        return re.sub(r"SECRET=\S+", "SECRET=x", re.sub(r"^\d: ", "", line))
+
+    assert [unlabelled(line) for line in plan] == [unlabelled(line) for line in ran]  # planned = run
+    args = srun_args.read_text().splitlines()
+    for flag in ("--ntasks-per-node=1", "--nodes=3", "--kill-on-bad-exit=0", "--wait=0", "--export=ALL", "--cpus-per-task=16"):
+        assert flag in args
+    assert args[args.index("./scripts/node.sh"):] == ["./scripts/node.sh", "--training.steps", "7"]
+
+
+def test_node_sh_runs_run_train_sh_with_that_environment(tmp_path: Path) -> None:
+    """node.sh's exec, in a copy of the repository whose run_train.sh records what it was given."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(NODE_SH, tmp_path / "scripts" / "node.sh")
+    (tmp_path / "c.toml").write_text("")
+    (tmp_path / "run_train.sh").write_text(
+        "#!/usr/bin/env bash\n"
+        'echo "COORDINATOR=${TITAN_RECOVER_COORDINATOR-unset} REPLICAS=$TITAN_RECOVER_REPLICAS '
+        'CONFIG_FILE=$CONFIG_FILE SECRET=$TITAN_RECOVER_SECRET ARGS=$*"\n'
+    )
+    (tmp_path / "run_train.sh").chmod(0o755)
+    base = dict(NUM_NODES="2", GROUPS_PER_NODE="2", COORDINATOR_ADDR="head:4000", CONFIG_FILE="c.toml",
+                TITAN_RECOVER_SECRET="s3", TITAN_RECOVER_COORDINATOR="inherited:1")
+    ran = [sh(tmp_path / "scripts" / "node.sh", "--x.y", "1", NODE_INDEX=str(i), **base) for i in (0, 1)]
+    assert [r.returncode for r in ran] == [0, 0], [r.stderr for r in ran]
+    last = [r.stdout.splitlines()[-1] for r in ran]
+    tail = "CONFIG_FILE=c.toml SECRET=s3 ARGS=--parallelism.data_parallel_replicate_degree 4 --recover.spares 0 " \
+           "--recover.coordinator_bind 0.0.0.0 --recover.coordinator_port 4000 --x.y 1"
+    assert last == [f"COORDINATOR=unset REPLICAS=0,1 {tail}", f"COORDINATOR=head:4000 REPLICAS=2,3 {tail}"]
+    assert "s3" not in ran[0].stdout.splitlines()[0]  # its own log line hides the secret
+
+
+def test_groups_per_node_default_to_gpus_per_node_over_ranks_per_group() -> None:
+    out = dry_run("n1 n2", CFG, GPUS_PER_NODE="8", RANKS_PER_GROUP="4")
+    assert out.returncode == 0, out.stderr
+    assert "GROUPS_PER_NODE=2: 8 GPUs per node / 4 ranks per group" in out.stdout
+    check_layout(nodes_in(out.stdout), ["n1", "n2"], 2, 0, "n1:29510")
+    uneven = dry_run("n1 n2", CFG, GPUS_PER_NODE="6", RANKS_PER_GROUP="4")
+    assert uneven.returncode == 2 and "6 GPUs per node do not hold a whole number of replica groups of 4" in uneven.stderr
+
+
+def test_ranks_per_group_are_read_from_the_config_and_its_overrides() -> None:
+    """dp_shard 2 (the config) x tp 2 (an override) = 4 ranks: 8 GPUs hold 2 groups (runs TorchTitan's parser)."""
+    venv = Path(sys.executable).parent.parent
+    out = dry_run("n1 n2", CFG, "--parallelism.tensor_parallel_degree", "2", GPUS_PER_NODE="8", VENV=str(venv))
+    assert out.returncode == 0, out.stderr
+    assert "GROUPS_PER_NODE=2: 8 GPUs per node / 4 ranks per group" in out.stdout
+    assert [n.replicas for n in nodes_in(out.stdout)] == [[0, 1], [2, 3]]
 
 
 @pytest.mark.parametrize("args,env,message", [
     (["missing.toml"], {}, "config file 'missing.toml' not found"),
-    ([str(CONFIG)], {"GROUPS_PER_NODE": "0"}, "GROUPS_PER_NODE=0"),
-    ([str(CONFIG)], {"SPARES": "2"}, "leave no member after SPARES=2"),
-    ([str(CONFIG)], {"TITAN_RECOVER_PORT": "x"}, "PORT=x must be a non-negative integer"),
+    ([], {}, "config file '' not found"),
+    ([CFG], {"GROUPS_PER_NODE": "0"}, "GROUPS_PER_NODE=0: every node runs at least one replica group"),
+    ([CFG], {"GROUPS_PER_NODE": "two"}, "GROUPS_PER_NODE=two must be a non-negative integer"),
+    ([CFG], {"SPARES": "2"}, "leave no member after SPARES=2"),
+    ([CFG], {"TITAN_RECOVER_PORT": "x"}, "COORDINATOR_ADDR='n1:x' is not host:port"),
+    ([CFG], {"TITAN_RECOVER_PORT": "70000"}, "is not host:port (port 1..65535)"),
+    ([CFG, "--recover.spares", "1"], {}, "--recover.spares is set from the node layout here"),
+    ([CFG, "--parallelism.data_parallel_replicate_degree=4"], {}, "--parallelism.data_parallel_replicate_degree is set"),
+    ([CFG], {"GPUS_PER_NODE": "8", "VENV": "/nonexistent"}, "set GROUPS_PER_NODE (or RANKS_PER_GROUP)"),
 ])
 def test_bad_input_stops_the_script_naming_it(args: list[str], env: dict[str, str], message: str) -> None:
     out = dry_run("n1 n2", *args, **env)
     assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert not nodes_in(out.stdout) and "srun" not in out.stdout  # no node's command past the bad input
 
 
 def test_outside_slurm_without_a_dry_run_it_says_how_to_submit() -> None:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DRY_RUN"))}
-    out = subprocess.run(["bash", str(SBATCH), str(CONFIG)], cwd=ROOT, capture_output=True, text=True, env=clean, timeout=60)
+    out = sh(SBATCH, CFG)
     assert out.returncode == 2 and "not inside a Slurm allocation" in out.stderr
 
 
-def test_the_kubernetes_manifest_is_an_indexed_job_with_a_headless_service() -> None:
-    docs = list(yaml.safe_load_all((ROOT / "scripts" / "k8s" / "train-indexed-job.yaml").read_text()))
-    kinds = {d["kind"]: d for d in docs}
-    assert set(kinds) == {"Service", "Secret", "Job"}
-    assert kinds["Service"]["spec"]["clusterIP"] == "None"
-    job = kinds["Job"]["spec"]
+def test_a_node_not_in_the_allocation_stops() -> None:
+    out = sh(NODE_SH, NODE_LIST="n1 n2", SLURMD_NODENAME="n9", COORDINATOR_ADDR="n1:1", CONFIG_FILE=CFG,
+             TITAN_RECOVER_SECRET="s", PLAN_ONLY="1")
+    assert out.returncode == 2 and "this node (n9) is not in NODE_LIST=\"n1 n2\"" in out.stderr
+
+
+def manifest() -> dict[str, dict]:
+    docs = {d["kind"]: d for d in yaml.safe_load_all(MANIFEST.read_text())}
+    assert set(docs) == {"Service", "Job"}
+    return docs
+
+
+def test_the_kubernetes_manifest_is_an_indexed_job_behind_a_headless_service() -> None:
+    docs = manifest()
+    service, job = docs["Service"], docs["Job"]["spec"]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": docs["Job"]["metadata"]["name"]}
     assert job["completionMode"] == "Indexed" and job["completions"] == job["parallelism"]
     pod = job["template"]["spec"]
-    assert pod["subdomain"] == kinds["Service"]["metadata"]["name"]
-    script = pod["containers"][0]["args"][0]
-    assert "TITAN_RECOVER_REPLICAS=$JOB_COMPLETION_INDEX" in script and "titan-recover-0.titan-recover:29510" in script
+    assert pod["restartPolicy"] == "Never" and job["backoffLimitPerIndex"] >= 1  # the API requires Never for it
+    assert job["podReplacementPolicy"] == "Failed"  # the API requires it with podFailurePolicy
+    assert pod["subdomain"] == service["metadata"]["name"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert int(env["NUM_NODES"]["value"]) == job["completions"]
+    assert env["TITAN_RECOVER_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": "titan-recover", "key": "secret"}
+    host, port = env["COORDINATOR_ADDR"]["value"].rsplit(":", 1)
+    assert host == f"{docs['Job']['metadata']['name']}-0.{service['metadata']['name']}"  # pod 0's DNS name
+    assert int(port) == service["spec"]["ports"][0]["port"] == container["ports"][0]["containerPort"]
+    assert (ROOT / env["CONFIG_FILE"]["value"]).is_file()
+
+
+def test_each_kubernetes_pod_runs_its_node_command() -> None:
+    """Every pod's command (node.sh) with the pod's environment, in plan-only mode, index 0..n-1."""
+    docs = manifest()
+    job = docs["Job"]["spec"]
+    (container,) = job["template"]["spec"]["containers"]
+    secret = "0123456789abcdef0123456789abcdef"
+    lines = []
+    for i in range(job["completions"]):
+        env = {}
+        for e in container["env"]:
+            ref = e.get("valueFrom", {})
+            if "fieldRef" in ref:
+                assert ref["fieldRef"]["fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+                env[e["name"]] = str(i)
+            elif "secretKeyRef" in ref:
+                env[e["name"]] = secret
+            else:
+                env[e["name"]] = e["value"]
+        assert container["command"] == ["./scripts/node.sh"]
+        out = subprocess.run([*container["command"], *container["args"]], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60, env=clean_env(**env, PLAN_ONLY="1", SHOW_SECRET="1", HOSTNAME=f"pod{i}"))
+        assert out.returncode == 0, out.stderr
+        lines.append(out.stdout)
+    nodes = nodes_in("".join(lines))
+    groups = int(next(e["value"] for e in container["env"] if e["name"] == "GROUPS_PER_NODE"))
+    coordinator = next(e["value"] for e in container["env"] if e["name"] == "COORDINATOR_ADDR")
+    check_layout(nodes, [f"pod{i}" for i in range(job["completions"])], groups, 0, coordinator)

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One node's titan_recover launcher in a cluster run: the one place that says what node i runs.
+# Used by scripts/slurm/train.sbatch (under srun, and for its plan and DRY_RUN) and by the
+# Kubernetes pods of scripts/k8s/train-indexed-job.yaml.
+#
+#   NODE_INDEX=1 NUM_NODES=2 COORDINATOR_ADDR=node0:29510 CONFIG_FILE=train_configs/X.toml \
+#   TITAN_RECOVER_SECRET=... scripts/node.sh [--section.key value ...]
+#
+# Input (environment):
+#   NODE_INDEX        this node, 0..NUM_NODES-1; unset under srun: the position of $SLURMD_NODENAME
+#                     in NODE_LIST (the allocation's hosts, first host first)
+#   NUM_NODES         nodes in the run (default: the words in NODE_LIST)
+#   COORDINATOR_ADDR  host:port of the coordinator, which node 0's launcher starts on that port
+#   GROUPS_PER_NODE   replica groups per node, G (default 1): node i runs ids i*G .. i*G+G-1
+#   SPARES            hot spares (default 0): the last SPARES ids. Every id is a group, so
+#                     data_parallel_replicate_degree = NUM_NODES * G - SPARES, passed below (it and
+#                     recover.spares override the config file's values)
+#   COORDINATOR_BIND  where node 0's coordinator listens (default 0.0.0.0, every interface; prefer its
+#                     address on the private cluster network: see the README's trust model)
+#   CONFIG_FILE, TITAN_RECOVER_SECRET   the run's config and its secret, the same on every node
+#   PLAN_ONLY=1       print the node's command and exit (SHOW_SECRET=1 prints the secret too; else
+#                     it is shown as <hidden>, e.g. in a Slurm log); unset: print it, then run it
+#
+# The command is ./run_train.sh, which a single-node user runs: it checks ./.venv against
+# pyproject.toml (a no-op once bootstrapped), sets PYTHONUNBUFFERED so each node's log streams, and
+# turns CONFIG_FILE into --job.config_file for `python -m titan_recover.launch`. Exit status: the
+# launcher's (0 done, 1 fatal, 2 bad input, 3 coordinator lost), or 2 for bad input here.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+fail() { echo "error: [node.sh] $*" >&2; exit 2; }
+is_count() { [[ $1 =~ ^[0-9]+$ ]]; }
+quote() {  # words as a shell reads them back: plain when safe, else printf %q
+    local w out=""
+    for w in "$@"; do
+        if [[ $w =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then out+=" $w"; else out+=" $(printf %q "$w")"; fi
+    done
+    echo "${out# }"
+}
+
+NODE_NAME=${NODE_NAME:-${SLURMD_NODENAME:-$HOSTNAME}}
+read -ra hosts <<< "${NODE_LIST:-}"
+if [ -z "${NODE_INDEX:-}" ]; then
+    [ -n "${SLURMD_NODENAME:-}" ] && [ ${#hosts[@]} -gt 0 ] \
+        || fail "NODE_INDEX is not set: set it to this node's index (0 for the coordinator's node), or run under srun with NODE_LIST"
+    for i in "${!hosts[@]}"; do
+        if [ "${hosts[$i]}" = "$SLURMD_NODENAME" ]; then NODE_INDEX=$i; break; fi
+    done
+    [ -n "${NODE_INDEX:-}" ] || fail "this node ($SLURMD_NODENAME) is not in NODE_LIST=\"${NODE_LIST}\": run it on the allocation's nodes"
+fi
+NUM_NODES=${NUM_NODES:-${#hosts[@]}}
+GROUPS_PER_NODE=${GROUPS_PER_NODE:-1}
+SPARES=${SPARES:-0}
+COORDINATOR_BIND=${COORDINATOR_BIND:-0.0.0.0}
+for var in NODE_INDEX NUM_NODES GROUPS_PER_NODE SPARES; do
+    is_count "${!var}" || fail "$var=${!var} must be a non-negative integer"
+done
+[ "$NUM_NODES" -ge 1 ] || fail "NUM_NODES=$NUM_NODES: a run has at least one node"
+[ "$NODE_INDEX" -lt "$NUM_NODES" ] || fail "NODE_INDEX=$NODE_INDEX is out of range 0..$((NUM_NODES - 1)) (NUM_NODES=$NUM_NODES)"
+[ "$GROUPS_PER_NODE" -ge 1 ] || fail "GROUPS_PER_NODE=$GROUPS_PER_NODE: every node runs at least one replica group; set it to 1 or more"
+ids=$((NUM_NODES * GROUPS_PER_NODE))
+replicate=$((ids - SPARES))
+[ "$replicate" -ge 1 ] || fail "$NUM_NODES nodes x GROUPS_PER_NODE=$GROUPS_PER_NODE = $ids replica ids leave no member after SPARES=$SPARES: lower SPARES"
+addr=${COORDINATOR_ADDR:-}
+port=${addr##*:}
+[[ $addr == ?*:* ]] && is_count "$port" && [ "$port" -ge 1 ] && [ "$port" -le 65535 ] \
+    || fail "COORDINATOR_ADDR='$addr' is not host:port (port 1..65535): set it to the first node's host and a fixed port"
+[ -n "${CONFIG_FILE:-}" ] && [ -f "$CONFIG_FILE" ] \
+    || fail "config file '${CONFIG_FILE:-}' not found (paths are relative to the repository root $PWD): set CONFIG_FILE"
+[ -n "${TITAN_RECOVER_SECRET:-}" ] \
+    || fail "TITAN_RECOVER_SECRET is not set: every node needs the run's secret, e.g. \$(openssl rand -hex 16), the same on each"
+for arg in "$@"; do
+    case $arg in
+        --parallelism.data_parallel_replicate_degree* | --recover.spares* | --recover.coordinator_bind* | --recover.coordinator_port*)
+            fail "${arg%%=*} is set from the node layout here: use NODES x GROUPS_PER_NODE, SPARES, COORDINATOR_BIND and the port of COORDINATOR_ADDR instead" ;;
+    esac
+done
+
+first=$((NODE_INDEX * GROUPS_PER_NODE))
+replicas=""
+for ((r = first; r < first + GROUPS_PER_NODE; r++)); do replicas+="${replicas:+,}$r"; done
+# node 0's launcher is the one without TITAN_RECOVER_COORDINATOR: it starts the coordinator (an
+# inherited value, e.g. from the submitting shell, is removed)
+if [ "$NODE_INDEX" -eq 0 ]; then coordinator=(-u TITAN_RECOVER_COORDINATOR); else coordinator=("TITAN_RECOVER_COORDINATOR=$addr"); fi
+env_args=("${coordinator[@]}" "CONFIG_FILE=$CONFIG_FILE" "TITAN_RECOVER_REPLICAS=$replicas")
+cmd=(./run_train.sh --parallelism.data_parallel_replicate_degree "$replicate" --recover.spares "$SPARES"
+     --recover.coordinator_bind "$COORDINATOR_BIND" --recover.coordinator_port "$port" "$@")
+
+# the secret comes from this process's environment (not the command line, which `ps` shows)
+shown=$([ -n "${SHOW_SECRET:-}" ] && quote "$TITAN_RECOVER_SECRET" || echo "'<hidden>'")
+echo "node $NODE_INDEX ($NODE_NAME): TITAN_RECOVER_SECRET=$shown $(quote env "${env_args[@]}" "${cmd[@]}")"
+if [ -n "${PLAN_ONLY:-}" ]; then exit 0; fi
+exec env "${env_args[@]}" "${cmd[@]}"
