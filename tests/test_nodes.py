@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from titan_recover import claims, store
 
-from conftest import CONFIG, ROOT, TINY, Run, assert_all_rejoined
+from conftest import CONFIG, ROOT, TINY, Run, assert_all_rejoined, assert_same_trajectory
 
 
 @pytest.fixture
@@ -183,3 +183,40 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(tmp_path: Pat
     assert "rejoined             : 1" in a.output() and "failures             : 1" in a.output()
     for node in (a, b2):
         assert "Traceback" not in node.output(), node.output()[-3000:]
+
+
+def test_a_group_spanning_two_nodes_loses_a_rank_on_one_restarts_on_both_and_rejoins(
+    tmp_path: Path, failure_free: Run
+) -> None:
+    """``recover.group_nodes = 2``: each of the 2 groups (FSDP 2) has one rank on launcher A and one on B.
+
+    Rank 1 of replica 1 (B's part) is SIGKILLed mid-backward at step 2: B reports its part, the coordinator
+    fences the group, A kills its part and starts incarnation 1 at a fresh rendezvous port, B joins it; the
+    group rejoins by transfer. The run keeps the failure-free trajectory of the same groups on one node.
+    """
+    dump = tmp_path / "dump"
+    port, secret = store.free_port(), "span-test-secret"
+    plan = "kill replica=1 rank=1 step=2 phase=backward; sleep replica=0 step=3 phase=optimizer seconds=40"
+    args = [
+        sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
+        *TINY, "--recover.group_nodes", "2", "--recover.fault_plan", plan, "--recover.collective_timeout_s", "90",
+        "--recover.coordinator_port", str(port), "--recover.coordinator_bind", "127.0.0.1",
+    ]
+    env = {**os.environ, store.SECRET_ENV: secret, "PYTHONUNBUFFERED": "1", store.REPLICAS_ENV: "0,1"}
+    env_b = {**env, store.GROUP_NODE_ENV: "1", store.COORDINATOR_ENV: f"127.0.0.1:{port}"}
+    with Node("a", dump, args, {**env, store.GROUP_NODE_ENV: "0"}) as a, Node("b", dump, args, env_b) as b:
+        assert a.wait(timeout=300) == 0, a.output()[-3000:] + b.output()[-3000:]
+        assert b.wait(timeout=60) == 0, b.output()[-3000:]
+    run = Run(0, a.output(), events(dump))
+    assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=4)
+    [failure] = run.of("failure")
+    assert failure["replica"] == 1, failure  # found by its rank on A (its group broke) or by B's report
+    [admitted] = run.of("admitted")
+    assert (admitted["replica"], admitted["attempt"]) == (1, 1)
+    [rejoined] = run.of("rejoined")
+    assert rejoined["replica"] == 1 and rejoined["bytes"] > 0
+    assert_all_rejoined(run, 2, 6)
+    assert "killed local rank 0 of fenced replica 1 (attempt 0" in a.output()  # A's part of the fenced group
+    assert "replica group 1 (part 1 of 2) exited with code 1; waiting for part 0" in b.output()
+    assert "replica group 1 (part 1 of 2): joining incarnation 1 at 127.0.0.1:" in b.output()
+    assert "replica group 0 (part 1 of 2): joining incarnation 1" not in b.output()  # the other group went on

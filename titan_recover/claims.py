@@ -82,28 +82,37 @@ def silent(client: dist.Store, owners: set[Launcher], stale_s: float) -> set[Lau
     return waiting
 
 
-def claim(client: dist.Store, me: Launcher, replicas: list[int], stale_s: float, log: Callable[[str], None]) -> None:
-    """Claims ``replicas`` for ``me``, taking over those of launchers silent for ``stale_s``.
+def claim(
+    client: dist.Store, me: Launcher, replicas: list[int], stale_s: float, log: Callable[[str], None], part: int = 0
+) -> list[int]:
+    """Claims ``replicas`` (their part ``part``, when groups span nodes) for ``me``, taking over
+    those of launchers silent for ``stale_s``; returns the groups taken over.
 
     Raises ``ClaimRefused`` naming the groups, their live launcher and what to do; the
     claims made here are released then, so the right launcher is not kept waiting.
     """
     try:
-        _claim(client, me, replicas, stale_s, log)
+        return _claim(client, me, replicas, stale_s, log, part)
     except store.MessageError as e:
-        release(client, me, replicas)
-        raise ClaimRefused(f"cannot tell who runs replica groups {replicas}: {e}") from None
+        release(client, me, replicas, part)
+        raise ClaimRefused(f"cannot tell who runs replica groups {replicas}{_of(part)}: {e}") from None
 
 
-def _claim(client: dist.Store, me: Launcher, replicas: list[int], stale_s: float, log: Callable[[str], None]) -> None:
+def _of(part: int) -> str:
+    return "" if part == 0 else f" (their part {part})"
+
+
+def _claim(
+    client: dist.Store, me: Launcher, replicas: list[int], stale_s: float, log: Callable[[str], None], part: int
+) -> list[int]:
     held: dict[int, tuple[bytes, Launcher]] = {}  # claimed by someone else: their exact value, them
     for r in replicas:
-        raw = client.compare_set(store.owner_key(r), "", me.record)
+        raw = client.compare_set(store.owner_key(r, part), "", me.record)
         if raw != me.record.encode():
-            held[r] = (raw, read_owner(store.owner_key(r), raw))
+            held[r] = (raw, read_owner(store.owner_key(r, part), raw))
     owners = {o for _, o in held.values()}
     if owners:
-        log(f"replica groups {sorted(held)} are claimed by {', '.join(map(str, owners))}; taking them over "
+        log(f"replica groups {sorted(held)}{_of(part)} are claimed by {', '.join(map(str, owners))}; taking them over "
             f"unless it shows a sign of life within {stale_s:g}s")
     dead = silent(client, owners, stale_s)
     live: dict[int, Launcher] = {}
@@ -111,32 +120,35 @@ def _claim(client: dist.Store, me: Launcher, replicas: list[int], stale_s: float
         if owner not in dead:
             live[r] = owner
             continue
-        got = client.compare_set(store.owner_key(r), raw.decode(), me.record)
+        got = client.compare_set(store.owner_key(r, part), raw.decode(), me.record)
         if got == b"":  # taken over and released meanwhile by a launcher that was refused
-            got = client.compare_set(store.owner_key(r), "", me.record)
+            got = client.compare_set(store.owner_key(r, part), "", me.record)
         if got != me.record.encode():  # another launcher took it over first
-            live[r] = read_owner(store.owner_key(r), got)
+            live[r] = read_owner(store.owner_key(r, part), got)
     if live:
-        release(client, me, replicas)
+        release(client, me, replicas, part)
         who = "; ".join(f"{sorted(r for r in live if live[r] == o)} by {o}" for o in dict.fromkeys(live.values()))
+        where = f"{store.REPLICAS_ENV}" if part == 0 else f"{store.REPLICAS_ENV} and {store.GROUP_NODE_ENV}"
         raise ClaimRefused(
-            f"replica groups {sorted(live)} already run under a live launcher ({who}); a replica group runs under "
-            f"one launcher. Give each node its own groups in {store.REPLICAS_ENV}; to move groups to this node, stop that "
-            f"launcher first (its claims are taken over once it has shown no sign of life for {stale_s:g}s)"
+            f"replica groups {sorted(live)}{_of(part)} already run under a live launcher ({who}); a replica group "
+            f"runs under one launcher per node it spans. Give each node its own groups in {where}; to move groups to "
+            f"this node, stop that launcher first (its claims are taken over once it has shown no sign of life for {stale_s:g}s)"
         )
+    taken = sorted(r for r in held if r not in live)
     if dead:
-        log(f"took over replica groups {sorted(held)} from {', '.join(map(str, dead))}, which shows no sign of life")
+        log(f"took over replica groups {taken}{_of(part)} from {', '.join(map(str, dead))}, which shows no sign of life")
+    return taken
 
 
-def release(client: dist.Store, me: Launcher, replicas: list[int]) -> None:
+def release(client: dist.Store, me: Launcher, replicas: list[int], part: int = 0) -> None:
     """Gives up ``me``'s claims on ``replicas`` (those another launcher holds stay as they are)."""
     for r in replicas:
-        client.compare_set(store.owner_key(r), me.record, "")
+        client.compare_set(store.owner_key(r, part), me.record, "")
 
 
-def holds(client: dist.Store, me: Launcher, replica: int) -> bool:
-    """Whether ``me`` still runs ``replica``: another launcher takes it over when ``me`` looked dead."""
-    return client.get(store.owner_key(replica)) == me.record.encode()
+def holds(client: dist.Store, me: Launcher, replica: int, part: int = 0) -> bool:
+    """Whether ``me`` still runs ``replica`` (its part ``part``): another launcher takes it over when ``me`` looked dead."""
+    return client.get(store.owner_key(replica, part)) == me.record.encode()
 
 
 def incarnation(client: dist.Store, replica: int) -> int:

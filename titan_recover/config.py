@@ -84,6 +84,13 @@ class Recover:
     replica groups all run on the coordinator's node; a multi-node run must name an address the
     other nodes reach, e.g. this node's IP on the cluster network (or 0.0.0.0: every interface)."""
 
+    group_nodes: int = 1
+    """Nodes one replica group spans (a 70B model with TP 8 x PP 4 needs 32 GPUs per group): each
+    group's dp_shard x tp x pp ranks are split evenly over this many nodes, whose launchers are
+    told their part by $TITAN_RECOVER_GROUP_NODE (0..group_nodes-1). The launchers of a group start
+    its torchrun together with a multi-node rendezvous (part 0's launcher picks the port), and when
+    any part fails the whole group restarts as its next incarnation and rejoins."""
+
     max_restarts: int = 3
     """How often the launcher may restart a failed replica group (which then rejoins from a live
     peer) within restart_window_s; a group that fails more often is left out. With enable = false:
@@ -137,6 +144,8 @@ def validate(job_config: Any) -> Recover:
         raise ConfigError(f"recover.max_restarts must be >= 0, got {rc.max_restarts}")
     if rc.max_step_retries < 1:
         raise ConfigError(f"recover.max_step_retries must be >= 1, got {rc.max_step_retries}")
+    if rc.group_nodes < 1:
+        raise ConfigError(f"recover.group_nodes must be >= 1, got {rc.group_nodes}")
     if rc.digest_interval < 1:
         raise ConfigError(f"recover.digest_interval must be >= 1, got {rc.digest_interval}")
     for key in (
@@ -202,6 +211,11 @@ def validate(job_config: Any) -> Recover:
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree"):
         if getattr(par, key) < 1:
             raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(par, key)}")
+    if group_ranks(par) % rc.group_nodes:
+        raise ConfigError(
+            f"recover.group_nodes ({rc.group_nodes}) must divide the ranks of a replica group evenly "
+            f"(dp_shard x tp x pp = {group_ranks(par)}): every node of a group runs the same number of them"
+        )
     ids = replica_ids(job_config)
     for f in plan:  # a fault aimed at no rank would silently never fire
         if f.replica >= ids or f.rank >= group_ranks(par):

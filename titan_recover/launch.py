@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,17 @@ def parse_replicas(value: str | None, replicas: int) -> list[int]:
     return ids
 
 
+def parse_group_node(value: str | None, parts: int) -> int:
+    """This node's part of its replica groups, from ``$TITAN_RECOVER_GROUP_NODE`` (unset: 0),
+    checked before anything starts."""
+    if value is None:
+        return 0
+    fix = f"set it to 0..{parts - 1} (recover.group_nodes = {parts}: the part of its replica groups this node runs)"
+    if not re.fullmatch(r"\d+", value.strip(), re.ASCII) or not int(value) < parts:
+        raise config.ConfigError(f"{store.GROUP_NODE_ENV}={value!r} is not a part of a replica group; {fix}")
+    return int(value)
+
+
 def check_coordinator(address: str) -> str:
     """``$TITAN_RECOVER_COORDINATOR`` checked as ``host:port`` before anything starts (a bad one
     failed only once the replica groups were up); returns it."""
@@ -108,13 +119,37 @@ def dumps_stacks() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
-def torchrun(nproc: int, argv: list[str], role: str) -> list[str]:
+class Rendezvous(NamedTuple):
+    """Where the torchrun agents of one incarnation of a group that spans nodes meet: a static
+    rendezvous on part 0's host, at a port its launcher picked for that incarnation alone."""
+
+    host: str
+    port: int
+    part: int
+    parts: int
+    timeout_s: float
+
+    def args(self) -> list[str]:
+        return ["--nnodes", str(self.parts), "--node-rank", str(self.part), "--master-addr", self.host,
+                "--master-port", str(self.port), "--rdzv-conf", f"timeout={int(self.timeout_s)}"]
+
+
+def torchrun(nproc: int, argv: list[str], role: str, rendezvous: Rendezvous | None = None) -> list[str]:
+    where = ["--standalone", "--nnodes", "1"] if rendezvous is None else rendezvous.args()
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nnodes", "1", f"--nproc_per_node={nproc}",
+        sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={nproc}",
         "--max_restarts", "0", "--role", role, "--tee", "3", "--local-ranks-filter", "0",
         "-m", "titan_recover.train", *argv,
     ]
+
+
+def node_address(coordinator: str) -> str:
+    """This node's address as the coordinator's network sees it (the local end of a route to
+    the coordinator; nothing is sent): where part 0 of a group asks the other parts to meet."""
+    host, _, port = coordinator.rpartition(":")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host.strip("[]"), int(port)))
+        return s.getsockname()[0]
 
 
 def with_threads(env: dict[str, str], local_ranks: int) -> dict[str, str]:
@@ -174,7 +209,7 @@ def device_plan(requested: str, groups: int, ranks: int) -> devices.DevicePlan:
     return devices.plan(requested, gpus, groups, ranks, dist.is_nccl_available())
 
 
-def coordinator_bind(configured: str, local: list[int], replicas: int) -> str:
+def coordinator_bind(configured: str, local: list[int], replicas: int, parts: int = 1) -> str:
     """Where the coordinator this launcher starts listens: loopback when every replica group
     runs on this node, else the address the user chose ([recover] coordinator_bind).
 
@@ -183,11 +218,12 @@ def coordinator_bind(configured: str, local: list[int], replicas: int) -> str:
     """
     if configured:
         return configured
-    if sorted(local) == list(range(replicas)):
+    if sorted(local) == list(range(replicas)) and parts == 1:
         return store.LOOPBACK
     others = sorted(set(range(replicas)) - set(local))
+    what = f"replica groups {others} run" if others else f"the replica groups span {parts} nodes (recover.group_nodes), whose parts run"
     raise config.ConfigError(
-        f"replica groups {others} run on other nodes, which cannot reach a coordinator on loopback: set "
+        f"{what} on other nodes, which cannot reach a coordinator on loopback: set "
         "[recover] coordinator_bind to this node's address on the network they share (or 0.0.0.0 for every interface)"
     )
 
@@ -205,9 +241,26 @@ def run_secret(env: dict[str, str], only_this_node: bool) -> str:
     )
 
 
+class Span(NamedTuple):
+    """Which part of its replica groups this node runs, when they span ``parts`` nodes."""
+
+    part: int = 0
+    parts: int = 1
+    host: str = store.LOOPBACK  # this node's address, where part 0 has the others meet
+    timeout_s: float = 600.0  # how long a group's torchrun waits for all its parts to meet
+
+    def of(self, replica: int) -> str:
+        return f"replica group {replica}" + (f" (part {self.part} of {self.parts})" if self.parts > 1 else "")
+
+
 class ReplicaGroups:
-    """This node's replica groups: one torchrun job each, restarted when it fails
-    while this launcher still holds its claim (``claims``)."""
+    """This node's replica groups (or its part of each, ``Span``): one torchrun job each,
+    restarted when it fails while this launcher still holds its claim (``claims``).
+
+    Part 0 of a group that spans nodes restarts it (its budget, its incarnation numbers) and
+    publishes where each incarnation meets; the launchers of the other parts follow it: when
+    their part exits they report it and wait for part 0's next incarnation.
+    """
 
     def __init__(
         self,
@@ -218,10 +271,13 @@ class ReplicaGroups:
         restart_window_s: float,
         launcher: claims.Launcher,
         agent: NodeAgent,
+        span: Span = Span(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.argv, self.envs, self.shards, self.launcher, self.clock = argv, envs, shards, launcher, clock
-        self.agent = agent
+        self.agent, self.span = agent, span
+        self.meetings: dict[int, Rendezvous] = {}  # groups that span nodes: where the current incarnation meets
+        self.waiting: dict[int, int] = {}  # parts > 0: group -> the lowest incarnation of part 0's it may join
         self.fences_read = (-2, 0.0)  # the epoch at the last look for fenced incarnations, and when
         self.attempts: dict[int, int] = {}  # the incarnation each group runs, numbered by the store (claims.incarnation)
         self.budgets = {r: RestartBudget(max_restarts, restart_window_s) for r in envs}
@@ -230,15 +286,52 @@ class ReplicaGroups:
         self.killed: dict[int, int] = {}
         self.outcome: int | None = None  # the run's exit status (1: fatal) once the coordinator ended it
 
-    def start(self, replica: int, attempt: int) -> None:
+    def start(self, replica: int, attempt: int, meet: tuple[str, int] | None = None) -> None:
+        """Starts that incarnation; a group that spans nodes meets at ``meet`` (part 0 picks a port)."""
+        span = self.span
+        if span.parts > 1:
+            host, port = meet or (span.host, store.free_port())
+            self.meetings[replica] = Rendezvous(host, port, span.part, span.parts, span.timeout_s)
         self.attempts[replica] = attempt
-        self.procs[replica] = self._start(replica)
-
-    def _start(self, replica: int) -> subprocess.Popen:
-        attempt = self.attempts[replica]
+        self.waiting.pop(replica, None)
         env = {**self.envs[replica], store.REPLICA_ENV: str(replica), store.ATTEMPT_ENV: str(attempt),
                node_channel.CHANNEL_ENV: self.agent.open(replica, attempt)}
-        return subprocess.Popen(torchrun(self.shards, self.argv, f"replica{replica}"), env=env, preexec_fn=die_with_parent)
+        self.procs[replica] = subprocess.Popen(
+            torchrun(self.shards, self.argv, f"replica{replica}", self.meetings.get(replica)),
+            env=env, preexec_fn=die_with_parent,
+        )
+
+    def publish(self, client: object, replica: int) -> None:
+        """Part 0 says where the current incarnation of a group that spans nodes meets."""
+        if self.span.parts > 1 and self.span.part == 0:
+            meet = self.meetings[replica]
+            store.put_json(client, store.rendezvous_key(replica),  # type: ignore[arg-type]
+                           {"attempt": self.attempts[replica], "host": meet.host, "port": meet.port})
+
+    def follow(self, client: object, replica: int, taken_over: bool) -> None:
+        """Parts > 0: wait for an incarnation of part 0's to join. A launcher that took this part
+        over skips the incarnation its dead predecessor started (its ranks died with it) and
+        reports it, so the group restarts now rather than when the coordinator finds it silent."""
+        floor = 0
+        key = store.joined_key(replica, self.span.part)
+        if taken_over and client.check([key]):  # type: ignore[attr-defined]
+            floor = store.get_int(client, key) + 1  # type: ignore[arg-type]
+            epoch = store.get_int(client, store.EPOCH)  # type: ignore[arg-type]
+            cause = f"{self.span.of(replica)} lost with its launcher (attempt {floor - 1})"
+            store.report(client, {"replica": replica, "epoch": epoch, "suspect": replica, "cause": cause})  # type: ignore[arg-type]
+        self.waiting[replica] = floor
+
+    def _join(self, client: object, replica: int) -> None:
+        """Starts this part of part 0's latest incarnation of ``replica``, if it may join it."""
+        rec = store.read_rendezvous(client, replica)  # type: ignore[arg-type]
+        if rec is None or rec["attempt"] < self.waiting[replica]:
+            return
+        fenced = store.fenced_key(replica)
+        if client.check([fenced]) and store.get_json(client, fenced, ("attempt",))["attempt"] >= rec["attempt"]:  # type: ignore[attr-defined,arg-type]
+            return  # out already: part 0 publishes the next one
+        client.set(store.joined_key(replica, self.span.part), str(rec["attempt"]))  # type: ignore[attr-defined]
+        log(f"{self.span.of(replica)}: joining incarnation {rec['attempt']} at {rec['host']}:{rec['port']}")
+        self.start(replica, rec["attempt"], (rec["host"], rec["port"]))
 
     def kill(self) -> None:
         """SIGKILLs every group's torchrun agent; its ranks die with it (``die_with_parent``)."""
@@ -254,23 +347,27 @@ class ReplicaGroups:
             return False  # restart nothing
         now = self.clock()
         look = (self.agent.epoch, now) if self.agent.epoch != self.fences_read[0] or now - self.fences_read[1] >= store.PROBE_S else None
-        for r, proc in self.procs.items():
+        for r, proc in list(self.procs.items()):
             if look:  # a fence comes with a new epoch (a waiting spare's, within PROBE_S)
                 kill_fenced(client, self.agent, r, self.killed)
             code = proc.poll()
-            if code in (None, 0) or r in self.given_up:
+            if code in (None, 0) or r in self.given_up or r in self.waiting:
                 continue
-            if not claims.holds(client, self.launcher, r):  # type: ignore[arg-type]
-                log(f"replica group {r} exited with code {code}; another launcher took it over (this one looked dead): "
+            if not claims.holds(client, self.launcher, r, self.span.part):  # type: ignore[arg-type]
+                log(f"{self.span.of(r)} exited with code {code}; another launcher took it over (this one looked dead): "
                     "leaving it to that one")
                 self.given_up.add(r)
                 continue
             # the group is certainly dead: say so first (faster than heartbeats), then restart it
             now = self.clock()
-            restart = self.budgets[r].take(now)
+            restart = self.span.part > 0 or self.budgets[r].take(now)  # part 0 restarts a group that spans nodes
             epoch = max(self.agent.epoch, 0)
-            cause = f"torchrun of replica {r} exited with code {code}" + ("" if restart else " (no restarts left in the window)")
+            cause = f"torchrun of {self.span.of(r)} exited with code {code}" + ("" if restart else " (no restarts left in the window)")
             store.report(client, {"replica": r, "epoch": epoch, "suspect": r, "cause": cause})  # type: ignore[arg-type]
+            if self.span.part > 0:
+                log(f"{self.span.of(r)} exited with code {code}; waiting for part 0 to start its next incarnation")
+                self.waiting[r] = self.attempts[r] + 1
+                continue
             if not restart:
                 log(
                     f"replica group {r} exited with code {code}; {self.budgets[r].refusal(now)}; not restarting it; "
@@ -279,14 +376,17 @@ class ReplicaGroups:
                 self.given_up.add(r)
                 continue
             attempt = claims.incarnation(client, r)  # type: ignore[arg-type]
-            log(f"replica group {r} exited with code {code}; {self.budgets[r].used(now)} (attempt {attempt})")
+            log(f"{self.span.of(r)} exited with code {code}; {self.budgets[r].used(now)} (attempt {attempt})")
             self.start(r, attempt)
+            self.publish(client, r)
+        for r in list(self.waiting):
+            self._join(client, r)
         if look:
             self.fences_read = look
         return True
 
     def done(self) -> bool:
-        return all(p.poll() is not None for p in self.procs.values()) and not any(
+        return not self.waiting and all(p.poll() is not None for p in self.procs.values()) and not any(
             p.returncode != 0 and r not in self.given_up for r, p in self.procs.items()
         )
 
@@ -313,36 +413,42 @@ def run_stock(job_config: object, argv: list[str]) -> int:
         log(f"torchrun exited with code {code}; restarting the whole job ({budget.used(now)}, attempt {attempt})")
 
 
-def run_recover(job_config: object, argv: list[str], local: list[int], coordinator_address: str | None) -> int:
-    """The replica groups ``local`` of this node, and the coordinator unless ``coordinator_address`` names one."""
+def run_recover(
+    job_config: object, argv: list[str], local: list[int], coordinator_address: str | None, part: int = 0
+) -> int:
+    """The replica groups ``local`` of this node (their part ``part`` when they span nodes), and the
+    coordinator unless ``coordinator_address`` names one."""
     rc = job_config.recover  # type: ignore[attr-defined]
     par = job_config.parallelism  # type: ignore[attr-defined]
     replicas = config.replica_ids(job_config)
-    ranks = config.group_ranks(par)
+    ranks = config.group_ranks(par) // rc.group_nodes  # of each group, on this node
     plan = device_plan(rc.replicate_backend, len(local), ranks)
     argv = [*argv, "--recover.replicate_backend", plan.backend]
     env = with_threads(dict(os.environ), len(local) * ranks)
-    only_this_node = coordinator_address is None and sorted(local) == list(range(replicas))
+    only_this_node = coordinator_address is None and sorted(local) == list(range(replicas)) and rc.group_nodes == 1
     env[store.SECRET_ENV] = run_secret(env, only_this_node)
     coordinator, address = None, coordinator_address
     if address is None:
-        host = store.local_host(coordinator_bind(rc.coordinator_bind, local, replicas))
+        host = store.local_host(coordinator_bind(rc.coordinator_bind, local, replicas, rc.group_nodes))
         address = env[store.COORDINATOR_ENV] = f"{host}:{rc.coordinator_port or store.free_port()}"
         coordinator = subprocess.Popen([sys.executable, "-m", "titan_recover.coordinator", *argv], env=env)
+    span = Span(part, rc.group_nodes, node_address(address), rc.startup_timeout_s)
     spares = [r for r in local if config.is_spare(r, job_config)]
     log(
         f"coordinator at {address}; starting replica groups {local} of {replicas}"
         f"{f' ({spares} as hot spares)' if spares else ''}, "
-        f"{ranks} ranks each (dp_shard {par.data_parallel_shard_degree} x tp {par.tensor_parallel_degree} "
+        f"{config.group_ranks(par)} ranks each (dp_shard {par.data_parallel_shard_degree} x tp {par.tensor_parallel_degree} "
         f"x pp {par.pipeline_parallel_degree})"
+        + (f"; each spans {span.parts} nodes: this node runs part {part}, {ranks} ranks of each, meeting at {span.host}"
+           if span.parts > 1 else "")
     )
     gpus = "" if plan.visible[0] is None else f"; GPUs per group: {' | '.join(map(str, plan.visible))}"
     log(f"replicate dimension on {plan.backend} ({plan.reason}){gpus}")
     envs = {r: with_gpus(env, visible) for r, visible in zip(local, plan.visible)}
     me = claims.Launcher.this()
     agent = NodeAgent(address, env[store.SECRET_ENV], ranks)
-    groups = ReplicaGroups(argv, envs, ranks, rc.max_restarts, rc.restart_window_s, me, agent)
-    if coordinator is not None:
+    groups = ReplicaGroups(argv, envs, ranks, rc.max_restarts, rc.restart_window_s, me, agent, span)
+    if coordinator is not None and part == 0:
         # started at once, as their first incarnation (the store is new): their ranks import and build
         # the model while the coordinator comes up; they are claimed as soon as it is up
         for r in local:
@@ -380,11 +486,15 @@ def run_recover(job_config: object, argv: list[str], local: list[int], coordinat
         lifeline = store.Heartbeat(address, me.key, rc.heartbeat_interval_s, rc.coordinator_timeout_s, on_lost,
                                    agent.message, secret=env[store.SECRET_ENV], ended=lambda: bool(agent.flags))
         agent.start(on_error=log)
-        claims.claim(client, me, local, rc.heartbeat_timeout_s, log)
+        taken = claims.claim(client, me, local, rc.heartbeat_timeout_s, log, part)
         for r in local:
+            if part > 0:  # part 0 starts each incarnation; this part joins it
+                groups.follow(client, r, r in taken)
+                continue
             attempt = claims.incarnation(client, r)  # 0 for the groups started above
             if r not in groups.procs:  # >= 1 for a group that ran under a launcher now dead: it rejoins
                 groups.start(r, attempt)
+            groups.publish(client, r)
         while True:
             if coordinator is not None and coordinator.poll() is not None:
                 break
@@ -433,10 +543,12 @@ def main(argv: list[str]) -> int:
     cpu_shim.apply()  # before torchtitan binds its device type: the data check imports its models
     local: list[int] = []
     address: str | None = None
+    part = 0
     try:
         job_config = config.load(argv)
         if job_config.recover.enable:  # the node's environment, checked before the data and any process
             local = parse_replicas(os.environ.get(REPLICAS_ENV), config.replica_ids(job_config))
+            part = parse_group_node(os.environ.get(store.GROUP_NODE_ENV), job_config.recover.group_nodes)
             address = os.environ.get(store.COORDINATOR_ENV)
             if address is not None:
                 check_coordinator(address)
@@ -462,7 +574,7 @@ def main(argv: list[str]) -> int:
     start = time.time()
     try:
         if job_config.recover.enable:
-            code = run_recover(job_config, argv, local, address)
+            code = run_recover(job_config, argv, local, address, part)
         else:
             code = run_stock(job_config, argv)
     except config.ConfigError as e:  # the host cannot run this layout: nothing was started

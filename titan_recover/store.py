@@ -19,6 +19,7 @@ import torch.distributed as dist
 COORDINATOR_ENV = "TITAN_RECOVER_COORDINATOR"  # host:port of the coordinator's store
 REPLICA_ENV = "TITAN_RECOVER_REPLICA"  # this process's replica group id
 REPLICAS_ENV = "TITAN_RECOVER_REPLICAS"  # comma-separated replica group ids a node's launcher runs
+GROUP_NODE_ENV = "TITAN_RECOVER_GROUP_NODE"  # which of the recover.group_nodes parts of its groups a node runs
 SECRET_ENV = "TITAN_RECOVER_SECRET"  # this run's secret: every key of the run is stored under it
 HELLO = "hello"  # the coordinator sets it on start: a client that cannot read it is not in this run
 HELLO_WAIT_S = 10.0  # how long a client waits for it (the coordinator sets it right after listening)
@@ -75,9 +76,34 @@ def fenced_key(replica: int) -> str:
     return f"fenced/{replica}"
 
 
-def owner_key(replica: int) -> str:
-    """{"launcher", "host", "pid"}: the launcher that runs this replica group (``claims``)."""
-    return f"owner/{replica}"
+def owner_key(replica: int, part: int = 0) -> str:
+    """{"launcher", "host", "pid"}: the launcher that runs this replica group (``claims``), or
+    part ``part`` of it when a group spans nodes."""
+    return f"owner/{replica}" if part == 0 else f"owner/{replica}/{part}"
+
+
+def joined_key(replica: int, part: int) -> str:
+    """An integer: the incarnation of ``replica`` that its part ``part`` last started, so a
+    launcher taking that part over never joins an incarnation its dead predecessor was part of."""
+    return f"joined/{replica}/{part}"
+
+
+def rendezvous_key(replica: int) -> str:
+    """{"attempt", "host", "port"}: where the torchrun of this group's current incarnation meets,
+    when the group spans nodes; written by the launcher of part 0 at each start (``read_rendezvous``)."""
+    return f"rendezvous/{replica}"
+
+
+def read_rendezvous(client: dist.TCPStore, replica: int) -> dict[str, Any] | None:
+    """Part 0's rendezvous record of ``replica``, checked field by field (None before the first)."""
+    key = rendezvous_key(replica)
+    if not client.check([key]):
+        return None
+    rec = get_json(client, key, ("attempt", "host", "port"))
+    if not (_is_int(rec["attempt"]) and rec["attempt"] >= 0 and isinstance(rec["host"], str) and rec["host"]
+            and _is_int(rec["port"]) and 0 < rec["port"] < 65536):
+        raise MessageError(f"store key {key!r}: attempt must be an integer >= 0, host a name, port in 1..65535: {rec!r:.200}")
+    return rec
 
 
 def launcher_key(launcher: str) -> str:
