@@ -185,6 +185,21 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(tmp_path: Pat
         assert "Traceback" not in node.output(), node.output()[-3000:]
 
 
+def spanning(dump: Path, port: int, plan: str) -> list[str]:
+    """A launcher's command for groups that span two nodes (FSDP 2: one rank of each group per node)."""
+    return [
+        sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
+        *TINY, "--recover.group_nodes", "2", "--recover.fault_plan", plan, "--recover.collective_timeout_s", "90",
+        "--recover.coordinator_port", str(port), "--recover.coordinator_bind", "127.0.0.1",
+    ]
+
+
+def node_env(port: int | None, replicas: str, part: int) -> dict[str, str]:
+    env = {**os.environ, store.SECRET_ENV: "span-test-secret", "PYTHONUNBUFFERED": "1",
+           store.REPLICAS_ENV: replicas, store.GROUP_NODE_ENV: str(part)}
+    return env if port is None else {**env, store.COORDINATOR_ENV: f"127.0.0.1:{port}"}
+
+
 def test_a_group_spanning_two_nodes_loses_a_rank_on_one_restarts_on_both_and_rejoins(
     tmp_path: Path, failure_free: Run
 ) -> None:
@@ -194,17 +209,9 @@ def test_a_group_spanning_two_nodes_loses_a_rank_on_one_restarts_on_both_and_rej
     fences the group, A kills its part and starts incarnation 1 at a fresh rendezvous port, B joins it; the
     group rejoins by transfer. The run keeps the failure-free trajectory of the same groups on one node.
     """
-    dump = tmp_path / "dump"
-    port, secret = store.free_port(), "span-test-secret"
-    plan = "kill replica=1 rank=1 step=2 phase=backward; sleep replica=0 step=3 phase=optimizer seconds=40"
-    args = [
-        sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
-        *TINY, "--recover.group_nodes", "2", "--recover.fault_plan", plan, "--recover.collective_timeout_s", "90",
-        "--recover.coordinator_port", str(port), "--recover.coordinator_bind", "127.0.0.1",
-    ]
-    env = {**os.environ, store.SECRET_ENV: secret, "PYTHONUNBUFFERED": "1", store.REPLICAS_ENV: "0,1"}
-    env_b = {**env, store.GROUP_NODE_ENV: "1", store.COORDINATOR_ENV: f"127.0.0.1:{port}"}
-    with Node("a", dump, args, {**env, store.GROUP_NODE_ENV: "0"}) as a, Node("b", dump, args, env_b) as b:
+    dump, port = tmp_path / "dump", store.free_port()
+    args = spanning(dump, port, "kill replica=1 rank=1 step=2 phase=backward; sleep replica=0 step=3 phase=optimizer seconds=40")
+    with Node("a", dump, args, node_env(None, "0,1", 0)) as a, Node("b", dump, args, node_env(port, "0,1", 1)) as b:
         assert a.wait(timeout=300) == 0, a.output()[-3000:] + b.output()[-3000:]
         assert b.wait(timeout=60) == 0, b.output()[-3000:]
     run = Run(0, a.output(), events(dump))
@@ -220,3 +227,35 @@ def test_a_group_spanning_two_nodes_loses_a_rank_on_one_restarts_on_both_and_rej
     assert "replica group 1 (part 1 of 2) exited with code 1; waiting for part 0" in b.output()
     assert "replica group 1 (part 1 of 2): joining incarnation 1 at 127.0.0.1:" in b.output()
     assert "replica group 0 (part 1 of 2): joining incarnation 1" not in b.output()  # the other group went on
+
+
+def test_a_node_lost_under_a_spanning_group_is_taken_over_and_the_group_restarts_on_both(
+    tmp_path: Path, failure_free: Run
+) -> None:
+    """Three launchers: A runs part 0 of groups 0 and 1 (and the coordinator), B part 1 of group 0, C part 1 of
+    group 1. C's whole tree is SIGKILLed after step 1: group 1 loses a part, A restarts it as incarnation 1;
+    C's command started again (C2) takes C's claim over, skips the incarnation C was part of and joins A's next
+    one; group 1 rejoins by transfer and the run keeps the failure-free trajectory."""
+    dump, port = tmp_path / "dump", store.free_port()
+    args = spanning(dump, port, "sleep replica=0 step=3 phase=optimizer seconds=45")
+    steps = lambda: [e for e in events(dump) if e["event"] == "step"]  # noqa: E731
+    with Node("a", dump, args, node_env(None, "0,1", 0)) as a, Node("b", dump, args, node_env(port, "0", 1)) as b, \
+            Node("c", dump, args, node_env(port, "1", 1)) as c:
+        wait_until("step 1", lambda: len(steps()) >= 1, 240, [a, b, c])
+        c.kill_node()
+        with Node("c2", dump, args, node_env(port, "1", 1)) as c2:
+            assert a.wait(timeout=240) == 0, a.output()[-3000:] + c2.output()[-3000:]
+            assert b.wait(timeout=60) == 0 and c2.wait(timeout=60) == 0, b.output()[-3000:] + c2.output()[-3000:]
+    run = Run(0, a.output(), events(dump))
+    assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=4)
+    [failure] = run.of("failure")
+    assert failure["replica"] == 1, failure
+    [admitted] = run.of("admitted")
+    assert admitted["replica"] == 1 and admitted["attempt"] >= 1, admitted
+    [rejoined] = run.of("rejoined")
+    assert rejoined["replica"] == 1 and rejoined["bytes"] > 0
+    assert_all_rejoined(run, 2, 6)
+    assert "took over replica groups [1] (their part 1) from the launcher on host" in c2.output()
+    assert f"replica group 1 (part 1 of 2): joining incarnation {admitted['attempt']} at 127.0.0.1:" in c2.output()
+    assert "joining incarnation 0" not in c2.output()  # the one its dead predecessor was part of
+    assert "joining incarnation" not in b.output().split("joining incarnation 0", 1)[1]  # group 0 went on
