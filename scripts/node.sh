@@ -12,8 +12,11 @@
 #   NUM_NODES         nodes in the run (default: the words in NODE_LIST)
 #   COORDINATOR_ADDR  host:port of the coordinator, which node 0's launcher starts on that port
 #   GROUPS_PER_NODE   replica groups per node, G (default 1): node i runs ids i*G .. i*G+G-1
+#   GROUP_NODES       nodes one replica group spans, K (default 1; --recover.group_nodes): nodes form
+#                     blocks of K in a row, block b = i / K runs ids b*G .. b*G+G-1 and node i runs part
+#                     i % K of each ($TITAN_RECOVER_GROUP_NODE); NUM_NODES must be a multiple of K
 #   SPARES            hot spares (default 0): the last SPARES ids. Every id is a group, so
-#                     data_parallel_replicate_degree = NUM_NODES * G - SPARES, passed below (it and
+#                     data_parallel_replicate_degree = NUM_NODES / K * G - SPARES, passed below (it and
 #                     recover.spares override the config file's values)
 #   COORDINATOR_BIND  where node 0's coordinator listens (default 0.0.0.0, every interface; prefer its
 #                     address on the private cluster network: see the README's trust model)
@@ -50,17 +53,20 @@ if [ -z "${NODE_INDEX:-}" ]; then
 fi
 NUM_NODES=${NUM_NODES:-${#hosts[@]}}
 GROUPS_PER_NODE=${GROUPS_PER_NODE:-1}
+GROUP_NODES=${GROUP_NODES:-1}
 SPARES=${SPARES:-0}
 COORDINATOR_BIND=${COORDINATOR_BIND:-0.0.0.0}
-for var in NODE_INDEX NUM_NODES GROUPS_PER_NODE SPARES; do
+for var in NODE_INDEX NUM_NODES GROUPS_PER_NODE GROUP_NODES SPARES; do
     is_count "${!var}" || fail "$var=${!var} must be a non-negative integer"
 done
 [ "$NUM_NODES" -ge 1 ] || fail "NUM_NODES=$NUM_NODES: a run has at least one node"
 [ "$NODE_INDEX" -lt "$NUM_NODES" ] || fail "NODE_INDEX=$NODE_INDEX is out of range 0..$((NUM_NODES - 1)) (NUM_NODES=$NUM_NODES)"
 [ "$GROUPS_PER_NODE" -ge 1 ] || fail "GROUPS_PER_NODE=$GROUPS_PER_NODE: every node runs at least one replica group; set it to 1 or more"
-ids=$((NUM_NODES * GROUPS_PER_NODE))
+[ "$GROUP_NODES" -ge 1 ] && [ $((NUM_NODES % GROUP_NODES)) -eq 0 ] \
+    || fail "GROUP_NODES=$GROUP_NODES must be >= 1 and divide NUM_NODES=$NUM_NODES: every replica group spans that many whole nodes"
+ids=$((NUM_NODES / GROUP_NODES * GROUPS_PER_NODE))
 replicate=$((ids - SPARES))
-[ "$replicate" -ge 1 ] || fail "$NUM_NODES nodes x GROUPS_PER_NODE=$GROUPS_PER_NODE = $ids replica ids leave no member after SPARES=$SPARES: lower SPARES"
+[ "$replicate" -ge 1 ] || fail "$NUM_NODES nodes / GROUP_NODES=$GROUP_NODES x GROUPS_PER_NODE=$GROUPS_PER_NODE = $ids replica ids leave no member after SPARES=$SPARES: lower SPARES"
 addr=${COORDINATOR_ADDR:-}
 port=${addr##*:}
 [[ $addr == ?*:* ]] && is_count "$port" && [ "$port" -ge 1 ] && [ "$port" -le 65535 ] \
@@ -71,19 +77,21 @@ port=${addr##*:}
     || fail "TITAN_RECOVER_SECRET is not set: every node needs the run's secret, e.g. \$(openssl rand -hex 16), the same on each"
 for arg in "$@"; do
     case $arg in
-        --parallelism.data_parallel_replicate_degree* | --recover.spares* | --recover.coordinator_bind* | --recover.coordinator_port*)
-            fail "${arg%%=*} is set from the node layout here: use NODES x GROUPS_PER_NODE, SPARES, COORDINATOR_BIND and the port of COORDINATOR_ADDR instead" ;;
+        --parallelism.data_parallel_replicate_degree* | --recover.spares* | --recover.coordinator_bind* | --recover.coordinator_port* | --recover.group_nodes*)
+            fail "${arg%%=*} is set from the node layout here: use NODES x GROUPS_PER_NODE, GROUP_NODES, SPARES, COORDINATOR_BIND and the port of COORDINATOR_ADDR instead" ;;
     esac
 done
 
-first=$((NODE_INDEX * GROUPS_PER_NODE))
+first=$((NODE_INDEX / GROUP_NODES * GROUPS_PER_NODE))
 replicas=""
 for ((r = first; r < first + GROUPS_PER_NODE; r++)); do replicas+="${replicas:+,}$r"; done
 # node 0's launcher is the one without TITAN_RECOVER_COORDINATOR: it starts the coordinator (an
 # inherited value, e.g. from the submitting shell, is removed)
 if [ "$NODE_INDEX" -eq 0 ]; then coordinator=(-u TITAN_RECOVER_COORDINATOR); else coordinator=("TITAN_RECOVER_COORDINATOR=$addr"); fi
-env_args=("${coordinator[@]}" "CONFIG_FILE=$CONFIG_FILE" "TITAN_RECOVER_REPLICAS=$replicas")
+env_args=("${coordinator[@]}" "CONFIG_FILE=$CONFIG_FILE" "TITAN_RECOVER_REPLICAS=$replicas"
+          "TITAN_RECOVER_GROUP_NODE=$((NODE_INDEX % GROUP_NODES))")
 cmd=(./run_train.sh --parallelism.data_parallel_replicate_degree "$replicate" --recover.spares "$SPARES"
+     --recover.group_nodes "$GROUP_NODES"
      --recover.coordinator_bind "$COORDINATOR_BIND" --recover.coordinator_port "$port" "$@")
 
 # the secret comes from this process's environment (not the command line, which `ps` shows)

@@ -22,7 +22,7 @@ NODE_SH = ROOT / "scripts" / "node.sh"
 MANIFEST = ROOT / "scripts" / "k8s" / "train-indexed-job.yaml"
 CFG = str(CONFIG.relative_to(ROOT))
 # what the scripts read from the environment: the tests' own values only
-OURS = ("SLURM", "TITAN_RECOVER_", "DRY_RUN", "NODE_", "NUM_NODES", "COORDINATOR_", "GROUPS_PER_NODE", "SPARES",
+OURS = ("SLURM", "TITAN_RECOVER_", "DRY_RUN", "NODE_", "NUM_NODES", "COORDINATOR_", "GROUPS_PER_NODE", "GROUP_NODES", "SPARES",
         "GPUS_PER_NODE", "RANKS_PER_GROUP", "CONFIG_FILE", "PLAN_ONLY", "SHOW_SECRET", "VENV", "EXTRAS", "PYTHON")
 
 
@@ -78,23 +78,26 @@ def nodes_in(stdout: str) -> list[Node]:
     return nodes
 
 
-def check_layout(nodes: list[Node], hosts: list[str], groups: int, spares: int, coordinator: str) -> None:
-    """One launcher per node; only node 0 starts the coordinator; one secret; the ids partitioned."""
+def check_layout(nodes: list[Node], hosts: list[str], groups: int, spares: int, coordinator: str, span: int = 1) -> None:
+    """One launcher per node; only node 0 starts the coordinator; one secret; the ids partitioned
+    (each id over ``span`` nodes in a row, one part each)."""
     assert [(n.index, n.host) for n in nodes] == list(enumerate(hosts))
     for n in nodes:
         if n.index == 0:  # the launcher without TITAN_RECOVER_COORDINATOR starts it
             assert "TITAN_RECOVER_COORDINATOR" not in n.env and n.unset == ["TITAN_RECOVER_COORDINATOR"]
         else:
             assert n.env["TITAN_RECOVER_COORDINATOR"] == coordinator and not n.unset
-        assert n.replicas == list(range(n.index * groups, (n.index + 1) * groups))
-        assert int(n.arg("--parallelism.data_parallel_replicate_degree")) == len(hosts) * groups - spares
+        block = n.index // span
+        assert n.replicas == list(range(block * groups, (block + 1) * groups))
+        assert n.env["TITAN_RECOVER_GROUP_NODE"] == str(n.index % span) and n.arg("--recover.group_nodes") == str(span)
+        assert int(n.arg("--parallelism.data_parallel_replicate_degree")) == len(hosts) // span * groups - spares
         assert int(n.arg("--recover.spares")) == spares
         assert n.arg("--recover.coordinator_port") == coordinator.rsplit(":", 1)[1]
         assert n.arg("--recover.coordinator_bind")
     secrets = {n.env["TITAN_RECOVER_SECRET"] for n in nodes}
     assert len(secrets) == 1 and re.fullmatch(r"[0-9a-f]{32}", secrets.pop())
-    ids = sorted(r for n in nodes for r in n.replicas)
-    assert ids == list(range(len(hosts) * groups))
+    parts = sorted((r, int(n.env["TITAN_RECOVER_GROUP_NODE"])) for n in nodes for r in n.replicas)
+    assert parts == [(r, k) for r in range(len(hosts) // span * groups) for k in range(span)]
 
 
 def test_the_scripts_parse() -> None:
@@ -102,13 +105,16 @@ def test_the_scripts_parse() -> None:
         subprocess.run(["bash", "-n", str(script)], check=True)
 
 
-@pytest.mark.parametrize("hosts,groups,spares", [(["n1", "n2"], 1, 0), (["a", "b", "c"], 2, 1), (["x", "y", "z"], 3, 0)])
-def test_the_dry_run_prints_one_launcher_per_node(hosts: list[str], groups: int, spares: int) -> None:
+@pytest.mark.parametrize("hosts,groups,spares,span", [
+    (["n1", "n2"], 1, 0, 1), (["a", "b", "c"], 2, 1, 1), (["x", "y", "z"], 3, 0, 1),
+    (["n1", "n2", "n3", "n4"], 1, 0, 2), (["a", "b", "c", "d", "e", "f"], 2, 1, 3),  # groups that span nodes
+])
+def test_the_dry_run_prints_one_launcher_per_node(hosts: list[str], groups: int, spares: int, span: int) -> None:
     out = dry_run(" ".join(hosts), CFG, "--training.steps", "100", "--job.description", "two words",
-                  GROUPS_PER_NODE=str(groups), SPARES=str(spares))
+                  GROUPS_PER_NODE=str(groups), SPARES=str(spares), GROUP_NODES=str(span))
     assert out.returncode == 0, out.stderr
     nodes = nodes_in(out.stdout)
-    check_layout(nodes, hosts, groups, spares, f"{hosts[0]}:29510")
+    check_layout(nodes, hosts, groups, spares, f"{hosts[0]}:29510", span)
     for n in nodes:
         assert n.env["CONFIG_FILE"] == CFG
         assert n.args[-4:] == ["--training.steps", "100", "--job.description", "two words"]
@@ -192,7 +198,7 @@ def test_node_sh_runs_run_train_sh_with_that_environment(tmp_path: Path) -> None
     (tmp_path / "run_train.sh").write_text(
         "#!/usr/bin/env bash\n"
         'echo "COORDINATOR=${TITAN_RECOVER_COORDINATOR-unset} REPLICAS=$TITAN_RECOVER_REPLICAS '
-        'CONFIG_FILE=$CONFIG_FILE SECRET=$TITAN_RECOVER_SECRET ARGS=$*"\n'
+        'PART=$TITAN_RECOVER_GROUP_NODE CONFIG_FILE=$CONFIG_FILE SECRET=$TITAN_RECOVER_SECRET ARGS=$*"\n'
     )
     (tmp_path / "run_train.sh").chmod(0o755)
     base = dict(NUM_NODES="2", GROUPS_PER_NODE="2", COORDINATOR_ADDR="head:4000", CONFIG_FILE="c.toml",
@@ -200,8 +206,8 @@ def test_node_sh_runs_run_train_sh_with_that_environment(tmp_path: Path) -> None
     ran = [sh(tmp_path / "scripts" / "node.sh", "--x.y", "1", NODE_INDEX=str(i), **base) for i in (0, 1)]
     assert [r.returncode for r in ran] == [0, 0], [r.stderr for r in ran]
     last = [r.stdout.splitlines()[-1] for r in ran]
-    tail = "CONFIG_FILE=c.toml SECRET=s3 ARGS=--parallelism.data_parallel_replicate_degree 4 --recover.spares 0 " \
-           "--recover.coordinator_bind 0.0.0.0 --recover.coordinator_port 4000 --x.y 1"
+    tail = "PART=0 CONFIG_FILE=c.toml SECRET=s3 ARGS=--parallelism.data_parallel_replicate_degree 4 --recover.spares 0 " \
+           "--recover.group_nodes 1 --recover.coordinator_bind 0.0.0.0 --recover.coordinator_port 4000 --x.y 1"
     assert last == [f"COORDINATOR=unset REPLICAS=0,1 {tail}", f"COORDINATOR=head:4000 REPLICAS=2,3 {tail}"]
     assert "s3" not in ran[0].stdout.splitlines()[0]  # its own log line hides the secret
 
@@ -209,8 +215,12 @@ def test_node_sh_runs_run_train_sh_with_that_environment(tmp_path: Path) -> None
 def test_groups_per_node_default_to_gpus_per_node_over_ranks_per_group() -> None:
     out = dry_run("n1 n2", CFG, GPUS_PER_NODE="8", RANKS_PER_GROUP="4")
     assert out.returncode == 0, out.stderr
-    assert "GROUPS_PER_NODE=2: 8 GPUs per node / 4 ranks per group" in out.stdout
+    assert "GROUPS_PER_NODE=2: 8 GPUs per node / 4 ranks per group on a node" in out.stdout
     check_layout(nodes_in(out.stdout), ["n1", "n2"], 2, 0, "n1:29510")
+    spanning = dry_run("n1 n2 n3 n4", CFG, GPUS_PER_NODE="8", RANKS_PER_GROUP="32", GROUP_NODES="4")  # TP 8 x PP 4
+    assert spanning.returncode == 0, spanning.stderr
+    assert "GROUPS_PER_NODE=1: 8 GPUs per node / 8 ranks per group on a node" in spanning.stdout
+    check_layout(nodes_in(spanning.stdout), ["n1", "n2", "n3", "n4"], 1, 0, "n1:29510", span=4)
     uneven = dry_run("n1 n2", CFG, GPUS_PER_NODE="6", RANKS_PER_GROUP="4")
     assert uneven.returncode == 2 and "6 GPUs per node do not hold a whole number of replica groups of 4" in uneven.stderr
 
@@ -220,7 +230,7 @@ def test_ranks_per_group_are_read_from_the_config_and_its_overrides() -> None:
     venv = Path(sys.executable).parent.parent
     out = dry_run("n1 n2", CFG, "--parallelism.tensor_parallel_degree", "2", GPUS_PER_NODE="8", VENV=str(venv))
     assert out.returncode == 0, out.stderr
-    assert "GROUPS_PER_NODE=2: 8 GPUs per node / 4 ranks per group" in out.stdout
+    assert "GROUPS_PER_NODE=2: 8 GPUs per node / 4 ranks per group on a node" in out.stdout
     assert [n.replicas for n in nodes_in(out.stdout)] == [[0, 1], [2, 3]]
 
 
@@ -233,6 +243,9 @@ def test_ranks_per_group_are_read_from_the_config_and_its_overrides() -> None:
     ([CFG], {"TITAN_RECOVER_PORT": "x"}, "COORDINATOR_ADDR='n1:x' is not host:port"),
     ([CFG], {"TITAN_RECOVER_PORT": "70000"}, "is not host:port (port 1..65535)"),
     ([CFG, "--recover.spares", "1"], {}, "--recover.spares is set from the node layout here"),
+    ([CFG, "--recover.group_nodes", "2"], {}, "--recover.group_nodes is set from the node layout here"),
+    ([CFG], {"GROUP_NODES": "3"}, "GROUP_NODES=3 must be >= 1 and divide NUM_NODES=2"),
+    ([CFG], {"GROUP_NODES": "2", "GPUS_PER_NODE": "8", "RANKS_PER_GROUP": "5"}, "GROUP_NODES=2 must be a positive integer that divides the 5 ranks"),
     ([CFG, "--parallelism.data_parallel_replicate_degree=4"], {}, "--parallelism.data_parallel_replicate_degree is set"),
     ([CFG], {"GPUS_PER_NODE": "8", "VENV": "/nonexistent"}, "set GROUPS_PER_NODE (or RANKS_PER_GROUP)"),
 ])

@@ -364,3 +364,12 @@ def test_spares_add_replica_ids_that_faults_may_name() -> None:
 def test_speed_keys_are_fractions(key: str, value: str) -> None:
     with pytest.raises(ConfigError, match=f"recover.{key} must be in \\(0, 1\\], got {value}"):
         load(f"--recover.{key}", value)
+
+
+def test_group_nodes_must_split_a_group_evenly() -> None:
+    # the default config's groups have dp_shard 2 ranks: over 2 nodes one each, over 3 not evenly
+    assert load("--recover.group_nodes", "2").recover.group_nodes == 2
+    with pytest.raises(ConfigError, match=r"recover\.group_nodes \(3\) must divide the ranks of a replica group evenly"):
+        load("--recover.group_nodes", "3")
+    with pytest.raises(ConfigError, match=r"recover\.group_nodes must be >= 1, got 0"):
+        load("--recover.group_nodes", "0")

@@ -94,3 +94,16 @@ def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on() -> None:
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout == "still running\n", r.stderr[-2000:]
     assert "Current thread" in r.stderr and "Thread 0x" in r.stderr, r.stderr[-2000:]  # the main thread and the sleeper
+
+
+def test_a_group_spanning_nodes_meets_at_part_0s_rendezvous_and_needs_a_reachable_coordinator() -> None:
+    meet = launch.Rendezvous("10.0.0.5", 29600, 1, 4, 600.0)
+    cmd = launch.torchrun(2, ["--x.y", "1"], "replica3", meet)
+    assert cmd[cmd.index("--nnodes"):cmd.index("--nproc_per_node=2")] == [
+        "--nnodes", "4", "--node-rank", "1", "--master-addr", "10.0.0.5", "--master-port", "29600", "--rdzv-conf", "timeout=600"]
+    assert "--standalone" not in cmd and "--standalone" in launch.torchrun(2, [], "replica0")
+    assert launch.Span(1, 4).of(3) == "replica group 3 (part 1 of 4)" and launch.Span().of(3) == "replica group 3"
+    with pytest.raises(ConfigError, match="the replica groups span 2 nodes"):  # every group here, but half of each elsewhere
+        launch.coordinator_bind("", [0, 1], 2, parts=2)
+    assert launch.coordinator_bind("127.0.0.1", [0, 1], 2, parts=2) == "127.0.0.1"
+    assert launch.node_address("127.0.0.1:29500") == "127.0.0.1"

@@ -259,3 +259,23 @@ def test_a_node_lost_under_a_spanning_group_is_taken_over_and_the_group_restarts
     assert f"replica group 1 (part 1 of 2): joining incarnation {admitted['attempt']} at 127.0.0.1:" in c2.output()
     assert "joining incarnation 0" not in c2.output()  # the one its dead predecessor was part of
     assert "joining incarnation" not in b.output().split("joining incarnation 0", 1)[1]  # group 0 went on
+
+
+def test_each_part_of_a_group_is_claimed_on_its_own_and_its_rendezvous_is_validated(client: dist.Store) -> None:
+    first, second, lines = claims.Launcher.this(), claims.Launcher.this(), []
+    lifelines = [Lifeline(client, first), Lifeline(client, second)]
+    assert claims.claim(client, first, [0], stale_s=5.0, log=lines.append, part=0) == []
+    assert claims.claim(client, second, [0], stale_s=5.0, log=lines.append, part=1) == []  # another part: no clash
+    assert claims.holds(client, first, 0) and claims.holds(client, second, 0, part=1) and not claims.holds(client, first, 0, part=1)
+    with pytest.raises(claims.ClaimRefused, match=r"replica groups \[0\] \(their part 1\) already run under a live launcher"):
+        claims.claim(client, claims.Launcher.this(), [0], stale_s=5.0, log=lines.append, part=1)
+    for lifeline in lifelines:
+        lifeline.stop()
+    third = claims.Launcher.this()
+    assert claims.claim(client, third, [0], stale_s=0.5, log=lines.append, part=0) == [0]  # taken over: the caller is told
+    assert store.read_rendezvous(client, 0) is None
+    store.put_json(client, store.rendezvous_key(0), {"attempt": 2, "host": "10.0.0.5", "port": 29600})
+    assert store.read_rendezvous(client, 0) == {"attempt": 2, "host": "10.0.0.5", "port": 29600}
+    store.put_json(client, store.rendezvous_key(0), {"attempt": 2, "host": "10.0.0.5", "port": 0})
+    with pytest.raises(store.MessageError, match="store key 'rendezvous/0'"):
+        store.read_rendezvous(client, 0)

@@ -10,7 +10,7 @@ import pytest
 from titan_recover import store
 from titan_recover.config import ConfigError
 from titan_recover.dataloader import check_tokenizer_folder
-from titan_recover.launch import REPLICAS_ENV, check_coordinator, parse_replicas
+from titan_recover.launch import REPLICAS_ENV, check_coordinator, parse_group_node, parse_replicas
 from titan_recover.synthetic import TOKENIZER_DIR
 from titan_recover.tokens import DataError
 
@@ -71,6 +71,17 @@ def test_bad_coordinator_env_names_the_variable_and_value(address: str, problem:
     assert str(info.value).startswith(f"{store.COORDINATOR_ENV}={address!r}{'' if problem[0] == ':' else ' '}{problem}")
 
 
+@pytest.mark.parametrize("value, parts, part", [(None, 1, 0), (None, 4, 0), ("0", 2, 0), ("3", 4, 3), (" 1", 2, 1)])
+def test_group_node_env_says_which_part_of_its_groups_a_node_runs(value: str | None, parts: int, part: int) -> None:
+    assert parse_group_node(value, parts) == part
+
+
+@pytest.mark.parametrize("value", ["2", "-1", "x", ""])
+def test_bad_group_node_env_names_the_variable_and_the_range(value: str) -> None:
+    with pytest.raises(ConfigError, match=rf"{store.GROUP_NODE_ENV}={value!r} is not a part of a replica group; set it to 0\.\.1"):
+        parse_group_node(value, 2)
+
+
 def test_tokenizer_folder_needs_tokenizer_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     check_tokenizer_folder(TOKENIZER_DIR)
     with pytest.raises(DataError, match=rf"^model.hf_assets_path: no tokenizer at {tmp_path} \(the folder has no tokenizer.json\)"):
@@ -93,6 +104,7 @@ def launch(*overrides: str, env: dict[str, str] | None = None) -> subprocess.Com
     [
         ({REPLICAS_ENV: "1,x"}, f"error: {REPLICAS_ENV}='1,x': 'x' is not a replica id"),
         ({store.COORDINATOR_ENV: "10.0.0.5:0"}, f"error: {store.COORDINATOR_ENV}='10.0.0.5:0': port 0 is out of range"),
+        ({store.GROUP_NODE_ENV: "1"}, f"error: {store.GROUP_NODE_ENV}='1' is not a part of a replica group; set it to 0..0"),
     ],
 )
 def test_launcher_refuses_a_bad_environment_before_starting(env: dict[str, str], message: str) -> None:
