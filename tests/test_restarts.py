@@ -156,3 +156,51 @@ def test_a_group_taken_over_by_another_launcher_is_left_to_it(
     assert groups.given_up == {1} and groups.attempts == {1: 0} and client.causes() == []
     assert "replica group 1 exited with code -9; another launcher took it over" in capsys.readouterr().out
     assert groups.done()
+
+
+def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Part 1 of group 0 (group_nodes = 2): it starts only an incarnation part 0 published and nobody
+    fenced, reports its own exit but restarts nothing itself (part 0's budget decides), and waits
+    for the next incarnation; a launcher that took part 1 over skips the one its predecessor joined."""
+    started: list[tuple[int, int, int]] = []  # (replica, attempt, port)
+
+    def start(self: launch.ReplicaGroups, replica: int) -> FakeProc:
+        started.append((replica, self.attempts[replica], self.meetings[replica].port))
+        return FakeProc()
+
+    monkeypatch.setattr(launch.ReplicaGroups, "_start", start)
+    me, client = claims.Launcher.this(), FakeStore()
+    client.set(store.EPOCH, "0")
+    groups = launch.ReplicaGroups([], {0: {}}, 1, max_restarts=0, restart_window_s=HOUR, launcher=me,
+                                  agent=NodeAgent("127.0.0.1:1", "secret", 1), span=launch.Span(1, 2))
+    claims.claim(client, me, [0], stale_s=1.0, log=print, part=1)  # type: ignore[arg-type]
+    groups.follow(client, 0, taken_over=False)
+    assert groups.watch(client) and started == [] and not groups.done()  # nothing published yet
+    publish = lambda attempt, port: store.put_json(client, store.rendezvous_key(0),  # noqa: E731  # type: ignore[arg-type]
+                                                   {"attempt": attempt, "host": "10.0.0.5", "port": port})
+    publish(0, 29600)
+    assert groups.watch(client) and started == [(0, 0, 29600)]
+    assert groups.meetings[0] == launch.Rendezvous("10.0.0.5", 29600, 1, 2, 600.0)
+    assert client.get(store.joined_key(0, 1)) == b"0"
+    groups.procs[0].code = 1  # its part fails: reported, not restarted here (no budget of its own: max_restarts 0)
+    assert groups.watch(client) and started == [(0, 0, 29600)] and client.causes() == [
+        "torchrun of replica 0 (part 1 of 2) exited with code 1"]
+    assert groups.watch(client) and len(started) == 1  # the failed incarnation is not joined again
+    store.put_json(client, store.fenced_key(0), {"attempt": 1, "epoch": 2})
+    publish(1, 29601)
+    assert groups.watch(client) and len(started) == 1  # published but fenced already: part 0 publishes another
+    publish(2, 29602)
+    assert groups.watch(client) and started[-1] == (0, 2, 29602)
+    out = capsys.readouterr().out
+    assert "replica group 0 (part 1 of 2) exited with code 1; waiting for part 0 to start its next incarnation" in out
+    assert "replica group 0 (part 1 of 2): joining incarnation 2 at 10.0.0.5:29602" in out
+
+    replacement = launch.ReplicaGroups([], {0: {}}, 1, max_restarts=0, restart_window_s=HOUR, launcher=me,
+                                       agent=NodeAgent("127.0.0.1:1", "secret", 1), span=launch.Span(1, 2))
+    replacement.follow(client, 0, taken_over=True)  # its predecessor joined incarnation 2
+    assert replacement.watch(client) and started[-1] == (0, 2, 29602)  # not joined
+    assert client.causes()[-1] == "replica group 0 (part 1 of 2) lost with its launcher (attempt 2)"
+    publish(3, 29603)
+    assert replacement.watch(client) and started[-1] == (0, 3, 29603)

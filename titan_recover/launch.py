@@ -249,8 +249,12 @@ class Span(NamedTuple):
     host: str = store.LOOPBACK  # this node's address, where part 0 has the others meet
     timeout_s: float = 600.0  # how long a group's torchrun waits for all its parts to meet
 
+    @property
+    def suffix(self) -> str:
+        return f" (part {self.part} of {self.parts})" if self.parts > 1 else ""
+
     def of(self, replica: int) -> str:
-        return f"replica group {replica}" + (f" (part {self.part} of {self.parts})" if self.parts > 1 else "")
+        return f"replica group {replica}{self.suffix}"
 
 
 class ReplicaGroups:
@@ -294,12 +298,14 @@ class ReplicaGroups:
             self.meetings[replica] = Rendezvous(host, port, span.part, span.parts, span.timeout_s)
         self.attempts[replica] = attempt
         self.waiting.pop(replica, None)
+        self.procs[replica] = self._start(replica)
+
+    def _start(self, replica: int) -> subprocess.Popen:
+        attempt = self.attempts[replica]
         env = {**self.envs[replica], store.REPLICA_ENV: str(replica), store.ATTEMPT_ENV: str(attempt),
                node_channel.CHANNEL_ENV: self.agent.open(replica, attempt)}
-        self.procs[replica] = subprocess.Popen(
-            torchrun(self.shards, self.argv, f"replica{replica}", self.meetings.get(replica)),
-            env=env, preexec_fn=die_with_parent,
-        )
+        return subprocess.Popen(torchrun(self.shards, self.argv, f"replica{replica}", self.meetings.get(replica)),
+                                env=env, preexec_fn=die_with_parent)
 
     def publish(self, client: object, replica: int) -> None:
         """Part 0 says where the current incarnation of a group that spans nodes meets."""
@@ -362,7 +368,7 @@ class ReplicaGroups:
             now = self.clock()
             restart = self.span.part > 0 or self.budgets[r].take(now)  # part 0 restarts a group that spans nodes
             epoch = max(self.agent.epoch, 0)
-            cause = f"torchrun of {self.span.of(r)} exited with code {code}" + ("" if restart else " (no restarts left in the window)")
+            cause = f"torchrun of replica {r}{self.span.suffix} exited with code {code}" + ("" if restart else " (no restarts left in the window)")
             store.report(client, {"replica": r, "epoch": epoch, "suspect": r, "cause": cause})  # type: ignore[arg-type]
             if self.span.part > 0:
                 log(f"{self.span.of(r)} exited with code {code}; waiting for part 0 to start its next incarnation")
