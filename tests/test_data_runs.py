@@ -16,7 +16,7 @@ from titan_recover.tokens import TokenDataset
 
 M = 4
 QWEN3 = ROOT / "train_configs" / "qwen3_debug_cpu.toml"
-SLEEP = "sleep replica=0 step=3 phase=optimizer seconds=30"  # the survivor waits for the restart
+SLEEP = "sleep replica=0 step=3 phase=optimizer seconds=30 until=epoch"  # the survivor waits for the admission
 
 
 @pytest.fixture(scope="module")

@@ -336,6 +336,9 @@ def test_explicit_attempt() -> None:
         ("sleep replica=1 step=2 seconds=", ["expected key=value", "'seconds='"]),
         ("kill replica=1 step=2 seconds=1", ["seconds= only goes with sleep", "'kill replica=1 step=2 seconds=1'"]),
         ("stop replica=1 step=2 seconds=0.5", ["seconds= only goes with sleep", "'stop replica=1 step=2 seconds=0.5'"]),
+        ("sleep replica=1 step=2 seconds=1 until=step", ["until= takes only 'epoch'", "'step'"]),
+        ("kill replica=1 step=2 until=epoch", ["until= only goes with sleep", "'kill replica=1 step=2 until=epoch'"]),
+        ("sleep replica=1 step=2 until=epoch", ["seconds= is required"]),
         ("kill replica=1 step=2 attempt=-1", ["attempt out of range", "-1"]),
         ("kill replica=1 step=2 attempt=x", ["attempt must be an integer", "'x'"]),
         ("kill replica=1 phase=donate step=0", ["step out of range", "0"]),
@@ -418,6 +421,24 @@ def test_sleep_sleeps_calls_on_fire_and_carries_on() -> None:
     inj.at(2, "optimizer")  # once only: no second sleep
     assert time.perf_counter() - t0 < 0.05
     assert len(fired) == 1
+
+
+def test_sleep_until_epoch_wakes_when_the_epoch_moves_and_is_bounded_by_seconds() -> None:
+    (f,) = parse_fault_plan("sleep replica=1 step=2 phase=optimizer seconds=30 until=epoch")
+    assert f.until == "epoch" and f.seconds == 30.0
+    t0 = time.perf_counter()
+    epochs = iter([4] * 10 + [5] * 10)  # the epoch moves after ten looks (~0.2 s)
+    FaultInjector("sleep replica=1 step=2 phase=optimizer seconds=30 until=epoch", 1, 0, on_fire=lambda f: None,
+                  epoch=lambda: next(epochs)).at(2, "optimizer")
+    assert time.perf_counter() - t0 < 5.0  # woke at the new epoch, not after 30 s
+    t0 = time.perf_counter()
+    FaultInjector("sleep replica=1 step=2 phase=optimizer seconds=0.1 until=epoch", 1, 0, on_fire=lambda f: None,
+                  epoch=lambda: 4).at(2, "optimizer")
+    assert 0.1 <= time.perf_counter() - t0 < 5.0  # no new epoch: seconds bounds it
+    t0 = time.perf_counter()
+    FaultInjector("sleep replica=1 step=2 phase=optimizer seconds=0.1 until=epoch", 1, 0,
+                  on_fire=lambda f: None).at(2, "optimizer")
+    assert time.perf_counter() - t0 >= 0.1  # stock mode has no epochs: the whole sleep
 
 
 def test_sleep_in_forward_slows_the_microbatch_but_it_completes(model: Tiny) -> None:

@@ -129,6 +129,23 @@ def test_the_node_message_passes_the_coordinators_check_and_new_incarnations_get
     assert not os.path.exists(second)
 
 
+def test_only_a_restart_none_of_whose_ranks_was_admitted_counts_as_never_admitted() -> None:
+    """What the launcher stops at once when the run ends, instead of waiting for it to finish."""
+    agent = NodeAgent("127.0.0.1:1", "secret", slots=2)
+    try:
+        agent.open(0, 0)
+        assert not agent.never_admitted(0)  # a first incarnation stays STARTING while it trains
+        assert not agent.never_admitted(1)  # not a group of this node
+        restart = Channel.open(agent.open(0, 1))
+        assert agent.never_admitted(0)  # starting
+        restart.set_state(0, node_channel.READY)
+        assert agent.never_admitted(0)  # waiting for its admission
+        restart.set_state(1, node_channel.RUNNING)
+        assert not agent.never_admitted(0)  # admitted: it holds the state and finishes like any member
+    finally:
+        agent.close()
+
+
 @pytest.mark.parametrize("groups", [
     {"0": {"attempt": -1, "ranks": 1, "ready": 0, "finished": 0, "silent_s": 0}},
     {"x": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0, "silent_s": 0}},

@@ -2,8 +2,8 @@
 and failures in the middle of a state transfer.
 
 A restarted group needs several seconds to start (imports, model build), longer
-than the tiny model's remaining steps, so the survivors are made slow (a ``sleep``
-fault, which must not get them evicted) while it comes back.
+than the tiny model's remaining steps, so the survivors are held back (a ``sleep ... until=epoch``
+fault, which must not get them evicted) until it is admitted.
 """
 
 from pathlib import Path
@@ -11,7 +11,7 @@ from pathlib import Path
 from conftest import THREE, Run, assert_all_rejoined, assert_same_trajectory, run_job
 
 M = 4
-WAIT = "sleep replica={r} step={s} phase=optimizer seconds=30"  # survivors wait for the restart (6-12 s here)
+WAIT = "sleep replica={r} step={s} phase=optimizer seconds=30 until=epoch"  # survivors wait for the admission (6-12 s here)
 
 
 def rejoined(run: Run, replica: int) -> dict:
@@ -25,7 +25,7 @@ def test_kill_restart_rejoin_keeps_trajectory(tmp_path: Path, failure_free: Run)
     run = run_job(tmp_path, "--recover.fault_plan", plan)
     assert run.returncode == 0, run.output[-3000:]
     assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=M)
-    assert [f["replica"] for f in run.of("failure")] == [1]  # the 30 s sleeper was not evicted
+    assert [f["replica"] for f in run.of("failure")] == [1]  # the sleeper was not evicted
     (admitted,) = run.of("admitted")
     assert (admitted["replica"], admitted["attempt"]) == (1, 1)
     assert rejoined(run, 1)["step"] <= 6

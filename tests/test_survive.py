@@ -197,10 +197,9 @@ def test_a_stuck_main_loop_is_fenced_although_its_heartbeat_thread_runs(tmp_path
 
 
 def test_a_diverged_replica_leaves_and_rejoins_with_a_live_peers_state(tmp_path: Path) -> None:
-    # replica 0 sleeps at step 3 while replica 1 restarts (as in test_rejoin): the tiny model's
-    # steps are faster than a restart
-    # (30 s was not enough on a fresh clone with both xdist workers running multi-group tests)
-    plan = "corrupt replica=1 rank=1 step=2 phase=optimizer; sleep replica=0 rank=0 step=3 phase=optimizer seconds=60"
+    # replica 0 sleeps at step 3 until replica 1's restart is admitted (as in test_rejoin): the tiny
+    # model's steps are faster than a restart (60 s at most: 30 was not always enough on a busy 2-core machine)
+    plan = "corrupt replica=1 rank=1 step=2 phase=optimizer; sleep replica=0 rank=0 step=3 phase=optimizer seconds=60 until=epoch"
     run = run_job(tmp_path, "--recover.fault_plan", plan, "--recover.digest_interval", "2", "--training.steps", "10")
     assert run.returncode == 0, run.output[-3000:]
     (mismatch,) = run.of("param_digest_mismatch")

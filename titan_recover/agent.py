@@ -96,6 +96,15 @@ class NodeAgent:
             slots = self.channels[replica].read_slots()
         return {k: int(p) for k, p in enumerate(slots[:, node_channel.PID]) if p > 0}
 
+    def never_admitted(self, replica: int) -> bool:
+        """The current incarnation of ``replica`` is a restart none of whose ranks was ever admitted:
+        it holds nothing the run needs (a first incarnation's ranks stay STARTING until they finish)."""
+        with self._lock:
+            if self.attempts.get(replica, 0) == 0 or replica not in self.channels:
+                return False
+            states = self.channels[replica].read_slots()[:, node_channel.STATE]
+        return not np.isin(states, (node_channel.RUNNING, node_channel.STUCK, node_channel.FINISHED)).any()
+
     def message(self) -> str:
         """The node message: one JSON object for every local group, written by the lifeline thread."""
         now = time.monotonic()

@@ -17,11 +17,15 @@ Grammar (whitespace-separated ``key=value`` after an action, entries joined by `
                             launcher restarted it): default 0, the first; 1 for phase=join
                             (0 there only for a hot spare, whose first incarnation joins)
               seconds=FLOAT how long to sleep (sleep only, required)
+              until=epoch   sleep only: wake early, as soon as the coordinator publishes
+                            a new epoch (a failure or an admission); ``seconds`` bounds it
               factor=FLOAT  how many times as long each microbatch takes (slow only,
                             required, > 1)
 
 Actions: ``kill`` sends SIGKILL to the rank itself, ``stop`` sends SIGSTOP (a hang:
-the process and its heartbeat freeze), ``sleep`` makes it slow but alive, ``corrupt``
+the process and its heartbeat freeze), ``sleep`` makes it slow but alive (with
+``until=epoch`` only until membership changes: a survivor held back while a group
+restarts resumes the moment that group is admitted, instead of a fixed time), ``corrupt``
 flips the sign of the rank's first parameter shard (a silent data corruption: the
 replica trains on with parameters that differ from the others'), ``raise`` raises an
 exception in the training code (a bug of the job: the same entry on several replicas
@@ -69,6 +73,7 @@ class Fault:
     attempt: int = 0
     seconds: float = 0.0
     factor: float = 1.0
+    until: str = ""  # "epoch": a sleep ends at the next epoch
 
 
 def _positive(key: str, value: str, above: float) -> float:
@@ -104,6 +109,10 @@ def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
                 fields[key] = value
             elif key == "seconds":
                 fields[key] = _positive(key, value, 0)
+            elif key == "until":
+                if value != "epoch":
+                    raise FaultPlanError(f"until= takes only 'epoch', got {value!r} in {entry.strip()!r}")
+                fields[key] = value
             elif key == "factor":
                 fields[key] = _positive(key, value, 1)
             elif key in ("replica", "rank", "step", "microbatch", "attempt"):
@@ -121,11 +130,10 @@ def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
                                  f"group, in every incarnation), not {', '.join(extra)}, in {entry.strip()!r}")
         phase = fields.setdefault("phase", "backward")
         required = ["replica"] if phase in TRANSFER_PHASES or action == "slow" else ["replica", "step"]
-        for key, owner in (("seconds", "sleep"), ("factor", "slow")):
-            if action == owner:
-                required.append(key)
-            elif key in fields:
+        for key, owner in (("seconds", "sleep"), ("until", "sleep"), ("factor", "slow")):
+            if action != owner and key in fields:
                 raise FaultPlanError(f"{key}= only goes with {owner}, in {entry.strip()!r}")
+        required += {"sleep": ["seconds"], "slow": ["factor"]}.get(action, [])
         for key in required:
             if key not in fields:
                 raise FaultPlanError(f"{key}= is required in {entry.strip()!r}")
@@ -146,6 +154,7 @@ class FaultInjector:
         rank: int,
         on_fire: Callable[[Fault], None],
         attempt: int = 0,
+        epoch: Callable[[], int] | None = None,
     ) -> None:
         plan_faults = parse_fault_plan(plan)
         self.faults = [
@@ -154,6 +163,7 @@ class FaultInjector:
         self.slow = [f for f in plan_faults if f.action == "slow" and f.replica == replica]
         self._slowing: set[Fault] = set()
         self.on_fire = on_fire
+        self.epoch = epoch  # the rank's view of the epoch (None in stock mode: until=epoch sleeps it all)
 
     def slow_factor(self, step: int) -> float:
         """How many times as long this rank's microbatches take at ``step`` (1.0: not slowed);
@@ -181,7 +191,7 @@ class FaultInjector:
         self.faults.remove(fault)
         self.on_fire(fault)
         if fault.action == "sleep":
-            time.sleep(fault.seconds)  # slow, not dead: the heartbeat thread keeps beating
+            self._sleep(fault)
             return
         if fault.action == "raise":
             raise InjectedError(f"injected error at step {fault.step} ({fault.phase})")
@@ -194,6 +204,15 @@ class FaultInjector:
             return
         os.kill(os.getpid(), signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
         time.sleep(60)  # signals are asynchronous; never run on past a kill
+
+    def _sleep(self, fault: Fault) -> None:
+        """Slow, not dead: the heartbeat thread keeps beating."""
+        if fault.until != "epoch" or self.epoch is None:
+            time.sleep(fault.seconds)
+            return
+        deadline, start = time.monotonic() + fault.seconds, self.epoch()
+        while self.epoch() == start and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def at(self, step: int, phase: str, model: torch.nn.Module | None = None) -> None:
         """Call at the allreduce, optimizer, join and donate points (``model``: what corrupt alters)."""

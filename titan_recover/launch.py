@@ -526,6 +526,9 @@ def run_recover(
         procs = list(groups.procs.values())
         deadline = time.monotonic() + 30
         for r, proc in groups.procs.items():
+            if proc.poll() is None and agent.never_admitted(r):
+                log(f"replica group {r} was still starting or waiting to rejoin when the run ended: stopped")
+                proc.kill()
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -8,7 +8,7 @@ event. ``group_rank`` is a rank's index inside its replica group, ``replica`` th
 
 import resource
 import time
-from typing import Any
+from typing import Any, Callable
 
 from titan_recover import cpu_shim
 
@@ -33,8 +33,12 @@ class LoggedTrainer(Trainer):
         self.ft_buffer_bytes = 0  # the replicate all-reduce's one extra gradient copy (none in stock mode)
         super().__init__(job_config)
         self.num_microbatches = num_microbatches(job_config)
-        self.injector = FaultInjector(rc.fault_plan, replica, group_rank, self._on_fault, self.attempt)
+        self.injector = FaultInjector(rc.fault_plan, replica, group_rank, self._on_fault, self.attempt, self._epoch_view())
         self.global_tokens = float(self.dataloader.valid_tokens_per_step())
+
+    def _epoch_view(self) -> Callable[[], int] | None:
+        """What a ``sleep ... until=epoch`` fault watches (stock mode has no epochs)."""
+        return None
 
     def _fault_record(self, fault: Fault) -> dict[str, Any]:
         return {"replica": self.replica, "rank": self.group_rank, "attempt": self.attempt, "step": self.step,

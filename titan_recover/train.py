@@ -20,7 +20,7 @@ modes log the same per-step events so their trajectories can be compared.
 import hashlib
 import os
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from titan_recover import cpu_shim
 
@@ -105,6 +105,9 @@ class RecoverTrainer(LoggedTrainer):
         self.checkpointer.save = save_if_leader  # type: ignore[method-assign]
         if self.manager.rejoining:
             self.checkpointer.load = lambda step=-1: False  # type: ignore[method-assign]
+
+    def _epoch_view(self) -> Callable[[], int]:
+        return self.manager.channel.epoch
 
     def _on_fault(self, fault: Fault) -> None:
         self.manager.report_fault(self._fault_record(fault))
