@@ -6,10 +6,11 @@ import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from titan_recover import store
 from titan_recover.compare import compare_runs
@@ -87,20 +88,35 @@ THREE = ["--parallelism.data_parallel_replicate_degree", "3", "--parallelism.dat
          "--training.global_batch_size", "12"]  # M = 12 / 2 = 6, two each
 
 
+def shared_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str, name: str, *overrides: str) -> Run:
+    """A failure-free reference run made once per test session, not once per xdist worker:
+    the first worker to ask runs it, the others wait on a file lock and read its result
+    (pytest-xdist's documented pattern for session fixtures). Both CI cores train the tests'
+    own runs instead of the same reference twice."""
+    if worker_id == "master":  # no xdist: nothing to share (the base temp folder's parent outlives the session)
+        return _passed(run_job(tmp_path_factory.mktemp(name), *overrides))
+    cache = tmp_path_factory.getbasetemp().parent / f"{name}.json"  # one folder per session, seen by every worker
+    with FileLock(f"{cache}.lock"):
+        if not cache.exists():
+            cache.write_text(json.dumps(asdict(run_job(tmp_path_factory.mktemp(name), *overrides))))
+        return _passed(Run(**json.loads(cache.read_text())))
+
+
+def _passed(run: Run) -> Run:
+    assert run.returncode == 0, run.output[-3000:]
+    return run
+
+
 @pytest.fixture(scope="session")
-def three_replicas(tmp_path_factory: pytest.TempPathFactory) -> Run:
+def three_replicas(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Run:
     """3 single-rank replica groups, no failure: the reference for the R=3 scenarios."""
-    run = run_job(tmp_path_factory.mktemp("three_replicas"), *THREE, "--recover.fault_plan", "none")
-    assert run.returncode == 0, run.output[-3000:]
-    return run
+    return shared_run(tmp_path_factory, worker_id, "three_replicas", *THREE, "--recover.fault_plan", "none")
 
 
 @pytest.fixture(scope="session")
-def failure_free(tmp_path_factory: pytest.TempPathFactory) -> Run:
+def failure_free(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Run:
     """titan_recover, 2 replica groups x 2 shards, no failure: the reference trajectory."""
-    run = run_job(tmp_path_factory.mktemp("failure_free"), "--recover.fault_plan", "none")
-    assert run.returncode == 0, run.output[-3000:]
-    return run
+    return shared_run(tmp_path_factory, worker_id, "failure_free", "--recover.fault_plan", "none")
 
 
 def write_standin_tokenizer(folder: Path, vocab_size: int = 70_000) -> Path:

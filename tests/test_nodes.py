@@ -174,8 +174,9 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(tmp_path: Pat
     [admitted] = run.of("admitted")
     assert admitted["replica"] == 1 and admitted["attempt"] == 1  # the store's incarnation count, not 0 again
     [rejoined] = run.of("rejoined")
-    assert rejoined["replica"] == 1 and rejoined["step"] > HOLD and rejoined["bytes"] > 0
-    for s, e in run.steps().items():  # both, replica 0 alone (at least through the hold), both again
+    # before or after the hold: B2 can even be admitted before replica 0 commits the failure's step (seen once)
+    assert rejoined["replica"] == 1 and rejoined["step"] >= failure["step"] and rejoined["bytes"] > 0
+    for s, e in run.steps().items():  # both, replica 0 alone, both again
         assert e["members"] == ([0] if failure["step"] <= s < rejoined["step"] else [0, 1]), (s, e)
     assert_all_rejoined(run, 2, STEPS)
     assert "took over replica groups [1] from the launcher on host" in b2.output()
