@@ -18,7 +18,7 @@ replica group per node); today's design and the one it replaced, side by side.
   many the protocol asked for.
 
 Measured per design and size: a process death (its agent reports the exit) and a hung rank
-(from its last beat) to the new epoch, the slowest rank to see that epoch, the coordinator
+(from its last beat; after: its agent reports it at the timeout) to the new epoch, the slowest rank to see that epoch, the coordinator
 process's CPU (it also runs the store server) and store requests per second (the
 generator's and the coordinator's own, counted). A whole node's death (agent and ranks
 silent) is measured too: only the heartbeat bound can find it, in both designs.
@@ -41,6 +41,7 @@ from bench.common import CONFIG, ROOT, write_result
 
 RANKS_PER_NODE = 8
 WAIT_S = 120.0  # bound on any one measured event
+HEARTBEAT_TIMEOUT_S = 5.0  # the run's default recover.heartbeat_timeout_s
 
 COORDINATOR_MAIN = """
 import json, sys, threading, time
@@ -137,7 +138,7 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
         from titan_recover import node_channel
         from titan_recover.agent import NodeAgent
 
-        agents = {n: NodeAgent(address, secret, RANKS_PER_NODE) for n in nodes}
+        agents = {n: NodeAgent(address, secret, RANKS_PER_NODE, hang_timeout_s=HEARTBEAT_TIMEOUT_S) for n in nodes}
         channels = {}
         for n, agent in agents.items():
             path = agent.open(n, 0)
@@ -188,6 +189,8 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
                 for n in nodes:
                     if n not in down:
                         client.set(store.launcher_key(f"sim{n}"), agents[n].message())
+                        for rec in agents[n].take_hangs():  # the launcher's watch loop reports them
+                            store.report(client, rec)
                 if now >= next_probe:
                     for n in nodes:
                         if n not in down:
@@ -351,7 +354,7 @@ def main(argv: list[str]) -> int:
     if bad:
         ap.error(f"--ranks {bad}: each must be a multiple of {RANKS_PER_NODE} with at least 3 nodes per worker")
     result: dict = {"ranks": args.ranks, "ranks_per_node": RANKS_PER_NODE, "workers": args.workers,
-                    "before_rev": args.before_rev, "cpus": os.cpu_count(), "heartbeat_timeout_s": 5.0}
+                    "before_rev": args.before_rev, "cpus": os.cpu_count(), "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S}
     with tempfile.TemporaryDirectory() as scratch:
         trees = {"after": str(ROOT), "before": extract(args.before_rev, tempfile.mkdtemp(dir=scratch))}
         for design in args.designs:

@@ -129,6 +129,43 @@ def test_the_node_message_passes_the_coordinators_check_and_new_incarnations_get
     assert not os.path.exists(second)
 
 
+def test_a_rank_silent_past_the_timeout_is_reported_by_its_agent_once_per_incarnation() -> None:
+    """A hang is found on its node, at the timeout, not at the coordinator's next pass over all nodes."""
+    agent = NodeAgent("127.0.0.1:1", "secret", slots=2, hang_timeout_s=0.2)
+    agent.epoch = 3
+
+    def beat_rank_0_for(seconds: float, channel: Channel) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            channel.beat(0)
+            agent.message()  # what the lifeline does every heartbeat interval
+            time.sleep(0.02)
+
+    try:
+        first = Channel.open(agent.open(0, 0))
+        first.beat(1)
+        beat_rank_0_for(0.1, first)
+        assert agent.take_hangs() == []  # silent 0.1 s: not yet
+        beat_rank_0_for(0.3, first)
+        [report] = agent.take_hangs()
+        assert (report["replica"], report["suspect"], report["epoch"]) == (0, 0, 3)
+        assert report["cause"].startswith("heartbeat silent for 0.2") and "local rank 1 of attempt 0" in report["cause"]
+        beat_rank_0_for(0.1, first)
+        assert agent.take_hangs() == []  # once per incarnation
+        restart = Channel.open(agent.open(0, 1))
+        restart.beat(1)
+        beat_rank_0_for(0.3, restart)
+        assert "of attempt 1" in agent.take_hangs()[0]["cause"]
+        quiet = NodeAgent("127.0.0.1:1", "secret", slots=1)  # no timeout: left to the coordinator
+        Channel.open(quiet.open(0, 0)).beat(0)
+        time.sleep(0.05)
+        quiet.message()
+        assert quiet.take_hangs() == []
+        quiet.close()
+    finally:
+        agent.close()
+
+
 def test_only_a_restart_none_of_whose_ranks_was_admitted_counts_as_never_admitted() -> None:
     """What the launcher stops at once when the run ends, instead of waiting for it to finish."""
     agent = NodeAgent("127.0.0.1:1", "secret", slots=2)

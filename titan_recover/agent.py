@@ -6,6 +6,11 @@
   incarnation, how many local ranks have beaten, are ready to join or have finished, how
   long the most silent one has been silent, and a rank whose main loop is stuck. The
   coordinator reads every node's message in one ``multi_get``: its work grows with nodes.
+- **Hangs found on the node.** A rank silent for ``hang_timeout_s`` (the run's
+  ``heartbeat_timeout_s``) is reported by its agent at once, like a process exit: its
+  detection costs the timeout plus one lifeline interval whatever the number of nodes,
+  instead of waiting for the coordinator's pass over every node message (the silence in
+  the message stays the backstop, and what finds a whole node gone).
 - **Epochs pushed.** One thread per node blocks on the store until the next epoch's
   members are published (``TCPStore.wait``: the server answers when the key is set) and
   writes the epoch into every local channel, where ranks read it from memory.
@@ -32,6 +37,7 @@ class SlotWatch:
 
     beats: np.ndarray
     changed: np.ndarray
+    most_silent: int = 0  # the live local rank that beat longest ago, at the last entry
 
     @staticmethod
     def new(slots: int, now: float) -> "SlotWatch":
@@ -45,6 +51,8 @@ class SlotWatch:
         self.beats = beat.copy()
         finished = state == node_channel.FINISHED
         live = (beat > 0) & ~finished
+        if live.any():
+            self.most_silent = int(np.flatnonzero(live)[np.argmin(self.changed[live])])
         entry: dict[str, Any] = {
             "attempt": attempt,
             "ranks": int(((beat > 0) | finished).sum()),
@@ -68,11 +76,14 @@ class NodeAgent:
     channels: dict[int, Channel] = field(default_factory=dict)  # replica -> its current incarnation's channel
     attempts: dict[int, int] = field(default_factory=dict)
     watches: dict[int, SlotWatch] = field(default_factory=dict)
+    hang_timeout_s: float = 0.0  # > 0: report a rank silent this long (0: leave it to the coordinator)
     epoch: int = -1
     flags: int = 0
     seq: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _waiter: threading.Thread | None = None
+    _hangs: list[dict[str, Any]] = field(default_factory=list)  # reports for the launcher to send
+    _hung: set[tuple[int, int]] = field(default_factory=set)  # (replica, attempt) already reported
 
     def open(self, replica: int, attempt: int) -> str:
         """A fresh channel for this incarnation of ``replica``; its path, for the ranks' environment.
@@ -116,7 +127,26 @@ class NodeAgent:
                 str(r): self.watches[r].entry(self.attempts[r], channel.read_slots(), now)
                 for r, channel in self.channels.items()
             }
+            for r, entry in groups.items():
+                self._check_hang(int(r), entry["silent_s"])
         return json.dumps({"seq": self.seq, "groups": groups})
+
+    def _check_hang(self, replica: int, silent_s: float) -> None:
+        """Queues one report per incarnation whose most silent live rank passed ``hang_timeout_s``."""
+        incarnation = (replica, self.attempts[replica])
+        if self.hang_timeout_s <= 0 or silent_s <= self.hang_timeout_s or incarnation in self._hung:
+            return
+        self._hung.add(incarnation)
+        rank = self.watches[replica].most_silent
+        self._hangs.append({"replica": replica, "epoch": max(self.epoch, 0), "suspect": replica,
+                            "cause": f"heartbeat silent for {silent_s:.2f}s (local rank {rank} of attempt "
+                                     f"{incarnation[1]}, seen by its node agent)"})
+
+    def take_hangs(self) -> list[dict[str, Any]]:
+        """The hang reports queued since the last call (the launcher writes them to the store)."""
+        with self._lock:
+            hangs, self._hangs = self._hangs, []
+        return hangs
 
     def _publish(self, epoch: int, flags: int) -> None:
         with self._lock:

@@ -352,6 +352,8 @@ class ReplicaGroups:
             self.outcome = 1 if flags & node_channel.FATAL else 0
             return False  # restart nothing
         now = self.clock()
+        for rec in self.agent.take_hangs():  # a rank of a local group stopped beating: fenced now
+            store.report(client, rec)  # type: ignore[arg-type]
         look = (self.agent.epoch, now) if self.agent.epoch != self.fences_read[0] or now - self.fences_read[1] >= store.PROBE_S else None
         for r, proc in list(self.procs.items()):
             if look:  # a fence comes with a new epoch (a waiting spare's, within PROBE_S)
@@ -452,7 +454,7 @@ def run_recover(
     log(f"replicate dimension on {plan.backend} ({plan.reason}){gpus}")
     envs = {r: with_gpus(env, visible) for r, visible in zip(local, plan.visible)}
     me = claims.Launcher.this()
-    agent = NodeAgent(address, env[store.SECRET_ENV], ranks)
+    agent = NodeAgent(address, env[store.SECRET_ENV], ranks, hang_timeout_s=rc.heartbeat_timeout_s)
     groups = ReplicaGroups(argv, envs, ranks, rc.max_restarts, rc.restart_window_s, me, agent, span)
     if coordinator is not None and part == 0:
         # started at once, as their first incarnation (the store is new): their ranks import and build
