@@ -123,6 +123,7 @@ def test_malformed_reports_and_joins_are_ignored_not_fatal(make, capsys: pytest.
     store.report(client, {"replica": 0, "epoch": "0", "suspect": 1, "cause": "x"})  # epoch as a string
     store.report(client, {"replica": 0, "epoch": 0, "suspect": "1", "cause": "x"})
     store.report(client, {"replica": 0, "epoch": 0, "suspect": 1, "cause": ["x"]})
+    store.report(client, {"replica": 1, "epoch": 0, "suspect": 1, "attempt": -1, "cause": "x"})
     fake = node(client)
     fake.groups[1] = {"attempt": "one", "ranks": 1, "ready": 1, "finished": 0, "silent_s": 0.0}
     fake.write()
@@ -132,7 +133,7 @@ def test_malformed_reports_and_joins_are_ignored_not_fatal(make, capsys: pytest.
     assert joins(c, now)
     assert c.detector.decide(now) == ({}, False)  # nothing was taken from them
     out = capsys.readouterr().out
-    assert out.count("ignoring malformed report") == 3 and "ignoring malformed node message" in out
+    assert out.count("ignoring malformed report") == 4 and "ignoring malformed node message" in out
     assert "group 1 needs non-negative integers" in out
     store.report(client, {"replica": 0, "epoch": 0, "suspect": 1, "cause": "real"})
     c._poll_reports(now)
@@ -330,6 +331,21 @@ def test_a_spare_whose_launcher_reports_it_dead_is_dropped_at_once(make, tmp_pat
     assert c.spares == {} and c.detector.decide(now) == ({}, False)  # no member failed
     (lost,) = events(tmp_path, "spare_lost")
     assert lost["cause"] == "torchrun of replica 2 exited with code 1"
+
+
+def test_a_launchers_report_about_another_incarnation_is_ignored(make, tmp_path: Path) -> None:
+    """A report crossed the group's restart: it names the incarnation it saw, not the one the run holds."""
+    c, client = make(spares=1)
+    ask_to_join(client, 2, 1)  # the spare's second incarnation
+    now = time.monotonic()
+    joins(c, now)
+    store.report(client, {"replica": 2, "epoch": 0, "suspect": 2, "attempt": 0, "cause": "heartbeat silent for 5.10s"})
+    store.report(client, {"replica": 1, "epoch": 0, "suspect": 1, "attempt": 1, "cause": "torchrun exited"})
+    c._poll_reports(now)
+    assert c.spares == {2: 1} and c.detector.decide(now) == ({}, False)
+    store.report(client, {"replica": 1, "epoch": 0, "suspect": 1, "attempt": 0, "cause": "torchrun exited"})
+    c._poll_reports(now)
+    assert c.detector.decide(now)[0] == {1: "torchrun exited"}  # the incarnation the run holds
 
 
 def test_a_restarted_group_with_room_is_admitted_without_waiting_as_a_spare(make, tmp_path: Path) -> None:

@@ -139,7 +139,7 @@ class NodeAgent:
         self._hung.add(incarnation)
         rank = self.watches[replica].most_silent
         self._hangs.append({"replica": replica, "epoch": max(self.epoch, 0), "suspect": replica,
-                            "cause": f"heartbeat silent for {silent_s:.2f}s (local rank {rank} of attempt "
+                            "attempt": incarnation[1], "cause": f"heartbeat silent for {silent_s:.2f}s (local rank {rank} of attempt "
                                      f"{incarnation[1]}, seen by its node agent)"})
 
     def take_hangs(self) -> list[dict[str, Any]]:

@@ -187,6 +187,8 @@ class Coordinator:
             return  # about an epoch already replaced
         if suspect is not None and rec["epoch"] < self.admitted_epoch.get(suspect, 0):
             return  # about an incarnation already replaced
+        if rec.get("attempt") is not None and rec["attempt"] != self._incarnation(suspect):
+            return  # a launcher's report about another incarnation (it crossed that group's restart)
         if suspect is None and rec.get("replica") is not None:
             self.reporters.add(rec["replica"])
         if suspect is not None and rec.get("error") and rec.get("step") is not None:
@@ -194,6 +196,10 @@ class Coordinator:
         if suspect in self.spares:  # e.g. its launcher saw it exit while it waited
             self._drop_spare(suspect, rec["cause"])
         self.detector.report(suspect, rec["cause"], now)
+
+    def _incarnation(self, replica: int | None) -> int | None:
+        """The incarnation of ``replica`` the run holds now: as a member or as a waiting spare."""
+        return self.spares[replica] if replica in self.spares else self.attempts.get(replica)  # type: ignore[arg-type]
 
     def _failure_time(self, replica: int, detected: float, now: float) -> tuple[float, str]:
         """When this incarnation failed, and by which clock: an injected fault's own time

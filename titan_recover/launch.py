@@ -324,7 +324,8 @@ class ReplicaGroups:
             floor = store.get_int(client, key) + 1  # type: ignore[arg-type]
             epoch = store.get_int(client, store.EPOCH)  # type: ignore[arg-type]
             cause = f"{self.span.of(replica)} lost with its launcher (attempt {floor - 1})"
-            store.report(client, {"replica": replica, "epoch": epoch, "suspect": replica, "cause": cause})  # type: ignore[arg-type]
+            store.report(client, {"replica": replica, "epoch": epoch, "suspect": replica, "attempt": floor - 1,  # type: ignore[arg-type]
+                                  "cause": cause})
         self.waiting[replica] = floor
 
     def _join(self, client: object, replica: int) -> None:
@@ -371,7 +372,7 @@ class ReplicaGroups:
             restart = self.span.part > 0 or self.budgets[r].take(now)  # part 0 restarts a group that spans nodes
             epoch = max(self.agent.epoch, 0)
             cause = f"torchrun of replica {r}{self.span.suffix} exited with code {code}" + ("" if restart else " (no restarts left in the window)")
-            store.report(client, {"replica": r, "epoch": epoch, "suspect": r, "cause": cause})  # type: ignore[arg-type]
+            store.report(client, {"replica": r, "epoch": epoch, "suspect": r, "attempt": self.attempts[r], "cause": cause})  # type: ignore[arg-type]
             if self.span.part > 0:
                 log(f"{self.span.of(r)} exited with code {code}; waiting for part 0 to start its next incarnation")
                 self.waiting[r] = self.attempts[r] + 1

@@ -362,7 +362,7 @@ def read_report(store: dist.TCPStore, key: str) -> dict[str, Any]:
     rec = get_json(store, key, ("epoch", "cause"))
     if not _is_int(rec["epoch"]) or rec["epoch"] < 0:
         raise MessageError(f"store key {key!r}: epoch must be a non-negative integer, got {rec['epoch']!r}")
-    for field in ("suspect", "replica", "step"):
+    for field in ("suspect", "replica", "step", "attempt"):
         value = rec.get(field)
         if value is not None and (not _is_int(value) or value < 0):
             raise MessageError(f"store key {key!r}: {field} must be a non-negative integer, got {value!r}")
