@@ -155,7 +155,11 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
             cmd, node = inbox.get()
             if cmd == "stop":
                 outbox.put(("requests", client.n))
-                return
+                outbox.close()
+                outbox.join_thread()  # the answer is out before the process ends
+                # not a return: the agents' epoch threads sit in a C++ store wait, which aborts
+                # the process at interpreter shutdown ("terminate called without an active exception")
+                os._exit(0)
             if cmd == "requests":
                 outbox.put(("requests", client.n))
             elif cmd == "kill":  # its torchrun exited: the agent (launcher) reports it, as launch.py does
