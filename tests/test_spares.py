@@ -115,7 +115,10 @@ def test_a_spare_killed_while_receiving_its_state_leaves_the_failure_open_for_th
     run = run_job(tmp_path / "run", *ONE_SHARD, *SPARE, "--recover.fault_plan", plan, timeout=400)
     assert run.returncode == 0, run.output[-3000:]
     first = _one(run, "failure", replica=1)
-    assert _one(run, "failure", replica=2)["step"] == 4  # died mid-transfer: failed like a joiner
+    # died mid-transfer: failed like a joiner, in no committed step. Admitted at step 4 when it was ready
+    # in time; on a loaded machine later (seen: at step 6, failed at 7 after the donor's pause)
+    assert _one(run, "admitted", replica=2)["step"] <= _one(run, "failure", replica=2)["step"]
+    assert all(2 not in e["members"] for e in run.of("step")), run.of("step")
     (rejoined,) = run.of("rejoined")  # one of the two restarted groups, the other waits as the spare
     assert rejoined["replica"] in (1, 2)
     # timed from replica 1's failure, which the dead spare never repaired
