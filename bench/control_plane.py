@@ -18,8 +18,8 @@ replica group per node); today's design and the one it replaced, side by side.
   many the protocol asked for.
 
 Measured per design and size: a process death (its agent reports the exit) and a hung rank
-(from its last beat; after: its agent reports it at the timeout) to the new epoch, the slowest rank to see that epoch, the coordinator
-process's CPU (it also runs the store server) and store requests per second (the
+(from its last beat; after: its agent reports it at the timeout) to the new epoch, the
+slowest rank to see that epoch, the coordinator process's CPU (it also runs the store server) and store requests per second (the
 generator's and the coordinator's own, counted). A whole node's death (agent and ranks
 silent) is measured too: only the heartbeat bound can find it, in both designs.
 """

@@ -137,10 +137,10 @@ class NodeAgent:
         if self.hang_timeout_s <= 0 or silent_s <= self.hang_timeout_s or incarnation in self._hung:
             return
         self._hung.add(incarnation)
-        rank = self.watches[replica].most_silent
-        self._hangs.append({"replica": replica, "epoch": max(self.epoch, 0), "suspect": replica,
-                            "attempt": incarnation[1], "cause": f"heartbeat silent for {silent_s:.2f}s (local rank {rank} of attempt "
-                                     f"{incarnation[1]}, seen by its node agent)"})
+        rank, attempt = self.watches[replica].most_silent, incarnation[1]
+        cause = f"heartbeat silent for {silent_s:.2f}s (local rank {rank} of attempt {attempt}, seen by its node agent)"
+        self._hangs.append({"replica": replica, "epoch": max(self.epoch, 0), "suspect": replica, "attempt": attempt,
+                            "cause": cause})
 
     def take_hangs(self) -> list[dict[str, Any]]:
         """The hang reports queued since the last call (the launcher writes them to the store)."""
