@@ -1,0 +1,264 @@
+"""The etcd backend of the control store: the run's state on a Raft-replicated store.
+
+``[recover] control_store = "etcd://h1:2379,h2:2379,h3:2379"``. ``EtcdStore`` is a
+``torch.distributed.Store`` written in Python over etcd's JSON gateway (etcd3gw: base64
+JSON, never pickle), so every caller of the TCPStore API (the coordinator, node agents,
+ranks, ``PrefixStore``, and the replicate groups' gloo rendezvous) uses it unchanged:
+
+- **Member loss is invisible.** A request that finds its member gone, or without a
+  leader, is sent to the next endpoint until the store's timeout runs out.
+- **Counters are exact.** ``add`` is a compare-and-swap on the key's revision that also
+  records its sequence number under a marker key of this client; a request whose answer
+  was lost (its member died mid-request) is looked up there, never applied twice.
+- **Writes can be fenced.** A store made with ``guard=(key, value)`` does every write in
+  a transaction conditional on ``key`` still holding ``value`` (the coordinator's leader
+  lease, see ``leader``); when it does not, the write is not made and ``LeadershipLost``
+  is raised: a stale leader can never publish.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+import torch.distributed as dist
+from etcd3gw.client import Etcd3Client
+from etcd3gw.exceptions import Etcd3Exception, InternalServerError, PreconditionFailedError
+from etcd3gw.utils import _decode, _encode
+
+SCHEME = "etcd://"
+REQUEST_S = 2.0  # one HTTP request; a member cut off from the quorum is left after this
+POLL_S = (0.002, 0.05)  # first and longest pause of a blocking get/wait
+MIN_MEMBERS = 3  # fewer cannot lose one member and keep a majority
+
+
+class LeadershipLost(RuntimeError):
+    """A guarded write found the lease key no longer holding this leader's value."""
+
+
+class EtcdUnavailable(RuntimeError):
+    """No endpoint of the etcd cluster answered within the store's timeout."""
+
+
+def is_etcd(address: str) -> bool:
+    return address.startswith(SCHEME)
+
+
+def parse_url(url: str) -> list[tuple[str, int]]:
+    """``etcd://host:port,host:port,...`` -> endpoints; ValueError naming what is wrong."""
+    if not is_etcd(url):
+        raise ValueError(f"{url!r} does not start with {SCHEME}")
+    endpoints = []
+    for item in url[len(SCHEME):].split(","):
+        m = re.fullmatch(r"([A-Za-z0-9.\-]+|\[[0-9a-fA-F:]+\]):(\d{1,5})", item.strip(), re.ASCII)
+        if m is None or not 0 < int(m.group(2)) < 65536:
+            raise ValueError(f"{url!r}: {item.strip()!r} is not host:port (port 1..65535)")
+        endpoints.append((m.group(1).strip("[]"), int(m.group(2))))
+    if len(set(endpoints)) != len(endpoints):
+        raise ValueError(f"{url!r} lists an endpoint twice")
+    return endpoints
+
+
+def _b(data: str | bytes) -> bytes:
+    return data if isinstance(data, bytes) else data.encode()
+
+
+class EtcdStore(dist.Store):
+    """The TCPStore API on etcd, with fail-over across ``endpoints`` (see the module doc)."""
+
+    def __init__(self, endpoints: list[tuple[str, int]], timeout_s: float, guard: tuple[str, str] | None = None) -> None:
+        super().__init__()
+        self.endpoints = endpoints
+        self._clients = [Etcd3Client(host, port, timeout=REQUEST_S, api_path="/v3/") for host, port in endpoints]
+        self._current = 0
+        self._guard = guard
+        self._marker = f"_adds/{uuid.uuid4().hex}"
+        self._seq = 0
+        self._clones: list[EtcdStore] = []  # the C++ side holds no reference to a clone's Python object
+        self._lock = threading.Lock()  # one store object is shared by threads (gloo's rendezvous, a lifeline)
+        self.set_timeout(timedelta(seconds=timeout_s))
+        self.requests = 0  # answered requests, for the benches
+
+    # ---- transport ------------------------------------------------------------------
+
+    def post(self, path: str, body: dict) -> dict:
+        """One request, to the member that last answered, then to the others in turn, until the
+        store's timeout; ``EtcdUnavailable`` naming every member's last error after that."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        errors: dict[str, str] = {}
+        pause = POLL_S[0]
+        while True:
+            for i in range(len(self._clients)):
+                index = (self._current + i) % len(self._clients)
+                client = self._clients[index]
+                try:
+                    with self._lock:
+                        answer = client.post(client.get_url(path), json=body)
+                    self._current = index
+                    self.requests += 1
+                    return answer
+                except PreconditionFailedError:
+                    raise  # the request itself is wrong: no other member would take it
+                except Etcd3Exception as e:  # gone, no leader, timed out: try the next member
+                    errors[f"{client.host}:{client.port}"] = f"{type(e).__name__}: {str(e.detail_text or e)[:120]}"
+            if time.monotonic() > deadline:
+                raise EtcdUnavailable(
+                    f"no etcd member answered within {self.timeout.total_seconds():g}s: "
+                    + "; ".join(f"{k}: {v}" for k, v in errors.items())
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.25)
+
+    def txn(self, compare: list[dict], success: list[dict], failure: list[dict] | None = None) -> dict:
+        return self.post("kv/txn", {"compare": compare, "success": success, "failure": failure or []})
+
+    def _guarded(self, compare: list[dict], success: list[dict], failure: list[dict] | None = None) -> dict:
+        """A write transaction, conditional on the guard too; LeadershipLost when the guard failed."""
+        if self._guard is None:
+            return self.txn(compare, success, failure)
+        key, value = self._guard
+        lease = {"key": _encode(key), "target": "VALUE", "result": "EQUAL", "value": _encode(value)}
+        if not compare:
+            answer = self.txn([lease], success)
+            if not answer.get("succeeded"):
+                raise LeadershipLost(f"the leader key {key!r} no longer holds this leader's lease")
+            return answer
+        # the guard first: an inner txn runs the caller's own compare only while we lead
+        answer = self.txn([lease], [{"request_txn": {"compare": compare, "success": success, "failure": failure or []}}])
+        if not answer.get("succeeded"):
+            raise LeadershipLost(f"the leader key {key!r} no longer holds this leader's lease")
+        return answer["responses"][0]["response_txn"]
+
+    def range(self, key: str, revision: int = 0) -> dict | None:
+        """The key's record (``value`` decoded, ``mod_revision``), or None when it does not exist."""
+        body = {"key": _encode(key), **({"revision": revision} if revision else {})}
+        kvs = self.post("kv/range", body).get("kvs", [])
+        if not kvs:
+            return None
+        return {"value": _decode(kvs[0].get("value", "")), "mod_revision": int(kvs[0]["mod_revision"])}
+
+    def delete_prefix(self, prefix: str) -> None:
+        end = _b(prefix)[:-1] + bytes([_b(prefix)[-1] + 1])
+        self._guarded([], [{"request_delete_range": {"key": _encode(prefix), "range_end": _encode(end)}}])
+
+    def members(self) -> list[dict]:
+        return self.post("cluster/member/list", {}).get("members", [])
+
+    # ---- the torch.distributed.Store API --------------------------------------------
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._guarded([], [_put(key, _b(value))])
+
+    def get(self, key: str) -> bytes:
+        """Blocks until ``key`` exists, like TCPStore (gloo's rendezvous relies on it)."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        pause = POLL_S[0]
+        while (rec := self.range(key)) is None:
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"etcd store: key {key!r} did not appear within {self.timeout.total_seconds():g}s")
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S[1])
+        return rec["value"]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self.range(k) is not None for k in keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        if not keys:
+            return []
+        answer = self.txn([], [{"request_range": {"key": _encode(k)}} for k in keys])
+        values = [r["response_range"].get("kvs", []) for r in answer.get("responses", [])]
+        if all(values):
+            return [_decode(kvs[0].get("value", "")) for kvs in values]
+        return [self.get(k) for k in keys]  # blocks for the missing ones
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self._guarded([], [_put(k, _b(v)) for k, v in zip(keys, values)])
+
+    def add(self, key: str, amount: int) -> int:
+        """Adds ``amount`` to the integer under ``key`` (missing: 0) exactly once."""
+        rec = self.range(key)
+        if amount == 0:
+            return int(rec["value"]) if rec is not None else 0
+        self._seq += 1
+        seq = str(self._seq).encode()
+        while True:
+            old = int(rec["value"]) if rec is not None else 0
+            same = ({"key": _encode(key), "target": "MOD", "result": "EQUAL", "mod_revision": rec["mod_revision"]}
+                    if rec is not None else {"key": _encode(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0})
+            try:
+                answer = self._guarded([same], [_put(key, str(old + amount).encode()), _put(self._marker, seq)])
+            except EtcdUnavailable:
+                raise
+            except Etcd3Exception:
+                answer = {"succeeded": False}
+            if answer.get("succeeded"):
+                return old + amount
+            marker = self.range(self._marker)
+            if marker is not None and marker["value"] == seq:  # applied, its answer lost: read what it wrote
+                written = self.range(key, marker["mod_revision"])
+                assert written is not None
+                return int(written["value"])
+            rec = self.range(key)
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """TCPStore's semantics: ``desired`` is set if the key holds ``expected`` (or is missing and
+        ``expected`` is empty); returns the value after the call (``expected`` if missing otherwise)."""
+        expected, desired = _b(expected), _b(desired)
+        if expected:
+            compare = {"key": _encode(key), "target": "VALUE", "result": "EQUAL", "value": _encode(expected)}
+        else:
+            compare = {"key": _encode(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
+        answer = self._guarded([compare], [_put(key, desired)], [{"request_range": {"key": _encode(key)}}])
+        if answer.get("succeeded"):
+            return desired
+        kvs = answer["responses"][0]["response_range"].get("kvs", [])
+        return _decode(kvs[0].get("value", "")) if kvs else expected
+
+    def delete_key(self, key: str) -> bool:
+        answer = self._guarded([], [{"request_delete_range": {"key": _encode(key)}}])
+        return int(answer["responses"][0]["response_delete_range"].get("deleted", 0)) > 0
+
+    deleteKey = delete_key  # the name torch's C++ side calls
+
+    def num_keys(self) -> int:
+        return int(self.post("kv/range", {"key": _encode("\0"), "range_end": _encode("\0"), "count_only": True}).get("count", 0))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        limit = (timeout or self.timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        pause = POLL_S[0]
+        while not self.check(keys):
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"etcd store: keys {keys} did not all appear within {limit:g}s")
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S[1])
+
+    def clone(self) -> EtcdStore:
+        twin = EtcdStore(self.endpoints, self.timeout.total_seconds(), self._guard)
+        self._clones.append(twin)
+        return twin
+
+
+def _put(key: str, value: bytes, lease: int = 0) -> dict:
+    return {"request_put": {"key": _encode(key), "value": _encode(value), **({"lease": lease} if lease else {})}}
+
+
+def check_cluster(url: str, timeout_s: float) -> str:
+    """The cluster behind ``url`` checked before anything starts: reachable, and with at least
+    ``MIN_MEMBERS`` members; a line describing it. ``ValueError`` naming the problem otherwise."""
+    endpoints = parse_url(url)
+    probe = EtcdStore(endpoints, timeout_s)
+    try:
+        members = probe.members()
+        probe.range("titan_recover/probe")  # a linearizable read: the cluster has a leader and a quorum
+    except (EtcdUnavailable, InternalServerError) as e:
+        raise ValueError(f"cannot reach the etcd cluster at {url}: {e}; is etcd running, and are those its client "
+                         "addresses?") from None
+    if len(members) < MIN_MEMBERS:
+        raise ValueError(f"the etcd cluster at {url} has {len(members)} member(s); coordinator fail-over needs at "
+                         f"least {MIN_MEMBERS} (a majority must survive the loss of one): add members")
+    return f"etcd cluster at {url}: {len(members)} members"
