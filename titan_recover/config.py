@@ -107,6 +107,17 @@ class Recover:
     """Seed of the sample order: each data epoch visits every window of the corpus once, in an
     order drawn from this seed and the epoch (see titan_recover.order)."""
 
+    control_store: str = ""
+    """Where the coordinator's state lives. "" = its own TCPStore (one coordinator; if its node
+    dies the run stops with a resume hint). "etcd://host:port,host:port,host:port" = an etcd
+    cluster of at least 3 members: a coordinator candidate runs beside every launcher, one leads
+    on an etcd lease, and when it dies another takes over within seconds, restoring the state from
+    etcd; ranks and launchers carry on. Needs the etcd3gw client (pip extra "etcd")."""
+
+    leader_lease_s: float = 3.0
+    """TTL of the coordinator leader's etcd lease: a dead leader is replaced this long after its
+    last refresh. Must stay below coordinator_timeout_s (every process waits that long for a leader)."""
+
     replicate_backend: str = "auto"
     """Backend of the replicate-dimension groups: "nccl", "gloo", or "auto" (NCCL where every
     rank has a GPU of its own, else gloo); the launcher resolves "auto" (see titan_recover.devices)."""
@@ -132,7 +143,7 @@ def _check_types(section: Any, name: str) -> None:
 
 def validate(job_config: Any) -> Recover:
     """Checks ``[recover]`` and the parallelism it relies on; returns the section."""
-    from titan_recover import devices, faults, workload
+    from titan_recover import devices, faults, store, workload
 
     rc: Recover = job_config.recover
     _check_types(rc, "recover")
@@ -157,6 +168,7 @@ def validate(job_config: Any) -> Recover:
         "coordinator_timeout_s",
         "progress_timeout_s",
         "restart_window_s",
+        "leader_lease_s",
     ):
         if not math.isfinite(getattr(rc, key)) or getattr(rc, key) <= 0:
             raise ConfigError(f"recover.{key} must be a finite number > 0, got {getattr(rc, key)}")
@@ -179,6 +191,15 @@ def validate(job_config: Any) -> Recover:
         raise ConfigError(f"recover.data_seed must be >= 0, got {rc.data_seed}")
     if not 0 <= rc.coordinator_port < 65536:
         raise ConfigError(f"recover.coordinator_port out of range: {rc.coordinator_port}")
+    if rc.control_store:
+        try:
+            store.parse_etcd_url(rc.control_store)
+        except ValueError as e:
+            raise ConfigError(f"recover.control_store: {e}; use \"\" (the coordinator's own TCPStore) or "
+                              "\"etcd://host:port,host:port,host:port\"") from None
+    if not 2 <= rc.leader_lease_s < rc.coordinator_timeout_s:
+        raise ConfigError(f"recover.leader_lease_s must be >= 2 (etcd's shortest lease) and below "
+                          f"recover.coordinator_timeout_s, got {rc.leader_lease_s} and {rc.coordinator_timeout_s}")
     if rc.replicate_backend not in devices.BACKENDS:
         raise ConfigError(
             f"recover.replicate_backend must be one of {', '.join(devices.BACKENDS)}, got {rc.replicate_backend!r}"

@@ -1,21 +1,30 @@
 """The coordinator process: owns membership (live replica groups, epoch) and detection.
 
-Started by the launcher, never a trainer. Its state lives in its own TCPStore;
-the decisions come from ``membership`` (pure logic); this module only moves data
-between the store, the detector and the event log. It fences failed groups,
+Started by the launcher, never a trainer. Its state lives in the control store: its
+own TCPStore, or etcd (``[recover] control_store``), where a candidate runs beside every
+node's launcher, one leads (``leader``), and a new leader restores the state its
+predecessor saved there (``COORDINATOR_STATE``, written with every epoch and every
+logged step). The decisions come from ``membership`` (pure logic); this module only
+moves data between the store, the detector and the event log. It fences failed groups,
 admits restarted ones (or hot spares, which wait ready outside the membership) in a
 new epoch while fewer than R groups are members, and logs when an admitted group's
 first step commits.
 
     python -m titan_recover.coordinator --job.config_file X.toml [--section.key value ...]
-    (serves on the port in $TITAN_RECOVER_COORDINATOR, the run whose secret is $TITAN_RECOVER_SECRET)
+    (serves on the port in $TITAN_RECOVER_COORDINATOR, the run whose secret is $TITAN_RECOVER_SECRET;
+    with an etcd:// address there, campaigns to lead and leads until the run ends)
 """
 
+import os
+import socket
 import sys
 import time
+from typing import Any, Callable
+
+import torch.distributed as dist
 
 from titan_recover import config, resources, store
-from titan_recover.events import EventLog
+from titan_recover.events import EventLog, logged_steps
 from titan_recover.membership import (
     FailureDetector,
     GroupView,
@@ -31,6 +40,7 @@ from titan_recover.membership import (
 )
 
 POLL_S = 0.02  # detection is bounded by report_confirm_s / heartbeats, not by this
+ALIVE_S = 0.1  # how often the alive counter moves (watchers allow coordinator_timeout_s)
 REPORT_GRACE_S = 5.0  # a reserved report slot still empty after this: its reporter died in between
 STEP_FIELDS = ("step", "epoch", "members", "microbatches", "data_digest", "loss", "time")
 
@@ -39,8 +49,57 @@ def log(msg: str) -> None:
     print(f"[titan_recover coordinator] {msg}", flush=True)
 
 
+class LeaderEvents(EventLog):
+    """The event log of a leader on etcd: each event is written only after the lease was
+    confirmed, so a stale leader resuming from a freeze logs nothing (``LeadershipLost``)."""
+
+    def __init__(self, dump_folder: str, confirm: Callable[[], None]) -> None:
+        super().__init__(dump_folder)
+        self._confirm = confirm
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        self._confirm()
+        return super().emit(event, **fields)
+
+
+def _ids(obj: Any, what: str, value: Callable[[Any], bool]) -> dict[int, Any]:
+    """A saved ``{"<replica>": value}`` object with int keys, checked."""
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and k.isdigit() and value(v) for k, v in obj.items()):
+        raise store.MessageError(f"store key {store.COORDINATOR_STATE!r}: {what} is not a map of replica ids: {obj!r:.200}")
+    return {int(k): v for k, v in obj.items()}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_time(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def read_state(raw: dict[str, Any]) -> dict[str, Any]:
+    """The state a leader saved, checked field by field (a new leader acts on it)."""
+    progress = raw["progress"]
+    if progress is not None and not (isinstance(progress, dict) and _is_int(progress.get("step"))
+                                     and _is_int(progress.get("epoch")) and _is_time(progress.get("time"))):
+        raise store.MessageError(f"store key {store.COORDINATOR_STATE!r}: progress needs step, epoch, time: {progress!r:.200}")
+    if not (_is_int(raw["next_report"]) and raw["next_report"] >= 1 and _is_int(raw["retries"])):
+        raise store.MessageError(f"store key {store.COORDINATOR_STATE!r}: next_report and retries must be integers")
+    pair = lambda v: isinstance(v, list) and len(v) == 2 and _is_int(v[0]) and _is_time(v[1])  # noqa: E731
+    return {
+        "progress": progress, "next_report": raw["next_report"], "retries": raw["retries"],
+        **{k: _ids(raw[k], k, _is_int) for k in ("attempts", "admitted_epoch", "joining", "spares", "dropped")},
+        "down_since": _ids(raw["down_since"], "down_since", _is_time),
+        "repairs": {r: tuple(v) for r, v in _ids(raw["repairs"], "repairs", pair).items()},
+    }
+
+
+STATE_FIELDS = ("progress", "next_report", "retries", "attempts", "admitted_epoch", "joining", "spares", "dropped",
+                "down_since", "repairs")
+
+
 class Coordinator:
-    def __init__(self, job_config: object, port: int) -> None:
+    def __init__(self, job_config: object, client: dist.Store, events: EventLog) -> None:
         rc = job_config.recover  # type: ignore[attr-defined]
         par = job_config.parallelism  # type: ignore[attr-defined]
         self.rc = rc
@@ -48,8 +107,8 @@ class Coordinator:
         self.shards = config.group_ranks(par)  # ranks per replica group, each with a heartbeat
         self.replicas = par.data_parallel_replicate_degree  # members wanted; the rest of the ids are spares
         self.replica_ids = config.replica_ids(job_config)
-        self.store = store.serve(port, rc.collective_timeout_s, rc.coordinator_bind or store.LOOPBACK)
-        self.events = EventLog(job_config.job.dump_folder)  # type: ignore[attr-defined]
+        self.store = client
+        self.events = events
         self.membership = Membership(0, tuple(range(par.data_parallel_replicate_degree)))
         self.detector = FailureDetector(
             members=self.membership.members,
@@ -80,7 +139,43 @@ class Coordinator:
         self.views: dict[tuple[int, int], GroupView] = {}  # (replica, attempt) -> folded over its nodes
         self.asking: dict[int, int] = {}  # replica -> its latest incarnation whose ranks wait to join
         self.next_node_read = 0.0
-        self._publish(self.membership)
+        self.next_alive = 0.0
+        if self.store.check([store.COORDINATOR_STATE]):
+            self._take_over()
+        else:
+            self._publish(self.membership)
+
+    def _save(self) -> None:
+        """Everything a new leader needs that the store does not hold otherwise."""
+        state = {f: getattr(self, f) for f in STATE_FIELDS}
+        state["repairs"] = {r: list(v) for r, v in self.repairs.items()}
+        store.put_json(self.store, store.COORDINATOR_STATE, state)
+
+    def _take_over(self) -> None:
+        """Continues a run from the state its previous leader saved: the epochs from the store,
+        the rest from the saved state; steps it saved but did not log yet are logged now.
+        Every member gets one heartbeat timeout to show it is alive (its beats are read anew)."""
+        state = read_state(store.get_json(self.store, store.COORDINATOR_STATE, STATE_FIELDS))
+        for field, value in state.items():
+            setattr(self, field, value)
+        epoch = store.get_int(self.store, store.EPOCH)
+        keys = [store.members_key(e) for e in range(epoch + 1)]
+        for key, raw in zip(keys, self.store.multi_get(keys)):
+            try:
+                m = Membership.from_json(store.decode_json(key, raw, ("epoch", "members")))
+            except ValueError as e:
+                raise store.MessageError(f"store key {key!r}: {e}") from e
+            self.history[m.epoch] = m
+        self.membership = self.history[epoch]
+        now = time.monotonic()
+        self.detector.set_members(self.membership.members)
+        if self.progress is not None:  # past startup: every member beat before; the dead ones stop now
+            for replica in (*self.membership.members, *self.spares):
+                self.detector.expect(replica, now)
+        if self.progress is not None and self.progress["step"] not in logged_steps(self.events.path):
+            # saved, then its leader died before the event was written (saves precede events one step at a time)
+            self.events.step(store.get_json(self.store, store.step_key(self.progress["step"]), STEP_FIELDS))
+        log(f"took over at step {self._step()}: epoch {epoch}, members {list(self.membership.members)}")
 
     def _publish(self, membership: Membership) -> None:
         # members/<e> is written before the epoch, so whoever sees an epoch can read its members
@@ -88,6 +183,7 @@ class Coordinator:
         self.store.set(store.EPOCH, str(membership.epoch))
         self.history[membership.epoch] = membership
         self.membership = membership
+        self._save()
 
     def _step(self) -> int:
         """The step in progress: one past the last committed step (or the checkpoint resumed from)."""
@@ -111,12 +207,13 @@ class Coordinator:
                 log(f"ignoring malformed step record: {e}")
                 self.store.delete_key(key)  # a member rewrites it when it commits the step
                 return
+            self.progress = {k: rec[k] for k in ("step", "epoch", "time")}
+            self.retries, self.reporters = 0, set()
+            self._save()  # before the event: a leader that dies in between has its successor log it
             self.events.step(rec)
             for epoch in rec.get("data_epochs", []):
                 log(f"data epoch {epoch} begins at step {rec['step']}: every sample of the corpus was read "
                     "once; they are read again in a new order")
-            self.progress = {k: rec[k] for k in ("step", "epoch", "time")}
-            self.retries, self.reporters = 0, set()
 
     def _poll_nodes(self, now: float) -> None:
         """Reads every node's message in one request, once per heartbeat interval, and folds
@@ -332,6 +429,7 @@ class Coordinator:
     def _drop_spare(self, replica: int, cause: str) -> None:
         attempt = self.spares.pop(replica)
         self.dropped[replica] = attempt
+        self._save()
         store.put_json(self.store, store.fenced_key(replica), {"attempt": attempt, "epoch": self.membership.epoch})
         self.events.emit("spare_lost", replica=replica, attempt=attempt, step=self._step(), cause=cause)
         log(f"spare replica {replica} (attempt {attempt}) fenced: {cause}")
@@ -396,10 +494,14 @@ class Coordinator:
         """Wakes every node agent, blocked until the next epoch, to read the run's end (done or fatal)."""
         self._publish(Membership(self.membership.epoch + 1, self.membership.members))
 
-    def run(self) -> int:
+    def run(self, confirm: Callable[[], None] = lambda: None) -> int:
+        """Coordinates until the run ends; ``confirm`` raises once this leader lost its lease."""
         log(f"serving; members {list(self.membership.members)} x {self.shards} shards")
         while True:
-            self.store.add(store.ALIVE, 1)  # every process watches this move
+            confirm()
+            if time.monotonic() >= self.next_alive:
+                self.store.add(store.ALIVE, 1)  # every process watches this move
+                self.next_alive = time.monotonic() + ALIVE_S
             if self.store.check([store.FATAL]):  # a rank stopped the run (e.g. a DataError)
                 self._poll_steps()  # steps committed before it belong before it
                 try:
@@ -428,11 +530,50 @@ class Coordinator:
             time.sleep(POLL_S)
 
 
+def lead(job_config: object, address: str) -> int:
+    """A candidate on etcd: campaigns, and once it leads, coordinates until the run ends; a
+    leadership lost meanwhile (it froze past its lease) sends it back to campaigning."""
+    from titan_recover.etcd_store import LeadershipLost
+    from titan_recover.leader import Lease
+
+    rc = job_config.recover  # type: ignore[attr-defined]
+    secret = store.run_secret()
+    raw = store.etcd(address, rc.coordinator_timeout_s)
+    lease = Lease(raw, store.leader_key(secret), rc.leader_lease_s)
+    view = store.in_run(raw, secret)
+
+    def ended() -> bool:
+        return view.check([store.STATUS]) or view.check([store.FATAL])
+
+    while True:
+        guarded = lease.campaign(ended)
+        if guarded is None:  # another candidate led the run to its end
+            return 1 if view.check([store.FATAL]) else 0
+        log(f"leading (lease {rc.leader_lease_s:g}s)")
+        client = store.in_run(guarded, secret)
+        try:
+            events = LeaderEvents(job_config.job.dump_folder, guarded.confirm_guard)  # type: ignore[attr-defined]
+            coordinator = Coordinator(job_config, client, events)
+            events.emit("leader", pid=os.getpid(), host=socket.gethostname(), step=coordinator._step(),
+                        epoch=coordinator.membership.epoch)
+            code = coordinator.run(lease.check)
+            coordinator.end()
+            return code  # the state stays in etcd: no store to keep up for the others to read
+        except LeadershipLost as e:
+            log(f"no longer the leader ({e}); campaigning again")
+        finally:
+            lease.resign()
+
+
 def main(argv: list[str]) -> int:
     address = store.coordinator_address()
     job_config = config.load(argv)
+    if store.is_etcd(address):
+        return lead(job_config, address)
+    rc = job_config.recover  # type: ignore[attr-defined]
     port = int(address.rpartition(":")[2])
-    coordinator = Coordinator(job_config, port)
+    client = store.serve(port, rc.collective_timeout_s, rc.coordinator_bind or store.LOOPBACK)
+    coordinator = Coordinator(job_config, client, EventLog(job_config.job.dump_folder))  # type: ignore[attr-defined]
     try:
         code = coordinator.run()
         coordinator.end()

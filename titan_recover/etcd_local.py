@@ -16,8 +16,8 @@ import sys
 import tempfile
 import time
 
-from titan_recover.etcd_store import SCHEME, EtcdStore, EtcdUnavailable
-from titan_recover.store import LOOPBACK, free_port
+from titan_recover.etcd_store import EtcdStore, EtcdUnavailable
+from titan_recover.store import ETCD_SCHEME, LOOPBACK, free_port
 
 
 def etcd_binary() -> str:
@@ -38,7 +38,7 @@ class LocalEtcd:
         self.client_ports = {n: free_port() for n in self.names}
         self.peer_ports = {n: free_port() for n in self.names}
         self.procs: dict[str, subprocess.Popen] = {}
-        self.url = SCHEME + ",".join(f"{LOOPBACK}:{self.client_ports[n]}" for n in self.names)
+        self.url = ETCD_SCHEME + ",".join(f"{LOOPBACK}:{self.client_ports[n]}" for n in self.names)
 
     def _command(self, name: str) -> list[str]:
         cluster = ",".join(f"{n}=http://{LOOPBACK}:{self.peer_ports[n]}" for n in self.names)

@@ -29,7 +29,8 @@ from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import Etcd3Exception, InternalServerError, PreconditionFailedError
 from etcd3gw.utils import _decode, _encode
 
-SCHEME = "etcd://"
+from titan_recover.store import parse_etcd_url
+
 REQUEST_S = 2.0  # one HTTP request; a member cut off from the quorum is left after this
 POLL_S = (0.002, 0.05)  # first and longest pause of a blocking get/wait
 MIN_MEMBERS = 3  # fewer cannot lose one member and keep a majority
@@ -41,25 +42,6 @@ class LeadershipLost(RuntimeError):
 
 class EtcdUnavailable(RuntimeError):
     """No endpoint of the etcd cluster answered within the store's timeout."""
-
-
-def is_etcd(address: str) -> bool:
-    return address.startswith(SCHEME)
-
-
-def parse_url(url: str) -> list[tuple[str, int]]:
-    """``etcd://host:port,host:port,...`` -> endpoints; ValueError naming what is wrong."""
-    if not is_etcd(url):
-        raise ValueError(f"{url!r} does not start with {SCHEME}")
-    endpoints = []
-    for item in url[len(SCHEME):].split(","):
-        m = re.fullmatch(r"([A-Za-z0-9.\-]+|\[[0-9a-fA-F:]+\]):(\d{1,5})", item.strip(), re.ASCII)
-        if m is None or not 0 < int(m.group(2)) < 65536:
-            raise ValueError(f"{url!r}: {item.strip()!r} is not host:port (port 1..65535)")
-        endpoints.append((m.group(1).strip("[]"), int(m.group(2))))
-    if len(set(endpoints)) != len(endpoints):
-        raise ValueError(f"{url!r} lists an endpoint twice")
-    return endpoints
 
 
 def _b(data: str | bytes) -> bytes:
@@ -77,7 +59,6 @@ class EtcdStore(dist.Store):
         self._guard = guard
         self._marker = f"_adds/{uuid.uuid4().hex}"
         self._seq = 0
-        self._clones: list[EtcdStore] = []  # the C++ side holds no reference to a clone's Python object
         self._lock = threading.Lock()  # one store object is shared by threads (gloo's rendezvous, a lifeline)
         self.set_timeout(timedelta(seconds=timeout_s))
         self.requests = 0  # answered requests, for the benches
@@ -131,6 +112,10 @@ class EtcdStore(dist.Store):
         if not answer.get("succeeded"):
             raise LeadershipLost(f"the leader key {key!r} no longer holds this leader's lease")
         return answer["responses"][0]["response_txn"]
+
+    def confirm_guard(self) -> None:
+        """Raises LeadershipLost unless the guard key still holds this store's value."""
+        self._guarded([], [])
 
     def range(self, key: str, revision: int = 0) -> dict | None:
         """The key's record (``value`` decoded, ``mod_revision``), or None when it does not exist."""
@@ -238,9 +223,9 @@ class EtcdStore(dist.Store):
             pause = min(2 * pause, POLL_S[1])
 
     def clone(self) -> EtcdStore:
-        twin = EtcdStore(self.endpoints, self.timeout.total_seconds(), self._guard)
-        self._clones.append(twin)
-        return twin
+        """Itself: every call is one short request under the lock, so a blocking ``get`` in one
+        thread never holds up another's calls (and the C++ side keeps no clone's Python object alive)."""
+        return self
 
 
 def _put(key: str, value: bytes, lease: int = 0) -> dict:
@@ -250,7 +235,7 @@ def _put(key: str, value: bytes, lease: int = 0) -> dict:
 def check_cluster(url: str, timeout_s: float) -> str:
     """The cluster behind ``url`` checked before anything starts: reachable, and with at least
     ``MIN_MEMBERS`` members; a line describing it. ``ValueError`` naming the problem otherwise."""
-    endpoints = parse_url(url)
+    endpoints = parse_etcd_url(url)
     probe = EtcdStore(endpoints, timeout_s)
     try:
         members = probe.members()

@@ -56,3 +56,20 @@ def read_events(path: str) -> Iterator[dict[str, Any]]:
             if not isinstance(record, dict) or "event" not in record:
                 raise ValueError(f"{path}:{lineno}: not an event object")
             yield record
+
+
+def logged_steps(path: str) -> set[int]:
+    """The steps a log already holds (a new coordinator leader logs none of them again);
+    a line cut short by a killed writer is skipped."""
+    steps: set[int] = set()
+    if not os.path.exists(path):
+        return steps
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and record.get("event") == "step" and isinstance(record.get("step"), int):
+                steps.add(record["step"])
+    return steps

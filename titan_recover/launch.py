@@ -1,7 +1,9 @@
 """The launcher behind ``run_train.sh``: coordinator + one torchrun job per replica group.
 
 ``[recover] enable = true``: starts the coordinator (unless ``$TITAN_RECOVER_COORDINATOR``
-points at one on another node), then R ``torchrun`` jobs of dp_shard x tp x pp ranks each,
+points at one on another node; with an etcd ``control_store`` every launcher starts a
+coordinator candidate, one leads, and a candidate that dies before the run ends is started
+again), then R ``torchrun`` jobs of dp_shard x tp x pp ranks each,
 and restarts a group's torchrun when it fails, up to ``[recover] max_restarts``
 times within ``restart_window_s`` (titan_recover.restarts): only the failed group restarts, and it rejoins from a live peer.
 Each launcher first claims its groups in the coordinator's store (titan_recover.claims): a group runs
@@ -84,9 +86,30 @@ def parse_group_node(value: str | None, parts: int) -> int:
     return int(value)
 
 
-def check_coordinator(address: str) -> str:
+def check_control_store(url: str) -> str:
+    """The etcd cluster of ``[recover] control_store``, checked before anything starts."""
+    try:
+        from titan_recover.etcd_store import check_cluster
+    except ImportError as e:
+        raise config.ConfigError(f"recover.control_store names etcd but its client is missing ({e}): "
+                                 "pip install 'titan_recover[etcd]'") from None
+    try:
+        return check_cluster(url, timeout_s=10.0)
+    except ValueError as e:
+        raise config.ConfigError(f"recover.control_store: {e}") from None
+
+
+def check_coordinator(address: str, control_store: str = "") -> str:
     """``$TITAN_RECOVER_COORDINATOR`` checked as ``host:port`` before anything starts (a bad one
-    failed only once the replica groups were up); returns it."""
+    failed only once the replica groups were up), or, with an etcd control store, as that
+    store's URL; returns it."""
+    if control_store:
+        if address != control_store:
+            raise config.ConfigError(
+                f"{store.COORDINATOR_ENV}={address!r} differs from recover.control_store={control_store!r}: with an "
+                f"etcd control store, set it to the same URL on every node after the first (or unset it on the first)"
+            )
+        return address
     host, _, port = address.rpartition(":")
     fix = "set it to host:port of the coordinator another node's launcher started, or unset it to start one here"
     if not host or any(c.isspace() for c in host) or not re.fullmatch(r"\d+", port, re.ASCII):
@@ -146,6 +169,8 @@ def torchrun(nproc: int, argv: list[str], role: str, rendezvous: Rendezvous | No
 def node_address(coordinator: str) -> str:
     """This node's address as the coordinator's network sees it (the local end of a route to
     the coordinator; nothing is sent): where part 0 of a group asks the other parts to meet."""
+    if store.is_etcd(coordinator):
+        coordinator = "{}:{}".format(*store.parse_etcd_url(coordinator)[0])
     host, _, port = coordinator.rpartition(":")
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host.strip("[]"), int(port)))
@@ -434,13 +459,21 @@ def run_recover(
     plan = device_plan(rc.replicate_backend, len(local), ranks)
     argv = [*argv, "--recover.replicate_backend", plan.backend]
     env = with_threads(dict(os.environ), len(local) * ranks)
-    only_this_node = coordinator_address is None and sorted(local) == list(range(replicas)) and rc.group_nodes == 1
+    first = coordinator_address is None  # this launcher starts the run; other nodes' launchers join it
+    only_this_node = first and sorted(local) == list(range(replicas)) and rc.group_nodes == 1
     env[store.SECRET_ENV] = run_secret(env, only_this_node)
+    etcd = bool(rc.control_store)  # a coordinator candidate beside every launcher, one leads
     coordinator, address = None, coordinator_address
-    if address is None:
+    candidate = [sys.executable, "-m", "titan_recover.coordinator", *argv]
+    if etcd:
+        address = env[store.COORDINATOR_ENV] = rc.control_store
+        if first:
+            store.begin_run(store.etcd(address, rc.startup_timeout_s), env[store.SECRET_ENV])
+        coordinator = subprocess.Popen(candidate, env=env)
+    elif address is None:
         host = store.local_host(coordinator_bind(rc.coordinator_bind, local, replicas, rc.group_nodes))
         address = env[store.COORDINATOR_ENV] = f"{host}:{rc.coordinator_port or store.free_port()}"
-        coordinator = subprocess.Popen([sys.executable, "-m", "titan_recover.coordinator", *argv], env=env)
+        coordinator = subprocess.Popen(candidate, env=env)
     span = Span(part, rc.group_nodes, node_address(address), rc.startup_timeout_s)
     spares = [r for r in local if config.is_spare(r, job_config)]
     log(
@@ -457,7 +490,7 @@ def run_recover(
     me = claims.Launcher.this()
     agent = NodeAgent(address, env[store.SECRET_ENV], ranks, hang_timeout_s=rc.heartbeat_timeout_s)
     groups = ReplicaGroups(argv, envs, ranks, rc.max_restarts, rc.restart_window_s, me, agent, span)
-    if coordinator is not None and part == 0:
+    if first and part == 0:
         # started at once, as their first incarnation (the store is new): their ranks import and build
         # the model while the coordinator comes up; they are claimed as soon as it is up
         for r in local:
@@ -479,7 +512,7 @@ def run_recover(
         store.exit_lost("launcher", reason, config.resume_hint(job_config))
 
     def coordinator_gone() -> str | None:
-        if coordinator is None or coordinator.poll() is None:
+        if etcd or coordinator is None or coordinator.poll() is None:  # a candidate's end is not the run's
             return None
         return f"the coordinator at {address} exited with code {coordinator.returncode} before it served the run"
 
@@ -505,7 +538,11 @@ def run_recover(
                 groups.start(r, attempt)
             groups.publish(client, r)
         while True:
-            if coordinator is not None and coordinator.poll() is not None:
+            if etcd and coordinator.poll() is not None and not agent.flags:  # type: ignore[union-attr]
+                log(f"coordinator candidate exited with code {coordinator.returncode} before the run ended; "  # type: ignore[union-attr]
+                    "starting another (the leader's lease passes to a live candidate)")
+                coordinator = subprocess.Popen(candidate, env=env)
+            elif coordinator is not None and coordinator.poll() is not None:
                 break
             if coordinator is None and groups.done():
                 break
@@ -563,7 +600,9 @@ def main(argv: list[str]) -> int:
             part = parse_group_node(os.environ.get(store.GROUP_NODE_ENV), job_config.recover.group_nodes)
             address = os.environ.get(store.COORDINATOR_ENV)
             if address is not None:
-                check_coordinator(address)
+                check_coordinator(address, job_config.recover.control_store)
+            if job_config.recover.control_store:  # reachable, and able to lose a member, before anything starts
+                log(check_control_store(job_config.recover.control_store))
     except config.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

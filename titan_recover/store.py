@@ -7,6 +7,7 @@ shape raises ``MessageError`` naming the key.
 
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -30,6 +31,7 @@ FATAL = "fatal"
 STATUS = "status"
 START_STEP = "start_step"  # the step the run resumed from (0, or a DCP checkpoint's): records start after it
 ALIVE = "coordinator/alive"  # the coordinator bumps it every pass: a frozen coordinator stops it
+COORDINATOR_STATE = "coordinator/state"  # what a new coordinator leader restores (``coordinator.read_state``)
 PROBE_S = 0.5  # how often a lifeline reads ALIVE; the coordinator lingers longer than that at the end
 REPLICATE_BACKEND = "replicate_backend"  # "gloo" or "nccl": the first rank sets it, every other must match
 ATTEMPT_ENV = "TITAN_RECOVER_ATTEMPT"  # incarnation of this replica group: 0, then +1 per restart
@@ -42,6 +44,12 @@ def attempt() -> int:
 
 def members_key(epoch: int) -> str:
     return f"members/{epoch}"
+
+
+def leader_key(secret: str) -> str:
+    """The etcd key of the run's coordinator leader (its lease's), outside the run's ``PrefixStore``:
+    the guard of every leader write compares it as stored."""
+    return f"run/{secret}/coordinator/leader"
 
 
 def ok_key(step: int, epoch: int) -> str:
@@ -210,9 +218,43 @@ def serve(port: int, timeout_s: float, bind: str = LOOPBACK, secret: str | None 
     return server
 
 
+ETCD_SCHEME = "etcd://"
+
+
+def is_etcd(address: str) -> bool:
+    """Whether a control-store address names an etcd cluster (else it is a TCPStore's host:port)."""
+    return address.startswith(ETCD_SCHEME)
+
+
+def parse_etcd_url(url: str) -> list[tuple[str, int]]:
+    """``etcd://host:port,host:port,...`` -> its endpoints; ValueError naming what is wrong."""
+    if not is_etcd(url):
+        raise ValueError(f"{url!r} does not start with {ETCD_SCHEME}")
+    endpoints = []
+    for item in url[len(ETCD_SCHEME):].split(","):
+        m = re.fullmatch(r"([A-Za-z0-9.\-]+|\[[0-9a-fA-F:]+\]):(\d{1,5})", item.strip(), re.ASCII)
+        if m is None or not 0 < int(m.group(2)) < 65536:
+            raise ValueError(f"{url!r}: {item.strip()!r} is not host:port (port 1..65535)")
+        endpoints.append((m.group(1).strip("[]"), int(m.group(2))))
+    if len(set(endpoints)) != len(endpoints):
+        raise ValueError(f"{url!r} lists an endpoint twice")
+    return endpoints
+
+
+def begin_run(client: dist.Store, secret: str) -> None:
+    """Starts a run on a shared store (etcd): clears what an earlier run with the same secret left
+    (a new leader would take it over), then says hello to the run's other processes."""
+    client.delete_prefix(f"run/{secret}/")
+    in_run(client, secret).set(HELLO, "titan_recover")
+
+
 def coordinator_address() -> str:
-    """``host:port`` of the coordinator's store, from the environment the launcher sets."""
+    """``host:port`` of the coordinator's store, or the ``etcd://`` URL of the run's etcd
+    cluster, from the environment the launcher sets."""
     address = os.environ.get(COORDINATOR_ENV, "")
+    if is_etcd(address):
+        parse_etcd_url(address)
+        return address
     host, sep, port = address.rpartition(":")
     if not host or not sep or not port.isdigit():
         raise RuntimeError(
@@ -220,6 +262,21 @@ def coordinator_address() -> str:
             "start training with run_train.sh"
         )
     return address
+
+
+def etcd(address: str, timeout_s: float) -> dist.Store:
+    """A client of the etcd cluster at ``address`` (the ``etcd`` extra's client, imported only here)."""
+    try:
+        from titan_recover.etcd_store import EtcdStore
+    except ImportError as e:
+        raise RuntimeError(f"[recover] control_store names etcd but its client is missing ({e}): "
+                           "pip install 'titan_recover[etcd]'") from None
+    client = EtcdStore(parse_etcd_url(address), timeout_s)
+    _ETCD_CLIENTS.append(client)  # a PrefixStore over it holds only its C++ half: its Python methods must stay
+    return client
+
+
+_ETCD_CLIENTS: list[dist.Store] = []
 
 
 class CoordinatorGone(RuntimeError):
@@ -262,6 +319,14 @@ def connect(
     (default: ``$TITAN_RECOVER_SECRET``); a ``WrongRunError`` if that store does not serve the run.
     Waits for the store to listen within ``timeout_s`` (``wait_listening``, which ``gone`` may cut short)."""
     secret = secret or run_secret()
+    if is_etcd(address):  # its members are up before the run; the first launcher says hello
+        client = in_run(etcd(address, timeout_s), secret)
+        try:
+            wait_for(client, HELLO, timeout_s, poll_s=0.05)
+        except TimeoutError:
+            raise WrongRunError(f"the etcd cluster at {address} holds no run with this {SECRET_ENV} after "
+                                f"{timeout_s:g}s: give every launcher of the run the same {SECRET_ENV}") from None
+        return client
     start = time.monotonic()
     wait_listening(address, timeout_s, gone)
     host, _, port = address.rpartition(":")
@@ -376,6 +441,8 @@ def connection_refused(address: str) -> bool:
 
     A TCPStore client retries a refused connection until its timeout; a plain socket says at once.
     """
+    if is_etcd(address):  # etcd: only when every member refuses (one member lost is invisible)
+        return all(connection_refused(f"{host}:{port}") for host, port in parse_etcd_url(address))
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=1.0):

@@ -1,0 +1,90 @@
+"""Coordinator fail-over on etcd: one candidate per node, one leader at a time.
+
+A candidate campaigns by creating the run's leader key, attached to an etcd lease of
+``leader_lease_s``, in a transaction that succeeds only while the key does not exist.
+The winner keeps its lease alive from a thread and acts through a store guarded by
+that key (``EtcdStore(guard=...)``): every write it makes is conditional on the key
+still holding its own value. When it dies or freezes, the lease expires, etcd deletes
+the key, and the next candidate's campaign succeeds; a frozen leader that resumes
+finds its writes refused (``LeadershipLost``) and campaigns again as a follower.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Callable
+
+from titan_recover.etcd_store import EtcdStore, LeadershipLost, _encode, _put
+
+CAMPAIGN_POLL_S = 0.1  # how often a follower tries for the key; the lease's expiry dominates takeover
+
+
+class Lease:
+    """This candidate's campaign for ``key`` on ``store`` (an unguarded EtcdStore)."""
+
+    def __init__(self, store: EtcdStore, key: str, ttl_s: float) -> None:
+        self.store, self.key, self.ttl_s = store, key, ttl_s
+        self.value = json.dumps({"id": uuid.uuid4().hex, "pid": os.getpid(), "host": socket.gethostname()})
+        self._id: int | None = None
+        self._lost = threading.Event()
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+
+    def campaign(self, ended: Callable[[], bool]) -> EtcdStore | None:
+        """Blocks until this candidate leads (the store to act through, every write guarded by
+        the lease), or returns None once ``ended()`` says the run is over."""
+        while not ended():
+            grant = self.store.post("lease/grant", {"TTL": max(2, round(self.ttl_s))})
+            lease = int(grant["ID"])
+            won = self.store.txn(
+                [{"key": _encode(self.key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}],
+                [_put(self.key, self.value.encode(), lease)],
+            ).get("succeeded", False)
+            if won:
+                self._id = lease
+                self._lost.clear()
+                self._stop.clear()
+                self._keeper = threading.Thread(target=self._keep, name="titan-recover-lease", daemon=True)
+                self._keeper.start()
+                return EtcdStore(self.store.endpoints, self.store.timeout.total_seconds(), guard=(self.key, self.value))
+            self.store.post("kv/lease/revoke", {"ID": lease})
+            time.sleep(CAMPAIGN_POLL_S)
+        return None
+
+    def _keep(self) -> None:
+        """Refreshes the lease every third of its TTL; an expired one (this process was frozen
+        longer than the TTL) is lost for good: another candidate may lead by now."""
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                answer = self.store.post("lease/keepalive", {"ID": self._id})
+                if int(answer.get("result", {}).get("TTL", -1)) <= 0:
+                    self._lost.set()
+                    return
+            except Exception:  # no member answered within the store's timeout: the guard decides
+                continue
+
+    def check(self) -> None:
+        """Raises LeadershipLost once the keeper found the lease expired."""
+        if self._lost.is_set():
+            raise LeadershipLost(f"this candidate's lease on {self.key!r} expired (was it frozen?)")
+
+    def resign(self) -> None:
+        """Gives the lease back at once (a clean end, or a lost leadership)."""
+        self._stop.set()
+        if self._id is not None:
+            try:
+                self.store.post("kv/lease/revoke", {"ID": self._id})
+            except Exception:
+                pass  # it expires on its own
+            self._id = None
+
+    def leader(self) -> dict | None:
+        """The current leader's record (id, pid, host), or None while nobody leads."""
+        rec = self.store.range(self.key)
+        return None if rec is None else json.loads(rec["value"])
+
