@@ -46,11 +46,12 @@ HEARTBEAT_TIMEOUT_S = 5.0  # the run's default recover.heartbeat_timeout_s
 COORDINATOR_MAIN = """
 import json, sys, threading, time
 from titan_recover import config
-from titan_recover.coordinator import Coordinator
+from titan_recover import coordinator
 
 counts_path, port = sys.argv[1], int(sys.argv[2])
 job = config.load(sys.argv[3:])
-c = Coordinator(job, port)
+# the "before" tree predates coordinator.serve
+c = coordinator.serve(job, port) if hasattr(coordinator, "serve") else coordinator.Coordinator(job, port)
 
 
 class Counting:

@@ -16,7 +16,7 @@ import pytest
 
 from titan_recover import store
 from titan_recover.config import Recover
-from titan_recover.coordinator import REPORT_GRACE_S, Coordinator
+from titan_recover.coordinator import REPORT_GRACE_S, Coordinator, serve
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def make(tmp_path: Path) -> Iterator:
             job=SimpleNamespace(dump_folder=str(tmp_path)),
         )
         port = store.free_port()
-        c = Coordinator(job, port)
+        c = serve(job, port)
         made.append(c)
         return c, store.connect(f"127.0.0.1:{port}", timeout_s=10)
 

@@ -530,6 +530,13 @@ class Coordinator:
             time.sleep(POLL_S)
 
 
+def serve(job_config: object, port: int) -> Coordinator:
+    """The coordinator on its own TCPStore, listening on ``port``."""
+    rc = job_config.recover  # type: ignore[attr-defined]
+    client = store.serve(port, rc.collective_timeout_s, rc.coordinator_bind or store.LOOPBACK)
+    return Coordinator(job_config, client, EventLog(job_config.job.dump_folder))  # type: ignore[attr-defined]
+
+
 def lead(job_config: object, address: str) -> int:
     """A candidate on etcd: campaigns, and once it leads, coordinates until the run ends; a
     leadership lost meanwhile (it froze past its lease) sends it back to campaigning."""
@@ -570,10 +577,7 @@ def main(argv: list[str]) -> int:
     job_config = config.load(argv)
     if store.is_etcd(address):
         return lead(job_config, address)
-    rc = job_config.recover  # type: ignore[attr-defined]
-    port = int(address.rpartition(":")[2])
-    client = store.serve(port, rc.collective_timeout_s, rc.coordinator_bind or store.LOOPBACK)
-    coordinator = Coordinator(job_config, client, EventLog(job_config.job.dump_folder))  # type: ignore[attr-defined]
+    coordinator = serve(job_config, int(address.rpartition(":")[2]))
     try:
         code = coordinator.run()
         coordinator.end()
