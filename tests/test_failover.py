@@ -87,6 +87,7 @@ def test_the_leader_killed_mid_step_is_replaced_and_its_successor_fences_and_rea
     died = a if f"coordinator candidate exited with code -9" in a.output() else b
     assert "starting another (the leader's lease passes to a live candidate)" in died.output()
     assert "took over at step 3" in a.output() + b.output()
+    assert "coordinator leaders  : 2" in a.output()  # the summary names the takeover
     assert "Traceback" not in a.output(), a.output()[-3000:]  # B's torchrun prints the killed rank's
     assert "titan_recover/coordinator.py" not in b.output() and "titan_recover/launch.py" not in b.output()
 
@@ -164,3 +165,19 @@ def test_an_etcd_backend_configured_wrong_stops_before_training(tmp_path: Path, 
     else:
         assert f"error: recover.control_store: cannot reach the etcd cluster at {url}" in proc.stderr, proc.stderr
     assert "[replica" not in proc.stdout + proc.stderr  # no rank started
+
+
+def test_a_leader_that_cannot_read_the_saved_state_stops_the_run_saying_so(tmp_path: Path, etcd: LocalEtcd) -> None:
+    """A candidate that wins the lease over a corrupt saved state writes fatal (every process stops) and exits 1."""
+    secret = "corrupt-state-secret"
+    store.begin_run(EtcdStore(store.parse_etcd_url(etcd.url), 5), secret)
+    client = store.connect(etcd.url, timeout_s=5, secret=secret)
+    store.put_json(client, store.COORDINATOR_STATE, {"progress": None, "next_report": "one"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_recover.coordinator", *launcher(tmp_path, etcd.url, "none")[3:]], cwd=ROOT,
+        env={**node_env(etcd.url, "0,1"), store.SECRET_ENV: secret}, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    error = store.get_json(client, store.FATAL, ("error",))["error"]
+    assert error.startswith("the coordinator state in etcd cannot be taken over: store key 'coordinator/state' lacks"), error
+    assert f"FATAL: {error}" in proc.stdout

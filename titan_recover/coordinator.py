@@ -560,7 +560,14 @@ def lead(job_config: object, address: str) -> int:
         client = store.in_run(guarded, secret)
         try:
             events = LeaderEvents(job_config.job.dump_folder, guarded.confirm_guard)  # type: ignore[attr-defined]
-            coordinator = Coordinator(job_config, client, events)
+            try:
+                coordinator = Coordinator(job_config, client, events)
+            except store.MessageError as e:  # no leader could act on it: the run stops, saying why
+                error = f"the coordinator state in etcd cannot be taken over: {e}; {config.resume_hint(job_config)}"
+                store.put_json(client, store.FATAL, {"error": error})
+                events.emit("fatal", error=error)
+                log(f"FATAL: {error}")
+                return 1
             events.emit("leader", pid=os.getpid(), host=socket.gethostname(), step=coordinator._step(),
                         epoch=coordinator.membership.epoch)
             code = coordinator.run(lease.check)

@@ -25,6 +25,7 @@ def summarize_events(path: str) -> dict[str, Any]:
         ],
         "digest_steps": sorted({e["step"] for e in events if e["event"] == "param_digest"}),
         "digest_mismatches": [e for e in events if e["event"] == "param_digest_mismatch"],
+        "leaders": [{k: e.get(k) for k in ("pid", "host", "step")} for e in events if e["event"] == "leader"],
     }
     if len(steps) >= 2:
         span = steps[-1]["time"] - steps[0]["time"]
@@ -61,6 +62,9 @@ def format_summary(s: dict[str, Any], tokens_per_step: int) -> str:
         lines.append(f"  tokens/s             : {tokens_per_step / s['step_time_s']:.0f}")
     if s["final_loss"] is not None:
         lines.append(f"  final loss           : {s['final_loss']:.4f}")
+    if len(s.get("leaders", [])) > 1:  # coordinator fail-over on etcd
+        lines.append(f"  coordinator leaders  : {len(s['leaders'])}")
+        lines += [f"    pid {e['pid']} on {e['host']} from step {e['step']}" for e in s["leaders"][1:]]
     lines.append(f"  final members        : {s['final_members']}")
     lines += [f"  FATAL: {err}" for err in s["fatal"]]
     return "\n".join(lines)
