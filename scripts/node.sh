@@ -20,6 +20,10 @@
 #                     recover.spares override the config file's values)
 #   COORDINATOR_BIND  where node 0's coordinator listens (default 0.0.0.0, every interface; prefer its
 #                     address on the private cluster network: see the README's trust model)
+#   CONTROL_STORE     etcd://host:port,host:port,host:port of an etcd cluster (3+ members) for coordinator
+#                     fail-over (--recover.control_store): every node's launcher runs a coordinator
+#                     candidate and the run survives the loss of any node; COORDINATOR_ADDR and
+#                     COORDINATOR_BIND are then not used
 #   CONFIG_FILE, TITAN_RECOVER_SECRET   the run's config and its secret, the same on every node
 #   PLAN_ONLY=1       print the node's command and exit (SHOW_SECRET=1 prints the secret too; else
 #                     it is shown as <hidden>, e.g. in a Slurm log); unset: print it, then run it
@@ -67,18 +71,23 @@ done
 ids=$((NUM_NODES / GROUP_NODES * GROUPS_PER_NODE))
 replicate=$((ids - SPARES))
 [ "$replicate" -ge 1 ] || fail "$NUM_NODES nodes / GROUP_NODES=$GROUP_NODES x GROUPS_PER_NODE=$GROUPS_PER_NODE = $ids replica ids leave no member after SPARES=$SPARES: lower SPARES"
+CONTROL_STORE=${CONTROL_STORE:-}
 addr=${COORDINATOR_ADDR:-}
 port=${addr##*:}
-[[ $addr == ?*:* ]] && is_count "$port" && [ "$port" -ge 1 ] && [ "$port" -le 65535 ] \
-    || fail "COORDINATOR_ADDR='$addr' is not host:port (port 1..65535): set it to the first node's host and a fixed port"
+if [ -n "$CONTROL_STORE" ]; then
+    [[ $CONTROL_STORE == etcd://?* ]] || fail "CONTROL_STORE='$CONTROL_STORE' must be etcd://host:port,host:port,host:port"
+else
+    [[ $addr == ?*:* ]] && is_count "$port" && [ "$port" -ge 1 ] && [ "$port" -le 65535 ] \
+        || fail "COORDINATOR_ADDR='$addr' is not host:port (port 1..65535): set it to the first node's host and a fixed port"
+fi
 [ -n "${CONFIG_FILE:-}" ] && [ -f "$CONFIG_FILE" ] \
     || fail "config file '${CONFIG_FILE:-}' not found (paths are relative to the repository root $PWD): set CONFIG_FILE"
 [ -n "${TITAN_RECOVER_SECRET:-}" ] \
     || fail "TITAN_RECOVER_SECRET is not set: every node needs the run's secret, e.g. \$(openssl rand -hex 16), the same on each"
 for arg in "$@"; do
     case $arg in
-        --parallelism.data_parallel_replicate_degree* | --recover.spares* | --recover.coordinator_bind* | --recover.coordinator_port* | --recover.group_nodes*)
-            fail "${arg%%=*} is set from the node layout here: use NODES x GROUPS_PER_NODE, GROUP_NODES, SPARES, COORDINATOR_BIND and the port of COORDINATOR_ADDR instead" ;;
+        --parallelism.data_parallel_replicate_degree* | --recover.spares* | --recover.coordinator_bind* | --recover.coordinator_port* | --recover.group_nodes* | --recover.control_store*)
+            fail "${arg%%=*} is set from the node layout here: use NODES x GROUPS_PER_NODE, GROUP_NODES, SPARES, COORDINATOR_BIND, the port of COORDINATOR_ADDR and CONTROL_STORE instead" ;;
     esac
 done
 
@@ -86,13 +95,18 @@ first=$((NODE_INDEX / GROUP_NODES * GROUPS_PER_NODE))
 replicas=""
 for ((r = first; r < first + GROUPS_PER_NODE; r++)); do replicas+="${replicas:+,}$r"; done
 # node 0's launcher is the one without TITAN_RECOVER_COORDINATOR: it starts the coordinator (an
-# inherited value, e.g. from the submitting shell, is removed)
+# inherited value, e.g. from the submitting shell, is removed), or on etcd it starts the run
+if [ -n "$CONTROL_STORE" ]; then
+    addr=$CONTROL_STORE
+    where=(--recover.control_store "$CONTROL_STORE")
+else
+    where=(--recover.coordinator_bind "$COORDINATOR_BIND" --recover.coordinator_port "$port")
+fi
 if [ "$NODE_INDEX" -eq 0 ]; then coordinator=(-u TITAN_RECOVER_COORDINATOR); else coordinator=("TITAN_RECOVER_COORDINATOR=$addr"); fi
 env_args=("${coordinator[@]}" "CONFIG_FILE=$CONFIG_FILE" "TITAN_RECOVER_REPLICAS=$replicas"
           "TITAN_RECOVER_GROUP_NODE=$((NODE_INDEX % GROUP_NODES))")
 cmd=(./run_train.sh --parallelism.data_parallel_replicate_degree "$replicate" --recover.spares "$SPARES"
-     --recover.group_nodes "$GROUP_NODES"
-     --recover.coordinator_bind "$COORDINATOR_BIND" --recover.coordinator_port "$port" "$@")
+     --recover.group_nodes "$GROUP_NODES" "${where[@]}" "$@")
 
 # the secret comes from this process's environment (not the command line, which `ps` shows)
 shown=$([ -n "${SHOW_SECRET:-}" ] && quote "$TITAN_RECOVER_SECRET" || echo "'<hidden>'")

@@ -23,7 +23,8 @@ MANIFEST = ROOT / "scripts" / "k8s" / "train-indexed-job.yaml"
 CFG = str(CONFIG.relative_to(ROOT))
 # what the scripts read from the environment: the tests' own values only
 OURS = ("SLURM", "TITAN_RECOVER_", "DRY_RUN", "NODE_", "NUM_NODES", "COORDINATOR_", "GROUPS_PER_NODE", "GROUP_NODES", "SPARES",
-        "GPUS_PER_NODE", "RANKS_PER_GROUP", "CONFIG_FILE", "PLAN_ONLY", "SHOW_SECRET", "VENV", "EXTRAS", "PYTHON")
+        "GPUS_PER_NODE", "RANKS_PER_GROUP", "CONFIG_FILE", "PLAN_ONLY", "SHOW_SECRET", "VENV", "EXTRAS", "PYTHON",
+        "CONTROL_STORE")
 
 
 def clean_env(**env: str) -> dict[str, str]:
@@ -264,6 +265,18 @@ def test_a_node_not_in_the_allocation_stops() -> None:
     out = sh(NODE_SH, NODE_LIST="n1 n2", SLURMD_NODENAME="n9", COORDINATOR_ADDR="n1:1", CONFIG_FILE=CFG,
              TITAN_RECOVER_SECRET="s", PLAN_ONLY="1")
     assert out.returncode == 2 and "this node (n9) is not in NODE_LIST=\"n1 n2\"" in out.stderr
+
+
+def test_with_an_etcd_control_store_every_node_names_it_and_none_binds_a_coordinator() -> None:
+    url = "etcd://e1:2379,e2:2379,e3:2379"
+    lines = [sh(NODE_SH, NODE_INDEX=str(i), NUM_NODES="2", CONTROL_STORE=url, CONFIG_FILE=CFG, TITAN_RECOVER_SECRET="s",
+                PLAN_ONLY="1").stdout for i in (0, 1)]
+    for line in lines:
+        assert f"--recover.control_store {url}" in line and "coordinator_bind" not in line and "coordinator_port" not in line
+    assert "-u TITAN_RECOVER_COORDINATOR" in lines[0] and f"TITAN_RECOVER_COORDINATOR={url}" in lines[1]
+    bad = sh(NODE_SH, NODE_INDEX="0", NUM_NODES="1", CONTROL_STORE="e1:2379", CONFIG_FILE=CFG, TITAN_RECOVER_SECRET="s",
+             PLAN_ONLY="1")
+    assert bad.returncode == 2 and "CONTROL_STORE='e1:2379' must be etcd://" in bad.stderr
 
 
 def manifest() -> dict[str, dict]:

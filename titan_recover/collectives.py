@@ -37,10 +37,10 @@ POLL_S = (0.0005, 0.005)  # first and longest pause while waiting: quick for sho
 NCCL_NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"  # bounds a non-blocking communicator's setup
 
 
-def backoff(pause: float) -> float:
-    """Sleeps ``pause`` and returns the next one (doubling up to the longest)."""
+def backoff(pause: float, longest: float = POLL_S[1]) -> float:
+    """Sleeps ``pause`` and returns the next one (doubling up to ``longest``)."""
     time.sleep(pause)
-    return min(2 * pause, POLL_S[1])
+    return min(2 * pause, longest)
 
 
 class CollectiveAborted(RuntimeError):

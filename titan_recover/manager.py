@@ -40,6 +40,8 @@ from titan_recover.membership import Membership
 from titan_recover.tokens import DataError
 
 EPOCH_POLL_S = 0.02  # how stale a rank's view of the epoch may be while it waits
+ETCD_VOTE_POLL_S = 0.02  # longest pause between reads of the commit decision on etcd, where each read
+# is an HTTP request served by Raft (at TCPStore's 5 ms, waiting ranks took CPU from computing ones)
 
 
 class ReplicaFenced(RuntimeError):
@@ -120,6 +122,7 @@ class ReplicaManager:
         self.groups: Collectives | None = None
         self.device = torch.device("cpu")
         self.group_size = 1  # ranks in this replica group
+        self.vote_poll_s = ETCD_VOTE_POLL_S if rc.control_store else POLL_S[1]
         self._memberships: dict[int, Membership] = {}
         self._epoch_checked = (0.0, 0)
         self._start_told = False
@@ -253,7 +256,7 @@ class ReplicaManager:
             if self.epoch_moved(epoch):
                 self.store.compare_set(decision, "", "abort")
             else:
-                pause = backoff(pause)  # slower replicas: spare the CPU
+                pause = backoff(pause, self.vote_poll_s)  # slower replicas: spare the CPU
             if not told and time.monotonic() - start > self.rc.collective_timeout_s:
                 votes = self.store.add(store.ok_key(self.step, epoch), 0)
                 log(f"replica {self.replica} rank {self.group_rank}: step {self.step} epoch {epoch} has {votes} of "
