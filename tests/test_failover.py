@@ -4,9 +4,9 @@ lease, an etcd member killed, and an etcd backend configured wrong."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,8 +20,6 @@ from titan_recover.etcd_store import EtcdStore
 
 from conftest import CONFIG, ROOT, TINY, Run, assert_all_rejoined, assert_same_trajectory
 from test_nodes import Node, events, wait_until
-
-import subprocess
 
 
 @pytest.fixture
@@ -84,7 +82,7 @@ def test_the_leader_killed_mid_step_is_replaced_and_its_successor_fences_and_rea
     [rejoined] = run.of("rejoined")
     assert rejoined["replica"] == 1 and rejoined["bytes"] > 0
     assert_all_rejoined(run, 2, 6)
-    died = a if f"coordinator candidate exited with code -9" in a.output() else b
+    died = a if "coordinator candidate exited with code -9" in a.output() else b
     assert "starting another (the leader's lease passes to a live candidate)" in died.output()
     assert "took over at step 3" in a.output() + b.output()
     assert "coordinator leaders  : 2" in a.output()  # the summary names the takeover

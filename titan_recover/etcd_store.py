@@ -18,7 +18,6 @@ ranks, ``PrefixStore``, and the replicate groups' gloo rendezvous) uses it uncha
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 import uuid
@@ -34,6 +33,7 @@ from titan_recover.store import parse_etcd_url
 REQUEST_S = 2.0  # one HTTP request; a member cut off from the quorum is left after this
 POLL_S = (0.002, 0.05)  # first and longest pause of a blocking get/wait
 MIN_MEMBERS = 3  # fewer cannot lose one member and keep a majority
+MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 
 
 class LeadershipLost(RuntimeError):
@@ -135,7 +135,7 @@ class EtcdStore(dist.Store):
     # ---- the torch.distributed.Store API --------------------------------------------
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._guarded([], [_put(key, _b(value))])
+        self._guarded([], [put_op(key, _b(value))])
 
     def get(self, key: str) -> bytes:
         """Blocks until ``key`` exists, like TCPStore (gloo's rendezvous relies on it)."""
@@ -152,16 +152,14 @@ class EtcdStore(dist.Store):
         return all(self.range(k) is not None for k in keys)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        if not keys:
-            return []
-        answer = self.txn([], [{"request_range": {"key": _encode(k)}} for k in keys])
-        values = [r["response_range"].get("kvs", []) for r in answer.get("responses", [])]
+        """One request per ``MAX_TXN_OPS`` keys (etcd's default limit of operations in a transaction)."""
+        values: list[list[dict]] = []
+        for i in range(0, len(keys), MAX_TXN_OPS):
+            answer = self.txn([], [{"request_range": {"key": _encode(k)}} for k in keys[i:i + MAX_TXN_OPS]])
+            values += [r["response_range"].get("kvs", []) for r in answer.get("responses", [])]
         if all(values):
             return [_decode(kvs[0].get("value", "")) for kvs in values]
         return [self.get(k) for k in keys]  # blocks for the missing ones
-
-    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        self._guarded([], [_put(k, _b(v)) for k, v in zip(keys, values)])
 
     def add(self, key: str, amount: int) -> int:
         """Adds ``amount`` to the integer under ``key`` (missing: 0) exactly once."""
@@ -174,12 +172,8 @@ class EtcdStore(dist.Store):
             old = int(rec["value"]) if rec is not None else 0
             same = ({"key": _encode(key), "target": "MOD", "result": "EQUAL", "mod_revision": rec["mod_revision"]}
                     if rec is not None else {"key": _encode(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0})
-            try:
-                answer = self._guarded([same], [_put(key, str(old + amount).encode()), _put(self._marker, seq)])
-            except EtcdUnavailable:
-                raise
-            except Etcd3Exception:
-                answer = {"succeeded": False}
+            # a request resent to another member after its first one was applied fails ``same``: the marker says so
+            answer = self._guarded([same], [put_op(key, str(old + amount).encode()), put_op(self._marker, seq)])
             if answer.get("succeeded"):
                 return old + amount
             marker = self.range(self._marker)
@@ -197,7 +191,7 @@ class EtcdStore(dist.Store):
             compare = {"key": _encode(key), "target": "VALUE", "result": "EQUAL", "value": _encode(expected)}
         else:
             compare = {"key": _encode(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
-        answer = self._guarded([compare], [_put(key, desired)], [{"request_range": {"key": _encode(key)}}])
+        answer = self._guarded([compare], [put_op(key, desired)], [{"request_range": {"key": _encode(key)}}])
         if answer.get("succeeded"):
             return desired
         kvs = answer["responses"][0]["response_range"].get("kvs", [])
@@ -208,9 +202,6 @@ class EtcdStore(dist.Store):
         return int(answer["responses"][0]["response_delete_range"].get("deleted", 0)) > 0
 
     deleteKey = delete_key  # the name torch's C++ side calls
-
-    def num_keys(self) -> int:
-        return int(self.post("kv/range", {"key": _encode("\0"), "range_end": _encode("\0"), "count_only": True}).get("count", 0))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         limit = (timeout or self.timeout).total_seconds()
@@ -228,7 +219,8 @@ class EtcdStore(dist.Store):
         return self
 
 
-def _put(key: str, value: bytes, lease: int = 0) -> dict:
+def put_op(key: str, value: bytes, lease: int = 0) -> dict:
+    """A transaction's put, as etcd's JSON gateway takes it (base64 key and value)."""
     return {"request_put": {"key": _encode(key), "value": _encode(value), **({"lease": lease} if lease else {})}}
 
 

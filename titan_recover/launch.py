@@ -94,7 +94,7 @@ def check_control_store(url: str) -> str:
         raise config.ConfigError(f"recover.control_store names etcd but its client is missing ({e}): "
                                  "pip install 'titan_recover[etcd]'") from None
     try:
-        return check_cluster(url, timeout_s=10.0)
+        return check_cluster(url, timeout_s=5.0)
     except ValueError as e:
         raise config.ConfigError(f"recover.control_store: {e}") from None
 

@@ -19,7 +19,9 @@ import time
 import uuid
 from typing import Callable
 
-from titan_recover.etcd_store import EtcdStore, LeadershipLost, _encode, _put
+from etcd3gw.utils import _encode
+
+from titan_recover.etcd_store import EtcdStore, LeadershipLost, put_op
 
 CAMPAIGN_POLL_S = 0.1  # how often a follower tries for the key; the lease's expiry dominates takeover
 
@@ -43,7 +45,7 @@ class Lease:
             lease = int(grant["ID"])
             won = self.store.txn(
                 [{"key": _encode(self.key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}],
-                [_put(self.key, self.value.encode(), lease)],
+                [put_op(self.key, self.value.encode(), lease)],
             ).get("succeeded", False)
             if won:
                 self._id = lease
@@ -82,9 +84,3 @@ class Lease:
             except Exception:
                 pass  # it expires on its own
             self._id = None
-
-    def leader(self) -> dict | None:
-        """The current leader's record (id, pid, host), or None while nobody leads."""
-        rec = self.store.range(self.key)
-        return None if rec is None else json.loads(rec["value"])
-
