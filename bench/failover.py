@@ -102,6 +102,8 @@ def failover(url: str, replicas: int, node: bool) -> dict:
                 if p.wait(timeout=WAIT_S) != 0:
                     raise RuntimeError(f"a launcher exited with {p.returncode}: " + (Path(dump) / "node0.log").read_text()[-3000:])
             events = list(read_events(str(Path(dump) / "recover_events.jsonl")))
+            coordinator_lines = [line for r in range(replicas) for line in
+                                 (Path(dump) / f"node{r}.log").read_text().splitlines() if "coordinator" in line]
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -112,10 +114,12 @@ def failover(url: str, replicas: int, node: bool) -> dict:
     if sorted(e["step"] for e in steps) != list(range(1, STEPS + 1)):
         raise RuntimeError(f"steps logged: {sorted(e['step'] for e in steps)}")
     after = min(e["time"] for e in steps if e["time"] > killed_at)
-    new_leader = of(events, "leader")[-1]
+    new_leaders = [e for e in of(events, "leader") if e["time"] > killed_at]
     normal = statistics.median(step_gaps([e for e in steps if e["time"] < killed_at]).values())
-    return {"failover_s": after - killed_at, "leader_takeover_s": new_leader["time"] - killed_at,
-            "takeover_step": new_leader["step"], "step_s": normal,
+    return {"failover_s": after - killed_at, "leader_takeover_s": new_leaders[0]["time"] - killed_at,
+            "takeover_step": new_leaders[0]["step"], "step_s": normal,
+            "leaders_after_kill": [{"pid": e["pid"], "after_s": e["time"] - killed_at} for e in new_leaders],
+            **({"coordinator_log": coordinator_lines} if len(new_leaders) > 1 else {}),
             "failures": [{k: e[k] for k in ("replica", "step")} for e in of(events, "failure")],
             "members_at_end": steps[-1]["members"]}
 

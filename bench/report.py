@@ -30,6 +30,10 @@ HEADLINES = {
     "spare_failure_free_step_ratio": ("spares", "failure-free step time with a waiting spare / without, worst R"),
     "straggler_speed_vs_ideal": ("stragglers", "step time with the speed policy / ideal, one of 2 groups F times slower (F: ratio)"),
     "straggler_balanced_vs_ideal": ("stragglers", "the same with the balanced policy"),
+    "coordinator_failover_s": ("failover", "etcd: coordinator leader SIGKILLed -> next committed step, R = 2"),
+    "node_failover_s": ("failover", "etcd: the leader's node (launcher tree) SIGKILLed -> next committed step, R = 2"),
+    "dcp_restart_s": ("failover", "the same job in stock TorchTitan: a rank SIGKILLed -> the DCP-restarted job's first step"),
+    "etcd_step_time_ratio": ("failover", "failure-free step time, control_store etcd / TCPStore (3 etcd members on the same 2 cores)"),
 }
 
 

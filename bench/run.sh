@@ -20,8 +20,10 @@ if [ ${#mode[@]} -eq 0 ]; then
     step bench.recovery_latency --repeats 2
     step bench.recovery_latency --repeats 1 --faults kill --rejoin
     step bench.spares  # R = 2, 4, 8 with and without a hot spare (about 30 minutes on 2 cores)
+    step bench.failover  # R = 2, 4 coordinator and node fail-over on a local 3-member etcd, DCP restart, etcd overhead
 else
     step bench.spares --replicas 2 --ff-repeats 1
+    step bench.failover --replicas 2 --repeats 1 --ff-pairs 1
 fi
 if [ -n "${SOAK_FAULTS:-}" ]; then  # the soak (issue #12) runs over an hour on 2 cores: only when asked, e.g. SOAK_FAULTS=100
     step bench.soak --faults "$SOAK_FAULTS"

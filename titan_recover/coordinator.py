@@ -556,7 +556,8 @@ def lead(job_config: object, address: str) -> int:
 
     while True:
         guarded = lease.campaign(ended)
-        if guarded is None:  # another candidate led the run to its end
+        if guarded is None or ended():  # another candidate led the run to its end (perhaps as this one won)
+            lease.resign()
             return 1 if view.check([store.FATAL]) else 0
         log(f"leading (lease {rc.leader_lease_s:g}s)")
         client = store.in_run(guarded, secret)
