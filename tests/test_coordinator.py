@@ -305,9 +305,10 @@ def test_a_spare_that_hangs_while_waiting_is_fenced_not_admitted(make, tmp_path:
     beat(client, 0, 1, 2)
     poll(c, now)
     later = now + 1.5
-    beat(client, 0, 1)
-    node(client).hang(2, 1.5)  # the spare's heartbeat stalled (SIGSTOP)
-    poll(c, later)
+    for t in (0.4, 0.8, 1.2, 1.5):  # read every node message as often as the coordinator does
+        beat(client, 0, 1)
+        node(client).hang(2, t)  # the spare's heartbeat stalled (SIGSTOP)
+        poll(c, now + t)
     joins(c, later)
     assert c.spares == {}
     assert store.get_json(client, store.fenced_key(2), ("attempt",))["attempt"] == 0  # its launcher kills it
@@ -319,6 +320,19 @@ def test_a_spare_that_hangs_while_waiting_is_fenced_not_admitted(make, tmp_path:
     ask_to_join(client, 2, 1)  # restarted by its launcher: a spare again
     joins(c, later + 0.1)
     assert c.membership.members == (0, 2)
+
+
+def test_a_store_stall_is_not_taken_for_every_group_going_silent(make, tmp_path: Path) -> None:
+    """No node message read for more than half the heartbeat timeout (an etcd election, a frozen
+    coordinator): the unchanged messages say nothing, every group gets one timeout from now."""
+    c, client = make(heartbeat_timeout_s=2.0)
+    now = time.monotonic()
+    beat(client, 0, 1)
+    poll(c, now)
+    poll(c, now + 1.8)  # nothing read in between, nothing written: the store stalled
+    assert c.detector.decide(now + 2.5) == ({}, False)  # without the grace both were silent 2.5 s
+    failed, _ = c.detector.decide(now + 1.8 + 2.1)  # still silent a timeout after the stall: failed
+    assert sorted(failed) == [0, 1]
 
 
 def test_a_spare_whose_launcher_reports_it_dead_is_dropped_at_once(make, tmp_path: Path) -> None:

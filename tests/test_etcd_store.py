@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +23,7 @@ from titan_recover.etcd_store import EtcdStore, LeadershipLost, check_cluster
 from titan_recover.events import logged_steps
 from titan_recover.leader import Lease
 
-from conftest import CONFIG
+from conftest import CONFIG, ROOT
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +187,20 @@ def test_logged_steps_skips_a_line_cut_short(tmp_path) -> None:  # type: ignore[
     path = tmp_path / "events.jsonl"
     path.write_text('{"event": "step", "step": 1}\n{"event": "failure", "step": 2}\n{"event": "step", "st')
     assert logged_steps(str(path)) == {1} and logged_steps(str(tmp_path / "none")) == set()
+
+
+def test_the_package_runs_without_the_etcd_client_until_a_run_names_etcd() -> None:
+    """etcd3gw is an extra: nothing imports it unless ``control_store`` names etcd, which then says what to install."""
+    code = (
+        "import sys; sys.modules['etcd3gw'] = None\n"  # as if it were not installed
+        "import titan_recover.launch, titan_recover.coordinator, titan_recover.manager, titan_recover.agent\n"
+        "from titan_recover import config, launch\n"
+        "try:\n"
+        "    launch.check_control_store('etcd://a:1,b:2,c:3')\n"
+        "except config.ConfigError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "recover.control_store names etcd but its client is missing" in out.stdout
+    assert "pip install 'titan_recover[etcd]'" in out.stdout

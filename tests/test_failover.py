@@ -110,17 +110,20 @@ def test_an_etcd_member_killed_is_invisible_and_a_stale_leader_cannot_change_mem
 ) -> None:
     """One launcher (one candidate), both groups, and a second candidate started beside it. At step 2 the
     etcd member leading Raft is SIGKILLed: nothing changes (same coordinator leader, no failure). At step 3
-    the coordinator leader is SIGSTOPped while replica 0 holds step 4 (a 25 s sleep), past its lease and the
-    heartbeat timeout: the second candidate takes over. Resumed with SIGCONT, the stale leader finds its
-    first write refused and campaigns again; it fences nobody (on its clock every member has been silent
-    for more than the heartbeat timeout) and logs nothing, and the run keeps both groups throughout."""
+    the coordinator leader is SIGSTOPped while replica 0 holds step 4 (a 15 s sleep), past its lease (2 s) and
+    the heartbeat timeout (2 s): the second candidate takes over. Resumed with SIGCONT, the stale leader finds its
+    first write refused and campaigns again; it fences nobody and logs nothing (its guard refuses any
+    membership write: ``test_etcd_store``), and the run keeps both groups throughout. The short heartbeat
+    timeout also checks that the etcd election after the member's death is not taken for every group
+    going silent."""
     dump = tmp_path / "dump"
-    plan = "sleep replica=0 step=4 phase=forward seconds=25"
-    args = launcher(dump, etcd.url, plan)
+    plan = "sleep replica=0 step=4 phase=forward seconds=15"
+    # a short lease and heartbeat timeout: the same story in less time
+    args = launcher(dump, etcd.url, plan, "--recover.leader_lease_s", "2", "--recover.heartbeat_timeout_s", "2")
     with Node("a", dump, args, node_env(None, "0,1")) as a:
         wait_until("step 2", lambda: 2 in steps(dump), 240, [a])
         etcd.kill(raft_leader(etcd))
-        time.sleep(4.0)  # longer than the coordinator's lease: a lost lease would show now
+        time.sleep(3.0)  # longer than the coordinator's lease: a lost lease would show now
         [first] = leaders(dump)
         # a second candidate, as another node's launcher would run beside its agent
         spare = subprocess.Popen(
@@ -131,7 +134,7 @@ def test_an_etcd_member_killed_is_invisible_and_a_stale_leader_cannot_change_mem
             wait_until("step 3", lambda: 3 in steps(dump), 120, [a])
             os.kill(first["pid"], signal.SIGSTOP)
             wait_until("a new leader", lambda: len(leaders(dump)) == 2, 60, [a])
-            time.sleep(6.0)  # past heartbeat_timeout_s (5 s) on the frozen leader's clock
+            time.sleep(3.0)  # past heartbeat_timeout_s (2 s) on the frozen leader's clock
             os.kill(first["pid"], signal.SIGCONT)
             assert a.wait(timeout=240) == 0, a.output()[-3000:]
             assert spare.wait(timeout=60) == 0

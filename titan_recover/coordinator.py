@@ -141,6 +141,7 @@ class Coordinator:
         self.views: dict[tuple[int, int], GroupView] = {}  # (replica, attempt) -> folded over its nodes
         self.asking: dict[int, int] = {}  # replica -> its latest incarnation whose ranks wait to join
         self.next_node_read = 0.0
+        self.last_node_read: float | None = None  # when the node messages were last read
         self.next_alive = 0.0
         if self.store.check([store.COORDINATOR_STATE]):
             self._take_over()
@@ -225,6 +226,12 @@ class Coordinator:
         if now < self.next_node_read:
             return
         self.next_node_read = now + self.rc.heartbeat_interval_s
+        if self.last_node_read is not None and now - self.last_node_read > self.rc.heartbeat_timeout_s / 2:
+            # no lifeline could write, or none was read: silence says nothing about the groups
+            for replica in (*self.membership.members, *self.spares):
+                self.detector.expect(replica, now)
+            log(f"no node message read for {now - self.last_node_read:.1f}s (the control store stalled, e.g. an etcd "
+                "election, or this coordinator was frozen): every group gets one heartbeat timeout from now")
         count = int(self.store.add(store.NODES, 0))
         for index in range(len(self.nodes) + len(self.pending_nodes) + 1, count + 1):
             self.pending_nodes[index] = now
@@ -245,6 +252,7 @@ class Coordinator:
                 self.node_groups[key] = (store.read_node_message(key, raw), now)
             except store.MessageError as e:
                 log(f"ignoring malformed node message: {e}")
+        self.last_node_read = now
         self.views = group_views(
             (replica, entry, seen) for groups, seen in self.node_groups.values() for replica, entry in groups.items()
         )
