@@ -70,10 +70,6 @@ def _ids(obj: Any, what: str, value: Callable[[Any], bool]) -> dict[int, Any]:
     return {int(k): v for k, v in obj.items()}
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_time(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -81,15 +77,15 @@ def _is_time(v: Any) -> bool:
 def read_state(raw: dict[str, Any]) -> dict[str, Any]:
     """The state a leader saved, checked field by field (a new leader acts on it)."""
     progress = raw["progress"]
-    if progress is not None and not (isinstance(progress, dict) and _is_int(progress.get("step"))
-                                     and _is_int(progress.get("epoch")) and _is_time(progress.get("time"))):
+    if progress is not None and not (isinstance(progress, dict) and store.is_int(progress.get("step"))
+                                     and store.is_int(progress.get("epoch")) and _is_time(progress.get("time"))):
         raise store.MessageError(f"store key {store.COORDINATOR_STATE!r}: progress needs step, epoch, time: {progress!r:.200}")
-    if not (_is_int(raw["next_report"]) and raw["next_report"] >= 1 and _is_int(raw["retries"])):
+    if not (store.is_int(raw["next_report"]) and raw["next_report"] >= 1 and store.is_int(raw["retries"])):
         raise store.MessageError(f"store key {store.COORDINATOR_STATE!r}: next_report and retries must be integers")
-    pair = lambda v: isinstance(v, list) and len(v) == 2 and _is_int(v[0]) and _is_time(v[1])  # noqa: E731
+    pair = lambda v: isinstance(v, list) and len(v) == 2 and store.is_int(v[0]) and _is_time(v[1])  # noqa: E731
     return {
         "progress": progress, "next_report": raw["next_report"], "retries": raw["retries"],
-        **{k: _ids(raw[k], k, _is_int) for k in ("attempts", "admitted_epoch", "joining", "spares", "dropped")},
+        **{k: _ids(raw[k], k, store.is_int) for k in ("attempts", "admitted_epoch", "joining", "spares", "dropped")},
         "down_since": _ids(raw["down_since"], "down_since", _is_time),
         "repairs": {r: tuple(v) for r, v in _ids(raw["repairs"], "repairs", pair).items()},
     }
@@ -170,15 +166,19 @@ class Coordinator:
                 raise store.MessageError(f"store key {key!r}: {e}") from e
             self.history[m.epoch] = m
         self.membership = self.history[epoch]
-        now = time.monotonic()
         self.detector.set_members(self.membership.members)
         if self.progress is not None:  # past startup: every member beat before; the dead ones stop now
-            for replica in (*self.membership.members, *self.spares):
-                self.detector.expect(replica, now)
-        if self.progress is not None and self.progress["step"] not in logged_steps(self.events.path):
-            # saved, then its leader died before the event was written (saves precede events one step at a time)
-            self.events.step(store.get_json(self.store, store.step_key(self.progress["step"]), STEP_FIELDS))
+            self._grace(time.monotonic())
+            if self.progress["step"] not in logged_steps(self.events.path):
+                # saved, then its leader died before the event was written (saves precede events one step at a time)
+                self.events.step(store.get_json(self.store, store.step_key(self.progress["step"]), STEP_FIELDS))
         log(f"took over at step {self._step()}: epoch {epoch}, members {list(self.membership.members)}")
+
+    def _grace(self, now: float) -> None:
+        """Every member and waiting spare counts as having beaten at ``now``: one heartbeat timeout
+        to show it is alive, when the beats before could not be read."""
+        for replica in (*self.membership.members, *self.spares):
+            self.detector.expect(replica, now)
 
     def _publish(self, membership: Membership) -> None:
         # members/<e> is written before the epoch, so whoever sees an epoch can read its members
@@ -227,9 +227,7 @@ class Coordinator:
             return
         self.next_node_read = now + self.rc.heartbeat_interval_s
         if self.last_node_read is not None and now - self.last_node_read > self.rc.heartbeat_timeout_s / 2:
-            # no lifeline could write, or none was read: silence says nothing about the groups
-            for replica in (*self.membership.members, *self.spares):
-                self.detector.expect(replica, now)
+            self._grace(now)  # no lifeline could write, or none was read: silence says nothing about the groups
             log(f"no node message read for {now - self.last_node_read:.1f}s (the control store stalled, e.g. an etcd "
                 "election, or this coordinator was frozen): every group gets one heartbeat timeout from now")
         count = int(self.store.add(store.NODES, 0))

@@ -55,9 +55,9 @@ class LocalEtcd:
         ]
 
     def start(self, timeout_s: float = 30.0) -> "LocalEtcd":
-        log = open(os.path.join(self.root, "etcd.log"), "ab")
-        for name in self.names:
-            self.procs[name] = subprocess.Popen(self._command(name), stdout=log, stderr=log)
+        with open(os.path.join(self.root, "etcd.log"), "ab") as log:  # the members keep their own copies
+            for name in self.names:
+                self.procs[name] = subprocess.Popen(self._command(name), stdout=log, stderr=log)
         probe = EtcdStore([(LOOPBACK, p) for p in self.client_ports.values()], timeout_s)
         try:
             probe.range("titan_recover/probe")  # answered once a leader is elected

@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from datetime import timedelta
+from typing import Callable, TypeVar
 
 import torch.distributed as dist
 from etcd3gw.client import Etcd3Client
@@ -34,6 +35,7 @@ REQUEST_S = 2.0  # one HTTP request; a member cut off from the quorum is left af
 POLL_S = (0.002, 0.05)  # first and longest pause of a blocking get/wait
 MIN_MEMBERS = 3  # fewer cannot lose one member and keep a majority
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
+T = TypeVar("T")
 
 
 class LeadershipLost(RuntimeError):
@@ -61,7 +63,6 @@ class EtcdStore(dist.Store):
         self._seq = 0
         self._lock = threading.Lock()  # one store object is shared by threads (gloo's rendezvous, a lifeline)
         self.set_timeout(timedelta(seconds=timeout_s))
-        self.requests = 0  # answered requests, for the benches
 
     # ---- transport ------------------------------------------------------------------
 
@@ -79,7 +80,6 @@ class EtcdStore(dist.Store):
                     with self._lock:
                         answer = client.post(client.get_url(path), json=body)
                     self._current = index
-                    self.requests += 1
                     return answer
                 except PreconditionFailedError:
                     raise  # the request itself is wrong: no other member would take it
@@ -137,16 +137,20 @@ class EtcdStore(dist.Store):
     def set(self, key: str, value: str | bytes) -> None:
         self._guarded([], [put_op(key, _b(value))])
 
-    def get(self, key: str) -> bytes:
-        """Blocks until ``key`` exists, like TCPStore (gloo's rendezvous relies on it)."""
-        deadline = time.monotonic() + self.timeout.total_seconds()
+    def _until(self, ready: Callable[[], T | None], limit: timedelta, what: str) -> T:
+        """Polls ``ready`` (backing off up to ``POLL_S[1]``) until it returns a value, within ``limit``."""
+        deadline = time.monotonic() + limit.total_seconds()
         pause = POLL_S[0]
-        while (rec := self.range(key)) is None:
+        while (value := ready()) is None:
             if time.monotonic() > deadline:
-                raise dist.DistStoreError(f"etcd store: key {key!r} did not appear within {self.timeout.total_seconds():g}s")
+                raise dist.DistStoreError(f"etcd store: {what} within {limit.total_seconds():g}s")
             time.sleep(pause)
             pause = min(2 * pause, POLL_S[1])
-        return rec["value"]
+        return value
+
+    def get(self, key: str) -> bytes:
+        """Blocks until ``key`` exists, like TCPStore (gloo's rendezvous relies on it)."""
+        return self._until(lambda: self.range(key), self.timeout, f"key {key!r} did not appear")["value"]
 
     def check(self, keys: list[str]) -> bool:
         return all(self.range(k) is not None for k in keys)
@@ -204,14 +208,7 @@ class EtcdStore(dist.Store):
     deleteKey = delete_key  # the name torch's C++ side calls
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        limit = (timeout or self.timeout).total_seconds()
-        deadline = time.monotonic() + limit
-        pause = POLL_S[0]
-        while not self.check(keys):
-            if time.monotonic() > deadline:
-                raise dist.DistStoreError(f"etcd store: keys {keys} did not all appear within {limit:g}s")
-            time.sleep(pause)
-            pause = min(2 * pause, POLL_S[1])
+        self._until(lambda: self.check(keys) or None, timeout or self.timeout, f"keys {keys} did not all appear")
 
     def clone(self) -> EtcdStore:
         """Itself: every call is one short request under the lock, so a blocking ``get`` in one

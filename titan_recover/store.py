@@ -108,8 +108,8 @@ def read_rendezvous(client: dist.TCPStore, replica: int) -> dict[str, Any] | Non
     if not client.check([key]):
         return None
     rec = get_json(client, key, ("attempt", "host", "port"))
-    if not (_is_int(rec["attempt"]) and rec["attempt"] >= 0 and isinstance(rec["host"], str) and rec["host"]
-            and _is_int(rec["port"]) and 0 < rec["port"] < 65536):
+    if not (is_int(rec["attempt"]) and rec["attempt"] >= 0 and isinstance(rec["host"], str) and rec["host"]
+            and is_int(rec["port"]) and 0 < rec["port"] < 65536):
         raise MessageError(f"store key {key!r}: attempt must be an integer >= 0, host a name, port in 1..65535: {rec!r:.200}")
     return rec
 
@@ -398,7 +398,7 @@ NODE_GROUP_FIELDS = ("attempt", "ranks", "ready", "finished", "silent_s")
 def read_node_message(key: str, raw: bytes) -> dict[int, dict[str, Any]]:
     """A node message's groups (replica -> its entry), checked field by field."""
     rec = decode_json(key, raw, ("seq", "groups"))
-    if not _is_int(rec["seq"]) or not isinstance(rec["groups"], dict):
+    if not is_int(rec["seq"]) or not isinstance(rec["groups"], dict):
         raise MessageError(f"store key {key!r}: seq must be an integer and groups an object: {rec!r:.200}")
     groups: dict[int, dict[str, Any]] = {}
     for replica, entry in rec["groups"].items():
@@ -407,29 +407,29 @@ def read_node_message(key: str, raw: bytes) -> dict[int, dict[str, Any]]:
         missing = [f for f in NODE_GROUP_FIELDS if f not in entry]
         counts = [entry.get(f) for f in NODE_GROUP_FIELDS[:4]]
         silent = entry.get("silent_s")
-        if missing or not all(_is_int(v) and v >= 0 for v in counts) or isinstance(silent, bool) \
+        if missing or not all(is_int(v) and v >= 0 for v in counts) or isinstance(silent, bool) \
                 or not isinstance(silent, (int, float)) or not 0 <= silent < float("inf"):
             raise MessageError(f"store key {key!r}: group {replica} needs non-negative integers "
                                f"{list(NODE_GROUP_FIELDS[:4])} and seconds silent_s: {entry!r:.200}")
         stuck = entry.get("stuck")
-        if stuck is not None and not (isinstance(stuck, dict) and all(_is_int(stuck.get(f)) for f in ("rank", "step"))):
+        if stuck is not None and not (isinstance(stuck, dict) and all(is_int(stuck.get(f)) for f in ("rank", "step"))):
             raise MessageError(f"store key {key!r}: group {replica}: stuck needs integers rank and step: {stuck!r:.200}")
         groups[int(replica)] = entry
     return groups
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def read_report(store: dist.TCPStore, key: str) -> dict[str, Any]:
     """A failure report, checked field by field: a peer's bytes are validated, never trusted."""
     rec = get_json(store, key, ("epoch", "cause"))
-    if not _is_int(rec["epoch"]) or rec["epoch"] < 0:
+    if not is_int(rec["epoch"]) or rec["epoch"] < 0:
         raise MessageError(f"store key {key!r}: epoch must be a non-negative integer, got {rec['epoch']!r}")
     for field in ("suspect", "replica", "step", "attempt"):
         value = rec.get(field)
-        if value is not None and (not _is_int(value) or value < 0):
+        if value is not None and (not is_int(value) or value < 0):
             raise MessageError(f"store key {key!r}: {field} must be a non-negative integer, got {value!r}")
     if not isinstance(rec["cause"], str) or not isinstance(rec.get("error", ""), str):
         raise MessageError(f"store key {key!r}: cause and error must be strings: {rec!r:.200}")
