@@ -60,7 +60,7 @@ class Launcher:
 def read_owner(key: str, raw: bytes) -> Launcher:
     """An owner record, checked field by field: a peer's bytes are validated, never trusted."""
     rec = store.decode_json(key, raw, ("launcher", "host", "pid"))
-    if not isinstance(rec["launcher"], str) or not isinstance(rec["host"], str) or not store._is_int(rec["pid"]):
+    if not isinstance(rec["launcher"], str) or not isinstance(rec["host"], str) or not store.is_int(rec["pid"]):
         raise store.MessageError(f"store key {key!r}: launcher and host must be strings, pid an integer: {rec!r:.200}")
     return Launcher(rec["launcher"], rec["host"], rec["pid"])
 
