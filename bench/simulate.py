@@ -1,7 +1,7 @@
 """The goodput simulator, calibrated on this machine and extrapolated to large clusters.
 
 1. Calibration: the costs measured by ``bench.ckpt_restart`` (step time, checkpoint
-   save, restart, detection, rejoin, transfer) go into ``titan_recover.goodput``; it
+   save, restart, detection, rejoin, transfer) go into ``titan_recover.tools.goodput``; it
    replays the same kills and predicts each run's training time (first to last step).
    ``sim_calibration_error`` is the largest relative error over those runs.
 2. The paper's setting (512 GPUs, 256 lost spread over the run, 234 GPU-hours): the
@@ -28,7 +28,7 @@ import statistics
 from pathlib import Path
 
 from bench.common import RESULTS, write_result
-from titan_recover import goodput as g
+from titan_recover.tools import goodput as g
 
 SIZES = (512, 1024, 2048, 4096, 8192, 16384)
 RATES = (1e-5, 3e-5, 1e-4, 3e-4)  # failures per GPU-hour (1e-4: one per 10,000 GPU-hours)

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from titan_recover.control.protocol import NodeGroup, Stuck
 from titan_recover.membership import (
     FailureDetector,
     GroupView,
@@ -621,9 +622,9 @@ def test_expect_restarts_a_replicas_clock() -> None:
 
 
 def test_group_views_add_ranks_over_nodes_and_take_the_most_silent() -> None:
-    a = {"attempt": 1, "ranks": 4, "ready": 4, "finished": 0, "silent_s": 0.5}
-    b = {"attempt": 1, "ranks": 4, "ready": 3, "finished": 0, "silent_s": 2.0, "stuck": {"rank": 3, "step": 7}}
-    old = {"attempt": 0, "ranks": 8, "ready": 0, "finished": 0, "silent_s": 0.0}
+    a = NodeGroup(attempt=1, ranks=4, ready=4, finished=0, silent_s=0.5)
+    b = NodeGroup(attempt=1, ranks=4, ready=3, finished=0, silent_s=2.0, stuck=Stuck(rank=3, step=7))
+    old = NodeGroup(attempt=0, ranks=8, ready=0, finished=0, silent_s=0.0)
     views = group_views([(5, a, 100.0), (5, b, 99.0), (5, old, 50.0)])
     assert views[(5, 1)] == GroupView(ranks=8, ready=7, finished=0, alive_at=97.0,
                                       stuck="the main loop of its rank 3 made no progress (at step 7)")

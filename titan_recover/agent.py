@@ -16,16 +16,17 @@
   writes the epoch into every local channel, where ranks read it from memory.
 """
 
-import json
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
-from titan_recover import node_channel, store
+from titan_recover import node_channel
+from titan_recover.control.client import ControlClient
+from titan_recover.control.protocol import MessageError, NodeGroup, NodeMessage, Report, Stuck
+from titan_recover.control.transport import connect
 from titan_recover.node_channel import Channel
 
 EPOCH_WAIT_S = 24 * 3600.0  # one wait per epoch; a lost coordinator is the lifeline's to find, within its bound
@@ -43,7 +44,7 @@ class SlotWatch:
     def new(slots: int, now: float) -> "SlotWatch":
         return SlotWatch(np.zeros(slots, dtype=np.int64), np.full(slots, now))
 
-    def entry(self, attempt: int, slots: np.ndarray, now: float) -> dict[str, Any]:
+    def entry(self, attempt: int, slots: np.ndarray, now: float) -> NodeGroup:
         """This incarnation's part of the node message, from its slots (rows of beat, state, pid, step)."""
         beat, state = slots[:, node_channel.BEAT], slots[:, node_channel.STATE]
         moved = beat != self.beats
@@ -53,17 +54,15 @@ class SlotWatch:
         live = (beat > 0) & ~finished
         if live.any():
             self.most_silent = int(np.flatnonzero(live)[np.argmin(self.changed[live])])
-        entry: dict[str, Any] = {
-            "attempt": attempt,
-            "ranks": int(((beat > 0) | finished).sum()),
-            "ready": int((state == node_channel.READY).sum()),
-            "finished": int(finished.sum()),
-            "silent_s": round(float((now - self.changed[live]).max()), 3) if live.any() else 0.0,
-        }
         stuck = np.flatnonzero(state == node_channel.STUCK)
-        if len(stuck):
-            entry["stuck"] = {"rank": int(stuck[0]), "step": int(slots[stuck[0], node_channel.STEP])}
-        return entry
+        return NodeGroup(
+            attempt=attempt,
+            ranks=int(((beat > 0) | finished).sum()),
+            ready=int((state == node_channel.READY).sum()),
+            finished=int(finished.sum()),
+            silent_s=round(float((now - self.changed[live]).max()), 3) if live.any() else 0.0,
+            stuck=Stuck(int(stuck[0]), int(slots[stuck[0], node_channel.STEP])) if len(stuck) else None,
+        )
 
 
 @dataclass
@@ -82,7 +81,7 @@ class NodeAgent:
     seq: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _waiter: threading.Thread | None = None
-    _hangs: list[dict[str, Any]] = field(default_factory=list)  # reports for the launcher to send
+    _hangs: list[Report] = field(default_factory=list)  # reports for the launcher to send
     _hung: set[tuple[int, int]] = field(default_factory=set)  # (replica, attempt) already reported
 
     def open(self, replica: int, attempt: int) -> str:
@@ -116,20 +115,17 @@ class NodeAgent:
             states = self.channels[replica].read_slots()[:, node_channel.STATE]
         return not np.isin(states, (node_channel.RUNNING, node_channel.STUCK, node_channel.FINISHED)).any()
 
-    def message(self) -> str:
-        """The node message: one JSON object for every local group, written by the lifeline thread."""
+    def message(self) -> NodeMessage:
+        """The node message: an entry for every local group, written by the lifeline thread."""
         now = time.monotonic()
         with self._lock:
             self.seq += 1
             for channel in self.channels.values():
                 channel.tick()  # the ranks watch this move
-            groups = {
-                str(r): self.watches[r].entry(self.attempts[r], channel.read_slots(), now)
-                for r, channel in self.channels.items()
-            }
+            groups = {r: self.watches[r].entry(self.attempts[r], channel.read_slots(), now) for r, channel in self.channels.items()}
             for r, entry in groups.items():
-                self._check_hang(int(r), entry["silent_s"])
-        return json.dumps({"seq": self.seq, "groups": groups})
+                self._check_hang(r, entry.silent_s)
+        return NodeMessage(self.seq, groups)
 
     def _check_hang(self, replica: int, silent_s: float) -> None:
         """Queues one report per incarnation whose most silent live rank passed ``hang_timeout_s``."""
@@ -139,10 +135,9 @@ class NodeAgent:
         self._hung.add(incarnation)
         rank, attempt = self.watches[replica].most_silent, incarnation[1]
         cause = f"heartbeat silent for {silent_s:.2f}s (local rank {rank} of attempt {attempt}, seen by its node agent)"
-        self._hangs.append({"replica": replica, "epoch": max(self.epoch, 0), "suspect": replica, "attempt": attempt,
-                            "cause": cause})
+        self._hangs.append(Report(epoch=max(self.epoch, 0), cause=cause, replica=replica, suspect=replica, attempt=attempt))
 
-    def take_hangs(self) -> list[dict[str, Any]]:
+    def take_hangs(self) -> list[Report]:
         """The hang reports queued since the last call (the launcher writes them to the store)."""
         with self._lock:
             hangs, self._hangs = self._hangs, []
@@ -160,18 +155,17 @@ class NodeAgent:
         self._waiter.start()
 
     def _push_epochs(self, on_error: Callable[[str], None]) -> None:
-        client = None
+        client: ControlClient | None = None
         while not self.flags:
             try:
                 if client is None:
-                    client = store.connect(self.address, 60.0, self.secret)
-                epoch = store.get_int(client, store.EPOCH)
-                flags = (node_channel.FATAL if client.check([store.FATAL]) else 0) | (
-                    node_channel.DONE if client.check([store.STATUS]) else 0)
+                    client = ControlClient(connect(self.address, 60.0, self.secret))
+                epoch = client.epoch()
+                flags = (node_channel.FATAL if client.stopped() else 0) | (node_channel.DONE if client.finished() else 0)
                 self._publish(epoch, flags)
                 if not flags:
-                    client.wait([store.members_key(epoch + 1)], timedelta(seconds=EPOCH_WAIT_S))
-            except store.MessageError as e:
+                    client.wait_epoch_after(epoch, EPOCH_WAIT_S)
+            except MessageError as e:
                 on_error(f"malformed epoch in the coordinator's store: {e}")
                 time.sleep(1.0)
             except Exception:  # a reset or a timeout: a fresh connection (the lifeline bounds a lost coordinator)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from titan_recover.config import ConfigError
 from titan_recover.membership import Membership
-from titan_recover.store import REPLICATE_BACKEND
+from titan_recover.control.keys import REPLICATE_BACKEND
 
 POLL_S = (0.0005, 0.005)  # first and longest pause while waiting: quick for short waits, light for long ones
 NCCL_NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"  # bounds a non-blocking communicator's setup

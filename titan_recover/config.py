@@ -143,7 +143,8 @@ def _check_types(section: Any, name: str) -> None:
 
 def validate(job_config: Any) -> Recover:
     """Checks ``[recover]`` and the parallelism it relies on; returns the section."""
-    from titan_recover import devices, faults, store, workload
+    from titan_recover import devices, faults, workload
+    from titan_recover.control.addresses import parse_etcd_url
 
     rc: Recover = job_config.recover
     _check_types(rc, "recover")
@@ -193,7 +194,7 @@ def validate(job_config: Any) -> Recover:
         raise ConfigError(f"recover.coordinator_port out of range: {rc.coordinator_port}")
     if rc.control_store:
         try:
-            store.parse_etcd_url(rc.control_store)
+            parse_etcd_url(rc.control_store)
         except ValueError as e:
             raise ConfigError(f"recover.control_store: {e}; use \"\" (the coordinator's own TCPStore) or "
                               "\"etcd://host:port,host:port,host:port\"") from None

@@ -6,7 +6,7 @@ coordinator candidate, one leads, and a candidate that dies before the run ends 
 again), then R ``torchrun`` jobs of dp_shard x tp x pp ranks each,
 and restarts a group's torchrun when it fails, up to ``[recover] max_restarts``
 times within ``restart_window_s`` (titan_recover.restarts): only the failed group restarts, and it rejoins from a live peer.
-Each launcher first claims its groups in the coordinator's store (titan_recover.claims): a group runs
+Each launcher first claims its groups in the coordinator's store (titan_recover.control.claims): a group runs
 under one launcher, a dead launcher's groups go to the one started in its place, and incarnation
 numbers are the store's, so a replacement's groups rejoin. Only the launcher that starts the
 coordinator starts a new event log; the others append to it. When the
@@ -22,8 +22,6 @@ for a single-node run, given by the user for a multi-node one): see the README's
 Either way the run ends with a summary from ``recover_events.jsonl``.
 """
 
-import ctypes
-import faulthandler
 import os
 import re
 import secrets
@@ -33,27 +31,32 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from titan_recover import claims, config, cpu_shim, devices, node_channel, store
+from titan_recover import config, cpu_shim, devices, logs, node_channel
 from titan_recover.agent import NodeAgent
+from titan_recover.control import claims, keys, transport
+from titan_recover.control.addresses import LOOPBACK, first_endpoint, local_host, parse_host_port
+from titan_recover.control.client import ControlClient
+from titan_recover.control.lifeline import PROBE_S, Heartbeat
+from titan_recover.control.protocol import Launcher, Rendezvous, Report
+from titan_recover.procs import die_with_parent, dumps_stacks, exit_lost
 from titan_recover.events import events_path
 from titan_recover.restarts import RestartBudget
 from titan_recover.summary import format_summary, summarize_events
 from titan_recover.tokens import DataError
 
-REPLICAS_ENV = store.REPLICAS_ENV  # comma-separated replica ids this node launches
 
 
 def parse_replicas(value: str | None, replicas: int) -> list[int]:
     """The replica groups this node launches, from ``$TITAN_RECOVER_REPLICAS`` (unset: all of them,
     spares included: ``replicas`` counts every id).
 
-    Checked before anything starts: a bad id used to end in a traceback, or in groups that
-    never come (an id out of range, or one listed twice) while the coordinator waits for them.
+    Checked before anything starts: a bad id would end in a traceback, or in groups that never
+    come (an id out of range, or one listed twice) while the coordinator waits for them.
     """
     if value is None:
         return list(range(replicas))
@@ -65,12 +68,12 @@ def parse_replicas(value: str | None, replicas: int) -> list[int]:
     for item in value.split(","):
         if not re.fullmatch(r"-?\d+", item.strip(), re.ASCII):
             what = "an empty entry" if not item.strip() else f"{item.strip()!r} is not a replica id"
-            raise config.ConfigError(f"{REPLICAS_ENV}={value!r}: {what}; {fix}")
+            raise config.ConfigError(f"{keys.REPLICAS_ENV}={value!r}: {what}; {fix}")
         r = int(item)
         if not 0 <= r < replicas:
-            raise config.ConfigError(f"{REPLICAS_ENV}={value!r}: replica {r} is out of range; {fix}")
+            raise config.ConfigError(f"{keys.REPLICAS_ENV}={value!r}: replica {r} is out of range; {fix}")
         if r in ids:
-            raise config.ConfigError(f"{REPLICAS_ENV}={value!r}: replica {r} is listed twice; {fix}")
+            raise config.ConfigError(f"{keys.REPLICAS_ENV}={value!r}: replica {r} is listed twice; {fix}")
         ids.append(r)
     return ids
 
@@ -82,14 +85,14 @@ def parse_group_node(value: str | None, parts: int) -> int:
         return 0
     fix = f"set it to 0..{parts - 1} (recover.group_nodes = {parts}: the part of its replica groups this node runs)"
     if not re.fullmatch(r"\d+", value.strip(), re.ASCII) or not int(value) < parts:
-        raise config.ConfigError(f"{store.GROUP_NODE_ENV}={value!r} is not a part of a replica group; {fix}")
+        raise config.ConfigError(f"{keys.GROUP_NODE_ENV}={value!r} is not a part of a replica group; {fix}")
     return int(value)
 
 
 def check_control_store(url: str) -> str:
     """The etcd cluster of ``[recover] control_store``, checked before anything starts."""
     try:
-        from titan_recover.etcd_store import check_cluster
+        from titan_recover.control.etcd_store import check_cluster
     except ImportError as e:
         raise config.ConfigError(f"recover.control_store names etcd but its client is missing ({e}): "
                                  "pip install 'titan_recover[etcd]'") from None
@@ -106,43 +109,22 @@ def check_coordinator(address: str, control_store: str = "") -> str:
     if control_store:
         if address != control_store:
             raise config.ConfigError(
-                f"{store.COORDINATOR_ENV}={address!r} differs from recover.control_store={control_store!r}: with an "
+                f"{keys.COORDINATOR_ENV}={address!r} differs from recover.control_store={control_store!r}: with an "
                 f"etcd control store, set it to the same URL on every node after the first (or unset it on the first)"
             )
         return address
-    host, _, port = address.rpartition(":")
     fix = "set it to host:port of the coordinator another node's launcher started, or unset it to start one here"
-    if not host or any(c.isspace() for c in host) or not re.fullmatch(r"\d+", port, re.ASCII):
-        raise config.ConfigError(f"{store.COORDINATOR_ENV}={address!r} is not host:port; {fix}")
-    if not 0 < int(port) < 65536:
-        raise config.ConfigError(f"{store.COORDINATOR_ENV}={address!r}: port {int(port)} is out of range 1..65535; {fix}")
+    try:
+        parse_host_port(address)
+    except ValueError as e:
+        raise config.ConfigError(f"{keys.COORDINATOR_ENV}={address!r}: {e}; {fix}") from None
     return address
 
 
-def log(msg: str) -> None:
-    print(f"[titan_recover launcher] {msg}", flush=True)
+log = logs.get("launcher")
 
 
-PR_SET_PDEATHSIG = 1
-LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a forked child must not dlopen (threads may hold its lock)
-
-
-def die_with_parent() -> None:
-    """Asks the kernel to SIGKILL this process when its parent dies: a SIGKILLed
-    launcher (or torchrun agent) then leaves no orphaned rank behind."""
-    parent = os.getppid()
-    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def dumps_stacks() -> None:
-    """``kill -USR1 <pid>`` prints every thread's stack to this process's stderr: what a
-    process that looks hung is doing, without stopping it (launcher, coordinator, ranks)."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-
-
-class Rendezvous(NamedTuple):
+class Meeting(NamedTuple):
     """Where the torchrun agents of one incarnation of a group that spans nodes meet: a static
     rendezvous on part 0's host, at a port its launcher picked for that incarnation alone."""
 
@@ -157,8 +139,8 @@ class Rendezvous(NamedTuple):
                 "--master-port", str(self.port), "--rdzv-conf", f"timeout={int(self.timeout_s)}"]
 
 
-def torchrun(nproc: int, argv: list[str], role: str, rendezvous: Rendezvous | None = None) -> list[str]:
-    where = ["--standalone", "--nnodes", "1"] if rendezvous is None else rendezvous.args()
+def torchrun(nproc: int, argv: list[str], role: str, meeting: Meeting | None = None) -> list[str]:
+    where = ["--standalone", "--nnodes", "1"] if meeting is None else meeting.args()
     return [
         sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={nproc}",
         "--max_restarts", "0", "--role", role, "--tee", "3", "--local-ranks-filter", "0",
@@ -169,11 +151,9 @@ def torchrun(nproc: int, argv: list[str], role: str, rendezvous: Rendezvous | No
 def node_address(coordinator: str) -> str:
     """This node's address as the coordinator's network sees it (the local end of a route to
     the coordinator; nothing is sent): where part 0 of a group asks the other parts to meet."""
-    if store.is_etcd(coordinator):
-        coordinator = "{}:{}".format(*store.parse_etcd_url(coordinator)[0])
-    host, _, port = coordinator.rpartition(":")
+    host, port = first_endpoint(coordinator)
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host.strip("[]"), int(port)))
+        s.connect((host, port))
         return s.getsockname()[0]
 
 
@@ -196,20 +176,20 @@ def is_incarnation(pid: int, replica: int, attempt: int) -> bool:
             env = set(f.read().split(b"\0"))
     except OSError:  # gone already
         return False
-    return {f"{store.REPLICA_ENV}={replica}".encode(), f"{store.ATTEMPT_ENV}={attempt}".encode()} <= env
+    return {f"{keys.REPLICA_ENV}={replica}".encode(), f"{keys.ATTEMPT_ENV}={attempt}".encode()} <= env
 
 
-def kill_fenced(client: object, agent: NodeAgent, replica: int, handled: dict[int, int]) -> None:
+def kill_fenced(client: ControlClient, agent: NodeAgent, replica: int, handled: dict[int, int]) -> None:
     """SIGKILLs the ranks of a fenced incarnation of ``replica`` that run on this node
     (their pids are in its channel).
 
     A fenced group may be hung (SIGSTOP, a wedged collective) rather than dead;
     torchrun only restarts a group once one of its processes exits.
     """
-    key = store.fenced_key(replica)
-    if not client.check([key]):  # type: ignore[attr-defined]
+    fence = client.read_fence(replica)
+    if fence is None:
         return
-    attempt = store.get_json(client, key, ("attempt",))["attempt"]  # type: ignore[arg-type]
+    attempt = fence.attempt
     if handled.get(replica, -1) >= attempt:
         return
     handled[replica] = attempt
@@ -218,7 +198,7 @@ def kill_fenced(client: object, agent: NodeAgent, replica: int, handled: dict[in
             continue  # the pid now belongs to someone else
         try:
             os.kill(pid, signal.SIGKILL)
-            log(f"killed local rank {local_rank} of fenced replica {replica} (attempt {attempt}, pid {pid})")
+            log.info(f"killed local rank {local_rank} of fenced replica {replica} (attempt {attempt}, pid {pid})")
         except ProcessLookupError:
             pass  # already gone
 
@@ -244,7 +224,7 @@ def coordinator_bind(configured: str, local: list[int], replicas: int, parts: in
     if configured:
         return configured
     if sorted(local) == list(range(replicas)) and parts == 1:
-        return store.LOOPBACK
+        return LOOPBACK
     others = sorted(set(range(replicas)) - set(local))
     what = f"replica groups {others} run" if others else f"the replica groups span {parts} nodes (recover.group_nodes), whose parts run"
     raise config.ConfigError(
@@ -256,13 +236,13 @@ def coordinator_bind(configured: str, local: list[int], replicas: int, parts: in
 def run_secret(env: dict[str, str], only_this_node: bool) -> str:
     """The run's secret: the user's ``$TITAN_RECOVER_SECRET``, or a fresh one when this launcher
     starts the coordinator and every replica group, so no other launcher needs to know it."""
-    if env.get(store.SECRET_ENV):
-        return env[store.SECRET_ENV]
+    if env.get(keys.SECRET_ENV):
+        return env[keys.SECRET_ENV]
     if only_this_node:
         return secrets.token_hex(16)
     raise config.ConfigError(
-        f"a multi-node run needs one secret on every node: set {store.SECRET_ENV} to the same value for each "
-        f"node's launcher, e.g. export {store.SECRET_ENV}=$(python -c 'import secrets; print(secrets.token_hex(16))')"
+        f"a multi-node run needs one secret on every node: set {keys.SECRET_ENV} to the same value for each "
+        f"node's launcher, e.g. export {keys.SECRET_ENV}=$(python -c 'import secrets; print(secrets.token_hex(16))')"
     )
 
 
@@ -271,7 +251,7 @@ class Span(NamedTuple):
 
     part: int = 0
     parts: int = 1
-    host: str = store.LOOPBACK  # this node's address, where part 0 has the others meet
+    host: str = LOOPBACK  # this node's address, where part 0 has the others meet
     timeout_s: float = 600.0  # how long a group's torchrun waits for all its parts to meet
 
     @property
@@ -298,17 +278,17 @@ class ReplicaGroups:
         shards: int,
         max_restarts: int,
         restart_window_s: float,
-        launcher: claims.Launcher,
+        launcher: Launcher,
         agent: NodeAgent,
         span: Span = Span(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.argv, self.envs, self.shards, self.launcher, self.clock = argv, envs, shards, launcher, clock
         self.agent, self.span = agent, span
-        self.meetings: dict[int, Rendezvous] = {}  # groups that span nodes: where the current incarnation meets
+        self.meetings: dict[int, Meeting] = {}  # groups that span nodes: where the current incarnation meets
         self.waiting: dict[int, int] = {}  # parts > 0: group -> the lowest incarnation of part 0's it may join
         self.fences_read = (-2, 0.0)  # the epoch at the last look for fenced incarnations, and when
-        self.attempts: dict[int, int] = {}  # the incarnation each group runs, numbered by the store (claims.incarnation)
+        self.attempts: dict[int, int] = {}  # the incarnation each group runs, numbered by the store (ControlClient.next_incarnation)
         self.budgets = {r: RestartBudget(max_restarts, restart_window_s) for r in envs}
         self.procs: dict[int, subprocess.Popen] = {}
         self.given_up: set[int] = set()
@@ -319,51 +299,48 @@ class ReplicaGroups:
         """Starts that incarnation; a group that spans nodes meets at ``meet`` (part 0 picks a port)."""
         span = self.span
         if span.parts > 1:
-            host, port = meet or (span.host, store.free_port())
-            self.meetings[replica] = Rendezvous(host, port, span.part, span.parts, span.timeout_s)
+            host, port = meet or (span.host, transport.free_port())
+            self.meetings[replica] = Meeting(host, port, span.part, span.parts, span.timeout_s)
         self.attempts[replica] = attempt
         self.waiting.pop(replica, None)
         self.procs[replica] = self._start(replica)
 
     def _start(self, replica: int) -> subprocess.Popen:
         attempt = self.attempts[replica]
-        env = {**self.envs[replica], store.REPLICA_ENV: str(replica), store.ATTEMPT_ENV: str(attempt),
+        env = {**self.envs[replica], keys.REPLICA_ENV: str(replica), keys.ATTEMPT_ENV: str(attempt),
                node_channel.CHANNEL_ENV: self.agent.open(replica, attempt)}
         return subprocess.Popen(torchrun(self.shards, self.argv, f"replica{replica}", self.meetings.get(replica)),
                                 env=env, preexec_fn=die_with_parent)
 
-    def publish(self, client: object, replica: int) -> None:
+    def publish(self, client: ControlClient, replica: int) -> None:
         """Part 0 says where the current incarnation of a group that spans nodes meets."""
         if self.span.parts > 1 and self.span.part == 0:
             meet = self.meetings[replica]
-            store.put_json(client, store.rendezvous_key(replica),  # type: ignore[arg-type]
-                           {"attempt": self.attempts[replica], "host": meet.host, "port": meet.port})
+            client.publish_rendezvous(replica, Rendezvous(self.attempts[replica], meet.host, meet.port))
 
-    def follow(self, client: object, replica: int, taken_over: bool) -> None:
+    def follow(self, client: ControlClient, replica: int, taken_over: bool) -> None:
         """Parts > 0: wait for an incarnation of part 0's to join. A launcher that took this part
         over skips the incarnation its dead predecessor started (its ranks died with it) and
         reports it, so the group restarts now rather than when the coordinator finds it silent."""
         floor = 0
-        key = store.joined_key(replica, self.span.part)
-        if taken_over and client.check([key]):  # type: ignore[attr-defined]
-            floor = store.get_int(client, key) + 1  # type: ignore[arg-type]
-            epoch = store.get_int(client, store.EPOCH)  # type: ignore[arg-type]
-            cause = f"{self.span.of(replica)} lost with its launcher (attempt {floor - 1})"
-            store.report(client, {"replica": replica, "epoch": epoch, "suspect": replica, "attempt": floor - 1,  # type: ignore[arg-type]
-                                  "cause": cause})
+        joined = client.joined(replica, self.span.part) if taken_over else None
+        if joined is not None:
+            floor = joined + 1
+            cause = f"{self.span.of(replica)} lost with its launcher (attempt {joined})"
+            client.report(Report(epoch=client.epoch(), cause=cause, replica=replica, suspect=replica, attempt=joined))
         self.waiting[replica] = floor
 
-    def _join(self, client: object, replica: int) -> None:
+    def _join(self, client: ControlClient, replica: int) -> None:
         """Starts this part of part 0's latest incarnation of ``replica``, if it may join it."""
-        rec = store.read_rendezvous(client, replica)  # type: ignore[arg-type]
-        if rec is None or rec["attempt"] < self.waiting[replica]:
+        meet = client.read_rendezvous(replica)
+        if meet is None or meet.attempt < self.waiting[replica]:
             return
-        fenced = store.fenced_key(replica)
-        if client.check([fenced]) and store.get_json(client, fenced, ("attempt",))["attempt"] >= rec["attempt"]:  # type: ignore[attr-defined,arg-type]
+        fence = client.read_fence(replica)
+        if fence is not None and fence.attempt >= meet.attempt:
             return  # out already: part 0 publishes the next one
-        client.set(store.joined_key(replica, self.span.part), str(rec["attempt"]))  # type: ignore[attr-defined]
-        log(f"{self.span.of(replica)}: joining incarnation {rec['attempt']} at {rec['host']}:{rec['port']}")
-        self.start(replica, rec["attempt"], (rec["host"], rec["port"]))
+        client.set_joined(replica, self.span.part, meet.attempt)
+        log.info(f"{self.span.of(replica)}: joining incarnation {meet.attempt} at {meet.host}:{meet.port}")
+        self.start(replica, meet.attempt, (meet.host, meet.port))
 
     def kill(self) -> None:
         """SIGKILLs every group's torchrun agent; its ranks die with it (``die_with_parent``)."""
@@ -371,24 +348,24 @@ class ReplicaGroups:
             if proc.poll() is None:
                 proc.kill()
 
-    def watch(self, client: object) -> bool:
+    def watch(self, client: ControlClient) -> bool:
         """One look: kill fenced leftovers, report and restart failed groups; False once the run is ending."""
         flags = self.agent.flags  # pushed with the epoch
         if flags:
             self.outcome = 1 if flags & node_channel.FATAL else 0
             return False  # restart nothing
         now = self.clock()
-        for rec in self.agent.take_hangs():  # a rank of a local group stopped beating: fenced now
-            store.report(client, rec)  # type: ignore[arg-type]
-        look = (self.agent.epoch, now) if self.agent.epoch != self.fences_read[0] or now - self.fences_read[1] >= store.PROBE_S else None
+        for report in self.agent.take_hangs():  # a rank of a local group stopped beating: fenced now
+            client.report(report)
+        look = (self.agent.epoch, now) if self.agent.epoch != self.fences_read[0] or now - self.fences_read[1] >= PROBE_S else None
         for r, proc in list(self.procs.items()):
             if look:  # a fence comes with a new epoch (a waiting spare's, within PROBE_S)
                 kill_fenced(client, self.agent, r, self.killed)
             code = proc.poll()
             if code in (None, 0) or r in self.given_up or r in self.waiting:
                 continue
-            if not claims.holds(client, self.launcher, r, self.span.part):  # type: ignore[arg-type]
-                log(f"{self.span.of(r)} exited with code {code}; another launcher took it over (this one looked dead): "
+            if not claims.holds(client, self.launcher, r, self.span.part):
+                log.info(f"{self.span.of(r)} exited with code {code}; another launcher took it over (this one looked dead): "
                     "leaving it to that one")
                 self.given_up.add(r)
                 continue
@@ -397,20 +374,20 @@ class ReplicaGroups:
             restart = self.span.part > 0 or self.budgets[r].take(now)  # part 0 restarts a group that spans nodes
             epoch = max(self.agent.epoch, 0)
             cause = f"torchrun of replica {r}{self.span.suffix} exited with code {code}" + ("" if restart else " (no restarts left in the window)")
-            store.report(client, {"replica": r, "epoch": epoch, "suspect": r, "attempt": self.attempts[r], "cause": cause})  # type: ignore[arg-type]
+            client.report(Report(epoch=epoch, cause=cause, replica=r, suspect=r, attempt=self.attempts[r]))
             if self.span.part > 0:
-                log(f"{self.span.of(r)} exited with code {code}; waiting for part 0 to start its next incarnation")
+                log.info(f"{self.span.of(r)} exited with code {code}; waiting for part 0 to start its next incarnation")
                 self.waiting[r] = self.attempts[r] + 1
                 continue
             if not restart:
-                log(
+                log.info(
                     f"replica group {r} exited with code {code}; {self.budgets[r].refusal(now)}; not restarting it; "
                     "the run goes on with the other groups"
                 )
                 self.given_up.add(r)
                 continue
-            attempt = claims.incarnation(client, r)  # type: ignore[arg-type]
-            log(f"{self.span.of(r)} exited with code {code}; {self.budgets[r].used(now)} (attempt {attempt})")
+            attempt = client.next_incarnation(r)
+            log.info(f"{self.span.of(r)} exited with code {code}; {self.budgets[r].used(now)} (attempt {attempt})")
             self.start(r, attempt)
             self.publish(client, r)
         for r in list(self.waiting):
@@ -425,167 +402,223 @@ class ReplicaGroups:
         )
 
 
-def run_stock(job_config: object, argv: list[str]) -> int:
+def run_stock(job_config: Any, argv: list[str]) -> int:
     """Checkpoint-and-restart: the whole world restarts, up to ``max_restarts`` times within
     ``restart_window_s``, and TorchTitan resumes from its latest DCP checkpoint (from step 0 when there is none)."""
-    par = job_config.parallelism  # type: ignore[attr-defined]
-    rc = job_config.recover  # type: ignore[attr-defined]
+    par, rc = job_config.parallelism, job_config.recover
     budget = RestartBudget(rc.max_restarts, rc.restart_window_s)
     nproc = par.data_parallel_replicate_degree * config.group_ranks(par)
-    log(f"[recover] enable = false: stock TorchTitan HSDP, {nproc} ranks in one torchrun world")
+    log.info(f"[recover] enable = false: stock TorchTitan HSDP, {nproc} ranks in one torchrun world")
     attempt = 0
     while True:
-        env = with_threads({**os.environ, store.ATTEMPT_ENV: str(attempt)}, nproc)
+        env = with_threads({**os.environ, keys.ATTEMPT_ENV: str(attempt)}, nproc)
         code = subprocess.call(torchrun(nproc, argv, "hsdp"), env=env)
         now = time.monotonic()
         if code == 0:
             return code
         if not budget.take(now):
-            log(f"torchrun exited with code {code}; {budget.refusal(now)}; not restarting the job")
+            log.info(f"torchrun exited with code {code}; {budget.refusal(now)}; not restarting the job")
             return code
         attempt += 1
-        log(f"torchrun exited with code {code}; restarting the whole job ({budget.used(now)}, attempt {attempt})")
+        log.info(f"torchrun exited with code {code}; restarting the whole job ({budget.used(now)}, attempt {attempt})")
 
 
-def run_recover(
-    job_config: object, argv: list[str], local: list[int], coordinator_address: str | None, part: int = 0
-) -> int:
-    """The replica groups ``local`` of this node (their part ``part`` when they span nodes), and the
-    coordinator unless ``coordinator_address`` names one."""
-    rc = job_config.recover  # type: ignore[attr-defined]
-    par = job_config.parallelism  # type: ignore[attr-defined]
-    replicas = config.replica_ids(job_config)
-    ranks = config.group_ranks(par) // rc.group_nodes  # of each group, on this node
-    plan = device_plan(rc.replicate_backend, len(local), ranks)
-    argv = [*argv, "--recover.replicate_backend", plan.backend]
-    env = with_threads(dict(os.environ), len(local) * ranks)
-    first = coordinator_address is None  # this launcher starts the run; other nodes' launchers join it
-    only_this_node = first and sorted(local) == list(range(replicas)) and rc.group_nodes == 1
-    env[store.SECRET_ENV] = run_secret(env, only_this_node)
-    etcd = bool(rc.control_store)  # a coordinator candidate beside every launcher, one leads
-    coordinator, address = None, coordinator_address
-    candidate = [sys.executable, "-m", "titan_recover.coordinator", *argv]
-    if etcd:
-        address = env[store.COORDINATOR_ENV] = rc.control_store
-        if first:
-            store.begin_run(store.etcd(address, rc.startup_timeout_s), env[store.SECRET_ENV])
-        coordinator = subprocess.Popen(candidate, env=env)
-    elif address is None:
-        host = store.local_host(coordinator_bind(rc.coordinator_bind, local, replicas, rc.group_nodes))
-        address = env[store.COORDINATOR_ENV] = f"{host}:{rc.coordinator_port or store.free_port()}"
-        coordinator = subprocess.Popen(candidate, env=env)
-    span = Span(part, rc.group_nodes, node_address(address), rc.startup_timeout_s)
-    spares = [r for r in local if config.is_spare(r, job_config)]
-    log(
-        f"coordinator at {address}; starting replica groups {local} of {replicas}"
-        f"{f' ({spares} as hot spares)' if spares else ''}, "
-        f"{config.group_ranks(par)} ranks each (dp_shard {par.data_parallel_shard_degree} x tp {par.tensor_parallel_degree} "
-        f"x pp {par.pipeline_parallel_degree})"
-        + (f"; each spans {span.parts} nodes: this node runs part {part}, {ranks} ranks of each, meeting at {span.host}"
-           if span.parts > 1 else "")
-    )
-    gpus = "" if plan.visible[0] is None else f"; GPUs per group: {' | '.join(map(str, plan.visible))}"
-    log(f"replicate dimension on {plan.backend} ({plan.reason}){gpus}")
-    envs = {r: with_gpus(env, visible) for r, visible in zip(local, plan.visible)}
-    me = claims.Launcher.this()
-    agent = NodeAgent(address, env[store.SECRET_ENV], ranks, hang_timeout_s=rc.heartbeat_timeout_s)
-    groups = ReplicaGroups(argv, envs, ranks, rc.max_restarts, rc.restart_window_s, me, agent, span)
-    if first and part == 0:
-        # started at once, as their first incarnation (the store is new): their ranks import and build
-        # the model while the coordinator comes up; they are claimed as soon as it is up
-        for r in local:
-            groups.start(r, 0)
-    lost_once = threading.Lock()
+class NodeLauncher:
+    """One node's launcher of a run with ``[recover] enable = true``, in named phases:
+    ``start_coordinator`` (or a candidate, on etcd), ``start_groups``, ``register``, ``loop``, ``drain``.
 
-    def on_lost(reason: str) -> None:
-        """The run cannot go on: stop everything this launcher started, say why and how to resume."""
-        if not lost_once.acquire(blocking=False):
+    ``first``: this launcher starts the run and its coordinator; other nodes' launchers join it.
+    """
+
+    def __init__(self, job_config: Any, argv: list[str], local: list[int], address: str | None, part: int) -> None:
+        rc, par = job_config.recover, job_config.parallelism
+        self.job_config, self.rc, self.local, self.part = job_config, rc, local, part
+        self.first = address is None
+        self.etcd = bool(rc.control_store)  # a coordinator candidate beside every launcher, one leads
+        self.replicas = config.replica_ids(job_config)
+        self.ranks = config.group_ranks(par) // rc.group_nodes  # of each group, on this node
+        self.plan = device_plan(rc.replicate_backend, len(local), self.ranks)
+        self.argv = [*argv, "--recover.replicate_backend", self.plan.backend]
+        self.env = with_threads(dict(os.environ), len(local) * self.ranks)
+        only_this_node = self.first and sorted(local) == list(range(self.replicas)) and rc.group_nodes == 1
+        self.env[keys.SECRET_ENV] = run_secret(self.env, only_this_node)
+        self.address = address
+        self.coordinator: subprocess.Popen | None = None
+        self.lifeline: Heartbeat | None = None
+        self.lost_once = threading.Lock()
+        self.me = Launcher.this()
+
+    # ---- phases -------------------------------------------------------------------------
+
+    def start_coordinator(self) -> None:
+        """The coordinator (first launcher), or a candidate beside every launcher on etcd."""
+        rc = self.rc
+        if self.etcd:
+            self.address = self.env[keys.COORDINATOR_ENV] = rc.control_store
+            if self.first:
+                transport.begin_run(transport.etcd(self.address, rc.startup_timeout_s), self.env[keys.SECRET_ENV])
+        elif self.address is None:
+            host = local_host(coordinator_bind(rc.coordinator_bind, self.local, self.replicas, rc.group_nodes))
+            self.address = self.env[keys.COORDINATOR_ENV] = f"{host}:{rc.coordinator_port or transport.free_port()}"
+        else:
             return
-        if coordinator is not None and coordinator.poll() in (0, 1):
-            return  # it finished (done or fatal) and closed its store: not lost
-        groups.kill()
-        if coordinator is not None:
-            if coordinator.poll() is None:
-                coordinator.kill()  # frozen: it would never answer again
-            elif coordinator.returncode < 0:
-                reason = f"the coordinator at {address} (pid {coordinator.pid}) died of signal {-coordinator.returncode}"
-        store.exit_lost("launcher", reason, config.resume_hint(job_config))
+        self.coordinator = subprocess.Popen(self._candidate(), env=self.env)
 
-    def coordinator_gone() -> str | None:
-        if etcd or coordinator is None or coordinator.poll() is None:  # a candidate's end is not the run's
+    def _candidate(self) -> list[str]:
+        return [sys.executable, "-m", "titan_recover.coordinator", *self.argv]
+
+    def start_groups(self) -> "ReplicaGroups":
+        """This node's replica groups; the first launcher's start at once as their first incarnation
+        (the store is new): their ranks import and build the model while the coordinator comes up."""
+        rc, par, address = self.rc, self.job_config.parallelism, str(self.address)
+        span = Span(self.part, rc.group_nodes, node_address(address), rc.startup_timeout_s)
+        spares = [r for r in self.local if config.is_spare(r, self.job_config)]
+        log.info(
+            f"coordinator at {address}; starting replica groups {self.local} of {self.replicas}"
+            f"{f' ({spares} as hot spares)' if spares else ''}, "
+            f"{config.group_ranks(par)} ranks each (dp_shard {par.data_parallel_shard_degree} x tp {par.tensor_parallel_degree} "
+            f"x pp {par.pipeline_parallel_degree})"
+            + (f"; each spans {span.parts} nodes: this node runs part {self.part}, {self.ranks} ranks of each, meeting at {span.host}"
+               if span.parts > 1 else "")
+        )
+        gpus = "" if self.plan.visible[0] is None else f"; GPUs per group: {' | '.join(map(str, self.plan.visible))}"
+        log.info(f"replicate dimension on {self.plan.backend} ({self.plan.reason}){gpus}")
+        envs = {r: with_gpus(self.env, visible) for r, visible in zip(self.local, self.plan.visible)}
+        self.agent = NodeAgent(address, self.env[keys.SECRET_ENV], self.ranks, hang_timeout_s=rc.heartbeat_timeout_s)
+        self.groups = ReplicaGroups(self.argv, envs, self.ranks, rc.max_restarts, rc.restart_window_s, self.me, self.agent, span)
+        if self.first and self.part == 0:
+            for r in self.local:
+                self.groups.start(r, 0)
+        return self.groups
+
+    def register(self) -> ControlClient | None:
+        """Connects (the coordinator may still be starting, or die doing so), names this node, starts
+        its lifeline and epoch push, and claims its groups; None when the coordinator ended first."""
+        rc = self.rc
+        try:
+            client = ControlClient(transport.connect(str(self.address), rc.startup_timeout_s, self.env[keys.SECRET_ENV],
+                                                     gone=self._coordinator_gone))
+        except transport.CoordinatorGone as e:
+            self.on_lost(str(e))
             return None
-        return f"the coordinator at {address} exited with code {coordinator.returncode} before it served the run"
-
-    lifeline: store.Heartbeat | None = None
-    try:
-        try:  # it may still be starting, or die doing so
-            client = store.connect(address, rc.startup_timeout_s, env[store.SECRET_ENV], gone=coordinator_gone)
-        except store.CoordinatorGone as e:
-            on_lost(str(e))
-            return coordinator.returncode  # type: ignore[union-attr]  # 0 or 1: it ended on its own and said why
-        client.set(me.key, agent.message())  # the node's message exists before anyone reads it
-        client.set(store.node_key(int(client.add(store.NODES, 1))), me.id)  # the coordinator reads it from now on
-        lifeline = store.Heartbeat(address, me.key, rc.heartbeat_interval_s, rc.coordinator_timeout_s, on_lost,
-                                   agent.message, secret=env[store.SECRET_ENV], ended=lambda: bool(agent.flags))
-        agent.start(on_error=log)
-        taken = claims.claim(client, me, local, rc.heartbeat_timeout_s, log, part)
-        for r in local:
-            if part > 0:  # part 0 starts each incarnation; this part joins it
-                groups.follow(client, r, r in taken)
+        client.register(self.me, self.agent.message())
+        self.lifeline = Heartbeat(str(self.address), self.me.key, rc.heartbeat_interval_s, rc.coordinator_timeout_s,
+                                  self.on_lost, lambda: self.agent.message().dumps(), secret=self.env[keys.SECRET_ENV],
+                                  ended=lambda: bool(self.agent.flags))
+        self.agent.start(on_error=log.warning)
+        taken = claims.claim(client, self.me, self.local, rc.heartbeat_timeout_s, log.info, self.part)
+        for r in self.local:
+            if self.part > 0:  # part 0 starts each incarnation; this part joins it
+                self.groups.follow(client, r, r in taken)
                 continue
-            attempt = claims.incarnation(client, r)  # 0 for the groups started above
-            if r not in groups.procs:  # >= 1 for a group that ran under a launcher now dead: it rejoins
-                groups.start(r, attempt)
-            groups.publish(client, r)
+            attempt = client.next_incarnation(r)  # 0 for the groups started above
+            if r not in self.groups.procs:  # >= 1 for a group that ran under a launcher now dead: it rejoins
+                self.groups.start(r, attempt)
+            self.groups.publish(client, r)
+        return client
+
+    def loop(self, client: ControlClient) -> None:
+        """Watches the groups (restarts, fences, hang reports) until the run ends; restarts a dead
+        coordinator candidate on etcd."""
+        lifeline = self.lifeline
+        assert lifeline is not None, "register() first"
         while True:
-            if etcd and coordinator.poll() is not None and not agent.flags:  # type: ignore[union-attr]
-                log(f"coordinator candidate exited with code {coordinator.returncode} before the run ended; "  # type: ignore[union-attr]
-                    "starting another (the leader's lease passes to a live candidate)")
-                coordinator = subprocess.Popen(candidate, env=env)
+            coordinator = self.coordinator
+            if self.etcd and coordinator is not None and coordinator.poll() is not None and not self.agent.flags:
+                log.info(f"coordinator candidate exited with code {coordinator.returncode} before the run ended; "
+                         "starting another (the leader's lease passes to a live candidate)")
+                self.coordinator = subprocess.Popen(self._candidate(), env=self.env)
             elif coordinator is not None and coordinator.poll() is not None:
-                break
-            if coordinator is None and groups.done():
-                break
+                return
+            if coordinator is None and self.groups.done():
+                return
             try:
-                if not groups.watch(client):
+                if not self.groups.watch(client):
                     lifeline.stop()  # the run is ending and the store ends with it
                     if coordinator is not None:
                         coordinator.wait()
-                    break
+                    return
             except dist.DistError:
                 lifeline.settle()  # a lost coordinator ends this process in on_lost
                 if coordinator is not None:
                     coordinator.wait(timeout=10)  # it finished and took its store along
                 elif not lifeline.ending:
                     raise
-                break  # the run ended and the coordinator's store with it: expected, not lost
+                return  # the run ended and the coordinator's store with it: expected, not lost
             time.sleep(0.05)
-        lifeline.stop()
+
+    def drain(self) -> int:
+        """Stops what is left once the run ended; the run's exit code as this node sees it."""
+        if self.lifeline is not None:
+            self.lifeline.stop()
+        coordinator = self.coordinator
         if coordinator is not None and coordinator.returncode not in (0, 1):
-            on_lost(f"the coordinator at {address} exited with code {coordinator.returncode}")
-        procs = list(groups.procs.values())
+            self.on_lost(f"the coordinator at {self.address} exited with code {coordinator.returncode}")
+        procs = list(self.groups.procs.values())
         deadline = time.monotonic() + 30
-        for r, proc in groups.procs.items():
-            if proc.poll() is None and agent.never_admitted(r):
-                log(f"replica group {r} was still starting or waiting to rejoin when the run ended: stopped")
+        for r, proc in self.groups.procs.items():
+            if proc.poll() is None and self.agent.never_admitted(r):
+                log.info(f"replica group {r} was still starting or waiting to rejoin when the run ended: stopped")
                 proc.kill()
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log(f"replica group {r} was still running 30s after the run ended (starting, rejoining or hung): stopped")
+                log.info(f"replica group {r} was still running 30s after the run ended (starting, rejoining or hung): stopped")
                 proc.kill()
                 proc.wait()
         if coordinator is not None:
-            return coordinator.returncode
+            return int(coordinator.returncode)
         # the run's status, as on the coordinator's node: a group still starting or rejoining at the end does not fail it
-        return groups.outcome if groups.outcome is not None else max(p.returncode for p in procs)
+        return self.groups.outcome if self.groups.outcome is not None else max(p.returncode for p in procs)
+
+    def close(self) -> None:
+        """Frees everything this launcher started, whatever happened."""
+        if self.lifeline is not None:
+            self.lifeline.stop()  # what follows stops the coordinator on purpose
+        if hasattr(self, "groups"):
+            self.groups.kill()
+            self.agent.close()
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            self.coordinator.kill()
+
+    # ---- the coordinator lost ---------------------------------------------------------------
+
+    def on_lost(self, reason: str) -> None:
+        """The run cannot go on: stop everything this launcher started, say why and how to resume."""
+        if not self.lost_once.acquire(blocking=False):
+            return
+        coordinator = self.coordinator
+        if coordinator is not None and coordinator.poll() in (0, 1):
+            return  # it finished (done or fatal) and closed its store: not lost
+        self.groups.kill()
+        if coordinator is not None:
+            if coordinator.poll() is None:
+                coordinator.kill()  # frozen: it would never answer again
+            elif coordinator.returncode < 0:
+                reason = f"the coordinator at {self.address} (pid {coordinator.pid}) died of signal {-coordinator.returncode}"
+        exit_lost("launcher", reason, config.resume_hint(self.job_config))
+
+    def _coordinator_gone(self) -> str | None:
+        coordinator = self.coordinator
+        if self.etcd or coordinator is None or coordinator.poll() is None:  # a candidate's end is not the run's
+            return None
+        return f"the coordinator at {self.address} exited with code {coordinator.returncode} before it served the run"
+
+
+def run_recover(job_config: Any, argv: list[str], local: list[int], coordinator_address: str | None, part: int = 0) -> int:
+    """The replica groups ``local`` of this node (their part ``part`` when they span nodes), and the
+    coordinator unless ``coordinator_address`` names one."""
+    launcher = NodeLauncher(job_config, argv, local, coordinator_address, part)
+    try:
+        launcher.start_coordinator()
+        launcher.start_groups()
+        client = launcher.register()
+        if client is None:  # the coordinator ended on its own (0 or 1) and said why
+            return int(launcher.coordinator.returncode) if launcher.coordinator is not None else 1
+        launcher.loop(client)
+        return launcher.drain()
     finally:
-        if lifeline is not None:
-            lifeline.stop()  # what follows stops the coordinator on purpose
-        groups.kill()
-        agent.close()
-        if coordinator is not None and coordinator.poll() is None:
-            coordinator.kill()
+        launcher.close()
 
 
 def main(argv: list[str]) -> int:
@@ -596,26 +629,26 @@ def main(argv: list[str]) -> int:
     try:
         job_config = config.load(argv)
         if job_config.recover.enable:  # the node's environment, checked before the data and any process
-            local = parse_replicas(os.environ.get(REPLICAS_ENV), config.replica_ids(job_config))
-            part = parse_group_node(os.environ.get(store.GROUP_NODE_ENV), job_config.recover.group_nodes)
-            address = os.environ.get(store.COORDINATOR_ENV)
+            local = parse_replicas(os.environ.get(keys.REPLICAS_ENV), config.replica_ids(job_config))
+            part = parse_group_node(os.environ.get(keys.GROUP_NODE_ENV), job_config.recover.group_nodes)
+            address = os.environ.get(keys.COORDINATOR_ENV)
             if address is not None:
                 check_coordinator(address, job_config.recover.control_store)
             if job_config.recover.control_store:  # reachable, and able to lose a member, before anything starts
-                log(check_control_store(job_config.recover.control_store))
+                log.info(check_control_store(job_config.recover.control_store))
     except config.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from titan_recover.dataloader import check_data
 
     try:
-        log(check_data(job_config))  # prepared (synthetic) and checked once, before any rank starts
+        log.info(check_data(job_config))  # prepared (synthetic) and checked once, before any rank starts
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cpu_argv = cpu_shim.precision_args(argv, job_config)
     if cpu_argv != argv:
-        log("no accelerator: parameters in float32 (bfloat16 is emulated on most CPUs, ~13x slower); "
+        log.info("no accelerator: parameters in float32 (bfloat16 is emulated on most CPUs, ~13x slower); "
             "--training.mixed_precision_param bfloat16 to override")
     argv = cpu_argv
     path = events_path(job_config.job.dump_folder)
@@ -636,11 +669,11 @@ def main(argv: list[str]) -> int:
         return 2
     tr = job_config.training
     if not first:
-        log(f"the run's summary is printed by the launcher that started its coordinator ({address}); "
+        log.info(f"the run's summary is printed by the launcher that started its coordinator ({address}); "
             f"this node's ranks logged their events to {path}")
     elif os.path.exists(path):
         print(format_summary(summarize_events(path), tr.global_batch_size * tr.seq_len), flush=True)
-    log(f"{'finished' if code == 0 else 'FAILED'} in {time.time() - start:.1f}s; events: {path}")
+    log.info(f"{'finished' if code == 0 else 'FAILED'} in {time.time() - start:.1f}s; events: {path}")
     return code
 
 

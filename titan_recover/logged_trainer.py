@@ -17,7 +17,9 @@ cpu_shim.apply()  # before any torchtitan module binds the device type
 from torchtitan.config import JobConfig
 from torchtitan.train import Trainer
 
-from titan_recover import recovery, store
+from titan_recover import recovery
+from titan_recover.control.keys import attempt as incarnation
+from titan_recover.control.protocol import FaultRecord, StepRecord
 from titan_recover.config import Recover, num_microbatches, reports_data
 from titan_recover.events import EventLog
 from titan_recover.faults import Fault, FaultInjector
@@ -27,7 +29,7 @@ class LoggedTrainer(Trainer):
     def __init__(self, job_config: JobConfig, rc: Recover, replica: int, group_rank: int) -> None:
         self.rc = rc
         self.events = EventLog(job_config.job.dump_folder)
-        self.attempt = store.attempt()
+        self.attempt = incarnation()
         self.replica, self.group_rank = replica, group_rank
         self.reports_data = reports_data(group_rank, job_config.parallelism)
         self.ft_buffer_bytes = 0  # the replicate all-reduce's one extra gradient copy (none in stock mode)
@@ -40,29 +42,28 @@ class LoggedTrainer(Trainer):
         """What a ``sleep ... until=epoch`` fault watches (stock mode has no epochs)."""
         return None
 
-    def _fault_record(self, fault: Fault) -> dict[str, Any]:
-        return {"replica": self.replica, "rank": self.group_rank, "attempt": self.attempt, "step": self.step,
-                "phase": fault.phase}
+    def _fault_record(self, fault: Fault) -> FaultRecord:
+        return FaultRecord(self.replica, self.group_rank, self.attempt, self.step, fault.phase)
 
     def _on_fault(self, fault: Fault) -> None:
-        self.events.emit("fault_injected", action=fault.action, **self._fault_record(fault))
+        self.events.emit("fault_injected", action=fault.action, **{k: v for k, v in self._fault_record(fault).to_json().items() if k != "time"})
 
-    def _step_record(self, summary: recovery.StepSummary, epoch: int, members: list[int], grad_norm: float | None) -> dict[str, Any]:
+    def _step_record(self, summary: recovery.StepSummary, epoch: int, members: list[int], grad_norm: float | None) -> StepRecord:
         """What the event log says about a committed step (the same in both modes)."""
-        return {
-            "step": self.step,
-            "epoch": epoch,
-            "members": members,
-            "microbatches": list(summary.microbatches),
-            "data_digest": summary.data_digest,
-            "loss": summary.loss,
-            "grad_norm": grad_norm,
-            "time": time.time(),
-            "data_epochs": self.dataloader.epochs_started(self.step),
-            "quotas": {str(r): n for r, n in summary.quotas.items()},
-            "seconds_per_microbatch": {str(r): t for r, t in summary.seconds_per_microbatch.items()},
-            "samples": self.dataloader.windows,
-        }
+        return StepRecord(
+            step=self.step,
+            epoch=epoch,
+            members=members,
+            microbatches=list(summary.microbatches),
+            data_digest=summary.data_digest,
+            loss=summary.loss,
+            grad_norm=grad_norm,
+            time=time.time(),
+            data_epochs=self.dataloader.epochs_started(self.step),
+            quotas={str(r): n for r, n in summary.quotas.items()},
+            seconds_per_microbatch={str(r): t for r, t in summary.seconds_per_microbatch.items()},
+            samples=self.dataloader.windows,
+        )
 
     def train(self) -> None:
         super().train()

@@ -13,16 +13,15 @@ the protocol needs lives here too, so the trainer never touches a store key:
 - failure reports: a replicate-dim collective that broke, the group's own failure, a
   fault the plan injected, a diverged replica;
 - the rejoin handshake (ready to join, then the admission) and the transfer record;
-- START_STEP, the committed step's record, the parameter digests, and the end of the run;
+- where the run's step records begin, the committed step's record, the parameter digests, and the end of the run;
 - the rank's lifeline (``node_channel.RankBeat``), started once, before TorchTitan builds
   the model, so the node agent sees the rank beat while it starts.
 
-Words: a *replica group* is one torchrun world; ``group_rank`` is a rank's index inside
-its group (the same coordinate on every group; the replicate all-reduce joins them);
-``shard`` is kept for the FSDP data shard.
+Words as in the README's glossary: a *replica group* is one torchrun world; ``group_rank`` is
+a rank's index inside its group (the same coordinate on every group; the replicate
+all-reduce joins them).
 """
 
-import json
 import os
 import re
 import time
@@ -33,8 +32,11 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 import torch.distributed as dist
 
-from titan_recover import node_channel, recovery, store, transfer
+from titan_recover import logs, node_channel, procs, recovery, transfer
 from titan_recover.collectives import POLL_S, CollectiveAborted, backoff
+from titan_recover.control import transport
+from titan_recover.control.client import ABORT, COMMIT, ControlClient
+from titan_recover.control.protocol import FaultRecord, MessageError, Report, StepRecord, TransferRecord
 from titan_recover.config import Recover
 from titan_recover.membership import Membership
 from titan_recover.tokens import DataError
@@ -73,8 +75,7 @@ def own_error(e: BaseException) -> str | None:
     return re.sub(r"0x[0-9a-fA-F]+", "0x?", brief(e))
 
 
-def log(msg: str) -> None:
-    print(f"[titan_recover] {msg}", flush=True)
+log = logs.get("rank")
 
 
 class Collectives(Protocol):
@@ -90,7 +91,7 @@ class Collectives(Protocol):
 
 # raised as they are: the protocol already knows (fenced, run stopped), or no group failure
 # explains them (a step that does not add up, a bad transfer, a malformed message)
-NOT_REPORTED = (ReplicaFenced, RunFailed, recovery.InvariantError, transfer.TransferError, store.MessageError)
+NOT_REPORTED = (ReplicaFenced, RunFailed, recovery.InvariantError, transfer.TransferError, MessageError)
 
 
 class ReplicaManager:
@@ -114,7 +115,7 @@ class ReplicaManager:
         rc: Recover,
         on_lost: Callable[[str], None],
     ) -> None:
-        self.store, self.channel, self.slot = client, channel, slot
+        self.store, self.control, self.channel, self.slot = client, ControlClient(client), channel, slot
         self.replica, self.group_rank, self.attempt, self.rc = replica, group_rank, attempt, rc
         self.rejoining = rejoining  # holds no training state until a peer sends it
         self.base_epoch = 0  # the epoch the previous step committed with
@@ -137,14 +138,14 @@ class ReplicaManager:
     ) -> "ReplicaManager":
         """The manager of this process: the coordinator's store (it may still be starting) and
         the channel of this node's agent, both named by the environment the launcher sets."""
-        client = store.connect(store.coordinator_address(), rc.startup_timeout_s)
+        client = transport.connect(transport.coordinator_address(), rc.startup_timeout_s)
         client.set_timeout(timedelta(seconds=rc.collective_timeout_s))
         channel = node_channel.Channel.open(os.environ.get(node_channel.CHANNEL_ENV, ""))
         who = f"replica {replica} rank {group_rank}"
         return cls(
             client, channel, slot=int(os.environ["LOCAL_RANK"]), replica=replica, group_rank=group_rank,
             attempt=attempt, rejoining=rejoining, rc=rc,
-            on_lost=lambda reason: store.exit_lost(who, reason, resume_hint),
+            on_lost=lambda reason: procs.exit_lost(who, reason, resume_hint),
         )
 
     def attach(self, groups: Collectives, device: torch.device, group_size: int) -> None:
@@ -161,7 +162,7 @@ class ReplicaManager:
         self.channel.set_step(self.slot, self.step)
         flags = self.channel.flags()
         if flags & node_channel.FATAL:
-            raise RunFailed(store.get_json(self.store, store.FATAL, ("error",))["error"])
+            raise RunFailed(self.control.fatal() or "the run stopped")
         if self.rejoining and flags & node_channel.DONE:
             raise RunFinished()  # the groups with state finished without us
         return self.channel.epoch()
@@ -199,11 +200,7 @@ class ReplicaManager:
 
     def membership(self, epoch: int) -> Membership:
         if epoch not in self._memberships:
-            raw = store.get_json(self.store, store.members_key(epoch), ("epoch", "members"))
-            try:
-                self._memberships[epoch] = Membership.from_json(raw)
-            except ValueError as e:
-                raise store.MessageError(f"store key {store.members_key(epoch)!r}: {e}") from e
+            self._memberships[epoch] = self.control.membership(epoch)
         return self._memberships[epoch]
 
     def history(self, epoch: int) -> list[Membership]:
@@ -221,7 +218,7 @@ class ReplicaManager:
         tells the coordinator once where the run's step records begin (after a DCP resume too)."""
         self.step = step
         if not self.rejoining and not self._start_told:
-            self.store.compare_set(store.START_STEP, "", str(step - 1))
+            self.control.tell_start_step(step - 1)
             self._start_told = True
         return self.agree_epoch()
 
@@ -248,21 +245,20 @@ class ReplicaManager:
         """
         epoch = membership.epoch
         expected = len(membership.members) * self.group_size
-        decision = store.decision_key(self.step, epoch)
-        if self.store.add(store.ok_key(self.step, epoch), 1) == expected:
-            self.store.compare_set(decision, "", "commit")
+        if self.control.vote(self.step, epoch) == expected:
+            self.control.decide(self.step, epoch, COMMIT)
         pause, start, told = POLL_S[0], time.monotonic(), False
-        while not self.store.check([decision]):
+        while (decision := self.control.decision(self.step, epoch)) is None:
             if self.epoch_moved(epoch):
-                self.store.compare_set(decision, "", "abort")
+                self.control.decide(self.step, epoch, ABORT)
             else:
                 pause = backoff(pause, self.vote_poll_s)  # slower replicas: spare the CPU
             if not told and time.monotonic() - start > self.rc.collective_timeout_s:
-                votes = self.store.add(store.ok_key(self.step, epoch), 0)
-                log(f"replica {self.replica} rank {self.group_rank}: step {self.step} epoch {epoch} has {votes} of "
+                votes = self.control.votes(self.step, epoch)
+                log.info(f"replica {self.replica} rank {self.group_rank}: step {self.step} epoch {epoch} has {votes} of "
                     f"{expected} commit votes after {self.rc.collective_timeout_s:g}s; it waits for the rest or a new epoch")
                 told = True
-        return self.store.get(decision) == b"commit"
+        return decision == COMMIT
 
     def committed(self, membership: Membership) -> bool:
         """Records that the step committed in ``membership``'s epoch; True when that epoch
@@ -273,22 +269,22 @@ class ReplicaManager:
         self.rejoining = False  # from here on this group holds the state like any member
         return changed
 
-    def publish_step(self, record: dict[str, Any]) -> None:
+    def publish_step(self, record: StepRecord) -> None:
         """Offers the committed step's record; the first member's counts (the coordinator logs
         it), so a member dying after the commit loses nothing."""
-        self.store.compare_set(store.step_key(self.step), "", json.dumps(record))
+        self.control.offer_step(record)
 
     def exchange_digests(self, members: tuple[int, ...], digest: str) -> dict[int, str]:
         """Publishes this replica's parameter digest of the step and collects the members'
         (a member fenced meanwhile never writes; the wait is bounded by collective_timeout_s)."""
-        self.store.set(store.digest_key(self.step, self.replica), digest)
-        keys = {r: store.digest_key(self.step, r) for r in members}
+        self.control.put_digest(self.step, self.replica, digest)
+        wanted = list(members)
         deadline = time.monotonic() + self.rc.collective_timeout_s
-        while not self.store.check(list(keys.values())) and time.monotonic() < deadline:
+        while len(digests := self.control.digests(self.step, wanted)) < len(wanted) and time.monotonic() < deadline:
             live = self.membership(self._read_epoch()).members
-            keys = {r: k for r, k in keys.items() if r in live}
+            wanted = [r for r in wanted if r in live]
             time.sleep(EPOCH_POLL_S)
-        return {r: self.store.get(k).decode() for r, k in keys.items() if self.store.check([k])}
+        return digests
 
     def tick(self, where: str) -> None:
         """The main loop made progress (at ``where``): the lifeline keeps beating."""
@@ -301,9 +297,8 @@ class ReplicaManager:
 
     # ---- failure reports ------------------------------------------------------------
 
-    def _report(self, epoch: int, suspect: int | None, cause: str, **extra: str) -> None:
-        store.report(self.store, {"replica": self.replica, "shard": self.group_rank, "epoch": epoch,
-                                  "step": self.step, "suspect": suspect, "cause": cause, **extra})
+    def _report(self, epoch: int, suspect: int | None, cause: str, error: str | None = None) -> None:
+        self.control.report(Report(epoch=epoch, cause=cause, replica=self.replica, suspect=suspect, step=self.step, error=error))
 
     def report_broken(self, epoch: int, cause: str, e: BaseException) -> None:
         """Tells the coordinator a replicate-dim collective broke, without knowing whose fault."""
@@ -317,20 +312,20 @@ class ReplicaManager:
         if isinstance(e, NOT_REPORTED):
             return
         if isinstance(e, DataError):
-            store.put_json(self.store, store.FATAL, {"error": f"DataError: {e}"})
+            self.control.stop(f"DataError: {e}")
             return
         error = own_error(e)
         rank = self.group_rank
         cause = f"rank {rank} raised {error}" if error else f"rank {rank} saw its own group fail: {brief(e)}"
-        self._report(epoch, self.replica, cause, **({"error": error} if error else {}))
+        self._report(epoch, self.replica, cause, error)
 
     def report_diverged(self, epoch: int, cause: str) -> None:
         """This replica's parameters differ from the others': it reports itself before it restarts."""
         self._report(epoch, self.replica, cause)
 
-    def report_fault(self, record: dict[str, Any]) -> None:
+    def report_fault(self, record: FaultRecord) -> None:
         """An injected fault, for the coordinator's log (detection latency is measured from it)."""
-        store.put_json(self.store, store.fault_key(self.replica), {**record, "time": time.time()})
+        self.control.report_fault(self.replica, record)
 
     # ---- rejoin ---------------------------------------------------------------------
 
@@ -341,13 +336,13 @@ class ReplicaManager:
         (RunFinished / RunFailed), and the lifeline ends it if the coordinator is lost."""
         self.step = step
         self.channel.set_state(self.slot, node_channel.READY)
-        log(f"replica {self.replica} rank {self.group_rank} (attempt {self.attempt}) asks to join; "
+        log.info(f"replica {self.replica} rank {self.group_rank} (attempt {self.attempt}) asks to join; "
             "it waits as a hot spare while the membership is full")
-        key, looked = store.admitted_key(self.replica, self.attempt), -2
+        looked = -2
         while True:  # an admission comes with a new epoch: the store is read only then
             epoch = self._read_epoch()
             if epoch != looked:
-                if self.store.check([key]):
+                if self.control.admitted(self.replica, self.attempt):
                     break
                 looked = epoch
             time.sleep(EPOCH_POLL_S)
@@ -361,6 +356,6 @@ class ReplicaManager:
         with self.groups.pair(epoch, joiner, donor=donor, abort=lambda: self.epoch_moved(epoch)) as group:
             yield group
 
-    def record_transfer(self, record: dict[str, Any]) -> None:
-        """{"bytes", "transfer_s", "step", "epoch"} of the state this rank received (the coordinator logs it)."""
-        store.put_json(self.store, store.transfer_key(self.replica, self.group_rank), record)
+    def record_transfer(self, record: TransferRecord) -> None:
+        """The state this rank received (the coordinator logs it)."""
+        self.control.record_transfer(self.replica, self.group_rank, record)

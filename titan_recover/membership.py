@@ -4,8 +4,11 @@ The coordinator feeds heartbeats and reports in and publishes what comes out, so
 every rule here is testable in microseconds.
 """
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
+
+from titan_recover.control.protocol import NodeGroup
 
 
 class TooFewReplicasError(RuntimeError):
@@ -21,6 +24,9 @@ class Membership:
 
     def to_json(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "members": list(self.members)}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json())
 
     @staticmethod
     def from_json(obj: dict[str, Any]) -> "Membership":
@@ -119,20 +125,20 @@ class GroupView:
     stuck: str | None = None  # why a rank's main loop counts as stuck, if one's does
 
 
-def group_views(entries: Iterable[tuple[int, dict, float]]) -> dict[tuple[int, int], GroupView]:
+def group_views(entries: Iterable[tuple[int, NodeGroup, float]]) -> dict[tuple[int, int], GroupView]:
     """(replica, attempt) -> its view, from (replica, node message entry, when that message was
     last seen changing): counts add up over nodes, the most silent node sets ``alive_at``."""
     views: dict[tuple[int, int], GroupView] = {}
     for replica, entry, seen in entries:
-        key = (replica, entry["attempt"])
-        stuck = entry.get("stuck")
-        why = None if stuck is None else f"the main loop of its rank {stuck['rank']} made no progress (at step {stuck['step']})"
-        alive_at = seen - entry["silent_s"]
+        key = (replica, entry.attempt)
+        stuck = entry.stuck
+        why = None if stuck is None else f"the main loop of its rank {stuck.rank} made no progress (at step {stuck.step})"
+        view = GroupView(entry.ranks, entry.ready, entry.finished, seen - entry.silent_s, why)
         old = views.get(key)
         if old is not None:
-            alive_at, why = min(alive_at, old.alive_at), old.stuck or why
-            entry = {f: entry[f] + getattr(old, f) for f in ("ranks", "ready", "finished")}
-        views[key] = GroupView(entry["ranks"], entry["ready"], entry["finished"], alive_at, why)
+            view = GroupView(view.ranks + old.ranks, view.ready + old.ready, view.finished + old.finished,
+                             min(view.alive_at, old.alive_at), old.stuck or why)
+        views[key] = view
     return views
 
 

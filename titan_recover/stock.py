@@ -49,7 +49,7 @@ class StockTrainer(LoggedTrainer):
         summary = recovery.summarize(tally, self.parallel_dims.dp_shard, int(self.global_tokens))
         if dist.get_rank() == 0:
             members = list(range(self.parallel_dims.dp_replicate))
-            self.events.step(self._step_record(summary, 0, members, None))
+            self.events.step(self._step_record(summary, 0, members, None).to_json())
 
     def forward_backward_step(
         self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor

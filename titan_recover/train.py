@@ -34,7 +34,9 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer, main
 
-from titan_recover import data, membership, recovery, resources, store, transfer, workload
+from titan_recover import data, membership, procs, recovery, resources, transfer, workload
+from titan_recover.control import keys
+from titan_recover.control.protocol import MessageError, TransferRecord
 from titan_recover.collectives import CollectiveAborted, ReplicateGroups
 from titan_recover.config import is_spare, replica_ids, resume_hint, validate
 from titan_recover.faults import Fault
@@ -61,13 +63,13 @@ class RecoverTrainer(LoggedTrainer):
 
     def __init__(self, job_config: JobConfig) -> None:
         rc = validate(job_config)
-        replica, group_rank = int(os.environ[store.REPLICA_ENV]), int(os.environ["RANK"])
+        replica, group_rank = int(os.environ[keys.REPLICA_ENV]), int(os.environ["RANK"])
         prof = job_config.profiling  # each group is a torchrun world of its own: rank 0 of every group would share a file
         prof.save_traces_folder = os.path.join(prof.save_traces_folder, f"replica{replica}")
         # a restarted group, or a hot spare, holds no state until a peer sends it
-        rejoining = store.attempt() > 0 or is_spare(replica, job_config)
+        rejoining = keys.attempt() > 0 or is_spare(replica, job_config)
         self.manager = ReplicaManager.connect(  # before TorchTitan builds the model: its lifeline beats meanwhile
-            rc, replica=replica, group_rank=group_rank, attempt=store.attempt(), rejoining=rejoining,
+            rc, replica=replica, group_rank=group_rank, attempt=keys.attempt(), rejoining=rejoining,
             resume_hint=resume_hint(job_config),
         )
         super().__init__(job_config, rc, replica, group_rank)
@@ -150,17 +152,17 @@ class RecoverTrainer(LoggedTrainer):
         elapsed = time.perf_counter() - start
         step, base_epoch, tokens = (header.get(k) for k in ("step", "base_epoch", "ntokens_seen"))
         if not all(isinstance(v, int) for v in (step, base_epoch, tokens)):
-            raise store.MessageError(f"state transfer header has bad counters: step {step!r}, base_epoch {base_epoch!r}")
+            raise MessageError(f"state transfer header has bad counters: step {step!r}, base_epoch {base_epoch!r}")
         try:
             speeds = workload.Speeds.from_json(header.get("speeds"))
         except workload.WorkloadError as e:
-            raise store.MessageError(f"state transfer header: {e}") from e
+            raise MessageError(f"state transfer header: {e}") from e
         if self._synced_epoch >= 0 and step != self.step:
             raise transfer.TransferError(f"donor is at step {step}, this rank at {self.step}")
         transfer.restore(header, self.optimizers, self.lr_schedulers)
         self.step, self.manager.base_epoch, self.ntokens_seen, self.speeds = step, base_epoch, tokens, speeds
         self._synced_epoch = epoch
-        self.manager.record_transfer({"bytes": nbytes, "transfer_s": elapsed, "step": step, "epoch": epoch})
+        self.manager.record_transfer(TransferRecord(nbytes, elapsed, step, epoch))
         log(f"replica {self.replica} rank {self.group_rank}: received {nbytes / 2**20:.1f} MiB of state "
             f"for step {step} in {elapsed:.3f}s (epoch {epoch})")
         return True
@@ -380,8 +382,7 @@ def trainer(job_config: JobConfig) -> Trainer:
 
 
 if __name__ == "__main__":
-    from titan_recover.launch import die_with_parent, dumps_stacks
 
-    die_with_parent()  # a SIGKILLed torchrun agent (or its launcher) takes its ranks along
-    dumps_stacks()
+    procs.die_with_parent()  # a SIGKILLed torchrun agent (or its launcher) takes its ranks along
+    procs.dumps_stacks()
     main(trainer)  # type: ignore[arg-type]  # main only calls it with the job config

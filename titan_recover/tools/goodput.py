@@ -23,7 +23,7 @@ Both systems pay for every working group, spares included. Stragglers (``Straggl
 slow some groups for a time window; titan_recover splits the microbatches by a
 ``Policy`` (equal quotas, or quotas in proportion to speed), the baseline equally.
 
-Pure Python, no process plumbing: ``python -m titan_recover.goodput --help``.
+Pure Python, no process plumbing: ``python -m titan_recover.tools.goodput --help``.
 """
 
 from __future__ import annotations
@@ -453,7 +453,7 @@ def paper_setting(costs: Costs = PAPER_COSTS, events: int = 4, curves: bool = Fa
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m titan_recover.goodput", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m titan_recover.tools.goodput", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, default=PAPER_CLUSTER.gpus)

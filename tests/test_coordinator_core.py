@@ -1,0 +1,179 @@
+"""The coordinator's decisions on the pure core: records in, effects out, no store, no processes."""
+
+import json
+
+import pytest
+
+from titan_recover.control.protocol import (
+    Admission,
+    CoordinatorState,
+    Fence,
+    NodeGroup,
+    Progress,
+    Report,
+    StepRecord,
+    TransferRecord,
+)
+from titan_recover.coordinator_core import (
+    Admit,
+    CoordinatorCore,
+    Emit,
+    FenceOut,
+    LogStep,
+    Publish,
+    Rules,
+    Save,
+    Stop,
+    stops,
+)
+from titan_recover.membership import FailureDetector, Membership, group_views
+
+pytestmark = pytest.mark.unit
+
+RANKS = 2
+
+
+def core(replicas: int = 3, spares: int = 0, min_replicas: int = 1, retries: int = 2, **lookups) -> CoordinatorCore:
+    rules = Rules(replicas=replicas, replica_ids=replicas + spares, group_ranks=RANKS, steps=100,
+                  min_replicas=min_replicas, max_step_retries=retries, spare_timeout_s=5.0)
+    detector = FailureDetector(members=tuple(range(replicas)), timeout_s=5.0, confirm_s=0.5, startup_s=60.0, start=0.0)
+    return CoordinatorCore(rules, detector, wall=lambda: 1000.0, **lookups)
+
+
+def nodes(c: CoordinatorCore, now: float, **groups: NodeGroup) -> None:
+    """What the node messages say, as the shell folds them (``r<id>=NodeGroup(...)``)."""
+    c.on_nodes(group_views((int(name[1:]), g, now) for name, g in groups.items()), now)
+
+
+def up(attempt: int = 0, ready: int = 0, finished: int = 0) -> NodeGroup:
+    return NodeGroup(attempt=attempt, ranks=RANKS, ready=ready, finished=finished, silent_s=0.0)
+
+
+def of(effects: list, kind: type) -> list:
+    return [e for e in effects if isinstance(e, kind)]
+
+
+def events(effects: list) -> list[str]:
+    return [e.event for e in of(effects, Emit)]
+
+
+def test_a_failed_member_is_fenced_in_a_new_epoch() -> None:
+    c = core()
+    effects = c.on_failure({1: "torchrun exited"}, now=10.0)
+    assert of(effects, Publish) == [Publish(Membership(1, (0, 2)))]
+    assert of(effects, FenceOut) == [FenceOut(1, Fence(0, 1))]
+    assert events(effects) == ["failure", "recovered"]
+    assert c.membership == Membership(1, (0, 2))
+    assert c.state.down_since == {1: 1000.0}  # no beat, no injected fault: the detection time
+    # the state is saved with the epoch, before the fence and the events that follow
+    assert effects.index(Save()) < effects.index(FenceOut(1, Fence(0, 1)))
+
+
+def test_an_injected_fault_time_is_the_failure_time() -> None:
+    c = core(fault_time=lambda replica, attempt: 990.0 if (replica, attempt) == (2, 0) else None)
+    failure = of(c.on_failure({2: "killed"}, now=10.0), Emit)[0]
+    assert (failure.fields["time"], failure.fields["clock"]) == (990.0, "fault_injected")
+    recovered = of(c.on_failure({}, now=11.0), Emit)
+    assert recovered == []  # a retry without failures: no recovery event
+
+
+def test_too_few_replicas_stop_the_run() -> None:
+    c = core(replicas=2, min_replicas=2)
+    effects = c.on_failure({0: "gone"}, now=1.0)
+    assert stops(effects) and "recover.min_replicas is 2" in of(effects, Stop)[0].error
+    assert of(effects, Publish) == []  # nothing published once the run stops
+
+
+def test_the_jobs_own_error_on_two_replicas_stops_instead_of_restarting() -> None:
+    c = core()
+    for r in (0, 1):
+        c.on_report(Report(epoch=0, cause=f"rank 0 raised E", replica=r, suspect=r, step=3, error="E"), now=1.0)
+    effects = c.on_failure({0: "E", 1: "E"}, now=1.0)
+    assert "the job's own error" in of(effects, Stop)[0].error
+
+
+def test_reports_about_old_epochs_or_other_incarnations_are_ignored() -> None:
+    c = core()
+    c.on_failure({}, now=1.0)  # epoch 1, same members
+    c.on_report(Report(epoch=0, cause="old all-reduce error", replica=0), now=2.0)
+    c.on_report(Report(epoch=1, cause="a restart crossed it", replica=1, suspect=1, attempt=7), now=2.0)
+    assert c.detector.decide(now=100.0)[0] == {r: "no heartbeat within 60s of start" for r in (0, 1, 2)}
+    c.on_report(Report(epoch=1, cause="torchrun exited", replica=1, suspect=1, attempt=0), now=2.0)
+    assert c.detector.decide(now=2.0) == ({1: "torchrun exited"}, False)
+
+
+def test_a_broken_step_is_retried_then_its_holdout_fenced_then_stopped() -> None:
+    c = core(retries=1)
+    c.on_report(Report(epoch=0, cause="all-reduce broke", replica=0), now=0.0)
+    assert [p.membership for p in of(c.on_retry(now=1.0), Publish)] == [Membership(1, (0, 1, 2))]
+    c.on_report(Report(epoch=1, cause="all-reduce broke", replica=1), now=1.0)
+    fenced = c.on_retry(now=2.0)  # replica 2 never reported: the others waited for it
+    assert of(fenced, FenceOut) == [FenceOut(2, Fence(0, 2))]
+    c2 = core(replicas=2, retries=0)
+    for r in (0, 1):
+        c2.on_report(Report(epoch=0, cause="all-reduce broke", replica=r), now=0.0)
+    assert "check the network between the replica groups" in of(c2.on_retry(now=1.0), Stop)[0].error
+
+
+def test_a_restarted_group_is_admitted_then_rejoins_at_its_first_commit() -> None:
+    c = core()
+    c.on_failure({1: "killed"}, now=10.0)
+    nodes(c, 11.0, r0=up(), r2=up(), r1=up(attempt=1, ready=RANKS))
+    effects = c.on_joins(now=11.0)
+    assert of(effects, Admit) == [Admit(1, Admission(1, 2))]
+    assert c.membership == Membership(2, (0, 1, 2)) and c.state.joining == {1: 2}
+    assert c.state.repairs == {1: (1, 1000.0)} and c.state.down_since == {}
+    step = StepRecord(1, 2, [0, 1, 2], [], "d", 1.0, None, time=1004.5)
+    assert c.accepts(step)
+    assert of(c.on_step(step), LogStep) == [LogStep(step)]
+    rejoined = c.on_rejoined(lambda r: [TransferRecord(100, 0.25, 1, 2), TransferRecord(50, 0.5, 1, 2)])
+    assert of(rejoined, Emit)[0].fields == {"replica": 1, "step": 1, "bytes": 150, "transfer_s": 0.5, "downtime_s": 4.5}
+    assert c.state.joining == {}
+
+
+def test_a_ready_group_waits_as_a_spare_while_the_membership_is_full_and_is_dropped_when_silent() -> None:
+    c = core(replicas=2, spares=1)
+    nodes(c, 1.0, r0=up(), r1=up(), r2=up(ready=RANKS))
+    assert events(c.on_joins(now=1.0)) == ["spare_ready"] and c.state.spares == {2: 0}
+    effects = c.on_joins(now=7.0)  # no beat from it for 6 s
+    assert events(effects) == ["spare_lost"] and of(effects, FenceOut) == [FenceOut(2, Fence(0, 0))]
+    assert c.state.dropped == {2: 0}
+
+
+def test_a_spare_takes_a_failed_members_place() -> None:
+    c = core(replicas=2, spares=1)
+    nodes(c, 1.0, r0=up(), r1=up(), r2=up(ready=RANKS))
+    c.on_joins(now=1.0)
+    c.on_failure({0: "killed"}, now=2.0)
+    effects = c.on_joins(now=2.0)
+    assert of(effects, Admit) == [Admit(2, Admission(0, 2))]
+    assert of(effects, Emit)[0].fields["replaces"] == 0 and c.state.spares == {}
+
+
+def test_a_restart_that_beat_detection_replaces_its_own_member() -> None:
+    c = core()
+    nodes(c, 1.0, r0=up(), r2=up(), r1=up(attempt=1, ready=RANKS))
+    effects = c.on_joins(now=1.0)
+    assert of(effects, FenceOut) == [FenceOut(1, Fence(0, 1))]
+    assert of(effects, Admit) == [Admit(1, Admission(1, 2))]
+
+
+def test_finished_waits_for_every_member_with_state() -> None:
+    c = core(replicas=2)
+    nodes(c, 1.0, r0=up(finished=RANKS), r1=up())
+    assert not c.finished()
+    nodes(c, 2.0, r0=up(finished=RANKS), r1=up(finished=RANKS))
+    assert c.finished()
+
+
+def test_the_state_a_new_leader_takes_over_round_trips_through_json() -> None:
+    c = core()
+    c.on_failure({1: "killed"}, now=10.0)
+    nodes(c, 11.0, r0=up(), r2=up(), r1=up(attempt=1, ready=RANKS))
+    c.on_joins(now=11.0)
+    c.state.progress = Progress(4, 2, 1003.0)
+    raw = json.loads(c.state.dumps())
+    assert CoordinatorState.from_json("coordinator/state", raw) == c.state
+    successor = core()
+    successor.take_over(CoordinatorState.from_json("coordinator/state", raw), dict(c.history), epoch=2)
+    assert successor.membership == c.membership and successor.step() == 5

@@ -1,0 +1,123 @@
+"""Every name the control plane uses: store keys (under the run's prefix) and environment variables.
+
+Values under these keys are records of ``protocol`` (JSON, never pickle), or plain
+integers for counters.
+"""
+
+import os
+
+# environment the launcher sets for the processes it starts
+COORDINATOR_ENV = "TITAN_RECOVER_COORDINATOR"  # host:port of the coordinator's store, or the etcd:// URL
+REPLICA_ENV = "TITAN_RECOVER_REPLICA"  # this process's replica group id
+REPLICAS_ENV = "TITAN_RECOVER_REPLICAS"  # comma-separated replica group ids a node's launcher runs
+GROUP_NODE_ENV = "TITAN_RECOVER_GROUP_NODE"  # which node part of its replica groups a node runs (recover.group_nodes)
+SECRET_ENV = "TITAN_RECOVER_SECRET"  # this run's secret: every key of the run is stored under it
+ATTEMPT_ENV = "TITAN_RECOVER_ATTEMPT"  # incarnation of this replica group: 0, then +1 per restart
+
+
+def attempt() -> int:
+    """This process's incarnation of its replica group (counted in the store: ``incarnation_key``)."""
+    return int(os.environ.get(ATTEMPT_ENV, "0"))
+
+
+def run_prefix(secret: str) -> str:
+    """Where a run's keys live in the store: only a process holding the secret reads or writes them."""
+    return f"run/{secret}"
+
+
+HELLO = "hello"  # the coordinator sets it on start: a client that cannot read it is not in this run
+EPOCH = "epoch"
+REPORTS = "reports"  # counter: report slots reserved so far
+FATAL = "fatal"
+STATUS = "status"
+START_STEP = "start_step"  # the step the run resumed from (0, or a DCP checkpoint's): records start after it
+ALIVE = "coordinator/alive"  # the coordinator bumps it every pass: a frozen coordinator stops it
+COORDINATOR_STATE = "coordinator/state"  # what a new coordinator leader restores (``protocol.CoordinatorState``)
+REPLICATE_BACKEND = "replicate_backend"  # "gloo" or "nccl": the first rank sets it, every other must match
+NODES = "nodes"  # counter: launchers registered so far; node_key(1..n) name them
+
+
+def leader_key(secret: str) -> str:
+    """The etcd key of the run's coordinator leader (its lease's), outside the run's ``PrefixStore``:
+    the guard of every leader write compares it as stored."""
+    return f"{run_prefix(secret)}/coordinator/leader"
+
+
+def members_key(epoch: int) -> str:
+    return f"members/{epoch}"
+
+
+def ok_key(step: int, epoch: int) -> str:
+    return f"ok/{step}/{epoch}"
+
+
+def decision_key(step: int, epoch: int) -> str:
+    return f"decision/{step}/{epoch}"
+
+
+def report_key(index: int) -> str:
+    return f"report/{index}"
+
+
+def step_key(step: int) -> str:
+    """The record of committed ``step``: the first member to commit it writes it, the coordinator logs it."""
+    return f"step/{step}"
+
+
+def fault_key(replica: int) -> str:
+    return f"fault/{replica}"
+
+
+def admitted_key(replica: int, attempt: int) -> str:
+    """The coordinator's answer to that incarnation's ranks being ready to join (their node agents
+    say so); it comes with a new epoch, which is when a joiner looks."""
+    return f"admitted/{replica}/{attempt}"
+
+
+def fenced_key(replica: int) -> str:
+    """That incarnation is out; its launcher kills what is left of it."""
+    return f"fenced/{replica}"
+
+
+def owner_key(replica: int, part: int = 0) -> str:
+    """The launcher that runs this replica group (``claims``), or node part ``part`` of it when a
+    group spans nodes."""
+    return f"owner/{replica}" if part == 0 else f"owner/{replica}/{part}"
+
+
+def joined_key(replica: int, part: int) -> str:
+    """An integer: the incarnation of ``replica`` that its node part ``part`` last started, so a
+    launcher taking that part over never joins an incarnation its dead predecessor was part of."""
+    return f"joined/{replica}/{part}"
+
+
+def rendezvous_key(replica: int) -> str:
+    """Where the torchrun of this group's current incarnation meets, when the group spans nodes;
+    written by the launcher of node part 0 at each start."""
+    return f"rendezvous/{replica}"
+
+
+def launcher_key(launcher: str) -> str:
+    """A launcher's node message, rewritten by its lifeline every heartbeat interval; one that
+    stops changing lets others take its claims over."""
+    return f"launcher/{launcher}"
+
+
+def node_key(index: int) -> str:
+    """The launcher id of the ``index``-th launcher to register (its message is under ``launcher_key``)."""
+    return f"node/{index}"
+
+
+def incarnation_key(replica: int) -> str:
+    """Counter: incarnations of this replica group started so far, by any launcher of the run."""
+    return f"incarnation/{replica}"
+
+
+def transfer_key(replica: int, group_rank: int) -> str:
+    """A joiner rank's last state transfer."""
+    return f"transfer/{replica}/{group_rank}"
+
+
+def digest_key(step: int, replica: int) -> str:
+    """A replica's parameter digest at ``step``; each member compares every member's."""
+    return f"param_digest/{step}/{replica}"

@@ -1,0 +1,408 @@
+"""The control plane's messages: one record per message, each with its one JSON form and its checks.
+
+A peer's bytes are validated, never trusted: ``from_json`` raises ``MessageError`` naming
+the store key and the field that is wrong. Values are JSON, never pickle, so a peer's
+bytes can never run code. Writers and readers (and the tests) build messages only
+through these records.
+"""
+
+import json
+import math
+import os
+import secrets
+import socket
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, ClassVar, TypeVar
+
+from titan_recover.control import keys
+
+
+class MessageError(ValueError):
+    """A store value that is not the JSON message expected under its key."""
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_count(value: object) -> bool:
+    return is_int(value) and value >= 0  # type: ignore[operator]  # is_int narrowed it
+
+
+def is_seconds(value: object) -> bool:
+    """A finite number (JSON has no int/float distinction a writer can rely on)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def decode_json(key: str, raw: bytes, required: tuple[str, ...] = ()) -> Any:
+    """The JSON value under ``key``; with ``required``, an object holding those fields."""
+    try:
+        value = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MessageError(f"store key {key!r} does not hold JSON: {raw[:80]!r} ({e})") from e
+    if required:
+        if not isinstance(value, dict):
+            raise MessageError(f"store key {key!r} must hold a JSON object, got {value!r}")
+        missing = [f for f in required if f not in value]
+        if missing:
+            raise MessageError(f"store key {key!r} lacks fields {missing}: {value!r}")
+    return value
+
+
+def decode_int(key: str, raw: bytes) -> int:
+    """A counter or an integer value (an epoch, a step)."""
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise MessageError(f"store key {key!r} must hold an integer, got {raw[:80]!r}") from e
+
+
+def _require(key: str, ok: bool, what: str, rec: object) -> None:
+    if not ok:
+        raise MessageError(f"store key {key!r}: {what}: {rec!r:.200}")
+
+
+def _ids(key: str, obj: object, what: str, value: Callable[[Any], bool]) -> dict[int, Any]:
+    """A ``{"<replica>": value}`` object with int keys, checked."""
+    _require(key, isinstance(obj, dict) and all(isinstance(k, str) and k.isdigit() and value(v) for k, v in obj.items()),
+             f"{what} is not a map of replica ids", obj)
+    return {int(k): v for k, v in obj.items()}  # type: ignore[union-attr]  # checked above
+
+
+R = TypeVar("R", bound="Record")
+
+
+class Record:
+    """A message with one JSON form. Subclasses are dataclasses; ``REQUIRED`` fields must be present."""
+
+    REQUIRED: ClassVar[tuple[str, ...]] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload]  # every subclass is a dataclass
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json())
+
+    @classmethod
+    def loads(cls: type[R], key: str, raw: bytes) -> R:
+        return cls.from_json(key, decode_json(key, raw, cls.REQUIRED))
+
+    @classmethod
+    def from_json(cls: type[R], key: str, rec: dict[str, Any]) -> R:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """A rank whose main loop made no progress, and the step it was at."""
+
+    rank: int
+    step: int
+
+
+@dataclass(frozen=True)
+class NodeGroup(Record):
+    """One incarnation of a replica group as one node sees its local ranks."""
+
+    attempt: int
+    ranks: int  # local ranks that have beaten (or finished)
+    ready: int  # local ranks waiting to be admitted
+    finished: int
+    silent_s: float  # how long the most silent live local rank has been silent
+    stuck: Stuck | None = None
+
+    COUNTS: ClassVar[tuple[str, ...]] = ("attempt", "ranks", "ready", "finished")
+    REQUIRED = (*COUNTS, "silent_s")
+
+    def to_json(self) -> dict[str, Any]:
+        rec = asdict(self)
+        if self.stuck is None:
+            del rec["stuck"]
+        return rec
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "NodeGroup":
+        silent = rec.get("silent_s")
+        _require(key, all(f in rec for f in cls.REQUIRED) and all(is_count(rec[f]) for f in cls.COUNTS)
+                 and is_seconds(silent) and silent >= 0,  # type: ignore[operator]
+                 f"a group needs non-negative integers {list(cls.COUNTS)} and seconds silent_s", rec)
+        stuck = rec.get("stuck")
+        _require(key, stuck is None or (isinstance(stuck, dict) and is_int(stuck.get("rank")) and is_int(stuck.get("step"))),
+                 "stuck needs integers rank and step", stuck)
+        return NodeGroup(rec["attempt"], rec["ranks"], rec["ready"], rec["finished"], silent,  # type: ignore[arg-type]
+                         None if stuck is None else Stuck(stuck["rank"], stuck["step"]))
+
+
+@dataclass(frozen=True)
+class NodeMessage(Record):
+    """A node agent's message, rewritten every heartbeat interval: its groups (replica -> entry)."""
+
+    seq: int
+    groups: dict[int, NodeGroup]
+
+    REQUIRED = ("seq", "groups")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "groups": {str(r): g.to_json() for r, g in self.groups.items()}}
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "NodeMessage":
+        _require(key, is_int(rec["seq"]) and isinstance(rec["groups"], dict), "seq must be an integer and groups an object", rec)
+        groups = {}
+        for replica, entry in rec["groups"].items():
+            _require(key, isinstance(replica, str) and replica.isdigit() and isinstance(entry, dict),
+                     f"group {replica!r} is not a replica id with an object", entry)
+            try:
+                groups[int(replica)] = NodeGroup.from_json(key, entry)
+            except MessageError as e:
+                raise MessageError(f"{e} (group {replica})") from None
+        return NodeMessage(rec["seq"], groups)
+
+
+@dataclass(frozen=True)
+class Report(Record):
+    """A failure seen from a rank or a launcher. ``suspect`` names the failed group when the
+    reporter knows it; a broken replicate-dim collective names none."""
+
+    epoch: int
+    cause: str
+    replica: int | None = None  # the reporter's replica group
+    suspect: int | None = None
+    step: int | None = None
+    attempt: int | None = None  # the incarnation of ``suspect`` it is about (launcher reports)
+    error: str | None = None  # the job's own error, as the same text on every replica that raises it
+    time: float = 0.0  # when it was written (wall clock)
+
+    REQUIRED = ("epoch", "cause")
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "Report":
+        if not is_count(rec["epoch"]):
+            raise MessageError(f"store key {key!r}: epoch must be a non-negative integer, got {rec['epoch']!r}")
+        for name in ("suspect", "replica", "step", "attempt"):
+            value = rec.get(name)
+            if value is not None and not is_count(value):
+                raise MessageError(f"store key {key!r}: {name} must be a non-negative integer, got {value!r}")
+        error = rec.get("error")
+        _require(key, isinstance(rec["cause"], str) and (error is None or isinstance(error, str)),
+                 "cause and error must be strings", rec)
+        when = rec.get("time", 0.0)
+        _require(key, is_seconds(when), "time must be seconds", rec)
+        return Report(rec["epoch"], rec["cause"], rec.get("replica"), rec.get("suspect"), rec.get("step"),
+                      rec.get("attempt"), error or None, float(when))
+
+
+@dataclass(frozen=True)
+class StepRecord(Record):
+    """A committed step, as the first member to commit it wrote it and the event log shows it."""
+
+    step: int
+    epoch: int
+    members: list[int]
+    microbatches: list[Any]
+    data_digest: str
+    loss: float | None
+    grad_norm: float | None
+    time: float
+    data_epochs: list[int] = field(default_factory=list)  # data epochs that begin at this step
+    quotas: dict[str, int] = field(default_factory=dict)  # replica -> microbatches it computed
+    seconds_per_microbatch: dict[str, float] = field(default_factory=dict)
+    samples: Any = None  # the dataloader's windows (events of data epochs name them)
+
+    REQUIRED = ("step", "epoch", "members", "microbatches", "data_digest", "loss", "time")
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "StepRecord":
+        _require(key, is_count(rec["step"]) and is_count(rec["epoch"]) and isinstance(rec["members"], list)
+                 and all(is_count(m) for m in rec["members"]) and isinstance(rec["microbatches"], list)
+                 and isinstance(rec["data_digest"], str) and is_seconds(rec["time"]),
+                 "a step record needs integers step and epoch, a list of replica ids, microbatches, a digest and a time", rec)
+        data_epochs = rec.get("data_epochs", [])
+        _require(key, isinstance(data_epochs, list) and all(is_count(e) for e in data_epochs), "data_epochs must be integers", rec)
+        return StepRecord(rec["step"], rec["epoch"], rec["members"], rec["microbatches"], rec["data_digest"], rec["loss"],
+                          rec.get("grad_norm"), rec["time"], data_epochs, rec.get("quotas", {}),
+                          rec.get("seconds_per_microbatch", {}), rec.get("samples"))
+
+
+@dataclass(frozen=True)
+class Rendezvous(Record):
+    """Where the torchrun agents of one incarnation of a group that spans nodes meet (node part 0's
+    host, at a port its launcher picked for that incarnation)."""
+
+    attempt: int
+    host: str
+    port: int
+
+    REQUIRED = ("attempt", "host", "port")
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "Rendezvous":
+        _require(key, is_count(rec["attempt"]) and isinstance(rec["host"], str) and bool(rec["host"])
+                 and is_int(rec["port"]) and 0 < rec["port"] < 65536,
+                 "attempt must be an integer >= 0, host a name, port in 1..65535", rec)
+        return Rendezvous(rec["attempt"], rec["host"], rec["port"])
+
+
+@dataclass(frozen=True)
+class Incarnation(Record):
+    """An incarnation of a replica group (``attempt``) and the epoch a coordinator decision about it came with."""
+
+    attempt: int
+    epoch: int
+
+    REQUIRED = ("attempt", "epoch")
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "Incarnation":
+        _require(key, is_count(rec["attempt"]) and is_count(rec["epoch"]), "attempt and epoch must be integers >= 0", rec)
+        return cls(rec["attempt"], rec["epoch"])
+
+
+class Fence(Incarnation):
+    """That incarnation is out: its launcher kills what is left of it."""
+
+
+class Admission(Incarnation):
+    """That incarnation is a member from ``epoch`` on: its ranks take the state from a live peer."""
+
+
+@dataclass(frozen=True)
+class Launcher(Record):
+    """One launcher process of the run (the owner of its claims); ``id`` is unique even across
+    hosts and pid reuse."""
+
+    launcher: str  # its id
+    host: str
+    pid: int
+
+    REQUIRED = ("launcher", "host", "pid")
+
+    @staticmethod
+    def this() -> "Launcher":
+        host, pid = socket.gethostname(), os.getpid()
+        return Launcher(f"{host}:{pid}:{secrets.token_hex(4)}", host, pid)
+
+    @property
+    def id(self) -> str:
+        return self.launcher
+
+    @property
+    def key(self) -> str:
+        """Where its lifeline writes its node message."""
+        return keys.launcher_key(self.launcher)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True)  # claims compare the bytes
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "Launcher":
+        _require(key, isinstance(rec["launcher"], str) and isinstance(rec["host"], str) and is_int(rec["pid"]),
+                 "launcher and host must be strings, pid an integer", rec)
+        return Launcher(rec["launcher"], rec["host"], rec["pid"])
+
+    def __str__(self) -> str:
+        return f"the launcher on host {self.host} (pid {self.pid})"
+
+
+@dataclass(frozen=True)
+class TransferRecord(Record):
+    """The state a joiner rank received: how much, how long, at which step and epoch."""
+
+    bytes: int
+    transfer_s: float
+    step: int
+    epoch: int
+
+    REQUIRED = ("bytes", "transfer_s")
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "TransferRecord":
+        _require(key, is_count(rec["bytes"]) and is_seconds(rec["transfer_s"]), "bytes and transfer_s must be numbers", rec)
+        return TransferRecord(rec["bytes"], rec["transfer_s"], rec.get("step", 0), rec.get("epoch", 0))
+
+
+@dataclass(frozen=True)
+class FaultRecord(Record):
+    """A fault the plan injected into a rank (detection latency is measured from its time)."""
+
+    replica: int
+    rank: int
+    attempt: int
+    step: int
+    phase: str
+    time: float = 0.0
+
+    REQUIRED = ("time", "attempt")
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "FaultRecord":
+        _require(key, is_seconds(rec["time"]) and is_count(rec["attempt"]), "time and attempt must be numbers", rec)
+        return FaultRecord(rec.get("replica", -1), rec.get("rank", -1), rec["attempt"], rec.get("step", -1),
+                           str(rec.get("phase", "")), float(rec["time"]))
+
+
+@dataclass(frozen=True)
+class Fatal(Record):
+    """The run stops: every process reads why."""
+
+    error: str
+
+    REQUIRED = ("error",)
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "Fatal":
+        return Fatal(str(rec["error"]))
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The last committed step, its epoch and its wall time."""
+
+    step: int
+    epoch: int
+    time: float
+
+
+@dataclass
+class CoordinatorState(Record):
+    """The coordinator's bookkeeping: what a new leader needs that the store does not hold otherwise.
+
+    Mutable: the coordinator core (``coordinator.core``) changes it in its transitions and the
+    shell saves it whole with every epoch and every logged step.
+    """
+
+    progress: Progress | None = None  # the last committed step
+    next_report: int = 1  # the first report slot not read yet
+    retries: int = 0  # epochs retried with the same members in the step in progress
+    attempts: dict[int, int] = field(default_factory=dict)  # incarnation of each member
+    admitted_epoch: dict[int, int] = field(default_factory=dict)  # epoch each member was admitted in
+    joining: dict[int, int] = field(default_factory=dict)  # admitted, no step committed yet -> admission epoch
+    spares: dict[int, int] = field(default_factory=dict)  # groups ready to join while the membership is full -> attempt
+    dropped: dict[int, int] = field(default_factory=dict)  # waiting incarnations fenced for silence -> attempt
+    down_since: dict[int, float] = field(default_factory=dict)  # failed replica, not yet replaced -> when it failed
+    repairs: dict[int, tuple[int, float]] = field(default_factory=dict)  # admitted group -> (replica it replaces, since)
+
+    REQUIRED = ("progress", "next_report", "retries", "attempts", "admitted_epoch", "joining", "spares", "dropped",
+                "down_since", "repairs")
+
+    def to_json(self) -> dict[str, Any]:
+        rec = asdict(self)
+        rec["repairs"] = {r: list(v) for r, v in self.repairs.items()}
+        return rec
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "CoordinatorState":
+        progress = rec["progress"]
+        _require(key, progress is None or (isinstance(progress, dict) and is_int(progress.get("step"))
+                                           and is_int(progress.get("epoch")) and is_seconds(progress.get("time"))),
+                 "progress needs step, epoch, time", progress)
+        _require(key, is_int(rec["next_report"]) and rec["next_report"] >= 1 and is_int(rec["retries"]),
+                 "next_report and retries must be integers", rec)
+        pair = lambda v: isinstance(v, list) and len(v) == 2 and is_int(v[0]) and is_seconds(v[1])  # noqa: E731
+        return CoordinatorState(
+            None if progress is None else Progress(progress["step"], progress["epoch"], progress["time"]),
+            rec["next_report"], rec["retries"],
+            *(_ids(key, rec[k], k, is_int) for k in ("attempts", "admitted_epoch", "joining", "spares", "dropped")),
+            _ids(key, rec["down_since"], "down_since", is_seconds),
+            {r: (v[0], v[1]) for r, v in _ids(key, rec["repairs"], "repairs", pair).items()},
+        )

@@ -1,0 +1,205 @@
+"""The control store's transport: torch's TCPStore (the coordinator serves it) or an etcd cluster.
+
+Serving, connecting (with the run's secret as the key prefix), and probing whether a
+coordinator still listens. The etcd client is imported only here (the ``etcd`` extra).
+"""
+
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+from titan_recover.control import keys
+from titan_recover.control.addresses import LOOPBACK, first_endpoint, is_etcd, local_host, parse_etcd_url, parse_host_port
+
+HELLO_WAIT_S = 10.0  # how long a client waits for the hello (the coordinator sets it right after listening)
+LISTEN_POLL_S = 0.1  # how often a starting client probes the coordinator's port
+
+
+class WrongRunError(RuntimeError):
+    """The store at the coordinator's address does not know this run's secret."""
+
+
+class CoordinatorGone(RuntimeError):
+    """The coordinator this process started ended before it served the run."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def listen(bind: str, port: int) -> int:
+    """A listening socket on ``bind:port`` only; its file descriptor, which the caller then owns.
+
+    TCPStore's own server listens on every interface whatever host it is given, so
+    the coordinator binds the socket itself and hands it over (``master_listen_fd``).
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise RuntimeError(f"cannot listen on {bind}:{port}: {e}; check [recover] coordinator_bind") from e
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a fixed port is free again right after a run
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(
+            f"cannot listen on {bind}:{port}: {e}; is another job using that port? "
+            "Set [recover] coordinator_port to a free port (0 picks one), or fix [recover] coordinator_bind"
+        ) from e
+    return sock.detach()
+
+
+def run_secret() -> str:
+    """This run's secret, from the environment the launcher sets."""
+    secret = os.environ.get(keys.SECRET_ENV, "")
+    if not secret:
+        raise RuntimeError(
+            f"{keys.SECRET_ENV} is not set: start training with run_train.sh, whose launcher makes one per run; "
+            "in a multi-node run give every node's launcher the same value"
+        )
+    return secret
+
+
+def coordinator_address() -> str:
+    """``host:port`` of the coordinator's store, or the ``etcd://`` URL of the run's etcd
+    cluster, from the environment the launcher sets."""
+    address = os.environ.get(keys.COORDINATOR_ENV, "")
+    try:
+        first_endpoint(address)
+    except ValueError:
+        raise RuntimeError(
+            f"{keys.COORDINATOR_ENV} must be host:port of the titan_recover coordinator, got {address!r}; "
+            "start training with run_train.sh"
+        ) from None
+    return address
+
+
+def in_run(store: dist.Store, secret: str) -> dist.PrefixStore:
+    """``store`` seen through the run's secret: a process that lacks it never reads or writes these keys."""
+    return dist.PrefixStore(keys.run_prefix(secret), store)
+
+
+def serve(port: int, timeout_s: float, bind: str = LOOPBACK, secret: str | None = None) -> dist.PrefixStore:
+    """The coordinator's store server, reachable on ``bind`` only (loopback unless other nodes need it),
+    holding the keys of the run whose secret is ``secret`` (default: ``$TITAN_RECOVER_SECRET``)."""
+    secret = secret or run_secret()
+    tcp = dist.TCPStore(
+        local_host(bind), port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+        master_listen_fd=listen(bind, port),
+    )
+    server = in_run(tcp, secret)
+    server.set(keys.HELLO, "titan_recover")
+    return server
+
+
+_ETCD_CLIENTS: list[dist.Store] = []
+
+
+def etcd(address: str, timeout_s: float) -> dist.Store:
+    """A client of the etcd cluster at ``address`` (the ``etcd`` extra's client, imported only here)."""
+    try:
+        from titan_recover.control.etcd_store import EtcdStore
+    except ImportError as e:
+        raise RuntimeError(f"[recover] control_store names etcd but its client is missing ({e}): "
+                           "pip install 'titan_recover[etcd]'") from None
+    client = EtcdStore(parse_etcd_url(address), timeout_s)
+    _ETCD_CLIENTS.append(client)  # a PrefixStore over it holds only its C++ half: its Python methods must stay
+    return client
+
+
+def begin_run(client: dist.Store, secret: str) -> None:
+    """Starts a run on a shared store (etcd): clears what an earlier run with the same secret left
+    (a new leader would take it over), then says hello to the run's other processes."""
+    client.delete_prefix(f"{keys.run_prefix(secret)}/")  # type: ignore[attr-defined]  # EtcdStore's own call
+    in_run(client, secret).set(keys.HELLO, "titan_recover")
+
+
+def wait_for(store: dist.Store, key: str, timeout_s: float, poll_s: float = 0.002) -> None:
+    """Polls until ``key`` exists (``TCPStore.wait`` logs a warning per timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"store key {key!r} did not appear within {timeout_s:g}s")
+        time.sleep(poll_s)
+
+
+def wait_listening(address: str, timeout_s: float, gone: Callable[[], str | None] = lambda: None) -> None:
+    """Returns once something accepts connections at ``host:port``, probing with plain sockets.
+
+    The TCPStore client retries a refused connection with exponential backoff: a coordinator
+    that came up 45 s after its client started was found 21 s later (measured, torch 2.13).
+    ``gone`` says why waiting is pointless (the coordinator's process ended), or None.
+    """
+    host, port = parse_host_port(address)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        why = gone()
+        if why is not None:
+            raise CoordinatorGone(why)
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"nothing listens at {address} after {timeout_s:g}s ([recover] startup_timeout_s): is the run's "
+                "coordinator (its first launcher) running, and is that address reachable from this host?"
+            )
+        time.sleep(LISTEN_POLL_S)
+
+
+def connect(
+    address: str, timeout_s: float = 60.0, secret: str | None = None, gone: Callable[[], str | None] = lambda: None
+) -> dist.PrefixStore:
+    """A client of the coordinator's store at ``host:port`` (or of the etcd cluster at an ``etcd://``
+    URL), in the run whose secret is ``secret`` (default: ``$TITAN_RECOVER_SECRET``); a
+    ``WrongRunError`` if that store does not serve the run. Waits for the store to listen within
+    ``timeout_s`` (``wait_listening``, which ``gone`` may cut short)."""
+    secret = secret or run_secret()
+    if is_etcd(address):  # its members are up before the run; the first launcher says hello
+        client = in_run(etcd(address, timeout_s), secret)
+        try:
+            wait_for(client, keys.HELLO, timeout_s, poll_s=0.05)
+        except TimeoutError:
+            raise WrongRunError(f"the etcd cluster at {address} holds no run with this {keys.SECRET_ENV} after "
+                                f"{timeout_s:g}s: give every launcher of the run the same {keys.SECRET_ENV}") from None
+        return client
+    start = time.monotonic()
+    wait_listening(address, timeout_s, gone)
+    host, port = parse_host_port(address)
+    left = max(1.0, timeout_s - (time.monotonic() - start))
+    client = in_run(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=left)), secret)
+    try:
+        wait_for(client, keys.HELLO, min(timeout_s, HELLO_WAIT_S))
+    except TimeoutError:
+        raise WrongRunError(
+            f"the coordinator at {address} does not serve this run (wrong or missing {keys.SECRET_ENV}, or another job "
+            f"on that port): give every launcher of the run the same {keys.SECRET_ENV}, or use another coordinator_port"
+        ) from None
+    client.set_timeout(timedelta(seconds=timeout_s))
+    return client
+
+
+def connection_refused(address: str) -> bool:
+    """Whether nothing listens at ``host:port`` any more (a killed coordinator), in at most a second.
+
+    A TCPStore client retries a refused connection until its timeout; a plain socket says at once.
+    """
+    if is_etcd(address):  # etcd: only when every member refuses (one member lost is invisible)
+        return all(connection_refused(f"{host}:{port}") for host, port in parse_etcd_url(address))
+    try:
+        with socket.create_connection(parse_host_port(address), timeout=1.0):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # unreachable or slow: the silence bound decides
+        return False

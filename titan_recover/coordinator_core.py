@@ -1,0 +1,379 @@
+"""The coordinator's decisions as a pure state machine: records in, effects out.
+
+``CoordinatorCore`` holds the bookkeeping (``protocol.CoordinatorState``: attempts, joining
+groups, repairs, spares, dropped groups, down-since times, the last committed step) and
+the membership history. Its transitions (``on_step``, ``on_nodes``, ``on_report``,
+``on_failure``, ``on_retry``, ``on_joins``, ``on_rejoined``) change that state and return
+the effects the shell (``coordinator.Coordinator``) carries out in order: publish an
+epoch, fence or admit an incarnation, save the state, write an event, log a line, stop
+the run. Reads it needs (an injected fault's time, a step's decision, transfer records)
+come in as functions, so every rule is testable in microseconds without a store.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Union
+
+from titan_recover.control.protocol import Admission, CoordinatorState, Fence, Progress, Report, StepRecord, TransferRecord
+from titan_recover.membership import (
+    FailureDetector,
+    GroupView,
+    Membership,
+    TooFewReplicasError,
+    admit,
+    job_error,
+    join_action,
+    next_membership,
+    repaired_failure,
+    retry_verdict,
+)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What the coordinator decides by, from the job config."""
+
+    replicas: int  # members wanted; ids past them are spares
+    replica_ids: int  # every id of the run: 0..replica_ids-1
+    group_ranks: int  # ranks per replica group
+    steps: int
+    min_replicas: int
+    max_step_retries: int
+    spare_timeout_s: float  # a waiting spare silent this long is fenced (the heartbeat timeout)
+
+
+@dataclass(frozen=True)
+class Publish:
+    membership: Membership
+
+
+@dataclass(frozen=True)
+class Save:
+    """The state changed in a way a new leader needs: save it (before the events that follow)."""
+
+
+@dataclass(frozen=True)
+class FenceOut:
+    replica: int
+    fence: Fence
+
+
+@dataclass(frozen=True)
+class Admit:
+    replica: int
+    admission: Admission
+
+
+@dataclass(frozen=True)
+class Emit:
+    event: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LogStep:
+    record: StepRecord
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Write the coordinator's resource usage into the event log at ``step``."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Say:
+    message: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    error: str
+
+
+Effect = Union[Publish, Save, FenceOut, Admit, Emit, LogStep, Usage, Say, Stop]
+
+
+def stops(effects: list[Effect]) -> bool:
+    return any(isinstance(e, Stop) for e in effects)
+
+
+class CoordinatorCore:
+    """Membership and lifecycle decisions of one run, with no store, no clock of its own and no I/O."""
+
+    def __init__(
+        self,
+        rules: Rules,
+        detector: FailureDetector,
+        *,
+        fault_time: Callable[[int, int], float | None] = lambda replica, attempt: None,
+        committed: Callable[[int, int], bool] = lambda step, epoch: False,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.rules, self.detector = rules, detector
+        self.fault_time, self.committed, self.wall = fault_time, committed, wall
+        members = tuple(range(rules.replicas))
+        self.state = CoordinatorState(attempts={r: 0 for r in members}, admitted_epoch={r: 0 for r in members})
+        self.history: dict[int, Membership] = {0: Membership(0, members)}
+        self.start_step: int | None = None  # the step the ranks started from (a DCP checkpoint's, or 0)
+        self.reporters: set[int] = set()  # replicas that reported a broken collective in this step
+        self.errors: dict[int, tuple[str, int]] = {}  # replica -> (its ranks' own error, step)
+        self.views: dict[tuple[int, int], GroupView] = {}  # (replica, attempt) -> folded over its nodes
+        self.asking: dict[int, int] = {}  # replica -> its latest incarnation whose ranks wait to join
+
+    def take_over(self, state: CoordinatorState, history: dict[int, Membership], epoch: int) -> None:
+        """Continues from the state a previous leader saved and the epochs the store holds."""
+        self.state, self.history = state, {e: m for e, m in history.items() if e <= epoch}
+        self.detector.set_members(self.membership.members)
+
+    @property
+    def membership(self) -> Membership:
+        return self.history[max(self.history)]
+
+    def step(self) -> int:
+        """The step in progress: one past the last committed step (or the checkpoint resumed from)."""
+        progress = self.state.progress
+        return progress.step + 1 if progress is not None else (self.start_step or 0) + 1
+
+    def grace(self, now: float) -> None:
+        """Every member and waiting spare counts as having beaten at ``now``: one heartbeat timeout
+        to show it is alive, when the beats before could not be read."""
+        for replica in (*self.membership.members, *self.state.spares):
+            self.detector.expect(replica, now)
+
+    def _publish(self, membership: Membership) -> list[Effect]:
+        self.history[membership.epoch] = membership
+        return [Publish(membership), Save()]
+
+    # ---- committed steps ----------------------------------------------------------------
+
+    def accepts(self, record: StepRecord) -> bool:
+        """Whether ``record`` is the step in progress, committed in an epoch this run published."""
+        return record.step == self.step() and record.epoch in self.history
+
+    def on_step(self, record: StepRecord) -> list[Effect]:
+        """A committed step: saved before its event, so a leader that dies in between has its successor log it."""
+        self.state.progress = Progress(record.step, record.epoch, record.time)
+        self.state.retries, self.reporters = 0, set()
+        return [Save(), LogStep(record)] + [
+            Say(f"data epoch {epoch} begins at step {record.step}: every sample of the corpus was read "
+                "once; they are read again in a new order") for epoch in record.data_epochs
+        ]
+
+    # ---- liveness -----------------------------------------------------------------------
+
+    def on_nodes(self, views: dict[tuple[int, int], GroupView], now: float) -> None:
+        """The groups as the node messages show them: beats of current incarnations reach the
+        detector; a rank whose main loop is stuck is its group's failure."""
+        self.views = views
+        self.asking = {replica: attempt for (replica, attempt), view in sorted(views.items()) if view.ready}
+        for replica in (*self.membership.members, *self.state.spares):
+            view = views.get((replica, self._incarnation(replica)))
+            if view is None or view.ranks < self.rules.group_ranks:
+                continue  # not every rank has beaten yet: the startup bound holds
+            self.detector.beat(replica, view.alive_at)
+            if view.stuck is not None:
+                self.detector.report(replica, view.stuck, now)
+
+    def on_report(self, report: Report, now: float) -> list[Effect]:
+        suspect = report.suspect
+        if suspect is None and report.epoch < self.membership.epoch:
+            return []  # about an epoch already replaced
+        if suspect is not None and report.epoch < self.state.admitted_epoch.get(suspect, 0):
+            return []  # about an incarnation already replaced
+        if report.attempt is not None and (suspect is None or report.attempt != self._incarnation(suspect)):
+            return []  # a launcher's report about another incarnation (it crossed that group's restart)
+        if suspect is None and report.replica is not None:
+            self.reporters.add(report.replica)
+        if suspect is not None and report.error and report.step is not None:
+            self.errors[suspect] = (report.error, report.step)
+        effects = self._drop_spare(suspect, report.cause) if suspect in self.state.spares else []
+        self.detector.report(suspect, report.cause, now)
+        return effects
+
+    def _incarnation(self, replica: int) -> int | None:
+        """The incarnation of ``replica`` the run holds now: as a member or as a waiting spare."""
+        return self.state.spares[replica] if replica in self.state.spares else self.state.attempts.get(replica)
+
+    def _failure_time(self, replica: int, detected: float, now: float) -> tuple[float, str]:
+        """When this incarnation failed, and by which clock: an injected fault's own time
+        (measurement only), else the last heartbeat of its most silent rank (the failure
+        came after it; found by a report or by silence alike), else the detection."""
+        injected = self.fault_time(replica, self.state.attempts.get(replica, -1))
+        if injected is not None:
+            return injected, "fault_injected"
+        last = self.detector.silent_since(replica)  # a dead or hung rank beats no more; a live one just beat
+        if last is not None:
+            return detected - (now - last), "last_heartbeat"
+        return detected, "detected"
+
+    # ---- failures -----------------------------------------------------------------------
+
+    def on_failure(self, failed: dict[int, str], now: float) -> list[Effect]:
+        """The next epoch without ``failed`` (a retry when it is empty), or the run's stop."""
+        wall, step, state = self.wall(), self.step(), self.state
+        effects: list[Effect] = []
+        first = wall
+        for replica, cause in sorted(failed.items()):
+            t, clock = self._failure_time(replica, wall, now)
+            first = min(first, t)
+            if replica in state.repairs:  # failed before its first step: what it was to repair is open again
+                replaced, since = state.repairs.pop(replica)
+                state.down_since[replaced] = since
+            else:
+                state.down_since.setdefault(replica, t)
+            effects += [Emit("failure", {"replica": replica, "step": step, "cause": cause, "time": t, "clock": clock}),
+                        Say(f"replica {replica} failed at step {step}: {cause}")]
+        error = job_error(self.errors, self.membership.members)
+        if error is not None:
+            return effects + [Stop(f"the job's own error, not a hardware failure: {error}; fix it and run again")]
+        try:
+            new = next_membership(self.membership, failed, self.rules.min_replicas, self._still_joining())
+        except TooFewReplicasError as e:
+            return effects + [Stop(str(e))]
+        effects += self._publish(new)
+        for replica in failed:
+            state.joining.pop(replica, None)
+            # its launcher kills whatever is left of this incarnation (e.g. a hung rank)
+            effects.append(FenceOut(replica, Fence(state.attempts[replica], new.epoch)))
+        self.detector.set_members(new.members)
+        if failed:
+            latency = self.wall() - first
+            return effects + [
+                Emit("recovered", {"step": step, "epoch": new.epoch, "members": list(new.members), "latency_s": latency}),
+                Usage(step), Say(f"epoch {new.epoch}: members {list(new.members)} (recovered in {latency:.3f}s)"),
+            ]
+        return effects + [Say(f"epoch {new.epoch}: retrying step {step} with the same members {list(new.members)} "
+                              f"(retry {state.retries} of at most {self.rules.max_step_retries})")]
+
+    def _still_joining(self) -> dict[int, int]:
+        """Joiners without state. One admitted in an epoch whose step the store already
+        marks committed holds that step's state, even if nobody has logged it yet."""
+        if self.committed(self.step(), self.membership.epoch):
+            return {}  # every joiner was admitted in this epoch or before, so it took part in the commit
+        return self.state.joining
+
+    def on_retry(self, now: float) -> list[Effect]:
+        """The step's collectives broke with nobody silent: retry, fence who held it up, or stop."""
+        self.state.retries += 1
+        retries = self.state.retries
+        verdict, who = retry_verdict(self.membership.members, self.reporters, retries - 1, self.rules.max_step_retries)
+        if verdict == "retry":
+            return self.on_failure({}, now)
+        if verdict == "fence":
+            reporters = sorted(self.reporters)
+            return self.on_failure({r: f"step {self.step()} broke {retries} times: replicas {reporters} "
+                                       "reported broken collectives and this one never did (it held them up)" for r in who}, now)
+        return [Stop(f"step {self.step()} broke {retries} times with every replica ({list(who)}) reporting broken "
+                     "collectives and none silent: check the network between the replica groups")]
+
+    # ---- joins, spares, rejoins ---------------------------------------------------------
+
+    def on_joins(self, now: float) -> list[Effect]:
+        """Admits groups whose ranks are all up while fewer than R are members (restarted ones,
+        or hot spares waiting since the start); the others wait as spares."""
+        state = self.state
+        if state.progress is not None and state.progress.step >= self.rules.steps:
+            return []  # the last step is done: nothing left to join
+        effects: list[Effect] = []
+        ready: dict[int, int] = {}
+        for replica, attempt in self.asking.items():
+            if replica >= self.rules.replica_ids:
+                effects.append(Say(f"ignoring a join request of replica {replica}: the run has ids 0..{self.rules.replica_ids - 1}"))
+                continue
+            up = self.views[(replica, attempt)].ready
+            seen = max(state.attempts.get(replica, -1), state.dropped.get(replica, -1))
+            action = join_action(self.membership.members, replica, seen, attempt, up, self.rules.group_ranks)
+            if action == "replace":  # its previous incarnation is still a member: it takes its own place back
+                effects += self.on_failure({replica: f"restarted by its launcher (attempt {attempt})"}, now)
+                if stops(effects):
+                    return effects
+                effects += self._admit(replica, attempt, now)
+            elif action == "admit":
+                ready[replica] = attempt
+        state.spares = {r: a for r, a in state.spares.items() if ready.get(r) == a}  # same incarnation, still waiting
+        effects += self._drop_silent_spares(now)
+        ready = {r: a for r, a in ready.items() if a > state.dropped.get(r, -1)}
+        free = max(0, self.rules.replicas - len(self.membership.members))
+        for replica in sorted(ready)[:free]:
+            state.spares.pop(replica, None)
+            effects += self._admit(replica, ready[replica], now)
+        for replica in sorted(ready)[free:]:
+            if replica not in state.spares:
+                state.spares[replica] = ready[replica]
+                self.detector.expect(replica, now)  # its beats are watched from now on
+                effects.append(Emit("spare_ready", {"replica": replica, "attempt": ready[replica], "step": self.step()}))
+        return effects
+
+    def _drop_silent_spares(self, now: float) -> list[Effect]:
+        """A waiting group whose heartbeat stalled (hung while waiting) is fenced: its launcher
+        kills it and starts it again, instead of it being admitted to hold the others up."""
+        effects: list[Effect] = []
+        for replica in sorted(self.state.spares):
+            last = self.detector.silent_since(replica)
+            if last is not None and now - last >= self.rules.spare_timeout_s:
+                effects += self._drop_spare(replica, f"heartbeat silent for {now - last:.2f}s while waiting as a spare")
+        return effects
+
+    def _drop_spare(self, replica: int, cause: str) -> list[Effect]:
+        attempt = self.state.spares.pop(replica)
+        self.state.dropped[replica] = attempt
+        return [Save(), FenceOut(replica, Fence(attempt, self.membership.epoch)),
+                Emit("spare_lost", {"replica": replica, "attempt": attempt, "step": self.step(), "cause": cause}),
+                Say(f"spare replica {replica} (attempt {attempt}) fenced: {cause}")]
+
+    def _admit(self, replica: int, attempt: int, now: float) -> list[Effect]:
+        """Makes a ready group a member in a new epoch; it takes the state from a live peer."""
+        state = self.state
+        new = admit(self.membership, replica)
+        effects = self._publish(new)
+        state.attempts[replica] = attempt
+        state.admitted_epoch[replica] = state.joining[replica] = new.epoch
+        self.detector.set_members(new.members, now)
+        replaced = repaired_failure(replica, state.down_since)
+        if replaced is not None:
+            state.repairs[replica] = (replaced, state.down_since.pop(replaced))
+        instead = "" if replaced in (None, replica) else f" in place of replica {replaced}"
+        return effects + [
+            Admit(replica, Admission(attempt, new.epoch)),
+            Emit("admitted", {"replica": replica, "attempt": attempt, "epoch": new.epoch, "step": self.step(),
+                              **({"replaces": replaced} if replaced is not None else {})}),
+            Say(f"epoch {new.epoch}: replica {replica} (attempt {attempt}) admitted{instead}, members {list(new.members)}"),
+        ]
+
+    def on_rejoined(self, transfers: Callable[[int], list[TransferRecord]]) -> list[Effect]:
+        """A joiner is back once a step commits in an epoch it is a member of; ``transfers`` gives
+        the state transfer records of its ranks."""
+        progress = self.state.progress
+        if progress is None:
+            return []
+        effects: list[Effect] = []
+        for replica, epoch in list(self.state.joining.items()):
+            committed = self.history.get(progress.epoch)
+            if progress.epoch < epoch or committed is None or replica not in committed.members:
+                continue
+            del self.state.joining[replica]
+            records = transfers(replica)
+            replaced, since = self.state.repairs.pop(replica, (replica, progress.time))
+            downtime = progress.time - since
+            what = "rejoined" if replaced == replica else f"(a spare) replaced replica {replaced}"
+            effects += [
+                Emit("rejoined", {"replica": replica, "step": progress.step, "bytes": sum(r.bytes for r in records),
+                                  "transfer_s": max((r.transfer_s for r in records), default=0.0), "downtime_s": downtime,
+                                  **({"replaces": replaced} if replaced != replica else {})}),
+                Say(f"replica {replica} {what} at step {progress.step}, {downtime:.1f}s after the failure"),
+            ]
+        return effects
+
+    def finished(self) -> bool:
+        """Every member with state has finished (a group still rejoining is not waited for)."""
+        return all(
+            (view := self.views.get((r, self.state.attempts[r]))) is not None and view.finished >= self.rules.group_ranks
+            for r in self.membership.members
+            if r not in self.state.joining
+        )
+
+    def end(self) -> list[Effect]:
+        """Wakes every node agent, blocked until the next epoch, to read the run's end (done or fatal)."""
+        return self._publish(Membership(self.membership.epoch + 1, self.membership.members))

@@ -1,0 +1,35 @@
+"""Process plumbing every process kind shares: parent-death signals, stack dumps, the lost-coordinator exit."""
+
+import ctypes
+import faulthandler
+import logging
+import os
+import signal
+
+from titan_recover import logs
+
+PR_SET_PDEATHSIG = 1
+LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a forked child must not dlopen (threads may hold its lock)
+EXIT_COORDINATOR_LOST = 3
+
+
+def die_with_parent() -> None:
+    """Asks the kernel to SIGKILL this process when its parent dies: a SIGKILLed
+    launcher (or torchrun agent) then leaves no orphaned rank behind."""
+    parent = os.getppid()
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def dumps_stacks() -> None:
+    """``kill -USR1 <pid>`` prints every thread's stack to this process's stderr: what a
+    process that looks hung is doing, without stopping it (launcher, coordinator, ranks)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def exit_lost(who: str, reason: str, hint: str) -> None:
+    """Ends this process at once with one line: the run cannot go on without its coordinator."""
+    logs.setup()
+    logging.getLogger(logs.ROOT).error("error: %s: lost the titan_recover coordinator: %s. %s", who, reason, hint)
+    os._exit(EXIT_COORDINATOR_LOST)
