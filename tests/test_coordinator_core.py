@@ -87,7 +87,7 @@ def test_too_few_replicas_stop_the_run() -> None:
 def test_the_jobs_own_error_on_two_replicas_stops_instead_of_restarting() -> None:
     c = core()
     for r in (0, 1):
-        c.on_report(Report(epoch=0, cause=f"rank 0 raised E", replica=r, suspect=r, step=3, error="E"), now=1.0)
+        c.on_report(Report(epoch=0, cause="rank 0 raised E", replica=r, suspect=r, step=3, error="E"), now=1.0)
     effects = c.on_failure({0: "E", 1: "E"}, now=1.0)
     assert "the job's own error" in of(effects, Stop)[0].error
 

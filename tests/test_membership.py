@@ -25,6 +25,8 @@ from titan_recover.membership import (
     repaired_failure,
 )
 
+pytestmark = pytest.mark.unit
+
 # --- Membership JSON --------------------------------------------------------
 
 
@@ -32,17 +34,17 @@ def test_to_json_from_json_round_trip_through_real_json() -> None:
     m = Membership(7, (0, 2, 5))
     obj = m.to_json()
     assert obj == {"epoch": 7, "members": [0, 2, 5]}
-    back = Membership.from_json(json.loads(json.dumps(obj)))
+    back = Membership.from_json("members/1", json.loads(json.dumps(obj)))
     assert back == m
     assert isinstance(back.members, tuple)
 
 
 def test_from_json_sorts_members() -> None:
-    assert Membership.from_json({"epoch": 0, "members": [3, 0, 2]}).members == (0, 2, 3)
+    assert Membership.from_json("members/1", {"epoch": 0, "members": [3, 0, 2]}).members == (0, 2, 3)
 
 
 def test_from_json_accepts_epoch_zero_and_no_members() -> None:
-    assert Membership.from_json({"epoch": 0, "members": []}) == Membership(0, ())
+    assert Membership.from_json("members/1", {"epoch": 0, "members": []}) == Membership(0, ())
 
 
 @pytest.mark.parametrize("epoch", [-1, 1.0, "3", None])
@@ -51,34 +53,34 @@ def test_from_json_rejects_bad_epoch(epoch: object) -> None:
     if epoch is not None:
         obj["epoch"] = epoch
     with pytest.raises(ValueError, match="epoch must be a non-negative int") as info:
-        Membership.from_json(obj)
+        Membership.from_json("members/1", obj)
     assert repr(epoch) in str(info.value)
 
 
 @pytest.mark.parametrize("members", ["0,1", {"0": 1}, (0, 1), None, 3])
 def test_from_json_rejects_non_list_members(members: object) -> None:
     with pytest.raises(ValueError, match="members must be a list of replica ids") as info:
-        Membership.from_json({"epoch": 1, "members": members})
+        Membership.from_json("members/1", {"epoch": 1, "members": members})
     assert repr(members) in str(info.value)
 
 
 @pytest.mark.parametrize("members", [[0, -1], [-3], [0, "1"], [0, 1.0], [None]])
 def test_from_json_rejects_bad_replica_ids(members: list) -> None:
     with pytest.raises(ValueError, match="members must be a list of replica ids") as info:
-        Membership.from_json({"epoch": 1, "members": members})
+        Membership.from_json("members/1", {"epoch": 1, "members": members})
     assert repr(members) in str(info.value)
 
 
 def test_from_json_rejects_repeated_ids() -> None:
     with pytest.raises(ValueError, match="repeat a replica") as info:
-        Membership.from_json({"epoch": 2, "members": [0, 1, 1]})
+        Membership.from_json("members/1", {"epoch": 2, "members": [0, 1, 1]})
     assert "[0, 1, 1]" in str(info.value)
 
 
 @pytest.mark.parametrize("obj", [{"epoch": True, "members": [0]}, {"epoch": 1, "members": [False, True]}])
 def test_from_json_rejects_booleans(obj: dict) -> None:
     with pytest.raises(ValueError):
-        Membership.from_json(obj)
+        Membership.from_json("members/1", obj)
 
 
 # --- next_membership -------------------------------------------------------

@@ -13,6 +13,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from titan_recover import faults, workload
+from titan_recover.control.addresses import parse_etcd_url
+
+BACKENDS = ("auto", "nccl", "gloo")
+"""Values of ``recover.replicate_backend`` (``titan_recover.devices`` resolves "auto")."""
+
 
 class ConfigError(ValueError):
     """A config value titan_recover cannot run with; the message names the key."""
@@ -128,6 +134,41 @@ class JobConfig:
     recover: Recover = field(default_factory=Recover)
 
 
+def validate(job_config: Any) -> Recover:
+    """Checks ``[recover]`` and the parallelism it relies on; returns the section.
+
+    The checks run in this order, and the first that fails raises its ``ConfigError``."""
+    rc: Recover = job_config.recover
+    _check_types(rc, "recover")
+    _check_minimums(rc, _COUNTS)
+    _check_timeouts(rc)
+    _check_heartbeats(rc)
+    _check_rebalancing(rc)
+    _check_minimums(rc, {"data_seed": 0})
+    _check_coordinator_port(rc)
+    _check_control_store(rc)
+    _check_leader_lease(rc)
+    _check_backend(rc)
+    _check_policy(rc)
+    plan = _parse_fault_plan(rc)
+    _check_degrees(rc, job_config.parallelism)
+    _check_group_nodes(rc, job_config.parallelism)
+    _check_fault_plan(plan, job_config)
+    _check_context_parallel(job_config.parallelism)
+    _check_batch(job_config)
+    return rc
+
+
+_COUNTS = {"spares": 0, "min_replicas": 1, "max_restarts": 0, "max_step_retries": 1, "group_nodes": 1,
+           "digest_interval": 1}
+"""Integer keys of ``[recover]`` and their smallest allowed value."""
+
+_SECONDS = ("heartbeat_interval_s", "heartbeat_timeout_s", "report_confirm_s", "collective_timeout_s",
+            "startup_timeout_s", "coordinator_timeout_s", "progress_timeout_s", "restart_window_s",
+            "leader_lease_s")
+"""Durations of ``[recover]``: each a finite number of seconds > 0."""
+
+
 def _check_types(section: Any, name: str) -> None:
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
@@ -141,38 +182,19 @@ def _check_types(section: Any, name: str) -> None:
             )
 
 
-def validate(job_config: Any) -> Recover:
-    """Checks ``[recover]`` and the parallelism it relies on; returns the section."""
-    from titan_recover import devices, faults, workload
-    from titan_recover.control.addresses import parse_etcd_url
+def _check_minimums(rc: Recover, minimums: dict[str, int]) -> None:
+    for key, low in minimums.items():
+        if getattr(rc, key) < low:
+            raise ConfigError(f"recover.{key} must be >= {low}, got {getattr(rc, key)}")
 
-    rc: Recover = job_config.recover
-    _check_types(rc, "recover")
-    if rc.spares < 0:
-        raise ConfigError(f"recover.spares must be >= 0, got {rc.spares}")
-    if rc.min_replicas < 1:
-        raise ConfigError(f"recover.min_replicas must be >= 1, got {rc.min_replicas}")
-    if rc.max_restarts < 0:
-        raise ConfigError(f"recover.max_restarts must be >= 0, got {rc.max_restarts}")
-    if rc.max_step_retries < 1:
-        raise ConfigError(f"recover.max_step_retries must be >= 1, got {rc.max_step_retries}")
-    if rc.group_nodes < 1:
-        raise ConfigError(f"recover.group_nodes must be >= 1, got {rc.group_nodes}")
-    if rc.digest_interval < 1:
-        raise ConfigError(f"recover.digest_interval must be >= 1, got {rc.digest_interval}")
-    for key in (
-        "heartbeat_interval_s",
-        "heartbeat_timeout_s",
-        "report_confirm_s",
-        "collective_timeout_s",
-        "startup_timeout_s",
-        "coordinator_timeout_s",
-        "progress_timeout_s",
-        "restart_window_s",
-        "leader_lease_s",
-    ):
+
+def _check_timeouts(rc: Recover) -> None:
+    for key in _SECONDS:
         if not math.isfinite(getattr(rc, key)) or getattr(rc, key) <= 0:
             raise ConfigError(f"recover.{key} must be a finite number > 0, got {getattr(rc, key)}")
+
+
+def _check_heartbeats(rc: Recover) -> None:
     if rc.heartbeat_timeout_s <= 2 * rc.heartbeat_interval_s:
         raise ConfigError(
             "recover.heartbeat_timeout_s must be more than twice "
@@ -185,41 +207,60 @@ def validate(job_config: Any) -> Recover:
             "is silent up to one interval between beats and would be fenced), got "
             f"{rc.report_confirm_s} and {rc.heartbeat_interval_s}"
         )
+
+
+def _check_rebalancing(rc: Recover) -> None:
     for key in ("speed_smoothing", "rebalance_threshold"):
         if not 0 < getattr(rc, key) <= 1:
             raise ConfigError(f"recover.{key} must be in (0, 1], got {getattr(rc, key)}")
-    if rc.data_seed < 0:
-        raise ConfigError(f"recover.data_seed must be >= 0, got {rc.data_seed}")
+
+
+def _check_coordinator_port(rc: Recover) -> None:
     if not 0 <= rc.coordinator_port < 65536:
         raise ConfigError(f"recover.coordinator_port out of range: {rc.coordinator_port}")
-    if rc.control_store:
-        try:
-            parse_etcd_url(rc.control_store)
-        except ValueError as e:
-            raise ConfigError(f"recover.control_store: {e}; use \"\" (the coordinator's own TCPStore) or "
-                              "\"etcd://host:port,host:port,host:port\"") from None
+
+
+def _check_control_store(rc: Recover) -> None:
+    if not rc.control_store:
+        return
+    try:
+        parse_etcd_url(rc.control_store)
+    except ValueError as e:
+        raise ConfigError(f"recover.control_store: {e}; use \"\" (the coordinator's own TCPStore) or "
+                          "\"etcd://host:port,host:port,host:port\"") from None
+
+
+def _check_leader_lease(rc: Recover) -> None:
     if not 2 <= rc.leader_lease_s < rc.coordinator_timeout_s:
         raise ConfigError(f"recover.leader_lease_s must be >= 2 (etcd's shortest lease) and below "
                           f"recover.coordinator_timeout_s, got {rc.leader_lease_s} and {rc.coordinator_timeout_s}")
-    if rc.replicate_backend not in devices.BACKENDS:
+
+
+def _check_backend(rc: Recover) -> None:
+    if rc.replicate_backend not in BACKENDS:
         raise ConfigError(
-            f"recover.replicate_backend must be one of {', '.join(devices.BACKENDS)}, got {rc.replicate_backend!r}"
+            f"recover.replicate_backend must be one of {', '.join(BACKENDS)}, got {rc.replicate_backend!r}"
         )
+
+
+def _check_policy(rc: Recover) -> None:
     try:
         workload.get_policy(rc.policy)
     except workload.WorkloadError as e:
         raise ConfigError(f"recover.policy: {e}") from e
+
+
+def _parse_fault_plan(rc: Recover) -> tuple[faults.Fault, ...]:
     try:
-        plan = faults.parse_fault_plan(rc.fault_plan)
+        return faults.parse_fault_plan(rc.fault_plan)
     except faults.FaultPlanError as e:
         raise ConfigError(f"recover.fault_plan: {e}") from e
 
-    par = job_config.parallelism
+
+def _check_degrees(rc: Recover, par: Any) -> None:
     replicas, shards = par.data_parallel_replicate_degree, par.data_parallel_shard_degree
     if replicas < 1:
-        raise ConfigError(
-            f"parallelism.data_parallel_replicate_degree must be >= 1, got {replicas}"
-        )
+        raise ConfigError(f"parallelism.data_parallel_replicate_degree must be >= 1, got {replicas}")
     if shards < 1:
         raise ConfigError(
             "parallelism.data_parallel_shard_degree must be set explicitly (>= 1) "
@@ -233,50 +274,80 @@ def validate(job_config: Any) -> Recover:
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree"):
         if getattr(par, key) < 1:
             raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(par, key)}")
+
+
+def _check_group_nodes(rc: Recover, par: Any) -> None:
     if group_ranks(par) % rc.group_nodes:
         raise ConfigError(
             f"recover.group_nodes ({rc.group_nodes}) must divide the ranks of a replica group evenly "
             f"(dp_shard x tp x pp = {group_ranks(par)}): every node of a group runs the same number of them"
         )
-    ids = replica_ids(job_config)
-    for f in plan:  # a fault aimed at no rank would silently never fire
-        if f.replica >= ids or f.rank >= group_ranks(par):
-            raise ConfigError(
-                f"recover.fault_plan: '{f.action} replica={f.replica} rank={f.rank}' names no rank: "
-                f"the job has {ids} replica groups (0..{ids - 1}{', spares included' if rc.spares else ''}) of {group_ranks(par)} ranks (0..{group_ranks(par) - 1})"
-            )
-        if f.phase == "join" and f.attempt == 0 and not is_spare(f.replica, job_config):
-            raise ConfigError(
-                f"recover.fault_plan: '{f.action} replica={f.replica} phase=join attempt=0' can never fire: replica "
-                f"{f.replica} starts as a member and joins only once restarted (attempt >= 1); only a hot spare "
-                f"(replica {replicas}..{ids - 1}) joins in its first incarnation"
-            )
-        steps = job_config.training.steps
-        if f.step is not None and f.step > steps:
-            raise ConfigError(
-                f"recover.fault_plan: '{f.action} replica={f.replica} step={f.step}' can never fire: "
-                f"the run ends at training.steps = {steps}"
-            )
-        # with restarts counted per window any attempt can come in a long enough run; with none, only attempt 0
-        if f.attempt > 0 and rc.max_restarts == 0:
-            raise ConfigError(
-                f"recover.fault_plan: '{f.action} replica={f.replica} phase={f.phase} attempt={f.attempt}' can "
-                "never fire: recover.max_restarts = 0 allows no restart, so only attempt 0 ever runs"
-            )
+
+
+def _check_fault_plan(plan: tuple[faults.Fault, ...], job_config: Any) -> None:
+    """Every fault must be able to fire: one that never does would pass a test silently."""
+    for f in plan:
+        _check_fault_target(f, job_config)
+        _check_fault_join(f, job_config)
+        _check_fault_step(f, job_config.training.steps)
+        _check_fault_attempt(f, job_config.recover.max_restarts)
+
+
+def _check_fault_target(f: faults.Fault, job_config: Any) -> None:
+    ids, ranks = replica_ids(job_config), group_ranks(job_config.parallelism)
+    if f.replica >= ids or f.rank >= ranks:
+        raise ConfigError(
+            f"recover.fault_plan: '{f.action} replica={f.replica} rank={f.rank}' names no rank: "
+            f"the job has {ids} replica groups (0..{ids - 1}{', spares included' if job_config.recover.spares else ''}) "
+            f"of {ranks} ranks (0..{ranks - 1})"
+        )
+
+
+def _check_fault_join(f: faults.Fault, job_config: Any) -> None:
+    if f.phase == "join" and f.attempt == 0 and not is_spare(f.replica, job_config):
+        raise ConfigError(
+            f"recover.fault_plan: '{f.action} replica={f.replica} phase=join attempt=0' can never fire: replica "
+            f"{f.replica} starts as a member and joins only once restarted (attempt >= 1); only a hot spare "
+            f"(replica {job_config.parallelism.data_parallel_replicate_degree}..{replica_ids(job_config) - 1}) "
+            "joins in its first incarnation"
+        )
+
+
+def _check_fault_step(f: faults.Fault, steps: int) -> None:
+    if f.step is not None and f.step > steps:
+        raise ConfigError(
+            f"recover.fault_plan: '{f.action} replica={f.replica} step={f.step}' can never fire: "
+            f"the run ends at training.steps = {steps}"
+        )
+
+
+def _check_fault_attempt(f: faults.Fault, max_restarts: int) -> None:
+    # with restarts counted per window any attempt can come in a long enough run; with none, only attempt 0
+    if f.attempt > 0 and max_restarts == 0:
+        raise ConfigError(
+            f"recover.fault_plan: '{f.action} replica={f.replica} phase={f.phase} attempt={f.attempt}' can "
+            "never fire: recover.max_restarts = 0 allows no restart, so only attempt 0 ever runs"
+        )
+
+
+def _check_context_parallel(par: Any) -> None:
     if par.context_parallel_degree != 1:
         raise ConfigError(
             f"parallelism.context_parallel_degree must be 1 with titan_recover (got {par.context_parallel_degree}): "
             "context parallelism inside a replica group is not supported yet"
         )
-    tr = job_config.training
-    per_microbatch = tr.local_batch_size * shards
+
+
+def _check_batch(job_config: Any) -> None:
+    tr, par = job_config.training, job_config.parallelism
+    per_microbatch = tr.local_batch_size * par.data_parallel_shard_degree
+    replicas = par.data_parallel_replicate_degree
     if tr.global_batch_size <= 0 or tr.global_batch_size % (per_microbatch * replicas):
         raise ConfigError(
             f"training.global_batch_size ({tr.global_batch_size}) must be a positive "
             "multiple of training.local_batch_size * data_parallel_shard_degree * "
             f"data_parallel_replicate_degree ({per_microbatch * replicas})"
         )
-    return rc
 
 
 def resume_hint(job_config: Any) -> str:

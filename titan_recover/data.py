@@ -6,6 +6,12 @@ function: ``(step, microbatch, shard)`` -> global sample indices (``sample_indic
 epoch) -> ``seq_len + 1`` tokens of a shard file (``tokens.TokenDataset``).
 Whichever process loads a microbatch gets bit-identical tensors.
 
+``open_dataset`` opens the job's dataset folder (``training.dataset = "synthetic"`` with
+no folder there yet: the synthetic corpus is prepared into it first) and checks that its
+manifest matches the job's tokenizer and model vocabulary and that every shard has its
+listed size; a violation is a ``DataError`` naming the file. ``check_data`` does that and
+loads the first microbatch, once, before the launcher starts anything.
+
     python -m titan_recover.data prepare OUT --tokenizer DIR (--files F ... | --dataset NAME | --synthetic N)
     python -m titan_recover.data index DIR --tokenizer DIR     # adopt datatrove / Megatron files
     python -m titan_recover.data verify DIR                    # every shard's sha256
@@ -17,14 +23,22 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from titan_recover import order, prepare, tokens
+from titan_recover import config, order, prepare, tokens
 from titan_recover.tokens import DataError, TokenDataset
+
+SYNTHETIC = "synthetic"
+SYNTHETIC_TOKENS = 2_000_000
+SYNTHETIC_SHARDS = 4
+DEFAULT_SYNTHETIC_DIR = os.path.join("data", "synthetic")
 
 
 def sample_indices(step: int, microbatch: int, shard: int, *, num_microbatches: int,
@@ -70,6 +84,79 @@ def piece_digest(inputs: torch.Tensor, labels: torch.Tensor) -> int:
     return int.from_bytes(h.digest()[:5], "big")
 
 
+def model_vocab_size(job_config: Any) -> int:
+    """The embedding rows of the job's model (its TrainSpec's flavor)."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    model = job_config.model
+    args = get_train_spec(model.name).model_args
+    if model.flavor not in args:
+        raise DataError(f"model.flavor {model.flavor!r} is not a flavor of {model.name} ({sorted(args)})")
+    return args[model.flavor].vocab_size
+
+
+def open_dataset(job_config: Any, tokenizer_vocab: int) -> TokenDataset:
+    """The job's dataset folder, checked against its tokenizer and model (synthetic: prepared if absent)."""
+    tr, tokenizer_dir = job_config.training, job_config.model.hf_assets_path
+    if tr.dataset == SYNTHETIC:
+        folder = tr.dataset_path or DEFAULT_SYNTHETIC_DIR
+        if not os.path.exists(os.path.join(folder, tokens.MANIFEST)):
+            prepare.prepare_synthetic(folder, tokenizer_dir, SYNTHETIC_TOKENS, SYNTHETIC_SHARDS)
+    elif not tr.dataset_path:
+        raise DataError(
+            f"training.dataset = {tr.dataset!r} needs training.dataset_path: a folder prepared with "
+            f"`python -m titan_recover.data prepare DIR --dataset {tr.dataset} --tokenizer {tokenizer_dir}`"
+        )
+    else:
+        folder = tr.dataset_path
+    dataset = TokenDataset(folder)
+    dataset.check_tokenizer(tokenizer_dir, tokenizer_vocab)
+    dataset.check_vocab(model_vocab_size(job_config), f"model {job_config.model.name} flavor {job_config.model.flavor}")
+    dataset.num_windows(tr.seq_len)  # at least one window of seq_len + 1 tokens
+    return dataset
+
+
+def check_tokenizer_folder(path: str) -> None:
+    """A ``DataError`` unless ``path`` holds a ``tokenizer.json`` (what titan_recover tokenizes with).
+
+    Checked before TorchTitan looks: its own errors for a missing folder blame a deprecated
+    ``tokenizer_path`` or list files, and never name the key to fix.
+    """
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return
+    where = "the folder has no tokenizer.json" if os.path.isdir(path) else "no such folder"
+    if not os.path.isabs(path):
+        where += f", relative to the working directory {os.getcwd()}"
+    raise DataError(
+        f"model.hf_assets_path: no tokenizer at {path} ({where}); set it to a folder with the model's "
+        "tokenizer.json (for a Hugging Face model, download it with TorchTitan's scripts/download_hf_assets.py "
+        "--assets tokenizer)"
+    )
+
+
+def check_data(job_config: Any) -> str:
+    """Opens the job's dataset as every rank will and loads its first microbatch, so a bad folder
+    stops the launcher before anything starts; returns a line describing the data."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    check_tokenizer_folder(job_config.model.hf_assets_path)
+    if job_config.experimental.custom_import:  # registers the job's TrainSpec
+        importlib.import_module(job_config.experimental.custom_import)
+    tokenizer = HuggingFaceTokenizer(job_config.model.hf_assets_path)
+    dataset = open_dataset(job_config, tokenizer.get_vocab_size())
+    tr, shards = job_config.training, job_config.parallelism.data_parallel_shard_degree
+    m = config.num_microbatches(job_config)
+    first = sample_indices(1, 0, 0, num_microbatches=m, shards=shards, local_batch=tr.local_batch_size)
+    load_samples(dataset, first, seq_len=tr.seq_len, seed=job_config.recover.data_seed,
+                 vocab_size=model_vocab_size(job_config))
+    windows, per_step, mf = dataset.num_windows(tr.seq_len), m * shards * tr.local_batch_size, dataset.manifest
+    return (
+        f"data: {dataset.folder}: {mf.num_tokens:,} tokens in {len(mf.shards)} {mf.layout} shards ({mf.dtype}, "
+        f"ids < {mf.max_token_id + 1:,}); {windows:,} samples of {tr.seq_len + 1} tokens, "
+        f"read once every {windows / per_step:,.1f} steps"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m titan_recover.data", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -106,11 +193,9 @@ def _describe(m: tokens.Manifest) -> str:
 
 
 def _check(argv: Sequence[str]) -> str:
-    from titan_recover import config, cpu_shim
+    from titan_recover import cpu_shim
 
     cpu_shim.apply()
-    from titan_recover.dataloader import check_data
-
     return check_data(config.load(list(argv)))
 
 

@@ -5,15 +5,10 @@ microbatch can be reissued to a survivor. Stock TorchTitan (``[recover] enable =
 false``) iterates the same addresses in failure-free order through torchdata's
 ``StatefulDataLoader``, so both modes consume the same samples per step.
 
-``training.dataset_path`` is a dataset folder (``titan_recover.tokens``); with
-``training.dataset = "synthetic"`` and no folder there yet, the synthetic corpus is
-prepared into it on first use. Before anything trains, ``open_dataset`` checks that the
-folder's manifest matches the job's tokenizer and model vocabulary and that every shard
-has its listed size; a violation is a ``DataError`` naming the file.
+Each rank opens the job's dataset folder with ``data.open_dataset`` (checked against the
+job's tokenizer and model; a violation is a ``DataError`` naming the file).
 """
 
-import importlib
-import os
 from typing import Any, Iterator
 
 import torch
@@ -21,14 +16,10 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.components.dataloader import BaseDataLoader
 
-from titan_recover import data, order, prepare, tokens, workload
+from titan_recover import data, order, workload
 from titan_recover.config import num_microbatches
-from titan_recover.tokens import DataError, TokenDataset
-
-SYNTHETIC = "synthetic"
-SYNTHETIC_TOKENS = 2_000_000
-SYNTHETIC_SHARDS = 4
-DEFAULT_SYNTHETIC_DIR = os.path.join("data", "synthetic")
+from titan_recover.data import model_vocab_size, open_dataset
+from titan_recover.tokens import TokenDataset
 
 
 class _FailureFreeOrder(Dataset):
@@ -102,38 +93,6 @@ class AddressableDataLoader(BaseDataLoader):
         self._loader.load_state_dict(state_dict)
 
 
-def model_vocab_size(job_config: Any) -> int:
-    """The embedding rows of the job's model (its TrainSpec's flavor)."""
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    model = job_config.model
-    args = get_train_spec(model.name).model_args
-    if model.flavor not in args:
-        raise DataError(f"model.flavor {model.flavor!r} is not a flavor of {model.name} ({sorted(args)})")
-    return args[model.flavor].vocab_size
-
-
-def open_dataset(job_config: Any, tokenizer_vocab: int) -> TokenDataset:
-    """The job's dataset folder, checked against its tokenizer and model (synthetic: prepared if absent)."""
-    tr, tokenizer_dir = job_config.training, job_config.model.hf_assets_path
-    if tr.dataset == SYNTHETIC:
-        folder = tr.dataset_path or DEFAULT_SYNTHETIC_DIR
-        if not os.path.exists(os.path.join(folder, tokens.MANIFEST)):
-            prepare.prepare_synthetic(folder, tokenizer_dir, SYNTHETIC_TOKENS, SYNTHETIC_SHARDS)
-    elif not tr.dataset_path:
-        raise DataError(
-            f"training.dataset = {tr.dataset!r} needs training.dataset_path: a folder prepared with "
-            f"`python -m titan_recover.data prepare DIR --dataset {tr.dataset} --tokenizer {tokenizer_dir}`"
-        )
-    else:
-        folder = tr.dataset_path
-    dataset = TokenDataset(folder)
-    dataset.check_tokenizer(tokenizer_dir, tokenizer_vocab)
-    dataset.check_vocab(model_vocab_size(job_config), f"model {job_config.model.name} flavor {job_config.model.flavor}")
-    dataset.num_windows(tr.seq_len)  # at least one window of seq_len + 1 tokens
-    return dataset
-
-
 def build_addressable_dataloader(
     dp_world_size: int, dp_rank: int, tokenizer: Any, job_config: Any
 ) -> AddressableDataLoader:
@@ -154,41 +113,4 @@ def build_addressable_dataloader(
         seed=job_config.recover.data_seed,
         vocab_size=model_vocab_size(job_config),
         failure_free_ids=ids,
-    )
-
-
-def check_tokenizer_folder(path: str) -> None:
-    """A ``DataError`` unless ``path`` holds a ``tokenizer.json`` (what titan_recover tokenizes with).
-
-    Checked before TorchTitan looks: its own errors for a missing folder blame a deprecated
-    ``tokenizer_path`` or list files, and never name the key to fix.
-    """
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return
-    where = "the folder has no tokenizer.json" if os.path.isdir(path) else "no such folder"
-    if not os.path.isabs(path):
-        where += f", relative to the working directory {os.getcwd()}"
-    raise DataError(
-        f"model.hf_assets_path: no tokenizer at {path} ({where}); set it to a folder with the model's "
-        "tokenizer.json (for a Hugging Face model, download it with TorchTitan's scripts/download_hf_assets.py "
-        "--assets tokenizer)"
-    )
-
-
-def check_data(job_config: Any) -> str:
-    """Opens the job's dataset as every rank will and loads its first microbatch, so a bad folder
-    stops the launcher before anything starts; returns a line describing the data."""
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
-
-    check_tokenizer_folder(job_config.model.hf_assets_path)
-    if job_config.experimental.custom_import:  # registers the job's TrainSpec
-        importlib.import_module(job_config.experimental.custom_import)
-    tokenizer = HuggingFaceTokenizer(job_config.model.hf_assets_path)
-    loader = build_addressable_dataloader(job_config.parallelism.data_parallel_shard_degree, 0, tokenizer, job_config)
-    loader.load(1, 0)
-    m, tr = loader.dataset.manifest, job_config.training
-    return (
-        f"data: {loader.dataset.folder}: {m.num_tokens:,} tokens in {len(m.shards)} {m.layout} shards ({m.dtype}, "
-        f"ids < {m.max_token_id + 1:,}); {loader.windows:,} samples of {tr.seq_len + 1} tokens, "
-        f"read once every {loader.windows / loader.samples_per_step():,.1f} steps"
     )

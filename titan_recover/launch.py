@@ -1,25 +1,12 @@
-"""The launcher behind ``run_train.sh``: coordinator + one torchrun job per replica group.
+"""The launcher behind ``run_train.sh``: the coordinator and one torchrun job per replica group.
 
-``[recover] enable = true``: starts the coordinator (unless ``$TITAN_RECOVER_COORDINATOR``
-points at one on another node; with an etcd ``control_store`` every launcher starts a
-coordinator candidate, one leads, and a candidate that dies before the run ends is started
-again), then R ``torchrun`` jobs of dp_shard x tp x pp ranks each,
-and restarts a group's torchrun when it fails, up to ``[recover] max_restarts``
-times within ``restart_window_s`` (titan_recover.restarts): only the failed group restarts, and it rejoins from a live peer.
-Each launcher first claims its groups in the coordinator's store (titan_recover.control.claims): a group runs
-under one launcher, a dead launcher's groups go to the one started in its place, and incarnation
-numbers are the store's, so a replacement's groups rejoin. Only the launcher that starts the
-coordinator starts a new event log; the others append to it. When the
-coordinator fences a group that is hung rather than dead (e.g. SIGSTOP), this
-launcher SIGKILLs its ranks first. (torchrun's own ``--max_restarts`` is not used:
-with ``--standalone`` in torch 2.13 a restarted group read its previous attempt's
-gloo addresses and failed to connect.)
-``enable = false``: one ``torchrun`` world of R x dp_shard x tp x pp ranks, stock TorchTitan,
-restarted as a whole on failure (checkpoint-and-restart), on the same budget.
-The coordinator listens on loopback unless ``[recover] coordinator_bind`` says otherwise, and every
-process of the run reaches its keys through the run's secret, ``$TITAN_RECOVER_SECRET`` (made here
-for a single-node run, given by the user for a multi-node one): see the README's trust model.
-Either way the run ends with a summary from ``recover_events.jsonl``.
+``[recover] enable = true``: a ``NodeLauncher`` per node runs its phases (start the coordinator or,
+on etcd, a candidate; start the groups; register and claim them; watch, restart and fence them;
+drain), restarting only a failed group, which rejoins from a live peer. torchrun's own
+``--max_restarts`` is not used: with ``--standalone`` in torch 2.13 a restarted group read its
+previous attempt's gloo addresses and failed to connect. ``enable = false``: one torchrun world,
+stock TorchTitan, restarted as a whole (checkpoint-and-restart) on the same budget. The README's
+"How it works", "Multi-node" and "Trust model" sections say the rest.
 """
 
 import os
@@ -117,7 +104,7 @@ def check_coordinator(address: str, control_store: str = "") -> str:
     try:
         parse_host_port(address)
     except ValueError as e:
-        raise config.ConfigError(f"{keys.COORDINATOR_ENV}={address!r}: {e}; {fix}") from None
+        raise config.ConfigError(f"{keys.COORDINATOR_ENV}={e}; {fix}") from None
     return address
 
 
@@ -275,7 +262,7 @@ class ReplicaGroups:
         self,
         argv: list[str],
         envs: dict[int, dict[str, str]],
-        shards: int,
+        local_ranks: int,
         max_restarts: int,
         restart_window_s: float,
         launcher: Launcher,
@@ -283,7 +270,7 @@ class ReplicaGroups:
         span: Span = Span(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.argv, self.envs, self.shards, self.launcher, self.clock = argv, envs, shards, launcher, clock
+        self.argv, self.envs, self.local_ranks, self.launcher, self.clock = argv, envs, local_ranks, launcher, clock
         self.agent, self.span = agent, span
         self.meetings: dict[int, Meeting] = {}  # groups that span nodes: where the current incarnation meets
         self.waiting: dict[int, int] = {}  # parts > 0: group -> the lowest incarnation of part 0's it may join
@@ -309,7 +296,7 @@ class ReplicaGroups:
         attempt = self.attempts[replica]
         env = {**self.envs[replica], keys.REPLICA_ENV: str(replica), keys.ATTEMPT_ENV: str(attempt),
                node_channel.CHANNEL_ENV: self.agent.open(replica, attempt)}
-        return subprocess.Popen(torchrun(self.shards, self.argv, f"replica{replica}", self.meetings.get(replica)),
+        return subprocess.Popen(torchrun(self.local_ranks, self.argv, f"replica{replica}", self.meetings.get(replica)),
                                 env=env, preexec_fn=die_with_parent)
 
     def publish(self, client: ControlClient, replica: int) -> None:
@@ -639,7 +626,7 @@ def main(argv: list[str]) -> int:
     except config.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from titan_recover.dataloader import check_data
+    from titan_recover.data import check_data
 
     try:
         log.info(check_data(job_config))  # prepared (synthetic) and checked once, before any rank starts

@@ -8,7 +8,7 @@ event. ``group_rank`` is a rank's index inside its replica group, ``replica`` th
 
 import resource
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from titan_recover import cpu_shim
 

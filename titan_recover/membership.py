@@ -4,44 +4,14 @@ The coordinator feeds heartbeats and reports in and publishes what comes out, so
 every rule here is testable in microseconds.
 """
 
-import json
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
-from titan_recover.control.protocol import NodeGroup
+from titan_recover.control.protocol import Membership, NodeGroup
 
 
 class TooFewReplicasError(RuntimeError):
     """Fewer live replica groups than ``recover.min_replicas``."""
-
-
-@dataclass(frozen=True)
-class Membership:
-    """Live replica groups of one epoch. Epochs only grow; an epoch's members never change."""
-
-    epoch: int
-    members: tuple[int, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "members": list(self.members)}
-
-    def dumps(self) -> str:
-        return json.dumps(self.to_json())
-
-    @staticmethod
-    def from_json(obj: dict[str, Any]) -> "Membership":
-        epoch, members = obj.get("epoch"), obj.get("members")
-        if not _is_id(epoch):
-            raise ValueError(f"membership epoch must be a non-negative int, got {epoch!r}")
-        if not isinstance(members, list) or not all(_is_id(m) for m in members):
-            raise ValueError(f"membership members must be a list of replica ids, got {members!r}")
-        if len(set(members)) != len(members):
-            raise ValueError(f"membership members repeat a replica: {members!r}")
-        return Membership(epoch, tuple(sorted(members)))
-
-
-def _is_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def next_membership(

@@ -31,7 +31,6 @@ BEAT, STATE, PID, STEP = 0, 1, 2, 3  # slot words
 
 # a rank's state, as its slot says
 STARTING, READY, RUNNING, STUCK, FINISHED = 0, 1, 2, 3, 4
-STATE_NAMES = ("starting", "ready", "running", "stuck", "finished")
 
 
 class ChannelError(RuntimeError):

@@ -34,18 +34,20 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer, main
 
-from titan_recover import data, membership, procs, recovery, resources, transfer, workload
+from titan_recover import data, logs, membership, procs, recovery, resources, transfer, workload
+from titan_recover.collectives import CollectiveAborted, ReplicateGroups
 from titan_recover.control import keys
 from titan_recover.control.protocol import MessageError, TransferRecord
-from titan_recover.collectives import CollectiveAborted, ReplicateGroups
 from titan_recover.config import is_spare, replica_ids, resume_hint, validate
 from titan_recover.faults import Fault
 from titan_recover.logged_trainer import LoggedTrainer
-from titan_recover.manager import ReplicaFenced, ReplicaManager, RunFinished, log
+from titan_recover.manager import ReplicaFenced, ReplicaManager, RunFinished
 from titan_recover.membership import Membership, diverged
 from titan_recover.stock import StockTrainer
 
 import titan_recover.train_spec  # noqa: F401  registers llama3_recover, qwen3_recover
+
+log = logs.get("rank")
 
 
 class ReplicaDiverged(RuntimeError):
@@ -122,7 +124,7 @@ class RecoverTrainer(LoggedTrainer):
             try:
                 self._join()
             except RunFinished:
-                log(f"replica {self.replica} rank {self.group_rank}: the run finished before it could rejoin")
+                log.info(f"replica {self.replica} rank {self.group_rank}: the run finished before it could rejoin")
                 return False
         return super().should_continue_training()
 
@@ -163,7 +165,7 @@ class RecoverTrainer(LoggedTrainer):
         self.step, self.manager.base_epoch, self.ntokens_seen, self.speeds = step, base_epoch, tokens, speeds
         self._synced_epoch = epoch
         self.manager.record_transfer(TransferRecord(nbytes, elapsed, step, epoch))
-        log(f"replica {self.replica} rank {self.group_rank}: received {nbytes / 2**20:.1f} MiB of state "
+        log.info(f"replica {self.replica} rank {self.group_rank}: received {nbytes / 2**20:.1f} MiB of state "
             f"for step {step} in {elapsed:.3f}s (epoch {epoch})")
         return True
 
@@ -185,7 +187,7 @@ class RecoverTrainer(LoggedTrainer):
             cause = f"state transfer from replica {self.replica} rank {self.group_rank} to replica {joiner} broke"
             self.manager.report_broken(epoch, cause, e)
             return False
-        log(f"replica {self.replica} rank {self.group_rank}: sent {nbytes / 2**20:.1f} MiB of state to replica {joiner} (epoch {epoch})")
+        log.info(f"replica {self.replica} rank {self.group_rank}: sent {nbytes / 2**20:.1f} MiB of state to replica {joiner} (epoch {epoch})")
         return True
 
     def _sync_state(self, history: list[Membership]) -> bool:
@@ -362,7 +364,7 @@ class RecoverTrainer(LoggedTrainer):
             if self.replica in diverged(digests, current.members[0]):
                 expected = sorted(set(digests.values()) - {digest})
                 self.events.emit("param_digest_mismatch", step=self.step, replica=self.replica, digest=digest, expected=expected)
-                log(f"ERROR: replica {self.replica} parameters differ from the others' at step {self.step}: "
+                log.error(f"replica {self.replica} parameters differ from the others' at step {self.step}: "
                     f"{digest} != {expected}; it leaves and rejoins with a live peer's state")
                 ok = False
         if not self.manager.group_all(ok):

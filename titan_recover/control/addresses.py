@@ -14,12 +14,12 @@ def local_host(bind: str) -> str:
 
 def parse_host_port(text: str) -> tuple[str, int]:
     """``host:port`` (``[v6]:port`` too) -> (host, port); ValueError naming what is wrong."""
-    m = _HOST_PORT.fullmatch(text.strip())
+    m = _HOST_PORT.fullmatch(text)
     if m is None:
-        raise ValueError(f"{text.strip()!r} is not host:port")
+        raise ValueError(f"{text!r} is not host:port")
     port = int(m.group(2))
     if not 0 < port < 65536:
-        raise ValueError(f"{text.strip()!r}: port {port} is out of range 1..65535")
+        raise ValueError(f"{text!r}: port {port} is out of range 1..65535")
     return m.group(1).strip("[]"), port
 
 
@@ -35,7 +35,7 @@ def parse_etcd_url(url: str) -> list[tuple[str, int]]:
     endpoints = []
     for item in url[len(ETCD_SCHEME):].split(","):
         try:
-            endpoints.append(parse_host_port(item))
+            endpoints.append(parse_host_port(item.strip()))
         except ValueError:
             raise ValueError(f"{url!r}: {item.strip()!r} is not host:port (port 1..65535)") from None
     if len(set(endpoints)) != len(endpoints):

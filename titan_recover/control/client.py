@@ -14,12 +14,12 @@ import torch.distributed as dist
 from titan_recover.control import keys
 from titan_recover.control.protocol import (
     Admission,
+    Membership,
     CoordinatorState,
     Fatal,
     FaultRecord,
     Fence,
     Launcher,
-    MessageError,
     NodeMessage,
     Record,
     Rendezvous,
@@ -27,9 +27,7 @@ from titan_recover.control.protocol import (
     StepRecord,
     TransferRecord,
     decode_int,
-    decode_json,
 )
-from titan_recover.membership import Membership
 
 R = TypeVar("R", bound=Record)
 COMMIT, ABORT = "commit", "abort"
@@ -69,7 +67,7 @@ class ControlClient:
 
     def memberships(self, epochs: list[int]) -> list[Membership]:
         names = [keys.members_key(e) for e in epochs]
-        return [_membership(key, raw) for key, raw in zip(names, self.store.multi_get(names))]
+        return [Membership.loads(key, raw) for key, raw in zip(names, self.store.multi_get(names))]
 
     def membership(self, epoch: int) -> Membership:
         return self.memberships([epoch])[0]
@@ -241,11 +239,3 @@ class ControlClient:
     def read_state(self) -> CoordinatorState | None:
         return self.read(keys.COORDINATOR_STATE, CoordinatorState)
 
-
-def _membership(key: str, raw: bytes) -> Membership:
-    try:
-        return Membership.from_json(decode_json(key, raw, ("epoch", "members")))
-    except ValueError as e:
-        if isinstance(e, MessageError):
-            raise
-        raise MessageError(f"store key {key!r}: {e}") from e

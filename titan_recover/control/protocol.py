@@ -12,7 +12,7 @@ import os
 import secrets
 import socket
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, Callable, ClassVar, TypeGuard, TypeVar
 
 from titan_recover.control import keys
 
@@ -21,15 +21,15 @@ class MessageError(ValueError):
     """A store value that is not the JSON message expected under its key."""
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_count(value: object) -> bool:
-    return is_int(value) and value >= 0  # type: ignore[operator]  # is_int narrowed it
+def is_count(value: object) -> TypeGuard[int]:
+    return is_int(value) and value >= 0
 
 
-def is_seconds(value: object) -> bool:
+def is_seconds(value: object) -> TypeGuard[float]:
     """A finite number (JSON has no int/float distinction a writer can rely on)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -64,9 +64,9 @@ def _require(key: str, ok: bool, what: str, rec: object) -> None:
 
 def _ids(key: str, obj: object, what: str, value: Callable[[Any], bool]) -> dict[int, Any]:
     """A ``{"<replica>": value}`` object with int keys, checked."""
-    _require(key, isinstance(obj, dict) and all(isinstance(k, str) and k.isdigit() and value(v) for k, v in obj.items()),
-             f"{what} is not a map of replica ids", obj)
-    return {int(k): v for k, v in obj.items()}  # type: ignore[union-attr]  # checked above
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and k.isdigit() and value(v) for k, v in obj.items()):
+        raise MessageError(f"store key {key!r}: {what} is not a map of replica ids: {obj!r:.200}")
+    return {int(k): v for k, v in obj.items()}
 
 
 R = TypeVar("R", bound="Record")
@@ -78,7 +78,7 @@ class Record:
     REQUIRED: ClassVar[tuple[str, ...]] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)  # type: ignore[call-overload]  # every subclass is a dataclass
+        return asdict(self)  # type: ignore[call-overload]  # Record is abstract: every subclass is a dataclass
 
     def dumps(self) -> str:
         return json.dumps(self.to_json())
@@ -90,6 +90,30 @@ class Record:
     @classmethod
     def from_json(cls: type[R], key: str, rec: dict[str, Any]) -> R:
         raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Membership(Record):
+    """Live replica groups of one epoch. Epochs only grow; an epoch's members never change."""
+
+    epoch: int
+    members: tuple[int, ...]
+
+    REQUIRED = ("epoch", "members")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "members": list(self.members)}
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "Membership":
+        epoch, members = rec.get("epoch"), rec.get("members")
+        if not is_count(epoch):
+            raise MessageError(f"store key {key!r}: membership epoch must be a non-negative int, got {epoch!r}")
+        if not isinstance(members, list) or not all(is_count(m) for m in members):
+            raise MessageError(f"store key {key!r}: membership members must be a list of replica ids, got {members!r}")
+        if len(set(members)) != len(members):
+            raise MessageError(f"store key {key!r}: membership members repeat a replica: {members!r}")
+        return Membership(epoch, tuple(sorted(members)))
 
 
 @dataclass(frozen=True)
@@ -123,13 +147,14 @@ class NodeGroup(Record):
     @classmethod
     def from_json(cls, key: str, rec: dict[str, Any]) -> "NodeGroup":
         silent = rec.get("silent_s")
-        _require(key, all(f in rec for f in cls.REQUIRED) and all(is_count(rec[f]) for f in cls.COUNTS)
-                 and is_seconds(silent) and silent >= 0,  # type: ignore[operator]
-                 f"a group needs non-negative integers {list(cls.COUNTS)} and seconds silent_s", rec)
+        if not (all(f in rec for f in cls.REQUIRED) and all(is_count(rec[f]) for f in cls.COUNTS)
+                and is_seconds(silent) and silent >= 0):
+            raise MessageError(f"store key {key!r}: a group needs non-negative integers {list(cls.COUNTS)} "
+                               f"and seconds silent_s: {rec!r:.200}")
         stuck = rec.get("stuck")
         _require(key, stuck is None or (isinstance(stuck, dict) and is_int(stuck.get("rank")) and is_int(stuck.get("step"))),
                  "stuck needs integers rank and step", stuck)
-        return NodeGroup(rec["attempt"], rec["ranks"], rec["ready"], rec["finished"], silent,  # type: ignore[arg-type]
+        return NodeGroup(rec["attempt"], rec["ranks"], rec["ready"], rec["finished"], silent,
                          None if stuck is None else Stuck(stuck["rank"], stuck["step"]))
 
 

@@ -1,0 +1,64 @@
+"""The package's layers, read from its source: imports (also those inside functions) point down only."""
+
+import ast
+import pathlib
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "titan_recover"
+# TorchTitan's trainer, specs and config manager, and (data, prepare, dataloader) its tokenizer and datasets;
+# the TorchTitan 0.3.0 issue puts them behind one adapter module per TorchTitan line
+ADAPTER = {"train", "logged_trainer", "stock", "train_spec", "cpu_shim", "config", "data", "prepare", "dataloader"}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: pathlib.Path) -> set[str]:
+    """Every module ``path`` imports, wherever the import statement stands."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+GRAPH = {module_name(p): imports(p) for p in ROOT.rglob("*.py")}
+OURS = {m: {d for d in deps if d in GRAPH and d != m} for m, deps in GRAPH.items()}
+
+
+def test_no_import_circles() -> None:
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for d in OURS[todo.pop()]:
+                if d not in seen:
+                    seen.add(d)
+                    todo.append(d)
+        return seen
+
+    assert [m for m in OURS if m in reach(m)] == []
+
+
+def test_the_control_plane_imports_only_itself() -> None:
+    for m, deps in OURS.items():
+        if m.startswith("titan_recover.control"):
+            assert {d for d in deps if not d.startswith("titan_recover.control")} == set(), m
+
+
+def test_nothing_imports_the_launcher_or_the_bench_tools() -> None:
+    assert [m for m, deps in OURS.items() if "titan_recover.launch" in deps] == []
+    assert [m for m, deps in OURS.items() if any(d.startswith("titan_recover.tools") for d in deps)
+            and not m.startswith("titan_recover.tools")] == []
+
+
+def test_only_the_adapter_imports_torchtitan() -> None:
+    users = {m.removeprefix("titan_recover.") for m, deps in GRAPH.items() if any(d.startswith("torchtitan") for d in deps)}
+    assert users <= ADAPTER, users - ADAPTER

@@ -1,0 +1,98 @@
+"""The control plane's records: each message's one JSON form round-trips, and a malformed one is
+refused with an error that names its key and field."""
+
+import json
+
+import pytest
+
+from titan_recover.control.protocol import (
+    Admission,
+    CoordinatorState,
+    Fatal,
+    FaultRecord,
+    Fence,
+    Launcher,
+    Membership,
+    MessageError,
+    NodeGroup,
+    NodeMessage,
+    Progress,
+    Record,
+    Rendezvous,
+    Report,
+    StepRecord,
+    Stuck,
+    TransferRecord,
+    decode_int,
+)
+
+pytestmark = pytest.mark.unit
+
+RECORDS: list[Record] = [
+    Membership(3, (0, 2)),
+    NodeMessage(3, {0: NodeGroup(1, 2, 2, 0, 0.25), 7: NodeGroup(0, 1, 0, 1, 1.5, Stuck(0, 9))}),
+    Report(epoch=2, cause="torchrun of replica 1 exited with code 1", replica=1, suspect=1, attempt=0, time=12.5),
+    Report(epoch=0, cause="replicate all-reduce broke", replica=0, step=4, error="E"),
+    StepRecord(5, 2, [0, 1], [[0, 1], [2, 3]], "abc", 6.5, 0.9, 1000.0, [1], {"0": 2, "1": 2}, {"0": 0.1}, [[0, 64]]),
+    Rendezvous(2, "10.0.0.5", 29600),
+    Fence(1, 4),
+    Admission(1, 5),
+    Launcher("h:1:ab", "h", 1),
+    TransferRecord(1024, 0.5, 10, 3),
+    FaultRecord(1, 0, 0, 5, "backward", 99.0),
+    Fatal("only 1 replica group(s) left"),
+    CoordinatorState(Progress(4, 2, 1003.0), 7, 1, {0: 0, 1: 2}, {0: 0, 1: 5}, {1: 5}, {2: 0}, {3: 1}, {4: 900.0},
+                     {1: (1, 950.5)}),
+]
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda r: type(r).__name__)
+def test_every_record_round_trips_through_its_json(record: Record) -> None:
+    assert type(record).loads("k", record.dumps().encode()) == record
+
+
+def test_fences_and_admissions_are_distinct_records() -> None:
+    assert type(Fence.loads("fenced/1", Fence(1, 2).dumps().encode())) is Fence
+    assert Fence(1, 2) != Admission(1, 2)
+
+
+def test_a_launcher_record_is_canonical_json() -> None:
+    """Claims compare the stored bytes: the same launcher always writes the same ones."""
+    assert Launcher("x", "h", 1).dumps() == json.dumps({"host": "h", "launcher": "x", "pid": 1}, sort_keys=True)
+
+
+@pytest.mark.parametrize("kind, rec, words", [
+    (NodeMessage, {"seq": "1", "groups": {}}, "seq must be an integer"),
+    (NodeMessage, {"seq": 1, "groups": {"x": {}}}, "group 'x' is not a replica id"),
+    (NodeMessage, {"seq": 1, "groups": {"0": {"attempt": 0, "ranks": -1, "ready": 0, "finished": 0, "silent_s": 0}}},
+     "non-negative integers"),
+    (NodeMessage, {"seq": 1, "groups": {"0": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0, "silent_s": 0,
+                                              "stuck": {"rank": "0"}}}}, "stuck needs integers"),
+    (Report, {"epoch": "0", "cause": "x"}, "epoch must be a non-negative integer"),
+    (Report, {"epoch": 0, "cause": "x", "suspect": True}, "suspect must be a non-negative integer"),
+    (Report, {"epoch": 0, "cause": ["x"]}, "cause and error must be strings"),
+    (StepRecord, {"step": 1, "epoch": 0, "members": ["0"], "microbatches": [], "data_digest": "d", "loss": 1.0,
+                  "time": 0.0}, "a step record needs"),
+    (Rendezvous, {"attempt": 2, "host": "10.0.0.5", "port": 0}, "port in 1..65535"),
+    (Fence, {"attempt": -1, "epoch": 0}, "attempt and epoch must be integers >= 0"),
+    (Launcher, {"launcher": "x", "host": "h", "pid": "1"}, "pid an integer"),
+    (CoordinatorState, {"progress": None, "next_report": 0, "retries": 0, "attempts": {}, "admitted_epoch": {},
+                        "joining": {}, "spares": {}, "dropped": {}, "down_since": {}, "repairs": {}},
+     "next_report and retries must be integers"),
+    (CoordinatorState, {"progress": None, "next_report": 1, "retries": 0, "attempts": {"a": 0}, "admitted_epoch": {},
+                        "joining": {}, "spares": {}, "dropped": {}, "down_since": {}, "repairs": {}},
+     "attempts is not a map of replica ids"),
+])
+def test_a_malformed_record_is_refused_naming_its_key(kind: type[Record], rec: dict, words: str) -> None:
+    with pytest.raises(MessageError, match="store key 'the/key'") as info:
+        kind.loads("the/key", json.dumps(rec).encode())
+    assert words in str(info.value)
+
+
+def test_missing_fields_and_bytes_that_are_not_json_are_refused() -> None:
+    with pytest.raises(MessageError, match=r"lacks fields \['cause'\]"):
+        Report.loads("report/1", b'{"epoch": 0}')
+    with pytest.raises(MessageError, match="does not hold JSON"):
+        Report.loads("report/1", b"\x80\x04pickle")
+    with pytest.raises(MessageError, match="must hold an integer"):
+        decode_int("epoch", b"one")
