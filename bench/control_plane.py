@@ -68,13 +68,15 @@ class Counting:
         return call
 
 
-c.store = Counting(c.store)
+# this tree's coordinator reaches its store through its ControlClient; the "before" tree's held it itself
+holder = c.control if hasattr(c, "control") else c
+holder.store = counting = Counting(holder.store)
 
 
 def dump():
     while True:
         with open(counts_path + ".tmp", "w") as f:
-            json.dump({"requests": c.store.n, "time": time.time()}, f)
+            json.dump({"requests": counting.n, "time": time.time()}, f)
         import os; os.replace(counts_path + ".tmp", counts_path)
         time.sleep(0.25)
 
@@ -119,9 +121,12 @@ class Counter:
 
 def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Queue, outbox: mp.Queue) -> None:
     """Simulates ``nodes`` until told to stop; answers commands with measurements."""
-    from titan_recover import store
+    from titan_recover.control import keys, lifeline, transport
+    from titan_recover.control.client import ControlClient
+    from titan_recover.control.protocol import Launcher, Report
 
-    client = Counter(store.connect(address, 60.0, secret))
+    client = Counter(transport.connect(address, 60.0, secret))
+    control = ControlClient(client)  # type: ignore[arg-type]  # its requests are counted too
     dead: set[int] = set()  # groups whose ranks are gone (killed, or their node died)
     hung: set[int] = set()  # groups one of whose ranks beats no more
     down: set[int] = set()  # nodes that are gone, agent and all
@@ -141,11 +146,11 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
 
         agents = {n: NodeAgent(address, secret, RANKS_PER_NODE, hang_timeout_s=HEARTBEAT_TIMEOUT_S) for n in nodes}
         channels = {}
+        launchers_of = {n: Launcher(f"sim{n}", "localhost", os.getpid()) for n in nodes}
         for n, agent in agents.items():
             path = agent.open(n, 0)
             channels[n] = node_channel.Channel.open(path)
-            client.set(store.launcher_key(f"sim{n}"), agent.message())
-            client.set(store.node_key(int(client.add(store.NODES, 1))), f"sim{n}")
+            control.register(launchers_of[n], agent.message())
             agent.start(on_error=print)
         slot_beats = {n: c.words[node_channel.HEADER + node_channel.BEAT::node_channel.SLOT] for n, c in channels.items()}
     outbox.put(("up", nodes[0]))
@@ -168,7 +173,13 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
                 t = time.time()
                 if design == "after":
                     agents[node].channels.pop(node).remove()
-                store.report(client, {"replica": node, "epoch": 0, "suspect": node, "cause": f"torchrun of replica {node} exited"})
+                cause = f"torchrun of replica {node} exited"
+                if design == "after":
+                    control.report(Report(epoch=0, cause=cause, replica=node, suspect=node))
+                else:  # the report as the before tree wrote and read it (its reader refuses this tree's "error": null)
+                    index = int(client.add(keys.REPORTS, 1))
+                    client.set(keys.report_key(index), json.dumps({"replica": node, "epoch": 0, "suspect": node,
+                                                                   "cause": cause, "time": time.time()}))
                 outbox.put(("killed", t))
             elif cmd == "hang":
                 hung.add(node)
@@ -193,14 +204,14 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
                             last_beat[n] = time.time()
                 for n in nodes:
                     if n not in down:
-                        client.set(store.launcher_key(f"sim{n}"), agents[n].message())
+                        control.write_node(launchers_of[n], agents[n].message())
                         for rec in agents[n].take_hangs():  # the launcher's watch loop reports them
-                            store.report(client, rec)
+                            control.report(rec)
                 if now >= next_probe:
                     for n in nodes:
                         if n not in down:
-                            client.add(store.ALIVE, 0)
-                    next_probe = now + store.PROBE_S
+                            client.add(keys.ALIVE, 0)
+                    next_probe = now + lifeline.PROBE_S
                 next_beat = now + 0.1
             for n in nodes:  # every rank reads its channel (8 ranks: the same word)
                 saw(n, channels[n].epoch())
@@ -213,15 +224,15 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
                 if n in down:
                     continue
                 if launchers:  # launch.py's watch loop every 50 ms
-                    client.check([store.FATAL])
-                    client.check([store.STATUS])
-                    client.check([store.fenced_key(n)])
+                    client.check([keys.FATAL])
+                    client.check([keys.STATUS])
+                    client.check([keys.fenced_key(n)])
                 if heartbeats:  # its lifeline
                     client.add(f"launcher/sim{n}", 1)
                 if probes:
-                    client.add(store.ALIVE, 0)
-                    client.check([store.STATUS])
-                    client.check([store.FATAL])
+                    client.add(keys.ALIVE, 0)
+                    client.check([keys.STATUS])
+                    client.check([keys.FATAL])
                 if n in dead:
                     continue
                 for k in range(RANKS_PER_NODE):
@@ -230,15 +241,15 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
                         if k == 0:
                             last_beat[n] = time.time()
                     if probes:
-                        client.add(store.ALIVE, 0)
-                        client.check([store.STATUS])
-                        client.check([store.FATAL])
-                    client.check([store.FATAL])  # _store_epoch, every 20 ms while waiting
-                    epoch = int(client.get(store.EPOCH))
+                        client.add(keys.ALIVE, 0)
+                        client.check([keys.STATUS])
+                        client.check([keys.FATAL])
+                    client.check([keys.FATAL])  # _store_epoch, every 20 ms while waiting
+                    epoch = int(client.get(keys.EPOCH))
                     if k == RANKS_PER_NODE - 1:  # the node's last rank to read in this round
                         saw(n, epoch)
             next_beat = now + 0.1 if heartbeats else next_beat
-            next_probe = now + store.PROBE_S if probes else next_probe
+            next_probe = now + lifeline.PROBE_S if probes else next_probe
             next_launcher = now + 0.05 if launchers else next_launcher
             time.sleep(max(0.0, 0.02 - (time.monotonic() - now)))
 
@@ -256,14 +267,15 @@ def demanded(design: str, nodes: int) -> float:
 
 
 def run(design: str, ranks: int, workers: int, tree: str, scratch: str) -> dict:
-    from titan_recover import store
+    from titan_recover.control import keys, transport
+    from titan_recover.control.client import ControlClient
 
     nodes = ranks // RANKS_PER_NODE
-    port, secret = store.free_port(), f"bench{os.getpid()}{design}{ranks}"
+    port, secret = transport.free_port(), f"bench{os.getpid()}{design}{ranks}"
     address = f"127.0.0.1:{port}"
     dump = tempfile.mkdtemp(dir=scratch)
     counts = os.path.join(dump, "counts.json")
-    env = {**os.environ, store.SECRET_ENV: secret, store.COORDINATOR_ENV: address, "PYTHONPATH": tree}
+    env = {**os.environ, keys.SECRET_ENV: secret, keys.COORDINATOR_ENV: address, "PYTHONPATH": tree}
     args = ["--job.config_file", str(CONFIG), "--job.dump_folder", dump,
             "--parallelism.data_parallel_replicate_degree", str(nodes),
             "--parallelism.data_parallel_shard_degree", str(RANKS_PER_NODE),
@@ -274,8 +286,8 @@ def run(design: str, ranks: int, workers: int, tree: str, scratch: str) -> dict:
     ctx = mp.get_context("spawn")
     procs, inboxes, outboxes = [], [], []
     try:
-        main = store.connect(address, 120.0, secret,
-                             gone=lambda: None if coordinator.poll() is None else "the coordinator exited")
+        main = transport.connect(address, 120.0, secret,
+                                 gone=lambda: None if coordinator.poll() is None else "the coordinator exited")
         slices = [list(range(nodes))[i::workers] for i in range(workers)]
         for part in slices:
             inbox, outbox = ctx.Queue(), ctx.Queue()
@@ -300,7 +312,7 @@ def run(design: str, ranks: int, workers: int, tree: str, scratch: str) -> dict:
         cpu1, req1, t1 = cpu_seconds(coordinator.pid), requests(), time.monotonic()
 
         def next_epoch(epoch: int) -> float:
-            main.wait([store.members_key(epoch + 1)], timedelta(seconds=WAIT_S))
+            main.wait([keys.members_key(epoch + 1)], timedelta(seconds=WAIT_S))
             return time.time()
 
         def propagation(epoch: int, published: float) -> float | None:
@@ -312,17 +324,17 @@ def run(design: str, ranks: int, workers: int, tree: str, scratch: str) -> dict:
                 time.sleep(0.2)
             return None
 
-        epoch = store.get_int(main, store.EPOCH)
+        epoch = ControlClient(main).epoch()
         killed = ask(0, "kill", slices[0][0])
         woke = next_epoch(epoch)
         death = woke - killed  # type: ignore[operator]
         prop = [propagation(epoch + 1, woke)]
-        epoch = store.get_int(main, store.EPOCH)
+        epoch = ControlClient(main).epoch()
         hung = ask(1 % workers, "hang", slices[1 % workers][1])
         woke = next_epoch(epoch)
         hang = woke - hung  # type: ignore[operator]
         prop.append(propagation(epoch + 1, woke))
-        epoch = store.get_int(main, store.EPOCH)
+        epoch = ControlClient(main).epoch()
         gone = ask(2 % workers, "node_down", slices[2 % workers][2])
         node_death = next_epoch(epoch) - gone  # type: ignore[operator]
         for inbox in inboxes:

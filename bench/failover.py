@@ -40,8 +40,8 @@ import urllib.request
 from pathlib import Path
 
 from bench.common import CONFIG, PRECISION, ROOT, launch, of, step_gaps, write_result
-from titan_recover import store
-from titan_recover.etcd_local import LocalEtcd
+from titan_recover.control import keys, transport
+from titan_recover.tools.etcd_local import LocalEtcd
 from titan_recover.events import read_events
 
 STEPS, KILL_AFTER = 40, 10
@@ -83,10 +83,10 @@ def failover(url: str, replicas: int, node: bool) -> dict:
         args = [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder",
                 dump, *shape(replicas), "--training.steps", str(STEPS), "--recover.control_store", url,
                 "--recover.fault_plan", "none"]
-        env = {**os.environ, store.SECRET_ENV: secrets.token_hex(16), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, keys.SECRET_ENV: secrets.token_hex(16), "PYTHONUNBUFFERED": "1"}
         logs = [open(Path(dump) / f"node{r}.log", "w") for r in range(replicas)]
         procs = [subprocess.Popen(args, cwd=ROOT, stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True,
-                                  env={**env, store.REPLICAS_ENV: str(r), **({store.COORDINATOR_ENV: url} if r else {})})
+                                  env={**env, keys.REPLICAS_ENV: str(r), **({keys.COORDINATOR_ENV: url} if r else {})})
                  for r in range(replicas)]
         try:
             wait_for(f"step {KILL_AFTER}", lambda: KILL_AFTER in [e["step"] for e in of(events_of(dump), "step")], procs)
@@ -171,9 +171,9 @@ class Probe:
         client = None
         while not self.stop.wait(PROBE_S):
             try:
-                client = client or store.connect(self.address, 2.0, self.secret)
+                client = client or transport.connect(self.address, 2.0, self.secret)
                 t0 = time.perf_counter()
-                client.check([store.EPOCH])
+                client.check([keys.EPOCH])
                 t1 = time.perf_counter()
                 client.add("bench/probe", 1)
                 t2 = time.perf_counter()
@@ -192,18 +192,18 @@ class Probe:
 
 def failure_free(cluster: LocalEtcd | None) -> dict:
     """The README's main job without its failure, on etcd or on the TCPStore; a probe times the store."""
-    secret, port = secrets.token_hex(16), store.free_port()
+    secret, port = secrets.token_hex(16), transport.free_port()
     address = cluster.url if cluster else f"127.0.0.1:{port}"
     extra = ["--recover.control_store", cluster.url] if cluster else ["--recover.coordinator_port", str(port)]
     before = etcd_requests(cluster) if cluster else {}
-    os.environ[store.SECRET_ENV] = secret  # the launcher takes the run's secret from here
+    os.environ[keys.SECRET_ENV] = secret  # the launcher takes the run's secret from here
     probe = Probe(address, secret)
     try:
         events, wall = launch([*PRECISION, "--training.steps", str(FF_STEPS), "--recover.fault_plan", "none", *extra],
                               "failure-free run")
     finally:
         latency = probe.summary()
-        del os.environ[store.SECRET_ENV]
+        del os.environ[keys.SECRET_ENV]
     steps = of(events, "step")
     run = {"backend": "etcd" if cluster else "tcpstore", "step_s": statistics.median(step_gaps(steps).values()),
            "wall_s": wall, "store_latency": latency}

@@ -54,7 +54,7 @@ from bench.common import CONFIG, PRECISION, ROOT, of, write_result
 from titan_recover import data
 from titan_recover.events import events_path, read_events
 from titan_recover.launch import with_threads
-from titan_recover.store import free_port
+from titan_recover.control.transport import free_port
 
 BIN = Path(sys.executable).parent
 RUN_TIMEOUT_S = 900

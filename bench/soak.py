@@ -1,46 +1,9 @@
 """Soak: one long run of the default job with many random faults (issue #12).
 
-One run of the default job (llama3 debugmodel, float32 on CPU), R replica groups of
-``--shards`` FSDP ranks, restarts unlimited in practice, while this driver injects faults
-from outside, drawn at random from every kind:
-
-- ``kill``        SIGKILL one rank of a live group
-- ``stop``        SIGSTOP one rank (a hang): the run must fence it and its launcher kill it
-- ``slow``        SIGSTOP one rank for less than ``heartbeat_timeout_s``, then SIGCONT: a slow
-                  rank, which must not be fenced (survived: no failure, or a correct recovery)
-- ``kill_agent``  SIGKILL a group's torchrun agent (its ranks die with it)
-- ``two_groups``  SIGKILL a rank of two groups within 50 ms
-- ``kill_joiner`` right after an ``admitted`` event, SIGKILL a rank of the joiner (mid state transfer)
-- ``kill_donor``  right after an ``admitted`` event, SIGKILL the donor's rank (mid state transfer)
-- ``launcher``    (``--nodes 2 --launcher-faults``) SIGKILL the second launcher's whole process tree
-                  (a node lost), then start the same command again
-
-The run starts with a prologue of plan faults (``[recover] fault_plan``, fired inside the
-ranks at exact points) so that a SIGKILL lands in every phase: forward, backward,
-allreduce, optimizer, join (a restarted rank receiving its state), donate (a rank sending it).
-
-Safety: at least one group always holds the training state. Replica ``--spare`` (default
-R - 1) is never hit, and a fault is injected only while at least 2 groups hold state (the
-last committed step's members, less the failed ones), no earlier fault is still being
-recovered (its failure logged and a step committed after it) and the group hit has no
-fault in flight. Faults come a random fraction of a step apart, so they land in every part
-of the step. No committed step for ``--hang-s`` (or a fault not recovered in that time) is
-a hang: diagnostics are written, the run is stopped.
-
-Afterwards a failure-free run of the same command (same seed, steps) is the reference:
-every committed step must sum microbatches 0..M-1 with the reference's data digest
-(``titan_recover.compare``), every replica must log the same parameter digest at the last
-step, and no ``param_digest_mismatch`` or ``fatal`` may appear. Losses must be within 1e-3
-of the reference's, or, past that, drift no further than twice as far as the control's: a
-failure-free run of the same command with one group summing all M microbatches, which
-differs from the reference only in float rounding (``loss_violations``).
-Resource growth is the spare's rank 0 (a survivor of every failure), from its ``resources``
-event at the first failure to the one at the last (threads and fds follow the number of live
-peers, so ``survivor.same_members`` also compares samples taken with as many members).
-Recovery latency is measured per fault, from the fault (the signal, or a plan fault's own
-event) to the ``recovered`` event that publishes the membership without its groups: the
-event's own ``latency_s`` starts at the failure's recorded time, which for a fault from
-outside is often its detection (``max_recovery_latency_logged_s``).
+Drives the run from outside: a prologue of plan faults (a SIGKILL in every phase), then random
+faults of every kind that never leave the run without a group holding state; checks every step
+against a failure-free reference, and watches for hangs and resource growth. What it injects,
+its safety rule and its results: README.md, "Benchmarks" (the soak row and the **Soak** results).
 
     .venv/bin/python -m bench.soak [--faults N] [--nodes 1|2] [--seed S] [--launcher-faults]
 
@@ -51,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -67,6 +30,8 @@ from typing import Any, Iterable, Sequence
 
 from bench.common import CONFIG, PRECISION, RESULTS, ROOT
 from titan_recover.compare import Comparison, compare_runs
+from titan_recover.control.keys import ATTEMPT_ENV, COORDINATOR_ENV, REPLICA_ENV, REPLICAS_ENV, SECRET_ENV
+from titan_recover.control.transport import free_port
 from titan_recover.events import events_path, read_events
 from titan_recover.membership import Membership, TooFewReplicasError, donor
 
@@ -77,8 +42,8 @@ PHASES = ("forward", "backward", "allreduce", "optimizer", "join", "donate")
 REL_TOL = 1e-3
 DRIFT_MARGIN = 2.0  # the run may drift from the reference up to this many times the control's drift
 OUT = ROOT / "outputs" / "soak"
-REPLICA_ENV, ATTEMPT_ENV = "TITAN_RECOVER_REPLICA", "TITAN_RECOVER_ATTEMPT"
-SECRET_ENV, COORDINATOR_ENV, REPLICAS_ENV = "TITAN_RECOVER_SECRET", "TITAN_RECOVER_COORDINATOR", "TITAN_RECOVER_REPLICAS"
+
+log = logging.getLogger("titan_recover.soak")
 
 
 # ---- pure parts: the schedule, the safety rule, the bookkeeping, growth, summary ----------
@@ -290,7 +255,7 @@ class Tracker:
                 self.unmatched.append((e, now))
         elif kind == "recovered":
             # measured from the fault itself: the event's own latency_s starts at the failure's time,
-            # which for a fault from outside is often its detection (see the README of bench.soak)
+            # which for a fault from outside is often its detection
             for f in self.pending():
                 if f.recovery_s is None and f.failed and (f.kind == "slow" or set(f.targets) <= set(f.failed)):
                     f.recovery_s = round(e["time"] - f.wall, 3)
@@ -574,12 +539,6 @@ def _signal(pid: int, sig: int) -> bool:
         return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Tail:
     """New complete lines of a JSONL file that other processes append to."""
 
@@ -652,7 +611,7 @@ class Soak:
         self.launcher_rejoin: list[dict[str, Any]] = []
 
     def log(self, msg: str, step: int | None = None) -> None:
-        print(f"[soak {time.monotonic() - self.t0:7.1f}s step {step if step is not None else '-':>4}] {msg}", flush=True)
+        log.info("[soak %7.1fs step %4s] %s", time.monotonic() - self.t0, step if step is not None else "-", msg)
 
     # -- launchers --
 
@@ -671,7 +630,7 @@ class Soak:
         if s.nodes == 1:
             self.commands["node0"] = {"cmd": s.args(dump / "node0"), "env": base, "replicas": list(range(s.replicas))}
         else:
-            port, secret = _free_port(), os.urandom(16).hex()
+            port, secret = free_port(), os.urandom(16).hex()
             extra = ["--recover.coordinator_bind", "127.0.0.1", "--recover.coordinator_port", str(port)]
             local0 = [r for r in range(s.replicas) if r not in s.node1]
             self.commands["node0"] = {"cmd": s.args(dump / "node0") + extra, "replicas": local0,
@@ -785,143 +744,194 @@ class Soak:
     # -- the loop --
 
     def run(self, dump: Path) -> dict[str, Any]:
+        """Watches the run and injects faults until node0's launcher exits or the run hangs."""
+        tracker = self._prepare(dump)
+        hang: dict[str, Any] | None = None
+        while True:
+            now = time.monotonic()
+            self._take_events(tracker, now)
+            self._settle(tracker, now)
+            self._wake_slow_ranks(tracker, now)
+            self._judge_relaunches(tracker, now)
+            if self._node0_ended():
+                break
+            hang = self._hang(tracker, now)
+            if hang is not None:
+                break
+            self._report_status(tracker, now)
+            self._inject_next(tracker, now)
+            time.sleep(0.02)
+        return self._collect(tracker, hang)
+
+    def _prepare(self, dump: Path) -> Tracker:
+        """The event logs to follow, the random faults' schedule, and the loop's bookkeeping."""
         s, a = self.setup, self.args
         self.dump = dump
         self.tails = [Tail(Path(events_path(str(dump / n)))) for n in ("node1", "node0") if n in self.commands or n == "node0"]
         self.pending_events: list[dict[str, Any]] = []
         tracker = Tracker(s.replicas, self.spare, s.node1, time.monotonic())
         kinds = tuple(a.kinds) if a.kinds else RANDOM_KINDS + ((LAUNCHER_KIND,) if a.launcher_faults else ())
-        schedule = make_schedule(a.faults, kinds, self.rng)
-        plan_total = len([x for x in s.plan.split(";") if x.strip()]) if s.plan != "none" else 0
-        random_injected, blocked_since, next_at = 0, None, None
-        step_times: list[float] = []
-        hang: dict[str, Any] | None = None
-        last_status, finished_at = time.monotonic(), None
+        self.schedule = make_schedule(a.faults, kinds, self.rng)
+        self.plan_total = len([x for x in s.plan.split(";") if x.strip()]) if s.plan != "none" else 0
+        self.random_injected = 0
+        self.blocked_since: float | None = None  # since when the schedule's head kind could not go
+        self.next_at: float | None = None  # when the next random fault is due
+        self.step_times: list[float] = []
+        self.last_status, self.finished_at = time.monotonic(), None
         self.log(f"{s.replicas} groups x {s.shards} ranks, {s.steps} steps; prologue plan: {s.plan}; "
                  f"then {a.faults} random faults until step {s.steps - a.tail}; spare {self.spare}")
-        while True:
+        return tracker
+
+    def _take_events(self, tracker: Tracker, now: float) -> None:
+        """Feeds the tracker every event logged since the last pass (those kept from a rotated log first)."""
+        events = self.pending_events + [e for t in self.tails for e in t.read()]
+        self.pending_events = []
+        for e in events:
+            self._on_event(tracker, e, now)
+
+    def _on_event(self, tracker: Tracker, e: dict[str, Any], now: float) -> None:
+        prev_step = tracker.step
+        for f in tracker.feed(e, now):
+            self.log(f"fault {f.index} {f.kind} {list(f.targets)}: {f.outcome}, "
+                     f"detected {f.record()['detect_s']}s, recovered by step {f.recovered_step}", tracker.step)
+        if e["event"] == "step" and tracker.step == prev_step + 1:
+            self.step_times.append(e["time"])
+        elif e["event"] == "failure":
+            self.log(f"failure: replica {e['replica']} at step {e['step']}: {e['cause'][:140]}", tracker.step)
+        elif e["event"] == "fault_injected":
+            self.log(f"plan fault fired: kill replica {e['replica']} rank {e['rank']} attempt {e['attempt']} "
+                     f"phase {e['phase']} (fault {len(tracker.faults)})", tracker.step)
+        elif e["event"] == "admitted":
+            self.log(f"admitted replica {e['replica']} attempt {e['attempt']}", tracker.step)
+        elif e["event"] == "rejoined":
+            self._on_rejoined(tracker, e, now)
+        elif e["event"] in ("fatal", "param_digest_mismatch"):
+            self.log(f"{e['event'].upper()}: {e}", tracker.step)
+
+    def _on_rejoined(self, tracker: Tracker, e: dict[str, Any], now: float) -> None:
+        """Counts a group of a relaunched node back; a lost one may be hit again."""
+        for lr in self.launcher_rejoin:
+            if e["replica"] in lr["replicas"] and e["replica"] not in lr["rejoined"]:
+                lr["rejoined"].append(e["replica"])
+                lr["rejoin_s"][str(e["replica"])] = round(now - lr["at"], 1)
+                if e["replica"] in tracker.lost:
+                    tracker.lost.discard(e["replica"])
+                    self.log(f"replica {e['replica']} is back, {now - lr['at']:.0f}s after node1's relaunch", tracker.step)
+
+    def _settle(self, tracker: Tracker, now: float) -> None:
+        """Unclaimed failures become collateral; slow ranks not fenced survived; old faults are unresolved."""
+        tracker.settle_unmatched(now)
+        for f in tracker.tick(now, self.setup.heartbeat_timeout_s + 1.0, self.args.hang_s):
+            self.log(f"fault {f.index} {f.kind} {list(f.targets)}: {f.outcome}", tracker.step)
+
+    def _wake_slow_ranks(self, tracker: Tracker, now: float) -> None:
+        for f in tracker.pending():
+            if f.kind == "slow" and f.cont_at is None and now >= f.at + f.detail["seconds"]:
+                for pid in f.detail["pids"]:
+                    _signal(pid, signal.SIGCONT)
+                f.cont_at = now
+
+    def _judge_relaunches(self, tracker: Tracker, now: float) -> None:
+        """A relaunched node's groups rejoined, or, past ``--hang-s``, are lost (not hit until they are back)."""
+        for lr in self.launcher_rejoin:
+            if not lr.get("verdict") and set(lr["rejoined"]) >= set(lr["replicas"]):
+                lr["verdict"] = "rejoined"
+                self.log(f"node1's groups {lr['replicas']} rejoined after the relaunch", tracker.step)
+            elif not lr.get("verdict") and now - lr["at"] > self.args.hang_s:
+                lr["verdict"] = "not rejoined"
+                tracker.lost |= set(lr["replicas"]) - set(lr["rejoined"])
+                self.log(f"node1's groups {sorted(tracker.lost)} did not rejoin within {self.args.hang_s:.0f}s of the "
+                         "relaunch: not hit until they are back", tracker.step)
+
+    def _node0_ended(self) -> bool:
+        codes = {n: p.poll() for n, p in self.launchers.items()}
+        return codes["node0"] is not None
+
+    def _hang(self, tracker: Tracker, now: float) -> dict[str, Any] | None:
+        """The diagnostics of a hang (no committed step, a fault not recovered, no end after the last step), or None."""
+        s, a = self.setup, self.args
+        stalled = now - tracker.last_progress > a.hang_s
+        if any(f.outcome == "unresolved" for f in tracker.faults) or stalled and tracker.step < s.steps:
+            return self.diagnose(tracker, self.dump, "no committed step" if stalled else "a fault was not recovered")
+        if tracker.step >= s.steps:
+            self.finished_at = self.finished_at or now
+            if now - self.finished_at > a.hang_s:
+                return self.diagnose(tracker, self.dump, "the run did not end after its last step")
+        return None
+
+    def _report_status(self, tracker: Tracker, now: float) -> None:
+        if now - self.last_status > 30:
+            self.last_status = now
+            self.log(f"members {sorted(tracker.holders)}, joining {sorted(tracker.joining)}, faults "
+                     f"{len(tracker.faults)} ({self.random_injected}/{self.args.faults} random), pending "
+                     f"{[f.index for f in tracker.pending()]}", tracker.step)
+
+    def _may_inject(self, tracker: Tracker) -> bool:
+        """Random faults go after the prologue's plan faults, before the tail, and only when nothing is being recovered."""
+        s, a = self.setup, self.args
+        prologue = (len([f for f in tracker.faults if f.detail.get("plan")]) < self.plan_total
+                    and tracker.step < a.prologue_end)
+        return (self.random_injected < a.faults and not prologue and tracker.step < s.steps - a.tail
+                and tracker.step > 0 and tracker.gate_open())
+
+    def _inject_next(self, tracker: Tracker, now: float) -> None:
+        """Injects the next random fault when it is due (at once after an admission, for a transfer kind)."""
+        if not self._may_inject(tracker):
+            self.next_at = None
+            return
+        view = tracker.view(now)
+        step_s = (self.step_times[-1] - self.step_times[-6]) / 5 if len(self.step_times) >= 6 else 2.0
+        if self.next_at is None:  # a random point of some step
+            self.next_at = now + self.rng.uniform(0.0, 2.0 * step_s)
+        if view.fresh is None and now < self.next_at:
+            return
+        choice = pick(self.schedule, view, self.rng)
+        if choice is not None and (view.fresh is None or choice[1] in TRANSFER_KINDS or now >= self.next_at):
+            fault, now = self._fire(*choice, tracker, now)
+            if fault is None:
+                choice = None  # its processes are not all there (yet): counts as blocked
+        if view.fresh is not None and tracker.fresh is not None:
+            tracker.fresh = None  # one chance per admission
+        if choice is None and self.schedule:
+            self._blocked(tracker, now)
+
+    def _fire(self, i: int, kind: str, targets: tuple[int, ...], tracker: Tracker, now: float) -> tuple[Fault | None, float]:
+        """Injects schedule entry ``i`` (-1: an extra kill); the fault, or None, and the time it was sent."""
+        if kind in TRANSFER_KINDS:  # somewhere in the transfer: its group setup, header or tensors
+            time.sleep(self.rng.uniform(0.0, self.args.transfer_delay_s))
             now = time.monotonic()
-            events = self.pending_events + [e for t in self.tails for e in t.read()]
-            self.pending_events = []
-            for e in events:
-                prev_step = tracker.step
-                for f in tracker.feed(e, now):
-                    self.log(f"fault {f.index} {f.kind} {list(f.targets)}: {f.outcome}, "
-                             f"detected {f.record()['detect_s']}s, recovered by step {f.recovered_step}", tracker.step)
-                if e["event"] == "step" and tracker.step == prev_step + 1:
-                    step_times.append(e["time"])
-                elif e["event"] == "failure":
-                    self.log(f"failure: replica {e['replica']} at step {e['step']}: {e['cause'][:140]}", tracker.step)
-                elif e["event"] == "fault_injected":
-                    self.log(f"plan fault fired: kill replica {e['replica']} rank {e['rank']} attempt {e['attempt']} "
-                             f"phase {e['phase']} (fault {len(tracker.faults)})", tracker.step)
-                elif e["event"] == "admitted":
-                    self.log(f"admitted replica {e['replica']} attempt {e['attempt']}", tracker.step)
-                elif e["event"] == "rejoined":
-                    for lr in self.launcher_rejoin:
-                        if e["replica"] in lr["replicas"] and e["replica"] not in lr["rejoined"]:
-                            lr["rejoined"].append(e["replica"])
-                            lr["rejoin_s"][str(e["replica"])] = round(now - lr["at"], 1)
-                            if e["replica"] in tracker.lost:
-                                tracker.lost.discard(e["replica"])
-                                self.log(f"replica {e['replica']} is back, {now - lr['at']:.0f}s after node1's relaunch",
-                                         tracker.step)
-                elif e["event"] in ("fatal", "param_digest_mismatch"):
-                    self.log(f"{e['event'].upper()}: {e}", tracker.step)
-            tracker.settle_unmatched(now)
-            for f in tracker.tick(now, s.heartbeat_timeout_s + 1.0, a.hang_s):
-                self.log(f"fault {f.index} {f.kind} {list(f.targets)}: {f.outcome}", tracker.step)
-            # slow ranks wake up
-            for f in tracker.pending():
-                if f.kind == "slow" and f.cont_at is None and now >= f.at + f.detail["seconds"]:
-                    for pid in f.detail["pids"]:
-                        _signal(pid, signal.SIGCONT)
-                    f.cont_at = now
-            # a relaunched node whose groups never came back: they are lost
-            for lr in self.launcher_rejoin:
-                if not lr.get("verdict") and set(lr["rejoined"]) >= set(lr["replicas"]):
-                    lr["verdict"] = "rejoined"
-                    self.log(f"node1's groups {lr['replicas']} rejoined after the relaunch", tracker.step)
-                elif not lr.get("verdict") and now - lr["at"] > a.hang_s:
-                    lr["verdict"] = "not rejoined"
-                    tracker.lost |= set(lr["replicas"]) - set(lr["rejoined"])
-                    self.log(f"node1's groups {sorted(tracker.lost)} did not rejoin within {a.hang_s:.0f}s of the "
-                             "relaunch: not hit until they are back", tracker.step)
-            # end of the run, hangs
-            codes = {n: p.poll() for n, p in self.launchers.items()}
-            if codes["node0"] is not None:
-                break
-            if any(f.outcome == "unresolved" for f in tracker.faults) or now - tracker.last_progress > a.hang_s and \
-                    tracker.step < s.steps:
-                hang = self.diagnose(tracker, dump, "no committed step" if now - tracker.last_progress > a.hang_s
-                                     else "a fault was not recovered")
-                break
-            if tracker.step >= s.steps:
-                finished_at = finished_at or now
-                if now - finished_at > a.hang_s:
-                    hang = self.diagnose(tracker, dump, "the run did not end after its last step")
-                    break
-            if now - last_status > 30:
-                last_status = now
-                self.log(f"members {sorted(tracker.holders)}, joining {sorted(tracker.joining)}, faults "
-                         f"{len(tracker.faults)} ({random_injected}/{a.faults} random), pending "
-                         f"{[f.index for f in tracker.pending()]}", tracker.step)
-            # inject
-            prologue = (len([f for f in tracker.faults if f.detail.get("plan")]) < plan_total
-                        and tracker.step < a.prologue_end)
-            may = (random_injected < a.faults and not prologue and tracker.step < s.steps - a.tail
-                   and tracker.step > 0 and tracker.gate_open())
-            if not may:
-                next_at = None
+        fault = self.inject(kind, targets, tracker, now)
+        if fault is None:
+            return None, now
+        if i >= 0:
+            self.schedule.pop(i)
+            self.random_injected += 1
+        else:  # only transfer kinds left: this kill makes a group restart and rejoin
+            fault.detail["extra"] = True
+        self.blocked_since, self.next_at = None, None
+        self.log(f"fault {fault.index} ({self.random_injected}/{self.args.faults}): {kind} replicas {list(targets)} "
+                 f"{ {k: v for k, v in fault.detail.items() if k != 'pids'} }", tracker.step)
+        return fault, now
+
+    def _blocked(self, tracker: Tracker, now: float) -> None:
+        """The schedule's head kind could not go: past ``--block-s`` it goes to the back (a launcher fault
+        is dropped while node1's groups are lost), so that no kind holds the others up."""
+        self.blocked_since = self.blocked_since or now
+        if now - self.blocked_since > self.args.block_s:
+            head = next(i for i, k in enumerate(self.schedule) if k not in TRANSFER_KINDS) \
+                if any(k not in TRANSFER_KINDS for k in self.schedule) else 0
+            kind = self.schedule.pop(head)
+            if kind == LAUNCHER_KIND and tracker.lost:
+                self.log("launcher fault dropped: node1's groups are lost", tracker.step)
             else:
-                view = tracker.view(now)
-                step_s = (step_times[-1] - step_times[-6]) / 5 if len(step_times) >= 6 else 2.0
-                if next_at is None:  # a random point of some step
-                    next_at = now + self.rng.uniform(0.0, 2.0 * step_s)
-                if view.fresh is not None or now >= next_at:
-                    choice = pick(schedule, view, self.rng)
-                    if choice is not None and (view.fresh is None or choice[1] in TRANSFER_KINDS or now >= next_at):
-                        i, kind, targets = choice
-                        if kind in TRANSFER_KINDS:  # somewhere in the transfer: its group setup, header or tensors
-                            time.sleep(self.rng.uniform(0.0, a.transfer_delay_s))
-                            now = time.monotonic()
-                        fault = self.inject(kind, targets, tracker, now)
-                        if fault is None:
-                            choice = None  # its processes are not all there (yet): counts as blocked
-                        else:
-                            if i >= 0:
-                                schedule.pop(i)
-                                random_injected += 1
-                            else:  # only transfer kinds left: this kill makes a group restart and rejoin
-                                fault.detail["extra"] = True
-                            blocked_since, next_at = None, None
-                            self.log(f"fault {fault.index} ({random_injected}/{a.faults}): {kind} replicas {list(targets)} "
-                                     f"{ {k: v for k, v in fault.detail.items() if k != 'pids'} }", tracker.step)
-                    if view.fresh is not None and tracker.fresh is not None:
-                        tracker.fresh = None  # one chance per admission
-                    if choice is None and schedule:
-                        blocked_since = blocked_since or now
-                        if now - blocked_since > a.block_s:  # the head kind cannot go for long: later
-                            head = next(i for i, k in enumerate(schedule) if k not in TRANSFER_KINDS) \
-                                if any(k not in TRANSFER_KINDS for k in schedule) else 0
-                            kind = schedule.pop(head)
-                            if kind == LAUNCHER_KIND and tracker.lost:
-                                self.log("launcher fault dropped: node1's groups are lost", tracker.step)
-                            else:
-                                schedule.append(kind)
-                            blocked_since = None
-            time.sleep(0.02)
-        # the run ended (or hung): collect
+                self.schedule.append(kind)
+            self.blocked_since = None
+
+    def _collect(self, tracker: Tracker, hang: dict[str, Any] | None) -> dict[str, Any]:
+        """After the run ended (or hung): its last events, the faults left open, the launchers' exit codes."""
         if hang is not None:
             self.stop_all()
-        end = time.monotonic() + 60
-        for name, proc in self.launchers.items():
-            try:
-                proc.wait(timeout=max(1.0, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.log(f"{name} still running 60 s after node0 ended: killed")
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        self._wait_launchers()
         for e in self.pending_events + [e for t in self.tails for e in t.read()]:
             tracker.feed(e, time.monotonic())
         tracker.settle_unmatched(float("inf"))
@@ -930,6 +940,17 @@ class Soak:
         self.stop_all()
         self.tracker = tracker
         return {"hang": hang, "exit_codes": {n: p.returncode for n, p in self.launchers.items()}}
+
+    def _wait_launchers(self) -> None:
+        """Gives every launcher 60 s in all to exit after node0's, then SIGKILLs its tree."""
+        end = time.monotonic() + 60
+        for name, proc in self.launchers.items():
+            try:
+                proc.wait(timeout=max(1.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.log(f"{name} still running 60 s after node0 ended: killed")
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
     def diagnose(self, tracker: Tracker, dump: Path, why: str) -> dict[str, Any]:
         path = dump / "hang_diagnostics.txt"
@@ -949,8 +970,8 @@ class Soak:
                     out = subprocess.run(["py-spy", "dump", "--pid", str(p.pid)], capture_output=True, text=True, timeout=30)
                     lines += ["", f"py-spy dump {p.pid}:", out.stdout[-4000:]]
         lines += ["", "last events:"] + [json.dumps(e) for e in tracker.events[-60:]]
-        for name, log in self.logs.items():
-            lines += ["", f"tail of {log}:"] + log.read_text(errors="replace").splitlines()[-80:]
+        for logfile in self.logs.values():
+            lines += ["", f"tail of {logfile}:"] + logfile.read_text(errors="replace").splitlines()[-80:]
         path.write_text("\n".join(lines) + "\n")
         self.log(f"HANG: {why}; diagnostics in {path}", tracker.step)
         return {"why": why, "step": tracker.step, "diagnostics": str(path.relative_to(ROOT))}
@@ -984,6 +1005,16 @@ def read_all(dump: Path) -> list[dict[str, Any]]:
     return events
 
 
+def _log_to_stdout() -> None:
+    """The driver's lines go to stdout as they are, not through the ``titan_recover`` logger's prefix."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--faults", type=int, default=100, help="random faults to inject (the phase prologue adds 6)")
@@ -1014,6 +1045,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--replicas must be >= 3 (two groups at once, and a spare)")
     if (a.launcher_faults or LAUNCHER_KIND in (a.kinds or ())) and a.nodes != 2:
         p.error("launcher faults need --nodes 2")
+    _log_to_stdout()
     a.spare = a.replicas - 1 if a.spare is None else a.spare
     if a.spare in (0, 1) and not a.no_phase_faults:
         p.error("the prologue hits replicas 0 and 1: choose another --spare or --no-phase-faults")
@@ -1075,7 +1107,7 @@ def main(argv: list[str] | None = None) -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=2) + "\n")
     print(format_table(out))
-    print(f"wrote {a.out}")
+    log.info("wrote %s", a.out)
     return 0 if not out["invariant_violations"] and not out["hangs"] else 1
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from titan_recover import store
+from titan_recover.control import keys
 from titan_recover.compare import compare_runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,9 +48,9 @@ class Run:
 @pytest.fixture(scope="session", autouse=True)
 def run_secret() -> Iterator[str]:
     """The in-process tests play every role of one run: coordinator, launcher and ranks share its secret."""
-    os.environ[store.SECRET_ENV] = secret = secrets.token_hex(16)
+    os.environ[keys.SECRET_ENV] = secret = secrets.token_hex(16)
     yield secret
-    del os.environ[store.SECRET_ENV]
+    del os.environ[keys.SECRET_ENV]
 
 
 def run_job(dump: Path, *overrides: str, timeout: int = 300, config: Path = CONFIG) -> Run:
@@ -60,7 +60,7 @@ def run_job(dump: Path, *overrides: str, timeout: int = 300, config: Path = CONF
     ]
     proc = subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        env={**{k: v for k, v in os.environ.items() if k != store.SECRET_ENV}, "PYTHONUNBUFFERED": "1"},  # its launcher makes one
+        env={**{k: v for k, v in os.environ.items() if k != keys.SECRET_ENV}, "PYTHONUNBUFFERED": "1"},  # its launcher makes one
     )
     path = dump / "recover_events.jsonl"
     events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

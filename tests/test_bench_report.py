@@ -28,6 +28,7 @@ def _write(results: Path) -> None:
     (results / "overhead.json").write_text(json.dumps({"overhead_step_time_ratio": 1.01}))
 
 
+@pytest.mark.unit
 def test_calibration_replays_the_measured_runs() -> None:
     cal = simulate.calibration(_measured())
     # hand-computed timelines as in test_goodput (detection 0.5 s here), against 13 s and 25 s measured

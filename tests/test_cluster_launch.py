@@ -285,6 +285,7 @@ def manifest() -> dict[str, dict]:
     return docs
 
 
+@pytest.mark.unit
 def test_the_kubernetes_manifest_is_an_indexed_job_behind_a_headless_service() -> None:
     docs = manifest()
     service, job = docs["Service"], docs["Job"]["spec"]

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from titan_recover import resources, store
+from titan_recover import resources
+from titan_recover.control import transport
 from titan_recover.collectives import CollectiveAborted, ReplicateGroups
 from titan_recover.membership import Membership
 
@@ -27,8 +28,8 @@ PEER = """
 import sys, time
 from datetime import timedelta
 import torch.distributed as dist
-from titan_recover import store
-client = store.connect(sys.argv[1], 30)
+from titan_recover.control import transport
+client = transport.connect(sys.argv[1], 30)
 kept = []
 for epoch in range(1, int(sys.argv[2]) + 1):
     kept.append(dist.ProcessGroupGloo(dist.PrefixStore(f"replicate/e{epoch}/s0/", client), 1, 2, timedelta(seconds=2)))
@@ -37,10 +38,10 @@ time.sleep(600)
 
 
 def test_a_survivor_holds_no_more_after_ten_broken_epochs() -> None:
-    port = store.free_port()
-    server = store.serve(port, 30)
+    port = transport.free_port()
+    server = transport.serve(port, 30)
     address = f"127.0.0.1:{port}"
-    groups = ReplicateGroups(store.connect(address, 30), replica=0, group_rank=0, timeout_s=2)
+    groups = ReplicateGroups(transport.connect(address, 30), replica=0, group_rank=0, timeout_s=2)
     peer = subprocess.Popen([sys.executable, "-c", PEER, address, str(FAILURES + 2)], cwd=ROOT)
     try:
         def broken_epoch(epoch: int) -> None:

@@ -3,7 +3,11 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from titan_recover.compare import compare_runs, main
+
+pytestmark = pytest.mark.unit
 
 
 def step(n: int, loss: float, digest: str = "ab", microbatches: tuple[int, ...] = (0, 1, 2, 3)) -> dict:

@@ -28,6 +28,7 @@ def load(*overrides: str, config_file: Path = CONFIG):
     return config.load(["--job.config_file", str(config_file), *overrides])
 
 
+@pytest.mark.unit
 def test_shipped_config_loads_and_validates() -> None:
     toml = tomllib.loads(CONFIG.read_text())
     jc = load()
@@ -45,6 +46,7 @@ def test_shipped_config_loads_and_validates() -> None:
     )
 
 
+@pytest.mark.unit
 def test_cli_overrides_reach_the_section() -> None:
     jc = load("--recover.min_replicas", "2", "--recover.policy", "speed", "--recover.fault_plan", "none",
               "--training.global_batch_size", "32")
@@ -54,6 +56,7 @@ def test_cli_overrides_reach_the_section() -> None:
     assert config.num_microbatches(jc) == 8
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "overrides, key",
     [
@@ -87,6 +90,7 @@ def test_bad_value_names_the_full_key(overrides: list[str], key: str) -> None:
     assert key in str(info.value)
 
 
+@pytest.mark.unit
 def test_min_replicas_above_replicate_degree_names_both_keys() -> None:
     with pytest.raises(ConfigError) as info:
         load("--recover.min_replicas", "3")
@@ -95,12 +99,14 @@ def test_min_replicas_above_replicate_degree_names_both_keys() -> None:
     assert "parallelism.data_parallel_replicate_degree (2)" in msg
 
 
+@pytest.mark.unit
 def test_max_restarts_and_digest_interval_defaults() -> None:
     assert Recover().max_restarts == 3
     assert Recover().restart_window_s == 3600.0
     assert Recover().digest_interval == 10
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -114,6 +120,7 @@ def test_restart_and_digest_bounds_messages(overrides: list[str], message: str) 
     assert message in str(info.value)
 
 
+@pytest.mark.unit
 def test_restart_and_digest_lowest_valid_values_load() -> None:
     rc = load("--recover.max_restarts", "0", "--recover.digest_interval", "1").recover
     assert (rc.max_restarts, rc.digest_interval) == (0, 1)
@@ -121,17 +128,20 @@ def test_restart_and_digest_lowest_valid_values_load() -> None:
     assert (rc.max_restarts, rc.digest_interval) == (7, 25)
 
 
+@pytest.mark.unit
 def test_new_fault_actions_are_accepted_in_config() -> None:
     plan = "sleep replica=0 step=2 phase=optimizer seconds=0.5; stop replica=1 phase=donate; kill replica=1 phase=join"
     assert load("--recover.fault_plan", plan).recover.fault_plan == plan
 
 
+@pytest.mark.unit
 def test_timeout_must_exceed_twice_the_interval() -> None:
     with pytest.raises(ConfigError, match="heartbeat_interval_s"):
         load("--recover.heartbeat_timeout_s", "0.2")  # exactly twice 0.1
     assert load("--recover.heartbeat_timeout_s", "0.21").recover.heartbeat_timeout_s == 0.21
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("confirm", ["0.1", "0.05"])
 def test_report_confirm_must_exceed_the_heartbeat_interval(confirm: str) -> None:
     # shorter than one heartbeat interval, it fenced healthy replicas between two beats
@@ -144,6 +154,7 @@ def test_report_confirm_must_exceed_the_heartbeat_interval(confirm: str) -> None
     assert load("--recover.report_confirm_s", "0.11").recover.report_confirm_s == 0.11
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -169,17 +180,20 @@ def test_fault_that_can_never_fire_is_refused(overrides: list[str], message: str
     assert message in str(info.value)
 
 
+@pytest.mark.unit
 def test_fault_at_the_last_step_or_a_late_attempt_loads() -> None:
     assert load("--recover.fault_plan", "kill replica=1 step=30").recover.fault_plan
     # restarts count per window: a long run may reach any attempt, even past max_restarts
     assert load("--recover.max_restarts", "1", "--recover.fault_plan", "kill replica=1 step=3 attempt=5").recover.fault_plan
 
 
+@pytest.mark.unit
 def test_bad_fault_plan_message_names_the_token() -> None:
     with pytest.raises(ConfigError, match="'explode'"):
         load("--recover.fault_plan", "explode replica=1 step=2")
 
 
+@pytest.mark.unit
 def test_bad_policy_lists_the_choices() -> None:
     with pytest.raises(ConfigError) as info:
         load("--recover.policy", "nosuch")
@@ -195,6 +209,7 @@ def write_toml(tmp_path: Path, edit) -> Path:
     return path
 
 
+@pytest.mark.unit
 @pytest.mark.filterwarnings("ignore:The field `recover")  # tyro notices the type, but only warns
 def test_wrong_type_from_toml_names_the_key(tmp_path: Path) -> None:
     path = write_toml(
@@ -207,11 +222,13 @@ def test_wrong_type_from_toml_names_the_key(tmp_path: Path) -> None:
     assert "'fast'" in str(info.value)
 
 
+@pytest.mark.unit
 def test_int_where_float_expected_in_toml_is_fine(tmp_path: Path) -> None:
     path = write_toml(tmp_path, lambda t: re.sub(r"(?m)^heartbeat_timeout_s = 5\.0$", "heartbeat_timeout_s = 5", t))
     assert load(config_file=path).recover.heartbeat_timeout_s == 5
 
 
+@pytest.mark.unit
 @pytest.mark.filterwarnings("ignore:The field `recover")
 @pytest.mark.parametrize("bad", ["1.5", "true"])
 def test_wrong_type_for_int_in_toml(tmp_path: Path, bad: str) -> None:
@@ -220,6 +237,7 @@ def test_wrong_type_for_int_in_toml(tmp_path: Path, bad: str) -> None:
         load(config_file=path)
 
 
+@pytest.mark.unit
 @pytest.mark.filterwarnings("ignore:The field `recover")
 @pytest.mark.parametrize("key, bad", [("max_restarts", "2.5"), ("digest_interval", '"often"'), ("max_restarts", "true")])
 def test_wrong_type_for_restart_and_digest_in_toml(tmp_path: Path, key: str, bad: str) -> None:
@@ -232,6 +250,7 @@ def test_wrong_type_for_restart_and_digest_in_toml(tmp_path: Path, key: str, bad
         load(config_file=path)
 
 
+@pytest.mark.unit
 def test_unknown_key_in_recover_section(tmp_path: Path) -> None:
     path = write_toml(tmp_path, lambda t: t + "\nheartbeat_timout_s = 3.0\n")
     with pytest.raises(ConfigError) as info:
@@ -239,12 +258,14 @@ def test_unknown_key_in_recover_section(tmp_path: Path) -> None:
     assert "heartbeat_timout_s" in str(info.value)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("key", ["recover.heartbeat_timeout_s", "recover.report_confirm_s"])
 def test_nan_durations_are_rejected(key: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(key)):
         load(f"--{key}", "nan")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -258,6 +279,7 @@ def test_fault_aimed_at_no_rank_is_refused(overrides: list[str]) -> None:
         load(*overrides)
 
 
+@pytest.mark.unit
 def test_fault_at_the_last_rank_of_the_last_group_loads() -> None:
     assert load("--recover.fault_plan", "kill replica=1 rank=1 step=3").recover.fault_plan
 
@@ -283,6 +305,7 @@ def _par(pp: int, replicas: int, shards: int, tp: int) -> object:
                            data_parallel_shard_degree=shards, tensor_parallel_degree=tp)
 
 
+@pytest.mark.unit
 def test_group_coordinates_keep_each_ranks_pp_shard_tp_coordinate() -> None:
     # TorchTitan's world is (pp, dp_replicate, dp_shard, tp); a group's own is (pp, dp_shard, tp)
     pp, replicas, shards, tp = 2, 3, 2, 2
@@ -297,6 +320,7 @@ def test_group_coordinates_keep_each_ranks_pp_shard_tp_coordinate() -> None:
     assert seen == {(r, k) for r in range(replicas) for k in range(config.group_ranks(par))}
 
 
+@pytest.mark.unit
 def test_one_rank_per_data_shard_reports_the_tally() -> None:
     par = _par(pp=2, replicas=1, shards=2, tp=2)  # group ranks: (stage, shard, tp)
     reporters = [k for k in range(config.group_ranks(par)) if config.reports_data(k, par)]
@@ -307,6 +331,7 @@ def test_one_rank_per_data_shard_reports_the_tally() -> None:
 # --- parameter precision on a CPU (cpu_shim.precision_args) ---------------------------
 
 
+@pytest.mark.unit
 def test_a_cpu_run_gets_float32_parameters_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     from titan_recover import cpu_shim
 
@@ -320,6 +345,7 @@ def test_a_cpu_run_gets_float32_parameters_unless_asked(monkeypatch: pytest.Monk
     assert config.load(out).training.mixed_precision_param == "float32"  # what ranks parse
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("flag", [["--training.mixed_precision_param", "bfloat16"],
                                   ["--training.mixed-precision-param", "bfloat16"],
                                   ["--training.mixed_precision_param=bfloat16"]])
@@ -332,6 +358,7 @@ def test_a_precision_on_the_command_line_is_kept(monkeypatch: pytest.MonkeyPatch
     assert cpu_shim.precision_args(argv, jc) == argv and jc.training.mixed_precision_param == "bfloat16"
 
 
+@pytest.mark.unit
 def test_a_precision_in_the_toml_is_kept(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from titan_recover import cpu_shim
 
@@ -343,6 +370,7 @@ def test_a_precision_in_the_toml_is_kept(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert cpu_shim.precision_args(argv, jc) == argv and jc.training.mixed_precision_param == "bfloat16"
 
 
+@pytest.mark.unit
 def test_an_accelerator_keeps_torchtitans_default(monkeypatch: pytest.MonkeyPatch) -> None:
     from titan_recover import cpu_shim
 
@@ -352,6 +380,7 @@ def test_an_accelerator_keeps_torchtitans_default(monkeypatch: pytest.MonkeyPatc
     assert cpu_shim.precision_args(argv, jc) == argv and jc.training.mixed_precision_param == "bfloat16"
 
 
+@pytest.mark.unit
 def test_spares_add_replica_ids_that_faults_may_name() -> None:
     job = load("--recover.spares", "2", "--recover.fault_plan", "kill replica=3 phase=join attempt=0; kill replica=2 step=3")
     assert replica_ids(job) == 4  # 2 members + 2 spares
@@ -359,6 +388,7 @@ def test_spares_add_replica_ids_that_faults_may_name() -> None:
         load("--recover.spares", "-1")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("key", ["speed_smoothing", "rebalance_threshold"])
 @pytest.mark.parametrize("value", ["0", "1.5", "-0.1"])
 def test_speed_keys_are_fractions(key: str, value: str) -> None:
@@ -366,6 +396,7 @@ def test_speed_keys_are_fractions(key: str, value: str) -> None:
         load(f"--recover.{key}", value)
 
 
+@pytest.mark.unit
 def test_group_nodes_must_split_a_group_evenly() -> None:
     # the default config's groups have dp_shard 2 ranks: over 2 nodes one each, over 3 not evenly
     assert load("--recover.group_nodes", "2").recover.group_nodes == 2

@@ -6,6 +6,7 @@ and launchers through real store clients, so every message crosses a socket.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -14,7 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from titan_recover import store
+from titan_recover.control import keys, transport
+from titan_recover.control.client import ControlClient
+from titan_recover.control.protocol import Admission, Launcher, NodeGroup, NodeMessage, Report, StepRecord
 from titan_recover.config import Recover
 from titan_recover.coordinator import REPORT_GRACE_S, Coordinator, serve
 
@@ -31,15 +34,15 @@ def make(tmp_path: Path) -> Iterator:
             training=SimpleNamespace(steps=10),
             job=SimpleNamespace(dump_folder=str(tmp_path)),
         )
-        port = store.free_port()
+        port = transport.free_port()
         c = serve(job, port)
         made.append(c)
-        return c, store.connect(f"127.0.0.1:{port}", timeout_s=10)
+        return c, transport.connect(f"127.0.0.1:{port}", timeout_s=10)
 
     yield make
     NODES.clear()
     for c in made:
-        del c.store
+        del c.control.store  # the coordinator's TCPStore server stops with its last reference
 
 
 def events(tmp_path: Path, kind: str) -> list[dict]:
@@ -52,21 +55,26 @@ class FakeNode:
     exactly as ``agent.NodeAgent`` does (each replica group here has one rank)."""
 
     def __init__(self, client: object, name: str = "node-a") -> None:
-        self.client, self.key, self.seq = client, store.launcher_key(name), 0
-        self.groups: dict[int, dict] = {}
-        self.write()
-        client.set(store.node_key(int(client.add(store.NODES, 1))), name)  # type: ignore[attr-defined]
+        self.control, self.launcher, self.seq = ControlClient(client), Launcher(name, "localhost", 1), 0  # type: ignore[arg-type]
+        self.groups: dict[int, NodeGroup] = {}
+        self.control.register(self.launcher, self.message())
+
+    def message(self) -> NodeMessage:
+        self.seq += 1
+        return NodeMessage(self.seq, dict(self.groups))
 
     def write(self) -> None:
-        self.seq += 1
-        message = {"seq": self.seq, "groups": {str(r): e for r, e in self.groups.items()}}
-        self.client.set(self.key, json.dumps(message))  # type: ignore[attr-defined]
+        self.control.write_node(self.launcher, self.message())
 
-    def entry(self, replica: int, attempt: int | None = None, ready: int = 0, **fields: object) -> None:
-        old = self.groups.get(replica, {"attempt": 0, "ready": 0})
-        self.groups[replica] = {"attempt": old["attempt"] if attempt is None else attempt, "ranks": 1,
-                                "ready": ready if attempt is not None else old["ready"], "finished": 0,
-                                "silent_s": 0.0, **fields}
+    def write_raw(self, groups: dict[str, object]) -> None:
+        """A node message whose groups are written as given (malformed fields)."""
+        self.seq += 1
+        self.control.store.set(self.launcher.key, json.dumps({"seq": self.seq, "groups": groups}))
+
+    def entry(self, replica: int, attempt: int | None = None, ready: int = 0) -> None:
+        old = self.groups.get(replica, NodeGroup(0, 1, 0, 0, 0.0))
+        self.groups[replica] = NodeGroup(attempt=old.attempt if attempt is None else attempt, ranks=1,
+                                         ready=ready if attempt is not None else old.ready, finished=0, silent_s=0.0)
 
     def beat(self, *replicas: int) -> None:
         for r in replicas:
@@ -75,7 +83,7 @@ class FakeNode:
 
     def hang(self, replica: int, silent_s: float) -> None:
         """Its rank has not beaten for ``silent_s``, as the agent counts it."""
-        self.groups[replica]["silent_s"] = silent_s
+        self.groups[replica] = dataclasses.replace(self.groups[replica], silent_s=silent_s)
         self.write()
 
 
@@ -99,19 +107,51 @@ def poll(c: Coordinator, now: float) -> None:
 
 
 def joins(c: Coordinator, now: float) -> bool:
+    """Reads the node messages, then admits or parks waiting groups as one coordinator pass does; False once the run stops."""
     poll(c, now)
-    return c._poll_joins(now)
+    if c.core.asking:  # a join may fence a group's previous incarnation: steps committed before it come first
+        c._poll_steps()
+    return c._apply(c.core.on_joins(now))
+
+
+def fence(c: Coordinator, failed: dict[int, str]) -> bool:
+    """The next epoch without ``failed``, as a pass publishes it; False once the run stops."""
+    c._poll_steps()  # a step committed just before the failure belongs before it
+    return c._apply(c.core.on_failure(failed, time.monotonic()))
+
+
+def retry_step(c: Coordinator) -> bool:
+    """A step's collectives broke with nobody silent: the pass's retry; False once the run stops."""
+    c._poll_steps()
+    return c._apply(c.core.on_retry(time.monotonic()))
+
+
+def report(client: object, **fields: object) -> None:
+    """A failure report, as a rank or a launcher writes it."""
+    ControlClient(client).report(Report(**fields))  # type: ignore[arg-type]
+
+
+def raw_report(client: object, rec: object) -> None:
+    """A report slot reserved, then written with ``rec`` as raw JSON (malformed fields)."""
+    index = int(client.add(keys.REPORTS, 1))  # type: ignore[attr-defined]
+    client.set(keys.report_key(index), json.dumps(rec))  # type: ignore[attr-defined]
+
+
+def fatal(client: object) -> str:
+    error = ControlClient(client).fatal()  # type: ignore[arg-type]
+    assert error is not None
+    return error
 
 
 def test_a_reserved_but_never_written_report_slot_blocks_no_later_report(make) -> None:
     c, client = make()
-    client.add(store.REPORTS, 1)  # a reporter reserved slot 1 and died before writing it
-    store.report(client, {"replica": 0, "epoch": 0, "suspect": 1, "cause": "torchrun of replica 1 exited"})
+    client.add(keys.REPORTS, 1)  # a reporter reserved slot 1 and died before writing it
+    report(client, replica=0, epoch=0, suspect=1, cause="torchrun of replica 1 exited")
     now = time.monotonic()
     beat(client, 0, 1)
     poll(c, now)
     c._poll_reports(now)
-    failed, _ = c.detector.decide(now)
+    failed, _ = c.core.detector.decide(now)
     assert failed == {1: "torchrun of replica 1 exited"}  # slot 2 was read past the empty slot 1
     assert list(c.empty_slots) == [1]
     c._poll_reports(now + REPORT_GRACE_S + 0.1)
@@ -120,24 +160,22 @@ def test_a_reserved_but_never_written_report_slot_blocks_no_later_report(make) -
 
 def test_malformed_reports_and_joins_are_ignored_not_fatal(make, capsys: pytest.CaptureFixture) -> None:
     c, client = make()
-    store.report(client, {"replica": 0, "epoch": "0", "suspect": 1, "cause": "x"})  # epoch as a string
-    store.report(client, {"replica": 0, "epoch": 0, "suspect": "1", "cause": "x"})
-    store.report(client, {"replica": 0, "epoch": 0, "suspect": 1, "cause": ["x"]})
-    store.report(client, {"replica": 1, "epoch": 0, "suspect": 1, "attempt": -1, "cause": "x"})
-    fake = node(client)
-    fake.groups[1] = {"attempt": "one", "ranks": 1, "ready": 1, "finished": 0, "silent_s": 0.0}
-    fake.write()
-    store.put_json(client, store.report_key(99), "not even an object")
+    raw_report(client, {"replica": 0, "epoch": "0", "suspect": 1, "cause": "x"})  # epoch as a string
+    raw_report(client, {"replica": 0, "epoch": 0, "suspect": "1", "cause": "x"})
+    raw_report(client, {"replica": 0, "epoch": 0, "suspect": 1, "cause": ["x"]})
+    raw_report(client, {"replica": 1, "epoch": 0, "suspect": 1, "attempt": -1, "cause": "x"})
+    node(client).write_raw({"1": {"attempt": "one", "ranks": 1, "ready": 1, "finished": 0, "silent_s": 0.0}})
+    client.set(keys.report_key(99), json.dumps("not even an object"))
     now = time.monotonic()
     c._poll_reports(now)
     assert joins(c, now)
-    assert c.detector.decide(now) == ({}, False)  # nothing was taken from them
-    out = capsys.readouterr().out
+    assert c.core.detector.decide(now) == ({}, False)  # nothing was taken from them
+    out = capsys.readouterr().err  # the coordinator logs warnings to stderr
     assert out.count("ignoring malformed report") == 4 and "ignoring malformed node message" in out
-    assert "group 1 needs non-negative integers" in out
-    store.report(client, {"replica": 0, "epoch": 0, "suspect": 1, "cause": "real"})
+    assert "a group needs non-negative integers" in out and "(group 1)" in out
+    report(client, replica=0, epoch=0, suspect=1, cause="real")
     c._poll_reports(now)
-    assert c.detector.decide(now)[0] == {1: "real"}  # and later reports still count
+    assert c.core.detector.decide(now)[0] == {1: "real"}  # and later reports still count
 
 
 def test_a_silent_rank_is_stamped_with_its_last_heartbeat(make, tmp_path: Path) -> None:
@@ -152,13 +190,13 @@ def test_a_silent_rank_is_stamped_with_its_last_heartbeat(make, tmp_path: Path) 
         beat(client, 0)
         node(client).hang(1, time.monotonic() - frozen)
         poll(c, now)
-        failed, _ = c.detector.decide(now)
+        failed, _ = c.core.detector.decide(now)
         if failed:
             break
         assert now < deadline
         time.sleep(0.02)
     assert list(failed) == [1]
-    assert c._fence(failed)
+    assert fence(c, failed)
     (failure,) = events(tmp_path, "failure")
     (recovered,) = events(tmp_path, "recovered")
     assert failure["clock"] == "last_heartbeat"
@@ -169,28 +207,28 @@ def test_a_joiner_that_took_part_in_a_committed_step_keeps_the_run(make) -> None
     """The leader (the joiner's donor) dies right after the joiner's first commit: the
     joiner holds that step's state, so the run goes on with it."""
     c, client = make()
-    assert c._fence({1: "killed"})
+    assert fence(c, {1: "killed"})
     ask_to_join(client, 1, 1)
     assert joins(c, time.monotonic())
-    assert c.joining == {1: 2} and c.membership.members == (0, 1)
-    client.set(store.decision_key(1, 2), "commit")  # step 1 committed in epoch 2; nobody logged it yet
-    assert c._fence({0: "torchrun of replica 0 exited"})
+    assert c.core.state.joining == {1: 2} and c.membership.members == (0, 1)
+    client.set(keys.decision_key(1, 2), "commit")  # step 1 committed in epoch 2; nobody logged it yet
+    assert fence(c, {0: "torchrun of replica 0 exited"})
     assert c.membership.members == (1,)
-    assert not client.check([store.FATAL])
+    assert not client.check([keys.FATAL])
 
 
 def test_without_a_commit_a_lone_joiner_cannot_carry_the_run(make) -> None:
     c, client = make()
-    assert c._fence({1: "killed"})
+    assert fence(c, {1: "killed"})
     ask_to_join(client, 1, 1)
     assert joins(c, time.monotonic())
-    assert not c._fence({0: "killed"})
-    assert "no replica group with training state" in store.get_json(client, store.FATAL, ("error",))["error"]
+    assert not fence(c, {0: "killed"})
+    assert "no replica group with training state" in fatal(client)
 
 
 def _broken_allreduce(c: Coordinator, client: object, *reporters: int) -> tuple[dict, bool]:
     for r in reporters:
-        store.report(client, {"replica": r, "epoch": c.membership.epoch, "suspect": None, "cause": "all-reduce broke"})  # type: ignore[arg-type]
+        report(client, replica=r, epoch=c.membership.epoch, suspect=None, cause="all-reduce broke")
     now = time.monotonic()
     beat(client, 0, 1, 2)
     poll(c, now)
@@ -198,7 +236,7 @@ def _broken_allreduce(c: Coordinator, client: object, *reporters: int) -> tuple[
     later = now + c.rc.report_confirm_s + 0.01
     beat(client, 0, 1, 2)
     poll(c, later)
-    return c.detector.decide(later)
+    return c.core.detector.decide(later)
 
 
 def test_retries_of_a_step_are_bounded_then_the_replica_that_held_it_up_is_fenced(make, tmp_path: Path) -> None:
@@ -206,10 +244,10 @@ def test_retries_of_a_step_are_bounded_then_the_replica_that_held_it_up_is_fence
     for attempt in range(2):
         failed, retry = _broken_allreduce(c, client, 0, 2)
         assert (failed, retry) == ({}, True)
-        assert c._retry()
+        assert retry_step(c)
         assert c.membership.members == (0, 1, 2)  # retried with the same members
     failed, retry = _broken_allreduce(c, client, 0, 2)
-    assert retry and c._retry()
+    assert retry and retry_step(c)
     assert c.membership.members == (0, 2)  # replica 1 never reported a break: the others waited for it
     (failure,) = events(tmp_path, "failure")
     assert failure["replica"] == 1 and "never did" in failure["cause"]
@@ -218,10 +256,10 @@ def test_retries_of_a_step_are_bounded_then_the_replica_that_held_it_up_is_fence
 def test_when_every_replica_reports_breaks_the_run_stops_naming_them(make) -> None:
     c, client = make(replicas=2, max_step_retries=1, report_confirm_s=0.2)
     _broken_allreduce(c, client, 0, 1)
-    assert c._retry()
+    assert retry_step(c)
     _broken_allreduce(c, client, 0, 1)
-    assert not c._retry()
-    error = store.get_json(client, store.FATAL, ("error",))["error"]
+    assert not retry_step(c)
+    error = fatal(client)
     assert "every replica ([0, 1])" in error and "network" in error
 
 
@@ -229,22 +267,22 @@ def test_the_same_error_on_two_replicas_stops_the_run_as_the_jobs_own(make, tmp_
     c, client = make(replicas=3)
     error = "NotImplementedError: FlexAttention has no CPU backward"
     for r in (0, 2):
-        store.report(client, {"replica": r, "epoch": 0, "step": 1, "suspect": r, "cause": f"rank 0 raised {error}", "error": error})
+        report(client, replica=r, epoch=0, step=1, suspect=r, cause=f"rank 0 raised {error}", error=error)
     now = time.monotonic()
     c._poll_reports(now)
-    failed, _ = c.detector.decide(now)
+    failed, _ = c.core.detector.decide(now)
     assert sorted(failed) == [0, 2]
-    assert not c._fence(failed)
+    assert not fence(c, failed)
     (fatal,) = events(tmp_path, "fatal")
     assert "the job's own error" in fatal["error"] and "[0, 2]" in fatal["error"] and error in fatal["error"]
 
 
 def test_one_replicas_own_error_is_treated_as_its_failure(make) -> None:
     c, client = make(replicas=3)
-    store.report(client, {"replica": 1, "epoch": 0, "step": 4, "suspect": 1, "cause": "rank 0 raised E", "error": "E"})
+    report(client, replica=1, epoch=0, step=4, suspect=1, cause="rank 0 raised E", error="E")
     now = time.monotonic()
     c._poll_reports(now)
-    assert c._fence(c.detector.decide(now)[0])
+    assert fence(c, c.core.detector.decide(now)[0])
     assert c.membership.members == (0, 2)
 
 
@@ -261,17 +299,17 @@ def test_a_spare_waits_while_the_membership_is_full_and_replaces_a_failed_group_
     c, client = make(spares=1)
     ask_to_join(client, 2, 0)  # the spare, up since the start
     assert joins(c, time.monotonic())
-    assert c.membership.members == (0, 1) and c.spares == {2: 0}
-    assert not client.check([store.admitted_key(2, 0)])
-    assert c._fence({1: "torchrun of replica 1 exited"})
+    assert c.membership.members == (0, 1) and c.core.state.spares == {2: 0}
+    assert not client.check([keys.admitted_key(2, 0)])
+    assert fence(c, {1: "torchrun of replica 1 exited"})
     assert joins(c, time.monotonic())  # the very next pass: no process start in between
-    assert c.membership.members == (0, 2) and c.spares == {}
-    assert store.get_json(client, store.admitted_key(2, 0), ("attempt", "epoch")) == {"attempt": 0, "epoch": 2}
+    assert c.membership.members == (0, 2) and c.core.state.spares == {}
+    assert ControlClient(client).read(keys.admitted_key(2, 0), Admission) == Admission(attempt=0, epoch=2)
     (admitted,) = events(tmp_path, "admitted")
     assert admitted["replica"] == 2 and admitted["replaces"] == 1
     ask_to_join(client, 1, 1)  # the failed group, restarted, becomes the spare
     assert joins(c, time.monotonic())
-    assert c.membership.members == (0, 2) and c.spares == {1: 1}
+    assert c.membership.members == (0, 2) and c.core.state.spares == {1: 1}
     assert [e["replica"] for e in events(tmp_path, "spare_ready")] == [2, 1]
 
 
@@ -279,20 +317,19 @@ def test_a_spare_replacing_a_group_is_timed_from_that_groups_failure(make, tmp_p
     c, client = make(spares=1)
     ask_to_join(client, 2, 0)
     joins(c, time.monotonic())
-    assert c._fence({1: "killed"})
-    failed_at = c.down_since[1]
+    assert fence(c, {1: "killed"})
+    failed_at = c.core.state.down_since[1]
     joins(c, time.monotonic())
-    assert c.repairs == {2: (1, failed_at)}
-    assert c._fence({2: "killed while receiving its state"})  # the spare dies before its first step
-    assert c.down_since == {1: failed_at}  # replica 1's failure is open again, not the spare's
+    assert c.core.state.repairs == {2: (1, failed_at)}
+    assert fence(c, {2: "killed while receiving its state"})  # the spare dies before its first step
+    assert c.core.state.down_since == {1: failed_at}  # replica 1's failure is open again, not the spare's
     ask_to_join(client, 1, 1)
     joins(c, time.monotonic())
-    assert c.repairs == {1: (1, failed_at)}
-    client.set(store.step_key(1), json.dumps({"step": 1, "epoch": c.membership.epoch, "members": [0, 1],
-                                               "microbatches": [0, 1], "data_digest": "0", "loss": 1.0,
-                                               "time": failed_at + 30.0}))
+    assert c.core.state.repairs == {1: (1, failed_at)}
+    ControlClient(client).offer_step(StepRecord(step=1, epoch=c.membership.epoch, members=[0, 1], microbatches=[0, 1],
+                                                data_digest="0", loss=1.0, grad_norm=None, time=failed_at + 30.0))
     c._poll_steps()
-    c._poll_rejoined()
+    c._apply(c.core.on_rejoined(c._transfers))
     (rejoined,) = events(tmp_path, "rejoined")
     assert rejoined["replica"] == 1 and "replaces" not in rejoined and rejoined["downtime_s"] == pytest.approx(30.0)
 
@@ -310,11 +347,11 @@ def test_a_spare_that_hangs_while_waiting_is_fenced_not_admitted(make, tmp_path:
         node(client).hang(2, t)  # the spare's heartbeat stalled (SIGSTOP)
         poll(c, now + t)
     joins(c, later)
-    assert c.spares == {}
-    assert store.get_json(client, store.fenced_key(2), ("attempt",))["attempt"] == 0  # its launcher kills it
+    assert c.core.state.spares == {}
+    assert ControlClient(client).read_fence(2).attempt == 0  # its launcher kills it
     (lost,) = events(tmp_path, "spare_lost")
     assert lost["replica"] == 2 and "waiting as a spare" in lost["cause"]
-    assert c._fence({1: "killed"})
+    assert fence(c, {1: "killed"})
     joins(c, later)
     assert c.membership.members == (0,)  # the hung spare is not admitted
     ask_to_join(client, 2, 1)  # restarted by its launcher: a spare again
@@ -330,8 +367,8 @@ def test_a_store_stall_is_not_taken_for_every_group_going_silent(make, tmp_path:
     beat(client, 0, 1)
     poll(c, now)
     poll(c, now + 1.8)  # nothing read in between, nothing written: the store stalled
-    assert c.detector.decide(now + 2.5) == ({}, False)  # without the grace both were silent 2.5 s
-    failed, _ = c.detector.decide(now + 1.8 + 2.1)  # still silent a timeout after the stall: failed
+    assert c.core.detector.decide(now + 2.5) == ({}, False)  # without the grace both were silent 2.5 s
+    failed, _ = c.core.detector.decide(now + 1.8 + 2.1)  # still silent a timeout after the stall: failed
     assert sorted(failed) == [0, 1]
 
 
@@ -340,9 +377,9 @@ def test_a_spare_whose_launcher_reports_it_dead_is_dropped_at_once(make, tmp_pat
     ask_to_join(client, 2, 0)
     now = time.monotonic()
     joins(c, now)
-    store.report(client, {"replica": 2, "epoch": 0, "suspect": 2, "cause": "torchrun of replica 2 exited with code 1"})
+    report(client, replica=2, epoch=0, suspect=2, cause="torchrun of replica 2 exited with code 1")
     c._poll_reports(now)
-    assert c.spares == {} and c.detector.decide(now) == ({}, False)  # no member failed
+    assert c.core.state.spares == {} and c.core.detector.decide(now) == ({}, False)  # no member failed
     (lost,) = events(tmp_path, "spare_lost")
     assert lost["cause"] == "torchrun of replica 2 exited with code 1"
 
@@ -353,19 +390,19 @@ def test_a_launchers_report_about_another_incarnation_is_ignored(make, tmp_path:
     ask_to_join(client, 2, 1)  # the spare's second incarnation
     now = time.monotonic()
     joins(c, now)
-    store.report(client, {"replica": 2, "epoch": 0, "suspect": 2, "attempt": 0, "cause": "heartbeat silent for 5.10s"})
-    store.report(client, {"replica": 1, "epoch": 0, "suspect": 1, "attempt": 1, "cause": "torchrun exited"})
+    report(client, replica=2, epoch=0, suspect=2, attempt=0, cause="heartbeat silent for 5.10s")
+    report(client, replica=1, epoch=0, suspect=1, attempt=1, cause="torchrun exited")
     c._poll_reports(now)
-    assert c.spares == {2: 1} and c.detector.decide(now) == ({}, False)
-    store.report(client, {"replica": 1, "epoch": 0, "suspect": 1, "attempt": 0, "cause": "torchrun exited"})
+    assert c.core.state.spares == {2: 1} and c.core.detector.decide(now) == ({}, False)
+    report(client, replica=1, epoch=0, suspect=1, attempt=0, cause="torchrun exited")
     c._poll_reports(now)
-    assert c.detector.decide(now)[0] == {1: "torchrun exited"}  # the incarnation the run holds
+    assert c.core.detector.decide(now)[0] == {1: "torchrun exited"}  # the incarnation the run holds
 
 
 def test_a_restarted_group_with_room_is_admitted_without_waiting_as_a_spare(make, tmp_path: Path) -> None:
     c, client = make(spares=1)
-    assert c._fence({1: "killed"})
+    assert fence(c, {1: "killed"})
     ask_to_join(client, 1, 1)
     assert joins(c, time.monotonic())
-    assert c.membership.members == (0, 1) and c.spares == {}
+    assert c.membership.members == (0, 1) and c.core.state.spares == {}
     assert not (tmp_path / "recover_events.jsonl").read_text().count('"spare_ready"')

@@ -34,6 +34,7 @@ def dataset(tmp_path_factory) -> TokenDataset:
 # ------------------------------------------------------------------ tokenizer
 
 
+@pytest.mark.unit
 def test_tokenizer_loads_with_bos_eos_and_round_trips(tokenizer):
     assert tokenizer.get_vocab_size() == 2048
     assert tokenizer.bos_id is not None and tokenizer.eos_id is not None
@@ -64,6 +65,7 @@ def test_shipped_tokenizer_is_small_and_reproducible(tmp_path):
 # ------------------------------------------------------------------ corpus
 
 
+@pytest.mark.unit
 def test_corpus_is_deterministic_and_structured():
     a = list(synthetic_corpus(200, seed=3))
     assert a == list(synthetic_corpus(200, seed=3))
@@ -85,6 +87,7 @@ def test_corpus_is_deterministic_and_structured():
 # ------------------------------------------------------------------ addressing
 
 
+@pytest.mark.unit
 def test_sample_indices_disjoint_and_contiguous():
     M, S, b = 3, 4, 2
     seen: list[int] = []
@@ -101,6 +104,7 @@ def test_sample_indices_disjoint_and_contiguous():
     assert sample_indices(2, 1, 3, num_microbatches=M, shards=S, local_batch=b) == range(38, 40)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "args, kwargs, name",
     [

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_recover import store
+from titan_recover.control import transport
 from titan_recover.collectives import CollectiveAborted, ReplicateGroups
 from titan_recover.config import ConfigError
 from titan_recover.devices import host_gpus, plan
@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GPUS8 = [str(i) for i in range(8)]
 
 
+@pytest.mark.unit
 def test_cpu_host_runs_gloo_and_leaves_the_environment_alone() -> None:
     for requested in ("auto", "gloo"):
         p = plan(requested, [], groups=2, ranks=2, nccl_available=False)
@@ -32,11 +33,13 @@ def test_cpu_host_runs_gloo_and_leaves_the_environment_alone() -> None:
     assert "no GPUs" in plan("auto", [], 2, 2, True).reason
 
 
+@pytest.mark.unit
 def test_nccl_on_a_cpu_host_names_the_key_and_the_way_out() -> None:
     with pytest.raises(ConfigError, match=r'recover.replicate_backend = "nccl" needs CUDA GPUs.*use "gloo" or "auto"'):
         plan("nccl", [], groups=2, ranks=1, nccl_available=False)
 
 
+@pytest.mark.unit
 def test_groups_get_disjoint_gpus_and_nccl_when_the_host_has_enough() -> None:
     p = plan("auto", GPUS8, groups=2, ranks=4, nccl_available=True)
     assert p.backend == "nccl"
@@ -44,6 +47,7 @@ def test_groups_get_disjoint_gpus_and_nccl_when_the_host_has_enough() -> None:
     assert plan("nccl", GPUS8, groups=8, ranks=1, nccl_available=True).visible == GPUS8
 
 
+@pytest.mark.unit
 def test_groups_share_gpus_beyond_the_hosts_count_and_auto_falls_back_to_gloo() -> None:
     one = plan("auto", ["0"], groups=2, ranks=1, nccl_available=True)
     assert (one.backend, one.visible) == ("gloo", ["0", "0"])
@@ -55,6 +59,7 @@ def test_groups_share_gpus_beyond_the_hosts_count_and_auto_falls_back_to_gloo() 
         assert len(set(visible.split(","))) == 2
 
 
+@pytest.mark.unit
 def test_nccl_asked_for_where_it_cannot_run_says_why() -> None:
     with pytest.raises(ConfigError, match="share 1 GPUs, and NCCL needs one GPU per rank"):
         plan("nccl", ["0"], groups=2, ranks=1, nccl_available=True)
@@ -64,16 +69,19 @@ def test_nccl_asked_for_where_it_cannot_run_says_why() -> None:
     assert no_nccl.backend == "gloo" and "without NCCL" in no_nccl.reason
 
 
+@pytest.mark.unit
 def test_gloo_asked_for_keeps_the_gpus_but_not_nccl() -> None:
     p = plan("gloo", GPUS8, groups=2, ranks=2, nccl_available=True)
     assert (p.backend, p.visible) == ("gloo", ["0,1", "2,3"])
 
 
+@pytest.mark.unit
 def test_a_group_larger_than_the_host_is_refused() -> None:
     with pytest.raises(ConfigError, match="a replica group of 4 ranks .* needs 4 GPUs, one per rank, and this host has 2"):
         plan("auto", ["0", "1"], groups=1, ranks=4, nccl_available=True)
 
 
+@pytest.mark.unit
 def test_host_gpus_follow_cuda_visible_devices() -> None:
     assert host_gpus(None, 3) == ["0", "1", "2"]
     assert host_gpus("4, 6", 2) == ["4", "6"]
@@ -83,17 +91,17 @@ def test_host_gpus_follow_cuda_visible_devices() -> None:
 
 @pytest.fixture
 def address() -> str:
-    port = store.free_port()
-    server = store.serve(port, timeout_s=10)
+    port = transport.free_port()
+    server = transport.serve(port, timeout_s=10)
     yield f"127.0.0.1:{port}"
     del server
 
 
 def test_replica_groups_on_different_backends_are_refused(address: str) -> None:
-    ReplicateGroups(store.connect(address, 10), replica=0, group_rank=0, timeout_s=10, backend="gloo")
-    ReplicateGroups(store.connect(address, 10), replica=1, group_rank=0, timeout_s=10, backend="gloo")
+    ReplicateGroups(transport.connect(address, 10), replica=0, group_rank=0, timeout_s=10, backend="gloo")
+    ReplicateGroups(transport.connect(address, 10), replica=1, group_rank=0, timeout_s=10, backend="gloo")
     with pytest.raises(ConfigError, match="replica 2 runs the replicate dimension on nccl, another replica group on gloo"):
-        ReplicateGroups(store.connect(address, 10), replica=2, group_rank=0, timeout_s=10, backend="nccl")
+        ReplicateGroups(transport.connect(address, 10), replica=2, group_rank=0, timeout_s=10, backend="nccl")
 
 
 class _StuckGroup:
@@ -120,7 +128,7 @@ class _StuckGroup:
 def test_abandoned_nccl_groups_are_aborted_once(address: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", raising=False)
     made: list[_StuckGroup] = []
-    groups = ReplicateGroups(store.connect(address, 10), replica=0, group_rank=0, timeout_s=7, backend="nccl")
+    groups = ReplicateGroups(transport.connect(address, 10), replica=0, group_rank=0, timeout_s=7, backend="nccl")
     assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "7"
     monkeypatch.setattr(groups, "_new_group", lambda *args: made.append(_StuckGroup()) or made[-1])
 
@@ -146,7 +154,7 @@ def test_abandoned_nccl_groups_are_aborted_once(address: str, monkeypatch: pytes
 
 def test_gloo_groups_are_parked_not_aborted(address: str, monkeypatch: pytest.MonkeyPatch) -> None:
     made: list[_StuckGroup] = []
-    groups = ReplicateGroups(store.connect(address, 10), replica=0, group_rank=0, timeout_s=7, backend="gloo")
+    groups = ReplicateGroups(transport.connect(address, 10), replica=0, group_rank=0, timeout_s=7, backend="gloo")
     monkeypatch.setattr(groups, "_new_group", lambda *args: made.append(_StuckGroup()) or made[-1])
     with pytest.raises(CollectiveAborted, match="the epoch ended first"):
         groups.allreduce(Membership(1, (0, 1)), [torch.zeros(3)], abort=lambda: bool(made) and made[0].launched)

@@ -16,12 +16,13 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from titan_recover import config, store
-from titan_recover.coordinator import read_state
-from titan_recover.etcd_local import LocalEtcd
-from titan_recover.etcd_store import EtcdStore, LeadershipLost, check_cluster
+from titan_recover import config
+from titan_recover.control import addresses, keys, protocol, transport
+from titan_recover.control.protocol import CoordinatorState, Progress
+from titan_recover.tools.etcd_local import LocalEtcd
+from titan_recover.control.etcd_store import EtcdStore, LeadershipLost, check_cluster
 from titan_recover.events import logged_steps
-from titan_recover.leader import Lease
+from titan_recover.control.leader import Lease
 
 from conftest import CONFIG, ROOT
 
@@ -34,20 +35,20 @@ def cluster() -> Iterator[LocalEtcd]:
 
 
 def raw(c: LocalEtcd, timeout_s: float = 5.0) -> EtcdStore:
-    return EtcdStore(store.parse_etcd_url(c.url), timeout_s)
+    return EtcdStore(addresses.parse_etcd_url(c.url), timeout_s)
 
 
 @pytest.fixture(params=["tcp", "etcd"])
 def client(request: pytest.FixtureRequest, cluster: LocalEtcd) -> Iterator[dist.Store]:
     """A run's client on either backend: the same calls must answer the same."""
     if request.param == "tcp":
-        port = store.free_port()
-        server = store.serve(port, 5)
-        yield store.connect(f"127.0.0.1:{port}", timeout_s=5)
+        port = transport.free_port()
+        server = transport.serve(port, 5)
+        yield transport.connect(f"127.0.0.1:{port}", timeout_s=5)
         del server
     else:
-        store.begin_run(raw(cluster), store.run_secret())
-        yield store.connect(cluster.url, timeout_s=5)
+        transport.begin_run(raw(cluster), transport.run_secret())
+        yield transport.connect(cluster.url, timeout_s=5)
 
 
 def test_both_backends_answer_the_store_calls_alike(client: dist.Store) -> None:
@@ -140,11 +141,12 @@ def test_a_follower_stops_campaigning_when_the_run_ended(cluster: LocalEtcd) -> 
 
 
 def test_an_unreachable_cluster_is_named() -> None:
-    url = f"etcd://127.0.0.1:{store.free_port()},127.0.0.1:{store.free_port()},127.0.0.1:{store.free_port()}"
+    url = f"etcd://127.0.0.1:{transport.free_port()},127.0.0.1:{transport.free_port()},127.0.0.1:{transport.free_port()}"
     with pytest.raises(ValueError, match=f"cannot reach the etcd cluster at {url}: no etcd member answered within 1s"):
         check_cluster(url, timeout_s=1.0)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("url, problem", [
     ("etcd://", "'' is not host:port"),
     ("etcd://h1:2379,h2", "'h2' is not host:port"),
@@ -157,6 +159,7 @@ def test_a_malformed_control_store_is_refused_naming_it(url: str, problem: str) 
         config.load(["--job.config_file", str(CONFIG), "--recover.control_store", url])
 
 
+@pytest.mark.unit
 def test_the_lease_must_be_shorter_than_the_coordinator_timeout() -> None:
     with pytest.raises(config.ConfigError, match="recover.leader_lease_s must be >= 2"):
         config.load(["--job.config_file", str(CONFIG), "--recover.leader_lease_s", "30", "--recover.coordinator_timeout_s", "30"])
@@ -169,20 +172,24 @@ STATE = {"progress": {"step": 4, "epoch": 2, "time": 1.5}, "next_report": 3, "re
          "dropped": {}, "down_since": {"1": 10.0}, "repairs": {"1": [1, 10.0]}}
 
 
+@pytest.mark.unit
 def test_a_saved_state_is_read_back_with_replica_ids() -> None:
-    state = read_state(STATE)
-    assert state["attempts"] == {0: 0, 1: 1} and state["repairs"] == {1: (1, 10.0)} and state["progress"]["step"] == 4
+    state = CoordinatorState.from_json(keys.COORDINATOR_STATE, STATE)
+    assert state.attempts == {0: 0, 1: 1} and state.repairs == {1: (1, 10.0)} and state.progress == Progress(4, 2, 1.5)
+    assert CoordinatorState.loads(keys.COORDINATOR_STATE, state.dumps().encode()) == state  # saved and read back alike
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("field, value", [
     ("progress", {"step": "4", "epoch": 2, "time": 1.5}), ("next_report", 0), ("attempts", {"x": 1}),
     ("down_since", {"1": "soon"}), ("repairs", {"1": [1]}), ("joining", [1]),
 ])
 def test_a_malformed_saved_state_is_refused_naming_the_key(field: str, value: object) -> None:
-    with pytest.raises(store.MessageError, match="store key 'coordinator/state'"):
-        read_state({**STATE, field: value})
+    with pytest.raises(protocol.MessageError, match="store key 'coordinator/state'"):
+        CoordinatorState.from_json(keys.COORDINATOR_STATE, {**STATE, field: value})
 
 
+@pytest.mark.unit
 def test_logged_steps_skips_a_line_cut_short(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "events.jsonl"
     path.write_text('{"event": "step", "step": 1}\n{"event": "failure", "step": 2}\n{"event": "step", "st')

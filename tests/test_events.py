@@ -19,11 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # --- EventLog -----------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_events_path() -> None:
     assert events_path("/some/dump") == f"/some/dump/{EVENTS_FILE}"
     assert EVENTS_FILE == "recover_events.jsonl"
 
 
+@pytest.mark.unit
 def test_emit_creates_folder_and_appends(tmp_path: Path) -> None:
     folder = tmp_path / "new" / "dump"
     log = EventLog(str(folder))
@@ -85,6 +87,7 @@ def _check_no_interleaving(path: Path, writers: tuple[str, str], payload: int) -
     assert switches >= 2, "the writers did not overlap"
 
 
+@pytest.mark.unit
 def test_two_logs_in_threads_never_interleave(tmp_path: Path) -> None:
     payload = 3000
     barrier = threading.Barrier(2)
@@ -132,12 +135,14 @@ def test_two_processes_never_interleave(tmp_path: Path) -> None:
 # --- read_events ----------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_read_events_skips_blank_lines(tmp_path: Path) -> None:
     path = tmp_path / "log.jsonl"
     path.write_text('{"event": "a"}\n\n   \n{"event": "b", "x": 1}\n')
     assert list(read_events(str(path))) == [{"event": "a"}, {"event": "b", "x": 1}]
 
 
+@pytest.mark.unit
 def test_read_events_names_file_and_line_for_non_json(tmp_path: Path) -> None:
     path = tmp_path / "log.jsonl"
     path.write_text('{"event": "a"}\n\n{"event": "b"\n')
@@ -147,6 +152,7 @@ def test_read_events_names_file_and_line_for_non_json(tmp_path: Path) -> None:
     assert "not JSON" in str(info.value)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("line", ['{"step": 1}', "[1, 2]", '"event"', "3"])
 def test_read_events_names_file_and_line_for_non_event(tmp_path: Path, line: str) -> None:
     path = tmp_path / "log.jsonl"
@@ -157,6 +163,7 @@ def test_read_events_names_file_and_line_for_non_event(tmp_path: Path, line: str
     assert "not an event object" in str(info.value)
 
 
+@pytest.mark.unit
 def test_read_events_yields_before_a_bad_line(tmp_path: Path) -> None:
     path = tmp_path / "log.jsonl"
     path.write_text('{"event": "a"}\nnot json\n')
@@ -184,6 +191,7 @@ def write_log(path: Path, events: list[dict]) -> str:
     return str(path)
 
 
+@pytest.mark.unit
 def test_summarize_events(tmp_path: Path) -> None:
     s = summarize_events(write_log(tmp_path / EVENTS_FILE, HAND_WRITTEN))
     assert s["steps"] == 4
@@ -196,6 +204,7 @@ def test_summarize_events(tmp_path: Path) -> None:
     assert s["step_time_s"] == pytest.approx(2.0)  # (106 - 100) / 3
 
 
+@pytest.mark.unit
 def test_format_summary_contains_the_numbers(tmp_path: Path) -> None:
     s = summarize_events(write_log(tmp_path / EVENTS_FILE, HAND_WRITTEN))
     text = format_summary(s, tokens_per_step=4096)
@@ -211,6 +220,7 @@ def test_format_summary_contains_the_numbers(tmp_path: Path) -> None:
     assert "FATAL" not in text
 
 
+@pytest.mark.unit
 def test_summary_of_a_fatal_run_without_steps(tmp_path: Path) -> None:
     events = [
         {"event": "failure", "replica": 0, "step": 1, "cause": "a", "time": 1.0},
@@ -226,6 +236,7 @@ def test_summary_of_a_fatal_run_without_steps(tmp_path: Path) -> None:
     assert "final loss" not in text and "tokens/s" not in text and "recovery latency" not in text
 
 
+@pytest.mark.unit
 def test_summary_of_a_single_step_has_no_step_time(tmp_path: Path) -> None:
     s = summarize_events(write_log(tmp_path / EVENTS_FILE, HAND_WRITTEN[:1]))
     assert s["steps"] == 1 and "step_time_s" not in s
@@ -233,12 +244,14 @@ def test_summary_of_a_single_step_has_no_step_time(tmp_path: Path) -> None:
     assert "mean step time" not in format_summary(s, tokens_per_step=1)
 
 
+@pytest.mark.unit
 def test_summary_mixed_microbatch_counts(tmp_path: Path) -> None:
     events = [dict(HAND_WRITTEN[0]), dict(HAND_WRITTEN[1], microbatches=[0, 1]), dict(HAND_WRITTEN[5])]
     s = summarize_events(write_log(tmp_path / EVENTS_FILE, events))
     assert s["microbatches_per_step"] == [2, 4]
 
 
+@pytest.mark.unit
 def test_summarize_events_of_what_event_log_wrote(tmp_path: Path) -> None:
     log = EventLog(str(tmp_path))
     log.emit("step", step=1, loss=3.0, microbatches=[0, 1], members=[0, 1], time=10.0)

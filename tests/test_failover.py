@@ -4,6 +4,7 @@ lease, an etcd member killed, and an etcd backend configured wrong."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from titan_recover import store
-from titan_recover.etcd_local import LocalEtcd
-from titan_recover.etcd_store import EtcdStore
+from titan_recover.control import addresses, keys, transport
+from titan_recover.control.client import ControlClient
+from titan_recover.tools.etcd_local import LocalEtcd
+from titan_recover.control.etcd_store import EtcdStore
 
 from conftest import CONFIG, ROOT, TINY, Run, assert_all_rejoined, assert_same_trajectory
 from test_nodes import Node, events, wait_until
@@ -38,8 +40,8 @@ def launcher(dump: Path, url: str, plan: str, *extra: str) -> list[str]:
 
 
 def node_env(url: str | None, replicas: str) -> dict[str, str]:
-    env = {**os.environ, store.SECRET_ENV: "failover-test-secret", "PYTHONUNBUFFERED": "1", store.REPLICAS_ENV: replicas}
-    return env if url is None else {**env, store.COORDINATOR_ENV: url}
+    env = {**os.environ, keys.SECRET_ENV: "failover-test-secret", "PYTHONUNBUFFERED": "1", keys.REPLICAS_ENV: replicas}
+    return env if url is None else {**env, keys.COORDINATOR_ENV: url}
 
 
 def leaders(dump: Path) -> list[dict]:
@@ -153,7 +155,7 @@ def test_an_etcd_member_killed_is_invisible_and_a_stale_leader_cannot_change_mem
 def test_an_etcd_backend_configured_wrong_stops_before_training(tmp_path: Path, members: int) -> None:
     """Unreachable (nothing listens) or two members only: exit 2 with a line saying what to fix."""
     cluster = LocalEtcd(members).start() if members else None
-    url = cluster.url if cluster else f"etcd://127.0.0.1:{store.free_port()},127.0.0.1:{store.free_port()},127.0.0.1:{store.free_port()}"
+    url = cluster.url if cluster else f"etcd://127.0.0.1:{transport.free_port()},127.0.0.1:{transport.free_port()},127.0.0.1:{transport.free_port()}"
     try:
         proc = subprocess.run(launcher(tmp_path, url, "none"), cwd=ROOT, capture_output=True, text=True, timeout=120,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -171,14 +173,15 @@ def test_an_etcd_backend_configured_wrong_stops_before_training(tmp_path: Path, 
 def test_a_leader_that_cannot_read_the_saved_state_stops_the_run_saying_so(tmp_path: Path, etcd: LocalEtcd) -> None:
     """A candidate that wins the lease over a corrupt saved state writes fatal (every process stops) and exits 1."""
     secret = "corrupt-state-secret"
-    store.begin_run(EtcdStore(store.parse_etcd_url(etcd.url), 5), secret)
-    client = store.connect(etcd.url, timeout_s=5, secret=secret)
-    store.put_json(client, store.COORDINATOR_STATE, {"progress": None, "next_report": "one"})
+    transport.begin_run(EtcdStore(addresses.parse_etcd_url(etcd.url), 5), secret)
+    client = transport.connect(etcd.url, timeout_s=5, secret=secret)
+    client.set(keys.COORDINATOR_STATE, json.dumps({"progress": None, "next_report": "one"}))  # malformed on purpose
     proc = subprocess.run(
         [sys.executable, "-m", "titan_recover.coordinator", *launcher(tmp_path, etcd.url, "none")[3:]], cwd=ROOT,
-        env={**node_env(etcd.url, "0,1"), store.SECRET_ENV: secret}, capture_output=True, text=True, timeout=120,
+        env={**node_env(etcd.url, "0,1"), keys.SECRET_ENV: secret}, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    error = store.get_json(client, store.FATAL, ("error",))["error"]
+    error = ControlClient(client).fatal()
+    assert error is not None
     assert error.startswith("the coordinator state in etcd cannot be taken over: store key 'coordinator/state' lacks"), error
-    assert f"FATAL: {error}" in proc.stdout
+    assert f"FATAL: {error}" in proc.stderr  # the coordinator logs errors to stderr

@@ -23,21 +23,25 @@ ROOT = Path(__file__).resolve().parents[1]
 # --- parse_fault_plan ----------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("plan", ["none", "", "   ", "None", " NONE "])
 def test_no_fault(plan: str) -> None:
     assert parse_fault_plan(plan) == ()
 
 
+@pytest.mark.unit
 def test_defaults() -> None:
     (f,) = parse_fault_plan("kill replica=1 step=10")
     assert f == Fault(action="kill", replica=1, step=10, rank=0, phase="backward", microbatch=1)
 
 
+@pytest.mark.unit
 def test_all_keys() -> None:
     (f,) = parse_fault_plan("kill replica=2 rank=3 step=7 phase=forward microbatch=0")
     assert f == Fault(action="kill", replica=2, step=7, rank=3, phase="forward", microbatch=0)
 
 
+@pytest.mark.unit
 def test_multiple_entries_with_semicolons_and_whitespace() -> None:
     faults = parse_fault_plan(
         "kill replica=1 rank=1 step=10 phase=backward ;  kill  replica=0 step=3 phase=allreduce;kill replica=2 step=4 phase=optimizer"
@@ -49,11 +53,13 @@ def test_multiple_entries_with_semicolons_and_whitespace() -> None:
     )
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("phase", PHASES)
 def test_every_phase_parses(phase: str) -> None:
     assert parse_fault_plan(f"kill replica=0 step=1 phase={phase}")[0].phase == phase
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "plan, fragments",
     [
@@ -85,6 +91,7 @@ def test_errors_name_the_bad_token(plan: str, fragments: list[str]) -> None:
         assert fragment in str(info.value), (plan, str(info.value))
 
 
+@pytest.mark.unit
 def test_fault_plan_error_is_a_value_error() -> None:
     assert issubclass(FaultPlanError, ValueError)
 
@@ -106,6 +113,7 @@ def injector(plan: str, replica: int = 1, rank: int = 0) -> FaultInjector:
     return FaultInjector(plan, replica=replica, rank=rank, on_fire=raise_fired)
 
 
+@pytest.mark.unit
 def test_injector_keeps_only_its_own_faults() -> None:
     plan = (
         "kill replica=1 rank=1 step=1; kill replica=1 step=2; kill replica=0 rank=1 step=3; "
@@ -118,11 +126,13 @@ def test_injector_keeps_only_its_own_faults() -> None:
     assert FaultInjector("none", 0, 0, raise_fired).faults == []
 
 
+@pytest.mark.unit
 def test_injector_rejects_a_bad_plan() -> None:
     with pytest.raises(FaultPlanError):
         FaultInjector("kill step=1", 0, 0, raise_fired)
 
 
+@pytest.mark.unit
 def test_at_fires_only_at_its_step_and_phase() -> None:
     inj = injector("kill replica=1 step=3 phase=allreduce; kill replica=1 step=5 phase=optimizer")
     for step in range(1, 8):
@@ -135,6 +145,7 @@ def test_at_fires_only_at_its_step_and_phase() -> None:
                 inj.at(step, phase)  # must not fire
 
 
+@pytest.mark.unit
 def test_at_ignores_other_ranks_faults() -> None:
     inj = injector("kill replica=1 rank=1 step=3 phase=allreduce", replica=1, rank=0)
     inj.at(3, "allreduce")
@@ -173,6 +184,7 @@ def x() -> torch.Tensor:
     return torch.ones(2, 4)
 
 
+@pytest.mark.unit
 def test_forward_fault_fires_in_the_middle_block_of_its_microbatch(model: Tiny) -> None:
     inj = injector("kill replica=1 step=2 phase=forward microbatch=1")
     with pytest.raises(Fired) as info:
@@ -183,6 +195,7 @@ def test_forward_fault_fires_in_the_middle_block_of_its_microbatch(model: Tiny) 
     assert model.log == ["b0", "b1"]
 
 
+@pytest.mark.unit
 def test_backward_fault_fires_during_backward_not_forward(model: Tiny) -> None:
     inj = injector("kill replica=1 step=2 phase=backward microbatch=0")
     with inj.microbatch(model, step=2, index=0, count=2):
@@ -196,6 +209,7 @@ def test_backward_fault_fires_during_backward_not_forward(model: Tiny) -> None:
     assert model.layers[0].lin.weight.grad is None
 
 
+@pytest.mark.unit
 def test_default_microbatch_is_one(model: Tiny) -> None:
     inj = injector("kill replica=1 step=4 phase=forward")
     with inj.microbatch(model, step=4, index=0, count=4):
@@ -205,6 +219,7 @@ def test_default_microbatch_is_one(model: Tiny) -> None:
             model(x())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_microbatch_beyond_count_clamps_to_last(model: Tiny, phase: str) -> None:
     inj = injector(f"kill replica=1 step=3 phase={phase} microbatch=5")
@@ -215,6 +230,7 @@ def test_microbatch_beyond_count_clamps_to_last(model: Tiny, phase: str) -> None
             model(x()).sum().backward()
 
 
+@pytest.mark.unit
 def test_single_microbatch_clamps_default_to_zero(model: Tiny) -> None:
     inj = injector("kill replica=1 step=1 phase=forward")
     with pytest.raises(Fired):
@@ -222,6 +238,7 @@ def test_single_microbatch_clamps_default_to_zero(model: Tiny) -> None:
             model(x())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_nothing_fires_for_other_microbatches_steps_or_phases(model: Tiny, phase: str) -> None:
     inj = injector(f"kill replica=1 step=3 phase={phase} microbatch=2; kill replica=1 step=3 phase=allreduce")
@@ -233,6 +250,7 @@ def test_nothing_fires_for_other_microbatches_steps_or_phases(model: Tiny, phase
             model(x()).sum().backward()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_hooks_are_removed_after_the_microbatch(model: Tiny, phase: str) -> None:
     inj = injector(f"kill replica=1 step=2 phase={phase} microbatch=0")
@@ -246,6 +264,7 @@ def test_hooks_are_removed_after_the_microbatch(model: Tiny, phase: str) -> None
     assert model.layers[0].lin.weight.grad is not None
 
 
+@pytest.mark.unit
 def test_hooks_removed_after_a_normal_exit(model: Tiny) -> None:
     inj = injector("kill replica=1 step=2 phase=backward microbatch=0")
     with inj.microbatch(model, step=2, index=0, count=1):
@@ -255,6 +274,7 @@ def test_hooks_removed_after_a_normal_exit(model: Tiny) -> None:
     model(x()).sum().backward()
 
 
+@pytest.mark.unit
 def test_model_without_layers_hooks_the_model_itself() -> None:
     lin = torch.nn.Linear(3, 3)
     inj = injector("kill replica=1 step=1 phase=forward microbatch=0")
@@ -264,6 +284,7 @@ def test_model_without_layers_hooks_the_model_itself() -> None:
     assert len(lin._forward_hooks) == 0
 
 
+@pytest.mark.unit
 def test_module_dict_layers_use_the_middle_value() -> None:
     log: list[str] = []
     model = torch.nn.Module()
@@ -280,12 +301,14 @@ def test_module_dict_layers_use_the_middle_value() -> None:
 # --- stop / sleep actions, join / donate phases, attempts ------------------------
 
 
+@pytest.mark.unit
 def test_stop_parses() -> None:
     (f,) = parse_fault_plan("stop replica=1 rank=1 step=4 phase=allreduce")
     assert f == Fault(action="stop", replica=1, step=4, rank=1, phase="allreduce")
     assert f.seconds == 0.0
 
 
+@pytest.mark.unit
 def test_sleep_parses_seconds_as_float() -> None:
     (f,) = parse_fault_plan("sleep replica=0 step=3 phase=optimizer seconds=2.5")
     assert f == Fault(action="sleep", replica=0, step=3, phase="optimizer", seconds=2.5)
@@ -293,6 +316,7 @@ def test_sleep_parses_seconds_as_float() -> None:
     assert g.seconds == 1.0 and isinstance(g.seconds, float)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("phase, step", [("join", None), ("donate", None), ("join", 4), ("donate", 7)])
 def test_transfer_phases_make_step_optional(phase: str, step: int | None) -> None:
     plan = f"kill replica=1 phase={phase}" + (f" step={step}" if step is not None else "")
@@ -301,12 +325,14 @@ def test_transfer_phases_make_step_optional(phase: str, step: int | None) -> Non
     assert f.step == step
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("phase", ["forward", "backward", "allreduce", "optimizer"])
 def test_other_phases_still_require_step(phase: str) -> None:
     with pytest.raises(FaultPlanError, match="step= is required"):
         parse_fault_plan(f"kill replica=1 phase={phase}")
 
 
+@pytest.mark.unit
 def test_attempt_defaults() -> None:
     kill, donate, join = parse_fault_plan(
         "kill replica=1 step=2; kill replica=0 phase=donate; kill replica=1 phase=join"
@@ -316,6 +342,7 @@ def test_attempt_defaults() -> None:
     assert join.attempt == 1  # a join only happens in a restarted group
 
 
+@pytest.mark.unit
 def test_explicit_attempt() -> None:
     a, b, c = parse_fault_plan(
         "kill replica=1 step=2 attempt=2; stop replica=1 phase=join attempt=3; kill replica=0 phase=donate attempt=1"
@@ -323,6 +350,7 @@ def test_explicit_attempt() -> None:
     assert (a.attempt, b.attempt, c.attempt) == (2, 3, 1)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "plan, fragments",
     [
@@ -352,6 +380,7 @@ def test_new_grammar_errors_name_the_problem(plan: str, fragments: list[str]) ->
         assert fragment in str(info.value), (plan, str(info.value))
 
 
+@pytest.mark.unit
 def test_injector_keeps_only_faults_of_its_attempt() -> None:
     plan = (
         "kill replica=1 step=2 phase=allreduce; kill replica=1 step=3 phase=allreduce attempt=1; "
@@ -366,12 +395,14 @@ def test_injector_keeps_only_faults_of_its_attempt() -> None:
     assert [f.step for f in FaultInjector(plan, 0, 0, raise_fired, attempt=1).faults] == [5]
 
 
+@pytest.mark.unit
 def test_other_attempts_faults_do_not_fire() -> None:
     inj = injector("kill replica=1 step=2 phase=allreduce attempt=1; kill replica=1 phase=join")
     inj.at(2, "allreduce")  # attempt 0: neither is ours
     inj.at(2, "join")
 
 
+@pytest.mark.unit
 def test_each_fault_fires_once() -> None:
     inj = injector("kill replica=1 step=3 phase=allreduce")
     with pytest.raises(Fired):
@@ -380,6 +411,7 @@ def test_each_fault_fires_once() -> None:
     inj.at(3, "allreduce")  # a retry of the same step in a newer epoch: nothing
 
 
+@pytest.mark.unit
 def test_step_none_matches_any_step_of_its_phase() -> None:
     fired: list[Fault] = []
     inj = FaultInjector("sleep replica=1 phase=donate seconds=0.001", 1, 0, on_fire=fired.append)
@@ -393,6 +425,7 @@ def test_step_none_matches_any_step_of_its_phase() -> None:
     assert len(fired) == 1
 
 
+@pytest.mark.unit
 def test_step_none_join_fault_fires_at_any_step() -> None:
     inj = FaultInjector("kill replica=2 rank=1 phase=join", 2, 1, raise_fired, attempt=1)
     with pytest.raises(Fired) as info:
@@ -400,6 +433,7 @@ def test_step_none_join_fault_fires_at_any_step() -> None:
     assert info.value.fault.step is None
 
 
+@pytest.mark.unit
 def test_fault_with_a_step_at_a_transfer_phase_fires_only_at_that_step() -> None:
     inj = injector("kill replica=1 step=4 phase=donate")
     inj.at(3, "donate")
@@ -408,6 +442,7 @@ def test_fault_with_a_step_at_a_transfer_phase_fires_only_at_that_step() -> None
         inj.at(4, "donate")
 
 
+@pytest.mark.unit
 def test_sleep_sleeps_calls_on_fire_and_carries_on() -> None:
     fired: list[Fault] = []
     inj = FaultInjector("sleep replica=1 step=2 phase=optimizer seconds=0.05", 1, 0, on_fire=fired.append)
@@ -423,6 +458,7 @@ def test_sleep_sleeps_calls_on_fire_and_carries_on() -> None:
     assert len(fired) == 1
 
 
+@pytest.mark.unit
 def test_sleep_until_epoch_wakes_when_the_epoch_moves_and_is_bounded_by_seconds() -> None:
     (f,) = parse_fault_plan("sleep replica=1 step=2 phase=optimizer seconds=30 until=epoch")
     assert f.until == "epoch" and f.seconds == 30.0
@@ -441,6 +477,7 @@ def test_sleep_until_epoch_wakes_when_the_epoch_moves_and_is_bounded_by_seconds(
     assert time.perf_counter() - t0 >= 0.1  # stock mode has no epochs: the whole sleep
 
 
+@pytest.mark.unit
 def test_sleep_in_forward_slows_the_microbatch_but_it_completes(model: Tiny) -> None:
     fired: list[Fault] = []
     inj = FaultInjector("sleep replica=1 step=2 phase=forward microbatch=0 seconds=0.05", 1, 0, on_fire=fired.append)
@@ -517,6 +554,7 @@ def test_stop_sends_sigstop_to_its_own_process() -> None:
 # --- slow: a persistent straggler ---------------------------------------------------
 
 
+@pytest.mark.unit
 def test_slow_parses_and_needs_a_factor_above_one() -> None:
     (f,) = parse_fault_plan("slow replica=1 factor=2.5 step=3")
     assert (f.action, f.replica, f.factor, f.step) == ("slow", 1, 2.5, 3)
@@ -533,6 +571,7 @@ def test_slow_parses_and_needs_a_factor_above_one() -> None:
             parse_fault_plan(plan)
 
 
+@pytest.mark.unit
 def test_slow_slows_every_rank_and_incarnation_of_its_replica_from_its_step() -> None:
     fired: list[Fault] = []
     plan = "slow replica=1 factor=3 step=2; slow replica=0 factor=2"
@@ -544,6 +583,7 @@ def test_slow_slows_every_rank_and_incarnation_of_its_replica_from_its_step() ->
     assert FaultInjector(plan, replica=2, rank=0, on_fire=fired.append).slow_factor(5) == 1.0
 
 
+@pytest.mark.unit
 def test_slow_is_not_a_one_shot_fault() -> None:
     inj = FaultInjector("slow replica=0 factor=2", replica=0, rank=0, on_fire=lambda f: None)
     assert inj.faults == []  # never fired or removed by at()/microbatch()

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from bench import simulate
-from titan_recover import goodput as g
+from titan_recover.tools import goodput as g
+
+pytestmark = pytest.mark.unit
 
 CLUSTER = g.Cluster(gpus=2, group_gpus=1, microbatches=4, tokens_per_step=100)
 COSTS = g.Costs(step_s=1.0, ckpt_save_s=0.5, restart_s=10.0, detect_s=1.0, rejoin_s=3.0, transfer_s=0.2, repair_s=0.0)

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from titan_recover import launch, store
+from titan_recover import launch
+from titan_recover.control import keys, transport
+from titan_recover.control.client import ControlClient
 from titan_recover.config import ConfigError
 from titan_recover.launch import is_incarnation
 
@@ -15,7 +17,7 @@ from test_store import accepts, non_loopback_ip
 
 
 def test_is_incarnation_reads_the_rank_environment() -> None:
-    env = {**os.environ, store.REPLICA_ENV: "3", store.ATTEMPT_ENV: "1"}
+    env = {**os.environ, keys.REPLICA_ENV: "3", keys.ATTEMPT_ENV: "1"}
     code = "import time; print('up', flush=True); time.sleep(30)"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     try:
@@ -30,6 +32,7 @@ def test_is_incarnation_reads_the_rank_environment() -> None:
     assert not is_incarnation(proc.pid, replica=3, attempt=1)  # gone
 
 
+@pytest.mark.unit
 def test_ranks_on_a_host_share_its_cores(monkeypatch) -> None:
     monkeypatch.setattr(launch.os, "cpu_count", lambda: 8)
     assert launch.with_threads({"A": "1"}, 4) == {"A": "1", "OMP_NUM_THREADS": "2"}
@@ -37,12 +40,14 @@ def test_ranks_on_a_host_share_its_cores(monkeypatch) -> None:
     assert launch.with_threads({"OMP_NUM_THREADS": "3"}, 4) == {"OMP_NUM_THREADS": "3"}  # the user's choice wins
 
 
+@pytest.mark.unit
 def test_coordinator_listens_on_loopback_when_every_group_is_local() -> None:
     assert launch.coordinator_bind("", [0, 1], 2) == "127.0.0.1"
     assert launch.coordinator_bind("", [1, 0], 2) == "127.0.0.1"
     assert launch.coordinator_bind("10.0.0.5", [0, 1], 2) == "10.0.0.5"  # the user's choice wins
 
 
+@pytest.mark.unit
 def test_coordinator_of_a_multi_node_run_needs_an_address() -> None:
     assert launch.coordinator_bind("0.0.0.0", [0, 1], 4) == "0.0.0.0"
     assert launch.coordinator_bind("10.0.0.5", [0], 2) == "10.0.0.5"
@@ -51,31 +56,33 @@ def test_coordinator_of_a_multi_node_run_needs_an_address() -> None:
     assert "[2, 3]" in str(info.value) and "coordinator_bind" in str(info.value)
 
 
+@pytest.mark.unit
 def test_a_single_node_launcher_makes_a_fresh_secret_per_run() -> None:
     first, second = launch.run_secret({}, only_this_node=True), launch.run_secret({}, only_this_node=True)
     assert len(first) == 32 and first != second
-    assert launch.run_secret({store.SECRET_ENV: "given"}, only_this_node=True) == "given"  # the user's wins
+    assert launch.run_secret({keys.SECRET_ENV: "given"}, only_this_node=True) == "given"  # the user's wins
 
 
+@pytest.mark.unit
 def test_a_multi_node_launcher_needs_the_users_secret() -> None:
-    assert launch.run_secret({store.SECRET_ENV: "shared"}, only_this_node=False) == "shared"
-    for env in ({}, {store.SECRET_ENV: ""}):
+    assert launch.run_secret({keys.SECRET_ENV: "shared"}, only_this_node=False) == "shared"
+    for env in ({}, {keys.SECRET_ENV: ""}):
         with pytest.raises(ConfigError) as info:
             launch.run_secret(env, only_this_node=False)
-        assert f"set {store.SECRET_ENV} to the same value" in str(info.value)
+        assert f"set {keys.SECRET_ENV} to the same value" in str(info.value)
 
 
 def test_the_coordinator_serves_its_run_only_on_loopback(tmp_path) -> None:
     """The real coordinator process as a single-node launcher starts it (no coordinator_bind)."""
-    port = store.free_port()
-    env = {**os.environ, store.COORDINATOR_ENV: f"127.0.0.1:{port}", store.SECRET_ENV: "this-run"}
+    port = transport.free_port()
+    env = {**os.environ, keys.COORDINATOR_ENV: f"127.0.0.1:{port}", keys.SECRET_ENV: "this-run"}
     cmd = [sys.executable, "-m", "titan_recover.coordinator", "--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        client = store.connect(f"127.0.0.1:{port}", timeout_s=60, secret="this-run")
-        assert store.get_int(client, store.EPOCH) == 0
-        with pytest.raises(store.WrongRunError):
-            store.connect(f"127.0.0.1:{port}", timeout_s=1, secret="another-run")
+        client = transport.connect(f"127.0.0.1:{port}", timeout_s=60, secret="this-run")
+        assert ControlClient(client).epoch() == 0
+        with pytest.raises(transport.WrongRunError):
+            transport.connect(f"127.0.0.1:{port}", timeout_s=1, secret="another-run")
         ip = non_loopback_ip()
         if ip is not None:
             assert not accepts(ip, port)
@@ -86,7 +93,7 @@ def test_the_coordinator_serves_its_run_only_on_loopback(tmp_path) -> None:
 
 def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on() -> None:
     code = ("import os, signal, sys, threading, time\n"
-            "from titan_recover.launch import dumps_stacks\n"
+            "from titan_recover.procs import dumps_stacks\n"
             "dumps_stacks()\n"
             "threading.Thread(target=time.sleep, args=(5,), name='sleeper', daemon=True).start()\n"
             "os.kill(os.getpid(), signal.SIGUSR1)\n"
@@ -96,8 +103,9 @@ def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on() -> None:
     assert "Current thread" in r.stderr and "Thread 0x" in r.stderr, r.stderr[-2000:]  # the main thread and the sleeper
 
 
+@pytest.mark.unit
 def test_a_group_spanning_nodes_meets_at_part_0s_rendezvous_and_needs_a_reachable_coordinator() -> None:
-    meet = launch.Rendezvous("10.0.0.5", 29600, 1, 4, 600.0)
+    meet = launch.Meeting("10.0.0.5", 29600, 1, 4, 600.0)
     cmd = launch.torchrun(2, ["--x.y", "1"], "replica3", meet)
     assert cmd[cmd.index("--nnodes"):cmd.index("--nproc_per_node=2")] == [
         "--nnodes", "4", "--node-rank", "1", "--master-addr", "10.0.0.5", "--master-port", "29600", "--rdzv-conf", "timeout=600"]

@@ -1,7 +1,7 @@
 """The protocol client of one rank (``manager.ReplicaManager``), in-process and fast.
 
 The coordinator's store is an in-process ``HashStore`` seen through the run prefix (as
-``store.in_run`` does), the node agent is played by publishing into a real channel file,
+``transport.in_run`` does), the node agent is played by publishing into a real channel file,
 and the replicate-dim groups are a stand-in with ``ReplicateGroups``' interface. The
 real collectives and processes are the e2e tests'.
 """
@@ -17,12 +17,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_recover import node_channel, store
+from titan_recover import node_channel
+from titan_recover.control.client import ControlClient
+from titan_recover.control.protocol import Admission, Report, StepRecord, TransferRecord
 from titan_recover.collectives import CollectiveAborted
 from titan_recover.config import Recover
 from titan_recover.manager import ReplicaFenced, ReplicaManager, RunFailed, RunFinished
 from titan_recover.membership import Membership
 from titan_recover.tokens import DataError
+
+pytestmark = pytest.mark.unit
 
 RC = Recover(collective_timeout_s=0.5, heartbeat_interval_s=0.01, coordinator_timeout_s=3600.0)
 
@@ -53,12 +57,12 @@ class Coordinator:
 
     def __init__(self, tmp_path: Path) -> None:
         self.store = dist.PrefixStore("run/test", dist.HashStore())
+        self.control = ControlClient(self.store)
         self.channel = node_channel.Channel.create(0, 0, slots=4, directory=str(tmp_path))
         self.managers: list[ReplicaManager] = []
 
     def publish(self, epoch: int, members: tuple[int, ...], flags: int = 0) -> None:
-        store.put_json(self.store, store.members_key(epoch), Membership(epoch, members).to_json())
-        store.put_json(self.store, store.EPOCH, epoch)
+        self.control.publish(Membership(epoch, members))
         self.channel.publish(epoch, flags)
 
     def manager(self, replica: int = 0, group_rank: int = 0, attempt: int = 0, rejoining: bool = False,
@@ -73,9 +77,10 @@ class Coordinator:
     def slot_state(self, m: ReplicaManager) -> int:
         return int(self.channel.read_slots()[m.slot, node_channel.STATE])
 
-    def reports(self) -> list[dict]:
-        count = self.store.add(store.REPORTS, 0)
-        return [store.read_report(self.store, store.report_key(i)) for i in range(1, count + 1)]
+    def reports(self) -> list[Report]:
+        reports = [self.control.read_report(i) for i in range(1, self.control.report_count() + 1)]
+        assert all(r is not None for r in reports)  # every reserved slot was written
+        return reports  # type: ignore[return-value]
 
 
 @pytest.fixture
@@ -85,6 +90,11 @@ def coord(tmp_path: Path) -> Iterator[Coordinator]:
     for m in c.managers:
         m.heartbeat.stop()
     c.channel.remove()
+
+
+def step_record(step: int, loss: float) -> StepRecord:
+    return StepRecord(step=step, epoch=0, members=[0, 1, 2], microbatches=[0], data_digest="0", loss=loss,
+                      grad_norm=None, time=time.time())
 
 
 def later(seconds: float, action: Callable[[], None]) -> threading.Thread:
@@ -97,7 +107,7 @@ def test_commits_when_every_member_votes(coord: Coordinator) -> None:
     coord.publish(0, (0, 1))
     a, b = coord.manager(0), coord.manager(1)
     assert a.start_step(1) == 0 and b.start_step(1) == 0
-    assert store.get_int(coord.store, store.START_STEP) == 0  # records begin after step 0
+    assert coord.control.start_step() == 0  # records begin after step 0
     current = a.history(0)[-1]
     grads = [torch.ones(3), torch.ones(1)]
     assert a.allreduce(current, grads, on_launched=lambda: None)
@@ -106,11 +116,11 @@ def test_commits_when_every_member_votes(coord: Coordinator) -> None:
     voter = threading.Thread(target=lambda: votes.append(a.should_commit(current)))
     voter.start()
     time.sleep(0.05)
-    assert not coord.store.check([store.decision_key(1, 0)])  # one vote of two: no decision yet
+    assert coord.control.decision(1, 0) is None  # one vote of two: no decision yet
     assert b.should_commit(current)
     voter.join(timeout=5)
     assert votes == [True]
-    assert coord.store.get(store.decision_key(1, 0)) == b"commit"
+    assert coord.control.decision(1, 0) == "commit"
     assert not a.committed(current)  # the same epoch as the previous step: no failure in between
     assert not coord.reports()
 
@@ -123,7 +133,7 @@ def test_aborts_when_the_epoch_moves_during_the_vote(coord: Coordinator) -> None
     start = time.monotonic()
     assert not a.should_commit(current)
     assert time.monotonic() - start < 1.0
-    assert coord.store.get(store.decision_key(1, 0)) == b"abort"
+    assert coord.control.decision(1, 0) == "abort"
     late = coord.manager(1)  # its vote comes too late to change the outcome
     late.step = 1
     assert not late.should_commit(current)
@@ -140,10 +150,9 @@ def test_a_broken_allreduce_is_reported_with_its_cause(coord: Coordinator) -> No
     assert not m.allreduce(current, grads, on_launched=lambda: None)
     assert grads[0].tolist() == [1.0, 1.0]
     (report,) = coord.reports()
-    assert {k: report[k] for k in ("replica", "shard", "epoch", "step", "suspect")} == \
-        {"replica": 1, "shard": 1, "epoch": 0, "step": 3, "suspect": None}
-    assert "replicate all-reduce broke (replica 1 rank 1)" in report["cause"]
-    assert "Connection closed by peer" in report["cause"]
+    assert (report.replica, report.epoch, report.step, report.suspect) == (1, 0, 3, None)
+    assert "replicate all-reduce broke (replica 1 rank 1)" in report.cause  # the rank (group_rank 1) is named here
+    assert "Connection closed by peer" in report.cause
 
 
 def test_an_allreduce_aborted_by_a_new_epoch_is_not_reported(coord: Coordinator) -> None:
@@ -163,11 +172,11 @@ def test_the_groups_own_failure_is_reported_with_the_error(coord: Coordinator) -
     m.report_failure(0, RuntimeError("[gloo] Connection reset by peer"))
     m.report_failure(0, ReplicaFenced("fenced"))  # the coordinator knows: nothing to say
     (own, peer) = coord.reports()
-    assert own["suspect"] == 1 and own["error"] == "ValueError: bad shape at 0x?"
-    assert own["cause"] == "rank 0 raised ValueError: bad shape at 0x?" and own["step"] == 4
-    assert peer["suspect"] == 1 and "error" not in peer and "saw its own group fail" in peer["cause"]
+    assert own.suspect == 1 and own.error == "ValueError: bad shape at 0x?"
+    assert own.cause == "rank 0 raised ValueError: bad shape at 0x?" and own.step == 4
+    assert peer.suspect == 1 and peer.error is None and "saw its own group fail" in peer.cause
     m.report_failure(0, DataError("token file truncated"))  # every replica would meet it: the run stops
-    assert store.get_json(coord.store, store.FATAL, ("error",))["error"] == "DataError: token file truncated"
+    assert coord.control.fatal() == "DataError: token file truncated"
     assert len(coord.reports()) == 2
 
 
@@ -183,7 +192,7 @@ def test_a_fenced_replica_raises(coord: Coordinator) -> None:
 def test_the_run_failing_reaches_every_wait(coord: Coordinator) -> None:
     coord.publish(0, (0, 1))
     m = coord.manager(0)
-    store.put_json(coord.store, store.FATAL, {"error": "only 1 replica group(s) left"})
+    coord.control.stop("only 1 replica group(s) left")
     coord.channel.publish(0, node_channel.FATAL)
     with pytest.raises(RunFailed, match="only 1 replica group"):
         m.start_step(1)
@@ -205,7 +214,7 @@ def test_join_request_then_admission(coord: Coordinator) -> None:
     waiter.start()
     time.sleep(0.05)
     assert coord.slot_state(m) == node_channel.READY  # the node agent tells the coordinator
-    coord.store.set(store.admitted_key(2, 1), '{"attempt": 1, "epoch": 1}')
+    coord.control.admit(2, Admission(attempt=1, epoch=1))
     time.sleep(0.05)
     assert waiter.is_alive()  # an admission comes with a new epoch: only then is the store read
     coord.publish(1, (0, 1, 2))
@@ -213,7 +222,7 @@ def test_join_request_then_admission(coord: Coordinator) -> None:
     assert not waiter.is_alive() and coord.slot_state(m) == node_channel.RUNNING
     assert m.agree_epoch() == 1
     m.start_step(1)
-    assert not coord.store.check([store.START_STEP])  # a rejoiner holds no state: it does not say where records begin
+    assert coord.control.start_step() is None  # a rejoiner holds no state: it does not say where records begin
 
 
 def test_a_spare_waiting_for_admission_ends_with_the_run(coord: Coordinator) -> None:
@@ -228,16 +237,18 @@ def test_records_digests_and_the_end(coord: Coordinator) -> None:
     coord.publish(0, (0, 1, 2))
     m = coord.manager(0)
     m.start_step(5)
-    m.publish_step({"step": 5, "loss": 1.0})
+    m.publish_step(step_record(5, loss=1.0))
     coord.managers.append(other := ReplicaManager(  # a second member offers its record too: the first counts
         coord.store, coord.channel, slot=1, replica=1, group_rank=0, attempt=0, rejoining=False, rc=RC, on_lost=print))
     other.step = 5
-    other.publish_step({"step": 5, "loss": 2.0})
-    assert store.get_json(coord.store, store.step_key(5))["loss"] == 1.0
-    coord.store.set(store.digest_key(5, 1), "abc")
+    other.publish_step(step_record(5, loss=2.0))
+    record = coord.control.read_step(5)
+    assert record is not None and record.loss == 1.0
+    coord.control.put_digest(5, 1, "abc")
     coord.publish(1, (0, 1))  # replica 2 was fenced: nobody waits for its digest
     assert m.exchange_digests((0, 1, 2), "abc") == {0: "abc", 1: "abc"}
-    m.record_transfer({"bytes": 1, "transfer_s": 0.1, "step": 5, "epoch": 1})
+    m.record_transfer(TransferRecord(bytes=1, transfer_s=0.1, step=5, epoch=1))
     assert coord.store.check(["transfer/0/0"])  # the key string other processes read
+    assert coord.control.read_transfer(0, 0) == TransferRecord(bytes=1, transfer_s=0.1, step=5, epoch=1)
     m.finish()
     assert coord.slot_state(m) == node_channel.FINISHED

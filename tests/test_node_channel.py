@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from titan_recover import node_channel, store
+from titan_recover import node_channel
+from titan_recover.control import protocol
+from titan_recover.control.protocol import NodeGroup, NodeMessage, Stuck
 from titan_recover.agent import NodeAgent, SlotWatch
 from titan_recover.node_channel import Channel, ChannelError, RankBeat
 
@@ -52,6 +54,7 @@ def test_a_rank_in_another_process_sees_the_epoch_the_agent_pushes(channel: Chan
         proc.kill()
 
 
+@pytest.mark.unit
 def test_a_file_that_is_not_a_channel_is_refused_naming_it(tmp_path: Path) -> None:
     bogus = tmp_path / "bogus"
     bogus.write_bytes(b"\0" * 4096)
@@ -97,34 +100,36 @@ def test_a_rank_whose_agent_stops_beating_is_told_within_the_bound(channel: Chan
         beat.stop()
 
 
+@pytest.mark.unit
 def test_slot_watch_counts_ranks_and_the_most_silent_one(channel: Channel) -> None:
     watch = SlotWatch.new(2, now=100.0)
     channel.beat(0)
     channel.beat(1)
-    assert watch.entry(1, channel.read_slots(), 100.5) == {"attempt": 1, "ranks": 2, "ready": 0, "finished": 0, "silent_s": 0.0}
+    assert watch.entry(1, channel.read_slots(), 100.5) == NodeGroup(attempt=1, ranks=2, ready=0, finished=0, silent_s=0.0)
     channel.beat(0)  # rank 1 goes silent
     channel.set_step(1, 7)
     entry = watch.entry(1, channel.read_slots(), 102.0)
-    assert entry["silent_s"] == 1.5 and entry["ranks"] == 2
+    assert entry.silent_s == 1.5 and entry.ranks == 2
     channel.set_state(1, node_channel.STUCK)
-    assert watch.entry(1, channel.read_slots(), 102.1)["stuck"] == {"rank": 1, "step": 7}
+    assert watch.entry(1, channel.read_slots(), 102.1).stuck == Stuck(rank=1, step=7)
     channel.set_state(0, node_channel.FINISHED)
     channel.set_state(1, node_channel.READY)
     entry = watch.entry(1, channel.read_slots(), 103.0)
-    assert (entry["finished"], entry["ready"]) == (1, 1) and "stuck" not in entry
+    assert (entry.finished, entry.ready) == (1, 1) and entry.stuck is None and "stuck" not in entry.to_json()
 
 
+@pytest.mark.unit
 def test_the_node_message_passes_the_coordinators_check_and_new_incarnations_get_fresh_files(tmp_path: Path) -> None:
     agent = NodeAgent("127.0.0.1:1", "secret", slots=2)
     first = agent.open(0, 0)
     agent.open(1, 0)
     Channel.open(first).beat(0)
-    raw = agent.message().encode()
-    groups = store.read_node_message("launcher/x", raw)
-    assert sorted(groups) == [0, 1] and groups[0]["ranks"] == 1 and json.loads(raw)["seq"] == 1
+    raw = agent.message().dumps().encode()
+    groups = NodeMessage.loads("launcher/x", raw).groups
+    assert sorted(groups) == [0, 1] and groups[0].ranks == 1 and json.loads(raw)["seq"] == 1
     second = agent.open(0, 1)  # a restart: the old file is gone, the new one starts clean
     assert not os.path.exists(first) and os.path.exists(second)
-    assert store.read_node_message("launcher/x", agent.message().encode())[0]["attempt"] == 1
+    assert NodeMessage.loads("launcher/x", agent.message().dumps().encode()).groups[0].attempt == 1
     agent.close()
     assert not os.path.exists(second)
 
@@ -148,14 +153,14 @@ def test_a_rank_silent_past_the_timeout_is_reported_by_its_agent_once_per_incarn
         assert agent.take_hangs() == []  # silent 0.1 s: not yet
         beat_rank_0_for(0.3, first)
         [report] = agent.take_hangs()
-        assert (report["replica"], report["suspect"], report["epoch"]) == (0, 0, 3)
-        assert report["cause"].startswith("heartbeat silent for 0.2") and "local rank 1 of attempt 0" in report["cause"]
+        assert (report.replica, report.suspect, report.epoch) == (0, 0, 3)
+        assert report.cause.startswith("heartbeat silent for 0.2") and "local rank 1 of attempt 0" in report.cause
         beat_rank_0_for(0.1, first)
         assert agent.take_hangs() == []  # once per incarnation
         restart = Channel.open(agent.open(0, 1))
         restart.beat(1)
         beat_rank_0_for(0.3, restart)
-        assert "of attempt 1" in agent.take_hangs()[0]["cause"]
+        assert "of attempt 1" in agent.take_hangs()[0].cause
         quiet = NodeAgent("127.0.0.1:1", "secret", slots=1)  # no timeout: left to the coordinator
         Channel.open(quiet.open(0, 0)).beat(0)
         time.sleep(0.05)
@@ -166,6 +171,7 @@ def test_a_rank_silent_past_the_timeout_is_reported_by_its_agent_once_per_incarn
         agent.close()
 
 
+@pytest.mark.unit
 def test_only_a_restart_none_of_whose_ranks_was_admitted_counts_as_never_admitted() -> None:
     """What the launcher stops at once when the run ends, instead of waiting for it to finish."""
     agent = NodeAgent("127.0.0.1:1", "secret", slots=2)
@@ -183,6 +189,7 @@ def test_only_a_restart_none_of_whose_ranks_was_admitted_counts_as_never_admitte
         agent.close()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("groups", [
     {"0": {"attempt": -1, "ranks": 1, "ready": 0, "finished": 0, "silent_s": 0}},
     {"x": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0, "silent_s": 0}},
@@ -191,5 +198,5 @@ def test_only_a_restart_none_of_whose_ranks_was_admitted_counts_as_never_admitte
     {"0": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0, "silent_s": 0, "stuck": {"rank": "0"}}},
 ])
 def test_a_malformed_node_message_is_refused_naming_the_key(groups: dict) -> None:
-    with pytest.raises(store.MessageError, match="launcher/x"):
-        store.read_node_message("launcher/x", json.dumps({"seq": 1, "groups": groups}).encode())
+    with pytest.raises(protocol.MessageError, match="launcher/x"):
+        NodeMessage.loads("launcher/x", json.dumps({"seq": 1, "groups": groups}).encode())

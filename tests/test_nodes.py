@@ -16,64 +16,66 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from titan_recover import claims, store
+from titan_recover.control import claims, keys, protocol, transport
+from titan_recover.control.client import ControlClient
+from titan_recover.control.protocol import Launcher, NodeMessage, Rendezvous
 
 from conftest import CONFIG, ROOT, TINY, Run, assert_all_rejoined, assert_same_trajectory
 
 
 @pytest.fixture
-def client() -> Iterator[dist.Store]:
-    port = store.free_port()
-    server = store.serve(port, 5)
-    yield store.connect(f"127.0.0.1:{port}", timeout_s=5)
+def client() -> Iterator[ControlClient]:
+    port = transport.free_port()
+    server = transport.serve(port, 5)
+    yield ControlClient(transport.connect(f"127.0.0.1:{port}", timeout_s=5))
     del server
 
 
 class Lifeline:
-    """Writes a launcher's node message like its ``store.Heartbeat`` does, until stopped."""
+    """Writes a launcher's node message like its ``lifeline.Heartbeat`` does, until stopped."""
 
-    def __init__(self, client: dist.Store, launcher: claims.Launcher) -> None:
+    def __init__(self, client: ControlClient, launcher: Launcher) -> None:
         self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._beat, args=(client.clone(), launcher.key), daemon=True)
+        self.thread = threading.Thread(target=self._beat, args=(client.store.clone(), launcher.key), daemon=True)
         self.thread.start()
 
     def _beat(self, client: dist.Store, key: str) -> None:
         seq = 0
         while not self.stopped.wait(0.1):
             seq += 1
-            client.set(key, json.dumps({"seq": seq, "groups": {}}))
+            client.set(key, NodeMessage(seq, {}).dumps())
 
     def stop(self) -> None:
         self.stopped.set()
         self.thread.join()
 
 
-def test_a_live_launchers_claim_is_refused_quickly_and_a_silent_ones_taken_over(client: dist.Store) -> None:
-    first, second, lines = claims.Launcher.this(), claims.Launcher.this(), []
+def test_a_live_launchers_claim_is_refused_quickly_and_a_silent_ones_taken_over(client: ControlClient) -> None:
+    first, second, lines = Launcher.this(), Launcher.this(), []
     lifeline = Lifeline(client, first)
     claims.claim(client, first, [0, 1], stale_s=5.0, log=lines.append)
     assert lines == [] and claims.holds(client, first, 0) and claims.holds(client, first, 1)
-    assert [claims.incarnation(client, r) for r in (0, 1)] == [0, 0]  # their first starts
+    assert [client.next_incarnation(r) for r in (0, 1)] == [0, 0]  # their first starts
     started = time.monotonic()
     with pytest.raises(claims.ClaimRefused) as info:
         claims.claim(client, second, [2, 1], stale_s=5.0, log=lines.append)
     assert time.monotonic() - started < 2.0  # a live owner answers within its beat, not the whole bound
     message = str(info.value)
     assert message.startswith(f"replica groups [1] already run under a live launcher ([1] by {first})"), message
-    assert f"on host {first.host} (pid {first.pid})" in message and store.REPLICAS_ENV in message
-    assert claims.holds(client, first, 1) and client.get(store.owner_key(2)) == b""  # its claim on 2 released
+    assert f"on host {first.host} (pid {first.pid})" in message and keys.REPLICAS_ENV in message
+    assert claims.holds(client, first, 1) and client.store.get(keys.owner_key(2)) == b""  # its claim on 2 released
     lifeline.stop()  # the first launcher dies
     claims.claim(client, second, [2, 1], stale_s=0.5, log=lines.append)
     assert claims.holds(client, second, 1) and claims.holds(client, second, 2) and not claims.holds(client, first, 1)
     assert lines[-1] == f"took over replica groups [1] from {first}, which shows no sign of life"
-    assert claims.incarnation(client, 1) == 1  # the replacement's group rejoins; a new group starts at 0
-    assert claims.incarnation(client, 2) == 0
+    assert client.next_incarnation(1) == 1  # the replacement's group rejoins; a new group starts at 0
+    assert client.next_incarnation(2) == 0
 
 
-def test_a_malformed_claim_is_refused_naming_the_key(client: dist.Store) -> None:
-    client.set(store.owner_key(0), '{"launcher": 7, "host": "h", "pid": 1}')
+def test_a_malformed_claim_is_refused_naming_the_key(client: ControlClient) -> None:
+    client.store.set(keys.owner_key(0), json.dumps({"launcher": 7, "host": "h", "pid": 1}))  # malformed on purpose
     with pytest.raises(claims.ClaimRefused, match=r"cannot tell who runs replica groups \[0\]: store key 'owner/0'"):
-        claims.claim(client, claims.Launcher.this(), [0], stale_s=0.1, log=print)
+        claims.claim(client, Launcher.this(), [0], stale_s=0.1, log=print)
 
 
 class Node:
@@ -137,7 +139,7 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(tmp_path: Pat
     with exit 0, every step is logged once and nothing of the first part is lost.
     """
     dump = tmp_path / "dump"
-    port, secret = store.free_port(), "nodes-test-secret"
+    port, secret = transport.free_port(), "nodes-test-secret"
     args = [
         sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
         *TINY, "--training.steps", str(STEPS), "--parallelism.data_parallel_shard_degree", "1",
@@ -145,15 +147,15 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(tmp_path: Pat
         "--recover.collective_timeout_s", "90",  # the joiner waits for its donor through the hold
         "--recover.coordinator_port", str(port), "--recover.coordinator_bind", "127.0.0.1",
     ]
-    env = {**os.environ, store.SECRET_ENV: secret, "PYTHONUNBUFFERED": "1"}
-    env_b = {**env, store.REPLICAS_ENV: "1", store.COORDINATOR_ENV: f"127.0.0.1:{port}"}
+    env = {**os.environ, keys.SECRET_ENV: secret, "PYTHONUNBUFFERED": "1"}
+    env_b = {**env, keys.REPLICAS_ENV: "1", keys.COORDINATOR_ENV: f"127.0.0.1:{port}"}
     steps = lambda: [e for e in events(dump) if e["event"] == "step"]  # noqa: E731
-    with Node("a", dump, args, {**env, store.REPLICAS_ENV: "0"}) as a, Node("b", dump, args, env_b) as b:
+    with Node("a", dump, args, {**env, keys.REPLICAS_ENV: "0"}) as a, Node("b", dump, args, env_b) as b:
         wait_until("step 1", lambda: len(steps()) >= 1, 240, [a, b])
         b.kill_node()
         with Node("b2", dump, args, env_b) as b2:
-            client = store.connect(f"127.0.0.1:{port}", timeout_s=30, secret=secret)
-            owner = lambda: claims.read_owner("owner/1", client.get(store.owner_key(1)))  # noqa: E731
+            client = transport.connect(f"127.0.0.1:{port}", timeout_s=30, secret=secret)
+            owner = lambda: Launcher.loads(keys.owner_key(1), client.get(keys.owner_key(1)))  # noqa: E731
             wait_until("B2 takes replica 1 over", lambda: owner().pid == b2.proc.pid, 120, [a, b2])
             with Node("c", dump, args, env_b) as c:  # a duplicate: the same group while B2 lives
                 assert c.wait(timeout=120) == 2, c.output()[-3000:]
@@ -196,9 +198,9 @@ def spanning(dump: Path, port: int, plan: str) -> list[str]:
 
 
 def node_env(port: int | None, replicas: str, part: int) -> dict[str, str]:
-    env = {**os.environ, store.SECRET_ENV: "span-test-secret", "PYTHONUNBUFFERED": "1",
-           store.REPLICAS_ENV: replicas, store.GROUP_NODE_ENV: str(part)}
-    return env if port is None else {**env, store.COORDINATOR_ENV: f"127.0.0.1:{port}"}
+    env = {**os.environ, keys.SECRET_ENV: "span-test-secret", "PYTHONUNBUFFERED": "1",
+           keys.REPLICAS_ENV: replicas, keys.GROUP_NODE_ENV: str(part)}
+    return env if port is None else {**env, keys.COORDINATOR_ENV: f"127.0.0.1:{port}"}
 
 
 def test_a_group_spanning_two_nodes_loses_a_rank_on_one_restarts_on_both_and_rejoins(
@@ -210,7 +212,7 @@ def test_a_group_spanning_two_nodes_loses_a_rank_on_one_restarts_on_both_and_rej
     fences the group, A kills its part and starts incarnation 1 at a fresh rendezvous port, B joins it; the
     group rejoins by transfer. The run keeps the failure-free trajectory of the same groups on one node.
     """
-    dump, port = tmp_path / "dump", store.free_port()
+    dump, port = tmp_path / "dump", transport.free_port()
     args = spanning(dump, port, "kill replica=1 rank=1 step=2 phase=backward; sleep replica=0 step=3 phase=optimizer seconds=40 until=epoch")
     with Node("a", dump, args, node_env(None, "0,1", 0)) as a, Node("b", dump, args, node_env(port, "0,1", 1)) as b:
         assert a.wait(timeout=300) == 0, a.output()[-3000:] + b.output()[-3000:]
@@ -237,7 +239,7 @@ def test_a_node_lost_under_a_spanning_group_is_taken_over_and_the_group_restarts
     group 1. C's whole tree is SIGKILLed after step 1: group 1 loses a part, A restarts it as incarnation 1;
     C's command started again (C2) takes C's claim over, skips the incarnation C was part of and joins A's next
     one; group 1 rejoins by transfer and the run keeps the failure-free trajectory."""
-    dump, port = tmp_path / "dump", store.free_port()
+    dump, port = tmp_path / "dump", transport.free_port()
     args = spanning(dump, port, "sleep replica=0 step=3 phase=optimizer seconds=45")
     steps = lambda: [e for e in events(dump) if e["event"] == "step"]  # noqa: E731
     with Node("a", dump, args, node_env(None, "0,1", 0)) as a, Node("b", dump, args, node_env(port, "0", 1)) as b, \
@@ -262,21 +264,22 @@ def test_a_node_lost_under_a_spanning_group_is_taken_over_and_the_group_restarts
     assert "joining incarnation" not in b.output().split("joining incarnation 0", 1)[1]  # group 0 went on
 
 
-def test_each_part_of_a_group_is_claimed_on_its_own_and_its_rendezvous_is_validated(client: dist.Store) -> None:
-    first, second, lines = claims.Launcher.this(), claims.Launcher.this(), []
+def test_each_part_of_a_group_is_claimed_on_its_own_and_its_rendezvous_is_validated(client: ControlClient) -> None:
+    first, second, lines = Launcher.this(), Launcher.this(), []
     lifelines = [Lifeline(client, first), Lifeline(client, second)]
     assert claims.claim(client, first, [0], stale_s=5.0, log=lines.append, part=0) == []
     assert claims.claim(client, second, [0], stale_s=5.0, log=lines.append, part=1) == []  # another part: no clash
     assert claims.holds(client, first, 0) and claims.holds(client, second, 0, part=1) and not claims.holds(client, first, 0, part=1)
     with pytest.raises(claims.ClaimRefused, match=r"replica groups \[0\] \(their part 1\) already run under a live launcher"):
-        claims.claim(client, claims.Launcher.this(), [0], stale_s=5.0, log=lines.append, part=1)
+        claims.claim(client, Launcher.this(), [0], stale_s=5.0, log=lines.append, part=1)
     for lifeline in lifelines:
         lifeline.stop()
-    third = claims.Launcher.this()
+    third = Launcher.this()
     assert claims.claim(client, third, [0], stale_s=0.5, log=lines.append, part=0) == [0]  # taken over: the caller is told
-    assert store.read_rendezvous(client, 0) is None
-    store.put_json(client, store.rendezvous_key(0), {"attempt": 2, "host": "10.0.0.5", "port": 29600})
-    assert store.read_rendezvous(client, 0) == {"attempt": 2, "host": "10.0.0.5", "port": 29600}
-    store.put_json(client, store.rendezvous_key(0), {"attempt": 2, "host": "10.0.0.5", "port": 0})
-    with pytest.raises(store.MessageError, match="store key 'rendezvous/0'"):
-        store.read_rendezvous(client, 0)
+    assert client.read_rendezvous(0) is None
+    client.publish_rendezvous(0, Rendezvous(2, "10.0.0.5", 29600))
+    assert client.read_rendezvous(0) == Rendezvous(2, "10.0.0.5", 29600)
+    assert json.loads(client.store.get(keys.rendezvous_key(0))) == {"attempt": 2, "host": "10.0.0.5", "port": 29600}
+    client.store.set(keys.rendezvous_key(0), json.dumps({"attempt": 2, "host": "10.0.0.5", "port": 0}))  # malformed on purpose
+    with pytest.raises(protocol.MessageError, match="store key 'rendezvous/0'"):
+        client.read_rendezvous(0)

@@ -4,6 +4,8 @@ import pytest
 
 from titan_recover.order import epoch_key, epochs_started, permute, window_of
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 1000, 4097])
 def test_permute_is_a_bijection(n: int) -> None:

@@ -23,6 +23,8 @@ from titan_recover.recovery import (
     tally_microbatch,
 )
 
+pytestmark = pytest.mark.unit
+
 # --- step_assignment -------------------------------------------------------------
 
 
@@ -79,7 +81,7 @@ def test_depends_only_on_the_history_list() -> None:
         for mem in HISTORY:
             members = list(mem.members)
             rng.shuffle(members)
-            decoded.append(Membership.from_json({"epoch": mem.epoch, "members": members}))
+            decoded.append(Membership.from_json("members", {"epoch": mem.epoch, "members": members}))
         # intermediate calls (an early observer) leave no state behind
         for k in range(1, len(decoded)):
             step_assignment("balanced", decoded[:k], m)

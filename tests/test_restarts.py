@@ -1,12 +1,15 @@
 """The restart budget per time window (titan_recover.restarts) and the launcher's use of it (no processes)."""
 
-import json
-
 import pytest
 
 from titan_recover.agent import NodeAgent
-from titan_recover import claims, launch, store
+from titan_recover import launch
+from titan_recover.control import claims, keys
+from titan_recover.control.client import ControlClient
+from titan_recover.control.protocol import Fence, Launcher, Rendezvous
 from titan_recover.restarts import RestartBudget, restart_allowed
+
+pytestmark = pytest.mark.unit
 
 HOUR = 3600.0
 
@@ -69,7 +72,7 @@ class FakeStore:
     """The few TCPStore calls ReplicaGroups.watch makes."""
 
     def __init__(self) -> None:
-        self.data: dict[str, bytes] = {store.EPOCH: b"0"}
+        self.data: dict[str, bytes] = {keys.EPOCH: b"0"}
 
     def check(self, keys: list[str]) -> bool:
         return all(k in self.data for k in keys)
@@ -89,9 +92,15 @@ class FakeStore:
             self.data[key] = desired.encode()
         return self.data[key]
 
-    def causes(self) -> list[str]:
-        n = int(self.data.get(store.REPORTS, b"0"))
-        return [json.loads(self.data[store.report_key(i)])["cause"] for i in range(1, n + 1)]
+
+def fake_client() -> ControlClient:
+    return ControlClient(FakeStore())  # type: ignore[arg-type]  # the calls ControlClient makes
+
+
+def causes(client: ControlClient) -> list[str]:
+    """The causes of the failure reports written so far, in order."""
+    reports = [client.read_report(i) for i in range(1, client.report_count() + 1)]
+    return [r.cause for r in reports if r is not None]
 
 
 def test_replica_groups_restart_per_window_and_give_up_on_flapping(
@@ -105,13 +114,13 @@ def test_replica_groups_restart_per_window_and_give_up_on_flapping(
 
     monkeypatch.setattr(launch.ReplicaGroups, "_start", start)
     now = [0.0]
-    me = claims.Launcher.this()
+    me = Launcher.this()
     groups = launch.ReplicaGroups([], {0: {}, 1: {}}, 1, max_restarts=1, restart_window_s=HOUR, launcher=me,
                                  agent=NodeAgent("127.0.0.1:1", "secret", 1), clock=lambda: now[0])
-    client = FakeStore()
-    claims.claim(client, me, [0, 1], stale_s=1.0, log=print)  # type: ignore[arg-type]
+    client = fake_client()
+    claims.claim(client, me, [0, 1], stale_s=1.0, log=print)
     for r in (0, 1):
-        groups.start(r, claims.incarnation(client, r))  # type: ignore[arg-type]
+        groups.start(r, client.next_incarnation(r))
 
     def fail(at: float) -> None:
         now[0] = at
@@ -124,7 +133,7 @@ def test_replica_groups_restart_per_window_and_give_up_on_flapping(
     fail(20.0 + 2 * HOUR)  # the second failure within the hour
     assert started == [(0, 0), (1, 0), (1, 1), (1, 2)] and groups.given_up == {1}
     assert groups.watch(client) and len(started) == 4  # given up for good
-    assert client.causes() == [
+    assert causes(client) == [
         "torchrun of replica 1 exited with code 9",
         "torchrun of replica 1 exited with code 9",
         "torchrun of replica 1 exited with code 9 (no restarts left in the window)",
@@ -144,16 +153,16 @@ def test_a_group_taken_over_by_another_launcher_is_left_to_it(
     """This launcher looked dead (e.g. SIGSTOPped) and a replacement claimed its group: it must
     neither report that group's exit (it would fence the replacement's incarnation) nor restart it."""
     monkeypatch.setattr(launch.ReplicaGroups, "_start", lambda self, replica: FakeProc())
-    me, replacement = claims.Launcher.this(), claims.Launcher.this()
+    me, replacement = Launcher.this(), Launcher.this()
     groups = launch.ReplicaGroups([], {1: {}}, 1, max_restarts=3, restart_window_s=HOUR, launcher=me,
                                   agent=NodeAgent("127.0.0.1:1", "secret", 1))
-    client = FakeStore()
-    claims.claim(client, me, [1], stale_s=1.0, log=print)  # type: ignore[arg-type]
-    groups.start(1, claims.incarnation(client, 1))  # type: ignore[arg-type]
-    client.compare_set(store.owner_key(1), me.record, replacement.record)  # the replacement's takeover
+    client = fake_client()
+    claims.claim(client, me, [1], stale_s=1.0, log=print)
+    groups.start(1, client.next_incarnation(1))
+    client.store.compare_set(keys.owner_key(1), me.dumps(), replacement.dumps())  # the replacement's takeover
     groups.procs[1].code = -9  # fenced by the replacement's join, its ranks killed
     assert groups.watch(client)
-    assert groups.given_up == {1} and groups.attempts == {1: 0} and client.causes() == []
+    assert groups.given_up == {1} and groups.attempts == {1: 0} and causes(client) == []
     assert "replica group 1 exited with code -9; another launcher took it over" in capsys.readouterr().out
     assert groups.done()
 
@@ -171,24 +180,23 @@ def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
         return FakeProc()
 
     monkeypatch.setattr(launch.ReplicaGroups, "_start", start)
-    me, client = claims.Launcher.this(), FakeStore()
-    client.set(store.EPOCH, "0")
+    me, client = Launcher.this(), fake_client()
+    client.store.set(keys.EPOCH, "0")
     groups = launch.ReplicaGroups([], {0: {}}, 1, max_restarts=0, restart_window_s=HOUR, launcher=me,
                                   agent=NodeAgent("127.0.0.1:1", "secret", 1), span=launch.Span(1, 2))
-    claims.claim(client, me, [0], stale_s=1.0, log=print, part=1)  # type: ignore[arg-type]
+    claims.claim(client, me, [0], stale_s=1.0, log=print, part=1)
     groups.follow(client, 0, taken_over=False)
     assert groups.watch(client) and started == [] and not groups.done()  # nothing published yet
-    publish = lambda attempt, port: store.put_json(client, store.rendezvous_key(0),  # noqa: E731  # type: ignore[arg-type]
-                                                   {"attempt": attempt, "host": "10.0.0.5", "port": port})
+    publish = lambda attempt, port: client.publish_rendezvous(0, Rendezvous(attempt, "10.0.0.5", port))  # noqa: E731
     publish(0, 29600)
     assert groups.watch(client) and started == [(0, 0, 29600)]
-    assert groups.meetings[0] == launch.Rendezvous("10.0.0.5", 29600, 1, 2, 600.0)
-    assert client.get(store.joined_key(0, 1)) == b"0"
+    assert groups.meetings[0] == launch.Meeting("10.0.0.5", 29600, 1, 2, 600.0)
+    assert client.store.get(keys.joined_key(0, 1)) == b"0" and client.joined(0, 1) == 0
     groups.procs[0].code = 1  # its part fails: reported, not restarted here (no budget of its own: max_restarts 0)
-    assert groups.watch(client) and started == [(0, 0, 29600)] and client.causes() == [
+    assert groups.watch(client) and started == [(0, 0, 29600)] and causes(client) == [
         "torchrun of replica 0 (part 1 of 2) exited with code 1"]
     assert groups.watch(client) and len(started) == 1  # the failed incarnation is not joined again
-    store.put_json(client, store.fenced_key(0), {"attempt": 1, "epoch": 2})
+    client.fence(0, Fence(attempt=1, epoch=2))
     publish(1, 29601)
     assert groups.watch(client) and len(started) == 1  # published but fenced already: part 0 publishes another
     publish(2, 29602)
@@ -201,6 +209,6 @@ def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
                                        agent=NodeAgent("127.0.0.1:1", "secret", 1), span=launch.Span(1, 2))
     replacement.follow(client, 0, taken_over=True)  # its predecessor joined incarnation 2
     assert replacement.watch(client) and started[-1] == (0, 2, 29602)  # not joined
-    assert client.causes()[-1] == "replica group 0 (part 1 of 2) lost with its launcher (attempt 2)"
+    assert causes(client)[-1] == "replica group 0 (part 1 of 2) lost with its launcher (attempt 2)"
     publish(3, 29603)
     assert replacement.watch(client) and started[-1] == (0, 3, 29603)

@@ -8,6 +8,8 @@ import pytest
 from bench import soak
 from titan_recover.faults import parse_fault_plan
 
+pytestmark = pytest.mark.unit
+
 
 def test_schedule_draws_every_kind_evenly_in_random_order() -> None:
     deck = soak.make_schedule(100, soak.RANDOM_KINDS, random.Random(1))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CONFIG, ROOT, TINY, Run, assert_same_trajectory, run_job
-from titan_recover import store
+from titan_recover.control import keys
 
 ONE_SHARD = ["--parallelism.data_parallel_shard_degree", "1", "--training.steps", "12"]  # M = 8
 M = 8
@@ -46,7 +46,7 @@ def _events(dump: Path) -> list[dict]:
 
 def _ranks_of(replica: int, attempt: int) -> list[int]:
     """Pids of the training ranks of that incarnation (their environment says which)."""
-    want = {f"{store.REPLICA_ENV}={replica}".encode(), f"{store.ATTEMPT_ENV}={attempt}".encode()}
+    want = {f"{keys.REPLICA_ENV}={replica}".encode(), f"{keys.ATTEMPT_ENV}={attempt}".encode()}
     pids = []
     for entry in os.listdir("/proc"):
         try:
@@ -75,7 +75,7 @@ def test_a_spare_replaces_a_killed_group_at_once_and_the_group_comes_back_as_the
     plan = f"{PAUSE.format(step=2)}; kill replica=1 rank=0 step=4; {PAUSE.format(step=6)}"
     cmd = [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder",
            str(dump), *TINY, *ONE_SHARD, *SPARE, "--recover.fault_plan", plan]
-    env = {k: v for k, v in os.environ.items() if k != store.SECRET_ENV}
+    env = {k: v for k, v in os.environ.items() if k != keys.SECRET_ENV}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         # the spare, waiting (replica 0 pauses at step 2): SIGKILLed from outside, its launcher starts it again

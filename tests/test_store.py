@@ -1,9 +1,11 @@
-"""Tests for titan_recover.store against a real TCPStore server on a free port."""
+"""Tests for the control plane's transport (serve, connect, the run's secret), its client
+(``ControlClient``) and its records (``protocol``) against a real TCPStore server on a free port."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -18,23 +20,24 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from titan_recover import store
-from titan_recover.store import MessageError
+from titan_recover.control import keys, lifeline, protocol, transport
+from titan_recover.control.client import ControlClient
+from titan_recover.control.protocol import Fence, Membership, MessageError, NodeMessage, Rendezvous, Report, StepRecord
 
 from conftest import ROOT
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[dist.TCPStore, str]]:
-    port = store.free_port()
-    srv = store.serve(port, 5)
+    port = transport.free_port()
+    srv = transport.serve(port, 5)
     yield srv, f"127.0.0.1:{port}"
     del srv
 
 
 @pytest.fixture
 def client(server: tuple[dist.TCPStore, str]) -> dist.TCPStore:
-    return store.connect(server[1], timeout_s=5)
+    return transport.connect(server[1], timeout_s=5)
 
 
 @pytest.fixture
@@ -43,40 +46,47 @@ def key(request: pytest.FixtureRequest) -> str:
     return f"test/{request.node.name}"
 
 
+@pytest.mark.unit
 def test_free_port_is_bindable() -> None:
-    port = store.free_port()
+    port = transport.free_port()
     assert 0 < port < 65536
 
 
+@pytest.mark.unit
 def test_key_names() -> None:
-    assert store.members_key(3) == "members/3"
-    assert store.launcher_key("h:1:ab") == "launcher/h:1:ab"
-    assert store.node_key(3) == "node/3"
-    assert store.ok_key(5, 2) == "ok/5/2"
-    assert store.decision_key(5, 2) == "decision/5/2"
-    assert store.report_key(4) == "report/4"
-    assert store.fault_key(1) == "fault/1"
+    assert keys.members_key(3) == "members/3"
+    assert keys.launcher_key("h:1:ab") == "launcher/h:1:ab"
+    assert keys.node_key(3) == "node/3"
+    assert keys.ok_key(5, 2) == "ok/5/2"
+    assert keys.decision_key(5, 2) == "decision/5/2"
+    assert keys.report_key(4) == "report/4"
+    assert keys.fault_key(1) == "fault/1"
 
 
-def test_put_get_json_round_trip_between_clients(server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str) -> None:
-    value = {"epoch": 3, "members": [0, 2], "cause": "ünïcode ✓", "nested": {"x": [1.5, None, True]}}
-    store.put_json(client, key, value)
-    other = store.connect(server[1], timeout_s=5)
-    assert store.get_json(other, key) == value
-    assert store.get_json(server[0], key, ("epoch", "members")) == value
-    assert json.loads(client.get(key).decode()) == value  # it is plain JSON text in the store
+def test_records_round_trip_between_clients(server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str) -> None:
+    step = StepRecord(step=7, epoch=3, members=[0, 2], microbatches=[[0, 1], [2]], data_digest="ünïcode ✓", loss=1.5,
+                      grad_norm=None, time=12.5, samples={"x": [1.5, None, True]})
+    report = Report(epoch=3, cause="ünïcode ✓", replica=2, suspect=0)
+    ControlClient(client).put(key, step)
+    ControlClient(client).put(key + "/report", report)
+    other = transport.connect(server[1], timeout_s=5)
+    assert ControlClient(other).read(key, StepRecord) == step
+    assert ControlClient(server[0]).read(key, StepRecord) == step
+    assert ControlClient(other).read(key + "/report", Report) == report
+    assert json.loads(client.get(key).decode()) == step.to_json()  # it is plain JSON text in the store
+    assert ControlClient(client).read(key + "/missing", StepRecord) is None  # nothing written there yet
 
 
 @pytest.mark.parametrize("value", [[1, 2], "text", 7, None])
 def test_json_non_objects_round_trip_without_required_fields(client: dist.TCPStore, key: str, value: object) -> None:
-    store.put_json(client, key, value)
-    assert store.get_json(client, key) == value
+    client.set(key, json.dumps(value))
+    assert protocol.decode_json(key, client.get(key)) == value
 
 
 def test_non_utf8_bytes_raise_message_error(client: dist.TCPStore, key: str) -> None:
     client.set(key, b"\xff\xfe\x80garbage")
     with pytest.raises(MessageError) as info:
-        store.get_json(client, key)
+        ControlClient(client).read(key, Report)
     assert repr(key) in str(info.value)
     assert "does not hold JSON" in str(info.value)
 
@@ -84,8 +94,9 @@ def test_non_utf8_bytes_raise_message_error(client: dist.TCPStore, key: str) -> 
 def test_non_json_text_raises_message_error(client: dist.TCPStore, key: str) -> None:
     client.set(key, "{epoch: 1")
     with pytest.raises(MessageError) as info:
-        store.get_json(client, key, ("epoch",))
+        ControlClient(client).read(key, Fence)
     assert repr(key) in str(info.value)
+    assert "does not hold JSON" in str(info.value)
     assert "{epoch: 1" in str(info.value)
 
 
@@ -94,99 +105,126 @@ def test_pickle_bytes_are_not_unpickled(client: dist.TCPStore, key: str) -> None
 
     client.set(key, pickle.dumps({"epoch": 1}))
     with pytest.raises(MessageError, match=repr(key)):
-        store.get_json(client, key, ("epoch",))
+        ControlClient(client).read(key, Fence)
+    with pytest.raises(MessageError, match=repr(key)):
+        Fence.loads(key, pickle.dumps(Fence(attempt=1, epoch=2)))
 
 
 def test_list_where_object_required_raises(client: dist.TCPStore, key: str) -> None:
-    store.put_json(client, key, [{"epoch": 1}])
+    client.set(key, json.dumps([{"attempt": 0, "epoch": 1}]))  # malformed on purpose
     with pytest.raises(MessageError) as info:
-        store.get_json(client, key, ("epoch",))
+        ControlClient(client).read(key, Fence)
     assert repr(key) in str(info.value)
     assert "must hold a JSON object" in str(info.value)
 
 
 def test_missing_required_fields_are_named(client: dist.TCPStore, key: str) -> None:
-    store.put_json(client, key, {"epoch": 1, "extra": 2})
+    client.set(key, json.dumps({"attempt": 1, "extra": 2}))  # malformed on purpose: no host, no port
     with pytest.raises(MessageError) as info:
-        store.get_json(client, key, ("epoch", "members", "cause"))
+        ControlClient(client).read(key, Rendezvous)
     msg = str(info.value)
     assert repr(key) in msg
-    assert "['members', 'cause']" in msg
-    assert store.get_json(client, key, ("epoch",)) == {"epoch": 1, "extra": 2}
+    assert "lacks fields" in msg
+    assert "['host', 'port']" in msg
+    with pytest.raises(MessageError, match=re.escape("lacks fields ['host', 'port']")):
+        Rendezvous.loads(key, client.get(key))
+    assert protocol.decode_json(key, client.get(key), ("attempt",)) == {"attempt": 1, "extra": 2}
 
 
+@pytest.mark.unit
 def test_decode_json_directly() -> None:
-    assert store.decode_json("k", b'{"a": 1}', ("a",)) == {"a": 1}
+    assert protocol.decode_json("k", b'{"a": 1}', ("a",)) == {"a": 1}
     with pytest.raises(MessageError, match="'k'"):
-        store.decode_json("k", b"", ())
+        protocol.decode_json("k", b"", ())
+    with pytest.raises(MessageError, match="store key 'k' does not hold JSON"):
+        protocol.decode_json("k", b"{a: 1}", ("a",))
+    with pytest.raises(MessageError, match="store key 'k' must hold a JSON object"):
+        protocol.decode_json("k", b"[1]", ("a",))
+    with pytest.raises(MessageError, match=re.escape("store key 'k' lacks fields ['b']")):
+        protocol.decode_json("k", b'{"a": 1}', ("a", "b"))
 
 
-def test_get_int(client: dist.TCPStore, key: str) -> None:
+@pytest.mark.unit
+def test_records_load_their_own_dumps() -> None:
+    for record in (Report(epoch=0, cause="boom", replica=1), Rendezvous(2, "10.0.0.5", 29600), Fence(attempt=1, epoch=2),
+                   NodeMessage(3, {}), Membership(2, (0, 1))):
+        assert type(record).loads("k", record.dumps().encode()) == record
+        assert type(record).from_json("k", record.to_json()) == record
+
+
+def test_decode_int(client: dist.TCPStore, key: str) -> None:
     client.set(key, "42")
-    assert store.get_int(client, key) == 42
+    assert protocol.decode_int(key, client.get(key)) == 42
     assert client.add(key + "/counter", 5) == 5
-    assert store.get_int(client, key + "/counter") == 5
+    assert protocol.decode_int(key + "/counter", client.get(key + "/counter")) == 5
+    c = ControlClient(client)
+    assert c.joined(9, 1) is None  # an integer the client reads: none yet
+    c.set_joined(9, 1, 4)
+    assert c.joined(9, 1) == 4
 
 
 @pytest.mark.parametrize("raw", [b"forty-two", b"", b"1.5", b"\xff\xfe", b'{"epoch": 1}'])
-def test_get_int_on_garbage_raises_message_error(client: dist.TCPStore, key: str, raw: bytes) -> None:
+def test_decode_int_on_garbage_raises_message_error(client: dist.TCPStore, key: str, raw: bytes) -> None:
     client.set(key, raw)
     with pytest.raises(MessageError) as info:
-        store.get_int(client, key)
+        protocol.decode_int(key, client.get(key))
     assert repr(key) in str(info.value)
     assert "must hold an integer" in str(info.value)
 
 
 def test_report_increments_counter_and_stores_record() -> None:
     # a store of its own so that REPORTS starts at zero
-    port = store.free_port()
-    srv = store.serve(port, 5)
-    c = store.connect(f"127.0.0.1:{port}", timeout_s=5)
+    port = transport.free_port()
+    srv = transport.serve(port, 5)
+    c = ControlClient(transport.connect(f"127.0.0.1:{port}", timeout_s=5))
     before = time.time()
-    store.report(c, {"replica": 1, "epoch": 0, "suspect": None, "cause": "boom"})
-    store.report(c, {"replica": 0, "epoch": 0, "suspect": 0, "cause": "bang"})
+    c.report(Report(epoch=0, cause="boom", replica=1))
+    c.report(Report(epoch=0, cause="bang", replica=0, suspect=0))
     after = time.time()
-    assert store.get_int(c, store.REPORTS) == 2
-    first = store.get_json(srv, store.report_key(1), ("epoch", "cause", "time"))
-    second = store.get_json(srv, store.report_key(2), ("epoch", "cause", "time"))
-    assert {k: first[k] for k in ("replica", "epoch", "suspect", "cause")} == {
-        "replica": 1, "epoch": 0, "suspect": None, "cause": "boom",
-    }
-    assert second["cause"] == "bang" and second["suspect"] == 0
-    assert before <= first["time"] <= second["time"] <= after
-    assert not srv.check([store.report_key(0)])  # indices start at 1, as the coordinator reads them
-    assert not srv.check([store.report_key(3)])
+    assert c.report_count() == 2
+    assert protocol.decode_int(keys.REPORTS, c.store.get(keys.REPORTS)) == 2
+    first, second = ControlClient(srv).read_report(1), ControlClient(srv).read_report(2)
+    assert first is not None and second is not None
+    assert (first.replica, first.epoch, first.suspect, first.cause) == (1, 0, None, "boom")
+    assert second.cause == "bang" and second.suspect == 0
+    assert before <= first.time <= second.time <= after
+    assert Report.loads(keys.report_key(1), srv.get(keys.report_key(1))) == first  # JSON with its time, in the store
+    assert not srv.check([keys.report_key(0)])  # indices start at 1, as the coordinator reads them
+    assert not srv.check([keys.report_key(3)])
+    assert ControlClient(srv).read_report(3) is None
 
 
 def test_wait_for_returns_once_the_key_exists(client: dist.TCPStore, key: str) -> None:
     client.set(key, "x")
-    store.wait_for(client, key, timeout_s=1.0)
+    transport.wait_for(client, key, timeout_s=1.0)
 
 
 def test_wait_for_times_out_naming_the_key(client: dist.TCPStore, key: str) -> None:
     start = time.monotonic()
     with pytest.raises(TimeoutError) as info:
-        store.wait_for(client, key + "/never", timeout_s=0.2)
+        transport.wait_for(client, key + "/never", timeout_s=0.2)
     assert repr(key + "/never") in str(info.value)
     assert "0.2s" in str(info.value)
     assert time.monotonic() - start < 4.0  # well before the store's own 5 s timeout
 
 
+@pytest.mark.unit
 def test_coordinator_address_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(store.COORDINATOR_ENV, "10.0.0.5:29500")
-    assert store.coordinator_address() == "10.0.0.5:29500"
+    monkeypatch.setenv(keys.COORDINATOR_ENV, "10.0.0.5:29500")
+    assert transport.coordinator_address() == "10.0.0.5:29500"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("value", [None, "", "localhost", "localhost:", ":29500", "host:port", "host:12a"])
 def test_coordinator_address_unset_or_malformed(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
     if value is None:
-        monkeypatch.delenv(store.COORDINATOR_ENV, raising=False)
+        monkeypatch.delenv(keys.COORDINATOR_ENV, raising=False)
     else:
-        monkeypatch.setenv(store.COORDINATOR_ENV, value)
+        monkeypatch.setenv(keys.COORDINATOR_ENV, value)
     with pytest.raises(RuntimeError) as info:
-        store.coordinator_address()
+        transport.coordinator_address()
     msg = str(info.value)
-    assert store.COORDINATOR_ENV in msg
+    assert keys.COORDINATOR_ENV in msg
     assert "run_train.sh" in msg
     assert repr(value or "") in msg
 
@@ -212,17 +250,17 @@ class Messages:
 
     def __call__(self) -> str:
         self.seq += 1
-        return json.dumps({"seq": self.seq, "groups": {}})
+        return NodeMessage(self.seq, {}).dumps()
 
 
 def read_seq(s: dist.TCPStore, key: str) -> int:
-    return json.loads(s.get(key))["seq"] if s.check([key]) else 0
+    return NodeMessage.loads(key, s.get(key)).seq if s.check([key]) else 0
 
 
 def test_lifeline_writes_the_node_message_every_interval_then_stops(server: tuple[dist.TCPStore, str], key: str) -> None:
     srv, address = server
     lost: list[str] = []
-    hb = store.Heartbeat(address, key, interval_s=0.05, coordinator_timeout_s=1e6, on_lost=lost.append, message=Messages())
+    hb = lifeline.Heartbeat(address, key, interval_s=0.05, coordinator_timeout_s=1e6, on_lost=lost.append, message=Messages())
     try:
         seen = [read_seq(srv, key)]
         deadline = time.monotonic() + 10.0
@@ -289,7 +327,7 @@ def test_lifeline_survives_a_connection_reset(server: tuple[dist.TCPStore, str],
     """A transient reset must not end the lifeline (it would fence a healthy node)."""
     srv, _ = server
     proxy = ResettingProxy(int(server[1].rpartition(":")[2]))
-    hb = store.Heartbeat(f"127.0.0.1:{proxy.port}", key, 0.02, coordinator_timeout_s=1e6, on_lost=never_lost, message=Messages())
+    hb = lifeline.Heartbeat(f"127.0.0.1:{proxy.port}", key, 0.02, coordinator_timeout_s=1e6, on_lost=never_lost, message=Messages())
     try:
         wait_until(lambda: read_seq(srv, key) >= 3, 10)
         for _ in range(3):
@@ -303,11 +341,11 @@ def test_lifeline_survives_a_connection_reset(server: tuple[dist.TCPStore, str],
 
 COORDINATOR = """
 import sys, time
-from titan_recover import store
-srv = store.serve(int(sys.argv[1]), 30)
+from titan_recover.control import keys, transport
+srv = transport.serve(int(sys.argv[1]), 30)
 print("up", flush=True)
 while True:
-    srv.add(store.ALIVE, 1)
+    srv.add(keys.ALIVE, 1)
     time.sleep(0.02)
 """
 
@@ -316,12 +354,12 @@ while True:
 def test_lifeline_notices_a_frozen_or_killed_coordinator(sig: signal.Signals) -> None:
     """A real coordinator-like process; every store call against a SIGSTOPped server would
     block, so the verdict comes from a second thread within the bound."""
-    port = store.free_port()
+    port = transport.free_port()
     proc = subprocess.Popen([sys.executable, "-c", COORDINATOR, str(port)], stdout=subprocess.PIPE, text=True)
     lost: list[tuple[float, str]] = []
     try:
         assert proc.stdout.readline() == "up\n"
-        hb = store.Heartbeat(f"127.0.0.1:{port}", "launcher/test", 0.05, coordinator_timeout_s=2.0,
+        hb = lifeline.Heartbeat(f"127.0.0.1:{port}", "launcher/test", 0.05, coordinator_timeout_s=2.0,
                              on_lost=lambda reason: lost.append((time.monotonic(), reason)), message=Messages())
         time.sleep(1.0)
         assert lost == []  # alive and answering: no verdict
@@ -372,27 +410,27 @@ def lan_ip() -> str:
 
 
 def test_serve_listens_on_loopback_by_default(lan_ip: str) -> None:
-    port = store.free_port()
-    srv = store.serve(port, 5)
+    port = transport.free_port()
+    srv = transport.serve(port, 5)
     assert accepts("127.0.0.1", port)
     assert not accepts(lan_ip, port)  # another host could not reach it either
     del srv
 
 
 def test_serve_listens_on_the_address_it_is_given(lan_ip: str) -> None:
-    port = store.free_port()
-    srv = store.serve(port, 5, bind=lan_ip)
+    port = transport.free_port()
+    srv = transport.serve(port, 5, bind=lan_ip)
     assert accepts(lan_ip, port)
     assert not accepts("127.0.0.1", port)
-    client = store.connect(f"{lan_ip}:{port}", timeout_s=5)
+    client = transport.connect(f"{lan_ip}:{port}", timeout_s=5)
     client.set("k", "v")
     assert srv.get("k") == b"v"
     del srv
 
 
 def test_serve_on_all_interfaces_when_asked(lan_ip: str) -> None:
-    port = store.free_port()
-    srv = store.serve(port, 5, bind="0.0.0.0")
+    port = transport.free_port()
+    srv = transport.serve(port, 5, bind="0.0.0.0")
     assert accepts("127.0.0.1", port) and accepts(lan_ip, port)
     del srv
 
@@ -403,7 +441,7 @@ def test_serve_on_a_taken_port_names_it() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(RuntimeError) as info:
-            store.serve(port, 5)
+            transport.serve(port, 5)
     msg = str(info.value)
     assert f"127.0.0.1:{port}" in msg and "coordinator_port" in msg
 
@@ -412,9 +450,11 @@ def test_serve_on_a_taken_port_names_it() -> None:
 
 SERVE = """
 import sys
-from titan_recover import store
-srv = store.serve(int(sys.argv[1]), 30)
-store.put_json(srv, store.EPOCH, 3)
+from titan_recover.control import transport
+from titan_recover.control.client import ControlClient
+from titan_recover.control.protocol import Membership
+srv = transport.serve(int(sys.argv[1]), 30)
+ControlClient(srv).publish(Membership(3, (0, 1)))
 print("up", flush=True)
 sys.stdin.read()  # serves until the test closes stdin
 """
@@ -423,9 +463,9 @@ sys.stdin.read()  # serves until the test closes stdin
 @contextmanager
 def coordinator_process(secret: str) -> Iterator[str]:
     """A store server in a process of its own, run with ``secret``; yields its address."""
-    port = store.free_port()
+    port = transport.free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-c", SERVE, str(port)], cwd=ROOT, env={**os.environ, store.SECRET_ENV: secret},
+        [sys.executable, "-c", SERVE, str(port)], cwd=ROOT, env={**os.environ, keys.SECRET_ENV: secret},
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     try:
@@ -439,39 +479,39 @@ def coordinator_process(secret: str) -> Iterator[str]:
 def test_a_client_of_another_run_is_refused_within_a_bound() -> None:
     with coordinator_process("run-a-secret") as address:
         start = time.monotonic()
-        with pytest.raises(store.WrongRunError) as info:
-            store.connect(address, timeout_s=2, secret="run-b-secret")
+        with pytest.raises(transport.WrongRunError) as info:
+            transport.connect(address, timeout_s=2, secret="run-b-secret")
         assert time.monotonic() - start < 5
         msg = str(info.value)
         assert f"the coordinator at {address} does not serve this run" in msg
-        assert store.SECRET_ENV in msg and "another job on that port" in msg
-        assert store.get_int(store.connect(address, timeout_s=2, secret="run-a-secret"), store.EPOCH) == 3
+        assert keys.SECRET_ENV in msg and "another job on that port" in msg
+        assert ControlClient(transport.connect(address, timeout_s=2, secret="run-a-secret")).epoch() == 3
 
 
 def test_a_client_with_the_runs_secret_in_its_environment_connects(monkeypatch: pytest.MonkeyPatch) -> None:
     with coordinator_process("run-a-secret") as address:
-        monkeypatch.setenv(store.SECRET_ENV, "run-a-secret")
-        assert store.get_int(store.connect(address, timeout_s=2), store.EPOCH) == 3
-        monkeypatch.setenv(store.SECRET_ENV, "run-b-secret")
-        with pytest.raises(store.WrongRunError):
-            store.connect(address, timeout_s=1)
+        monkeypatch.setenv(keys.SECRET_ENV, "run-a-secret")
+        assert ControlClient(transport.connect(address, timeout_s=2)).epoch() == 3
+        monkeypatch.setenv(keys.SECRET_ENV, "run-b-secret")
+        with pytest.raises(transport.WrongRunError):
+            transport.connect(address, timeout_s=1)
 
 
 def test_without_a_secret_nothing_connects_or_serves(monkeypatch: pytest.MonkeyPatch, server: tuple[dist.TCPStore, str]) -> None:
-    monkeypatch.delenv(store.SECRET_ENV)
-    for call in (lambda: store.connect(server[1], timeout_s=1), lambda: store.serve(store.free_port(), 1)):
+    monkeypatch.delenv(keys.SECRET_ENV)
+    for call in (lambda: transport.connect(server[1], timeout_s=1), lambda: transport.serve(transport.free_port(), 1)):
         with pytest.raises(RuntimeError) as info:
             call()
-        assert f"{store.SECRET_ENV} is not set" in str(info.value)
+        assert f"{keys.SECRET_ENV} is not set" in str(info.value)
 
 
 def test_the_runs_keys_are_out_of_reach_without_its_secret(server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str) -> None:
     host, _, port = server[1].rpartition(":")
     stray = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))  # no secret
-    store.put_json(client, key, {"epoch": 1})
+    ControlClient(client).put(key, Fence(attempt=0, epoch=1))
     assert not stray.check([key])
     stray.set(key, "overwritten by a stray client")
-    assert store.get_json(server[0], key, ("epoch",)) == {"epoch": 1}
+    assert ControlClient(server[0]).read(key, Fence) == Fence(attempt=0, epoch=1)
 
 
 def test_a_runs_store_clones_and_does_what_the_trainer_asks(server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str) -> None:

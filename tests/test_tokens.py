@@ -61,6 +61,7 @@ def test_vocabulary_beyond_uint16_round_trips(tmp_path: Path) -> None:
     assert_windows_match_files(dataset, 32, 70_000)
 
 
+@pytest.mark.unit
 def test_token_width_from_vocabulary() -> None:
     assert tokens.dtype_for_vocab(2048) == "uint16"
     assert tokens.dtype_for_vocab(65_536) == "uint16"
@@ -149,6 +150,7 @@ def test_megatron_indexed_datasets_written_by_megatron_are_read(tmp_path: Path) 
     assert_windows_match_files(dataset, 24, 70_000)
 
 
+@pytest.mark.unit
 def test_index_refuses_a_wrong_token_width(tmp_path: Path) -> None:
     from datatrove.pipeline.tokens import DocumentTokenizer
 
@@ -238,6 +240,7 @@ def test_out_of_range_token_at_run_time_names_file_and_offset(small: TokenDatase
         dataset.window(1, 64, 2048)
 
 
+@pytest.mark.unit
 def test_interrupted_shard_leaves_nothing(tmp_path: Path) -> None:
     writer = tokens.ShardWriter(str(tmp_path / "00000.ds"), "uint16")
     writer.add([1, 2, 3])

@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_recover import store, transfer
+from titan_recover import transfer
+from titan_recover.control import protocol, transport
 from titan_recover.collectives import CollectiveAborted, ReplicateGroups
 from titan_recover.transfer import RNG, TransferError, check_manifest, manifest, pack, unpack
 
@@ -88,6 +89,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+@pytest.mark.unit
 def test_pack_is_the_bytes_in_order() -> None:
     tensors = mixed_tensors()
     payload = pack(tensors)
@@ -96,6 +98,7 @@ def test_pack_is_the_bytes_in_order() -> None:
     assert torch.equal(payload, torch.cat([as_bytes(t) for _, t in tensors]))
 
 
+@pytest.mark.unit
 def test_pack_unpack_round_trip_is_bit_exact() -> None:
     src = mixed_tensors()
     dst = [(name, torch.zeros_like(t)) for name, t in src]
@@ -105,6 +108,7 @@ def test_pack_unpack_round_trip_is_bit_exact() -> None:
         assert torch.equal(as_bytes(a), as_bytes(b)), name  # bytes: NaN and -0.0 included
 
 
+@pytest.mark.unit
 def test_unpack_writes_in_place() -> None:
     src = mixed_tensors()
     dst = [(name, torch.zeros_like(t)) for name, t in src]
@@ -113,6 +117,7 @@ def test_unpack_writes_in_place() -> None:
     assert [t.data_ptr() for _, t in dst] == ptrs
 
 
+@pytest.mark.unit
 def test_pack_non_contiguous_in_logical_order() -> None:
     base = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     src = [("odd", torch.tensor([1], dtype=torch.uint8)), ("t", base.t())]
@@ -122,6 +127,7 @@ def test_pack_non_contiguous_in_logical_order() -> None:
     assert torch.equal(dst[1][1], base.t())
 
 
+@pytest.mark.unit
 def test_unpack_into_parameters_does_not_track_grad() -> None:
     lin = torch.nn.Linear(3, 2)
     src = [("w", torch.ones(2, 3)), ("b", torch.full((2,), 2.0))]
@@ -147,6 +153,7 @@ def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("n", [0, 5, 8, 61, 4096 + 3])
 def test_checksum_is_its_definition_in_any_chunking(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     payload = random_bytes(n)
@@ -156,12 +163,14 @@ def test_checksum_is_its_definition_in_any_chunking(monkeypatch: pytest.MonkeyPa
     assert transfer.checksum(payload) == expected
 
 
+@pytest.mark.unit
 def test_equal_payloads_have_equal_checksums() -> None:
     payload = random_bytes(1000, seed=1)
     assert transfer.checksum(payload) == transfer.checksum(payload.clone()) == transfer.checksum(random_bytes(1000, seed=1))
     assert transfer.checksum(pack(mixed_tensors())) == transfer.checksum(pack(mixed_tensors()))
 
 
+@pytest.mark.unit
 def test_a_flipped_byte_anywhere_changes_the_checksum() -> None:
     payload = random_bytes(8 * 9 + 5, seed=2)  # a zero-padded last word too
     good = transfer.checksum(payload)
@@ -172,6 +181,7 @@ def test_a_flipped_byte_anywhere_changes_the_checksum() -> None:
             assert transfer.checksum(bad) != good, (i, mask)
 
 
+@pytest.mark.unit
 def test_moved_words_change_the_checksum() -> None:
     payload = random_bytes(64, seed=3)
     swapped = payload.view(torch.int64)[[1, 0, *range(2, 8)]].view(torch.uint8)
@@ -189,6 +199,7 @@ def test_checksum_on_the_gpu_equals_the_cpus(monkeypatch: pytest.MonkeyPatch) ->
 # --- manifest / check_manifest ---------------------------------------------------
 
 
+@pytest.mark.unit
 def test_manifest_names_dtype_and_shape() -> None:
     assert manifest([("a", torch.zeros(2, 3)), ("b", torch.zeros((), dtype=torch.int64)),
                      ("c", torch.zeros(4, dtype=torch.bfloat16))]) == [
@@ -196,6 +207,7 @@ def test_manifest_names_dtype_and_shape() -> None:
     ]
 
 
+@pytest.mark.unit
 def test_manifest_survives_json() -> None:
     ours = manifest(mixed_tensors())
     check_manifest(json.loads(json.dumps(ours)), ours)
@@ -204,6 +216,7 @@ def test_manifest_survives_json() -> None:
 OURS = [["model0/w", "float32", [8, 4]], ["model0/b", "float32", [8]], [RNG, "uint8", [5056]]]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "theirs, fragments",
     [
@@ -226,6 +239,7 @@ def test_check_manifest_names_the_mismatch(theirs: object, fragments: list[str])
         assert fragment in str(info.value), str(info.value)
 
 
+@pytest.mark.unit
 def test_check_manifest_names_the_first_difference() -> None:
     theirs = [["model0/w", "float32", [8, 5]], ["model0/b", "int64", [8]], OURS[2]]
     with pytest.raises(TransferError, match=r"\[8, 5\]") as info:
@@ -233,6 +247,7 @@ def test_check_manifest_names_the_first_difference() -> None:
     assert "int64" not in str(info.value)
 
 
+@pytest.mark.unit
 def test_check_manifest_accepts_equal() -> None:
     check_manifest([list(e) for e in OURS], OURS)
 
@@ -240,6 +255,7 @@ def test_check_manifest_accepts_equal() -> None:
 # --- state_tensors / meta / restore ----------------------------------------------
 
 
+@pytest.mark.unit
 def test_state_tensors_lists_params_then_optimizer_state_then_rng() -> None:
     model, opts, _ = make_trainer(steps=1)
     names = [name for name, _ in transfer.state_tensors([model], opts)]
@@ -249,11 +265,13 @@ def test_state_tensors_lists_params_then_optimizer_state_then_rng() -> None:
     assert names[-1] == RNG
 
 
+@pytest.mark.unit
 def test_state_tensors_of_a_fresh_optimizer_are_params_and_rng() -> None:
     model, opts, _ = make_trainer(steps=0)
     assert [name for name, _ in transfer.state_tensors([model], opts)][4:] == [RNG]
 
 
+@pytest.mark.unit
 def test_meta_restore_round_trip_through_json() -> None:
     _, d_opts, d_scheds = make_trainer(steps=2)
     _, j_opts, j_scheds = make_trainer(steps=0)
@@ -281,6 +299,7 @@ def test_meta_restore_round_trip_through_json() -> None:
         assert j_opt.param_groups[0]["lr"] == d_opt.param_groups[0]["lr"]
 
 
+@pytest.mark.unit
 def test_restore_rejects_a_different_number_of_schedulers() -> None:
     _, d_opts, d_scheds = make_trainer(steps=1)
     _, j_opts, _ = make_trainer()
@@ -295,8 +314,8 @@ def test_restore_rejects_a_different_number_of_schedulers() -> None:
 @pytest.fixture
 def address() -> Iterator[str]:
     """A fresh store per test: every transfer rendezvous is under the same prefix."""
-    port = store.free_port()
-    server = store.serve(port, 30)
+    port = transport.free_port()
+    server = transport.serve(port, 30)
     yield f"127.0.0.1:{port}"
     del server
 
@@ -325,7 +344,7 @@ def run_both(donor: Callable[[], Any], joiner: Callable[[], Any], timeout_s: flo
 
 
 def groups(address: str, replica: int) -> ReplicateGroups:
-    return ReplicateGroups(store.connect(address, 30), replica, group_rank=0, timeout_s=30)
+    return ReplicateGroups(transport.connect(address, 30), replica, group_rank=0, timeout_s=30)
 
 
 def never() -> bool:
@@ -491,7 +510,7 @@ def test_receive_refuses_a_payload_corrupted_on_the_way(address: str) -> None:
     results = run_both(donor, joiner)
     assert isinstance(results["donor"], int), repr(results["donor"])
     err = results["joiner"]
-    assert isinstance(err, store.MessageError), repr(err)
+    assert isinstance(err, protocol.MessageError), repr(err)
     assert "state transfer payload is corrupt" in str(err) and "checksum" in str(err)
     for name, v in j_model.state_dict().items():  # the joiner took no byte of it
         assert torch.equal(v, j_before[name]), name

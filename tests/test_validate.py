@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from titan_recover import store
+from titan_recover.control import keys
 from titan_recover.config import ConfigError
-from titan_recover.dataloader import check_tokenizer_folder
-from titan_recover.launch import REPLICAS_ENV, check_coordinator, parse_group_node, parse_replicas
+from titan_recover.data import check_tokenizer_folder
+from titan_recover.launch import check_coordinator, parse_group_node, parse_replicas
 from titan_recover.synthetic import TOKENIZER_DIR
 from titan_recover.tokens import DataError
 
@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "value, replicas, ids",
     [(None, 3, [0, 1, 2]), ("1", 2, [1]), ("2,0", 3, [2, 0]), (" 0, 1 ", 2, [0, 1])],
@@ -26,6 +27,7 @@ def test_replicas_env_lists_this_nodes_groups(value: str | None, replicas: int, 
     assert parse_replicas(value, replicas) == ids
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "value, problem",
     [
@@ -42,15 +44,17 @@ def test_bad_replicas_env_names_the_variable_and_value(value: str, problem: str)
     with pytest.raises(ConfigError) as info:
         parse_replicas(value, 2)
     msg = str(info.value)
-    assert msg.startswith(f"{REPLICAS_ENV}={value!r}: {problem};"), msg
+    assert msg.startswith(f"{keys.REPLICAS_ENV}={value!r}: {problem};"), msg
     assert "ids 0..1 (parallelism.data_parallel_replicate_degree + recover.spares = 2)" in msg
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("address", ["10.0.0.5:29500", "node-3.cluster:1", "localhost:65535"])
 def test_coordinator_env_host_port(address: str) -> None:
     assert check_coordinator(address) == address
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "address, problem",
     [
@@ -68,20 +72,23 @@ def test_coordinator_env_host_port(address: str) -> None:
 def test_bad_coordinator_env_names_the_variable_and_value(address: str, problem: str) -> None:
     with pytest.raises(ConfigError) as info:
         check_coordinator(address)
-    assert str(info.value).startswith(f"{store.COORDINATOR_ENV}={address!r}{'' if problem[0] == ':' else ' '}{problem}")
+    assert str(info.value).startswith(f"{keys.COORDINATOR_ENV}={address!r}{'' if problem[0] == ':' else ' '}{problem}")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("value, parts, part", [(None, 1, 0), (None, 4, 0), ("0", 2, 0), ("3", 4, 3), (" 1", 2, 1)])
 def test_group_node_env_says_which_part_of_its_groups_a_node_runs(value: str | None, parts: int, part: int) -> None:
     assert parse_group_node(value, parts) == part
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("value", ["2", "-1", "x", ""])
 def test_bad_group_node_env_names_the_variable_and_the_range(value: str) -> None:
-    with pytest.raises(ConfigError, match=rf"{store.GROUP_NODE_ENV}={value!r} is not a part of a replica group; set it to 0\.\.1"):
+    with pytest.raises(ConfigError, match=rf"{keys.GROUP_NODE_ENV}={value!r} is not a part of a replica group; set it to 0\.\.1"):
         parse_group_node(value, 2)
 
 
+@pytest.mark.unit
 def test_tokenizer_folder_needs_tokenizer_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     check_tokenizer_folder(TOKENIZER_DIR)
     with pytest.raises(DataError, match=rf"^model.hf_assets_path: no tokenizer at {tmp_path} \(the folder has no tokenizer.json\)"):
@@ -102,9 +109,9 @@ def launch(*overrides: str, env: dict[str, str] | None = None) -> subprocess.Com
 @pytest.mark.parametrize(
     "env, message",
     [
-        ({REPLICAS_ENV: "1,x"}, f"error: {REPLICAS_ENV}='1,x': 'x' is not a replica id"),
-        ({store.COORDINATOR_ENV: "10.0.0.5:0"}, f"error: {store.COORDINATOR_ENV}='10.0.0.5:0': port 0 is out of range"),
-        ({store.GROUP_NODE_ENV: "1"}, f"error: {store.GROUP_NODE_ENV}='1' is not a part of a replica group; set it to 0..0"),
+        ({keys.REPLICAS_ENV: "1,x"}, f"error: {keys.REPLICAS_ENV}='1,x': 'x' is not a replica id"),
+        ({keys.COORDINATOR_ENV: "10.0.0.5:0"}, f"error: {keys.COORDINATOR_ENV}='10.0.0.5:0': port 0 is out of range"),
+        ({keys.GROUP_NODE_ENV: "1"}, f"error: {keys.GROUP_NODE_ENV}='1' is not a part of a replica group; set it to 0..0"),
     ],
 )
 def test_launcher_refuses_a_bad_environment_before_starting(env: dict[str, str], message: str) -> None:

@@ -14,7 +14,7 @@ without a GPU:
 
 from dataclasses import dataclass
 
-from titan_recover.config import BACKENDS, ConfigError  # BACKENDS: the values of recover.replicate_backend
+from titan_recover.config import ConfigError
 
 
 @dataclass(frozen=True)
