@@ -53,7 +53,7 @@ import torch
 from bench.common import CONFIG, PRECISION, ROOT, of, write_result
 from titan_recover import data
 from titan_recover.events import events_path, read_events
-from titan_recover.launch import with_threads
+from titan_recover.groups import with_threads
 from titan_recover.control.transport import free_port
 
 BIN = Path(sys.executable).parent

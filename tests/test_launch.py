@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from titan_recover import launch
+from titan_recover import groups, launch
 from titan_recover.control import keys, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.config import ConfigError
-from titan_recover.launch import is_incarnation
+from titan_recover.groups import is_incarnation
 
 from conftest import CONFIG, ROOT
 from test_store import accepts, non_loopback_ip
@@ -35,9 +35,9 @@ def test_is_incarnation_reads_the_rank_environment() -> None:
 @pytest.mark.unit
 def test_ranks_on_a_host_share_its_cores(monkeypatch) -> None:
     monkeypatch.setattr(launch.os, "cpu_count", lambda: 8)
-    assert launch.with_threads({"A": "1"}, 4) == {"A": "1", "OMP_NUM_THREADS": "2"}
-    assert launch.with_threads({}, 16) == {"OMP_NUM_THREADS": "1"}
-    assert launch.with_threads({"OMP_NUM_THREADS": "3"}, 4) == {"OMP_NUM_THREADS": "3"}  # the user's choice wins
+    assert groups.with_threads({"A": "1"}, 4) == {"A": "1", "OMP_NUM_THREADS": "2"}
+    assert groups.with_threads({}, 16) == {"OMP_NUM_THREADS": "1"}
+    assert groups.with_threads({"OMP_NUM_THREADS": "3"}, 4) == {"OMP_NUM_THREADS": "3"}  # the user's choice wins
 
 
 @pytest.mark.unit
@@ -105,12 +105,12 @@ def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on() -> None:
 
 @pytest.mark.unit
 def test_a_group_spanning_nodes_meets_at_part_0s_rendezvous_and_needs_a_reachable_coordinator() -> None:
-    meet = launch.Meeting("10.0.0.5", 29600, 1, 4, 600.0)
-    cmd = launch.torchrun(2, ["--x.y", "1"], "replica3", meet)
+    meet = groups.Meeting("10.0.0.5", 29600, 1, 4, 600.0)
+    cmd = groups.torchrun(2, ["--x.y", "1"], "replica3", meet)
     assert cmd[cmd.index("--nnodes"):cmd.index("--nproc_per_node=2")] == [
         "--nnodes", "4", "--node-rank", "1", "--master-addr", "10.0.0.5", "--master-port", "29600", "--rdzv-conf", "timeout=600"]
-    assert "--standalone" not in cmd and "--standalone" in launch.torchrun(2, [], "replica0")
-    assert launch.Span(1, 4).of(3) == "replica group 3 (part 1 of 4)" and launch.Span().of(3) == "replica group 3"
+    assert "--standalone" not in cmd and "--standalone" in groups.torchrun(2, [], "replica0")
+    assert groups.Span(1, 4).of(3) == "replica group 3 (part 1 of 4)" and groups.Span().of(3) == "replica group 3"
     with pytest.raises(ConfigError, match="the replica groups span 2 nodes"):  # every group here, but half of each elsewhere
         launch.coordinator_bind("", [0, 1], 2, parts=2)
     assert launch.coordinator_bind("127.0.0.1", [0, 1], 2, parts=2) == "127.0.0.1"

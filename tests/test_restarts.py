@@ -3,7 +3,7 @@
 import pytest
 
 from titan_recover.agent import NodeAgent
-from titan_recover import launch
+from titan_recover.groups import Meeting, ReplicaGroups, Span
 from titan_recover.control import claims, keys
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Fence, Launcher, Rendezvous
@@ -108,14 +108,14 @@ def test_replica_groups_restart_per_window_and_give_up_on_flapping(
 ) -> None:
     started: list[tuple[int, int]] = []  # (replica, attempt) of every torchrun started
 
-    def start(self: launch.ReplicaGroups, replica: int) -> FakeProc:
+    def start(self: ReplicaGroups, replica: int) -> FakeProc:
         started.append((replica, self.attempts[replica]))
         return FakeProc()
 
-    monkeypatch.setattr(launch.ReplicaGroups, "_start", start)
+    monkeypatch.setattr(ReplicaGroups, "_start", start)
     now = [0.0]
     me = Launcher.this()
-    groups = launch.ReplicaGroups([], {0: {}, 1: {}}, 1, max_restarts=1, restart_window_s=HOUR, launcher=me,
+    groups = ReplicaGroups([], {0: {}, 1: {}}, 1, max_restarts=1, restart_window_s=HOUR, launcher=me,
                                  agent=NodeAgent("127.0.0.1:1", "secret", 1), clock=lambda: now[0])
     client = fake_client()
     claims.claim(client, me, [0, 1], stale_s=1.0, log=print)
@@ -152,9 +152,9 @@ def test_a_group_taken_over_by_another_launcher_is_left_to_it(
 ) -> None:
     """This launcher looked dead (e.g. SIGSTOPped) and a replacement claimed its group: it must
     neither report that group's exit (it would fence the replacement's incarnation) nor restart it."""
-    monkeypatch.setattr(launch.ReplicaGroups, "_start", lambda self, replica: FakeProc())
+    monkeypatch.setattr(ReplicaGroups, "_start", lambda self, replica: FakeProc())
     me, replacement = Launcher.this(), Launcher.this()
-    groups = launch.ReplicaGroups([], {1: {}}, 1, max_restarts=3, restart_window_s=HOUR, launcher=me,
+    groups = ReplicaGroups([], {1: {}}, 1, max_restarts=3, restart_window_s=HOUR, launcher=me,
                                   agent=NodeAgent("127.0.0.1:1", "secret", 1))
     client = fake_client()
     claims.claim(client, me, [1], stale_s=1.0, log=print)
@@ -175,22 +175,22 @@ def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
     for the next incarnation; a launcher that took part 1 over skips the one its predecessor joined."""
     started: list[tuple[int, int, int]] = []  # (replica, attempt, port)
 
-    def start(self: launch.ReplicaGroups, replica: int) -> FakeProc:
+    def start(self: ReplicaGroups, replica: int) -> FakeProc:
         started.append((replica, self.attempts[replica], self.meetings[replica].port))
         return FakeProc()
 
-    monkeypatch.setattr(launch.ReplicaGroups, "_start", start)
+    monkeypatch.setattr(ReplicaGroups, "_start", start)
     me, client = Launcher.this(), fake_client()
     client.store.set(keys.EPOCH, "0")
-    groups = launch.ReplicaGroups([], {0: {}}, 1, max_restarts=0, restart_window_s=HOUR, launcher=me,
-                                  agent=NodeAgent("127.0.0.1:1", "secret", 1), span=launch.Span(1, 2))
+    groups = ReplicaGroups([], {0: {}}, 1, max_restarts=0, restart_window_s=HOUR, launcher=me,
+                                  agent=NodeAgent("127.0.0.1:1", "secret", 1), span=Span(1, 2))
     claims.claim(client, me, [0], stale_s=1.0, log=print, part=1)
     groups.follow(client, 0, taken_over=False)
     assert groups.watch(client) and started == [] and not groups.done()  # nothing published yet
     publish = lambda attempt, port: client.publish_rendezvous(0, Rendezvous(attempt, "10.0.0.5", port))  # noqa: E731
     publish(0, 29600)
     assert groups.watch(client) and started == [(0, 0, 29600)]
-    assert groups.meetings[0] == launch.Meeting("10.0.0.5", 29600, 1, 2, 600.0)
+    assert groups.meetings[0] == Meeting("10.0.0.5", 29600, 1, 2, 600.0)
     assert client.store.get(keys.joined_key(0, 1)) == b"0" and client.joined(0, 1) == 0
     groups.procs[0].code = 1  # its part fails: reported, not restarted here (no budget of its own: max_restarts 0)
     assert groups.watch(client) and started == [(0, 0, 29600)] and causes(client) == [
@@ -205,8 +205,8 @@ def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
     assert "replica group 0 (part 1 of 2) exited with code 1; waiting for part 0 to start its next incarnation" in out
     assert "replica group 0 (part 1 of 2): joining incarnation 2 at 10.0.0.5:29602" in out
 
-    replacement = launch.ReplicaGroups([], {0: {}}, 1, max_restarts=0, restart_window_s=HOUR, launcher=me,
-                                       agent=NodeAgent("127.0.0.1:1", "secret", 1), span=launch.Span(1, 2))
+    replacement = ReplicaGroups([], {0: {}}, 1, max_restarts=0, restart_window_s=HOUR, launcher=me,
+                                       agent=NodeAgent("127.0.0.1:1", "secret", 1), span=Span(1, 2))
     replacement.follow(client, 0, taken_over=True)  # its predecessor joined incarnation 2
     assert replacement.watch(client) and started[-1] == (0, 2, 29602)  # not joined
     assert causes(client)[-1] == "replica group 0 (part 1 of 2) lost with its launcher (attempt 2)"

@@ -153,7 +153,7 @@ class ReplicateGroups:
             pause = backoff(pause)
         if isinstance(result[0], Exception):
             raise CollectiveAborted(f"building {prefix} failed: {result[0]}")
-        return result[0]  # type: ignore[return-value]
+        return result[0]  # type: ignore[return-value]  # not an Exception (checked above): the built group
 
     def _build(self, membership: Membership, abort: Callable[[], bool]) -> dist.Backend | None:
         if membership.epoch in self._groups:

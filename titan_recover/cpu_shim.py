@@ -106,7 +106,7 @@ def apply() -> None:
                 "import titan_recover.train (or call apply()) first"
             )
         return
-    torch.profiler.profile = _CpuProfile  # type: ignore[misc]
+    torch.profiler.profile = _CpuProfile  # type: ignore[misc]  # the shim swaps torch's class for its CPU stand-in
     import torch._utils as tu
 
     saved = tu._get_available_device_type, tu._get_device_module

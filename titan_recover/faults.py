@@ -140,7 +140,7 @@ def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
         if phase == "join":
             fields.setdefault("attempt", 1)  # attempt=0 only for a hot spare (checked against the layout by config)
         fields.setdefault("step", None)
-        faults.append(Fault(action=action, **fields))  # type: ignore[arg-type]
+        faults.append(Fault(action=action, **fields))  # type: ignore[arg-type]  # each field was parsed to its type above
     return tuple(faults)
 
 

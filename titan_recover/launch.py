@@ -12,26 +12,26 @@ stock TorchTitan, restarted as a whole (checkpoint-and-restart) on the same budg
 import os
 import re
 import secrets
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from titan_recover import config, cpu_shim, devices, logs, node_channel
+from titan_recover import config, cpu_shim, devices, logs
 from titan_recover.agent import NodeAgent
 from titan_recover.control import claims, keys, transport
 from titan_recover.control.addresses import LOOPBACK, first_endpoint, local_host, parse_host_port
 from titan_recover.control.client import ControlClient
-from titan_recover.control.lifeline import PROBE_S, Heartbeat
-from titan_recover.control.protocol import Launcher, Rendezvous, Report
-from titan_recover.procs import die_with_parent, dumps_stacks, exit_lost
+from titan_recover.control.lifeline import Heartbeat
+from titan_recover.control.protocol import Launcher
 from titan_recover.events import events_path
+from titan_recover.groups import ReplicaGroups, Span, torchrun, with_threads
+from titan_recover.procs import dumps_stacks, exit_lost
 from titan_recover.restarts import RestartBudget
 from titan_recover.summary import format_summary, summarize_events
 from titan_recover.tokens import DataError
@@ -111,30 +111,6 @@ def check_coordinator(address: str, control_store: str = "") -> str:
 log = logs.get("launcher")
 
 
-class Meeting(NamedTuple):
-    """Where the torchrun agents of one incarnation of a group that spans nodes meet: a static
-    rendezvous on part 0's host, at a port its launcher picked for that incarnation alone."""
-
-    host: str
-    port: int
-    part: int
-    parts: int
-    timeout_s: float
-
-    def args(self) -> list[str]:
-        return ["--nnodes", str(self.parts), "--node-rank", str(self.part), "--master-addr", self.host,
-                "--master-port", str(self.port), "--rdzv-conf", f"timeout={int(self.timeout_s)}"]
-
-
-def torchrun(nproc: int, argv: list[str], role: str, meeting: Meeting | None = None) -> list[str]:
-    where = ["--standalone", "--nnodes", "1"] if meeting is None else meeting.args()
-    return [
-        sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={nproc}",
-        "--max_restarts", "0", "--role", role, "--tee", "3", "--local-ranks-filter", "0",
-        "-m", "titan_recover.train", *argv,
-    ]
-
-
 def node_address(coordinator: str) -> str:
     """This node's address as the coordinator's network sees it (the local end of a route to
     the coordinator; nothing is sent): where part 0 of a group asks the other parts to meet."""
@@ -142,52 +118,6 @@ def node_address(coordinator: str) -> str:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, port))
         return s.getsockname()[0]
-
-
-def with_threads(env: dict[str, str], local_ranks: int) -> dict[str, str]:
-    """Splits this host's cores among its ranks (unless ``OMP_NUM_THREADS`` is set).
-
-    torchrun sets one thread per rank only when it starts several; a replica group of
-    one rank would otherwise take every core, and R such groups on one host oversubscribe
-    it, which made CPU steps 10-20x slower while OpenMP threads spun against each other.
-    """
-    if "OMP_NUM_THREADS" in env:
-        return env
-    return {**env, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // local_ranks))}
-
-
-def is_incarnation(pid: int, replica: int, attempt: int) -> bool:
-    """Whether ``pid`` is a rank of that incarnation (its environment says so), not a reused pid."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = set(f.read().split(b"\0"))
-    except OSError:  # gone already
-        return False
-    return {f"{keys.REPLICA_ENV}={replica}".encode(), f"{keys.ATTEMPT_ENV}={attempt}".encode()} <= env
-
-
-def kill_fenced(client: ControlClient, agent: NodeAgent, replica: int, handled: dict[int, int]) -> None:
-    """SIGKILLs the ranks of a fenced incarnation of ``replica`` that run on this node
-    (their pids are in its channel).
-
-    A fenced group may be hung (SIGSTOP, a wedged collective) rather than dead;
-    torchrun only restarts a group once one of its processes exits.
-    """
-    fence = client.read_fence(replica)
-    if fence is None:
-        return
-    attempt = fence.attempt
-    if handled.get(replica, -1) >= attempt:
-        return
-    handled[replica] = attempt
-    for local_rank, pid in agent.pids(replica, attempt).items():
-        if not is_incarnation(pid, replica, attempt):
-            continue  # the pid now belongs to someone else
-        try:
-            os.kill(pid, signal.SIGKILL)
-            log.info(f"killed local rank {local_rank} of fenced replica {replica} (attempt {attempt}, pid {pid})")
-        except ProcessLookupError:
-            pass  # already gone
 
 
 def with_gpus(env: dict[str, str], visible: str | None) -> dict[str, str]:
@@ -231,162 +161,6 @@ def run_secret(env: dict[str, str], only_this_node: bool) -> str:
         f"a multi-node run needs one secret on every node: set {keys.SECRET_ENV} to the same value for each "
         f"node's launcher, e.g. export {keys.SECRET_ENV}=$(python -c 'import secrets; print(secrets.token_hex(16))')"
     )
-
-
-class Span(NamedTuple):
-    """Which part of its replica groups this node runs, when they span ``parts`` nodes."""
-
-    part: int = 0
-    parts: int = 1
-    host: str = LOOPBACK  # this node's address, where part 0 has the others meet
-    timeout_s: float = 600.0  # how long a group's torchrun waits for all its parts to meet
-
-    @property
-    def suffix(self) -> str:
-        return f" (part {self.part} of {self.parts})" if self.parts > 1 else ""
-
-    def of(self, replica: int) -> str:
-        return f"replica group {replica}{self.suffix}"
-
-
-class ReplicaGroups:
-    """This node's replica groups (or its part of each, ``Span``): one torchrun job each,
-    restarted when it fails while this launcher still holds its claim (``claims``).
-
-    Part 0 of a group that spans nodes restarts it (its budget, its incarnation numbers) and
-    publishes where each incarnation meets; the launchers of the other parts follow it: when
-    their part exits they report it and wait for part 0's next incarnation.
-    """
-
-    def __init__(
-        self,
-        argv: list[str],
-        envs: dict[int, dict[str, str]],
-        local_ranks: int,
-        max_restarts: int,
-        restart_window_s: float,
-        launcher: Launcher,
-        agent: NodeAgent,
-        span: Span = Span(),
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.argv, self.envs, self.local_ranks, self.launcher, self.clock = argv, envs, local_ranks, launcher, clock
-        self.agent, self.span = agent, span
-        self.meetings: dict[int, Meeting] = {}  # groups that span nodes: where the current incarnation meets
-        self.waiting: dict[int, int] = {}  # parts > 0: group -> the lowest incarnation of part 0's it may join
-        self.fences_read = (-2, 0.0)  # the epoch at the last look for fenced incarnations, and when
-        self.attempts: dict[int, int] = {}  # the incarnation each group runs, numbered by the store (ControlClient.next_incarnation)
-        self.budgets = {r: RestartBudget(max_restarts, restart_window_s) for r in envs}
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.given_up: set[int] = set()
-        self.killed: dict[int, int] = {}
-        self.outcome: int | None = None  # the run's exit status (1: fatal) once the coordinator ended it
-
-    def start(self, replica: int, attempt: int, meet: tuple[str, int] | None = None) -> None:
-        """Starts that incarnation; a group that spans nodes meets at ``meet`` (part 0 picks a port)."""
-        span = self.span
-        if span.parts > 1:
-            host, port = meet or (span.host, transport.free_port())
-            self.meetings[replica] = Meeting(host, port, span.part, span.parts, span.timeout_s)
-        self.attempts[replica] = attempt
-        self.waiting.pop(replica, None)
-        self.procs[replica] = self._start(replica)
-
-    def _start(self, replica: int) -> subprocess.Popen:
-        attempt = self.attempts[replica]
-        env = {**self.envs[replica], keys.REPLICA_ENV: str(replica), keys.ATTEMPT_ENV: str(attempt),
-               node_channel.CHANNEL_ENV: self.agent.open(replica, attempt)}
-        return subprocess.Popen(torchrun(self.local_ranks, self.argv, f"replica{replica}", self.meetings.get(replica)),
-                                env=env, preexec_fn=die_with_parent)
-
-    def publish(self, client: ControlClient, replica: int) -> None:
-        """Part 0 says where the current incarnation of a group that spans nodes meets."""
-        if self.span.parts > 1 and self.span.part == 0:
-            meet = self.meetings[replica]
-            client.publish_rendezvous(replica, Rendezvous(self.attempts[replica], meet.host, meet.port))
-
-    def follow(self, client: ControlClient, replica: int, taken_over: bool) -> None:
-        """Parts > 0: wait for an incarnation of part 0's to join. A launcher that took this part
-        over skips the incarnation its dead predecessor started (its ranks died with it) and
-        reports it, so the group restarts now rather than when the coordinator finds it silent."""
-        floor = 0
-        joined = client.joined(replica, self.span.part) if taken_over else None
-        if joined is not None:
-            floor = joined + 1
-            cause = f"{self.span.of(replica)} lost with its launcher (attempt {joined})"
-            client.report(Report(epoch=client.epoch(), cause=cause, replica=replica, suspect=replica, attempt=joined))
-        self.waiting[replica] = floor
-
-    def _join(self, client: ControlClient, replica: int) -> None:
-        """Starts this part of part 0's latest incarnation of ``replica``, if it may join it."""
-        meet = client.read_rendezvous(replica)
-        if meet is None or meet.attempt < self.waiting[replica]:
-            return
-        fence = client.read_fence(replica)
-        if fence is not None and fence.attempt >= meet.attempt:
-            return  # out already: part 0 publishes the next one
-        client.set_joined(replica, self.span.part, meet.attempt)
-        log.info(f"{self.span.of(replica)}: joining incarnation {meet.attempt} at {meet.host}:{meet.port}")
-        self.start(replica, meet.attempt, (meet.host, meet.port))
-
-    def kill(self) -> None:
-        """SIGKILLs every group's torchrun agent; its ranks die with it (``die_with_parent``)."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-
-    def watch(self, client: ControlClient) -> bool:
-        """One look: kill fenced leftovers, report and restart failed groups; False once the run is ending."""
-        flags = self.agent.flags  # pushed with the epoch
-        if flags:
-            self.outcome = 1 if flags & node_channel.FATAL else 0
-            return False  # restart nothing
-        now = self.clock()
-        for report in self.agent.take_hangs():  # a rank of a local group stopped beating: fenced now
-            client.report(report)
-        look = (self.agent.epoch, now) if self.agent.epoch != self.fences_read[0] or now - self.fences_read[1] >= PROBE_S else None
-        for r, proc in list(self.procs.items()):
-            if look:  # a fence comes with a new epoch (a waiting spare's, within PROBE_S)
-                kill_fenced(client, self.agent, r, self.killed)
-            code = proc.poll()
-            if code in (None, 0) or r in self.given_up or r in self.waiting:
-                continue
-            if not claims.holds(client, self.launcher, r, self.span.part):
-                log.info(f"{self.span.of(r)} exited with code {code}; another launcher took it over (this one looked dead): "
-                    "leaving it to that one")
-                self.given_up.add(r)
-                continue
-            # the group is certainly dead: say so first (faster than heartbeats), then restart it
-            now = self.clock()
-            restart = self.span.part > 0 or self.budgets[r].take(now)  # part 0 restarts a group that spans nodes
-            epoch = max(self.agent.epoch, 0)
-            cause = f"torchrun of replica {r}{self.span.suffix} exited with code {code}" + ("" if restart else " (no restarts left in the window)")
-            client.report(Report(epoch=epoch, cause=cause, replica=r, suspect=r, attempt=self.attempts[r]))
-            if self.span.part > 0:
-                log.info(f"{self.span.of(r)} exited with code {code}; waiting for part 0 to start its next incarnation")
-                self.waiting[r] = self.attempts[r] + 1
-                continue
-            if not restart:
-                log.info(
-                    f"replica group {r} exited with code {code}; {self.budgets[r].refusal(now)}; not restarting it; "
-                    "the run goes on with the other groups"
-                )
-                self.given_up.add(r)
-                continue
-            attempt = client.next_incarnation(r)
-            log.info(f"{self.span.of(r)} exited with code {code}; {self.budgets[r].used(now)} (attempt {attempt})")
-            self.start(r, attempt)
-            self.publish(client, r)
-        for r in list(self.waiting):
-            self._join(client, r)
-        if look:
-            self.fences_read = look
-        return True
-
-    def done(self) -> bool:
-        return not self.waiting and all(p.poll() is not None for p in self.procs.values()) and not any(
-            p.returncode != 0 and r not in self.given_up for r, p in self.procs.items()
-        )
 
 
 def run_stock(job_config: Any, argv: list[str]) -> int:

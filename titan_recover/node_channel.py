@@ -22,9 +22,13 @@ from typing import Callable
 
 import numpy as np
 
+from titan_recover import logs
+
 CHANNEL_ENV = "TITAN_RECOVER_CHANNEL"  # path of this incarnation's channel file
 MAGIC = 0x7469_7461_6E72_6563  # "titanrec": a file that is not a channel is refused
 HEADER, SLOT = 8, 4  # int64 words
+log = logs.get("rank")
+
 EPOCH, FLAGS, AGENT_BEAT = 1, 2, 3
 FATAL, DONE = 1, 2  # flag bits: the run failed / finished
 BEAT, STATE, PID, STEP = 0, 1, 2, 3  # slot words
@@ -171,8 +175,8 @@ class RankBeat:
                 self.channel.beat(self.slot)
             elif self.channel.words[self.channel._slot(self.slot) + STATE] != STUCK:
                 idle, where = self.idle()
-                print(f"[titan_recover] local rank {self.slot}: the main loop made no progress for {idle:.0f}s "
-                      f"(last: {where}); it stops beating and its node agent reports it", flush=True)
+                log.warning(f"local rank {self.slot}: the main loop made no progress for {idle:.0f}s "
+                            f"(last: {where}); it stops beating and its node agent reports it")
                 self.channel.set_state(self.slot, STUCK)
             beat = self.channel.agent_beat()
             if beat != agent[0]:

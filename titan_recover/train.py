@@ -106,9 +106,9 @@ class RecoverTrainer(LoggedTrainer):
             if self._leader:
                 save(curr_step, last_step)
 
-        self.checkpointer.save = save_if_leader  # type: ignore[method-assign]
+        self.checkpointer.save = save_if_leader  # type: ignore[method-assign]  # on this instance only: the leader group saves
         if self.manager.rejoining:
-            self.checkpointer.load = lambda step=-1: False  # type: ignore[method-assign]
+            self.checkpointer.load = lambda step=-1: False  # type: ignore[method-assign]  # a rejoiner takes a peer's state, never a file
 
     def _epoch_view(self) -> Callable[[], int]:
         return self.manager.channel.epoch

@@ -206,7 +206,7 @@ class _Run:
     def __init__(self, system: str, cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon,
                  stragglers: Sequence[Straggler]) -> None:
         self.system, self.cluster, self.costs, self.horizon = system, cluster, costs, horizon
-        self.timed = sorted((f for f in failures if f.time_s is not None), key=lambda f: f.time_s)  # type: ignore[arg-type,return-value]
+        self.timed = sorted((f for f in failures if f.time_s is not None), key=lambda f: f.time_s)  # type: ignore[arg-type,return-value]  # timed: only failures with a time
         self.by_step = [f for f in failures if f.step is not None]
         self.stragglers = stragglers
         self.t, self.steps, self.fired, self.gpu_hours = 0.0, 0, 0, 0.0
@@ -240,11 +240,11 @@ class _Run:
         """When the next failure hits, for a stretch of work [start, start + duration):
         a step-triggered one mid-way, a timed one at its time; math.inf if none."""
         timed = self.timed[0].time_s if self.timed else math.inf
-        return min(timed, start + duration / 2) if self._step_due() else timed  # type: ignore[return-value]
+        return min(timed, start + duration / 2) if self._step_due() else timed  # type: ignore[return-value]  # timed failures have a time
 
     def fail(self, exposed: int) -> int:
         """Fires the failure due now on ``exposed`` training groups; returns how many it took."""
-        timed_now = bool(self.timed) and self.timed[0].time_s <= self.t  # type: ignore[operator]
+        timed_now = bool(self.timed) and self.timed[0].time_s <= self.t  # type: ignore[operator]  # timed failures have a time
         failure = self.timed.pop(0) if timed_now or not self._step_due() else self.by_step.pop(0)
         lost = min(failure.groups, exposed, self.healthy)
         self.healthy -= lost
@@ -283,7 +283,7 @@ def simulate_restart(cluster: Cluster, costs: Costs, failures: list[Failure], ho
         run.steps = ckpt_step  # work since the last checkpoint is lost
         restart_end = run.t + costs.restart_s
         while run.timed and run.timed[0].time_s < restart_end:  # a failure during the restart starts it over
-            run.advance(run.timed[0].time_s)  # type: ignore[arg-type]
+            run.advance(run.timed[0].time_s)  # type: ignore[arg-type]  # timed failures have a time
             run.fail(min(cluster.groups, run.healthy))
             restart_end = run.t + costs.restart_s
         run.advance(restart_end)
