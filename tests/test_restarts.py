@@ -185,7 +185,7 @@ def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
     groups = ReplicaGroups([], {0: {}}, 1, max_restarts=0, restart_window_s=HOUR, launcher=me,
                                   agent=NodeAgent("127.0.0.1:1", "secret", 1), span=Span(1, 2))
     claims.claim(client, me, [0], stale_s=1.0, log=print, part=1)
-    groups.follow(client, 0, taken_over=False)
+    groups.begin(client, 0, taken_over=False)
     assert groups.watch(client) and started == [] and not groups.done()  # nothing published yet
     publish = lambda attempt, port: client.publish_rendezvous(0, Rendezvous(attempt, "10.0.0.5", port))  # noqa: E731
     publish(0, 29600)
@@ -207,7 +207,7 @@ def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
 
     replacement = ReplicaGroups([], {0: {}}, 1, max_restarts=0, restart_window_s=HOUR, launcher=me,
                                        agent=NodeAgent("127.0.0.1:1", "secret", 1), span=Span(1, 2))
-    replacement.follow(client, 0, taken_over=True)  # its predecessor joined incarnation 2
+    replacement.begin(client, 0, taken_over=True)  # its predecessor joined incarnation 2
     assert replacement.watch(client) and started[-1] == (0, 2, 29602)  # not joined
     assert causes(client)[-1] == "replica group 0 (part 1 of 2) lost with its launcher (attempt 2)"
     publish(3, 29603)

@@ -113,13 +113,79 @@ class Span(NamedTuple):
         return f"replica group {replica}{self.suffix}"
 
 
-class ReplicaGroups:
-    """This node's replica groups (or its part of each, ``Span``): one torchrun job each,
-    restarted when it fails while this launcher still holds its claim (``claims``).
+class LeaderPart:
+    """Node part 0 of its groups (every group of a single-node run): it numbers and starts each
+    incarnation, restarts a failed one within its budget, and says where one that spans nodes meets."""
 
-    Part 0 of a group that spans nodes restarts it (its budget, its incarnation numbers) and
-    publishes where each incarnation meets; the launchers of the other parts follow it: when
-    their part exits they report it and wait for part 0's next incarnation.
+    def begin(self, groups: "ReplicaGroups", client: ControlClient, replica: int, taken_over: bool) -> None:
+        attempt = client.next_incarnation(replica)  # 0 for a group started before the store was up
+        if replica not in groups.procs:  # >= 1 for a group that ran under a launcher now dead: it rejoins
+            groups.start(replica, attempt)
+        self.publish(groups, client, replica)
+
+    def publish(self, groups: "ReplicaGroups", client: ControlClient, replica: int) -> None:
+        if groups.span.parts > 1:
+            meet = groups.meetings[replica]
+            client.publish_rendezvous(replica, Rendezvous(groups.attempts[replica], meet.host, meet.port))
+
+    def exited(self, groups: "ReplicaGroups", client: ControlClient, replica: int, code: int) -> None:
+        now = groups.clock()
+        budget = groups.budgets[replica]
+        restart = budget.take(now)
+        groups.report_exit(client, replica, code, "" if restart else " (no restarts left in the window)")
+        if not restart:
+            log.info(f"replica group {replica} exited with code {code}; {budget.refusal(now)}; not restarting it; "
+                     "the run goes on with the other groups")
+            groups.given_up.add(replica)
+            return
+        attempt = client.next_incarnation(replica)
+        log.info(f"{groups.span.of(replica)} exited with code {code}; {budget.used(now)} (attempt {attempt})")
+        groups.start(replica, attempt)
+        self.publish(groups, client, replica)
+
+    def poll(self, groups: "ReplicaGroups", client: ControlClient) -> None:
+        """Nothing to wait for: this part starts each incarnation itself."""
+
+
+class FollowerPart:
+    """Node parts > 0 of groups that span nodes: they join the incarnations node part 0 starts,
+    and when their part exits they report it and wait for part 0's next one."""
+
+    def begin(self, groups: "ReplicaGroups", client: ControlClient, replica: int, taken_over: bool) -> None:
+        """Waits for an incarnation of part 0's to join. A launcher that took this part over skips
+        the incarnation its dead predecessor started (its ranks died with it) and reports it, so
+        the group restarts now rather than when the coordinator finds it silent."""
+        floor = 0
+        joined = client.joined(replica, groups.span.part) if taken_over else None
+        if joined is not None:
+            floor = joined + 1
+            cause = f"{groups.span.of(replica)} lost with its launcher (attempt {joined})"
+            client.report(Report(epoch=client.epoch(), cause=cause, replica=replica, suspect=replica, attempt=joined))
+        groups.waiting[replica] = floor
+
+    def exited(self, groups: "ReplicaGroups", client: ControlClient, replica: int, code: int) -> None:
+        groups.report_exit(client, replica, code, "")
+        log.info(f"{groups.span.of(replica)} exited with code {code}; waiting for part 0 to start its next incarnation")
+        groups.waiting[replica] = groups.attempts[replica] + 1
+
+    def poll(self, groups: "ReplicaGroups", client: ControlClient) -> None:
+        """Starts this part of part 0's latest incarnation of each waiting group, if it may join it."""
+        for replica in list(groups.waiting):
+            meet = client.read_rendezvous(replica)
+            if meet is None or meet.attempt < groups.waiting[replica]:
+                continue
+            fence = client.read_fence(replica)
+            if fence is not None and fence.attempt >= meet.attempt:
+                continue  # out already: part 0 publishes the next one
+            client.set_joined(replica, groups.span.part, meet.attempt)
+            log.info(f"{groups.span.of(replica)}: joining incarnation {meet.attempt} at {meet.host}:{meet.port}")
+            groups.start(replica, meet.attempt, (meet.host, meet.port))
+
+
+class ReplicaGroups:
+    """This node's replica groups (or its node part of each, ``Span``): one torchrun job each,
+    restarted when it fails while this launcher still holds its claim (``claims``). What a
+    node part does about starts and exits is its strategy's: ``LeaderPart`` or ``FollowerPart``.
     """
 
     def __init__(
@@ -136,6 +202,7 @@ class ReplicaGroups:
     ) -> None:
         self.argv, self.envs, self.local_ranks, self.launcher, self.clock = argv, envs, local_ranks, launcher, clock
         self.agent, self.span = agent, span
+        self.part = FollowerPart() if span.part > 0 else LeaderPart()
         self.meetings: dict[int, Meeting] = {}  # groups that span nodes: where the current incarnation meets
         self.waiting: dict[int, int] = {}  # parts > 0: group -> the lowest incarnation of part 0's it may join
         self.fences_read = (-2, 0.0)  # the epoch at the last look for fenced incarnations, and when
@@ -163,35 +230,15 @@ class ReplicaGroups:
         return subprocess.Popen(torchrun(self.local_ranks, self.argv, f"replica{replica}", self.meetings.get(replica)),
                                 env=env, preexec_fn=die_with_parent)
 
-    def publish(self, client: ControlClient, replica: int) -> None:
-        """Part 0 says where the current incarnation of a group that spans nodes meets."""
-        if self.span.parts > 1 and self.span.part == 0:
-            meet = self.meetings[replica]
-            client.publish_rendezvous(replica, Rendezvous(self.attempts[replica], meet.host, meet.port))
+    def begin(self, client: ControlClient, replica: int, taken_over: bool) -> None:
+        """Once this launcher holds its claims: starts, or waits to join, the group's current incarnation."""
+        self.part.begin(self, client, replica, taken_over)
 
-    def follow(self, client: ControlClient, replica: int, taken_over: bool) -> None:
-        """Parts > 0: wait for an incarnation of part 0's to join. A launcher that took this part
-        over skips the incarnation its dead predecessor started (its ranks died with it) and
-        reports it, so the group restarts now rather than when the coordinator finds it silent."""
-        floor = 0
-        joined = client.joined(replica, self.span.part) if taken_over else None
-        if joined is not None:
-            floor = joined + 1
-            cause = f"{self.span.of(replica)} lost with its launcher (attempt {joined})"
-            client.report(Report(epoch=client.epoch(), cause=cause, replica=replica, suspect=replica, attempt=joined))
-        self.waiting[replica] = floor
-
-    def _join(self, client: ControlClient, replica: int) -> None:
-        """Starts this part of part 0's latest incarnation of ``replica``, if it may join it."""
-        meet = client.read_rendezvous(replica)
-        if meet is None or meet.attempt < self.waiting[replica]:
-            return
-        fence = client.read_fence(replica)
-        if fence is not None and fence.attempt >= meet.attempt:
-            return  # out already: part 0 publishes the next one
-        client.set_joined(replica, self.span.part, meet.attempt)
-        log.info(f"{self.span.of(replica)}: joining incarnation {meet.attempt} at {meet.host}:{meet.port}")
-        self.start(replica, meet.attempt, (meet.host, meet.port))
+    def report_exit(self, client: ControlClient, replica: int, code: int, note: str) -> None:
+        """The group is certainly dead: say so first (faster than heartbeats)."""
+        cause = f"torchrun of replica {replica}{self.span.suffix} exited with code {code}{note}"
+        client.report(Report(epoch=max(self.agent.epoch, 0), cause=cause, replica=replica, suspect=replica,
+                             attempt=self.attempts[replica]))
 
     def kill(self) -> None:
         """SIGKILLs every group's torchrun agent; its ranks die with it (``die_with_parent``)."""
@@ -217,32 +264,11 @@ class ReplicaGroups:
                 continue
             if not claims.holds(client, self.launcher, r, self.span.part):
                 log.info(f"{self.span.of(r)} exited with code {code}; another launcher took it over (this one looked dead): "
-                    "leaving it to that one")
+                         "leaving it to that one")
                 self.given_up.add(r)
                 continue
-            # the group is certainly dead: say so first (faster than heartbeats), then restart it
-            now = self.clock()
-            restart = self.span.part > 0 or self.budgets[r].take(now)  # part 0 restarts a group that spans nodes
-            epoch = max(self.agent.epoch, 0)
-            cause = f"torchrun of replica {r}{self.span.suffix} exited with code {code}" + ("" if restart else " (no restarts left in the window)")
-            client.report(Report(epoch=epoch, cause=cause, replica=r, suspect=r, attempt=self.attempts[r]))
-            if self.span.part > 0:
-                log.info(f"{self.span.of(r)} exited with code {code}; waiting for part 0 to start its next incarnation")
-                self.waiting[r] = self.attempts[r] + 1
-                continue
-            if not restart:
-                log.info(
-                    f"replica group {r} exited with code {code}; {self.budgets[r].refusal(now)}; not restarting it; "
-                    "the run goes on with the other groups"
-                )
-                self.given_up.add(r)
-                continue
-            attempt = client.next_incarnation(r)
-            log.info(f"{self.span.of(r)} exited with code {code}; {self.budgets[r].used(now)} (attempt {attempt})")
-            self.start(r, attempt)
-            self.publish(client, r)
-        for r in list(self.waiting):
-            self._join(client, r)
+            self.part.exited(self, client, r, code)
+        self.part.poll(self, client)
         if look:
             self.fences_read = look
         return True

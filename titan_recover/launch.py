@@ -269,13 +269,7 @@ class NodeLauncher:
         self.agent.start(on_error=log.warning)
         taken = claims.claim(client, self.me, self.local, rc.heartbeat_timeout_s, log.info, self.part)
         for r in self.local:
-            if self.part > 0:  # part 0 starts each incarnation; this part joins it
-                self.groups.follow(client, r, r in taken)
-                continue
-            attempt = client.next_incarnation(r)  # 0 for the groups started above
-            if r not in self.groups.procs:  # >= 1 for a group that ran under a launcher now dead: it rejoins
-                self.groups.start(r, attempt)
-            self.groups.publish(client, r)
+            self.groups.begin(client, r, r in taken)
         return client
 
     def loop(self, client: ControlClient) -> None:
