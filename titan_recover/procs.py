@@ -2,11 +2,9 @@
 
 import ctypes
 import faulthandler
-import logging
 import os
 import signal
-
-from titan_recover import logs
+import sys
 
 PR_SET_PDEATHSIG = 1
 LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a forked child must not dlopen (threads may hold its lock)
@@ -29,7 +27,7 @@ def dumps_stacks() -> None:
 
 
 def exit_lost(who: str, reason: str, hint: str) -> None:
-    """Ends this process at once with one line: the run cannot go on without its coordinator."""
-    logs.setup()
-    logging.getLogger(logs.ROOT).error("error: %s: lost the titan_recover coordinator: %s. %s", who, reason, hint)
+    """Ends this process at once with one line on stderr, unprefixed like every error a command
+    ends with (``error: ...``): the run cannot go on without its coordinator."""
+    print(f"error: {who}: lost the titan_recover coordinator: {reason}. {hint}", file=sys.stderr, flush=True)
     os._exit(EXIT_COORDINATOR_LOST)
