@@ -26,7 +26,7 @@ from titan_recover.control.addresses import LOOPBACK, is_etcd, parse_host_port
 from titan_recover.control.client import COMMIT, ControlClient
 from titan_recover.control.keys import leader_key
 from titan_recover.control.lifeline import PROBE_S
-from titan_recover.control.protocol import MessageError, NodeMessage
+from titan_recover.control.protocol import CoordinatorState, Membership, MessageError, NodeMessage, TransferRecord
 from titan_recover.coordinator_core import (
     Admit,
     CoordinatorCore,
@@ -101,7 +101,7 @@ class Coordinator:
             self._apply([Publish(self.core.membership), Save()])
 
     @property
-    def membership(self) -> Any:
+    def membership(self) -> Membership:
         return self.core.membership
 
     def _apply(self, effects: list[Effect]) -> bool:
@@ -130,7 +130,7 @@ class Coordinator:
                 return False
         return True
 
-    def _take_over(self, saved: Any) -> None:
+    def _take_over(self, saved: CoordinatorState) -> None:
         """Continues a run from the state its previous leader saved: the epochs from the store,
         the rest from the saved state; steps it saved but did not log yet are logged now.
         Every member gets one heartbeat timeout to show it is alive (its beats are read anew)."""
@@ -242,7 +242,7 @@ class Coordinator:
             del self.empty_slots[index]
             self._apply(self.core.on_report(report, now))
 
-    def _transfers(self, replica: int) -> list[Any]:
+    def _transfers(self, replica: int) -> list[TransferRecord]:
         records = []
         for group_rank in range(self.core.rules.group_ranks):
             try:
