@@ -13,7 +13,7 @@ import torch
 
 from titan_recover import resources
 from titan_recover.control import transport
-from titan_recover.collectives import CollectiveAborted, ReplicateGroups
+from titan_recover.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.membership import Membership
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def test_a_survivor_holds_no_more_after_ten_broken_epochs() -> None:
     port = transport.free_port()
     server = transport.serve(port, 30)
     address = f"127.0.0.1:{port}"
-    groups = ReplicateGroups(transport.connect(address, 30), replica=0, group_rank=0, timeout_s=2)
+    groups = ReplicateProcessGroups(transport.connect(address, 30), replica=0, group_rank=0, timeout_s=2)
     peer = subprocess.Popen([sys.executable, "-c", PEER, address, str(FAILURES + 2)], cwd=ROOT)
     try:
         def broken_epoch(epoch: int) -> None:

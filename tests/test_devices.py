@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from titan_recover.control import transport
-from titan_recover.collectives import CollectiveAborted, ReplicateGroups
+from titan_recover.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.config import ConfigError
 from titan_recover.devices import host_gpus, plan
 from titan_recover.membership import Membership
@@ -98,10 +98,10 @@ def address() -> str:
 
 
 def test_replica_groups_on_different_backends_are_refused(address: str) -> None:
-    ReplicateGroups(transport.connect(address, 10), replica=0, group_rank=0, timeout_s=10, backend="gloo")
-    ReplicateGroups(transport.connect(address, 10), replica=1, group_rank=0, timeout_s=10, backend="gloo")
+    ReplicateProcessGroups(transport.connect(address, 10), replica=0, group_rank=0, timeout_s=10, backend="gloo")
+    ReplicateProcessGroups(transport.connect(address, 10), replica=1, group_rank=0, timeout_s=10, backend="gloo")
     with pytest.raises(ConfigError, match="replica 2 runs the replicate dimension on nccl, another replica group on gloo"):
-        ReplicateGroups(transport.connect(address, 10), replica=2, group_rank=0, timeout_s=10, backend="nccl")
+        ReplicateProcessGroups(transport.connect(address, 10), replica=2, group_rank=0, timeout_s=10, backend="nccl")
 
 
 class _StuckGroup:
@@ -128,7 +128,7 @@ class _StuckGroup:
 def test_abandoned_nccl_groups_are_aborted_once(address: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", raising=False)
     made: list[_StuckGroup] = []
-    groups = ReplicateGroups(transport.connect(address, 10), replica=0, group_rank=0, timeout_s=7, backend="nccl")
+    groups = ReplicateProcessGroups(transport.connect(address, 10), replica=0, group_rank=0, timeout_s=7, backend="nccl")
     assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "7"
     monkeypatch.setattr(groups, "_new_group", lambda *args: made.append(_StuckGroup()) or made[-1])
 
@@ -154,7 +154,7 @@ def test_abandoned_nccl_groups_are_aborted_once(address: str, monkeypatch: pytes
 
 def test_gloo_groups_are_parked_not_aborted(address: str, monkeypatch: pytest.MonkeyPatch) -> None:
     made: list[_StuckGroup] = []
-    groups = ReplicateGroups(transport.connect(address, 10), replica=0, group_rank=0, timeout_s=7, backend="gloo")
+    groups = ReplicateProcessGroups(transport.connect(address, 10), replica=0, group_rank=0, timeout_s=7, backend="gloo")
     monkeypatch.setattr(groups, "_new_group", lambda *args: made.append(_StuckGroup()) or made[-1])
     with pytest.raises(CollectiveAborted, match="the epoch ended first"):
         groups.allreduce(Membership(1, (0, 1)), [torch.zeros(3)], abort=lambda: bool(made) and made[0].launched)

@@ -58,17 +58,17 @@ def test_coordinator_of_a_multi_node_run_needs_an_address() -> None:
 
 @pytest.mark.unit
 def test_a_single_node_launcher_makes_a_fresh_secret_per_run() -> None:
-    first, second = launch.run_secret({}, only_this_node=True), launch.run_secret({}, only_this_node=True)
+    first, second = launch.choose_secret({}, only_this_node=True), launch.choose_secret({}, only_this_node=True)
     assert len(first) == 32 and first != second
-    assert launch.run_secret({keys.SECRET_ENV: "given"}, only_this_node=True) == "given"  # the user's wins
+    assert launch.choose_secret({keys.SECRET_ENV: "given"}, only_this_node=True) == "given"  # the user's wins
 
 
 @pytest.mark.unit
 def test_a_multi_node_launcher_needs_the_users_secret() -> None:
-    assert launch.run_secret({keys.SECRET_ENV: "shared"}, only_this_node=False) == "shared"
+    assert launch.choose_secret({keys.SECRET_ENV: "shared"}, only_this_node=False) == "shared"
     for env in ({}, {keys.SECRET_ENV: ""}):
         with pytest.raises(ConfigError) as info:
-            launch.run_secret(env, only_this_node=False)
+            launch.choose_secret(env, only_this_node=False)
         assert f"set {keys.SECRET_ENV} to the same value" in str(info.value)
 
 

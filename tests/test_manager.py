@@ -2,7 +2,7 @@
 
 The coordinator's store is an in-process ``HashStore`` seen through the run prefix (as
 ``transport.in_run`` does), the node agent is played by publishing into a real channel file,
-and the replicate-dim groups are a stand-in with ``ReplicateGroups``' interface. The
+and the replicate-dim groups are a stand-in with ``ReplicateProcessGroups``' interface. The
 real collectives and processes are the e2e tests'.
 """
 
@@ -32,7 +32,7 @@ RC = Recover(collective_timeout_s=0.5, heartbeat_interval_s=0.01, coordinator_ti
 
 
 class FakeGroups:
-    """``ReplicateGroups.allreduce``: every member contributed the same tensors, or it broke."""
+    """``ReplicateProcessGroups.allreduce``: every member contributed the same tensors, or it broke."""
 
     def __init__(self, error: str | None = None, during: Callable[[], None] = lambda: None) -> None:
         self.error, self.during = error, during

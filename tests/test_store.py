@@ -515,7 +515,7 @@ def test_the_runs_keys_are_out_of_reach_without_its_secret(server: tuple[dist.TC
 
 
 def test_a_runs_store_clones_and_does_what_the_trainer_asks(server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str) -> None:
-    clone = client.clone()  # collectives.ReplicateGroups builds each group on a clone
+    clone = client.clone()  # collectives.ReplicateProcessGroups builds each group on a clone
     assert clone.underlying_store is not client.underlying_store  # a connection of its own
     clone.set(key, "v")
     assert client.get(key) == b"v"

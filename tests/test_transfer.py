@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from titan_recover import transfer
 from titan_recover.control import protocol, transport
-from titan_recover.collectives import CollectiveAborted, ReplicateGroups
+from titan_recover.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.transfer import RNG, TransferError, check_manifest, manifest, pack, unpack
 
 
@@ -343,8 +343,8 @@ def run_both(donor: Callable[[], Any], joiner: Callable[[], Any], timeout_s: flo
     return results
 
 
-def groups(address: str, replica: int) -> ReplicateGroups:
-    return ReplicateGroups(transport.connect(address, 30), replica, group_rank=0, timeout_s=30)
+def groups(address: str, replica: int) -> ReplicateProcessGroups:
+    return ReplicateProcessGroups(transport.connect(address, 30), replica, group_rank=0, timeout_s=30)
 
 
 def never() -> bool:

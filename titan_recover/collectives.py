@@ -64,7 +64,7 @@ class Parked:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
-class ReplicateGroups:
+class ReplicateProcessGroups:
     """This rank's replicate-dim process groups, one per epoch."""
 
     def __init__(

@@ -57,7 +57,10 @@ class Recover:
     its node message, the coordinator's one read per node."""
 
     heartbeat_timeout_s: float = 5.0
-    """A rank whose heartbeat stalls this long is declared failed (hangs, SIGSTOP)."""
+    """A rank whose heartbeat stalls this long is declared failed (hangs, SIGSTOP). One bound with
+    three readers, on purpose: the coordinator's failure detector (and a waiting spare's drop), a
+    node agent reporting its own silent rank at once, and claims, which take over a launcher whose
+    node message has not changed this long (a launcher is as dead as the groups it carries)."""
 
     report_confirm_s: float = 1.0
     """After a survivor reports a collective error, fence replicas silent for this long."""

@@ -150,7 +150,7 @@ def coordinator_bind(configured: str, local: list[int], replicas: int, parts: in
     )
 
 
-def run_secret(env: dict[str, str], only_this_node: bool) -> str:
+def choose_secret(env: dict[str, str], only_this_node: bool) -> str:
     """The run's secret: the user's ``$TITAN_RECOVER_SECRET``, or a fresh one when this launcher
     starts the coordinator and every replica group, so no other launcher needs to know it."""
     if env.get(keys.SECRET_ENV):
@@ -202,7 +202,7 @@ class NodeLauncher:
         self.argv = [*argv, "--recover.replicate_backend", self.plan.backend]
         self.env = with_threads(dict(os.environ), len(local) * self.ranks)
         only_this_node = self.first and sorted(local) == list(range(self.replicas)) and rc.group_nodes == 1
-        self.env[keys.SECRET_ENV] = run_secret(self.env, only_this_node)
+        self.env[keys.SECRET_ENV] = choose_secret(self.env, only_this_node)
         self.address = address
         self.coordinator: subprocess.Popen | None = None
         self.lifeline: Heartbeat | None = None

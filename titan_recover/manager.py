@@ -79,7 +79,7 @@ log = logs.get("rank")
 
 
 class Collectives(Protocol):
-    """What the manager needs of ``collectives.ReplicateGroups`` (tests pass a stand-in)."""
+    """What the manager needs of ``collectives.ReplicateProcessGroups`` (tests pass a stand-in)."""
 
     def allreduce(
         self, membership: Membership, tensors: list[torch.Tensor], abort: Callable[[], bool],

@@ -35,7 +35,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer, main
 
 from titan_recover import data, logs, membership, procs, recovery, resources, transfer, workload
-from titan_recover.collectives import CollectiveAborted, ReplicateGroups
+from titan_recover.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.control import keys
 from titan_recover.control.protocol import MessageError, TransferRecord
 from titan_recover.config import is_spare, replica_ids, resume_hint, validate
@@ -76,7 +76,7 @@ class RecoverTrainer(LoggedTrainer):
         )
         super().__init__(job_config, rc, replica, group_rank)
         self.manager.attach(
-            ReplicateGroups(
+            ReplicateProcessGroups(
                 self.manager.store, replica, group_rank, rc.collective_timeout_s,
                 backend="nccl" if rc.replicate_backend == "nccl" else "gloo", device=self.device,
             ),

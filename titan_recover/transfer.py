@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-from titan_recover.collectives import ReplicateGroups
+from titan_recover.collectives import ReplicateProcessGroups
 from titan_recover.control.protocol import MessageError
 
 MAX_HEADER_BYTES = 64 << 20  # a larger header is a corrupted message, not a model
@@ -133,7 +133,7 @@ def check_manifest(theirs: object, ours: list[list[Any]]) -> None:
 
 
 def send(
-    groups: ReplicateGroups,
+    groups: ReplicateProcessGroups,
     group: Any,
     header: dict[str, Any],
     model_parts: list[torch.nn.Module],
@@ -153,7 +153,7 @@ def send(
 
 
 def receive(
-    groups: ReplicateGroups,
+    groups: ReplicateProcessGroups,
     group: Any,
     model_parts: list[torch.nn.Module],
     optimizers: Any,
