@@ -406,3 +406,17 @@ def test_a_restarted_group_with_room_is_admitted_without_waiting_as_a_spare(make
     assert joins(c, time.monotonic())
     assert c.membership.members == (0, 1) and c.core.state.spares == {}
     assert not (tmp_path / "recover_events.jsonl").read_text().count('"spare_ready"')
+
+
+def test_the_saved_state_holds_an_admission_as_soon_as_it_is_published(make) -> None:
+    """A leader that dies right after admitting a group leaves its successor the admission: the state
+    is saved after the transition (it was saved with the epoch, before the admitted group's attempt,
+    joining epoch and repair were recorded, so a successor lost them until the next step)."""
+    c, client = make(spares=1)
+    ask_to_join(client, 2, 0)
+    joins(c, time.monotonic())
+    assert fence(c, {1: "killed"})
+    assert joins(c, time.monotonic())
+    saved = ControlClient(client).read_state()
+    assert saved is not None and saved == c.core.state
+    assert saved.attempts[2] == 0 and saved.joining == {2: c.membership.epoch} and 2 in saved.repairs
