@@ -283,7 +283,7 @@ class Coordinator:
             self._poll_steps()  # a step committed just before a failure belongs before it
             if not self._apply(self.core.on_failure(failed, now) if failed else self.core.on_retry(now)):
                 return 1
-        if self.core.asking:  # a join may fence a group's previous incarnation
+        if any(r in self.membership.members for r in self.core.asking):  # a restart may fence its own member
             self._poll_steps()
         if not self._apply(self.core.on_joins(now)):
             return 1
