@@ -119,13 +119,23 @@ class Counter:
         return call
 
 
+def identity(secret: str) -> object:
+    """How the tree on the path names a run to ``connect``: a ``sealed.Run`` (this tree) or the bare
+    secret (the before tree)."""
+    try:
+        from titan_recover.control.sealed import Run
+    except ImportError:
+        return secret
+    return Run(secret, "")
+
+
 def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Queue, outbox: mp.Queue) -> None:
     """Simulates ``nodes`` until told to stop; answers commands with measurements."""
     from titan_recover.control import keys, lifeline, transport
     from titan_recover.control.client import ControlClient
     from titan_recover.control.protocol import Launcher, Report
 
-    client = Counter(transport.connect(address, 60.0, secret))
+    client = Counter(transport.connect(address, 60.0, identity(secret)))
     control = ControlClient(client)  # type: ignore[arg-type]  # its requests are counted too
     dead: set[int] = set()  # groups whose ranks are gone (killed, or their node died)
     hung: set[int] = set()  # groups one of whose ranks beats no more
@@ -144,7 +154,7 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
         from titan_recover import node_channel
         from titan_recover.agent import NodeAgent
 
-        agents = {n: NodeAgent(address, secret, RANKS_PER_NODE, hang_timeout_s=HEARTBEAT_TIMEOUT_S) for n in nodes}
+        agents = {n: NodeAgent(address, identity(secret), RANKS_PER_NODE, hang_timeout_s=HEARTBEAT_TIMEOUT_S) for n in nodes}
         channels = {}
         launchers_of = {n: Launcher(f"sim{n}", "localhost", os.getpid()) for n in nodes}
         for n, agent in agents.items():
@@ -286,7 +296,7 @@ def run(design: str, ranks: int, workers: int, tree: str, scratch: str) -> dict:
     ctx = mp.get_context("spawn")
     procs, inboxes, outboxes = [], [], []
     try:
-        main = transport.connect(address, 120.0, secret,
+        main = transport.connect(address, 120.0, identity(secret),
                                  gone=lambda: None if coordinator.poll() is None else "the coordinator exited")
         slices = [list(range(nodes))[i::workers] for i in range(workers)]
         for part in slices:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from bench.common import CONFIG, PRECISION, ROOT, launch, of, step_gaps, write_result
 from titan_recover.control import keys, transport
+from titan_recover.control.sealed import Run
 from titan_recover.tools.etcd_local import LocalEtcd
 from titan_recover.events import read_events
 
@@ -83,7 +84,7 @@ def failover(url: str, replicas: int, node: bool) -> dict:
         args = [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder",
                 dump, *shape(replicas), "--training.steps", str(STEPS), "--recover.control_store", url,
                 "--recover.fault_plan", "none"]
-        env = {**os.environ, keys.SECRET_ENV: secrets.token_hex(16), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, keys.SECRET_ENV: secrets.token_hex(16), keys.RUN_ENV: secrets.token_hex(8), "PYTHONUNBUFFERED": "1"}
         logs = [open(Path(dump) / f"node{r}.log", "w") for r in range(replicas)]
         procs = [subprocess.Popen(args, cwd=ROOT, stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True,
                                   env={**env, keys.REPLICAS_ENV: str(r), **({keys.COORDINATOR_ENV: url} if r else {})})
@@ -159,8 +160,8 @@ def etcd_requests(cluster: LocalEtcd) -> dict[str, int]:
 class Probe:
     """A client timing one read and one write against the run's store every PROBE_S while it trains."""
 
-    def __init__(self, address: str, secret: str) -> None:
-        self.address, self.secret = address, secret
+    def __init__(self, address: str, run: Run) -> None:
+        self.address, self.run = address, run
         self.reads: list[float] = []
         self.writes: list[float] = []
         self.stop = threading.Event()
@@ -171,7 +172,7 @@ class Probe:
         client = None
         while not self.stop.wait(PROBE_S):
             try:
-                client = client or transport.connect(self.address, 2.0, self.secret)
+                client = client or transport.connect(self.address, 2.0, self.run)
                 t0 = time.perf_counter()
                 client.check([keys.EPOCH])
                 t1 = time.perf_counter()
@@ -196,14 +197,15 @@ def failure_free(cluster: LocalEtcd | None) -> dict:
     address = cluster.url if cluster else f"127.0.0.1:{port}"
     extra = ["--recover.control_store", cluster.url] if cluster else ["--recover.coordinator_port", str(port)]
     before = etcd_requests(cluster) if cluster else {}
-    os.environ[keys.SECRET_ENV] = secret  # the launcher takes the run's secret from here
-    probe = Probe(address, secret)
+    run = Run(secret, secrets.token_hex(8))
+    os.environ[keys.SECRET_ENV], os.environ[keys.RUN_ENV] = run.secret, run.id  # the launcher takes the run from here
+    probe = Probe(address, run)
     try:
         events, wall = launch([*PRECISION, "--training.steps", str(FF_STEPS), "--recover.fault_plan", "none", *extra],
                               "failure-free run")
     finally:
         latency = probe.summary()
-        del os.environ[keys.SECRET_ENV]
+        del os.environ[keys.SECRET_ENV], os.environ[keys.RUN_ENV]
     steps = of(events, "step")
     run = {"backend": "etcd" if cluster else "tcpstore", "step_s": statistics.median(step_gaps(steps).values()),
            "wall_s": wall, "store_latency": latency}

@@ -30,9 +30,9 @@ from typing import Any, Iterable, Sequence
 
 from bench.common import CONFIG, PRECISION, RESULTS, ROOT
 from titan_recover.compare import Comparison, compare_runs
-from titan_recover.control.keys import ATTEMPT_ENV, COORDINATOR_ENV, REPLICA_ENV, REPLICAS_ENV, SECRET_ENV
+from titan_recover.control.keys import ATTEMPT_ENV, COORDINATOR_ENV, REPLICA_ENV, REPLICAS_ENV, RUN_ENV, SECRET_ENV
 from titan_recover.control.transport import free_port
-from titan_recover.events import events_path, read_events
+from titan_recover.events import events_path, read_events, read_log
 from titan_recover.membership import Membership, TooFewReplicasError, donor
 
 RANDOM_KINDS = ("kill", "stop", "slow", "kill_agent", "two_groups", "kill_joiner", "kill_donor")
@@ -625,7 +625,7 @@ class Soak:
 
     def start(self, dump: Path) -> None:
         s = self.setup
-        base = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, COORDINATOR_ENV, REPLICAS_ENV)}
+        base = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, RUN_ENV, COORDINATOR_ENV, REPLICAS_ENV)}
         base["PYTHONUNBUFFERED"] = "1"
         if s.nodes == 1:
             self.commands["node0"] = {"cmd": s.args(dump / "node0"), "env": base, "replicas": list(range(s.replicas))}
@@ -986,7 +986,7 @@ def run_reference(setup: Setup, dump: Path, extra: Sequence[str] = ()) -> tuple[
     shutil.rmtree(dump, ignore_errors=True)
     dump.mkdir(parents=True)
     cmd = [*setup.args(dump / "node0", plan="none"), *extra]
-    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, COORDINATOR_ENV, REPLICAS_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, RUN_ENV, COORDINATOR_ENV, REPLICAS_ENV)}
     start = time.monotonic()
     with open(dump / "node0.log", "w") as out:
         code = subprocess.call(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"})
@@ -997,12 +997,8 @@ def run_reference(setup: Setup, dump: Path, extra: Sequence[str] = ()) -> tuple[
 
 
 def read_all(dump: Path) -> list[dict[str, Any]]:
-    """Every event of the run: node0's log, plus node1's (its rotated parts too) merged by time."""
-    files = sorted(dump.glob("node*/recover_events*.jsonl"))
-    events = [e for f in files for e in read_events(str(f))]
-    if len(files) > 1:
-        events.sort(key=lambda e: e.get("time", 0.0))  # stable: one file's own order is kept for equal times
-    return events
+    """Every event of the run: node0's log, plus node1's (its rotated parts too) merged by time, each step once."""
+    return read_log(*map(str, sorted(dump.glob("node*/recover_events*.jsonl")))).events
 
 
 def _log_to_stdout() -> None:

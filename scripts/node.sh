@@ -25,6 +25,10 @@
 #                     candidate and the run survives the loss of any node; COORDINATOR_ADDR and
 #                     COORDINATOR_BIND are then not used
 #   CONFIG_FILE, TITAN_RECOVER_SECRET   the run's config and its secret, the same on every node
+#   TITAN_RECOVER_RUN_ID  the run's id, the same on every node (required with CONTROL_STORE): a node
+#                     started again with the same id (a replaced pod) rejoins the run; a new id is a
+#                     new run, which never reads an earlier run's state. The batch script passes
+#                     $SLURM_JOB_ID, the Kubernetes manifest the Job's uid
 #   PLAN_ONLY=1       print the node's command and exit (SHOW_SECRET=1 prints the secret too; else
 #                     it is shown as <hidden>, e.g. in a Slurm log); unset: print it, then run it
 #
@@ -84,6 +88,10 @@ fi
     || fail "config file '${CONFIG_FILE:-}' not found (paths are relative to the repository root $PWD): set CONFIG_FILE"
 [ -n "${TITAN_RECOVER_SECRET:-}" ] \
     || fail "TITAN_RECOVER_SECRET is not set: every node needs the run's secret, e.g. \$(openssl rand -hex 16), the same on each"
+RUN_ID=${TITAN_RECOVER_RUN_ID:-}
+if [ -n "$CONTROL_STORE" ] && [ -z "$RUN_ID" ]; then
+    fail "TITAN_RECOVER_RUN_ID is not set: a run on etcd (CONTROL_STORE) needs its id, the same on every node (e.g. the job's id); a relaunched node with the same id rejoins the run"
+fi
 for arg in "$@"; do
     case $arg in
         --parallelism.data_parallel_replicate_degree* | --recover.spares* | --recover.coordinator_bind* | --recover.coordinator_port* | --recover.group_nodes* | --recover.control_store*)
@@ -95,7 +103,8 @@ first=$((NODE_INDEX / GROUP_NODES * GROUPS_PER_NODE))
 replicas=""
 for ((r = first; r < first + GROUPS_PER_NODE; r++)); do replicas+="${replicas:+,}$r"; done
 # node 0's launcher is the one without TITAN_RECOVER_COORDINATOR: it starts the coordinator (an
-# inherited value, e.g. from the submitting shell, is removed), or on etcd it starts the run
+# inherited value, e.g. from the submitting shell, is removed), or on etcd it starts the run (or,
+# relaunched while the run goes on, joins it)
 if [ -n "$CONTROL_STORE" ]; then
     addr=$CONTROL_STORE
     where=(--recover.control_store "$CONTROL_STORE")
@@ -105,6 +114,10 @@ fi
 if [ "$NODE_INDEX" -eq 0 ]; then coordinator=(-u TITAN_RECOVER_COORDINATOR); else coordinator=("TITAN_RECOVER_COORDINATOR=$addr"); fi
 env_args=("${coordinator[@]}" "CONFIG_FILE=$CONFIG_FILE" "TITAN_RECOVER_REPLICAS=$replicas"
           "TITAN_RECOVER_GROUP_NODE=$((NODE_INDEX % GROUP_NODES))")
+if [ -n "$RUN_ID" ]; then env_args+=("TITAN_RECOVER_RUN_ID=$RUN_ID"); fi
+# each node's processes log to a file of their own (recover_events.node<i>.jsonl): a shared dump folder
+# (NFS) does not make appends from several hosts atomic
+if [ "$NUM_NODES" -gt 1 ]; then env_args+=("TITAN_RECOVER_NODE=node$NODE_INDEX"); fi
 cmd=(./run_train.sh --parallelism.data_parallel_replicate_degree "$replicate" --recover.spares "$SPARES"
      --recover.group_nodes "$GROUP_NODES" "${where[@]}" "$@")
 

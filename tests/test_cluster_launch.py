@@ -270,10 +270,14 @@ def test_a_node_not_in_the_allocation_stops() -> None:
 def test_with_an_etcd_control_store_every_node_names_it_and_none_binds_a_coordinator() -> None:
     url = "etcd://e1:2379,e2:2379,e3:2379"
     lines = [sh(NODE_SH, NODE_INDEX=str(i), NUM_NODES="2", CONTROL_STORE=url, CONFIG_FILE=CFG, TITAN_RECOVER_SECRET="s",
-                PLAN_ONLY="1").stdout for i in (0, 1)]
+                TITAN_RECOVER_RUN_ID="job-7", PLAN_ONLY="1").stdout for i in (0, 1)]
     for line in lines:
         assert f"--recover.control_store {url}" in line and "coordinator_bind" not in line and "coordinator_port" not in line
+        assert "TITAN_RECOVER_RUN_ID=job-7" in line
     assert "-u TITAN_RECOVER_COORDINATOR" in lines[0] and f"TITAN_RECOVER_COORDINATOR={url}" in lines[1]
+    unnamed = sh(NODE_SH, NODE_INDEX="0", NUM_NODES="2", CONTROL_STORE=url, CONFIG_FILE=CFG, TITAN_RECOVER_SECRET="s",
+                 PLAN_ONLY="1")
+    assert unnamed.returncode == 2 and "TITAN_RECOVER_RUN_ID is not set: a run on etcd" in unnamed.stderr
     bad = sh(NODE_SH, NODE_INDEX="0", NUM_NODES="1", CONTROL_STORE="e1:2379", CONFIG_FILE=CFG, TITAN_RECOVER_SECRET="s",
              PLAN_ONLY="1")
     assert bad.returncode == 2 and "CONTROL_STORE='e1:2379' must be etcd://" in bad.stderr
@@ -317,7 +321,10 @@ def test_each_kubernetes_pod_runs_its_node_command() -> None:
         env = {}
         for e in container["env"]:
             ref = e.get("valueFrom", {})
-            if "fieldRef" in ref:
+            if e["name"] == "TITAN_RECOVER_RUN_ID":  # the Job's uid: the same in every pod, a new one per Job
+                assert ref["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/controller-uid']"
+                env[e["name"]] = "2f6c3b8e-uid"
+            elif "fieldRef" in ref:
                 assert ref["fieldRef"]["fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
                 env[e["name"]] = str(i)
             elif "secretKeyRef" in ref:

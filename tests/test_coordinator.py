@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Admission, Launcher, NodeGroup, NodeMessage, Report, StepRecord
 from titan_recover.config import Recover
 from titan_recover.coordinator import REPORT_GRACE_S, Coordinator, serve
+from titan_recover.events import EventLog
 
 
 @pytest.fixture
@@ -37,12 +39,22 @@ def make(tmp_path: Path) -> Iterator:
         port = transport.free_port()
         c = serve(job, port)
         made.append(c)
+        JOBS[id(c)] = job
         return c, transport.connect(f"127.0.0.1:{port}", timeout_s=10)
 
     yield make
     NODES.clear()
+    JOBS.clear()
     for c in made:
         del c.control.store  # the coordinator's TCPStore server stops with its last reference
+
+
+JOBS: dict[int, object] = {}
+
+
+def successor(c: Coordinator, client: object) -> Coordinator:
+    """The next leader of ``c``'s run, on the same store: it takes over the state ``c`` saved."""
+    return Coordinator(JOBS[id(c)], client, EventLog(os.path.dirname(c.events.path)))  # type: ignore[arg-type]
 
 
 def events(tmp_path: Path, kind: str) -> list[dict]:
@@ -153,9 +165,9 @@ def test_a_reserved_but_never_written_report_slot_blocks_no_later_report(make) -
     c._poll_reports(now)
     failed, _ = c.core.detector.decide(now)
     assert failed == {1: "torchrun of replica 1 exited"}  # slot 2 was read past the empty slot 1
-    assert list(c.empty_slots) == [1]
+    assert c.core.state.unread_reports == [1]
     c._poll_reports(now + REPORT_GRACE_S + 0.1)
-    assert c.empty_slots == {}  # given up on after the grace period: nothing is retried forever
+    assert c.core.state.unread_reports == []  # given up on after the grace period: nothing is retried forever
 
 
 def test_malformed_reports_and_joins_are_ignored_not_fatal(make, capsys: pytest.CaptureFixture) -> None:
@@ -420,3 +432,93 @@ def test_the_saved_state_holds_an_admission_as_soon_as_it_is_published(make) -> 
     saved = ControlClient(client).read_state()
     assert saved is not None and saved == c.core.state
     assert saved.attempts[2] == 0 and saved.joining == {2: c.membership.epoch} and 2 in saved.repairs
+
+
+# --- admissions, takeovers and malformed records ---------------------------------------
+
+
+class Recording:
+    """A store that remembers the order of the keys set through it (the rest passes through)."""
+
+    def __init__(self, store: object) -> None:
+        self.store, self.sets = store, []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+    def set(self, key: str, value: object) -> None:
+        self.sets.append(key)
+        self.store.set(key, value)  # type: ignore[attr-defined]
+
+
+def test_the_admission_is_in_the_store_before_the_epoch_that_includes_it(make) -> None:
+    """A joiner reads its admission when its node agent shows it a new epoch: one published first
+    cost it that whole epoch while its donors' rendezvous timed out."""
+    c, client = make()
+    assert fence(c, {1: "killed"})
+    c.control.store = recording = Recording(c.control.store)  # type: ignore[assignment]
+    ask_to_join(client, 1, 1)
+    assert joins(c, time.monotonic()) and c.membership.epoch == 2
+    assert recording.sets.index(keys.admitted_key(1, 1)) < recording.sets.index(keys.EPOCH)
+
+
+def test_a_new_leader_reads_a_report_slot_reserved_before_it_took_over(make) -> None:
+    """A reporter reserved a slot, the leader found it empty and died; the reporter writes it after the takeover."""
+    c, client = make()
+    client.add(keys.REPORTS, 1)  # reserved; its reporter is slow to write it
+    c._poll_reports(time.monotonic())
+    ControlClient(client).offer_step(StepRecord(step=1, epoch=0, members=[0, 1], microbatches=[0, 1], data_digest="0",
+                                                loss=1.0, grad_norm=None, time=time.time()))
+    c._poll_steps()  # saves the state (next_report is past the empty slot)
+    leader = successor(c, client)
+    assert leader.core.state.unread_reports == [1]
+    ControlClient(client).put(keys.report_key(1), Report(epoch=0, cause="torchrun of replica 1 exited", replica=0, suspect=1))
+    now = time.monotonic()
+    leader._poll_reports(now)
+    assert leader.core.detector.decide(now)[0] == {1: "torchrun of replica 1 exited"}
+
+
+def test_a_malformed_step_record_is_an_event_and_later_steps_are_logged(make, tmp_path: Path) -> None:
+    """Members write a step's record once: a malformed one is never rewritten, so the step counts as
+    committed without its record (the store says it committed) and the next steps are logged."""
+    c, client = make()
+    client.set(keys.step_key(1), "{not json")
+    client.set(keys.decision_key(1, 0), "commit")
+    ControlClient(client).offer_step(StepRecord(step=2, epoch=0, members=[0, 1], microbatches=[0, 1], data_digest="0",
+                                                loss=1.0, grad_norm=None, time=time.time()))
+    c._poll_steps()
+    (unrecorded,) = events(tmp_path, "step_unrecorded")
+    assert unrecorded["step"] == 1 and unrecorded["epoch"] == 0 and "'step/1'" in unrecorded["error"]
+    assert [e["step"] for e in events(tmp_path, "step")] == [2]
+    assert c.core.step() == 3
+
+
+def test_a_malformed_step_record_of_a_step_not_committed_waits(make, tmp_path: Path) -> None:
+    c, client = make()
+    client.set(keys.step_key(1), json.dumps({"step": 7}))
+    c._poll_steps()
+    c._poll_steps()
+    assert c.core.step() == 1 and not events(tmp_path, "step_unrecorded")
+
+
+# --- forgetting ------------------------------------------------------------------------
+
+
+def test_a_silent_launcher_whose_claims_were_taken_over_is_forgotten(make) -> None:
+    c, client = make(heartbeat_timeout_s=1.0)
+    old, kept = FakeNode(client, "node-old"), FakeNode(client, "node-kept")
+    for n, replica in ((old, 0), (kept, 1)):
+        client.set(keys.owner_key(replica), n.launcher.dumps())
+        n.beat(replica)
+    now = time.monotonic()
+    poll(c, now)
+    assert set(c.nodes) == {old.launcher.key, kept.launcher.key}
+    new = FakeNode(client, "node-new")  # the same command started again on node-old's node: it takes its claims over
+    client.set(keys.owner_key(0), new.launcher.dumps())
+    new.beat(0)
+    poll(c, now + 2.0)  # node-old and node-kept are silent for 2 s; only node-kept still holds a claim
+    assert set(c.nodes) == {kept.launcher.key, new.launcher.key}
+    assert not client.check([old.launcher.key]) and client.check([kept.launcher.key])
+    new.beat(0)
+    poll(c, now + 2.5)  # the forgotten node's message is not read (a read of a missing key would block)
+    assert set(c.nodes) == {kept.launcher.key, new.launcher.key}

@@ -8,6 +8,7 @@ from titan_recover.control.protocol import (
     Admission,
     CoordinatorState,
     Fence,
+    MessageError,
     NodeGroup,
     Progress,
     Report,
@@ -19,6 +20,8 @@ from titan_recover.coordinator_core import (
     CoordinatorCore,
     Emit,
     FenceOut,
+    Forget,
+    KEEP_STEPS,
     LogStep,
     Publish,
     Rules,
@@ -177,3 +180,110 @@ def test_the_state_a_new_leader_takes_over_round_trips_through_json() -> None:
     successor = core()
     successor.take_over(CoordinatorState.from_json("coordinator/state", raw), dict(c.history), epoch=2)
     assert successor.membership == c.membership and successor.step() == 5
+
+
+def test_an_admission_is_written_before_the_epoch_that_includes_it() -> None:
+    """A joiner looks for its admission when it sees a new epoch: the admission must be there by then."""
+    c = core()
+    c.on_failure({1: "killed"}, now=10.0)
+    nodes(c, 11.0, r0=up(), r2=up(), r1=up(attempt=1, ready=RANKS))
+    effects = c.on_joins(now=11.0)
+    assert effects.index(Admit(1, Admission(1, 2))) < effects.index(Publish(Membership(2, (0, 1, 2))))
+    replaced = core()  # a restart that beat detection: fenced in one epoch, admitted in the next
+    nodes(replaced, 1.0, r0=up(), r2=up(), r1=up(attempt=1, ready=RANKS))
+    effects = replaced.on_joins(now=1.0)
+    assert effects.index(Admit(1, Admission(1, 2))) < effects.index(Publish(Membership(2, (0, 1, 2))))
+
+
+def test_the_saved_state_keeps_reserved_report_slots_not_read_yet() -> None:
+    """A new leader reads the slots its predecessor reserved but found empty (next_report is past them)."""
+    c = core()
+    c.state.next_report, c.state.unread_reports = 5, [2, 4]
+    saved = CoordinatorState.from_json("coordinator/state", json.loads(c.state.dumps()))
+    assert saved == c.state and saved.unread_reports == [2, 4]
+    with pytest.raises(MessageError, match="unread_reports"):
+        CoordinatorState.from_json("coordinator/state", {**json.loads(c.state.dumps()), "unread_reports": [7]})
+
+
+def test_a_malformed_step_record_counts_as_committed_once_the_store_says_so() -> None:
+    commits: set[tuple[int, int]] = set()
+    c = core(committed=lambda step, epoch: (step, epoch) in commits)
+    c.on_failure({}, now=1.0)  # epoch 1
+    assert c.on_malformed_step("store key 'step/1': not JSON") == []  # not committed (yet): it waits
+    assert c.step() == 1
+    commits.add((1, 1))
+    effects = c.on_malformed_step("store key 'step/1': not JSON")
+    assert c.state.progress == Progress(1, 1, 1000.0) and c.step() == 2
+    (event,) = of(effects, Emit)
+    assert event.event == "step_unrecorded"
+    assert event.fields == {"step": 1, "epoch": 1, "error": "store key 'step/1': not JSON"}
+    assert effects.index(Save()) < effects.index(event)  # saved before its event, like a logged step
+
+
+def commit(c: CoordinatorCore, step: int, epoch: int | None = None) -> list:
+    return c.on_step(StepRecord(step, c.membership.epoch if epoch is None else epoch, [0, 1, 2], [], "d", 1.0, None,
+                                time=1000.0 + step))
+
+
+def forgotten(effects: list) -> Forget | None:
+    found = of(effects, Forget)
+    assert len(found) <= 1
+    return found[0] if found else None
+
+
+def test_a_committed_steps_keys_are_forgotten_once_after_a_window() -> None:
+    c = core()
+    c.start_step = 0
+    steps: list[int] = []
+    for step in range(1, 30):
+        if step == 12:
+            c.on_failure({}, now=1.0)  # epoch 1: step 12 is voted in epochs 0 and 1
+        effects = commit(c, step)
+        f = forgotten(effects)
+        if f is not None:
+            assert effects.index(Save()) < effects.index(f)  # the state that says so is saved first
+            assert not f.steps or max(f.steps) == step - KEEP_STEPS
+            steps += list(f.steps)
+            if 12 in f.steps:
+                assert list(f.vote_epochs) == [0, 1] and list(f.epochs) == [0]
+    assert steps == list(range(1, 30 - KEEP_STEPS))  # each exactly once, the newest KEEP_STEPS kept
+    assert c.state.forgotten_steps == 29 - KEEP_STEPS and c.state.kept_epoch == 1
+    assert min(c.history) == 1  # the epochs forgotten are no longer read
+
+
+def test_forgetting_starts_after_a_resumed_checkpoint_and_waits_for_known_epochs_after_a_takeover() -> None:
+    c = core()
+    c.start_step = 500  # resumed from a DCP checkpoint: no keys before it in this run
+    for step in range(501, 501 + KEEP_STEPS + 1):
+        f = forgotten(commit(c, step))
+    assert f is not None and list(f.steps) == [501]
+    successor = core()
+    successor.take_over(CoordinatorState.from_json("coordinator/state", json.loads(c.state.dumps())), dict(c.history), 0)
+    for step in range(506, 506 + KEEP_STEPS):
+        assert forgotten(commit(successor, step)) is None  # the commit epochs of steps before it are not known here
+    f = forgotten(commit(successor, 506 + KEEP_STEPS))
+    assert f is not None and list(f.steps) == list(range(502, 507))  # then it goes on where its predecessor stopped
+
+
+def test_report_slots_are_forgotten_below_the_first_one_not_read() -> None:
+    c = core()
+    c.start_step = 0
+    c.state.next_report, c.state.unread_reports = 9, [4, 7]
+    for step in range(1, KEEP_STEPS + 2):
+        f = forgotten(commit(c, step))
+    assert f is not None and list(f.reports) == [1, 2, 3]  # slot 4 may still be written: it and later ones stay
+    c.state.unread_reports = []
+    f = forgotten(commit(c, KEEP_STEPS + 2))
+    assert f is not None and list(f.reports) == [4, 5, 6, 7, 8] and c.state.forgotten_reports == 8
+
+
+def test_an_admission_is_forgotten_once_its_group_rejoined_or_a_newer_incarnation_is_admitted() -> None:
+    c = core()
+    c.on_failure({1: "killed"}, now=10.0)
+    nodes(c, 11.0, r0=up(), r2=up(), r1=up(attempt=1, ready=RANKS))
+    c.on_joins(now=11.0)
+    commit(c, 1)
+    assert forgotten(c.on_rejoined(lambda r: [])) == Forget(admissions=((1, 1),))
+    c.on_failure({1: "killed again"}, now=20.0)
+    nodes(c, 21.0, r0=up(), r2=up(), r1=up(attempt=2, ready=RANKS))
+    assert forgotten(c.on_joins(now=21.0)) == Forget(admissions=((1, 1),))  # the incarnation it replaces

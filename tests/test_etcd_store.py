@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -18,7 +19,9 @@ import torch.distributed as dist
 
 from titan_recover import config
 from titan_recover.control import addresses, keys, protocol, transport
+from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import CoordinatorState, Progress
+from titan_recover.control.sealed import Run
 from titan_recover.tools.etcd_local import LocalEtcd
 from titan_recover.control.etcd_store import EtcdStore, LeadershipLost, check_cluster
 from titan_recover.events import logged_steps
@@ -47,8 +50,9 @@ def client(request: pytest.FixtureRequest, cluster: LocalEtcd) -> Iterator[dist.
         yield transport.connect(f"127.0.0.1:{port}", timeout_s=5)
         del server
     else:
-        transport.begin_run(raw(cluster), transport.run_secret())
-        yield transport.connect(cluster.url, timeout_s=5)
+        run = Run(Run.from_env().secret, uuid.uuid4().hex)  # a run of its own on the shared cluster
+        assert ControlClient(transport.in_run(raw(cluster), run)).begin()
+        yield transport.connect(cluster.url, timeout_s=5, run=run)
 
 
 def test_both_backends_answer_the_store_calls_alike(client: dist.Store) -> None:

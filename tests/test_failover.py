@@ -5,6 +5,7 @@ lease, an etcd member killed, and an etcd backend configured wrong."""
 from __future__ import annotations
 
 import json
+import hashlib
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_recover.control import addresses, keys, transport
+from titan_recover.control import addresses, keys, sealed, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.tools.etcd_local import LocalEtcd
 from titan_recover.control.etcd_store import EtcdStore
@@ -40,7 +41,10 @@ def launcher(dump: Path, url: str, plan: str, *extra: str) -> list[str]:
 
 
 def node_env(url: str | None, replicas: str) -> dict[str, str]:
-    env = {**os.environ, keys.SECRET_ENV: "failover-test-secret", "PYTHONUNBUFFERED": "1", keys.REPLICAS_ENV: replicas}
+    """A node's environment; the run's id names the test, so no test reads another's run on the shared etcd."""
+    run_id = hashlib.sha256(os.environ["PYTEST_CURRENT_TEST"].split(" ")[0].encode()).hexdigest()[:16]
+    env = {**os.environ, keys.SECRET_ENV: "failover-test-secret", keys.RUN_ENV: run_id, "PYTHONUNBUFFERED": "1",
+           keys.REPLICAS_ENV: replicas}
     return env if url is None else {**env, keys.COORDINATOR_ENV: url}
 
 
@@ -173,8 +177,9 @@ def test_an_etcd_backend_configured_wrong_stops_before_training(tmp_path: Path, 
 def test_a_leader_that_cannot_read_the_saved_state_stops_the_run_saying_so(tmp_path: Path, etcd: LocalEtcd) -> None:
     """A candidate that wins the lease over a corrupt saved state writes fatal (every process stops) and exits 1."""
     secret = "corrupt-state-secret"
-    transport.begin_run(EtcdStore(addresses.parse_etcd_url(etcd.url), 5), secret)
-    client = transport.connect(etcd.url, timeout_s=5, secret=secret)
+    run = sealed.Run(secret, node_env(etcd.url, "0,1")[keys.RUN_ENV])
+    assert ControlClient(transport.in_run(transport.etcd(etcd.url, 5), run)).begin()
+    client = transport.connect(etcd.url, timeout_s=5, run=run)
     client.set(keys.COORDINATOR_STATE, json.dumps({"progress": None, "next_report": "one"}))  # malformed on purpose
     proc = subprocess.run(
         [sys.executable, "-m", "titan_recover.coordinator", *launcher(tmp_path, etcd.url, "none")[3:]], cwd=ROOT,
@@ -185,3 +190,34 @@ def test_a_leader_that_cannot_read_the_saved_state_stops_the_run_saying_so(tmp_p
     assert error is not None
     assert error.startswith("the coordinator state in etcd cannot be taken over: store key 'coordinator/state' lacks"), error
     assert f"FATAL: {error}" in proc.stderr  # the coordinator logs errors to stderr
+
+
+def test_node_0_started_again_joins_the_running_run_and_a_new_run_id_reads_nothing_of_it(
+    tmp_path: Path, etcd: LocalEtcd
+) -> None:
+    """Launchers A (node 0: no coordinator address, replica 0) and B (replica 1) on etcd. Once step 2 is
+    logged, A's whole tree is SIGKILLed and the same command started again, as a replaced pod would be:
+    it finds the run going on and joins it (nothing of the run is cleared, its groups are not restarted at
+    attempt 0), takes replica 0 over once A's lifeline has gone silent, and replica 0 rejoins while
+    replica 1 holds step 5. The run ends with every step logged once, those before the kill included.
+    A new run with the same secret and a new id then starts from nothing: none of the old run's keys."""
+    dump = tmp_path / "dump"
+    args = launcher(dump, etcd.url, "sleep replica=1 step=5 phase=forward seconds=120 until=epoch",
+                    "--training.steps", "7", "--recover.heartbeat_timeout_s", "3")
+    env_a = node_env(None, "0")
+    with Node("a", dump, args, env_a) as a, Node("b", dump, args, node_env(etcd.url, "1")) as b:
+        wait_until("step 2", lambda: 2 in steps(dump), 240, [a, b])
+        a.kill_node()
+        with Node("a2", dump, args, env_a) as a2:
+            assert a2.wait(timeout=300) == 0, a2.output()[-3000:] + b.output()[-3000:]
+            assert b.wait(timeout=60) == 0, b.output()[-3000:]
+    assert "is already running on etcd://" in a2.output() and "this launcher joins it" in a2.output()
+    assert "took over replica groups [0]" in a2.output()
+    assert sorted(steps(dump)) == list(range(1, 8))  # once each, the ones logged before the kill kept
+    admitted = [e for e in events(dump) if e["event"] == "admitted"]
+    assert [(e["replica"], e["attempt"] > 0) for e in admitted] == [(0, True)], admitted
+    old = sealed.Run("failover-test-secret", env_a[keys.RUN_ENV])
+    new = ControlClient(transport.in_run(transport.etcd(etcd.url, 5), sealed.Run(old.secret, "next-job")))
+    assert new.begin() and new.read_state() is None and new.node_count() == 0 and new.ended() is None
+    again = ControlClient(transport.in_run(transport.etcd(etcd.url, 5), old))
+    assert not again.begin() and again.ended() == "done"  # the old run's id is spent: its node 0 would be refused

@@ -3,12 +3,14 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from titan_recover import groups, launch
 from titan_recover.control import keys, transport
 from titan_recover.control.client import ControlClient
+from titan_recover.control.sealed import Run
 from titan_recover.config import ConfigError
 from titan_recover.groups import is_incarnation
 
@@ -79,10 +81,10 @@ def test_the_coordinator_serves_its_run_only_on_loopback(tmp_path) -> None:
     cmd = [sys.executable, "-m", "titan_recover.coordinator", "--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        client = transport.connect(f"127.0.0.1:{port}", timeout_s=60, secret="this-run")
+        client = transport.connect(f"127.0.0.1:{port}", timeout_s=60, run=Run("this-run", ""))
         assert ControlClient(client).epoch() == 0
         with pytest.raises(transport.WrongRunError):
-            transport.connect(f"127.0.0.1:{port}", timeout_s=1, secret="another-run")
+            transport.connect(f"127.0.0.1:{port}", timeout_s=1, run=Run("another-run", ""))
         ip = non_loopback_ip()
         if ip is not None:
             assert not accepts(ip, port)
@@ -115,3 +117,23 @@ def test_a_group_spanning_nodes_meets_at_part_0s_rendezvous_and_needs_a_reachabl
         launch.coordinator_bind("", [0, 1], 2, parts=2)
     assert launch.coordinator_bind("127.0.0.1", [0, 1], 2, parts=2) == "127.0.0.1"
     assert launch.node_address("127.0.0.1:29500") == "127.0.0.1"
+
+
+def test_a_rank_whose_parent_died_before_it_asked_to_die_with_it_does_not_live_on() -> None:
+    """A torchrun agent SIGKILLed while its rank still imports (seconds, before ``die_with_parent``):
+    the rank, adopted by init by then, must end instead of waiting for a coordinator that is gone."""
+    child = ("import time; time.sleep(1.0); from titan_recover import procs; procs.die_with_parent(); "
+             "time.sleep(60)")
+    parent = (f"import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', {child!r}], "
+              "stdout=subprocess.DEVNULL).pid, flush=True)")
+    out = subprocess.run([sys.executable, "-c", parent], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    pid = int(out.stdout)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(pid, 9)
+    raise AssertionError(f"the orphaned child {pid} lived on")

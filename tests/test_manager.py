@@ -1,9 +1,9 @@
 """The protocol client of one rank (``manager.ReplicaManager``), in-process and fast.
 
-The coordinator's store is an in-process ``HashStore`` seen through the run prefix (as
-``transport.in_run`` does), the node agent is played by publishing into a real channel file,
-and the replicate-dim groups are a stand-in with ``ReplicateProcessGroups``' interface. The
-real collectives and processes are the e2e tests'.
+The coordinator's store is an in-process ``HashStore`` seen through the run
+(``transport.in_run``), the node agent is played by publishing into a real channel file, and
+the replicate-dim groups are a stand-in with ``ReplicateProcessGroups``' interface. The real
+collectives and processes are the e2e tests'.
 """
 
 import dataclasses
@@ -18,8 +18,10 @@ import torch
 import torch.distributed as dist
 
 from titan_recover import node_channel
+from titan_recover.control import transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Admission, Report, StepRecord, TransferRecord
+from titan_recover.control.sealed import Run
 from titan_recover.collectives import CollectiveAborted
 from titan_recover.config import Recover
 from titan_recover.manager import ReplicaFenced, ReplicaManager, RunFailed, RunFinished
@@ -56,7 +58,7 @@ class Coordinator:
     """What the coordinator and the node agent do, by hand: publish memberships and epochs."""
 
     def __init__(self, tmp_path: Path) -> None:
-        self.store = dist.PrefixStore("run/test", dist.HashStore())
+        self.store = transport.in_run(dist.HashStore(), Run("s3cret", "test"))
         self.control = ControlClient(self.store)
         self.channel = node_channel.Channel.create(0, 0, slots=4, directory=str(tmp_path))
         self.managers: list[ReplicaManager] = []
@@ -252,3 +254,21 @@ def test_records_digests_and_the_end(coord: Coordinator) -> None:
     assert coord.control.read_transfer(0, 0) == TransferRecord(bytes=1, transfer_s=0.1, step=5, epoch=1)
     m.finish()
     assert coord.slot_state(m) == node_channel.FINISHED
+
+
+def test_a_joiner_goes_on_only_in_an_epoch_that_includes_it(coord: Coordinator) -> None:
+    """The admission is written before its epoch is published; a leader that dies in between leaves an
+    admission whose epoch never includes the group: the joiner waits for its successor's admission."""
+    coord.publish(0, (0, 1))
+    m = coord.manager(2, attempt=1, rejoining=True)
+    waiter = threading.Thread(target=m.wait_for_admission, args=(0,), daemon=True)
+    waiter.start()
+    coord.control.admit(2, Admission(attempt=1, epoch=1))  # then its leader died before publishing epoch 1
+    time.sleep(0.05)
+    coord.publish(1, (0,))  # the next leader's epoch 1 (replica 1 failed) does not include it
+    time.sleep(0.1)
+    assert waiter.is_alive() and coord.slot_state(m) == node_channel.READY
+    coord.control.admit(2, Admission(attempt=1, epoch=2))  # the next leader admits the group still asking
+    coord.publish(2, (0, 2))
+    waiter.join(timeout=5)
+    assert not waiter.is_alive() and coord.slot_state(m) == node_channel.RUNNING

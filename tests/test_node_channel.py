@@ -200,3 +200,21 @@ def test_only_a_restart_none_of_whose_ranks_was_admitted_counts_as_never_admitte
 def test_a_malformed_node_message_is_refused_naming_the_key(groups: dict) -> None:
     with pytest.raises(protocol.MessageError, match="launcher/x"):
         NodeMessage.loads("launcher/x", json.dumps({"seq": 1, "groups": groups}).encode())
+
+
+def test_the_channel_files_of_a_sigkilled_agent_are_removed_by_the_next_launcher(tmp_path: Path) -> None:
+    """A SIGKILLed launcher cannot unlink its channel files; the next launcher on the node removes them
+    (those of live agents and files that are not channels stay)."""
+    code = ("import sys, time; from titan_recover.node_channel import Channel; "
+            f"c = Channel.create(1, 0, 2, directory={str(tmp_path)!r}); print(c.path, flush=True); time.sleep(60)")
+    agent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    dead = agent.stdout.readline().strip()
+    agent.kill()
+    agent.wait()
+    live = Channel.create(2, 0, 2, directory=str(tmp_path))
+    other = tmp_path / "titan_recover-notes.txt"
+    other.write_text("not a channel")
+    assert os.path.exists(dead)
+    assert node_channel.remove_orphans(str(tmp_path)) == [os.path.basename(dead)]
+    assert not os.path.exists(dead) and os.path.exists(live.path) and other.exists()
+    live.remove()

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from titan_recover.control import claims, keys, protocol, transport
 from titan_recover.control.client import ControlClient
+from titan_recover.control.sealed import SealedStore
 from titan_recover.control.protocol import Launcher, NodeMessage, Rendezvous
 
 from conftest import CONFIG, ROOT, TINY, Run, assert_all_rejoined, assert_same_trajectory
@@ -36,7 +37,8 @@ class Lifeline:
 
     def __init__(self, client: ControlClient, launcher: Launcher) -> None:
         self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._beat, args=(client.store.clone(), launcher.key), daemon=True)
+        own = SealedStore(client.store.inner.clone(), client.store.run)  # a connection of its own, as the lifeline's
+        self.thread = threading.Thread(target=self._beat, args=(own, launcher.key), daemon=True)
         self.thread.start()
 
     def _beat(self, client: dist.Store, key: str) -> None:
@@ -154,7 +156,7 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(tmp_path: Pat
         wait_until("step 1", lambda: len(steps()) >= 1, 240, [a, b])
         b.kill_node()
         with Node("b2", dump, args, env_b) as b2:
-            client = transport.connect(f"127.0.0.1:{port}", timeout_s=30, secret=secret)
+            client = transport.connect(f"127.0.0.1:{port}", timeout_s=30, run=transport.find_run(f"127.0.0.1:{port}", 30, secret))
             owner = lambda: Launcher.loads(keys.owner_key(1), client.get(keys.owner_key(1)))  # noqa: E731
             wait_until("B2 takes replica 1 over", lambda: owner().pid == b2.proc.pid, 120, [a, b2])
             with Node("c", dump, args, env_b) as c:  # a duplicate: the same group while B2 lives

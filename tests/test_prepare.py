@@ -215,3 +215,53 @@ def _open_files(pid: int) -> list[str]:
     except OSError:  # gone, or the fd closed meanwhile
         pass
     return files
+
+
+# ------------------------------------------------------------------ records a rerun trusts
+
+
+def _synthetic(out: Path, max_tokens: int | None) -> prepare.Manifest:
+    return prepare.prepare_synthetic(str(out), TOKENIZER_DIR, 6_000, 3, 0, max_tokens=max_tokens, workers=1,
+                                     progress=False)
+
+
+def _assert_same_as_fresh(out: Path, fresh: Path, max_tokens: int | None) -> None:
+    _synthetic(fresh, max_tokens)
+    np.testing.assert_array_equal(all_tokens(str(out)), all_tokens(str(fresh)))
+    assert tokens_verify_clean(str(out))
+
+
+def test_rerun_with_another_max_tokens_redoes_the_cut_shard(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert _synthetic(out, 3_500).num_tokens == 3_500  # shard 1 (tokens 2,000..3,999) cut at 1,500
+    cut = (out / "00001.ds").stat().st_mtime_ns
+    assert _synthetic(out, 3_500).num_tokens == 3_500 and (out / "00001.ds").stat().st_mtime_ns == cut  # nothing redone
+    os.remove(out / "manifest.json")  # the same settings again, past the manifest: the cut shard's record is kept
+    assert _synthetic(out, 3_500).num_tokens == 3_500 and (out / "00001.ds").stat().st_mtime_ns == cut
+    for other in (3_900, None):
+        m = _synthetic(out, other)
+        assert m.num_tokens == (other or 6_000)
+        _assert_same_as_fresh(out, tmp_path / f"fresh{other}", other)
+
+
+def test_a_crash_while_cutting_a_shard_leaves_no_record_that_lies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+
+    def crash(*args: object) -> None:
+        raise KeyboardInterrupt("killed after the shard was truncated")
+
+    with monkeypatch.context() as m:
+        m.setattr(prepare.tokens, "scan_shard", crash)  # _cut's step after the truncation
+        with pytest.raises(KeyboardInterrupt):
+            _synthetic(out, 3_500)
+    assert (out / "00001.ds").stat().st_size == 2 * 1_500  # truncated
+    assert _synthetic(out, None).num_tokens == 6_000
+    _assert_same_as_fresh(out, tmp_path / "fresh", None)
+
+
+def test_a_record_whose_shard_changed_is_not_trusted(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _synthetic(out, None)
+    os.truncate(out / "00001.ds", 2 * 700)  # the record of task 1 now describes a shard that is not there
+    assert _synthetic(out, 5_000).num_tokens == 5_000
+    _assert_same_as_fresh(out, tmp_path / "fresh", 5_000)

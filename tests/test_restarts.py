@@ -1,12 +1,14 @@
 """The restart budget per time window (titan_recover.restarts) and the launcher's use of it (no processes)."""
 
 import pytest
+import torch.distributed as dist
 
 from titan_recover.agent import NodeAgent
 from titan_recover.groups import Meeting, ReplicaGroups, Span
-from titan_recover.control import claims, keys
+from titan_recover.control import claims, keys, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Fence, Launcher, Rendezvous
+from titan_recover.control.sealed import Run
 from titan_recover.restarts import RestartBudget, restart_allowed
 
 pytestmark = pytest.mark.unit
@@ -68,33 +70,11 @@ class FakeProc:
         return self.code
 
 
-class FakeStore:
-    """The few TCPStore calls ReplicaGroups.watch makes."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {keys.EPOCH: b"0"}
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.data for k in keys)
-
-    def get(self, key: str) -> bytes:
-        return self.data[key]
-
-    def set(self, key: str, value: str) -> None:
-        self.data[key] = value.encode()
-
-    def add(self, key: str, n: int) -> int:
-        self.data[key] = str(int(self.data.get(key, b"0")) + n).encode()
-        return int(self.data[key])
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        if self.data.get(key, b"") == expected.encode():
-            self.data[key] = desired.encode()
-        return self.data[key]
-
-
 def fake_client() -> ControlClient:
-    return ControlClient(FakeStore())  # type: ignore[arg-type]  # the calls ControlClient makes
+    """A run's client on an in-process store (torch's HashStore): the calls ReplicaGroups.watch makes."""
+    client = ControlClient(transport.in_run(dist.HashStore(), Run("restarts-test", "")))
+    client.store.set(keys.EPOCH, "0")
+    return client
 
 
 def causes(client: ControlClient) -> list[str]:

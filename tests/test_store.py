@@ -23,6 +23,7 @@ import torch.distributed as dist
 from titan_recover.control import keys, lifeline, protocol, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Fence, Membership, MessageError, NodeMessage, Rendezvous, Report, StepRecord
+from titan_recover.control.sealed import Run
 
 from conftest import ROOT
 
@@ -156,7 +157,7 @@ def test_decode_int(client: dist.TCPStore, key: str) -> None:
     client.set(key, "42")
     assert protocol.decode_int(key, client.get(key)) == 42
     assert client.add(key + "/counter", 5) == 5
-    assert protocol.decode_int(key + "/counter", client.get(key + "/counter")) == 5
+    assert protocol.decode_int(key + "/counter", client.inner.get(key + "/counter")) == 5  # counters are not sealed
     c = ControlClient(client)
     assert c.joined(9, 1) is None  # an integer the client reads: none yet
     c.set_joined(9, 1, 4)
@@ -182,7 +183,7 @@ def test_report_increments_counter_and_stores_record() -> None:
     c.report(Report(epoch=0, cause="bang", replica=0, suspect=0))
     after = time.time()
     assert c.report_count() == 2
-    assert protocol.decode_int(keys.REPORTS, c.store.get(keys.REPORTS)) == 2
+    assert protocol.decode_int(keys.REPORTS, c.store.inner.get(keys.REPORTS)) == 2
     first, second = ControlClient(srv).read_report(1), ControlClient(srv).read_report(2)
     assert first is not None and second is not None
     assert (first.replica, first.epoch, first.suspect, first.cause) == (1, 0, None, "boom")
@@ -480,12 +481,12 @@ def test_a_client_of_another_run_is_refused_within_a_bound() -> None:
     with coordinator_process("run-a-secret") as address:
         start = time.monotonic()
         with pytest.raises(transport.WrongRunError) as info:
-            transport.connect(address, timeout_s=2, secret="run-b-secret")
+            transport.connect(address, timeout_s=2, run=Run("run-b-secret", ""))
         assert time.monotonic() - start < 5
         msg = str(info.value)
         assert f"the coordinator at {address} does not serve this run" in msg
         assert keys.SECRET_ENV in msg and "another job on that port" in msg
-        assert ControlClient(transport.connect(address, timeout_s=2, secret="run-a-secret")).epoch() == 3
+        assert ControlClient(transport.connect(address, timeout_s=2, run=Run("run-a-secret", ""))).epoch() == 3
 
 
 def test_a_client_with_the_runs_secret_in_its_environment_connects(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -514,19 +515,19 @@ def test_the_runs_keys_are_out_of_reach_without_its_secret(server: tuple[dist.TC
     assert ControlClient(server[0]).read(key, Fence) == Fence(attempt=0, epoch=1)
 
 
-def test_a_runs_store_clones_and_does_what_the_trainer_asks(server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str) -> None:
-    clone = client.clone()  # collectives.ReplicateProcessGroups builds each group on a clone
-    assert clone.underlying_store is not client.underlying_store  # a connection of its own
-    clone.set(key, "v")
+def test_a_runs_store_does_what_the_trainer_asks(server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str) -> None:
+    other = transport.connect(server[1], timeout_s=5)
+    other.set(key, "v")
     assert client.get(key) == b"v"
     assert client.compare_set(key + "/cs", "", "first") == b"first"
-    assert clone.compare_set(key + "/cs", "", "second") == b"first"
-    assert client.add(key + "/n", 2) == 2 and clone.add(key + "/n", 3) == 5
-    assert clone.check([key, key + "/cs"]) and not clone.check([key + "/missing"])
-    clone.multi_set([key + "/a", key + "/b"], ["1", "2"])
+    assert other.compare_set(key + "/cs", "", "second") == b"first"
+    assert client.add(key + "/n", 2) == 2 and other.add(key + "/n", 3) == 5
+    assert other.check([key, key + "/cs"]) and not other.check([key + "/missing"])
+    other.multi_set([key + "/a", key + "/b"], ["1", "2"])
     assert client.multi_get([key + "/a", key + "/b"]) == [b"1", b"2"]
-    clone.wait([key + "/a"])
-    group_store = dist.PrefixStore(f"{key}/replicate/e1/s0/", client.clone())  # as collectives nests it
+    other.wait([key + "/a"])
+    group_store = client.process_group_store(f"{keys.PROCESS_GROUPS}{key}/e1/s0/")  # as collectives nests it
+    assert group_store.underlying_store is not client.inner.underlying_store  # a connection of its own
     group_store.set("addr", "x")
     assert not server[0].check(["addr"]) and group_store.get("addr") == b"x"
     assert client.delete_key(key) and not server[0].check([key])

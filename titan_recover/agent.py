@@ -27,6 +27,7 @@ from titan_recover import node_channel
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import MessageError, NodeGroup, NodeMessage, Report, Stuck
 from titan_recover.control.transport import connect
+from titan_recover.control.sealed import Run
 from titan_recover.node_channel import Channel
 
 EPOCH_WAIT_S = 24 * 3600.0  # one wait per epoch; a lost coordinator is the lifeline's to find, within its bound
@@ -70,7 +71,7 @@ class NodeAgent:
     """The channels of this node's replica groups, the node message and the epoch push."""
 
     address: str
-    secret: str
+    run: Run
     slots: int  # local ranks per group
     channels: dict[int, Channel] = field(default_factory=dict)  # replica -> its current incarnation's channel
     attempts: dict[int, int] = field(default_factory=dict)
@@ -159,7 +160,7 @@ class NodeAgent:
         while not self.flags:
             try:
                 if client is None:
-                    client = ControlClient(connect(self.address, 60.0, self.secret))
+                    client = ControlClient(connect(self.address, 60.0, self.run))
                 epoch = client.epoch()
                 flags = (node_channel.FATAL if client.stopped() else 0) | (node_channel.DONE if client.finished() else 0)
                 self._publish(epoch, flags)

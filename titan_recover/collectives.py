@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 from titan_recover.config import ConfigError
 from titan_recover.membership import Membership
-from titan_recover.control.keys import REPLICATE_BACKEND
+from titan_recover.control.keys import REPLICATE_BACKEND, replicate_group_prefix, transfer_group_prefix
+from titan_recover.control.sealed import SealedStore
 
 POLL_S = (0.0005, 0.005)  # first and longest pause while waiting: quick for short waits, light for long ones
 NCCL_NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"  # bounds a non-blocking communicator's setup
@@ -68,7 +69,7 @@ class ReplicateProcessGroups:
     """This rank's replicate-dim process groups, one per epoch."""
 
     def __init__(
-        self, store: dist.Store, replica: int, group_rank: int, timeout_s: float,
+        self, store: SealedStore, replica: int, group_rank: int, timeout_s: float,
         backend: str = "gloo", device: torch.device = torch.device("cpu"),
     ) -> None:
         self.store = store
@@ -129,10 +130,10 @@ class ReplicateProcessGroups:
     def _connect(self, prefix: str, rank: int, size: int, abort: Callable[[], bool]) -> dist.Backend:
         """A group under ``prefix``; raises CollectiveAborted if ``abort()`` first.
 
-        The rendezvous gets a store connection of its own (``clone``): its blocking
+        The rendezvous gets a store connection of its own (``process_group_store``): its blocking
         ``get`` of a dead peer's address must not hold up this rank's other store calls.
         """
-        store = dist.PrefixStore(prefix, self.store.clone())
+        store = self.store.process_group_store(prefix)
         result: list[object] = []
 
         def build() -> None:
@@ -161,7 +162,7 @@ class ReplicateProcessGroups:
         size = len(membership.members)
         group = None
         if size > 1:
-            prefix = f"replicate/e{membership.epoch}/s{self.group_rank}/"
+            prefix = replicate_group_prefix(membership.epoch, self.group_rank)
             group = self._connect(prefix, membership.members.index(self.replica), size, abort)
         # older epochs' groups are done with; park them (destroying may block on dead peers)
         for epoch in [e for e in self._groups if e < membership.epoch]:
@@ -189,7 +190,7 @@ class ReplicateProcessGroups:
     @contextmanager
     def pair(self, epoch: int, joiner: int, donor: bool, abort: Callable[[], bool]) -> Iterator[dist.Backend]:
         """The two-rank group (donor = rank 0) that hands ``joiner`` its state in ``epoch``; one transfer only."""
-        group = self._connect(f"transfer/e{epoch}/s{self.group_rank}/r{joiner}/", 0 if donor else 1, 2, abort)
+        group = self._connect(transfer_group_prefix(epoch, self.group_rank, joiner), 0 if donor else 1, 2, abort)
         try:
             yield group
         finally:

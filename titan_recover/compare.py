@@ -1,17 +1,20 @@
 """Checks a run's event log against a reference run's: the trajectory invariant.
 
 Every step committed once, every step summing microbatches 0..M-1, the same
-``data_digest`` per step as the reference, and losses within a relative tolerance.
+``data_digest`` per step as the reference, and losses within a relative tolerance. A step's
+line logged again (lines are written at least once, see ``events``) is counted once.
 
-    python -m titan_recover.compare REFERENCE.jsonl RUN.jsonl [--rel-tol 1e-3]
+    python -m titan_recover.compare REFERENCE RUN [--rel-tol 1e-3]
+    (each an event log, or a dump folder: every node's event log in it)
 """
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from titan_recover.events import read_events
+from titan_recover.events import Log, event_files, read_log
 
 
 @dataclass
@@ -60,13 +63,32 @@ def compare_runs(reference: Iterable[dict[str, Any]], run: Iterable[dict[str, An
     return out
 
 
+def _read(path: str) -> Log:
+    """An event log, or every node's event log in a dump folder."""
+    if not os.path.isdir(path):
+        return read_log(path)
+    files = event_files(path)
+    if not files:
+        raise ValueError(f"{path} holds no event log (recover_events*.jsonl): name a run's dump folder or its log")
+    return read_log(*files)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("reference")
-    parser.add_argument("run")
+    parser.add_argument("reference", help="an event log, or a dump folder")
+    parser.add_argument("run", help="an event log, or a dump folder")
     parser.add_argument("--rel-tol", type=float, default=1e-3)
     args = parser.parse_args(argv)
-    c = compare_runs(read_events(args.reference), read_events(args.run), args.rel_tol)
+    try:
+        reference, run = _read(args.reference), _read(args.run)
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
+    for log in (reference, run):
+        if log.duplicates:
+            print(f"note {', '.join(log.files)}: {len(log.duplicates)} line(s) logged again, counted once")
+        if log.skipped:
+            print(f"note: {len(log.skipped)} line(s) that are no event skipped, the first {log.skipped[0]}")
+    c = compare_runs(reference.events, run.events, args.rel_tol)
     for p in c.problems:
         print(f"MISMATCH {p}")
     print(f"{c.steps} steps compared, max relative loss deviation {c.max_rel_loss_dev:.2e}: "

@@ -8,13 +8,14 @@ the same TOML describes stock HSDP (``enable = false``) and titan_recover.
 """
 
 import dataclasses
+import importlib
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from titan_recover import faults, workload
-from titan_recover.control.addresses import parse_etcd_url
+from titan_recover.control.addresses import check_bindable, parse_etcd_url, parse_host
 
 BACKENDS = ("auto", "nccl", "gloo")
 """Values of ``recover.replicate_backend`` (``titan_recover.devices`` resolves "auto")."""
@@ -89,7 +90,8 @@ class Recover:
     """TCP port of the coordinator's store; 0 picks a free one."""
 
     coordinator_bind: str = ""
-    """Address the coordinator's store listens on. "" = loopback (127.0.0.1), for a run whose
+    """Address the coordinator's store listens on: an IPv4 address of its node, or a host name that
+    resolves to one (IPv6 is not supported). "" = loopback (127.0.0.1), for a run whose
     replica groups all run on the coordinator's node; a multi-node run must name an address the
     other nodes reach, e.g. this node's IP on the cluster network (or 0.0.0.0: every interface)."""
 
@@ -149,12 +151,14 @@ def validate(job_config: Any) -> Recover:
     _check_rebalancing(rc)
     _check_minimums(rc, {"data_seed": 0})
     _check_coordinator_port(rc)
+    _check_coordinator_bind(rc)
     _check_control_store(rc)
     _check_leader_lease(rc)
     _check_backend(rc)
     _check_policy(rc)
     plan = _parse_fault_plan(rc)
     _check_degrees(rc, job_config.parallelism)
+    _check_training(job_config.training)
     _check_group_nodes(rc, job_config.parallelism)
     _check_fault_plan(plan, job_config)
     _check_context_parallel(job_config.parallelism)
@@ -165,6 +169,9 @@ def validate(job_config: Any) -> Recover:
 _COUNTS = {"spares": 0, "min_replicas": 1, "max_restarts": 0, "max_step_retries": 1, "group_nodes": 1,
            "digest_interval": 1}
 """Integer keys of ``[recover]`` and their smallest allowed value."""
+
+_TRAINING_COUNTS = ("local_batch_size", "global_batch_size", "seq_len", "steps")
+"""Keys of ``[training]`` that the microbatch layout and the fault plan divide by or count to: each >= 1."""
 
 _SECONDS = ("heartbeat_interval_s", "heartbeat_timeout_s", "report_confirm_s", "collective_timeout_s",
             "startup_timeout_s", "coordinator_timeout_s", "progress_timeout_s", "restart_window_s",
@@ -223,6 +230,30 @@ def _check_coordinator_port(rc: Recover) -> None:
         raise ConfigError(f"recover.coordinator_port out of range: {rc.coordinator_port}")
 
 
+_BIND_FIX = ("set it to this node's address on the network the other nodes share (an IPv4 address or a host name), "
+             "0.0.0.0 for every interface, or \"\" for loopback (a run on one node)")
+
+
+def _check_coordinator_bind(rc: Recover) -> None:
+    if not rc.coordinator_bind:
+        return
+    try:
+        parse_host(rc.coordinator_bind)
+    except ValueError as e:
+        raise ConfigError(f"recover.coordinator_bind: {e}; {_BIND_FIX}") from None
+
+
+def check_coordinator_bind(rc: Recover) -> None:
+    """The launcher that starts the coordinator checks that this host can listen on ``coordinator_bind``
+    before it starts anything; other nodes are given the same TOML and never listen there."""
+    if not rc.coordinator_bind:
+        return
+    try:
+        check_bindable(rc.coordinator_bind)
+    except ValueError as e:
+        raise ConfigError(f"recover.coordinator_bind = {rc.coordinator_bind!r}: {e}; {_BIND_FIX}") from None
+
+
 def _check_control_store(rc: Recover) -> None:
     if not rc.control_store:
         return
@@ -277,6 +308,12 @@ def _check_degrees(rc: Recover, par: Any) -> None:
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree"):
         if getattr(par, key) < 1:
             raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(par, key)}")
+
+
+def _check_training(tr: Any) -> None:
+    for key in _TRAINING_COUNTS:
+        if getattr(tr, key) < 1:
+            raise ConfigError(f"training.{key} must be an integer >= 1, got {getattr(tr, key)}")
 
 
 def _check_group_nodes(rc: Recover, par: Any) -> None:
@@ -345,12 +382,36 @@ def _check_batch(job_config: Any) -> None:
     tr, par = job_config.training, job_config.parallelism
     per_microbatch = tr.local_batch_size * par.data_parallel_shard_degree
     replicas = par.data_parallel_replicate_degree
-    if tr.global_batch_size <= 0 or tr.global_batch_size % (per_microbatch * replicas):
+    if tr.global_batch_size % (per_microbatch * replicas):
         raise ConfigError(
-            f"training.global_batch_size ({tr.global_batch_size}) must be a positive "
+            f"training.global_batch_size ({tr.global_batch_size}) must be a "
             "multiple of training.local_batch_size * data_parallel_shard_degree * "
             f"data_parallel_replicate_degree ({per_microbatch * replicas})"
         )
+
+
+def check_model(job_config: Any) -> None:
+    """``model.name`` names a registered TrainSpec, after ``experimental.custom_import`` (which registers
+    the job's own) is imported: TorchTitan's own refusal is a traceback, in every rank."""
+    from torchtitan.models import _supported_models
+    from torchtitan.protocols import train_spec
+
+    module = job_config.experimental.custom_import
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(f"experimental.custom_import {module!r} cannot be imported ({e}); set it to the module "
+                              "that registers the job's model, e.g. titan_recover.train_spec") from None
+    name = job_config.model.name
+    try:
+        train_spec.get_train_spec(name)
+    except ValueError:
+        registered = sorted(train_spec._extra_train_specs)  # TorchTitan lists them nowhere else
+        raise ConfigError(
+            f"model.name {name!r} is not a registered model; registered by experimental.custom_import "
+            f"({module!r}): {', '.join(registered) or 'none'}; TorchTitan's own: {', '.join(sorted(_supported_models))}"
+        ) from None
 
 
 def resume_hint(job_config: Any) -> str:

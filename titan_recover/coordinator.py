@@ -8,7 +8,7 @@ node's launcher, one leads (``control.leader``), and a new leader restores the s
 predecessor saved there (``CoordinatorState``, saved with every epoch and every logged step).
 
     python -m titan_recover.coordinator --job.config_file X.toml [--section.key value ...]
-    (serves on the port in $TITAN_RECOVER_COORDINATOR, the run whose secret is $TITAN_RECOVER_SECRET;
+    (serves on the port in $TITAN_RECOVER_COORDINATOR, the run named by $TITAN_RECOVER_SECRET and $TITAN_RECOVER_RUN_ID;
     with an etcd:// address there, campaigns to lead and leads until the run ends)
 """
 
@@ -25,6 +25,7 @@ from titan_recover.control import transport
 from titan_recover.control.addresses import LOOPBACK, is_etcd, parse_host_port
 from titan_recover.control.client import COMMIT, ControlClient
 from titan_recover.control.keys import leader_key
+from titan_recover.control.sealed import Run
 from titan_recover.control.lifeline import PROBE_S
 from titan_recover.control.protocol import CoordinatorState, Membership, MessageError, NodeMessage, TransferRecord
 from titan_recover.coordinator_core import (
@@ -33,6 +34,7 @@ from titan_recover.coordinator_core import (
     Effect,
     Emit,
     FenceOut,
+    Forget,
     LogStep,
     Publish,
     Rules,
@@ -53,7 +55,12 @@ log = logs.get("coordinator")
 
 class LeaderEvents(EventLog):
     """The event log of a leader on etcd: each event is written only after the lease was
-    confirmed, so a stale leader resuming from a freeze logs nothing (``LeadershipLost``)."""
+    confirmed, so a stale leader resuming from a freeze logs nothing more (``LeadershipLost``).
+
+    At least once, not exactly once: a leader frozen between the confirmation and the write
+    still writes that one line, which its successor may have logged too (no order of write and
+    confirmation is both at most once and at least once across a freeze). Confirming first keeps
+    that to one line per freeze; the readers (``events.read_log``) count each step once."""
 
     def __init__(self, dump_folder: str, confirm: Callable[[], None]) -> None:
         super().__init__(dump_folder)
@@ -86,11 +93,15 @@ class Coordinator:
                                    startup_s=rc.startup_timeout_s, start=time.monotonic())
         self.core = CoordinatorCore(rules(job_config), detector, fault_time=self._fault_time,
                                     committed=lambda step, epoch: self.control.decision(step, epoch) == COMMIT)
-        self.empty_slots: dict[int, float] = {}  # reserved report slots not yet written -> first seen
-        self.nodes: list[str] = []  # the launcher key of every registered node, in order
+        self.slot_seen: dict[int, float] = {}  # unread report slots (``state.unread_reports``) -> first seen empty
+        self.nodes: dict[str, int] = {}  # the launcher key of every registered node still read -> its registration index
+        self.next_node = 1  # the next registration index to name
         self.pending_nodes: dict[int, float] = {}  # registrations not yet named -> first seen
         self.node_raw: dict[str, bytes] = {}  # each node's last message
+        self.node_changed: dict[str, float] = {}  # ... when it last changed
         self.node_groups: dict[str, tuple[NodeMessage, float]] = {}  # ... parsed, and when it last changed
+        self.claims_checked: dict[str, float] = {}  # silent nodes still holding a claim -> when that was read
+        self.malformed_step: int | None = None  # the step whose record was last found malformed (warned once)
         self.next_node_read = 0.0
         self.last_node_read: float | None = None  # when the node messages were last read
         self.next_alive = 0.0
@@ -123,6 +134,8 @@ class Coordinator:
                 self.events.emit("resources", process="coordinator", step=e.step, **resources.usage())
             elif isinstance(e, Say):
                 log.info(e.message)
+            elif isinstance(e, Forget):
+                self._forget(e)
             elif isinstance(e, Stop):
                 self.control.stop(e.error)
                 self.events.emit("fatal", step=self.core.step(), error=e.error)
@@ -130,19 +143,32 @@ class Coordinator:
                 return False
         return True
 
+    def _forget(self, forget: Forget) -> None:
+        self.control.forget_steps(forget.steps, forget.vote_epochs, self.core.rules.replica_ids)
+        self.control.forget_epochs(forget.epochs)
+        self.control.forget_reports(forget.reports)
+        for replica, attempt in forget.admissions:
+            self.control.forget_admission(replica, attempt)
+
     def _take_over(self, saved: CoordinatorState) -> None:
-        """Continues a run from the state its previous leader saved: the epochs from the store,
-        the rest from the saved state; steps it saved but did not log yet are logged now.
-        Every member gets one heartbeat timeout to show it is alive (its beats are read anew)."""
+        """Continues a run from the state its previous leader saved: the epochs from the store (those
+        it kept), the rest from the saved state; steps it saved but did not log yet are logged now.
+        Every member gets one heartbeat timeout to show it is alive (its beats are read anew), and
+        every report slot it found empty one grace period to be written."""
         epoch = self.control.epoch()
-        history = {m.epoch: m for m in self.control.memberships(list(range(epoch + 1)))}
+        history = {m.epoch: m for m in self.control.memberships(list(range(saved.kept_epoch, epoch + 1)))}
         self.core.take_over(saved, history, epoch)
+        now = time.monotonic()
+        self.slot_seen = {index: now for index in saved.unread_reports}
         progress = saved.progress
         if progress is not None:  # past startup: every member beat before; the dead ones stop now
-            self.core.grace(time.monotonic())
+            self.core.grace(now)
             if progress.step not in logged_steps(self.events.path):
                 # saved, then its leader died before the event was written (saves precede events one step at a time)
-                record = self.control.read_step(progress.step)
+                try:
+                    record = self.control.read_step(progress.step)
+                except MessageError:
+                    record = None  # committed without a record: its leader wrote the event saying so, or died first
                 if record is not None:
                     self.events.step(record.to_json())
         log.info(f"took over at step {self.core.step()}: epoch {epoch}, members {list(self.membership.members)}")
@@ -163,7 +189,8 @@ class Coordinator:
                 log.warning(f"ignoring malformed start step: {e}")
 
     def _poll_steps(self) -> None:
-        """Logs each committed step once, in order, from the record its first committer wrote."""
+        """Logs each committed step once, in order, from the record its first committer wrote; a
+        malformed record holds its step up only until the store shows the step committed."""
         self._read_start_step()
         while True:
             step = self.core.step()
@@ -172,11 +199,17 @@ class Coordinator:
                 if record is None:
                     return
                 if not self.core.accepts(record):
-                    raise MessageError(f"store key 'step/{step}': step record for another step or epoch: {record!r:.200}")
+                    raise MessageError(f"the record of step {step} is for another step or epoch: {record!r:.200}")
             except MessageError as e:
-                log.warning(f"ignoring malformed step record: {e}")
-                self.control.drop_step(step)
-                return
+                effects = self.core.on_malformed_step(str(e))
+                if not effects:
+                    if self.malformed_step != step:
+                        log.warning(f"malformed step record: {e}; step {step} is logged without it once the store "
+                                    "shows it committed")
+                        self.malformed_step = step
+                    return
+                self._apply(effects)
+                continue
             self._apply(self.core.on_step(record))
 
     def _poll_nodes(self, now: float) -> None:
@@ -193,54 +226,82 @@ class Coordinator:
         self._register_nodes(now)
         if not self.nodes:
             return
-        for key, raw in zip(self.nodes, self.control.node_messages(self.nodes)):
+        names = list(self.nodes)
+        for key, raw in zip(names, self.control.node_messages(names)):
             if raw == self.node_raw.get(key):
                 continue  # its lifeline did not write since: its groups age
-            self.node_raw[key] = raw
+            self.node_raw[key], self.node_changed[key] = raw, now
             try:
                 self.node_groups[key] = (NodeMessage.loads(key, raw), now)
             except MessageError as e:
                 log.warning(f"ignoring malformed node message: {e}")
         self.last_node_read = now
+        self._forget_nodes(now)
         self.core.on_nodes(group_views(
             (replica, entry, seen) for message, seen in self.node_groups.values() for replica, entry in message.groups.items()
         ), now)
 
     def _register_nodes(self, now: float) -> None:
         """Names the launchers registered since the last read (each writes its name right after the counter)."""
-        for index in range(len(self.nodes) + len(self.pending_nodes) + 1, self.control.node_count() + 1):
+        count = self.control.node_count()
+        for index in range(self.next_node, count + 1):
             self.pending_nodes[index] = now
+        self.next_node = max(self.next_node, count + 1)
         for index, since in sorted(self.pending_nodes.items()):
             name = self.control.node_name(index)
             if name is not None:
                 del self.pending_nodes[index]
-                self.nodes.append(name)
+                self.nodes[name] = index
+                self.node_changed[name] = now
             elif now - since > REPORT_GRACE_S:
                 del self.pending_nodes[index]
-                log.warning(f"node {index} registered but never named its launcher (it died in between?); skipped")
+                log.info(f"node {index} has no launcher name (it died before naming itself, or a previous leader "
+                         "forgot it once another launcher had taken its claims over); skipped")
+
+    def _forget_nodes(self, now: float) -> None:
+        """Stops reading, and deletes, the launchers silent for longer than a claim's takeover bound
+        (the heartbeat timeout) whose claims another launcher took over: replacement launchers
+        then cost the store and each pass nothing once their predecessors are gone. A silent one
+        still holding a claim (frozen, or cut off) is kept, and its claims read again one bound later."""
+        bound = self.rc.heartbeat_timeout_s
+        silent = [key for key in self.nodes if now - self.node_changed[key] > bound
+                  and now - self.claims_checked.get(key, -bound) >= bound]
+        if not silent:
+            return
+        holders = self.control.claim_holders(self.core.rules.replica_ids, self.rc.group_nodes)
+        for key in silent:
+            if key in holders:
+                self.claims_checked[key] = now
+                continue
+            self.control.forget_node(self.nodes.pop(key), key)
+            for seen in (self.node_raw, self.node_changed, self.node_groups, self.claims_checked):
+                seen.pop(key, None)  # type: ignore[attr-defined]
+            log.info(f"forgot {key}: silent for more than {bound:g}s and its claims taken over by another launcher")
 
     def _poll_reports(self, now: float) -> None:
         """Reads new reports; a reserved slot never written (its reporter died between
-        reserving and writing) is skipped after ``REPORT_GRACE_S``, holding up no later report."""
+        reserving and writing) is skipped after ``REPORT_GRACE_S``, holding up no later report.
+        The slots not read yet are part of the saved state: a new leader reads them too."""
         state = self.core.state
         count = self.control.report_count()
-        for index in range(state.next_report, count + 1):
-            self.empty_slots.setdefault(index, now)
+        state.unread_reports += range(state.next_report, count + 1)
         state.next_report = max(state.next_report, count + 1)
-        for index, since in sorted(self.empty_slots.items()):
+        for index in list(state.unread_reports):
+            since = self.slot_seen.setdefault(index, now)
             try:
                 report = self.control.read_report(index)
             except MessageError as e:
-                del self.empty_slots[index]
                 log.warning(f"ignoring malformed report: {e}")
-                continue
-            if report is None:
-                if now - since > REPORT_GRACE_S:
-                    del self.empty_slots[index]
+                report = None
+            else:
+                if report is None and now - since <= REPORT_GRACE_S:
+                    continue
+                if report is None:
                     log.warning(f"report slot {index} was reserved but never written (its reporter died?); skipped")
-                continue
-            del self.empty_slots[index]
-            self._apply(self.core.on_report(report, now))
+            state.unread_reports.remove(index)
+            del self.slot_seen[index]
+            if report is not None:
+                self._apply(self.core.on_report(report, now))
 
     def _transfers(self, replica: int) -> list[TransferRecord]:
         records = []
@@ -289,6 +350,10 @@ class Coordinator:
             return 1
         self._apply(self.core.on_rejoined(self._transfers))
         if self.core.finished():
+            self._poll_steps()  # the last steps belong before the end, and their logging forgets older ones
+            keys_left = self.control.key_count()
+            if keys_left is not None:  # what the run leaves in the store: bounded whatever its length
+                self.events.emit("store", step=self.core.step() - 1, keys=keys_left)
             self.control.finish()
             log.info("all live replica groups finished")
             return 0
@@ -323,10 +388,10 @@ def lead(job_config: Any, address: str) -> int:
     from titan_recover.control.leader import Lease
 
     rc = job_config.recover
-    secret = transport.run_secret()
+    run = Run.from_env()
     raw = transport.etcd(address, rc.coordinator_timeout_s)
-    lease = Lease(raw, leader_key(secret), rc.leader_lease_s)
-    view = ControlClient(transport.in_run(raw, secret))
+    lease = Lease(raw, leader_key(run.prefix), rc.leader_lease_s)
+    view = ControlClient(transport.in_run(raw, run))
 
     def ended() -> bool:
         return view.finished() or view.stopped()
@@ -337,7 +402,7 @@ def lead(job_config: Any, address: str) -> int:
             lease.resign()
             return 1 if view.stopped() else 0
         log.info(f"leading (lease {rc.leader_lease_s:g}s)")
-        client = transport.in_run(guarded, secret)
+        client = transport.in_run(guarded, run)
         try:
             events = LeaderEvents(job_config.job.dump_folder, guarded.confirm_guard)
             try:

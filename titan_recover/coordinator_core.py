@@ -2,12 +2,13 @@
 
 ``CoordinatorCore`` holds the bookkeeping (``protocol.CoordinatorState``: attempts, joining
 groups, repairs, spares, dropped groups, down-since times, the last committed step) and
-the membership history. Its transitions (``on_step``, ``on_nodes``, ``on_report``,
-``on_failure``, ``on_retry``, ``on_joins``, ``on_rejoined``) change that state and return
-the effects the shell (``coordinator.Coordinator``) carries out in order: publish an
-epoch, fence or admit an incarnation, save the state, write an event, log a line, stop
-the run. Reads it needs (an injected fault's time, a step's decision, transfer records)
-come in as functions, so every rule is testable in microseconds without a store.
+the membership history. Its transitions (``on_step``, ``on_malformed_step``, ``on_nodes``,
+``on_report``, ``on_failure``, ``on_retry``, ``on_joins``, ``on_rejoined``) change that state
+and return the effects the shell (``coordinator.Coordinator``) carries out in order: publish
+an epoch, fence or admit an incarnation, save the state, write an event, log a line, stop
+the run, forget store keys nobody reads any more. Reads it needs (an injected fault's time,
+a step's decision, transfer records) come in as functions, so every rule is testable in
+microseconds without a store.
 """
 
 import time
@@ -27,6 +28,11 @@ from titan_recover.membership import (
     repaired_failure,
     retry_verdict,
 )
+
+KEEP_STEPS = 4  # a committed step's store keys outlive it by this many steps. A step commits only once
+# every rank of its members voted in it, having read the decision and offered the record of the step
+# before; the margin covers a rank slow to read. One fenced meanwhile may still write a key of an
+# old step (an abort, a late record): that key stays, one per fenced rank, never one per step.
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,19 @@ class Stop:
     error: str
 
 
-Effect = Union[Publish, Save, FenceOut, Admit, Emit, LogStep, Usage, Say, Stop]
+@dataclass(frozen=True)
+class Forget:
+    """Store keys nobody reads any more: deleted after the state saying so was saved, so a new
+    leader never reads a key its predecessor deleted (one that dies in between leaves them)."""
+
+    steps: range = range(0)  # committed steps: their records, parameter digests, votes and decisions
+    vote_epochs: range = range(0)  # the epochs those steps were voted in
+    epochs: range = range(0)  # their members and their groups' rendezvous keys
+    reports: range = range(0)  # report slots read, and saved as read
+    admissions: tuple[tuple[int, int], ...] = ()  # (replica, attempt): admissions read, or of a replaced incarnation
+
+
+Effect = Union[Publish, Save, FenceOut, Admit, Emit, LogStep, Usage, Say, Stop, Forget]
 
 
 def stops(effects: list[Effect]) -> bool:
@@ -121,10 +139,11 @@ class CoordinatorCore:
         self.errors: dict[int, tuple[str, int]] = {}  # replica -> (its ranks' own error, step)
         self.views: dict[tuple[int, int], GroupView] = {}  # (replica, attempt) -> folded over its nodes
         self.asking: dict[int, int] = {}  # replica -> its latest incarnation whose ranks wait to join
+        self.commit_epochs: dict[int, int] = {}  # step -> its commit epoch, for the steps this leader saw commit
 
     def take_over(self, state: CoordinatorState, history: dict[int, Membership], epoch: int) -> None:
-        """Continues from the state a previous leader saved and the epochs the store holds."""
-        self.state, self.history = state, {e: m for e, m in history.items() if e <= epoch}
+        """Continues from the state a previous leader saved and the epochs the store holds (those from ``state.kept_epoch``)."""
+        self.state, self.history = state, {e: m for e, m in history.items() if state.kept_epoch <= e <= epoch}
         self.detector.set_members(self.membership.members)
 
     @property
@@ -154,12 +173,56 @@ class CoordinatorCore:
 
     def on_step(self, record: StepRecord) -> list[Effect]:
         """A committed step: saved before its event, so a leader that dies in between has its successor log it."""
-        self.state.progress = Progress(record.step, record.epoch, record.time)
-        self.state.retries, self.reporters = 0, set()
+        forget = self._commit(record.step, record.epoch, record.time)
         return [Save(), LogStep(record)] + [
             Say(f"data epoch {epoch} begins at step {record.step}: every sample of the corpus was read "
                 "once; they are read again in a new order") for epoch in record.data_epochs
-        ]
+        ] + forget
+
+    def on_malformed_step(self, error: str) -> list[Effect]:
+        """The record of the step in progress does not check out (``error`` names its key). Members
+        write it once, so no good one follows: once the store shows the step committed (in an epoch
+        since the last commit), it counts as committed without a record, and an event says so;
+        until then nothing changes (an empty list)."""
+        step, progress = self.step(), self.state.progress
+        since = progress.epoch if progress is not None else min(self.history)
+        epoch = next((e for e in sorted(self.history) if e >= since and self.committed(step, e)), None)
+        if epoch is None:
+            return []
+        forget = self._commit(step, epoch, self.wall())
+        return [Save(), Emit("step_unrecorded", {"step": step, "epoch": epoch, "error": error}),
+                Say(f"step {step} committed in epoch {epoch} without a readable record ({error}): it is not in the "
+                    "event log's steps")] + forget
+
+    def _commit(self, step: int, epoch: int, when: float) -> list[Effect]:
+        """``step`` committed in ``epoch``: the run's progress, and the keys that can go now."""
+        self.state.progress = Progress(step, epoch, when)
+        self.state.retries, self.reporters = 0, set()
+        self.commit_epochs[step] = epoch
+        return self._forget()
+
+    # ---- forgetting ---------------------------------------------------------------------
+
+    def _forget(self) -> list[Effect]:
+        """The keys of steps ``KEEP_STEPS`` behind the last commit, of the epochs before the one that
+        step committed in (no member's rank looks further back), and the report slots read before
+        the first one still unread. Steps committed before this leader (it took over) are forgotten
+        once a step whose commit epoch it saw is old enough."""
+        state = self.state
+        assert state.progress is not None
+        last = state.progress.step - KEEP_STEPS
+        edge = self.commit_epochs.get(last)
+        if edge is None:
+            return []
+        first = max(state.forgotten_steps, self.start_step or 0) + 1
+        upto = min([*state.unread_reports, state.next_report])
+        forget = Forget(steps=range(first, last + 1), vote_epochs=range(state.kept_epoch, edge + 1),
+                        epochs=range(state.kept_epoch, edge), reports=range(state.forgotten_reports + 1, upto))
+        state.forgotten_steps, state.kept_epoch = max(state.forgotten_steps, last), max(state.kept_epoch, edge)
+        state.forgotten_reports = max(state.forgotten_reports, upto - 1)
+        self.commit_epochs = {s: e for s, e in self.commit_epochs.items() if s > last}
+        self.history = {e: m for e, m in self.history.items() if e >= state.kept_epoch}
+        return [forget] if forget.steps or forget.epochs or forget.reports else []
 
     # ---- liveness -----------------------------------------------------------------------
 
@@ -327,7 +390,11 @@ class CoordinatorCore:
         """Makes a ready group a member in a new epoch; it takes the state from a live peer."""
         state = self.state
         new = admit(self.membership, replica)
-        effects = self._publish(new)
+        replaced_attempt = state.attempts.get(replica)
+        # the admission before the epoch: a joiner looks for it when it sees an epoch that includes it
+        effects: list[Effect] = [Admit(replica, Admission(attempt, new.epoch)), *self._publish(new)]
+        if replaced_attempt is not None and replaced_attempt != attempt:
+            effects.append(Forget(admissions=((replica, replaced_attempt),)))
         state.attempts[replica] = attempt
         state.admitted_epoch[replica] = state.joining[replica] = new.epoch
         self.detector.set_members(new.members, now)
@@ -336,7 +403,6 @@ class CoordinatorCore:
             state.repairs[replica] = (replaced, state.down_since.pop(replaced))
         instead = "" if replaced in (None, replica) else f" in place of replica {replaced}"
         return effects + [
-            Admit(replica, Admission(attempt, new.epoch)),
             Emit("admitted", {"replica": replica, "attempt": attempt, "epoch": new.epoch, "step": self.step(),
                               **({"replaces": replaced} if replaced is not None else {})}),
             Say(f"epoch {new.epoch}: replica {replica} (attempt {attempt}) admitted{instead}, members {list(new.members)}"),
@@ -354,6 +420,7 @@ class CoordinatorCore:
             if progress.epoch < epoch or committed is None or replica not in committed.members:
                 continue
             del self.state.joining[replica]
+            effects.append(Forget(admissions=((replica, self.state.attempts[replica]),)))  # its ranks read it
             records = transfers(replica)
             replaced, since = self.state.repairs.pop(replica, (replica, progress.time))
             downtime = progress.time - since

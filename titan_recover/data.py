@@ -196,7 +196,9 @@ def _check(argv: Sequence[str]) -> str:
     from titan_recover import cpu_shim
 
     cpu_shim.apply()
-    return check_data(config.load(list(argv)))
+    job_config = config.load(list(argv))
+    config.check_model(job_config)
+    return check_data(job_config)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -1,26 +1,56 @@
-"""The JSONL event log: ``{dump_folder}/recover_events.jsonl``, one JSON object per line.
+"""The JSONL event log, one JSON object per line, one file per node in ``{dump_folder}``:
+``recover_events.jsonl``, or ``recover_events.<node>.jsonl`` where ``$TITAN_RECOVER_NODE``
+names the node (a multi-node run).
 
-Several processes (coordinator, trainers, launcher) append to the same file. Each
-event is written with one ``os.write`` on an ``O_APPEND`` descriptor, so lines from
-different processes never interleave.
+A node's processes (coordinator, trainers) append to its file, each event with one
+``os.write`` on an ``O_APPEND`` descriptor, so their lines never interleave. Appends from
+several hosts to one file are not atomic on NFS: no two nodes share a file, and readers
+merge every node's file in the folder (``event_files``, ``read_log``).
+
+Lines are written at least once: a coordinator leader that loses its lease between its
+confirmation and its write may log a step its successor logs too. Readers therefore count
+each step once (the first line wins) and skip a line that is not an event (cut short by a
+killed writer), counting both.
 """
 
 from __future__ import annotations
 
+import glob
+import heapq
 import json
+import logging
 import os
+import re
 import time
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Hashable
 
 EVENTS_FILE = "recover_events.jsonl"
+NODE_ENV = "TITAN_RECOVER_NODE"  # this node's name in a multi-node run: its processes log to their own file
+_NODE_NAME = re.compile(r"[A-Za-z0-9_-]+")
+log = logging.getLogger(__name__)
 
 
 def events_path(dump_folder: str) -> str:
-    return os.path.join(dump_folder, EVENTS_FILE)
+    """This node's event log: ``$TITAN_RECOVER_NODE`` names it, if set."""
+    node = os.environ.get(NODE_ENV)
+    if node is None:
+        return os.path.join(dump_folder, EVENTS_FILE)
+    if not _NODE_NAME.fullmatch(node):
+        raise ValueError(f"{NODE_ENV}={node!r} cannot name this node's event log: "
+                         "use letters, digits, '-' and '_' only (e.g. node1)")
+    return os.path.join(dump_folder, f"recover_events.{node}.jsonl")
+
+
+def event_files(dump_folder: str) -> list[str]:
+    """Every node's event log in the folder: the unnamed one first, then the named ones by name."""
+    plain = os.path.join(dump_folder, EVENTS_FILE)
+    named = sorted(glob.glob(os.path.join(glob.escape(dump_folder), "recover_events.*.jsonl")))
+    return ([plain] if os.path.exists(plain) else []) + named
 
 
 class EventLog:
-    """Appends events to the run's event log."""
+    """Appends events to this node's event log."""
 
     def __init__(self, dump_folder: str) -> None:
         os.makedirs(dump_folder, exist_ok=True)
@@ -43,33 +73,80 @@ class EventLog:
         os.close(self._fd)
 
 
-def read_events(path: str) -> Iterator[dict[str, Any]]:
-    """Yields the events of a log; a line that is not a JSON object is an error naming it."""
-    with open(path) as f:
+@dataclass
+class Log:
+    """Events read back from one or more files, each step once."""
+
+    events: list[dict[str, Any]]
+    files: list[str]
+    skipped: list[str] = field(default_factory=list)  # "path:line: why" of each line that is no event
+    duplicates: list[dict[str, Any]] = field(default_factory=list)  # a step's lines logged again, dropped
+
+
+def _parse(line: str) -> dict[str, Any] | str:
+    """The event on a line, or why it is none."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        return f"not JSON ({e})"
+    if not isinstance(record, dict) or not isinstance(record.get("event"), str):
+        return "not an event object"
+    if record["event"] in ("step", "data_epoch") and type(record.get("step")) is not int:
+        return "a step event without an integer step"
+    if type(record.get("time", 0.0)) not in (int, float):
+        return "time is not a number"
+    return record
+
+
+def _read_file(path: str, skipped: list[str]) -> list[dict[str, Any]]:
+    events = []
+    with open(path, errors="replace") as f:  # a torn write can leave bytes that are not UTF-8
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from e
-            if not isinstance(record, dict) or "event" not in record:
-                raise ValueError(f"{path}:{lineno}: not an event object")
-            yield record
+            parsed = _parse(line)
+            if isinstance(parsed, str):
+                skipped.append(f"{path}:{lineno}: {parsed}")
+            else:
+                events.append(parsed)
+    return events
+
+
+def _once(event: dict[str, Any]) -> Hashable | None:
+    """What makes an event one of a kind logged once per run: a step, and the data epochs it starts."""
+    if event["event"] == "step":
+        return "step", event["step"]
+    if event["event"] == "data_epoch":
+        return "data_epoch", event["step"], event.get("epoch")
+    return None
+
+
+def read_log(*paths: str) -> Log:
+    """The events of these files, merged by time (each file's own order kept); a line that is no
+    event is skipped, and a step logged again is dropped (the first line wins), both counted."""
+    out = Log([], list(paths))
+    seen: set[Hashable] = set()
+    per_file = [_read_file(path, out.skipped) for path in paths]
+    for event in heapq.merge(*per_file, key=lambda e: e.get("time", 0.0)):
+        key = _once(event)
+        if key is not None and key in seen:
+            out.duplicates.append(event)
+            continue
+        out.events.append(event)
+        if key is not None:
+            seen.add(key)
+    if out.skipped:
+        log.warning(f"{len(out.skipped)} line(s) that are no event skipped, the first {out.skipped[0]}")
+    return out
+
+
+def read_events(path: str) -> list[dict[str, Any]]:
+    """The events of one file, each step once (see ``read_log``)."""
+    return read_log(path).events
 
 
 def logged_steps(path: str) -> set[int]:
-    """The steps a log already holds (a new coordinator leader logs none of them again);
-    a line cut short by a killed writer is skipped."""
-    steps: set[int] = set()
-    if not os.path.exists(path):
-        return steps
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and record.get("event") == "step" and isinstance(record.get("step"), int):
-                steps.add(record["step"])
-    return steps
+    """The steps logged in this file or any other node's beside it (a new coordinator leader
+    logs none of them again)."""
+    files = [p for p in sorted({path, *event_files(os.path.dirname(path))}) if os.path.exists(p)]
+    return {e["step"] for e in read_log(*files).events if e["event"] == "step"}

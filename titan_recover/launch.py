@@ -22,16 +22,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titan_recover import config, cpu_shim, devices, logs
+from titan_recover import config, cpu_shim, devices, logs, node_channel
 from titan_recover.agent import NodeAgent
 from titan_recover.control import claims, keys, transport
-from titan_recover.control.addresses import LOOPBACK, first_endpoint, local_host, parse_host_port
+from titan_recover.control.addresses import LOOPBACK, first_endpoint, local_host, parse_host_port, resolve
 from titan_recover.control.client import ControlClient
-from titan_recover.control.lifeline import Heartbeat
+from titan_recover.control.lifeline import Heartbeat, one_line, store_errors
 from titan_recover.control.protocol import Launcher
-from titan_recover.events import events_path
+from titan_recover.control.sealed import Run
+from titan_recover.events import event_files, events_path
 from titan_recover.groups import ReplicaGroups, Span, torchrun, with_threads
-from titan_recover.procs import dumps_stacks, exit_lost
+from titan_recover.procs import EXITING_S, dumps_stacks, exit_lost, stop_within
 from titan_recover.restarts import RestartBudget
 from titan_recover.summary import format_summary, summarize_events
 from titan_recover.tokens import DataError
@@ -90,9 +91,9 @@ def check_control_store(url: str) -> str:
 
 
 def check_coordinator(address: str, control_store: str = "") -> str:
-    """``$TITAN_RECOVER_COORDINATOR`` checked as ``host:port`` before anything starts (a bad one
-    failed only once the replica groups were up), or, with an etcd control store, as that
-    store's URL; returns it."""
+    """``$TITAN_RECOVER_COORDINATOR`` checked as ``host:port`` of a host that resolves, before anything
+    starts (a bad one failed only once the replica groups were up), or, with an etcd control store,
+    as that store's URL; returns it."""
     if control_store:
         if address != control_store:
             raise config.ConfigError(
@@ -102,9 +103,13 @@ def check_coordinator(address: str, control_store: str = "") -> str:
         return address
     fix = "set it to host:port of the coordinator another node's launcher started, or unset it to start one here"
     try:
-        parse_host_port(address)
+        host, _ = parse_host_port(address)
     except ValueError as e:
         raise config.ConfigError(f"{keys.COORDINATOR_ENV}={e}; {fix}") from None
+    try:
+        resolve(host)
+    except ValueError as e:
+        raise config.ConfigError(f"{keys.COORDINATOR_ENV}={address!r}: {e}; {fix}") from None
     return address
 
 
@@ -150,6 +155,13 @@ def coordinator_bind(configured: str, local: list[int], replicas: int, parts: in
     )
 
 
+def remove_events(dump_folder: str) -> None:
+    """Starts a new run's event log (every node's file of it); a launcher joining a run (another node,
+    a replacement) only appends."""
+    for path in event_files(dump_folder):
+        os.remove(path)
+
+
 def choose_secret(env: dict[str, str], only_this_node: bool) -> str:
     """The run's secret: the user's ``$TITAN_RECOVER_SECRET``, or a fresh one when this launcher
     starts the coordinator and every replica group, so no other launcher needs to know it."""
@@ -161,6 +173,29 @@ def choose_secret(env: dict[str, str], only_this_node: bool) -> str:
         f"a multi-node run needs one secret on every node: set {keys.SECRET_ENV} to the same value for each "
         f"node's launcher, e.g. export {keys.SECRET_ENV}=$(python -c 'import secrets; print(secrets.token_hex(16))')"
     )
+
+
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+
+
+def choose_run_id(env: dict[str, str], first: bool, etcd: bool) -> str | None:
+    """The run's id: the user's (or the scheduler's) ``$TITAN_RECOVER_RUN_ID``; else a fresh one
+    when this launcher starts the coordinator's store, or None for a launcher that joins one (it
+    asks the coordinator: ``transport.find_run``). On etcd the id is what tells a relaunched node
+    (same id: it rejoins the run) from a new run (new id: it never reads the old run's keys)."""
+    given = env.get(keys.RUN_ENV, "")
+    if given:
+        if not RUN_ID.fullmatch(given):
+            raise config.ConfigError(f"{keys.RUN_ENV}={given!r} is not a run id: use 1-128 letters, digits and ._:@- "
+                                     "(e.g. the scheduler's job id)")
+        return given
+    if etcd:
+        raise config.ConfigError(
+            f"a run on etcd needs {keys.RUN_ENV}, the same on every node: the job's id (scripts/node.sh uses "
+            f"$SLURM_JOB_ID under Slurm, the Job's uid on Kubernetes). A node started again with the same id "
+            "rejoins the run; a new id starts a new run"
+        )
+    return secrets.token_hex(8) if first else None
 
 
 def run_stock(job_config: Any, argv: list[str]) -> int:
@@ -203,6 +238,8 @@ class NodeLauncher:
         self.env = with_threads(dict(os.environ), len(local) * self.ranks)
         only_this_node = self.first and sorted(local) == list(range(self.replicas)) and rc.group_nodes == 1
         self.env[keys.SECRET_ENV] = choose_secret(self.env, only_this_node)
+        run_id = choose_run_id(self.env, self.first, self.etcd)
+        self.run = None if run_id is None else self._name_run(run_id)
         self.address = address
         self.coordinator: subprocess.Popen | None = None
         self.lifeline: Heartbeat | None = None
@@ -211,19 +248,40 @@ class NodeLauncher:
 
     # ---- phases -------------------------------------------------------------------------
 
+    def _name_run(self, run_id: str) -> Run:
+        self.env[keys.RUN_ENV] = run_id
+        return Run(self.env[keys.SECRET_ENV], run_id)
+
     def start_coordinator(self) -> None:
         """The coordinator (first launcher), or a candidate beside every launcher on etcd."""
         rc = self.rc
         if self.etcd:
             self.address = self.env[keys.COORDINATOR_ENV] = rc.control_store
             if self.first:
-                transport.begin_run(transport.etcd(self.address, rc.startup_timeout_s), self.env[keys.SECRET_ENV])
+                self._begin_or_join()
         elif self.address is None:
             host = local_host(coordinator_bind(rc.coordinator_bind, self.local, self.replicas, rc.group_nodes))
             self.address = self.env[keys.COORDINATOR_ENV] = f"{host}:{rc.coordinator_port or transport.free_port()}"
         else:
+            if self.run is None:
+                self.run = self._name_run(transport.find_run(self.address, rc.startup_timeout_s, self.env[keys.SECRET_ENV]).id)
             return
         self.coordinator = subprocess.Popen(self._candidate(), env=self.env)
+
+    def _begin_or_join(self) -> None:
+        """The first node on etcd starts the run, unless it is running already: then this launcher
+        is a relaunched node (a replaced pod, the same command again) and joins it like any other."""
+        assert self.run is not None
+        client = ControlClient(transport.in_run(transport.etcd(str(self.address), self.rc.startup_timeout_s), self.run))
+        if client.begin():
+            remove_events(self.job_config.job.dump_folder)
+            return
+        ended = client.ended()
+        if ended is not None:
+            raise config.ConfigError(f"run {self.run.id!r} on {self.address} has ended already ({ended}): "
+                                     f"start a new run with a new {keys.RUN_ENV}")
+        log.info(f"run {self.run.id!r} is already running on {self.address}: this launcher joins it")
+        self.first = False
 
     def _candidate(self) -> list[str]:
         return [sys.executable, "-m", "titan_recover.coordinator", *self.argv]
@@ -245,7 +303,11 @@ class NodeLauncher:
         gpus = "" if self.plan.visible[0] is None else f"; GPUs per group: {' | '.join(map(str, self.plan.visible))}"
         log.info(f"replicate dimension on {self.plan.backend} ({self.plan.reason}){gpus}")
         envs = {r: with_gpus(self.env, visible) for r, visible in zip(self.local, self.plan.visible)}
-        self.agent = NodeAgent(address, self.env[keys.SECRET_ENV], self.ranks, hang_timeout_s=rc.heartbeat_timeout_s)
+        assert self.run is not None, "start_coordinator() first"
+        orphans = node_channel.remove_orphans()
+        if orphans:
+            log.info(f"removed {len(orphans)} channel file(s) of launchers that are gone from {node_channel.shm_dir()}")
+        self.agent = NodeAgent(address, self.run, self.ranks, hang_timeout_s=rc.heartbeat_timeout_s)
         self.groups = ReplicaGroups(self.argv, envs, self.ranks, rc.max_restarts, rc.restart_window_s, self.me, self.agent, span)
         if self.first and self.part == 0:
             for r in self.local:
@@ -257,14 +319,14 @@ class NodeLauncher:
         its lifeline and epoch push, and claims its groups; None when the coordinator ended first."""
         rc = self.rc
         try:
-            client = ControlClient(transport.connect(str(self.address), rc.startup_timeout_s, self.env[keys.SECRET_ENV],
+            client = ControlClient(transport.connect(str(self.address), rc.startup_timeout_s, self.run,
                                                      gone=self._coordinator_gone))
         except transport.CoordinatorGone as e:
             self.on_lost(str(e))
             return None
         client.register(self.me, self.agent.message())
         self.lifeline = Heartbeat(str(self.address), self.me.key, rc.heartbeat_interval_s, rc.coordinator_timeout_s,
-                                  self.on_lost, lambda: self.agent.message().dumps(), secret=self.env[keys.SECRET_ENV],
+                                  self.on_lost, lambda: self.agent.message().dumps(), run=self.run,
                                   ended=lambda: bool(self.agent.flags))
         self.agent.start(on_error=log.warning)
         taken = claims.claim(client, self.me, self.local, rc.heartbeat_timeout_s, log.info, self.part)
@@ -273,55 +335,71 @@ class NodeLauncher:
         return client
 
     def loop(self, client: ControlClient) -> None:
-        """Watches the groups (restarts, fences, hang reports) until the run ends; restarts a dead
-        coordinator candidate on etcd."""
+        """Watches the groups (restarts, fences, hang reports) until the run ends. A coordinator that
+        exits before the run ended is lost (``on_lost``); on etcd such a candidate is restarted instead.
+
+        A failed store call is retried while the lifeline finds the coordinator alive (a lost
+        one ends this process in ``on_lost``); failing for ``coordinator_timeout_s`` in a row
+        counts as lost too: this launcher cannot take part in the run."""
         lifeline = self.lifeline
         assert lifeline is not None, "register() first"
+        errors = store_errors(str(self.address))
+        failing_since: float | None = None
         while True:
             coordinator = self.coordinator
-            if self.etcd and coordinator is not None and coordinator.poll() is not None and not self.agent.flags:
+            if coordinator is not None and coordinator.poll() is not None:
+                if self._run_ended():
+                    return
+                if not self.etcd:
+                    self.on_lost(self._exit_reason(coordinator))
+                    return
                 log.info(f"coordinator candidate exited with code {coordinator.returncode} before the run ended; "
                          "starting another (the leader's lease passes to a live candidate)")
                 self.coordinator = subprocess.Popen(self._candidate(), env=self.env)
-            elif coordinator is not None and coordinator.poll() is not None:
-                return
             if coordinator is None and self.groups.done():
                 return
             try:
-                if not self.groups.watch(client):
-                    lifeline.stop()  # the run is ending and the store ends with it
-                    if coordinator is not None:
-                        coordinator.wait()
+                running = self.groups.watch(client)
+            except errors as e:
+                if lifeline.ending:
+                    return  # the run ended and the coordinator's store with it: expected, not lost
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = now
+                    log.warning(f"a call to the control store failed ({one_line(e)}); retrying while the "
+                                "coordinator's lifeline finds it alive")
+                elif now - failing_since >= self.rc.coordinator_timeout_s:
+                    self.on_lost(f"this launcher's calls to the control store at {self.address} failed for "
+                                 f"{now - failing_since:.0f}s ({one_line(e)})")
                     return
-            except dist.DistError:
                 lifeline.settle()  # a lost coordinator ends this process in on_lost
-                if coordinator is not None:
-                    coordinator.wait(timeout=10)  # it finished and took its store along
-                elif not lifeline.ending:
-                    raise
-                return  # the run ended and the coordinator's store with it: expected, not lost
+                continue
+            failing_since = None
+            if not running:
+                return
             time.sleep(0.05)
 
     def drain(self) -> int:
         """Stops what is left once the run ended; the run's exit code as this node sees it."""
         if self.lifeline is not None:
-            self.lifeline.stop()
+            self.lifeline.stop()  # the run is ending and the store ends with it
         coordinator = self.coordinator
-        if coordinator is not None and coordinator.returncode not in (0, 1):
-            self.on_lost(f"the coordinator at {self.address} exited with code {coordinator.returncode}")
+        if coordinator is not None:
+            bound = self.rc.coordinator_timeout_s
+            if not stop_within(coordinator, bound):
+                log.warning(f"the coordinator{' candidate' if self.etcd else ''} (pid {coordinator.pid}) was still running "
+                            f"{bound:g}s after the run ended: stopped")
+            if not self._run_ended():
+                self.on_lost(self._exit_reason(coordinator))
         procs = list(self.groups.procs.values())
         deadline = time.monotonic() + 30
         for r, proc in self.groups.procs.items():
             if proc.poll() is None and self.agent.never_admitted(r):
                 log.info(f"replica group {r} was still starting or waiting to rejoin when the run ended: stopped")
                 proc.kill()
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if not stop_within(proc, max(0.1, deadline - time.monotonic())):
                 log.info(f"replica group {r} was still running 30s after the run ended (starting, rejoining or hung): stopped")
-                proc.kill()
-                proc.wait()
-        if coordinator is not None:
+        if coordinator is not None and coordinator.returncode in (0, 1):  # the run's outcome, as the coordinator ended it
             return int(coordinator.returncode)
         # the run's status, as on the coordinator's node: a group still starting or rejoining at the end does not fail it
         return self.groups.outcome if self.groups.outcome is not None else max(p.returncode for p in procs)
@@ -333,8 +411,8 @@ class NodeLauncher:
         if hasattr(self, "groups"):
             self.groups.kill()
             self.agent.close()
-        if self.coordinator is not None and self.coordinator.poll() is None:
-            self.coordinator.kill()
+        if self.coordinator is not None:
+            stop_within(self.coordinator, 0.0)
 
     # ---- the coordinator lost ---------------------------------------------------------------
 
@@ -343,21 +421,33 @@ class NodeLauncher:
         if not self.lost_once.acquire(blocking=False):
             return
         coordinator = self.coordinator
-        if coordinator is not None and coordinator.poll() in (0, 1):
-            return  # it finished (done or fatal) and closed its store: not lost
+        # one whose port closed is exiting, and its exit code says more; a frozen one would never answer again
+        exiting = coordinator is not None and not self.etcd and transport.connection_refused(str(self.address))
+        exited = coordinator is not None and stop_within(coordinator, EXITING_S if exiting else 0.0)
+        if self._run_ended():
+            return  # the coordinator ended the run (done or fatal) and closed its store: not lost
         self.groups.kill()
-        if coordinator is not None:
-            if coordinator.poll() is None:
-                coordinator.kill()  # frozen: it would never answer again
-            elif coordinator.returncode < 0:
-                reason = f"the coordinator at {self.address} (pid {coordinator.pid}) died of signal {-coordinator.returncode}"
+        if exited and not self.etcd:  # a candidate's end is not the run's
+            reason = self._exit_reason(coordinator)
         exit_lost("launcher", reason, config.resume_hint(self.job_config))
+
+    def _exit_reason(self, coordinator: subprocess.Popen) -> str:
+        code = coordinator.returncode
+        how = f"died of signal {-code}" if code < 0 else f"exited with code {code} before the run ended (its output above says why)"
+        return f"the coordinator at {self.address} (pid {coordinator.pid}) {how}"
+
+    def _run_ended(self) -> bool:
+        """Whether the coordinator ended the run: done or fatal as the epoch push read them, or, on the
+        TCPStore, a coordinator that exited 0 (only done does that). On etcd a candidate's exit code
+        says nothing about the run, and exit 1 may be a traceback: neither counts."""
+        coordinator = self.coordinator
+        return bool(self.agent.flags) or (not self.etcd and coordinator is not None and coordinator.poll() == 0)
 
     def _coordinator_gone(self) -> str | None:
         coordinator = self.coordinator
         if self.etcd or coordinator is None or coordinator.poll() is None:  # a candidate's end is not the run's
             return None
-        return f"the coordinator at {self.address} exited with code {coordinator.returncode} before it served the run"
+        return self._exit_reason(coordinator)
 
 
 def run_recover(job_config: Any, argv: list[str], local: list[int], coordinator_address: str | None, part: int = 0) -> int:
@@ -383,12 +473,15 @@ def main(argv: list[str]) -> int:
     part = 0
     try:
         job_config = config.load(argv)
+        config.check_model(job_config)
         if job_config.recover.enable:  # the node's environment, checked before the data and any process
             local = parse_replicas(os.environ.get(keys.REPLICAS_ENV), config.replica_ids(job_config))
             part = parse_group_node(os.environ.get(keys.GROUP_NODE_ENV), job_config.recover.group_nodes)
             address = os.environ.get(keys.COORDINATOR_ENV)
             if address is not None:
                 check_coordinator(address, job_config.recover.control_store)
+            elif not job_config.recover.control_store:  # this launcher starts the coordinator, listening there
+                config.check_coordinator_bind(job_config.recover)
             if job_config.recover.control_store:  # reachable, and able to lose a member, before anything starts
                 log.info(check_control_store(job_config.recover.control_store))
     except config.ConfigError as e:
@@ -408,8 +501,8 @@ def main(argv: list[str]) -> int:
     argv = cpu_argv
     path = events_path(job_config.job.dump_folder)
     first = address is None  # this launcher starts the run and its coordinator; other nodes' launchers join it
-    if first and os.path.exists(path):
-        os.remove(path)  # a new run's log; a joining launcher (another node, or a replacement) only appends
+    if first and not job_config.recover.control_store:
+        remove_events(job_config.job.dump_folder)  # on etcd: only once the run proves new (NodeLauncher._begin_or_join)
     start = time.time()
     try:
         if job_config.recover.enable:
@@ -423,11 +516,17 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tr = job_config.training
+    files = event_files(job_config.job.dump_folder)
     if not first:
         log.info(f"the run's summary is printed by the launcher that started its coordinator ({address}); "
             f"this node's ranks logged their events to {path}")
-    elif os.path.exists(path):
-        print(format_summary(summarize_events(path), tr.global_batch_size * tr.seq_len), flush=True)
+    elif files:
+        try:  # the summary is a report: a log it cannot make sense of never costs the run its exit code
+            summary = summarize_events(*files, last_step=tr.steps if code == 0 else None)
+        except (OSError, KeyError, TypeError) as e:
+            log.warning(f"no summary: the event logs {files} could not be read ({e!r})")
+        else:
+            print(format_summary(summary, tr.global_batch_size * tr.seq_len), flush=True)
     log.info(f"{'finished' if code == 0 else 'FAILED'} in {time.time() - start:.1f}s; events: {path}")
     return code
 

@@ -338,15 +338,21 @@ class ReplicaManager:
         self.channel.set_state(self.slot, node_channel.READY)
         log.info(f"replica {self.replica} rank {self.group_rank} (attempt {self.attempt}) asks to join; "
             "it waits as a hot spare while the membership is full")
-        looked = -2
+        looked = -1
         while True:  # an admission comes with a new epoch: the store is read only then
             epoch = self._read_epoch()
             if epoch != looked:
-                if self.control.admitted(self.replica, self.attempt):
-                    break
                 looked = epoch
+                if self._admitted_in(epoch):
+                    break
             time.sleep(EPOCH_POLL_S)
         self.channel.set_state(self.slot, node_channel.RUNNING)
+
+    def _admitted_in(self, epoch: int) -> bool:
+        """Whether this incarnation is admitted and a member of ``epoch``. The coordinator writes an
+        admission before it publishes the epoch that includes the group; one whose leader died in
+        between names an epoch its successor may publish without the group, which then re-admits it."""
+        return self.control.admitted(self.replica, self.attempt) and self.replica in self.membership(epoch).members
 
     @contextmanager
     def transfer_group(self, epoch: int, joiner: int, donor: bool) -> Iterator[Any]:

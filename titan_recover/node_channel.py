@@ -14,6 +14,7 @@ and writes are aligned 8-byte stores: no lock, no syscall, nothing from the netw
 
 import mmap
 import os
+import re
 import secrets
 import tempfile
 import threading
@@ -44,6 +45,36 @@ class ChannelError(RuntimeError):
 def shm_dir() -> str:
     """Where channel files live: tmpfs when the host has it (no disk writes per beat)."""
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+CHANNEL_FILE = re.compile(r"titan_recover-(\d+)-r\d+-a\d+-[0-9a-f]+")  # titan_recover-<agent pid>-r<replica>-a<attempt>-<random>
+
+
+def remove_orphans(directory: str | None = None) -> list[str]:
+    """Removes the channel files of agents that are gone (a SIGKILLed launcher cannot remove its
+    own): over a long run with replaced launchers they would pile up in ``/dev/shm``. The files removed."""
+    directory = directory or shm_dir()
+    removed = []
+    for name in os.listdir(directory):
+        match = CHANNEL_FILE.fullmatch(name)
+        if match is None or pid_alive(int(match.group(1))):
+            continue
+        try:
+            os.remove(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:  # another user's, or removed meanwhile
+            continue
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 class Channel:

@@ -5,9 +5,11 @@ groups of text files, shards of a TorchTitan HF dataset, or synthetic shards); a
 worker processes tokenizes them with the job's tokenizer (BOS and EOS around every
 document, as TorchTitan's HF text datasets do) and writes one datatrove shard per task.
 A finished task leaves a ``NNNNN.ds.done.json`` record, so a rerun after an interruption
-redoes only the unfinished tasks, and a rerun of a finished folder does nothing. The
-manifest is written last. Nothing is capped silently: every input token is prepared, or
-exactly ``max_tokens`` when asked (the shard that crosses it is cut, later ones dropped).
+redoes only the unfinished tasks, and a rerun of a finished folder does nothing. A record
+holds the fingerprint of everything its shard depends on (a cut shard: ``max_tokens`` too)
+and is trusted only while its shard still has the size it lists; the manifest is written
+last. Nothing is capped silently: every input token is prepared, or exactly ``max_tokens``
+when asked (the shard that crosses it is cut, later ones dropped).
 """
 
 from __future__ import annotations
@@ -225,14 +227,29 @@ def _record_path(folder: str, index: int) -> str:
     return os.path.join(folder, f"{index:05d}.ds.done.json")
 
 
-def _read_record(folder: str, task: Task, fingerprint: dict) -> Shard | None:
-    """The finished shard of ``task`` if a previous run completed exactly this task."""
+def _cut_fingerprint(fingerprint: dict, max_tokens: int | None) -> dict:
+    """The fingerprint of a shard cut at ``max_tokens``: where it is cut depends on that setting."""
+    return {**fingerprint, "max_tokens": max_tokens}
+
+
+def _write_record(folder: str, task: Task, fingerprint: dict, shard: Shard) -> None:
+    tokens.write_json(_record_path(folder, task.index),
+                      {"task": task.to_json(), "fingerprint": fingerprint, "shard": asdict(shard)})
+
+
+def _read_record(folder: str, task: Task, fingerprint: dict, max_tokens: int | None) -> Shard | None:
+    """The finished shard of ``task`` if a previous run completed exactly this task: whole, or cut
+    as a run with this ``max_tokens`` cuts it, and its file still of the size the record lists."""
     try:
         with open(_record_path(folder, task.index)) as f:
             rec = json.load(f)
-        if rec["task"] != task.to_json() or rec["fingerprint"] != fingerprint:
+        trusted = (fingerprint, _cut_fingerprint(fingerprint, max_tokens)) if max_tokens is not None else (fingerprint,)
+        if rec["task"] != task.to_json() or rec["fingerprint"] not in trusted:
             return None
-        return Shard(**rec["shard"])
+        shard = Shard(**rec["shard"])
+        if os.path.getsize(os.path.join(folder, shard.file)) != shard.tokens * tokens.DTYPES[fingerprint["dtype"]].itemsize:
+            return None
+        return shard
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -264,8 +281,7 @@ def run_task(folder: str, task: Task, encoder: Encoder, fingerprint: dict, quota
     except BaseException:
         writer.abandon()
         raise
-    tokens.write_json(_record_path(folder, task.index),
-                      {"task": task.to_json(), "fingerprint": fingerprint, "shard": asdict(shard)})
+    _write_record(folder, task, fingerprint, shard)
     return shard
 
 
@@ -304,15 +320,19 @@ def _await(results: Any, task: Task, counter: Any, bar: Any) -> Shard:
                 ) from None
 
 
-def _cut(folder: str, shard: Shard, keep: int, dtype: str) -> Shard:
-    """Shortens a finished shard to its first ``keep`` tokens (the one that crosses max_tokens)."""
-    path = os.path.join(folder, shard.file)
-    width = tokens.DTYPES[dtype].itemsize
-    os.truncate(path, keep * width)
+def _cut(folder: str, task: Task, shard: Shard, keep: int, fingerprint: dict) -> Shard:
+    """Shortens a finished shard to its first ``keep`` tokens (the one that crosses max_tokens); ``fingerprint``
+    is its cut one. Its whole-shard record goes first, so a crash midway leaves no record, and the task is redone."""
+    path, dtype = os.path.join(folder, shard.file), fingerprint["dtype"]
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(_record_path(folder, task.index))
+    os.truncate(path, keep * tokens.DTYPES[dtype].itemsize)
     ends = np.fromfile(f"{path}.index", dtype="<u8")
     ends = np.append(ends[ends < keep], np.uint64(keep))
     tokens.atomic_write(f"{path}.index", ends.astype("<u8").tobytes())
-    return tokens.scan_shard(path, shard.file, dtype, int(ends.size))
+    cut = tokens.scan_shard(path, shard.file, dtype, int(ends.size))
+    _write_record(folder, task, fingerprint, cut)
+    return cut
 
 
 def prepare(folder: str, tasks: list[Task], tokenizer_dir: str, source: dict, *, max_tokens: int | None = None,
@@ -337,7 +357,7 @@ def prepare(folder: str, tasks: list[Task], tokenizer_dir: str, source: dict, *,
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(folder, tokens.MANIFEST))  # stale: never describes new shards
         _remove_partial(folder)
-        done = {t.index: s for t in tasks if (s := _read_record(folder, t, fingerprint)) is not None}
+        done = {t.index: s for t in tasks if (s := _read_record(folder, t, fingerprint, max_tokens)) is not None}
         todo = [t for t in tasks if t.index not in done]
         quotas = {t.index: t.args[1] if t.kind == "synthetic" else None for t in tasks}
         workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
@@ -361,8 +381,7 @@ def prepare(folder: str, tasks: list[Task], tokenizer_dir: str, source: dict, *,
                                         tok_per_s=f"{counter.value / max(1e-9, time.monotonic() - start):,.0f}")
                     if max_tokens is not None and total + shard.tokens >= max_tokens:
                         if total + shard.tokens > max_tokens:
-                            shard = _cut(folder, shard, max_tokens - total, encoder.dtype)
-                            tokens.write_json(_record_path(folder, task.index), {"task": "cut", "shard": asdict(shard)})
+                            shard = _cut(folder, task, shard, max_tokens - total, _cut_fingerprint(fingerprint, max_tokens))
                         shards.append(shard)
                         total = max_tokens
                         pool.terminate()

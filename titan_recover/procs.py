@@ -4,11 +4,13 @@ import ctypes
 import faulthandler
 import os
 import signal
+import subprocess
 import sys
 
 PR_SET_PDEATHSIG = 1
 LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a forked child must not dlopen (threads may hold its lock)
 EXIT_COORDINATOR_LOST = 3
+EXITING_S = 10.0  # a coordinator whose port closed is exiting (its interpreter's teardown): how long its exit code may take
 
 
 def die_with_parent() -> None:
@@ -16,8 +18,20 @@ def die_with_parent() -> None:
     launcher (or torchrun agent) then leaves no orphaned rank behind."""
     parent = os.getppid()
     LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the request took effect
+    if os.getppid() != parent or parent == 1:  # the parent died before the request took effect (init adopted us)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stop_within(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Waits up to ``timeout_s`` for ``proc`` to exit, then SIGKILLs and reaps it: a frozen child
+    must not hang its parent. Whether it exited on its own."""
+    try:
+        proc.wait(timeout=timeout_s)
+        return True
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return False
 
 
 def dumps_stacks() -> None:

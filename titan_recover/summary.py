@@ -1,13 +1,26 @@
-"""The end-of-run summary, read back from the event log."""
+"""The end-of-run summary, read back from the event logs of every node in the dump folder."""
 
+import os
 from typing import Any
 
-from titan_recover.events import read_events
+from titan_recover.events import EVENTS_FILE, read_log
 
 
-def summarize_events(path: str) -> dict[str, Any]:
-    events = list(read_events(path))
-    steps = [e for e in events if e["event"] == "step"]
+def _missing(logged: list[int], last_step: int | None) -> list[int]:
+    """Steps between the first logged and the run's last that no file holds: every step is
+    committed in turn and logged, so these were logged in a file that is not here."""
+    if not logged:
+        return []
+    have = set(logged)
+    return [n for n in range(logged[0], max(logged[-1], last_step or 0) + 1) if n not in have]
+
+
+def summarize_events(*paths: str, last_step: int | None = None) -> dict[str, Any]:
+    """The summary of these event files (``events.event_files``); ``last_step``: the step the
+    run ended at, when known (it finished), to tell the steps missing at the end."""
+    log = read_log(*paths)
+    events = log.events
+    steps = sorted((e for e in events if e["event"] == "step"), key=lambda e: e["step"])  # files merge by time, roughly
     recovered = [e for e in events if e["event"] == "recovered"]
     out: dict[str, Any] = {
         "steps": len(steps),
@@ -26,6 +39,10 @@ def summarize_events(path: str) -> dict[str, Any]:
         "digest_steps": sorted({e["step"] for e in events if e["event"] == "param_digest"}),
         "digest_mismatches": [e for e in events if e["event"] == "param_digest_mismatch"],
         "leaders": [{k: e.get(k) for k in ("pid", "host", "step")} for e in events if e["event"] == "leader"],
+        "files": log.files,
+        "skipped": log.skipped,
+        "duplicates": [e["step"] for e in log.duplicates],
+        "missing_steps": _missing([e["step"] for e in steps], last_step),
     }
     if len(steps) >= 2:
         span = steps[-1]["time"] - steps[0]["time"]
@@ -38,9 +55,43 @@ def _spare(rejoined: dict[str, Any]) -> str:
     return "" if rejoined["replaces"] is None else f" (spare, for replica {rejoined['replaces']})"
 
 
+def _ranges(steps: list[int]) -> str:
+    """[1, 2, 3, 7] -> "1-3, 7"."""
+    spans: list[list[int]] = []
+    for n in steps:
+        if spans and spans[-1][1] == n - 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _files(s: dict[str, Any]) -> list[str]:
+    """What was read, and what it may lack: one named node's file alone is a multi-node run's
+    dump folder that the other nodes do not share."""
+    names = [os.path.basename(p) for p in s["files"]]
+    lines = [f"  event files          : {', '.join(names)}"]
+    if len(names) == 1 and names[0] != EVENTS_FILE:
+        node = names[0].removeprefix("recover_events.").removesuffix(".jsonl")
+        folder = os.path.dirname(s["files"][0]) or "."
+        lines.append(f"    only node {node}'s event file is in {folder}: the other nodes' events, and steps "
+                     "logged by a coordinator on another node, are not counted here "
+                     "(give every node the same shared dump_folder to see them)")
+    if s["missing_steps"]:
+        lines.append(f"  MISSING              : steps {_ranges(s['missing_steps'])} are in none of these files "
+                     "(logged by a coordinator on another node, whose event file is not in this folder)")
+    if s["duplicates"]:
+        lines.append(f"  duplicate lines      : {len(s['duplicates'])} (step {_ranges(sorted(set(s['duplicates'])))} "
+                     "logged again, by a coordinator leader as it lost its lease; counted once)")
+    if s["skipped"]:
+        lines.append(f"  unreadable lines     : {len(s['skipped'])} skipped, the first {s['skipped'][0]}")
+    return lines
+
+
 def format_summary(s: dict[str, Any], tokens_per_step: int) -> str:
     lines = [
         "titan_recover summary",
+        *_files(s),
         f"  steps committed      : {s['steps']}",
         f"  microbatches per step: {s['microbatches_per_step']}",
         f"  failures             : {len(s['failures'])}",

@@ -417,9 +417,23 @@ def _megatron_shard(path: str, file: str, dtype: str) -> Shard:
     found = megatron_dtype(idx)
     if found != dtype:
         raise DataError(f"{idx}: tokens are {found}, other shards of this folder are {dtype}")
+    header = len(MEGATRON_MAGIC) + 9 + 16
+    size = os.path.getsize(idx)
+    if size < header:
+        raise DataError(f"{idx}: truncated: its {size} bytes end inside the header ({header} bytes: magic, version, "
+                        f"dtype, sequence and document counts); write it again with Megatron's preprocess_data.py")
     with open(idx, "rb") as f:
         f.seek(len(MEGATRON_MAGIC) + 9)
-        _sequences, documents = struct.unpack("<QQ", f.read(16))
+        sequences, documents = struct.unpack("<QQ", f.read(16))
+    needed = header + 12 * sequences + 8 * documents  # int32 lengths, int64 pointers, int64 document starts
+    if size < needed:
+        raise DataError(f"{idx}: truncated: {size} bytes, but its {sequences:,} sequences and {documents:,} document "
+                        f"entries need {needed:,}; write it again with Megatron's preprocess_data.py")
+    held = int(np.fromfile(idx, dtype="<i4", count=sequences, offset=header).sum(dtype=np.int64))
+    on_disk = os.path.getsize(path) // DTYPES[dtype].itemsize
+    if held != on_disk:
+        raise DataError(f"{idx}: its sequences hold {held:,} tokens, but {path} holds {on_disk:,}: the pair was "
+                        "changed or truncated, or comes from two different runs")
     return scan_shard(path, file, dtype, max(0, documents - 1))  # Megatron's document index starts with a 0
 
 

@@ -22,6 +22,11 @@ import os
 import time
 from typing import Any, Callable, Iterator
 
+from titan_recover import procs
+
+if __name__ == "__main__":  # before the seconds of imports below: a torchrun agent killed meanwhile takes this rank along
+    procs.die_with_parent()
+
 from titan_recover import cpu_shim
 
 cpu_shim.apply()  # before any torchtitan module binds the device type
@@ -384,7 +389,5 @@ def trainer(job_config: JobConfig) -> Trainer:
 
 
 if __name__ == "__main__":
-
-    procs.die_with_parent()  # a SIGKILLed torchrun agent (or its launcher) takes its ranks along
     procs.dumps_stacks()
     main(trainer)  # type: ignore[arg-type]  # main only calls it with the job config

@@ -1,26 +1,73 @@
-"""Control-store addresses: ``host:port`` of a TCPStore or ``etcd://host:port,...``, parsed in one place."""
+"""Control-store addresses: ``host:port`` of a TCPStore or ``etcd://host:port,...``, parsed and resolved in one place.
 
+Hosts are IPv4 addresses or names: a bracketed IPv6 literal is refused when parsed. Supporting it would
+reach past the store (the launcher writes the coordinator's address as ``host:port``, a group's parts
+meet at an IPv4 rendezvous address), and a refusal in seconds beats an address that is taken and then
+never answers.
+"""
+
+import ipaddress
 import re
+import socket
 
 LOOPBACK = "127.0.0.1"
 ETCD_SCHEME = "etcd://"
-_HOST_PORT = re.compile(r"([A-Za-z0-9.\-_]+|\[[0-9a-fA-F:]+\]):(\d{1,5})", re.ASCII)
+_HOST = re.compile(r"[A-Za-z0-9.\-_]+", re.ASCII)
+_HOST_PORT = re.compile(r"(.*):(\d{1,5})", re.ASCII | re.DOTALL)
+NO_IPV6 = "IPv6 is not supported: use an IPv4 address or a host name that resolves to one"
 
 
 def local_host(bind: str) -> str:
     """The host a client on this machine dials to reach a store listening on ``bind``."""
-    return {"0.0.0.0": LOOPBACK, "::": "::1"}.get(bind, bind)
+    return LOOPBACK if bind == "0.0.0.0" else bind
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).version == 6
+    except ValueError:
+        return False
+
+
+def parse_host(text: str) -> str:
+    """A host name or IPv4 address; ValueError naming what is wrong."""
+    if _is_ipv6(text):
+        raise ValueError(f"{text!r}: {NO_IPV6}")
+    if not _HOST.fullmatch(text):
+        raise ValueError(f"{text!r} is not a host name or IPv4 address")
+    return text
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` too) -> (host, port); ValueError naming what is wrong."""
+    """``host:port`` -> (host, port); ValueError naming what is wrong."""
     m = _HOST_PORT.fullmatch(text)
-    if m is None:
+    if m is not None and _is_ipv6(m.group(1)):
+        raise ValueError(f"{text!r}: {NO_IPV6}")
+    if m is None or not _HOST.fullmatch(m.group(1)):
         raise ValueError(f"{text!r} is not host:port")
     port = int(m.group(2))
     if not 0 < port < 65536:
         raise ValueError(f"{text!r}: port {port} is out of range 1..65535")
-    return m.group(1).strip("[]"), port
+    return m.group(1), port
+
+
+def resolve(host: str) -> str:
+    """``host``'s IPv4 address; ValueError naming the host when it has none."""
+    try:
+        return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"host {host!r} does not resolve to an IPv4 address ({getattr(e, 'strerror', None) or e})") from None
+
+
+def check_bindable(host: str) -> str:
+    """``host``'s IPv4 address, if a socket on this machine can listen there; ValueError naming it if not."""
+    ip = resolve(host)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((ip, 0))
+        except OSError as e:
+            raise ValueError(f"{ip} is not an address of this host ({e.strerror})") from None
+    return ip
 
 
 def is_etcd(address: str) -> bool:
@@ -36,8 +83,9 @@ def parse_etcd_url(url: str) -> list[tuple[str, int]]:
     for item in url[len(ETCD_SCHEME):].split(","):
         try:
             endpoints.append(parse_host_port(item.strip()))
-        except ValueError:
-            raise ValueError(f"{url!r}: {item.strip()!r} is not host:port (port 1..65535)") from None
+        except ValueError as e:
+            why = NO_IPV6 if NO_IPV6 in str(e) else "port 1..65535"
+            raise ValueError(f"{url!r}: {item.strip()!r} is not host:port ({why})") from None
     if len(set(endpoints)) != len(endpoints):
         raise ValueError(f"{url!r} lists an endpoint twice")
     return endpoints

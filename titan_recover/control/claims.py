@@ -104,4 +104,4 @@ def release(client: ControlClient, me: Launcher, replicas: list[int], part: int 
 
 def holds(client: ControlClient, me: Launcher, replica: int, part: int = 0) -> bool:
     """Whether ``me`` still runs ``replica`` (its part ``part``): another launcher takes it over when ``me`` looked dead."""
-    return client.store.get(keys.owner_key(replica, part)) == me.dumps().encode()
+    return client.store.read(keys.owner_key(replica, part)) == me.dumps().encode()

@@ -1,15 +1,15 @@
 """Every read and write of the control store, through ``protocol`` records: nobody else builds keys.
 
-``ControlClient`` wraps a store already seen through the run's secret (``transport.connect``
-or ``transport.serve``). A record that does not check out raises ``protocol.MessageError``
-naming its key; the caller decides whether to ignore it or stop.
+``ControlClient`` wraps the run's sealed store (``transport.connect`` or ``transport.serve``).
+A record that does not check out raises ``protocol.MessageError`` naming its key; the caller
+decides whether to ignore it or stop. A value without the run's seal reads as missing
+(``sealed.SealedStore.read``, which logs it): nothing here acts on a forged record.
 """
 
 import time
+import uuid
 from datetime import timedelta
 from typing import TypeVar
-
-import torch.distributed as dist
 
 from titan_recover.control import keys
 from titan_recover.control.protocol import (
@@ -20,6 +20,7 @@ from titan_recover.control.protocol import (
     FaultRecord,
     Fence,
     Launcher,
+    MessageError,
     NodeMessage,
     Record,
     Rendezvous,
@@ -28,6 +29,7 @@ from titan_recover.control.protocol import (
     TransferRecord,
     decode_int,
 )
+from titan_recover.control.sealed import SealedStore
 
 R = TypeVar("R", bound=Record)
 COMMIT, ABORT = "commit", "abort"
@@ -37,7 +39,7 @@ class ControlClient:
     """The run's control store, one record at a time. ``store`` stays reachable for what needs the
     store itself (the gloo rendezvous of the replicate-dim groups)."""
 
-    def __init__(self, store: dist.Store) -> None:
+    def __init__(self, store: SealedStore) -> None:
         self.store = store
 
     # ---- records and counters ---------------------------------------------------------
@@ -47,10 +49,16 @@ class ControlClient:
 
     def read(self, key: str, kind: type[R]) -> R | None:
         """The record under ``key``, or None while there is none."""
-        return kind.loads(key, self.store.get(key)) if self.store.check([key]) else None
+        raw = self.store.read(key)
+        return None if raw is None else kind.loads(key, raw)
 
     def _int(self, key: str) -> int | None:
-        return decode_int(key, self.store.get(key)) if self.store.check([key]) else None
+        raw = self.store.read(key)
+        return None if raw is None else decode_int(key, raw)
+
+    def _text(self, key: str) -> str | None:
+        raw = self.store.read(key)
+        return None if raw is None else raw.decode(errors="replace")
 
     def _count(self, key: str) -> int:
         return int(self.store.add(key, 0))
@@ -89,13 +97,23 @@ class ControlClient:
         return None if rec is None else rec.error
 
     def stopped(self) -> bool:
-        return self.store.check([keys.FATAL])
+        return self.store.read(keys.FATAL) is not None
 
     def finish(self) -> None:
         self.store.set(keys.STATUS, "done")
 
     def finished(self) -> bool:
-        return self.store.check([keys.STATUS])
+        return self.store.read(keys.STATUS) is not None
+
+    def begin(self) -> bool:
+        """Says hello for the run on a shared store (etcd): True when this call started it, False
+        when it had started already (a relaunched node joins it)."""
+        mine = f"titan_recover {uuid.uuid4().hex}"
+        return self.store.compare_set(keys.HELLO, "", mine).decode(errors="replace") == mine
+
+    def ended(self) -> str | None:
+        """How the run ended ("done", or why it stopped), or None while it goes on."""
+        return "done" if self.finished() else self.fatal()
 
     # ---- failure reports --------------------------------------------------------------
 
@@ -140,8 +158,7 @@ class ControlClient:
         self.store.compare_set(keys.decision_key(step, epoch), "", outcome)
 
     def decision(self, step: int, epoch: int) -> str | None:
-        key = keys.decision_key(step, epoch)
-        return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
+        return self._text(keys.decision_key(step, epoch))
 
     def offer_step(self, record: StepRecord) -> None:
         """The committed step's record; the first member's counts."""
@@ -150,17 +167,13 @@ class ControlClient:
     def read_step(self, step: int) -> StepRecord | None:
         return self.read(keys.step_key(step), StepRecord)
 
-    def drop_step(self, step: int) -> None:
-        """Deletes a malformed step record; a member rewrites it when it commits the step."""
-        self.store.delete_key(keys.step_key(step))
-
     def put_digest(self, step: int, replica: int, digest: str) -> None:
         self.store.set(keys.digest_key(step, replica), digest)
 
     def digests(self, step: int, replicas: list[int]) -> dict[int, str]:
         """The parameter digests of ``replicas`` at ``step`` written so far."""
-        names = {r: keys.digest_key(step, r) for r in replicas}
-        return {r: self.store.get(k).decode(errors="replace") for r, k in names.items() if self.store.check([k])}
+        found = {r: self._text(keys.digest_key(step, r)) for r in replicas}
+        return {r: digest for r, digest in found.items() if digest is not None}
 
     # ---- incarnations: fences, admissions, transfers ----------------------------------
 
@@ -174,7 +187,7 @@ class ControlClient:
         self.put(keys.admitted_key(replica, admission.attempt), admission)
 
     def admitted(self, replica: int, attempt: int) -> bool:
-        return self.store.check([keys.admitted_key(replica, attempt)])
+        return self.store.read(keys.admitted_key(replica, attempt)) is not None
 
     def record_transfer(self, replica: int, group_rank: int, record: TransferRecord) -> None:
         self.put(keys.transfer_key(replica, group_rank), record)
@@ -216,8 +229,8 @@ class ControlClient:
 
     def node_name(self, index: int) -> str | None:
         """The launcher key of the ``index``-th registered node (None: registered, not yet named)."""
-        key = keys.node_key(index)
-        return keys.launcher_key(self.store.get(key).decode(errors="replace")) if self.store.check([key]) else None
+        launcher = self._text(keys.node_key(index))
+        return None if launcher is None else keys.launcher_key(launcher)
 
     def node_messages(self, names: list[str]) -> list[bytes]:
         """The raw node messages under ``names`` (launcher keys), in one request: the coordinator
@@ -226,7 +239,7 @@ class ControlClient:
 
     def node_message_raw(self, launcher: Launcher) -> bytes:
         """A launcher's node message as it stands (b"" before it registered): a sequence number makes every beat differ."""
-        return self.store.get(launcher.key) if self.store.check([launcher.key]) else b""
+        return self.store.read(launcher.key) or b""
 
     # ---- the coordinator's own --------------------------------------------------------
 
@@ -239,3 +252,55 @@ class ControlClient:
     def read_state(self) -> CoordinatorState | None:
         return self.read(keys.COORDINATOR_STATE, CoordinatorState)
 
+
+    # ---- forgetting -------------------------------------------------------------------
+    # Keys nobody reads any more are deleted, so a long run's store stays bounded. The coordinator
+    # decides which (``coordinator_core.Forget``), after saving the state that says they are gone.
+
+    def _delete(self, names: list[str]) -> None:
+        for name in names:
+            self.store.delete_key(name)
+
+    def forget_steps(self, steps: range, epochs: range, replicas: int) -> None:
+        """What committed ``steps`` left: their records, the parameter digests of replica ids
+        0..``replicas``-1, and their commit votes and decisions in ``epochs``."""
+        for step in steps:
+            self._delete([keys.step_key(step), *(keys.digest_key(step, r) for r in range(replicas)),
+                          *(k for e in epochs for k in (keys.ok_key(step, e), keys.decision_key(step, e)))])
+
+    def forget_epochs(self, epochs: range) -> None:
+        """The members of ``epochs`` and the rendezvous keys of their replicate and transfer groups
+        (``keys.replicate_group_prefix``, ``keys.transfer_group_prefix``: one per shard and joiner)."""
+        if epochs:
+            self._delete([keys.members_key(e) for e in epochs])
+            self.store.delete_under(tuple(p for e in epochs for p in keys.process_group_prefixes(e)))
+
+    def forget_reports(self, slots: range) -> None:
+        self._delete([keys.report_key(i) for i in slots])
+
+    def forget_admission(self, replica: int, attempt: int) -> None:
+        self._delete([keys.admitted_key(replica, attempt)])
+
+    def forget_node(self, index: int, name: str) -> None:
+        """A launcher gone for good (``name``: its launcher key): its registration first, so a new
+        coordinator leader never names it and then waits for its message."""
+        self._delete([keys.node_key(index), name])
+
+    def claim_holders(self, replicas: int, parts: int) -> set[str]:
+        """The launcher keys of the launchers that hold a claim on a group 0..``replicas``-1 (any of its
+        ``parts`` node parts); a released or malformed claim names none."""
+        holders = set()
+        for replica in range(replicas):
+            for part in range(parts):
+                key = keys.owner_key(replica, part)
+                raw = self.store.read(key)
+                if raw:
+                    try:
+                        holders.add(Launcher.loads(key, raw).key)
+                    except MessageError:
+                        continue
+        return holders
+
+    def key_count(self) -> int | None:
+        """How many keys the run has in the store (None where the store cannot list them: etcd)."""
+        return self.store.key_count()

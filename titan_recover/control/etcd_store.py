@@ -8,8 +8,9 @@ ranks, ``PrefixStore``, and the replicate groups' gloo rendezvous) uses it uncha
 - **Member loss is invisible.** A request that finds its member gone, or without a
   leader, is sent to the next endpoint until the store's timeout runs out.
 - **Counters are exact.** ``add`` is a compare-and-swap on the key's revision that also
-  records its sequence number under a marker key of this client; a request whose answer
-  was lost (its member died mid-request) is looked up there, never applied twice.
+  records its sequence number and result under a marker key of this client; a request whose
+  answer was lost (its member died mid-request) is looked up there, never applied twice.
+  The marker lives on a lease of this client's: a client that is gone leaves no key behind.
 - **Writes can be fenced.** A store made with ``guard=(key, value)`` does every write in
   a transaction conditional on ``key`` still holding ``value`` (the coordinator's leader
   lease, see ``leader``); when it does not, the write is not made and ``LeadershipLost``
@@ -18,6 +19,7 @@ ranks, ``PrefixStore``, and the replicate groups' gloo rendezvous) uses it uncha
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -35,6 +37,9 @@ REQUEST_S = 2.0  # one HTTP request; a member cut off from the quorum is left af
 POLL_S = (0.002, 0.05)  # first and longest pause of a blocking get/wait
 MIN_MEMBERS = 3  # fewer cannot lose one member and keep a majority
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
+MARKERS = "titan_recover/adds/"  # the clients' add markers, one per live client
+MARKER_TTL_S = 600.0  # a gone client's marker is deleted by etcd within this (longer for long store timeouts)
+REFUSED_CODES = {3, 5, 11}  # gRPC InvalidArgument, NotFound, OutOfRange: the request is wrong, not the member
 T = TypeVar("T")
 
 
@@ -42,8 +47,17 @@ class LeadershipLost(RuntimeError):
     """A guarded write found the lease key no longer holding this leader's value."""
 
 
-class EtcdUnavailable(RuntimeError):
+class EtcdError(RuntimeError):
+    """The etcd cluster did not carry a request out (what a caller retries or reports)."""
+
+
+class EtcdUnavailable(EtcdError):
     """No endpoint of the etcd cluster answered within the store's timeout."""
+
+
+class EtcdRefused(EtcdError):
+    """The cluster answered and refused the request itself (a compacted revision, an unknown lease):
+    no other member would take it."""
 
 
 def _b(data: str | bytes) -> bytes:
@@ -59,9 +73,11 @@ class EtcdStore(dist.Store):
         self._clients = [Etcd3Client(host, port, timeout=REQUEST_S, api_path="/v3/") for host, port in endpoints]
         self._current = 0
         self._guard = guard
-        self._marker = f"_adds/{uuid.uuid4().hex}"
+        self._marker = f"{MARKERS}{uuid.uuid4().hex}"
+        self._marker_lease: tuple[int, float] | None = None  # its id, and when it expires (monotonic)
         self._seq = 0
         self._lock = threading.Lock()  # one store object is shared by threads (gloo's rendezvous, a lifeline)
+        self._add_lock = threading.Lock()  # one add at a time: the marker tells only the last add's fate
         self.set_timeout(timedelta(seconds=timeout_s))
 
     # ---- transport ------------------------------------------------------------------
@@ -84,6 +100,8 @@ class EtcdStore(dist.Store):
                 except PreconditionFailedError:
                     raise  # the request itself is wrong: no other member would take it
                 except Etcd3Exception as e:  # gone, no leader, timed out: try the next member
+                    if (why := _refusal(e)) is not None:
+                        raise EtcdRefused(f"etcd refused {path}: {why}") from None
                     errors[f"{client.host}:{client.port}"] = f"{type(e).__name__}: {str(e.detail_text or e)[:120]}"
             if time.monotonic() > deadline:
                 raise EtcdUnavailable(
@@ -132,6 +150,24 @@ class EtcdStore(dist.Store):
     def members(self) -> list[dict]:
         return self.post("cluster/member/list", {}).get("members", [])
 
+    def revision(self) -> int:
+        """The cluster's current revision (a linearizable read)."""
+        return int(self.post("kv/range", {"key": _encode(MARKERS), "count_only": True})["header"]["revision"])
+
+    def compact(self, revision: int) -> None:
+        """Drops the history older than ``revision`` (every member frees those pages for reuse; the
+        database file only shrinks on a defragmentation). A history compacted further already is left."""
+        try:
+            self.post("kv/compaction", {"revision": revision})
+        except EtcdRefused as e:
+            if "has been compacted" not in str(e):
+                raise
+
+    def db_size(self) -> tuple[int, int]:
+        """The answering member's database file size and the bytes of it in use, in bytes."""
+        status = self.post("maintenance/status", {})
+        return int(status["dbSize"]), int(status["dbSizeInUse"])
+
     # ---- the torch.distributed.Store API --------------------------------------------
 
     def set(self, key: str, value: str | bytes) -> None:
@@ -167,35 +203,57 @@ class EtcdStore(dist.Store):
 
     def add(self, key: str, amount: int) -> int:
         """Adds ``amount`` to the integer under ``key`` (missing: 0) exactly once."""
-        rec = self.range(key)
         if amount == 0:
-            return int(rec["value"]) if rec is not None else 0
-        self._seq += 1
-        seq = str(self._seq).encode()
-        while True:
-            old = int(rec["value"]) if rec is not None else 0
-            same = ({"key": _encode(key), "target": "MOD", "result": "EQUAL", "mod_revision": rec["mod_revision"]}
-                    if rec is not None else {"key": _encode(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0})
-            # a request resent to another member after its first one was applied fails ``same``: the marker says so
-            answer = self._guarded([same], [put_op(key, str(old + amount).encode()), put_op(self._marker, seq)])
-            if answer.get("succeeded"):
-                return old + amount
-            marker = self.range(self._marker)
-            if marker is not None and marker["value"] == seq:  # applied, its answer lost: read what it wrote
-                written = self.range(key, marker["mod_revision"])
-                assert written is not None
-                return int(written["value"])
             rec = self.range(key)
+            return int(rec["value"]) if rec is not None else 0
+        with self._add_lock:
+            self._seq += 1
+            while True:
+                rec = self.range(key)
+                new = (int(rec["value"]) if rec is not None else 0) + amount
+                same = ({"key": _encode(key), "target": "MOD", "result": "EQUAL", "mod_revision": rec["mod_revision"]}
+                        if rec is not None else
+                        {"key": _encode(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0})
+                mark = f"{self._seq} {new}".encode()
+                try:
+                    # a request resent to another member after its first one was applied fails ``same``: the marker says so
+                    answer = self._guarded([same], [put_op(key, str(new).encode()), put_op(self._marker, mark, self._lease())])
+                except EtcdRefused as e:
+                    if "lease not found" not in str(e):
+                        raise
+                    self._marker_lease = None  # expired while this process was frozen: a fresh one
+                    continue
+                if answer.get("succeeded"):
+                    return new
+                marker = self.range(self._marker)
+                seq, _, written = (marker["value"] if marker is not None else b"").decode().partition(" ")
+                if seq == str(self._seq):  # applied, its answer lost: what it wrote
+                    return int(written)
+
+    def _lease(self) -> int:
+        """The lease of this client's marker: one that outlives any lookup of the marker after a
+        lost answer (within two requests' timeouts), granted anew once that is no longer sure."""
+        need = 2 * self.timeout.total_seconds()
+        now = time.monotonic()
+        if self._marker_lease is None or now + need > self._marker_lease[1]:
+            ttl = max(MARKER_TTL_S, 2 * need)
+            self._marker_lease = (int(self.post("lease/grant", {"TTL": round(ttl)})["ID"]), now + ttl)
+        return self._marker_lease[0]
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """TCPStore's semantics: ``desired`` is set if the key holds ``expected`` (or is missing and
         ``expected`` is empty); returns the value after the call (``expected`` if missing otherwise)."""
         expected, desired = _b(expected), _b(desired)
+        holds = {"key": _encode(key), "target": "VALUE", "result": "EQUAL", "value": _encode(expected)}
+        read = [{"request_range": {"key": _encode(key)}}]
         if expected:
-            compare = {"key": _encode(key), "target": "VALUE", "result": "EQUAL", "value": _encode(expected)}
-        else:
-            compare = {"key": _encode(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
-        answer = self._guarded([compare], [put_op(key, desired)], [{"request_range": {"key": _encode(key)}}])
+            answer = self._guarded([holds], [put_op(key, desired)], read)
+        else:  # missing, or holding "" (etcd's value compare fails on a missing key): two tries in one txn
+            missing = {"key": _encode(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
+            answer = self._guarded([missing], [put_op(key, desired)],
+                                   [{"request_txn": {"compare": [holds], "success": [put_op(key, desired)], "failure": read}}])
+            if not answer.get("succeeded"):
+                answer = answer["responses"][0]["response_txn"]
         if answer.get("succeeded"):
             return desired
         kvs = answer["responses"][0]["response_range"].get("kvs", [])
@@ -214,6 +272,15 @@ class EtcdStore(dist.Store):
         """Itself: every call is one short request under the lock, so a blocking ``get`` in one
         thread never holds up another's calls (and the C++ side keeps no clone's Python object alive)."""
         return self
+
+
+def _refusal(e: Etcd3Exception) -> str | None:
+    """etcd's message when ``e`` is the cluster refusing the request itself (see ``REFUSED_CODES``)."""
+    try:
+        answer = json.loads(e.detail_text or "")
+    except ValueError:
+        return None
+    return str(answer.get("message", "")) if isinstance(answer, dict) and answer.get("code") in REFUSED_CODES else None
 
 
 def put_op(key: str, value: bytes, lease: int = 0) -> dict:

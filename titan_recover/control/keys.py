@@ -11,18 +11,14 @@ COORDINATOR_ENV = "TITAN_RECOVER_COORDINATOR"  # host:port of the coordinator's 
 REPLICA_ENV = "TITAN_RECOVER_REPLICA"  # this process's replica group id
 REPLICAS_ENV = "TITAN_RECOVER_REPLICAS"  # comma-separated replica group ids a node's launcher runs
 GROUP_NODE_ENV = "TITAN_RECOVER_GROUP_NODE"  # which node part of its replica groups a node runs (recover.group_nodes)
-SECRET_ENV = "TITAN_RECOVER_SECRET"  # this run's secret: every key of the run is stored under it
+SECRET_ENV = "TITAN_RECOVER_SECRET"  # this run's secret: it seals every record of the run (``sealed``)
+RUN_ENV = "TITAN_RECOVER_RUN_ID"  # this run's id: a new id is a new run; the same id relaunched rejoins it
 ATTEMPT_ENV = "TITAN_RECOVER_ATTEMPT"  # incarnation of this replica group: 0, then +1 per restart
 
 
 def attempt() -> int:
     """This process's incarnation of its replica group (counted in the store: ``incarnation_key``)."""
     return int(os.environ.get(ATTEMPT_ENV, "0"))
-
-
-def run_prefix(secret: str) -> str:
-    """Where a run's keys live in the store: only a process holding the secret reads or writes them."""
-    return f"run/{secret}"
 
 
 HELLO = "hello"  # the coordinator sets it on start: a client that cannot read it is not in this run
@@ -37,10 +33,27 @@ REPLICATE_BACKEND = "replicate_backend"  # "gloo" or "nccl": the first rank sets
 NODES = "nodes"  # counter: launchers registered so far; node_key(1..n) name them
 
 
-def leader_key(secret: str) -> str:
-    """The etcd key of the run's coordinator leader (its lease's), outside the run's ``PrefixStore``:
-    the guard of every leader write compares it as stored."""
-    return f"{run_prefix(secret)}/coordinator/leader"
+CURRENT_RUN = "current"  # in the namespace of the run with no id: the id of the run a TCPStore serves
+PROCESS_GROUPS = "pg/"  # the replicate-dim process groups' own rendezvous (names chosen by gloo/NCCL)
+
+
+def leader_key(prefix: str) -> str:
+    """The etcd key of the run's coordinator leader (its lease's), outside the run's ``PrefixStore``
+    (``prefix`` is the run's): the guard of every leader write compares it as stored."""
+    return f"{prefix}/coordinator/leader"
+
+
+def replicate_group_prefix(epoch: int, shard: int) -> str:
+    return f"{PROCESS_GROUPS}replicate/e{epoch}/s{shard}/"
+
+
+def transfer_group_prefix(epoch: int, shard: int, joiner: int) -> str:
+    return f"{PROCESS_GROUPS}transfer/e{epoch}/s{shard}/r{joiner}/"
+
+
+def process_group_prefixes(epoch: int) -> tuple[str, str]:
+    """Where every replicate and transfer group of ``epoch`` meets (each shard's, each joiner's)."""
+    return f"{PROCESS_GROUPS}replicate/e{epoch}/", f"{PROCESS_GROUPS}transfer/e{epoch}/"
 
 
 def members_key(epoch: int) -> str:

@@ -7,23 +7,32 @@ that key (``EtcdStore(guard=...)``): every write it makes is conditional on the 
 still holding its own value. When it dies or freezes, the lease expires, etcd deletes
 the key, and the next candidate's campaign succeeds; a frozen leader that resumes
 finds its writes refused (``LeadershipLost``) and campaigns again as a follower.
+
+The leader also compacts etcd's history (every put keeps a revision until then; node
+messages alone write ~10 per node per second): a cluster set up without auto-compaction
+would otherwise fill its space quota and refuse every write.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
 import time
 import uuid
+from collections import deque
 from typing import Callable
 
 from etcd3gw.utils import _encode
 
-from titan_recover.control.etcd_store import EtcdStore, LeadershipLost, put_op
+from titan_recover.control.etcd_store import EtcdError, EtcdStore, LeadershipLost, put_op
 
 CAMPAIGN_POLL_S = 0.1  # how often a follower tries for the key; the lease's expiry dominates takeover
+COMPACT_EVERY_S = 60.0  # how often the leader compacts etcd's history
+KEEP_HISTORY_S = 300.0  # the history kept (nothing of the run reads an older revision; an operator may)
+log = logging.getLogger("titan_recover.control")
 
 
 class Lease:
@@ -50,18 +59,19 @@ class Lease:
             if won:
                 self._id = lease
                 self._lost.clear()
-                self._stop.clear()
-                self._keeper = threading.Thread(target=self._keep, name="titan-recover-lease", daemon=True)
+                self._stop = threading.Event()  # this term's: a previous term's threads stay stopped
+                self._keeper = threading.Thread(target=self._keep, args=(self._stop,), name="titan-recover-lease", daemon=True)
                 self._keeper.start()
+                threading.Thread(target=self._compact, args=(self._stop,), name="titan-recover-compact", daemon=True).start()
                 return EtcdStore(self.store.endpoints, self.store.timeout.total_seconds(), guard=(self.key, self.value))
             self.store.post("kv/lease/revoke", {"ID": lease})
             time.sleep(CAMPAIGN_POLL_S)
         return None
 
-    def _keep(self) -> None:
+    def _keep(self, stop: threading.Event) -> None:
         """Refreshes the lease every third of its TTL; an expired one (this process was frozen
         longer than the TTL) is lost for good: another candidate may lead by now."""
-        while not self._stop.wait(self.ttl_s / 3):
+        while not stop.wait(self.ttl_s / 3):
             try:
                 answer = self.store.post("lease/keepalive", {"ID": self._id})
                 if int(answer.get("result", {}).get("TTL", -1)) <= 0:
@@ -69,6 +79,22 @@ class Lease:
                     return
             except Exception:  # no member answered within the store's timeout: the guard decides
                 continue
+
+    def _compact(self, stop: threading.Event) -> None:
+        """While this candidate leads, compacts etcd's history older than ``KEEP_HISTORY_S`` every
+        ``COMPACT_EVERY_S``, through a client of its own (a slow member never delays a keep-alive)."""
+        store = EtcdStore(self.store.endpoints, self.store.timeout.total_seconds())
+        seen: deque[tuple[float, int]] = deque()  # (when, the revision then), oldest first
+        while not stop.wait(COMPACT_EVERY_S) and not self._lost.is_set():
+            try:
+                now = time.monotonic()
+                seen.append((now, store.revision()))
+                while len(seen) > 1 and seen[1][0] <= now - KEEP_HISTORY_S:
+                    seen.popleft()
+                if seen[0][0] <= now - KEEP_HISTORY_S:
+                    store.compact(seen.popleft()[1])
+            except EtcdError as e:  # tried again next time
+                log.warning(f"could not compact etcd's history: {e}")
 
     def check(self) -> None:
         """Raises LeadershipLost once the keeper found the lease expired."""

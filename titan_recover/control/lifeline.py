@@ -1,16 +1,77 @@
 """A launcher's lifeline to the coordinator: the node message it writes, and the watch that
 finds the coordinator lost. Daemon threads with their own store client."""
 
+import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch.distributed as dist
 
 from titan_recover.control import keys
+from titan_recover.control.addresses import is_etcd
 from titan_recover.control.transport import connect, connection_refused
+from titan_recover.control.sealed import Run
 
 PROBE_S = 0.5  # how often a lifeline reads ALIVE; the coordinator lingers longer than that at the end
+CONFIRM_S = 1.0  # the fresh probe before a verdict: a live coordinator answers a new client well within it
+log = logging.getLogger("titan_recover.launcher")
+
+
+def one_line(e: BaseException) -> str:
+    """An error in one short line, for a log line (torch's store errors run on for lines)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
+def store_errors(address: str) -> tuple[type[Exception], ...]:
+    """What a control store call raises when the store is unreachable or slow: torch's store
+    errors and, on etcd, its client's. Transient while the lifeline finds the coordinator alive."""
+    if not is_etcd(address):
+        return (dist.DistError,)
+    from titan_recover.control.etcd_store import EtcdError  # the etcd extra: only a run on etcd has it
+
+    return (dist.DistError, EtcdError)
+
+
+@dataclass
+class AliveClock:
+    """The coordinator's alive counter as one watcher saw it, and how long it has stood still.
+
+    Silence counts only while the watcher runs: a watcher that did not run (its process
+    stopped: SIGSTOP, a paused VM) saw nothing meanwhile, so when it wakes far later than it
+    asked, the coordinator gets a full ``timeout_s`` from then. A frozen coordinator is still
+    found one bound after the watcher resumed.
+    """
+
+    timeout_s: float
+    start: float  # when watching began
+    value: int = -1
+    since: float = field(init=False)  # when the counter last moved, or the watcher last woke from a pause
+    last_tick: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.since = self.last_tick = self.start
+
+    def read(self, value: int, now: float) -> bool:
+        """A reading of the counter; whether it moved since the last one."""
+        moved = value != self.value
+        if moved:
+            self.value, self.since = value, now
+        return moved
+
+    def tick(self, now: float, wait_s: float) -> float:
+        """The watcher woke, having asked to sleep ``wait_s``; how long it was paused (0.0: it was not).
+        Late by half the bound or more counts as paused: such a pause alone could pass for silence."""
+        late = now - self.last_tick - wait_s
+        self.last_tick = now
+        if late < self.timeout_s / 2:
+            return 0.0
+        self.since = now
+        return late
+
+    def silent(self, now: float) -> float:
+        return now - self.since
 
 
 class Heartbeat:
@@ -26,6 +87,11 @@ class Heartbeat:
       second thread so that a store call blocked on a frozen server cannot hide it.
       Once the run is ending (``ended()``: the coordinator published done or fatal) a
       vanished coordinator is expected.
+    - Loses only what it saw: time this launcher did not run (``AliveClock``) is not the
+      coordinator's silence, and before a verdict a fresh probe (a new client, within
+      ``CONFIRM_S``) reads the counter again. A launcher that was paused carries on (its
+      groups may have been fenced meanwhile, and rejoin); a frozen coordinator is found
+      within ``coordinator_timeout_s + CONFIRM_S``.
     """
 
     def __init__(
@@ -36,12 +102,13 @@ class Heartbeat:
         coordinator_timeout_s: float,
         on_lost: Callable[[str], None],
         message: Callable[[], str],
-        secret: str | None = None,
+        run: Run | None = None,
         ended: Callable[[], bool] = lambda: False,
     ) -> None:
-        self._address, self._key, self._interval, self._secret = address, key, interval_s, secret
+        self._address, self._key, self._interval, self._run = address, key, interval_s, run
         self._timeout, self._on_lost, self._message, self._ended = coordinator_timeout_s, on_lost, message, ended
-        self._alive = (-1, time.monotonic())  # the coordinator's alive counter, and when it last moved
+        self._clock = AliveClock(coordinator_timeout_s, time.monotonic())
+        self._lock = threading.Lock()  # the clock: read by the beat, ticked by the watch
         self._refused = False
         self._error = ""
         self._contact = 0.0  # when a store call last succeeded
@@ -60,16 +127,14 @@ class Heartbeat:
             now = time.monotonic()
             try:
                 if client is None:
-                    client = connect(self._address, min(self._timeout, 60.0), self._secret)
+                    client = connect(self._address, min(self._timeout, 60.0), self._run)
                 client.set(self._key, self._message())
                 if now >= next_probe:
-                    alive = int(client.add(keys.ALIVE, 0))
-                    if alive != self._alive[0]:
-                        self._alive = (alive, time.monotonic())
+                    self._read(client)
                     next_probe = now + min(PROBE_S, self._timeout / 4)
-                self._error, self._contact = "", time.monotonic()
+                self._error, self._refused, self._contact = "", False, time.monotonic()
             except Exception as e:  # retried on a fresh connection; the watch bounds how long
-                client, self._error = None, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                client, self._error = None, one_line(e)
                 self._refused = connection_refused(self._address)
             self._stop.wait(self._interval)
 
@@ -77,22 +142,61 @@ class Heartbeat:
     def ending(self) -> bool:
         return self._ended()
 
+    def _read(self, client: dist.Store) -> bool:
+        """Reads the alive counter through ``client``; whether it moved since the last reading."""
+        alive = int(client.add(keys.ALIVE, 0))
+        with self._lock:
+            return self._clock.read(alive, time.monotonic())
+
     def verdict(self) -> str | None:
-        """Why the coordinator counts as lost, or None while it lives (or the run is ending)."""
+        """Why the coordinator counts as lost by the readings so far, or None while it lives (or the
+        run is ending); the watch confirms it with a fresh probe before acting on it."""
         if self.ending or self._stop.is_set():
             return None
         if self._refused:
             return f"the coordinator at {self._address} refused the connection: its process is gone"
-        silent = time.monotonic() - self._alive[1]
+        with self._lock:
+            silent = self._clock.silent(time.monotonic())
         if silent >= self._timeout:
             error = f" (last error: {self._error})" if self._error else ""
             return f"no sign of life from the coordinator at {self._address} for {silent:.0f}s{error}"
         return None
 
+    def fresh_sign_of_life(self) -> bool:
+        """Whether the coordinator's alive counter moved since this lifeline last read it, read again
+        on a new client within ``CONFIRM_S`` (the beat's own client may be the one that is stuck).
+        A thread of its own: a client of a frozen TCPStore server blocks past any timeout."""
+        if connection_refused(self._address):
+            return False
+        moved: list[bool] = []
+
+        def probe() -> None:
+            try:
+                moved.append(self._read(connect(self._address, CONFIRM_S, self._run)))
+            except Exception as e:  # unreachable or too slow: no sign of life
+                log.debug(f"probe of the coordinator at {self._address} failed: {e!r}")
+
+        thread = threading.Thread(target=probe, name="titan-recover-probe", daemon=True)
+        thread.start()
+        thread.join(CONFIRM_S)
+        return bool(moved and moved[0])
+
     def _watch(self) -> None:
-        while not self._stop.wait(min(0.25, self._timeout / 4)):
+        wait = min(0.25, self._timeout / 4)
+        while not self._stop.wait(wait):
+            with self._lock:
+                paused = self._clock.tick(time.monotonic(), wait)
+            if paused:
+                log.warning(f"this launcher did not run for {paused:.1f}s (stopped, e.g. SIGSTOP or a paused VM, or starved "
+                            f"of CPU): the coordinator gets {self._timeout:g}s from now to show a sign of life; this "
+                            "node's replica groups may have been fenced meanwhile, and rejoin")
             reason = self.verdict()
-            if reason is not None:
+            if reason is None:
+                continue
+            if self.fresh_sign_of_life():
+                log.warning(f"{reason}, as this launcher saw it; a fresh probe found it alive: carrying on")
+                continue
+            if self.verdict() is not None:  # the run did not end while the probe ran
                 self._on_lost(reason)
                 return
 

@@ -397,7 +397,7 @@ class CoordinatorState(Record):
     """
 
     progress: Progress | None = None  # the last committed step
-    next_report: int = 1  # the first report slot not read yet
+    next_report: int = 1  # the first report slot not reserved when last read
     retries: int = 0  # epochs retried with the same members in the step in progress
     attempts: dict[int, int] = field(default_factory=dict)  # incarnation of each member
     admitted_epoch: dict[int, int] = field(default_factory=dict)  # epoch each member was admitted in
@@ -406,9 +406,14 @@ class CoordinatorState(Record):
     dropped: dict[int, int] = field(default_factory=dict)  # waiting incarnations fenced for silence -> attempt
     down_since: dict[int, float] = field(default_factory=dict)  # failed replica, not yet replaced -> when it failed
     repairs: dict[int, tuple[int, float]] = field(default_factory=dict)  # admitted group -> (replica it replaces, since)
+    unread_reports: list[int] = field(default_factory=list)  # slots below next_report reserved but not written yet
+    forgotten_steps: int = 0  # the store keys of committed steps up to this one are deleted
+    kept_epoch: int = 0  # the oldest epoch whose store keys (members, group rendezvous) are kept
+    forgotten_reports: int = 0  # report slots up to this one are deleted
 
     REQUIRED = ("progress", "next_report", "retries", "attempts", "admitted_epoch", "joining", "spares", "dropped",
                 "down_since", "repairs")
+    COUNTS: ClassVar[tuple[str, ...]] = ("forgotten_steps", "kept_epoch", "forgotten_reports")  # absent: nothing forgotten yet
 
     def to_json(self) -> dict[str, Any]:
         rec = asdict(self)
@@ -423,6 +428,11 @@ class CoordinatorState(Record):
                  "progress needs step, epoch, time", progress)
         _require(key, is_int(rec["next_report"]) and rec["next_report"] >= 1 and is_int(rec["retries"]),
                  "next_report and retries must be integers", rec)
+        unread = rec.get("unread_reports", [])
+        _require(key, isinstance(unread, list) and all(is_int(i) and 1 <= i < rec["next_report"] for i in unread),
+                 "unread_reports must be report slots below next_report", unread)
+        counts = [rec.get(k, 0) for k in cls.COUNTS]
+        _require(key, all(is_count(c) for c in counts), f"{list(cls.COUNTS)} must be integers >= 0", rec)
         pair = lambda v: isinstance(v, list) and len(v) == 2 and is_int(v[0]) and is_seconds(v[1])  # noqa: E731
         return CoordinatorState(
             None if progress is None else Progress(progress["step"], progress["epoch"], progress["time"]),
@@ -430,4 +440,5 @@ class CoordinatorState(Record):
             *(_ids(key, rec[k], k, is_int) for k in ("attempts", "admitted_epoch", "joining", "spares", "dropped")),
             _ids(key, rec["down_since"], "down_since", is_seconds),
             {r: (v[0], v[1]) for r, v in _ids(key, rec["repairs"], "repairs", pair).items()},
+            sorted(unread), *counts,
         )

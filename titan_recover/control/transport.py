@@ -1,7 +1,7 @@
 """The control store's transport: torch's TCPStore (the coordinator serves it) or an etcd cluster.
 
-Serving, connecting (with the run's secret as the key prefix), and probing whether a
-coordinator still listens. The etcd client is imported only here (the ``etcd`` extra).
+Serving, connecting (to the run's keys, sealed with its secret: ``sealed``), and probing
+whether a coordinator still listens. The etcd client is imported only here (the ``etcd`` extra).
 """
 
 import os
@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from titan_recover.control import keys
 from titan_recover.control.addresses import LOOPBACK, first_endpoint, is_etcd, local_host, parse_etcd_url, parse_host_port
+from titan_recover.control.sealed import Run, SealedStore
 
 HELLO_WAIT_S = 10.0  # how long a client waits for the hello (the coordinator sets it right after listening)
 LISTEN_POLL_S = 0.1  # how often a starting client probes the coordinator's port
@@ -57,17 +58,6 @@ def listen(bind: str, port: int) -> int:
     return sock.detach()
 
 
-def run_secret() -> str:
-    """This run's secret, from the environment the launcher sets."""
-    secret = os.environ.get(keys.SECRET_ENV, "")
-    if not secret:
-        raise RuntimeError(
-            f"{keys.SECRET_ENV} is not set: start training with run_train.sh, whose launcher makes one per run; "
-            "in a multi-node run give every node's launcher the same value"
-        )
-    return secret
-
-
 def coordinator_address() -> str:
     """``host:port`` of the coordinator's store, or the ``etcd://`` URL of the run's etcd
     cluster, from the environment the launcher sets."""
@@ -82,44 +72,50 @@ def coordinator_address() -> str:
     return address
 
 
-def in_run(store: dist.Store, secret: str) -> dist.PrefixStore:
-    """``store`` seen through the run's secret: a process that lacks it never reads or writes these keys."""
-    return dist.PrefixStore(keys.run_prefix(secret), store)
+def in_run(store: dist.Store, run: Run) -> SealedStore:
+    """``store`` seen through the run: its keys only, every value sealed with its secret."""
+    return SealedStore(dist.PrefixStore(run.prefix, store), run)
 
 
-def serve(port: int, timeout_s: float, bind: str = LOOPBACK, secret: str | None = None) -> dist.PrefixStore:
+def serve(port: int, timeout_s: float, bind: str = LOOPBACK, run: Run | None = None) -> SealedStore:
     """The coordinator's store server, reachable on ``bind`` only (loopback unless other nodes need it),
-    holding the keys of the run whose secret is ``secret`` (default: ``$TITAN_RECOVER_SECRET``)."""
-    secret = secret or run_secret()
+    holding the keys of ``run`` (default: the one in this process's environment)."""
+    run = run or Run.from_env()
     tcp = dist.TCPStore(
         local_host(bind), port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
         master_listen_fd=listen(bind, port),
     )
-    server = in_run(tcp, secret)
+    in_run(tcp, Run(run.secret, "")).set(keys.CURRENT_RUN, run.id)  # how a launcher given only the secret finds the run
+    server = in_run(tcp, run)
     server.set(keys.HELLO, "titan_recover")
     return server
 
 
-_ETCD_CLIENTS: list[dist.Store] = []
+# every etcd client made, kept: a PrefixStore over one holds only its C++ half, its Python methods must stay.
+# Per (address, timeout, thread): the clients made there, each with the timeout it was made with.
+_ETCD_CLIENTS: dict[tuple[str, float, int], list[tuple[dist.Store, timedelta]]] = {}
 
 
 def etcd(address: str, timeout_s: float) -> dist.Store:
-    """A client of the etcd cluster at ``address`` (the ``etcd`` extra's client, imported only here)."""
+    """A client of the etcd cluster at ``address`` (the ``etcd`` extra's client, imported only here).
+
+    The calling thread's client for ``address`` and ``timeout_s`` is reused (a lifeline reconnects
+    after every error: a client each time would never be freed), unless its user changed its
+    timeout since; threads never share one (a request holds its client's lock)."""
+    from threading import get_ident
+
     try:
         from titan_recover.control.etcd_store import EtcdStore
     except ImportError as e:
         raise RuntimeError(f"[recover] control_store names etcd but its client is missing ({e}): "
                            "pip install 'titan_recover[etcd]'") from None
+    made = _ETCD_CLIENTS.setdefault((address, timeout_s, get_ident()), [])
+    for client, timeout in made:
+        if client.timeout == timeout:
+            return client
     client = EtcdStore(parse_etcd_url(address), timeout_s)
-    _ETCD_CLIENTS.append(client)  # a PrefixStore over it holds only its C++ half: its Python methods must stay
+    made.append((client, client.timeout))
     return client
-
-
-def begin_run(client: dist.Store, secret: str) -> None:
-    """Starts a run on a shared store (etcd): clears what an earlier run with the same secret left
-    (a new leader would take it over), then says hello to the run's other processes."""
-    client.delete_prefix(f"{keys.run_prefix(secret)}/")  # type: ignore[attr-defined]  # EtcdStore's own call
-    in_run(client, secret).set(keys.HELLO, "titan_recover")
 
 
 def wait_for(store: dist.Store, key: str, timeout_s: float, poll_s: float = 0.002) -> None:
@@ -157,36 +153,56 @@ def wait_listening(address: str, timeout_s: float, gone: Callable[[], str | None
         time.sleep(LISTEN_POLL_S)
 
 
-def connect(
-    address: str, timeout_s: float = 60.0, secret: str | None = None, gone: Callable[[], str | None] = lambda: None
-) -> dist.PrefixStore:
-    """A client of the coordinator's store at ``host:port`` (or of the etcd cluster at an ``etcd://``
-    URL), in the run whose secret is ``secret`` (default: ``$TITAN_RECOVER_SECRET``); a
-    ``WrongRunError`` if that store does not serve the run. Waits for the store to listen within
-    ``timeout_s`` (``wait_listening``, which ``gone`` may cut short)."""
-    secret = secret or run_secret()
-    if is_etcd(address):  # its members are up before the run; the first launcher says hello
-        client = in_run(etcd(address, timeout_s), secret)
-        try:
-            wait_for(client, keys.HELLO, timeout_s, poll_s=0.05)
-        except TimeoutError:
-            raise WrongRunError(f"the etcd cluster at {address} holds no run with this {keys.SECRET_ENV} after "
-                                f"{timeout_s:g}s: give every launcher of the run the same {keys.SECRET_ENV}") from None
-        return client
+def _tcp_client(address: str, timeout_s: float, gone: Callable[[], str | None]) -> dist.TCPStore:
     start = time.monotonic()
     wait_listening(address, timeout_s, gone)
     host, port = parse_host_port(address)
     left = max(1.0, timeout_s - (time.monotonic() - start))
-    client = in_run(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=left)), secret)
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=left))
+
+
+def _wrong_run(address: str) -> WrongRunError:
+    return WrongRunError(
+        f"the coordinator at {address} does not serve this run (wrong or missing {keys.SECRET_ENV} or {keys.RUN_ENV}, "
+        f"or another job on that port): give every launcher of the run the same {keys.SECRET_ENV}, or use another "
+        "coordinator_port"
+    )
+
+
+def connect(
+    address: str, timeout_s: float = 60.0, run: Run | None = None, gone: Callable[[], str | None] = lambda: None
+) -> SealedStore:
+    """A client of the coordinator's store at ``host:port`` (or of the etcd cluster at an ``etcd://``
+    URL) in ``run`` (default: the one in this process's environment); a ``WrongRunError`` if that
+    store does not serve the run. Waits for the store to listen within ``timeout_s``
+    (``wait_listening``, which ``gone`` may cut short)."""
+    run = run or Run.from_env()
+    if is_etcd(address):  # its members are up before the run; the first launcher says hello
+        client = in_run(etcd(address, timeout_s), run)
+        try:
+            wait_for(client, keys.HELLO, timeout_s, poll_s=0.05)
+        except TimeoutError:
+            raise WrongRunError(f"the etcd cluster at {address} holds no run {run.id!r} with this {keys.SECRET_ENV} "
+                                f"after {timeout_s:g}s: give every launcher of the run the same {keys.SECRET_ENV} and "
+                                f"{keys.RUN_ENV}, and start the run's first node") from None
+        return client
+    client = in_run(_tcp_client(address, timeout_s, gone), run)
     try:
         wait_for(client, keys.HELLO, min(timeout_s, HELLO_WAIT_S))
     except TimeoutError:
-        raise WrongRunError(
-            f"the coordinator at {address} does not serve this run (wrong or missing {keys.SECRET_ENV}, or another job "
-            f"on that port): give every launcher of the run the same {keys.SECRET_ENV}, or use another coordinator_port"
-        ) from None
+        raise _wrong_run(address) from None
     client.set_timeout(timedelta(seconds=timeout_s))
     return client
+
+
+def find_run(address: str, timeout_s: float, secret: str, gone: Callable[[], str | None] = lambda: None) -> Run:
+    """The run the coordinator at ``host:port`` serves, for a launcher given only the run's secret."""
+    finder = in_run(_tcp_client(address, timeout_s, gone), Run(secret, ""))
+    try:
+        wait_for(finder, keys.CURRENT_RUN, min(timeout_s, HELLO_WAIT_S))
+    except TimeoutError:
+        raise _wrong_run(address) from None
+    return Run(secret, finder.get(keys.CURRENT_RUN).decode())
 
 
 def connection_refused(address: str) -> bool:

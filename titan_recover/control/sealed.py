@@ -1,0 +1,207 @@
+"""A run's identity and its sealed view of the control store.
+
+A run is named by its secret and its id (``$TITAN_RECOVER_RUN_ID``). Its keys live under
+``run/<tag>/``, the tag a one-way hash of both, so a key name never reveals the secret and
+a run with a new id never reads an earlier run's keys. Every value written through a
+``SealedStore`` carries an HMAC of its key and bytes under a key derived from the secret:
+a client that can reach the store but lacks the secret can delete or flood keys
+(availability), never forge a record that a process of the run acts on. Counters
+(``add``) and the replicate groups' gloo rendezvous keys (the data plane, which trusts
+the network as torch does) pass through unsealed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import cached_property
+
+import torch.distributed as dist
+
+from titan_recover.control import keys
+from titan_recover.control.protocol import MessageError
+
+MAC_HEX = 32  # 128 bits of HMAC-SHA256, in hex, before the value
+REFUSED_LOG_S = 60.0  # a forged key is logged at most once per this
+log = logging.getLogger("titan_recover.control")
+
+
+class ForgedRecord(MessageError):
+    """A store value that does not carry this run's seal: written by a process without the secret."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """Who a process works for: the run's secret (never stored, printed or put in a key) and its id."""
+
+    secret: str = field(repr=False)
+    id: str
+
+    @staticmethod
+    def from_env(env: os._Environ[str] | dict[str, str] = os.environ) -> "Run":
+        """This process's run, from the environment its launcher sets."""
+        secret = env.get(keys.SECRET_ENV, "")
+        if not secret:
+            raise RuntimeError(
+                f"{keys.SECRET_ENV} is not set: start training with run_train.sh, whose launcher makes one per run; "
+                "in a multi-node run give every node's launcher the same value"
+            )
+        return Run(secret, env.get(keys.RUN_ENV, ""))
+
+    def _derive(self, purpose: str) -> bytes:
+        return hmac.new(self.secret.encode(), f"titan_recover {purpose} {self.id}".encode(), hashlib.sha256).digest()
+
+    @cached_property
+    def tag(self) -> str:
+        """The run's name in the store: a one-way hash of secret and id."""
+        return self._derive("tag").hex()[:20]
+
+    @cached_property
+    def prefix(self) -> str:
+        return f"run/{self.tag}"
+
+    @cached_property
+    def _mac_key(self) -> bytes:
+        return self._derive("seal")
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self._mac_key, key.encode() + b"\0" + value, hashlib.sha256).hexdigest()[:MAC_HEX].encode()
+
+    def seal(self, key: str, value: str | bytes) -> bytes:
+        """``value`` as stored under ``key``: its MAC, then its bytes. An empty value stays empty
+        (a released claim, as TCPStore's ``compare_set`` understands it)."""
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        return self._mac(key, data) + data if data else b""
+
+    def unseal(self, key: str, raw: bytes) -> bytes:
+        """The value a run's process wrote under ``key``; ``ForgedRecord`` when the seal does not match."""
+        if not raw:
+            return b""
+        mac, data = raw[:MAC_HEX], raw[MAC_HEX:]
+        if len(raw) < MAC_HEX or not hmac.compare_digest(mac, self._mac(key, data)):
+            raise ForgedRecord(f"store key {key!r} holds a value not sealed with this run's secret: refused")
+        return data
+
+
+def unsealed(key: str) -> bool:
+    """Keys whose values pass as they are: the rendezvous of the replicate-dim process groups
+    (``SealedStore.process_group_store``)."""
+    return key.startswith(keys.PROCESS_GROUPS)
+
+
+class SealedStore(dist.Store):
+    """``inner`` (already under the run's prefix) with every value sealed on write and checked on read."""
+
+    def __init__(self, inner: dist.Store, run: Run) -> None:
+        super().__init__()
+        self.inner, self.run = inner, run
+        self._refused: dict[str, float] = {}
+        super().set_timeout(inner.timeout)
+
+    def _seal(self, key: str, value: str | bytes) -> bytes:
+        if unsealed(key):
+            return value.encode() if isinstance(value, str) else bytes(value)
+        return self.run.seal(key, value)
+
+    def _unseal(self, key: str, raw: bytes) -> bytes:
+        if unsealed(key):
+            return bytes(raw)
+        try:
+            return self.run.unseal(key, bytes(raw))
+        except ForgedRecord as e:
+            now = time.monotonic()
+            if now - self._refused.get(key, -REFUSED_LOG_S) >= REFUSED_LOG_S:
+                self._refused[key] = now
+                log.warning(f"{e} (a process without the run's secret wrote it)")
+            raise
+
+    def read(self, key: str) -> bytes | None:
+        """The value under ``key``, or None while there is none (or it is forged: logged, never used)."""
+        if not self.inner.check([key]):
+            return None
+        try:
+            return self._unseal(key, self.inner.get(key))
+        except ForgedRecord:
+            return None
+
+    # ---- the torch.distributed.Store API --------------------------------------------
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.inner.set(key, self._seal(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._unseal(key, self.inner.get(key))
+
+    def check(self, keys: list[str]) -> bool:
+        """Whether every key holds a sealed value: a forged one counts as missing."""
+        return all(self.read(k) is not None for k in keys) if not all(unsealed(k) for k in keys) else self.inner.check(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values under ``keys``; a forged one reads as empty (and is logged)."""
+        out = []
+        for key, raw in zip(keys, self.inner.multi_get(keys)):
+            try:
+                out.append(self._unseal(key, raw))
+            except ForgedRecord:
+                out.append(b"")
+        return out
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self.inner.multi_set(keys, [self._seal(k, v) for k, v in zip(keys, values)])
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """TCPStore's semantics on the sealed values (an empty ``expected``: missing or empty)."""
+        got = self.inner.compare_set(key, self._seal(key, expected), self._seal(key, desired))
+        return self._unseal(key, got)
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.inner.add(key, amount))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if timeout is None:
+            self.inner.wait(keys)
+        else:
+            self.inner.wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self.inner.delete_key(key))
+
+    deleteKey = delete_key  # the name torch's C++ side calls
+
+    def num_keys(self) -> int:
+        return int(self.inner.num_keys())
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        super().set_timeout(timeout)
+        self.inner.set_timeout(timeout)
+
+    def delete_under(self, prefixes: tuple[str, ...]) -> None:
+        """Deletes every key under ``prefixes`` (names gloo or NCCL chose): the TCPStore lists them;
+        etcd deletes the range itself (torch's PrefixStore does not forward a Python store's listing)."""
+        try:
+            names = self.inner.list_keys()
+        except NotImplementedError:
+            for prefix in prefixes:
+                self.inner.underlying_store.delete_prefix(f"{self.run.prefix}/{prefix}")
+            return
+        for name in names:
+            if name.startswith(prefixes):
+                self.inner.delete_key(name)
+
+    def key_count(self) -> int | None:
+        """How many keys the run has (None where the store cannot list them: etcd)."""
+        try:
+            return len(self.inner.list_keys())
+        except NotImplementedError:
+            return None
+
+    def process_group_store(self, prefix: str) -> dist.Store:
+        """A connection of its own (``clone``) for a replicate-dim group's rendezvous under ``prefix``
+        (a key under ``keys.PROCESS_GROUPS``): C++ only, so no Python object must outlive the call."""
+        assert unsealed(prefix), prefix
+        return dist.PrefixStore(prefix, self.inner.clone())
