@@ -51,6 +51,17 @@ def test_a_watcher_that_was_paused_gives_the_coordinator_a_full_bound_from_when_
     assert clock.silent(15.9) < 4.0 <= clock.silent(16.0)  # a coordinator frozen all along is still found
 
 
+@pytest.mark.unit
+def test_a_coordinator_that_never_showed_life_is_given_the_startup_bound() -> None:
+    """A candidate on a loaded host still importing or electing a leader is not lost after
+    ``coordinator_timeout_s``; once it has shown life, the shorter bound holds."""
+    clock = AliveClock(timeout_s=30.0, start=0.0, startup_s=600.0)
+    clock.read(0, 0.0)  # the counter exists, nobody bumped it yet
+    assert clock.bound() == 600.0
+    clock.read(1, 45.0)
+    assert clock.bound() == 30.0
+
+
 # ---- a lifeline whose process is paused ---------------------------------------------------
 
 COORDINATOR = """

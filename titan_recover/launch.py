@@ -327,7 +327,7 @@ class NodeLauncher:
         client.register(self.me, self.agent.message())
         self.lifeline = Heartbeat(str(self.address), self.me.key, rc.heartbeat_interval_s, rc.coordinator_timeout_s,
                                   self.on_lost, lambda: self.agent.message().dumps(), run=self.run,
-                                  ended=lambda: bool(self.agent.flags))
+                                  startup_timeout_s=rc.startup_timeout_s, ended=lambda: bool(self.agent.flags))
         self.agent.start(on_error=log.warning)
         taken = claims.claim(client, self.me, self.local, rc.heartbeat_timeout_s, log.info, self.part)
         for r in self.local:

@@ -47,6 +47,7 @@ class AliveClock:
     timeout_s: float
     start: float  # when watching began
     value: int = -1
+    startup_s: float = 0.0  # the bound before the counter first moved past 0 (a coordinator still starting, a leader being elected)
     since: float = field(init=False)  # when the counter last moved, or the watcher last woke from a pause
     last_tick: float = field(init=False)
 
@@ -72,6 +73,11 @@ class AliveClock:
 
     def silent(self, now: float) -> float:
         return now - self.since
+
+    def bound(self) -> float:
+        """How long a silence may last: ``startup_s`` until the coordinator first showed life (on a
+        loaded host its imports and, on etcd, its election take a while), ``timeout_s`` after."""
+        return self.timeout_s if self.value > 0 else max(self.timeout_s, self.startup_s)
 
 
 class Heartbeat:
@@ -104,10 +110,11 @@ class Heartbeat:
         message: Callable[[], str],
         run: Run | None = None,
         ended: Callable[[], bool] = lambda: False,
+        startup_timeout_s: float = 0.0,
     ) -> None:
         self._address, self._key, self._interval, self._run = address, key, interval_s, run
         self._timeout, self._on_lost, self._message, self._ended = coordinator_timeout_s, on_lost, message, ended
-        self._clock = AliveClock(coordinator_timeout_s, time.monotonic())
+        self._clock = AliveClock(coordinator_timeout_s, time.monotonic(), startup_s=startup_timeout_s)
         self._lock = threading.Lock()  # the clock: read by the beat, ticked by the watch
         self._refused = False
         self._error = ""
@@ -156,10 +163,11 @@ class Heartbeat:
         if self._refused:
             return f"the coordinator at {self._address} refused the connection: its process is gone"
         with self._lock:
-            silent = self._clock.silent(time.monotonic())
-        if silent >= self._timeout:
+            silent, bound, started = self._clock.silent(time.monotonic()), self._clock.bound(), self._clock.value > 0
+        if silent >= bound:
             error = f" (last error: {self._error})" if self._error else ""
-            return f"no sign of life from the coordinator at {self._address} for {silent:.0f}s{error}"
+            never = "" if started else " (it never showed one since this launcher started: [recover] startup_timeout_s)"
+            return f"no sign of life from the coordinator at {self._address} for {silent:.0f}s{never}{error}"
         return None
 
     def fresh_sign_of_life(self) -> bool:
