@@ -363,18 +363,30 @@ def test_a_named_nodes_run_logs_to_its_own_file_and_its_summary_reads_every_node
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A real run on node "node0" (coordinator and ranks inherit the name) beside another node's
-    file cut short mid-line: the summary names both files, skips the partial line, misses no step."""
+    file, written during the run and cut short mid-line: the summary names both files, skips the
+    partial line, misses no step. A previous run's file is removed when the run begins."""
     from titan_recover import events
 
     dump = tmp_path / "dump"
     dump.mkdir()
-    (dump / "recover_events.node1.jsonl").write_text('{"event": "rank_memory", "replica": 1, "rank": 0, "time": 1.0}\n'
-                                                     '{"event": "rank_mem')  # node 1 died mid-line
+    stale = dump / "recover_events.node2.jsonl"
+    stale.write_text('{"event": "step", "step": 99, "time": 1.0}\n')  # an earlier run's node 2
+    own_file = dump / "recover_events.node0.jsonl"
+
+    def node1_writes() -> None:
+        deadline = time.monotonic() + 200
+        while not own_file.exists() and time.monotonic() < deadline:  # the run has begun
+            time.sleep(0.05)
+        (dump / "recover_events.node1.jsonl").write_text('{"event": "rank_memory", "replica": 1, "rank": 0, "time": 1.0}\n'
+                                                         '{"event": "rank_mem')  # node 1 died mid-line
+    writer = threading.Thread(target=node1_writes, daemon=True)
+    writer.start()
     monkeypatch.setenv(events.NODE_ENV, "node0")
     run = run_job(dump, "--parallelism.data_parallel_replicate_degree", "1", "--recover.fault_plan", "none", timeout=240)
+    writer.join(timeout=1)
     assert run.returncode == 0, run.output[-3000:]
-    assert not (dump / EVENTS_FILE).exists()
-    own = read_log(str(dump / "recover_events.node0.jsonl"))
+    assert not (dump / EVENTS_FILE).exists() and not stale.exists()
+    own = read_log(str(own_file))
     assert [e["step"] for e in own.events if e["event"] == "step"] == list(range(1, 7))  # the coordinator's lines
     assert any(e["event"] == "rank_memory" for e in own.events)  # ... and the ranks'
     assert "event files          : recover_events.node0.jsonl, recover_events.node1.jsonl" in run.output
