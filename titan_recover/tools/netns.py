@@ -1,0 +1,246 @@
+"""Hosts made of Linux network namespaces: a cluster on one machine with real addresses, for the
+tests and benches of what crosses a network (partitions, loss, paused and replaced nodes).
+
+Each node is a namespace with one interface, ``eth0``, holding an address of 198.18.0.0/15 (set
+aside for network benchmarks, RFC 2544) that exists only inside the cluster: the nodes' veth peers
+sit on a bridge in a switch namespace of their own, with no route out, so nothing leaves the
+machine. Faults: a node's cable pulled (its switch port down), its packets dropped by nftables rules
+on the switch's bridge (both ways, one way, or a random share: loss; neither end sees an error, as
+on a real link), every process of a node SIGSTOPped or SIGKILLed. This kernel has no netem;
+nftables (Debian's ``nftables``), bridges and veth work.
+Every fault is a context manager that undoes itself, and the cluster removes all it made on exit,
+also when the test fails; namespaces left by a SIGKILLed test process are removed by the next one.
+
+Needs root, ``ip`` (iproute2) and ``nft``; ``unavailable()`` says why not where they are missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger("titan_recover.netns")
+
+SUBNET = "198.18.0"  # the nodes' addresses: 198.18.0.1, .2, ...
+PREFIX = "trc"  # namespace names: trc<owner pid>x<cluster>-<node or "sw">
+_NAME = re.compile(rf"^{PREFIX}(\d+)x\d+-\w+$")
+_TABLE = "titan_recover"  # the switch's nftables tables of a node's faults: titan_recover_<port>
+COMMAND_TIMEOUT_S = 10.0
+
+
+class NetnsError(RuntimeError):
+    """A namespace command failed: the command and what it printed."""
+
+
+def _run(*argv: str, timeout: float = COMMAND_TIMEOUT_S) -> str:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise NetnsError(f"{' '.join(argv)} exited {done.returncode}: {(done.stderr or done.stdout).strip()}")
+    return done.stdout
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot make a namespace cluster, or None when it can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (id -u is not 0)"
+    for tool, package in (("ip", "iproute2"), ("nft", "nftables")):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed (Debian package {package})"
+    probe = f"{PREFIX}{os.getpid()}x0-probe"
+    try:
+        _run("ip", "netns", "add", probe)
+        _run("ip", "netns", "exec", probe, "nft", "add", "table", "bridge", _TABLE)
+    except (NetnsError, subprocess.TimeoutExpired) as e:
+        return f"cannot make a network namespace with nftables here: {e}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=COMMAND_TIMEOUT_S)
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_orphans() -> list[str]:
+    """Removes the namespaces (and their processes) of clusters whose owner process is gone."""
+    removed = []
+    for name in _run("ip", "netns", "list").split():
+        match = _NAME.match(name)
+        if match and not _alive(int(match.group(1))):
+            _remove(name)
+            removed.append(name)
+    if removed:
+        log.warning(f"removed {len(removed)} network namespace(s) left by a process that is gone: {', '.join(removed)}")
+    return removed
+
+
+def _pids(ns: str) -> list[int]:
+    return [int(p) for p in _run("ip", "netns", "pids", ns).split()]
+
+
+def _signal_all(ns: str, sig: signal.Signals) -> list[int]:
+    pids = _pids(ns)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    return pids
+
+
+def _remove(ns: str) -> None:
+    with contextlib.suppress(NetnsError):
+        _signal_all(ns, signal.SIGKILL)
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=COMMAND_TIMEOUT_S)
+
+
+@dataclass(frozen=True)
+class Node:
+    index: int
+    ns: str  # its namespace
+    address: str  # its address on the cluster's network
+    port: str  # its veth peer on the switch: its cable
+
+
+class Cluster:
+    """``size`` nodes on one bridge; ``with Cluster(3) as c: c.spawn(c.nodes[0], [...])``."""
+
+    _count = 0
+
+    def __init__(self, size: int) -> None:
+        if not 1 <= size <= 250:
+            raise ValueError(f"a namespace cluster has 1 to 250 nodes, not {size}")
+        Cluster._count += 1
+        self.name = f"{PREFIX}{os.getpid()}x{Cluster._count}"
+        self.switch = f"{self.name}-sw"
+        self.nodes = [Node(i, f"{self.name}-n{i}", f"{SUBNET}.{i + 1}", f"n{i}") for i in range(size)]
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "Cluster":
+        remove_orphans()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        _run("ip", "netns", "add", self.switch)
+        _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge", "forward_delay", "0", "stp_state", "0")
+        _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for node in self.nodes:
+            _run("ip", "netns", "add", node.ns)
+            _run("ip", "link", "add", "eth0", "netns", node.ns, "type", "veth", "peer", "name", node.port, "netns", self.switch)
+            _run("ip", "-n", self.switch, "link", "set", node.port, "master", "br0", "up")
+            _run("ip", "-n", node.ns, "addr", "add", f"{node.address}/24", "dev", "eth0")
+            _run("ip", "-n", node.ns, "link", "set", "eth0", "up")
+            _run("ip", "-n", node.ns, "link", "set", "lo", "up")
+        log.info(f"namespace cluster {self.name}: {len(self.nodes)} node(s), {self.nodes[0].address}..{self.nodes[-1].address}")
+
+    def close(self) -> None:
+        """Kills every process of the cluster and removes its namespaces (and with them the links)."""
+        for node in self.nodes:
+            _remove(node.ns)
+        _remove(self.switch)
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=COMMAND_TIMEOUT_S)
+
+    # --- processes -------------------------------------------------------------------------
+
+    def spawn(self, node: Node, argv: Sequence[str], **popen: object) -> subprocess.Popen:
+        """``argv`` started inside ``node``'s namespace (``ip netns exec`` execs it: the pid is its own)."""
+        proc = subprocess.Popen(["ip", "netns", "exec", node.ns, *argv], **popen)  # type: ignore[call-overload]
+        self.procs.append(proc)
+        return proc
+
+    def pids(self, node: Node) -> list[int]:
+        return _pids(node.ns)
+
+    def kill(self, node: Node, timeout_s: float = COMMAND_TIMEOUT_S) -> list[int]:
+        """SIGKILLs every process of ``node`` (a node lost, or replaced) and waits until none is left."""
+        pids = _signal_all(node.ns, signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
+        while self.pids(node):
+            if time.monotonic() > deadline:
+                raise NetnsError(f"{node.ns}: processes {self.pids(node)} still alive {timeout_s:g}s after SIGKILL")
+            time.sleep(0.05)
+        for proc in self.procs:  # reap the ones started here
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                if proc.pid in pids:
+                    proc.wait(timeout=timeout_s)
+        log.info(f"{node.ns}: SIGKILLed {len(pids)} process(es)")
+        return pids
+
+    @contextlib.contextmanager
+    def paused(self, node: Node) -> Iterator[list[int]]:
+        """Every process of ``node`` SIGSTOPped (a frozen VM) until the block ends."""
+        pids = _signal_all(node.ns, signal.SIGSTOP)
+        log.info(f"{node.ns}: SIGSTOPped {len(pids)} process(es)")
+        try:
+            yield pids
+        finally:
+            _signal_all(node.ns, signal.SIGCONT)
+            log.info(f"{node.ns}: resumed")
+
+    # --- network faults --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def unplugged(self, node: Node) -> Iterator[None]:
+        """``node`` cut off from every other node (its switch port down) until the block ends."""
+        _run("ip", "-n", self.switch, "link", "set", node.port, "down")
+        log.info(f"{node.ns}: cut off")
+        try:
+            yield
+        finally:
+            _run("ip", "-n", self.switch, "link", "set", node.port, "up")
+            log.info(f"{node.ns}: reconnected")
+
+    @contextlib.contextmanager
+    def dropping(self, node: Node, peers: Sequence[Node] = (), direction: str = "both",
+                 percent: int = 100) -> Iterator[None]:
+        """``percent`` % of the IPv4 packets between ``node`` and ``peers`` (every other node when
+        empty) dropped on the switch, silently to both ends, as on a lossy link: ``direction`` "in"
+        (what they send it), "out" (what it sends them) or "both". Below 100, each packet is dropped
+        at random: loss."""
+        if direction not in ("in", "out", "both"):
+            raise ValueError(f"direction is 'in', 'out' or 'both', not {direction!r}")
+        if not 0 < percent <= 100:
+            raise ValueError(f"percent is in (0, 100], not {percent}")
+        others = ", ".join(p.address for p in (peers or [n for n in self.nodes if n != node]))
+        chance = "" if percent == 100 else f"numgen random mod 100 < {percent} "
+        ways = {"out": f'iifname "{node.port}" ip daddr {{ {others} }}', "in": f'oifname "{node.port}" ip saddr {{ {others} }}'}
+        table = f"{_TABLE}_{node.port}"
+        rules = [f"add table bridge {table}",
+                 f"add chain bridge {table} forward {{ type filter hook forward priority 0; policy accept; }}"]
+        rules += [f"add rule bridge {table} forward {ways[way]} {chance}drop"
+                  for way in (("in", "out") if direction == "both" else (direction,))]
+        self._nft("\n".join(rules))
+        log.info(f"{node.ns}: dropping {percent}% {direction} with {others}")
+        try:
+            yield
+        finally:
+            self._nft(f"delete table bridge {table}")
+            log.info(f"{node.ns}: no longer dropping")
+
+    def _nft(self, script: str) -> None:
+        done = subprocess.run(["ip", "netns", "exec", self.switch, "nft", "-f", "-"], input=script,
+                              capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+        if done.returncode != 0:
+            raise NetnsError(f"nft on the switch exited {done.returncode}: {done.stderr.strip()}\n{script}")
