@@ -8,7 +8,7 @@ import time
 import pytest
 
 from titan_recover import groups, launch
-from titan_recover.control import keys, transport
+from titan_recover.control import addresses, keys, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.sealed import Run
 from titan_recover.config import ConfigError
@@ -116,7 +116,7 @@ def test_a_group_spanning_nodes_meets_at_part_0s_rendezvous_and_needs_a_reachabl
     with pytest.raises(ConfigError, match="the replica groups span 2 nodes"):  # every group here, but half of each elsewhere
         launch.coordinator_bind("", [0, 1], 2, parts=2)
     assert launch.coordinator_bind("127.0.0.1", [0, 1], 2, parts=2) == "127.0.0.1"
-    assert launch.node_address("127.0.0.1:29500") == "127.0.0.1"
+    assert addresses.route_address("127.0.0.1:29500") == "127.0.0.1"
 
 
 def test_a_rank_whose_parent_died_before_it_asked_to_die_with_it_does_not_live_on() -> None:

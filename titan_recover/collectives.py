@@ -70,9 +70,12 @@ class ReplicateProcessGroups:
 
     def __init__(
         self, store: SealedStore, replica: int, group_rank: int, timeout_s: float,
-        backend: str = "gloo", device: torch.device = torch.device("cpu"),
+        backend: str = "gloo", device: torch.device = torch.device("cpu"), host: str = "",
     ) -> None:
         self.store = store
+        # gloo listens on ``host``, the address the other nodes reach (the host name may resolve to
+        # loopback, as Debian's 127.0.1.1 does); GLOO_SOCKET_IFNAME, where set, chooses instead
+        self.host = "" if os.environ.get("GLOO_SOCKET_IFNAME") else host
         self.replica = replica
         self.group_rank = group_rank  # this rank's index inside its replica group
         self.timeout = timedelta(seconds=timeout_s)
@@ -91,7 +94,12 @@ class ReplicateProcessGroups:
 
     def _new_group(self, store: dist.Store, rank: int, size: int) -> dist.Backend:
         if self.backend == "gloo":
-            return dist.ProcessGroupGloo(store, rank, size, self.timeout)
+            if not self.host:
+                return dist.ProcessGroupGloo(store, rank, size, self.timeout)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+            opts._timeout = self.timeout
+            return dist.ProcessGroupGloo(store, rank, size, opts)
         opts = dist.ProcessGroupNCCL.Options()
         opts.config.blocking = 0  # setup and abort return instead of waiting on a dead peer
         opts._timeout = self.timeout

@@ -12,7 +12,6 @@ stock TorchTitan, restarted as a whole (checkpoint-and-restart) on the same budg
 import os
 import re
 import secrets
-import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ import torch.distributed as dist
 from titan_recover import config, cpu_shim, devices, logs, node_channel
 from titan_recover.agent import NodeAgent
 from titan_recover.control import claims, keys, transport
-from titan_recover.control.addresses import LOOPBACK, first_endpoint, local_host, parse_host_port, resolve
+from titan_recover.control.addresses import LOOPBACK, local_host, parse_host_port, resolve, route_address
 from titan_recover.control.client import ControlClient
 from titan_recover.control.lifeline import Heartbeat, one_line, store_errors
 from titan_recover.control.protocol import Launcher
@@ -114,15 +113,6 @@ def check_coordinator(address: str, control_store: str = "") -> str:
 
 
 log = logs.get("launcher")
-
-
-def node_address(coordinator: str) -> str:
-    """This node's address as the coordinator's network sees it (the local end of a route to
-    the coordinator; nothing is sent): where part 0 of a group asks the other parts to meet."""
-    host, port = first_endpoint(coordinator)
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, port))
-        return s.getsockname()[0]
 
 
 def with_gpus(env: dict[str, str], visible: str | None) -> dict[str, str]:
@@ -290,7 +280,7 @@ class NodeLauncher:
         """This node's replica groups; the first launcher's start at once as their first incarnation
         (the store is new): their ranks import and build the model while the coordinator comes up."""
         rc, par, address = self.rc, self.job_config.parallelism, str(self.address)
-        span = Span(self.part, rc.group_nodes, node_address(address), rc.startup_timeout_s)
+        span = Span(self.part, rc.group_nodes, route_address(address), rc.startup_timeout_s)
         spares = [r for r in self.local if config.is_spare(r, self.job_config)]
         log.info(
             f"coordinator at {address}; starting replica groups {self.local} of {self.replicas}"

@@ -41,7 +41,8 @@ from torchtitan.train import Trainer, main
 
 from titan_recover import data, logs, membership, procs, recovery, resources, transfer, workload
 from titan_recover.collectives import CollectiveAborted, ReplicateProcessGroups
-from titan_recover.control import keys
+from titan_recover.control import keys, transport
+from titan_recover.control.addresses import route_address
 from titan_recover.control.protocol import MessageError, TransferRecord
 from titan_recover.config import is_spare, replica_ids, resume_hint, validate
 from titan_recover.faults import Fault
@@ -84,6 +85,7 @@ class RecoverTrainer(LoggedTrainer):
             ReplicateProcessGroups(
                 self.manager.store, replica, group_rank, rc.collective_timeout_s,
                 backend="nccl" if rc.replicate_backend == "nccl" else "gloo", device=self.device,
+                host=route_address(transport.coordinator_address()),
             ),
             self.device, self.parallel_dims.world_size,
         )

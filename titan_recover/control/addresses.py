@@ -94,3 +94,12 @@ def parse_etcd_url(url: str) -> list[tuple[str, int]]:
 def first_endpoint(address: str) -> tuple[str, int]:
     """Where to dial a control store: the TCPStore's address, or an etcd cluster's first member."""
     return parse_etcd_url(address)[0] if is_etcd(address) else parse_host_port(address)
+
+
+def route_address(address: str) -> str:
+    """This host's address on its route to a control store (the local end of a UDP socket aimed at
+    it; nothing is sent): the interface the other nodes reach, whatever the host name resolves to."""
+    host, port = first_endpoint(address)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((resolve(host), port))
+        return s.getsockname()[0]

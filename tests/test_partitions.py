@@ -1,0 +1,118 @@
+"""The job on a cluster of network namespaces (titan_recover.tools.netns): each node's launcher in a
+namespace of its own with a real address, the coordinator bound to its node's address, and faults
+of the network rather than of processes. Checked against the failure-free run on one host."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from titan_recover.control import keys
+from titan_recover.tools.netns import Cluster, Node
+
+from conftest import CONFIG, ROOT, TINY, Run, assert_all_rejoined, assert_same_trajectory
+from test_netns import needs_netns
+from test_nodes import events
+
+PORT = 29510  # every node has its own port space: a fixed port, as on a real cluster
+
+
+class Launcher:
+    """One node's launcher, started inside its namespace; its output goes to ``<name>.log``."""
+
+    def __init__(self, cluster: Cluster, node: Node, dump: Path, args: list[str], env: dict[str, str]) -> None:
+        self.log = dump.parent / f"node{node.index}.log"
+        self.proc = cluster.spawn(node, args, cwd=ROOT, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+
+def launcher_args(dump: Path, coordinator: Node, plan: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
+        *TINY, "--recover.fault_plan", plan, "--recover.coordinator_port", str(PORT),
+        "--recover.coordinator_bind", coordinator.address, *extra,
+    ]
+
+
+def node_envs(cluster: Cluster) -> list[dict[str, str]]:
+    """Replica group i on node i; node 0 starts the coordinator, the others dial its address."""
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    env.update({keys.SECRET_ENV: "partition-test-secret", "PYTHONUNBUFFERED": "1"})
+    coordinator = f"{cluster.nodes[0].address}:{PORT}"
+    return [{**env, keys.REPLICAS_ENV: str(n.index), **({keys.COORDINATOR_ENV: coordinator} if n.index else {})}
+            for n in cluster.nodes]
+
+
+def wait_for(what: str, predicate, timeout: float, launchers: list[Launcher]) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        ended = [launcher for launcher in launchers if launcher.proc.poll() is not None]
+        if time.monotonic() > deadline or ended:
+            tails = "\n".join(f"--- {la.log.name}\n{la.output()[-3000:]}" for la in launchers)
+            pytest.fail(f"{what}: {'timed out' if not ended else f'{ended[0].log.name} exited'}\n{tails}")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    with Cluster(2) as c:
+        yield c
+
+
+def steps(dump: Path) -> list[int]:
+    return [e["step"] for e in events(dump) if e["event"] == "step"]
+
+
+@needs_netns
+def test_a_node_cut_off_past_the_heartbeat_timeout_is_fenced_and_its_group_comes_back(
+    tmp_path: Path, cluster: Cluster, failure_free: Run
+) -> None:
+    """Two nodes on their own addresses, replica group i (FSDP 2) on node i, the coordinator on node 0
+    bound to 198.18.0.1. After step 2 node 1's cable is pulled for 8 s (heartbeat_timeout_s is 5):
+    replica 1 is fenced and replica 0 goes on alone, then holds step 5 until an epoch admits again.
+    Reconnected, node 1's launcher (the same process: it never stopped) learns its group was fenced,
+    restarts it, and it rejoins by state transfer over the network. Every step once, M microbatches,
+    the failure-free data and losses, equal parameter digests at the end."""
+    dump = tmp_path / "dump"
+    plan = "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch"
+    args = launcher_args(dump, cluster.nodes[0], plan, "--recover.collective_timeout_s", "60")
+    env0, env1 = node_envs(cluster)
+    launchers = [Launcher(cluster, cluster.nodes[0], dump, args, env0)]
+    launchers.append(Launcher(cluster, cluster.nodes[1], dump, args, env1))
+    try:
+        wait_for("step 2", lambda: 2 in steps(dump), 240, launchers)
+        with cluster.unplugged(cluster.nodes[1]):
+            cut = time.monotonic()
+            wait_for("replica 1 fenced", lambda: any(e["event"] == "failure" for e in events(dump)), 30, launchers)
+            print(f"replica 1 fenced {time.monotonic() - cut:.1f}s after the cut")
+            time.sleep(max(0.0, 8 - (time.monotonic() - cut)))
+        back = time.monotonic()
+        wait_for("replica 1 rejoined", lambda: any(e["event"] == "rejoined" for e in events(dump)), 180, launchers)
+        print(f"replica 1 rejoined {time.monotonic() - back:.1f}s after node 1 was reconnected")
+        for launcher in launchers:
+            assert launcher.proc.wait(timeout=120) == 0, launcher.output()[-3000:]
+    finally:
+        for launcher in launchers:
+            if launcher.proc.poll() is None:
+                print(launcher.output()[-3000:])
+    run = Run(0, launchers[0].output(), events(dump))
+    [failure] = run.of("failure")
+    assert failure["replica"] == 1 and failure["step"] == 3, failure
+    [rejoined] = run.of("rejoined")
+    assert rejoined["replica"] == 1 and rejoined["bytes"] > 0
+    for s, e in run.steps().items():  # both, replica 0 alone, both again
+        assert e["members"] == ([0] if 3 <= s < rejoined["step"] else [0, 1]), (s, e)
+    assert_same_trajectory(failure_free, run, 1e-3, num_microbatches=4)
+    assert_all_rejoined(run, 2, 6)
+    assert "killed local rank 0 of fenced replica 1 (attempt 0" in launchers[1].output()
+    for launcher in launchers:  # torchrun's own report of the ranks its launcher killed, and nothing else
+        out = launcher.output()
+        assert out.count("Traceback") == out.count("multiprocessing.errors.ChildFailedError:"), out[-3000:]
