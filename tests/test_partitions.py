@@ -116,3 +116,66 @@ def test_a_node_cut_off_past_the_heartbeat_timeout_is_fenced_and_its_group_comes
     for launcher in launchers:  # torchrun's own report of the ranks its launcher killed, and nothing else
         out = launcher.output()
         assert out.count("Traceback") == out.count("multiprocessing.errors.ChildFailedError:"), out[-3000:]
+
+
+@needs_netns
+def test_the_coordinators_node_cut_off_stops_the_other_node_and_its_own_side_goes_on(
+    tmp_path: Path, cluster: Cluster, failure_free: Run
+) -> None:
+    """On the TCPStore the coordinator's node is the run: node 0 (coordinator, replica 0) cut off for
+    good after step 2. Node 1 (replica 1) stops within coordinator_timeout_s (10 s) of the cut with the
+    one line saying how to resume (exit 3), its ranks gone with it; node 0 fences replica 1 and finishes
+    alone with the failure-free data and losses."""
+    dump = tmp_path / "dump"
+    plan = "sleep replica=0 step=3 phase=optimizer seconds=20"  # step 3 not committed before the cut
+    args = launcher_args(dump, cluster.nodes[0], plan, "--recover.coordinator_timeout_s", "10", "--recover.max_restarts", "0")
+    env0, env1 = node_envs(cluster)
+    launchers = [Launcher(cluster, cluster.nodes[0], dump, args, env0), Launcher(cluster, cluster.nodes[1], dump, args, env1)]
+    wait_for("step 2", lambda: 2 in steps(dump), 240, launchers)
+    with cluster.unplugged(cluster.nodes[0]):
+        cut = time.monotonic()
+        assert launchers[1].proc.wait(timeout=40) == 3, launchers[1].output()[-3000:]
+        stopped = time.monotonic() - cut
+        print(f"node 1 stopped {stopped:.1f}s after the coordinator's node was cut off")
+        assert stopped < 10 + 5
+        assert not cluster.pids(cluster.nodes[1])  # no rank of node 1 lives on
+        assert launchers[0].proc.wait(timeout=120) == 0, launchers[0].output()[-3000:]
+    out = launchers[1].output()
+    assert f"lost the titan_recover coordinator: no sign of life from the coordinator at {cluster.nodes[0].address}:{PORT}" in out, out[-3000:]
+    run = Run(0, launchers[0].output(), events(dump))
+    [failure] = run.of("failure")
+    assert failure["replica"] == 1 and failure["step"] == 3, failure
+    assert {s: e["members"] for s, e in run.steps().items()} == {1: [0, 1], 2: [0, 1], 3: [0], 4: [0], 5: [0], 6: [0]}
+    assert_same_trajectory(failure_free, run, 1e-3, num_microbatches=4)
+
+
+@needs_netns
+def test_a_paused_node_loses_only_its_own_groups(tmp_path: Path, cluster: Cluster, failure_free: Run) -> None:
+    """Every process of node 1 (its launcher, torchrun agent, ranks) SIGSTOPped for 2 x
+    coordinator_timeout_s (20 s) after step 2, as a frozen VM: replica 1 is fenced and replica 0 goes on.
+    Resumed, node 1's launcher sees it was the one paused, judges the coordinator on fresh readings
+    (alive) instead of stopping, finds its group fenced, restarts it, and it rejoins."""
+    dump = tmp_path / "dump"
+    plan = "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch"
+    args = launcher_args(dump, cluster.nodes[0], plan, "--recover.coordinator_timeout_s", "10",
+                         "--recover.collective_timeout_s", "60")
+    env0, env1 = node_envs(cluster)
+    launchers = [Launcher(cluster, cluster.nodes[0], dump, args, env0), Launcher(cluster, cluster.nodes[1], dump, args, env1)]
+    try:
+        wait_for("step 2", lambda: 2 in steps(dump), 240, launchers)
+        with cluster.paused(cluster.nodes[1]):
+            wait_for("replica 1 fenced", lambda: any(e["event"] == "failure" for e in events(dump)), 30, launchers[:1])
+            time.sleep(20)
+        wait_for("replica 1 rejoined", lambda: any(e["event"] == "rejoined" for e in events(dump)), 180, launchers)
+        for launcher in launchers:
+            assert launcher.proc.wait(timeout=120) == 0, launcher.output()[-3000:]
+    finally:
+        for launcher in launchers:
+            if launcher.proc.poll() is None:
+                print(launcher.output()[-3000:])
+    run = Run(0, launchers[0].output(), events(dump))
+    [failure] = run.of("failure")
+    assert failure["replica"] == 1 and failure["step"] == 3, failure
+    assert_same_trajectory(failure_free, run, 1e-3, num_microbatches=4)
+    assert_all_rejoined(run, 2, 6)
+    assert "did not run for" in launchers[1].output()  # it knows it was the one paused
