@@ -26,8 +26,9 @@ PORT = 29510  # every node has its own port space: a fixed port, as on a real cl
 class Launcher:
     """One node's launcher, started inside its namespace; its output goes to ``<name>.log``."""
 
-    def __init__(self, cluster: Cluster, node: Node, dump: Path, args: list[str], env: dict[str, str]) -> None:
-        self.log = dump.parent / f"node{node.index}.log"
+    def __init__(self, cluster: Cluster, node: Node, dump: Path, args: list[str], env: dict[str, str],
+                 name: str = "") -> None:
+        self.log = dump.parent / f"{name or f'node{node.index}'}.log"
         self.proc = cluster.spawn(node, args, cwd=ROOT, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
 
     def output(self) -> str:
@@ -179,3 +180,38 @@ def test_a_paused_node_loses_only_its_own_groups(tmp_path: Path, cluster: Cluste
     assert_same_trajectory(failure_free, run, 1e-3, num_microbatches=4)
     assert_all_rejoined(run, 2, 6)
     assert "did not run for" in launchers[1].output()  # it knows it was the one paused
+
+
+@needs_netns
+def test_a_replaced_node_running_the_same_command_takes_its_group_back(
+    tmp_path: Path, cluster: Cluster, failure_free: Run
+) -> None:
+    """Node 1 replaced, as a new pod: every process of its namespace SIGKILLed after step 2, then the
+    same command started again there. It takes the dead launcher's claim over once that launcher's
+    node message has been silent for heartbeat_timeout_s, starts replica 1 as incarnation 1, and the
+    group rejoins by state transfer; replica 0 holds step 5 until that admission."""
+    dump = tmp_path / "dump"
+    plan = "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch"
+    args = launcher_args(dump, cluster.nodes[0], plan, "--recover.collective_timeout_s", "60")
+    env0, env1 = node_envs(cluster)
+    launchers = [Launcher(cluster, cluster.nodes[0], dump, args, env0), Launcher(cluster, cluster.nodes[1], dump, args, env1)]
+    try:
+        wait_for("step 2", lambda: 2 in steps(dump), 240, launchers)
+        killed = cluster.kill(cluster.nodes[1])
+        assert launchers[1].proc.pid in killed
+        launchers[1] = Launcher(cluster, cluster.nodes[1], dump, args, env1, name="node1-again")
+        wait_for("replica 1 rejoined", lambda: any(e["event"] == "rejoined" for e in events(dump)), 240, launchers)
+        for launcher in launchers:
+            assert launcher.proc.wait(timeout=120) == 0, launcher.output()[-3000:]
+    finally:
+        for launcher in launchers:
+            if launcher.proc.poll() is None:
+                print(launcher.output()[-3000:])
+    run = Run(0, launchers[0].output(), events(dump))
+    [failure] = run.of("failure")
+    assert failure["replica"] == 1, failure
+    [admitted] = run.of("admitted")
+    assert admitted["replica"] == 1 and admitted["attempt"] == 1  # the store's incarnation count, not 0 again
+    assert_same_trajectory(failure_free, run, 1e-3, num_microbatches=4)
+    assert_all_rejoined(run, 2, 6)
+    assert "took over replica groups [1] from the launcher on host" in launchers[1].output()
