@@ -4,6 +4,7 @@ of the network rather than of processes. Checked against the failure-free run on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -18,9 +19,10 @@ from titan_recover.tools.netns import Cluster, Node
 
 from conftest import CONFIG, ROOT, TINY, Run, assert_all_rejoined, assert_same_trajectory
 from test_netns import needs_netns
-from test_nodes import events
+from test_nodes import events, wait_until
 
 PORT = 29510  # every node has its own port space: a fixed port, as on a real cluster
+HOLD = "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch"  # replica 0 waits for replica 1's admission
 
 
 class Launcher:
@@ -52,14 +54,30 @@ def node_envs(cluster: Cluster) -> list[dict[str, str]]:
             for n in cluster.nodes]
 
 
-def wait_for(what: str, predicate, timeout: float, launchers: list[Launcher]) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        ended = [launcher for launcher in launchers if launcher.proc.poll() is not None]
-        if time.monotonic() > deadline or ended:
-            tails = "\n".join(f"--- {la.log.name}\n{la.output()[-3000:]}" for la in launchers)
-            pytest.fail(f"{what}: {'timed out' if not ended else f'{ended[0].log.name} exited'}\n{tails}")
-        time.sleep(0.1)
+@contextlib.contextmanager
+def two_nodes(cluster: Cluster, dump: Path, args: list[str]) -> Iterator[list[Launcher]]:
+    """Node 0's and node 1's launchers; the output of one still running at the end is shown (the
+    cluster's teardown kills it)."""
+    env0, env1 = node_envs(cluster)
+    launchers = [Launcher(cluster, cluster.nodes[0], dump, args, env0), Launcher(cluster, cluster.nodes[1], dump, args, env1)]
+    try:
+        yield launchers
+    finally:
+        for launcher in launchers:
+            if launcher.proc.poll() is None:
+                print(f"--- {launcher.log.name}, still running\n{launcher.output()[-3000:]}")
+
+
+def rejoined(dump: Path, launchers: list[Launcher], failure_free: Run) -> Run:
+    """Waits for replica 1's rejoin and both launchers' exit 0; the run has the failure-free trajectory
+    and ends with both groups holding equal parameters."""
+    wait_until("replica 1 rejoined", lambda: any(e["event"] == "rejoined" for e in events(dump)), 240, launchers)
+    for launcher in launchers:
+        assert launcher.proc.wait(timeout=120) == 0, launcher.output()[-3000:]
+    run = Run(0, launchers[0].output(), events(dump))
+    assert_same_trajectory(failure_free, run, 1e-3, num_microbatches=4)
+    assert_all_rejoined(run, 2, 6)
+    return run
 
 
 @pytest.fixture
@@ -83,36 +101,22 @@ def test_a_node_cut_off_past_the_heartbeat_timeout_is_fenced_and_its_group_comes
     restarts it, and it rejoins by state transfer over the network. Every step once, M microbatches,
     the failure-free data and losses, equal parameter digests at the end."""
     dump = tmp_path / "dump"
-    plan = "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch"
-    args = launcher_args(dump, cluster.nodes[0], plan, "--recover.collective_timeout_s", "60")
-    env0, env1 = node_envs(cluster)
-    launchers = [Launcher(cluster, cluster.nodes[0], dump, args, env0)]
-    launchers.append(Launcher(cluster, cluster.nodes[1], dump, args, env1))
-    try:
-        wait_for("step 2", lambda: 2 in steps(dump), 240, launchers)
+    args = launcher_args(dump, cluster.nodes[0], HOLD, "--recover.collective_timeout_s", "60")
+    with two_nodes(cluster, dump, args) as launchers:
+        wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
         with cluster.unplugged(cluster.nodes[1]):
             cut = time.monotonic()
-            wait_for("replica 1 fenced", lambda: any(e["event"] == "failure" for e in events(dump)), 30, launchers)
+            wait_until("replica 1 fenced", lambda: any(e["event"] == "failure" for e in events(dump)), 30, launchers)
             print(f"replica 1 fenced {time.monotonic() - cut:.1f}s after the cut")
             time.sleep(max(0.0, 8 - (time.monotonic() - cut)))
-        back = time.monotonic()
-        wait_for("replica 1 rejoined", lambda: any(e["event"] == "rejoined" for e in events(dump)), 180, launchers)
-        print(f"replica 1 rejoined {time.monotonic() - back:.1f}s after node 1 was reconnected")
-        for launcher in launchers:
-            assert launcher.proc.wait(timeout=120) == 0, launcher.output()[-3000:]
-    finally:
-        for launcher in launchers:
-            if launcher.proc.poll() is None:
-                print(launcher.output()[-3000:])
-    run = Run(0, launchers[0].output(), events(dump))
+        back = time.time()
+        run = rejoined(dump, launchers, failure_free)
+        print(f"replica 1 rejoined {run.of('rejoined')[0]['time'] - back:.1f}s after node 1 was reconnected")
     [failure] = run.of("failure")
     assert failure["replica"] == 1 and failure["step"] == 3, failure
-    [rejoined] = run.of("rejoined")
-    assert rejoined["replica"] == 1 and rejoined["bytes"] > 0
+    [back_at] = [e["step"] for e in run.of("rejoined")]
     for s, e in run.steps().items():  # both, replica 0 alone, both again
-        assert e["members"] == ([0] if 3 <= s < rejoined["step"] else [0, 1]), (s, e)
-    assert_same_trajectory(failure_free, run, 1e-3, num_microbatches=4)
-    assert_all_rejoined(run, 2, 6)
+        assert e["members"] == ([0] if 3 <= s < back_at else [0, 1]), (s, e)
     assert "killed local rank 0 of fenced replica 1 (attempt 0" in launchers[1].output()
     for launcher in launchers:  # torchrun's own report of the ranks its launcher killed, and nothing else
         out = launcher.output()
@@ -130,17 +134,16 @@ def test_the_coordinators_node_cut_off_stops_the_other_node_and_its_own_side_goe
     dump = tmp_path / "dump"
     plan = "sleep replica=0 step=3 phase=optimizer seconds=20"  # step 3 not committed before the cut
     args = launcher_args(dump, cluster.nodes[0], plan, "--recover.coordinator_timeout_s", "10", "--recover.max_restarts", "0")
-    env0, env1 = node_envs(cluster)
-    launchers = [Launcher(cluster, cluster.nodes[0], dump, args, env0), Launcher(cluster, cluster.nodes[1], dump, args, env1)]
-    wait_for("step 2", lambda: 2 in steps(dump), 240, launchers)
-    with cluster.unplugged(cluster.nodes[0]):
-        cut = time.monotonic()
-        assert launchers[1].proc.wait(timeout=40) == 3, launchers[1].output()[-3000:]
-        stopped = time.monotonic() - cut
-        print(f"node 1 stopped {stopped:.1f}s after the coordinator's node was cut off")
-        assert stopped < 10 + 5
-        assert not cluster.pids(cluster.nodes[1])  # no rank of node 1 lives on
-        assert launchers[0].proc.wait(timeout=120) == 0, launchers[0].output()[-3000:]
+    with two_nodes(cluster, dump, args) as launchers:
+        wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
+        with cluster.unplugged(cluster.nodes[0]):
+            cut = time.monotonic()
+            assert launchers[1].proc.wait(timeout=40) == 3, launchers[1].output()[-3000:]
+            stopped = time.monotonic() - cut
+            print(f"node 1 stopped {stopped:.1f}s after the coordinator's node was cut off")
+            assert stopped < 10 + 5
+            assert not cluster.pids(cluster.nodes[1])  # no rank of node 1 lives on
+            assert launchers[0].proc.wait(timeout=120) == 0, launchers[0].output()[-3000:]
     out = launchers[1].output()
     assert f"lost the titan_recover coordinator: no sign of life from the coordinator at {cluster.nodes[0].address}:{PORT}" in out, out[-3000:]
     run = Run(0, launchers[0].output(), events(dump))
@@ -157,28 +160,16 @@ def test_a_paused_node_loses_only_its_own_groups(tmp_path: Path, cluster: Cluste
     Resumed, node 1's launcher sees it was the one paused, judges the coordinator on fresh readings
     (alive) instead of stopping, finds its group fenced, restarts it, and it rejoins."""
     dump = tmp_path / "dump"
-    plan = "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch"
-    args = launcher_args(dump, cluster.nodes[0], plan, "--recover.coordinator_timeout_s", "10",
+    args = launcher_args(dump, cluster.nodes[0], HOLD, "--recover.coordinator_timeout_s", "10",
                          "--recover.collective_timeout_s", "60")
-    env0, env1 = node_envs(cluster)
-    launchers = [Launcher(cluster, cluster.nodes[0], dump, args, env0), Launcher(cluster, cluster.nodes[1], dump, args, env1)]
-    try:
-        wait_for("step 2", lambda: 2 in steps(dump), 240, launchers)
+    with two_nodes(cluster, dump, args) as launchers:
+        wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
         with cluster.paused(cluster.nodes[1]):
-            wait_for("replica 1 fenced", lambda: any(e["event"] == "failure" for e in events(dump)), 30, launchers[:1])
+            wait_until("replica 1 fenced", lambda: any(e["event"] == "failure" for e in events(dump)), 30, launchers[:1])
             time.sleep(20)
-        wait_for("replica 1 rejoined", lambda: any(e["event"] == "rejoined" for e in events(dump)), 180, launchers)
-        for launcher in launchers:
-            assert launcher.proc.wait(timeout=120) == 0, launcher.output()[-3000:]
-    finally:
-        for launcher in launchers:
-            if launcher.proc.poll() is None:
-                print(launcher.output()[-3000:])
-    run = Run(0, launchers[0].output(), events(dump))
+        run = rejoined(dump, launchers, failure_free)
     [failure] = run.of("failure")
     assert failure["replica"] == 1 and failure["step"] == 3, failure
-    assert_same_trajectory(failure_free, run, 1e-3, num_microbatches=4)
-    assert_all_rejoined(run, 2, 6)
     assert "did not run for" in launchers[1].output()  # it knows it was the one paused
 
 
@@ -191,27 +182,13 @@ def test_a_replaced_node_running_the_same_command_takes_its_group_back(
     node message has been silent for heartbeat_timeout_s, starts replica 1 as incarnation 1, and the
     group rejoins by state transfer; replica 0 holds step 5 until that admission."""
     dump = tmp_path / "dump"
-    plan = "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch"
-    args = launcher_args(dump, cluster.nodes[0], plan, "--recover.collective_timeout_s", "60")
-    env0, env1 = node_envs(cluster)
-    launchers = [Launcher(cluster, cluster.nodes[0], dump, args, env0), Launcher(cluster, cluster.nodes[1], dump, args, env1)]
-    try:
-        wait_for("step 2", lambda: 2 in steps(dump), 240, launchers)
-        killed = cluster.kill(cluster.nodes[1])
-        assert launchers[1].proc.pid in killed
-        launchers[1] = Launcher(cluster, cluster.nodes[1], dump, args, env1, name="node1-again")
-        wait_for("replica 1 rejoined", lambda: any(e["event"] == "rejoined" for e in events(dump)), 240, launchers)
-        for launcher in launchers:
-            assert launcher.proc.wait(timeout=120) == 0, launcher.output()[-3000:]
-    finally:
-        for launcher in launchers:
-            if launcher.proc.poll() is None:
-                print(launcher.output()[-3000:])
-    run = Run(0, launchers[0].output(), events(dump))
-    [failure] = run.of("failure")
-    assert failure["replica"] == 1, failure
+    args = launcher_args(dump, cluster.nodes[0], HOLD, "--recover.collective_timeout_s", "60")
+    with two_nodes(cluster, dump, args) as launchers:
+        wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
+        assert launchers[1].proc.pid in cluster.kill(cluster.nodes[1])
+        launchers[1] = Launcher(cluster, cluster.nodes[1], dump, args, node_envs(cluster)[1], name="node1-again")
+        run = rejoined(dump, launchers, failure_free)
+    assert [e["replica"] for e in run.of("failure")] == [1]
     [admitted] = run.of("admitted")
     assert admitted["replica"] == 1 and admitted["attempt"] == 1  # the store's incarnation count, not 0 again
-    assert_same_trajectory(failure_free, run, 1e-3, num_microbatches=4)
-    assert_all_rejoined(run, 2, 6)
     assert "took over replica groups [1] from the launcher on host" in launchers[1].output()

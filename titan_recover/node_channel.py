@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 
 from titan_recover import logs
+from titan_recover.procs import pid_alive
 
 CHANNEL_ENV = "TITAN_RECOVER_CHANNEL"  # path of this incarnation's channel file
 MAGIC = 0x7469_7461_6E72_6563  # "titanrec": a file that is not a channel is refused
@@ -65,16 +66,6 @@ def remove_orphans(directory: str | None = None) -> list[str]:
         except OSError:  # another user's, or removed meanwhile
             continue
     return removed
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
 
 
 class Channel:

@@ -22,6 +22,17 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (another user's counts: it cannot be signalled, but lives)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def stop_within(proc: subprocess.Popen, timeout_s: float) -> bool:
     """Waits up to ``timeout_s`` for ``proc`` to exit, then SIGKILLs and reaps it: a frozen child
     must not hang its parent. Whether it exited on its own."""

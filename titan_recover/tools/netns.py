@@ -27,6 +27,8 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from titan_recover.procs import pid_alive
+
 log = logging.getLogger("titan_recover.netns")
 
 SUBNET = "198.18.0"  # the nodes' addresses: 198.18.0.1, .2, ...
@@ -65,22 +67,12 @@ def unavailable() -> str | None:
     return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_orphans() -> list[str]:
     """Removes the namespaces (and their processes) of clusters whose owner process is gone."""
     removed = []
     for name in _run("ip", "netns", "list").split():
         match = _NAME.match(name)
-        if match and not _alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             _remove(name)
             removed.append(name)
     if removed:
