@@ -4,11 +4,13 @@ SIGSTOPped, the launcher's loop over real child processes, and whole runs of rea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +24,7 @@ from titan_recover.control.lifeline import AliveClock
 
 from conftest import CONFIG, ROOT, TINY
 from test_nodes import Node, events, wait_until
+from test_store import COORDINATOR
 
 # ---- the verdict, pure ------------------------------------------------------------------
 
@@ -64,16 +67,6 @@ def test_a_coordinator_that_never_showed_life_is_given_the_startup_bound() -> No
 
 # ---- a lifeline whose process is paused ---------------------------------------------------
 
-COORDINATOR = """
-import sys, time
-from titan_recover.control import keys, transport
-srv = transport.serve(int(sys.argv[1]), 30)
-print("up", flush=True)
-while True:
-    srv.add(keys.ALIVE, 1)
-    time.sleep(0.05)
-"""
-
 LAUNCHER = """
 import sys, time
 from titan_recover.control.lifeline import Heartbeat
@@ -85,51 +78,45 @@ print("done", flush=True)
 """
 
 
-def test_a_lifeline_paused_past_the_bound_finds_its_coordinator_alive_when_it_resumes() -> None:
-    """A coordinator-like process bumps its alive counter; a second process runs a lifeline with a
-    2 s bound and is SIGSTOPped for 4 s: resumed, it declares nobody lost."""
+@contextlib.contextmanager
+def watched(bound_s: float, lives_s: float) -> Iterator[tuple[int, subprocess.Popen, subprocess.Popen]]:
+    """A coordinator-like process bumping its alive counter, and a process running a lifeline to it
+    with ``bound_s`` for ``lives_s``, both up: (port, coordinator, watcher); both killed at the end."""
     port = transport.free_port()
     coordinator = subprocess.Popen([sys.executable, "-c", COORDINATOR, str(port)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     watcher: subprocess.Popen | None = None
     try:
         assert coordinator.stdout.readline() == "up\n"
-        watcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, f"127.0.0.1:{port}", "2.0", "9"], cwd=ROOT,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        watcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, f"127.0.0.1:{port}", str(bound_s), str(lives_s)],
+                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert watcher.stdout.readline() == "up\n"
         time.sleep(1.0)  # watching a live coordinator
-        os.kill(watcher.pid, signal.SIGSTOP)
-        time.sleep(4.0)
-        os.kill(watcher.pid, signal.SIGCONT)
-        out, _ = watcher.communicate(timeout=60)
+        yield port, coordinator, watcher
     finally:
         for proc in (coordinator, watcher):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_a_lifeline_paused_past_the_bound_finds_its_coordinator_alive_when_it_resumes() -> None:
+    """A lifeline with a 2 s bound SIGSTOPped for 4 s: resumed, it declares nobody lost."""
+    with watched(2.0, 9) as (_, _, watcher):
+        os.kill(watcher.pid, signal.SIGSTOP)
+        time.sleep(4.0)
+        os.kill(watcher.pid, signal.SIGCONT)
+        out, _ = watcher.communicate(timeout=60)
     assert "LOST" not in out, out
     assert out.endswith("done\n"), out
     assert "this launcher did not run for" in out, out  # it says why its groups may have been fenced
 
 
 def test_a_lifeline_still_finds_a_frozen_coordinator_within_its_bound_and_a_probe() -> None:
-    port = transport.free_port()
-    coordinator = subprocess.Popen([sys.executable, "-c", COORDINATOR, str(port)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    watcher: subprocess.Popen | None = None
-    try:
-        assert coordinator.stdout.readline() == "up\n"
-        watcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, f"127.0.0.1:{port}", "2.0", "30"], cwd=ROOT,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert watcher.stdout.readline() == "up\n"
-        time.sleep(1.0)
+    with watched(2.0, 30) as (port, coordinator, watcher):
         os.kill(coordinator.pid, signal.SIGSTOP)
         frozen = time.monotonic()
         line = watcher.stdout.readline()
         took = time.monotonic() - frozen
-    finally:
-        for proc in (coordinator, watcher):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
     assert line.startswith(f"LOST: no sign of life from the coordinator at 127.0.0.1:{port}"), line
     assert 1.0 <= took <= 2.0 + 3.0, took  # the bound (from the last reading before the freeze), then a fresh probe
 
