@@ -43,6 +43,20 @@ try:
 except OSError as e:
     print(type(e).__name__, e)
 """
+ECHO = """
+import socket, sys
+s = socket.socket(); s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(8); s.settimeout(60)
+print("ready", flush=True)
+while True:
+    c = s.accept()[0]
+    c.sendall(c.recv(64)); c.close()
+"""
+ROUND_TRIP = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
+start = time.monotonic(); c.sendall(b"ping"); assert c.recv(64) == b"ping"
+print(time.monotonic() - start)
+"""
 SERVE = """
 import socket, sys
 s = socket.socket(); s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(64); s.settimeout(60)
@@ -183,3 +197,20 @@ def test_namespaces_of_a_test_process_that_died_are_removed_by_the_next_cluster(
     with Cluster(1):
         assert orphan not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     assert time.monotonic() - start < 30
+
+
+@needs_netns
+def test_latency_delays_new_connections_both_ways_and_ends_with_its_block(cluster: Cluster) -> None:
+    a, b, _ = cluster.nodes
+    echo = cluster.spawn(b, [sys.executable, "-c", ECHO, b.address, str(PORT + 2)], stdout=subprocess.PIPE, text=True)
+    assert echo.stdout is not None and echo.stdout.readline().strip() == "ready"
+    round_trip = lambda: float(in_ns(a, ROUND_TRIP, b.address, PORT + 2))  # noqa: E731
+    before = round_trip()
+    with cluster.delayed(50):
+        during = [round_trip() for _ in range(3)]
+        assert connect(b, a) == "connected"  # the other way too, through b's own relay
+    after = round_trip()
+    print(f"request-reply: {before * 1000:.1f} ms, with 50 ms each way {[round(d * 1000, 1) for d in during]} ms, "
+          f"then {after * 1000:.1f} ms")
+    assert all(0.100 <= d < 0.100 + 0.5 for d in during), during
+    assert before < 0.05 and after < 0.05

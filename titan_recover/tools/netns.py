@@ -6,7 +6,8 @@ aside for network benchmarks, RFC 2544) that exists only inside the cluster: the
 sit on a bridge in a switch namespace of their own, with no route out, so nothing leaves the
 machine. Faults: a node's cable pulled (its switch port down), its packets dropped by nftables rules
 on the switch's bridge (both ways, one way, or a random share: loss; neither end sees an error, as
-on a real link), every process of a node SIGSTOPped or SIGKILLed. This kernel has no netem;
+on a real link), latency (every new TCP connection between nodes through a relay that delays each
+byte, ``delay_relay``), every process of a node SIGSTOPped or SIGKILLed. This kernel has no netem;
 nftables (Debian's ``nftables``), bridges and veth work.
 Every fault is a context manager that undoes itself, and the cluster removes all it made on exit,
 also when the test fails; namespaces left by a SIGKILLed test process are removed by the next one.
@@ -23,11 +24,13 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from titan_recover.procs import pid_alive
+from titan_recover.tools import delay_relay
 
 log = logging.getLogger("titan_recover.netns")
 
@@ -36,6 +39,7 @@ PREFIX = "trc"  # namespace names: trc<owner pid>x<cluster>-<node or "sw">
 _NAME = re.compile(rf"^{PREFIX}(\d+)x\d+-\w+$")
 _TABLE = "titan_recover"  # the switch's nftables tables of a node's faults: titan_recover_<port>
 COMMAND_TIMEOUT_S = 10.0
+RELAY_PORT = 19999  # the delay relay's port inside a node (below the ephemeral range)
 
 
 class NetnsError(RuntimeError):
@@ -78,6 +82,14 @@ def remove_orphans() -> list[str]:
     if removed:
         log.warning(f"removed {len(removed)} network namespace(s) left by a process that is gone: {', '.join(removed)}")
     return removed
+
+
+def _nft(ns: str, script: str) -> None:
+    """An nftables script run inside namespace ``ns``."""
+    done = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=script,
+                          capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    if done.returncode != 0:
+        raise NetnsError(f"nft in {ns} exited {done.returncode}: {done.stderr.strip()}\n{script}")
 
 
 def _pids(ns: str) -> list[int]:
@@ -223,16 +235,40 @@ class Cluster:
                  f"add chain bridge {table} forward {{ type filter hook forward priority 0; policy accept; }}"]
         rules += [f"add rule bridge {table} forward {ways[way]} {chance}drop"
                   for way in (("in", "out") if direction == "both" else (direction,))]
-        self._nft("\n".join(rules))
+        _nft(self.switch, "\n".join(rules))
         log.info(f"{node.ns}: dropping {percent}% {direction} with {others}")
         try:
             yield
         finally:
-            self._nft(f"delete table bridge {table}")
+            _nft(self.switch, f"delete table bridge {table}")
             log.info(f"{node.ns}: no longer dropping")
 
-    def _nft(self, script: str) -> None:
-        done = subprocess.run(["ip", "netns", "exec", self.switch, "nft", "-f", "-"], input=script,
-                              capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
-        if done.returncode != 0:
-            raise NetnsError(f"nft on the switch exited {done.returncode}: {done.stderr.strip()}\n{script}")
+    @contextlib.contextmanager
+    def delayed(self, delay_ms: float, nodes: Sequence[Node] = (), seconds: float = 900.0) -> Iterator[None]:
+        """Every TCP connection that ``nodes`` (all when empty) open to other nodes from now on gets
+        ``delay_ms`` more latency each way: each such node redirects them to a ``delay_relay`` of its
+        own (at most ``seconds``; gone with the block). Connections open before are not delayed."""
+        nodes = list(nodes) or self.nodes
+        relays: list[subprocess.Popen] = []
+        try:
+            for node in nodes:
+                relay = self.spawn(node, [sys.executable, "-m", "titan_recover.tools.delay_relay", "--port", str(RELAY_PORT),
+                                          "--delay-ms", str(delay_ms), "--seconds", str(seconds)],
+                                   stdout=subprocess.PIPE, text=True)
+                relays.append(relay)
+                if relay.stdout is None or relay.stdout.readline().strip() != "ready":
+                    raise NetnsError(f"{node.ns}: the delay relay did not start (exit {relay.poll()})")
+                others = ", ".join(n.address for n in self.nodes if n != node)
+                _nft(node.ns, f"add table ip {_TABLE}\n"
+                        f"add chain ip {_TABLE} delay {{ type nat hook output priority -100; }}\n"
+                        f"add rule ip {_TABLE} delay ip daddr {{ {others} }} meta l4proto tcp "
+                        f"meta mark != {delay_relay.MARK} redirect to :{RELAY_PORT}")
+            log.info(f"{', '.join(n.ns for n in nodes)}: {delay_ms:g} ms more each way on new TCP connections")
+            yield
+        finally:
+            for node in nodes[:len(relays)]:
+                with contextlib.suppress(NetnsError):
+                    _nft(node.ns, f"delete table ip {_TABLE}")
+            for relay in relays:
+                relay.kill()
+                relay.wait(timeout=COMMAND_TIMEOUT_S)
