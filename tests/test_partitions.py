@@ -192,3 +192,22 @@ def test_a_replaced_node_running_the_same_command_takes_its_group_back(
     [admitted] = run.of("admitted")
     assert admitted["replica"] == 1 and admitted["attempt"] == 1  # the store's incarnation count, not 0 again
     assert "took over replica groups [1] from the launcher on host" in launchers[1].output()
+
+
+@needs_netns
+def test_latency_and_loss_between_nodes_cost_time_not_correctness(
+    tmp_path: Path, cluster: Cluster, failure_free: Run
+) -> None:
+    """50 ms more each way on every connection between the two nodes and 1% of their packets lost,
+    from before the launchers start: the run completes with the failure-free data and losses, every
+    step once, equal parameter digests; the step time it costs is bench/partitions.py's to measure."""
+    dump = tmp_path / "dump"
+    args = launcher_args(dump, cluster.nodes[0], "none")
+    with cluster.delayed(50), cluster.dropping(cluster.nodes[1], percent=1), two_nodes(cluster, dump, args) as launchers:
+        for launcher in launchers:
+            assert launcher.proc.wait(timeout=400) == 0, launcher.output()[-3000:]
+    run = Run(0, launchers[0].output(), events(dump))
+    assert_same_trajectory(failure_free, run, 1e-3, num_microbatches=4)
+    assert_all_rejoined(run, 2, 6)
+    assert not run.of("failure")
+    print(f"mean step time with 50 ms and 1% loss: {[round(e['time'] - p['time'], 2) for p, e in zip(run.of('step'), run.of('step')[1:])]}")

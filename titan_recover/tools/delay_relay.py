@@ -68,7 +68,7 @@ async def relay(client_reader: asyncio.StreamReader, client_writer: asyncio.Stre
     try:
         await asyncio.get_running_loop().sock_connect(upstream, destination)
     except OSError as e:  # as the client would have seen it: the connection closes
-        log.info(f"relay to {destination} failed: {e}")
+        log.debug(f"relay to {destination} failed: {e}")
         upstream.close()
         client_writer.close()
         return
