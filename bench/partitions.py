@@ -1,0 +1,299 @@
+"""Network faults on a cluster of network namespaces (issue 28): the job's partition cases, each
+checked against the failure-free run on the same cluster, and the step time that latency and loss
+between nodes cost, side by side with no shaping.
+
+Two nodes (``titan_recover.tools.netns``, addresses 198.18.0.1-2), replica group i (FSDP 2, the
+tiny llama3, fp32, 6 steps) on node i, the coordinator's TCPStore on node 0 bound to its address.
+Cases: ``cut_off`` (node 1 unplugged for 8 s after step 2), ``coordinator_cut_off`` (node 0 unplugged
+for good), ``paused`` (node 1 SIGSTOPped for 20 s), ``replaced`` (node 1's processes SIGKILLed, the
+same command started again), ``latency_loss`` (50 ms each way and 1% loss between the nodes).
+``tests/test_partitions.py`` runs the same scenarios and asserts on them.
+
+    .venv/bin/python -m bench.partitions [--pairs 2]    # root, iproute2 and nftables
+
+Writes bench/results/partitions.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.common import CONFIG, ROOT, step_gaps, write_result
+from titan_recover.compare import compare_runs
+from titan_recover.control import keys
+from titan_recover.events import event_files
+from titan_recover.tools import netns
+from titan_recover.tools.netns import Cluster, Node
+
+PORT = 29510  # every node has its own port space: a fixed port, as on a real cluster
+# replica 0 holds step 5 until an epoch admits replica 1 back
+HOLD = "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch"
+TINY = ["--model.flavor", "tiny", "--training.seq_len", "64", "--training.steps", "6",
+        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1"]
+STEPS, MICROBATCHES = 6, 4
+CUT_S, PAUSE_S, TIMEOUT_S = 8.0, 20.0, 10.0
+
+
+class Hang(AssertionError):
+    """A wait ran past its bound: what was awaited, and every node's output."""
+
+
+class Launcher:
+    """One node's launcher, started inside its namespace; its output goes to ``<name>.log``."""
+
+    def __init__(self, cluster: Cluster, node: Node, dump: Path, args: list[str], env: dict[str, str],
+                 name: str = "") -> None:
+        self.log = dump.parent / f"{name or f'node{node.index}'}.log"
+        self.proc = cluster.spawn(node, args, cwd=ROOT, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+
+@dataclass
+class Outcome:
+    """What a scenario left: its events, each launcher's exit code and output, and its timings."""
+
+    events: list[dict]
+    exits: list[int | None]
+    outputs: list[str]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["event"] == kind]
+
+
+def events(dump: Path) -> list[dict]:
+    """The run's events so far, from every node's file, as written: a step logged twice is there twice
+    (a line still being written, after the last newline, is left for later)."""
+    return [json.loads(line) for path in event_files(str(dump)) for line in Path(path).read_text().split("\n")[:-1]
+            if line.strip()]
+
+
+def steps(dump: Path) -> list[int]:
+    return [e["step"] for e in events(dump) if e["event"] == "step"]
+
+
+def wait_until(what: str, predicate: Callable[[], bool], timeout: float, launchers: list[Launcher]) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        ended = [la for la in launchers if la.proc.poll() is not None]
+        if time.monotonic() > deadline or ended:
+            tails = "\n".join(f"--- {la.log.name}\n{la.output()[-3000:]}" for la in launchers)
+            raise Hang(f"{what}: {'timed out' if not ended else f'{ended[0].log.name} exited'}\n{tails}")
+        time.sleep(0.1)
+
+
+def launcher_args(dump: Path, coordinator: Node, plan: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
+        *TINY, "--recover.fault_plan", plan, "--recover.coordinator_port", str(PORT),
+        "--recover.coordinator_bind", coordinator.address, *extra,
+    ]
+
+
+def node_envs(cluster: Cluster) -> list[dict[str, str]]:
+    """Replica group i on node i; node 0 starts the coordinator, the others dial its address."""
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    env.update({keys.SECRET_ENV: "partition-test-secret", "PYTHONUNBUFFERED": "1"})
+    coordinator = f"{cluster.nodes[0].address}:{PORT}"
+    return [{**env, keys.REPLICAS_ENV: str(n.index), **({keys.COORDINATOR_ENV: coordinator} if n.index else {})}
+            for n in cluster.nodes]
+
+
+@contextlib.contextmanager
+def two_nodes(cluster: Cluster, dump: Path, args: list[str]) -> Iterator[list[Launcher]]:
+    """Node 0's and node 1's launchers; one still running at the end is left to the cluster's teardown."""
+    env0, env1 = node_envs(cluster)
+    yield [Launcher(cluster, cluster.nodes[0], dump, args, env0), Launcher(cluster, cluster.nodes[1], dump, args, env1)]
+
+
+def finish(dump: Path, launchers: list[Launcher], timings: dict[str, float], timeout: float = 240) -> Outcome:
+    """Waits for every launcher's end (bounded: a hang raises ``Hang``); the outcome of the scenario."""
+    deadline = time.monotonic() + timeout
+    for launcher in launchers:
+        try:
+            launcher.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise Hang(f"{launcher.log.name} still running {timeout:g}s on:\n{launcher.output()[-3000:]}") from None
+    return Outcome(events(dump), [la.proc.returncode for la in launchers], [la.output() for la in launchers], timings)
+
+
+def failure_free(cluster: Cluster, dump: Path) -> Outcome:
+    with two_nodes(cluster, dump, launcher_args(dump, cluster.nodes[0], "none")) as launchers:
+        return finish(dump, launchers, {})
+
+
+def cut_off(cluster: Cluster, dump: Path) -> Outcome:
+    """Node 1's cable pulled for 8 s after step 2 (heartbeat_timeout_s is 5), then plugged back."""
+    args = launcher_args(dump, cluster.nodes[0], HOLD, "--recover.collective_timeout_s", "60")
+    with two_nodes(cluster, dump, args) as launchers:
+        wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
+        with cluster.unplugged(cluster.nodes[1]):
+            cut = time.monotonic()
+            wait_until("replica 1 fenced", lambda: any(e["event"] == "failure" for e in events(dump)), 30, launchers)
+            fenced = time.monotonic() - cut
+            time.sleep(max(0.0, CUT_S - (time.monotonic() - cut)))
+        back = time.monotonic()
+        wait_until("replica 1 rejoined", lambda: any(e["event"] == "rejoined" for e in events(dump)), 240, launchers)
+        return finish(dump, launchers, {"fenced_s": fenced, "rejoined_after_reconnect_s": time.monotonic() - back})
+
+
+def coordinator_cut_off(cluster: Cluster, dump: Path) -> Outcome:
+    """Node 0 (the TCPStore coordinator's node) unplugged for good after step 2, coordinator_timeout_s 10."""
+    plan = "sleep replica=0 step=3 phase=optimizer seconds=20"  # step 3 not committed before the cut
+    args = launcher_args(dump, cluster.nodes[0], plan, "--recover.coordinator_timeout_s", str(TIMEOUT_S),
+                         "--recover.max_restarts", "0")
+    with two_nodes(cluster, dump, args) as launchers:
+        wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
+        with cluster.unplugged(cluster.nodes[0]):
+            cut = time.monotonic()
+            try:
+                launchers[1].proc.wait(timeout=4 * TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise Hang(f"node 1 still running {4 * TIMEOUT_S:g}s after its coordinator's node was cut off") from None
+            stopped = time.monotonic() - cut
+            left = len(cluster.pids(cluster.nodes[1]))
+            outcome = finish(dump, launchers, {"other_node_stopped_s": stopped})
+        outcome.timings["processes_left_on_node_1"] = left
+        return outcome
+
+
+def paused(cluster: Cluster, dump: Path) -> Outcome:
+    """Every process of node 1 SIGSTOPped for 20 s (2 x coordinator_timeout_s) after step 2."""
+    args = launcher_args(dump, cluster.nodes[0], HOLD, "--recover.coordinator_timeout_s", str(TIMEOUT_S),
+                         "--recover.collective_timeout_s", "60")
+    with two_nodes(cluster, dump, args) as launchers:
+        wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
+        with cluster.paused(cluster.nodes[1]):
+            stopped = time.monotonic()
+            wait_until("replica 1 fenced", lambda: any(e["event"] == "failure" for e in events(dump)), 30, launchers[:1])
+            fenced = time.monotonic() - stopped
+            time.sleep(PAUSE_S)
+        back = time.monotonic()
+        wait_until("replica 1 rejoined", lambda: any(e["event"] == "rejoined" for e in events(dump)), 240, launchers)
+        return finish(dump, launchers, {"fenced_s": fenced, "rejoined_after_resume_s": time.monotonic() - back})
+
+
+def replaced(cluster: Cluster, dump: Path) -> Outcome:
+    """Node 1 replaced as a new pod: its processes SIGKILLed after step 2, the same command started again."""
+    args = launcher_args(dump, cluster.nodes[0], HOLD, "--recover.collective_timeout_s", "60")
+    with two_nodes(cluster, dump, args) as launchers:
+        wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
+        cluster.kill(cluster.nodes[1])
+        again = time.monotonic()
+        launchers[1] = Launcher(cluster, cluster.nodes[1], dump, args, node_envs(cluster)[1], name="node1-again")
+        wait_until("replica 1 rejoined", lambda: any(e["event"] == "rejoined" for e in events(dump)), 240, launchers)
+        return finish(dump, launchers, {"rejoined_after_restart_s": time.monotonic() - again})
+
+
+def latency_loss(cluster: Cluster, dump: Path) -> Outcome:
+    """50 ms more each way on every connection between the nodes and 1% loss, from the start."""
+    with cluster.delayed(50), cluster.dropping(cluster.nodes[1], percent=1):
+        with two_nodes(cluster, dump, launcher_args(dump, cluster.nodes[0], "none")) as launchers:
+            return finish(dump, launchers, {}, timeout=600)
+
+
+CASES: dict[str, Callable[[Cluster, Path], Outcome]] = {
+    "cut_off": cut_off, "coordinator_cut_off": coordinator_cut_off, "paused": paused,
+    "replaced": replaced, "latency_loss": latency_loss,
+}
+
+
+def violations(reference: Outcome, outcome: Outcome, survivors: list[int]) -> list[str]:
+    """The invariants, as problems: the failure-free data, M microbatches and losses within 1e-3 at every
+    step, each step logged once; exit 0 and equal parameter digests at the end for the ``survivors``."""
+    result = compare_runs(reference.events, outcome.events, 1e-3)
+    problems = list(result.problems)
+    problems += [f"step {e['step']}: {len(e['microbatches'])} microbatches" for e in outcome.of("step")
+                 if len(e["microbatches"]) != MICROBATCHES]
+    logged = [e["step"] for e in outcome.of("step")]
+    problems += [f"steps logged {logged}, not 1..{STEPS} once each"] if sorted(logged) != list(range(1, STEPS + 1)) else []
+    problems += [f"node {i} exited {outcome.exits[i]}" for i in survivors if outcome.exits[i] != 0]
+    digests = {e["replica"]: e["digest"] for e in outcome.of("param_digest") if e["step"] == STEPS}
+    problems += [f"parameter digests at step {STEPS}: {digests}"] if len(set(digests.values())) != 1 else []
+    return problems
+
+
+def mean_step_s(outcome: Outcome) -> float:
+    return statistics.mean(step_gaps(outcome.of("step")).values())
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=2, help="alternated unshaped / latency-and-loss runs")
+    args = parser.parse_args(argv)
+    reason = netns.unavailable()
+    if reason:
+        print(f"bench.partitions cannot run here: {reason}", file=sys.stderr)
+        return 2
+    cases: dict[str, dict] = {}
+    plain: list[float] = []
+    shaped: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="partitions-") as work:
+        def run(name: str, scenario: Callable[[Cluster, Path], Outcome]) -> tuple[Outcome | None, str | None]:
+            dump = Path(work) / f"{name}-{len(os.listdir(work))}" / "dump"
+            dump.parent.mkdir()
+            with Cluster(2) as cluster:
+                try:
+                    return scenario(cluster, dump), None
+                except Hang as e:
+                    return None, str(e).splitlines()[0]
+
+        reference, hang = run("failure_free", failure_free)
+        if reference is None:
+            raise RuntimeError(f"the failure-free run on the namespace cluster did not finish: {hang}")
+        plain.append(mean_step_s(reference))
+        for name, scenario in CASES.items():
+            outcome, hang = run(name, scenario)
+            survivors = [0] if name == "coordinator_cut_off" else [0, 1]
+            problems = [] if outcome is None else violations(reference, outcome, survivors)
+            if outcome is not None and name == "coordinator_cut_off":
+                problems = [p for p in problems if "parameter digests" not in p]  # replica 1 is gone by design
+                if outcome.exits[1] != 3:
+                    problems.append(f"node 1 exited {outcome.exits[1]}, not 3")
+            cases[name] = {"hang": hang, "violations": problems,
+                           "timings": {k: round(v, 2) for k, v in (outcome.timings if outcome else {}).items()},
+                           "failures": [] if outcome is None else [{k: e[k] for k in ("replica", "step", "cause")}
+                                                                   for e in outcome.of("failure")]}
+            if name == "latency_loss" and outcome is not None:
+                shaped.append(mean_step_s(outcome))
+            print(f"{name}: {'HANG ' + hang if hang else 'ok' if not problems else problems} {cases[name]['timings']}", flush=True)
+        for _ in range(args.pairs - 1):  # more side-by-side pairs for the step-time ratio
+            for name, scenario, into in (("failure_free", failure_free, plain), ("latency_loss", latency_loss, shaped)):
+                outcome, hang = run(name, scenario)
+                if outcome is not None:
+                    into.append(mean_step_s(outcome))
+    recoveries = [v for c in cases.values() for k, v in c["timings"].items() if k.startswith("rejoined_after")]
+    result = {
+        "issue": 28,
+        "setup": "2 network-namespace nodes on one 2-core machine, replica group i (llama3 tiny, FSDP 2, fp32) "
+                 f"on node i, {STEPS} steps, M = {MICROBATCHES}; TCPStore coordinator on node 0 at 198.18.0.1",
+        "command": "python -m bench.partitions " + " ".join(argv),
+        "partition_cases": list(cases),
+        "partition_invariant_violations": sum(len(c["violations"]) for c in cases.values()),
+        "partition_hangs": sum(c["hang"] is not None for c in cases.values()),
+        "partition_max_recovery_s": round(max(recoveries), 2) if recoveries else None,
+        "latency_loss_step_time_ratio": round(statistics.median(shaped) / statistics.median(plain), 2) if shaped else None,
+        "step_s": {"unshaped": [round(s, 3) for s in plain], "latency_50ms_loss_1pct": [round(s, 3) for s in shaped]},
+        "cases": cases,
+    }
+    path = write_result("partitions", result)
+    print(f"{len(cases)} cases, {result['partition_invariant_violations']} violations, {result['partition_hangs']} hangs; "
+          f"latency and loss step time ratio {result['latency_loss_step_time_ratio']} -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
