@@ -15,6 +15,9 @@ RESULTS = ROOT / "bench" / "results"
 # every benchmark names its precision: CPU runs are float32 (bfloat16 is emulated on CPUs without
 # AVX-512-BF16/AMX, ~13x slower), and results record it
 PRECISION = ["--training.mixed_precision_param", "float32"]
+# the tests' job, small enough for many multi-process runs on a 2-core CI machine
+TINY = ["--model.flavor", "tiny", "--training.seq_len", "64", "--training.steps", "6",
+        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1"]
 
 
 def launch(args: list[str], what: str) -> tuple[list[dict], float]:

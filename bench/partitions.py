@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import CONFIG, ROOT, step_gaps, write_result
+from bench.common import CONFIG, ROOT, TINY, step_gaps, write_result
 from titan_recover.compare import compare_runs
 from titan_recover.control import keys
 from titan_recover.events import event_files
@@ -39,8 +39,6 @@ from titan_recover.tools.netns import Cluster, Node
 PORT = 29510  # every node has its own port space: a fixed port, as on a real cluster
 # replica 0 holds step 5 until an epoch admits replica 1 back
 HOLD = "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch"
-TINY = ["--model.flavor", "tiny", "--training.seq_len", "64", "--training.steps", "6",
-        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1"]
 STEPS, MICROBATCHES = 6, 4
 CUT_S, PAUSE_S, TIMEOUT_S = 8.0, 20.0, 10.0
 
@@ -135,19 +133,27 @@ def failure_free(cluster: Cluster, dump: Path) -> Outcome:
         return finish(dump, launchers, {})
 
 
+def fenced_and_back(dump: Path, launchers: list[Launcher], fault: contextlib.AbstractContextManager, for_s: float,
+                    after: str) -> dict[str, float]:
+    """``fault`` from after step 2 for ``for_s``: the seconds until replica 1 was fenced, and from the
+    fault's end until replica 1 rejoined (``rejoined_after_<after>_s``)."""
+    wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
+    with fault:
+        start = time.monotonic()
+        wait_until("replica 1 fenced", lambda: any(e["event"] == "failure" for e in events(dump)), 30, launchers)
+        fenced = time.monotonic() - start
+        time.sleep(max(0.0, for_s - (time.monotonic() - start)))
+    back = time.monotonic()
+    wait_until("replica 1 rejoined", lambda: any(e["event"] == "rejoined" for e in events(dump)), 240, launchers)
+    return {"fenced_s": fenced, f"rejoined_after_{after}_s": time.monotonic() - back}
+
+
 def cut_off(cluster: Cluster, dump: Path) -> Outcome:
     """Node 1's cable pulled for 8 s after step 2 (heartbeat_timeout_s is 5), then plugged back."""
     args = launcher_args(dump, cluster.nodes[0], HOLD, "--recover.collective_timeout_s", "60")
     with two_nodes(cluster, dump, args) as launchers:
-        wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
-        with cluster.unplugged(cluster.nodes[1]):
-            cut = time.monotonic()
-            wait_until("replica 1 fenced", lambda: any(e["event"] == "failure" for e in events(dump)), 30, launchers)
-            fenced = time.monotonic() - cut
-            time.sleep(max(0.0, CUT_S - (time.monotonic() - cut)))
-        back = time.monotonic()
-        wait_until("replica 1 rejoined", lambda: any(e["event"] == "rejoined" for e in events(dump)), 240, launchers)
-        return finish(dump, launchers, {"fenced_s": fenced, "rejoined_after_reconnect_s": time.monotonic() - back})
+        timings = fenced_and_back(dump, launchers, cluster.unplugged(cluster.nodes[1]), CUT_S, "reconnect")
+        return finish(dump, launchers, timings)
 
 
 def coordinator_cut_off(cluster: Cluster, dump: Path) -> Outcome:
@@ -175,15 +181,8 @@ def paused(cluster: Cluster, dump: Path) -> Outcome:
     args = launcher_args(dump, cluster.nodes[0], HOLD, "--recover.coordinator_timeout_s", str(TIMEOUT_S),
                          "--recover.collective_timeout_s", "60")
     with two_nodes(cluster, dump, args) as launchers:
-        wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
-        with cluster.paused(cluster.nodes[1]):
-            stopped = time.monotonic()
-            wait_until("replica 1 fenced", lambda: any(e["event"] == "failure" for e in events(dump)), 30, launchers[:1])
-            fenced = time.monotonic() - stopped
-            time.sleep(PAUSE_S)
-        back = time.monotonic()
-        wait_until("replica 1 rejoined", lambda: any(e["event"] == "rejoined" for e in events(dump)), 240, launchers)
-        return finish(dump, launchers, {"fenced_s": fenced, "rejoined_after_resume_s": time.monotonic() - back})
+        timings = fenced_and_back(dump, launchers, cluster.paused(cluster.nodes[1]), PAUSE_S, "resume")
+        return finish(dump, launchers, timings)
 
 
 def replaced(cluster: Cluster, dump: Path) -> Outcome:

@@ -12,20 +12,13 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
+from bench.common import TINY
 from titan_recover.control import keys
 from titan_recover.compare import compare_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
 
-# Small enough for many multi-process runs on a 2-core CI machine.
-TINY = [
-    "--model.flavor", "tiny",
-    "--training.seq_len", "64",
-    "--training.steps", "6",
-    "--lr_scheduler.warmup_steps", "2",
-    "--metrics.log_freq", "1",
-]
 
 
 @dataclass

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,7 @@ from titan_recover.control.client import ControlClient
 from titan_recover.control.sealed import SealedStore
 from titan_recover.control.protocol import Launcher, NodeMessage, Rendezvous
 
+from bench.partitions import wait_until
 from conftest import CONFIG, ROOT, TINY, Run, assert_all_rejoined, assert_same_trajectory
 
 
@@ -113,16 +114,6 @@ def events(dump: Path) -> list[dict]:
     """The run's events so far (a line still being written, after the last newline, is left for later)."""
     path = dump / "recover_events.jsonl"
     return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
-
-
-def wait_until(what: str, predicate: Callable[[], bool], timeout: float, nodes: list[Node]) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        ended = [n for n in nodes if n.proc.poll() is not None]
-        if time.monotonic() > deadline or ended:
-            tails = "\n".join(f"--- {n.log.name}\n{n.output()[-3000:]}" for n in nodes)
-            pytest.fail(f"{what}: {'timed out' if not ended else f'{ended[0].log.name} exited'}\n{tails}")
-        time.sleep(0.1)
 
 
 STEPS, HOLD = 10, 4
