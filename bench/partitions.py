@@ -39,6 +39,8 @@ from titan_recover.tools.netns import Cluster, Node
 PORT = 29510  # every node has its own port space: a fixed port, as on a real cluster
 # replica 0 holds step 5 until an epoch admits replica 1 back
 HOLD = "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch"
+# replica 1 takes 3 s over step 3's forward: a fault applied once step 2 is logged lands before step 3 commits
+STALL = "sleep replica=1 step=3 phase=forward seconds=3"
 STEPS, MICROBATCHES = 6, 4
 CUT_S, PAUSE_S, TIMEOUT_S = 8.0, 20.0, 10.0
 
@@ -150,7 +152,7 @@ def fenced_and_back(dump: Path, launchers: list[Launcher], fault: contextlib.Abs
 
 def cut_off(cluster: Cluster, dump: Path) -> Outcome:
     """Node 1's cable pulled for 8 s after step 2 (heartbeat_timeout_s is 5), then plugged back."""
-    args = launcher_args(dump, cluster.nodes[0], HOLD, "--recover.collective_timeout_s", "60")
+    args = launcher_args(dump, cluster.nodes[0], f"{STALL}; {HOLD}", "--recover.collective_timeout_s", "60")
     with two_nodes(cluster, dump, args) as launchers:
         timings = fenced_and_back(dump, launchers, cluster.unplugged(cluster.nodes[1]), CUT_S, "reconnect")
         return finish(dump, launchers, timings)
@@ -178,7 +180,7 @@ def coordinator_cut_off(cluster: Cluster, dump: Path) -> Outcome:
 
 def paused(cluster: Cluster, dump: Path) -> Outcome:
     """Every process of node 1 SIGSTOPped for 20 s (2 x coordinator_timeout_s) after step 2."""
-    args = launcher_args(dump, cluster.nodes[0], HOLD, "--recover.coordinator_timeout_s", str(TIMEOUT_S),
+    args = launcher_args(dump, cluster.nodes[0], f"{STALL}; {HOLD}", "--recover.coordinator_timeout_s", str(TIMEOUT_S),
                          "--recover.collective_timeout_s", "60")
     with two_nodes(cluster, dump, args) as launchers:
         timings = fenced_and_back(dump, launchers, cluster.paused(cluster.nodes[1]), PAUSE_S, "resume")
