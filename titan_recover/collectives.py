@@ -94,12 +94,11 @@ class ReplicateProcessGroups:
 
     def _new_group(self, store: dist.Store, rank: int, size: int) -> dist.Backend:
         if self.backend == "gloo":
-            if not self.host:
-                return dist.ProcessGroupGloo(store, rank, size, self.timeout)
-            opts = dist.ProcessGroupGloo._Options()
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+            gloo = dist.ProcessGroupGloo
+            opts = gloo._Options()
+            opts._devices = [gloo.create_device(hostname=self.host) if self.host else gloo.create_default_device()]
             opts._timeout = self.timeout
-            return dist.ProcessGroupGloo(store, rank, size, opts)
+            return gloo(store, rank, size, opts)
         opts = dist.ProcessGroupNCCL.Options()
         opts.config.blocking = 0  # setup and abort return instead of waiting on a dead peer
         opts._timeout = self.timeout
