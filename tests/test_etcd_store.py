@@ -23,7 +23,7 @@ from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import CoordinatorState, Progress
 from titan_recover.control.sealed import Run
 from titan_recover.tools.etcd_local import LocalEtcd
-from titan_recover.control.etcd_store import EtcdStore, LeadershipLost, check_cluster
+from titan_recover.control.etcd_store import Changes, EtcdStore, LeadershipLost, check_cluster
 from titan_recover.events import logged_steps
 from titan_recover.control.leader import Lease
 
@@ -86,6 +86,66 @@ def test_a_blocking_get_returns_once_another_client_sets_the_key(cluster: LocalE
     assert reader.get("later") == b"here"
 
 
+def requests_of(store: EtcdStore) -> list[str]:
+    """The paths of the requests ``store`` makes from now on (a watch is a stream of its own, not counted)."""
+    paths: list[str] = []
+    post = store.post
+
+    def counting(path: str, body: dict) -> dict:
+        paths.append(path)
+        return post(path, body)
+
+    store.post = counting  # type: ignore[method-assign]
+    return paths
+
+
+def test_a_blocking_get_watches_the_key_instead_of_reading_it_again_and_again(cluster: LocalEtcd) -> None:
+    reader, writer = raw(cluster, 10), raw(cluster)
+    made = requests_of(reader)
+    threading.Timer(2.0, lambda: writer.set("watched", "here")).start()
+    started = time.monotonic()
+    assert reader.get("watched") == b"here"
+    assert time.monotonic() - started < 4.0
+    assert made == ["kv/range", "kv/range"]  # missing, then found once the watch saw the put
+
+
+def test_an_add_is_one_request_while_nobody_else_changed_the_counter(cluster: LocalEtcd) -> None:
+    mine, other = raw(cluster), raw(cluster)
+    made = requests_of(mine)
+    assert [mine.add("lone", 1), mine.add("lone", 2)] == [1, 3]
+    assert [p for p in made if p != "lease/grant"] == ["kv/txn", "kv/txn"]
+    assert other.add("lone", 10) == 13
+    made.clear()
+    assert mine.add("lone", 1) == 14  # its guess failed: the failure branch brought the value, no read of its own
+    assert made == ["kv/txn", "kv/txn"]
+
+
+def test_changes_wake_on_a_put_under_the_prefix_and_not_on_an_ignored_key(cluster: LocalEtcd) -> None:
+    writer = raw(cluster)
+    changes = Changes(raw(cluster), "woken/", ignore=("quiet/",))
+    try:
+        writer.set("woken/quiet/a", "1")
+        writer.set("elsewhere", "1")
+        assert not changes.wait(1.0)
+        writer.set("woken/loud", "1")
+        assert changes.wait(5.0)
+    finally:
+        changes.close()
+
+
+def test_a_follower_watches_the_leader_key_instead_of_campaigning_in_a_loop(cluster: LocalEtcd) -> None:
+    key = "run/quiet-follower/coordinator/leader"
+    holder = Lease(raw(cluster), key, 5.0)
+    assert holder.campaign(ended=lambda: False) is not None
+    follower = Lease(raw(cluster), key, 5.0)
+    made = requests_of(follower.store)
+    ended = threading.Event()
+    threading.Timer(3.0, ended.set).start()
+    assert follower.campaign(ended=ended.is_set) is None
+    assert len(made) <= 20, made  # one try a second (grant, claim, revoke, read), not ten
+    holder.resign()
+
+
 def test_counters_stay_exact_while_the_raft_leader_member_is_killed() -> None:
     c = LocalEtcd(3).start()
     try:
@@ -118,6 +178,7 @@ def test_a_stale_leaders_writes_are_refused_after_another_took_the_lease(cluster
     leading = first.campaign(ended=lambda: False)
     assert leading is not None
     leading.set("epoch", "1")
+    assert [leading.add("alive", 1), leading.add("alive", 1)] == [1, 2]  # guarded, inside its own transaction
     first._stop.set()  # its keeper freezes, as in a SIGSTOPped process: the lease runs out
     started = time.monotonic()
     successor = second.campaign(ended=lambda: False)

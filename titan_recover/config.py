@@ -55,7 +55,8 @@ class Recover:
 
     heartbeat_interval_s: float = 0.1
     """How often every rank beats into its node channel, and every node agent (launcher) writes
-    its node message, the coordinator's one read per node."""
+    its node message, the coordinator's one read per node (on etcd at least every 0.5 s:
+    ``node_message_interval_s``)."""
 
     heartbeat_timeout_s: float = 5.0
     """A rank whose heartbeat stalls this long is declared failed (hangs, SIGSTOP). One bound with
@@ -134,6 +135,18 @@ class Recover:
     rank has a GPU of its own, else gloo); the launcher resolves "auto" (see titan_recover.devices)."""
 
 
+ETCD_NODE_MESSAGE_S = 0.5
+"""The shortest interval between a launcher's node messages on etcd."""
+
+
+def node_message_interval_s(rc: Recover) -> float:
+    """How often each launcher writes its node message and the coordinator reads them:
+    ``heartbeat_interval_s``, but at least ``ETCD_NODE_MESSAGE_S`` on etcd, where every write is a
+    Raft entry that each member appends to its log and syncs to disk (the TCPStore holds it in
+    memory). Failure detection is bounded by ``heartbeat_timeout_s`` either way."""
+    return max(rc.heartbeat_interval_s, ETCD_NODE_MESSAGE_S) if rc.control_store else rc.heartbeat_interval_s
+
+
 @dataclass
 class JobConfig:
     recover: Recover = field(default_factory=Recover)
@@ -210,6 +223,11 @@ def _check_heartbeats(rc: Recover) -> None:
             "recover.heartbeat_timeout_s must be more than twice "
             f"recover.heartbeat_interval_s, got {rc.heartbeat_timeout_s} "
             f"and {rc.heartbeat_interval_s}"
+        )
+    if rc.heartbeat_timeout_s <= 2 * node_message_interval_s(rc):
+        raise ConfigError(
+            f"recover.heartbeat_timeout_s must be more than {2 * node_message_interval_s(rc):g}s on etcd "
+            f"(node messages are written every {node_message_interval_s(rc):g}s there), got {rc.heartbeat_timeout_s}"
         )
     if rc.report_confirm_s <= rc.heartbeat_interval_s:
         raise ConfigError(

@@ -24,7 +24,7 @@ from titan_recover import config, logs, procs, resources
 from titan_recover.control import transport
 from titan_recover.control.addresses import LOOPBACK, is_etcd, parse_host_port
 from titan_recover.control.client import COMMIT, ControlClient
-from titan_recover.control.keys import leader_key
+from titan_recover.control.keys import NO_PASS, leader_key
 from titan_recover.control.sealed import Run
 from titan_recover.control.lifeline import PROBE_S
 from titan_recover.control.protocol import CoordinatorState, Membership, MessageError, NodeMessage, TransferRecord
@@ -47,8 +47,8 @@ from titan_recover.events import EventLog, logged_steps
 from titan_recover.membership import FailureDetector, group_views
 
 POLL_S = 0.02  # detection is bounded by report_confirm_s / heartbeats, not by this
-ETCD_POLL_S = 0.1  # on etcd each pass costs a few Raft-backed requests: 5x fewer passes (measured in bench.failover)
 ALIVE_S = 0.25  # how often the alive counter moves (watchers allow coordinator_timeout_s)
+ETCD_ALIVE_S = 1.0  # ... on etcd, where each move is a Raft write
 REPORT_GRACE_S = 5.0  # a reserved report slot still empty after this: its reporter died in between
 log = logs.get("coordinator")
 
@@ -83,11 +83,13 @@ def rules(job_config: Any) -> Rules:
 class Coordinator:
     """The I/O shell around ``CoordinatorCore``: one pass reads the store, the core decides, the shell publishes."""
 
-    def __init__(self, job_config: Any, client: dist.Store, events: EventLog, poll_s: float = POLL_S) -> None:
+    def __init__(self, job_config: Any, client: dist.Store, events: EventLog, poll_s: float = POLL_S,
+                 wait: Callable[[float], None] = time.sleep) -> None:
         self.rc = rc = job_config.recover
         self.control = ControlClient(client)
         self.events = events
-        self.poll_s = poll_s
+        self.poll_s, self.wait = poll_s, wait  # between passes: ``wait(poll_s)`` (it may return early)
+        self.alive_s = ETCD_ALIVE_S if rc.control_store else ALIVE_S
         detector = FailureDetector(members=tuple(range(job_config.parallelism.data_parallel_replicate_degree)),
                                    timeout_s=rc.heartbeat_timeout_s, confirm_s=rc.report_confirm_s,
                                    startup_s=rc.startup_timeout_s, start=time.monotonic())
@@ -218,7 +220,7 @@ class Coordinator:
         nodes, not ranks)."""
         if now < self.next_node_read:
             return
-        self.next_node_read = now + self.rc.heartbeat_interval_s
+        self.next_node_read = now + config.node_message_interval_s(self.rc)
         if self.last_node_read is not None and now - self.last_node_read > self.rc.heartbeat_timeout_s / 2:
             self.core.grace(now)  # no lifeline could write, or none was read: silence says nothing about the groups
             log.warning(f"no node message read for {now - self.last_node_read:.1f}s (the control store stalled, e.g. "
@@ -332,7 +334,7 @@ class Coordinator:
         """One pass over the store; the run's exit code once it ends."""
         if time.monotonic() >= self.next_alive:
             self.control.beat_alive()  # every process watches this move
-            self.next_alive = time.monotonic() + ALIVE_S
+            self.next_alive = time.monotonic() + self.alive_s
         if self._stopped_by_a_process():
             return 1
         now = time.monotonic()
@@ -367,7 +369,7 @@ class Coordinator:
             code = self._pass()
             if code is not None:
                 return code
-            time.sleep(self.poll_s)
+            self.wait(self.poll_s)
 
     def end(self) -> None:
         """Wakes every node agent, blocked until the next epoch, to read the run's end (done or fatal)."""
@@ -384,7 +386,7 @@ def serve(job_config: Any, port: int) -> Coordinator:
 def lead(job_config: Any, address: str) -> int:
     """A candidate on etcd: campaigns, and once it leads, coordinates until the run ends; a
     leadership lost meanwhile (it froze past its lease) sends it back to campaigning."""
-    from titan_recover.control.etcd_store import LeadershipLost  # the etcd extra: only a run on etcd needs it
+    from titan_recover.control.etcd_store import Changes, LeadershipLost  # the etcd extra: only a run on etcd needs it
     from titan_recover.control.leader import Lease
 
     rc = job_config.recover
@@ -403,10 +405,11 @@ def lead(job_config: Any, address: str) -> int:
             return 1 if view.stopped() else 0
         log.info(f"leading (lease {rc.leader_lease_s:g}s)")
         client = transport.in_run(guarded, run)
+        changes = Changes(raw, f"{run.prefix}/", NO_PASS)  # a pass when a key it acts on changed
         try:
             events = LeaderEvents(job_config.job.dump_folder, guarded.confirm_guard)
             try:
-                coordinator = Coordinator(job_config, client, events, ETCD_POLL_S)
+                coordinator = Coordinator(job_config, client, events, config.node_message_interval_s(rc), changes.wait)
             except MessageError as e:  # no leader could act on it: the run stops, saying why
                 error = f"the coordinator state in etcd cannot be taken over: {e}; {config.resume_hint(job_config)}"
                 ControlClient(client).stop(error)
@@ -421,6 +424,7 @@ def lead(job_config: Any, address: str) -> int:
         except LeadershipLost as e:
             log.info(f"no longer the leader ({e}); campaigning again")
         finally:
+            changes.close()
             lease.resign()
 
 

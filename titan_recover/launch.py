@@ -315,7 +315,7 @@ class NodeLauncher:
             self.on_lost(str(e))
             return None
         client.register(self.me, self.agent.message())
-        self.lifeline = Heartbeat(str(self.address), self.me.key, rc.heartbeat_interval_s, rc.coordinator_timeout_s,
+        self.lifeline = Heartbeat(str(self.address), self.me.key, config.node_message_interval_s(rc), rc.coordinator_timeout_s,
                                   self.on_lost, lambda: self.agent.message().dumps(), run=self.run,
                                   startup_timeout_s=rc.startup_timeout_s, ended=lambda: bool(self.agent.flags))
         self.agent.start(on_error=log.warning)

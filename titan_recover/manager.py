@@ -42,8 +42,8 @@ from titan_recover.membership import Membership
 from titan_recover.tokens import DataError
 
 EPOCH_POLL_S = 0.02  # how stale a rank's view of the epoch may be while it waits
-ETCD_VOTE_POLL_S = 0.02  # longest pause between reads of the commit decision on etcd, where each read
-# is an HTTP request served by Raft (at TCPStore's 5 ms, waiting ranks took CPU from computing ones)
+DECISION_WAIT_S = 0.1  # on etcd a rank watches for the commit decision this long at a time, then looks at
+# the epoch (every read there is an HTTP request served by Raft: polling took CPU from computing ranks)
 
 
 class ReplicaFenced(RuntimeError):
@@ -123,7 +123,6 @@ class ReplicaManager:
         self.groups: Collectives | None = None
         self.device = torch.device("cpu")
         self.group_size = 1  # ranks in this replica group
-        self.vote_poll_s = ETCD_VOTE_POLL_S if rc.control_store else POLL_S[1]
         self._memberships: dict[int, Membership] = {}
         self._epoch_checked = (0.0, 0)
         self._start_told = False
@@ -251,8 +250,10 @@ class ReplicaManager:
         while (decision := self.control.decision(self.step, epoch)) is None:
             if self.epoch_moved(epoch):
                 self.control.decide(self.step, epoch, ABORT)
+            elif self.rc.control_store:
+                self.control.await_decision(self.step, epoch, DECISION_WAIT_S)
             else:
-                pause = backoff(pause, self.vote_poll_s)  # slower replicas: spare the CPU
+                pause = backoff(pause)  # slower replicas: spare the CPU
             if not told and time.monotonic() - start > self.rc.collective_timeout_s:
                 votes = self.control.votes(self.step, epoch)
                 log.info(f"replica {self.replica} rank {self.group_rank}: step {self.step} epoch {epoch} has {votes} of "

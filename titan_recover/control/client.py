@@ -11,6 +11,8 @@ import uuid
 from datetime import timedelta
 from typing import TypeVar
 
+import torch.distributed as dist
+
 from titan_recover.control import keys
 from titan_recover.control.protocol import (
     Admission,
@@ -159,6 +161,14 @@ class ControlClient:
 
     def decision(self, step: int, epoch: int) -> str | None:
         return self._text(keys.decision_key(step, epoch))
+
+    def await_decision(self, step: int, epoch: int, seconds: float) -> None:
+        """Returns once ``step``'s decision in ``epoch`` exists, or after ``seconds``. For etcd, where
+        the wait is a watch; the TCPStore's server-side wait logs a warning at every timeout."""
+        try:
+            self.store.wait([keys.decision_key(step, epoch)], timedelta(seconds=seconds))
+        except dist.DistError:
+            pass
 
     def offer_step(self, record: StepRecord) -> None:
         """The committed step's record; the first member's counts."""

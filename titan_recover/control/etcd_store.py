@@ -24,8 +24,8 @@ import threading
 import time
 import uuid
 from datetime import timedelta
-from typing import Callable, TypeVar
 
+import requests
 import torch.distributed as dist
 from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import Etcd3Exception, InternalServerError, PreconditionFailedError
@@ -34,13 +34,16 @@ from etcd3gw.utils import _decode, _encode
 from titan_recover.control.addresses import parse_etcd_url
 
 REQUEST_S = 2.0  # one HTTP request; a member cut off from the quorum is left after this
-POLL_S = (0.002, 0.05)  # first and longest pause of a blocking get/wait
+RETRY_S = (0.002, 0.25)  # first and longest pause before asking every member again
+WATCH_S = 5.0  # longest single watch of a blocking get/wait: a member cut off from the quorum may keep
+# a watch open and silent, so the key is read again (a linearizable read, which fails over) this often
+REQUIRE_LEADER = {"Grpc-Metadata-hasleader": "true"}  # etcd cancels such a watch when its member loses the leader
 MIN_MEMBERS = 3  # fewer cannot lose one member and keep a majority
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 MARKERS = "titan_recover/adds/"  # the clients' add markers, one per live client
+MAX_COUNTERS = 64  # counters whose last value a client remembers (see ``EtcdStore.add``)
 MARKER_TTL_S = 600.0  # a gone client's marker is deleted by etcd within this (longer for long store timeouts)
 REFUSED_CODES = {3, 5, 11}  # gRPC InvalidArgument, NotFound, OutOfRange: the request is wrong, not the member
-T = TypeVar("T")
 
 
 class LeadershipLost(RuntimeError):
@@ -76,6 +79,7 @@ class EtcdStore(dist.Store):
         self._marker = f"{MARKERS}{uuid.uuid4().hex}"
         self._marker_lease: tuple[int, float] | None = None  # its id, and when it expires (monotonic)
         self._seq = 0
+        self._counters: dict[str, tuple[int, int]] = {}  # key -> (value, mod_revision) as this client last wrote it
         self._lock = threading.Lock()  # one store object is shared by threads (gloo's rendezvous, a lifeline)
         self._add_lock = threading.Lock()  # one add at a time: the marker tells only the last add's fate
         self.set_timeout(timedelta(seconds=timeout_s))
@@ -87,7 +91,7 @@ class EtcdStore(dist.Store):
         store's timeout; ``EtcdUnavailable`` naming every member's last error after that."""
         deadline = time.monotonic() + self.timeout.total_seconds()
         errors: dict[str, str] = {}
-        pause = POLL_S[0]
+        pause = RETRY_S[0]
         while True:
             for i in range(len(self._clients)):
                 index = (self._current + i) % len(self._clients)
@@ -109,7 +113,7 @@ class EtcdStore(dist.Store):
                     + "; ".join(f"{k}: {v}" for k, v in errors.items())
                 )
             time.sleep(pause)
-            pause = min(2 * pause, 0.25)
+            pause = min(2 * pause, RETRY_S[1])
 
     def txn(self, compare: list[dict], success: list[dict], failure: list[dict] | None = None) -> dict:
         return self.post("kv/txn", {"compare": compare, "success": success, "failure": failure or []})
@@ -129,19 +133,48 @@ class EtcdStore(dist.Store):
         answer = self.txn([lease], [{"request_txn": {"compare": compare, "success": success, "failure": failure or []}}])
         if not answer.get("succeeded"):
             raise LeadershipLost(f"the leader key {key!r} no longer holds this leader's lease")
-        return answer["responses"][0]["response_txn"]
+        return {**answer["responses"][0]["response_txn"], "header": answer["header"]}  # the inner one's is empty
 
     def confirm_guard(self) -> None:
         """Raises LeadershipLost unless the guard key still holds this store's value."""
         self._guarded([], [])
 
+    def read(self, key: str) -> bytes | None:
+        """The value under ``key``, or None while there is none: one request (check and get are two)."""
+        rec = self.range(key)
+        return None if rec is None else rec["value"]
+
     def range(self, key: str, revision: int = 0) -> dict | None:
         """The key's record (``value`` decoded, ``mod_revision``), or None when it does not exist."""
+        return self.read_at(key, revision)[0]
+
+    def read_at(self, key: str, revision: int = 0) -> tuple[dict | None, int]:
+        """The key's record (see ``range``) and the cluster's revision it was read at."""
         body = {"key": _encode(key), **({"revision": revision} if revision else {})}
-        kvs = self.post("kv/range", body).get("kvs", [])
+        answer = self.post("kv/range", body)
+        kvs = answer.get("kvs", [])
+        at = int(answer["header"]["revision"])
         if not kvs:
-            return None
-        return {"value": _decode(kvs[0].get("value", "")), "mod_revision": int(kvs[0]["mod_revision"])}
+            return None, at
+        return {"value": _decode(kvs[0].get("value", "")), "mod_revision": int(kvs[0]["mod_revision"])}, at
+
+    def await_change(self, key: str, revision: int, seconds: float, deletes: bool = False) -> None:
+        """Returns once ``key`` may have been written (or, with ``deletes``, deleted) after ``revision``
+        (a watch saw it), after about ``seconds``, or at any error: the caller reads the key again
+        either way. One watch stream on a connection of its own, so a blocking wait never holds
+        the store's lock."""
+        client = self._clients[self._current]
+        body = {"create_request": {"key": _encode(key), "start_revision": revision + 1,
+                                   "filters": ["NOPUT" if deletes else "NODELETE"]}}
+        try:
+            with requests.post(client.get_url("watch"), json=body, stream=True, headers=REQUIRE_LEADER,
+                               timeout=(REQUEST_S, max(seconds, 0.01))) as answer:
+                for line in answer.iter_lines():
+                    result = json.loads(line).get("result", {}) if line else {}
+                    if result.get("events") or result.get("canceled"):
+                        return
+        except (requests.RequestException, ValueError):
+            return
 
     def delete_prefix(self, prefix: str) -> None:
         end = _b(prefix)[:-1] + bytes([_b(prefix)[-1] + 1])
@@ -173,20 +206,23 @@ class EtcdStore(dist.Store):
     def set(self, key: str, value: str | bytes) -> None:
         self._guarded([], [put_op(key, _b(value))])
 
-    def _until(self, ready: Callable[[], T | None], limit: timedelta, what: str) -> T:
-        """Polls ``ready`` (backing off up to ``POLL_S[1]``) until it returns a value, within ``limit``."""
+    def _until(self, key: str, limit: timedelta) -> bytes:
+        """The value of ``key`` once it exists, within ``limit``: read, and while missing, watched
+        from the revision it was read at (no write in between is missed, and no request is made
+        while nothing happens)."""
         deadline = time.monotonic() + limit.total_seconds()
-        pause = POLL_S[0]
-        while (value := ready()) is None:
-            if time.monotonic() > deadline:
-                raise dist.DistStoreError(f"etcd store: {what} within {limit.total_seconds():g}s")
-            time.sleep(pause)
-            pause = min(2 * pause, POLL_S[1])
-        return value
+        while True:
+            rec, revision = self.read_at(key)
+            if rec is not None:
+                return rec["value"]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise dist.DistStoreError(f"etcd store: key {key!r} did not appear within {limit.total_seconds():g}s")
+            self.await_change(key, revision, min(left, WATCH_S))
 
     def get(self, key: str) -> bytes:
         """Blocks until ``key`` exists, like TCPStore (gloo's rendezvous relies on it)."""
-        return self._until(lambda: self.range(key), self.timeout, f"key {key!r} did not appear")["value"]
+        return self._until(key, self.timeout)
 
     def check(self, keys: list[str]) -> bool:
         return all(self.range(k) is not None for k in keys)
@@ -202,33 +238,46 @@ class EtcdStore(dist.Store):
         return [self.get(k) for k in keys]  # blocks for the missing ones
 
     def add(self, key: str, amount: int) -> int:
-        """Adds ``amount`` to the integer under ``key`` (missing: 0) exactly once."""
+        """Adds ``amount`` to the integer under ``key`` (missing: 0) exactly once. One request when
+        nobody else changed the key since this client last did (a transaction whose failure branch
+        reads the key and this client's marker, so a retry needs no read of its own)."""
         if amount == 0:
             rec = self.range(key)
             return int(rec["value"]) if rec is not None else 0
         with self._add_lock:
             self._seq += 1
+            seen = self._counters.pop(key, None)  # (value, mod_revision), or None: guessed missing
             while True:
-                rec = self.range(key)
-                new = (int(rec["value"]) if rec is not None else 0) + amount
-                same = ({"key": _encode(key), "target": "MOD", "result": "EQUAL", "mod_revision": rec["mod_revision"]}
-                        if rec is not None else
+                new = (seen[0] if seen is not None else 0) + amount
+                same = ({"key": _encode(key), "target": "MOD", "result": "EQUAL", "mod_revision": seen[1]}
+                        if seen is not None else
                         {"key": _encode(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0})
                 mark = f"{self._seq} {new}".encode()
+                reads = [{"request_range": {"key": _encode(key)}}, {"request_range": {"key": _encode(self._marker)}}]
                 try:
                     # a request resent to another member after its first one was applied fails ``same``: the marker says so
-                    answer = self._guarded([same], [put_op(key, str(new).encode()), put_op(self._marker, mark, self._lease())])
+                    answer = self._guarded([same], [put_op(key, str(new).encode()), put_op(self._marker, mark, self._lease())],
+                                           reads)
                 except EtcdRefused as e:
                     if "lease not found" not in str(e):
                         raise
                     self._marker_lease = None  # expired while this process was frozen: a fresh one
                     continue
                 if answer.get("succeeded"):
+                    self._remember(key, new, int(answer["header"]["revision"]))
                     return new
-                marker = self.range(self._marker)
-                seq, _, written = (marker["value"] if marker is not None else b"").decode().partition(" ")
+                current, marker = (r["response_range"].get("kvs", []) for r in answer["responses"])
+                seq, _, written = (_decode(marker[0].get("value", "")) if marker else b"").decode().partition(" ")
                 if seq == str(self._seq):  # applied, its answer lost: what it wrote
                     return int(written)
+                seen = (int(_decode(current[0].get("value", ""))), int(current[0]["mod_revision"])) if current else None
+
+    def _remember(self, key: str, value: int, revision: int) -> None:
+        """Keeps what this client wrote to a counter, for its next add; the oldest are dropped past
+        ``MAX_COUNTERS`` (a step's vote counter is used once)."""
+        self._counters[key] = (value, revision)
+        while len(self._counters) > MAX_COUNTERS:
+            del self._counters[next(iter(self._counters))]
 
     def _lease(self) -> int:
         """The lease of this client's marker: one that outlives any lookup of the marker after a
@@ -266,12 +315,66 @@ class EtcdStore(dist.Store):
     deleteKey = delete_key  # the name torch's C++ side calls
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._until(lambda: self.check(keys) or None, timeout or self.timeout, f"keys {keys} did not all appear")
+        deadline = time.monotonic() + (timeout or self.timeout).total_seconds()
+        for key in keys:
+            try:
+                self._until(key, timedelta(seconds=max(0.0, deadline - time.monotonic())))
+            except dist.DistStoreError:
+                raise dist.DistStoreError(f"etcd store: keys {keys} did not all appear within "
+                                          f"{(timeout or self.timeout).total_seconds():g}s") from None
 
     def clone(self) -> EtcdStore:
         """Itself: every call is one short request under the lock, so a blocking ``get`` in one
         thread never holds up another's calls (and the C++ side keeps no clone's Python object alive)."""
         return self
+
+
+class Changes:
+    """Puts under ``prefix`` as a wake-up: one watch stream, held by a thread, instead of reading
+    keys in a loop to find whether any changed. ``wait`` returns at the first put since its last
+    call (one whose key, after ``prefix``, starts with none of ``ignore``) or after ``timeout_s``.
+    A broken watch is made again from the last revision it saw, and wakes the waiter once: the
+    caller reads what it needs either way, so a missed event costs at most one timeout."""
+
+    def __init__(self, store: EtcdStore, prefix: str, ignore: tuple[str, ...] = ()) -> None:
+        self.store, self.prefix, self.ignore = store, prefix, ignore
+        self._changed, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="titan-recover-changes", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        start = _b(self.prefix)
+        body: dict = {"key": _encode(start), "range_end": _encode(start[:-1] + bytes([start[-1] + 1])), "filters": ["NODELETE"]}
+        revision = 0
+        while not self._stop.is_set():
+            try:
+                revision = revision or self.store.revision()
+                client = self.store._clients[self.store._current]
+                request = {"create_request": {**body, "start_revision": revision + 1}}
+                with requests.post(client.get_url("watch"), json=request, stream=True, headers=REQUIRE_LEADER,
+                                   timeout=(REQUEST_S, WATCH_S)) as answer:
+                    for line in answer.iter_lines():
+                        result = json.loads(line).get("result", {}) if line else {}
+                        if result.get("canceled") or self._stop.is_set():
+                            break
+                        for event in result.get("events", []):
+                            revision = int(event["kv"]["mod_revision"])
+                            if not _decode(event["kv"]["key"]).decode(errors="replace")[len(self.prefix):].startswith(self.ignore):
+                                self._changed.set()
+            except (requests.RequestException, ValueError, EtcdError):
+                pass
+            self._changed.set()  # the watch ended (a silent member, an error, a compaction): read once to be sure
+            revision = 0  # from now on (a linearizable read fails over to a member in the quorum)
+            self._stop.wait(0.1)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether a put (or a broken watch) woke it before ``timeout_s``."""
+        woken = self._changed.wait(timeout_s)
+        self._changed.clear()
+        return woken
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 def _refusal(e: Etcd3Exception) -> str | None:

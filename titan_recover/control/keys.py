@@ -33,6 +33,11 @@ REPLICATE_BACKEND = "replicate_backend"  # "gloo" or "nccl": the first rank sets
 NODES = "nodes"  # counter: launchers registered so far; node_key(1..n) name them
 
 
+NO_PASS = ("ok/", "decision/", "param_digest/", "pg/", ALIVE, COORDINATOR_STATE, "members/", EPOCH, "fenced/",
+           "admitted/", "launcher/")
+"""Keys whose writes wake no coordinator pass on etcd: the ranks' own per-step agreement, the
+coordinator's own writes, and node messages (read every node message interval anyway)."""
+
 CURRENT_RUN = "current"  # in the namespace of the run with no id: the id of the run a TCPStore serves
 PROCESS_GROUPS = "pg/"  # the replicate-dim process groups' own rendezvous (names chosen by gloo/NCCL)
 

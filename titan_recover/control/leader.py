@@ -29,7 +29,7 @@ from etcd3gw.utils import _encode
 
 from titan_recover.control.etcd_store import EtcdError, EtcdStore, LeadershipLost, put_op
 
-CAMPAIGN_POLL_S = 0.1  # how often a follower tries for the key; the lease's expiry dominates takeover
+CAMPAIGN_WAIT_S = 1.0  # longest a follower waits between tries: it watches the key, and tries once it is deleted
 COMPACT_EVERY_S = 60.0  # how often the leader compacts etcd's history
 KEEP_HISTORY_S = 300.0  # the history kept (nothing of the run reads an older revision; an operator may)
 log = logging.getLogger("titan_recover.control")
@@ -65,7 +65,9 @@ class Lease:
                 threading.Thread(target=self._compact, args=(self._stop,), name="titan-recover-compact", daemon=True).start()
                 return EtcdStore(self.store.endpoints, self.store.timeout.total_seconds(), guard=(self.key, self.value))
             self.store.post("kv/lease/revoke", {"ID": lease})
-            time.sleep(CAMPAIGN_POLL_S)
+            held, revision = self.store.read_at(self.key)
+            if held is not None:  # its leader's lease expiring deletes it: tried again at once
+                self.store.await_change(self.key, revision, CAMPAIGN_WAIT_S, deletes=True)
         return None
 
     def _keep(self, stop: threading.Event) -> None:

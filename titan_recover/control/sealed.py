@@ -122,12 +122,21 @@ class SealedStore(dist.Store):
 
     def read(self, key: str) -> bytes | None:
         """The value under ``key``, or None while there is none (or it is forged: logged, never used)."""
-        if not self.inner.check([key]):
+        raw = self._read_raw(key)
+        if raw is None:
             return None
         try:
-            return self._unseal(key, self.inner.get(key))
+            return self._unseal(key, raw)
         except ForgedRecord:
             return None
+
+    def _read_raw(self, key: str) -> bytes | None:
+        """One request on etcd (``EtcdStore.read``); the TCPStore API has no read of a key that
+        may be missing, so there it is a check then a get."""
+        under = self.inner.underlying_store
+        if hasattr(under, "read"):
+            return under.read(f"{self.run.prefix}/{key}")
+        return self.inner.get(key) if self.inner.check([key]) else None
 
     # ---- the torch.distributed.Store API --------------------------------------------
 
