@@ -268,8 +268,7 @@ class ControlClient:
     # decides which (``coordinator_core.Forget``), after saving the state that says they are gone.
 
     def _delete(self, names: list[str]) -> None:
-        for name in names:
-            self.store.delete_key(name)
+        self.store.delete_many(names)
 
     def forget_steps(self, steps: range, epochs: range, replicas: int) -> None:
         """What committed ``steps`` left: their records, the parameter digests of replica ids

@@ -180,6 +180,11 @@ class EtcdStore(dist.Store):
         end = _b(prefix)[:-1] + bytes([_b(prefix)[-1] + 1])
         self._guarded([], [{"request_delete_range": {"key": _encode(prefix), "range_end": _encode(end)}}])
 
+    def delete_keys(self, keys: list[str]) -> None:
+        """Deletes ``keys``, up to ``MAX_TXN_OPS`` in one transaction (one Raft entry, not one each)."""
+        for i in range(0, len(keys), MAX_TXN_OPS):
+            self._guarded([], [{"request_delete_range": {"key": _encode(k)}} for k in keys[i:i + MAX_TXN_OPS]])
+
     def members(self) -> list[dict]:
         return self.post("cluster/member/list", {}).get("members", [])
 

@@ -189,6 +189,15 @@ class SealedStore(dist.Store):
         super().set_timeout(timeout)
         self.inner.set_timeout(timeout)
 
+    def delete_many(self, keys: list[str]) -> None:
+        """Deletes ``keys``: one transaction on etcd (``EtcdStore.delete_keys``), one call each on the TCPStore."""
+        under = self.inner.underlying_store
+        if hasattr(under, "delete_keys"):
+            under.delete_keys([f"{self.run.prefix}/{k}" for k in keys])
+            return
+        for key in keys:
+            self.inner.delete_key(key)
+
     def delete_under(self, prefixes: tuple[str, ...]) -> None:
         """Deletes every key under ``prefixes`` (names gloo or NCCL chose): the TCPStore lists them;
         etcd deletes the range itself (torch's PrefixStore does not forward a Python store's listing)."""
