@@ -107,8 +107,8 @@ def steps(dump: Path) -> list[int]:
 
 
 def leaders(dump: Path) -> list[dict]:
-    """The coordinator leaders so far (etcd): each one's ``leader`` event."""
-    return [e for e in events(dump) if e["event"] == "leader"]
+    """The coordinator leaders so far (etcd), in order: each one's ``leader`` event (each node has a file)."""
+    return sorted((e for e in events(dump) if e["event"] == "leader"), key=lambda e: e["time"])
 
 
 def coordinators(lines: list[dict]) -> list[dict]:
