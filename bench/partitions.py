@@ -234,7 +234,7 @@ def cut_off(cluster: Cluster, dump: Path) -> Outcome:
 
 def coordinator_cut_off(cluster: Cluster, dump: Path) -> Outcome:
     """Node 0 (the TCPStore coordinator's node) unplugged for good after step 2, coordinator_timeout_s 10."""
-    plan = "sleep replica=0 step=3 phase=optimizer seconds=20"  # step 3 not committed before the cut
+    plan = f"{STALL}; sleep replica=0 step=3 phase=optimizer seconds=20"  # step 3 neither committed nor recorded before the cut
     args = launcher_args(dump, cluster.nodes[0], plan, "--recover.coordinator_timeout_s", str(TIMEOUT_S),
                          "--recover.max_restarts", "0")
     with two_nodes(cluster, dump, args) as launchers:

@@ -84,6 +84,13 @@ class EtcdStore(dist.Store):
         self._add_lock = threading.Lock()  # one add at a time: the marker tells only the last add's fate
         self.set_timeout(timedelta(seconds=timeout_s))
 
+    def guarded(self, guard: tuple[str, str]) -> EtcdStore:
+        """A store like this one whose writes are all conditional on ``guard``; its first request goes
+        to the member that last answered this one (a member cut off would cost a request's timeout)."""
+        store = EtcdStore(self.endpoints, self.timeout.total_seconds(), guard=guard)
+        store._current = self._current
+        return store
+
     # ---- transport ------------------------------------------------------------------
 
     def post(self, path: str, body: dict) -> dict:

@@ -63,7 +63,7 @@ class Lease:
                 self._keeper = threading.Thread(target=self._keep, args=(self._stop,), name="titan-recover-lease", daemon=True)
                 self._keeper.start()
                 threading.Thread(target=self._compact, args=(self._stop,), name="titan-recover-compact", daemon=True).start()
-                return EtcdStore(self.store.endpoints, self.store.timeout.total_seconds(), guard=(self.key, self.value))
+                return self.store.guarded((self.key, self.value))
             self.store.post("kv/lease/revoke", {"ID": lease})
             held, revision = self.store.read_at(self.key)
             if held is not None:  # its leader's lease expiring deletes it: tried again at once
