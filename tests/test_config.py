@@ -142,6 +142,16 @@ def test_timeout_must_exceed_twice_the_interval() -> None:
 
 
 @pytest.mark.unit
+def test_on_etcd_node_messages_are_at_least_half_a_second_apart_and_the_timeout_must_allow_two() -> None:
+    etcd = ("--recover.control_store", "etcd://h1:2379,h2:2379,h3:2379")
+    assert config.node_message_interval_s(load(*etcd).recover) == 0.5
+    assert config.node_message_interval_s(load().recover) == 0.1  # the TCPStore keeps heartbeat_interval_s
+    assert config.node_message_interval_s(load(*etcd, "--recover.heartbeat_interval_s", "0.8").recover) == 0.8
+    with pytest.raises(ConfigError, match=r"heartbeat_timeout_s must be more than 1s on etcd"):
+        load(*etcd, "--recover.heartbeat_timeout_s", "1.0")
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("confirm", ["0.1", "0.05"])
 def test_report_confirm_must_exceed_the_heartbeat_interval(confirm: str) -> None:
     # shorter than one heartbeat interval, it fenced healthy replicas between two beats
