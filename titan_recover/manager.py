@@ -244,7 +244,7 @@ class ReplicaManager:
         """
         epoch = membership.epoch
         expected = len(membership.members) * self.group_size
-        if self.control.vote(self.step, epoch) == expected:
+        if self.control.vote(self.step, epoch, f"{self.replica}.{self.group_rank}") == expected:
             self.control.decide(self.step, epoch, COMMIT)
         pause, start, told = POLL_S[0], time.monotonic(), False
         while (decision := self.control.decision(self.step, epoch)) is None:

@@ -148,12 +148,12 @@ class ControlClient:
     def start_step(self) -> int | None:
         return self._int(keys.START_STEP)
 
-    def vote(self, step: int, epoch: int) -> int:
-        """One commit vote for ``step`` in ``epoch``; the number of votes so far."""
-        return int(self.store.add(keys.ok_key(step, epoch), 1))
+    def vote(self, step: int, epoch: int, voter: str) -> int:
+        """``voter``'s commit vote for ``step`` in ``epoch``; the number of votes so far."""
+        return self.store.tally(keys.ok_key(step, epoch), voter)
 
     def votes(self, step: int, epoch: int) -> int:
-        return self._count(keys.ok_key(step, epoch))
+        return self.store.tallied(keys.ok_key(step, epoch))
 
     def decide(self, step: int, epoch: int, outcome: str) -> None:
         """The first writer of a step's decision in an epoch wins: every rank acts on the same outcome."""
@@ -275,7 +275,8 @@ class ControlClient:
         0..``replicas``-1, and their commit votes and decisions in ``epochs``."""
         for step in steps:
             self._delete([keys.step_key(step), *(keys.digest_key(step, r) for r in range(replicas)),
-                          *(k for e in epochs for k in (keys.ok_key(step, e), keys.decision_key(step, e)))])
+                          *(keys.decision_key(step, e) for e in epochs)])
+            self.store.forget_tallies([keys.ok_key(step, e) for e in epochs])
 
     def forget_epochs(self, epochs: range) -> None:
         """The members of ``epochs`` and the rendezvous keys of their replicate and transfer groups

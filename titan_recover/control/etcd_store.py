@@ -183,9 +183,20 @@ class EtcdStore(dist.Store):
         except (requests.RequestException, ValueError):
             return
 
-    def delete_prefix(self, prefix: str) -> None:
-        end = _b(prefix)[:-1] + bytes([_b(prefix)[-1] + 1])
-        self._guarded([], [{"request_delete_range": {"key": _encode(prefix), "range_end": _encode(end)}}])
+    def delete_prefixes(self, prefixes: list[str]) -> None:
+        """Deletes every key under each of ``prefixes``, up to ``MAX_TXN_OPS`` prefixes in one transaction."""
+        for i in range(0, len(prefixes), MAX_TXN_OPS):
+            self._guarded([], [{"request_delete_range": under(p)} for p in prefixes[i:i + MAX_TXN_OPS]])
+
+    def put_and_count(self, key: str, prefix: str) -> int:
+        """Writes ``key`` (empty) and counts the keys under ``prefix`` right after, in one transaction:
+        a vote that needs no compare-and-swap, so none is lost and retried when many vote at once."""
+        answer = self._guarded([], [put_op(key, b""), {"request_range": {**under(prefix), "count_only": True}}])
+        return int(answer["responses"][1]["response_range"].get("count", 0))
+
+    def count(self, prefix: str) -> int:
+        """How many keys are under ``prefix``."""
+        return int(self.post("kv/range", {**under(prefix), "count_only": True}).get("count", 0))
 
     def delete_keys(self, keys: list[str]) -> None:
         """Deletes ``keys``, up to ``MAX_TXN_OPS`` in one transaction (one Raft entry, not one each)."""
@@ -355,8 +366,7 @@ class Changes:
         self._thread.start()
 
     def _run(self) -> None:
-        start = _b(self.prefix)
-        body: dict = {"key": _encode(start), "range_end": _encode(start[:-1] + bytes([start[-1] + 1])), "filters": ["NODELETE"]}
+        body: dict = {**under(self.prefix), "filters": ["NODELETE"]}
         revision = 0
         while not self._stop.is_set():
             try:
@@ -396,6 +406,12 @@ def _refusal(e: Etcd3Exception) -> str | None:
     except ValueError:
         return None
     return str(answer.get("message", "")) if isinstance(answer, dict) and answer.get("code") in REFUSED_CODES else None
+
+
+def under(prefix: str) -> dict:
+    """The key range of every key starting with ``prefix``, as etcd's JSON gateway takes it."""
+    start = _b(prefix)
+    return {"key": _encode(start), "range_end": _encode(start[:-1] + bytes([start[-1] + 1]))}
 
 
 def put_op(key: str, value: bytes, lease: int = 0) -> dict:

@@ -66,6 +66,8 @@ def members_key(epoch: int) -> str:
 
 
 def ok_key(step: int, epoch: int) -> str:
+    """The commit votes of ``step`` in ``epoch``: a counter on the TCPStore, the prefix of one key per
+    voter on etcd (``SealedStore.tally``)."""
     return f"ok/{step}/{epoch}"
 
 

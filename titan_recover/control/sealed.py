@@ -198,14 +198,39 @@ class SealedStore(dist.Store):
         for key in keys:
             self.inner.delete_key(key)
 
+    def tally(self, counter: str, voter: str) -> int:
+        """Counts ``voter``'s vote under ``counter``; the votes so far. On etcd one transaction writes
+        the voter's own key and counts the counter's keys (``EtcdStore.put_and_count``): no
+        compare-and-swap to lose, and retry as another Raft entry, when every rank votes at once.
+        On the TCPStore, ``add``."""
+        under = self.inner.underlying_store
+        if hasattr(under, "put_and_count"):
+            return int(under.put_and_count(f"{self.run.prefix}/{counter}/{voter}", f"{self.run.prefix}/{counter}/"))
+        return int(self.inner.add(counter, 1))
+
+    def tallied(self, counter: str) -> int:
+        """The votes under ``counter`` so far."""
+        under = self.inner.underlying_store
+        if hasattr(under, "count"):
+            return int(under.count(f"{self.run.prefix}/{counter}/"))
+        return int(self.inner.add(counter, 0))
+
+    def forget_tallies(self, counters: list[str]) -> None:
+        """Deletes the votes under ``counters``: each voter's key on etcd (one transaction), the counter on the TCPStore."""
+        under = self.inner.underlying_store
+        if hasattr(under, "delete_prefixes"):
+            under.delete_prefixes([f"{self.run.prefix}/{c}/" for c in counters])
+            return
+        for counter in counters:
+            self.inner.delete_key(counter)
+
     def delete_under(self, prefixes: tuple[str, ...]) -> None:
         """Deletes every key under ``prefixes`` (names gloo or NCCL chose): the TCPStore lists them;
         etcd deletes the range itself (torch's PrefixStore does not forward a Python store's listing)."""
         try:
             names = self.inner.list_keys()
         except NotImplementedError:
-            for prefix in prefixes:
-                self.inner.underlying_store.delete_prefix(f"{self.run.prefix}/{prefix}")
+            self.inner.underlying_store.delete_prefixes([f"{self.run.prefix}/{prefix}" for prefix in prefixes])
             return
         for name in names:
             if name.startswith(prefixes):
