@@ -101,6 +101,9 @@ class SealedStore(dist.Store):
         super().__init__()
         self.inner, self.run = inner, run
         self._refused: dict[str, float] = {}
+        under = getattr(inner, "underlying_store", None)
+        # the etcd store under the run's prefix, where one request does what the TCPStore API needs several for
+        self._etcd = under if hasattr(under, "put_and_count") else None
         super().set_timeout(inner.timeout)
 
     def _seal(self, key: str, value: str | bytes) -> bytes:
@@ -133,10 +136,13 @@ class SealedStore(dist.Store):
     def _read_raw(self, key: str) -> bytes | None:
         """One request on etcd (``EtcdStore.read``); the TCPStore API has no read of a key that
         may be missing, so there it is a check then a get."""
-        under = self.inner.underlying_store
-        if hasattr(under, "read"):
-            return under.read(f"{self.run.prefix}/{key}")
+        if self._etcd is not None:
+            return self._etcd.read(self._full(key))
         return self.inner.get(key) if self.inner.check([key]) else None
+
+    def _full(self, key: str) -> str:
+        """``key`` as the store under the run's prefix names it."""
+        return f"{self.run.prefix}/{key}"
 
     # ---- the torch.distributed.Store API --------------------------------------------
 
@@ -191,9 +197,8 @@ class SealedStore(dist.Store):
 
     def delete_many(self, keys: list[str]) -> None:
         """Deletes ``keys``: one transaction on etcd (``EtcdStore.delete_keys``), one call each on the TCPStore."""
-        under = self.inner.underlying_store
-        if hasattr(under, "delete_keys"):
-            under.delete_keys([f"{self.run.prefix}/{k}" for k in keys])
+        if self._etcd is not None:
+            self._etcd.delete_keys([self._full(k) for k in keys])
             return
         for key in keys:
             self.inner.delete_key(key)
@@ -203,36 +208,30 @@ class SealedStore(dist.Store):
         the voter's own key and counts the counter's keys (``EtcdStore.put_and_count``): no
         compare-and-swap to lose, and retry as another Raft entry, when every rank votes at once.
         On the TCPStore, ``add``."""
-        under = self.inner.underlying_store
-        if hasattr(under, "put_and_count"):
-            return int(under.put_and_count(f"{self.run.prefix}/{counter}/{voter}", f"{self.run.prefix}/{counter}/"))
+        if self._etcd is not None:
+            return int(self._etcd.put_and_count(self._full(f"{counter}/{voter}"), self._full(f"{counter}/")))
         return int(self.inner.add(counter, 1))
 
     def tallied(self, counter: str) -> int:
         """The votes under ``counter`` so far."""
-        under = self.inner.underlying_store
-        if hasattr(under, "count"):
-            return int(under.count(f"{self.run.prefix}/{counter}/"))
+        if self._etcd is not None:
+            return int(self._etcd.count(self._full(f"{counter}/")))
         return int(self.inner.add(counter, 0))
 
     def forget_tallies(self, counters: list[str]) -> None:
         """Deletes the votes under ``counters``: each voter's key on etcd (one transaction), the counter on the TCPStore."""
-        under = self.inner.underlying_store
-        if hasattr(under, "delete_prefixes"):
-            under.delete_prefixes([f"{self.run.prefix}/{c}/" for c in counters])
+        if self._etcd is not None:
+            self._etcd.delete_prefixes([self._full(f"{c}/") for c in counters])
             return
-        for counter in counters:
-            self.inner.delete_key(counter)
+        self.delete_many(counters)
 
     def delete_under(self, prefixes: tuple[str, ...]) -> None:
         """Deletes every key under ``prefixes`` (names gloo or NCCL chose): the TCPStore lists them;
         etcd deletes the range itself (torch's PrefixStore does not forward a Python store's listing)."""
-        try:
-            names = self.inner.list_keys()
-        except NotImplementedError:
-            self.inner.underlying_store.delete_prefixes([f"{self.run.prefix}/{prefix}" for prefix in prefixes])
+        if self._etcd is not None:
+            self._etcd.delete_prefixes([self._full(prefix) for prefix in prefixes])
             return
-        for name in names:
+        for name in self.inner.list_keys():
             if name.startswith(prefixes):
                 self.inner.delete_key(name)
 
