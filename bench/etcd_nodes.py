@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.etcd_nodes [--nodes 64 256 1024] [--seconds 20] [--workers 4]
 
 Each simulated node writes a real, sealed node message (one replica group of 8 ranks) every
-``config.node_message_interval_s`` of an etcd run (0.5 s) through the run's client, as its
+``config.node_message_interval_s`` of an etcd run (0.4 s; the stored results ran at 0.5 s) through the run's client, as its
 launcher's lifeline does; the coordinator's read of every node message (``ControlClient.node_messages``)
 runs at the same interval. Per size: node messages demanded and written per second, write latency
 (p50, p99), the coordinator's read of all of them (p50, p99), and the CPU the etcd members used

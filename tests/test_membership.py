@@ -395,6 +395,32 @@ def test_unnamed_report_with_everybody_beating_is_a_retry() -> None:
     assert det.decide(t) == ({}, False)
 
 
+def test_waiting_report_fences_the_silent_replica_and_retries_nothing() -> None:
+    # replica 1 died after the all-reduce: no collective broke, its peers wait for its vote
+    det = make_detector(confirm_s=0.5)
+    beats = Beats(det)
+    t = run_until(det, beats, 1000.0, 1001.0, (0, 1, 2))
+    det.report(None, "replica 0 rank 0 waited 0.5s for the commit votes of step 3", now=t + 0.1, waiting=True)
+    t = run_until(det, beats, t, t + 0.6, (0, 2))
+    failed, retry = det.decide(t)
+    assert set(failed) == {1} and retry is False
+    assert failed[1].startswith("silent 0.") and "while its peers waited (replica 0 rank 0 waited" in failed[1]
+
+
+def test_waiting_report_with_everybody_beating_is_no_retry() -> None:
+    # a slow peer still beating: the wait goes on, the epoch is not bumped
+    det = make_detector(confirm_s=0.5)
+    beats = Beats(det)
+    t = run_until(det, beats, 1000.0, 1001.0, (0, 1, 2))
+    det.report(None, "waited", now=t, waiting=True)
+    t = run_until(det, beats, t, t + 0.6, (0, 1, 2))
+    assert det.decide(t) == ({}, False)
+    det.report(None, "waited", now=t, waiting=True)
+    det.report(None, "broke", now=t)
+    t = run_until(det, beats, t, t + 0.6, (0, 1, 2))
+    assert det.decide(t) == ({}, True)  # a broken collective among them still retries
+
+
 def test_one_silent_shard_makes_its_replica_silent() -> None:
     det = make_detector(confirm_s=0.5)
     beats = Beats(det)

@@ -135,7 +135,7 @@ class Recover:
     rank has a GPU of its own, else gloo); the launcher resolves "auto" (see titan_recover.devices)."""
 
 
-ETCD_NODE_MESSAGE_S = 0.5
+ETCD_NODE_MESSAGE_S = 0.4
 """The shortest interval between a launcher's node messages on etcd."""
 
 
@@ -229,11 +229,11 @@ def _check_heartbeats(rc: Recover) -> None:
             f"recover.heartbeat_timeout_s must be more than {2 * node_message_interval_s(rc):g}s on etcd "
             f"(node messages are written every {node_message_interval_s(rc):g}s there), got {rc.heartbeat_timeout_s}"
         )
-    if rc.report_confirm_s <= rc.heartbeat_interval_s:
+    if rc.report_confirm_s <= 2 * node_message_interval_s(rc):
         raise ConfigError(
-            "recover.report_confirm_s must be more than recover.heartbeat_interval_s (a healthy replica "
-            "is silent up to one interval between beats and would be fenced), got "
-            f"{rc.report_confirm_s} and {rc.heartbeat_interval_s}"
+            f"recover.report_confirm_s must be more than {2 * node_message_interval_s(rc):g}s, twice the node "
+            f"message interval (a healthy replica's beats reach the coordinator up to two intervals late "
+            f"and it would be fenced), got {rc.report_confirm_s}"
         )
 
 

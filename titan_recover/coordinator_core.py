@@ -247,12 +247,12 @@ class CoordinatorCore:
             return []  # about an incarnation already replaced
         if report.attempt is not None and (suspect is None or report.attempt != self._incarnation(suspect)):
             return []  # a launcher's report about another incarnation (it crossed that group's restart)
-        if suspect is None and report.replica is not None:
+        if suspect is None and report.replica is not None and not report.waiting:
             self.reporters.add(report.replica)
         if suspect is not None and report.error and report.step is not None:
             self.errors[suspect] = (report.error, report.step)
         effects = self._drop_spare(suspect, report.cause) if suspect in self.state.spares else []
-        self.detector.report(suspect, report.cause, now)
+        self.detector.report(suspect, report.cause, now, report.waiting)
         return effects
 
     def _incarnation(self, replica: int) -> int | None:

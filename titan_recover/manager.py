@@ -239,14 +239,17 @@ class ReplicaManager:
 
         A collective can succeed on some ranks and fail on others; the first writer of
         the decision wins, so every rank acts on the same outcome. The wait ends with the
-        last vote or a new epoch (the coordinator fences a member that stops beating);
-        a slow member still beating is waited for, and named in the log.
+        last vote or a new epoch: the wait is reported after ``report_confirm_s``, and the
+        coordinator fences a member silent that long; a slow member still beating is waited
+        for, and named in the log.
         """
         epoch = membership.epoch
         expected = len(membership.members) * self.group_size
         if self.control.vote(self.step, epoch, f"{self.replica}.{self.group_rank}") == expected:
             self.control.decide(self.step, epoch, COMMIT)
         pause, start, told = POLL_S[0], time.monotonic(), False
+        waited = self._waiting(epoch, lambda: f"the commit votes of step {self.step} "
+                               f"({self.control.votes(self.step, epoch)} of {expected})")
         while (decision := self.control.decision(self.step, epoch)) is None:
             if self.epoch_moved(epoch):
                 self.control.decide(self.step, epoch, ABORT)
@@ -254,6 +257,7 @@ class ReplicaManager:
                 self.control.await_decision(self.step, epoch, DECISION_WAIT_S)
             else:
                 pause = backoff(pause)  # slower replicas: spare the CPU
+            waited()
             if not told and time.monotonic() - start > self.rc.collective_timeout_s:
                 votes = self.control.votes(self.step, epoch)
                 log.info(f"replica {self.replica} rank {self.group_rank}: step {self.step} epoch {epoch} has {votes} of "
@@ -280,12 +284,31 @@ class ReplicaManager:
         (a member fenced meanwhile never writes; the wait is bounded by collective_timeout_s)."""
         self.control.put_digest(self.step, self.replica, digest)
         wanted = list(members)
+        epoch = self._read_epoch()
+        waited = self._waiting(epoch, lambda: f"the parameter digests of step {self.step} from replicas "
+                               f"{sorted(set(wanted) - set(digests))}")
         deadline = time.monotonic() + self.rc.collective_timeout_s
         while len(digests := self.control.digests(self.step, wanted)) < len(wanted) and time.monotonic() < deadline:
             live = self.membership(self._read_epoch()).members
             wanted = [r for r in wanted if r in live]
+            waited()
             time.sleep(EPOCH_POLL_S)
         return digests
+
+    def _waiting(self, epoch: int, what: Callable[[], str]) -> Callable[[], None]:
+        """Call it on every turn of a wait for peers outside a collective: once the wait has lasted
+        ``report_confirm_s``, it reports it once (a waiting report), so that a peer that died
+        between collectives is fenced after ``report_confirm_s`` of silence, not ``heartbeat_timeout_s``.
+        Group rank 0 speaks for its group (its ranks wait for the same peers): one report per group."""
+        start, told = time.monotonic(), self.group_rank != 0
+
+        def turn() -> None:
+            nonlocal told
+            if not told and time.monotonic() - start >= self.rc.report_confirm_s and not self.epoch_moved(epoch):
+                told = True
+                self.control.report(Report(epoch=epoch, cause=f"replica {self.replica} rank {self.group_rank} waited "
+                    f"{self.rc.report_confirm_s:g}s for {what()}", replica=self.replica, step=self.step, waiting=True))
+        return turn
 
     def tick(self, where: str) -> None:
         """The main loop made progress (at ``where``): the lifeline keeps beating."""

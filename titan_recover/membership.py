@@ -120,7 +120,9 @@ class FailureDetector:
       launcher seeing a group's process exit) fences that group at once.
     - A report without a suspect (a replicate-dim collective error: some peer is gone)
       fences, ``confirm_s`` later, every member whose heartbeat was silent that long;
-      if nobody was silent, the epoch is retried with the same members.
+      if nobody was silent, the epoch is retried with the same members. A waiting report
+      (peers' commit votes or digests long missing) fences the same way and retries nothing:
+      a peer that died between collectives is found without waiting ``timeout_s``.
     - A group one of whose ranks has not beaten for ``timeout_s`` (or ``startup_s`` before
       every rank's first beat) is failed: this catches hangs and dead nodes. Beats arrive
       folded per group from the node messages (``group_views``).
@@ -134,7 +136,7 @@ class FailureDetector:
     start: float
     _beats: dict[int, float] = field(default_factory=dict)  # replica -> when its most silent rank last beat
     _suspects: dict[int, str] = field(default_factory=dict)
-    _unnamed: list[tuple[float, str]] = field(default_factory=list)
+    _unnamed: list[tuple[float, str, bool]] = field(default_factory=list)  # (when, cause, whether it retries)
 
     def set_members(self, members: Iterable[int], now: float | None = None) -> None:
         """Called with each new epoch. Pending unnamed reports were about the old epoch
@@ -161,9 +163,9 @@ class FailureDetector:
         """When the replica's most silent rank last beat (None if one never did)."""
         return self._beats.get(replica)
 
-    def report(self, suspect: int | None, cause: str, now: float) -> None:
+    def report(self, suspect: int | None, cause: str, now: float, waiting: bool = False) -> None:
         if suspect is None:
-            self._unnamed.append((now, cause))
+            self._unnamed.append((now, cause, not waiting))
         elif suspect in self.members:
             self._suspects.setdefault(suspect, cause)
 
@@ -176,7 +178,7 @@ class FailureDetector:
         """Returns (failed replica -> cause, retry): retry means bump the epoch anyway."""
         failed = dict(self._suspects)
         retry = False
-        due = [(t, c) for t, c in self._unnamed if now >= t + self.confirm_s]
+        due = [(c, retries) for t, c, retries in self._unnamed if now >= t + self.confirm_s]
         for replica in self.members:
             if replica in failed:
                 continue
@@ -186,10 +188,12 @@ class FailureDetector:
             elif not never and silent >= self.timeout_s:
                 failed[replica] = f"heartbeat silent for {silent:.2f}s"
             elif due and not never and silent >= self.confirm_s:
-                failed[replica] = f"silent {silent:.2f}s after collective error ({due[0][1]})"
+                cause, retries = due[0]
+                after = "after collective error" if retries else "while its peers waited"
+                failed[replica] = f"silent {silent:.2f}s {after} ({cause})"
         if due:
-            self._unnamed = [(t, c) for t, c in self._unnamed if now < t + self.confirm_s]
-            retry = not failed
+            self._unnamed = [u for u in self._unnamed if now < u[0] + self.confirm_s]
+            retry = not failed and any(retries for _, retries in due)
         return failed, retry
 
 

@@ -187,7 +187,9 @@ class NodeMessage(Record):
 @dataclass(frozen=True)
 class Report(Record):
     """A failure seen from a rank or a launcher. ``suspect`` names the failed group when the
-    reporter knows it; a broken replicate-dim collective names none."""
+    reporter knows it; a broken replicate-dim collective names none. ``waiting``: no collective
+    broke, the reporter has waited long for its peers' commit votes or digests (a peer that died
+    between collectives): a silent member is failed, and if nobody is silent nothing is retried."""
 
     epoch: int
     cause: str
@@ -197,6 +199,7 @@ class Report(Record):
     attempt: int | None = None  # the incarnation of ``suspect`` it is about (launcher reports)
     error: str | None = None  # the job's own error, as the same text on every replica that raises it
     time: float = 0.0  # when it was written (wall clock)
+    waiting: bool = False
 
     REQUIRED = ("epoch", "cause")
 
@@ -211,10 +214,12 @@ class Report(Record):
         error = rec.get("error")
         _require(key, isinstance(rec["cause"], str) and (error is None or isinstance(error, str)),
                  "cause and error must be strings", rec)
-        when = rec.get("time", 0.0)
+        when, waiting = rec.get("time", 0.0), rec.get("waiting", False)
         _require(key, is_seconds(when), "time must be seconds", rec)
+        _require(key, isinstance(waiting, bool) and not (waiting and rec.get("suspect") is not None),
+                 "waiting must be a boolean, and a waiting report names no suspect", rec)
         return Report(rec["epoch"], rec["cause"], rec.get("replica"), rec.get("suspect"), rec.get("step"),
-                      rec.get("attempt"), error or None, float(when))
+                      rec.get("attempt"), error or None, float(when), waiting)
 
 
 @dataclass(frozen=True)
