@@ -91,6 +91,7 @@ def test_the_leader_killed_mid_step_is_replaced_and_its_successor_fences_and_rea
     died = a if "coordinator candidate exited with code -9" in a.output() else b
     assert "starting another (the leader's lease passes to a live candidate)" in died.output()
     assert "took over at step 3" in a.output() + b.output()
+    assert (a.output() + b.output()).count("node messages on 127.0.0.1:") == 2  # each leader's board, not etcd
     assert "coordinator leaders  : 2" in a.output()  # the summary names the takeover
     assert "Traceback" not in a.output(), a.output()[-3000:]  # B's torchrun prints the killed rank's
     assert "titan_recover/coordinator.py" not in b.output() and "titan_recover/launch.py" not in b.output()

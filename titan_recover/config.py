@@ -141,9 +141,9 @@ ETCD_NODE_MESSAGE_S = 0.4
 
 def node_message_interval_s(rc: Recover) -> float:
     """How often each launcher writes its node message and the coordinator reads them:
-    ``heartbeat_interval_s``, but at least ``ETCD_NODE_MESSAGE_S`` on etcd, where every write is a
-    Raft entry that each member appends to its log and syncs to disk (the TCPStore holds it in
-    memory). Failure detection is bounded by ``heartbeat_timeout_s`` either way."""
+    ``heartbeat_interval_s``, but at least ``ETCD_NODE_MESSAGE_S`` on etcd, where the coordinator's
+    pass that reads them also reads etcd (the node messages themselves are on the leader's board,
+    ``control.board``). Failure detection is bounded by ``heartbeat_timeout_s`` either way."""
     return max(rc.heartbeat_interval_s, ETCD_NODE_MESSAGE_S) if rc.control_store else rc.heartbeat_interval_s
 
 

@@ -22,9 +22,10 @@ import torch.distributed as dist
 
 from titan_recover import config, logs, procs, resources
 from titan_recover.control import transport
+from titan_recover.control.board import LeaderBoard
 from titan_recover.control.addresses import LOOPBACK, is_etcd, parse_host_port
 from titan_recover.control.client import COMMIT, ControlClient
-from titan_recover.control.keys import NO_PASS, leader_key
+from titan_recover.control.keys import BOARD, NO_PASS, leader_key
 from titan_recover.control.sealed import Run
 from titan_recover.control.lifeline import PROBE_S
 from titan_recover.control.protocol import CoordinatorState, Membership, MessageError, NodeMessage, TransferRecord
@@ -84,9 +85,11 @@ class Coordinator:
     """The I/O shell around ``CoordinatorCore``: one pass reads the store, the core decides, the shell publishes."""
 
     def __init__(self, job_config: Any, client: dist.Store, events: EventLog, poll_s: float = POLL_S,
-                 wait: Callable[[float], None] = time.sleep) -> None:
+                 wait: Callable[[float], None] = time.sleep,
+                 node_messages: Callable[[list[str]], list[bytes]] | None = None) -> None:
         self.rc = rc = job_config.recover
         self.control = ControlClient(client)
+        self.node_messages = node_messages or self.control.node_messages  # on etcd: the leader's board
         self.events = events
         self.poll_s, self.wait = poll_s, wait  # between passes: ``wait(poll_s)`` (it may return early)
         self.alive_s = ETCD_ALIVE_S if rc.control_store else ALIVE_S
@@ -229,7 +232,7 @@ class Coordinator:
         if not self.nodes:
             return
         names = list(self.nodes)
-        for key, raw in zip(names, self.control.node_messages(names)):
+        for key, raw in zip(names, self.node_messages(names)):
             if raw == self.node_raw.get(key):
                 continue  # its lifeline did not write since: its groups age
             self.node_raw[key], self.node_changed[key] = raw, now
@@ -406,10 +409,14 @@ def lead(job_config: Any, address: str) -> int:
         log.info(f"leading (lease {rc.leader_lease_s:g}s)")
         client = transport.in_run(guarded, run)
         changes = Changes(raw, f"{run.prefix}/", NO_PASS)  # a pass when a key it acts on changed
+        board = LeaderBoard(address, run, rc.collective_timeout_s)
         try:
+            ControlClient(client).put(BOARD, board.where)
+            log.info(f"node messages on {board.where.address}")
             events = LeaderEvents(job_config.job.dump_folder, guarded.confirm_guard)
             try:
-                coordinator = Coordinator(job_config, client, events, config.node_message_interval_s(rc), changes.wait)
+                coordinator = Coordinator(job_config, client, events, config.node_message_interval_s(rc), changes.wait,
+                                          board.messages)
             except MessageError as e:  # no leader could act on it: the run stops, saying why
                 error = f"the coordinator state in etcd cannot be taken over: {e}; {config.resume_hint(job_config)}"
                 ControlClient(client).stop(error)
@@ -425,6 +432,7 @@ def lead(job_config: Any, address: str) -> int:
             log.info(f"no longer the leader ({e}); campaigning again")
         finally:
             changes.close()
+            board.close()
             lease.resign()
 
 

@@ -25,6 +25,7 @@ from titan_recover import config, cpu_shim, devices, logs, node_channel
 from titan_recover.agent import NodeAgent
 from titan_recover.control import claims, keys, transport
 from titan_recover.control.addresses import LOOPBACK, local_host, parse_host_port, resolve, route_address
+from titan_recover.control.board import Board
 from titan_recover.control.client import ControlClient
 from titan_recover.control.lifeline import Heartbeat, one_line, store_errors
 from titan_recover.control.protocol import Launcher
@@ -314,12 +315,17 @@ class NodeLauncher:
         except transport.CoordinatorGone as e:
             self.on_lost(str(e))
             return None
-        client.register(self.me, self.agent.message())
+        board = Board(self.run) if self.etcd else None  # on etcd the leader serves the node messages
+        if board is None:
+            client.register(self.me, self.agent.message())
+        else:
+            client.name_node(self.me)  # its lifeline writes its message on the board
         self.lifeline = Heartbeat(str(self.address), self.me.key, config.node_message_interval_s(rc), rc.coordinator_timeout_s,
                                   self.on_lost, lambda: self.agent.message().dumps(), run=self.run,
-                                  startup_timeout_s=rc.startup_timeout_s, ended=lambda: bool(self.agent.flags))
+                                  startup_timeout_s=rc.startup_timeout_s, ended=lambda: bool(self.agent.flags), board=board)
         self.agent.start(on_error=log.warning)
-        taken = claims.claim(client, self.me, self.local, rc.heartbeat_timeout_s, log.info, self.part)
+        message_of = client.node_message_raw if board is None else lambda o: board.read(client.store, o.key)
+        taken = claims.claim(client, self.me, self.local, rc.heartbeat_timeout_s, log.info, self.part, message_of)
         for r in self.local:
             self.groups.begin(client, r, r in taken)
         return client

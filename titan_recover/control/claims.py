@@ -26,29 +26,31 @@ class ClaimRefused(RuntimeError):
     """Another launcher, alive, already runs some of this launcher's replica groups."""
 
 
-def silent(client: ControlClient, owners: set[Launcher], stale_s: float) -> set[Launcher]:
-    """The ``owners`` whose node message does not change for ``stale_s``: they are dead (or
-    cut off for longer than the coordinator's own heartbeat bound). A live one answers within
-    one lifeline interval, so a refusal is quick; only a dead owner costs the whole wait."""
-    start = {o: client.node_message_raw(o) for o in owners}
+def silent(message_of: Callable[[Launcher], bytes], owners: set[Launcher], stale_s: float) -> set[Launcher]:
+    """The ``owners`` whose node message (``message_of``) does not change for ``stale_s``: they are
+    dead (or cut off for longer than the coordinator's own heartbeat bound). A live one answers
+    within one lifeline interval, so a refusal is quick; only a dead owner costs the whole wait."""
+    start = {o: message_of(o) for o in owners}
     waiting, deadline = set(owners), time.monotonic() + stale_s
     while waiting and time.monotonic() < deadline:
         time.sleep(POLL_S)
-        waiting = {o for o in waiting if client.node_message_raw(o) == start[o]}
+        waiting = {o for o in waiting if message_of(o) == start[o]}
     return waiting
 
 
 def claim(
-    client: ControlClient, me: Launcher, replicas: list[int], stale_s: float, log: Callable[[str], None], part: int = 0
+    client: ControlClient, me: Launcher, replicas: list[int], stale_s: float, log: Callable[[str], None], part: int = 0,
+    message_of: Callable[[Launcher], bytes] | None = None,
 ) -> list[int]:
     """Claims ``replicas`` (their part ``part``, when groups span nodes) for ``me``, taking over
-    those of launchers silent for ``stale_s``; returns the groups taken over.
+    those of launchers silent for ``stale_s`` (by ``message_of``: their node message, from the
+    store or, on etcd, the leader's board); returns the groups taken over.
 
     Raises ``ClaimRefused`` naming the groups, their live launcher and what to do; the
     claims made here are released then, so the right launcher is not kept waiting.
     """
     try:
-        return _claim(client, me, replicas, stale_s, log, part)
+        return _claim(client, me, replicas, stale_s, log, part, message_of or client.node_message_raw)
     except MessageError as e:
         release(client, me, replicas, part)
         raise ClaimRefused(f"cannot tell who runs replica groups {replicas}{_of(part)}: {e}") from None
@@ -59,7 +61,8 @@ def _of(part: int) -> str:
 
 
 def _claim(
-    client: ControlClient, me: Launcher, replicas: list[int], stale_s: float, log: Callable[[str], None], part: int
+    client: ControlClient, me: Launcher, replicas: list[int], stale_s: float, log: Callable[[str], None], part: int,
+    message_of: Callable[[Launcher], bytes],
 ) -> list[int]:
     held: dict[int, tuple[bytes, Launcher]] = {}  # claimed by someone else: their exact value, them
     for r in replicas:
@@ -70,7 +73,7 @@ def _claim(
     if owners:
         log(f"replica groups {sorted(held)}{_of(part)} are claimed by {', '.join(map(str, owners))}; taking them over "
             f"unless it shows a sign of life within {stale_s:g}s")
-    dead = silent(client, owners, stale_s)
+    dead = silent(message_of, owners, stale_s)
     live: dict[int, Launcher] = {}
     for r, (raw, owner) in sorted(held.items()):
         if owner not in dead:

@@ -229,6 +229,10 @@ class ControlClient:
     def register(self, launcher: Launcher, message: NodeMessage) -> None:
         """Names a launcher to the coordinator; its node message exists before anyone reads it."""
         self.write_node(launcher, message)
+        self.name_node(launcher)
+
+    def name_node(self, launcher: Launcher) -> None:
+        """Names a launcher to the coordinator, which reads its node message from then on."""
         self.store.set(keys.node_key(int(self.store.add(keys.NODES, 1))), launcher.id)
 
     def write_node(self, launcher: Launcher, message: NodeMessage) -> None:

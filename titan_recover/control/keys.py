@@ -29,14 +29,15 @@ STATUS = "status"
 START_STEP = "start_step"  # the step the run resumed from (0, or a DCP checkpoint's): records start after it
 ALIVE = "coordinator/alive"  # the coordinator bumps it every pass: a frozen coordinator stops it
 COORDINATOR_STATE = "coordinator/state"  # what a new coordinator leader restores (``protocol.CoordinatorState``)
+BOARD = "coordinator/board"  # on etcd: where the leader serves the node messages (``protocol.BoardAddress``)
 REPLICATE_BACKEND = "replicate_backend"  # "gloo" or "nccl": the first rank sets it, every other must match
 NODES = "nodes"  # counter: launchers registered so far; node_key(1..n) name them
 
 
-NO_PASS = ("ok/", "decision/", "param_digest/", "pg/", ALIVE, COORDINATOR_STATE, "members/", EPOCH, "fenced/",
-           "admitted/", "launcher/")
-"""Keys whose writes wake no coordinator pass on etcd: the ranks' own per-step agreement, the
-coordinator's own writes, and node messages (read every node message interval anyway)."""
+NO_PASS = ("ok/", "decision/", "param_digest/", "pg/", ALIVE, COORDINATOR_STATE, BOARD, "members/", EPOCH, "fenced/",
+           "admitted/")
+"""Keys whose writes wake no coordinator pass on etcd: the ranks' own per-step agreement and the
+coordinator's own writes (node messages are not in etcd: ``board``)."""
 
 CURRENT_RUN = "current"  # in the namespace of the run with no id: the id of the run a TCPStore serves
 PROCESS_GROUPS = "pg/"  # the replicate-dim process groups' own rendezvous (names chosen by gloo/NCCL)

@@ -10,6 +10,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from titan_recover.control import keys
+from titan_recover.control.board import Board
 from titan_recover.control.addresses import is_etcd
 from titan_recover.control.transport import connect, connection_refused
 from titan_recover.control.sealed import Run
@@ -111,8 +112,10 @@ class Heartbeat:
         run: Run | None = None,
         ended: Callable[[], bool] = lambda: False,
         startup_timeout_s: float = 0.0,
+        board: Board | None = None,
     ) -> None:
-        self._address, self._key, self._interval, self._run = address, key, interval_s, run
+        self._address, self._key, self._interval, self._run, self._board = address, key, interval_s, run, board
+        self._board_error = ""  # the last failed write to the board, logged once until one succeeds
         self._timeout, self._on_lost, self._message, self._ended = coordinator_timeout_s, on_lost, message, ended
         self._clock = AliveClock(coordinator_timeout_s, time.monotonic(), startup_s=startup_timeout_s)
         self._lock = threading.Lock()  # the clock: read by the beat, ticked by the watch
@@ -135,7 +138,8 @@ class Heartbeat:
             try:
                 if client is None:
                     client = connect(self._address, min(self._timeout, 60.0), self._run)
-                client.set(self._key, self._message())
+                if self._board is None:
+                    client.set(self._key, self._message())
                 if now >= next_probe:
                     self._read(client)
                     next_probe = now + min(PROBE_S, self._timeout / 4)
@@ -143,7 +147,25 @@ class Heartbeat:
             except Exception as e:  # retried on a fresh connection; the watch bounds how long
                 client, self._error = None, one_line(e)
                 self._refused = connection_refused(self._address)
+            if self._board is not None and client is not None:
+                self._write_board(client)
             self._stop.wait(self._interval)
+
+    def _write_board(self, client: dist.Store) -> None:
+        """The node message, on the leader's board (etcd runs). A failure is not the coordinator's
+        loss (its alive counter in etcd says that): it is logged once, and the board looked up again."""
+        assert self._board is not None
+        try:
+            self._board.set(client, self._key, self._message())
+        except Exception as e:
+            if not self._board_error:
+                log.warning(f"this node's message did not reach the coordinator's board ({one_line(e)}); "
+                            "looking it up again every heartbeat interval")
+            self._board_error = one_line(e)
+            return
+        if self._board_error:
+            log.info("this node's message reaches the coordinator's board again")
+            self._board_error = ""
 
     @property
     def ending(self) -> bool:

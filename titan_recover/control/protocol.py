@@ -274,6 +274,26 @@ class Rendezvous(Record):
 
 
 @dataclass(frozen=True)
+class BoardAddress(Record):
+    """Where the coordinator leader of a run on etcd serves the node messages (``board``)."""
+
+    host: str
+    port: int
+
+    REQUIRED = ("host", "port")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "BoardAddress":
+        _require(key, isinstance(rec["host"], str) and bool(rec["host"]) and is_int(rec["port"])
+                 and 0 < rec["port"] < 65536, "host must be a name, port in 1..65535", rec)
+        return BoardAddress(rec["host"], rec["port"])
+
+
+@dataclass(frozen=True)
 class Incarnation(Record):
     """An incarnation of a replica group (``attempt``) and the epoch a coordinator decision about it came with."""
 

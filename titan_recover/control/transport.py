@@ -80,10 +80,22 @@ def in_run(store: dist.Store, run: Run) -> SealedStore:
 def serve(port: int, timeout_s: float, bind: str = LOOPBACK, run: Run | None = None) -> SealedStore:
     """The coordinator's store server, reachable on ``bind`` only (loopback unless other nodes need it),
     holding the keys of ``run`` (default: the one in this process's environment)."""
-    run = run or Run.from_env()
+    return _serve(listen(bind, port), port, timeout_s, bind, run or Run.from_env())
+
+
+def serve_any_port(bind: str, timeout_s: float, run: Run) -> tuple[SealedStore, int]:
+    """A store server of ``run`` on a free port of ``bind``; the server and that port."""
+    fd = listen(bind, 0)
+    sock = socket.socket(fileno=fd)
+    port = sock.getsockname()[1]
+    sock.detach()  # the fd stays open for the server
+    return _serve(fd, port, timeout_s, bind, run), port
+
+
+def _serve(fd: int, port: int, timeout_s: float, bind: str, run: Run) -> SealedStore:
     tcp = dist.TCPStore(
         local_host(bind), port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
-        master_listen_fd=listen(bind, port),
+        master_listen_fd=fd,
     )
     in_run(tcp, Run(run.secret, "")).set(keys.CURRENT_RUN, run.id)  # how a launcher given only the secret finds the run
     server = in_run(tcp, run)
