@@ -233,8 +233,8 @@ class Coordinator:
             return
         names = list(self.nodes)
         for key, raw in zip(names, self.node_messages(names)):
-            if raw == self.node_raw.get(key):
-                continue  # its lifeline did not write since: its groups age
+            if raw == self.node_raw.get(key) or not raw:
+                continue  # its lifeline did not write since (or not yet to this leader's board): its groups age
             self.node_raw[key], self.node_changed[key] = raw, now
             try:
                 self.node_groups[key] = (NodeMessage.loads(key, raw), now)

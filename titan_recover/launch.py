@@ -324,7 +324,8 @@ class NodeLauncher:
                                   self.on_lost, lambda: self.agent.message().dumps(), run=self.run,
                                   startup_timeout_s=rc.startup_timeout_s, ended=lambda: bool(self.agent.flags), board=board)
         self.agent.start(on_error=log.warning)
-        message_of = client.node_message_raw if board is None else lambda o: board.read(client.store, o.key)
+        reader = Board(self.run) if self.etcd else None  # its own: the lifeline's is used by the lifeline's thread
+        message_of = client.node_message_raw if reader is None else lambda o: reader.read(client.store, o.key)
         taken = claims.claim(client, self.me, self.local, rc.heartbeat_timeout_s, log.info, self.part, message_of)
         for r in self.local:
             self.groups.begin(client, r, r in taken)

@@ -14,16 +14,24 @@ new board, and the old one's is closed (or dead with it).
 
 import gc
 import logging
+import socket
+import threading
+import time
 from datetime import timedelta
+from typing import Any, Callable, TypeVar
+
+import torch.distributed as dist
 
 from titan_recover.control import keys
 from titan_recover.control.addresses import route_address
 from titan_recover.control.protocol import BoardAddress
 from titan_recover.control.sealed import Run, SealedStore
-from titan_recover.control.transport import connect, connection_refused, serve_any_port
+from titan_recover.control.transport import connection_refused, in_run, serve_any_port
 
-CONNECT_S = 2.0  # a board that does not answer within this is a dead or frozen leader's: look again
+OP_S = 0.5  # a board that does not answer within this (a dead, frozen or cut-off leader's): look again
+RETRY_S = 1.0  # a board that failed is tried again after this, unless etcd names a new one
 log = logging.getLogger("titan_recover.coordinator")
+T = TypeVar("T")
 
 
 class BoardMissing(RuntimeError):
@@ -55,35 +63,73 @@ class LeaderBoard:
 
 
 class Board:
-    """A launcher's writer and reader of the board, found through its etcd client ``etcd``."""
+    """A launcher's writer and reader of the board, found through its etcd client ``etcd``. One
+    thread at a time uses an instance.
+
+    A TCPStore client of a frozen server blocks past any timeout (and a set gets no answer, so
+    writes to it would seem to succeed): every board call runs in a thread of its own, given
+    ``OP_S``, and ends with a round trip. A call that overruns is left behind, blocked until that
+    server dies or wakes, and the board is looked up again (the same address not before ``RETRY_S``,
+    unless the leader that serves it answers again then)."""
 
     def __init__(self, run: Run) -> None:
         self._run = run
         self._client: SealedStore | None = None
+        self._at: BoardAddress | None = None  # the board ``_client`` talks to
+        self._failed = ("", 0.0)  # the board address that last failed, and when
 
-    def _store(self, etcd: SealedStore) -> SealedStore:
-        if self._client is None:
-            raw = etcd.read(keys.BOARD)
-            if raw is None:
-                raise BoardMissing("no coordinator leader serves the node messages yet")
-            where = BoardAddress.loads(keys.BOARD, raw)
-            if connection_refused(where.address):
-                raise BoardMissing(f"the node board at {where.address} refuses connections: its leader is gone")
-            self._client = connect(where.address, CONNECT_S, self._run)
-            self._client.set_timeout(timedelta(seconds=CONNECT_S))
-        return self._client
+    def _where(self, etcd: SealedStore) -> BoardAddress:
+        """The board to call: the one ``_client`` talks to, else the one etcd names now."""
+        if self._client is not None and self._at is not None:
+            return self._at
+        raw = etcd.read(keys.BOARD)
+        if raw is None:
+            raise BoardMissing("no coordinator leader serves the node messages yet")
+        where = BoardAddress.loads(keys.BOARD, raw)
+        failed, when = self._failed
+        if where.address == failed and time.monotonic() - when < RETRY_S:
+            raise BoardMissing(f"the node board at {where.address} failed {time.monotonic() - when:.1f}s ago")
+        return where
+
+    def _connect(self, where: BoardAddress) -> SealedStore:
+        try:
+            socket.create_connection((where.host, where.port), timeout=OP_S).close()
+        except OSError as e:
+            raise BoardMissing(f"the node board at {where.address} does not answer ({e}): its leader is gone") from None
+        # not transport.connect, which waits for a starting server: a beat must not wait on a lost one
+        client = in_run(dist.TCPStore(where.host, where.port, is_master=False, timeout=timedelta(seconds=OP_S)), self._run)
+        if not client.check([keys.HELLO]):
+            raise BoardMissing(f"the node board at {where.address} does not serve this run")
+        return client
+
+    def _call(self, etcd: SealedStore, op: Callable[[SealedStore], T]) -> T:
+        where, known = self._where(etcd), self._client
+        box: list[Any] = []
+
+        def call() -> None:
+            try:
+                client = known or self._connect(where)
+                box.append((client, op(client)))
+            except Exception as e:
+                box.append(e)
+
+        thread = threading.Thread(target=call, name="titan-recover-board", daemon=True)
+        thread.start()
+        thread.join(2 * OP_S)  # a connect and a call
+        outcome = box[0] if box else BoardMissing(f"the node board at {where.address} did not answer within {2 * OP_S:g}s")
+        if isinstance(outcome, Exception):
+            self._client, self._failed = None, (where.address, time.monotonic())
+            raise outcome
+        self._client, self._at, self._failed = outcome[0], where, ("", 0.0)
+        return outcome[1]
 
     def set(self, etcd: SealedStore, key: str, value: str) -> None:
-        try:
-            self._store(etcd).set(key, value)
-        except Exception:
-            self._client = None  # looked up again next time
-            raise
+        def write(client: SealedStore) -> None:
+            client.set(key, value)
+            client.inner.check([key])  # a round trip: a set gets no answer
+
+        self._call(etcd, write)
 
     def read(self, etcd: SealedStore, key: str) -> bytes:
         """The value under ``key`` (b"" while there is none)."""
-        try:
-            return self._store(etcd).read(key) or b""
-        except Exception:
-            self._client = None
-            raise
+        return self._call(etcd, lambda client: client.read(key) or b"")
