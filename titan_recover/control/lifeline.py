@@ -116,6 +116,7 @@ class Heartbeat:
     ) -> None:
         self._address, self._key, self._interval, self._run, self._board = address, key, interval_s, run, board
         self._board_error = ""  # the last failed write to the board, logged once until one succeeds
+        self._board_reached = False
         self._timeout, self._on_lost, self._message, self._ended = coordinator_timeout_s, on_lost, message, ended
         self._clock = AliveClock(coordinator_timeout_s, time.monotonic(), startup_s=startup_timeout_s)
         self._lock = threading.Lock()  # the clock: read by the beat, ticked by the watch
@@ -158,14 +159,14 @@ class Heartbeat:
         try:
             self._board.set(client, self._key, self._message())
         except Exception as e:
-            if not self._board_error:
+            if not self._board_error and self._board_reached:  # before the first leader's board: expected
                 log.warning(f"this node's message did not reach the coordinator's board ({one_line(e)}); "
                             "looking it up again every heartbeat interval")
             self._board_error = one_line(e)
             return
-        if self._board_error:
+        if self._board_error and self._board_reached:
             log.info("this node's message reaches the coordinator's board again")
-            self._board_error = ""
+        self._board_error, self._board_reached = "", True
 
     @property
     def ending(self) -> bool:
