@@ -1,5 +1,8 @@
 """Liveness on etcd, under load: what node messages cost a real 3-member etcd cluster.
 
+The measurement that moved a run's node messages off etcd onto the leader's board
+(``control.board``): it writes them to etcd as runs once did, to show where that stops.
+
     .venv/bin/python -m bench.etcd_nodes [--nodes 64 256 1024] [--seconds 20] [--workers 4]
 
 Each simulated node writes a real, sealed node message (one replica group of 8 ranks) every
