@@ -254,6 +254,11 @@ class StepRecord(Record):
                           rec.get("seconds_per_microbatch", {}), rec.get("samples"))
 
 
+def _is_endpoint(rec: dict[str, Any]) -> bool:
+    """A non-empty ``host`` string and a ``port`` in 1..65535."""
+    return isinstance(rec["host"], str) and bool(rec["host"]) and is_int(rec["port"]) and 0 < rec["port"] < 65536
+
+
 @dataclass(frozen=True)
 class Rendezvous(Record):
     """Where the torchrun agents of one incarnation of a group that spans nodes meet (node part 0's
@@ -267,8 +272,7 @@ class Rendezvous(Record):
 
     @classmethod
     def from_json(cls, key: str, rec: dict[str, Any]) -> "Rendezvous":
-        _require(key, is_count(rec["attempt"]) and isinstance(rec["host"], str) and bool(rec["host"])
-                 and is_int(rec["port"]) and 0 < rec["port"] < 65536,
+        _require(key, is_count(rec["attempt"]) and _is_endpoint(rec),
                  "attempt must be an integer >= 0, host a name, port in 1..65535", rec)
         return Rendezvous(rec["attempt"], rec["host"], rec["port"])
 
@@ -288,8 +292,7 @@ class BoardAddress(Record):
 
     @classmethod
     def from_json(cls, key: str, rec: dict[str, Any]) -> "BoardAddress":
-        _require(key, isinstance(rec["host"], str) and bool(rec["host"]) and is_int(rec["port"])
-                 and 0 < rec["port"] < 65536, "host must be a name, port in 1..65535", rec)
+        _require(key, _is_endpoint(rec), "host must be a name, port in 1..65535", rec)
         return BoardAddress(rec["host"], rec["port"])
 
 
