@@ -240,10 +240,12 @@ def test_records_digests_and_the_end(coord: Coordinator) -> None:
     m = coord.manager(0)
     m.start_step(5)
     m.publish_step(step_record(5, loss=1.0))
+    m.flush_steps()
     coord.managers.append(other := ReplicaManager(  # a second member offers its record too: the first counts
         coord.store, coord.channel, slot=1, replica=1, group_rank=0, attempt=0, rejoining=False, rc=RC, on_lost=print))
     other.step = 5
     other.publish_step(step_record(5, loss=2.0))
+    other.flush_steps()
     record = coord.control.read_step(5)
     assert record is not None and record.loss == 1.0
     coord.control.put_digest(5, 1, "abc")
@@ -254,6 +256,34 @@ def test_records_digests_and_the_end(coord: Coordinator) -> None:
     assert coord.control.read_transfer(0, 0) == TransferRecord(bytes=1, transfer_s=0.1, step=5, epoch=1)
     m.finish()
     assert coord.slot_state(m) == node_channel.FINISHED
+
+
+def test_step_records_are_written_behind_the_step_and_all_there_at_the_finish(coord: Coordinator) -> None:
+    coord.publish(0, (0,))
+    m = coord.manager(0)
+    written = threading.Event()
+    offer = m.control.offer_step
+    m.control.offer_step = lambda record: (written.wait(5), offer(record))  # type: ignore[method-assign]
+    m.publish_step(step_record(1, loss=1.0))
+    m.publish_step(step_record(2, loss=2.0))  # returns while the first is still being written
+    assert coord.control.read_step(1) is None
+    written.set()
+    m.finish()  # the records are in the store before the agent counts the rank finished
+    assert [coord.control.read_step(s).loss for s in (1, 2)] == [1.0, 2.0]  # type: ignore[union-attr]
+
+
+def test_a_step_record_that_could_not_be_written_fails_the_next_step(coord: Coordinator) -> None:
+    coord.publish(0, (0,))
+    m = coord.manager(0)
+
+    def refused(record: StepRecord) -> None:
+        raise dist.DistStoreError("the store went away")
+
+    m.control.offer_step = refused  # type: ignore[method-assign]
+    m.publish_step(step_record(1, loss=1.0))
+    time.sleep(0.2)
+    with pytest.raises(dist.DistStoreError, match="went away"):
+        m.publish_step(step_record(2, loss=1.0))
 
 
 def test_a_joiner_goes_on_only_in_an_epoch_that_includes_it(coord: Coordinator) -> None:

@@ -25,6 +25,7 @@ all-reduce joins them).
 import os
 import re
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Protocol
@@ -126,6 +127,9 @@ class ReplicaManager:
         self._memberships: dict[int, Membership] = {}
         self._epoch_checked = (0.0, 0)
         self._start_told = False
+        # step records are written off the step's path (on etcd each is a Raft write), in order
+        self._offers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-recover-steps")
+        self._offered: list[Future[None]] = []
         channel.set_state(slot, node_channel.STARTING)
         self.heartbeat = node_channel.RankBeat(  # the one lifeline of this rank
             channel, slot, rc.heartbeat_interval_s, rc.progress_timeout_s, rc.coordinator_timeout_s, on_lost=on_lost,
@@ -245,17 +249,18 @@ class ReplicaManager:
         """
         epoch = membership.epoch
         expected = len(membership.members) * self.group_size
+        decision = None
         if self.control.vote(self.step, epoch, f"{self.replica}.{self.group_rank}") == expected:
-            self.control.decide(self.step, epoch, COMMIT)
+            decision = self.control.decide(self.step, epoch, COMMIT)
         pause, start, told = POLL_S[0], time.monotonic(), False
         waited = self._waiting(epoch, lambda: f"the commit votes of step {self.step} "
                                f"({self.control.votes(self.step, epoch)} of {expected})")
-        while (decision := self.control.decision(self.step, epoch)) is None:
+        while decision is None:
             if self.epoch_moved(epoch):
-                self.control.decide(self.step, epoch, ABORT)
-            elif self.rc.control_store:
-                self.control.await_decision(self.step, epoch, DECISION_WAIT_S)
-            else:
+                decision = self.control.decide(self.step, epoch, ABORT)
+            elif self.rc.control_store:  # a watch: the decision comes with its event
+                decision = self.control.await_decision(self.step, epoch, DECISION_WAIT_S)
+            elif (decision := self.control.decision(self.step, epoch)) is None:
                 pause = backoff(pause)  # slower replicas: spare the CPU
             waited()
             if not told and time.monotonic() - start > self.rc.collective_timeout_s:
@@ -276,8 +281,22 @@ class ReplicaManager:
 
     def publish_step(self, record: StepRecord) -> None:
         """Offers the committed step's record; the first member's counts (the coordinator logs
-        it), so a member dying after the commit loses nothing."""
-        self.control.offer_step(record)
+        it), so a member dying after the commit loses nothing. The write runs while the next step
+        computes; an error of an earlier one is raised here, one step late."""
+        pending = []
+        for offered in self._offered:
+            if offered.done():
+                offered.result()
+            else:
+                pending.append(offered)
+        self._offered = pending
+        self._offered.append(self._offers.submit(self.control.offer_step, record))
+
+    def flush_steps(self) -> None:
+        """Waits for the step records still being written (bounded by the store's timeout)."""
+        for offered in self._offered:
+            offered.result(timeout=self.rc.collective_timeout_s)
+        self._offered = []
 
     def exchange_digests(self, members: tuple[int, ...], digest: str) -> dict[int, str]:
         """Publishes this replica's parameter digest of the step and collects the members'
@@ -315,7 +334,9 @@ class ReplicaManager:
         self.heartbeat.tick(where)
 
     def finish(self) -> None:
-        """This rank finished the run: its agent counts it, and its lifeline stops."""
+        """This rank finished the run: its step records are written, its agent counts it, and its lifeline stops."""
+        self.flush_steps()
+        self._offers.shutdown()
         self.channel.set_state(self.slot, node_channel.FINISHED)
         self.heartbeat.stop()
 

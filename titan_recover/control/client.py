@@ -11,7 +11,6 @@ import uuid
 from datetime import timedelta
 from typing import TypeVar
 
-import torch.distributed as dist
 
 from titan_recover.control import keys
 from titan_recover.control.protocol import (
@@ -31,7 +30,7 @@ from titan_recover.control.protocol import (
     TransferRecord,
     decode_int,
 )
-from titan_recover.control.sealed import SealedStore
+from titan_recover.control.sealed import ForgedRecord, SealedStore
 
 R = TypeVar("R", bound=Record)
 COMMIT, ABORT = "commit", "abort"
@@ -155,20 +154,23 @@ class ControlClient:
     def votes(self, step: int, epoch: int) -> int:
         return self.store.tallied(keys.ok_key(step, epoch))
 
-    def decide(self, step: int, epoch: int, outcome: str) -> None:
-        """The first writer of a step's decision in an epoch wins: every rank acts on the same outcome."""
-        self.store.compare_set(keys.decision_key(step, epoch), "", outcome)
+    def decide(self, step: int, epoch: int, outcome: str) -> str | None:
+        """The first writer of a step's decision in an epoch wins: every rank acts on the same
+        outcome, the one returned (None: the key holds a value not sealed with the run's secret)."""
+        try:
+            return self.store.compare_set(keys.decision_key(step, epoch), "", outcome).decode(errors="replace") or None
+        except ForgedRecord:
+            return None
 
     def decision(self, step: int, epoch: int) -> str | None:
         return self._text(keys.decision_key(step, epoch))
 
-    def await_decision(self, step: int, epoch: int, seconds: float) -> None:
-        """Returns once ``step``'s decision in ``epoch`` exists, or after ``seconds``. For etcd, where
-        the wait is a watch; the TCPStore's server-side wait logs a warning at every timeout."""
-        try:
-            self.store.wait([keys.decision_key(step, epoch)], timedelta(seconds=seconds))
-        except dist.DistError:
-            pass
+    def await_decision(self, step: int, epoch: int, seconds: float) -> str | None:
+        """``step``'s decision in ``epoch`` once it exists, or None after ``seconds``. For etcd, where
+        the wait is a watch whose event carries the decision; the TCPStore's server-side wait logs
+        a warning at every timeout."""
+        raw = self.store.read_within(keys.decision_key(step, epoch), seconds)
+        return None if raw is None else raw.decode(errors="replace")
 
     def offer_step(self, record: StepRecord) -> None:
         """The committed step's record; the first member's counts."""

@@ -165,11 +165,11 @@ class EtcdStore(dist.Store):
             return None, at
         return {"value": _decode(kvs[0].get("value", "")), "mod_revision": int(kvs[0]["mod_revision"])}, at
 
-    def await_change(self, key: str, revision: int, seconds: float, deletes: bool = False) -> None:
+    def await_change(self, key: str, revision: int, seconds: float, deletes: bool = False) -> bytes | None:
         """Returns once ``key`` may have been written (or, with ``deletes``, deleted) after ``revision``
-        (a watch saw it), after about ``seconds``, or at any error: the caller reads the key again
-        either way. One watch stream on a connection of its own, so a blocking wait never holds
-        the store's lock."""
+        (a watch saw it), after about ``seconds``, or at any error; the value a put wrote when the
+        watch saw one (no read needed), None otherwise: the caller reads the key again. One watch
+        stream on a connection of its own, so a blocking wait never holds the store's lock."""
         client = self._clients[self._current]
         body = {"create_request": {"key": _encode(key), "start_revision": revision + 1,
                                    "filters": ["NOPUT" if deletes else "NODELETE"]}}
@@ -178,10 +178,13 @@ class EtcdStore(dist.Store):
                                timeout=(REQUEST_S, max(seconds, 0.01))) as answer:
                 for line in answer.iter_lines():
                     result = json.loads(line).get("result", {}) if line else {}
-                    if result.get("events") or result.get("canceled"):
-                        return
-        except (requests.RequestException, ValueError):
-            return
+                    if result.get("canceled"):
+                        return None
+                    for event in result.get("events", []):
+                        return None if deletes else _decode(event["kv"].get("value", ""))
+        except (requests.RequestException, ValueError, KeyError, TypeError):
+            return None
+        return None
 
     def delete_prefixes(self, prefixes: list[str]) -> None:
         """Deletes every key under each of ``prefixes``, up to ``MAX_TXN_OPS`` prefixes in one transaction."""
@@ -229,19 +232,28 @@ class EtcdStore(dist.Store):
     def set(self, key: str, value: str | bytes) -> None:
         self._guarded([], [put_op(key, _b(value))])
 
-    def _until(self, key: str, limit: timedelta) -> bytes:
-        """The value of ``key`` once it exists, within ``limit``: read, and while missing, watched
-        from the revision it was read at (no write in between is missed, and no request is made
-        while nothing happens)."""
-        deadline = time.monotonic() + limit.total_seconds()
+    def get_within(self, key: str, seconds: float) -> bytes | None:
+        """The value of ``key`` once it exists, or None after ``seconds``: read, and while missing,
+        watched from the revision it was read at (no write in between is missed, no request is
+        made while nothing happens, and the value comes with the watch's event)."""
+        deadline = time.monotonic() + seconds
         while True:
             rec, revision = self.read_at(key)
             if rec is not None:
                 return rec["value"]
             left = deadline - time.monotonic()
             if left <= 0:
-                raise dist.DistStoreError(f"etcd store: key {key!r} did not appear within {limit.total_seconds():g}s")
-            self.await_change(key, revision, min(left, WATCH_S))
+                return None
+            value = self.await_change(key, revision, min(left, WATCH_S))
+            if value is not None:
+                return value
+
+    def _until(self, key: str, limit: timedelta) -> bytes:
+        """The value of ``key`` once it exists, within ``limit`` (``get_within``), or DistStoreError."""
+        value = self.get_within(key, limit.total_seconds())
+        if value is None:
+            raise dist.DistStoreError(f"etcd store: key {key!r} did not appear within {limit.total_seconds():g}s")
+        return value
 
     def get(self, key: str) -> bytes:
         """Blocks until ``key`` exists, like TCPStore (gloo's rendezvous relies on it)."""

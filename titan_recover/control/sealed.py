@@ -133,6 +133,22 @@ class SealedStore(dist.Store):
         except ForgedRecord:
             return None
 
+    def read_within(self, key: str, seconds: float) -> bytes | None:
+        """``read``, waiting up to ``seconds`` for the key to appear: on etcd a watch whose event
+        carries the value; on the TCPStore a server-side wait, then a read."""
+        if self._etcd is not None:
+            raw = self._etcd.get_within(self._full(key), seconds)
+        else:
+            try:
+                self.inner.wait([key], timedelta(seconds=seconds))
+            except dist.DistError:
+                return None
+            raw = self.inner.get(key)
+        try:
+            return None if raw is None else self._unseal(key, raw)
+        except ForgedRecord:
+            return None
+
     def _read_raw(self, key: str) -> bytes | None:
         """One request on etcd (``EtcdStore.read``); the TCPStore API has no read of a key that
         may be missing, so there it is a check then a get."""
