@@ -522,3 +522,28 @@ def test_a_silent_launcher_whose_claims_were_taken_over_is_forgotten(make) -> No
     new.beat(0)
     poll(c, now + 2.5)  # the forgotten node's message is not read (a read of a missing key would block)
     assert set(c.nodes) == {kept.launcher.key, new.launcher.key}
+
+
+def test_a_pass_told_which_keys_were_put_reads_only_those(make) -> None:
+    c, client = make()
+    report(client, replica=0, epoch=0, suspect=1, cause="torchrun of replica 1 exited")
+    ControlClient(client).stop("a rank's data error")
+    now = time.monotonic()
+    c._poll_reports(now, changed=set())  # a put elsewhere (etcd's watch said which): the counter is not read
+    assert c.core.state.next_report == 1 and c.core.detector.decide(now) == ({}, False)
+    assert c._pass(changed={"step/3"}) is None  # the fatal is not read either
+    c._poll_reports(now, changed={keys.REPORTS})
+    assert c.core.detector.decide(now)[0] == {1: "torchrun of replica 1 exited"}
+    assert c._pass(changed={keys.FATAL}) == 1
+
+
+def test_a_launcher_registered_during_a_pass_that_reads_no_node_message_is_named_at_the_next_read(make) -> None:
+    c, client = make()
+    now = time.monotonic()
+    poll(c, now)
+    assert not c.nodes
+    node(client)  # registers
+    c.next_node_read = now + 1
+    c._poll_nodes(now, changed={keys.NODES, keys.node_key(1)})  # too early to read node messages: the put is kept
+    c._poll_nodes(now + 1, changed=set())
+    assert len(c.nodes) == 1

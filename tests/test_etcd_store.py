@@ -72,6 +72,15 @@ def test_both_backends_answer_the_store_calls_alike(client: dist.Store) -> None:
     assert time.monotonic() - started < 5
 
 
+def test_both_backends_read_many_keys_and_forget_votes_alike(client: dist.Store) -> None:
+    client.set("a", "1")
+    client.set("b", "2")
+    assert client.multi_read(["a", "nope", "b"]) == [b"1", None, b"2"]  # type: ignore[attr-defined]
+    assert [client.tally("t", "0.0"), client.tally("t", "1.0")] == [1, 2]  # type: ignore[attr-defined]
+    client.delete_many(["a"], tallies=["t"])  # type: ignore[attr-defined]
+    assert client.multi_read(["a", "b"]) == [None, b"2"] and client.tallied("t") == 0  # type: ignore[attr-defined]
+
+
 def test_multi_get_reads_more_keys_than_one_etcd_transaction_holds(cluster: LocalEtcd) -> None:
     client = raw(cluster)
     keys = [f"many/{i}" for i in range(300)]  # the coordinator reads every node's message at once
@@ -120,15 +129,18 @@ def test_an_add_is_one_request_while_nobody_else_changed_the_counter(cluster: Lo
     assert made == ["kv/txn", "kv/txn"]
 
 
-def test_changes_wake_on_a_put_under_the_prefix_and_not_on_an_ignored_key(cluster: LocalEtcd) -> None:
+def test_changes_wake_on_a_put_under_the_prefix_with_its_key_and_not_on_an_ignored_key(cluster: LocalEtcd) -> None:
     writer = raw(cluster)
     changes = Changes(raw(cluster), "woken/", ignore=("quiet/",))
     try:
+        assert changes.wait(0) is None  # before its first wait anything may have changed
         writer.set("woken/quiet/a", "1")
         writer.set("elsewhere", "1")
-        assert not changes.wait(1.0)
+        assert changes.wait(1.0) == set()
         writer.set("woken/loud", "1")
-        assert changes.wait(5.0)
+        writer.set("woken/louder", "1")
+        time.sleep(0.5)
+        assert changes.wait(5.0) == {"loud", "louder"}  # the keys put, for the waiter to read only those
     finally:
         changes.close()
 

@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Collection
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from titan_recover.control import transport
 from titan_recover.control.board import LeaderBoard
 from titan_recover.control.addresses import LOOPBACK, is_etcd, parse_host_port
 from titan_recover.control.client import COMMIT, ControlClient
-from titan_recover.control.keys import BOARD, NO_PASS, leader_key
+from titan_recover.control.keys import BOARD, FATAL, NO_PASS, NODES, REPORTS, START_STEP, leader_key
 from titan_recover.control.sealed import Run
 from titan_recover.control.lifeline import PROBE_S
 from titan_recover.control.protocol import CoordinatorState, Membership, MessageError, NodeMessage, TransferRecord
@@ -51,6 +52,12 @@ POLL_S = 0.02  # detection is bounded by report_confirm_s / heartbeats, not by t
 ALIVE_S = 0.25  # how often the alive counter moves (watchers allow coordinator_timeout_s)
 ETCD_ALIVE_S = 1.0  # ... on etcd, where each move is a Raft write
 REPORT_GRACE_S = 5.0  # a reserved report slot still empty after this: its reporter died in between
+FULL_PASS_S = 5.0  # on etcd a pass reads only the keys put since the last; every key at least this often
+
+
+def sleep_then_anything(seconds: float) -> None:
+    """The wait between passes on the TCPStore: nothing tells which keys changed (None), so every pass reads them all."""
+    time.sleep(seconds)
 log = logs.get("coordinator")
 
 
@@ -85,13 +92,13 @@ class Coordinator:
     """The I/O shell around ``CoordinatorCore``: one pass reads the store, the core decides, the shell publishes."""
 
     def __init__(self, job_config: Any, client: dist.Store, events: EventLog, poll_s: float = POLL_S,
-                 wait: Callable[[float], None] = time.sleep,
+                 wait: Callable[[float], Collection[str] | None] = sleep_then_anything,
                  node_messages: Callable[[list[str]], list[bytes]] | None = None) -> None:
         self.rc = rc = job_config.recover
         self.control = ControlClient(client)
         self.node_messages = node_messages or self.control.node_messages  # on etcd: the leader's board
         self.events = events
-        self.poll_s, self.wait = poll_s, wait  # between passes: ``wait(poll_s)`` (it may return early)
+        self.poll_s, self.wait = poll_s, wait  # between passes: ``wait(poll_s)``, early with the keys put, or None
         self.alive_s = ETCD_ALIVE_S if rc.control_store else ALIVE_S
         detector = FailureDetector(members=tuple(range(job_config.parallelism.data_parallel_replicate_degree)),
                                    timeout_s=rc.heartbeat_timeout_s, confirm_s=rc.report_confirm_s,
@@ -101,6 +108,7 @@ class Coordinator:
         self.slot_seen: dict[int, float] = {}  # unread report slots (``state.unread_reports``) -> first seen empty
         self.nodes: dict[str, int] = {}  # the launcher key of every registered node still read -> its registration index
         self.next_node = 1  # the next registration index to name
+        self.nodes_put = True  # a launcher may have registered since the count was last read
         self.pending_nodes: dict[int, float] = {}  # registrations not yet named -> first seen
         self.node_raw: dict[str, bytes] = {}  # each node's last message
         self.node_changed: dict[str, float] = {}  # ... when it last changed
@@ -217,10 +225,11 @@ class Coordinator:
                 continue
             self._apply(self.core.on_step(record))
 
-    def _poll_nodes(self, now: float) -> None:
+    def _poll_nodes(self, now: float, changed: Collection[str] | None = None) -> None:
         """Reads every node's message in one request, once per heartbeat interval, and folds
         them per replica group: the only liveness the coordinator reads (its work grows with
         nodes, not ranks)."""
+        self.nodes_put = self.nodes_put or changed is None or NODES in changed
         if now < self.next_node_read:
             return
         self.next_node_read = now + config.node_message_interval_s(self.rc)
@@ -228,7 +237,9 @@ class Coordinator:
             self.core.grace(now)  # no lifeline could write, or none was read: silence says nothing about the groups
             log.warning(f"no node message read for {now - self.last_node_read:.1f}s (the control store stalled, e.g. "
                         "an etcd election, or this coordinator was frozen): every group gets one heartbeat timeout from now")
-        self._register_nodes(now)
+        if self.nodes_put or self.pending_nodes:
+            self.nodes_put = False
+            self._register_nodes(now)
         if not self.nodes:
             return
         names = list(self.nodes)
@@ -283,14 +294,15 @@ class Coordinator:
                 seen.pop(key, None)  # type: ignore[attr-defined]
             log.info(f"forgot {key}: silent for more than {bound:g}s and its claims taken over by another launcher")
 
-    def _poll_reports(self, now: float) -> None:
+    def _poll_reports(self, now: float, changed: Collection[str] | None = None) -> None:
         """Reads new reports; a reserved slot never written (its reporter died between
         reserving and writing) is skipped after ``REPORT_GRACE_S``, holding up no later report.
         The slots not read yet are part of the saved state: a new leader reads them too."""
         state = self.core.state
-        count = self.control.report_count()
-        state.unread_reports += range(state.next_report, count + 1)
-        state.next_report = max(state.next_report, count + 1)
+        if changed is None or REPORTS in changed:
+            count = self.control.report_count()
+            state.unread_reports += range(state.next_report, count + 1)
+            state.next_report = max(state.next_report, count + 1)
         for index in list(state.unread_reports):
             since = self.slot_seen.setdefault(index, now)
             try:
@@ -333,17 +345,19 @@ class Coordinator:
         log.error(f"FATAL: {error}")
         return True
 
-    def _pass(self) -> int | None:
-        """One pass over the store; the run's exit code once it ends."""
+    def _pass(self, changed: Collection[str] | None = None) -> int | None:
+        """One pass over the store, reading the keys in ``changed`` (those put since the last
+        pass; None: anything may have changed); the run's exit code once it ends."""
         if time.monotonic() >= self.next_alive:
             self.control.beat_alive()  # every process watches this move
             self.next_alive = time.monotonic() + self.alive_s
-        if self._stopped_by_a_process():
+        if (changed is None or FATAL in changed) and self._stopped_by_a_process():
             return 1
         now = time.monotonic()
-        self._poll_steps()
-        self._poll_nodes(now)
-        self._poll_reports(now)
+        if changed is None or any(k.startswith(("step/", START_STEP)) for k in changed):
+            self._poll_steps()
+        self._poll_nodes(now, changed)
+        self._poll_reports(now, changed)
         failed, retry = self.core.detector.decide(now)
         if failed or retry:
             self._poll_steps()  # a step committed just before a failure belongs before it
@@ -367,12 +381,18 @@ class Coordinator:
     def run(self, confirm: Callable[[], None] = lambda: None) -> int:
         """Coordinates until the run ends; ``confirm`` raises once this leader lost its lease."""
         log.info(f"serving; members {list(self.membership.members)} x {self.core.rules.group_ranks} ranks")
+        changed: Collection[str] | None = None
+        full = time.monotonic()
         while True:
             confirm()
-            code = self._pass()
+            if changed is None:
+                full = time.monotonic()
+            code = self._pass(changed)
             if code is not None:
                 return code
-            self.wait(self.poll_s)
+            changed = self.wait(self.poll_s)
+            if time.monotonic() - full >= FULL_PASS_S:
+                changed = None
 
     def end(self) -> None:
         """Wakes every node agent, blocked until the next epoch, to read the run's end (done or fatal)."""

@@ -20,7 +20,7 @@ from titan_recover.control import claims, keys, transport
 from titan_recover.control.addresses import LOOPBACK
 from titan_recover.control.client import ControlClient
 from titan_recover.control.lifeline import PROBE_S
-from titan_recover.control.protocol import Launcher, Rendezvous, Report
+from titan_recover.control.protocol import Fence, Launcher, Rendezvous, Report
 from titan_recover.procs import die_with_parent
 from titan_recover.restarts import RestartBudget
 
@@ -73,14 +73,13 @@ def is_incarnation(pid: int, replica: int, attempt: int) -> bool:
     return {f"{keys.REPLICA_ENV}={replica}".encode(), f"{keys.ATTEMPT_ENV}={attempt}".encode()} <= env
 
 
-def kill_fenced(client: ControlClient, agent: NodeAgent, replica: int, handled: dict[int, int]) -> None:
-    """SIGKILLs the ranks of a fenced incarnation of ``replica`` that run on this node
-    (their pids are in its channel).
+def kill_fenced(fence: Fence | None, agent: NodeAgent, replica: int, handled: dict[int, int]) -> None:
+    """SIGKILLs the ranks of the incarnation of ``replica`` that ``fence`` fenced that run on
+    this node (their pids are in its channel).
 
     A fenced group may be hung (SIGSTOP, a wedged collective) rather than dead;
     torchrun only restarts a group once one of its processes exits.
     """
-    fence = client.read_fence(replica)
     if fence is None:
         return
     attempt = fence.attempt
@@ -256,9 +255,10 @@ class ReplicaGroups:
         for report in self.agent.take_hangs():  # a rank of a local group stopped beating: fenced now
             client.report(report)
         look = (self.agent.epoch, now) if self.agent.epoch != self.fences_read[0] or now - self.fences_read[1] >= PROBE_S else None
+        fences = client.read_fences(list(self.procs)) if look else {}  # a fence comes with a new epoch (a waiting spare's, within PROBE_S)
         for r, proc in list(self.procs.items()):
-            if look:  # a fence comes with a new epoch (a waiting spare's, within PROBE_S)
-                kill_fenced(client, self.agent, r, self.killed)
+            if look:
+                kill_fenced(fences[r], self.agent, r, self.killed)
             code = proc.poll()
             if code in (None, 0) or r in self.given_up or r in self.waiting:
                 continue

@@ -184,8 +184,8 @@ class ControlClient:
 
     def digests(self, step: int, replicas: list[int]) -> dict[int, str]:
         """The parameter digests of ``replicas`` at ``step`` written so far."""
-        found = {r: self._text(keys.digest_key(step, r)) for r in replicas}
-        return {r: digest for r, digest in found.items() if digest is not None}
+        found = self.store.multi_read([keys.digest_key(step, r) for r in replicas])
+        return {r: raw.decode(errors="replace") for r, raw in zip(replicas, found) if raw is not None}
 
     # ---- incarnations: fences, admissions, transfers ----------------------------------
 
@@ -194,6 +194,12 @@ class ControlClient:
 
     def read_fence(self, replica: int) -> Fence | None:
         return self.read(keys.fenced_key(replica), Fence)
+
+    def read_fences(self, replicas: list[int]) -> dict[int, Fence | None]:
+        """The fences of ``replicas`` (None: not fenced), in one request on etcd."""
+        names = [keys.fenced_key(r) for r in replicas]
+        return {r: None if raw is None else Fence.loads(name, raw)
+                for r, name, raw in zip(replicas, names, self.store.multi_read(names))}
 
     def admit(self, replica: int, admission: Admission) -> None:
         self.put(keys.admitted_key(replica, admission.attempt), admission)
@@ -279,10 +285,9 @@ class ControlClient:
     def forget_steps(self, steps: range, epochs: range, replicas: int) -> None:
         """What committed ``steps`` left: their records, the parameter digests of replica ids
         0..``replicas``-1, and their commit votes and decisions in ``epochs``."""
-        for step in steps:
-            self._delete([keys.step_key(step), *(keys.digest_key(step, r) for r in range(replicas)),
-                          *(keys.decision_key(step, e) for e in epochs)])
-            self.store.forget_tallies([keys.ok_key(step, e) for e in epochs])
+        names = [name for step in steps for name in (keys.step_key(step), *(keys.digest_key(step, r) for r in range(replicas)),
+                                                      *(keys.decision_key(step, e) for e in epochs))]
+        self.store.delete_many(names, tallies=[keys.ok_key(step, e) for step in steps for e in epochs])
 
     def forget_epochs(self, epochs: range) -> None:
         """The members of ``epochs`` and the rendezvous keys of their replicate and transfer groups

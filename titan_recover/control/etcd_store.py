@@ -186,10 +186,13 @@ class EtcdStore(dist.Store):
             return None
         return None
 
-    def delete_prefixes(self, prefixes: list[str]) -> None:
-        """Deletes every key under each of ``prefixes``, up to ``MAX_TXN_OPS`` prefixes in one transaction."""
-        for i in range(0, len(prefixes), MAX_TXN_OPS):
-            self._guarded([], [{"request_delete_range": under(p)} for p in prefixes[i:i + MAX_TXN_OPS]])
+    def delete(self, keys: list[str], prefixes: list[str] | tuple[str, ...] = ()) -> None:
+        """Deletes ``keys`` and every key under each of ``prefixes``, up to ``MAX_TXN_OPS`` of them
+        in one transaction (one Raft entry, not one each)."""
+        ops = [{"request_delete_range": {"key": _encode(k)}} for k in keys]
+        ops += [{"request_delete_range": under(p)} for p in prefixes]
+        for i in range(0, len(ops), MAX_TXN_OPS):
+            self._guarded([], ops[i:i + MAX_TXN_OPS])
 
     def put_and_count(self, key: str, prefix: str) -> int:
         """Writes ``key`` (empty) and counts the keys under ``prefix`` right after, in one transaction:
@@ -200,11 +203,6 @@ class EtcdStore(dist.Store):
     def count(self, prefix: str) -> int:
         """How many keys are under ``prefix``."""
         return int(self.post("kv/range", {**under(prefix), "count_only": True}).get("count", 0))
-
-    def delete_keys(self, keys: list[str]) -> None:
-        """Deletes ``keys``, up to ``MAX_TXN_OPS`` in one transaction (one Raft entry, not one each)."""
-        for i in range(0, len(keys), MAX_TXN_OPS):
-            self._guarded([], [{"request_delete_range": {"key": _encode(k)}} for k in keys[i:i + MAX_TXN_OPS]])
 
     def members(self) -> list[dict]:
         return self.post("cluster/member/list", {}).get("members", [])
@@ -262,15 +260,21 @@ class EtcdStore(dist.Store):
     def check(self, keys: list[str]) -> bool:
         return all(self.range(k) is not None for k in keys)
 
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        """One request per ``MAX_TXN_OPS`` keys (etcd's default limit of operations in a transaction)."""
+    def read_many(self, keys: list[str]) -> list[bytes | None]:
+        """The values under ``keys``, None for a missing one: one request per ``MAX_TXN_OPS`` keys
+        (etcd's default limit of operations in a transaction)."""
         values: list[list[dict]] = []
         for i in range(0, len(keys), MAX_TXN_OPS):
             answer = self.txn([], [{"request_range": {"key": _encode(k)}} for k in keys[i:i + MAX_TXN_OPS]])
             values += [r["response_range"].get("kvs", []) for r in answer.get("responses", [])]
-        if all(values):
-            return [_decode(kvs[0].get("value", "")) for kvs in values]
-        return [self.get(k) for k in keys]  # blocks for the missing ones
+        return [_decode(kvs[0].get("value", "")) if kvs else None for kvs in values]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """``read_many``, blocking for the missing keys like TCPStore."""
+        values = self.read_many(keys)
+        if all(v is not None for v in values):
+            return values  # type: ignore[return-value]
+        return [self.get(k) for k in keys]
 
     def add(self, key: str, amount: int) -> int:
         """Adds ``amount`` to the integer under ``key`` (missing: 0) exactly once. One request when
@@ -367,13 +371,16 @@ class EtcdStore(dist.Store):
 class Changes:
     """Puts under ``prefix`` as a wake-up: one watch stream, held by a thread, instead of reading
     keys in a loop to find whether any changed. ``wait`` returns at the first put since its last
-    call (one whose key, after ``prefix``, starts with none of ``ignore``) or after ``timeout_s``.
-    A broken watch is made again from the last revision it saw, and wakes the waiter once: the
-    caller reads what it needs either way, so a missed event costs at most one timeout."""
+    call (one whose key, after ``prefix``, starts with none of ``ignore``) or after ``timeout_s``,
+    with the keys put meanwhile, so the caller reads only those. A broken watch is made again
+    from the last revision it saw, and its ``wait`` answers None (anything may have changed):
+    the caller reads everything, so a missed event costs at most one timeout."""
 
     def __init__(self, store: EtcdStore, prefix: str, ignore: tuple[str, ...] = ()) -> None:
         self.store, self.prefix, self.ignore = store, prefix, ignore
         self._changed, self._stop = threading.Event(), threading.Event()
+        self._lock = threading.Lock()
+        self._keys: set[str] | None = None  # put since the last ``wait``, after the prefix; None: unknown (at first too)
         self._thread = threading.Thread(target=self._run, name="titan-recover-changes", daemon=True)
         self._thread.start()
 
@@ -393,19 +400,31 @@ class Changes:
                             break
                         for event in result.get("events", []):
                             revision = int(event["kv"]["mod_revision"])
-                            if not _decode(event["kv"]["key"]).decode(errors="replace")[len(self.prefix):].startswith(self.ignore):
-                                self._changed.set()
-            except (requests.RequestException, ValueError, EtcdError):
+                            key = _decode(event["kv"]["key"]).decode(errors="replace")[len(self.prefix):]
+                            if not key.startswith(self.ignore):
+                                self._put(key)
+            except (requests.RequestException, ValueError, KeyError, EtcdError):
                 pass
-            self._changed.set()  # the watch ended (a silent member, an error, a compaction): read once to be sure
+            self._put(None)  # the watch ended (a silent member, an error, a compaction): read everything once
             revision = 0  # from now on (a linearizable read fails over to a member in the quorum)
             self._stop.wait(0.1)
 
-    def wait(self, timeout_s: float) -> bool:
-        """Whether a put (or a broken watch) woke it before ``timeout_s``."""
-        woken = self._changed.wait(timeout_s)
-        self._changed.clear()
-        return woken
+    def _put(self, key: str | None) -> None:
+        with self._lock:
+            if key is None or self._keys is None:
+                self._keys = None
+            else:
+                self._keys.add(key)
+            self._changed.set()
+
+    def wait(self, timeout_s: float) -> set[str] | None:
+        """The keys (after the prefix) put before ``timeout_s`` passed, empty when none was;
+        None when the watch broke meanwhile and any key may have changed."""
+        self._changed.wait(timeout_s)
+        with self._lock:
+            keys, self._keys = self._keys, set()
+            self._changed.clear()
+        return keys
 
     def close(self) -> None:
         self._stop.set()

@@ -17,6 +17,7 @@ import hmac
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cached_property
@@ -123,15 +124,17 @@ class SealedStore(dist.Store):
                 log.warning(f"{e} (a process without the run's secret wrote it)")
             raise
 
-    def read(self, key: str) -> bytes | None:
-        """The value under ``key``, or None while there is none (or it is forged: logged, never used)."""
-        raw = self._read_raw(key)
-        if raw is None:
-            return None
+    def _unseal_or_none(self, key: str, raw: bytes) -> bytes | None:
+        """``raw`` unsealed, or None when it is forged (logged, never used)."""
         try:
             return self._unseal(key, raw)
         except ForgedRecord:
             return None
+
+    def read(self, key: str) -> bytes | None:
+        """The value under ``key``, or None while there is none (or it is forged: logged, never used)."""
+        raw = self._read_raw(key)
+        return None if raw is None else self._unseal_or_none(key, raw)
 
     def read_within(self, key: str, seconds: float) -> bytes | None:
         """``read``, waiting up to ``seconds`` for the key to appear: on etcd a watch whose event
@@ -144,10 +147,7 @@ class SealedStore(dist.Store):
             except dist.DistError:
                 return None
             raw = self.inner.get(key)
-        try:
-            return None if raw is None else self._unseal(key, raw)
-        except ForgedRecord:
-            return None
+        return None if raw is None else self._unseal_or_none(key, raw)
 
     def _read_raw(self, key: str) -> bytes | None:
         """One request on etcd (``EtcdStore.read``); the TCPStore API has no read of a key that
@@ -183,8 +183,12 @@ class SealedStore(dist.Store):
         return out
 
     def multi_read(self, keys: list[str]) -> list[bytes | None]:
-        """The values under ``keys``, None for a missing or forged one: one check and one
-        ``multi_get`` while every key exists (a TCPStore's ``multi_get`` waits for missing keys)."""
+        """The values under ``keys``, None for a missing or forged one: one request on etcd
+        (``EtcdStore.read_many``); on the TCPStore one check and one ``multi_get`` while every
+        key exists (its ``multi_get`` waits for missing keys)."""
+        if self._etcd is not None:
+            found = self._etcd.read_many([self._full(k) for k in keys])
+            return [None if raw is None else self._unseal_or_none(key, raw) for key, raw in zip(keys, found)]
         if self.inner.check(keys):
             return [raw or None for raw in self.multi_get(keys)]
         return [self.read(k) for k in keys]
@@ -218,12 +222,13 @@ class SealedStore(dist.Store):
         super().set_timeout(timeout)
         self.inner.set_timeout(timeout)
 
-    def delete_many(self, keys: list[str]) -> None:
-        """Deletes ``keys``: one transaction on etcd (``EtcdStore.delete_keys``), one call each on the TCPStore."""
+    def delete_many(self, keys: list[str], tallies: Sequence[str] = ()) -> None:
+        """Deletes ``keys`` and the votes under ``tallies`` (``tally``): one transaction on etcd
+        (``EtcdStore.delete``), one call each on the TCPStore."""
         if self._etcd is not None:
-            self._etcd.delete_keys([self._full(k) for k in keys])
+            self._etcd.delete([self._full(k) for k in keys], [self._full(f"{c}/") for c in tallies])
             return
-        for key in keys:
+        for key in [*keys, *tallies]:
             self.inner.delete_key(key)
 
     def tally(self, counter: str, voter: str) -> int:
@@ -241,18 +246,11 @@ class SealedStore(dist.Store):
             return int(self._etcd.count(self._full(f"{counter}/")))
         return int(self.inner.add(counter, 0))
 
-    def forget_tallies(self, counters: list[str]) -> None:
-        """Deletes the votes under ``counters``: each voter's key on etcd (one transaction), the counter on the TCPStore."""
-        if self._etcd is not None:
-            self._etcd.delete_prefixes([self._full(f"{c}/") for c in counters])
-            return
-        self.delete_many(counters)
-
     def delete_under(self, prefixes: tuple[str, ...]) -> None:
         """Deletes every key under ``prefixes`` (names gloo or NCCL chose): the TCPStore lists them;
         etcd deletes the range itself (torch's PrefixStore does not forward a Python store's listing)."""
         if self._etcd is not None:
-            self._etcd.delete_prefixes([self._full(prefix) for prefix in prefixes])
+            self._etcd.delete([], [self._full(prefix) for prefix in prefixes])
             return
         for name in self.inner.list_keys():
             if name.startswith(prefixes):
