@@ -15,10 +15,9 @@ new board, and the old one's is closed (or dead with it).
 import gc
 import logging
 import socket
-import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
@@ -26,7 +25,7 @@ from titan_recover.control import keys
 from titan_recover.control.addresses import route_address
 from titan_recover.control.protocol import BoardAddress
 from titan_recover.control.sealed import Run, SealedStore
-from titan_recover.control.transport import connection_refused, in_run, serve_any_port
+from titan_recover.control.transport import call_within, connection_refused, in_run, serve_any_port
 
 OP_S = 0.5  # a board that does not answer within this (a dead, frozen or cut-off leader's): look again
 RETRY_S = 1.0  # a board that failed is tried again after this, unless etcd names a new one
@@ -104,24 +103,20 @@ class Board:
 
     def _call(self, etcd: SealedStore, op: Callable[[SealedStore], T]) -> T:
         where, known = self._where(etcd), self._client
-        box: list[Any] = []
 
-        def call() -> None:
-            try:
-                client = known or self._connect(where)
-                box.append((client, op(client)))
-            except Exception as e:
-                box.append(e)
+        def call() -> tuple[SealedStore, T]:
+            client = known or self._connect(where)
+            return client, op(client)
 
-        thread = threading.Thread(target=call, name="titan-recover-board", daemon=True)
-        thread.start()
-        thread.join(2 * OP_S)  # a connect and a call
-        outcome = box[0] if box else BoardMissing(f"the node board at {where.address} did not answer within {2 * OP_S:g}s")
-        if isinstance(outcome, Exception):
+        try:
+            self._client, result = call_within(2 * OP_S, call, "titan-recover-board")  # a connect and a call
+        except Exception as e:
             self._client, self._failed = None, (where.address, time.monotonic())
-            raise outcome
-        self._client, self._at, self._failed = outcome[0], where, ("", 0.0)
-        return outcome[1]
+            if isinstance(e, TimeoutError):
+                raise BoardMissing(f"the node board at {where.address} did not answer within {2 * OP_S:g}s") from None
+            raise
+        self._at, self._failed = where, ("", 0.0)
+        return result
 
     def set(self, etcd: SealedStore, key: str, value: str) -> None:
         def write(client: SealedStore) -> None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from titan_recover.control import keys
 from titan_recover.control.board import Board
 from titan_recover.control.addresses import is_etcd
-from titan_recover.control.transport import connect, connection_refused
+from titan_recover.control.transport import call_within, connect, connection_refused
 from titan_recover.control.sealed import Run
 
 PROBE_S = 0.5  # how often a lifeline reads ALIVE; the coordinator lingers longer than that at the end
@@ -199,18 +199,12 @@ class Heartbeat:
         A thread of its own: a client of a frozen TCPStore server blocks past any timeout."""
         if connection_refused(self._address):
             return False
-        moved: list[bool] = []
-
-        def probe() -> None:
-            try:
-                moved.append(self._read(connect(self._address, CONFIRM_S, self._run)))
-            except Exception as e:  # unreachable or too slow: no sign of life
-                log.debug(f"probe of the coordinator at {self._address} failed: {e!r}")
-
-        thread = threading.Thread(target=probe, name="titan-recover-probe", daemon=True)
-        thread.start()
-        thread.join(CONFIRM_S)
-        return bool(moved and moved[0])
+        try:
+            return call_within(CONFIRM_S, lambda: self._read(connect(self._address, CONFIRM_S, self._run)),
+                               "titan-recover-probe")
+        except Exception as e:  # unreachable or too slow: no sign of life
+            log.debug(f"probe of the coordinator at {self._address} failed: {e!r}")
+            return False
 
     def _watch(self) -> None:
         wait = min(0.25, self._timeout / 4)

@@ -6,9 +6,10 @@ whether a coordinator still listens. The etcd client is imported only here (the 
 
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
@@ -18,6 +19,32 @@ from titan_recover.control.sealed import Run, SealedStore
 
 HELLO_WAIT_S = 10.0  # how long a client waits for the hello (the coordinator sets it right after listening)
 LISTEN_POLL_S = 0.1  # how often a starting client probes the coordinator's port
+
+
+T = TypeVar("T")
+
+
+def call_within(seconds: float, call: Callable[[], T], name: str) -> T:
+    """``call()`` in a daemon thread given ``seconds``: its result, its exception, or TimeoutError.
+    For a store call that can block past any timeout of its own (a TCPStore client of a frozen
+    server); the thread is left behind, blocked, and the caller drops its client."""
+    box: list[tuple[bool, object]] = []
+
+    def run() -> None:
+        try:
+            box.append((True, call()))
+        except Exception as e:
+            box.append((False, e))
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not box:
+        raise TimeoutError(f"no answer within {seconds:g}s")
+    ok, outcome = box[0]
+    if not ok:
+        raise outcome  # type: ignore[misc]
+    return outcome  # type: ignore[return-value]
 
 
 class WrongRunError(RuntimeError):
