@@ -53,12 +53,12 @@ ALIVE_S = 0.25  # how often the alive counter moves (watchers allow coordinator_
 ETCD_ALIVE_S = 1.0  # ... on etcd, where each move is a Raft write
 REPORT_GRACE_S = 5.0  # a reserved report slot still empty after this: its reporter died in between
 FULL_PASS_S = 5.0  # on etcd a pass reads only the keys put since the last; every key at least this often
+log = logs.get("coordinator")
 
 
 def sleep_then_anything(seconds: float) -> None:
     """The wait between passes on the TCPStore: nothing tells which keys changed (None), so every pass reads them all."""
     time.sleep(seconds)
-log = logs.get("coordinator")
 
 
 class LeaderEvents(EventLog):

@@ -11,7 +11,6 @@ import uuid
 from datetime import timedelta
 from typing import TypeVar
 
-
 from titan_recover.control import keys
 from titan_recover.control.protocol import (
     Admission,

@@ -180,8 +180,8 @@ class EtcdStore(dist.Store):
                     result = json.loads(line).get("result", {}) if line else {}
                     if result.get("canceled"):
                         return None
-                    for event in result.get("events", []):
-                        return None if deletes else _decode(event["kv"].get("value", ""))
+                    if events := result.get("events"):
+                        return None if deletes else _decode(events[0]["kv"].get("value", ""))
         except (requests.RequestException, ValueError, KeyError, TypeError):
             return None
         return None
