@@ -10,17 +10,15 @@ import os
 import numpy as np
 import pytest
 import torch
-from torchtitan.components.tokenizer import HuggingFaceTokenizer
-
-from titan_recover import prepare
+from titan_recover import prepare, titan
 from titan_recover.data import load_samples, piece_digest, sample_indices
 from titan_recover.synthetic import TOKENIZER_DIR, synthetic_corpus, train_tokenizer
 from titan_recover.tokens import TokenDataset
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> HuggingFaceTokenizer:
-    return HuggingFaceTokenizer(TOKENIZER_DIR)
+def tokenizer() -> titan.Tokenizer:
+    return titan.Tokenizer(TOKENIZER_DIR)
 
 
 @pytest.fixture(scope="module")

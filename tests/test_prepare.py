@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -26,9 +27,9 @@ def all_tokens(folder: str) -> np.ndarray:
 
 
 def encode(docs: list[str]) -> np.ndarray:
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from titan_recover import titan
 
-    tok = HuggingFaceTokenizer(TOKENIZER_DIR)
+    tok = titan.Tokenizer(TOKENIZER_DIR)
     return np.concatenate([tok.encode(d, add_bos=True, add_eos=True) for d in docs])
 
 
@@ -111,12 +112,13 @@ def test_prepare_resumes_after_sigkill(tmp_path: Path, docs: list[str]) -> None:
 
 def test_torchtitan_hf_dataset_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docs: list[str]) -> None:
     from datasets import load_dataset
-    from torchtitan.hf_datasets import DatasetConfig
-    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    from titan_recover import titan
 
     write_jsonl(tmp_path / "local.jsonl", docs)
     cache = str(tmp_path / "hf_cache")
-    monkeypatch.setitem(DATASETS, "titan_recover_local", DatasetConfig(
+    datasets = titan.text_datasets()
+    monkeypatch.setitem(datasets, "titan_recover_local", dataclasses.replace(next(iter(datasets.values())),
         path=str(tmp_path / "local.jsonl"),
         loader=lambda p: load_dataset("json", data_files=p, split="train", cache_dir=cache),
         sample_processor=lambda sample: sample["text"],

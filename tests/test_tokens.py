@@ -43,7 +43,7 @@ def big_docs(n: int, vocab: int, seed: int = 0) -> list[str]:
 
 
 def test_vocabulary_beyond_uint16_round_trips(tmp_path: Path) -> None:
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from titan_recover import titan
 
     tok_dir = write_standin_tokenizer(tmp_path / "tok", 70_000)
     docs = big_docs(400, 70_000)
@@ -53,7 +53,7 @@ def test_vocabulary_beyond_uint16_round_trips(tmp_path: Path) -> None:
     m = prepare.prepare(str(tmp_path / "out"), tasks, str(tok_dir), {"files": "ab"}, workers=2, progress=False)
     assert m.dtype == "uint32" and m.vocab_size == 70_000 and len(m.shards) > 2
     assert m.max_token_id > 65_535 and m.num_documents == 400
-    tok = HuggingFaceTokenizer(str(tok_dir))
+    tok = titan.Tokenizer(str(tok_dir))
     expected = np.concatenate([tok.encode(d, add_bos=True, add_eos=True) for d in docs])
     dataset = TokenDataset(str(tmp_path / "out"))
     np.testing.assert_array_equal(np.concatenate(shard_tokens(dataset)), expected)

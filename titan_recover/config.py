@@ -411,8 +411,7 @@ def _check_batch(job_config: Any) -> None:
 def check_model(job_config: Any) -> None:
     """``model.name`` names a registered TrainSpec, after ``experimental.custom_import`` (which registers
     the job's own) is imported: TorchTitan's own refusal is a traceback, in every rank."""
-    from torchtitan.models import _supported_models
-    from torchtitan.protocols import train_spec
+    from titan_recover import titan
 
     module = job_config.experimental.custom_import
     if module:
@@ -423,12 +422,12 @@ def check_model(job_config: Any) -> None:
                               "that registers the job's model, e.g. titan_recover.train_spec") from None
     name = job_config.model.name
     try:
-        train_spec.get_train_spec(name)
+        titan.model_flavors(name)
     except ValueError:
-        registered = sorted(train_spec._extra_train_specs)  # TorchTitan lists them nowhere else
+        registered, own = titan.registered_models()
         raise ConfigError(
             f"model.name {name!r} is not a registered model; registered by experimental.custom_import "
-            f"({module!r}): {', '.join(registered) or 'none'}; TorchTitan's own: {', '.join(sorted(_supported_models))}"
+            f"({module!r}): {', '.join(registered) or 'none'}; TorchTitan's own: {', '.join(own)}"
         ) from None
 
 
@@ -488,10 +487,10 @@ def num_microbatches(job_config: Any) -> int:
 def load(argv: list[str]) -> Any:
     """Parses TorchTitan args (``--job.config_file ...`` and ``--section.key value``) and
     validates ``[recover]``; ``ConfigError`` names the bad key."""
-    from torchtitan.config import ConfigManager
+    from titan_recover import titan
 
     try:
-        job_config = ConfigManager().parse_args(argv)
+        job_config = titan.parse_config(argv)
     except SystemExit:
         raise
     except ValueError as e:  # TorchTitan's unknown-field error, TOML decode errors

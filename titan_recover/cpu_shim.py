@@ -1,9 +1,9 @@
-"""CPU support for TorchTitan 0.2.2, in one place.
+"""CPU support for TorchTitan, in one place.
 
 TorchTitan assumes CUDA: ``torchtitan.tools.utils`` falls back to ``"cuda"`` when no
 accelerator is present, and several modules bind ``device_type``/``device_module`` at
-import time. ``apply()`` must therefore run before any other torchtitan module is
-imported. On gloo, FSDP2's PREMUL_SUM reduction (used when TorchTitan sets a gradient
+import time, so the adapter (``titan_recover.titan``) imports TorchTitan inside
+``cpu_device()``. On gloo, FSDP2's PREMUL_SUM reduction (used when TorchTitan sets a gradient
 divide factor) is rejected, so FSDP modules are switched to plain SUM reductions.
 TorchTitan's profiler passes no device activity on a CPU, which torch rejects: it is dropped.
 Parameters are float32 on a CPU unless the job names a precision (``precision_args``).
@@ -11,11 +11,11 @@ Parameters are float32 on a CPU unless the job names a precision (``precision_ar
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
-import sys
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Iterator
 
 import tomli
 import torch
@@ -90,21 +90,13 @@ class _CpuProfile(torch.profiler.profile):
         super().__init__(*args, activities=activities, **kwargs)
 
 
-def apply() -> None:
-    """Point TorchTitan at the CPU when there is no accelerator (its profiler too). Idempotent.
-
-    ``import torchtitan`` already imports modules that bind the device, so the
-    device is decided while ``torchtitan.tools.utils`` is first imported: torch's
-    device look-ups are swapped for the CPU answers just for that import.
-    """
+@contextlib.contextmanager
+def cpu_device() -> Iterator[None]:
+    """Inside it, torch's device look-ups answer "cpu" when there is no accelerator (and torch's
+    profiler drops the missing device activity for good); the TorchTitan adapter imports
+    TorchTitan inside it, since TorchTitan binds its device type at import."""
     if not needed():
-        return
-    if "torchtitan.tools.utils" in sys.modules:
-        if sys.modules["torchtitan.tools.utils"].device_type != "cpu":
-            raise RuntimeError(
-                "torchtitan was imported before titan_recover.cpu_shim.apply(); "
-                "import titan_recover.train (or call apply()) first"
-            )
+        yield
         return
     torch.profiler.profile = _CpuProfile  # type: ignore[misc]  # the shim swaps torch's class for its CPU stand-in
     import torch._utils as tu
@@ -113,7 +105,7 @@ def apply() -> None:
     tu._get_available_device_type = lambda: "cpu"
     tu._get_device_module = lambda device_type=None: _CpuDeviceModule()
     try:
-        import torchtitan.tools.utils  # noqa: F401  binds "cpu" for every torchtitan module
+        yield
     finally:
         tu._get_available_device_type, tu._get_device_module = saved
 

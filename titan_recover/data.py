@@ -86,10 +86,10 @@ def piece_digest(inputs: torch.Tensor, labels: torch.Tensor) -> int:
 
 def model_vocab_size(job_config: Any) -> int:
     """The embedding rows of the job's model (its TrainSpec's flavor)."""
-    from torchtitan.protocols.train_spec import get_train_spec
+    from titan_recover import titan
 
     model = job_config.model
-    args = get_train_spec(model.name).model_args
+    args = titan.model_flavors(model.name)
     if model.flavor not in args:
         raise DataError(f"model.flavor {model.flavor!r} is not a flavor of {model.name} ({sorted(args)})")
     return args[model.flavor].vocab_size
@@ -137,12 +137,12 @@ def check_tokenizer_folder(path: str) -> None:
 def check_data(job_config: Any) -> str:
     """Opens the job's dataset as every rank will and loads its first microbatch, so a bad folder
     stops the launcher before anything starts; returns a line describing the data."""
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from titan_recover import titan
 
     check_tokenizer_folder(job_config.model.hf_assets_path)
     if job_config.experimental.custom_import:  # registers the job's TrainSpec
         importlib.import_module(job_config.experimental.custom_import)
-    tokenizer = HuggingFaceTokenizer(job_config.model.hf_assets_path)
+    tokenizer = titan.Tokenizer(job_config.model.hf_assets_path)
     dataset = open_dataset(job_config, tokenizer.get_vocab_size())
     tr, shards = job_config.training, job_config.parallelism.data_parallel_shard_degree
     m = config.num_microbatches(job_config)
@@ -193,9 +193,6 @@ def _describe(m: tokens.Manifest) -> str:
 
 
 def _check(argv: Sequence[str]) -> str:
-    from titan_recover import cpu_shim
-
-    cpu_shim.apply()
     job_config = config.load(list(argv))
     config.check_model(job_config)
     return check_data(job_config)

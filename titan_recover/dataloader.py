@@ -14,9 +14,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchtitan.components.dataloader import BaseDataLoader
-
-from titan_recover import data, order, workload
+from titan_recover import data, order, titan, workload
 from titan_recover.config import num_microbatches
 from titan_recover.data import model_vocab_size, open_dataset
 from titan_recover.tokens import TokenDataset
@@ -37,7 +35,7 @@ class _FailureFreeOrder(Dataset):
         return {"input": inputs}, labels
 
 
-class AddressableDataLoader(BaseDataLoader):
+class AddressableDataLoader(titan.BaseDataLoader):
     def __init__(
         self,
         dataset: TokenDataset,

@@ -464,7 +464,6 @@ def run_recover(job_config: Any, argv: list[str], local: list[int], coordinator_
 
 
 def main(argv: list[str]) -> int:
-    cpu_shim.apply()  # before torchtitan binds its device type: the data check imports its models
     local: list[int] = []
     address: str | None = None
     part = 0

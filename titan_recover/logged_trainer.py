@@ -10,14 +10,7 @@ import resource
 import time
 from typing import Callable
 
-from titan_recover import cpu_shim
-
-cpu_shim.apply()  # before any torchtitan module binds the device type
-
-from torchtitan.config import JobConfig
-from torchtitan.train import Trainer
-
-from titan_recover import recovery
+from titan_recover import recovery, titan
 from titan_recover.control.keys import attempt as incarnation
 from titan_recover.control.protocol import FaultRecord, StepRecord
 from titan_recover.config import Recover, num_microbatches, reports_data
@@ -25,8 +18,8 @@ from titan_recover.events import EventLog
 from titan_recover.faults import Fault, FaultInjector
 
 
-class LoggedTrainer(Trainer):
-    def __init__(self, job_config: JobConfig, rc: Recover, replica: int, group_rank: int) -> None:
+class LoggedTrainer(titan.Trainer):
+    def __init__(self, job_config: titan.JobConfig, rc: Recover, replica: int, group_rank: int) -> None:
         self.rc = rc
         self.events = EventLog(job_config.job.dump_folder)
         self.attempt = incarnation()

@@ -61,9 +61,9 @@ class Encoder:
     @classmethod
     def for_tokenizer(cls, tokenizer_dir: str, text_key: str = "text") -> tuple[Encoder, int]:
         """The encoder and the vocabulary size, from TorchTitan's own tokenizer wrapper."""
-        from torchtitan.components.tokenizer import HuggingFaceTokenizer
+        from titan_recover import titan
 
-        tok = HuggingFaceTokenizer(tokenizer_dir)
+        tok = titan.Tokenizer(tokenizer_dir)
         vocab = tok.get_vocab_size()
         bos = (tok.bos_id,) if tok.bos_id is not None and not tok.hf_adds_bos else ()
         eos = (tok.eos_id,) if tok.eos_id is not None and not tok.hf_adds_eos else ()
@@ -146,11 +146,12 @@ def synthetic_tasks(num_tokens: int, shards: int, seed: int) -> list[Task]:
 
 
 def _hf_config(name: str) -> Any:
-    from torchtitan.hf_datasets.text_datasets import DATASETS
+    from titan_recover import titan
 
-    if name not in DATASETS:
-        raise DataError(f"dataset {name!r} is not one of TorchTitan's text datasets {sorted(DATASETS)}")
-    return DATASETS[name]
+    datasets = titan.text_datasets()
+    if name not in datasets:
+        raise DataError(f"dataset {name!r} is not one of TorchTitan's text datasets {sorted(datasets)}")
+    return datasets[name]
 
 
 def _streaming_shards(ds: Any) -> int | None:

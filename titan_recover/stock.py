@@ -8,16 +8,10 @@ faults, which checkpoint-and-restart baselines use.
 import os
 from typing import Iterator
 
-from titan_recover import cpu_shim
-
-cpu_shim.apply()  # before any torchtitan module binds the device type
-
 import torch
 import torch.distributed as dist
-from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.config import JobConfig
 
-from titan_recover import data, recovery
+from titan_recover import data, recovery, titan
 from titan_recover.config import group_coordinates, validate
 from titan_recover.logged_trainer import LoggedTrainer
 
@@ -25,7 +19,7 @@ Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
 
 class StockTrainer(LoggedTrainer):
-    def __init__(self, job_config: JobConfig) -> None:
+    def __init__(self, job_config: titan.JobConfig) -> None:
         replica, group_rank = group_coordinates(int(os.environ["RANK"]), job_config.parallelism)
         super().__init__(job_config, validate(job_config), replica, group_rank)
         # this step's microbatches in the order TorchTitan computes them: (id, data digest, label tokens)
@@ -40,7 +34,7 @@ class StockTrainer(LoggedTrainer):
         def tallied() -> Iterator[Batch]:
             for input_dict, labels in data_iterator:  # digests of the CPU copies, before TorchTitan moves them
                 self._pieces.append((next(ids), data.piece_digest(input_dict["input"], labels),
-                                     int((labels != IGNORE_INDEX).sum())))
+                                     int((labels != titan.IGNORE_INDEX).sum())))
                 yield input_dict, labels
 
         super().train_step(tallied())

@@ -27,19 +27,11 @@ from titan_recover import procs
 if __name__ == "__main__":  # before the seconds of imports below: a torchrun agent killed meanwhile takes this rank along
     procs.die_with_parent()
 
-from titan_recover import cpu_shim
-
-cpu_shim.apply()  # before any torchtitan module binds the device type
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.config import JobConfig
-from torchtitan.distributed import utils as dist_utils
-from torchtitan.train import Trainer, main
 
-from titan_recover import data, logs, membership, procs, recovery, resources, transfer, workload
+from titan_recover import data, logs, membership, procs, recovery, resources, titan, transfer, workload
 from titan_recover.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.control import keys, transport
 from titan_recover.control.addresses import route_address
@@ -69,7 +61,7 @@ class RecoverTrainer(LoggedTrainer):
     group that aborts when the epoch moves, the reports, the transfer record).
     """
 
-    def __init__(self, job_config: JobConfig) -> None:
+    def __init__(self, job_config: titan.JobConfig) -> None:
         rc = validate(job_config)
         replica, group_rank = int(os.environ[keys.REPLICA_ENV]), int(os.environ["RANK"])
         prof = job_config.profiling  # each group is a torchrun world of its own: rank 0 of every group would share a file
@@ -92,7 +84,10 @@ class RecoverTrainer(LoggedTrainer):
         self.replica_slots = replica_ids(job_config)
         self.speeds = workload.Speeds()  # seconds per microbatch of each replica, from committed steps
         self._synced_epoch = -1  # the last epoch in which this rank received the state
-        self._adapt_checkpointer()
+        # DCP checkpoints stay a backstop: one replica group saves (the step's leader), and a
+        # rejoining group never loads one: its state comes from a live peer
+        self._leader = True
+        titan.guard_checkpointer(self, saves=lambda: self._leader, loads=not self.manager.rejoining)
 
     def init_distributed(self) -> Any:
         """This torchrun world is one replica group: TorchTitan sees dp_replicate = 1;
@@ -103,19 +98,6 @@ class RecoverTrainer(LoggedTrainer):
             return super().init_distributed()
         finally:
             par.data_parallel_replicate_degree = replicas
-
-    def _adapt_checkpointer(self) -> None:
-        """DCP checkpoints stay a backstop: one replica group saves (the step's leader),
-        and a rejoining group never loads one: its state comes from a live peer."""
-        save, self._leader = self.checkpointer.save, True
-
-        def save_if_leader(curr_step: int, last_step: bool = False) -> None:
-            if self._leader:
-                save(curr_step, last_step)
-
-        self.checkpointer.save = save_if_leader  # type: ignore[method-assign]  # on this instance only: the leader group saves
-        if self.manager.rejoining:
-            self.checkpointer.load = lambda step=-1: False  # type: ignore[method-assign]  # a rejoiner takes a peer's state, never a file
 
     def _epoch_view(self) -> Callable[[], int]:
         return self.manager.channel.epoch
@@ -267,7 +249,7 @@ class RecoverTrainer(LoggedTrainer):
                 input_dict={"input": inputs.to(self.device)}, labels=labels.to(self.device),
                 global_valid_tokens=self.global_tokens,
             )
-        tokens = int((labels != IGNORE_INDEX).sum())
+        tokens = int((labels != titan.IGNORE_INDEX).sum())
         if self.reports_data:
             recovery.tally_microbatch(tally, microbatch, digest, tokens, loss.detach())
         if (factor := self.injector.slow_factor(self.step)) > 1:  # a straggler, for tests and benches
@@ -303,13 +285,7 @@ class RecoverTrainer(LoggedTrainer):
         return flat, group_tally
 
     def _optimizer_step(self) -> float:
-        grad_norm = dist_utils.clip_grad_norm_(
-            [p for m in self.model_parts for p in m.parameters()],
-            self.job_config.training.max_norm,
-            foreach=True,
-            pp_mesh=self.parallel_dims.get_optional_mesh("pp"),
-            ep_enabled=self.parallel_dims.ep_enabled,
-        )
+        grad_norm = titan.clip_grad_norm(self)
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()
         self.lr_schedulers.step()
@@ -385,11 +361,11 @@ class RecoverTrainer(LoggedTrainer):
         self.manager.finish()
 
 
-def trainer(job_config: JobConfig) -> Trainer:
+def trainer(job_config: titan.JobConfig) -> titan.Trainer:
     """The trainer ``[recover] enable`` asks for: titan_recover's, or stock TorchTitan HSDP's."""
     return (RecoverTrainer if job_config.recover.enable else StockTrainer)(job_config)
 
 
 if __name__ == "__main__":
     procs.dumps_stacks()
-    main(trainer)  # type: ignore[arg-type]  # main only calls it with the job config
+    titan.run(trainer)

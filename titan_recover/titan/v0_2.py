@@ -1,0 +1,141 @@
+"""TorchTitan 0.2.x (TOML configs, the ``TrainSpec`` registry): the adapter's module for this line.
+
+TorchTitan is imported inside ``cpu_shim.cpu_device()``: it binds its device type at import.
+The job's ``[recover]`` section comes in through TorchTitan's ``job.custom_config_module``
+(``titan_recover.config``), and the models through ``experimental.custom_import``
+(``titan_recover.train_spec``, which calls ``register_model``).
+"""
+
+import dataclasses
+import sys
+from typing import Any, Callable
+
+import torch
+
+from titan_recover import cpu_shim
+
+if "torchtitan.tools.utils" in sys.modules and cpu_shim.needed() and sys.modules["torchtitan.tools.utils"].device_type != "cpu":
+    raise RuntimeError("torchtitan was imported before titan_recover on a machine without an accelerator, so it "
+                       "bound CUDA; import titan_recover (e.g. titan_recover.train_spec) before torchtitan")
+
+with cpu_shim.cpu_device():
+    import torchtitan.tools.utils  # noqa: F401  binds the device type for every torchtitan module
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.tokenizer import HuggingFaceTokenizer as Tokenizer
+from torchtitan.config import ConfigManager, JobConfig
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.hf_datasets.text_datasets import DATASETS
+from torchtitan.models import _supported_models
+from torchtitan.models.llama3 import TransformerModelArgs
+from torchtitan.models.qwen3 import Qwen3ModelArgs
+from torchtitan.protocols import train_spec as specs
+from torchtitan.train import Trainer, main
+
+__all__ = ["BaseDataLoader", "IGNORE_INDEX", "JobConfig", "Tokenizer", "Trainer"]
+
+SUFFIX = "_recover"
+
+# Flavors small enough for multi-process tests on a 2-core machine (the synthetic tokenizer's vocabulary).
+TINY: dict[str, Any] = {
+    "llama3": TransformerModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=2048, rope_theta=500000),
+    "qwen3": Qwen3ModelArgs(vocab_size=2048, max_seq_len=4096, head_dim=16, dim=64, n_layers=2, n_heads=4,
+                            n_kv_heads=2, qk_norm=True, hidden_dim=192, rope_theta=1000000),
+}
+FAMILIES = tuple(TINY)
+"""The model families titan_recover registers with its data (``<family>_recover``)."""
+
+
+def run(trainer_factory: Callable[[JobConfig], Trainer]) -> None:
+    """TorchTitan's entry point: parses the command line and trains with ``trainer_factory``'s trainer."""
+    main(trainer_factory)  # type: ignore[arg-type]  # main only calls it with the job config
+
+
+def parse_config(argv: list[str]) -> JobConfig:
+    """``--job.config_file X.toml`` and ``--section.key value``; ValueError for an unknown field or bad TOML."""
+    return ConfigManager().parse_args(argv)
+
+
+def clip_grad_norm(trainer: Trainer) -> torch.Tensor:
+    """The gradient norm over the trainer's model parts, clipped at ``training.max_norm``."""
+    return dist_utils.clip_grad_norm_(
+        [p for m in trainer.model_parts for p in m.parameters()],
+        trainer.job_config.training.max_norm,
+        foreach=True,
+        pp_mesh=trainer.parallel_dims.get_optional_mesh("pp"),
+        ep_enabled=trainer.parallel_dims.ep_enabled,
+    )
+
+
+class _GuardedCheckpointer:
+    """The trainer's CheckpointManager, saving only while ``saves()`` and loading only if ``loads``.
+    0.2's Trainer builds its CheckpointManager inline, so the manager is wrapped, not subclassed."""
+
+    def __init__(self, inner: CheckpointManager, saves: Callable[[], bool], loads: bool) -> None:
+        self._inner, self._saves, self._loads = inner, saves, loads
+
+    def save(self, curr_step: int, last_step: bool = False) -> None:
+        if self._saves():
+            self._inner.save(curr_step, last_step)
+
+    def load(self, step: int = -1) -> bool:
+        return self._inner.load(step) if self._loads else False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def guard_checkpointer(trainer: Trainer, saves: Callable[[], bool], loads: bool) -> None:
+    """From here on the trainer's DCP checkpoints are written only while ``saves()``, and
+    read at the start only if ``loads``."""
+    trainer.checkpointer = _GuardedCheckpointer(trainer.checkpointer, saves, loads)  # type: ignore[assignment]
+
+
+def _with_sum_reduction(parallelize: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
+    def parallelize_fn(model: torch.nn.Module, parallel_dims: Any, job_config: Any) -> torch.nn.Module:
+        if getattr(model, "enable_weight_tying", False) and parallel_dims.fsdp_enabled:
+            raise ValueError(
+                f"model.flavor {job_config.model.flavor!r} ties its embedding and output weights, which TorchTitan "
+                "0.2.2 shards in two FSDP groups and torch 2.13's FSDP2 rejects; choose an untied flavor (e.g. tiny)"
+            )
+        model = parallelize(model, parallel_dims, job_config)
+        if cpu_shim.needed():
+            cpu_shim.force_sum_reduction(model)
+        return model
+
+    return parallelize_fn
+
+
+def register_model(family: str, build_dataloader: Callable[..., BaseDataLoader], flavors: dict[str, Any] | None = None) -> str:
+    """Registers ``<family>_recover``: TorchTitan's ``family`` spec (plus a ``tiny`` flavor where
+    there is one, and ``flavors``) with ``build_dataloader``'s data, SUM reductions on a CPU,
+    and no validation (a streaming HF set); returns the name."""
+    base = specs.get_train_spec(family)
+    tiny = {"tiny": TINY[family]} if family in TINY else {}
+    spec = dataclasses.replace(
+        base,
+        model_args={**base.model_args, **tiny, **(flavors or {})},
+        parallelize_fn=_with_sum_reduction(base.parallelize_fn),
+        build_dataloader_fn=build_dataloader,
+        build_validator_fn=None,
+    )
+    name = family + SUFFIX
+    specs.register_train_spec(name, spec)
+    return name
+
+
+def model_flavors(name: str) -> dict[str, Any]:
+    """The model args of each flavor of model ``name``; ValueError when no model has that name."""
+    return specs.get_train_spec(name).model_args
+
+
+def registered_models() -> tuple[list[str], list[str]]:
+    """The models the job's modules registered, and TorchTitan's own."""
+    return sorted(specs._extra_train_specs), sorted(_supported_models)  # TorchTitan lists them nowhere else
+
+
+def text_datasets() -> dict[str, Any]:
+    """TorchTitan's text datasets by name (each a ``DatasetConfig``: path, loader, text processor)."""
+    return DATASETS
