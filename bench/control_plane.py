@@ -49,7 +49,12 @@ from titan_recover import config
 from titan_recover import coordinator
 
 counts_path, port = sys.argv[1], int(sys.argv[2])
-job = config.load(sys.argv[3:])
+# the "before" tree parsed the job with config.load; this one through the TorchTitan adapter
+if hasattr(config, "load"):
+    job = config.load(sys.argv[3:])
+else:
+    from titan_recover import titan
+    job = titan.load_config(sys.argv[3:])
 # the "before" tree predates coordinator.serve
 c = coordinator.serve(job, port) if hasattr(coordinator, "serve") else coordinator.Coordinator(job, port)
 

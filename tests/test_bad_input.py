@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import run_data_cli
-from titan_recover import config
+from titan_recover import config, titan
 from titan_recover.config import ConfigError, Recover
 from titan_recover.control import keys
 from titan_recover.control.addresses import parse_etcd_url, parse_host_port
@@ -31,7 +31,7 @@ def _run_in_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def load(*overrides: str):
-    return config.load(["--job.config_file", str(CONFIG), *overrides])
+    return titan.load_config(["--job.config_file", str(CONFIG), *overrides])
 
 
 def launch(*overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_recover import config
+from titan_recover import config, titan
 from titan_recover.config import ConfigError, Recover, replica_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ def _run_in_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def load(*overrides: str, config_file: Path = CONFIG):
-    return config.load(["--job.config_file", str(config_file), *overrides])
+    return titan.load_config(["--job.config_file", str(config_file), *overrides])
 
 
 @pytest.mark.unit
@@ -349,12 +349,12 @@ def test_a_cpu_run_gets_float32_parameters_unless_asked(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(cpu_shim, "needed", lambda: True)
     argv = ["--job.config_file", str(CONFIG)]
-    jc = config.load(argv)
+    jc = titan.load_config(argv)
     assert jc.training.mixed_precision_param == "bfloat16"  # TorchTitan's default
     out = cpu_shim.precision_args(argv, jc)
     assert out == [*argv, "--training.mixed_precision_param", "float32"]
     assert jc.training.mixed_precision_param == "float32"
-    assert config.load(out).training.mixed_precision_param == "float32"  # what ranks parse
+    assert titan.load_config(out).training.mixed_precision_param == "float32"  # what ranks parse
 
 
 @pytest.mark.unit
@@ -366,7 +366,7 @@ def test_a_precision_on_the_command_line_is_kept(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(cpu_shim, "needed", lambda: True)
     argv = ["--job.config_file", str(CONFIG), *flag]
-    jc = config.load(argv)
+    jc = titan.load_config(argv)
     assert cpu_shim.precision_args(argv, jc) == argv and jc.training.mixed_precision_param == "bfloat16"
 
 
@@ -378,7 +378,7 @@ def test_a_precision_in_the_toml_is_kept(monkeypatch: pytest.MonkeyPatch, tmp_pa
     toml = tmp_path / "job.toml"
     toml.write_text(CONFIG.read_text().replace("[training]\n", '[training]\nmixed_precision_param = "bfloat16"\n'))
     argv = ["--job.config_file", str(toml)]
-    jc = config.load(argv)
+    jc = titan.load_config(argv)
     assert cpu_shim.precision_args(argv, jc) == argv and jc.training.mixed_precision_param == "bfloat16"
 
 
@@ -388,7 +388,7 @@ def test_an_accelerator_keeps_torchtitans_default(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(cpu_shim, "needed", lambda: False)
     argv = ["--job.config_file", str(CONFIG)]
-    jc = config.load(argv)
+    jc = titan.load_config(argv)
     assert cpu_shim.precision_args(argv, jc) == argv and jc.training.mixed_precision_param == "bfloat16"
 
 

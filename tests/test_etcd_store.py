@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from titan_recover import config
+from titan_recover import config, titan
 from titan_recover.control import addresses, keys, protocol, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import CoordinatorState, Progress
@@ -233,14 +233,14 @@ def test_an_unreachable_cluster_is_named() -> None:
 ])
 def test_a_malformed_control_store_is_refused_naming_it(url: str, problem: str) -> None:
     with pytest.raises(config.ConfigError, match=f"recover.control_store: .*{problem}"):
-        config.load(["--job.config_file", str(CONFIG), "--recover.control_store", url])
+        titan.load_config(["--job.config_file", str(CONFIG), "--recover.control_store", url])
 
 
 @pytest.mark.unit
 def test_the_lease_must_be_shorter_than_the_coordinator_timeout() -> None:
     with pytest.raises(config.ConfigError, match="recover.leader_lease_s must be >= 2"):
-        config.load(["--job.config_file", str(CONFIG), "--recover.leader_lease_s", "30", "--recover.coordinator_timeout_s", "30"])
-    job = config.load(["--job.config_file", str(CONFIG), "--recover.control_store", "etcd://a:1,b:2,c:3"])
+        titan.load_config(["--job.config_file", str(CONFIG), "--recover.leader_lease_s", "30", "--recover.coordinator_timeout_s", "30"])
+    job = titan.load_config(["--job.config_file", str(CONFIG), "--recover.control_store", "etcd://a:1,b:2,c:3"])
     assert job.recover.leader_lease_s == 3.0
 
 

@@ -8,7 +8,6 @@ the same TOML describes stock HSDP (``enable = false``) and titan_recover.
 """
 
 import dataclasses
-import importlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -408,29 +407,6 @@ def _check_batch(job_config: Any) -> None:
         )
 
 
-def check_model(job_config: Any) -> None:
-    """``model.name`` names a registered TrainSpec, after ``experimental.custom_import`` (which registers
-    the job's own) is imported: TorchTitan's own refusal is a traceback, in every rank."""
-    from titan_recover import titan
-
-    module = job_config.experimental.custom_import
-    if module:
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            raise ConfigError(f"experimental.custom_import {module!r} cannot be imported ({e}); set it to the module "
-                              "that registers the job's model, e.g. titan_recover.train_spec") from None
-    name = job_config.model.name
-    try:
-        titan.model_flavors(name)
-    except ValueError:
-        registered, own = titan.registered_models()
-        raise ConfigError(
-            f"model.name {name!r} is not a registered model; registered by experimental.custom_import "
-            f"({module!r}): {', '.join(registered) or 'none'}; TorchTitan's own: {', '.join(own)}"
-        ) from None
-
-
 def resume_hint(job_config: Any) -> str:
     """What to do after the run stopped for good: the DCP checkpoint is the backstop."""
     ckpt = job_config.checkpoint
@@ -482,23 +458,3 @@ def num_microbatches(job_config: Any) -> int:
     """M: global microbatches per step; one microbatch is local_batch_size samples on each shard."""
     tr, par = job_config.training, job_config.parallelism
     return tr.global_batch_size // (tr.local_batch_size * par.data_parallel_shard_degree)
-
-
-def load(argv: list[str]) -> Any:
-    """Parses TorchTitan args (``--job.config_file ...`` and ``--section.key value``) and
-    validates ``[recover]``; ``ConfigError`` names the bad key."""
-    from titan_recover import titan
-
-    try:
-        job_config = titan.parse_config(argv)
-    except SystemExit:
-        raise
-    except ValueError as e:  # TorchTitan's unknown-field error, TOML decode errors
-        raise ConfigError(str(e)) from e
-    if not hasattr(job_config, "recover"):
-        raise ConfigError(
-            'the job config has no [recover] section: set [job] custom_config_module = '
-            '"titan_recover.config" in the TOML'
-        )
-    validate(job_config)
-    return job_config

@@ -458,7 +458,9 @@ def lead(job_config: Any, address: str) -> int:
 
 def main(argv: list[str]) -> int:
     address = transport.coordinator_address()
-    job_config = config.load(argv)
+    from titan_recover import titan  # TorchTitan parses the job's command line
+
+    job_config = titan.load_config(argv)
     if is_etcd(address):
         return lead(job_config, address)
     coordinator = serve(job_config, parse_host_port(address)[1])

@@ -193,8 +193,10 @@ def _describe(m: tokens.Manifest) -> str:
 
 
 def _check(argv: Sequence[str]) -> str:
-    job_config = config.load(list(argv))
-    config.check_model(job_config)
+    from titan_recover import titan
+
+    job_config = titan.load_config(list(argv))
+    titan.check_model(job_config)
     return check_data(job_config)
 
 

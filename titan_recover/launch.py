@@ -468,8 +468,10 @@ def main(argv: list[str]) -> int:
     address: str | None = None
     part = 0
     try:
-        job_config = config.load(argv)
-        config.check_model(job_config)
+        from titan_recover import titan  # TorchTitan (seconds): after the light modules
+
+        job_config = titan.load_config(argv)
+        titan.check_model(job_config)
         if job_config.recover.enable:  # the node's environment, checked before the data and any process
             local = parse_replicas(os.environ.get(keys.REPLICAS_ENV), config.replica_ids(job_config))
             part = parse_group_node(os.environ.get(keys.GROUP_NODE_ENV), job_config.recover.group_nodes)

@@ -8,14 +8,14 @@ Importing it imports TorchTitan (seconds), so light modules import it inside fun
 The interface:
     Trainer, JobConfig, BaseDataLoader, Tokenizer, IGNORE_INDEX  TorchTitan's own
     run(trainer_factory)          the line's entry point, building the job's trainer
-    parse_config(argv)            the job config from the command line (ValueError: bad input)
+    load_config(argv)             the job config from the command line, ``[recover]`` checked (ConfigError)
+    check_model(job_config)       the job's model exists (ConfigError naming the key otherwise)
     clip_grad_norm(trainer)       the step's gradient clipping, over the trainer's model parts
     guard_checkpointer(trainer, saves, loads)
                                   the trainer's checkpointer, saving only while ``saves()``
     FAMILIES, register_model(family, build_dataloader, flavors)
                                   ``<family>_recover``: the family's model with titan_recover's data
     model_flavors(name)           the flavors (model args) of a registered model
-    registered_models()           (registered by the job, TorchTitan's own), for an error message
     text_datasets()               TorchTitan's named text datasets
 """
 
@@ -47,18 +47,17 @@ from titan_recover.titan.v0_2 import (  # noqa: E402  the line's module, once th
     JobConfig,
     Tokenizer,
     Trainer,
+    check_model,
     clip_grad_norm,
     guard_checkpointer,
+    load_config,
     model_flavors,
-    parse_config,
     register_model,
-    registered_models,
     run,
     text_datasets,
 )
 
 __all__ = [
-    "FAMILIES", "IGNORE_INDEX", "LINE", "BaseDataLoader", "JobConfig", "Tokenizer", "Trainer", "clip_grad_norm",
-    "guard_checkpointer", "model_flavors", "parse_config", "register_model", "registered_models", "run",
-    "text_datasets",
+    "FAMILIES", "IGNORE_INDEX", "LINE", "BaseDataLoader", "JobConfig", "Tokenizer", "Trainer", "check_model",
+    "clip_grad_norm", "guard_checkpointer", "load_config", "model_flavors", "register_model", "run", "text_datasets",
 ]

@@ -7,12 +7,14 @@ The job's ``[recover]`` section comes in through TorchTitan's ``job.custom_confi
 """
 
 import dataclasses
+import importlib
 import sys
 from typing import Any, Callable
 
 import torch
 
 from titan_recover import cpu_shim
+from titan_recover.config import ConfigError, validate
 
 if "torchtitan.tools.utils" in sys.modules and cpu_shim.needed() and sys.modules["torchtitan.tools.utils"].device_type != "cpu":
     raise RuntimeError("torchtitan was imported before titan_recover on a machine without an accelerator, so it "
@@ -53,9 +55,43 @@ def run(trainer_factory: Callable[[JobConfig], Trainer]) -> None:
     main(trainer_factory)  # type: ignore[arg-type]  # main only calls it with the job config
 
 
-def parse_config(argv: list[str]) -> JobConfig:
-    """``--job.config_file X.toml`` and ``--section.key value``; ValueError for an unknown field or bad TOML."""
-    return ConfigManager().parse_args(argv)
+def load_config(argv: list[str]) -> JobConfig:
+    """The job config from ``--job.config_file X.toml`` and ``--section.key value``, with ``[recover]``
+    checked (``config.validate``); ``ConfigError`` names the bad key."""
+    try:
+        job_config = ConfigManager().parse_args(argv)
+    except SystemExit:
+        raise
+    except ValueError as e:  # TorchTitan's unknown-field error, TOML decode errors
+        raise ConfigError(str(e)) from e
+    if not hasattr(job_config, "recover"):
+        raise ConfigError(
+            'the job config has no [recover] section: set [job] custom_config_module = '
+            '"titan_recover.config" in the TOML'
+        )
+    validate(job_config)
+    return job_config
+
+
+def check_model(job_config: JobConfig) -> None:
+    """``model.name`` names a registered TrainSpec, after ``experimental.custom_import`` (which registers
+    the job's own) is imported: TorchTitan's own refusal is a traceback, in every rank."""
+    module = job_config.experimental.custom_import
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(f"experimental.custom_import {module!r} cannot be imported ({e}); set it to the module "
+                              "that registers the job's model, e.g. titan_recover.train_spec") from None
+    name = job_config.model.name
+    try:
+        model_flavors(name)
+    except ValueError:
+        registered = sorted(specs._extra_train_specs)  # TorchTitan lists them nowhere else
+        raise ConfigError(
+            f"model.name {name!r} is not a registered model; registered by experimental.custom_import "
+            f"({module!r}): {', '.join(registered) or 'none'}; TorchTitan's own: {', '.join(sorted(_supported_models))}"
+        ) from None
 
 
 def clip_grad_norm(trainer: Trainer) -> torch.Tensor:
@@ -129,11 +165,6 @@ def register_model(family: str, build_dataloader: Callable[..., BaseDataLoader],
 def model_flavors(name: str) -> dict[str, Any]:
     """The model args of each flavor of model ``name``; ValueError when no model has that name."""
     return specs.get_train_spec(name).model_args
-
-
-def registered_models() -> tuple[list[str], list[str]]:
-    """The models the job's modules registered, and TorchTitan's own."""
-    return sorted(specs._extra_train_specs), sorted(_supported_models)  # TorchTitan lists them nowhere else
 
 
 def text_datasets() -> dict[str, Any]:
