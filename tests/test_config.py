@@ -351,7 +351,7 @@ def test_a_cpu_run_gets_float32_parameters_unless_asked(monkeypatch: pytest.Monk
     argv = ["--job.config_file", str(CONFIG)]
     jc = titan.load_config(argv)
     assert jc.training.mixed_precision_param == "bfloat16"  # TorchTitan's default
-    out = cpu_shim.precision_args(argv, jc)
+    out = cpu_shim.precision_args(argv, jc, jc.job.config_file)
     assert out == [*argv, "--training.mixed_precision_param", "float32"]
     assert jc.training.mixed_precision_param == "float32"
     assert titan.load_config(out).training.mixed_precision_param == "float32"  # what ranks parse
@@ -367,7 +367,7 @@ def test_a_precision_on_the_command_line_is_kept(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(cpu_shim, "needed", lambda: True)
     argv = ["--job.config_file", str(CONFIG), *flag]
     jc = titan.load_config(argv)
-    assert cpu_shim.precision_args(argv, jc) == argv and jc.training.mixed_precision_param == "bfloat16"
+    assert cpu_shim.precision_args(argv, jc, jc.job.config_file) == argv and jc.training.mixed_precision_param == "bfloat16"
 
 
 @pytest.mark.unit
@@ -379,7 +379,7 @@ def test_a_precision_in_the_toml_is_kept(monkeypatch: pytest.MonkeyPatch, tmp_pa
     toml.write_text(CONFIG.read_text().replace("[training]\n", '[training]\nmixed_precision_param = "bfloat16"\n'))
     argv = ["--job.config_file", str(toml)]
     jc = titan.load_config(argv)
-    assert cpu_shim.precision_args(argv, jc) == argv and jc.training.mixed_precision_param == "bfloat16"
+    assert cpu_shim.precision_args(argv, jc, jc.job.config_file) == argv and jc.training.mixed_precision_param == "bfloat16"
 
 
 @pytest.mark.unit
@@ -389,7 +389,7 @@ def test_an_accelerator_keeps_torchtitans_default(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(cpu_shim, "needed", lambda: False)
     argv = ["--job.config_file", str(CONFIG)]
     jc = titan.load_config(argv)
-    assert cpu_shim.precision_args(argv, jc) == argv and jc.training.mixed_precision_param == "bfloat16"
+    assert cpu_shim.precision_args(argv, jc, jc.job.config_file) == argv and jc.training.mixed_precision_param == "bfloat16"
 
 
 @pytest.mark.unit

@@ -69,3 +69,22 @@ def test_the_adapter_stands_below_the_trainers() -> None:
         if m == "titan_recover.titan" or m.startswith("titan_recover.titan."):
             below = {"titan_recover", "titan_recover.cpu_shim", "titan_recover.config"}
             assert {d for d in deps if not d.startswith("titan_recover.titan")} <= below, m
+
+
+def test_every_torchtitan_line_defines_the_whole_interface() -> None:
+    """``titan_recover.titan`` loads the installed line's module and takes ``INTERFACE`` from it: each
+    line's module must define every name, read from its source (so both lines are checked on either)."""
+    tree = ast.parse((ROOT / "titan" / "__init__.py").read_text())
+    found = {n.targets[0].id: n.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)}
+    interface, lines = ast.literal_eval(found["INTERFACE"]), ast.literal_eval(found["LINES"])
+    assert set(lines) == {"0.2", "0.3"}
+    for module in lines.values():
+        defined: set[str] = set()
+        for node in ast.parse((ROOT / "titan" / f"{module}.py").read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Assign):
+                defined.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            elif isinstance(node, ast.ImportFrom):
+                defined.update(a.asname or a.name for a in node.names)
+        assert set(interface) - defined == set(), module

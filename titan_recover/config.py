@@ -407,11 +407,11 @@ def _check_batch(job_config: Any) -> None:
         )
 
 
-def resume_hint(job_config: Any) -> str:
-    """What to do after the run stopped for good: the DCP checkpoint is the backstop."""
+def resume_hint(job_config: Any, dump_folder: str) -> str:
+    """What to do after the run stopped for good: the DCP checkpoint (under ``dump_folder``) is the backstop."""
     ckpt = job_config.checkpoint
     if ckpt.enable:
-        where = os.path.join(job_config.job.dump_folder, ckpt.folder)
+        where = os.path.join(dump_folder, ckpt.folder)
         return f"To resume, run the same command again: TorchTitan resumes from the last checkpoint in {where}"
     return ("To resume, run the same command again; [checkpoint] enable = false, so the run starts over "
             "(enable checkpoints to resume where it stopped)")

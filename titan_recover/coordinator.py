@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from titan_recover import config, logs, procs, resources
+from titan_recover import config, logs, procs, resources, titan
 from titan_recover.control import transport
 from titan_recover.control.board import LeaderBoard
 from titan_recover.control.addresses import LOOPBACK, is_etcd, parse_host_port
@@ -403,7 +403,7 @@ def serve(job_config: Any, port: int) -> Coordinator:
     """The coordinator on its own TCPStore, listening on ``port``."""
     rc = job_config.recover
     client = transport.serve(port, rc.collective_timeout_s, rc.coordinator_bind or LOOPBACK)
-    return Coordinator(job_config, client, EventLog(job_config.job.dump_folder))
+    return Coordinator(job_config, client, EventLog(titan.dump_folder(job_config)))
 
 
 def lead(job_config: Any, address: str) -> int:
@@ -433,12 +433,12 @@ def lead(job_config: Any, address: str) -> int:
         try:
             ControlClient(client).put(BOARD, board.where)
             log.info(f"node messages on {board.where.address}")
-            events = LeaderEvents(job_config.job.dump_folder, guarded.confirm_guard)
+            events = LeaderEvents(titan.dump_folder(job_config), guarded.confirm_guard)
             try:
                 coordinator = Coordinator(job_config, client, events, config.node_message_interval_s(rc), changes.wait,
                                           board.messages)
             except MessageError as e:  # no leader could act on it: the run stops, saying why
-                error = f"the coordinator state in etcd cannot be taken over: {e}; {config.resume_hint(job_config)}"
+                error = f"the coordinator state in etcd cannot be taken over: {e}; {config.resume_hint(job_config, titan.dump_folder(job_config))}"
                 ControlClient(client).stop(error)
                 events.emit("fatal", error=error)
                 log.error(f"FATAL: {error}")
@@ -458,8 +458,6 @@ def lead(job_config: Any, address: str) -> int:
 
 def main(argv: list[str]) -> int:
     address = transport.coordinator_address()
-    from titan_recover import titan  # TorchTitan parses the job's command line
-
     job_config = titan.load_config(argv)
     if is_etcd(address):
         return lead(job_config, address)

@@ -123,9 +123,10 @@ def force_sum_reduction(model: torch.nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def _names_precision(argv: list[str], config_file: str) -> bool:
-    """Whether the command line or the TOML chooses the parameter precision."""
-    if any(a.split("=", 1)[0] in PRECISION_FLAGS for a in argv):
+def _names_precision(argv: list[str], config_file: str | None) -> bool:
+    """Whether the command line or the TOML (None: a Python recipe, which always does) chooses the
+    parameter precision."""
+    if config_file is None or any(a.split("=", 1)[0] in PRECISION_FLAGS for a in argv):
         return True
     try:
         with open(config_file, "rb") as f:
@@ -134,7 +135,7 @@ def _names_precision(argv: list[str], config_file: str) -> bool:
         return False  # no TOML: TorchTitan's defaults apply
 
 
-def precision_args(argv: list[str], job_config: Any) -> list[str]:
+def precision_args(argv: list[str], job_config: Any, config_file: str | None) -> list[str]:
     """On a CPU, parameters are float32 unless the TOML or the command line asks otherwise.
 
     TorchTitan's default, bfloat16, is emulated on CPUs without AVX-512-BF16/AMX: a step of
@@ -142,7 +143,7 @@ def precision_args(argv: list[str], job_config: Any) -> list[str]:
     result must not depend on which CPU ran it. Returns ``argv`` with the choice made explicit,
     so ranks, coordinator and stock runs all see it; ``job_config`` is updated to match.
     """
-    if not needed() or _names_precision(argv, job_config.job.config_file):
+    if not needed() or _names_precision(argv, config_file):
         return argv
     job_config.training.mixed_precision_param = "float32"
     return [*argv, PRECISION_FLAGS[0], "float32"]

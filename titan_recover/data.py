@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
 import os
 import sys
 from collections.abc import Sequence
@@ -85,34 +84,36 @@ def piece_digest(inputs: torch.Tensor, labels: torch.Tensor) -> int:
 
 
 def model_vocab_size(job_config: Any) -> int:
-    """The embedding rows of the job's model (its TrainSpec's flavor)."""
+    """The embedding rows of the job's model; a ``DataError`` for a flavor the model lacks."""
     from titan_recover import titan
 
-    model = job_config.model
-    args = titan.model_flavors(model.name)
-    if model.flavor not in args:
-        raise DataError(f"model.flavor {model.flavor!r} is not a flavor of {model.name} ({sorted(args)})")
-    return args[model.flavor].vocab_size
+    try:
+        return titan.model_vocab_size(job_config)
+    except ValueError as e:
+        raise DataError(str(e)) from None
 
 
 def open_dataset(job_config: Any, tokenizer_vocab: int) -> TokenDataset:
     """The job's dataset folder, checked against its tokenizer and model (synthetic: prepared if absent)."""
-    tr, tokenizer_dir = job_config.training, job_config.model.hf_assets_path
-    if tr.dataset == SYNTHETIC:
-        folder = tr.dataset_path or DEFAULT_SYNTHETIC_DIR
+    from titan_recover import titan
+
+    (name, path), tokenizer_dir = titan.dataset(job_config), titan.assets_path(job_config)
+    if name == SYNTHETIC:
+        folder = path or DEFAULT_SYNTHETIC_DIR
         if not os.path.exists(os.path.join(folder, tokens.MANIFEST)):
             prepare.prepare_synthetic(folder, tokenizer_dir, SYNTHETIC_TOKENS, SYNTHETIC_SHARDS)
-    elif not tr.dataset_path:
+    elif not path:
         raise DataError(
-            f"training.dataset = {tr.dataset!r} needs training.dataset_path: a folder prepared with "
-            f"`python -m titan_recover.data prepare DIR --dataset {tr.dataset} --tokenizer {tokenizer_dir}`"
+            f"dataset {name!r} needs a dataset_path: a folder prepared with "
+            f"`python -m titan_recover.data prepare DIR --dataset {name} --tokenizer {tokenizer_dir}`"
         )
     else:
-        folder = tr.dataset_path
+        folder = path
     dataset = TokenDataset(folder)
     dataset.check_tokenizer(tokenizer_dir, tokenizer_vocab)
-    dataset.check_vocab(model_vocab_size(job_config), f"model {job_config.model.name} flavor {job_config.model.flavor}")
-    dataset.num_windows(tr.seq_len)  # at least one window of seq_len + 1 tokens
+    model, flavor = titan.model_name(job_config)
+    dataset.check_vocab(model_vocab_size(job_config), f"model {model} flavor {flavor}")
+    dataset.num_windows(job_config.training.seq_len)  # at least one window of seq_len + 1 tokens
     return dataset
 
 
@@ -139,10 +140,8 @@ def check_data(job_config: Any) -> str:
     stops the launcher before anything starts; returns a line describing the data."""
     from titan_recover import titan
 
-    check_tokenizer_folder(job_config.model.hf_assets_path)
-    if job_config.experimental.custom_import:  # registers the job's TrainSpec
-        importlib.import_module(job_config.experimental.custom_import)
-    tokenizer = titan.Tokenizer(job_config.model.hf_assets_path)
+    check_tokenizer_folder(titan.assets_path(job_config))  # the model is registered: titan.check_model ran
+    tokenizer = titan.Tokenizer(titan.assets_path(job_config))
     dataset = open_dataset(job_config, tokenizer.get_vocab_size())
     tr, shards = job_config.training, job_config.parallelism.data_parallel_shard_degree
     m = config.num_microbatches(job_config)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titan_recover import config, cpu_shim, devices, logs, node_channel
+from titan_recover import config, cpu_shim, devices, logs, node_channel, titan
 from titan_recover.agent import NodeAgent
 from titan_recover.control import claims, keys, transport
 from titan_recover.control.addresses import LOOPBACK, local_host, parse_host_port, resolve, route_address
@@ -265,7 +265,7 @@ class NodeLauncher:
         assert self.run is not None
         client = ControlClient(transport.in_run(transport.etcd(str(self.address), self.rc.startup_timeout_s), self.run))
         if client.begin():
-            remove_events(self.job_config.job.dump_folder)
+            remove_events(titan.dump_folder(self.job_config))
             return
         ended = client.ended()
         if ended is not None:
@@ -426,7 +426,7 @@ class NodeLauncher:
         self.groups.kill()
         if exited and not self.etcd:  # a candidate's end is not the run's
             reason = self._exit_reason(coordinator)
-        exit_lost("launcher", reason, config.resume_hint(self.job_config))
+        exit_lost("launcher", reason, config.resume_hint(self.job_config, titan.dump_folder(self.job_config)))
 
     def _exit_reason(self, coordinator: subprocess.Popen) -> str:
         code = coordinator.returncode
@@ -468,8 +468,6 @@ def main(argv: list[str]) -> int:
     address: str | None = None
     part = 0
     try:
-        from titan_recover import titan  # TorchTitan (seconds): after the light modules
-
         job_config = titan.load_config(argv)
         titan.check_model(job_config)
         if job_config.recover.enable:  # the node's environment, checked before the data and any process
@@ -492,15 +490,15 @@ def main(argv: list[str]) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    cpu_argv = cpu_shim.precision_args(argv, job_config)
+    cpu_argv = cpu_shim.precision_args(argv, job_config, titan.config_file(job_config))
     if cpu_argv != argv:
         log.info("no accelerator: parameters in float32 (bfloat16 is emulated on most CPUs, ~13x slower); "
             "--training.mixed_precision_param bfloat16 to override")
     argv = cpu_argv
-    path = events_path(job_config.job.dump_folder)
+    path = events_path(titan.dump_folder(job_config))
     first = address is None  # this launcher starts the run and its coordinator; other nodes' launchers join it
     if first and not job_config.recover.control_store:
-        remove_events(job_config.job.dump_folder)  # on etcd: only once the run proves new (NodeLauncher._begin_or_join)
+        remove_events(titan.dump_folder(job_config))  # on etcd: only once the run proves new (NodeLauncher._begin_or_join)
     start = time.time()
     try:
         if job_config.recover.enable:
@@ -514,7 +512,7 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tr = job_config.training
-    files = event_files(job_config.job.dump_folder)
+    files = event_files(titan.dump_folder(job_config))
     if not first:
         log.info(f"the run's summary is printed by the launcher that started its coordinator ({address}); "
             f"this node's ranks logged their events to {path}")

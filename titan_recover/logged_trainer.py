@@ -8,12 +8,13 @@ event. ``group_rank`` is a rank's index inside its replica group, ``replica`` th
 
 import resource
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from titan_recover import recovery, titan
 from titan_recover.control.keys import attempt as incarnation
 from titan_recover.control.protocol import FaultRecord, StepRecord
 from titan_recover.config import Recover, num_microbatches, reports_data
+from titan_recover.dataloader import AddressableDataLoader, build_addressable_dataloader
 from titan_recover.events import EventLog
 from titan_recover.faults import Fault, FaultInjector
 
@@ -21,7 +22,7 @@ from titan_recover.faults import Fault, FaultInjector
 class LoggedTrainer(titan.Trainer):
     def __init__(self, job_config: titan.JobConfig, rc: Recover, replica: int, group_rank: int) -> None:
         self.rc = rc
-        self.events = EventLog(job_config.job.dump_folder)
+        self.events = EventLog(titan.dump_folder(job_config))
         self.attempt = incarnation()
         self.replica, self.group_rank = replica, group_rank
         self.reports_data = reports_data(group_rank, job_config.parallelism)
@@ -30,6 +31,11 @@ class LoggedTrainer(titan.Trainer):
         self.num_microbatches = num_microbatches(job_config)
         self.injector = FaultInjector(rc.fault_plan, replica, group_rank, self._on_fault, self.attempt, self._epoch_view())
         self.global_tokens = float(self.dataloader.valid_tokens_per_step())
+
+    def build_dataloader(self, job_config: titan.JobConfig, *, dp_world_size: int, dp_rank: int, tokenizer: Any,
+                         **_: Any) -> AddressableDataLoader:
+        """The trainer's data (TorchTitan 0.3 asks the trainer; 0.2 the model's TrainSpec, ``train_spec``)."""
+        return build_addressable_dataloader(dp_world_size, dp_rank, tokenizer, job_config)
 
     def _epoch_view(self) -> Callable[[], int] | None:
         """What a ``sleep ... until=epoch`` fault watches (stock mode has no epochs)."""

@@ -43,8 +43,6 @@ from titan_recover.manager import ReplicaFenced, ReplicaManager, RunFinished
 from titan_recover.membership import Membership, diverged
 from titan_recover.stock import StockTrainer
 
-import titan_recover.train_spec  # noqa: F401  registers llama3_recover, qwen3_recover
-
 log = logs.get("rank")
 
 
@@ -64,13 +62,13 @@ class RecoverTrainer(LoggedTrainer):
     def __init__(self, job_config: titan.JobConfig) -> None:
         rc = validate(job_config)
         replica, group_rank = int(os.environ[keys.REPLICA_ENV]), int(os.environ["RANK"])
-        prof = job_config.profiling  # each group is a torchrun world of its own: rank 0 of every group would share a file
+        prof = titan.profiler(job_config)  # each group is a torchrun world of its own: rank 0 of every group would share a file
         prof.save_traces_folder = os.path.join(prof.save_traces_folder, f"replica{replica}")
         # a restarted group, or a hot spare, holds no state until a peer sends it
         rejoining = keys.attempt() > 0 or is_spare(replica, job_config)
         self.manager = ReplicaManager.connect(  # before TorchTitan builds the model: its lifeline beats meanwhile
             rc, replica=replica, group_rank=group_rank, attempt=keys.attempt(), rejoining=rejoining,
-            resume_hint=resume_hint(job_config),
+            resume_hint=resume_hint(job_config, titan.dump_folder(job_config)),
         )
         super().__init__(job_config, rc, replica, group_rank)
         self.manager.attach(
@@ -256,8 +254,7 @@ class RecoverTrainer(LoggedTrainer):
             time.sleep((factor - 1) * (time.perf_counter() - start))
         if self.group_rank == 0:  # one rank per replica times it: every rank reads the same sum
             recovery.tally_time(tally, self.replica_slots, self.replica, time.perf_counter() - start)
-        self.ntokens_seen += labels.numel()
-        self.metrics_processor.ntokens_since_last_log += labels.numel()
+        titan.count_tokens(self, labels)
 
     def _grads(self) -> list[torch.Tensor]:
         """Each parameter's local gradient, laid out like the parameter. TP can leave a

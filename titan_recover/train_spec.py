@@ -10,14 +10,14 @@ tokens is one call away, from the user's own ``custom_import`` module:
 
 from typing import Any
 
-from titan_recover import titan
 from titan_recover.dataloader import build_addressable_dataloader
+from titan_recover.titan import v0_2  # TOML jobs: TorchTitan 0.2's registry of TrainSpecs
 
 
 def register(family: str, flavors: dict[str, Any] | None = None) -> str:
     """Registers ``<family>_recover`` from TorchTitan's ``family`` model; returns the name."""
-    return titan.register_model(family, build_addressable_dataloader, flavors)
+    return v0_2.register_model(family, build_addressable_dataloader, flavors)
 
 
-for _family in titan.FAMILIES:
+for _family in v0_2.FAMILIES:
     register(_family)

@@ -1,28 +1,36 @@
 """Every contact with TorchTitan, behind one interface.
 
-The rest of titan_recover takes TorchTitan's names from here and never imports
-``torchtitan`` itself; each TorchTitan line is one module beside this one (``v0_2``:
-TorchTitan 0.2.x, configured by TOML), and this one picks the installed line's.
-Importing it imports TorchTitan (seconds), so light modules import it inside functions.
+The rest of titan_recover takes TorchTitan's names from here and never imports ``torchtitan``
+itself. Each TorchTitan line is one module beside this one, defining every name of ``INTERFACE``
+(``v0_2``: TorchTitan 0.2.x, TOML configs; ``v0_3``: 0.3.x, Python configs): this module loads the
+installed line's. A new line is one new module. Importing this imports TorchTitan (seconds), so
+light modules import it inside functions.
 
 The interface:
-    Trainer, JobConfig, BaseDataLoader, Tokenizer, IGNORE_INDEX  TorchTitan's own
+    Trainer, JobConfig, BaseDataLoader, Tokenizer(path), IGNORE_INDEX   TorchTitan's own
     run(trainer_factory)          the line's entry point, building the job's trainer
     load_config(argv)             the job config from the command line, ``[recover]`` checked (ConfigError)
     check_model(job_config)       the job's model exists (ConfigError naming the key otherwise)
     clip_grad_norm(trainer)       the step's gradient clipping, over the trainer's model parts
     guard_checkpointer(trainer, saves, loads)
-                                  the trainer's checkpointer, saving only while ``saves()``
-    FAMILIES, register_model(family, build_dataloader, flavors)
-                                  ``<family>_recover``: the family's model with titan_recover's data
-    model_flavors(name)           the flavors (model args) of a registered model
+                                  the trainer's checkpointer saves only while ``saves()``, loads only if ``loads``
+    count_tokens(trainer, labels) a computed microbatch's tokens, in the counters TorchTitan does not keep itself
+    dump_folder, assets_path, model_name, model_vocab_size, dataset, profiler, config_file (job_config)
+                                  where the line keeps those settings
     text_datasets()               TorchTitan's named text datasets
 """
 
+import importlib
 from importlib import metadata
 
-SUPPORTED = ("0.2",)
-"""The TorchTitan lines (major.minor) this package has a module for."""
+LINES = {"0.2": "v0_2", "0.3": "v0_3"}
+"""TorchTitan lines (major.minor) and their modules."""
+
+INTERFACE = (
+    "Trainer", "JobConfig", "BaseDataLoader", "Tokenizer", "IGNORE_INDEX", "run", "load_config", "check_model",
+    "clip_grad_norm", "guard_checkpointer", "count_tokens", "dump_folder", "assets_path", "model_name",
+    "model_vocab_size", "dataset", "profiler", "config_file", "text_datasets",
+)
 
 
 def installed_line() -> str:
@@ -32,32 +40,13 @@ def installed_line() -> str:
     except metadata.PackageNotFoundError:
         raise ImportError("TorchTitan is not installed: run ./run_train.sh, which makes the environment") from None
     line = ".".join(version.split(".")[:2])
-    if line not in SUPPORTED:
-        raise ImportError(f"TorchTitan {version} is installed; titan_recover supports TorchTitan "
-                          f"{', '.join(s + '.x' for s in SUPPORTED)} (pip install torchtitan==0.2.2)")
+    if line not in LINES:
+        raise ImportError(f"TorchTitan {version} is installed; titan_recover has modules for TorchTitan "
+                          f"{', '.join(s + '.x' for s in LINES)} (TORCHTITAN=0.2.2 or 0.3.0 ./run_train.sh makes either)")
     return line
 
 
 LINE = installed_line()
-
-from titan_recover.titan.v0_2 import (  # noqa: E402  the line's module, once the line is known
-    FAMILIES,
-    IGNORE_INDEX,
-    BaseDataLoader,
-    JobConfig,
-    Tokenizer,
-    Trainer,
-    check_model,
-    clip_grad_norm,
-    guard_checkpointer,
-    load_config,
-    model_flavors,
-    register_model,
-    run,
-    text_datasets,
-)
-
-__all__ = [
-    "FAMILIES", "IGNORE_INDEX", "LINE", "BaseDataLoader", "JobConfig", "Tokenizer", "Trainer", "check_model",
-    "clip_grad_norm", "guard_checkpointer", "load_config", "model_flavors", "register_model", "run", "text_datasets",
-]
+_line = importlib.import_module(f"{__name__}.{LINES[LINE]}")
+globals().update({name: getattr(_line, name) for name in INTERFACE})
+__all__ = ["LINE", *INTERFACE]

@@ -167,6 +167,48 @@ def model_flavors(name: str) -> dict[str, Any]:
     return specs.get_train_spec(name).model_args
 
 
+def model_vocab_size(job_config: JobConfig) -> int:
+    """The embedding rows of the job's model (its TrainSpec's flavor); ConfigError for an unknown flavor."""
+    name, flavor = job_config.model.name, job_config.model.flavor
+    flavors = model_flavors(name)
+    if flavor not in flavors:
+        raise ConfigError(f"model.flavor {flavor!r} is not a flavor of {name} ({sorted(flavors)})")
+    return flavors[flavor].vocab_size
+
+
+def count_tokens(trainer: Trainer, labels: torch.Tensor) -> None:
+    """A microbatch's tokens: those seen (checkpointed) and the throughput counter's."""
+    trainer.ntokens_seen += labels.numel()
+    trainer.metrics_processor.ntokens_since_last_log += labels.numel()
+
+
+def dump_folder(job_config: JobConfig) -> str:
+    return job_config.job.dump_folder
+
+
+def assets_path(job_config: JobConfig) -> str:
+    return job_config.model.hf_assets_path
+
+
+def model_name(job_config: JobConfig) -> tuple[str, str]:
+    """(name, flavor) of the job's model."""
+    return job_config.model.name, job_config.model.flavor
+
+
+def dataset(job_config: JobConfig) -> tuple[str, str | None]:
+    """(name, folder) of the job's dataset."""
+    return job_config.training.dataset, job_config.training.dataset_path
+
+
+def profiler(job_config: JobConfig) -> Any:
+    return job_config.profiling
+
+
+def config_file(job_config: JobConfig) -> str:
+    """The TOML the job was read from (it may state the parameters' precision)."""
+    return job_config.job.config_file
+
+
 def text_datasets() -> dict[str, Any]:
     """TorchTitan's text datasets by name (each a ``DatasetConfig``: path, loader, text processor)."""
     return DATASETS

@@ -1,0 +1,205 @@
+"""TorchTitan 0.3.x (Python configs chosen by ``--module``/``--config``, components built from their
+``Config``): the adapter's module for this line.
+
+TorchTitan is imported inside ``cpu_shim.cpu_device()``: it still binds its device type at import.
+``[recover]`` is a section of the job config (``Trainer.Config.recover``, ``--recover.<key>``); the
+plugin's configs are ``titan_recover.recipes``. The trainer builds titan_recover's data through
+``build_dataloader`` and a checkpointer whose ``_save``/``_load`` ask the guard first.
+"""
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Callable
+
+import torch
+import tyro
+
+from titan_recover import cpu_shim
+from titan_recover.config import ConfigError, Recover, validate
+
+if "torchtitan.tools.utils" in sys.modules and cpu_shim.needed() and sys.modules["torchtitan.tools.utils"].device_type != "cpu":
+    raise RuntimeError("torchtitan was imported before titan_recover on a machine without an accelerator, so it "
+                       "bound CUDA; import titan_recover (e.g. titan_recover.recipes) before torchtitan")
+
+with cpu_shim.cpu_device():
+    import torchtitan.tools.utils  # noqa: F401  binds the device type for every torchtitan module
+
+from torchtitan.components.checkpointer import CheckpointManager
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.config import ConfigManager
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.hf_datasets.text_datasets import DATASETS
+from torchtitan.tools.logging import init_logger
+from torchtitan.trainer import Trainer as TitanTrainer
+
+__all__ = ["BaseDataLoader", "IGNORE_INDEX"]
+
+
+class GuardedCheckpointer(CheckpointManager):
+    """TorchTitan's DCP checkpointer, saving only while ``saves()`` and loading only if ``loads``
+    (``guard_checkpointer``); the hooks 0.3 leaves to subclasses."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        pass
+
+    saves: Callable[[], bool] = staticmethod(lambda: True)
+    loads: bool = True
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        return super()._save(curr_step, last_step) if self.saves() else False
+
+    def _load(self, step: int = -1) -> bool:
+        return super()._load(step) if self.loads else False
+
+
+class _TrainerData(BaseDataLoader):
+    """The dataloader slot of the config: its ``build`` asks the trainer (``Trainer.build_dataloader``)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        build_fn: Annotated[Callable[..., BaseDataLoader] | None, tyro.conf.Suppress] = None
+
+        def build(self, **kwargs: Any) -> BaseDataLoader:
+            assert self.build_fn is not None
+            return self.build_fn(**kwargs)
+
+
+def _fields(config: Any) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+
+
+class Trainer(TitanTrainer):
+    """TorchTitan's trainer with the ``recover`` section, titan_recover's data and the guarded checkpointer."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(TitanTrainer.Config):
+        recover: Recover = field(default_factory=Recover)
+        """titan_recover: the fault-tolerant replicate dimension (see titan_recover.config.Recover)."""
+
+    def __init__(self, config: "Trainer.Config") -> None:
+        config.checkpoint = GuardedCheckpointer.Config(**_fields(config.checkpoint))
+        data = config.dataloader
+        config.dataloader = _TrainerData.Config(
+            dataset=data.dataset, dataset_path=data.dataset_path,
+            build_fn=lambda **kwargs: self.build_dataloader(config, **kwargs),
+        )
+        super().__init__(config)
+
+    @property
+    def job_config(self) -> "Trainer.Config":
+        """The job config under the name the rest of titan_recover (and TorchTitan 0.2) uses."""
+        return self.config
+
+    def build_dataloader(self, job_config: "Trainer.Config", *, dp_world_size: int, dp_rank: int,
+                         tokenizer: Any, **_: Any) -> BaseDataLoader:
+        """The data of this trainer (titan_recover's trainers give their addressable loader)."""
+        raise NotImplementedError
+
+
+JobConfig = Trainer.Config
+
+
+def Tokenizer(path: str) -> HuggingFaceTokenizer:  # noqa: N802  the class's name on the other line
+    """TorchTitan's Hugging Face tokenizer over the folder ``path``."""
+    return HuggingFaceTokenizer.Config().build(tokenizer_path=path)
+
+
+def run(trainer_factory: Callable[[JobConfig], Trainer]) -> None:
+    """TorchTitan's entry point, building ``trainer_factory``'s trainer from the parsed config."""
+    init_logger()
+    config = ConfigManager().parse_args()
+    trainer = None
+    try:
+        trainer = trainer_factory(config)
+        trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def load_config(argv: list[str]) -> JobConfig:
+    """The job config from ``--module M --config F`` and ``--section.key value``, with ``recover``
+    checked (``config.validate``); ``ConfigError`` names the bad key."""
+    try:
+        job_config = ConfigManager().parse_args(argv)
+    except SystemExit:
+        raise
+    except (ValueError, ImportError) as e:  # an unknown config function or module
+        raise ConfigError(str(e)) from e
+    if not hasattr(job_config, "recover"):
+        raise ConfigError(f"the config {type(job_config).__qualname__} has no recover section: build it from "
+                          "titan_recover.titan.Trainer.Config (see titan_recover.recipes)")
+    validate(job_config)
+    return job_config
+
+
+def check_model(job_config: JobConfig) -> None:
+    """The recipe chose the model; a config without one cannot train."""
+    if job_config.model_spec is None:
+        raise ConfigError("the config has no model_spec: the recipe (--module/--config) must set one")
+
+
+def clip_grad_norm(trainer: Trainer) -> torch.Tensor:
+    """The gradient norm over the trainer's model parts, clipped at ``training.max_norm``."""
+    return dist_utils.clip_grad_norm_(
+        [p for m in trainer.model_parts for p in m.parameters()],
+        trainer.config.training.max_norm,
+        foreach=True,
+        pp_mesh=trainer.parallel_dims.get_optional_mesh("pp"),
+        ep_enabled=trainer.parallel_dims.ep_enabled,
+    )
+
+
+def guard_checkpointer(trainer: Trainer, saves: Callable[[], bool], loads: bool) -> None:
+    """From here on the trainer's DCP checkpoints are written only while ``saves()``, and
+    read at the start only if ``loads``."""
+    trainer.checkpointer.saves, trainer.checkpointer.loads = saves, loads
+
+
+def count_tokens(trainer: Trainer, labels: torch.Tensor) -> None:
+    """A microbatch's tokens in the throughput counter (0.3 counts ``ntokens_seen`` itself, in
+    ``post_dataloading_process``: counting it here too would double it)."""
+    trainer.metrics_processor.ntokens_since_last_log += labels.numel()
+
+
+def dump_folder(job_config: JobConfig) -> str:
+    return job_config.dump_folder
+
+
+def assets_path(job_config: JobConfig) -> str:
+    return job_config.hf_assets_path
+
+
+def model_name(job_config: JobConfig) -> tuple[str, str]:
+    """(name, flavor) of the job's model."""
+    spec = job_config.model_spec
+    return spec.name, spec.flavor
+
+
+def model_vocab_size(job_config: JobConfig) -> int:
+    return job_config.model_spec.model.vocab_size
+
+
+def dataset(job_config: JobConfig) -> tuple[str, str | None]:
+    """(name, folder) of the job's dataset."""
+    return job_config.dataloader.dataset, job_config.dataloader.dataset_path
+
+
+def profiler(job_config: JobConfig) -> Any:
+    return job_config.profiler
+
+
+def config_file(job_config: JobConfig) -> None:
+    """0.3 has no config file: the recipe states the precision."""
+    return None
+
+
+def text_datasets() -> dict[str, Any]:
+    """TorchTitan's text datasets by name (each a ``DatasetConfig``: path, loader, text processor)."""
+    return DATASETS
