@@ -5,6 +5,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
 from titan_recover.events import read_events
@@ -15,9 +16,20 @@ RESULTS = ROOT / "bench" / "results"
 # every benchmark names its precision: CPU runs are float32 (bfloat16 is emulated on CPUs without
 # AVX-512-BF16/AMX, ~13x slower), and results record it
 PRECISION = ["--training.mixed_precision_param", "float32"]
-# the tests' job, small enough for many multi-process runs on a 2-core CI machine
-TINY = ["--model.flavor", "tiny", "--training.seq_len", "64", "--training.steps", "6",
-        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1"]
+# the tests' job, small enough for many multi-process runs on a 2-core CI machine (TorchTitan 0.2 spelling)
+TINY_SIZES = ["--training.seq_len", "64", "--training.steps", "6", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1"]
+TINY = ["--model.flavor", "tiny", *TINY_SIZES]
+LINE = ".".join(metadata.version("torchtitan").split(".")[:2])
+"""The installed TorchTitan line (0.2: TOML configs; 0.3: titan_recover.recipes): ``job`` spells a job as it does."""
+
+
+def job(dump: str | Path, tiny: bool = False) -> list[str]:
+    """The launcher's arguments for the default job (with ``tiny``, the tests' tiny one) writing to
+    ``dump``, as the installed TorchTitan line spells them."""
+    if LINE == "0.2":
+        return ["--job.config_file", str(CONFIG), "--job.dump_folder", str(dump), *(TINY if tiny else [])]
+    recipe = "llama3_tiny_cpu" if tiny else "llama3_debug_cpu"
+    return ["--module", "titan_recover.recipes", "--config", recipe, "--dump_folder", str(dump), *(TINY_SIZES if tiny else [])]
 
 
 def launch(args: list[str], what: str) -> tuple[list[dict], float]:

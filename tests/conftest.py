@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from bench.common import TINY
+from bench.common import LINE, TINY, job
 from titan_recover.control import keys
 from titan_recover.compare import compare_runs
 
@@ -47,10 +47,9 @@ def run_secret() -> Iterator[str]:
 
 
 def run_job(dump: Path, *overrides: str, timeout: int = 300, config: Path = CONFIG) -> Run:
-    cmd = [
-        sys.executable, "-m", "titan_recover.launch",
-        "--job.config_file", str(config), "--job.dump_folder", str(dump), *TINY, *overrides,
-    ]
+    """The tests' tiny job (``config``: a TOML of TorchTitan 0.2's), as the installed TorchTitan line spells it."""
+    args = job(dump, tiny=True) if config == CONFIG else ["--job.config_file", str(config), "--job.dump_folder", str(dump), *TINY]
+    cmd = [sys.executable, "-m", "titan_recover.launch", *args, *overrides]
     proc = subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
         env={**{k: v for k, v in os.environ.items() if k != keys.SECRET_ENV}, "PYTHONUNBUFFERED": "1"},  # its launcher makes one

@@ -4,22 +4,26 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import LINE
 from conftest import THREE, Run, assert_same_trajectory, run_job
 
 M = 4  # global_batch_size 16 / (local_batch_size 2 * 2 shards)
 
 
+@pytest.mark.lines
 def test_matches_stock_torchtitan_hsdp(tmp_path: Path, failure_free: Run) -> None:
     stock = run_job(tmp_path, "--recover.no-enable", "--recover.fault_plan", "none")
     assert stock.returncode == 0, stock.output[-3000:]
     assert "stock TorchTitan HSDP" in stock.output
-    for run in (stock, failure_free):  # both in float32 on this CPU: the comparison is like for like
-        assert "no accelerator: parameters in float32" in run.output, run.output[-3000:]
+    if LINE == "0.2":  # the TOML leaves the precision to the launcher; 0.3's recipes state float32 themselves
+        for run in (stock, failure_free):  # both in float32 on this CPU: the comparison is like for like
+            assert "no accelerator: parameters in float32" in run.output, run.output[-3000:]
     assert_same_trajectory(stock, failure_free, rel_tol=1e-4, num_microbatches=M)
     assert all(e["members"] == [0, 1] for e in failure_free.of("step"))
     assert not failure_free.of("failure")
 
 
+@pytest.mark.lines
 @pytest.mark.parametrize("phase", ["forward", "backward", "allreduce"])
 def test_sigkill_mid_step_keeps_trajectory(tmp_path: Path, failure_free: Run, phase: str) -> None:
     run = run_job(tmp_path, "--recover.max_restarts", "0", "--recover.fault_plan", f"kill replica=1 rank=1 step=3 phase={phase}")

@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.lines]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "titan_recover"
 

@@ -8,6 +8,8 @@ fault, which must not get them evicted) until it is admitted.
 
 from pathlib import Path
 
+import pytest
+
 from conftest import THREE, Run, assert_all_rejoined, assert_same_trajectory, run_job
 
 M = 4
@@ -23,6 +25,7 @@ def rejoined(run: Run, replica: int) -> dict:
     return event
 
 
+@pytest.mark.lines
 def test_kill_restart_rejoin_keeps_trajectory(tmp_path: Path, failure_free: Run) -> None:
     plan = f"kill replica=1 rank=1 step=2 phase=backward; {WAIT.format(r=0, s=3)}"
     run = run_job(tmp_path, "--recover.fault_plan", plan)
@@ -96,6 +99,7 @@ def test_donor_killed_mid_transfer_another_donor_takes_over(tmp_path: Path, thre
     assert_all_rejoined(run, replicas=3, last_step=6)
 
 
+@pytest.mark.lines
 def test_dcp_checkpoint_backstop_resumes_on_the_failure_free_data(tmp_path: Path, failure_free: Run) -> None:
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last-save-model-only",
             "--recover.max_restarts", "0"]

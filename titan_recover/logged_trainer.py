@@ -69,5 +69,5 @@ class LoggedTrainer(titan.Trainer):
         self.events.emit(
             "rank_memory", replica=self.replica, rank=self.group_rank,
             max_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            ft_buffer_mb=self.ft_buffer_bytes / 2**20,
+            ft_buffer_mb=self.ft_buffer_bytes / 2**20, ntokens_seen=self.ntokens_seen,
         )

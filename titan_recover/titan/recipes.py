@@ -5,6 +5,7 @@ Attention is SDPA, as TorchTitan 0.2's llama3 uses, also because 0.3's default (
 no backward on a CPU; on a CPU, FSDP reduces with SUM (gloo has no PREMUL_SUM).
 """
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -20,9 +21,10 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import DebugConfig
+from torchtitan.models import llama3
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.common.config_utils import decoder_vocab_size
-from torchtitan.models.llama3 import model_registry as llama3_registry
 from torchtitan.protocols.model_spec import ModelSpec
 
 ASSETS = "./titan_recover/assets/tokenizer"
@@ -38,20 +40,44 @@ def _with_sum_reduction(parallelize: Callable[..., torch.nn.Module]) -> Callable
     return parallelize_fn
 
 
-def model_spec(registry: Callable[..., ModelSpec], flavor: str) -> ModelSpec:
-    """``registry``'s ``flavor`` with SDPA attention and, on a CPU, SUM reductions."""
-    spec = registry(flavor)
+def _llama3_tiny() -> ModelSpec:
+    """TorchTitan 0.2's ``llama3_recover`` ``tiny`` flavor (dim 64, 2 layers, 4 heads, the synthetic
+    tokenizer's 2,048 ids), built like 0.3's debugmodel (its layer builders are the module's own)."""
+    dim, heads, vocab = 64, 4, 2048
+    model = llama3.Llama3Model.Config(
+        dim=dim, vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
+        layers=llama3._build_llama3_layers(
+            fuse_qkv=True, n_layers=2, dim=dim, n_heads=heads, hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=256),
+            rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=131072, theta=500000, scaling="llama"),
+            attn_backend="flex", tp_gemm_backend="default",
+        ),
+    )
+    return dataclasses.replace(llama3.model_registry("debugmodel"), flavor="tiny", model=model)
+
+
+FLAVORS: dict[str, Callable[[], ModelSpec]] = {
+    "debugmodel": lambda: llama3.model_registry("debugmodel"),
+    "tiny": _llama3_tiny,
+}
+
+
+def model_spec(flavor: str) -> ModelSpec:
+    """llama3 ``flavor`` with SDPA attention and, on a CPU, SUM reductions."""
+    spec = FLAVORS[flavor]()
     for _, _, parent, attr in list(spec.model.traverse(FlexAttention.Config)):
         setattr(parent, attr, ScaledDotProductAttention.Config())
     spec.parallelize_fn = _with_sum_reduction(spec.parallelize_fn)
     return spec
 
 
-def llama3_debug_cpu() -> Trainer.Config:
+def llama3_debug_cpu(flavor: str = "debugmodel") -> Trainer.Config:
     """The default job (``train_configs/llama3_debug_cpu.toml``): llama3 debugmodel, 2 replica groups x
     2 FSDP ranks on CPU, a rank of replica 1 SIGKILLed mid-backward at step 5, the group restarted and
     rejoined from replica 0's state. Failure-free twin: ``--recover.fault_plan none``."""
-    spec = model_spec(llama3_registry, "debugmodel")
+    spec = model_spec(flavor)
     return Trainer.Config(
         dump_folder="./outputs/llama3_debug_cpu",
         hf_assets_path=ASSETS,
@@ -72,3 +98,8 @@ def llama3_debug_cpu() -> Trainer.Config:
             max_restarts=3, digest_interval=10, heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0,
         ),
     )
+
+
+def llama3_tiny_cpu() -> Trainer.Config:
+    """The default job with the ``tiny`` flavor: the tests' model (``--model.flavor tiny`` on 0.2)."""
+    return llama3_debug_cpu("tiny")
