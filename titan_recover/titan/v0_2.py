@@ -1,6 +1,6 @@
 """TorchTitan 0.2.x (TOML configs, the ``TrainSpec`` registry): the adapter's module for this line.
 
-TorchTitan is imported inside ``cpu_shim.cpu_device()``: it binds its device type at import.
+``common`` is imported first: it binds TorchTitan's device type.
 The job's ``[recover]`` section comes in through TorchTitan's ``job.custom_config_module``
 (``titan_recover.config``), and the models through ``experimental.custom_import``
 (``titan_recover.train_spec``, which calls ``register_model``).
@@ -8,28 +8,21 @@ The job's ``[recover]`` section comes in through TorchTitan's ``job.custom_confi
 
 import dataclasses
 import importlib
-import sys
 from typing import Any, Callable
 
 import torch
 
 from titan_recover import cpu_shim
-from titan_recover.config import ConfigError, validate
+from titan_recover.config import ConfigError
 
-if "torchtitan.tools.utils" in sys.modules and cpu_shim.needed() and sys.modules["torchtitan.tools.utils"].device_type != "cpu":
-    raise RuntimeError("torchtitan was imported before titan_recover on a machine without an accelerator, so it "
-                       "bound CUDA; import titan_recover (e.g. titan_recover.train_spec) before torchtitan")
-
-with cpu_shim.cpu_device():
-    import torchtitan.tools.utils  # noqa: F401  binds the device type for every torchtitan module
+from titan_recover.titan import common  # binds TorchTitan's device type first
+from titan_recover.titan.common import clip_grad_norm, text_datasets
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import HuggingFaceTokenizer as Tokenizer
-from torchtitan.config import ConfigManager, JobConfig
-from torchtitan.distributed import utils as dist_utils
-from torchtitan.hf_datasets.text_datasets import DATASETS
+from torchtitan.config import JobConfig
 from torchtitan.models import _supported_models
 from torchtitan.models.llama3 import TransformerModelArgs
 from torchtitan.models.qwen3 import Qwen3ModelArgs
@@ -56,21 +49,8 @@ def run(trainer_factory: Callable[[JobConfig], Trainer]) -> None:
 
 
 def load_config(argv: list[str]) -> JobConfig:
-    """The job config from ``--job.config_file X.toml`` and ``--section.key value``, with ``[recover]``
-    checked (``config.validate``); ``ConfigError`` names the bad key."""
-    try:
-        job_config = ConfigManager().parse_args(argv)
-    except SystemExit:
-        raise
-    except ValueError as e:  # TorchTitan's unknown-field error, TOML decode errors
-        raise ConfigError(str(e)) from e
-    if not hasattr(job_config, "recover"):
-        raise ConfigError(
-            'the job config has no [recover] section: set [job] custom_config_module = '
-            '"titan_recover.config" in the TOML'
-        )
-    validate(job_config)
-    return job_config
+    """The job config from ``--job.config_file X.toml`` and ``--section.key value``, ``[recover]`` checked."""
+    return common.load_config(argv, 'set [job] custom_config_module = "titan_recover.config" in the TOML')
 
 
 def check_model(job_config: JobConfig) -> None:
@@ -93,16 +73,6 @@ def check_model(job_config: JobConfig) -> None:
             f"({module!r}): {', '.join(registered) or 'none'}; TorchTitan's own: {', '.join(sorted(_supported_models))}"
         ) from None
 
-
-def clip_grad_norm(trainer: Trainer) -> torch.Tensor:
-    """The gradient norm over the trainer's model parts, clipped at ``training.max_norm``."""
-    return dist_utils.clip_grad_norm_(
-        [p for m in trainer.model_parts for p in m.parameters()],
-        trainer.job_config.training.max_norm,
-        foreach=True,
-        pp_mesh=trainer.parallel_dims.get_optional_mesh("pp"),
-        ep_enabled=trainer.parallel_dims.ep_enabled,
-    )
 
 
 class _GuardedCheckpointer:
@@ -207,8 +177,3 @@ def profiler(job_config: JobConfig) -> Any:
 def config_file(job_config: JobConfig) -> str:
     """The TOML the job was read from (it may state the parameters' precision)."""
     return job_config.job.config_file
-
-
-def text_datasets() -> dict[str, Any]:
-    """TorchTitan's text datasets by name (each a ``DatasetConfig``: path, loader, text processor)."""
-    return DATASETS

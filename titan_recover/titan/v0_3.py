@@ -1,37 +1,29 @@
 """TorchTitan 0.3.x (Python configs chosen by ``--module``/``--config``, components built from their
 ``Config``): the adapter's module for this line.
 
-TorchTitan is imported inside ``cpu_shim.cpu_device()``: it still binds its device type at import.
+``common`` is imported first: TorchTitan 0.3 still binds its device type at import.
 ``[recover]`` is a section of the job config (``Trainer.Config.recover``, ``--recover.<key>``); the
 plugin's configs are ``titan_recover.recipes``. The trainer builds titan_recover's data through
 ``build_dataloader`` and a checkpointer whose ``_save``/``_load`` ask the guard first.
 """
 
 import dataclasses
-import sys
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable
 
 import torch
 import tyro
 
-from titan_recover import cpu_shim
-from titan_recover.config import ConfigError, Recover, validate
+from titan_recover.config import ConfigError, Recover
 
-if "torchtitan.tools.utils" in sys.modules and cpu_shim.needed() and sys.modules["torchtitan.tools.utils"].device_type != "cpu":
-    raise RuntimeError("torchtitan was imported before titan_recover on a machine without an accelerator, so it "
-                       "bound CUDA; import titan_recover (e.g. titan_recover.recipes) before torchtitan")
-
-with cpu_shim.cpu_device():
-    import torchtitan.tools.utils  # noqa: F401  binds the device type for every torchtitan module
+from titan_recover.titan import common  # binds TorchTitan's device type first
+from titan_recover.titan.common import clip_grad_norm, text_datasets
 
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.config import ConfigManager
-from torchtitan.distributed import utils as dist_utils
-from torchtitan.hf_datasets.text_datasets import DATASETS
 from torchtitan.tools.logging import init_logger
 from torchtitan.trainer import Trainer as TitanTrainer
 
@@ -124,19 +116,9 @@ def run(trainer_factory: Callable[[JobConfig], Trainer]) -> None:
 
 
 def load_config(argv: list[str]) -> JobConfig:
-    """The job config from ``--module M --config F`` and ``--section.key value``, with ``recover``
-    checked (``config.validate``); ``ConfigError`` names the bad key."""
-    try:
-        job_config = ConfigManager().parse_args(argv)
-    except SystemExit:
-        raise
-    except (ValueError, ImportError) as e:  # an unknown config function or module
-        raise ConfigError(str(e)) from e
-    if not hasattr(job_config, "recover"):
-        raise ConfigError(f"the config {type(job_config).__qualname__} has no recover section: build it from "
-                          "titan_recover.titan.Trainer.Config (see titan_recover.recipes)")
-    validate(job_config)
-    return job_config
+    """The job config from ``--module M --config F`` and ``--section.key value``, ``recover`` checked."""
+    return common.load_config(argv, "build the recipe's config from titan_recover.titan.Trainer.Config "
+                                    "(see titan_recover.recipes)")
 
 
 def check_model(job_config: JobConfig) -> None:
@@ -144,16 +126,6 @@ def check_model(job_config: JobConfig) -> None:
     if job_config.model_spec is None:
         raise ConfigError("the config has no model_spec: the recipe (--module/--config) must set one")
 
-
-def clip_grad_norm(trainer: Trainer) -> torch.Tensor:
-    """The gradient norm over the trainer's model parts, clipped at ``training.max_norm``."""
-    return dist_utils.clip_grad_norm_(
-        [p for m in trainer.model_parts for p in m.parameters()],
-        trainer.config.training.max_norm,
-        foreach=True,
-        pp_mesh=trainer.parallel_dims.get_optional_mesh("pp"),
-        ep_enabled=trainer.parallel_dims.ep_enabled,
-    )
 
 
 def guard_checkpointer(trainer: Trainer, saves: Callable[[], bool], loads: bool) -> None:
@@ -198,8 +170,3 @@ def profiler(job_config: JobConfig) -> Any:
 def config_file(job_config: JobConfig) -> None:
     """0.3 has no config file: the recipe states the precision."""
     return None
-
-
-def text_datasets() -> dict[str, Any]:
-    """TorchTitan's text datasets by name (each a ``DatasetConfig``: path, loader, text processor)."""
-    return DATASETS

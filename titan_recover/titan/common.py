@@ -1,0 +1,53 @@
+"""What TorchTitan 0.2 and 0.3 share, for both lines' modules: importing this binds TorchTitan's
+device type (inside ``cpu_shim.cpu_device()``: TorchTitan binds it at import) before anything else
+of TorchTitan is imported."""
+
+import sys
+from typing import Any
+
+import torch
+
+from titan_recover import cpu_shim
+from titan_recover.config import ConfigError, validate
+
+if "torchtitan.tools.utils" in sys.modules and cpu_shim.needed() and sys.modules["torchtitan.tools.utils"].device_type != "cpu":
+    raise RuntimeError("torchtitan was imported before titan_recover on a machine without an accelerator, so it "
+                       "bound CUDA; import titan_recover (e.g. titan_recover.titan) before torchtitan")
+
+with cpu_shim.cpu_device():
+    import torchtitan.tools.utils  # noqa: F401  binds the device type for every torchtitan module
+
+from torchtitan.config import ConfigManager  # noqa: E402
+from torchtitan.distributed import utils as dist_utils  # noqa: E402
+from torchtitan.hf_datasets.text_datasets import DATASETS  # noqa: E402
+
+
+def load_config(argv: list[str], no_section: str) -> Any:
+    """The job config from ``argv`` with ``recover`` checked (``config.validate``); ``ConfigError``
+    names the bad key, and says ``no_section`` (the line's fix) when the config has no such section."""
+    try:
+        job_config = ConfigManager().parse_args(argv)
+    except SystemExit:
+        raise
+    except (ValueError, ImportError) as e:  # an unknown field, bad TOML, an unknown config function or module
+        raise ConfigError(str(e)) from e
+    if not hasattr(job_config, "recover"):
+        raise ConfigError(f"the job config has no recover section: {no_section}")
+    validate(job_config)
+    return job_config
+
+
+def clip_grad_norm(trainer: Any) -> torch.Tensor:
+    """The gradient norm over the trainer's model parts, clipped at ``training.max_norm``."""
+    return dist_utils.clip_grad_norm_(
+        [p for m in trainer.model_parts for p in m.parameters()],
+        trainer.job_config.training.max_norm,
+        foreach=True,
+        pp_mesh=trainer.parallel_dims.get_optional_mesh("pp"),
+        ep_enabled=trainer.parallel_dims.ep_enabled,
+    )
+
+
+def text_datasets() -> dict[str, Any]:
+    """TorchTitan's text datasets by name (each a ``DatasetConfig``: path, loader, text processor)."""
+    return DATASETS
