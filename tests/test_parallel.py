@@ -28,6 +28,7 @@ def ok(run: Run) -> Run:
     return run
 
 
+@pytest.mark.lines
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_kill_and_rejoin_inside_a_3d_group(tmp_path: Path, layout: str) -> None:
     args = LAYOUTS[layout]

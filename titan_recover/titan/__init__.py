@@ -15,6 +15,8 @@ The interface:
     guard_checkpointer(trainer, saves, loads)
                                   the trainer's checkpointer saves only while ``saves()``, loads only if ``loads``
     count_tokens(trainer, labels) a computed microbatch's tokens, in the counters TorchTitan does not keep itself
+    model_inputs(trainer, inputs, labels)
+                                  one microbatch as the trainer's ``forward_backward_step`` takes it
     dump_folder, assets_path, model_name, model_vocab_size, dataset, profiler, config_file (job_config)
                                   where the line keeps those settings
     text_datasets()               TorchTitan's named text datasets
@@ -28,7 +30,7 @@ LINES = {"0.2": "v0_2", "0.3": "v0_3"}
 
 INTERFACE = (
     "Trainer", "JobConfig", "BaseDataLoader", "Tokenizer", "IGNORE_INDEX", "run", "load_config", "check_model",
-    "clip_grad_norm", "guard_checkpointer", "count_tokens", "dump_folder", "assets_path", "model_name",
+    "clip_grad_norm", "guard_checkpointer", "count_tokens", "model_inputs", "dump_folder", "assets_path", "model_name",
     "model_vocab_size", "dataset", "profiler", "config_file", "text_datasets",
 )
 

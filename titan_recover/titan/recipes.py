@@ -21,8 +21,8 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import DebugConfig
-from torchtitan.models import llama3
-from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+from torchtitan.models import llama3, qwen3
+from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.protocols.model_spec import ModelSpec
@@ -58,28 +58,48 @@ def _llama3_tiny() -> ModelSpec:
     return dataclasses.replace(llama3.model_registry("debugmodel"), flavor="tiny", model=model)
 
 
-FLAVORS: dict[str, Callable[[], ModelSpec]] = {
-    "debugmodel": lambda: llama3.model_registry("debugmodel"),
-    "tiny": _llama3_tiny,
+def _qwen3_tiny() -> ModelSpec:
+    """TorchTitan 0.2's ``qwen3_recover`` ``tiny`` flavor (dim 64, 2 layers, 4 heads of 16, 2 KV heads,
+    QK norm, hidden 192), untied like it: 0.3's qwen3 flavors tie the embedding and output weights."""
+    dim, head_dim, vocab = 64, 16, 2048
+    model = qwen3.Qwen3Model.Config(
+        vocab_size=vocab, dim=dim, norm=qwen3._qwen3_norm(dim), enable_weight_tying=False,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=qwen3._LINEAR_INIT),
+        layers=qwen3._build_qwen3_layers(
+            fuse_qkv=True, n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim, hidden_dim=192,
+            attn_backend="flex", rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=4096, theta=1000000.0),
+        ),
+    )
+    return dataclasses.replace(qwen3.model_registry("debugmodel"), flavor="tiny", model=model)
+
+
+MODELS: dict[tuple[str, str], Callable[[], ModelSpec]] = {
+    ("llama3", "debugmodel"): lambda: llama3.model_registry("debugmodel"),
+    ("llama3", "tiny"): _llama3_tiny,
+    ("qwen3", "tiny"): _qwen3_tiny,
 }
 
 
-def model_spec(flavor: str) -> ModelSpec:
-    """llama3 ``flavor`` with SDPA attention and, on a CPU, SUM reductions."""
-    spec = FLAVORS[flavor]()
+def model_spec(family: str, flavor: str) -> ModelSpec:
+    """``family``'s ``flavor`` with SDPA attention and, on a CPU, SUM reductions."""
+    spec = MODELS[family, flavor]()
     for _, _, parent, attr in list(spec.model.traverse(FlexAttention.Config)):
         setattr(parent, attr, ScaledDotProductAttention.Config())
     spec.parallelize_fn = _with_sum_reduction(spec.parallelize_fn)
     return spec
 
 
-def llama3_debug_cpu(flavor: str = "debugmodel") -> Trainer.Config:
-    """The default job (``train_configs/llama3_debug_cpu.toml``): llama3 debugmodel, 2 replica groups x
-    2 FSDP ranks on CPU, a rank of replica 1 SIGKILLed mid-backward at step 5, the group restarted and
-    rejoined from replica 0's state. Failure-free twin: ``--recover.fault_plan none``."""
-    spec = model_spec(flavor)
+KILL = "kill replica=1 rank=1 step=5 phase=backward"
+"""The jobs' failure: a rank of replica 1 SIGKILLed mid-backward at step 5."""
+
+
+def cpu_job(name: str, spec: ModelSpec, parallelism: ParallelismConfig | None = None, fault_plan: str = KILL) -> Trainer.Config:
+    """The CPU jobs' common settings (as in their TOMLs): 2 replica groups x 2 FSDP ranks unless
+    ``parallelism`` says otherwise, float32 parameters, 30 steps of 16 samples of 128 tokens, the
+    synthetic corpus, one injected failure (``fault_plan``), the failed group restarted and rejoined."""
     return Trainer.Config(
-        dump_folder="./outputs/llama3_debug_cpu",
+        dump_folder=f"./outputs/{name}",
         hf_assets_path=ASSETS,
         model_spec=spec,
         loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))),
@@ -89,17 +109,44 @@ def llama3_debug_cpu(flavor: str = "debugmodel") -> Trainer.Config:
                                 gc_freq=50, mixed_precision_param="float32", disable_cuda_graphs=True),
         dataloader=BaseDataLoader.Config(dataset="synthetic", dataset_path="./data/synthetic"),
         metrics=MetricsProcessor.Config(log_freq=5),
-        parallelism=ParallelismConfig(data_parallel_replicate_degree=2, data_parallel_shard_degree=2),
+        parallelism=parallelism or ParallelismConfig(data_parallel_replicate_degree=2, data_parallel_shard_degree=2),
         activation_checkpoint=None,
         checkpoint=CheckpointManager.Config(enable=False),
         debug=DebugConfig(seed=42),  # every replica group must initialize identical weights
         recover=Recover(
-            enable=True, policy="balanced", min_replicas=1, fault_plan="kill replica=1 rank=1 step=5 phase=backward",
-            max_restarts=3, digest_interval=10, heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0,
+            enable=True, policy="balanced", min_replicas=1, fault_plan=fault_plan, max_restarts=3, digest_interval=10,
+            heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0,
         ),
     )
 
 
+def llama3_debug_cpu() -> Trainer.Config:
+    """The default job (``train_configs/llama3_debug_cpu.toml``): llama3 debugmodel, 2 replica groups x
+    2 FSDP ranks on CPU, a rank of replica 1 SIGKILLed mid-backward at step 5, the group restarted and
+    rejoined from replica 0's state. Failure-free twin: ``--recover.fault_plan none``."""
+    return cpu_job("llama3_debug_cpu", model_spec("llama3", "debugmodel"))
+
+
 def llama3_tiny_cpu() -> Trainer.Config:
     """The default job with the ``tiny`` flavor: the tests' model (``--model.flavor tiny`` on 0.2)."""
-    return llama3_debug_cpu("tiny")
+    return cpu_job("llama3_debug_cpu", model_spec("llama3", "tiny"))
+
+
+def qwen3_debug_cpu() -> Trainer.Config:
+    """``train_configs/qwen3_debug_cpu.toml``: the default job's layout and failure with qwen3 ``tiny``."""
+    return cpu_job("qwen3_debug_cpu", model_spec("qwen3", "tiny"))
+
+
+def llama3_tp_cpu() -> Trainer.Config:
+    """``train_configs/llama3_tp_cpu.toml``: 2 replica groups x (FSDP 2 x TP 2) on CPU."""
+    return cpu_job("llama3_tp_cpu", model_spec("llama3", "debugmodel"), ParallelismConfig(
+        data_parallel_replicate_degree=2, data_parallel_shard_degree=2, tensor_parallel_degree=2))
+
+
+def llama3_pp_cpu() -> Trainer.Config:
+    """``train_configs/llama3_pp_cpu.toml``: 2 replica groups x (2 pipeline stages (1F1B) x FSDP 2) on
+    CPU, 2 pipeline microbatches per replica microbatch; a last-stage rank is the one killed."""
+    return cpu_job("llama3_pp_cpu", model_spec("llama3", "debugmodel"), ParallelismConfig(
+        data_parallel_replicate_degree=2, data_parallel_shard_degree=2, pipeline_parallel_degree=2,
+        pipeline_parallel_schedule="1F1B", pipeline_parallel_microbatch_size=1,
+    ), fault_plan="kill replica=1 rank=3 step=5 phase=backward")

@@ -152,6 +152,11 @@ def count_tokens(trainer: Trainer, labels: torch.Tensor) -> None:
     trainer.metrics_processor.ntokens_since_last_log += labels.numel()
 
 
+def model_inputs(trainer: Trainer, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One microbatch for ``forward_backward_step`` (the pipeline schedule splits it itself)."""
+    return {"input": inputs}, labels
+
+
 def dump_folder(job_config: JobConfig) -> str:
     return job_config.job.dump_folder
 

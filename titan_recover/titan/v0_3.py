@@ -140,6 +140,15 @@ def count_tokens(trainer: Trainer, labels: torch.Tensor) -> None:
     trainer.metrics_processor.ntokens_since_last_log += labels.numel()
 
 
+def model_inputs(trainer: Trainer, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[Any, Any]:
+    """One microbatch for ``forward_backward_step``: with pipeline stages 0.3 takes it as lists of
+    pipeline microbatches (``parallelism.pipeline_parallel_microbatch_size`` samples each)."""
+    if not trainer.parallel_dims.pp_enabled:
+        return {"input": inputs}, labels
+    size = trainer.config.parallelism.pipeline_parallel_microbatch_size
+    return [{"input": x} for x in inputs.split(size)], list(labels.split(size))
+
+
 def dump_folder(job_config: JobConfig) -> str:
     return job_config.dump_folder
 
