@@ -37,8 +37,7 @@ def launch(args: list[str], what: str) -> tuple[list[dict], float]:
     folder; returns its events and the wall time of the whole command. A failed run
     raises with the tail of its output."""
     with tempfile.TemporaryDirectory() as dump:
-        cmd = [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG),
-               "--job.dump_folder", dump, *args]
+        cmd = [sys.executable, "-m", "titan_recover.launch", *job(dump), *args]
         start = time.monotonic()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         wall = time.monotonic() - start

@@ -157,7 +157,7 @@ def test_the_real_path_runs_node_sh_once_per_node_under_srun(tmp_path: Path) -> 
     fake.mkdir()
     venv.mkdir()
     # an up-to-date stamp makes scripts/bootstrap.sh a no-op; PYTHON=false makes any install fail at once
-    want = ((ROOT / "pyproject.toml").read_text() + "extras: test\n").rstrip("\n")
+    want = ((ROOT / "pyproject.toml").read_text() + "extras: torchtitan022,test\n").rstrip("\n")
     (venv / ".titan_recover-installed").write_text(want + "\n")
     (fake / "scontrol").write_text("#!/usr/bin/env bash\nprintf '%s\\n' c1 c2 c3\n")
     (fake / "srun").write_text(

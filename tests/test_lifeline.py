@@ -170,7 +170,7 @@ def node_launcher(coordinator: subprocess.Popen, etcd: bool, errors: list[Except
     """A ``NodeLauncher`` past ``register``, with a real coordinator process and stand-ins for the rest."""
     nl = object.__new__(launch.NodeLauncher)
     nl.rc = SimpleNamespace(coordinator_timeout_s=timeout_s)
-    nl.job_config = SimpleNamespace(checkpoint=SimpleNamespace(enable=False))
+    nl.job_config = SimpleNamespace(checkpoint=SimpleNamespace(enable=False), job=SimpleNamespace(dump_folder="outputs"))
     nl.address = "etcd://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3" if etcd else "127.0.0.1:1"
     nl.etcd, nl.coordinator = etcd, coordinator
     nl.agent = SimpleNamespace(flags=0, never_admitted=lambda r: False)
