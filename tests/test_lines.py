@@ -34,3 +34,62 @@ def test_tokens_are_counted_once(failure_free: Run) -> None:
     seen = {(e["replica"], e["rank"]): e["ntokens_seen"] for e in failure_free.of("rank_memory")}
     assert len(seen) == 4 and set(seen.values()) == {6 * (M // 2) * 2 * 64}, seen
 
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "train_configs"
+PLUMBING = {("job", "description"), ("job", "custom_config_module"), ("experimental", "custom_import")}
+"""TorchTitan 0.2's TOML plumbing, which a 0.3 recipe has no place for."""
+
+
+def _recipe_value(config: object, section: str, key: str) -> object:
+    """Where TorchTitan 0.3 keeps what a 0.2 TOML calls ``[section] key``."""
+    moved = {
+        ("job", "dump_folder"): lambda: config.dump_folder,
+        ("model", "name"): lambda: config.model_spec.name + "_recover",
+        ("model", "flavor"): lambda: config.model_spec.flavor,
+        ("model", "hf_assets_path"): lambda: config.hf_assets_path,
+        ("optimizer", "name"): lambda: config.optimizer.param_groups[0].optimizer_name,
+        ("optimizer", "lr"): lambda: config.optimizer.param_groups[0].optimizer_kwargs["lr"],
+        ("optimizer", "eps"): lambda: config.optimizer.param_groups[0].optimizer_kwargs["eps"],
+        ("training", "dataset"): lambda: config.dataloader.dataset,
+        ("training", "dataset_path"): lambda: config.dataloader.dataset_path,
+        ("activation_checkpoint", "mode"): lambda: {None: "none", "SelectiveAC": "selective", "FullAC": "full"}[
+            config.activation_checkpoint and type(config.activation_checkpoint).__qualname__.split(".")[0]],
+        ("activation_checkpoint", "selective_ac_option"): lambda: "op",  # 0.3's selective AC is per-op only
+    }
+    return moved[section, key]() if (section, key) in moved else getattr(getattr(config, section), key)
+
+
+@pytest.mark.skipif(LINE == "0.2", reason="the recipes are TorchTitan 0.3's configs; 0.2 reads the TOMLs themselves")
+@pytest.mark.parametrize("toml", sorted(p.stem for p in CONFIGS.glob("*.toml")))
+def test_each_recipe_equals_its_toml_twin(toml: str) -> None:
+    """Model, data, parallelism, schedule, checkpoint and ``recover``: every key the TOML sets."""
+    import tomli
+
+    from titan_recover import recipes
+
+    config = getattr(recipes, toml)()
+    with open(CONFIGS / f"{toml}.toml", "rb") as f:
+        sections = tomli.load(f)
+    different = {
+        f"{section}.{key}": (value, _recipe_value(config, section, key))
+        for section, keys in sections.items() for key, value in keys.items()
+        if (section, key) not in PLUMBING and _recipe_value(config, section, key) != value
+    }
+    assert not different, different  # key: (TOML, recipe)
+    assert "flex" not in repr(config.model_spec.model).lower(), "attention must be SDPA, as on TorchTitan 0.2"
+
+
+@pytest.mark.skipif(LINE == "0.2", reason="TorchTitan 0.2 has no CUDA graphs")
+def test_a_fault_inside_a_cuda_graph_replay_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """On an NVIDIA GPU TorchTitan 0.3 replays forward and backward as a CUDA graph, which runs no Python
+    hooks: a forward/backward fault could never fire, so the plan is refused unless graphs are off."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = ["--module", "titan_recover.recipes", "--config", "llama3_8b_hsdp_gpu", "--dump_folder", str(tmp_path)]
+    kill = ["--recover.fault_plan", "kill replica=1 rank=1 step=5 phase=backward"]
+    with pytest.raises(ConfigError, match="disable_cuda_graphs"):
+        titan.load_config([*gpu, *kill])
+    assert titan.load_config([*gpu, *kill, "--training.disable_cuda_graphs"]).recover.fault_plan == kill[1]
+    assert titan.load_config([*gpu, "--recover.fault_plan", "kill replica=1 step=5 phase=allreduce"]).recover.fault_plan

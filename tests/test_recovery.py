@@ -147,6 +147,17 @@ def test_tally_microbatch_accumulates() -> None:
     assert t[COUNTS:].tolist() == [1.0, 0.0, 1.0]
 
 
+def test_tally_keeps_a_loss_whose_tensor_is_overwritten_later() -> None:
+    """Under CUDA graphs TorchTitan 0.3 returns a loss living in the graph's memory, which the next
+    microbatch's replay overwrites in place: the tally must have read it by then."""
+    t = new_tally(2)
+    loss = torch.tensor(1.5)
+    tally_microbatch(t, 0, digest=0, tokens=1, loss=loss)
+    loss.fill_(99.0)  # the next replay
+    tally_microbatch(t, 1, digest=0, tokens=1, loss=loss)
+    assert t[LOSS] == 100.5
+
+
 def test_summarize_happy_path() -> None:
     m, shards = 4, 2
     digests = [2**39 + 1, 2**38 + 3, 12345, 2**40 - 1]  # 40-bit digests like data.piece_digest

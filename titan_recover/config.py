@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from titan_recover import faults, workload
 from titan_recover.control.addresses import check_bindable, parse_etcd_url, parse_host
 
@@ -173,6 +175,7 @@ def validate(job_config: Any) -> Recover:
     _check_training(job_config.training)
     _check_group_nodes(rc, job_config.parallelism)
     _check_fault_plan(plan, job_config)
+    _check_faults_outside_cuda_graphs(plan, cuda_graphs(job_config))
     _check_context_parallel(job_config.parallelism)
     _check_batch(job_config)
     return rc
@@ -385,6 +388,23 @@ def _check_fault_attempt(f: faults.Fault, max_restarts: int) -> None:
             f"recover.fault_plan: '{f.action} replica={f.replica} phase={f.phase} attempt={f.attempt}' can "
             "never fire: recover.max_restarts = 0 allows no restart, so only attempt 0 ever runs"
         )
+
+
+def cuda_graphs(job_config: Any) -> bool:
+    """Whether TorchTitan replays each microbatch's forward and backward as a CUDA graph (0.3's default
+    on NVIDIA GPUs; TorchTitan 0.2 has no such setting)."""
+    enabled = not getattr(job_config.training, "disable_cuda_graphs", True)
+    return enabled and torch.cuda.is_available() and torch.version.hip is None
+
+
+def _check_faults_outside_cuda_graphs(plan: tuple[faults.Fault, ...], graphed: bool) -> None:
+    """A graph replay runs no Python hooks: a forward/backward fault would fire at capture or never."""
+    for f in plan:
+        if graphed and f.phase in ("forward", "backward"):
+            raise ConfigError(
+                f"recover.fault_plan: '{f.action} replica={f.replica} phase={f.phase}' can never fire inside a "
+                "CUDA graph replay; set --training.disable_cuda_graphs, or use phase=allreduce or optimizer"
+            )
 
 
 def _check_context_parallel(par: Any) -> None:

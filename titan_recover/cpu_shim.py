@@ -110,17 +110,20 @@ def cpu_device() -> Iterator[None]:
         tu._get_available_device_type, tu._get_device_module = saved
 
 
-def force_sum_reduction(model: torch.nn.Module) -> None:
-    """Make FSDP2 reduce gradients with SUM (gloo rejects PREMUL_SUM/AVG).
+def force_sum_reduction(model: torch.nn.Module) -> torch.nn.Module:
+    """On CPU, make FSDP2 reduce ``model``'s gradients with SUM (gloo rejects PREMUL_SUM/AVG); returns it.
 
     TorchTitan already disables FSDP's gradient division and scales the loss by
     the global token count, so SUM gives the same gradients.
     """
     from torch.distributed.fsdp import FSDPModule
 
+    if not needed():
+        return model
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
+    return model
 
 
 def _names_precision(argv: list[str], config_file: str | None) -> bool:

@@ -10,6 +10,8 @@ import resource
 import time
 from typing import Any, Callable
 
+import torch
+
 from titan_recover import recovery, titan
 from titan_recover.control.keys import attempt as incarnation
 from titan_recover.control.protocol import FaultRecord, StepRecord
@@ -31,6 +33,8 @@ class LoggedTrainer(titan.Trainer):
         self.num_microbatches = num_microbatches(job_config)
         self.injector = FaultInjector(rc.fault_plan, replica, group_rank, self._on_fault, self.attempt, self._epoch_view())
         self.global_tokens = float(self.dataloader.valid_tokens_per_step())
+        # a device tensor, as TorchTitan's loss takes it: a CUDA graph replays with it as an input
+        self.valid_tokens = torch.tensor(self.global_tokens, device=self.device)
 
     def build_dataloader(self, job_config: titan.JobConfig, *, dp_world_size: int, dp_rank: int, tokenizer: Any,
                          **_: Any) -> AddressableDataLoader:

@@ -244,7 +244,7 @@ class RecoverTrainer(LoggedTrainer):
         digest = data.piece_digest(inputs, labels) if self.reports_data else 0  # of the CPU copy
         with self.injector.microbatch(self.model_parts[0], self.step, index, count):
             input_dict, targets = titan.model_inputs(self, inputs.to(self.device), labels.to(self.device))
-            loss = self.forward_backward_step(input_dict=input_dict, labels=targets, global_valid_tokens=self.global_tokens)
+            loss = self.forward_backward_step(input_dict=input_dict, labels=targets, global_valid_tokens=self.valid_tokens)
         tokens = int((labels != titan.IGNORE_INDEX).sum())
         if self.reports_data:
             recovery.tally_microbatch(tally, microbatch, digest, tokens, loss.detach())

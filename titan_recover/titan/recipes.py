@@ -21,6 +21,7 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import DebugConfig
+from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.models import llama3, qwen3
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
@@ -32,10 +33,7 @@ ASSETS = "./titan_recover/assets/tokenizer"
 
 def _with_sum_reduction(parallelize: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
     def parallelize_fn(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
-        model = parallelize(model, **kwargs)
-        if cpu_shim.needed():
-            cpu_shim.force_sum_reduction(model)
-        return model
+        return cpu_shim.force_sum_reduction(parallelize(model, **kwargs))
 
     return parallelize_fn
 
@@ -76,6 +74,7 @@ def _qwen3_tiny() -> ModelSpec:
 
 MODELS: dict[tuple[str, str], Callable[[], ModelSpec]] = {
     ("llama3", "debugmodel"): lambda: llama3.model_registry("debugmodel"),
+    ("llama3", "8B"): lambda: llama3.model_registry("8B"),
     ("llama3", "tiny"): _llama3_tiny,
     ("qwen3", "tiny"): _qwen3_tiny,
 }
@@ -150,3 +149,45 @@ def llama3_pp_cpu() -> Trainer.Config:
         data_parallel_replicate_degree=2, data_parallel_shard_degree=2, pipeline_parallel_degree=2,
         pipeline_parallel_schedule="1F1B", pipeline_parallel_microbatch_size=1,
     ), fault_plan="kill replica=1 rank=3 step=5 phase=backward")
+
+
+def gpu_job(name: str, parallelism: ParallelismConfig, global_batch_size: int) -> Trainer.Config:
+    """The GPU jobs' common settings (as in their TOMLs): llama3 8B in bfloat16 parameters, seq_len 8192,
+    selective activation checkpointing, c4 prepared by ``titan_recover.data prepare``, a DCP checkpoint
+    every 500 steps as a backstop only, no injected failure. CUDA graphs stay on (TorchTitan 0.3's
+    default): the plugin reads each microbatch's loss before the next replay, and a fault plan that
+    fires inside the graphed forward/backward is refused at start."""
+    spec = model_spec("llama3", "8B")
+    return Trainer.Config(
+        dump_folder=f"./outputs/{name}",
+        hf_assets_path="./assets/hf/Llama-3.1-8B",  # tokenizer: TorchTitan's scripts/download_hf_assets.py
+        model_spec=spec,
+        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))),
+        optimizer=default_adamw(lr=3e-4),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=200),
+        training=TrainingConfig(local_batch_size=1, global_batch_size=global_batch_size, seq_len=8192, max_norm=1.0,
+                                steps=1000),
+        dataloader=BaseDataLoader.Config(dataset="c4", dataset_path="./data/c4_llama3"),
+        metrics=MetricsProcessor.Config(log_freq=10),
+        parallelism=parallelism,
+        activation_checkpoint=SelectiveAC.Config(),
+        checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", interval=500),
+        debug=DebugConfig(seed=42),
+        recover=Recover(
+            enable=True, policy="balanced", min_replicas=1, fault_plan="none", max_restarts=3,
+            heartbeat_timeout_s=10.0, collective_timeout_s=120.0, replicate_backend="auto",
+        ),
+    )
+
+
+def llama3_8b_hsdp_gpu() -> Trainer.Config:
+    """``train_configs/llama3_8b_hsdp_gpu.toml``: llama3 8B, 2 replica groups (one per node) x FSDP over
+    a node's 8 GPUs; M = 64 / (1 x 8) = 8 microbatches per step. Not run: no GPU was lent."""
+    return gpu_job("llama3_8b_hsdp", ParallelismConfig(data_parallel_replicate_degree=2, data_parallel_shard_degree=8), 64)
+
+
+def llama3_8b_hsdp_tp_gpu() -> Trainer.Config:
+    """``train_configs/llama3_8b_hsdp_tp_gpu.toml``: llama3 8B, 2 replica groups x (FSDP 4 x TP 2) inside
+    a node; M = 32 / (1 x 4) = 8 microbatches per step. Not run: no GPU was lent."""
+    return gpu_job("llama3_8b_hsdp_tp", ParallelismConfig(
+        data_parallel_replicate_degree=2, data_parallel_shard_degree=4, tensor_parallel_degree=2), 32)

@@ -74,7 +74,6 @@ def check_model(job_config: JobConfig) -> None:
         ) from None
 
 
-
 class _GuardedCheckpointer:
     """The trainer's CheckpointManager, saving only while ``saves()`` and loading only if ``loads``.
     0.2's Trainer builds its CheckpointManager inline, so the manager is wrapped, not subclassed."""
@@ -106,10 +105,7 @@ def _with_sum_reduction(parallelize: Callable[..., torch.nn.Module]) -> Callable
                 f"model.flavor {job_config.model.flavor!r} ties its embedding and output weights, which TorchTitan "
                 "0.2.2 shards in two FSDP groups and torch 2.13's FSDP2 rejects; choose an untied flavor (e.g. tiny)"
             )
-        model = parallelize(model, parallel_dims, job_config)
-        if cpu_shim.needed():
-            cpu_shim.force_sum_reduction(model)
-        return model
+        return cpu_shim.force_sum_reduction(parallelize(model, parallel_dims, job_config))
 
     return parallelize_fn
 
