@@ -43,6 +43,15 @@ def test_ranks_on_a_host_share_its_cores(monkeypatch) -> None:
 
 
 @pytest.mark.unit
+def test_the_resolved_backend_replaces_the_asked_one_ahead_of_any_subcommand() -> None:
+    job = ["--module", "m", "--config", "c", "--recover.replicate-backend", "auto", "activation-checkpoint:full"]
+    assert launch.with_backend(job, "gloo") == [
+        "--recover.replicate_backend", "gloo", "--module", "m", "--config", "c", "activation-checkpoint:full"]
+    assert launch.with_backend(["--recover.replicate_backend=nccl", "--x", "1"], "nccl") == [
+        "--recover.replicate_backend", "nccl", "--x", "1"]
+
+
+@pytest.mark.unit
 def test_coordinator_listens_on_loopback_when_every_group_is_local() -> None:
     assert launch.coordinator_bind("", [0, 1], 2) == "127.0.0.1"
     assert launch.coordinator_bind("", [1, 0], 2) == "127.0.0.1"

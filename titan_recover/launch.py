@@ -225,7 +225,7 @@ class NodeLauncher:
         self.replicas = config.replica_ids(job_config)
         self.ranks = config.group_ranks(par) // rc.group_nodes  # of each group, on this node
         self.plan = device_plan(rc.replicate_backend, len(local), self.ranks)
-        self.argv = [*argv, "--recover.replicate_backend", self.plan.backend]
+        self.argv = with_backend(argv, self.plan.backend)
         self.env = with_threads(dict(os.environ), len(local) * self.ranks)
         only_this_node = self.first and sorted(local) == list(range(self.replicas)) and rc.group_nodes == 1
         self.env[keys.SECRET_ENV] = choose_secret(self.env, only_this_node)
@@ -445,6 +445,19 @@ class NodeLauncher:
         if self.etcd or coordinator is None or coordinator.poll() is None:  # a candidate's end is not the run's
             return None
         return self._exit_reason(coordinator)
+
+
+def with_backend(argv: list[str], backend: str) -> list[str]:
+    """``argv`` with the replicate backend the launcher resolved in place of the one asked for. In front:
+    TorchTitan 0.3's parser scopes every flag after a subcommand (``activation-checkpoint:full``) to it."""
+    flag, rest, skip = "--recover.replicate_backend", [], False
+    for arg in argv:
+        name = arg.split("=", 1)[0].replace("-", "_")
+        if skip or name == flag.replace("-", "_"):
+            skip = not skip and "=" not in arg  # the next token is its value
+            continue
+        rest.append(arg)
+    return [flag, backend, *rest]
 
 
 def run_recover(job_config: Any, argv: list[str], local: list[int], coordinator_address: str | None, part: int = 0) -> int:
