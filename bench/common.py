@@ -23,13 +23,29 @@ LINE = ".".join(metadata.version("torchtitan").split(".")[:2])
 """The installed TorchTitan line (0.2: TOML configs; 0.3: titan_recover.recipes): ``job`` spells a job as it does."""
 
 
-def job(dump: str | Path, tiny: bool = False) -> list[str]:
-    """The launcher's arguments for the default job (with ``tiny``, the tests' tiny one) writing to
-    ``dump``, as the installed TorchTitan line spells them."""
+FLAGS = {
+    "0.2": {"dump_folder": "--job.dump_folder", "dataset": "--training.dataset", "dataset_path": "--training.dataset_path",
+            "assets": "--model.hf_assets_path", "profiler": "--profiling"},
+    "0.3": {"dump_folder": "--dump_folder", "dataset": "--dataloader.dataset", "dataset_path": "--dataloader.dataset_path",
+            "assets": "--hf_assets_path", "profiler": "--profiler"},
+}[LINE]
+"""The settings that moved between lines, as the installed line spells them (``profiler``: the section)."""
+
+
+def config_args(name: str) -> list[str]:
+    """The shipped config ``name``: ``train_configs/<name>.toml`` on 0.2, the recipe ``name`` on 0.3."""
     if LINE == "0.2":
-        return ["--job.config_file", str(CONFIG), "--job.dump_folder", str(dump), *(TINY if tiny else [])]
-    recipe = "llama3_tiny_cpu" if tiny else "llama3_debug_cpu"
-    return ["--module", "titan_recover.recipes", "--config", recipe, "--dump_folder", str(dump), *(TINY_SIZES if tiny else [])]
+        return ["--job.config_file", str(ROOT / "train_configs" / f"{name}.toml")]
+    return ["--module", "titan_recover.recipes", "--config", name]
+
+
+def job(dump: str | Path, tiny: bool = False, config: str = "llama3_debug_cpu") -> list[str]:
+    """The launcher's arguments for the shipped ``config`` (with ``tiny``, its tests' tiny size) writing
+    to ``dump``, as the installed TorchTitan line spells them."""
+    if LINE == "0.2":
+        return [*config_args(config), FLAGS["dump_folder"], str(dump), *(TINY if tiny else [])]
+    recipe = "llama3_tiny_cpu" if tiny and config == "llama3_debug_cpu" else config  # 0.3's tiny llama3 is a recipe
+    return [*config_args(recipe), FLAGS["dump_folder"], str(dump), *(TINY_SIZES if tiny else [])]
 
 
 def launch(args: list[str], what: str) -> tuple[list[dict], float]:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import CONFIG, ROOT, TINY, step_gaps, write_result
+from bench.common import ROOT, job, step_gaps, write_result
 from titan_recover.compare import compare_runs
 from titan_recover.control import keys
 from titan_recover.events import NODE_ENV, event_files
@@ -145,8 +145,7 @@ def launcher_args(dump: Path, control: Node | LocalEtcd, plan: str, *extra: str)
     store = (["--recover.control_store", control.url] if isinstance(control, LocalEtcd) else
              ["--recover.coordinator_port", str(PORT), "--recover.coordinator_bind", control.address])
     return [
-        sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
-        *TINY, "--recover.fault_plan", plan, *store, *extra,
+        sys.executable, "-m", "titan_recover.launch", *job(dump, tiny=True), "--recover.fault_plan", plan, *store, *extra,
     ]
 
 

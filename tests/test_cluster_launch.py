@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import CONFIG, ROOT
+from conftest import ROOT
 
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 NODE_SH = ROOT / "scripts" / "node.sh"
 MANIFEST = ROOT / "scripts" / "k8s" / "train-indexed-job.yaml"
-CFG = str(CONFIG.relative_to(ROOT))
+CFG = "train_configs/llama3_debug_cpu.toml"
+SCRIPTS_TOML = "the Slurm and Kubernetes scripts take the job as CONFIG_FILE, a TOML"
 # what the scripts read from the environment: the tests' own values only
 OURS = ("SLURM", "TITAN_RECOVER_", "DRY_RUN", "NODE_", "NUM_NODES", "COORDINATOR_", "GROUPS_PER_NODE", "GROUP_NODES", "SPARES",
         "GPUS_PER_NODE", "RANKS_PER_GROUP", "CONFIG_FILE", "PLAN_ONLY", "SHOW_SECRET", "VENV", "EXTRAS", "PYTHON",
@@ -150,6 +151,7 @@ def test_the_nodes_come_from_the_slurm_node_list(tmp_path: Path) -> None:
     assert wrong.returncode == 2 and "SLURM_NNODES=4 but the node list has 3 hosts" in wrong.stderr
 
 
+@pytest.mark.toml(SCRIPTS_TOML)
 def test_the_real_path_runs_node_sh_once_per_node_under_srun(tmp_path: Path) -> None:
     """sbatch's own path with a stand-in srun that runs its task on each node in turn, in plan-only
     mode: the same per-node commands as the dry run, and no secret in the batch script's log."""
@@ -226,6 +228,7 @@ def test_groups_per_node_default_to_gpus_per_node_over_ranks_per_group() -> None
     assert uneven.returncode == 2 and "6 GPUs per node do not hold a whole number of replica groups of 4" in uneven.stderr
 
 
+@pytest.mark.toml(SCRIPTS_TOML)
 def test_ranks_per_group_are_read_from_the_config_and_its_overrides() -> None:
     """dp_shard 2 (the config) x tp 2 (an override) = 4 ranks: 8 GPUs hold 2 groups (runs TorchTitan's parser)."""
     venv = Path(sys.executable).parent.parent

@@ -14,6 +14,9 @@ import pytest
 from titan_recover import config, titan
 from titan_recover.config import ConfigError, Recover, replica_ids
 
+pytestmark = pytest.mark.toml("these load the [recover] section from train_configs/*.toml (test_lines.py sets "
+                              "and checks its keys on 0.3's command line, test_bad_input.py its errors)")
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
 

@@ -34,7 +34,8 @@ def make(tmp_path: Path) -> Iterator:
             parallelism=SimpleNamespace(data_parallel_replicate_degree=replicas, data_parallel_shard_degree=1,
                                         tensor_parallel_degree=1, pipeline_parallel_degree=1),
             training=SimpleNamespace(steps=10),
-            job=SimpleNamespace(dump_folder=str(tmp_path)),
+            job=SimpleNamespace(dump_folder=str(tmp_path)),  # where TorchTitan 0.2 keeps it
+            dump_folder=str(tmp_path),  # and 0.3
         )
         port = transport.free_port()
         c = serve(job, port)

@@ -8,14 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, Run, assert_all_rejoined, assert_same_trajectory, run_job, write_jsonl
+from bench.common import FLAGS
+from conftest import Run, assert_all_rejoined, assert_same_trajectory, run_job, write_jsonl
 from titan_recover import order, prepare
 from titan_recover.data import sample_indices
 from titan_recover.synthetic import TOKENIZER_DIR, synthetic_corpus
 from titan_recover.tokens import TokenDataset
 
 M = 4
-QWEN3 = ROOT / "train_configs" / "qwen3_debug_cpu.toml"
+QWEN3 = "qwen3_debug_cpu"
+DATA = [FLAGS["dataset"], "docs", FLAGS["dataset_path"]]
 SLEEP = "sleep replica=0 step=3 phase=optimizer seconds=30 until=epoch"  # the survivor waits for the admission
 
 
@@ -31,8 +33,7 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def qwen3_reference(tmp_path_factory: pytest.TempPathFactory, small_corpus: Path) -> Run:
-    run = run_job(tmp_path_factory.mktemp("qwen3_ref"), "--training.dataset", "docs", "--training.dataset_path",
-                  str(small_corpus), "--recover.fault_plan", "none", config=QWEN3)
+    run = run_job(tmp_path_factory.mktemp("qwen3_ref"), *DATA, str(small_corpus), "--recover.fault_plan", "none", config=QWEN3)
     assert run.returncode == 0, run.output[-3000:]
     return run
 
@@ -45,7 +46,7 @@ def test_qwen3_on_prepared_shards_kill_rejoin_keeps_trajectory_across_data_epoch
     assert [(e["step"], e["epoch"]) for e in qwen3_reference.of("data_epoch")] == expected
     assert "data epoch 1 begins at step" in qwen3_reference.output
 
-    run = run_job(tmp_path, "--training.dataset", "docs", "--training.dataset_path", str(small_corpus),
+    run = run_job(tmp_path, *DATA, str(small_corpus),
                   "--recover.fault_plan", f"kill replica=1 rank=1 step=2 phase=backward; {SLEEP}", config=QWEN3)
     assert run.returncode == 0, run.output[-3000:]
     assert "qwen3" in run.output
@@ -72,7 +73,7 @@ def test_token_changed_under_the_run_is_a_data_error_not_a_replica_failure(tmp_p
     tokens[local * 64 + 5] = 4000  # the model has 2048 embedding rows; the manifest still says < 2048
     tokens.tofile(path)
 
-    run = run_job(tmp_path / "run", "--training.dataset_path", str(folder), "--recover.fault_plan", "none",
+    run = run_job(tmp_path / "run", FLAGS["dataset_path"], str(folder), "--recover.fault_plan", "none",
                   "--recover.max_restarts", "3")
     assert run.returncode != 0
     assert f"DataError: {path}: token id 4000 at token offset {local * 64 + 5}" in run.output

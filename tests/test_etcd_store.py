@@ -27,7 +27,8 @@ from titan_recover.control.etcd_store import Changes, EtcdStore, LeadershipLost,
 from titan_recover.events import logged_steps
 from titan_recover.control.leader import Lease
 
-from conftest import CONFIG, ROOT
+from bench.common import config_args
+from conftest import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -233,14 +234,14 @@ def test_an_unreachable_cluster_is_named() -> None:
 ])
 def test_a_malformed_control_store_is_refused_naming_it(url: str, problem: str) -> None:
     with pytest.raises(config.ConfigError, match=f"recover.control_store: .*{problem}"):
-        titan.load_config(["--job.config_file", str(CONFIG), "--recover.control_store", url])
+        titan.load_config([*config_args("llama3_debug_cpu"), "--recover.control_store", url])
 
 
 @pytest.mark.unit
 def test_the_lease_must_be_shorter_than_the_coordinator_timeout() -> None:
     with pytest.raises(config.ConfigError, match="recover.leader_lease_s must be >= 2"):
-        titan.load_config(["--job.config_file", str(CONFIG), "--recover.leader_lease_s", "30", "--recover.coordinator_timeout_s", "30"])
-    job = titan.load_config(["--job.config_file", str(CONFIG), "--recover.control_store", "etcd://a:1,b:2,c:3"])
+        titan.load_config([*config_args("llama3_debug_cpu"), "--recover.leader_lease_s", "30", "--recover.coordinator_timeout_s", "30"])
+    job = titan.load_config([*config_args("llama3_debug_cpu"), "--recover.control_store", "etcd://a:1,b:2,c:3"])
     assert job.recover.leader_lease_s == 3.0
 
 

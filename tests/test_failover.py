@@ -21,7 +21,8 @@ from titan_recover.control.client import ControlClient
 from titan_recover.tools.etcd_local import LocalEtcd
 from titan_recover.control.etcd_store import EtcdStore
 
-from conftest import CONFIG, ROOT, TINY, Run, assert_all_rejoined, assert_same_trajectory
+from bench.common import job
+from conftest import ROOT, Run, assert_all_rejoined, assert_same_trajectory
 from test_nodes import Node, events, wait_until
 
 
@@ -35,8 +36,7 @@ def etcd() -> Iterator[LocalEtcd]:
 def launcher(dump: Path, url: str, plan: str, *extra: str) -> list[str]:
     """One node's launcher command: the failure-free reference's job (2 groups x FSDP 2), on etcd."""
     return [
-        sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
-        *TINY, "--recover.fault_plan", plan, "--recover.control_store", url, "--recover.collective_timeout_s", "90", *extra,
+        sys.executable, "-m", "titan_recover.launch", *job(dump, tiny=True), "--recover.fault_plan", plan, "--recover.control_store", url, "--recover.collective_timeout_s", "90", *extra,
     ]
 
 

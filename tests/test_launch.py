@@ -14,7 +14,8 @@ from titan_recover.control.sealed import Run
 from titan_recover.config import ConfigError
 from titan_recover.groups import is_incarnation
 
-from conftest import CONFIG, ROOT
+from bench.common import job
+from conftest import ROOT
 from test_store import accepts, non_loopback_ip
 
 
@@ -87,7 +88,7 @@ def test_the_coordinator_serves_its_run_only_on_loopback(tmp_path) -> None:
     """The real coordinator process as a single-node launcher starts it (no coordinator_bind)."""
     port = transport.free_port()
     env = {**os.environ, keys.COORDINATOR_ENV: f"127.0.0.1:{port}", keys.SECRET_ENV: "this-run"}
-    cmd = [sys.executable, "-m", "titan_recover.coordinator", "--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path)]
+    cmd = [sys.executable, "-m", "titan_recover.coordinator", *job(tmp_path)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         client = transport.connect(f"127.0.0.1:{port}", timeout_s=60, run=Run("this-run", ""))

@@ -22,7 +22,8 @@ from titan_recover.control import keys, transport
 from titan_recover.control.etcd_store import EtcdUnavailable
 from titan_recover.control.lifeline import AliveClock
 
-from conftest import CONFIG, ROOT, TINY
+from bench.common import job
+from conftest import ROOT
 from test_nodes import Node, events, wait_until
 from test_store import COORDINATOR
 
@@ -170,7 +171,8 @@ def node_launcher(coordinator: subprocess.Popen, etcd: bool, errors: list[Except
     """A ``NodeLauncher`` past ``register``, with a real coordinator process and stand-ins for the rest."""
     nl = object.__new__(launch.NodeLauncher)
     nl.rc = SimpleNamespace(coordinator_timeout_s=timeout_s)
-    nl.job_config = SimpleNamespace(checkpoint=SimpleNamespace(enable=False), job=SimpleNamespace(dump_folder="outputs"))
+    nl.job_config = SimpleNamespace(checkpoint=SimpleNamespace(enable=False), job=SimpleNamespace(dump_folder="outputs"),
+                                    dump_folder="outputs")  # where TorchTitan 0.2, then 0.3, keeps it
     nl.address = "etcd://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3" if etcd else "127.0.0.1:1"
     nl.etcd, nl.coordinator = etcd, coordinator
     nl.agent = SimpleNamespace(flags=0, never_admitted=lambda r: False)
@@ -247,8 +249,7 @@ def test_a_coordinator_that_ended_the_run_is_not_lost(lost: None) -> None:
 
 def launcher_args(dump: Path, port: int, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
-        *TINY, "--training.steps", "4", "--parallelism.data_parallel_shard_degree", "1", "--training.global_batch_size", "8",
+        sys.executable, "-m", "titan_recover.launch", *job(dump, tiny=True), "--training.steps", "4", "--parallelism.data_parallel_shard_degree", "1", "--training.global_batch_size", "8",
         "--recover.coordinator_port", str(port), "--recover.coordinator_bind", "127.0.0.1", *extra,
     ]
 

@@ -22,7 +22,8 @@ from titan_recover.control.sealed import SealedStore
 from titan_recover.control.protocol import Launcher, NodeMessage, Rendezvous
 
 from bench.partitions import wait_until
-from conftest import CONFIG, ROOT, TINY, Run, assert_all_rejoined, assert_same_trajectory
+from bench.common import job
+from conftest import ROOT, Run, assert_all_rejoined, assert_same_trajectory
 
 
 @pytest.fixture
@@ -134,8 +135,7 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(tmp_path: Pat
     dump = tmp_path / "dump"
     port, secret = transport.free_port(), "nodes-test-secret"
     args = [
-        sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
-        *TINY, "--training.steps", str(STEPS), "--parallelism.data_parallel_shard_degree", "1",
+        sys.executable, "-m", "titan_recover.launch", *job(dump, tiny=True), "--training.steps", str(STEPS), "--parallelism.data_parallel_shard_degree", "1",
         "--training.global_batch_size", "8", "--recover.fault_plan", HOLDS,
         "--recover.collective_timeout_s", "90",  # the joiner waits for its donor through the hold
         "--recover.coordinator_port", str(port), "--recover.coordinator_bind", "127.0.0.1",
@@ -184,8 +184,7 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(tmp_path: Pat
 def spanning(dump: Path, port: int, plan: str) -> list[str]:
     """A launcher's command for groups that span two nodes (FSDP 2: one rank of each group per node)."""
     return [
-        sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
-        *TINY, "--recover.group_nodes", "2", "--recover.fault_plan", plan, "--recover.collective_timeout_s", "90",
+        sys.executable, "-m", "titan_recover.launch", *job(dump, tiny=True), "--recover.group_nodes", "2", "--recover.fault_plan", plan, "--recover.collective_timeout_s", "90",
         "--recover.coordinator_port", str(port), "--recover.coordinator_bind", "127.0.0.1",
     ]
 

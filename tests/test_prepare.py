@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.common import FLAGS, config_args
 from conftest import ROOT, run_data_cli, run_job, write_jsonl, write_standin_tokenizer
 from titan_recover import prepare
 from titan_recover.synthetic import TOKENIZER_DIR, synthetic_corpus
@@ -145,7 +146,7 @@ def folder(tmp_path: Path) -> Path:
 
 def test_launcher_refuses_a_truncated_shard(tmp_path: Path, folder: Path) -> None:
     os.truncate(folder / "00001.ds", 1234)
-    run = run_job(tmp_path / "run", "--training.dataset_path", str(folder), timeout=120)
+    run = run_job(tmp_path / "run", FLAGS["dataset_path"], str(folder), timeout=120)
     assert run.returncode == 2, run.output[-2000:]
     assert f"error: {folder / '00001.ds'}: 1234 bytes, but manifest.json lists" in run.output
     assert "torchrun" not in run.output and not run.events
@@ -153,7 +154,7 @@ def test_launcher_refuses_a_truncated_shard(tmp_path: Path, folder: Path) -> Non
 
 def test_launcher_refuses_another_tokenizer(tmp_path: Path, folder: Path) -> None:
     tok = write_standin_tokenizer(tmp_path / "tok", 2048)
-    run = run_job(tmp_path / "run", "--training.dataset_path", str(folder), "--model.hf_assets_path", str(tok), timeout=120)
+    run = run_job(tmp_path / "run", FLAGS["dataset_path"], str(folder), FLAGS["assets"], str(tok), timeout=120)
     assert run.returncode == 2, run.output[-2000:]
     assert f"error: {folder / 'manifest.json'}: tokenized with another tokenizer" in run.output
 
@@ -167,8 +168,7 @@ def test_8b_config_data_path_prepares_and_loads(tmp_path: Path) -> None:
     r = run_data_cli("prepare", str(tmp_path / "c4"), "--tokenizer", str(tok), "--files", str(tmp_path / "c4.jsonl"))
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "c4" / "manifest.json").read_text())["dtype"] == "uint32"
-    config = ["--job.config_file", str(ROOT / "train_configs" / "llama3_8b_hsdp_gpu.toml"),
-              "--model.hf_assets_path", str(tok), "--training.dataset_path", str(tmp_path / "c4")]
+    config = [*config_args("llama3_8b_hsdp_gpu"), FLAGS["assets"], str(tok), FLAGS["dataset_path"], str(tmp_path / "c4")]
     r = run_data_cli("check", *config)
     assert r.returncode == 0, r.stderr
     assert "36,036 tokens in 1 datatrove shards (uint32, ids < 128,000)" in r.stdout

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIG, ROOT, TINY, Run, assert_same_trajectory, run_job
+from bench.common import job
+from conftest import ROOT, Run, assert_same_trajectory, run_job
 
 
 def _children(pid: int) -> list[int]:
@@ -94,8 +95,7 @@ def _kernel_view(pid: int) -> str:
 
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
 def test_a_frozen_or_killed_coordinator_stops_every_process_with_one_line(tmp_path: Path, sig: signal.Signals) -> None:
-    cmd = [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG),
-           "--job.dump_folder", str(tmp_path), *TINY, "--training.steps", "500", "--recover.fault_plan", "none",
+    cmd = [sys.executable, "-m", "titan_recover.launch", *job(tmp_path, tiny=True), "--training.steps", "500", "--recover.fault_plan", "none",
            "--recover.coordinator_timeout_s", "4"]
     # output to files: a pipe would also wait for every process that inherited it, and the
     # launcher's own exit is what is measured here (leftovers are checked below, by name)
@@ -145,8 +145,7 @@ def test_a_coordinator_killed_before_it_serves_the_run_stops_the_launcher_at_onc
     """Killed while it still imports torch: the launcher, waiting for it to listen, must not
     wait out ``startup_timeout_s`` (it did, in CI: the run's coordinator was killed before the
     launcher's own connect had found it)."""
-    cmd = [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG),
-           "--job.dump_folder", str(tmp_path), *TINY, "--recover.fault_plan", "none"]
+    cmd = [sys.executable, "-m", "titan_recover.launch", *job(tmp_path, tiny=True), "--recover.fault_plan", "none"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

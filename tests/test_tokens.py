@@ -219,11 +219,11 @@ def test_truncated_shard_and_checksums(small: TokenDataset) -> None:
 
 
 def test_tokenizer_and_vocabulary_checks(tmp_path: Path, small: TokenDataset) -> None:
-    small.check_tokenizer(TOKENIZER_DIR, 2048)
+    small.check_tokenizer(TOKENIZER_DIR, 2048, "model.hf_assets_path")
     small.check_vocab(2048, "the model")
     other = write_standin_tokenizer(tmp_path / "other", 3000)
     with pytest.raises(DataError, match=r"manifest.json: tokenized with another tokenizer .* set model.hf_assets_path"):
-        small.check_tokenizer(str(other), 3000)
+        small.check_tokenizer(str(other), 3000, "model.hf_assets_path")
     with pytest.raises(DataError, match=r"token ids go up to \d+, but the model has a vocabulary of 1000"):
         small.check_vocab(1000, "the model")
 

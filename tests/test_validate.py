@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import job
+from titan_recover import titan
 from titan_recover.control import keys
 from titan_recover.config import ConfigError
 from titan_recover.data import check_tokenizer_folder
@@ -15,7 +17,6 @@ from titan_recover.synthetic import TOKENIZER_DIR
 from titan_recover.tokens import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
 
 
 @pytest.mark.unit
@@ -90,18 +91,18 @@ def test_bad_group_node_env_names_the_variable_and_the_range(value: str) -> None
 
 @pytest.mark.unit
 def test_tokenizer_folder_needs_tokenizer_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    check_tokenizer_folder(TOKENIZER_DIR)
+    check_tokenizer_folder(TOKENIZER_DIR, "model.hf_assets_path")
     with pytest.raises(DataError, match=rf"^model.hf_assets_path: no tokenizer at {tmp_path} \(the folder has no tokenizer.json\)"):
-        check_tokenizer_folder(str(tmp_path))
+        check_tokenizer_folder(str(tmp_path), "model.hf_assets_path")
     monkeypatch.chdir(tmp_path)  # a relative path: say where it was looked for
     with pytest.raises(DataError, match=rf"no tokenizer at assets/tok \(no such folder, relative to the working directory {tmp_path}\)"):
-        check_tokenizer_folder("assets/tok")
+        check_tokenizer_folder("assets/tok", "model.hf_assets_path")
 
 
 def launch(*overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python -m titan_recover.launch`` with the shipped config; it must refuse in seconds."""
     return subprocess.run(
-        [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), *overrides],
+        [sys.executable, "-m", "titan_recover.launch", *job(ROOT / "outputs" / "llama3_debug_cpu"), *overrides],
         cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
 
@@ -124,7 +125,7 @@ def test_launcher_refuses_a_bad_environment_before_starting(env: dict[str, str],
 @pytest.mark.parametrize("folder", ["/nonexistent", "empty"])
 def test_launcher_refuses_a_missing_tokenizer(folder: str, tmp_path: Path) -> None:
     path = folder if folder.startswith("/") else str(tmp_path)  # an empty folder: TorchTitan's traceback, exit 1
-    proc = launch("--model.hf_assets_path", path)
+    proc = launch(f"--{titan.ASSETS_KEY}", path)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert f"error: model.hf_assets_path: no tokenizer at {path} (" in proc.stderr
+    assert f"error: {titan.ASSETS_KEY}: no tokenizer at {path} (" in proc.stderr
     assert "Traceback" not in proc.stderr and "coordinator" not in proc.stdout

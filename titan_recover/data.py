@@ -110,15 +110,15 @@ def open_dataset(job_config: Any, tokenizer_vocab: int) -> TokenDataset:
     else:
         folder = path
     dataset = TokenDataset(folder)
-    dataset.check_tokenizer(tokenizer_dir, tokenizer_vocab)
+    dataset.check_tokenizer(tokenizer_dir, tokenizer_vocab, titan.ASSETS_KEY)
     model, flavor = titan.model_name(job_config)
     dataset.check_vocab(model_vocab_size(job_config), f"model {model} flavor {flavor}")
     dataset.num_windows(job_config.training.seq_len)  # at least one window of seq_len + 1 tokens
     return dataset
 
 
-def check_tokenizer_folder(path: str) -> None:
-    """A ``DataError`` unless ``path`` holds a ``tokenizer.json`` (what titan_recover tokenizes with).
+def check_tokenizer_folder(path: str, key: str) -> None:
+    """A ``DataError`` naming the setting ``key`` unless ``path`` holds a ``tokenizer.json`` (what titan_recover tokenizes with).
 
     Checked before TorchTitan looks: its own errors for a missing folder blame a deprecated
     ``tokenizer_path`` or list files, and never name the key to fix.
@@ -129,7 +129,7 @@ def check_tokenizer_folder(path: str) -> None:
     if not os.path.isabs(path):
         where += f", relative to the working directory {os.getcwd()}"
     raise DataError(
-        f"model.hf_assets_path: no tokenizer at {path} ({where}); set it to a folder with the model's "
+        f"{key}: no tokenizer at {path} ({where}); set it to a folder with the model's "
         "tokenizer.json (for a Hugging Face model, download it with TorchTitan's scripts/download_hf_assets.py "
         "--assets tokenizer)"
     )
@@ -140,7 +140,7 @@ def check_data(job_config: Any) -> str:
     stops the launcher before anything starts; returns a line describing the data."""
     from titan_recover import titan
 
-    check_tokenizer_folder(titan.assets_path(job_config))  # the model is registered: titan.check_model ran
+    check_tokenizer_folder(titan.assets_path(job_config), titan.ASSETS_KEY)  # the model is registered: titan.check_model ran
     tokenizer = titan.Tokenizer(titan.assets_path(job_config))
     dataset = open_dataset(job_config, tokenizer.get_vocab_size())
     tr, shards = job_config.training, job_config.parallelism.data_parallel_shard_degree

@@ -253,15 +253,16 @@ class TokenDataset:
     def path(self, shard: Shard) -> str:
         return os.path.join(self.folder, shard.file)
 
-    def check_tokenizer(self, tokenizer_dir: str, vocab_size: int) -> None:
-        """The data was tokenized by this exact tokenizer (same files, same vocabulary)."""
+    def check_tokenizer(self, tokenizer_dir: str, vocab_size: int, key: str) -> None:
+        """The data was tokenized by this exact tokenizer (same files, same vocabulary); ``key`` is the
+        setting naming the tokenizer folder."""
         m, where = self.manifest, os.path.join(self.folder, MANIFEST)
         identity = tokenizer_identity(tokenizer_dir)
         if m.vocab_size != vocab_size or m.tokenizer_sha256 != identity:
             raise DataError(
                 f"{where}: tokenized with another tokenizer (vocabulary {m.vocab_size}, sha256 "
                 f"{m.tokenizer_sha256[:12]}) than the job's {tokenizer_dir} (vocabulary {vocab_size}, sha256 "
-                f"{identity[:12]}): set model.hf_assets_path to the tokenizer it was prepared with, or prepare it again"
+                f"{identity[:12]}): set {key} to the tokenizer it was prepared with, or prepare it again"
             )
 
     def check_vocab(self, model_vocab: int, what: str) -> None:

@@ -19,6 +19,7 @@ The interface:
                                   one microbatch as the trainer's ``forward_backward_step`` takes it
     dump_folder, assets_path, model_name, model_vocab_size, dataset, profiler, config_file (job_config)
                                   where the line keeps those settings
+    ASSETS_KEY                    the tokenizer folder's setting, as errors name it
     text_datasets()               TorchTitan's named text datasets
 """
 
@@ -31,7 +32,7 @@ LINES = {"0.2": "v0_2", "0.3": "v0_3"}
 INTERFACE = (
     "Trainer", "JobConfig", "BaseDataLoader", "Tokenizer", "IGNORE_INDEX", "run", "load_config", "check_model",
     "clip_grad_norm", "guard_checkpointer", "count_tokens", "model_inputs", "dump_folder", "assets_path", "model_name",
-    "model_vocab_size", "dataset", "profiler", "config_file", "text_datasets",
+    "model_vocab_size", "dataset", "profiler", "config_file", "text_datasets", "ASSETS_KEY",
 )
 
 

@@ -171,6 +171,9 @@ def dataset(job_config: JobConfig) -> tuple[str, str | None]:
     return job_config.training.dataset, job_config.training.dataset_path
 
 
+ASSETS_KEY = "model.hf_assets_path"
+
+
 def profiler(job_config: JobConfig) -> Any:
     return job_config.profiling
 

@@ -172,6 +172,9 @@ def dataset(job_config: JobConfig) -> tuple[str, str | None]:
     return job_config.dataloader.dataset, job_config.dataloader.dataset_path
 
 
+ASSETS_KEY = "hf_assets_path"
+
+
 def profiler(job_config: JobConfig) -> Any:
     return job_config.profiler
 
