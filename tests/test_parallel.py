@@ -28,8 +28,9 @@ def ok(run: Run) -> Run:
     return run
 
 
-@pytest.mark.lines
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+# the lines tier runs PP, where TorchTitan 0.3 takes microbatches differently (titan.model_inputs);
+# TP goes through the adapter as FSDP does, and each run pair costs CI two minutes
+@pytest.mark.parametrize("layout", [pytest.param("pp", marks=pytest.mark.lines), "tp"])
 def test_kill_and_rejoin_inside_a_3d_group(tmp_path: Path, layout: str) -> None:
     args = LAYOUTS[layout]
     reference = ok(run_job(tmp_path / "ff", *args, "--recover.fault_plan", "none"))

@@ -15,7 +15,8 @@ loads the first microbatch, once, before the launcher starts anything.
     python -m titan_recover.data prepare OUT --tokenizer DIR (--files F ... | --dataset NAME | --synthetic N)
     python -m titan_recover.data index DIR --tokenizer DIR     # adopt datatrove / Megatron files
     python -m titan_recover.data verify DIR                    # every shard's sha256
-    python -m titan_recover.data check --job.config_file X.toml [--section.key value]   # the job's data, as a launch checks it
+    python -m titan_recover.data check JOB [--section.key value]   # the job's data, as a launch checks it
+    (JOB: --job.config_file X.toml on TorchTitan 0.2, --module titan_recover.recipes --config NAME on 0.3)
     python -m titan_recover.data tokenizer OUT                 # regenerate the shipped tokenizer
 """
 
@@ -179,7 +180,8 @@ def _parser() -> argparse.ArgumentParser:
     idx.add_argument("--dtype", choices=sorted(tokens.DTYPES), help="datatrove token width (default: from the vocabulary)")
     ver = sub.add_parser("verify", help="check every shard's sha256 against the manifest")
     ver.add_argument("folder")
-    sub.add_parser("check", help="check a job's data as the launcher does: --job.config_file X.toml [--section.key value ...]",
+    sub.add_parser("check", help="check a job's data as the launcher does: --job.config_file X.toml (TorchTitan 0.2) or "
+                   "--module titan_recover.recipes --config NAME (0.3), then [--section.key value ...]",
                    add_help=False)
     tok = sub.add_parser("tokenizer", help="regenerate the shipped synthetic tokenizer")
     tok.add_argument("out")

@@ -14,7 +14,8 @@ receives parameters, optimizer, scheduler and step from a live peer (no checkpoi
 With ``enable = false`` ``main`` runs ``stock.StockTrainer``, stock TorchTitan HSDP; both
 modes log the same per-step events so their trajectories can be compared.
 
-    torchrun ... -m titan_recover.train --job.config_file X.toml   (run_train.sh does this)
+    torchrun ... -m titan_recover.train --job.config_file X.toml   (TorchTitan 0.2; the launcher does this)
+    torchrun ... -m titan_recover.train --module titan_recover.recipes --config NAME   (0.3)
 """
 
 import hashlib
@@ -62,8 +63,10 @@ class RecoverTrainer(LoggedTrainer):
     def __init__(self, job_config: titan.JobConfig) -> None:
         rc = validate(job_config)
         replica, group_rank = int(os.environ[keys.REPLICA_ENV]), int(os.environ["RANK"])
-        prof = titan.profiler(job_config)  # each group is a torchrun world of its own: rank 0 of every group would share a file
-        prof.save_traces_folder = os.path.join(prof.save_traces_folder, f"replica{replica}")
+        # each group is a torchrun world of its own: rank k of every group would write the same profiler
+        # and flight-recorder (NCCL timeout) trace files
+        for section in (titan.profiler(job_config), job_config.comm):
+            section.save_traces_folder = os.path.join(section.save_traces_folder, f"replica{replica}")
         # a restarted group, or a hot spare, holds no state until a peer sends it
         rejoining = keys.attempt() > 0 or is_spare(replica, job_config)
         self.manager = ReplicaManager.connect(  # before TorchTitan builds the model: its lifeline beats meanwhile
