@@ -4,11 +4,17 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source ./scripts/bootstrap.sh
-# the network-namespace cluster's tests drop packets with nftables; as root, install it (Debian's package)
-if [ "$(id -u)" = 0 ] && ! command -v nft > /dev/null && command -v apt-get > /dev/null; then
-    echo "[bootstrap] installing nftables for the network-namespace tests (log: $VENV/apt.log)" >&2
-    export DEBIAN_FRONTEND=noninteractive
-    { timeout 120 apt-get install -y -q nftables || { timeout 120 apt-get update -q && timeout 120 apt-get install -y -q nftables; }; } \
-        > "$VENV/apt.log" 2>&1 || echo "[bootstrap] nftables could not be installed: those tests skip (see $VENV/apt.log)" >&2
-fi
+# Debian packages some tests drive, installed where this runs as root (the tests that need one skip, saying why,
+# where it cannot be had): nftables drops packets in the network-namespace cluster's tests, chromium renders the
+# status page headless
+install_as_root() {  # package, command it provides
+    if [ "$(id -u)" = 0 ] && ! command -v "$2" > /dev/null && command -v apt-get > /dev/null; then
+        echo "[bootstrap] installing $1 for the tests (log: $VENV/apt.log)" >&2
+        export DEBIAN_FRONTEND=noninteractive
+        { timeout 300 apt-get install -y -q "$1" || { timeout 120 apt-get update -q && timeout 300 apt-get install -y -q "$1"; }; } \
+            >> "$VENV/apt.log" 2>&1 || echo "[bootstrap] $1 could not be installed: the tests that need it skip (see $VENV/apt.log)" >&2
+    fi
+}
+install_as_root nftables nft
+install_as_root chromium chromium
 exec "$VENV/bin/python" -m pytest "$@"

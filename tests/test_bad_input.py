@@ -4,6 +4,7 @@ and what is allowed, before anything starts; never a traceback."""
 from __future__ import annotations
 
 import os
+import socket
 import re
 import subprocess
 import sys
@@ -141,8 +142,12 @@ def test_coordinator_bind_this_host_cannot_listen_on(bind: str, problem: str) ->
         ([], {keys.COORDINATOR_ENV: "[::1]:29500", keys.SECRET_ENV: "s"}, "IPv6 is not supported"),
         (["--recover.coordinator_bind", UNRESOLVABLE], {},
          f"error: recover.coordinator_bind = '{UNRESOLVABLE}': host '{UNRESOLVABLE}' does not resolve"),
+        (["--recover.status_port", "70000"], {}, "error: recover.status_port out of range: 70000"),
+        (["--recover.status_port", "8765", "--recover.status_bind", UNRESOLVABLE], {},
+         f"error: recover.status_bind = '{UNRESOLVABLE}': host '{UNRESOLVABLE}' does not resolve"),
     ],
-    ids=["local_batch_size", "model.name", "coordinator-host", "coordinator-ipv6", "coordinator_bind"],
+    ids=["local_batch_size", "model.name", "coordinator-host", "coordinator-ipv6", "coordinator_bind", "status_port",
+         "status_bind"],
 )
 def test_launcher_refuses_bad_input_before_starting(overrides: list[str], env: dict[str, str], message: str) -> None:
     proc = launch(*overrides, env=env)
@@ -151,6 +156,18 @@ def test_launcher_refuses_bad_input_before_starting(overrides: list[str], env: d
     assert message in proc.stderr, out[-3000:]
     assert "Traceback" not in out
     assert "coordinator at" not in out and "data:" not in out  # refused before the data check and any process
+
+
+def test_launcher_refuses_a_status_port_in_use_before_starting() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = launch("--recover.status_port", str(port))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert f"error: recover.status_port = {port}: cannot listen on 127.0.0.1:{port} (Address already in use)" in proc.stderr
+    assert "Traceback" not in out and "coordinator at" not in out and "data:" not in out
 
 
 # ------------------------------------------------------------------ Megatron index

@@ -33,7 +33,7 @@ def make(tmp_path: Path) -> Iterator:
             recover=Recover(enable=True, **recover),
             parallelism=SimpleNamespace(data_parallel_replicate_degree=replicas, data_parallel_shard_degree=1,
                                         tensor_parallel_degree=1, pipeline_parallel_degree=1),
-            training=SimpleNamespace(steps=10),
+            training=SimpleNamespace(steps=10, global_batch_size=4, seq_len=16, mixed_precision_param="float32"),
             job=SimpleNamespace(dump_folder=str(tmp_path)),  # where TorchTitan 0.2 keeps it
             dump_folder=str(tmp_path),  # and 0.3
         )

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from titan_recover import faults, workload
-from titan_recover.control.addresses import check_bindable, parse_etcd_url, parse_host
+from titan_recover.control.addresses import check_bindable, check_port_free, parse_etcd_url, parse_host
 
 BACKENDS = ("auto", "nccl", "gloo")
 """Values of ``recover.replicate_backend`` (``titan_recover.devices`` resolves "auto")."""
@@ -131,6 +131,15 @@ class Recover:
     """TTL of the coordinator leader's etcd lease: a dead leader is replaced this long after its
     last refresh. Must stay below coordinator_timeout_s (every process waits that long for a leader)."""
 
+    status_port: int = 0
+    """Port of the run's status page: ``/`` (groups, failures, rejoins, plots), ``/status.json`` and
+    Prometheus's ``/metrics``, served by the coordinator (on etcd: the leader, which logs the page's
+    address whenever leadership moves). 0 = no page. Read-only; nothing secret is on it."""
+
+    status_bind: str = "127.0.0.1"
+    """Address the status page listens on: loopback unless set (0.0.0.0: every interface; a run on
+    etcd serves it from whichever node leads, so name an address every node has, e.g. 0.0.0.0)."""
+
     replicate_backend: str = "auto"
     """Backend of the replicate-dimension groups: "nccl", "gloo", or "auto" (NCCL where every
     rank has a GPU of its own, else gloo); the launcher resolves "auto" (see titan_recover.devices)."""
@@ -166,6 +175,7 @@ def validate(job_config: Any) -> Recover:
     _check_minimums(rc, {"data_seed": 0})
     _check_coordinator_port(rc)
     _check_coordinator_bind(rc)
+    _check_status_page(rc)
     _check_control_store(rc)
     _check_leader_lease(rc)
     _check_backend(rc)
@@ -272,6 +282,35 @@ def check_coordinator_bind(rc: Recover) -> None:
         check_bindable(rc.coordinator_bind)
     except ValueError as e:
         raise ConfigError(f"recover.coordinator_bind = {rc.coordinator_bind!r}: {e}; {_BIND_FIX}") from None
+
+
+_STATUS_FIX = "set recover.status_port to a free port (e.g. 8765), or 0 for no status page"
+
+
+def _check_status_page(rc: Recover) -> None:
+    if not 0 <= rc.status_port < 65536:
+        raise ConfigError(f"recover.status_port out of range: {rc.status_port}; {_STATUS_FIX}")
+    try:
+        parse_host(rc.status_bind)
+    except ValueError as e:
+        raise ConfigError(f"recover.status_bind: {e}; name an IPv4 address of this host, 127.0.0.1 or 0.0.0.0") from None
+
+
+def check_status_page(rc: Recover) -> None:
+    """Before anything starts: the status page can listen where it is asked to (its address resolves
+    to one of this host's, and the port is free). A launcher checks it where a coordinator may lead."""
+    if not rc.status_port:
+        return
+    try:
+        ip = check_bindable(rc.status_bind)
+    except ValueError as e:
+        raise ConfigError(f"recover.status_bind = {rc.status_bind!r}: {e}; name an address of this host, "
+                          "127.0.0.1 or 0.0.0.0") from None
+    try:
+        check_port_free(ip, rc.status_port)
+    except OSError as e:
+        raise ConfigError(f"recover.status_port = {rc.status_port}: cannot listen on {ip}:{rc.status_port} "
+                          f"({e.strerror}); {_STATUS_FIX}") from None
 
 
 def _check_control_store(rc: Recover) -> None:

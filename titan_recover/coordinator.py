@@ -46,8 +46,10 @@ from titan_recover.coordinator_core import (
     Stop,
     Usage,
 )
-from titan_recover.events import EventLog, logged_steps
+from titan_recover.events import EventLog, Tail, event_files, logged_steps
 from titan_recover.membership import FailureDetector, group_views
+from titan_recover.run_status import RunHistory
+from titan_recover.status_server import StatusServer, StatusSource, StoreReader
 
 POLL_S = 0.02  # detection is bounded by report_confirm_s / heartbeats, not by this
 ALIVE_S = 0.25  # how often the alive counter moves (watchers allow coordinator_timeout_s)
@@ -89,6 +91,33 @@ def rules(job_config: Any) -> Rules:
     )
 
 
+def run_config(job_config: Any) -> dict[str, Any]:
+    """What a reader of the event log needs to know of the run (the status page of a finished run)."""
+    tr = job_config.training
+    return {"replicas": job_config.parallelism.data_parallel_replicate_degree, "replica_ids": config.replica_ids(job_config),
+            "steps": tr.steps, "tokens_per_step": tr.global_batch_size * tr.seq_len, "precision": tr.mixed_precision_param}
+
+
+def status_page(job_config: Any, connect: Callable[[], ControlClient],
+                messages: Callable[[ControlClient, list[str]], list[bytes]]) -> StatusServer | None:
+    """The run's status page (``[recover] status_port``), read from the event log and through
+    ``connect``'s own client of the store; None when it is off or cannot listen (said once: the
+    run goes on without it)."""
+    rc = job_config.recover
+    if not rc.status_port:
+        return None
+    history = RunHistory(**run_config(job_config))
+    folder = titan.dump_folder(job_config)
+    source = StatusSource(Tail(lambda: event_files(folder)), history, Run.from_env().public_id, StoreReader(connect, messages))
+    try:
+        server = StatusServer(source, rc.status_bind, rc.status_port)
+    except OSError as e:  # checked free at launch: a frozen former leader on this host may hold it
+        log.warning(f"no status page: cannot listen on {rc.status_bind}:{rc.status_port} ({e.strerror}); the run goes on")
+        return None
+    log.info(f"status page at {server.address} (Prometheus: {server.address}metrics)")
+    return server
+
+
 class Coordinator:
     """The I/O shell around ``CoordinatorCore``: one pass reads the store, the core decides, the shell publishes."""
 
@@ -124,6 +153,7 @@ class Coordinator:
             self._take_over(saved)
         else:
             self._apply([Publish(self.core.membership), Save()])
+            self.events.emit("run_config", run=Run.from_env().public_id, **run_config(job_config))
 
     @property
     def membership(self) -> Membership:
@@ -431,6 +461,7 @@ def lead(job_config: Any, address: str) -> int:
         client = transport.in_run(guarded, run)
         changes = Changes(raw, f"{run.prefix}/", NO_PASS)  # a pass when a key it acts on changed
         board = LeaderBoard(address, run, rc.collective_timeout_s)
+        status: StatusServer | None = None
         try:
             ControlClient(client).put(BOARD, board.where)
             log.info(f"node messages on {board.where.address}")
@@ -446,12 +477,16 @@ def lead(job_config: Any, address: str) -> int:
                 return 1
             events.emit("leader", pid=os.getpid(), host=socket.gethostname(), step=coordinator.core.step(),
                         epoch=coordinator.membership.epoch)
+            status = status_page(job_config, lambda: ControlClient(transport.in_run(transport.etcd(address, rc.coordinator_timeout_s), run)),
+                                 lambda _, names: board.messages(names))
             code = coordinator.run(lease.check)
             coordinator.end()
             return code  # the state stays in etcd: no store to keep up for the others to read
         except LeadershipLost as e:
             log.info(f"no longer the leader ({e}); campaigning again")
         finally:
+            if status is not None:
+                status.close()
             changes.close()
             board.close()
             lease.resign()
@@ -463,12 +498,16 @@ def main(argv: list[str]) -> int:
     if is_etcd(address):
         return lead(job_config, address)
     coordinator = serve(job_config, parse_host_port(address)[1])
+    status = status_page(job_config, lambda: ControlClient(transport.connect(address, job_config.recover.startup_timeout_s)),
+                         lambda client, names: client.node_messages(names))
     try:
         code = coordinator.run()
         coordinator.end()
         return code
     finally:
         time.sleep(4 * PROBE_S)  # let every process read the final keys before the store goes away
+        if status is not None:
+            status.close()
 
 
 if __name__ == "__main__":

@@ -286,7 +286,8 @@ class CoordinatorCore:
                 state.down_since[replaced] = since
             else:
                 state.down_since.setdefault(replica, t)
-            effects += [Emit("failure", {"replica": replica, "step": step, "cause": cause, "time": t, "clock": clock}),
+            effects += [Emit("failure", {"replica": replica, "step": step, "cause": cause, "time": t, "clock": clock,
+                                         "detected": wall}),
                         Say(f"replica {replica} failed at step {step}: {cause}")]
         error = job_error(self.errors, self.membership.members)
         if error is not None:
@@ -295,6 +296,9 @@ class CoordinatorCore:
             new = next_membership(self.membership, failed, self.rules.min_replicas, self._still_joining())
         except TooFewReplicasError as e:
             return effects + [Stop(str(e))]
+        if failed:  # counted before the publish, so the state saved with it holds them
+            state.failures += len(failed)
+            state.last_recovery_s = latency = self.wall() - first
         effects += self._publish(new)
         for replica in failed:
             state.joining.pop(replica, None)
@@ -302,7 +306,6 @@ class CoordinatorCore:
             effects.append(FenceOut(replica, Fence(state.attempts[replica], new.epoch)))
         self.detector.set_members(new.members)
         if failed:
-            latency = self.wall() - first
             return effects + [
                 Emit("recovered", {"step": step, "epoch": new.epoch, "members": list(new.members), "latency_s": latency}),
                 Usage(step), Say(f"epoch {new.epoch}: members {list(new.members)} (recovered in {latency:.3f}s)"),
@@ -424,8 +427,10 @@ class CoordinatorCore:
             records = transfers(replica)
             replaced, since = self.state.repairs.pop(replica, (replica, progress.time))
             downtime = progress.time - since
+            self.state.rejoins += 1
+            self.state.last_downtime_s = downtime
             what = "rejoined" if replaced == replica else f"(a spare) replaced replica {replaced}"
-            effects += [
+            effects += [Save(),
                 Emit("rejoined", {"replica": replica, "step": progress.step, "bytes": sum(r.bytes for r in records),
                                   "transfer_s": max((r.transfer_s for r in records), default=0.0), "downtime_s": downtime,
                                   **({"replaces": replaced} if replaced != replica else {})}),

@@ -23,7 +23,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 EVENTS_FILE = "recover_events.jsonl"
 NODE_ENV = "TITAN_RECOVER_NODE"  # this node's name in a multi-node run: its processes log to their own file
@@ -138,6 +138,46 @@ def read_log(*paths: str) -> Log:
     if out.skipped:
         log.warning(f"{len(out.skipped)} line(s) that are no event skipped, the first {out.skipped[0]}")
     return out
+
+
+class Tail:
+    """Follows event logs as the run writes them (the status page's source): ``files`` names them
+    (every node's in a folder: ``lambda: event_files(folder)``), and each ``read`` returns the events
+    appended since the last, each step once, merged by time. A line still being written (no newline
+    yet) waits for the next read; a file that appears later (another node's) is read from its start."""
+
+    def __init__(self, files: Callable[[], list[str]]) -> None:
+        self.files = files
+        self.offsets: dict[str, int] = {}
+        self.seen: set[Hashable] = set()
+        self.skipped = 0  # lines that are no event
+
+    def _new_lines(self, path: str) -> list[str]:
+        try:
+            with open(path, "rb") as f:
+                f.seek(self.offsets.get(path, 0))
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offsets[path] = self.offsets.get(path, 0) + end
+        return data[:end].decode(errors="replace").splitlines()
+
+    def read(self) -> list[dict[str, Any]]:
+        out = []
+        for path in self.files():
+            for line in self._new_lines(path):
+                parsed = _parse(line) if line.strip() else "blank"
+                if isinstance(parsed, str):
+                    self.skipped += line.strip() != ""
+                    continue
+                key = _once(parsed)
+                if key is not None:
+                    if key in self.seen:
+                        continue
+                    self.seen.add(key)
+                out.append(parsed)
+        return sorted(out, key=lambda e: e.get("time", 0.0))
 
 
 def read_events(path: str) -> list[dict[str, Any]]:

@@ -198,8 +198,10 @@ class ReplicaGroups:
         agent: NodeAgent,
         span: Span = Span(),
         clock: Callable[[], float] = time.monotonic,
+        on_start: Callable[[int, int], None] = lambda replica, attempt: None,
     ) -> None:
         self.argv, self.envs, self.local_ranks, self.launcher, self.clock = argv, envs, local_ranks, launcher, clock
+        self.on_start = on_start  # (replica, attempt): an incarnation started here (the event log says so)
         self.agent, self.span = agent, span
         self.part = FollowerPart() if span.part > 0 else LeaderPart()
         self.meetings: dict[int, Meeting] = {}  # groups that span nodes: where the current incarnation meets
@@ -221,6 +223,7 @@ class ReplicaGroups:
         self.attempts[replica] = attempt
         self.waiting.pop(replica, None)
         self.procs[replica] = self._start(replica)
+        self.on_start(replica, attempt)
 
     def _start(self, replica: int) -> subprocess.Popen:
         attempt = self.attempts[replica]

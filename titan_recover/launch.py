@@ -30,7 +30,7 @@ from titan_recover.control.client import ControlClient
 from titan_recover.control.lifeline import Heartbeat, one_line, store_errors
 from titan_recover.control.protocol import Launcher
 from titan_recover.control.sealed import Run
-from titan_recover.events import event_files, events_path
+from titan_recover.events import EventLog, event_files, events_path
 from titan_recover.groups import ReplicaGroups, Span, torchrun, with_threads
 from titan_recover.procs import EXITING_S, dumps_stacks, exit_lost, stop_within
 from titan_recover.restarts import RestartBudget
@@ -299,11 +299,17 @@ class NodeLauncher:
         if orphans:
             log.info(f"removed {len(orphans)} channel file(s) of launchers that are gone from {node_channel.shm_dir()}")
         self.agent = NodeAgent(address, self.run, self.ranks, hang_timeout_s=rc.heartbeat_timeout_s)
-        self.groups = ReplicaGroups(self.argv, envs, self.ranks, rc.max_restarts, rc.restart_window_s, self.me, self.agent, span)
+        self.events = EventLog(titan.dump_folder(self.job_config))
+        self.groups = ReplicaGroups(self.argv, envs, self.ranks, rc.max_restarts, rc.restart_window_s, self.me, self.agent,
+                                    span, on_start=self._started)
         if self.first and self.part == 0:
             for r in self.local:
                 self.groups.start(r, 0)
         return self.groups
+
+    def _started(self, replica: int, attempt: int) -> None:
+        """The event log says where and when each incarnation started (the status page's restarts)."""
+        self.events.emit("group_started", replica=replica, attempt=attempt, host=self.me.host, part=self.part)
 
     def register(self) -> ControlClient | None:
         """Connects (the coordinator may still be starting, or die doing so), names this node, starts
@@ -408,6 +414,7 @@ class NodeLauncher:
         if hasattr(self, "groups"):
             self.groups.kill()
             self.agent.close()
+            self.events.close()
         if self.coordinator is not None:
             stop_within(self.coordinator, 0.0)
 
@@ -491,6 +498,8 @@ def main(argv: list[str]) -> int:
                 check_coordinator(address, job_config.recover.control_store)
             elif not job_config.recover.control_store:  # this launcher starts the coordinator, listening there
                 config.check_coordinator_bind(job_config.recover)
+            if address is None or job_config.recover.control_store:  # a coordinator beside it may serve the page
+                config.check_status_page(job_config.recover)
             if job_config.recover.control_store:  # reachable, and able to lose a member, before anything starts
                 log.info(check_control_store(job_config.recover.control_store))
     except config.ConfigError as e:

@@ -50,7 +50,7 @@ def summarize_events(*paths: str, last_step: int | None = None) -> dict[str, Any
     return out
 
 
-def _spare(rejoined: dict[str, Any]) -> str:
+def spare_note(rejoined: dict[str, Any]) -> str:
     """How a hot spare's admission reads: the failed group it stood in for."""
     return "" if rejoined["replaces"] is None else f" (spare, for replica {rejoined['replaces']})"
 
@@ -101,7 +101,7 @@ def format_summary(s: dict[str, Any], tokens_per_step: int) -> str:
         lines.append(f"  recovery latency (s) : {s['recovery_latency_s']}")
     lines.append(f"  rejoined             : {len(s['rejoined'])}")
     lines += [
-        f"    replica {r['replica']}{_spare(r)} at step {r['step']}: down {r['downtime_s']:.1f}s, "
+        f"    replica {r['replica']}{spare_note(r)} at step {r['step']}: down {r['downtime_s']:.1f}s, "
         f"state {r['bytes'] / 2**20:.1f} MiB in {r['transfer_s']:.3f}s"
         for r in s["rejoined"]
     ]

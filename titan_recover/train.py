@@ -37,6 +37,7 @@ from titan_recover.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.control import keys, transport
 from titan_recover.control.addresses import route_address
 from titan_recover.control.protocol import MessageError, TransferRecord
+from titan_recover.control.sealed import Run
 from titan_recover.config import is_spare, replica_ids, resume_hint, validate
 from titan_recover.faults import Fault
 from titan_recover.logged_trainer import LoggedTrainer
@@ -73,7 +74,18 @@ class RecoverTrainer(LoggedTrainer):
             rc, replica=replica, group_rank=group_rank, attempt=keys.attempt(), rejoining=rejoining,
             resume_hint=resume_hint(job_config, titan.dump_folder(job_config)),
         )
-        super().__init__(job_config, rc, replica, group_rank)
+        metrics = job_config.metrics
+        wanted = metrics.enable_tensorboard, metrics.enable_wandb
+        metrics.enable_tensorboard = metrics.enable_wandb = False  # TorchTitan's own write to a folder per start time
+        try:
+            super().__init__(job_config, rc, replica, group_rank)
+        finally:
+            metrics.enable_tensorboard, metrics.enable_wandb = wanted
+        self.logs_recovery = any(wanted)
+        if self.logs_recovery:  # one folder per group, every incarnation's in it: one TensorBoard run per group
+            name_wandb_run(replica)
+            folder = os.path.join(titan.dump_folder(job_config), metrics.save_tb_folder, f"replica{replica}")
+            self.metrics_processor.logger = titan.metric_logger(job_config, self.parallel_dims, folder)
         self.manager.attach(
             ReplicateProcessGroups(
                 self.manager.store, replica, group_rank, rc.collective_timeout_s,
@@ -315,10 +327,24 @@ class RecoverTrainer(LoggedTrainer):
         if self.metrics_processor.should_log(self.step):
             if not self.metrics_processor.data_loading_times:
                 self.metrics_processor.data_loading_times.append(0.0)  # computed nothing since the last log
-            self.metrics_processor.log(
-                self.step, summary.loss, summary.loss, grad_norm,
-                extra_metrics={"n_tokens_seen": self.ntokens_seen, "lr": lr},
-            )
+            extra = {"n_tokens_seen": self.ntokens_seen, "lr": lr}
+            if self.logs_recovery:
+                extra |= self._recovery_metrics(current, summary)
+            self.metrics_processor.log(self.step, summary.loss, summary.loss, grad_norm, extra_metrics=extra)
+
+    def _recovery_metrics(self, current: Membership, summary: recovery.StepSummary) -> dict[str, float]:
+        """The run's recovery figures for TensorBoard/W&B: this step's, and the coordinator's counts
+        as it last saved them (read from the store only at log steps, only when a logger wants them)."""
+        out = {"recover/live_groups": float(len(current.members)),
+               "recover/microbatches": float(summary.quotas.get(self.replica, 0))}
+        state = self.manager.control.read_state()
+        if state is not None:
+            out |= {"recover/failures": float(state.failures), "recover/rejoins": float(state.rejoins)}
+            if state.last_recovery_s is not None:
+                out["recover/last_recovery_latency_s"] = state.last_recovery_s
+            if state.last_downtime_s is not None:
+                out["recover/last_rejoin_downtime_s"] = state.last_downtime_s
+        return out
 
     def _param_digest(self) -> str:
         """A digest of this replica's full parameter state: every shard, in order."""
@@ -357,6 +383,17 @@ class RecoverTrainer(LoggedTrainer):
     def train(self) -> None:
         super().train()
         self.manager.finish()
+
+
+def name_wandb_run(replica: int) -> None:
+    """Each replica group is a W&B run of its own, resumed by every incarnation (one history per
+    group), grouped under the run's public id; a name or id the user set is kept as a prefix."""
+    run = Run.from_env().public_id
+    for key, default in (("WANDB_RUN_ID", run), ("WANDB_RUN_NAME", "")):
+        prefix = os.environ.get(key) or default
+        os.environ[key] = f"{prefix}-replica{replica}" if prefix else f"replica{replica}"
+    os.environ.setdefault("WANDB_RUN_GROUP", run)
+    os.environ.setdefault("WANDB_RESUME", "allow")
 
 
 def trainer(job_config: titan.JobConfig) -> titan.Trainer:

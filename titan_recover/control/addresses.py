@@ -70,6 +70,13 @@ def check_bindable(host: str) -> str:
     return ip
 
 
+def check_port_free(ip: str, port: int) -> None:
+    """OSError if nothing on this host can listen on ``ip:port`` now (another process holds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server binds: a port in TIME_WAIT is free
+        s.bind((ip, port))
+
+
 def is_etcd(address: str) -> bool:
     """Whether a control-store address names an etcd cluster (else it is a TCPStore's host:port)."""
     return address.startswith(ETCD_SCHEME)

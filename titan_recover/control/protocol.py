@@ -438,10 +438,15 @@ class CoordinatorState(Record):
     forgotten_steps: int = 0  # the store keys of committed steps up to this one are deleted
     kept_epoch: int = 0  # the oldest epoch whose store keys (members, group rendezvous) are kept
     forgotten_reports: int = 0  # report slots up to this one are deleted
+    failures: int = 0  # replica group failures so far: what the status page and the metrics count
+    rejoins: int = 0  # groups back with state so far
+    last_recovery_s: float | None = None  # the last failure's recovery latency
+    last_downtime_s: float | None = None  # the last rejoin's downtime
 
     REQUIRED = ("progress", "next_report", "retries", "attempts", "admitted_epoch", "joining", "spares", "dropped",
                 "down_since", "repairs")
-    COUNTS: ClassVar[tuple[str, ...]] = ("forgotten_steps", "kept_epoch", "forgotten_reports")  # absent: nothing forgotten yet
+    COUNTS: ClassVar[tuple[str, ...]] = ("forgotten_steps", "kept_epoch", "forgotten_reports", "failures", "rejoins")  # absent: 0
+    SECONDS: ClassVar[tuple[str, ...]] = ("last_recovery_s", "last_downtime_s")  # absent: none yet
 
     def to_json(self) -> dict[str, Any]:
         rec = asdict(self)
@@ -461,6 +466,8 @@ class CoordinatorState(Record):
                  "unread_reports must be report slots below next_report", unread)
         counts = [rec.get(k, 0) for k in cls.COUNTS]
         _require(key, all(is_count(c) for c in counts), f"{list(cls.COUNTS)} must be integers >= 0", rec)
+        seconds = [rec.get(k) for k in cls.SECONDS]
+        _require(key, all(s is None or (is_seconds(s) and s >= 0) for s in seconds), f"{list(cls.SECONDS)} must be seconds >= 0", rec)
         pair = lambda v: isinstance(v, list) and len(v) == 2 and is_int(v[0]) and is_seconds(v[1])  # noqa: E731
         return CoordinatorState(
             None if progress is None else Progress(progress["step"], progress["epoch"], progress["time"]),
@@ -468,5 +475,5 @@ class CoordinatorState(Record):
             *(_ids(key, rec[k], k, is_int) for k in ("attempts", "admitted_epoch", "joining", "spares", "dropped")),
             _ids(key, rec["down_since"], "down_since", is_seconds),
             {r: (v[0], v[1]) for r, v in _ids(key, rec["repairs"], "repairs", pair).items()},
-            sorted(unread), *counts,
+            sorted(unread), *counts, *seconds,
         )

@@ -58,6 +58,12 @@ class Run:
         return hmac.new(self.secret.encode(), f"titan_recover {purpose} {self.id}".encode(), hashlib.sha256).digest()
 
     @cached_property
+    def public_id(self) -> str:
+        """The run's name where anyone may read it (the status page): a one-way hash of secret and
+        id that is not the store's ``tag``."""
+        return self._derive("public").hex()[:16]
+
+    @cached_property
     def tag(self) -> str:
         """The run's name in the store: a one-way hash of secret and id."""
         return self._derive("tag").hex()[:20]

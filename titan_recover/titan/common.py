@@ -2,8 +2,9 @@
 device type (inside ``cpu_shim.cpu_device()``: TorchTitan binds it at import) before anything else
 of TorchTitan is imported."""
 
+import logging
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -17,6 +18,7 @@ if "torchtitan.tools.utils" in sys.modules and cpu_shim.needed() and sys.modules
 with cpu_shim.cpu_device():
     import torchtitan.tools.utils  # noqa: F401  binds the device type for every torchtitan module
 
+from torchtitan.components.metrics import BaseLogger, LoggerContainer, TensorBoardLogger  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import DATASETS  # noqa: E402
@@ -51,3 +53,30 @@ def clip_grad_norm(trainer: Any) -> torch.Tensor:
 def text_datasets() -> dict[str, Any]:
     """TorchTitan's text datasets by name (each a ``DatasetConfig``: path, loader, text processor)."""
     return DATASETS
+
+
+class FlushingTensorBoard(TensorBoardLogger):
+    """TorchTitan's TensorBoard logger, written out at every log step: a replica group can be
+    SIGKILLed at any moment, and what its incarnation logged must be on disk by then."""
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        super().log(metrics, step)
+        self.writer.flush()
+
+
+def metric_logger(metrics: Any, log_dir: str, logs_here: bool, wandb: Callable[[str], BaseLogger]) -> BaseLogger:
+    """TorchTitan's TensorBoard and W&B loggers as ``metrics`` (the job's metrics section) asks,
+    writing to ``log_dir``, on the rank that logs (``logs_here``); ``wandb`` makes the line's W&B logger."""
+    loggers = LoggerContainer()
+    if not (logs_here or metrics.save_for_all_ranks):
+        return loggers
+    if metrics.enable_wandb:
+        try:
+            loggers.add_logger(wandb(log_dir))
+        except Exception as e:  # as TorchTitan's own builder: the run goes on without W&B, saying why
+            logging.getLogger("titan_recover.rank").error(
+                f"no W&B logging: {type(e).__name__}: {e} (log in with `wandb login`, set WANDB_API_KEY, "
+                "or WANDB_MODE=offline to write the run to disk)")
+    if metrics.enable_tensorboard:
+        loggers.add_logger(FlushingTensorBoard(log_dir))
+    return loggers

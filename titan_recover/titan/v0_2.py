@@ -181,3 +181,12 @@ def profiler(job_config: JobConfig) -> Any:
 def config_file(job_config: JobConfig) -> str:
     """The TOML the job was read from (it may state the parameters' precision)."""
     return job_config.job.config_file
+
+
+def metric_logger(job_config: JobConfig, parallel_dims: Any, log_dir: str) -> Any:
+    """TorchTitan's TensorBoard/W&B loggers of the job, writing to ``log_dir`` (TorchTitan's own
+    builder adds a folder per start time: a restarted group would start a new run)."""
+    from torchtitan.components.metrics import WandBLogger, _get_metrics_rank
+
+    logs_here = torch.distributed.get_rank() == _get_metrics_rank(parallel_dims, job_config)
+    return common.metric_logger(job_config.metrics, log_dir, logs_here, lambda log_dir: WandBLogger(log_dir, job_config))

@@ -182,3 +182,12 @@ def profiler(job_config: JobConfig) -> Any:
 def config_file(job_config: JobConfig) -> None:
     """0.3 has no config file: the recipe states the precision."""
     return None
+
+
+def metric_logger(job_config: JobConfig, parallel_dims: Any, log_dir: str) -> Any:
+    """TorchTitan's TensorBoard/W&B loggers of the job, writing to ``log_dir`` (TorchTitan's own
+    builder adds a folder per start time: a restarted group would start a new run)."""
+    from torchtitan.components.metrics import WandBLogger, _get_metrics_rank
+
+    logs_here = torch.distributed.get_rank() == _get_metrics_rank(parallel_dims=parallel_dims, pp_schedule=job_config.parallelism.pipeline_parallel_schedule)
+    return common.metric_logger(job_config.metrics, log_dir, logs_here, lambda log_dir: WandBLogger(log_dir, config_dict=job_config.to_dict()))

@@ -1,0 +1,275 @@
+"""What the status page shows, folded from the event log and the control store: pure, no I/O.
+
+``RunHistory`` takes the run's events as they are appended (``events.Tail``) and keeps what
+the page plots and lists; ``snapshot`` joins it with ``Live``, what the store says now (the
+saved coordinator state and the node messages), into the JSON of ``/status.json``. A run
+read back from its event files alone (``python -m titan_recover.status --events``) has no
+``Live``: its groups' states come from the events, with no heartbeat ages.
+
+A group's state, in this order: ``joining`` (admitted, no step committed with it yet), ``spare``
+(ready outside the membership), ``live`` (a member), ``restarting`` (out of the membership, a
+newer incarnation started), ``fenced`` (failed, no newer incarnation yet).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+STATES = ("live", "fenced", "restarting", "joining", "spare")
+MAX_POINTS = 1500  # plotted points per series: a long run's history is sampled down to this
+RATE_STEPS = 10  # steps/s over this many latest steps
+RECENT = 50  # failures and rejoins listed (newest)
+
+
+@dataclass(frozen=True)
+class LiveGroup:
+    """One replica group's newest incarnation as the node messages show it."""
+
+    attempt: int
+    nodes: tuple[str, ...]
+    heartbeat_age_s: float
+
+
+@dataclass(frozen=True)
+class Live:
+    """The control store now: the coordinator's saved bookkeeping (``protocol.CoordinatorState``
+    as JSON; None before its first save) and the groups in the node messages."""
+
+    state: dict[str, Any] | None
+    groups: dict[int, LiveGroup] = field(default_factory=dict)
+
+
+@dataclass
+class _Group:
+    incarnation: int = 0
+    nodes: tuple[str, ...] = ()
+    failed_at: float | None = None  # the last failure
+    failed_incarnation: int = -1  # ... of this incarnation
+    started_at: float = 0.0  # the newest incarnation's start
+    admitted_at: float | None = None  # the last admission
+    joining: bool = False  # admitted, no step committed with it yet
+    spare: int | None = None  # the incarnation waiting as a spare
+
+
+def _sample(n: int) -> list[int]:
+    """Indexes of at most ``MAX_POINTS`` of ``n`` points, evenly spread, the last one kept."""
+    if n <= MAX_POINTS:
+        return list(range(n))
+    stride = n / MAX_POINTS
+    picked = sorted({int(i * stride) for i in range(MAX_POINTS)} | {n - 1})
+    return picked
+
+
+class RunHistory:
+    """The run so far, from its events (fed in the order ``events.Tail`` reads them)."""
+
+    def __init__(self, replicas: int = 0, replica_ids: int = 0, steps: int | None = None, tokens_per_step: int | None = None,
+                 precision: str | None = None) -> None:
+        """The run's shape, from its config; a run read from its events alone takes it from its
+        ``run_config`` event."""
+        self.groups: dict[int, _Group] = {}
+        self.members: list[int] = []
+        self.run_id = ""  # the run's public id, as its run_config event says
+        self._configure(replicas, replica_ids, steps, tokens_per_step, precision)
+        self.steps: list[int] = []  # committed steps in order, with their time, loss and live groups
+        self.times: list[float] = []
+        self.losses: list[float | None] = []
+        self.live: list[int] = []
+        self.quotas: dict[str, int] = {}  # the last step's microbatches per replica
+        self.failures: list[dict[str, Any]] = []
+        self.rejoins: list[dict[str, Any]] = []
+        self.recovery_s: list[float] = []
+        self.digest_steps: set[int] = set()
+        self.mismatches = 0
+        self.leader: dict[str, Any] | None = None
+        self.fatal: str | None = None
+        self.started: float | None = None
+        self.updated: float | None = None
+
+    def _configure(self, replicas: int, replica_ids: int, steps: int | None, tokens_per_step: int | None,
+                   precision: str | None) -> None:
+        self.replicas, self.steps_total = replicas, steps
+        self.tokens_per_step, self.precision = tokens_per_step, precision
+        for r in range(replica_ids):
+            self.groups.setdefault(r, _Group(spare=0 if r >= replicas else None))
+        self.members = self.members or list(range(replicas))
+
+    def _on_run_config(self, e: dict[str, Any], t: float) -> None:
+        self.run_id = str(e.get("run", ""))
+        fields = ("replicas", "replica_ids", "steps", "tokens_per_step")
+        if all(type(e.get(k)) is int and e[k] >= 0 for k in fields):
+            self._configure(*(e[k] for k in fields), str(e.get("precision")))
+
+    def add(self, event: dict[str, Any]) -> None:
+        kind, t = event["event"], event.get("time", 0.0)
+        self.started = t if self.started is None else min(self.started, t)
+        self.updated = t if self.updated is None else max(self.updated, t)
+        handler = getattr(self, f"_on_{kind}", None)
+        if handler is not None:
+            handler(event, t)
+
+    def _group(self, event: dict[str, Any]) -> _Group | None:
+        """The group an event names (one not known yet is added: a run read without its config)."""
+        replica = event.get("replica")
+        if type(replica) is not int or not 0 <= replica < 100_000:
+            return None
+        return self.groups.setdefault(replica, _Group())
+
+    def _on_step(self, e: dict[str, Any], t: float) -> None:
+        at = bisect.bisect(self.steps, e["step"])  # files merge by time, roughly: keep steps in order
+        loss = e.get("loss")
+        self.steps.insert(at, e["step"])
+        self.times.insert(at, t)
+        self.losses.insert(at, loss if isinstance(loss, (int, float)) else None)
+        members = e.get("members") if isinstance(e.get("members"), list) else []
+        self.live.insert(at, len(members))
+        if at == len(self.steps) - 1:
+            self.members = members
+            self.quotas = e.get("quotas") if isinstance(e.get("quotas"), dict) else {}
+            for r in members:  # a step committed with it: it holds the run's state
+                if type(r) is int:
+                    self.groups.setdefault(r, _Group()).joining = False
+
+    def _on_failure(self, e: dict[str, Any], t: float) -> None:
+        group = self._group(e)
+        if group is not None:
+            group.failed_at, group.failed_incarnation, group.joining, group.spare = t, group.incarnation, False, None
+        detected = e.get("detected")
+        self.failures.append({
+            "replica": e.get("replica"), "step": e.get("step"), "cause": str(e.get("cause", "")), "time": t,
+            "clock": e.get("clock"), "detection_s": detected - t if isinstance(detected, (int, float)) else None,
+            "recovery_s": None,
+        })
+
+    def _on_recovered(self, e: dict[str, Any], t: float) -> None:
+        if isinstance(e.get("members"), list):
+            self.members = e["members"]
+        latency = e.get("latency_s")
+        if isinstance(latency, (int, float)):
+            self.recovery_s.append(latency)
+            for failure in self.failures:
+                if failure["recovery_s"] is None and failure["step"] == e.get("step"):
+                    failure["recovery_s"] = latency
+
+    def _on_group_started(self, e: dict[str, Any], t: float) -> None:
+        group = self._group(e)
+        attempt = e.get("attempt")
+        if group is None or type(attempt) is not int or attempt < group.incarnation:
+            return
+        nodes = group.nodes if attempt == group.incarnation and group.started_at else ()  # a group's parts, one per node
+        group.incarnation, group.started_at = attempt, t
+        group.nodes = tuple(sorted({*nodes, str(e.get("host", "?"))}))
+
+    def _on_admitted(self, e: dict[str, Any], t: float) -> None:
+        group = self._group(e)
+        if group is not None:
+            group.admitted_at, group.joining, group.spare = t, True, None
+            if e["replica"] not in self.members:
+                self.members = sorted([*self.members, e["replica"]])
+
+    def _on_rejoined(self, e: dict[str, Any], t: float) -> None:
+        group = self._group(e)
+        if group is not None:
+            group.joining = False
+        self.rejoins.append({k: e.get(k) for k in ("replica", "step", "downtime_s", "bytes", "transfer_s", "replaces")} | {"time": t})
+
+    def _on_spare_ready(self, e: dict[str, Any], t: float) -> None:
+        group = self._group(e)
+        if group is not None:
+            group.spare = e.get("attempt", group.incarnation)
+
+    def _on_spare_lost(self, e: dict[str, Any], t: float) -> None:
+        group = self._group(e)
+        if group is not None:
+            group.spare, group.failed_at, group.failed_incarnation = None, t, group.incarnation
+
+    def _on_param_digest(self, e: dict[str, Any], t: float) -> None:
+        if type(e.get("step")) is int:
+            self.digest_steps.add(e["step"])
+
+    def _on_param_digest_mismatch(self, e: dict[str, Any], t: float) -> None:
+        self.mismatches += 1
+
+    def _on_leader(self, e: dict[str, Any], t: float) -> None:
+        self.leader = {"host": e.get("host"), "pid": e.get("pid")}
+
+    def _on_fatal(self, e: dict[str, Any], t: float) -> None:
+        self.fatal = str(e.get("error", ""))
+
+    # ---- the snapshot -------------------------------------------------------------------
+
+    def state_of(self, replica: int, live: Live | None) -> str:
+        """The group's state (see the module docstring); the store's bookkeeping, when there is
+        one, says who is joining or waiting as a spare."""
+        group = self.groups[replica]
+        saved = live.state if live is not None else None
+        joining = str(replica) in saved.get("joining", {}) if saved is not None else group.joining
+        spare = str(replica) in saved.get("spares", {}) if saved is not None else group.spare is not None
+        if joining:
+            return "joining"
+        if spare and replica not in self.members:
+            return "spare"
+        failed = group.failed_at is not None and group.failed_at > (group.admitted_at or 0.0)
+        if replica in self.members and not failed:
+            return "live"
+        newest = live.groups[replica].attempt if live is not None and replica in live.groups else group.incarnation
+        if group.started_at > (group.failed_at or 0.0) or newest > group.failed_incarnation:
+            return "restarting"
+        return "fenced"
+
+    def _rate(self) -> float | None:
+        n = min(len(self.steps), RATE_STEPS + 1)
+        if n < 2 or self.times[-1] <= self.times[-n]:
+            return None
+        return (self.steps[-1] - self.steps[-n]) / (self.times[-1] - self.times[-n])
+
+    def run_state(self) -> str:
+        if self.fatal is not None:
+            return "failed"
+        if not self.steps:
+            return "starting"
+        return "finished" if self.steps_total is not None and self.steps[-1] >= self.steps_total else "running"
+
+    def snapshot(self, run_id: str | None, now: float, live: Live | None = None) -> dict[str, Any]:
+        """The JSON of ``/status.json`` (the run named by ``run_id``, else as its events name it)."""
+        rate = self._rate()
+        picked = _sample(len(self.steps))
+        step_times = [None] + [b - a for a, b in zip(self.times, self.times[1:])]
+        groups = []
+        for r, group in sorted(self.groups.items()):
+            seen = live.groups.get(r) if live is not None else None
+            state = self.state_of(r, live)
+            saved_down = ((live.state or {}).get("down_since", {}) if live is not None else {}).get(str(r))
+            groups.append({
+                "replica": r, "state": state,
+                "incarnation": max(group.incarnation, seen.attempt if seen else 0),
+                "nodes": list(seen.nodes if seen and seen.nodes else group.nodes),
+                "heartbeat_age_s": round(seen.heartbeat_age_s, 3) if seen else None,
+                "microbatches": int(self.quotas.get(str(r), 0)) if state == "live" else 0,
+                "down_since": saved_down if saved_down is not None else (group.failed_at if state in ("fenced", "restarting") else None),
+            })
+        return {
+            "run": {
+                "id": run_id or self.run_id, "state": self.run_state(), "step": self.steps[-1] if self.steps else 0,
+                "steps": self.steps_total, "steps_per_s": rate,
+                "tokens_per_s": rate * self.tokens_per_step if rate is not None and self.tokens_per_step else None,
+                "tokens_per_step": self.tokens_per_step, "precision": self.precision,
+                "started": self.started, "updated": self.updated, "now": now, "leader": self.leader, "fatal": self.fatal,
+            },
+            "groups": groups,
+            "failures": self.failures[-RECENT:][::-1],
+            "rejoins": self.rejoins[-RECENT:][::-1],
+            "digests": {"steps": sorted(self.digest_steps)[-RECENT:], "mismatches": self.mismatches,
+                        "last": max(self.digest_steps, default=None)},
+            "series": {
+                "step": [self.steps[i] for i in picked], "time": [self.times[i] for i in picked],
+                "loss": [self.losses[i] for i in picked], "live_groups": [self.live[i] for i in picked],
+                "step_time_s": [step_times[i] for i in picked],
+            },
+            "counts": {"failures": len(self.failures), "rejoins": len(self.rejoins), "steps": len(self.steps),
+                       "digest_mismatches": self.mismatches},
+            "latencies": {"recovery_s": list(self.recovery_s), "downtime_s": [r["downtime_s"] for r in self.rejoins
+                                                                              if isinstance(r["downtime_s"], (int, float))]},
+        }
