@@ -18,6 +18,7 @@ import pytest
 
 from titan_recover.control import addresses, keys, sealed, transport
 from titan_recover.control.client import ControlClient
+from titan_recover.status import fetch
 from titan_recover.tools.etcd_local import LocalEtcd
 from titan_recover.control.etcd_store import EtcdStore
 
@@ -48,6 +49,14 @@ def node_env(url: str | None, replicas: str) -> dict[str, str]:
     return env if url is None else {**env, keys.COORDINATOR_ENV: url}
 
 
+def served_by(page: str, pid: int) -> bool:
+    """Whether the status page at ``page`` answers, served by the coordinator leader ``pid``."""
+    try:
+        return (fetch(page)["run"]["leader"] or {}).get("pid") == pid
+    except OSError:
+        return False
+
+
 def leaders(dump: Path) -> list[dict]:
     return [e for e in events(dump) if e["event"] == "leader"]
 
@@ -67,13 +76,19 @@ def test_the_leader_killed_mid_step_is_replaced_and_its_successor_fences_and_rea
     dump = tmp_path / "dump"
     plan = ("sleep replica=0 step=3 phase=forward seconds=10; kill replica=1 step=4; "
             "sleep replica=0 step=5 phase=optimizer seconds=60 until=epoch")
-    args = launcher(dump, etcd.url, plan)
+    page = f"http://127.0.0.1:{transport.free_port()}"
+    args = launcher(dump, etcd.url, plan, "--recover.status_port", page.rsplit(":", 1)[1])
     with Node("a", dump, args, node_env(None, "0")) as a, Node("b", dump, args, node_env(etcd.url, "1")) as b:
         wait_until("step 2", lambda: 2 in steps(dump), 240, [a, b])
         [first] = leaders(dump)
+        before = fetch(page)
+        assert before["run"]["leader"]["pid"] == first["pid"] and before["run"]["step"] >= 2, before["run"]
         killed = time.time()
         os.kill(first["pid"], signal.SIGKILL)
         wait_until("a new leader", lambda: len(leaders(dump)) == 2, 60, [a, b])
+        wait_until("the page served by the new leader", lambda: served_by(page, leaders(dump)[1]["pid"]), 30, [a, b])
+        after = fetch(page)  # the run as the event log and etcd hold it, not as the old leader knew it
+        assert after["run"]["step"] >= before["run"]["step"] and after["series"]["step"][:2] == [1, 2], after["series"]
         assert a.wait(timeout=240) == 0, a.output()[-3000:] + b.output()[-3000:]
         assert b.wait(timeout=60) == 0, b.output()[-3000:]
     run = Run(0, a.output(), events(dump))
@@ -92,6 +107,7 @@ def test_the_leader_killed_mid_step_is_replaced_and_its_successor_fences_and_rea
     assert "starting another (the leader's lease passes to a live candidate)" in died.output()
     assert "took over at step 3" in a.output() + b.output()
     assert (a.output() + b.output()).count("node messages on 127.0.0.1:") == 2  # each leader's board, not etcd
+    assert (a.output() + b.output()).count(f"status page at {page}/") == 2  # each leader says where it serves
     assert "coordinator leaders  : 2" in a.output()  # the summary names the takeover
     assert "Traceback" not in a.output(), a.output()[-3000:]  # B's torchrun prints the killed rank's
     assert "titan_recover/coordinator.py" not in b.output() and "titan_recover/launch.py" not in b.output()

@@ -296,9 +296,10 @@ def _check_status_page(rc: Recover) -> None:
         raise ConfigError(f"recover.status_bind: {e}; name an IPv4 address of this host, 127.0.0.1 or 0.0.0.0") from None
 
 
-def check_status_page(rc: Recover) -> None:
+def check_status_page(rc: Recover, port: bool = True) -> None:
     """Before anything starts: the status page can listen where it is asked to (its address resolves
-    to one of this host's, and the port is free). A launcher checks it where a coordinator may lead."""
+    to one of this host's, and, with ``port``, the port is free). A launcher checks it where a
+    coordinator may lead."""
     if not rc.status_port:
         return
     try:
@@ -306,6 +307,8 @@ def check_status_page(rc: Recover) -> None:
     except ValueError as e:
         raise ConfigError(f"recover.status_bind = {rc.status_bind!r}: {e}; name an address of this host, "
                           "127.0.0.1 or 0.0.0.0") from None
+    if not port:
+        return
     try:
         check_port_free(ip, rc.status_port)
     except OSError as e:

@@ -499,7 +499,8 @@ def main(argv: list[str]) -> int:
             elif not job_config.recover.control_store:  # this launcher starts the coordinator, listening there
                 config.check_coordinator_bind(job_config.recover)
             if address is None or job_config.recover.control_store:  # a coordinator beside it may serve the page
-                config.check_status_page(job_config.recover)
+                # on etcd a leader on this host may hold the port already: only the address is checked
+                config.check_status_page(job_config.recover, port=not job_config.recover.control_store)
             if job_config.recover.control_store:  # reachable, and able to lose a member, before anything starts
                 log.info(check_control_store(job_config.recover.control_store))
     except config.ConfigError as e:
