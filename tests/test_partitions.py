@@ -1,7 +1,8 @@
 """The job on a cluster of network namespaces (titan_recover.tools.netns): each node's launcher in a
 namespace of its own with a real address, the coordinator bound to its node's address, and faults
 of the network rather than of processes. The scenarios are bench.partitions's (which measures them);
-here each is asserted on, against the failure-free run on one host."""
+here each is asserted on, against the failure-free run on one host. The etcd cases are in
+test_partitions_etcd.py (a file per worker's share: pytest-xdist hands out whole files)."""
 
 from __future__ import annotations
 
@@ -12,26 +13,14 @@ import pytest
 
 from bench import partitions
 from bench.partitions import PORT, Outcome
-from titan_recover.config import Recover
-from titan_recover.control.etcd_store import REQUEST_S
 from titan_recover.tools.netns import Cluster
 
 from conftest import Run, assert_all_rejoined, assert_same_trajectory
 from test_netns import needs_netns
 
-LEASE_S = Recover.leader_lease_s  # the coordinator leader's lease on etcd (the scenarios keep the default)
-
-
 @pytest.fixture
 def cluster() -> Iterator[Cluster]:
     with Cluster(2) as c:
-        yield c
-
-
-@pytest.fixture
-def three() -> Iterator[Cluster]:
-    """The etcd cases' cluster: an etcd member on each node (the scenario starts and stops them)."""
-    with Cluster(partitions.ETCD_NODES) as c:
         yield c
 
 
@@ -137,42 +126,3 @@ def test_latency_and_loss_between_nodes_cost_time_not_correctness(
     run = rejoined(outcome, failure_free)
     assert not run.of("failure")
     print(f"mean step time with 50 ms and 1% loss: {partitions.mean_step_s(outcome):.2f}s")
-
-
-@needs_netns
-def test_the_coordinator_leaders_node_cut_off_past_its_lease_is_replaced_and_writes_nothing_more(
-    tmp_path: Path, three: Cluster, failure_free: Run
-) -> None:
-    """On etcd, a member on each of three nodes, replica group i and a coordinator candidate on node i
-    (0, 1). After step 2 the node of the coordinator leader is cut off for 8 s, past its lease (3 s;
-    etcd's Raft leader was moved to node 2 first). The candidate on the other node takes over within the
-    lease plus its campaign, fences the cut-off group and readmits it once its node is back. The old leader
-    logs no coordinator event from the takeover on (its writes are guarded by the lease it lost), it
-    finds its leadership lost after the reconnection, and every step is logged exactly once."""
-    outcome = partitions.leader_cut_off(three, tmp_path / "dump")
-    print(outcome.timings)
-    old, new = int(outcome.timings["leader_node"]), int(outcome.timings["new_leader_node"])
-    assert {old, new} == {0, 1}, outcome.timings
-    # the lease, then the new leader's first request: its store is new, and tries the first member of the
-    # URL first (node 0's), up to etcd_store.REQUEST_S when that is the node cut off
-    assert outcome.timings["takeover_s"] < LEASE_S + REQUEST_S + 2, outcome.timings
-    assert outcome.timings["old_leader_writes"] == 0
-    run = rejoined(outcome, failure_free)  # every step once, M = 4, failure-free data and losses
-    assert len(run.of("leader")) == 2, run.of("leader")
-    [failure] = run.of("failure")
-    assert failure["replica"] == old, failure  # group i on node i
-    assert "no longer the leader" in outcome.outputs[old], outcome.outputs[old][-3000:]
-
-
-@needs_netns
-def test_an_etcd_member_cut_off_and_back_is_invisible_to_the_run(tmp_path: Path, three: Cluster, failure_free: Run) -> None:
-    """On etcd, a member on each of three nodes, the launchers on nodes 0 and 1: node 2's member, moved to
-    lead Raft, is cut off for 8 s after step 2 and reconnected mid-run. The other two elect a leader and the
-    run sees nothing: no failure, no fence, the same coordinator leader, both groups throughout, the
-    failure-free data and losses; node 2's member serves again after the reconnection."""
-    outcome = partitions.etcd_member_cut_off(three, tmp_path / "dump")
-    print(outcome.timings)
-    run = rejoined(outcome, failure_free)
-    assert not run.of("failure") and not run.of("recovered"), run.of("failure")
-    assert all(e["members"] == [0, 1] for e in run.of("step"))
-    assert len(run.of("leader")) == 1, run.of("leader")

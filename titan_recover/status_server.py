@@ -240,6 +240,10 @@ class StatusServer:
         return Handler
 
     def close(self) -> None:
+        """Stops serving and waits for a refresh under way: a thread left inside a store call
+        while the interpreter exits could abort the process."""
         self.closed.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+        for thread in self.threads:
+            thread.join(timeout=5.0)
