@@ -44,8 +44,8 @@ from titan_recover.tools.netns import Cluster, Node
 PORT = 29510  # every node has its own port space: a fixed port, as on a real cluster
 ETCD_NODES = 3  # on etcd: a member on each node, launchers on the first two
 RUN_ID = "partitions"  # the run's id on etcd (each scenario has an etcd cluster of its own)
-# what a coordinator does not write: a node's lines of these kinds are its ranks'
-RANK_EVENTS = ("fault_injected", "param_digest", "param_digest_mismatch", "rank_memory")
+# what a coordinator does not write: a node's lines of these kinds are its ranks' and its launcher's
+NOT_COORDINATORS = ("fault_injected", "param_digest", "param_digest_mismatch", "rank_memory", "group_started")
 
 
 def hold(replica: int) -> str:
@@ -112,8 +112,8 @@ def leaders(dump: Path) -> list[dict]:
 
 
 def coordinators(lines: list[dict]) -> list[dict]:
-    """The events among ``lines`` that a coordinator wrote: every kind but the ranks' own."""
-    return [e for e in lines if e["event"] not in RANK_EVENTS and e.get("process") != "rank"]
+    """The events among ``lines`` that a coordinator wrote: every kind but the ranks' and the launcher's."""
+    return [e for e in lines if e["event"] not in NOT_COORDINATORS and e.get("process") != "rank"]
 
 
 def node_of(cluster: Cluster, pid: int) -> Node:

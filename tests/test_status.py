@@ -1,5 +1,5 @@
-"""The status page, Prometheus, TensorBoard and W&B, watched during one real run: replica 1 is
-SIGKILLed mid-backward at step 3, restarts and rejoins. The test polls ``/status.json``,
+"""The status page, Prometheus, TensorBoard and W&B, watched during one real run (the tests' tiny
+job): replica 1 is SIGKILLed mid-backward at step 3, restarts and rejoins. The test polls ``/status.json``,
 ``/metrics`` and ``/`` while it trains, opens the page in headless Chromium once the group is
 back, and reads TensorBoard's and W&B's files afterwards."""
 
@@ -26,8 +26,11 @@ from titan_recover.control.sealed import Run
 from titan_recover.status import fetch
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 24
-PLAN = "kill replica=1 rank=1 step=3 phase=backward"
+STEPS = 12
+# replica 1 killed at step 3; replica 0 waits in step 4 until the restarted group is admitted (the tiny
+# model's steps are far shorter than a restart), and in step 9 long enough for Chromium to load the page
+PLAN = ("kill replica=1 rank=1 step=3 phase=backward; sleep replica=0 step=4 phase=optimizer seconds=90 until=epoch; "
+        "sleep replica=0 step=9 phase=optimizer seconds=10")
 RUN_ID = "status-test"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",  # root needs --no-sandbox
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -71,7 +74,7 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Watched:
     port = transport.free_port()
     url = f"http://127.0.0.1:{port}/"
     w = Watched(dump, secrets.token_hex(16))
-    cmd = [sys.executable, "-m", "titan_recover.launch", *job(dump), "--training.steps", str(STEPS), "--metrics.log_freq", "2",
+    cmd = [sys.executable, "-m", "titan_recover.launch", *job(dump, tiny=True), "--training.steps", str(STEPS),
            "--recover.fault_plan", PLAN, "--recover.status_port", str(port),
            "--metrics.enable_tensorboard", "--metrics.enable_wandb"]
     env = {**os.environ, keys.SECRET_ENV: w.secret, keys.RUN_ENV: RUN_ID, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
