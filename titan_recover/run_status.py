@@ -50,7 +50,7 @@ class _Group:
     started_at: float = 0.0  # the newest incarnation's start
     admitted_at: float | None = None  # the last admission
     joining: bool = False  # admitted, no step committed with it yet
-    spare: int | None = None  # the incarnation waiting as a spare
+    spare: bool = False  # ready, waiting outside the membership
 
 
 def _sample(n: int) -> list[int]:
@@ -58,8 +58,7 @@ def _sample(n: int) -> list[int]:
     if n <= MAX_POINTS:
         return list(range(n))
     stride = n / MAX_POINTS
-    picked = sorted({int(i * stride) for i in range(MAX_POINTS)} | {n - 1})
-    return picked
+    return sorted({int(i * stride) for i in range(MAX_POINTS)} | {n - 1})
 
 
 class RunHistory:
@@ -90,10 +89,10 @@ class RunHistory:
 
     def _configure(self, replicas: int, replica_ids: int, steps: int | None, tokens_per_step: int | None,
                    precision: str | None) -> None:
-        self.replicas, self.steps_total = replicas, steps
+        self.steps_total = steps
         self.tokens_per_step, self.precision = tokens_per_step, precision
         for r in range(replica_ids):
-            self.groups.setdefault(r, _Group(spare=0 if r >= replicas else None))
+            self.groups.setdefault(r, _Group(spare=r >= replicas))
         self.members = self.members or list(range(replicas))
 
     def _on_run_config(self, e: dict[str, Any], t: float) -> None:
@@ -135,7 +134,7 @@ class RunHistory:
     def _on_failure(self, e: dict[str, Any], t: float) -> None:
         group = self._group(e)
         if group is not None:
-            group.failed_at, group.failed_incarnation, group.joining, group.spare = t, group.incarnation, False, None
+            group.failed_at, group.failed_incarnation, group.joining, group.spare = t, group.incarnation, False, False
         detected = e.get("detected")
         self.failures.append({
             "replica": e.get("replica"), "step": e.get("step"), "cause": str(e.get("cause", "")), "time": t,
@@ -165,7 +164,7 @@ class RunHistory:
     def _on_admitted(self, e: dict[str, Any], t: float) -> None:
         group = self._group(e)
         if group is not None:
-            group.admitted_at, group.joining, group.spare = t, True, None
+            group.admitted_at, group.joining, group.spare = t, True, False
             if e["replica"] not in self.members:
                 self.members = sorted([*self.members, e["replica"]])
 
@@ -178,12 +177,12 @@ class RunHistory:
     def _on_spare_ready(self, e: dict[str, Any], t: float) -> None:
         group = self._group(e)
         if group is not None:
-            group.spare = e.get("attempt", group.incarnation)
+            group.spare = True
 
     def _on_spare_lost(self, e: dict[str, Any], t: float) -> None:
         group = self._group(e)
         if group is not None:
-            group.spare, group.failed_at, group.failed_incarnation = None, t, group.incarnation
+            group.spare, group.failed_at, group.failed_incarnation = False, t, group.incarnation
 
     def _on_param_digest(self, e: dict[str, Any], t: float) -> None:
         if type(e.get("step")) is int:
@@ -206,7 +205,7 @@ class RunHistory:
         group = self.groups[replica]
         saved = live.state if live is not None else None
         joining = str(replica) in saved.get("joining", {}) if saved is not None else group.joining
-        spare = str(replica) in saved.get("spares", {}) if saved is not None else group.spare is not None
+        spare = str(replica) in saved.get("spares", {}) if saved is not None else group.spare
         if joining:
             return "joining"
         if spare and replica not in self.members:
@@ -236,7 +235,6 @@ class RunHistory:
         """The JSON of ``/status.json`` (the run named by ``run_id``, else as its events name it)."""
         rate = self._rate()
         picked = _sample(len(self.steps))
-        step_times = [None] + [b - a for a, b in zip(self.times, self.times[1:])]
         groups = []
         for r, group in sorted(self.groups.items()):
             seen = live.groups.get(r) if live is not None else None
@@ -266,7 +264,7 @@ class RunHistory:
             "series": {
                 "step": [self.steps[i] for i in picked], "time": [self.times[i] for i in picked],
                 "loss": [self.losses[i] for i in picked], "live_groups": [self.live[i] for i in picked],
-                "step_time_s": [step_times[i] for i in picked],
+                "step_time_s": [self.times[i] - self.times[i - 1] if i else None for i in picked],  # the sampled ones only
             },
             "counts": {"failures": len(self.failures), "rejoins": len(self.rejoins), "steps": len(self.steps),
                        "digest_mismatches": self.mismatches},
