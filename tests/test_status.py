@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.common import job
 from titan_recover.control import keys, transport
 from titan_recover.control.sealed import Run
+from titan_recover.events import read_events
 from titan_recover.status import fetch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,6 +110,9 @@ def test_the_run_survives_and_is_served_while_it_trains(watched: Watched) -> Non
     assert "status page at http://127.0.0.1:" in watched.output
     assert len(watched.snapshots) >= 10, f"only {len(watched.snapshots)} answers during the run"
     assert watched.snapshots[-1]["run"]["step"] >= STEPS - 4
+    steps = [e for e in read_events(str(watched.dump / "recover_events.jsonl")) if e["event"] == "step"]
+    assert sorted(e["step"] for e in steps) == list(range(1, STEPS + 1))  # every step once
+    assert {len(e["microbatches"]) for e in steps} == {4}  # M microbatches, the killed group's share taken over
 
 
 def test_the_killed_group_goes_live_restarting_joining_live_in_that_order(watched: Watched) -> None:
