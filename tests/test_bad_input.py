@@ -170,6 +170,18 @@ def test_launcher_refuses_a_status_port_in_use_before_starting() -> None:
     assert "Traceback" not in out and "coordinator at" not in out and "data:" not in out
 
 
+def test_launcher_refuses_a_coordinator_port_in_use_before_starting_any_process() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = launch("--recover.coordinator_port", str(port))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert f"error: recover.coordinator_port = {port}: cannot listen on 127.0.0.1:{port}" in proc.stderr, out[-3000:]
+    assert "Traceback" not in out and "coordinator at" not in out  # no group started, no coordinator
+
+
 # ------------------------------------------------------------------ Megatron index
 
 

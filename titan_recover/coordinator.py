@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from titan_recover import config, logs, procs, resources, titan
-from titan_recover.control import transport
+from titan_recover.control import keys, transport
 from titan_recover.control.board import LeaderBoard
 from titan_recover.control.addresses import LOOPBACK, is_etcd, parse_host_port
 from titan_recover.control.client import COMMIT, ControlClient
@@ -431,9 +431,13 @@ class Coordinator:
 
 
 def serve(job_config: Any, port: int) -> Coordinator:
-    """The coordinator on its own TCPStore, listening on ``port``."""
+    """The coordinator on its own TCPStore, listening on ``port`` (on the socket its launcher bound
+    there, when it handed one over)."""
     rc = job_config.recover
-    client = transport.serve(port, rc.collective_timeout_s, rc.coordinator_bind or LOOPBACK)
+    fd = os.environ.get(keys.LISTEN_FD_ENV)
+    if fd is not None and not fd.isdigit():
+        raise RuntimeError(f"{keys.LISTEN_FD_ENV}={fd!r} is not a file descriptor: start the coordinator with run_train.sh")
+    client = transport.serve(port, rc.collective_timeout_s, rc.coordinator_bind or LOOPBACK, fd=None if fd is None else int(fd))
     return Coordinator(job_config, client, EventLog(titan.dump_folder(job_config)))
 
 

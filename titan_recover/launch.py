@@ -250,9 +250,19 @@ class NodeLauncher:
             self.address = self.env[keys.COORDINATOR_ENV] = rc.control_store
             if self.first:
                 self._begin_or_join()
-        elif self.address is None:
-            host = local_host(coordinator_bind(rc.coordinator_bind, self.local, self.replicas, rc.group_nodes))
-            self.address = self.env[keys.COORDINATOR_ENV] = f"{host}:{rc.coordinator_port or transport.free_port()}"
+        elif self.address is None:  # bound here and handed over: no other process can take a picked port meanwhile
+            bind = coordinator_bind(rc.coordinator_bind, self.local, self.replicas, rc.group_nodes)
+            try:
+                fd = transport.listen(bind, rc.coordinator_port)
+            except RuntimeError as e:
+                raise config.ConfigError(f"recover.coordinator_port = {rc.coordinator_port}: {e}") from None
+            try:
+                self.address = self.env[keys.COORDINATOR_ENV] = f"{local_host(bind)}:{transport.listening_port(fd)}"
+                self.coordinator = subprocess.Popen(self._candidate(), env={**self.env, keys.LISTEN_FD_ENV: str(fd)},
+                                                    pass_fds=(fd,))
+            finally:
+                os.close(fd)
+            return
         else:
             if self.run is None:
                 self.run = self._name_run(transport.find_run(self.address, rc.startup_timeout_s, self.env[keys.SECRET_ENV]).id)

@@ -13,6 +13,7 @@ REPLICAS_ENV = "TITAN_RECOVER_REPLICAS"  # comma-separated replica group ids a n
 GROUP_NODE_ENV = "TITAN_RECOVER_GROUP_NODE"  # which node part of its replica groups a node runs (recover.group_nodes)
 SECRET_ENV = "TITAN_RECOVER_SECRET"  # this run's secret: it seals every record of the run (``sealed``)
 RUN_ENV = "TITAN_RECOVER_RUN_ID"  # this run's id: a new id is a new run; the same id relaunched rejoins it
+LISTEN_FD_ENV = "TITAN_RECOVER_LISTEN_FD"  # the listening socket its launcher bound and handed to the coordinator
 ATTEMPT_ENV = "TITAN_RECOVER_ATTEMPT"  # incarnation of this replica group: 0, then +1 per restart
 
 

@@ -104,18 +104,26 @@ def in_run(store: dist.Store, run: Run) -> SealedStore:
     return SealedStore(dist.PrefixStore(run.prefix, store), run)
 
 
-def serve(port: int, timeout_s: float, bind: str = LOOPBACK, run: Run | None = None) -> SealedStore:
+def listening_port(fd: int) -> int:
+    """The port the listening socket ``fd`` is bound to (``fd`` stays open)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        return sock.getsockname()[1]
+    finally:
+        sock.detach()
+
+
+def serve(port: int, timeout_s: float, bind: str = LOOPBACK, run: Run | None = None, fd: int | None = None) -> SealedStore:
     """The coordinator's store server, reachable on ``bind`` only (loopback unless other nodes need it),
-    holding the keys of ``run`` (default: the one in this process's environment)."""
-    return _serve(listen(bind, port), port, timeout_s, bind, run or Run.from_env())
+    holding the keys of ``run`` (default: the one in this process's environment), on the listening
+    socket ``fd`` when its launcher bound it (no other process can take the port in between)."""
+    return _serve(listen(bind, port) if fd is None else fd, port, timeout_s, bind, run or Run.from_env())
 
 
 def serve_any_port(bind: str, timeout_s: float, run: Run) -> tuple[SealedStore, int]:
     """A store server of ``run`` on a free port of ``bind``; the server and that port."""
     fd = listen(bind, 0)
-    sock = socket.socket(fileno=fd)
-    port = sock.getsockname()[1]
-    sock.detach()  # the fd stays open for the server
+    port = listening_port(fd)
     return _serve(fd, port, timeout_s, bind, run), port
 
 
