@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from titan_recover import node_channel
 from titan_recover.control import transport
-from titan_recover.control.client import ControlClient
+from titan_recover.control.client import ABORT, COMMIT, REDO, ControlClient
 from titan_recover.control.protocol import Admission, Report, StepRecord, TransferRecord
 from titan_recover.control.sealed import Run
 from titan_recover.collectives import CollectiveAborted
@@ -114,17 +114,41 @@ def test_commits_when_every_member_votes(coord: Coordinator) -> None:
     grads = [torch.ones(3), torch.ones(1)]
     assert a.allreduce(current, grads, on_launched=lambda: None)
     assert grads[0].tolist() == [2.0, 2.0, 2.0]
-    votes: list[bool] = []
+    votes: list[str] = []
     voter = threading.Thread(target=lambda: votes.append(a.should_commit(current)))
     voter.start()
     time.sleep(0.05)
     assert coord.control.decision(1, 0) is None  # one vote of two: no decision yet
-    assert b.should_commit(current)
+    assert b.should_commit(current) == COMMIT
     voter.join(timeout=5)
-    assert votes == [True]
+    assert votes == [COMMIT]
     assert coord.control.decision(1, 0) == "commit"
     assert not a.committed(current)  # the same epoch as the previous step: no failure in between
     assert not coord.reports()
+
+
+def test_a_redo_decided_by_the_last_voter_is_voted_on_again_in_the_next_round(coord: Coordinator) -> None:
+    """``[recover] exact``: every member read an overflow from the same sum; the step is redone in
+    the same epoch, its votes counted afresh, and the decision that ends the redo is the step's."""
+    coord.publish(0, (0, 1))
+    a, b = coord.manager(0), coord.manager(1)
+    a.start_step(1), b.start_step(1)
+    current = a.history(0)[-1]
+    first: list[str] = []
+    voter = threading.Thread(target=lambda: first.append(a.should_commit(current, redo=True)))
+    voter.start()
+    assert b.should_commit(current, redo=True) == REDO
+    voter.join(timeout=5)
+    assert first == [REDO] and coord.control.decision(1, 0) == "redo1"
+    second: list[str] = []
+    voter = threading.Thread(target=lambda: second.append(a.should_commit(current)))
+    voter.start()
+    time.sleep(0.05)
+    assert coord.control.decision(1, 0) == "redo1"  # one vote of two in round 1: the redo stands
+    assert b.should_commit(current) == COMMIT
+    voter.join(timeout=5)
+    assert second == [COMMIT] and coord.control.decision(1, 0) == COMMIT
+    assert coord.control.votes(1, 0, round=1) == 2
 
 
 def test_aborts_when_the_epoch_moves_during_the_vote(coord: Coordinator) -> None:
@@ -133,12 +157,12 @@ def test_aborts_when_the_epoch_moves_during_the_vote(coord: Coordinator) -> None
     current = a.history(a.start_step(1))[-1]
     later(0.05, lambda: coord.publish(1, (0,)))  # replica 1 was fenced before it voted
     start = time.monotonic()
-    assert not a.should_commit(current)
+    assert a.should_commit(current) == ABORT
     assert time.monotonic() - start < 1.0
     assert coord.control.decision(1, 0) == "abort"
     late = coord.manager(1)  # its vote comes too late to change the outcome
     late.step = 1
-    assert not late.should_commit(current)
+    assert late.should_commit(current) == ABORT
     assert a.agree_epoch(newer_than=0) == 1
     assert a.history(1)[-1].members == (0,)
     assert a.committed(a.history(1)[-1])  # committing in a later epoch than the last step's

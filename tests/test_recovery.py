@@ -10,9 +10,8 @@ import torch
 from titan_recover import workload
 from titan_recover.membership import Membership
 from titan_recover.recovery import (
-    COUNTS,
     DIGEST,
-    LOSS,
+    MICROBATCHES,
     TOKENS,
     InvariantError,
     StepSummary,
@@ -122,7 +121,7 @@ def test_unknown_policy_raises() -> None:
 def test_new_tally_layout() -> None:
     t = new_tally(5)
     assert t.dtype == torch.float64
-    assert t.shape == (COUNTS + 5,)
+    assert t.shape == (MICROBATCHES + 2 * 5,)
     assert not t.any()
 
 
@@ -141,10 +140,10 @@ def test_tally_microbatch_accumulates() -> None:
     t = new_tally(3)
     tally_microbatch(t, 2, digest=5, tokens=10, loss=torch.tensor(1.5))
     tally_microbatch(t, 0, digest=7, tokens=4, loss=torch.tensor(0.25, dtype=torch.bfloat16))
-    assert t[LOSS] == 1.75
+    assert t[MICROBATCHES + 1 :: 2].tolist() == [0.25, 0.0, 1.5]  # each microbatch's loss in its own slot
     assert t[TOKENS] == 14
     assert t[DIGEST] == 12
-    assert t[COUNTS:].tolist() == [1.0, 0.0, 1.0]
+    assert t[MICROBATCHES::2].tolist() == [1.0, 0.0, 1.0]
 
 
 def test_tally_keeps_a_loss_whose_tensor_is_overwritten_later() -> None:
@@ -155,7 +154,7 @@ def test_tally_keeps_a_loss_whose_tensor_is_overwritten_later() -> None:
     tally_microbatch(t, 0, digest=0, tokens=1, loss=loss)
     loss.fill_(99.0)  # the next replay
     tally_microbatch(t, 1, digest=0, tokens=1, loss=loss)
-    assert t[LOSS] == 100.5
+    assert t[MICROBATCHES + 1 :: 2].tolist() == [1.5, 99.0]
 
 
 def test_summarize_happy_path() -> None:
@@ -187,7 +186,7 @@ def test_summarize_digest_is_order_independent() -> None:
 def test_missing_microbatch_is_named() -> None:
     m, shards = 5, 2
     t = full_tally(m, shards, [1] * m, [10] * m, [1.0] * m)
-    t[COUNTS + 3] = 0  # nobody computed microbatch 3
+    t[MICROBATCHES + 2 * 3] = 0  # nobody computed microbatch 3
     with pytest.raises(InvariantError) as info:
         summarize(t, shards, expected_tokens=100)
     msg = str(info.value)
@@ -242,3 +241,19 @@ def test_seconds_per_microbatch_and_quotas_come_out_of_the_reduced_tally() -> No
     assert s.microbatches == (0, 1, 2, 3)
     assert s.quotas == {0: 3, 2: 1}
     assert s.seconds_per_microbatch == {0: 0.5, 2: 2.0}  # replica 1 computed nothing: no measurement
+
+
+def test_the_steps_loss_is_the_same_bits_whoever_computed_which_microbatch() -> None:
+    """Per-microbatch slots summed in microbatch order: a float64 sum in the order of arrival would not be."""
+    losses = [0.1 * (k + 1) + 1e-9 * k for k in range(6)]
+    reference = None
+    for split in ([range(6)], [range(0, 6, 2), range(1, 6, 2)], [range(5, -1, -1)], [[3], [5, 0], [4, 1, 2]]):
+        reduced = new_tally(6)
+        for group in split:
+            t = new_tally(6)
+            for mb in group:
+                tally_microbatch(t, mb, 0, 10, torch.tensor(losses[mb]))
+            reduced += t
+        loss = summarize(reduced, 1, 60).loss
+        reference = loss if reference is None else reference
+        assert loss.hex() == reference.hex()

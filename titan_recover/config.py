@@ -34,6 +34,13 @@ class Recover:
     policy: str = "balanced"
     """Workload policy that hands microbatch ids to live replicas (see titan_recover.workload)."""
 
+    exact: bool = False
+    """Bit-exact recovery: the parameters, optimizer state and loss after every step are the same
+    bits as the failure-free run's, whatever failed and whoever took over which microbatch, and
+    with 2, 3 or 4 replica groups of the same shard degree. Each microbatch's gradient is summed
+    on an agreed fixed-point grid as int64 (order-free; see titan_recover.exact), and a CPU rank
+    runs one intra-op thread. Replica groups of FSDP ranks only (tensor/pipeline parallel 1)."""
+
     speed_smoothing: float = 0.3
     """Weight of the newest step in each replica's measured seconds per microbatch (an
     exponential average); the ``speed`` policy's quotas come from these measurements."""
@@ -187,6 +194,7 @@ def validate(job_config: Any) -> Recover:
     _check_fault_plan(plan, job_config)
     _check_faults_outside_cuda_graphs(plan, cuda_graphs(job_config))
     _check_context_parallel(job_config.parallelism)
+    _check_exact(rc, job_config.parallelism)
     _check_batch(job_config)
     return rc
 
@@ -447,6 +455,15 @@ def _check_faults_outside_cuda_graphs(plan: tuple[faults.Fault, ...], graphed: b
                 f"recover.fault_plan: '{f.action} replica={f.replica} phase={f.phase}' can never fire inside a "
                 "CUDA graph replay; set --training.disable_cuda_graphs, or use phase=allreduce or optimizer"
             )
+
+
+def _check_exact(rc: Recover, par: Any) -> None:
+    if rc.exact and (par.tensor_parallel_degree != 1 or par.pipeline_parallel_degree != 1):
+        raise ConfigError(
+            "recover.exact needs replica groups of FSDP ranks only: parallelism.tensor_parallel_degree = "
+            f"{par.tensor_parallel_degree} and parallelism.pipeline_parallel_degree = {par.pipeline_parallel_degree} "
+            "must both be 1 (their sums inside a group are not made order-free), or set recover.exact = false"
+        )
 
 
 def _check_context_parallel(par: Any) -> None:

@@ -36,10 +36,11 @@ import torch.distributed as dist
 from titan_recover import logs, node_channel, procs, recovery, transfer
 from titan_recover.collectives import POLL_S, CollectiveAborted, backoff
 from titan_recover.control import transport
-from titan_recover.control.client import ABORT, COMMIT, ControlClient
+from titan_recover.control.client import ABORT, COMMIT, REDO, ControlClient, redone
 from titan_recover.control.protocol import FaultRecord, MessageError, Report, StepRecord, TransferRecord
 from titan_recover.config import Recover
 from titan_recover.membership import Membership
+from titan_recover.exact import NonFinite
 from titan_recover.tokens import DataError
 
 EPOCH_POLL_S = 0.02  # how stale a rank's view of the epoch may be while it waits
@@ -120,6 +121,7 @@ class ReplicaManager:
         self.replica, self.group_rank, self.attempt, self.rc = replica, group_rank, attempt, rc
         self.rejoining = rejoining  # holds no training state until a peer sends it
         self.base_epoch = 0  # the epoch the previous step committed with
+        self._round: tuple[tuple[int, int], int] = ((-1, -1), 0)  # (step, epoch) -> its vote round (a redo's)
         self.step = 0  # the step this rank works on (its reports and its channel slot name it)
         self.groups: Collectives | None = None
         self.device = torch.device("cpu")
@@ -237,9 +239,12 @@ class ReplicaManager:
             return False
         return True
 
-    def should_commit(self, membership: Membership) -> bool:
-        """The agreement round after the all-reduce: every rank of every member votes, and
-        the step commits in this epoch only if all did before the epoch moved.
+    def should_commit(self, membership: Membership, redo: bool = False) -> str:
+        """The agreement round after the all-reduce: every rank of every member votes, and the
+        step commits in this epoch (``COMMIT``) only if all did before the epoch moved (else
+        ``ABORT``). ``redo``: this rank read from the sum that the step must be done again in this
+        epoch (``[recover] exact``'s grid overflowed); every member read the same sum, so the last
+        voter decides ``REDO`` for all, and the next call votes in the next round.
 
         A collective can succeed on some ranks and fail on others; the first writer of
         the decision wins, so every rank acts on the same outcome. The wait ends with the
@@ -248,27 +253,31 @@ class ReplicaManager:
         for, and named in the log.
         """
         epoch = membership.epoch
+        round = self._round[1] if self._round[0] == (self.step, epoch) else 0
         expected = len(membership.members) * self.group_size
         decision = None
-        if self.control.vote(self.step, epoch, f"{self.replica}.{self.group_rank}") == expected:
-            decision = self.control.decide(self.step, epoch, COMMIT)
+        if self.control.vote(self.step, epoch, f"{self.replica}.{self.group_rank}", round) == expected:
+            decision = self.control.decide(self.step, epoch, redone(round + 1) if redo else COMMIT, round)
         pause, start, told = POLL_S[0], time.monotonic(), False
         waited = self._waiting(epoch, lambda: f"the commit votes of step {self.step} "
-                               f"({self.control.votes(self.step, epoch)} of {expected})")
-        while decision is None:
+                               f"({self.control.votes(self.step, epoch, round)} of {expected})")
+        while decision is None or decision == redone(round):  # a redo's own start is no decision
             if self.epoch_moved(epoch):
-                decision = self.control.decide(self.step, epoch, ABORT)
-            elif self.rc.control_store:  # a watch: the decision comes with its event
+                decision = self.control.decide(self.step, epoch, ABORT, round)
+            elif self.rc.control_store and not round:  # a watch: the decision comes with its event
                 decision = self.control.await_decision(self.step, epoch, DECISION_WAIT_S)
-            elif (decision := self.control.decision(self.step, epoch)) is None:
+            elif (decision := self.control.decision(self.step, epoch)) in (None, redone(round)):
                 pause = backoff(pause)  # slower replicas: spare the CPU
             waited()
             if not told and time.monotonic() - start > self.rc.collective_timeout_s:
-                votes = self.control.votes(self.step, epoch)
+                votes = self.control.votes(self.step, epoch, round)
                 log.info(f"replica {self.replica} rank {self.group_rank}: step {self.step} epoch {epoch} has {votes} of "
                     f"{expected} commit votes after {self.rc.collective_timeout_s:g}s; it waits for the rest or a new epoch")
                 told = True
-        return decision == COMMIT
+        if decision == redone(round + 1):
+            self._round = ((self.step, epoch), round + 1)
+            return REDO
+        return COMMIT if decision == COMMIT else ABORT
 
     def committed(self, membership: Membership) -> bool:
         """Records that the step committed in ``membership``'s epoch; True when that epoch
@@ -353,11 +362,11 @@ class ReplicaManager:
     def report_failure(self, epoch: int, e: BaseException) -> None:
         """Tells the coordinator this group failed in ``epoch`` with ``e`` (a peer of ours died,
         or our own error); bad data stops the run instead, as every replica would meet it.
-        ``NOT_REPORTED`` errors are left alone."""
+        A NaN or inf gradient (``[recover] exact``) stops it too. ``NOT_REPORTED`` errors are left alone."""
         if isinstance(e, NOT_REPORTED):
             return
-        if isinstance(e, DataError):
-            self.control.stop(f"DataError: {e}")
+        if isinstance(e, (DataError, NonFinite)):
+            self.control.stop(f"{type(e).__name__}: {e}")
             return
         error = own_error(e)
         rank = self.group_rank

@@ -7,8 +7,10 @@ late it noticed each epoch. Survivors keep what they own; only the lost replicas
 microbatches move.
 
 Each rank tallies what it computed in one float64 vector that travels with the
-gradients through the same all-reduce: [loss, label tokens, data digest,
-count per microbatch id, compute seconds per replica id, microbatches per replica id].
+gradients through the same all-reduce: [label tokens, data digest, (count, loss) per
+microbatch id, compute seconds per replica id, microbatches per replica id]. Each
+microbatch's loss has a slot of its own, which only its owner writes (x + 0 is exact), and the
+step's loss sums the slots in microbatch order: the same bits whoever computed which.
 After the reduction every rank can check that each of the M microbatches was summed
 exactly once (once per shard) before stepping, and knows how long each replica took
 per microbatch: one rank per replica writes its slots, so every rank reads the same
@@ -23,7 +25,7 @@ import torch
 from titan_recover import workload
 from titan_recover.membership import Membership
 
-LOSS, TOKENS, DIGEST, COUNTS = 0, 1, 2, 3
+TOKENS, DIGEST, MICROBATCHES = 0, 1, 2  # then (count, loss) per microbatch
 
 
 class InvariantError(RuntimeError):
@@ -44,7 +46,7 @@ def step_assignment(
 
 def new_tally(num_microbatches: int, replica_slots: int = 0) -> torch.Tensor:
     """``replica_slots``: replica ids whose time is measured (none in stock mode)."""
-    return torch.zeros(COUNTS + num_microbatches + 2 * replica_slots, dtype=torch.float64)
+    return torch.zeros(MICROBATCHES + 2 * num_microbatches + 2 * replica_slots, dtype=torch.float64)
 
 
 def _slots(tally: torch.Tensor, replica_slots: int) -> tuple[int, int]:
@@ -54,10 +56,10 @@ def _slots(tally: torch.Tensor, replica_slots: int) -> tuple[int, int]:
 
 
 def tally_microbatch(tally: torch.Tensor, microbatch: int, digest: int, tokens: int, loss: torch.Tensor) -> None:
-    tally[LOSS] += float(loss)
     tally[TOKENS] += tokens
     tally[DIGEST] += digest
-    tally[COUNTS + microbatch] += 1
+    tally[MICROBATCHES + 2 * microbatch] += 1
+    tally[MICROBATCHES + 2 * microbatch + 1] += float(loss)
 
 
 def tally_time(tally: torch.Tensor, replica_slots: int, replica: int, seconds: float) -> None:
@@ -80,7 +82,7 @@ class StepSummary:
 def summarize(tally: torch.Tensor, shards: int, expected_tokens: int, replica_slots: int = 0) -> StepSummary:
     """Checks a reduced tally: every microbatch counted once per shard, all tokens there."""
     seconds_at, counts_at = _slots(tally, replica_slots)
-    counts = tally[COUNTS:seconds_at].tolist()
+    counts = tally[MICROBATCHES:seconds_at:2].tolist()
     wrong = {m: c / shards for m, c in enumerate(counts) if c != shards}
     if wrong:
         raise InvariantError(
@@ -91,7 +93,7 @@ def summarize(tally: torch.Tensor, shards: int, expected_tokens: int, replica_sl
         raise InvariantError(f"step summed {tokens} label tokens, expected {expected_tokens}")
     seconds, computed = tally[seconds_at:counts_at].tolist(), tally[counts_at:].tolist()
     return StepSummary(
-        loss=float(tally[LOSS]),
+        loss=sum(tally[MICROBATCHES + 1 : seconds_at : 2].tolist()),  # in microbatch order
         tokens=tokens,
         microbatches=tuple(range(len(counts))),
         data_digest=f"{int(tally[DIGEST]):016x}",

@@ -8,7 +8,9 @@ TorchTitan's, with the protocol behind a ``manager.ReplicaManager``:
     epoch = manager.start_step(step) -> hand state to rejoiners -> assignment
     -> compute owned microbatches -> manager.allreduce -> manager.should_commit -> optimizer step
 
-re-entering the loop in a new epoch when membership changes mid-step. A group the
+re-entering the loop in a new epoch when membership changes mid-step. With ``[recover] exact``
+each microbatch's gradient goes onto a fixed-point int64 sum (``exact.ExactSum``) right after its
+backward, and a grid overflow redoes the step in the same epoch on the coarser grid all agreed on. A group the
 launcher restarted (or a hot spare) first waits for the coordinator to admit it, then
 receives parameters, optimizer, scheduler and step from a live peer (no checkpoint read).
 With ``enable = false`` ``main`` runs ``stock.StockTrainer``, stock TorchTitan HSDP; both
@@ -32,9 +34,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titan_recover import data, logs, membership, procs, recovery, resources, titan, transfer, workload
+from titan_recover import data, exact, logs, membership, procs, recovery, resources, titan, transfer, workload
 from titan_recover.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.control import keys, transport
+from titan_recover.control.client import COMMIT, REDO
 from titan_recover.control.addresses import route_address
 from titan_recover.control.protocol import MessageError, TransferRecord
 from titan_recover.control.sealed import Run
@@ -63,6 +66,8 @@ class RecoverTrainer(LoggedTrainer):
 
     def __init__(self, job_config: titan.JobConfig) -> None:
         rc = validate(job_config)
+        if rc.exact:
+            exact.pin_kernels()
         replica, group_rank = int(os.environ[keys.REPLICA_ENV]), int(os.environ["RANK"])
         # each group is a torchrun world of its own: rank k of every group would write the same profiler
         # and flight-recorder (NCCL timeout) trace files
@@ -95,6 +100,10 @@ class RecoverTrainer(LoggedTrainer):
             self.device, self.parallel_dims.world_size,
         )
         self.replica_slots = replica_ids(job_config)
+        self.exact: exact.ExactSum | None = None
+        if rc.exact:
+            self.exact = exact.ExactSum(sum(g.numel() for g in self._grads()), self.num_microbatches, self.device)
+            self.optimizers.zero_grad()  # the zeros _grads() made to count them
         self.speeds = workload.Speeds()  # seconds per microbatch of each replica, from committed steps
         self._synced_epoch = -1  # the last epoch in which this rank received the state
         # DCP checkpoints stay a backstop: one replica group saves (the step's leader), and a
@@ -161,6 +170,11 @@ class RecoverTrainer(LoggedTrainer):
             speeds = workload.Speeds.from_json(header.get("speeds"))
         except workload.WorkloadError as e:
             raise MessageError(f"state transfer header: {e}") from e
+        if self.exact is not None:
+            bound = header.get("exact_bound")
+            if not isinstance(bound, int) or isinstance(bound, bool) or not exact.LOW_EXPONENT <= bound <= exact.HIGH_EXPONENT + exact.MARGIN_BITS:
+                raise MessageError(f"state transfer header has no valid exact_bound (got {bound!r}): is the donor running with recover.exact?")
+            self.exact.bound = bound
         if self._synced_epoch >= 0 and step != self.step:
             raise transfer.TransferError(f"donor is at step {step}, this rank at {self.step}")
         transfer.restore(header, self.optimizers, self.lr_schedulers)
@@ -175,7 +189,8 @@ class RecoverTrainer(LoggedTrainer):
         """Hands this rank's state to the same group rank of ``joiner``; False if that broke."""
         header = transfer.meta(
             {"step": self.step, "base_epoch": self.manager.base_epoch, "ntokens_seen": self.ntokens_seen,
-             "speeds": self.speeds.to_json()},  # the joiner derives the same quotas from here on
+             "speeds": self.speeds.to_json(),  # the joiner derives the same quotas from here on
+             **({"exact_bound": self.exact.bound} if self.exact is not None else {})},
             self.optimizers, self.lr_schedulers,
         )
         try:
@@ -223,13 +238,18 @@ class RecoverTrainer(LoggedTrainer):
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         tally = recovery.new_tally(self.num_microbatches, self.replica_slots)
         done: set[int] = set()
+        synced = -1  # the epoch this step's state was handed over in (a redo stays in it)
+        if self.exact is not None:
+            self.exact.reset()
         try:
             while True:
                 history = self.manager.history(epoch)
                 current = history[-1]
-                if not self._sync_state(history):
-                    epoch = self.manager.agree_epoch(newer_than=epoch)
-                    continue
+                if current.epoch != synced:
+                    if not self._sync_state(history):
+                        epoch = self.manager.agree_epoch(newer_than=epoch)
+                        continue
+                    synced = current.epoch
                 owned = recovery.step_assignment(self.rc.policy, history, self.num_microbatches, self.speeds.rates())[self.replica]
                 for m in owned:
                     if m not in done:
@@ -239,17 +259,37 @@ class RecoverTrainer(LoggedTrainer):
                 if latest != epoch:
                     epoch = latest  # membership changed while computing: take on more work first
                     continue
-                flat, group_tally = self._reduction_buffers(tally)
+                buffers = self._reduction_buffers(tally)
                 reduced = self.manager.allreduce(
-                    current, [flat, group_tally], on_launched=lambda: self.injector.at(self.step, "allreduce"),
+                    current, buffers, on_launched=lambda: self.injector.at(self.step, "allreduce"),
                 )
-                if reduced and self.manager.should_commit(current):
-                    break
+                if reduced:
+                    redo = self.exact is not None and self.exact.redo_bound(buffers[2]) is not None
+                    decision = self.manager.should_commit(current, redo)
+                    if decision == COMMIT:
+                        break
+                    if decision == REDO:
+                        self._redo(buffers[2])
+                        tally, done = recovery.new_tally(self.num_microbatches, self.replica_slots), set()
+                        continue
                 epoch = self.manager.agree_epoch(newer_than=epoch)
         except Exception as e:
             self.manager.report_failure(epoch, e)
             raise
-        self._commit(current, flat, group_tally, lr)
+        self._commit(current, buffers, lr)
+
+    def _redo(self, histogram: torch.Tensor) -> None:
+        """Every member read the same overflow of the exact grid: the step again, on the grid
+        that holds its largest gradient."""
+        assert self.exact is not None
+        bound = self.exact.redo_bound(histogram)
+        assert bound is not None
+        if self.group_rank == 0:
+            self.events.emit("exact_redo", step=self.step, replica=self.replica, bound=self.exact.bound, new_bound=bound)
+        log.info(f"replica {self.replica} rank {self.group_rank}: step {self.step}'s gradients reach 2**{bound}, past the "
+                 f"exact grid's 2**{self.exact.bound}: every replica redoes the step on the coarser grid")
+        self.exact.bound = bound
+        self.exact.reset()
 
     def _compute(self, microbatch: int, tally: torch.Tensor, index: int, count: int) -> None:
         self.manager.tick(f"microbatch {microbatch} of step {self.step}")
@@ -260,6 +300,10 @@ class RecoverTrainer(LoggedTrainer):
         with self.injector.microbatch(self.model_parts[0], self.step, index, count):
             input_dict, targets = titan.model_inputs(self, inputs.to(self.device), labels.to(self.device))
             loss = self.forward_backward_step(input_dict=input_dict, labels=targets, global_valid_tokens=self.valid_tokens)
+        if self.exact is not None:  # this microbatch's gradient alone onto the int64 sum
+            grads = self._grads()
+            self.exact.add(grads, f"step {self.step} microbatch {microbatch}")
+            torch._foreach_zero_(grads)
         tokens = int((labels != titan.IGNORE_INDEX).sum())
         if self.reports_data:
             recovery.tally_microbatch(tally, microbatch, digest, tokens, loss.detach())
@@ -284,15 +328,18 @@ class RecoverTrainer(LoggedTrainer):
                     grads.append(transfer.local(p.grad))
         return grads
 
-    def _reduction_buffers(self, tally: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fresh copies of the local gradients and of the group's summed tally: the
-        replicate all-reduce is out-of-place, so a broken one leaves the local state intact."""
+    def _reduction_buffers(self, tally: torch.Tensor) -> list[torch.Tensor]:
+        """Fresh copies of the local gradients and of the group's summed tally (and in exact mode,
+        of the int64 sum and its histogram, summed inside the group so every rank reads the same
+        overflow): the replicate all-reduce is out-of-place, so a broken one leaves the local state intact."""
         group_tally = tally.to(self.device, copy=True)
+        extra = [] if self.exact is None else [self.exact.histogram.clone()]
         if self.parallel_dims.world_size > 1:
-            dist.all_reduce(group_tally)  # inside the group: sum over its ranks
-        flat = torch.cat([g.reshape(-1) for g in self._grads()])
+            for t in (group_tally, *extra):
+                dist.all_reduce(t)  # inside the group: sum over its ranks
+        flat = torch.cat([g.reshape(-1) for g in self._grads()]) if self.exact is None else self.exact.total.clone()
         self.ft_buffer_bytes = flat.numel() * flat.element_size()  # the one extra gradient copy
-        return flat, group_tally
+        return [flat, group_tally, *extra]
 
     def _optimizer_step(self) -> float:
         grad_norm = titan.clip_grad_norm(self)
@@ -301,7 +348,11 @@ class RecoverTrainer(LoggedTrainer):
         self.lr_schedulers.step()
         return grad_norm.item()
 
-    def _commit(self, current: Membership, flat: torch.Tensor, tally: torch.Tensor, lr: float) -> None:
+    def _commit(self, current: Membership, buffers: list[torch.Tensor], lr: float) -> None:
+        flat, tally = buffers[:2]
+        if self.exact is not None:
+            flat = self.exact.values(flat, self._grads()[0].dtype)
+            self.exact.committed(buffers[2])
         summary = recovery.summarize(tally, self.parallel_dims.dp_shard, int(self.global_tokens), self.replica_slots)
         self.speeds = workload.update_speeds(
             self.speeds, summary.seconds_per_microbatch, current.members, self.num_microbatches,

@@ -33,6 +33,12 @@ from titan_recover.control.sealed import ForgedRecord, SealedStore
 
 R = TypeVar("R", bound=Record)
 COMMIT, ABORT = "commit", "abort"
+REDO = "redo"  # + the round that follows: every vote was in, and the step is done again in this epoch
+
+
+def redone(round: int) -> str:
+    """The decision that ended ``round`` - 1 with a redo: the value ``round`` starts from."""
+    return f"{REDO}{round}" if round else ""
 
 
 class ControlClient:
@@ -146,20 +152,22 @@ class ControlClient:
     def start_step(self) -> int | None:
         return self._int(keys.START_STEP)
 
-    def vote(self, step: int, epoch: int, voter: str) -> int:
-        """``voter``'s commit vote for ``step`` in ``epoch``; the number of votes so far."""
-        return self.store.tally(keys.ok_key(step, epoch), voter)
+    def vote(self, step: int, epoch: int, voter: str, round: int = 0) -> int:
+        """``voter``'s commit vote for ``step`` in ``epoch`` (and ``round``); the number of votes so far."""
+        return self.store.tally(keys.ok_key(step, epoch, round), voter)
 
-    def votes(self, step: int, epoch: int) -> int:
-        return self.store.tallied(keys.ok_key(step, epoch))
+    def votes(self, step: int, epoch: int, round: int = 0) -> int:
+        return self.store.tallied(keys.ok_key(step, epoch, round))
 
-    def decide(self, step: int, epoch: int, outcome: str) -> str | None:
-        """The first writer of a step's decision in an epoch wins: every rank acts on the same
-        outcome, the one returned (None: the key holds a value not sealed with the run's secret)."""
+    def decide(self, step: int, epoch: int, outcome: str, round: int = 0) -> str | None:
+        """The first writer of a step's decision in an epoch (and ``round``: a redo's decision replaces
+        the redo) wins: every rank acts on the same outcome, the one returned (None: the key holds a
+        value not sealed with the run's secret)."""
         try:
-            return self.store.compare_set(keys.decision_key(step, epoch), "", outcome).decode(errors="replace") or None
+            won = self.store.compare_set(keys.decision_key(step, epoch), redone(round), outcome)
         except ForgedRecord:
             return None
+        return won.decode(errors="replace") or None
 
     def decision(self, step: int, epoch: int) -> str | None:
         return self._text(keys.decision_key(step, epoch))

@@ -67,10 +67,11 @@ def members_key(epoch: int) -> str:
     return f"members/{epoch}"
 
 
-def ok_key(step: int, epoch: int) -> str:
+def ok_key(step: int, epoch: int, round: int = 0) -> str:
     """The commit votes of ``step`` in ``epoch``: a counter on the TCPStore, the prefix of one key per
-    voter on etcd (``SealedStore.tally``)."""
-    return f"ok/{step}/{epoch}"
+    voter on etcd (``SealedStore.tally``). A step redone in the same epoch (``[recover] exact``
+    on a coarser grid) votes again in its next ``round``."""
+    return f"ok/{step}/{epoch}" + (f"/{round}" if round else "")
 
 
 def decision_key(step: int, epoch: int) -> str:
