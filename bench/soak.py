@@ -575,6 +575,7 @@ class Setup:
     collective_timeout_s: float
     digest_interval: int
     local_batch: int = 2
+    exact: bool = False  # [recover] exact: the run and its reference must be the same bits
 
     @property
     def node1(self) -> list[int]:
@@ -593,7 +594,7 @@ class Setup:
             "--recover.max_restarts", "1000", "--recover.restart_window_s", "3600",
             "--recover.heartbeat_timeout_s", str(self.heartbeat_timeout_s),
             "--recover.collective_timeout_s", str(self.collective_timeout_s),
-            "--recover.digest_interval", str(self.digest_interval),
+            "--recover.digest_interval", str(self.digest_interval), *(["--recover.exact"] if self.exact else []),
             "--recover.fault_plan", self.plan if plan is None else plan,
         ]
 
@@ -1035,6 +1036,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-s", type=float, default=90.0, help="a kind that cannot go this long is put back")
     p.add_argument("--reference", type=Path, default=None, help="reuse this reference event log (same command)")
     p.add_argument("--control", type=Path, default=None, help="reuse this control event log (same command, 1 group)")
+    p.add_argument("--exact", action="store_true",
+                   help="[recover] exact in the run and the reference, compared bit for bit (compare --exact); no control run")
     p.add_argument("--out", type=Path, default=RESULTS / "soak.json")
     a = p.parse_args(argv)
     if a.replicas < 3:
@@ -1053,7 +1056,7 @@ def main(argv: list[str] | None = None) -> int:
     a.tail = a.phase_gap + 6  # the last restarted group rejoins before the final digest
     steps = a.steps or a.prologue_end + a.faults * a.steps_per_fault + a.tail
     setup = Setup(a.replicas, a.shards, steps, a.seed, a.nodes, plan, a.heartbeat_timeout_s, a.collective_timeout_s,
-                  a.digest_interval)
+                  a.digest_interval, exact=a.exact)
     dump = OUT / "run"
     shutil.rmtree(dump, ignore_errors=True)
     dump.mkdir(parents=True)
@@ -1076,7 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
         reference, ref_wall, ref_cmd = run_reference(setup, OUT / "reference")
     if a.control is not None:
         control = list(read_events(str(a.control)))
-    elif ended["hang"] is None:
+    elif ended["hang"] is None and not a.exact:
         soak.log(f"the failure-free control ({steps} steps, one group sums all M) now")
         control, control_wall, control_cmd = run_reference(setup, OUT / "control", CONTROL)
     result = summarize(soak.tracker.faults, events, reference, a.replicas, steps, a.spare if a.spare >= 0 else None,
@@ -1100,11 +1103,16 @@ def main(argv: list[str] | None = None) -> int:
         "launcher_relaunches": [{k: v for k, v in lr.items() if k != "at"} for lr in soak.launcher_rejoin],
         "faults": [f.record() for f in soak.tracker.faults],
     }
+    if a.exact and reference is not None:
+        bits = compare_runs(reference, events, 0.0, exact=True)
+        out["exact"] = {"steps": bits.steps, "digest_steps": bits.digest_steps, "max_rel_loss_dev": bits.max_rel_loss_dev,
+                        "mismatches": len(bits.exact), "first_mismatches": bits.exact[:10]}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=2) + "\n")
     print(format_table(out))
     log.info("wrote %s", a.out)
-    return 0 if not out["invariant_violations"] and not out["hangs"] else 1
+    exact_ok = "exact" not in out or not out["exact"]["mismatches"]
+    return 0 if not out["invariant_violations"] and not out["hangs"] and exact_ok else 1
 
 
 if __name__ == "__main__":

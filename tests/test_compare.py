@@ -40,3 +40,30 @@ def test_cli_exit_codes(tmp_path: Path, capsys) -> None:
     assert main([str(ref), str(ref)]) == 0
     assert main([str(ref), str(bad)]) == 1
     assert "DIFFERENT" in capsys.readouterr().out
+
+
+def digest(n: int, replica: int, value: str) -> dict:
+    return {"event": "param_digest", "step": n, "replica": replica, "digest": value}
+
+
+def test_exact_fails_on_one_ulp_of_loss_and_on_any_parameter_digest(tmp_path: Path, capsys) -> None:
+    import math
+
+    ref = [*REF, digest(1, 0, "d1"), digest(1, 1, "d1"), digest(2, 0, "d2")]
+    same = [step(1, 8.0), digest(1, 0, "d1"), digest(1, 2, "d1"), step(2, 7.0, "cd"), digest(2, 1, "d2")]
+    c = compare_runs(ref, same, 0.0, exact=True)
+    assert c.problems == [] and c.digest_steps == 2
+    off = [step(1, 8.0), step(2, math.nextafter(7.0, 8.0), "cd"), digest(1, 0, "d1"), digest(1, 1, "dX"), digest(2, 0, "d2")]
+    text = " | ".join(compare_runs(ref, off, 1e-3, exact=True).problems)
+    assert "step 2: loss 0x1.c000000000001p+2 != 0x1.c000000000000p+2" in text  # within any rel_tol, still refused
+    assert "step 1: parameter digests ['d1', 'dX'] != ['d1']" in text
+    assert compare_runs(ref, off, 1e-3).problems == []  # without --exact both pass
+    nodigests = compare_runs(REF, REF, 0.0, exact=True).problems
+    assert nodigests == ["no step has parameter digests in both runs: run both with recover.digest_interval 1"]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps(e) + "\n" for e in ref))
+    b.write_text("".join(json.dumps(e) + "\n" for e in off))
+    assert main(["--exact", str(a), str(a)]) == 0
+    assert "the same bits" in capsys.readouterr().out
+    assert main(["--exact", str(a), str(b)]) == 1
+    assert "MISMATCH step 2: loss" in capsys.readouterr().out

@@ -94,6 +94,16 @@ def test_bad_value_names_the_full_key(overrides: list[str], key: str) -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("degree", ["--parallelism.tensor_parallel_degree", "--parallelism.pipeline_parallel_degree"])
+def test_exact_mode_with_tp_or_pp_names_the_keys(degree: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load("--recover.exact", degree, "2")
+    msg = str(info.value)
+    assert "recover.exact" in msg and "tensor_parallel_degree" in msg and "pipeline_parallel_degree" in msg
+    load("--recover.exact")  # FSDP groups: accepted
+
+
+@pytest.mark.unit
 def test_min_replicas_above_replicate_degree_names_both_keys() -> None:
     with pytest.raises(ConfigError) as info:
         load("--recover.min_replicas", "3")

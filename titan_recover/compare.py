@@ -2,9 +2,11 @@
 
 Every step committed once, every step summing microbatches 0..M-1, the same
 ``data_digest`` per step as the reference, and losses within a relative tolerance. A step's
-line logged again (lines are written at least once, see ``events``) is counted once.
+line logged again (lines are written at least once, see ``events``) is counted once. With
+``--exact`` (runs with ``[recover] exact``) every loss must be the same bits, and every parameter
+digest a replica logged must equal the reference's at that step.
 
-    python -m titan_recover.compare REFERENCE RUN [--rel-tol 1e-3]
+    python -m titan_recover.compare REFERENCE RUN [--rel-tol 1e-3 | --exact]
     (each an event log, or a dump folder: every node's event log in it)
 """
 
@@ -24,6 +26,7 @@ class Comparison:
     hundreds of steps float rounding alone (another summation order) moves the loss."""
 
     steps: int = 0
+    digest_steps: int = 0  # steps whose parameter digests were compared (``exact``)
     max_rel_loss_dev: float = 0.0
     exact: list[str] = field(default_factory=list)
     loss: dict[int, str] = field(default_factory=dict)  # step -> what is off
@@ -43,7 +46,19 @@ def _steps(events: Iterable[dict[str, Any]], name: str, problems: list[str]) -> 
     return steps
 
 
-def compare_runs(reference: Iterable[dict[str, Any]], run: Iterable[dict[str, Any]], rel_tol: float) -> Comparison:
+def _digests(events: Iterable[dict[str, Any]]) -> dict[int, set[str]]:
+    """Step -> the parameter digests its replicas logged."""
+    out: dict[int, set[str]] = {}
+    for e in events:
+        if e["event"] == "param_digest":
+            out.setdefault(e["step"], set()).add(e["digest"])
+    return out
+
+
+def compare_runs(reference: Iterable[dict[str, Any]], run: Iterable[dict[str, Any]], rel_tol: float,
+                 exact: bool = False) -> Comparison:
+    """``exact``: losses compared bit for bit (``rel_tol`` unused), and the parameter digests too."""
+    reference, run = list(reference), list(run)
     out = Comparison()
     ref, got = _steps(reference, "reference", out.exact), _steps(run, "run", out.exact)
     if sorted(ref) != sorted(got):
@@ -57,10 +72,25 @@ def compare_runs(reference: Iterable[dict[str, Any]], run: Iterable[dict[str, An
             out.exact.append(f"step {step}: data_digest {g['data_digest']} != {r['data_digest']}")
         rel = abs(g["loss"] - r["loss"]) / abs(r["loss"])
         out.max_rel_loss_dev = max(out.max_rel_loss_dev, rel)
-        if rel > rel_tol:
+        if exact and g["loss"] != r["loss"]:
+            out.exact.append(f"step {step}: loss {float(g['loss']).hex()} != {float(r['loss']).hex()} (rel {rel:.2e})")
+        elif not exact and rel > rel_tol:
             out.loss[step] = f"step {step}: loss {g['loss']:.6f} vs {r['loss']:.6f} (rel {rel:.2e})"
         out.steps += 1
+    if exact:
+        _compare_digests(_digests(reference), _digests(run), out)
     return out
+
+
+def _compare_digests(ref: dict[int, set[str]], got: dict[int, set[str]], out: Comparison) -> None:
+    for step in sorted(set(ref) & set(got)):
+        if len(ref[step]) != 1:
+            out.exact.append(f"step {step}: the reference's replicas disagree: {sorted(ref[step])}")
+        elif got[step] != ref[step]:
+            out.exact.append(f"step {step}: parameter digests {sorted(got[step])} != {sorted(ref[step])}")
+        out.digest_steps += 1
+    if not out.digest_steps:
+        out.exact.append("no step has parameter digests in both runs: run both with recover.digest_interval 1")
 
 
 def _read(path: str) -> Log:
@@ -78,6 +108,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("reference", help="an event log, or a dump folder")
     parser.add_argument("run", help="an event log, or a dump folder")
     parser.add_argument("--rel-tol", type=float, default=1e-3)
+    parser.add_argument("--exact", action="store_true",
+                        help="losses and parameter digests must be the same bits (runs with [recover] exact)")
     args = parser.parse_args(argv)
     try:
         reference, run = _read(args.reference), _read(args.run)
@@ -88,11 +120,12 @@ def main(argv: list[str]) -> int:
             print(f"note {', '.join(log.files)}: {len(log.duplicates)} line(s) logged again, counted once")
         if log.skipped:
             print(f"note: {len(log.skipped)} line(s) that are no event skipped, the first {log.skipped[0]}")
-    c = compare_runs(reference.events, run.events, args.rel_tol)
+    c = compare_runs(reference.events, run.events, args.rel_tol, exact=args.exact)
     for p in c.problems:
         print(f"MISMATCH {p}")
-    print(f"{c.steps} steps compared, max relative loss deviation {c.max_rel_loss_dev:.2e}: "
-          f"{'same trajectory' if not c.problems else 'DIFFERENT'}")
+    digests = f", parameter digests of {c.digest_steps} steps" if args.exact else ""
+    print(f"{c.steps} steps compared{digests}, max relative loss deviation {c.max_rel_loss_dev:.2e}: "
+          f"{('the same bits' if args.exact else 'same trajectory') if not c.problems else 'DIFFERENT'}")
     return 1 if c.problems else 0
 
 

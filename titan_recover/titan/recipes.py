@@ -126,6 +126,15 @@ def llama3_debug_cpu() -> Trainer.Config:
     return cpu_job("llama3_debug_cpu", model_spec("llama3", "debugmodel"))
 
 
+def llama3_exact_cpu() -> Trainer.Config:
+    """``train_configs/llama3_exact_cpu.toml``: the default job with ``[recover] exact`` and a global
+    batch of 48 (M = 12), which 2, 3 and 4 replica groups divide; a parameter digest every step."""
+    config = cpu_job("llama3_exact_cpu", model_spec("llama3", "debugmodel"))
+    config.training.global_batch_size = 48
+    config.recover.exact, config.recover.digest_interval = True, 1
+    return config
+
+
 def llama3_tiny_cpu() -> Trainer.Config:
     """The default job with the ``tiny`` flavor: the tests' model (``--model.flavor tiny`` on 0.2)."""
     return cpu_job("llama3_debug_cpu", model_spec("llama3", "tiny"))
