@@ -48,12 +48,12 @@ def job(dump: str | Path, tiny: bool = False, config: str = "llama3_debug_cpu") 
     return [*config_args(recipe), FLAGS["dump_folder"], str(dump), *(TINY_SIZES if tiny else [])]
 
 
-def launch(args: list[str], what: str) -> tuple[list[dict], float]:
-    """Runs ``titan_recover.launch`` with the default config plus ``args`` in a fresh dump
+def launch(args: list[str], what: str, config: str = "llama3_debug_cpu") -> tuple[list[dict], float]:
+    """Runs ``titan_recover.launch`` with the shipped ``config`` plus ``args`` in a fresh dump
     folder; returns its events and the wall time of the whole command. A failed run
     raises with the tail of its output."""
     with tempfile.TemporaryDirectory() as dump:
-        cmd = [sys.executable, "-m", "titan_recover.launch", *job(dump), *args]
+        cmd = [sys.executable, "-m", "titan_recover.launch", *job(dump, config=config), *args]
         start = time.monotonic()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         wall = time.monotonic() - start

@@ -3,14 +3,17 @@
 Floating-point addition is not associative, so a gradient summed over microbatches (and then over
 replica groups) depends on who computed which microbatch and in which order. In exact mode each
 rank rounds every microbatch's gradient (its own shards, right after that microbatch's backward)
-onto a fixed-point grid of step ``2**grid_exponent`` and adds the grid points into an int64
-total: integer sums are exact, hence the same in any order, inside a group over its microbatches
-and across groups in the replicate all-reduce. The total is converted back to floats once.
+onto a fixed-point grid of step ``2**grid_exponent`` and adds the grid points into a total held
+as integer-valued float64: float64 holds every integer below ``2**53`` exactly, so while the sum
+stays below that every addition is exact, hence the same in any order, inside a group over its
+microbatches and across groups in the replicate all-reduce. The total is converted back once.
+(float64 rather than int64: the same bytes in the all-reduce, and no conversion copies; measured
+19 ms instead of 24 ms per 5.3M-element microbatch on this CPU, 35 instead of 44 to convert back.)
 
 The grid is the same on every member because it comes from committed data only: every term is
 below ``2**bound``, where ``bound`` is the largest max-abs exponent of the previous committed
 step's microbatch gradients plus ``MARGIN_BITS`` (``FIRST_BOUND`` before any step), and M terms
-below that fit in int64 (``grid_exponent``). Each microbatch also counts its max-abs exponent in a
+below that sum below ``2**53`` (``grid_exponent``). Each microbatch also counts its max-abs exponent in a
 histogram that is summed with the gradients; a term at or above ``2**bound`` is left out, and
 after the all-reduce every member reads the same histogram, so every member sees the overflow
 alike and the step is redone with ``bound`` set to the step's largest exponent: the same grid
@@ -25,7 +28,7 @@ import os
 
 import torch
 
-HEADROOM_BITS = 62  # int64's 63 magnitude bits, less one for the rounding of each term
+HEADROOM_BITS = 52  # float64's exact integers (below 2**53), less one for the rounding of each term
 MARGIN_BITS = 8  # a step's gradients may grow 256-fold over the last committed step's before a redo
 FIRST_BOUND = 1 + MARGIN_BITS  # before any committed step: terms below 2**9
 LOW_EXPONENT, HIGH_EXPONENT = -160, 140  # the histogram's range: float32 and bfloat16 max-abs exponents
@@ -38,7 +41,7 @@ class NonFinite(ValueError):
 
 def grid_exponent(bound: int, terms: int) -> int:
     """The finest grid on which ``terms`` values below ``2**bound``, each rounded to it, sum
-    within int64: each is at most ``2**(bound - exponent) <= 2**HEADROOM_BITS / terms``."""
+    exactly in float64: each is at most ``2**(bound - exponent) <= 2**HEADROOM_BITS / terms``."""
     if terms < 1:
         raise ValueError(f"a sum needs at least one term, got {terms}")
     return bound - HEADROOM_BITS + (terms - 1).bit_length()
@@ -62,7 +65,7 @@ class ExactSum:
 
     def __init__(self, numel: int, terms: int, device: torch.device, bound: int = FIRST_BOUND) -> None:
         self.terms, self.bound = terms, bound
-        self.total = torch.zeros(numel, dtype=torch.int64, device=device)
+        self.total = torch.zeros(numel, dtype=torch.float64, device=device)
         self.histogram = torch.zeros(BINS, dtype=torch.int64, device=device)
 
     def reset(self) -> None:
@@ -93,7 +96,8 @@ class ExactSum:
         offset = 0
         for g in grads:
             n = g.numel()
-            self.total[offset : offset + n] += torch.round(g.reshape(-1) * scale).to(torch.int64)
+            points = g.reshape(-1) * scale
+            self.total[offset : offset + n].add_(points.round_())  # integers: exact in float64
             offset += n
 
     def redo_bound(self, histogram: torch.Tensor) -> int | None:
@@ -102,9 +106,15 @@ class ExactSum:
         top = largest_exponent(histogram)
         return top if top is not None and top > self.bound else None
 
-    def values(self, total: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The summed grid points as ``dtype``: one rounding, the same for the same total."""
-        return total.to(torch.float64).mul_(math.ldexp(1.0, grid_exponent(self.bound, self.terms))).to(dtype)
+    def write(self, total: torch.Tensor, grads: list[torch.Tensor]) -> None:
+        """The summed grid points (``total``, all-reduced) into ``grads``, in their order: rounded
+        to their dtype, then scaled by a power of two. The same bits for the same total."""
+        scale = math.ldexp(1.0, grid_exponent(self.bound, self.terms))
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(total[offset : offset + n].view_as(g)).mul_(scale)
+            offset += n
 
     def committed(self, histogram: torch.Tensor) -> None:
         """The next step's bound, from this committed step's largest exponent (kept if all were zero)."""

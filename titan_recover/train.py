@@ -9,7 +9,7 @@ TorchTitan's, with the protocol behind a ``manager.ReplicaManager``:
     -> compute owned microbatches -> manager.allreduce -> manager.should_commit -> optimizer step
 
 re-entering the loop in a new epoch when membership changes mid-step. With ``[recover] exact``
-each microbatch's gradient goes onto a fixed-point int64 sum (``exact.ExactSum``) right after its
+each microbatch's gradient goes onto a fixed-point sum (``exact.ExactSum``) right after its
 backward, and a grid overflow redoes the step in the same epoch on the coarser grid all agreed on. A group the
 launcher restarted (or a hot spare) first waits for the coordinator to admit it, then
 receives parameters, optimizer, scheduler and step from a live peer (no checkpoint read).
@@ -300,7 +300,7 @@ class RecoverTrainer(LoggedTrainer):
         with self.injector.microbatch(self.model_parts[0], self.step, index, count):
             input_dict, targets = titan.model_inputs(self, inputs.to(self.device), labels.to(self.device))
             loss = self.forward_backward_step(input_dict=input_dict, labels=targets, global_valid_tokens=self.valid_tokens)
-        if self.exact is not None:  # this microbatch's gradient alone onto the int64 sum
+        if self.exact is not None:  # this microbatch's gradient alone onto the fixed-point sum
             grads = self._grads()
             self.exact.add(grads, f"step {self.step} microbatch {microbatch}")
             torch._foreach_zero_(grads)
@@ -330,7 +330,7 @@ class RecoverTrainer(LoggedTrainer):
 
     def _reduction_buffers(self, tally: torch.Tensor) -> list[torch.Tensor]:
         """Fresh copies of the local gradients and of the group's summed tally (and in exact mode,
-        of the int64 sum and its histogram, summed inside the group so every rank reads the same
+        of the fixed-point sum and its histogram, summed inside the group so every rank reads the same
         overflow): the replicate all-reduce is out-of-place, so a broken one leaves the local state intact."""
         group_tally = tally.to(self.device, copy=True)
         extra = [] if self.exact is None else [self.exact.histogram.clone()]
@@ -350,19 +350,20 @@ class RecoverTrainer(LoggedTrainer):
 
     def _commit(self, current: Membership, buffers: list[torch.Tensor], lr: float) -> None:
         flat, tally = buffers[:2]
-        if self.exact is not None:
-            flat = self.exact.values(flat, self._grads()[0].dtype)
-            self.exact.committed(buffers[2])
         summary = recovery.summarize(tally, self.parallel_dims.dp_shard, int(self.global_tokens), self.replica_slots)
         self.speeds = workload.update_speeds(
             self.speeds, summary.seconds_per_microbatch, current.members, self.num_microbatches,
             self.rc.speed_smoothing, self.rc.rebalance_threshold,
         )
-        offset = 0
         with torch.no_grad():
-            for g in self._grads():
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            if self.exact is not None:
+                self.exact.write(flat, self._grads())
+                self.exact.committed(buffers[2])
+            else:
+                offset = 0
+                for g in self._grads():
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
         self.injector.at(self.step, "optimizer", self.model_parts[0])
         grad_norm = self._optimizer_step()
         after_failure = self.manager.committed(current)

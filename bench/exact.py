@@ -1,0 +1,84 @@
+"""What ``[recover] exact`` costs and whether it holds (issue 31).
+
+- the step-time ratio, exact on / off, on the default job without faults, in interleaved pairs;
+- the same bits with 2, 3 and 4 replica groups (``train_configs/llama3_exact_cpu.toml``, M = 12),
+  failure-free, and with one kill at each count, all compared with ``compare --exact`` against the
+  failure-free R = 2 run.
+
+    .venv/bin/python -m bench.exact [--pairs 2] [--steps 12] [--exact-steps 8]
+
+Writes bench/results/exact.json. The 50-fault check (kills, hangs, rejoins on the TCPStore and on
+etcd) is ``bench.soak --exact``; its count goes into ``exact_faults`` only when that has run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+
+from bench.common import PRECISION, launch, of, step_gaps, write_result
+from titan_recover.compare import compare_runs
+
+log = logging.getLogger("titan_recover.bench.exact")
+
+KILLS = {2: "kill replica=1 rank=1 step=3 phase=backward", 3: "kill replica=2 rank=0 step=3 phase=forward",
+         4: "kill replica=3 rank=1 step=3 phase=allreduce"}
+
+
+def step_time(events: list[dict]) -> float:
+    """The median time between consecutive steps, the first two left out (warm-up)."""
+    gaps = step_gaps(of(events, "step"))
+    return statistics.median(v for k, v in gaps.items() if k > 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pairs", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12, help="steps of each default-job run timed")
+    p.add_argument("--exact-steps", type=int, default=8, help="steps of each replica-count run")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[exact] %(message)s", stream=sys.stdout)
+    base = [*PRECISION, "--recover.fault_plan", "none", "--training.steps", str(a.steps)]
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    for i in range(a.pairs):
+        for mode, extra in (("off", []), ("on", ["--recover.exact"])):
+            events, _ = launch([*base, *extra], f"default job, exact {mode}")
+            times[mode].append(step_time(events))
+            log.info(f"pair {i}: exact {mode}: {times[mode][-1]:.3f} s/step")
+    ratio = statistics.median(times["on"]) / statistics.median(times["off"])
+
+    runs: dict[str, list[dict]] = {}
+    for replicas in (2, 3, 4):
+        shape = [*PRECISION, "--training.steps", str(a.exact_steps),
+                 "--parallelism.data_parallel_replicate_degree", str(replicas)]
+        runs[f"free{replicas}"], _ = launch([*shape, "--recover.fault_plan", "none"], f"exact R={replicas}", "llama3_exact_cpu")
+        runs[f"kill{replicas}"], _ = launch([*shape, "--recover.fault_plan", KILLS[replicas]], f"exact R={replicas} kill", "llama3_exact_cpu")
+        log.info(f"R={replicas}: done")
+    reference = runs["free2"]
+    comparisons = {name: compare_runs(reference, events, 0.0, exact=True) for name, events in runs.items() if name != "free2"}
+    for name, c in comparisons.items():
+        log.info(f"{name} vs free2: {c.steps} steps, {c.digest_steps} digest steps, problems {c.exact[:3]}")
+    faults = sum(len(of(events, "failure")) for events in runs.values())
+    result = {
+        "issue": 31,
+        "command": "python -m bench.exact " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "precision": PRECISION[-1],
+        "exact_step_time_ratio": round(ratio, 3),
+        "step_time_s": {mode: [round(t, 4) for t in ts] for mode, ts in times.items()},
+        "exact_faults": faults,
+        "exact_max_rel_loss_dev": max(c.max_rel_loss_dev for c in comparisons.values()),
+        "exact_param_digests_equal": int(all(not c.exact for c in comparisons.values())),
+        "exact_replica_counts": [2, 3, 4],
+        "compared": {name: {"steps": c.steps, "digest_steps": c.digest_steps, "mismatches": c.exact[:5]}
+                     for name, c in comparisons.items()},
+        "redos": sum(len(of(events, "exact_redo")) for events in runs.values()),
+    }
+    path = write_result("exact", result)
+    log.info(f"exact/plain step time {ratio:.3f}; {faults} faults; digests equal: {result['exact_param_digests_equal']}; wrote {path}")
+    return 0 if result["exact_param_digests_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
