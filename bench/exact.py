@@ -3,9 +3,11 @@
 - the step-time ratio, exact on / off, on the default job without faults, in interleaved pairs;
 - the same bits with 2, 3 and 4 replica groups (``train_configs/llama3_exact_cpu.toml``, M = 12),
   failure-free, and with one kill at each count, all compared with ``compare --exact`` against the
-  failure-free R = 2 run.
+  failure-free R = 2 run;
+- with ``--etcd``, the same on a local 3-member etcd (``control_store``): a kill, the restarted
+  group's rejoin, then a hang (SIGSTOP) of the other group, its fencing, restart and rejoin.
 
-    .venv/bin/python -m bench.exact [--pairs 2] [--steps 12] [--exact-steps 8]
+    .venv/bin/python -m bench.exact [--pairs 2] [--steps 12] [--exact-steps 8] [--etcd]
 
 Writes bench/results/exact.json. The 50-fault check (kills, hangs, rejoins on the TCPStore and on
 etcd) is ``bench.soak --exact``; its count goes into ``exact_faults`` only when that has run.
@@ -15,16 +17,41 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import secrets
 import statistics
 import sys
 
 from bench.common import PRECISION, launch, of, step_gaps, write_result
 from titan_recover.compare import compare_runs
+from titan_recover.control import keys
 
 log = logging.getLogger("titan_recover.bench.exact")
 
 KILLS = {2: "kill replica=1 rank=1 step=3 phase=backward", 3: "kill replica=2 rank=0 step=3 phase=forward",
          4: "kill replica=3 rank=1 step=3 phase=allreduce"}
+ETCD_PLAN = ("kill replica=1 rank=1 step=2 phase=backward; sleep replica=0 step=3 phase=optimizer seconds=120 until=epoch; "
+             "stop replica=0 rank=0 step=5 phase=forward")
+"""On etcd: replica 1 killed in step 2; replica 0 carries on alone and waits in step 3 for its rejoin; replica 0
+hangs in step 5, replica 1 carries on alone until replica 0's next incarnation rejoins."""
+
+
+def on_etcd(shape: list[str]) -> list[dict]:
+    """The exact job with ``ETCD_PLAN`` on a fresh local 3-member etcd, as one node's launcher."""
+    from titan_recover.tools.etcd_local import LocalEtcd
+
+    cluster = LocalEtcd(3).start()
+    saved = dict(os.environ)
+    os.environ.update({keys.SECRET_ENV: secrets.token_hex(16), keys.RUN_ENV: secrets.token_hex(8),
+                       keys.COORDINATOR_ENV: cluster.url, keys.REPLICAS_ENV: "0,1"})
+    try:
+        events, _ = launch([*shape, "--recover.fault_plan", ETCD_PLAN, "--recover.control_store", cluster.url],
+                           "exact R=2 on etcd", "llama3_exact_cpu")
+        return events
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        cluster.stop()
 
 
 def step_time(events: list[dict]) -> float:
@@ -38,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--steps", type=int, default=12, help="steps of each default-job run timed")
     p.add_argument("--exact-steps", type=int, default=8, help="steps of each replica-count run")
+    p.add_argument("--etcd", action="store_true", help="also the kill-hang-rejoin run on a local etcd")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[exact] %(message)s", stream=sys.stdout)
     base = [*PRECISION, "--recover.fault_plan", "none", "--training.steps", str(a.steps)]
@@ -56,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         runs[f"free{replicas}"], _ = launch([*shape, "--recover.fault_plan", "none"], f"exact R={replicas}", "llama3_exact_cpu")
         runs[f"kill{replicas}"], _ = launch([*shape, "--recover.fault_plan", KILLS[replicas]], f"exact R={replicas} kill", "llama3_exact_cpu")
         log.info(f"R={replicas}: done")
+    if a.etcd:
+        runs["etcd2"] = on_etcd([*PRECISION, "--training.steps", str(a.exact_steps)])
     reference = runs["free2"]
     comparisons = {name: compare_runs(reference, events, 0.0, exact=True) for name, events in runs.items() if name != "free2"}
     for name, c in comparisons.items():
