@@ -17,13 +17,12 @@ and ``exact_param_digests_equal`` then covers its steps too.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import secrets
 import statistics
 import sys
-
-import json
 
 from bench.common import PRECISION, RESULTS, launch, of, step_gaps, write_result
 from titan_recover.compare import compare_runs
