@@ -45,7 +45,7 @@ def on_etcd(shape: list[str]) -> list[dict]:
     cluster = LocalEtcd(3).start()
     saved = dict(os.environ)
     os.environ.update({keys.SECRET_ENV: secrets.token_hex(16), keys.RUN_ENV: secrets.token_hex(8),
-                       keys.COORDINATOR_ENV: cluster.url, keys.REPLICAS_ENV: "0,1"})
+                       keys.REPLICAS_ENV: "0,1"})  # the run's first node: it begins the run
     try:
         events, _ = launch([*shape, "--recover.fault_plan", ETCD_PLAN, "--recover.control_store", cluster.url],
                            "exact R=2 on etcd", "llama3_exact_cpu")
