@@ -38,7 +38,7 @@ class Recover:
     """Bit-exact recovery: the parameters, optimizer state and loss after every step are the same
     bits as the failure-free run's, whatever failed and whoever took over which microbatch, and
     with 2, 3 or 4 replica groups of the same shard degree. Each microbatch's gradient is summed
-    on an agreed fixed-point grid as int64 (order-free; see titan_recover.exact), and a CPU rank
+    on an agreed fixed-point grid as exact integers (order-free; see titan_recover.exact), and a CPU rank
     runs one intra-op thread. Replica groups of FSDP ranks only (tensor/pipeline parallel 1)."""
 
     speed_smoothing: float = 0.3
