@@ -54,8 +54,8 @@ def test_any_order_and_any_split_over_groups_gives_the_same_bits() -> None:
         order = [m for g in groups for m in g]
         float_sums.add(sum((torch.cat(grads[m]) for m in order), torch.zeros(4096)).numpy().tobytes())
     assert len(float_sums) > 1  # the float32 sums in those orders do differ: the test can fail
-    exact = [torch.empty(4096 // 3), torch.empty(4096 - 4096 // 3)]
-    ExactSum(4096, 8, CPU).write(reference, exact)
+    exact = [reference[: 4096 // 3].float(), reference[4096 // 3 :].float()]  # copied into the gradients
+    ExactSum(4096, 8, CPU).scale(exact)
     wide = sum(torch.cat(g).double() for g in grads)
     exact = torch.cat(exact)
     assert float((exact.double() - wide).abs().max()) <= float(wide.abs().max()) * 2**-23  # float32 rounding of the sum
@@ -89,8 +89,8 @@ def test_terms_at_the_bound_sum_exactly_in_float64() -> None:
     for _ in range(terms):
         mine.add([top], "the top")
     assert 0 < float(mine.total.max()) < 2.0**53  # every partial sum an integer float64 holds exactly
-    out = torch.empty(4)
-    mine.write(mine.total, [out])
+    out = mine.total.float()
+    mine.scale([out])
     assert torch.equal(out, top * terms)
 
 

@@ -78,14 +78,11 @@ class ExactSum:
         names the step and microbatch in a ``NonFinite``."""
         biggest = 0.0
         for g in grads:
-            if g.numel():
-                top = float(g.abs().max())  # NaN when any is NaN
-                biggest = top if not math.isfinite(top) else max(biggest, top)
-                if not math.isfinite(biggest):
-                    break
-        if not math.isfinite(biggest):
-            raise NonFinite(f"the gradient of {where} holds a NaN or an inf: every replica would compute it again, "
-                            "so the run stops (lower the learning rate, or resume from an earlier checkpoint)")
+            top = float(g.abs().max()) if g.numel() else 0.0  # NaN when any is NaN
+            if not math.isfinite(top):
+                raise NonFinite(f"the gradient of {where} holds a NaN or an inf: every replica would compute it again, "
+                                "so the run stops (lower the learning rate, or resume from an earlier checkpoint)")
+            biggest = max(biggest, top)
         if biggest == 0.0:
             return
         e = exponent(biggest)
@@ -106,15 +103,10 @@ class ExactSum:
         top = largest_exponent(histogram)
         return top if top is not None and top > self.bound else None
 
-    def write(self, total: torch.Tensor, grads: list[torch.Tensor]) -> None:
-        """The summed grid points (``total``, all-reduced) into ``grads``, in their order: rounded
-        to their dtype, then scaled by a power of two. The same bits for the same total."""
-        scale = math.ldexp(1.0, grid_exponent(self.bound, self.terms))
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(total[offset : offset + n].view_as(g)).mul_(scale)
-            offset += n
+    def scale(self, grads: list[torch.Tensor]) -> None:
+        """Gradients that hold the all-reduced grid points (copied in, rounded to their dtype) as
+        values: scaled by the grid's step, a power of two. The same bits for the same total."""
+        torch._foreach_mul_(grads, math.ldexp(1.0, grid_exponent(self.bound, self.terms)))
 
     def committed(self, histogram: torch.Tensor) -> None:
         """The next step's bound, from this committed step's largest exponent (kept if all were zero)."""

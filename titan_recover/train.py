@@ -264,12 +264,13 @@ class RecoverTrainer(LoggedTrainer):
                     current, buffers, on_launched=lambda: self.injector.at(self.step, "allreduce"),
                 )
                 if reduced:
-                    redo = self.exact is not None and self.exact.redo_bound(buffers[2]) is not None
-                    decision = self.manager.should_commit(current, redo)
+                    coarser = self.exact.redo_bound(buffers[2]) if self.exact is not None else None
+                    decision = self.manager.should_commit(current, redo=coarser is not None)
                     if decision == COMMIT:
                         break
                     if decision == REDO:
-                        self._redo(buffers[2])
+                        assert coarser is not None  # every member read the same histogram
+                        self._redo(coarser)
                         tally, done = recovery.new_tally(self.num_microbatches, self.replica_slots), set()
                         continue
                 epoch = self.manager.agree_epoch(newer_than=epoch)
@@ -278,12 +279,10 @@ class RecoverTrainer(LoggedTrainer):
             raise
         self._commit(current, buffers, lr)
 
-    def _redo(self, histogram: torch.Tensor) -> None:
+    def _redo(self, bound: int) -> None:
         """Every member read the same overflow of the exact grid: the step again, on the grid
-        that holds its largest gradient."""
+        that holds its largest gradient (below ``2**bound``)."""
         assert self.exact is not None
-        bound = self.exact.redo_bound(histogram)
-        assert bound is not None
         if self.group_rank == 0:
             self.events.emit("exact_redo", step=self.step, replica=self.replica, bound=self.exact.bound, new_bound=bound)
         log.info(f"replica {self.replica} rank {self.group_rank}: step {self.step}'s gradients reach 2**{bound}, past the "
@@ -356,14 +355,13 @@ class RecoverTrainer(LoggedTrainer):
             self.rc.speed_smoothing, self.rc.rebalance_threshold,
         )
         with torch.no_grad():
-            if self.exact is not None:
-                self.exact.write(flat, self._grads())
+            grads, offset = self._grads(), 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            if self.exact is not None:  # the grid points, as values
+                self.exact.scale(grads)
                 self.exact.committed(buffers[2])
-            else:
-                offset = 0
-                for g in self._grads():
-                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                    offset += g.numel()
         self.injector.at(self.step, "optimizer", self.model_parts[0])
         grad_norm = self._optimizer_step()
         after_failure = self.manager.committed(current)
