@@ -53,6 +53,9 @@ class FakeGroups:
     def pair(self, epoch: int, joiner: int, donor: bool, abort: Callable[[], bool]) -> None:
         raise AssertionError("no transfer in these tests")
 
+    def close(self) -> int:
+        return 0
+
 
 class Coordinator:
     """What the coordinator and the node agent do, by hand: publish memberships and epochs."""

@@ -29,12 +29,14 @@ import torch.distributed as dist
 
 from dataclasses import dataclass, field
 
+from titan_recover import procs
 from titan_recover.config import ConfigError
 from titan_recover.membership import Membership
 from titan_recover.control.keys import REPLICATE_BACKEND, replicate_group_prefix, transfer_group_prefix
 from titan_recover.control.sealed import SealedStore
 
 POLL_S = (0.0005, 0.005)  # first and longest pause while waiting: quick for short waits, light for long ones
+CLOSE_WAIT_S = 1.0  # how long a stopping rank gives its replicate-dim collectives to end
 NCCL_NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"  # bounds a non-blocking communicator's setup
 
 
@@ -57,12 +59,23 @@ class Parked:
     tensors: list[torch.Tensor] = field(default_factory=list)
     builder: threading.Thread | None = None  # a rendezvous thread that may still return a group
     built: list[object] = field(default_factory=list)  # ...into this list
+    store: dist.Store | None = None  # the rendezvous's own connection, held so that its socket stays open
+    socket: int | None = None  # ...and that socket's descriptor
 
     def busy(self) -> bool:
         return (self.builder is not None and self.builder.is_alive()) or not all(w.is_completed() for w in self.works)
 
+    def cancel(self) -> None:
+        """Ends a rendezvous still waiting on its store for a peer: its socket is shut down."""
+        if self.builder is not None and self.builder.is_alive() and self.socket is not None:
+            procs.shut_down(self.socket)
+
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+UNFREED: list[Parked] = []  # what close() could not free: referenced until the process leaves (procs.leave)
 
 
 class ReplicateProcessGroups:
@@ -129,6 +142,26 @@ class ReplicateProcessGroups:
                     late.abort()
         del idle  # the last references: gloo closes its pairs and joins its threads here
 
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> int:
+        """Ends what this rank's groups still run, when the rank stops: every group is discarded (NCCL
+        ones aborted), rendezvous still waiting for a peer are cut off and their threads joined, and
+        collectives get ``wait_s`` to end. What still runs after that (a gloo collective waiting on a
+        peer that finished or died: gloo cannot cancel it) is kept in ``UNFREED``, not destroyed, since
+        its destructor would wait out the group timeout; the rank leaves without its teardown.
+        Returns how many such entries were kept."""
+        for epoch in list(self._groups):
+            self._discard(self._groups.pop(epoch))
+        for p in self._parked:
+            p.cancel()
+        deadline = time.monotonic() + wait_s
+        pause = POLL_S[0]
+        while any(p.busy() for p in self._parked) and time.monotonic() < deadline:
+            pause = backoff(pause)
+        self._reap()
+        kept, self._parked = self._parked, []
+        UNFREED.extend(kept)
+        return len(kept)
+
     def parked(self) -> dict[str, float]:
         """What abandoned collectives hold right now (for the event log's resources events)."""
         self._reap()
@@ -138,9 +171,13 @@ class ReplicateProcessGroups:
         """A group under ``prefix``; raises CollectiveAborted if ``abort()`` first.
 
         The rendezvous gets a store connection of its own (``process_group_store``): its blocking
-        ``get`` of a dead peer's address must not hold up this rank's other store calls.
+        ``get`` of a dead peer's address must not hold up this rank's other store calls, and shutting
+        its socket down ends that wait (``Parked.cancel``).
         """
+        before = procs.sockets()
         store = self.store.process_group_store(prefix)
+        opened = procs.sockets() - before  # its socket, where the clone opened exactly one (a TCPStore's)
+        fd = opened.pop() if len(opened) == 1 else None
         result: list[object] = []
 
         def build() -> None:
@@ -156,7 +193,7 @@ class ReplicateProcessGroups:
         pause = POLL_S[0]
         while not result:
             if abort():
-                self._parked.append(Parked(builder=thread, built=result))
+                self._parked.append(Parked(builder=thread, built=result, store=store, socket=fd))
                 raise CollectiveAborted(f"{prefix} ended while building its group")
             pause = backoff(pause)
         if isinstance(result[0], Exception):

@@ -90,6 +90,8 @@ class Collectives(Protocol):
 
     def pair(self, epoch: int, joiner: int, donor: bool, abort: Callable[[], bool]) -> Any: ...
 
+    def close(self) -> int: ...
+
 
 # raised as they are: the protocol already knows (fenced, run stopped), or no group failure
 # explains them (a step that does not add up, a bad transfer, a malformed message)
@@ -348,6 +350,15 @@ class ReplicaManager:
         self._offers.shutdown()
         self.channel.set_state(self.slot, node_channel.FINISHED)
         self.heartbeat.stop()
+
+    def close(self) -> None:
+        """This rank stops (finished or not): its threads end and its replicate-dim groups are closed
+        (``ReplicateProcessGroups.close``), within about a second."""
+        self._offers.shutdown(wait=False, cancel_futures=True)
+        self.heartbeat.stop()
+        if self.groups is not None and (kept := self.groups.close()):
+            log.info(f"replica {self.replica} rank {self.group_rank}: {kept} replicate-dim collective(s) still wait "
+                     "on a peer that finished or died; the rank leaves without waiting for them")
 
     # ---- failure reports ------------------------------------------------------------
 

@@ -1,11 +1,16 @@
-"""Process plumbing every process kind shares: parent-death signals, stack dumps, the lost-coordinator exit."""
+"""Process plumbing every process kind shares: parent-death signals, stack dumps, the lost-coordinator exit,
+a rank's leaving, and the sockets a blocked C++ call waits on."""
 
 import ctypes
 import faulthandler
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import traceback
+from typing import Callable, NoReturn
 
 PR_SET_PDEATHSIG = 1
 LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a forked child must not dlopen (threads may hold its lock)
@@ -56,3 +61,47 @@ def exit_lost(who: str, reason: str, hint: str) -> None:
     ends with (``error: ...``): the run cannot go on without its coordinator."""
     print(f"error: {who}: lost the titan_recover coordinator: {reason}. {hint}", file=sys.stderr, flush=True)
     os._exit(EXIT_COORDINATOR_LOST)
+
+
+def sockets() -> set[int]:
+    """This process's open socket descriptors."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                found.add(int(name))
+        except OSError:  # closed meanwhile (the listing's own descriptor, for one)
+            pass
+    return found
+
+
+def shut_down(fd: int) -> None:
+    """Shuts socket ``fd`` down both ways: a C++ call blocked reading it (a TCPStore client's wait)
+    returns with an error at once. The caller owns the socket: it must still be open."""
+    with socket.socket(fileno=os.dup(fd)) as s:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:  # not connected any more: nothing waits on it
+            pass
+
+
+def leave(main: Callable[[], None]) -> NoReturn:
+    """Runs ``main``, then ends the process with its exit code (0, a SystemExit's, or 1 after the
+    traceback) without the interpreter's teardown, once logs and output are flushed. A rank's
+    teardown would destroy what may still wait on a finished or dead peer: a gloo group with a
+    collective pending waits out its whole timeout in its destructor (gloo cannot cancel one), and a
+    background thread whose C++ wait ends during teardown aborts the process (SIGABRT)."""
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001: reported as the interpreter would, then leave
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

@@ -434,6 +434,10 @@ class RecoverTrainer(LoggedTrainer):
         super().train()
         self.manager.finish()
 
+    def close(self) -> None:
+        super().close()
+        self.manager.close()
+
 
 def name_wandb_run(replica: int) -> None:
     """Each replica group is a W&B run of its own, resumed by every incarnation (one history per
@@ -453,4 +457,4 @@ def trainer(job_config: titan.JobConfig) -> titan.Trainer:
 
 if __name__ == "__main__":
     procs.dumps_stacks()
-    titan.run(trainer)
+    procs.leave(lambda: titan.run(trainer))

@@ -96,6 +96,15 @@ def _pids(ns: str) -> list[int]:
     return [int(p) for p in _run("ip", "netns", "pids", ns).split()]
 
 
+def _inside(pid: int, ns: str) -> bool:
+    """Whether process ``pid`` is in namespace ``ns`` (the test ``ip netns pids`` makes)."""
+    try:
+        here, there = os.stat(f"/proc/{pid}/ns/net"), os.stat(f"/run/netns/{ns}")
+    except OSError:  # the process is gone, or not ours to look at
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
 def _signal_all(ns: str, sig: signal.Signals) -> list[int]:
     pids = _pids(ns)
     for pid in pids:
@@ -169,9 +178,17 @@ class Cluster:
     # --- processes -------------------------------------------------------------------------
 
     def spawn(self, node: Node, argv: Sequence[str], **popen: object) -> subprocess.Popen:
-        """``argv`` started inside ``node``'s namespace (``ip netns exec`` execs it: the pid is its own)."""
+        """``argv`` started inside ``node``'s namespace (``ip netns exec`` execs it: the pid is its own).
+        Returns once the process is inside (or has already ended): until ``ip netns exec`` has entered
+        the namespace, the node's process list, pause and kill would miss it."""
         proc = subprocess.Popen(["ip", "netns", "exec", node.ns, *argv], **popen)  # type: ignore[call-overload]
         self.procs.append(proc)
+        deadline = time.monotonic() + COMMAND_TIMEOUT_S
+        while not _inside(proc.pid, node.ns) and proc.poll() is None:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise NetnsError(f"{' '.join(argv)} did not enter {node.ns} within {COMMAND_TIMEOUT_S:g}s")
+            time.sleep(0.005)
         return proc
 
     def pids(self, node: Node) -> list[int]:
