@@ -18,7 +18,7 @@ from titan_recover.tokens import TokenDataset
 M = 4
 QWEN3 = "qwen3_debug_cpu"
 DATA = [FLAGS["dataset"], "docs", FLAGS["dataset_path"]]
-SLEEP = "sleep replica=0 step=3 phase=optimizer seconds=30 until=epoch"  # the survivor waits for the admission
+SLEEP = "sleep replica=0 step=3 phase=optimizer seconds=120 until=epoch"  # the survivor waits for the admission (as test_rejoin)
 
 
 @pytest.fixture(scope="module")

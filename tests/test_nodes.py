@@ -205,7 +205,7 @@ def test_a_group_spanning_two_nodes_loses_a_rank_on_one_restarts_on_both_and_rej
     group rejoins by transfer. The run keeps the failure-free trajectory of the same groups on one node.
     """
     dump, port = tmp_path / "dump", transport.free_port()
-    args = spanning(dump, port, "kill replica=1 rank=1 step=2 phase=backward; sleep replica=0 step=3 phase=optimizer seconds=40 until=epoch")
+    args = spanning(dump, port, "kill replica=1 rank=1 step=2 phase=backward; sleep replica=0 step=3 phase=optimizer seconds=120 until=epoch")
     with Node("a", dump, args, node_env(None, "0,1", 0)) as a, Node("b", dump, args, node_env(port, "0,1", 1)) as b:
         assert a.wait(timeout=300) == 0, a.output()[-3000:] + b.output()[-3000:]
         assert b.wait(timeout=60) == 0, b.output()[-3000:]
