@@ -176,6 +176,18 @@ def test_a_paused_node_stops_every_process_and_a_killed_one_loses_them_all(clust
 
 
 @needs_netns
+def test_a_spawned_process_is_inside_its_node_when_spawn_returns() -> None:
+    """``ip netns exec`` enters the namespace after its own start: spawn waits for it, or a pause or
+    kill of the node right after could miss the process."""
+    with Cluster(1) as c:
+        node = c.nodes[0]
+        procs = [c.spawn(node, ["sleep", "60"]) for _ in range(20)]
+        inside = c.pids(node)
+        assert all(p.pid in inside for p in procs), ([p.pid for p in procs], inside)
+        assert sorted(c.kill(node)) == sorted(inside) and all(p.poll() == -9 for p in procs)
+
+
+@needs_netns
 def test_the_cluster_removes_what_it_made_also_when_the_test_fails() -> None:
     with pytest.raises(RuntimeError, match="a test failing"):
         with Cluster(2) as c:
