@@ -70,7 +70,6 @@ class Parked:
         if self.builder is not None and self.builder.is_alive() and self.socket is not None:
             procs.shut_down(self.socket)
 
-
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
