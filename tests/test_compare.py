@@ -42,6 +42,15 @@ def test_cli_exit_codes(tmp_path: Path, capsys) -> None:
     assert "DIFFERENT" in capsys.readouterr().out
 
 
+def test_two_runs_that_committed_nothing_do_not_pass(tmp_path: Path, capsys) -> None:
+    """A check that cannot fail when nothing ran is no check: the self-test relies on this."""
+    died = tmp_path / "died.jsonl"
+    died.write_text(json.dumps({"event": "failure", "replica": 0}) + "\n")
+    assert main([str(died), str(died)]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH no step committed in both runs" in out and "0 steps compared" in out and "DIFFERENT" in out
+
+
 def digest(n: int, replica: int, value: str) -> dict:
     return {"event": "param_digest", "step": n, "replica": replica, "digest": value}
 

@@ -7,6 +7,7 @@ collectives and processes are the e2e tests'.
 """
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -239,7 +240,7 @@ def test_join_request_then_admission(coord: Coordinator) -> None:
     coord.publish(0, (0, 1))
     m = coord.manager(2, attempt=1, rejoining=True)
     assert coord.slot_state(m) == node_channel.STARTING
-    waiter = threading.Thread(target=m.wait_for_admission, args=(0,), daemon=True)
+    waiter = threading.Thread(target=m.wait_for_admission, args=(0, 2), daemon=True)
     waiter.start()
     time.sleep(0.05)
     assert coord.slot_state(m) == node_channel.READY  # the node agent tells the coordinator
@@ -259,7 +260,19 @@ def test_a_spare_waiting_for_admission_ends_with_the_run(coord: Coordinator) -> 
     m = coord.manager(2, rejoining=True)
     later(0.05, lambda: coord.channel.publish(0, node_channel.DONE))
     with pytest.raises(RunFinished):
-        m.wait_for_admission(0)
+        m.wait_for_admission(0, 2)
+
+
+@pytest.mark.parametrize("members, says", [((0,), "1 of 2 groups are members (epoch 0): it is admitted once"),
+                                           ((0, 1), "the membership is full (2 of 2, epoch 0): it waits as a hot spare")])
+def test_a_joiner_says_what_it_waits_for(coord: Coordinator, members: tuple[int, ...], says: str,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    coord.publish(0, members)
+    m = coord.manager(1 if len(members) == 1 else 2, attempt=1, rejoining=True)
+    later(0.05, lambda: coord.channel.publish(0, node_channel.DONE))
+    with caplog.at_level(logging.INFO), pytest.raises(RunFinished):
+        m.wait_for_admission(3, 2)
+    assert f"(attempt 1) asks to join at step 3; {says}" in caplog.text
 
 
 def test_records_digests_and_the_end(coord: Coordinator) -> None:
@@ -318,7 +331,7 @@ def test_a_joiner_goes_on_only_in_an_epoch_that_includes_it(coord: Coordinator) 
     admission whose epoch never includes the group: the joiner waits for its successor's admission."""
     coord.publish(0, (0, 1))
     m = coord.manager(2, attempt=1, rejoining=True)
-    waiter = threading.Thread(target=m.wait_for_admission, args=(0,), daemon=True)
+    waiter = threading.Thread(target=m.wait_for_admission, args=(0, 2), daemon=True)
     waiter.start()
     coord.control.admit(2, Admission(attempt=1, epoch=1))  # then its leader died before publishing epoch 1
     time.sleep(0.05)

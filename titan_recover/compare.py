@@ -77,6 +77,8 @@ def compare_runs(reference: Iterable[dict[str, Any]], run: Iterable[dict[str, An
         elif not exact and rel > rel_tol:
             out.loss[step] = f"step {step}: loss {g['loss']:.6f} vs {r['loss']:.6f} (rel {rel:.2e})"
         out.steps += 1
+    if not out.steps:
+        out.exact.append("no step committed in both runs: nothing was compared (did both runs die before their first step?)")
     if exact:
         _compare_digests(_digests(reference), _digests(run), out)
     return out

@@ -394,15 +394,15 @@ class ReplicaManager:
 
     # ---- rejoin ---------------------------------------------------------------------
 
-    def wait_for_admission(self, step: int) -> None:
+    def wait_for_admission(self, step: int, wanted: int) -> None:
         """Tells this node's agent the rank is ready to join (the agent tells the coordinator
         once every rank of the group is), then waits for the admission. A hot spare waits here
-        while the membership is full: the wait ends with the admission, or with the run
-        (RunFinished / RunFailed), and the lifeline ends it if the coordinator is lost."""
+        while the membership is full (``wanted`` members): the wait ends with the admission, or
+        with the run (RunFinished / RunFailed), and the lifeline ends it if the coordinator is lost."""
         self.step = step
         self.channel.set_state(self.slot, node_channel.READY)
-        log.info(f"replica {self.replica} rank {self.group_rank} (attempt {self.attempt}) asks to join; "
-            "it waits as a hot spare while the membership is full")
+        log.info(f"replica {self.replica} rank {self.group_rank} (attempt {self.attempt}) asks to join at step {step}; "
+                 + self._why_wait(wanted))
         looked = -1
         while True:  # an admission comes with a new epoch: the store is read only then
             epoch = self._read_epoch()
@@ -412,6 +412,17 @@ class ReplicaManager:
                     break
             time.sleep(EPOCH_POLL_S)
         self.channel.set_state(self.slot, node_channel.RUNNING)
+
+    def _why_wait(self, wanted: int) -> str:
+        """What the rank waits for, from the latest membership: a free place, or one to free up."""
+        epoch = self._read_epoch()
+        if epoch < 0:
+            return "no membership is published yet"
+        members = len(self.membership(epoch).members)
+        if members < wanted:
+            return (f"{members} of {wanted} groups are members (epoch {epoch}): it is admitted once "
+                    "every rank of its group is up")
+        return f"the membership is full ({members} of {wanted}, epoch {epoch}): it waits as a hot spare"
 
     def _admitted_in(self, epoch: int) -> bool:
         """Whether this incarnation is admitted and a member of ``epoch``. The coordinator writes an

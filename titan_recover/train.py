@@ -141,7 +141,7 @@ class RecoverTrainer(LoggedTrainer):
 
     def _join(self) -> None:
         """Waits for the coordinator to admit this group, then takes the state from a live peer."""
-        self.manager.wait_for_admission(self.step)
+        self.manager.wait_for_admission(self.step, self.job_config.parallelism.data_parallel_replicate_degree)
         epoch = self.manager.agree_epoch()
         while not self.manager.group_all(self._receive_state(epoch)):
             epoch = self.manager.agree_epoch(newer_than=epoch)
