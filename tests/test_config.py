@@ -104,6 +104,13 @@ def test_exact_mode_with_tp_or_pp_names_the_keys(degree: str) -> None:
 
 
 @pytest.mark.unit
+def test_rank_per_host_is_for_one_node() -> None:
+    with pytest.raises(ConfigError, match="recover.nccl_rank_per_host is for one node .* recover.group_nodes = 2: unset it"):
+        load("--recover.nccl_rank_per_host", "--recover.group_nodes", "2")
+    load("--recover.nccl_rank_per_host")
+
+
+@pytest.mark.unit
 def test_min_replicas_above_replicate_degree_names_both_keys() -> None:
     with pytest.raises(ConfigError) as info:
         load("--recover.min_replicas", "3")

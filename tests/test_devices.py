@@ -6,6 +6,7 @@ launcher on this (GPU-less) machine.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from titan_recover.control import transport
 from titan_recover.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.config import ConfigError
+from titan_recover import devices
 from titan_recover.devices import host_gpus, plan
 from titan_recover.membership import Membership
 
@@ -87,6 +89,65 @@ def test_host_gpus_follow_cuda_visible_devices() -> None:
     assert host_gpus("4, 6", 2) == ["4", "6"]
     assert host_gpus("", 0) == []
     assert plan("auto", host_gpus("4,6", 2), groups=2, ranks=1, nccl_available=True).visible == ["4", "6"]
+
+
+@pytest.mark.unit
+def test_rank_per_host_runs_every_communicator_on_nccl_with_shared_gpus() -> None:
+    p = plan("auto", ["0"], groups=2, ranks=2, nccl_available=True, rank_per_host=True)
+    assert (p.backend, p.visible, p.rank_per_host) == ("nccl", ["0,0", "0,0"], True)
+    assert "each rank posing as a host of its own" in p.reason and "not a performance setup" in p.reason
+    assert plan("nccl", ["0", "1"], groups=2, ranks=2, nccl_available=True, rank_per_host=True).visible == ["0,1", "0,1"]
+    # gloo asked for: the replicate dimension on gloo, FSDP inside the groups still NCCL, so ranks still pose as hosts
+    assert plan("gloo", ["0"], groups=2, ranks=2, nccl_available=True, rank_per_host=True).rank_per_host
+    with pytest.raises(ConfigError, match="recover.nccl_rank_per_host needs NCCL, and this torch was built without NCCL"):
+        plan("auto", ["0"], groups=2, ranks=2, nccl_available=False, rank_per_host=True)
+    cpu = plan("auto", [], groups=2, ranks=2, nccl_available=False, rank_per_host=True)
+    assert (cpu.backend, cpu.rank_per_host) == ("gloo", False) and "has nothing to do" in cpu.reason
+    with pytest.raises(ConfigError, match="or \\(tests only\\) set recover.nccl_rank_per_host"):
+        plan("auto", ["0"], groups=1, ranks=2, nccl_available=True)
+
+
+@pytest.mark.unit
+def test_a_rank_per_host_rank_sees_its_gpu_as_cuda0_and_has_a_host_id_of_its_own() -> None:
+    group = devices.group_env("0,1", rank_per_host=True)
+    assert group == {"CUDA_VISIBLE_DEVICES": "0,1", devices.RANK_GPUS_ENV: "0,1", **devices.RANK_PER_HOST_NCCL}
+    assert devices.group_env("0,0", rank_per_host=True)["CUDA_VISIBLE_DEVICES"] == "0"
+    assert devices.group_env("2,3", rank_per_host=False) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert devices.group_env(None, rank_per_host=False) == {}
+    env = {**group, "LOCAL_RANK": "1", "TITAN_RECOVER_REPLICA": "3"}
+    mine = devices.rank_env(env, host="h")
+    assert mine == {"CUDA_VISIBLE_DEVICES": "1", "LOCAL_RANK": "0", devices.SLOT_ENV: "1",
+                    "NCCL_HOSTID": "h-titan-recover-g3-r1"}
+    assert devices.local_rank({**env, **mine}) == 1 and devices.local_rank({"LOCAL_RANK": "2"}) == 2
+    assert devices.rank_env({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "0,1"}) == {}  # not rank per host: untouched
+    with pytest.raises(ConfigError, match="names no GPU for local rank 2"):
+        devices.rank_env({**env, "LOCAL_RANK": "2"})
+
+
+RANK_SCRIPT = """
+import json, os
+from titan_recover import devices
+os.environ.update(devices.rank_env(os.environ))
+print(json.dumps({k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "NCCL_HOSTID", "NCCL_NET")}
+                 | {"slot": devices.local_rank(os.environ)}), flush=True)
+"""
+
+
+def test_torchruns_workers_share_one_environment_and_each_makes_its_own(tmp_path: Path) -> None:
+    """torchrun hands every local worker the group's environment: the ranks of two groups on one
+    GPU end with one GPU each as cuda:0, their own slots and four distinct NCCL host ids."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    seen = []
+    for replica, visible in enumerate(plan("auto", ["0"], groups=2, ranks=2, nccl_available=True, rank_per_host=True).visible):
+        env = {**os.environ, **devices.group_env(visible, True), "TITAN_RECOVER_REPLICA": str(replica), "PYTHONPATH": str(ROOT)}
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              str(script)], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        seen += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert sorted(s["slot"] for s in seen) == [0, 0, 1, 1]
+    assert {(s["CUDA_VISIBLE_DEVICES"], s["LOCAL_RANK"], s["NCCL_NET"]) for s in seen} == {("0", "0", "Socket")}
+    assert len({s["NCCL_HOSTID"] for s in seen}) == 4
 
 
 @pytest.fixture

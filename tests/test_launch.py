@@ -44,12 +44,13 @@ def test_ranks_on_a_host_share_its_cores(monkeypatch) -> None:
 
 
 @pytest.mark.unit
-def test_the_resolved_backend_replaces_the_asked_one_ahead_of_any_subcommand() -> None:
+def test_the_launchers_flags_replace_the_asked_ones_ahead_of_any_subcommand() -> None:
     job = ["--module", "m", "--config", "c", "--recover.replicate-backend", "auto", "activation-checkpoint:full"]
-    assert launch.with_backend(job, "gloo") == [
+    assert launch.with_flags(job, {"--recover.replicate_backend": "gloo"}) == [
         "--recover.replicate_backend", "gloo", "--module", "m", "--config", "c", "activation-checkpoint:full"]
-    assert launch.with_backend(["--recover.replicate_backend=nccl", "--x", "1"], "nccl") == [
-        "--recover.replicate_backend", "nccl", "--x", "1"]
+    assert launch.with_flags(["--recover.replicate_backend=nccl", "--x", "1", "--comm.train_timeout_seconds", "100"],
+                             {"--recover.replicate_backend": "nccl", "--comm.train_timeout_seconds": "250"}) == [
+        "--recover.replicate_backend", "nccl", "--comm.train_timeout_seconds", "250", "--x", "1"]
 
 
 @pytest.mark.unit

@@ -151,6 +151,12 @@ class Recover:
     """Backend of the replicate-dimension groups: "nccl", "gloo", or "auto" (NCCL where every
     rank has a GPU of its own, else gloo); the launcher resolves "auto" (see titan_recover.devices)."""
 
+    nccl_rank_per_host: bool = False
+    """Let ranks share GPUs with every communicator on NCCL (the replicate dimension and FSDP inside
+    a group, e.g. 2 groups x 2 ranks on one GPU): each rank sees one GPU and poses to NCCL as a host
+    of its own, NCCL connecting them over loopback sockets. For tests and the self-test on a small
+    node; one node only; its timings are not performance figures (see titan_recover.devices)."""
+
 
 ETCD_NODE_MESSAGE_S = 0.4
 """The shortest interval between a launcher's node messages on etcd."""
@@ -345,6 +351,9 @@ def _check_backend(rc: Recover) -> None:
         raise ConfigError(
             f"recover.replicate_backend must be one of {', '.join(BACKENDS)}, got {rc.replicate_backend!r}"
         )
+    if rc.nccl_rank_per_host and rc.group_nodes > 1:
+        raise ConfigError(f"recover.nccl_rank_per_host is for one node (ranks pose as hosts over loopback), and "
+                          f"recover.group_nodes = {rc.group_nodes}: unset it")
 
 
 def _check_policy(rc: Recover) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titan_recover import config, cpu_shim, devices, logs, node_channel, titan
+from titan_recover import config, cpu_shim, devices, logs, node_channel, preflight, titan
 from titan_recover.agent import NodeAgent
 from titan_recover.control import claims, keys, transport
 from titan_recover.control.addresses import LOOPBACK, local_host, parse_host_port, resolve, route_address
@@ -116,15 +116,31 @@ def check_coordinator(address: str, control_store: str = "") -> str:
 log = logs.get("launcher")
 
 
-def with_gpus(env: dict[str, str], visible: str | None) -> dict[str, str]:
-    """``env`` with the GPUs a group may use (unchanged on a CPU host)."""
-    return env if visible is None else {**env, "CUDA_VISIBLE_DEVICES": visible}
-
-
-def device_plan(requested: str, groups: int, ranks: int) -> devices.DevicePlan:
+def device_plan(rc: config.Recover, groups: int, ranks: int) -> devices.DevicePlan:
     """This host's device plan; a ``config.ConfigError`` if it cannot run the groups."""
     gpus = devices.host_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
-    return devices.plan(requested, gpus, groups, ranks, dist.is_nccl_available())
+    return devices.plan(rc.replicate_backend, gpus, groups, ranks, dist.is_nccl_available(), rc.nccl_rank_per_host)
+
+
+def nccl_version() -> tuple[int, int, int] | None:
+    """The NCCL this torch loads, or None without CUDA or NCCL."""
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+    version = torch.cuda.nccl.version()
+    return version if isinstance(version, tuple) else (version // 10000, version // 100 % 100, version % 100)
+
+
+def run_preflight(job_config: Any, backend: str, env: dict[str, str]) -> preflight.Preflight:
+    """Logs every finding of the preflight and adds the environment it derives to ``env`` (its job
+    flags are the caller's); a ``config.ConfigError`` naming each refused setting."""
+    checked = preflight.check(nccl_version(), backend, env, job_config.recover, titan.in_group_timeout_s(job_config))
+    for finding in checked.findings:
+        (log.warning if finding.level == preflight.WARN else log.info)(finding.line())
+    if checked.refusals:
+        raise config.ConfigError("the preflight refuses this run:\n  " + "\n  ".join(f.line() for f in checked.refusals)
+                                 + f"\n(set {preflight.OVERRIDE_ENV}=warn to run anyway)")
+    env.update(checked.env)
+    return checked
 
 
 def coordinator_bind(configured: str, local: list[int], replicas: int, parts: int = 1) -> str:
@@ -224,9 +240,13 @@ class NodeLauncher:
         self.etcd = bool(rc.control_store)  # a coordinator candidate beside every launcher, one leads
         self.replicas = config.replica_ids(job_config)
         self.ranks = config.group_ranks(par) // rc.group_nodes  # of each group, on this node
-        self.plan = device_plan(rc.replicate_backend, len(local), self.ranks)
-        self.argv = with_backend(argv, self.plan.backend)
+        self.plan = device_plan(rc, len(local), self.ranks)
+        if self.plan.rank_per_host and (address is not None or sorted(local) != list(range(self.replicas))):
+            raise config.ConfigError(f"recover.nccl_rank_per_host is for a run on one node, and this launcher runs "
+                                     f"replica groups {local} of 0..{self.replicas - 1}: unset it")
         self.env = with_threads(dict(os.environ), len(local) * self.ranks)
+        checked = run_preflight(job_config, self.plan.backend, self.env)
+        self.argv = with_flags(argv, {"--recover.replicate_backend": self.plan.backend, **checked.flags})
         only_this_node = self.first and sorted(local) == list(range(self.replicas)) and rc.group_nodes == 1
         self.env[keys.SECRET_ENV] = choose_secret(self.env, only_this_node)
         run_id = choose_run_id(self.env, self.first, self.etcd)
@@ -303,7 +323,8 @@ class NodeLauncher:
         )
         gpus = "" if self.plan.visible[0] is None else f"; GPUs per group: {' | '.join(map(str, self.plan.visible))}"
         log.info(f"replicate dimension on {self.plan.backend} ({self.plan.reason}){gpus}")
-        envs = {r: with_gpus(self.env, visible) for r, visible in zip(self.local, self.plan.visible)}
+        envs = {r: {**self.env, **devices.group_env(visible, self.plan.rank_per_host)}
+                for r, visible in zip(self.local, self.plan.visible)}
         assert self.run is not None, "start_coordinator() first"
         orphans = node_channel.remove_orphans()
         if orphans:
@@ -464,17 +485,19 @@ class NodeLauncher:
         return self._exit_reason(coordinator)
 
 
-def with_backend(argv: list[str], backend: str) -> list[str]:
-    """``argv`` with the replicate backend the launcher resolved in place of the one asked for. In front:
-    TorchTitan 0.3's parser scopes every flag after a subcommand (``activation-checkpoint:full``) to it."""
-    flag, rest, skip = "--recover.replicate_backend", [], False
+def with_flags(argv: list[str], flags: dict[str, str]) -> list[str]:
+    """``argv`` with ``flags`` (the replicate backend the launcher resolved, a derived timeout) in place of
+    the same flags there. In front: TorchTitan 0.3's parser scopes every flag after a subcommand
+    (``activation-checkpoint:full``) to it."""
+    names = {flag.replace("-", "_") for flag in flags}
+    rest, skip = [], False
     for arg in argv:
         name = arg.split("=", 1)[0].replace("-", "_")
-        if skip or name == flag.replace("-", "_"):
+        if skip or name in names:
             skip = not skip and "=" not in arg  # the next token is its value
             continue
         rest.append(arg)
-    return [flag, backend, *rest]
+    return [*(token for flag, value in flags.items() for token in (flag, value)), *rest]
 
 
 def run_recover(job_config: Any, argv: list[str], local: list[int], coordinator_address: str | None, part: int = 0) -> int:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 import torch.distributed as dist
 
-from titan_recover import logs, node_channel, procs, recovery, transfer
+from titan_recover import devices, logs, node_channel, procs, recovery, transfer
 from titan_recover.collectives import POLL_S, CollectiveAborted, backoff
 from titan_recover.control import transport
 from titan_recover.control.client import ABORT, COMMIT, REDO, ControlClient, redone
@@ -150,7 +150,7 @@ class ReplicaManager:
         channel = node_channel.Channel.open(os.environ.get(node_channel.CHANNEL_ENV, ""))
         who = f"replica {replica} rank {group_rank}"
         return cls(
-            client, channel, slot=int(os.environ["LOCAL_RANK"]), replica=replica, group_rank=group_rank,
+            client, channel, slot=devices.local_rank(os.environ), replica=replica, group_rank=group_rank,
             attempt=attempt, rejoining=rejoining, rc=rc,
             on_lost=lambda reason: procs.exit_lost(who, reason, resume_hint),
         )

@@ -29,6 +29,9 @@ from titan_recover import procs
 
 if __name__ == "__main__":  # before the seconds of imports below: a torchrun agent killed meanwhile takes this rank along
     procs.die_with_parent()
+    from titan_recover import devices
+
+    os.environ.update(devices.rank_env(os.environ))  # before CUDA or NCCL start: a rank-per-host rank's GPU and host id
 
 import torch
 import torch.distributed as dist

@@ -20,6 +20,8 @@ The interface:
     dump_folder, assets_path, model_name, model_vocab_size, dataset, profiler, config_file (job_config)
                                   where the line keeps those settings
     ASSETS_KEY                    the tokenizer folder's setting, as errors name it
+    in_group_timeout_s(job_config)
+                                  TorchTitan's own collectives' timeout once training runs, and its default (None: no such key)
     metric_logger(job_config, parallel_dims, log_dir)
                                   TorchTitan's TensorBoard/W&B loggers as the job asks, writing to ``log_dir``
     text_datasets()               TorchTitan's named text datasets
@@ -35,7 +37,7 @@ INTERFACE = (
     "Trainer", "JobConfig", "BaseDataLoader", "Tokenizer", "IGNORE_INDEX", "run", "load_config", "check_model",
     "clip_grad_norm", "guard_checkpointer", "count_tokens", "model_inputs", "dump_folder", "assets_path", "model_name",
     "model_vocab_size", "dataset", "profiler", "config_file", "text_datasets", "ASSETS_KEY",
-    "metric_logger",
+    "metric_logger", "in_group_timeout_s",
 )
 
 

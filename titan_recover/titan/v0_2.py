@@ -174,6 +174,10 @@ def dataset(job_config: JobConfig) -> tuple[str, str | None]:
 ASSETS_KEY = "model.hf_assets_path"
 
 
+def in_group_timeout_s(job_config: JobConfig) -> tuple[float, float] | None:
+    return float(job_config.comm.train_timeout_seconds), float(type(job_config.comm)().train_timeout_seconds)
+
+
 def profiler(job_config: JobConfig) -> Any:
     return job_config.profiling
 

@@ -175,6 +175,14 @@ def dataset(job_config: JobConfig) -> tuple[str, str | None]:
 ASSETS_KEY = "hf_assets_path"
 
 
+def in_group_timeout_s(job_config: JobConfig) -> tuple[float, float] | None:
+    """0.3 keeps TorchTitan's comm section; a config without one has no in-group timeout to check."""
+    comm = getattr(job_config, "comm", None)
+    if comm is None or not hasattr(comm, "train_timeout_seconds"):
+        return None
+    return float(comm.train_timeout_seconds), float(type(comm)().train_timeout_seconds)
+
+
 def profiler(job_config: JobConfig) -> Any:
     return job_config.profiler
 

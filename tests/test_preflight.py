@@ -1,0 +1,102 @@
+"""The preflight's rules (``titan_recover.preflight``), one test per rule, and the launcher refusing a
+run on one of them before anything starts."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_recover import preflight
+from titan_recover.config import Recover
+from titan_recover.preflight import OK, REFUSE, WARN, check
+
+from bench.common import job
+
+RC = Recover()  # heartbeat_timeout_s 5, collective_timeout_s 30: a survivor waits up to 35 s
+DEFAULT = (100.0, 100.0)  # TorchTitan's comm.train_timeout_seconds and its default
+
+
+def finding(out: preflight.Preflight, rule: str) -> preflight.Finding:
+    (found,) = [f for f in out.findings if f.rule == rule]
+    return found
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("version, level", [
+    ((2, 21, 5), REFUSE), ((2, 25, 1), REFUSE), ((2, 26, 1), REFUSE), ((2, 26, 2), OK), ((2, 27, 7), OK),
+    ((2, 28, 3), REFUSE), ((2, 28, 8), REFUSE), ((2, 28, 9), OK), ((2, 31, 2), OK), ((3, 0, 0), OK),
+])
+def test_nccl_releases_whose_abort_hangs_are_refused(version: tuple[int, int, int], level: str) -> None:
+    f = finding(check(version, "nccl", {}, RC, DEFAULT), "nccl-version")
+    assert f.level == level
+    if level == REFUSE:
+        assert "use NCCL 2.26.2 or newer outside 2.28.3-2.28.8" in f.text and f.source
+    if version >= (2, 31, 2):
+        assert "pytorch/pytorch#194679, does not apply" in f.text
+
+
+@pytest.mark.unit
+def test_a_cpu_run_checks_only_the_timeouts() -> None:
+    out = check(None, "gloo", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, RC, DEFAULT)
+    assert [f.rule for f in out.findings] == ["comm.train_timeout_seconds"] and not out.refusals and not out.env
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("value, level, env", [
+    (None, OK, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}),  # unset: the launcher sets CleanUpOnly for the ranks
+    ("2", OK, {}), ("0", WARN, {}), ("1", REFUSE, {}), ("3", REFUSE, {}), ("yes", REFUSE, {}),
+])
+def test_async_error_handling_must_not_tear_a_survivor_down(value: str | None, level: str, env: dict) -> None:
+    given = {} if value is None else {"TORCH_NCCL_ASYNC_ERROR_HANDLING": value}
+    out = check((2, 28, 9), "nccl", given, RC, DEFAULT)
+    f = finding(out, "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    assert f.level == level and out.env == env
+    if value in ("1", "3"):
+        assert "watchdog would kill a survivor" in f.text and "nccl_probe.json" in f.source
+    if value == "yes":
+        assert "'yes' is not one of 0, 1, 2, 3" in f.text
+    # only where the replicate dimension is NCCL: a gloo replicate dimension never meets that watchdog
+    assert not [g for g in check((2, 28, 9), "gloo", given, RC, DEFAULT).findings if g.rule == f.rule]
+
+
+@pytest.mark.unit
+def test_nvls_and_a_disabled_watchdog_monitor_are_warned() -> None:
+    out = check((2, 28, 9), "nccl", {"TORCH_NCCL_ENABLE_MONITORING": "0"}, RC, DEFAULT)
+    assert finding(out, "NCCL_NVLS_ENABLE").level == WARN
+    assert finding(out, "TORCH_NCCL_ENABLE_MONITORING").level == WARN
+    calm = check((2, 28, 9), "nccl", {"NCCL_NVLS_ENABLE": "0"}, RC, DEFAULT)
+    assert finding(calm, "NCCL_NVLS_ENABLE").level == OK
+    assert not [f for f in calm.findings if f.rule == "TORCH_NCCL_ENABLE_MONITORING"]
+
+
+@pytest.mark.unit
+def test_the_in_group_timeout_outlasts_a_survivors_wait() -> None:
+    ok = finding(check(None, "gloo", {}, RC, DEFAULT), "comm.train_timeout_seconds")
+    assert ok.level == OK and "detect 5s < replicate collective 30s (a survivor waits up to 35s) < in-group" in ok.text
+    long = Recover(collective_timeout_s=120.0)  # 125 s: TorchTitan's default 100 s is raised, not refused
+    raised = check(None, "gloo", {}, long, DEFAULT)
+    assert raised.flags == {"--comm.train_timeout_seconds": "250"} and not raised.refusals
+    assert "raised from TorchTitan's default 100s to 250s" in raised.findings[0].text
+    mine = check(None, "gloo", {}, long, (110.0, 100.0))  # the user's own value is checked, never changed
+    assert mine.flags == {} and mine.refusals[0].rule == "comm.train_timeout_seconds"
+    assert "raise comm.train_timeout_seconds above 125" in mine.refusals[0].text
+    assert finding(check(None, "gloo", {}, RC, None), "comm.train_timeout_seconds").level == OK  # a line without it
+
+
+@pytest.mark.unit
+def test_the_override_turns_refusals_into_warnings_and_says_so() -> None:
+    out = check((2, 25, 1), "nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", preflight.OVERRIDE_ENV: "warn"}, RC, DEFAULT)
+    assert not out.refusals
+    assert all("turned into a warning by TITAN_RECOVER_PREFLIGHT=warn" in f.text
+               for f in out.findings if f.rule in ("nccl-version", "TORCH_NCCL_ASYNC_ERROR_HANDLING"))
+
+
+def test_the_launcher_refuses_a_too_short_in_group_timeout_before_anything_starts(tmp_path: Path) -> None:
+    args = [*job(tmp_path, tiny=True), "--comm.train_timeout_seconds", "20"]
+    done = subprocess.run([sys.executable, "-m", "titan_recover.launch", *args], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "the preflight refuses this run" in done.stderr and "comm.train_timeout_seconds: 20s" in done.stderr
+    assert "set TITAN_RECOVER_PREFLIGHT=warn to run anyway" in done.stderr
+    assert "starting replica groups" not in done.stderr  # nothing was started
