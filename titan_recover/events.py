@@ -26,6 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
 EVENTS_FILE = "recover_events.jsonl"
+RECOVERY_PHASES = ("detect", "abort", "reform", "first_good_step")
+"""A recovery's phases, timed from the fault, in order: the verdict published, the survivors'
+collectives torn down, re-formed in the new epoch, and the first step summed there (the self-test's
+names, for every report of where a recovery's time went)."""
 NODE_ENV = "TITAN_RECOVER_NODE"  # this node's name in a multi-node run: its processes log to their own file
 _NODE_NAME = re.compile(r"[A-Za-z0-9_-]+")
 log = logging.getLogger(__name__)

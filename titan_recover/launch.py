@@ -122,18 +122,10 @@ def device_plan(rc: config.Recover, groups: int, ranks: int) -> devices.DevicePl
     return devices.plan(rc.replicate_backend, gpus, groups, ranks, dist.is_nccl_available(), rc.nccl_rank_per_host)
 
 
-def nccl_version() -> tuple[int, int, int] | None:
-    """The NCCL this torch loads, or None without CUDA or NCCL."""
-    if not (torch.cuda.is_available() and dist.is_nccl_available()):
-        return None
-    version = torch.cuda.nccl.version()
-    return version if isinstance(version, tuple) else (version // 10000, version // 100 % 100, version % 100)
-
-
 def run_preflight(job_config: Any, backend: str, env: dict[str, str]) -> preflight.Preflight:
     """Logs every finding of the preflight and adds the environment it derives to ``env`` (its job
     flags are the caller's); a ``config.ConfigError`` naming each refused setting."""
-    checked = preflight.check(nccl_version(), backend, env, job_config.recover, titan.in_group_timeout_s(job_config))
+    checked = preflight.check(preflight.nccl_version(), backend, env, job_config.recover, titan.in_group_timeout_s(job_config))
     for finding in checked.findings:
         (log.warning if finding.level == preflight.WARN else log.info)(finding.line())
     if checked.refusals:

@@ -10,7 +10,7 @@ import sys
 from typing import TextIO
 
 ROOT = "titan_recover"
-KINDS = ("launcher", "coordinator", "rank")
+KINDS = ("launcher", "coordinator", "rank", "selftest")
 
 
 class _Prefix(logging.Formatter):

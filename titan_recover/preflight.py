@@ -171,3 +171,15 @@ def check(nccl_version: tuple[int, int, int] | None, backend: str, env: Mapping[
         out.findings = [Finding(WARN, f.rule, f"{f.text} (refusal turned into a warning by {OVERRIDE_ENV}=warn)", f.source)
                         if f.level == REFUSE else f for f in out.findings]
     return out
+
+
+def nccl_version() -> tuple[int, int, int] | None:
+    """The NCCL this torch loads (not ``$NCCL_VERSION``, which containers set to what they shipped), or
+    None without CUDA or NCCL: the one fact the preflight reads from the process."""
+    import torch
+    import torch.distributed as dist
+
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+    version = torch.cuda.nccl.version()
+    return version if isinstance(version, tuple) else (version // 10000, version // 100 % 100, version % 100)
