@@ -97,6 +97,9 @@ def test_rank_per_host_runs_every_communicator_on_nccl_with_shared_gpus() -> Non
     assert (p.backend, p.visible, p.rank_per_host) == ("nccl", ["0,0", "0,0"], True)
     assert "each rank posing as a host of its own" in p.reason and "not a performance setup" in p.reason
     assert plan("nccl", ["0", "1"], groups=2, ranks=2, nccl_available=True, rank_per_host=True).visible == ["0,1", "0,1"]
+    own = plan("auto", GPUS8, groups=2, ranks=4, nccl_available=True, rank_per_host=True)  # enough GPUs: not needed
+    assert (own.backend, own.visible, own.rank_per_host) == ("nccl", ["0,1,2,3", "4,5,6,7"], False)
+    assert own.reason.endswith("; recover.nccl_rank_per_host not needed")
     # gloo asked for: the replicate dimension on gloo, FSDP inside the groups still NCCL, so ranks still pose as hosts
     assert plan("gloo", ["0"], groups=2, ranks=2, nccl_available=True, rank_per_host=True).rank_per_host
     with pytest.raises(ConfigError, match="recover.nccl_rank_per_host needs NCCL, and this torch was built without NCCL"):

@@ -20,7 +20,7 @@ without a GPU:
 """
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 from titan_recover.config import ConfigError
@@ -76,6 +76,9 @@ def plan(requested: str, gpus: list[str], groups: int, ranks: int, nccl_availabl
         ",".join(gpus[(g * ranks + i) % len(gpus)] for i in range(ranks)) for g in range(groups)
     ]
     shared = groups * ranks > len(gpus)
+    if rank_per_host and not shared:  # every rank has a GPU of its own: NCCL as usual, on its fast transports
+        usual = plan(requested, gpus, groups, ranks, nccl_available)
+        return replace(usual, reason=f"{usual.reason}; recover.nccl_rank_per_host not needed")
     why_not = (
         "this torch was built without NCCL" if not nccl_available
         else f"{groups} groups x {ranks} ranks share {len(gpus)} GPUs, and NCCL needs one GPU per rank" if shared and not rank_per_host
