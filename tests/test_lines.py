@@ -28,6 +28,14 @@ def test_recover_keys_are_set_on_the_command_line_and_checked(tmp_path: Path) ->
         titan.load_config([*job(tmp_path, tiny=True), "--recover.heartbeat_timeout_s", "0"])
 
 
+def test_the_in_group_timeout_and_its_default_are_read_for_the_preflight(tmp_path: Path) -> None:
+    """The preflight checks TorchTitan's in-group timeout against the survivors' wait, and raises it only
+    where the job left it at TorchTitan's default: the adapter must read both on every line."""
+    assert titan.in_group_timeout_s(titan.load_config(job(tmp_path, tiny=True))) == (100.0, 100.0)
+    mine = titan.load_config([*job(tmp_path, tiny=True), "--comm.train_timeout_seconds", "300"])
+    assert titan.in_group_timeout_s(mine) == (300.0, 100.0)
+
+
 def test_tokens_are_counted_once(failure_free: Run) -> None:
     """TorchTitan 0.3 counts ``ntokens_seen`` itself as each microbatch is prepared: counting it again
     in titan_recover would double it. Each rank computes M / 2 microbatches of 2 x 64 tokens a step."""

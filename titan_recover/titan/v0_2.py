@@ -175,7 +175,8 @@ ASSETS_KEY = "model.hf_assets_path"
 
 
 def in_group_timeout_s(job_config: JobConfig) -> tuple[float, float] | None:
-    return float(job_config.comm.train_timeout_seconds), float(type(job_config.comm)().train_timeout_seconds)
+    comm = job_config.comm  # a dataclass: its class attribute is the default
+    return float(comm.train_timeout_seconds), float(type(comm).train_timeout_seconds)
 
 
 def profiler(job_config: JobConfig) -> Any:

@@ -178,9 +178,10 @@ ASSETS_KEY = "hf_assets_path"
 def in_group_timeout_s(job_config: JobConfig) -> tuple[float, float] | None:
     """0.3 keeps TorchTitan's comm section; a config without one has no in-group timeout to check."""
     comm = getattr(job_config, "comm", None)
-    if comm is None or not hasattr(comm, "train_timeout_seconds"):
+    default = getattr(type(comm), "train_timeout_seconds", None)  # a dataclass: its class attribute is the default
+    if comm is None or not isinstance(default, (int, float)):
         return None
-    return float(comm.train_timeout_seconds), float(type(comm)().train_timeout_seconds)
+    return float(comm.train_timeout_seconds), float(default)
 
 
 def profiler(job_config: JobConfig) -> Any:
