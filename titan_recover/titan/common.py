@@ -2,6 +2,7 @@
 device type (inside ``cpu_shim.cpu_device()``: TorchTitan binds it at import) before anything else
 of TorchTitan is imported."""
 
+import dataclasses
 import logging
 import sys
 from typing import Any, Callable
@@ -48,6 +49,17 @@ def clip_grad_norm(trainer: Any) -> torch.Tensor:
         pp_mesh=trainer.parallel_dims.get_optional_mesh("pp"),
         ep_enabled=trainer.parallel_dims.ep_enabled,
     )
+
+
+def in_group_timeout_s(job_config: Any) -> tuple[float, float] | None:
+    """TorchTitan's ``comm.train_timeout_seconds`` and its default, from the config dataclass's field
+    (0.3's is slotted: no class attribute holds it); None where the job has no such key."""
+    comm = getattr(job_config, "comm", None)
+    default = next((f.default for f in dataclasses.fields(comm) if f.name == "train_timeout_seconds"), None) \
+        if dataclasses.is_dataclass(comm) else None
+    if not isinstance(default, (int, float)):
+        return None
+    return float(comm.train_timeout_seconds), float(default)
 
 
 def text_datasets() -> dict[str, Any]:

@@ -16,7 +16,7 @@ from titan_recover import cpu_shim
 from titan_recover.config import ConfigError
 
 from titan_recover.titan import common  # binds TorchTitan's device type first
-from titan_recover.titan.common import clip_grad_norm, text_datasets
+from titan_recover.titan.common import clip_grad_norm, in_group_timeout_s, text_datasets
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
@@ -172,11 +172,6 @@ def dataset(job_config: JobConfig) -> tuple[str, str | None]:
 
 
 ASSETS_KEY = "model.hf_assets_path"
-
-
-def in_group_timeout_s(job_config: JobConfig) -> tuple[float, float] | None:
-    comm = job_config.comm  # a dataclass: its class attribute is the default
-    return float(comm.train_timeout_seconds), float(type(comm).train_timeout_seconds)
 
 
 def profiler(job_config: JobConfig) -> Any:

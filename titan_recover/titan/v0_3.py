@@ -17,7 +17,7 @@ import tyro
 from titan_recover.config import ConfigError, Recover
 
 from titan_recover.titan import common  # binds TorchTitan's device type first
-from titan_recover.titan.common import clip_grad_norm, text_datasets
+from titan_recover.titan.common import clip_grad_norm, in_group_timeout_s, text_datasets
 
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
@@ -173,15 +173,6 @@ def dataset(job_config: JobConfig) -> tuple[str, str | None]:
 
 
 ASSETS_KEY = "hf_assets_path"
-
-
-def in_group_timeout_s(job_config: JobConfig) -> tuple[float, float] | None:
-    """0.3 keeps TorchTitan's comm section; a config without one has no in-group timeout to check."""
-    comm = getattr(job_config, "comm", None)
-    default = getattr(type(comm), "train_timeout_seconds", None)  # a dataclass: its class attribute is the default
-    if comm is None or not isinstance(default, (int, float)):
-        return None
-    return float(comm.train_timeout_seconds), float(default)
 
 
 def profiler(job_config: JobConfig) -> Any:
