@@ -92,7 +92,8 @@ def test_the_self_test_passes_on_this_machines_cpus(tmp_path: Path) -> None:
         assert list(r["phases"]) == list(RECOVERY_PHASES)
         assert 0 < r["phases"]["detect"] <= r["phases"]["first_good_step"] <= selftest.BOUND_S, r["phases"]
     stopped = collectives["recoveries"][2]["phases"]["detect"]
-    assert probe.SILENT_S - probe.BEAT_S <= stopped < probe.SILENT_S + 2  # a stopped replica is found by its silence (its last beat came up to BEAT_S before the signal)
+    # a stopped replica is found by its silence (its last beat came up to BEAT_S before the signal)
+    assert probe.SILENT_S - probe.BEAT_S <= stopped < probe.SILENT_S + 2
     job = result["checks"]["default job"]
     assert job["passed"] and job["rejoined"][0]["replica"] == 1 and job["rejoined"][0]["step"] <= selftest.STEPS
     exact = result["checks"]["exact"]
