@@ -401,7 +401,7 @@ class ReplicaManager:
         with the run (RunFinished / RunFailed), and the lifeline ends it if the coordinator is lost."""
         self.step = step
         self.channel.set_state(self.slot, node_channel.READY)
-        log.info(f"replica {self.replica} rank {self.group_rank} (attempt {self.attempt}) asks to join at step {step}; "
+        log.info(f"replica {self.replica} rank {self.group_rank} (attempt {self.attempt}) asks to join; "
                  + self._why_wait(wanted))
         looked = -1
         while True:  # an admission comes with a new epoch: the store is read only then
