@@ -14,7 +14,7 @@ without a GPU:
   ranks may share GPUs and every communicator is NCCL: each rank sees its one GPU as
   ``cuda:0`` and poses to NCCL as a host of its own (``NCCL_HOSTID``), so NCCL, which refuses
   two ranks of one communicator on one GPU of one host, connects them over its socket
-  transport on loopback. The launcher sets the group's part (``rank_per_host_env``); each
+  transport on loopback. The launcher sets the group's part (``group_env``); each
   rank sets its own before its first CUDA or NCCL call (``rank_env``), since torchrun gives
   every local worker the same environment.
 """

@@ -232,14 +232,14 @@ class NodeLauncher:
         self.etcd = bool(rc.control_store)  # a coordinator candidate beside every launcher, one leads
         self.replicas = config.replica_ids(job_config)
         self.ranks = config.group_ranks(par) // rc.group_nodes  # of each group, on this node
+        only_this_node = self.first and sorted(local) == list(range(self.replicas)) and rc.group_nodes == 1
         self.plan = device_plan(rc, len(local), self.ranks)
-        if self.plan.rank_per_host and (address is not None or sorted(local) != list(range(self.replicas))):
+        if self.plan.rank_per_host and not only_this_node:
             raise config.ConfigError(f"recover.nccl_rank_per_host is for a run on one node, and this launcher runs "
                                      f"replica groups {local} of 0..{self.replicas - 1}: unset it")
         self.env = with_threads(dict(os.environ), len(local) * self.ranks)
         checked = run_preflight(job_config, self.plan.backend, self.env)
         self.argv = with_flags(argv, {"--recover.replicate_backend": self.plan.backend, **checked.flags})
-        only_this_node = self.first and sorted(local) == list(range(self.replicas)) and rc.group_nodes == 1
         self.env[keys.SECRET_ENV] = choose_secret(self.env, only_this_node)
         run_id = choose_run_id(self.env, self.first, self.etcd)
         self.run = None if run_id is None else self._name_run(run_id)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from titan_recover import devices, procs
+from titan_recover.control import keys
 from titan_recover.control.sealed import Run
 from titan_recover.events import RECOVERY_PHASES
 
@@ -78,8 +79,7 @@ def rank(address: str, replica: int, backend: str) -> None:
         epoch = int(store.get("probe/epoch"))
         members = tuple(json.loads(store.get(f"probe/members/{epoch}")))
         if replica not in members or step >= STEPS:
-            held = groups.parked()
-            say(event="done", epoch=epoch, step=step, held_mb=held["mb"], kept=groups.close())
+            say(event="done", epoch=epoch, step=step, kept=groups.close())
             return
         tensor = torch.ones(tensor_elements(backend), device=device)
         moved = lambda: int(store.get("probe/epoch")) > epoch  # noqa: E731
@@ -151,7 +151,7 @@ def conduct(backend: str, env: dict[str, str]) -> tuple[list[Fault], dict[int, i
     members = list(range(REPLICAS))
     client.set("probe/members/1", json.dumps(members))
     client.set("probe/epoch", "1")
-    env = {**env, "TITAN_RECOVER_SECRET": run.secret, "TITAN_RECOVER_RUN_ID": run.id}
+    env = {**env, keys.SECRET_ENV: run.secret, keys.RUN_ENV: run.id}
     if backend == "nccl":
         env.update(devices.RANK_PER_HOST_NCCL)  # the replicas share the GPU, each posing as a host
     replicas = {r: subprocess.Popen([sys.executable, "-m", "titan_recover.probe", "--rank", address, str(r), backend],

@@ -29,6 +29,7 @@ from typing import Any, Callable
 from titan_recover import logs, preflight, probe
 from titan_recover.compare import compare_runs
 from titan_recover.config import Recover
+from titan_recover.control import keys
 from titan_recover.events import RECOVERY_PHASES, read_log
 from titan_recover.jobs import job
 from titan_recover.summary import summarize_events
@@ -80,8 +81,7 @@ def check_preflight(facts: dict[str, Any], work: Path) -> dict[str, Any]:
     from titan_recover import titan
 
     in_group = titan.in_group_timeout_s(titan.load_config(job(work / "preflight", tiny=True)))
-    version = None if facts["nccl"] is None else tuple(int(x) for x in facts["nccl"].split("."))
-    checked = preflight.check(version, backend(facts), os.environ, Recover(), in_group)  # type: ignore[arg-type]
+    checked = preflight.check(preflight.nccl_version(), backend(facts), os.environ, Recover(), in_group)
     return {"passed": not checked.refusals, "findings": [f.line() for f in checked.findings],
             "summary": f"{len(checked.findings)} findings, {len(checked.refusals)} refused, "
                        f"{sum(f.level == preflight.WARN for f in checked.findings)} warned"}
@@ -120,7 +120,7 @@ def launch(dump: Path, *overrides: str) -> tuple[int, str]:
     """One run of the launcher on the tests' tiny job; its exit code and the tail of its output."""
     cmd = [sys.executable, "-m", "titan_recover.launch", *job(dump, tiny=True), *overrides]
     log.info(f"running {' '.join(overrides) or 'the failure-free job'} (dump {dump})")
-    env = {k: v for k, v in os.environ.items() if k != "TITAN_RECOVER_SECRET"}  # each launcher makes its own
+    env = {k: v for k, v in os.environ.items() if k != keys.SECRET_ENV}  # each launcher makes its own
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env={**env, "PYTHONUNBUFFERED": "1"})
     (dump / "selftest_output.log").write_text(done.stdout + done.stderr)
     return done.returncode, (done.stdout + done.stderr)[-1500:]
