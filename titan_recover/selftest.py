@@ -122,6 +122,7 @@ def launch(dump: Path, *overrides: str) -> tuple[int, str]:
     log.info(f"running {' '.join(overrides) or 'the failure-free job'} (dump {dump})")
     env = {k: v for k, v in os.environ.items() if k != keys.SECRET_ENV}  # each launcher makes its own
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env={**env, "PYTHONUNBUFFERED": "1"})
+    dump.mkdir(parents=True, exist_ok=True)  # a launcher that stopped at its checks made no dump folder
     (dump / "selftest_output.log").write_text(done.stdout + done.stderr)
     return done.returncode, (done.stdout + done.stderr)[-1500:]
 
