@@ -15,18 +15,19 @@ CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
 RESULTS = ROOT / "bench" / "results"
 
 
-def launch(args: list[str], what: str, config: str = "llama3_debug_cpu") -> tuple[list[dict], float]:
-    """Runs ``titan_recover.launch`` with the shipped ``config`` plus ``args`` in a fresh dump
-    folder; returns its events and the wall time of the whole command. A failed run
-    raises with the tail of its output."""
-    with tempfile.TemporaryDirectory() as dump:
-        cmd = [sys.executable, "-m", "titan_recover.launch", *job(dump, config=config), *args]
+def launch(args: list[str], what: str, config: str = "llama3_debug_cpu", dump: Path | None = None) -> tuple[list[dict], float]:
+    """Runs ``titan_recover.launch`` with the shipped ``config`` plus ``args`` in ``dump`` (a fresh
+    temporary folder when None, removed after); returns its events and the wall time of the whole
+    command. A failed run raises with the tail of its output."""
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch) if dump is None else dump
+        cmd = [sys.executable, "-m", "titan_recover.launch", *job(folder, config=config), *args]
         start = time.monotonic()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         wall = time.monotonic() - start
         if proc.returncode != 0:
             raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-        return list(read_events(str(Path(dump) / "recover_events.jsonl"))), wall
+        return list(read_events(str(folder / "recover_events.jsonl"))), wall
 
 
 def of(events: list[dict], kind: str) -> list[dict]:

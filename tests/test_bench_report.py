@@ -50,3 +50,17 @@ def test_report_writes_summary_table_and_plots(tmp_path: Path) -> None:
     assert "| `torchft_max_rel_loss_dev` | not run |" in table
     for png in ("ckpt_restart", "goodput_paper", "goodput_sweep", "recovery_latency"):
         assert (tmp_path / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.unit
+def test_an_ops_self_time_leaves_out_its_childrens_and_each_thread_counts() -> None:
+    from bench.exact_ops import self_ms
+
+    op = lambda name, ts, dur, tid=1: {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}  # noqa: E731
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#6", "ts": 0, "dur": 9000, "tid": 1},
+        op("aten::linear", 0, 3000), op("aten::t", 0, 500), op("aten::addmm", 500, 2000),  # linear: 3 - 0.5 - 2
+        op("aten::_foreach_round_", 4000, 1000), op("aten::addmm", 6000, 1000, tid=2),  # a second thread
+    ]}
+    ms, step = self_ms(trace)
+    assert ms == {"aten::linear": 0.5, "aten::t": 0.5, "aten::addmm": 3.0, "aten::_foreach_round_": 1.0} and step == 9.0

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from titan_recover.exact import FIRST_BOUND, MARGIN_BITS, ExactSum, NonFinite, grid_exponent, largest_exponent
+from titan_recover.exact import FIRST_BOUND, MARGIN_BITS, ExactSum, NonFinite, exponent, grid_exponent, largest_exponent
 
 pytestmark = pytest.mark.unit
 
@@ -120,3 +120,17 @@ def test_grid_exponent_leaves_room_for_the_terms() -> None:
     assert grid_exponent(0, 8) == -49 and grid_exponent(0, 9) == -48
     with pytest.raises(ValueError, match="at least one term"):
         grid_exponent(0, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shaped_and_empty_shards_land_on_their_own_grid_points(dtype: torch.dtype) -> None:
+    """A rank's shards as FSDP leaves them (matrices, vectors, an empty shard) go onto the flat sum in
+    parameter order, each element rounded once to the grid: the same points as one element at a time."""
+    g = torch.Generator().manual_seed(3)
+    grads = [(torch.randn(3, 5, generator=g) * 0.1).to(dtype), torch.zeros(0, dtype=dtype), (torch.randn(7, generator=g) * 10).to(dtype)]
+    mine = ExactSum(22, 4, CPU, bound=FIRST_BOUND)
+    mine.add(grads, "shards")
+    step = 2.0 ** grid_exponent(FIRST_BOUND, 4)
+    expected = [round(float(v) / step) for t in grads for v in t.flatten()]
+    assert mine.total.tolist() == expected
+    assert largest_exponent(mine.histogram) == exponent(max(float(t.abs().max()) for t in grads if t.numel()))

@@ -75,14 +75,16 @@ class ExactSum:
 
     def add(self, grads: list[torch.Tensor], where: str) -> None:
         """Adds one microbatch's gradient (this rank's shards, in parameter order); ``where``
-        names the step and microbatch in a ``NonFinite``."""
-        biggest = 0.0
-        for g in grads:
-            top = float(g.abs().max()) if g.numel() else 0.0  # NaN when any is NaN
-            if not math.isfinite(top):
-                raise NonFinite(f"the gradient of {where} holds a NaN or an inf: every replica would compute it again, "
-                                "so the run stops (lower the learning rate, or resume from an earlier checkpoint)")
-            biggest = max(biggest, top)
+        names the step and microbatch in a ``NonFinite``. Multi-tensor (``_foreach``) kernels, one
+        launch per op for all parameters on CUDA, and one host sync (the largest magnitude, which
+        decides the histogram bin and whether the terms fit the grid)."""
+        live = [g for g in grads if g.numel()]
+        if not live:
+            return
+        biggest = float(torch.stack(torch._foreach_norm(live, math.inf)).max())  # max |g|, NaN when any is NaN
+        if not math.isfinite(biggest):
+            raise NonFinite(f"the gradient of {where} holds a NaN or an inf: every replica would compute it again, "
+                            "so the run stops (lower the learning rate, or resume from an earlier checkpoint)")
         if biggest == 0.0:
             return
         e = exponent(biggest)
@@ -90,12 +92,10 @@ class ExactSum:
         if e > self.bound:  # off the grid: every member reads it in the histogram and redoes the step
             return
         scale = math.ldexp(1.0, -grid_exponent(self.bound, self.terms))  # a power of two: the product is exact
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            points = g.reshape(-1) * scale
-            self.total[offset : offset + n].add_(points.round_())  # integers: exact in float64
-            offset += n
+        points = torch._foreach_mul(grads, scale)
+        torch._foreach_round_(points)
+        sums = [t.view_as(g) for t, g in zip(self.total.split([g.numel() for g in grads]), grads)]
+        torch._foreach_add_(sums, points)  # integers: exact in float64
 
     def redo_bound(self, histogram: torch.Tensor) -> int | None:
         """After the all-reduce: the coarser bound the step must be redone with, or None when every
@@ -119,8 +119,12 @@ def pin_kernels() -> None:
     """The kernel settings exact mode relies on, before the model is built. On CPU one intra-op
     thread: the launcher splits cores by the ranks on a node, and a matmul's blocking (hence its
     float sums) may follow the thread count, which would then differ between 2, 3 and 4 groups. On
-    CUDA deterministic algorithms, with the cuBLAS workspace they need."""
+    CUDA deterministic algorithms, with the cuBLAS workspace they need: the switch changes only the
+    kernels that have a nondeterministic variant (index and scatter accumulation, the attention
+    backward's atomics), and not filling new memory with NaN, which only unmasks kernels that read
+    what they never wrote and costs a write of every allocation."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.set_num_threads(1)
     if torch.cuda.is_available():
         torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = False
