@@ -53,14 +53,21 @@ def test_report_writes_summary_table_and_plots(tmp_path: Path) -> None:
 
 
 @pytest.mark.unit
-def test_an_ops_self_time_leaves_out_its_childrens_and_each_thread_counts() -> None:
-    from bench.exact_ops import self_ms
+def test_an_ops_self_time_leaves_out_its_childrens_and_exact_modes_ops_are_told_apart() -> None:
+    from bench.exact_ops import op_times
 
-    op = lambda name, ts, dur, tid=1: {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}  # noqa: E731
+    def event(name: str, ts: int, dur: int, tid: int = 1, cat: str = "cpu_op") -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
     trace = {"traceEvents": [
-        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#6", "ts": 0, "dur": 9000, "tid": 1},
-        op("aten::linear", 0, 3000), op("aten::t", 0, 500), op("aten::addmm", 500, 2000),  # linear: 3 - 0.5 - 2
-        op("aten::_foreach_round_", 4000, 1000), op("aten::addmm", 6000, 1000, tid=2),  # a second thread
+        event("ProfilerStep#6", 0, 9000, cat="user_annotation"),
+        event("aten::linear", 0, 3000), event("aten::t", 0, 500), event("aten::addmm", 500, 2000),  # linear: 3 - 0.5 - 2
+        event("exact.add", 4000, 1500, cat="user_annotation"), event("aten::_foreach_mul", 4000, 1000),
+        event("aten::empty", 4100, 200), event("aten::aminmax", 5000, 500),
+        event("aten::addmm", 6000, 1000, tid=2),  # a second thread
     ]}
-    ms, step = self_ms(trace)
-    assert ms == {"aten::linear": 0.5, "aten::t": 0.5, "aten::addmm": 3.0, "aten::_foreach_round_": 1.0} and step == 9.0
+    assert op_times(trace) == {
+        "step": 9.0, "scopes": {"exact.add": 1.5},
+        "ops": {"aten::linear": 0.5, "aten::t": 0.5, "aten::addmm": 3.0, "aten::_foreach_mul": 0.8, "aten::empty": 0.2,
+                "aten::aminmax": 0.5},
+        "exact": {"aten::_foreach_mul": 0.8, "aten::empty": 0.2, "aten::aminmax": 0.5}}

@@ -75,13 +75,19 @@ class ExactSum:
 
     def add(self, grads: list[torch.Tensor], where: str) -> None:
         """Adds one microbatch's gradient (this rank's shards, in parameter order); ``where``
-        names the step and microbatch in a ``NonFinite``. Multi-tensor (``_foreach``) kernels, one
-        launch per op for all parameters on CUDA, and one host sync (the largest magnitude, which
-        decides the histogram bin and whether the terms fit the grid)."""
+        names the step and microbatch in a ``NonFinite``. One host sync (the largest magnitude, which
+        decides the histogram bin and whether the terms fit the grid) instead of one per parameter,
+        and multi-tensor (``_foreach``) kernels for the grid points: one launch per op on CUDA.
+        ``aminmax`` rather than ``_foreach_norm(inf)``: 5 ms instead of 26 ms per 6.2M elements on CPU."""
+        with torch.profiler.record_function("exact.add"):  # its share of a step in profiler traces (bench.exact_ops)
+            self._add(grads, where)
+
+    def _add(self, grads: list[torch.Tensor], where: str) -> None:
         live = [g for g in grads if g.numel()]
         if not live:
             return
-        biggest = float(torch.stack(torch._foreach_norm(live, math.inf)).max())  # max |g|, NaN when any is NaN
+        ends = torch.stack([end.double() for g in live for end in torch.aminmax(g)])
+        biggest = float(ends.abs().max())  # NaN when any is NaN
         if not math.isfinite(biggest):
             raise NonFinite(f"the gradient of {where} holds a NaN or an inf: every replica would compute it again, "
                             "so the run stops (lower the learning rate, or resume from an earlier checkpoint)")
@@ -106,7 +112,8 @@ class ExactSum:
     def scale(self, grads: list[torch.Tensor]) -> None:
         """Gradients that hold the all-reduced grid points (copied in, rounded to their dtype) as
         values: scaled by the grid's step, a power of two. The same bits for the same total."""
-        torch._foreach_mul_(grads, math.ldexp(1.0, grid_exponent(self.bound, self.terms)))
+        with torch.profiler.record_function("exact.scale"):
+            torch._foreach_mul_(grads, math.ldexp(1.0, grid_exponent(self.bound, self.terms)))
 
     def committed(self, histogram: torch.Tensor) -> None:
         """The next step's bound, from this committed step's largest exponent (kept if all were zero)."""

@@ -305,7 +305,8 @@ class RecoverTrainer(LoggedTrainer):
         if self.exact is not None:  # this microbatch's gradient alone onto the fixed-point sum
             grads = self._grads()
             self.exact.add(grads, f"step {self.step} microbatch {microbatch}")
-            torch._foreach_zero_(grads)
+            for part in self.model_parts:  # the next backward writes its gradient afresh: no zeroing, no adding
+                part.zero_grad(set_to_none=True)
         tokens = int((labels != titan.IGNORE_INDEX).sum())
         if self.reports_data:
             recovery.tally_microbatch(tally, microbatch, digest, tokens, loss.detach())
