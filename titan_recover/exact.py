@@ -86,7 +86,7 @@ class ExactSum:
         live = [g for g in grads if g.numel()]
         if not live:
             return
-        ends = torch.stack([end.double() for g in live for end in torch.aminmax(g)])
+        ends = torch.stack([end for g in live for end in torch.aminmax(g)])  # promotes a mixed list exactly
         biggest = float(ends.abs().max())  # NaN when any is NaN
         if not math.isfinite(biggest):
             raise NonFinite(f"the gradient of {where} holds a NaN or an inf: every replica would compute it again, "
