@@ -7,8 +7,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from titan_recover.events import read_events
-from titan_recover.jobs import FLAGS, LINE, PRECISION, TINY, TINY_SIZES, config_args, job  # noqa: F401  (how each line spells a job)
+from titan_recover.observability.events import read_events
+from titan_recover.titan.jobs import FLAGS, LINE, PRECISION, TINY, TINY_SIZES, config_args, job# noqa: F401  (how each line spells a job)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"

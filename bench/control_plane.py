@@ -46,17 +46,21 @@ HEARTBEAT_TIMEOUT_S = 5.0  # the run's default recover.heartbeat_timeout_s
 COORDINATOR_MAIN = """
 import json, sys, threading, time
 from titan_recover import config
-from titan_recover import coordinator
 
 counts_path, port = sys.argv[1], int(sys.argv[2])
-# the "before" tree parsed the job with config.load; this one through the TorchTitan adapter
+# the "before" tree parsed the job with config.load; later ones through the TorchTitan adapter
 if hasattr(config, "load"):
     job = config.load(sys.argv[3:])
 else:
     from titan_recover import titan
     job = titan.load_config(sys.argv[3:])
-# the "before" tree predates coordinator.serve
-c = coordinator.serve(job, port) if hasattr(coordinator, "serve") else coordinator.Coordinator(job, port)
+try:  # the layered tree: the coordinator takes a settings record
+    from titan_recover.coordinator import shell
+    c = shell.serve(config.CoordinatorSettings.of(job, titan.dump_folder(job)), port)
+except ImportError:
+    from titan_recover import coordinator
+    # the "before" tree predates coordinator.serve
+    c = coordinator.serve(job, port) if hasattr(coordinator, "serve") else coordinator.Coordinator(job, port)
 
 
 class Counting:
@@ -156,18 +160,18 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
         newest[n] = max(newest[n], epoch)
 
     if design == "after":
-        from titan_recover import node_channel
-        from titan_recover.agent import NodeAgent
+        from titan_recover.node.agent import NodeAgent
+        from titan_recover.node.channel import BEAT, HEADER, SLOT, Channel
 
         agents = {n: NodeAgent(address, identity(secret), RANKS_PER_NODE, hang_timeout_s=HEARTBEAT_TIMEOUT_S) for n in nodes}
         channels = {}
         launchers_of = {n: Launcher(f"sim{n}", "localhost", os.getpid()) for n in nodes}
         for n, agent in agents.items():
             path = agent.open(n, 0)
-            channels[n] = node_channel.Channel.open(path)
+            channels[n] = Channel.open(path)
             control.register(launchers_of[n], agent.message())
             agent.start(on_error=print)
-        slot_beats = {n: c.words[node_channel.HEADER + node_channel.BEAT::node_channel.SLOT] for n, c in channels.items()}
+        slot_beats = {n: c.words[HEADER + BEAT::SLOT] for n, c in channels.items()}
     outbox.put(("up", nodes[0]))
     next_beat = next_probe = next_launcher = time.monotonic()
     while True:

@@ -1,11 +1,11 @@
 """The data layer: preparation throughput, read rate against an 8B step's need, RSS against corpus size.
 
-    .venv/bin/python -m bench.data [--quick]   -> bench/results/data.json
+    .venv/bin/python -m bench.data [--quick]   -> bench/results/addressing.json
 
-- prepare: ``titan_recover.prepare`` on jsonl of the synthetic corpus with the shipped tokenizer,
+- prepare: ``titan_recover.data.prepare`` on jsonl of the synthetic corpus with the shipped tokenizer,
   with 1 worker and with every core, side by side; tokens/s, and the time 100B tokens would take
   on a 64-core host if the per-worker rate held (linear in cores).
-- read: one rank's ``data.load_samples`` at seq_len 8192, local batch 1 (the 8B configs), over a
+- read: one rank's ``addressing.load_samples`` at seq_len 8192, local batch 1 (the 8B configs), over a
   uint32 corpus, in the permuted order every run reads, against the microbatches/s one GPU of an
   8B run consumes at TorchTitan's fastest published 8 x H100 figure (Llama 3.1 8B, FSDP +
   torch.compile + Float8: 8,532 tokens/s per GPU, docs/performance.md).
@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import ROOT, write_result
-from titan_recover import data, prepare, tokens
-from titan_recover.synthetic import TOKENIZER_DIR, synthetic_corpus
+from titan_recover.data import addressing, prepare, tokens
+from titan_recover.data.synthetic import TOKENIZER_DIR, synthetic_corpus
 
 H100_8B_TOKENS_PER_S = 8_532  # per GPU: TorchTitan docs/performance.md, Llama 3.1 8B, 8 H100, FSDP+compile+Float8
 SEQ_LEN = 8192
@@ -57,8 +57,8 @@ def read_rate(folder: Path, count: int, vocab: int) -> float:
     start = time.perf_counter()
     for k in range(count):
         step, microbatch = divmod(k, 8)
-        samples = data.sample_indices(step + 1, microbatch, 3, num_microbatches=8, shards=8, local_batch=1)
-        data.load_samples(dataset, samples, seq_len=SEQ_LEN, seed=0, vocab_size=vocab)
+        samples = addressing.sample_indices(step + 1, microbatch, 3, num_microbatches=8, shards=8, local_batch=1)
+        addressing.load_samples(dataset, samples, seq_len=SEQ_LEN, seed=0, vocab_size=vocab)
     return count / (time.perf_counter() - start)
 
 

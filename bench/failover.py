@@ -43,7 +43,7 @@ from bench.common import CONFIG, PRECISION, ROOT, launch, of, step_gaps, write_r
 from titan_recover.control import keys, transport
 from titan_recover.control.sealed import Run
 from titan_recover.tools.etcd_local import LocalEtcd
-from titan_recover.events import read_events
+from titan_recover.observability.events import read_events
 
 STEPS, KILL_AFTER = 40, 10
 DCP_EVERY, DCP_KILL = 5, 8

@@ -17,7 +17,7 @@ Per system, against its own failure-free run:
   drift of the weights from the smaller batch;
 - samples skipped (a failure-free sample that no committed step used) and repeated (used
   by more than one committed step, or twice in one); a sample is a global sample index of
-  titan_recover's addressable data (``data.sample_indices``), and the token digests of
+  titan_recover's addressable data (``addressing.sample_indices``), and the token digests of
   every step are checked against the failure-free run's;
 - global batch (samples) per step, 0 for a step that did not commit;
 - recovery latency, defined the same for both: wall time from the SIGKILL (the
@@ -51,9 +51,9 @@ from typing import Any
 import torch
 
 from bench.common import CONFIG, PRECISION, ROOT, of, write_result
-from titan_recover import data
-from titan_recover.events import events_path, read_events
-from titan_recover.groups import with_threads
+from titan_recover.data import addressing
+from titan_recover.observability.events import events_path, read_events
+from titan_recover.launch.torchruns import with_threads
 from titan_recover.control.transport import free_port
 
 BIN = Path(sys.executable).parent
@@ -98,7 +98,7 @@ class Setup:
         ]
 
     def samples(self, step: int, microbatch: int, shard: int) -> range:
-        return data.sample_indices(step, microbatch, shard, num_microbatches=self.num_microbatches,
+        return addressing.sample_indices(step, microbatch, shard, num_microbatches=self.num_microbatches,
                                    shards=self.shards, local_batch=self.local_batch)
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from bench.common import ROOT, job, step_gaps, write_result
 from titan_recover.compare import compare_runs
 from titan_recover.control import keys
-from titan_recover.events import NODE_ENV, event_files
+from titan_recover.observability.events import NODE_ENV, event_files
 from titan_recover.tools import netns
 from titan_recover.tools.etcd_local import LocalEtcd
 from titan_recover.tools.netns import Cluster, Node

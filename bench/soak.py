@@ -32,8 +32,8 @@ from bench.common import CONFIG, PRECISION, RESULTS, ROOT
 from titan_recover.compare import Comparison, compare_runs
 from titan_recover.control.keys import ATTEMPT_ENV, COORDINATOR_ENV, REPLICA_ENV, REPLICAS_ENV, RUN_ENV, SECRET_ENV
 from titan_recover.control.transport import free_port
-from titan_recover.events import events_path, read_events, read_log
-from titan_recover.membership import Membership, TooFewReplicasError, donor
+from titan_recover.observability.events import events_path, read_events, read_log
+from titan_recover.policy.membership import Membership, TooFewReplicasError, donor
 
 RANDOM_KINDS = ("kill", "stop", "slow", "kill_agent", "two_groups", "kill_joiner", "kill_donor")
 TRANSFER_KINDS = ("kill_joiner", "kill_donor")

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from bench.common import PRECISION, ROOT, job, write_result
 from titan_recover.control import transport
-from titan_recover.events import Tail, event_files
-from titan_recover.run_status import RunHistory
-from titan_recover.status_server import StatusSource
+from titan_recover.observability.events import Tail, event_files
+from titan_recover.observability.run_status import RunHistory
+from titan_recover.observability.status_server import StatusSource
 
 CLK = os.sysconf("SC_CLK_TCK")
 

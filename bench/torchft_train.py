@@ -42,9 +42,10 @@ from torchtitan.tools.utils import device_type
 from torchtitan.train import main
 
 import titan_recover.train_spec  # noqa: F401  registers llama3_recover
-from titan_recover import data
-from titan_recover.events import EventLog
-from titan_recover.faults import Fault, FaultInjector
+from titan_recover.data import addressing
+from titan_recover.observability.events import EventLog
+from titan_recover.policy.fault_plan import Fault
+from titan_recover.rank.injector import FaultInjector
 
 SPEC = "llama3_recover_torchft"
 STARTUP_TIMEOUT_S = 600.0
@@ -82,7 +83,7 @@ class _Reading:
 
     def __next__(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         input_dict, labels = next(self.it)
-        self.digests.append(f"{data.piece_digest(input_dict['input'], labels):010x}")
+        self.digests.append(f"{addressing.piece_digest(input_dict['input'], labels):010x}")
         return input_dict, labels
 
 

@@ -19,8 +19,8 @@ from titan_recover import config, titan
 from titan_recover.config import ConfigError, Recover
 from titan_recover.control import keys
 from titan_recover.control.addresses import parse_etcd_url, parse_host_port
-from titan_recover.launch import check_coordinator
-from titan_recover.synthetic import TOKENIZER_DIR
+from titan_recover.launch.launcher import check_coordinator
+from titan_recover.data.synthetic import TOKENIZER_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
@@ -202,7 +202,7 @@ def test_truncated_megatron_index_names_the_file(tmp_path: Path, keep: int, prob
 
 @pytest.mark.unit
 def test_megatron_index_and_tokens_must_agree(tmp_path: Path) -> None:
-    from titan_recover.tokens import DataError, index_folder
+    from titan_recover.data.tokens import DataError, index_folder
 
     idx = _megatron_pair(tmp_path / "mg")
     os.truncate(idx.with_suffix(".bin"), 2 * 10)  # 10 of its 17 uint16 tokens

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_recover import resources
+from titan_recover.observability import resources
 from titan_recover.control import transport
-from titan_recover.collectives import CollectiveAborted, ReplicateProcessGroups
-from titan_recover.membership import Membership
+from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
+from titan_recover.policy.membership import Membership
 
 ROOT = Path(__file__).resolve().parents[1]
 FAILURES = 10
@@ -89,10 +89,10 @@ def test_a_survivor_holds_no_more_after_ten_broken_epochs() -> None:
 STOPPING_RANK = """
 import sys, threading, time
 import torch
-from titan_recover import procs
-from titan_recover.collectives import CollectiveAborted, ReplicateProcessGroups
+from titan_recover.node import procs
+from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.control import transport
-from titan_recover.membership import Membership
+from titan_recover.policy.membership import Membership
 
 def main():
     groups = ReplicateProcessGroups(transport.connect(sys.argv[1], 30), replica=0, group_rank=0, timeout_s=60)

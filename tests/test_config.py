@@ -365,7 +365,7 @@ def test_one_rank_per_data_shard_reports_the_tally() -> None:
 
 @pytest.mark.unit
 def test_a_cpu_run_gets_float32_parameters_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from titan_recover import cpu_shim
+    from titan_recover.titan import cpu_shim
 
     monkeypatch.setattr(cpu_shim, "needed", lambda: True)
     argv = ["--job.config_file", str(CONFIG)]
@@ -382,7 +382,7 @@ def test_a_cpu_run_gets_float32_parameters_unless_asked(monkeypatch: pytest.Monk
                                   ["--training.mixed-precision-param", "bfloat16"],
                                   ["--training.mixed_precision_param=bfloat16"]])
 def test_a_precision_on_the_command_line_is_kept(monkeypatch: pytest.MonkeyPatch, flag: list[str]) -> None:
-    from titan_recover import cpu_shim
+    from titan_recover.titan import cpu_shim
 
     monkeypatch.setattr(cpu_shim, "needed", lambda: True)
     argv = ["--job.config_file", str(CONFIG), *flag]
@@ -392,7 +392,7 @@ def test_a_precision_on_the_command_line_is_kept(monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.unit
 def test_a_precision_in_the_toml_is_kept(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from titan_recover import cpu_shim
+    from titan_recover.titan import cpu_shim
 
     monkeypatch.setattr(cpu_shim, "needed", lambda: True)
     toml = tmp_path / "job.toml"
@@ -404,7 +404,7 @@ def test_a_precision_in_the_toml_is_kept(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
 @pytest.mark.unit
 def test_an_accelerator_keeps_torchtitans_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    from titan_recover import cpu_shim
+    from titan_recover.titan import cpu_shim
 
     monkeypatch.setattr(cpu_shim, "needed", lambda: False)
     argv = ["--job.config_file", str(CONFIG)]

@@ -19,9 +19,9 @@ import pytest
 from titan_recover.control import keys, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Admission, Launcher, NodeGroup, NodeMessage, Report, StepRecord
-from titan_recover.config import Recover
-from titan_recover.coordinator import REPORT_GRACE_S, Coordinator, serve
-from titan_recover.events import EventLog
+from titan_recover.config import CoordinatorSettings, Recover
+from titan_recover.coordinator.shell import REPORT_GRACE_S, Coordinator, serve
+from titan_recover.observability.events import EventLog
 
 
 @pytest.fixture
@@ -34,13 +34,13 @@ def make(tmp_path: Path) -> Iterator:
             parallelism=SimpleNamespace(data_parallel_replicate_degree=replicas, data_parallel_shard_degree=1,
                                         tensor_parallel_degree=1, pipeline_parallel_degree=1),
             training=SimpleNamespace(steps=10, global_batch_size=4, seq_len=16, mixed_precision_param="float32"),
-            job=SimpleNamespace(dump_folder=str(tmp_path)),  # where TorchTitan 0.2 keeps it
-            dump_folder=str(tmp_path),  # and 0.3
+            checkpoint=SimpleNamespace(enable=False, folder="checkpoint"),
         )
+        settings = CoordinatorSettings.of(job, str(tmp_path))
         port = transport.free_port()
-        c = serve(job, port)
+        c = serve(settings, port)
         made.append(c)
-        JOBS[id(c)] = job
+        JOBS[id(c)] = settings
         return c, transport.connect(f"127.0.0.1:{port}", timeout_s=10)
 
     yield make
@@ -50,12 +50,12 @@ def make(tmp_path: Path) -> Iterator:
         del c.control.store  # the coordinator's TCPStore server stops with its last reference
 
 
-JOBS: dict[int, object] = {}
+JOBS: dict[int, CoordinatorSettings] = {}
 
 
 def successor(c: Coordinator, client: object) -> Coordinator:
     """The next leader of ``c``'s run, on the same store: it takes over the state ``c`` saved."""
-    return Coordinator(JOBS[id(c)], client, EventLog(os.path.dirname(c.events.path)))  # type: ignore[arg-type]
+    return Coordinator(JOBS[id(c)], client, EventLog(os.path.dirname(c.events.path)))
 
 
 def events(tmp_path: Path, kind: str) -> list[dict]:

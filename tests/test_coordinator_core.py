@@ -15,7 +15,7 @@ from titan_recover.control.protocol import (
     StepRecord,
     TransferRecord,
 )
-from titan_recover.coordinator_core import (
+from titan_recover.coordinator.core import (
     Admit,
     CoordinatorCore,
     Emit,
@@ -29,7 +29,7 @@ from titan_recover.coordinator_core import (
     Stop,
     stops,
 )
-from titan_recover.membership import FailureDetector, Membership, group_views
+from titan_recover.policy.membership import FailureDetector, Membership, group_views
 
 pytestmark = pytest.mark.unit
 

@@ -10,10 +10,11 @@ import os
 import numpy as np
 import pytest
 import torch
-from titan_recover import prepare, titan
-from titan_recover.data import load_samples, piece_digest, sample_indices
-from titan_recover.synthetic import TOKENIZER_DIR, synthetic_corpus, train_tokenizer
-from titan_recover.tokens import TokenDataset
+from titan_recover import titan
+from titan_recover.data import prepare
+from titan_recover.data.addressing import load_samples, piece_digest, sample_indices
+from titan_recover.data.synthetic import TOKENIZER_DIR, synthetic_corpus, train_tokenizer
+from titan_recover.data.tokens import TokenDataset
 
 
 @pytest.fixture(scope="module")

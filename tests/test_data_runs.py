@@ -10,10 +10,10 @@ import pytest
 
 from bench.common import FLAGS
 from conftest import Run, assert_all_rejoined, assert_same_trajectory, run_job, write_jsonl
-from titan_recover import order, prepare
-from titan_recover.data import sample_indices
-from titan_recover.synthetic import TOKENIZER_DIR, synthetic_corpus
-from titan_recover.tokens import TokenDataset
+from titan_recover.data import order, prepare
+from titan_recover.data.addressing import sample_indices
+from titan_recover.data.synthetic import TOKENIZER_DIR, synthetic_corpus
+from titan_recover.data.tokens import TokenDataset
 
 M = 4
 QWEN3 = "qwen3_debug_cpu"

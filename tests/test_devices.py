@@ -1,4 +1,4 @@
-"""Tests for titan_recover.devices: GPUs per replica group and the replicate backend.
+"""Tests for titan_recover.node.devices: GPUs per replica group and the replicate backend.
 
 Pure decisions from a host's facts; the launcher test at the end runs the real
 launcher on this (GPU-less) machine.
@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 from titan_recover.control import transport
-from titan_recover.collectives import CollectiveAborted, ReplicateProcessGroups
+from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.config import ConfigError
-from titan_recover import devices
-from titan_recover.devices import host_gpus, plan
-from titan_recover.membership import Membership
+from titan_recover.node import devices
+from titan_recover.node.devices import host_gpus, plan
+from titan_recover.policy.membership import Membership
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS8 = [str(i) for i in range(8)]
@@ -129,7 +129,7 @@ def test_a_rank_per_host_rank_sees_its_gpu_as_cuda0_and_has_a_host_id_of_its_own
 
 RANK_SCRIPT = """
 import json, os
-from titan_recover import devices
+from titan_recover.node import devices
 os.environ.update(devices.rank_env(os.environ))
 print(json.dumps({k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "NCCL_HOSTID", "NCCL_NET")}
                  | {"slot": devices.local_rank(os.environ)}), flush=True)

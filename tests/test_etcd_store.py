@@ -24,7 +24,7 @@ from titan_recover.control.protocol import CoordinatorState, Progress
 from titan_recover.control.sealed import Run
 from titan_recover.tools.etcd_local import LocalEtcd
 from titan_recover.control.etcd_store import Changes, EtcdStore, LeadershipLost, check_cluster
-from titan_recover.events import logged_steps
+from titan_recover.observability.events import logged_steps
 from titan_recover.control.leader import Lease
 
 from bench.common import config_args
@@ -278,10 +278,10 @@ def test_the_package_runs_without_the_etcd_client_until_a_run_names_etcd() -> No
     """etcd3gw is an extra: nothing imports it unless ``control_store`` names etcd, which then says what to install."""
     code = (
         "import sys; sys.modules['etcd3gw'] = None\n"  # as if it were not installed
-        "import titan_recover.launch, titan_recover.coordinator, titan_recover.manager, titan_recover.agent\n"
-        "from titan_recover import config, launch\n"
+        "import titan_recover.launch.launcher, titan_recover.coordinator.shell, titan_recover.rank.manager, titan_recover.node.agent\n"
+        "from titan_recover import config\nfrom titan_recover.launch import launcher\n"
         "try:\n"
-        "    launch.check_control_store('etcd://a:1,b:2,c:3')\n"
+        "    launcher.check_control_store('etcd://a:1,b:2,c:3')\n"
         "except config.ConfigError as e:\n"
         "    print(e)\n"
     )

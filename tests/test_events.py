@@ -1,4 +1,4 @@
-"""Tests for titan_recover.events (the JSONL event log) and titan_recover.summary."""
+"""Tests for titan_recover.observability.events (the JSONL event log) and titan_recover.observability.summary."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import run_job
 
-from titan_recover.events import EVENTS_FILE, EventLog, events_path, read_events, read_log
-from titan_recover.summary import format_summary, summarize_events
+from titan_recover.observability.events import EVENTS_FILE, EventLog, events_path, read_events, read_log
+from titan_recover.observability.summary import format_summary, summarize_events
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def test_emit_creates_folder_and_appends(tmp_path: Path) -> None:
 # a line after the other's first line and the two provably overlap, without any sleep.
 WRITE_UNTIL_OVERLAP = """
 import os
-from titan_recover.events import EventLog
+from titan_recover.observability.events import EventLog
 
 def write_until_overlap(folder, writer, n, payload, cap=200000):
     log = EventLog(folder)
@@ -262,7 +262,7 @@ def test_summarize_events_of_what_event_log_wrote(tmp_path: Path) -> None:
 def test_a_stale_leaders_duplicate_step_is_counted_once(tmp_path: Path) -> None:
     """A leader confirms its lease, freezes, loses it; its successor logs the step; the stale
     leader then writes the same line: the summary counts the step once and says so."""
-    from titan_recover.coordinator import LeaderEvents
+    from titan_recover.coordinator.shell import LeaderEvents
 
     def record(i: int, **more: object) -> dict:
         return {**{k: v for k, v in HAND_WRITTEN[i].items() if k != "event"}, **more}
@@ -298,7 +298,7 @@ def test_a_partial_last_line_does_not_crash_summarize_events(tmp_path: Path) -> 
 def test_two_node_files_in_one_folder_are_merged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each node's processes append to a file of their own (appends from several hosts to one
     file are not atomic on NFS); the summary reads every node's file in the folder."""
-    from titan_recover import events
+    from titan_recover.observability import events
 
     node0 = EventLog(str(tmp_path))  # the unnamed log: a single-node run's, or node 0's
     monkeypatch.setenv(events.NODE_ENV, "node1")
@@ -320,7 +320,7 @@ def test_two_node_files_in_one_folder_are_merged(tmp_path: Path, monkeypatch: py
 
 @pytest.mark.unit
 def test_a_node_name_that_cannot_name_a_file_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from titan_recover import events
+    from titan_recover.observability import events
 
     monkeypatch.setenv(events.NODE_ENV, "../x")
     with pytest.raises(ValueError, match="TITAN_RECOVER_NODE='../x'"):
@@ -365,7 +365,7 @@ def test_a_named_nodes_run_logs_to_its_own_file_and_its_summary_reads_every_node
     """A real run on node "node0" (coordinator and ranks inherit the name) beside another node's
     file, written during the run and cut short mid-line: the summary names both files, skips the
     partial line, misses no step. A previous run's file is removed when the run begins."""
-    from titan_recover import events
+    from titan_recover.observability import events
 
     dump = tmp_path / "dump"
     dump.mkdir()

@@ -6,7 +6,15 @@ import random
 import pytest
 import torch
 
-from titan_recover.exact import FIRST_BOUND, MARGIN_BITS, ExactSum, NonFinite, exponent, grid_exponent, largest_exponent
+from titan_recover.rank.exact import (
+    FIRST_BOUND,
+    MARGIN_BITS,
+    ExactSum,
+    NonFinite,
+    exponent,
+    grid_exponent,
+    largest_exponent,
+)
 
 pytestmark = pytest.mark.unit
 

@@ -110,7 +110,7 @@ def test_the_leader_killed_mid_step_is_replaced_and_its_successor_fences_and_rea
     assert (a.output() + b.output()).count(f"status page at {page}/") == 2  # each leader says where it serves
     assert "coordinator leaders  : 2" in a.output()  # the summary names the takeover
     assert "Traceback" not in a.output(), a.output()[-3000:]  # B's torchrun prints the killed rank's
-    assert "titan_recover/coordinator.py" not in b.output() and "titan_recover/launch.py" not in b.output()
+    assert "titan_recover/coordinator/" not in b.output() and "titan_recover/launch/" not in b.output()
 
 
 def raft_leader(cluster: LocalEtcd) -> str:
@@ -148,9 +148,11 @@ def test_an_etcd_member_killed_is_invisible_and_a_stale_leader_cannot_change_mem
         etcd.kill(raft_leader(etcd))
         time.sleep(3.0)  # longer than the coordinator's lease: a lost lease would show now
         [first] = leaders(dump)
-        # a second candidate, as another node's launcher would run beside its agent
+        # a second candidate, as another node's launcher would run beside its agent (the same settings)
+        candidate = Path(f"/proc/{first['pid']}/cmdline").read_bytes().decode().split("\0")[1:-1]
+        assert candidate[:2] == ["-m", "titan_recover.coordinator"], candidate
         spare = subprocess.Popen(
-            [sys.executable, "-m", "titan_recover.coordinator", *args[3:]], cwd=ROOT,
+            [sys.executable, *candidate], cwd=ROOT,
             env={**node_env(etcd.url, "0,1")}, stdout=(tmp_path / "spare.log").open("w"), stderr=subprocess.STDOUT,
         )
         try:

@@ -1,4 +1,4 @@
-"""Tests for titan_recover.faults: the fault-plan grammar and where faults fire.
+"""Tests for titan_recover.policy.fault_plan: the fault-plan grammar and where faults fire.
 
 The injector calls ``on_fire`` before it SIGKILLs its own process, so an
 ``on_fire`` that raises stops the kill and tells the test where it fired.
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_recover.faults import PHASES, Fault, FaultInjector, FaultPlanError, parse_fault_plan
+from titan_recover.policy.fault_plan import PHASES, Fault, FaultPlanError, parse_fault_plan
+from titan_recover.rank.injector import FaultInjector
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -494,7 +495,7 @@ def test_sleep_in_forward_slows_the_microbatch_but_it_completes(model: Tiny) -> 
 
 CHILD = """
 import sys
-from titan_recover.faults import FaultInjector
+from titan_recover.rank.injector import FaultInjector
 inj = FaultInjector(sys.argv[1], replica=1, rank=0, on_fire=lambda f: print("fired", f.action, flush=True), attempt=int(sys.argv[2]))
 inj.at(3, sys.argv[3])
 print("survived", flush=True)

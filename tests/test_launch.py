@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from titan_recover import groups, launch
+from titan_recover.launch import launcher, torchruns
 from titan_recover.control import addresses, keys, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.sealed import Run
 from titan_recover.config import ConfigError
-from titan_recover.groups import is_incarnation
+from titan_recover.launch.torchruns import is_incarnation
 
 from bench.common import job
 from conftest import ROOT
@@ -37,51 +37,51 @@ def test_is_incarnation_reads_the_rank_environment() -> None:
 
 @pytest.mark.unit
 def test_ranks_on_a_host_share_its_cores(monkeypatch) -> None:
-    monkeypatch.setattr(launch.os, "cpu_count", lambda: 8)
-    assert groups.with_threads({"A": "1"}, 4) == {"A": "1", "OMP_NUM_THREADS": "2"}
-    assert groups.with_threads({}, 16) == {"OMP_NUM_THREADS": "1"}
-    assert groups.with_threads({"OMP_NUM_THREADS": "3"}, 4) == {"OMP_NUM_THREADS": "3"}  # the user's choice wins
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 8)
+    assert torchruns.with_threads({"A": "1"}, 4) == {"A": "1", "OMP_NUM_THREADS": "2"}
+    assert torchruns.with_threads({}, 16) == {"OMP_NUM_THREADS": "1"}
+    assert torchruns.with_threads({"OMP_NUM_THREADS": "3"}, 4) == {"OMP_NUM_THREADS": "3"}  # the user's choice wins
 
 
 @pytest.mark.unit
 def test_the_launchers_flags_replace_the_asked_ones_ahead_of_any_subcommand() -> None:
     job = ["--module", "m", "--config", "c", "--recover.replicate-backend", "auto", "activation-checkpoint:full"]
-    assert launch.with_flags(job, {"--recover.replicate_backend": "gloo"}) == [
+    assert launcher.with_flags(job, {"--recover.replicate_backend": "gloo"}) == [
         "--recover.replicate_backend", "gloo", "--module", "m", "--config", "c", "activation-checkpoint:full"]
-    assert launch.with_flags(["--recover.replicate_backend=nccl", "--x", "1", "--comm.train_timeout_seconds", "100"],
+    assert launcher.with_flags(["--recover.replicate_backend=nccl", "--x", "1", "--comm.train_timeout_seconds", "100"],
                              {"--recover.replicate_backend": "nccl", "--comm.train_timeout_seconds": "250"}) == [
         "--recover.replicate_backend", "nccl", "--comm.train_timeout_seconds", "250", "--x", "1"]
 
 
 @pytest.mark.unit
 def test_coordinator_listens_on_loopback_when_every_group_is_local() -> None:
-    assert launch.coordinator_bind("", [0, 1], 2) == "127.0.0.1"
-    assert launch.coordinator_bind("", [1, 0], 2) == "127.0.0.1"
-    assert launch.coordinator_bind("10.0.0.5", [0, 1], 2) == "10.0.0.5"  # the user's choice wins
+    assert launcher.coordinator_bind("", [0, 1], 2) == "127.0.0.1"
+    assert launcher.coordinator_bind("", [1, 0], 2) == "127.0.0.1"
+    assert launcher.coordinator_bind("10.0.0.5", [0, 1], 2) == "10.0.0.5"  # the user's choice wins
 
 
 @pytest.mark.unit
 def test_coordinator_of_a_multi_node_run_needs_an_address() -> None:
-    assert launch.coordinator_bind("0.0.0.0", [0, 1], 4) == "0.0.0.0"
-    assert launch.coordinator_bind("10.0.0.5", [0], 2) == "10.0.0.5"
+    assert launcher.coordinator_bind("0.0.0.0", [0, 1], 4) == "0.0.0.0"
+    assert launcher.coordinator_bind("10.0.0.5", [0], 2) == "10.0.0.5"
     with pytest.raises(ConfigError) as info:
-        launch.coordinator_bind("", [0, 1], 4)
+        launcher.coordinator_bind("", [0, 1], 4)
     assert "[2, 3]" in str(info.value) and "coordinator_bind" in str(info.value)
 
 
 @pytest.mark.unit
 def test_a_single_node_launcher_makes_a_fresh_secret_per_run() -> None:
-    first, second = launch.choose_secret({}, only_this_node=True), launch.choose_secret({}, only_this_node=True)
+    first, second = launcher.choose_secret({}, only_this_node=True), launcher.choose_secret({}, only_this_node=True)
     assert len(first) == 32 and first != second
-    assert launch.choose_secret({keys.SECRET_ENV: "given"}, only_this_node=True) == "given"  # the user's wins
+    assert launcher.choose_secret({keys.SECRET_ENV: "given"}, only_this_node=True) == "given"  # the user's wins
 
 
 @pytest.mark.unit
 def test_a_multi_node_launcher_needs_the_users_secret() -> None:
-    assert launch.choose_secret({keys.SECRET_ENV: "shared"}, only_this_node=False) == "shared"
+    assert launcher.choose_secret({keys.SECRET_ENV: "shared"}, only_this_node=False) == "shared"
     for env in ({}, {keys.SECRET_ENV: ""}):
         with pytest.raises(ConfigError) as info:
-            launch.choose_secret(env, only_this_node=False)
+            launcher.choose_secret(env, only_this_node=False)
         assert f"set {keys.SECRET_ENV} to the same value" in str(info.value)
 
 
@@ -106,7 +106,7 @@ def test_the_coordinator_serves_its_run_only_on_loopback(tmp_path) -> None:
 
 def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on() -> None:
     code = ("import os, signal, sys, threading, time\n"
-            "from titan_recover.procs import dumps_stacks\n"
+            "from titan_recover.node.procs import dumps_stacks\n"
             "dumps_stacks()\n"
             "threading.Thread(target=time.sleep, args=(5,), name='sleeper', daemon=True).start()\n"
             "os.kill(os.getpid(), signal.SIGUSR1)\n"
@@ -118,15 +118,15 @@ def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on() -> None:
 
 @pytest.mark.unit
 def test_a_group_spanning_nodes_meets_at_part_0s_rendezvous_and_needs_a_reachable_coordinator() -> None:
-    meet = groups.Meeting("10.0.0.5", 29600, 1, 4, 600.0)
-    cmd = groups.torchrun(2, ["--x.y", "1"], "replica3", meet)
+    meet = torchruns.Meeting("10.0.0.5", 29600, 1, 4, 600.0)
+    cmd = torchruns.torchrun(2, ["--x.y", "1"], "replica3", meet)
     assert cmd[cmd.index("--nnodes"):cmd.index("--nproc_per_node=2")] == [
         "--nnodes", "4", "--node-rank", "1", "--master-addr", "10.0.0.5", "--master-port", "29600", "--rdzv-conf", "timeout=600"]
-    assert "--standalone" not in cmd and "--standalone" in groups.torchrun(2, [], "replica0")
-    assert groups.Span(1, 4).of(3) == "replica group 3 (part 1 of 4)" and groups.Span().of(3) == "replica group 3"
+    assert "--standalone" not in cmd and "--standalone" in torchruns.torchrun(2, [], "replica0")
+    assert torchruns.Span(1, 4).of(3) == "replica group 3 (part 1 of 4)" and torchruns.Span().of(3) == "replica group 3"
     with pytest.raises(ConfigError, match="the replica groups span 2 nodes"):  # every group here, but half of each elsewhere
-        launch.coordinator_bind("", [0, 1], 2, parts=2)
-    assert launch.coordinator_bind("127.0.0.1", [0, 1], 2, parts=2) == "127.0.0.1"
+        launcher.coordinator_bind("", [0, 1], 2, parts=2)
+    assert launcher.coordinator_bind("127.0.0.1", [0, 1], 2, parts=2) == "127.0.0.1"
     assert addresses.route_address("127.0.0.1:29500") == "127.0.0.1"
 
 

@@ -2,6 +2,8 @@
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -44,16 +46,62 @@ def test_no_import_circles() -> None:
     assert [m for m in OURS if m in reach(m)] == []
 
 
-def test_the_control_plane_imports_only_itself() -> None:
-    for m, deps in OURS.items():
-        if m.startswith("titan_recover.control"):
-            assert {d for d in deps if not d.startswith("titan_recover.control")} == set(), m
+LAYERS: dict[str, set[str]] = {
+    # subpackage (or top-level module) -> the layers it may import; the package's layers, bottom up
+    "control": set(),
+    "policy": {"control"},
+    "observability": {"control"},
+    "config": {"control", "policy"},
+    "node": {"control", "policy", "observability", "config"},
+    "titan": {"config"},
+    "data": {"config", "policy", "titan"},
+    "coordinator": {"control", "policy", "observability", "node", "config"},
+    "rank": {"control", "policy", "observability", "node", "config", "data", "titan"},
+    "launch": {"control", "policy", "observability", "node", "config", "data", "titan"},
+    "tools": {"control", "node"},
+    # the commands users and torchrun name (python -m titan_recover.X, custom_import, --module)
+    "train": {"control", "policy", "observability", "node", "config", "data", "titan", "rank"},
+    "train_spec": {"data", "titan"},
+    "recipes": {"titan"},
+    "status": {"control", "observability"},
+    "compare": {"observability"},
+    "selftest": {"control", "policy", "observability", "node", "config", "titan", "rank", "launch", "compare"},
+}
 
 
-def test_nothing_imports_the_launcher_or_the_bench_tools() -> None:
-    assert [m for m, deps in OURS.items() if "titan_recover.launch" in deps] == []
-    assert [m for m, deps in OURS.items() if any(d.startswith("titan_recover.tools") for d in deps)
-            and not m.startswith("titan_recover.tools")] == []
+def layer(module: str) -> str:
+    """``titan_recover.rank.manager`` -> ``rank``; ``titan_recover.train`` -> ``train``."""
+    return module.split(".")[1]
+
+
+def test_every_module_has_a_layer() -> None:
+    assert sorted({layer(m) for m in GRAPH if m != "titan_recover"} - set(LAYERS)) == []
+    assert sorted(set(LAYERS) - {layer(m) for m in GRAPH if m != "titan_recover"}) == []
+
+
+def test_each_layer_imports_only_what_the_table_allows() -> None:
+    wrong = sorted(f"{m} imports {d}" for m, deps in OURS.items() if m != "titan_recover" for d in deps
+                   if d != "titan_recover" and layer(d) != layer(m) and layer(d) not in LAYERS[layer(m)])
+    assert wrong == []
+
+
+def test_the_table_has_no_circles() -> None:
+    """Each layer's allowed imports stand below it: the table itself is a partial order."""
+    order: list[str] = []
+    while len(order) < len(LAYERS):
+        ready = [name for name, below in LAYERS.items() if name not in order and below <= set(order)]
+        assert ready, f"a circle among {sorted(set(LAYERS) - set(order))}"
+        order.extend(ready)
+
+
+def test_the_coordinator_process_imports_no_torchtitan() -> None:
+    """``python -m titan_recover.coordinator`` gets the job's settings as a record from its launcher."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "titan_recover.coordinator", "--help"],
+                         cwd=ROOT.parent, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "titan_recover.coordinator.shell" in imported
+    assert sorted(m for m in imported if m.split(".")[0] == "torchtitan") == []
 
 
 def test_only_the_adapter_imports_torchtitan() -> None:
@@ -67,7 +115,7 @@ def test_the_adapter_stands_below_the_trainers() -> None:
     so the trainers, the data path and the launcher may all import it without a circle."""
     for m, deps in OURS.items():
         if m == "titan_recover.titan" or m.startswith("titan_recover.titan."):
-            below = {"titan_recover", "titan_recover.cpu_shim", "titan_recover.config"}
+            below = {"titan_recover", "titan_recover.titan.cpu_shim", "titan_recover.config"}
             assert {d for d in deps if not d.startswith("titan_recover.titan")} <= below, m
 
 

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from titan_recover import launch, node_channel
+from titan_recover.launch import launcher
+from titan_recover.node.channel import DONE, FATAL
 from titan_recover.control import keys, transport
 from titan_recover.control.etcd_store import EtcdUnavailable
 from titan_recover.control.lifeline import AliveClock
@@ -141,7 +142,7 @@ class Groups:
     def watch(self, client: object) -> bool:
         if self.errors:
             raise self.errors.pop(0)
-        self.agent.flags, self.outcome = node_channel.DONE, 0
+        self.agent.flags, self.outcome = DONE, 0
         return False
 
     def done(self) -> bool:
@@ -167,9 +168,9 @@ def child(code: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-def node_launcher(coordinator: subprocess.Popen, etcd: bool, errors: list[Exception], timeout_s: float = 2.0) -> launch.NodeLauncher:
+def node_launcher(coordinator: subprocess.Popen, etcd: bool, errors: list[Exception], timeout_s: float = 2.0) -> launcher.NodeLauncher:
     """A ``NodeLauncher`` past ``register``, with a real coordinator process and stand-ins for the rest."""
-    nl = object.__new__(launch.NodeLauncher)
+    nl = object.__new__(launcher.NodeLauncher)
     nl.rc = SimpleNamespace(coordinator_timeout_s=timeout_s)
     nl.job_config = SimpleNamespace(checkpoint=SimpleNamespace(enable=False), job=SimpleNamespace(dump_folder="outputs"),
                                     dump_folder="outputs")  # where TorchTitan 0.2, then 0.3, keeps it
@@ -178,7 +179,7 @@ def node_launcher(coordinator: subprocess.Popen, etcd: bool, errors: list[Except
     nl.agent = SimpleNamespace(flags=0, never_admitted=lambda r: False)
     nl.groups = Groups(nl.agent, errors)
     nl.lifeline = Lifeline()
-    nl.lost_once = launch.threading.Lock()
+    nl.lost_once = launcher.threading.Lock()
     return nl
 
 
@@ -187,7 +188,7 @@ def lost(monkeypatch: pytest.MonkeyPatch) -> None:
     def exit_lost(who: str, reason: str, hint: str) -> None:
         raise Lost(reason)
 
-    monkeypatch.setattr(launch, "exit_lost", exit_lost)
+    monkeypatch.setattr(launcher, "exit_lost", exit_lost)
 
 
 @pytest.mark.parametrize("etcd, error", [(False, dist.DistStoreError("wait timeout after 600000ms")),
@@ -201,7 +202,7 @@ def test_a_store_error_while_the_coordinator_lives_is_retried_and_its_end_is_wai
     nl = node_launcher(coordinator, etcd, [error, error])
     try:
         nl.loop(client=None)  # type: ignore[arg-type]
-        assert not nl.groups.errors and nl.agent.flags == node_channel.DONE  # retried until the run ended
+        assert not nl.groups.errors and nl.agent.flags == DONE  # retried until the run ended
         start = time.monotonic()
         assert nl.drain() == 0
         assert time.monotonic() - start < 2.0 + 5.0
@@ -234,7 +235,7 @@ def test_a_coordinator_that_crashed_before_the_run_ended_is_lost(lost: None) -> 
 
 
 def test_a_coordinator_that_ended_the_run_is_not_lost(lost: None) -> None:
-    for flags, code in ((node_channel.DONE, 0), (node_channel.FATAL, 1)):
+    for flags, code in ((DONE, 0), (FATAL, 1)):
         coordinator = child(f"raise SystemExit({code})")
         coordinator.wait(timeout=60)
         nl = node_launcher(coordinator, etcd=False, errors=[])
@@ -282,7 +283,7 @@ def test_the_coordinators_launcher_paused_past_the_coordinator_timeout_carries_o
     assert "this launcher did not run for" in a.output(), a.output()[-3000:]
     for node in (a, b):
         assert "error: launcher: lost the titan_recover coordinator" not in node.output(), node.output()[-3000:]
-        assert "titan_recover/launch.py" not in node.output(), node.output()[-3000:]
+        assert "titan_recover/launcher.py" not in node.output(), node.output()[-3000:]
 
 
 CRASH = """
@@ -325,4 +326,4 @@ def test_a_coordinator_that_dies_from_a_traceback_mid_run_is_lost_on_every_node(
     assert line in b.output(), b.output()[-3000:]  # its port refused the connection
     assert took < 30.0, took  # at once, not after the 30 s a group gets to finish
     for node in (a, b):
-        assert "titan_recover/launch.py" not in node.output(), node.output()[-3000:]
+        assert "titan_recover/launcher.py" not in node.output(), node.output()[-3000:]

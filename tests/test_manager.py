@@ -18,16 +18,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_recover import node_channel
+from titan_recover.node.channel import DONE, FATAL, FINISHED, READY, RUNNING, STARTING, STATE, Channel
 from titan_recover.control import transport
 from titan_recover.control.client import ABORT, COMMIT, REDO, ControlClient
 from titan_recover.control.protocol import Admission, Report, StepRecord, TransferRecord
 from titan_recover.control.sealed import Run
-from titan_recover.collectives import CollectiveAborted
+from titan_recover.rank.collectives import CollectiveAborted
 from titan_recover.config import Recover
-from titan_recover.manager import ReplicaFenced, ReplicaManager, RunFailed, RunFinished
-from titan_recover.membership import Membership
-from titan_recover.tokens import DataError
+from titan_recover.rank.manager import ReplicaFenced, ReplicaManager, RunFailed, RunFinished
+from titan_recover.policy.membership import Membership
+from titan_recover.data.tokens import DataError
 
 pytestmark = pytest.mark.unit
 
@@ -64,7 +64,7 @@ class Coordinator:
     def __init__(self, tmp_path: Path) -> None:
         self.store = transport.in_run(dist.HashStore(), Run("s3cret", "test"))
         self.control = ControlClient(self.store)
-        self.channel = node_channel.Channel.create(0, 0, slots=4, directory=str(tmp_path))
+        self.channel = Channel.create(0, 0, slots=4, directory=str(tmp_path))
         self.managers: list[ReplicaManager] = []
 
     def publish(self, epoch: int, members: tuple[int, ...], flags: int = 0) -> None:
@@ -81,7 +81,7 @@ class Coordinator:
         return m
 
     def slot_state(self, m: ReplicaManager) -> int:
-        return int(self.channel.read_slots()[m.slot, node_channel.STATE])
+        return int(self.channel.read_slots()[m.slot, STATE])
 
     def reports(self) -> list[Report]:
         reports = [self.control.read_report(i) for i in range(1, self.control.report_count() + 1)]
@@ -223,7 +223,7 @@ def test_the_run_failing_reaches_every_wait(coord: Coordinator) -> None:
     coord.publish(0, (0, 1))
     m = coord.manager(0)
     coord.control.stop("only 1 replica group(s) left")
-    coord.channel.publish(0, node_channel.FATAL)
+    coord.channel.publish(0, FATAL)
     with pytest.raises(RunFailed, match="only 1 replica group"):
         m.start_step(1)
 
@@ -239,17 +239,17 @@ def test_agreeing_on_a_newer_epoch_is_bounded(coord: Coordinator) -> None:
 def test_join_request_then_admission(coord: Coordinator) -> None:
     coord.publish(0, (0, 1))
     m = coord.manager(2, attempt=1, rejoining=True)
-    assert coord.slot_state(m) == node_channel.STARTING
+    assert coord.slot_state(m) == STARTING
     waiter = threading.Thread(target=m.wait_for_admission, args=(0, 2), daemon=True)
     waiter.start()
     time.sleep(0.05)
-    assert coord.slot_state(m) == node_channel.READY  # the node agent tells the coordinator
+    assert coord.slot_state(m) == READY  # the node agent tells the coordinator
     coord.control.admit(2, Admission(attempt=1, epoch=1))
     time.sleep(0.05)
     assert waiter.is_alive()  # an admission comes with a new epoch: only then is the store read
     coord.publish(1, (0, 1, 2))
     waiter.join(timeout=5)
-    assert not waiter.is_alive() and coord.slot_state(m) == node_channel.RUNNING
+    assert not waiter.is_alive() and coord.slot_state(m) == RUNNING
     assert m.agree_epoch() == 1
     m.start_step(1)
     assert coord.control.start_step() is None  # a rejoiner holds no state: it does not say where records begin
@@ -258,7 +258,7 @@ def test_join_request_then_admission(coord: Coordinator) -> None:
 def test_a_spare_waiting_for_admission_ends_with_the_run(coord: Coordinator) -> None:
     coord.publish(0, (0, 1))
     m = coord.manager(2, rejoining=True)
-    later(0.05, lambda: coord.channel.publish(0, node_channel.DONE))
+    later(0.05, lambda: coord.channel.publish(0, DONE))
     with pytest.raises(RunFinished):
         m.wait_for_admission(0, 2)
 
@@ -269,7 +269,7 @@ def test_a_joiner_says_what_it_waits_for(coord: Coordinator, members: tuple[int,
                                          caplog: pytest.LogCaptureFixture) -> None:
     coord.publish(0, members)
     m = coord.manager(1 if len(members) == 1 else 2, attempt=1, rejoining=True)
-    later(0.05, lambda: coord.channel.publish(0, node_channel.DONE))
+    later(0.05, lambda: coord.channel.publish(0, DONE))
     with caplog.at_level(logging.INFO), pytest.raises(RunFinished):
         m.wait_for_admission(3, 2)
     assert f"(attempt 1) asks to join; {says}" in caplog.text
@@ -295,7 +295,7 @@ def test_records_digests_and_the_end(coord: Coordinator) -> None:
     assert coord.store.check(["transfer/0/0"])  # the key string other processes read
     assert coord.control.read_transfer(0, 0) == TransferRecord(bytes=1, transfer_s=0.1, step=5, epoch=1)
     m.finish()
-    assert coord.slot_state(m) == node_channel.FINISHED
+    assert coord.slot_state(m) == FINISHED
 
 
 def test_step_records_are_written_behind_the_step_and_all_there_at_the_finish(coord: Coordinator) -> None:
@@ -337,8 +337,8 @@ def test_a_joiner_goes_on_only_in_an_epoch_that_includes_it(coord: Coordinator) 
     time.sleep(0.05)
     coord.publish(1, (0,))  # the next leader's epoch 1 (replica 1 failed) does not include it
     time.sleep(0.1)
-    assert waiter.is_alive() and coord.slot_state(m) == node_channel.READY
+    assert waiter.is_alive() and coord.slot_state(m) == READY
     coord.control.admit(2, Admission(attempt=1, epoch=2))  # the next leader admits the group still asking
     coord.publish(2, (0, 2))
     waiter.join(timeout=5)
-    assert not waiter.is_alive() and coord.slot_state(m) == node_channel.RUNNING
+    assert not waiter.is_alive() and coord.slot_state(m) == RUNNING

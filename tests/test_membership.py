@@ -1,4 +1,4 @@
-"""Tests for titan_recover.membership: epochs, fencing, and the failure detector.
+"""Tests for titan_recover.policy.membership: epochs, fencing, and the failure detector.
 
 The detector is pure logic driven with explicit ``now`` values, so no test here
 sleeps or starts a process.
@@ -11,7 +11,7 @@ import json
 import pytest
 
 from titan_recover.control.protocol import NodeGroup, Stuck
-from titan_recover.membership import (
+from titan_recover.policy.membership import (
     FailureDetector,
     GroupView,
     Membership,
@@ -601,7 +601,7 @@ def test_new_epoch_drops_unnamed_reports_about_the_old_one() -> None:
 
 # --- bounded retries, the job's own errors, diverged replicas -------------------------
 
-from titan_recover.membership import diverged, job_error, retry_verdict  # noqa: E402
+from titan_recover.policy.membership import diverged, job_error, retry_verdict# noqa: E402
 
 
 def test_retry_verdict_retries_then_fences_the_silent_then_stops() -> None:

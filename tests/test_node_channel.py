@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from titan_recover import node_channel
+from titan_recover.node.channel import BEAT, DONE, FINISHED, PID, READY, RUNNING, STATE, STUCK, remove_orphans
 from titan_recover.control import protocol
 from titan_recover.control.protocol import NodeGroup, NodeMessage, Stuck
-from titan_recover.agent import NodeAgent, SlotWatch
-from titan_recover.node_channel import Channel, ChannelError, RankBeat
+from titan_recover.node.agent import NodeAgent, SlotWatch
+from titan_recover.node.channel import Channel, ChannelError, RankBeat
 
 from conftest import ROOT
 
@@ -39,17 +39,17 @@ def wait_until(predicate, timeout_s: float) -> None:
 def test_a_rank_in_another_process_sees_the_epoch_the_agent_pushes(channel: Channel) -> None:
     code = (
         "import sys, time\n"
-        "from titan_recover.node_channel import Channel, RUNNING\n"
+        "from titan_recover.node.channel import Channel, RUNNING\n"
         "c = Channel.open(sys.argv[1]); c.set_state(1, RUNNING)\n"
         "while c.epoch() < 4: time.sleep(0.001)\n"
         "print(c.epoch(), c.flags(), flush=True)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, channel.path], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
-        wait_until(lambda: channel.read_slots()[1, node_channel.STATE] == node_channel.RUNNING, 30)
-        assert channel.read_slots()[1, node_channel.PID] == proc.pid  # the agent can kill it by pid
-        channel.publish(4, node_channel.DONE)
-        assert proc.communicate(timeout=30)[0].split() == ["4", str(node_channel.DONE)]
+        wait_until(lambda: channel.read_slots()[1, STATE] == RUNNING, 30)
+        assert channel.read_slots()[1, PID] == proc.pid  # the agent can kill it by pid
+        channel.publish(4, DONE)
+        assert proc.communicate(timeout=30)[0].split() == ["4", str(DONE)]
     finally:
         proc.kill()
 
@@ -74,13 +74,13 @@ def test_a_stuck_main_loop_marks_its_slot_and_stops_beating_then_resumes(channel
             channel.tick()
             time.sleep(0.02)
         slots = channel.read_slots()
-        assert slots[0, node_channel.BEAT] > 5 and slots[0, node_channel.STATE] != node_channel.STUCK
-        wait_until(lambda: channel.read_slots()[0, node_channel.STATE] == node_channel.STUCK, 5)  # no tick for 0.5 s
-        silent = channel.read_slots()[0, node_channel.BEAT]
+        assert slots[0, BEAT] > 5 and slots[0, STATE] != STUCK
+        wait_until(lambda: channel.read_slots()[0, STATE] == STUCK, 5)  # no tick for 0.5 s
+        silent = channel.read_slots()[0, BEAT]
         time.sleep(0.2)
-        assert channel.read_slots()[0, node_channel.BEAT] == silent  # and it stopped beating
+        assert channel.read_slots()[0, BEAT] == silent  # and it stopped beating
         beat.tick("microbatch 1")
-        wait_until(lambda: channel.read_slots()[0, node_channel.BEAT] > silent, 5)  # progress again: beats again
+        wait_until(lambda: channel.read_slots()[0, BEAT] > silent, 5)  # progress again: beats again
     finally:
         beat.stop()
 
@@ -110,10 +110,10 @@ def test_slot_watch_counts_ranks_and_the_most_silent_one(channel: Channel) -> No
     channel.set_step(1, 7)
     entry = watch.entry(1, channel.read_slots(), 102.0)
     assert entry.silent_s == 1.5 and entry.ranks == 2
-    channel.set_state(1, node_channel.STUCK)
+    channel.set_state(1, STUCK)
     assert watch.entry(1, channel.read_slots(), 102.1).stuck == Stuck(rank=1, step=7)
-    channel.set_state(0, node_channel.FINISHED)
-    channel.set_state(1, node_channel.READY)
+    channel.set_state(0, FINISHED)
+    channel.set_state(1, READY)
     entry = watch.entry(1, channel.read_slots(), 103.0)
     assert (entry.finished, entry.ready) == (1, 1) and entry.stuck is None and "stuck" not in entry.to_json()
 
@@ -181,9 +181,9 @@ def test_only_a_restart_none_of_whose_ranks_was_admitted_counts_as_never_admitte
         assert not agent.never_admitted(1)  # not a group of this node
         restart = Channel.open(agent.open(0, 1))
         assert agent.never_admitted(0)  # starting
-        restart.set_state(0, node_channel.READY)
+        restart.set_state(0, READY)
         assert agent.never_admitted(0)  # waiting for its admission
-        restart.set_state(1, node_channel.RUNNING)
+        restart.set_state(1, RUNNING)
         assert not agent.never_admitted(0)  # admitted: it holds the state and finishes like any member
     finally:
         agent.close()
@@ -205,7 +205,7 @@ def test_a_malformed_node_message_is_refused_naming_the_key(groups: dict) -> Non
 def test_the_channel_files_of_a_sigkilled_agent_are_removed_by_the_next_launcher(tmp_path: Path) -> None:
     """A SIGKILLed launcher cannot unlink its channel files; the next launcher on the node removes them
     (those of live agents and files that are not channels stay)."""
-    code = ("import sys, time; from titan_recover.node_channel import Channel; "
+    code = ("import sys, time; from titan_recover.node.channel import Channel; "
             f"c = Channel.create(1, 0, 2, directory={str(tmp_path)!r}); print(c.path, flush=True); time.sleep(60)")
     agent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     dead = agent.stdout.readline().strip()
@@ -215,6 +215,6 @@ def test_the_channel_files_of_a_sigkilled_agent_are_removed_by_the_next_launcher
     other = tmp_path / "titan_recover-notes.txt"
     other.write_text("not a channel")
     assert os.path.exists(dead)
-    assert node_channel.remove_orphans(str(tmp_path)) == [os.path.basename(dead)]
+    assert remove_orphans(str(tmp_path)) == [os.path.basename(dead)]
     assert not os.path.exists(dead) and os.path.exists(live.path) and other.exists()
     live.remove()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from titan_recover.order import epoch_key, epochs_started, permute, window_of
+from titan_recover.data.order import epoch_key, epochs_started, permute, window_of
 
 pytestmark = pytest.mark.unit
 

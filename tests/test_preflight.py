@@ -1,4 +1,4 @@
-"""The preflight's rules (``titan_recover.preflight``), one test per rule, and the launcher refusing a
+"""The preflight's rules (``titan_recover.launch.preflight``), one test per rule, and the launcher refusing a
 run on one of them before anything starts."""
 
 import subprocess
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from titan_recover import preflight
+from titan_recover.launch import preflight
 from titan_recover.config import Recover
-from titan_recover.preflight import OK, REFUSE, WARN, check
+from titan_recover.launch.preflight import OK, REFUSE, WARN, check
 
 from bench.common import job
 

@@ -17,9 +17,9 @@ import pytest
 
 from bench.common import FLAGS, config_args
 from conftest import ROOT, run_data_cli, run_job, write_jsonl, write_standin_tokenizer
-from titan_recover import prepare
-from titan_recover.synthetic import TOKENIZER_DIR, synthetic_corpus
-from titan_recover.tokens import DataError, TokenDataset
+from titan_recover.data import prepare
+from titan_recover.data.synthetic import TOKENIZER_DIR, synthetic_corpus
+from titan_recover.data.tokens import DataError, TokenDataset
 
 
 def all_tokens(folder: str) -> np.ndarray:
@@ -84,7 +84,7 @@ def test_prepare_command_is_idempotent_and_caps_exactly(tmp_path: Path, docs: li
 
 
 def tokens_verify_clean(folder: str) -> bool:
-    from titan_recover.tokens import verify
+    from titan_recover.data.tokens import verify
 
     return verify(folder) == []
 

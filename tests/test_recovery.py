@@ -1,4 +1,4 @@
-"""Tests for titan_recover.recovery: replayed microbatch ownership and the step tally."""
+"""Tests for titan_recover.policy.steps: replayed microbatch ownership and the step tally."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from titan_recover import workload
-from titan_recover.membership import Membership
-from titan_recover.recovery import (
+from titan_recover.policy import workload
+from titan_recover.policy.membership import Membership
+from titan_recover.policy.steps import (
     DIGEST,
     MICROBATCHES,
     TOKENS,

@@ -1,15 +1,15 @@
-"""The restart budget per time window (titan_recover.restarts) and the launcher's use of it (no processes)."""
+"""The restart budget per time window (titan_recover.policy.restarts) and the launcher's use of it (no processes)."""
 
 import pytest
 import torch.distributed as dist
 
-from titan_recover.agent import NodeAgent
-from titan_recover.groups import Meeting, ReplicaGroups, Span
+from titan_recover.node.agent import NodeAgent
+from titan_recover.launch.torchruns import Meeting, ReplicaGroups, Span
 from titan_recover.control import claims, keys, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Fence, Launcher, Rendezvous
 from titan_recover.control.sealed import Run
-from titan_recover.restarts import RestartBudget, restart_allowed
+from titan_recover.policy.restarts import RestartBudget, restart_allowed
 
 pytestmark = pytest.mark.unit
 

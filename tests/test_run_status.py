@@ -10,10 +10,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from titan_recover import config
 from titan_recover.control.protocol import CoordinatorState, MessageError
-from titan_recover.events import Tail, event_files
-from titan_recover.run_status import MAX_POINTS, Live, LiveGroup, RunHistory
+from titan_recover.observability.events import Tail, event_files
+from titan_recover.observability.run_status import MAX_POINTS, Live, LiveGroup, RunHistory
 from titan_recover.status import format_status
-from titan_recover.status_server import Metrics, StatusSource
+from titan_recover.observability.status_server import Metrics, StatusSource
 
 pytestmark = pytest.mark.unit
 

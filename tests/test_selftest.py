@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from titan_recover import probe, selftest
-from titan_recover.events import RECOVERY_PHASES
+from titan_recover import selftest
+from titan_recover.rank import probe
+from titan_recover.observability.events import RECOVERY_PHASES
 
 ROOT = Path(__file__).resolve().parents[1]
 

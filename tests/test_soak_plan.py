@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from bench import soak
-from titan_recover.faults import parse_fault_plan
+from titan_recover.policy.fault_plan import parse_fault_plan
 
 pytestmark = pytest.mark.unit
 

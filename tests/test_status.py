@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.common import job
 from titan_recover.control import keys, transport
 from titan_recover.control.sealed import Run
-from titan_recover.events import read_events
+from titan_recover.observability.events import read_events
 from titan_recover.status import fetch
 
 ROOT = Path(__file__).resolve().parents[1]

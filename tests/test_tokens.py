@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from conftest import run_data_cli, write_jsonl, write_standin_tokenizer
-from titan_recover import prepare, tokens
-from titan_recover.synthetic import TOKENIZER_DIR, synthetic_corpus
-from titan_recover.tokens import DataError, Manifest, TokenDataset
+from titan_recover.data import prepare, tokens
+from titan_recover.data.synthetic import TOKENIZER_DIR, synthetic_corpus
+from titan_recover.data.tokens import DataError, Manifest, TokenDataset
 
 SHIPPED_JSON = os.path.join(TOKENIZER_DIR, "tokenizer.json")
 

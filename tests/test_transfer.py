@@ -1,4 +1,4 @@
-"""Tests for titan_recover.transfer: packing, the manifest check, the header, and a
+"""Tests for titan_recover.rank.transfer: packing, the manifest check, the header, and a
 real donor -> joiner state transfer over gloo between two threads of this process.
 
 TorchTitan's containers are stood in for by tiny objects with the attributes
@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_recover import transfer
+from titan_recover.rank import transfer
 from titan_recover.control import protocol, transport
-from titan_recover.collectives import CollectiveAborted, ReplicateProcessGroups
-from titan_recover.transfer import RNG, TransferError, check_manifest, manifest, pack, unpack
+from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
+from titan_recover.rank.transfer import RNG, TransferError, check_manifest, manifest, pack, unpack
 
 
 class Optimizers:

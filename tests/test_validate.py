@@ -11,10 +11,10 @@ from bench.common import job
 from titan_recover import titan
 from titan_recover.control import keys
 from titan_recover.config import ConfigError
-from titan_recover.data import check_tokenizer_folder
-from titan_recover.launch import check_coordinator, parse_group_node, parse_replicas
-from titan_recover.synthetic import TOKENIZER_DIR
-from titan_recover.tokens import DataError
+from titan_recover.data.addressing import check_tokenizer_folder
+from titan_recover.launch.launcher import check_coordinator, parse_group_node, parse_replicas
+from titan_recover.data.synthetic import TOKENIZER_DIR
+from titan_recover.data.tokens import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Tests for titan_recover.workload: exact, deterministic microbatch ownership."""
+"""Tests for titan_recover.policy.workload: exact, deterministic microbatch ownership."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from titan_recover import workload
-from titan_recover.workload import (
+from titan_recover.policy import workload
+from titan_recover.policy.workload import (
     POLICIES,
     Speeds,
     WorkloadError,
@@ -409,7 +409,7 @@ def test_misbehaving_policy_is_rejected(isolated_registry: dict, quotas: dict) -
 
 
 def test_module_does_not_import_torch() -> None:
-    code = "import sys, titan_recover.workload; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, titan_recover.policy.workload; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from titan_recover.events import Log, event_files, read_log
+from titan_recover.observability.events import Log, event_files, read_log
 
 
 @dataclass

@@ -8,6 +8,7 @@ the same TOML describes stock HSDP (``enable = false``) and titan_recover.
 """
 
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -15,11 +16,11 @@ from typing import Any
 
 import torch
 
-from titan_recover import faults, workload
+from titan_recover.policy import fault_plan, workload
 from titan_recover.control.addresses import check_bindable, check_port_free, parse_etcd_url, parse_host
 
 BACKENDS = ("auto", "nccl", "gloo")
-"""Values of ``recover.replicate_backend`` (``titan_recover.devices`` resolves "auto")."""
+"""Values of ``recover.replicate_backend`` (``titan_recover.node.devices`` resolves "auto")."""
 
 
 class ConfigError(ValueError):
@@ -32,13 +33,13 @@ class Recover:
     """Run the replicate dimension as fault-tolerant replica groups. false = stock TorchTitan HSDP."""
 
     policy: str = "balanced"
-    """Workload policy that hands microbatch ids to live replicas (see titan_recover.workload)."""
+    """Workload policy that hands microbatch ids to live replicas (see titan_recover.policy.workload)."""
 
     exact: bool = False
     """Bit-exact recovery: the parameters, optimizer state and loss after every step are the same
     bits as the failure-free run's, whatever failed and whoever took over which microbatch, and
     with 2, 3 or 4 replica groups of the same shard degree. Each microbatch's gradient is summed
-    on an agreed fixed-point grid as exact integers (order-free; see titan_recover.exact), and a CPU rank
+    on an agreed fixed-point grid as exact integers (order-free; see titan_recover.rank.exact), and a CPU rank
     runs one intra-op thread. Replica groups of FSDP ranks only (tensor/pipeline parallel 1)."""
 
     speed_smoothing: float = 0.3
@@ -59,7 +60,7 @@ class Recover:
     """Stop with an error when fewer replica groups than this are left."""
 
     fault_plan: str = "none"
-    """Failures to inject, e.g. "kill replica=1 rank=1 step=10 phase=backward" (see titan_recover.faults)."""
+    """Failures to inject, e.g. "kill replica=1 rank=1 step=10 phase=backward" (see titan_recover.policy.fault_plan)."""
 
     heartbeat_interval_s: float = 0.1
     """How often every rank beats into its node channel, and every node agent (launcher) writes
@@ -125,7 +126,7 @@ class Recover:
 
     data_seed: int = 0
     """Seed of the sample order: each data epoch visits every window of the corpus once, in an
-    order drawn from this seed and the epoch (see titan_recover.order)."""
+    order drawn from this seed and the epoch (see titan_recover.data.order)."""
 
     control_store: str = ""
     """Where the coordinator's state lives. "" = its own TCPStore (one coordinator; if its node
@@ -149,13 +150,13 @@ class Recover:
 
     replicate_backend: str = "auto"
     """Backend of the replicate-dimension groups: "nccl", "gloo", or "auto" (NCCL where every
-    rank has a GPU of its own, else gloo); the launcher resolves "auto" (see titan_recover.devices)."""
+    rank has a GPU of its own, else gloo); the launcher resolves "auto" (see titan_recover.node.devices)."""
 
     nccl_rank_per_host: bool = False
     """Let ranks share GPUs with every communicator on NCCL (the replicate dimension and FSDP inside
     a group, e.g. 2 groups x 2 ranks on one GPU): each rank sees one GPU and poses to NCCL as a host
     of its own, NCCL connecting them over loopback sockets. For tests and the self-test on a small
-    node; one node only; its timings are not performance figures (see titan_recover.devices)."""
+    node; one node only; its timings are not performance figures (see titan_recover.node.devices)."""
 
 
 ETCD_NODE_MESSAGE_S = 0.4
@@ -168,6 +169,53 @@ def node_message_interval_s(rc: Recover) -> float:
     pass that reads them also reads etcd (the node messages themselves are on the leader's board,
     ``control.board``). Failure detection is bounded by ``heartbeat_timeout_s`` either way."""
     return max(rc.heartbeat_interval_s, ETCD_NODE_MESSAGE_S) if rc.control_store else rc.heartbeat_interval_s
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    """What the coordinator needs of the job, parsed once by the launcher and handed over as JSON
+    (``--settings``): the control-plane process imports no TorchTitan and never re-reads the config."""
+
+    recover: Recover
+    replicas: int
+    """``parallelism.data_parallel_replicate_degree``: the members of epoch 0."""
+    replica_ids: int
+    """Replica groups the run starts (members and hot spares)."""
+    group_ranks: int
+    steps: int
+    tokens_per_step: int
+    precision: str
+    dump_folder: str
+    resume_hint: str
+    """The line every process prints when the run stops for good."""
+
+    @classmethod
+    def of(cls, job_config: Any, dump_folder: str) -> "CoordinatorSettings":
+        tr, par = job_config.training, job_config.parallelism
+        return cls(recover=job_config.recover, replicas=par.data_parallel_replicate_degree,
+                   replica_ids=replica_ids(job_config), group_ranks=group_ranks(par), steps=tr.steps,
+                   tokens_per_step=tr.global_batch_size * tr.seq_len, precision=tr.mixed_precision_param,
+                   dump_folder=dump_folder, resume_hint=resume_hint(job_config, dump_folder))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CoordinatorSettings":
+        """The settings the launcher wrote; ConfigError naming what is wrong (a hand-started coordinator)."""
+        try:
+            fields = json.loads(text)
+            recover = Recover(**fields.pop("recover"))
+            settings = cls(recover=recover, **fields)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ConfigError(f"coordinator --settings is not a settings record ({e}): start the coordinator "
+                              "with run_train.sh, whose launcher writes it") from None
+        _check_types(settings.recover, "recover")
+        for name, kind in (("replicas", int), ("replica_ids", int), ("group_ranks", int), ("steps", int),
+                           ("tokens_per_step", int), ("precision", str), ("dump_folder", str), ("resume_hint", str)):
+            if type(getattr(settings, name)) is not kind:
+                raise ConfigError(f"coordinator --settings: {name} = {getattr(settings, name)!r} is not {kind.__name__}")
+        return settings
 
 
 @dataclass
@@ -363,10 +411,10 @@ def _check_policy(rc: Recover) -> None:
         raise ConfigError(f"recover.policy: {e}") from e
 
 
-def _parse_fault_plan(rc: Recover) -> tuple[faults.Fault, ...]:
+def _parse_fault_plan(rc: Recover) -> tuple[fault_plan.Fault, ...]:
     try:
-        return faults.parse_fault_plan(rc.fault_plan)
-    except faults.FaultPlanError as e:
+        return fault_plan.parse_fault_plan(rc.fault_plan)
+    except fault_plan.FaultPlanError as e:
         raise ConfigError(f"recover.fault_plan: {e}") from e
 
 
@@ -403,7 +451,7 @@ def _check_group_nodes(rc: Recover, par: Any) -> None:
         )
 
 
-def _check_fault_plan(plan: tuple[faults.Fault, ...], job_config: Any) -> None:
+def _check_fault_plan(plan: tuple[fault_plan.Fault, ...], job_config: Any) -> None:
     """Every fault must be able to fire: one that never does would pass a test silently."""
     for f in plan:
         _check_fault_target(f, job_config)
@@ -412,7 +460,7 @@ def _check_fault_plan(plan: tuple[faults.Fault, ...], job_config: Any) -> None:
         _check_fault_attempt(f, job_config.recover.max_restarts)
 
 
-def _check_fault_target(f: faults.Fault, job_config: Any) -> None:
+def _check_fault_target(f: fault_plan.Fault, job_config: Any) -> None:
     ids, ranks = replica_ids(job_config), group_ranks(job_config.parallelism)
     if f.replica >= ids or f.rank >= ranks:
         raise ConfigError(
@@ -422,7 +470,7 @@ def _check_fault_target(f: faults.Fault, job_config: Any) -> None:
         )
 
 
-def _check_fault_join(f: faults.Fault, job_config: Any) -> None:
+def _check_fault_join(f: fault_plan.Fault, job_config: Any) -> None:
     if f.phase == "join" and f.attempt == 0 and not is_spare(f.replica, job_config):
         raise ConfigError(
             f"recover.fault_plan: '{f.action} replica={f.replica} phase=join attempt=0' can never fire: replica "
@@ -432,7 +480,7 @@ def _check_fault_join(f: faults.Fault, job_config: Any) -> None:
         )
 
 
-def _check_fault_step(f: faults.Fault, steps: int) -> None:
+def _check_fault_step(f: fault_plan.Fault, steps: int) -> None:
     if f.step is not None and f.step > steps:
         raise ConfigError(
             f"recover.fault_plan: '{f.action} replica={f.replica} step={f.step}' can never fire: "
@@ -440,7 +488,7 @@ def _check_fault_step(f: faults.Fault, steps: int) -> None:
         )
 
 
-def _check_fault_attempt(f: faults.Fault, max_restarts: int) -> None:
+def _check_fault_attempt(f: fault_plan.Fault, max_restarts: int) -> None:
     # with restarts counted per window any attempt can come in a long enough run; with none, only attempt 0
     if f.attempt > 0 and max_restarts == 0:
         raise ConfigError(
@@ -456,7 +504,7 @@ def cuda_graphs(job_config: Any) -> bool:
     return enabled and torch.cuda.is_available() and torch.version.hip is None
 
 
-def _check_faults_outside_cuda_graphs(plan: tuple[faults.Fault, ...], graphed: bool) -> None:
+def _check_faults_outside_cuda_graphs(plan: tuple[fault_plan.Fault, ...], graphed: bool) -> None:
     """A graph replay runs no Python hooks: a forward/backward fault would fire at capture or never."""
     for f in plan:
         if graphed and f.phase in ("forward", "backward"):

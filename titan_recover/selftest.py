@@ -26,13 +26,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
-from titan_recover import logs, preflight, probe
+from titan_recover.launch import preflight
+from titan_recover.observability import logs
+from titan_recover.rank import probe
 from titan_recover.compare import compare_runs
 from titan_recover.config import Recover
 from titan_recover.control import keys
-from titan_recover.events import RECOVERY_PHASES, read_log
-from titan_recover.jobs import job
-from titan_recover.summary import summarize_events
+from titan_recover.observability.events import RECOVERY_PHASES, read_log
+from titan_recover.titan.jobs import job
+from titan_recover.observability.summary import summarize_events
 
 CHECKS = ("preflight", "collectives", "default job", "exact")
 BOUND_S = 10.0  # a survivor's first good step after a fault, at the latest (detection of a stopped peer: 1 s)

@@ -17,10 +17,10 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from titan_recover.events import Tail, event_files
-from titan_recover.run_status import RunHistory
-from titan_recover.status_server import StatusServer, StatusSource
-from titan_recover.summary import spare_note
+from titan_recover.observability.events import Tail, event_files
+from titan_recover.observability.run_status import RunHistory
+from titan_recover.observability.status_server import StatusServer, StatusSource
+from titan_recover.observability.summary import spare_note
 
 CLEAR = "\x1b[H\x1b[2J"
 log = logging.getLogger("titan_recover.status")

@@ -25,11 +25,11 @@ import os
 import time
 from typing import Any, Callable, Iterator
 
-from titan_recover import procs
+from titan_recover.node import procs
 
 if __name__ == "__main__":  # before the seconds of imports below: a torchrun agent killed meanwhile takes this rank along
     procs.die_with_parent()
-    from titan_recover import devices
+    from titan_recover.node import devices
 
     os.environ.update(devices.rank_env(os.environ))  # before CUDA or NCCL start: a rank-per-host rank's GPU and host id
 
@@ -37,19 +37,24 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titan_recover import data, exact, logs, membership, procs, recovery, resources, titan, transfer, workload
-from titan_recover.collectives import CollectiveAborted, ReplicateProcessGroups
+from titan_recover import titan
+from titan_recover.data import addressing
+from titan_recover.node import procs
+from titan_recover.observability import logs, resources
+from titan_recover.policy import membership, steps, workload
+from titan_recover.rank import exact, transfer
+from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.control import keys, transport
 from titan_recover.control.client import COMMIT, REDO
 from titan_recover.control.addresses import route_address
 from titan_recover.control.protocol import MessageError, TransferRecord
 from titan_recover.control.sealed import Run
 from titan_recover.config import is_spare, replica_ids, resume_hint, validate
-from titan_recover.faults import Fault
-from titan_recover.logged_trainer import LoggedTrainer
-from titan_recover.manager import ReplicaFenced, ReplicaManager, RunFinished
-from titan_recover.membership import Membership, diverged
-from titan_recover.stock import StockTrainer
+from titan_recover.policy.fault_plan import Fault
+from titan_recover.rank.trainer import LoggedTrainer
+from titan_recover.rank.manager import ReplicaFenced, ReplicaManager, RunFinished
+from titan_recover.policy.membership import Membership, diverged
+from titan_recover.rank.stock import StockTrainer
 
 log = logs.get("rank")
 
@@ -239,7 +244,7 @@ class RecoverTrainer(LoggedTrainer):
         epoch = self.manager.start_step(self.step)
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
-        tally = recovery.new_tally(self.num_microbatches, self.replica_slots)
+        tally = steps.new_tally(self.num_microbatches, self.replica_slots)
         done: set[int] = set()
         synced = -1  # the epoch this step's state was handed over in (a redo stays in it)
         if self.exact is not None:
@@ -253,7 +258,7 @@ class RecoverTrainer(LoggedTrainer):
                         epoch = self.manager.agree_epoch(newer_than=epoch)
                         continue
                     synced = current.epoch
-                owned = recovery.step_assignment(self.rc.policy, history, self.num_microbatches, self.speeds.rates())[self.replica]
+                owned = steps.step_assignment(self.rc.policy, history, self.num_microbatches, self.speeds.rates())[self.replica]
                 for m in owned:
                     if m not in done:
                         self._compute(m, tally, len(done), len(owned))
@@ -274,7 +279,7 @@ class RecoverTrainer(LoggedTrainer):
                     if decision == REDO:
                         assert coarser is not None  # every member read the same histogram
                         self._redo(coarser)
-                        tally, done = recovery.new_tally(self.num_microbatches, self.replica_slots), set()
+                        tally, done = steps.new_tally(self.num_microbatches, self.replica_slots), set()
                         continue
                 epoch = self.manager.agree_epoch(newer_than=epoch)
         except Exception as e:
@@ -298,7 +303,7 @@ class RecoverTrainer(LoggedTrainer):
         start = time.perf_counter()
         inputs, labels = self.dataloader.load(self.step, microbatch)
         self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
-        digest = data.piece_digest(inputs, labels) if self.reports_data else 0  # of the CPU copy
+        digest = addressing.piece_digest(inputs, labels) if self.reports_data else 0  # of the CPU copy
         with self.injector.microbatch(self.model_parts[0], self.step, index, count):
             input_dict, targets = titan.model_inputs(self, inputs.to(self.device), labels.to(self.device))
             loss = self.forward_backward_step(input_dict=input_dict, labels=targets, global_valid_tokens=self.valid_tokens)
@@ -309,11 +314,11 @@ class RecoverTrainer(LoggedTrainer):
                 part.zero_grad(set_to_none=True)
         tokens = int((labels != titan.IGNORE_INDEX).sum())
         if self.reports_data:
-            recovery.tally_microbatch(tally, microbatch, digest, tokens, loss.detach())
+            steps.tally_microbatch(tally, microbatch, digest, tokens, loss.detach())
         if (factor := self.injector.slow_factor(self.step)) > 1:  # a straggler, for tests and benches
             time.sleep((factor - 1) * (time.perf_counter() - start))
         if self.group_rank == 0:  # one rank per replica times it: every rank reads the same sum
-            recovery.tally_time(tally, self.replica_slots, self.replica, time.perf_counter() - start)
+            steps.tally_time(tally, self.replica_slots, self.replica, time.perf_counter() - start)
         titan.count_tokens(self, labels)
 
     def _grads(self) -> list[torch.Tensor]:
@@ -353,7 +358,7 @@ class RecoverTrainer(LoggedTrainer):
 
     def _commit(self, current: Membership, buffers: list[torch.Tensor], lr: float) -> None:
         flat, tally = buffers[:2]
-        summary = recovery.summarize(tally, self.parallel_dims.dp_shard, int(self.global_tokens), self.replica_slots)
+        summary = steps.summarize(tally, self.parallel_dims.dp_shard, int(self.global_tokens), self.replica_slots)
         self.speeds = workload.update_speeds(
             self.speeds, summary.seconds_per_microbatch, current.members, self.num_microbatches,
             self.rc.speed_smoothing, self.rc.rebalance_threshold,
@@ -386,7 +391,7 @@ class RecoverTrainer(LoggedTrainer):
                 extra |= self._recovery_metrics(current, summary)
             self.metrics_processor.log(self.step, summary.loss, summary.loss, grad_norm, extra_metrics=extra)
 
-    def _recovery_metrics(self, current: Membership, summary: recovery.StepSummary) -> dict[str, float]:
+    def _recovery_metrics(self, current: Membership, summary: steps.StepSummary) -> dict[str, float]:
         """The run's recovery figures for TensorBoard/W&B: this step's, and the coordinator's counts
         as it last saved them (read from the store only at log steps, only when a logger wants them)."""
         out = {"recover/live_groups": float(len(current.members)),

@@ -10,7 +10,7 @@ tokens is one call away, from the user's own ``custom_import`` module:
 
 from typing import Any
 
-from titan_recover.dataloader import build_addressable_dataloader
+from titan_recover.data.dataloader import build_addressable_dataloader
 from titan_recover.titan import v0_2  # TOML jobs: TorchTitan 0.2's registry of TrainSpecs
 
 

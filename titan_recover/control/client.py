@@ -284,7 +284,7 @@ class ControlClient:
 
     # ---- forgetting -------------------------------------------------------------------
     # Keys nobody reads any more are deleted, so a long run's store stays bounded. The coordinator
-    # decides which (``coordinator_core.Forget``), after saving the state that says they are gone.
+    # decides which (``coordinator.core.Forget``), after saving the state that says they are gone.
 
     def _delete(self, names: list[str]) -> None:
         self.store.delete_many(names)

@@ -3,8 +3,8 @@
 The rest of titan_recover takes TorchTitan's names from here and never imports ``torchtitan``
 itself. Each TorchTitan line is one module beside this one, defining every name of ``INTERFACE``
 (``v0_2``: TorchTitan 0.2.x, TOML configs; ``v0_3``: 0.3.x, Python configs): this module loads the
-installed line's. A new line is one new module. Importing this imports TorchTitan (seconds), so
-light modules import it inside functions.
+installed line's on first use of a name of ``INTERFACE`` (TorchTitan's import takes seconds), so
+``titan.cpu_shim`` and ``titan.jobs`` import without it. A new line is one new module.
 
 The interface:
     Trainer, JobConfig, BaseDataLoader, Tokenizer(path), IGNORE_INDEX   TorchTitan's own
@@ -29,6 +29,7 @@ The interface:
 
 import importlib
 from importlib import metadata
+from typing import Any
 
 LINES = {"0.2": "v0_2", "0.3": "v0_3"}
 """TorchTitan lines (major.minor) and their modules."""
@@ -54,7 +55,14 @@ def installed_line() -> str:
     return line
 
 
-LINE = installed_line()
-_line = importlib.import_module(f"{__name__}.{LINES[LINE]}")
-globals().update({name: getattr(_line, name) for name in INTERFACE})
+def __getattr__(name: str) -> Any:
+    """The installed line's ``name`` (and ``LINE``), its module imported on first use."""
+    if name != "LINE" and name not in INTERFACE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    line = installed_line()
+    module = importlib.import_module(f"{__name__}.{LINES[line]}")
+    globals().update({"LINE": line, **{n: getattr(module, n) for n in INTERFACE}})
+    return globals()[name]
+
+
 __all__ = ["LINE", *INTERFACE]

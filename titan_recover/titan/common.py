@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from titan_recover import cpu_shim
+from titan_recover.titan import cpu_shim
 from titan_recover.config import ConfigError, validate
 
 if "torchtitan.tools.utils" in sys.modules and cpu_shim.needed() and sys.modules["torchtitan.tools.utils"].device_type != "cpu":

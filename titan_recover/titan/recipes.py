@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from titan_recover import cpu_shim
+from titan_recover.titan import cpu_shim
 from titan_recover.config import Recover
 from titan_recover.titan.v0_3 import Trainer
 

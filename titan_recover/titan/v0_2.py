@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from titan_recover import cpu_shim
+from titan_recover.titan import cpu_shim
 from titan_recover.config import ConfigError
 
 from titan_recover.titan import common  # binds TorchTitan's device type first

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from titan_recover.procs import pid_alive
+from titan_recover.node.procs import pid_alive
 from titan_recover.tools import delay_relay
 
 log = logging.getLogger("titan_recover.netns")

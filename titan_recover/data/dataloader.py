@@ -5,7 +5,7 @@ microbatch can be reissued to a survivor. Stock TorchTitan (``[recover] enable =
 false``) iterates the same addresses in failure-free order through torchdata's
 ``StatefulDataLoader``, so both modes consume the same samples per step.
 
-Each rank opens the job's dataset folder with ``data.open_dataset`` (checked against the
+Each rank opens the job's dataset folder with ``addressing.open_dataset`` (checked against the
 job's tokenizer and model; a violation is a ``DataError`` naming the file).
 """
 
@@ -14,10 +14,12 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
-from titan_recover import data, order, titan, workload
+from titan_recover import titan
+from titan_recover.data import addressing, order
+from titan_recover.policy import workload
 from titan_recover.config import num_microbatches
-from titan_recover.data import model_vocab_size, open_dataset
-from titan_recover.tokens import TokenDataset
+from titan_recover.data.addressing import model_vocab_size, open_dataset
+from titan_recover.data.tokens import TokenDataset
 
 
 class _FailureFreeOrder(Dataset):
@@ -65,9 +67,9 @@ class AddressableDataLoader(titan.BaseDataLoader):
 
     def load(self, step: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels) of this shard's part of microbatch ``microbatch`` of ``step``."""
-        samples = data.sample_indices(step, microbatch, self.shard, num_microbatches=self.num_microbatches,
+        samples = addressing.sample_indices(step, microbatch, self.shard, num_microbatches=self.num_microbatches,
                                       shards=self.shards, local_batch=self.local_batch)
-        return data.load_samples(self.dataset, samples, seq_len=self.seq_len, seed=self.seed,
+        return addressing.load_samples(self.dataset, samples, seq_len=self.seq_len, seed=self.seed,
                                  vocab_size=self.vocab_size)
 
     def samples_per_step(self) -> int:

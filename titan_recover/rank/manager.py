@@ -14,7 +14,7 @@ the protocol needs lives here too, so the trainer never touches a store key:
   fault the plan injected, a diverged replica;
 - the rejoin handshake (ready to join, then the admission) and the transfer record;
 - where the run's step records begin, the committed step's record, the parameter digests, and the end of the run;
-- the rank's lifeline (``node_channel.RankBeat``), started once, before TorchTitan builds
+- the rank's lifeline (``RankBeat``), started once, before TorchTitan builds
   the model, so the node agent sees the rank beat while it starts.
 
 Words as in the README's glossary: a *replica group* is one torchrun world; ``group_rank`` is
@@ -33,15 +33,19 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 import torch.distributed as dist
 
-from titan_recover import devices, logs, node_channel, procs, recovery, transfer
-from titan_recover.collectives import POLL_S, CollectiveAborted, backoff
+from titan_recover.node import devices, procs
+from titan_recover.node.channel import CHANNEL_ENV, DONE, FATAL, FINISHED, READY, RUNNING, STARTING, Channel, RankBeat
+from titan_recover.observability import logs
+from titan_recover.policy import steps
+from titan_recover.rank import transfer
+from titan_recover.rank.collectives import POLL_S, CollectiveAborted, backoff
 from titan_recover.control import transport
 from titan_recover.control.client import ABORT, COMMIT, REDO, ControlClient, redone
 from titan_recover.control.protocol import FaultRecord, MessageError, Report, StepRecord, TransferRecord
 from titan_recover.config import Recover
-from titan_recover.membership import Membership
-from titan_recover.exact import NonFinite
-from titan_recover.tokens import DataError
+from titan_recover.policy.membership import Membership
+from titan_recover.rank.exact import NonFinite
+from titan_recover.data.tokens import DataError
 
 EPOCH_POLL_S = 0.02  # how stale a rank's view of the epoch may be while it waits
 DECISION_WAIT_S = 0.1  # on etcd a rank watches for the commit decision this long at a time, then looks at
@@ -95,7 +99,7 @@ class Collectives(Protocol):
 
 # raised as they are: the protocol already knows (fenced, run stopped), or no group failure
 # explains them (a step that does not add up, a bad transfer, a malformed message)
-NOT_REPORTED = (ReplicaFenced, RunFailed, recovery.InvariantError, transfer.TransferError, MessageError)
+NOT_REPORTED = (ReplicaFenced, RunFailed, steps.InvariantError, transfer.TransferError, MessageError)
 
 
 class ReplicaManager:
@@ -109,7 +113,7 @@ class ReplicaManager:
     def __init__(
         self,
         client: dist.Store,
-        channel: node_channel.Channel,
+        channel: Channel,
         *,
         slot: int,
         replica: int,
@@ -134,8 +138,8 @@ class ReplicaManager:
         # step records are written off the step's path (on etcd each is a Raft write), in order
         self._offers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-recover-steps")
         self._offered: list[Future[None]] = []
-        channel.set_state(slot, node_channel.STARTING)
-        self.heartbeat = node_channel.RankBeat(  # the one lifeline of this rank
+        channel.set_state(slot, STARTING)
+        self.heartbeat = RankBeat(  # the one lifeline of this rank
             channel, slot, rc.heartbeat_interval_s, rc.progress_timeout_s, rc.coordinator_timeout_s, on_lost=on_lost,
         )
 
@@ -147,7 +151,7 @@ class ReplicaManager:
         the channel of this node's agent, both named by the environment the launcher sets."""
         client = transport.connect(transport.coordinator_address(), rc.startup_timeout_s)
         client.set_timeout(timedelta(seconds=rc.collective_timeout_s))
-        channel = node_channel.Channel.open(os.environ.get(node_channel.CHANNEL_ENV, ""))
+        channel = Channel.open(os.environ.get(CHANNEL_ENV, ""))
         who = f"replica {replica} rank {group_rank}"
         return cls(
             client, channel, slot=devices.local_rank(os.environ), replica=replica, group_rank=group_rank,
@@ -168,9 +172,9 @@ class ReplicaManager:
         self.heartbeat.tick(f"waiting at step {self.step}")  # a loop that polls is not stuck
         self.channel.set_step(self.slot, self.step)
         flags = self.channel.flags()
-        if flags & node_channel.FATAL:
+        if flags & FATAL:
             raise RunFailed(self.control.fatal() or "the run stopped")
-        if self.rejoining and flags & node_channel.DONE:
+        if self.rejoining and flags & DONE:
             raise RunFinished()  # the groups with state finished without us
         return self.channel.epoch()
 
@@ -348,7 +352,7 @@ class ReplicaManager:
         """This rank finished the run: its step records are written, its agent counts it, and its lifeline stops."""
         self.flush_steps()
         self._offers.shutdown()
-        self.channel.set_state(self.slot, node_channel.FINISHED)
+        self.channel.set_state(self.slot, FINISHED)
         self.heartbeat.stop()
 
     def close(self) -> None:
@@ -400,7 +404,7 @@ class ReplicaManager:
         while the membership is full (``wanted`` members): the wait ends with the admission, or
         with the run (RunFinished / RunFailed), and the lifeline ends it if the coordinator is lost."""
         self.step = step
-        self.channel.set_state(self.slot, node_channel.READY)
+        self.channel.set_state(self.slot, READY)
         log.info(f"replica {self.replica} rank {self.group_rank} (attempt {self.attempt}) asks to join; "
                  + self._why_wait(wanted))
         looked = -1
@@ -411,7 +415,7 @@ class ReplicaManager:
                 if self._admitted_in(epoch):
                     break
             time.sleep(EPOCH_POLL_S)
-        self.channel.set_state(self.slot, node_channel.RUNNING)
+        self.channel.set_state(self.slot, RUNNING)
 
     def _why_wait(self, wanted: int) -> str:
         """What the rank waits for, from the latest membership: a free place, or one to free up."""

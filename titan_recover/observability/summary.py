@@ -3,7 +3,7 @@
 import os
 from typing import Any
 
-from titan_recover.events import EVENTS_FILE, read_log
+from titan_recover.observability.events import EVENTS_FILE, read_log
 
 
 def _missing(logged: list[int], last_step: int | None) -> list[int]:

@@ -27,8 +27,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from titan_recover import tokens
-from titan_recover.tokens import DataError, Manifest, Shard
+from titan_recover.data import tokens
+from titan_recover.data.tokens import DataError, Manifest, Shard
 
 TASK_BYTES = 64 << 20  # input bytes per task (one output shard each)
 ENCODE_BATCH = 1024  # documents per tokenizer call
@@ -170,7 +170,7 @@ def hf_tasks(name: str, dataset_path: str | None, rows_per_task: int = 100_000) 
 def _texts(task: Task, text_key: str) -> Iterator[str]:
     """The documents of one task, in a fixed order."""
     if task.kind == "synthetic":
-        from titan_recover.synthetic import synthetic_documents
+        from titan_recover.data.synthetic import synthetic_documents
 
         yield from synthetic_documents(task.args[0])
     elif task.kind == "jsonl":

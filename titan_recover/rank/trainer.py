@@ -12,13 +12,15 @@ from typing import Any, Callable
 
 import torch
 
-from titan_recover import recovery, titan
+from titan_recover import titan
+from titan_recover.policy import steps
 from titan_recover.control.keys import attempt as incarnation
 from titan_recover.control.protocol import FaultRecord, StepRecord
 from titan_recover.config import Recover, num_microbatches, reports_data
-from titan_recover.dataloader import AddressableDataLoader, build_addressable_dataloader
-from titan_recover.events import EventLog
-from titan_recover.faults import Fault, FaultInjector
+from titan_recover.data.dataloader import AddressableDataLoader, build_addressable_dataloader
+from titan_recover.observability.events import EventLog
+from titan_recover.policy.fault_plan import Fault
+from titan_recover.rank.injector import FaultInjector
 
 
 class LoggedTrainer(titan.Trainer):
@@ -51,7 +53,7 @@ class LoggedTrainer(titan.Trainer):
     def _on_fault(self, fault: Fault) -> None:
         self.events.emit("fault_injected", action=fault.action, **{k: v for k, v in self._fault_record(fault).to_json().items() if k != "time"})
 
-    def _step_record(self, summary: recovery.StepSummary, epoch: int, members: list[int], grad_norm: float | None) -> StepRecord:
+    def _step_record(self, summary: steps.StepSummary, epoch: int, members: list[int], grad_norm: float | None) -> StepRecord:
         """What the event log says about a committed step (the same in both modes)."""
         return StepRecord(
             step=self.step,

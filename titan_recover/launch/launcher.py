@@ -9,6 +9,7 @@ stock TorchTitan, restarted as a whole (checkpoint-and-restart) on the same budg
 "How it works", "Multi-node" and "Trust model" sections say the rest.
 """
 
+import dataclasses
 import os
 import re
 import secrets
@@ -21,8 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titan_recover import config, cpu_shim, devices, logs, node_channel, preflight, titan
-from titan_recover.agent import NodeAgent
+from titan_recover import config, titan
+from titan_recover.launch import preflight
+from titan_recover.node import devices
+from titan_recover.node.channel import remove_orphans, shm_dir
+from titan_recover.observability import logs
+from titan_recover.titan import cpu_shim
+from titan_recover.node.agent import NodeAgent
 from titan_recover.control import claims, keys, transport
 from titan_recover.control.addresses import LOOPBACK, local_host, parse_host_port, resolve, route_address
 from titan_recover.control.board import Board
@@ -30,12 +36,12 @@ from titan_recover.control.client import ControlClient
 from titan_recover.control.lifeline import Heartbeat, one_line, store_errors
 from titan_recover.control.protocol import Launcher
 from titan_recover.control.sealed import Run
-from titan_recover.events import EventLog, event_files, events_path
-from titan_recover.groups import ReplicaGroups, Span, torchrun, with_threads
-from titan_recover.procs import EXITING_S, dumps_stacks, exit_lost, stop_within
-from titan_recover.restarts import RestartBudget
-from titan_recover.summary import format_summary, summarize_events
-from titan_recover.tokens import DataError
+from titan_recover.observability.events import EventLog, event_files, events_path
+from titan_recover.launch.torchruns import ReplicaGroups, Span, torchrun, with_threads
+from titan_recover.node.procs import EXITING_S, exit_lost, stop_within
+from titan_recover.policy.restarts import RestartBudget
+from titan_recover.observability.summary import format_summary, summarize_events
+from titan_recover.data.tokens import DataError
 
 
 
@@ -297,7 +303,10 @@ class NodeLauncher:
         self.first = False
 
     def _candidate(self) -> list[str]:
-        return [sys.executable, "-m", "titan_recover.coordinator", *self.argv]
+        """The coordinator's command line: the job's settings as a record, so it imports no TorchTitan."""
+        settings = config.CoordinatorSettings.of(self.job_config, titan.dump_folder(self.job_config))
+        settings = dataclasses.replace(settings, recover=dataclasses.replace(settings.recover, replicate_backend=self.plan.backend))
+        return [sys.executable, "-m", "titan_recover.coordinator", "--settings", settings.to_json()]
 
     def start_groups(self) -> "ReplicaGroups":
         """This node's replica groups; the first launcher's start at once as their first incarnation
@@ -318,9 +327,9 @@ class NodeLauncher:
         envs = {r: {**self.env, **devices.group_env(visible, self.plan.rank_per_host)}
                 for r, visible in zip(self.local, self.plan.visible)}
         assert self.run is not None, "start_coordinator() first"
-        orphans = node_channel.remove_orphans()
+        orphans = remove_orphans()
         if orphans:
-            log.info(f"removed {len(orphans)} channel file(s) of launchers that are gone from {node_channel.shm_dir()}")
+            log.info(f"removed {len(orphans)} channel file(s) of launchers that are gone from {shm_dir()}")
         self.agent = NodeAgent(address, self.run, self.ranks, hang_timeout_s=rc.heartbeat_timeout_s)
         self.events = EventLog(titan.dump_folder(self.job_config))
         self.groups = ReplicaGroups(self.argv, envs, self.ranks, rc.max_restarts, rc.restart_window_s, self.me, self.agent,
@@ -531,7 +540,7 @@ def main(argv: list[str]) -> int:
     except config.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from titan_recover.data import check_data
+    from titan_recover.data.addressing import check_data
 
     try:
         log.info(check_data(job_config))  # prepared (synthetic) and checked once, before any rank starts
@@ -573,15 +582,3 @@ def main(argv: list[str]) -> int:
             print(format_summary(summary, tr.global_batch_size * tr.seq_len), flush=True)
     log.info(f"{'finished' if code == 0 else 'FAILED'} in {time.time() - start:.1f}s; events: {path}")
     return code
-
-
-if __name__ == "__main__":
-    dumps_stacks()
-    exit_code = main(sys.argv[1:])
-    # Not sys.exit: the node agent's epoch thread may be blocked in a store wait or connect (C++, GIL
-    # released). Returning from it during interpreter shutdown unwinds through a noexcept frame and aborts
-    # the launcher (SIGABRT, "terminate called without an active exception") instead of exiting with its
-    # code. main has stopped and reaped everything it started; nothing is left for finalizers to do.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)

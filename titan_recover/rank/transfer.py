@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-from titan_recover.collectives import ReplicateProcessGroups
+from titan_recover.rank.collectives import ReplicateProcessGroups
 from titan_recover.control.protocol import MessageError
 
 MAX_HEADER_BYTES = 64 << 20  # a larger header is a corrupted message, not a model

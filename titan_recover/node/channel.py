@@ -23,8 +23,8 @@ from typing import Callable
 
 import numpy as np
 
-from titan_recover import logs
-from titan_recover.procs import pid_alive
+from titan_recover.observability import logs
+from titan_recover.node.procs import pid_alive
 
 CHANNEL_ENV = "TITAN_RECOVER_CHANNEL"  # path of this incarnation's channel file
 MAGIC = 0x7469_7461_6E72_6563  # "titanrec": a file that is not a channel is refused

@@ -6,7 +6,7 @@ Reads the installed line from the package metadata, not by importing TorchTitan 
 from importlib import metadata
 from pathlib import Path
 
-TRAIN_CONFIGS = Path(__file__).resolve().parents[1] / "train_configs"
+TRAIN_CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
 """The shipped TOML configs (TorchTitan 0.2), beside the package in a checkout."""
 
 LINE = ".".join(metadata.version("torchtitan").split(".")[:2])

@@ -5,7 +5,7 @@ Two layouts are read, both formats that users already have on disk:
 * ``datatrove``: datatrove's tokenized files (``*.ds``: the token ids back to back,
   2 bytes each up to 65,536 ids and 4 beyond; ``*.ds.index``: uint64 end offset of every
   document), as datatrove's ``DocumentTokenizer`` writes them and nanotron reads them.
-  ``titan_recover.prepare`` writes this layout too.
+  ``titan_recover.data.prepare`` writes this layout too.
 * ``megatron``: Megatron-LM's indexed datasets (``*.bin`` tokens, ``*.idx`` header with the
   token dtype), as ``tools/preprocess_data.py`` / ``IndexedDatasetBuilder`` write them.
 

@@ -27,8 +27,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import MessageError, NodeMessage
-from titan_recover.events import Tail
-from titan_recover.run_status import STATES, Live, LiveGroup, RunHistory
+from titan_recover.observability.events import Tail
+from titan_recover.observability.run_status import STATES, Live, LiveGroup, RunHistory
 
 REFRESH_S = 1.0  # the snapshot is at most this old
 IDLE_S = 30.0  # no refresh once nobody has read the page for this long

@@ -1,4 +1,4 @@
-"""Fault injection: the ``[recover] fault_plan`` grammar and the real signals it sends.
+"""The ``[recover] fault_plan`` grammar: which failures to inject where. Pure: ``rank.injector`` sends them.
 
 Grammar (whitespace-separated ``key=value`` after an action, entries joined by ``;``)::
 
@@ -40,22 +40,11 @@ rank in the middle of receiving its state, donate a live rank in the middle of
 sending it (after the header, before the tensors).
 """
 
-import contextlib
-import os
-import signal
-import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
-
-import torch
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "join", "donate")
 TRANSFER_PHASES = ("join", "donate")  # step is optional for these
 ACTIONS = ("kill", "stop", "sleep", "corrupt", "raise", "slow")
-
-
-class InjectedError(RuntimeError):
-    """The ``raise`` action: an error of the job's own code, as a test needs one."""
 
 
 class FaultPlanError(ValueError):
@@ -142,110 +131,3 @@ def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
         fields.setdefault("step", None)
         faults.append(Fault(action=action, **fields))  # type: ignore[arg-type]  # each field was parsed to its type above
     return tuple(faults)
-
-
-class FaultInjector:
-    """Fires this rank's faults of the plan at the points the trainer reaches."""
-
-    def __init__(
-        self,
-        plan: str,
-        replica: int,
-        rank: int,
-        on_fire: Callable[[Fault], None],
-        attempt: int = 0,
-        epoch: Callable[[], int] | None = None,
-    ) -> None:
-        plan_faults = parse_fault_plan(plan)
-        self.faults = [
-            f for f in plan_faults if f.action != "slow" and (f.replica, f.rank, f.attempt) == (replica, rank, attempt)
-        ]
-        self.slow = [f for f in plan_faults if f.action == "slow" and f.replica == replica]
-        self._slowing: set[Fault] = set()
-        self.on_fire = on_fire
-        self.epoch = epoch  # the rank's view of the epoch (None in stock mode: until=epoch sleeps it all)
-
-    def slow_factor(self, step: int) -> float:
-        """How many times as long this rank's microbatches take at ``step`` (1.0: not slowed);
-        a slow fault fires (is reported) at its first slowed microbatch."""
-        factor = 1.0
-        for f in self.slow:
-            if f.step is None or f.step <= step:
-                factor *= f.factor
-                if f not in self._slowing:
-                    self._slowing.add(f)
-                    self.on_fire(f)
-        return factor
-
-    def _match(self, step: int, phase: str, index: int | None = None, count: int = 0) -> Fault | None:
-        for f in self.faults:
-            if f.phase != phase or f.step not in (None, step):
-                continue
-            if index is None or index == min(f.microbatch, count - 1):
-                return f
-        return None
-
-    def _fire(self, fault: Fault, model: torch.nn.Module | None = None) -> None:
-        if fault not in self.faults:
-            return  # each fault fires once
-        self.faults.remove(fault)
-        self.on_fire(fault)
-        if fault.action == "sleep":
-            self._sleep(fault)
-            return
-        if fault.action == "raise":
-            raise InjectedError(f"injected error at step {fault.step} ({fault.phase})")
-        if fault.action == "corrupt":
-            if model is None:
-                raise FaultPlanError(f"corrupt needs the model, which phase {fault.phase} does not reach")
-            with torch.no_grad():
-                p = next(model.parameters())
-                (p.to_local() if hasattr(p, "to_local") else p).neg_()
-            return
-        os.kill(os.getpid(), signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
-        time.sleep(60)  # signals are asynchronous; never run on past a kill
-
-    def _sleep(self, fault: Fault) -> None:
-        """Slow, not dead: the heartbeat thread keeps beating."""
-        if fault.until != "epoch" or self.epoch is None:
-            time.sleep(fault.seconds)
-            return
-        deadline, start = time.monotonic() + fault.seconds, self.epoch()
-        while self.epoch() == start and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-    def at(self, step: int, phase: str, model: torch.nn.Module | None = None) -> None:
-        """Call at the allreduce, optimizer, join and donate points (``model``: what corrupt alters)."""
-        fault = self._match(step, phase)
-        if fault is not None:
-            self._fire(fault, model)
-
-    @contextlib.contextmanager
-    def microbatch(self, model: torch.nn.Module, step: int, index: int, count: int) -> Iterator[None]:
-        """Arms forward/backward faults for the ``index``-th of ``count`` microbatches."""
-        fwd = self._match(step, "forward", index, count)
-        bwd = self._match(step, "backward", index, count)
-        if fwd is None and bwd is None:
-            yield
-            return
-        block = _middle_block(model)
-
-        def hook(_module: torch.nn.Module, _args: object, output: torch.Tensor) -> None:
-            if fwd is not None:
-                self._fire(fwd, model)
-            if bwd is not None and output.requires_grad:
-                output.register_hook(lambda grad: self._fire(bwd, model))
-
-        handle = block.register_forward_hook(hook)
-        try:
-            yield
-        finally:
-            handle.remove()
-
-
-def _middle_block(model: torch.nn.Module) -> torch.nn.Module:
-    layers = getattr(model, "layers", None)
-    if isinstance(layers, (torch.nn.ModuleDict, torch.nn.ModuleList)) and len(layers):
-        blocks = list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else list(layers)
-        return blocks[len(blocks) // 2]
-    return model

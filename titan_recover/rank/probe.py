@@ -12,7 +12,7 @@ survivor's first collective of the new epoch launched, its group built) and ``fi
 last survivor's first all-reduce of the new epoch summed right); and whether the survivors' memory came
 back: nothing held by abandoned collectives once closed, and on a GPU no more allocated than before.
 
-    python -m titan_recover.probe --rank ADDRESS REPLICA BACKEND   (a replica; the self-test starts them)
+    python -m titan_recover.rank.probe --rank ADDRESS REPLICA BACKEND   (a replica; the self-test starts them)
 """
 
 import json
@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from titan_recover import devices, procs
+from titan_recover.node import devices, procs
 from titan_recover.control import keys
 from titan_recover.control.sealed import Run
-from titan_recover.events import RECOVERY_PHASES
+from titan_recover.observability.events import RECOVERY_PHASES
 
 REPLICAS = 5
 STEPS = 11
@@ -52,9 +52,9 @@ def rank(address: str, replica: int, backend: str) -> None:
     inside the collective until the conductor's signal."""
     import torch
 
-    from titan_recover.collectives import CollectiveAborted, ReplicateProcessGroups
+    from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
     from titan_recover.control import transport
-    from titan_recover.membership import Membership
+    from titan_recover.policy.membership import Membership
 
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -154,7 +154,7 @@ def conduct(backend: str, env: dict[str, str]) -> tuple[list[Fault], dict[int, i
     env = {**env, keys.SECRET_ENV: run.secret, keys.RUN_ENV: run.id}
     if backend == "nccl":
         env.update(devices.RANK_PER_HOST_NCCL)  # the replicas share the GPU, each posing as a host
-    replicas = {r: subprocess.Popen([sys.executable, "-m", "titan_recover.probe", "--rank", address, str(r), backend],
+    replicas = {r: subprocess.Popen([sys.executable, "-m", "titan_recover.rank.probe", "--rank", address, str(r), backend],
                                     env={**env, "NCCL_HOSTID": f"titan-recover-probe-{r}"}, stdout=subprocess.PIPE,
                                     text=True)
                 for r in range(REPLICAS)}
@@ -246,4 +246,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--rank"]:
         procs.die_with_parent()
         procs.leave(lambda: rank(sys.argv[2], int(sys.argv[3]), sys.argv[4]))
-    sys.exit("usage: python -m titan_recover.probe --rank ADDRESS REPLICA BACKEND (the self-test starts these)")
+    sys.exit("usage: python -m titan_recover.rank.probe --rank ADDRESS REPLICA BACKEND (the self-test starts these)")

@@ -1,7 +1,7 @@
 """A node's agent: the launcher's side of the control plane, once per node instead of once per rank.
 
 - **Liveness per node.** The ranks of each local replica group beat into a shared-memory
-  channel (``node_channel``); the agent folds them into one node message, written by its
+  channel (``node.channel``); the agent folds them into one node message, written by its
   lifeline thread every ``heartbeat_interval_s`` under its launcher key: per group its
   incarnation, how many local ranks have beaten, are ready to join or have finished, how
   long the most silent one has been silent, and a rank whose main loop is stuck. The
@@ -23,12 +23,11 @@ from typing import Callable
 
 import numpy as np
 
-from titan_recover import node_channel
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import MessageError, NodeGroup, NodeMessage, Report, Stuck
 from titan_recover.control.transport import connect
 from titan_recover.control.sealed import Run
-from titan_recover.node_channel import Channel
+from titan_recover.node.channel import BEAT, DONE, FATAL, FINISHED, PID, READY, RUNNING, STATE, STEP, STUCK, Channel
 
 EPOCH_WAIT_S = 24 * 3600.0  # one wait per epoch; a lost coordinator is the lifeline's to find, within its bound
 
@@ -47,22 +46,22 @@ class SlotWatch:
 
     def entry(self, attempt: int, slots: np.ndarray, now: float) -> NodeGroup:
         """This incarnation's part of the node message, from its slots (rows of beat, state, pid, step)."""
-        beat, state = slots[:, node_channel.BEAT], slots[:, node_channel.STATE]
+        beat, state = slots[:, BEAT], slots[:, STATE]
         moved = beat != self.beats
         self.changed[moved] = now
         self.beats = beat.copy()
-        finished = state == node_channel.FINISHED
+        finished = state == FINISHED
         live = (beat > 0) & ~finished
         if live.any():
             self.most_silent = int(np.flatnonzero(live)[np.argmin(self.changed[live])])
-        stuck = np.flatnonzero(state == node_channel.STUCK)
+        stuck = np.flatnonzero(state == STUCK)
         return NodeGroup(
             attempt=attempt,
             ranks=int(((beat > 0) | finished).sum()),
-            ready=int((state == node_channel.READY).sum()),
+            ready=int((state == READY).sum()),
             finished=int(finished.sum()),
             silent_s=round(float((now - self.changed[live]).max()), 3) if live.any() else 0.0,
-            stuck=Stuck(int(stuck[0]), int(slots[stuck[0], node_channel.STEP])) if len(stuck) else None,
+            stuck=Stuck(int(stuck[0]), int(slots[stuck[0], STEP])) if len(stuck) else None,
         )
 
 
@@ -105,7 +104,7 @@ class NodeAgent:
             if self.attempts.get(replica) != attempt or replica not in self.channels:
                 return {}
             slots = self.channels[replica].read_slots()
-        return {k: int(p) for k, p in enumerate(slots[:, node_channel.PID]) if p > 0}
+        return {k: int(p) for k, p in enumerate(slots[:, PID]) if p > 0}
 
     def never_admitted(self, replica: int) -> bool:
         """The current incarnation of ``replica`` is a restart none of whose ranks was ever admitted:
@@ -113,8 +112,8 @@ class NodeAgent:
         with self._lock:
             if self.attempts.get(replica, 0) == 0 or replica not in self.channels:
                 return False
-            states = self.channels[replica].read_slots()[:, node_channel.STATE]
-        return not np.isin(states, (node_channel.RUNNING, node_channel.STUCK, node_channel.FINISHED)).any()
+            states = self.channels[replica].read_slots()[:, STATE]
+        return not np.isin(states, (RUNNING, STUCK, FINISHED)).any()
 
     def message(self) -> NodeMessage:
         """The node message: an entry for every local group, written by the lifeline thread."""
@@ -162,7 +161,7 @@ class NodeAgent:
                 if client is None:
                     client = ControlClient(connect(self.address, 60.0, self.run))
                 epoch = client.epoch()
-                flags = (node_channel.FATAL if client.stopped() else 0) | (node_channel.DONE if client.finished() else 0)
+                flags = (FATAL if client.stopped() else 0) | (DONE if client.finished() else 0)
                 self._publish(epoch, flags)
                 if not flags:
                     client.wait_epoch_after(epoch, EPOCH_WAIT_S)

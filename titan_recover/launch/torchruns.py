@@ -14,15 +14,16 @@ import sys
 import time
 from typing import Callable, NamedTuple
 
-from titan_recover import logs, node_channel
-from titan_recover.agent import NodeAgent
+from titan_recover.node.channel import CHANNEL_ENV, FATAL
+from titan_recover.observability import logs
+from titan_recover.node.agent import NodeAgent
 from titan_recover.control import claims, keys, transport
 from titan_recover.control.addresses import LOOPBACK
 from titan_recover.control.client import ControlClient
 from titan_recover.control.lifeline import PROBE_S
 from titan_recover.control.protocol import Fence, Launcher, Rendezvous, Report
-from titan_recover.procs import die_with_parent
-from titan_recover.restarts import RestartBudget
+from titan_recover.node.procs import die_with_parent
+from titan_recover.policy.restarts import RestartBudget
 
 log = logs.get("launcher")
 
@@ -228,7 +229,7 @@ class ReplicaGroups:
     def _start(self, replica: int) -> subprocess.Popen:
         attempt = self.attempts[replica]
         env = {**self.envs[replica], keys.REPLICA_ENV: str(replica), keys.ATTEMPT_ENV: str(attempt),
-               node_channel.CHANNEL_ENV: self.agent.open(replica, attempt)}
+               CHANNEL_ENV: self.agent.open(replica, attempt)}
         return subprocess.Popen(torchrun(self.local_ranks, self.argv, f"replica{replica}", self.meetings.get(replica)),
                                 env=env, preexec_fn=die_with_parent)
 
@@ -252,7 +253,7 @@ class ReplicaGroups:
         """One look: kill fenced leftovers, report and restart failed groups; False once the run is ending."""
         flags = self.agent.flags  # pushed with the epoch
         if flags:
-            self.outcome = 1 if flags & node_channel.FATAL else 0
+            self.outcome = 1 if flags & FATAL else 0
             return False  # restart nothing
         now = self.clock()
         for report in self.agent.take_hangs():  # a rank of a local group stopped beating: fenced now

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 from titan_recover.control.protocol import Admission, CoordinatorState, Fence, Progress, Report, StepRecord, TransferRecord
-from titan_recover.membership import (
+from titan_recover.policy.membership import (
     FailureDetector,
     GroupView,
     Membership,

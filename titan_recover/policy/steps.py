@@ -22,8 +22,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from titan_recover import workload
-from titan_recover.membership import Membership
+from titan_recover.policy import workload
+from titan_recover.policy.membership import Membership
 
 TOKENS, DIGEST, MICROBATCHES = 0, 1, 2  # then (count, loss) per microbatch
 

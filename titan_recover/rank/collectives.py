@@ -11,7 +11,7 @@ Callers pass fresh buffers (out-of-place), so a broken collective never touches
 local gradients.
 
 The groups are gloo, or NCCL where every rank has a GPU of its own (see
-``titan_recover.devices``). An abandoned NCCL group is aborted (``ncclCommAbort``):
+``titan_recover.node.devices``). An abandoned NCCL group is aborted (``ncclCommAbort``):
 a collective whose peer died would otherwise spin on the GPU forever and wedge the
 rank's later kernels. Its communicators are non-blocking, so building and aborting
 never wait on a dead peer.
@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from dataclasses import dataclass, field
 
-from titan_recover import procs
+from titan_recover.node import procs
 from titan_recover.config import ConfigError
-from titan_recover.membership import Membership
+from titan_recover.policy.membership import Membership
 from titan_recover.control.keys import REPLICATE_BACKEND, replicate_group_prefix, transfer_group_prefix
 from titan_recover.control.sealed import SealedStore
 

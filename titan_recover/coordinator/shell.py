@@ -1,6 +1,6 @@
 """The coordinator process: owns membership (live replica groups, epoch) and detection.
 
-Started by the launcher, never a trainer. The decisions are ``coordinator_core``'s (pure);
+Started by the launcher, never a trainer. The decisions are ``core``'s (pure);
 this shell reads the control store (node messages, reports, step records), hands them to
 the core and carries out the effects it returns. Its state lives in the control store: its
 own TCPStore, or etcd (``[recover] control_store``), where a candidate runs beside every
@@ -13,16 +13,18 @@ predecessor saved there (``CoordinatorState``, saved with every epoch and every 
     with an etcd:// address there, campaigns to lead and leads until the run ends)
 """
 
+import argparse
 import os
 import socket
-import sys
 import time
 from collections.abc import Collection
 from typing import Any, Callable
 
 import torch.distributed as dist
 
-from titan_recover import config, logs, procs, resources, titan
+from titan_recover import config
+from titan_recover.config import ConfigError, CoordinatorSettings
+from titan_recover.observability import logs, resources
 from titan_recover.control import keys, transport
 from titan_recover.control.board import LeaderBoard
 from titan_recover.control.addresses import LOOPBACK, is_etcd, parse_host_port
@@ -31,7 +33,7 @@ from titan_recover.control.keys import BOARD, FATAL, NO_PASS, NODES, REPORTS, ST
 from titan_recover.control.sealed import Run
 from titan_recover.control.lifeline import PROBE_S
 from titan_recover.control.protocol import CoordinatorState, Membership, MessageError, NodeMessage, TransferRecord
-from titan_recover.coordinator_core import (
+from titan_recover.coordinator.core import (
     Admit,
     CoordinatorCore,
     Effect,
@@ -46,10 +48,10 @@ from titan_recover.coordinator_core import (
     Stop,
     Usage,
 )
-from titan_recover.events import EventLog, Tail, event_files, logged_steps
-from titan_recover.membership import FailureDetector, group_views
-from titan_recover.run_status import RunHistory
-from titan_recover.status_server import StatusServer, StatusSource, StoreReader
+from titan_recover.observability.events import EventLog, Tail, event_files, logged_steps
+from titan_recover.policy.membership import FailureDetector, group_views
+from titan_recover.observability.run_status import RunHistory
+from titan_recover.observability.status_server import StatusServer, StatusSource, StoreReader
 
 POLL_S = 0.02  # detection is bounded by report_confirm_s / heartbeats, not by this
 ALIVE_S = 0.25  # how often the alive counter moves (watchers allow coordinator_timeout_s)
@@ -82,32 +84,31 @@ class LeaderEvents(EventLog):
         return super().emit(event, **fields)
 
 
-def rules(job_config: Any) -> Rules:
-    rc, par = job_config.recover, job_config.parallelism
+def rules(settings: CoordinatorSettings) -> Rules:
+    rc = settings.recover
     return Rules(
-        replicas=par.data_parallel_replicate_degree, replica_ids=config.replica_ids(job_config),
-        group_ranks=config.group_ranks(par), steps=job_config.training.steps, min_replicas=rc.min_replicas,
+        replicas=settings.replicas, replica_ids=settings.replica_ids,
+        group_ranks=settings.group_ranks, steps=settings.steps, min_replicas=rc.min_replicas,
         max_step_retries=rc.max_step_retries, spare_timeout_s=rc.heartbeat_timeout_s,
     )
 
 
-def run_config(job_config: Any) -> dict[str, Any]:
+def run_config(settings: CoordinatorSettings) -> dict[str, Any]:
     """What a reader of the event log needs to know of the run (the status page of a finished run)."""
-    tr = job_config.training
-    return {"replicas": job_config.parallelism.data_parallel_replicate_degree, "replica_ids": config.replica_ids(job_config),
-            "steps": tr.steps, "tokens_per_step": tr.global_batch_size * tr.seq_len, "precision": tr.mixed_precision_param}
+    return {"replicas": settings.replicas, "replica_ids": settings.replica_ids, "steps": settings.steps,
+            "tokens_per_step": settings.tokens_per_step, "precision": settings.precision}
 
 
-def status_page(job_config: Any, connect: Callable[[], ControlClient],
+def status_page(settings: CoordinatorSettings, connect: Callable[[], ControlClient],
                 messages: Callable[[ControlClient, list[str]], list[bytes]]) -> StatusServer | None:
     """The run's status page (``[recover] status_port``), read from the event log and through
     ``connect``'s own client of the store; None when it is off or cannot listen (said once: the
     run goes on without it)."""
-    rc = job_config.recover
+    rc = settings.recover
     if not rc.status_port:
         return None
-    history = RunHistory(**run_config(job_config))
-    folder = titan.dump_folder(job_config)
+    history = RunHistory(**run_config(settings))
+    folder = settings.dump_folder
     source = StatusSource(Tail(lambda: event_files(folder)), history, Run.from_env().public_id, StoreReader(connect, messages))
     try:
         server = StatusServer(source, rc.status_bind, rc.status_port)
@@ -121,19 +122,19 @@ def status_page(job_config: Any, connect: Callable[[], ControlClient],
 class Coordinator:
     """The I/O shell around ``CoordinatorCore``: one pass reads the store, the core decides, the shell publishes."""
 
-    def __init__(self, job_config: Any, client: dist.Store, events: EventLog, poll_s: float = POLL_S,
+    def __init__(self, settings: CoordinatorSettings, client: dist.Store, events: EventLog, poll_s: float = POLL_S,
                  wait: Callable[[float], Collection[str] | None] = sleep_then_anything,
                  node_messages: Callable[[list[str]], list[bytes]] | None = None) -> None:
-        self.rc = rc = job_config.recover
+        self.rc = rc = settings.recover
         self.control = ControlClient(client)
         self.node_messages = node_messages or self.control.node_messages  # on etcd: the leader's board
         self.events = events
         self.poll_s, self.wait = poll_s, wait  # between passes: ``wait(poll_s)``, early with the keys put, or None
         self.alive_s = ETCD_ALIVE_S if rc.control_store else ALIVE_S
-        detector = FailureDetector(members=tuple(range(job_config.parallelism.data_parallel_replicate_degree)),
+        detector = FailureDetector(members=tuple(range(settings.replicas)),
                                    timeout_s=rc.heartbeat_timeout_s, confirm_s=rc.report_confirm_s,
                                    startup_s=rc.startup_timeout_s, start=time.monotonic())
-        self.core = CoordinatorCore(rules(job_config), detector, fault_time=self._fault_time,
+        self.core = CoordinatorCore(rules(settings), detector, fault_time=self._fault_time,
                                     committed=lambda step, epoch: self.control.decision(step, epoch) == COMMIT)
         self.slot_seen: dict[int, float] = {}  # unread report slots (``state.unread_reports``) -> first seen empty
         self.nodes: dict[str, int] = {}  # the launcher key of every registered node still read -> its registration index
@@ -153,7 +154,7 @@ class Coordinator:
             self._take_over(saved)
         else:
             self._apply([Publish(self.core.membership), Save()])
-            self.events.emit("run_config", run=Run.from_env().public_id, **run_config(job_config))
+            self.events.emit("run_config", run=Run.from_env().public_id, **run_config(settings))
 
     @property
     def membership(self) -> Membership:
@@ -430,24 +431,24 @@ class Coordinator:
         self._apply(self.core.end())
 
 
-def serve(job_config: Any, port: int) -> Coordinator:
+def serve(settings: CoordinatorSettings, port: int) -> Coordinator:
     """The coordinator on its own TCPStore, listening on ``port`` (on the socket its launcher bound
     there, when it handed one over)."""
-    rc = job_config.recover
+    rc = settings.recover
     fd = os.environ.get(keys.LISTEN_FD_ENV)
     if fd is not None and not fd.isdigit():
         raise RuntimeError(f"{keys.LISTEN_FD_ENV}={fd!r} is not a file descriptor: start the coordinator with run_train.sh")
     client = transport.serve(port, rc.collective_timeout_s, rc.coordinator_bind or LOOPBACK, fd=None if fd is None else int(fd))
-    return Coordinator(job_config, client, EventLog(titan.dump_folder(job_config)))
+    return Coordinator(settings, client, EventLog(settings.dump_folder))
 
 
-def lead(job_config: Any, address: str) -> int:
+def lead(settings: CoordinatorSettings, address: str) -> int:
     """A candidate on etcd: campaigns, and once it leads, coordinates until the run ends; a
     leadership lost meanwhile (it froze past its lease) sends it back to campaigning."""
     from titan_recover.control.etcd_store import Changes, LeadershipLost  # the etcd extra: only a run on etcd needs it
     from titan_recover.control.leader import Lease
 
-    rc = job_config.recover
+    rc = settings.recover
     run = Run.from_env()
     raw = transport.etcd(address, rc.coordinator_timeout_s)
     lease = Lease(raw, leader_key(run.prefix), rc.leader_lease_s)
@@ -469,19 +470,19 @@ def lead(job_config: Any, address: str) -> int:
         try:
             ControlClient(client).put(BOARD, board.where)
             log.info(f"node messages on {board.where.address}")
-            events = LeaderEvents(titan.dump_folder(job_config), guarded.confirm_guard)
+            events = LeaderEvents(settings.dump_folder, guarded.confirm_guard)
             try:
-                coordinator = Coordinator(job_config, client, events, config.node_message_interval_s(rc), changes.wait,
+                coordinator = Coordinator(settings, client, events, config.node_message_interval_s(rc), changes.wait,
                                           board.messages)
             except MessageError as e:  # no leader could act on it: the run stops, saying why
-                error = f"the coordinator state in etcd cannot be taken over: {e}; {config.resume_hint(job_config, titan.dump_folder(job_config))}"
+                error = f"the coordinator state in etcd cannot be taken over: {e}; {settings.resume_hint}"
                 ControlClient(client).stop(error)
                 events.emit("fatal", error=error)
                 log.error(f"FATAL: {error}")
                 return 1
             events.emit("leader", pid=os.getpid(), host=socket.gethostname(), step=coordinator.core.step(),
                         epoch=coordinator.membership.epoch)
-            status = status_page(job_config, lambda: ControlClient(transport.in_run(transport.etcd(address, rc.coordinator_timeout_s), run)),
+            status = status_page(settings, lambda: ControlClient(transport.in_run(transport.etcd(address, rc.coordinator_timeout_s), run)),
                                  lambda _, names: board.messages(names))
             code = coordinator.run(lease.check)
             coordinator.end()
@@ -496,13 +497,25 @@ def lead(job_config: Any, address: str) -> int:
             lease.resign()
 
 
+def parse_settings(argv: list[str]) -> str:
+    """The JSON of ``--settings JSON``, the coordinator's one argument (its launcher writes it)."""
+    parser = argparse.ArgumentParser(prog="python -m titan_recover.coordinator",
+                                     description="The coordinator of a run; run_train.sh's launcher starts it.")
+    parser.add_argument("--settings", required=True, help="the job's settings record (config.CoordinatorSettings) as JSON")
+    return parser.parse_args(argv).settings
+
+
 def main(argv: list[str]) -> int:
+    try:
+        settings = CoordinatorSettings.from_json(parse_settings(argv))
+    except ConfigError as e:
+        log.error(f"error: {e}")
+        return 2
     address = transport.coordinator_address()
-    job_config = titan.load_config(argv)
     if is_etcd(address):
-        return lead(job_config, address)
-    coordinator = serve(job_config, parse_host_port(address)[1])
-    status = status_page(job_config, lambda: ControlClient(transport.connect(address, job_config.recover.startup_timeout_s)),
+        return lead(settings, address)
+    coordinator = serve(settings, parse_host_port(address)[1])
+    status = status_page(settings, lambda: ControlClient(transport.connect(address, settings.recover.startup_timeout_s)),
                          lambda client, names: client.node_messages(names))
     try:
         code = coordinator.run()
@@ -512,8 +525,3 @@ def main(argv: list[str]) -> int:
         time.sleep(4 * PROBE_S)  # let every process read the final keys before the store goes away
         if status is not None:
             status.close()
-
-
-if __name__ == "__main__":
-    procs.dumps_stacks()
-    sys.exit(main(sys.argv[1:]))
