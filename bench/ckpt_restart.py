@@ -35,11 +35,24 @@ def fault_plan(kills: tuple[int, ...]) -> str:
 
 
 def measure(system: str, steps: int, kills: tuple[int, ...], k: int | None = None) -> dict:
-    args = [*SHAPE, "--training.steps", str(steps), "--recover.fault_plan", fault_plan(kills),
-            "--recover.max_restarts", str(len(kills))]
+    args = [
+        *SHAPE,
+        "--training.steps",
+        str(steps),
+        "--recover.fault_plan",
+        fault_plan(kills),
+        "--recover.max_restarts",
+        str(len(kills)),
+    ]
     if k is not None:
-        args += ["--recover.no-enable", "--checkpoint.enable", "--checkpoint.interval", str(k),
-                 "--checkpoint.folder", "checkpoint"]
+        args += [
+            "--recover.no-enable",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            str(k),
+            "--checkpoint.folder",
+            "checkpoint",
+        ]
     events, wall = launch(args, f"{system} run")
     step_events = of(events, "step")
     faults = of(events, "fault_injected")
@@ -49,7 +62,10 @@ def measure(system: str, steps: int, kills: tuple[int, ...], k: int | None = Non
     if sorted(final) != list(range(1, steps + 1)):
         raise RuntimeError(f"{system}: committed steps {sorted(final)} are not 1..{steps}")
     run = {
-        "system": system, "ckpt_every": k, "wall_s": wall, "steps_computed": len(step_events),
+        "system": system,
+        "ckpt_every": k,
+        "wall_s": wall,
+        "steps_computed": len(step_events),
         "losses": [final[s]["loss"] for s in range(1, steps + 1)],
         "digests": [final[s]["data_digest"] for s in range(1, steps + 1)],
     }
@@ -89,8 +105,14 @@ def run(quick: bool) -> dict:
     best_command = max(baselines, key=lambda r: r["command_tokens_per_s"])
     same_data = all(r["digests"] == recover["digests"] for r in baselines)
     return {
-        "setup": {"replica_groups": 2, "ranks_per_group": 1, "microbatches": 4, "model": "llama3 debugmodel",
-                  "tokens_per_step": TOKENS_PER_STEP, **plan},
+        "setup": {
+            "replica_groups": 2,
+            "ranks_per_group": 1,
+            "microbatches": 4,
+            "model": "llama3 debugmodel",
+            "tokens_per_step": TOKENS_PER_STEP,
+            **plan,
+        },
         "runs": runs,
         "best_ckpt_every": best["ckpt_every"],
         "same_data_every_step": same_data,
@@ -106,10 +128,15 @@ def main() -> None:
     path = write_result("ckpt_restart", result)
     print(f"{'system':20s} {'training s':>10s} {'tokens/s':>9s} {'command s':>9s} {'steps computed':>14s}")
     for r in result["runs"]:
-        print(f"{r['system']:20s} {r['train_s']:10.1f} {r['tokens_per_s']:9.0f} {r['wall_s']:9.1f} {r['steps_computed']:14d}")
-    print(f"effective throughput titan_recover / best checkpoint-and-restart (K = {result['best_ckpt_every']}): "
-          f"{result['ckpt_restart_effective_throughput_ratio']:.2f}x over training time, "
-          f"{result['command_wall_ratio']:.2f}x over the whole command; wrote {path}")
+        print(
+            f"{r['system']:20s} {r['train_s']:10.1f} {r['tokens_per_s']:9.0f} "
+            f"{r['wall_s']:9.1f} {r['steps_computed']:14d}"
+        )
+    print(
+        f"effective throughput titan_recover / best checkpoint-and-restart (K = {result['best_ckpt_every']}): "
+        f"{result['ckpt_restart_effective_throughput_ratio']:.2f}x over training time, "
+        f"{result['command_wall_ratio']:.2f}x over the whole command; wrote {path}"
+    )
 
 
 if __name__ == "__main__":

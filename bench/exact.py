@@ -30,10 +30,15 @@ from titan_recover.control import keys
 
 log = logging.getLogger("titan_recover.bench.exact")
 
-KILLS = {2: "kill replica=1 rank=1 step=3 phase=backward", 3: "kill replica=2 rank=0 step=3 phase=forward",
-         4: "kill replica=3 rank=1 step=3 phase=allreduce"}
-ETCD_PLAN = ("kill replica=1 rank=1 step=2 phase=backward; sleep replica=0 step=3 phase=optimizer seconds=120 until=epoch; "
-             "stop replica=0 rank=0 step=5 phase=forward")
+KILLS = {
+    2: "kill replica=1 rank=1 step=3 phase=backward",
+    3: "kill replica=2 rank=0 step=3 phase=forward",
+    4: "kill replica=3 rank=1 step=3 phase=allreduce",
+}
+ETCD_PLAN = (
+    "kill replica=1 rank=1 step=2 phase=backward; sleep replica=0 step=3 phase=optimizer seconds=120 until=epoch; "
+    "stop replica=0 rank=0 step=5 phase=forward"
+)
 """On etcd: replica 1 killed in step 2; replica 0 carries on alone and waits in step 3 for its rejoin; replica 0
 hangs in step 5, replica 1 carries on alone until replica 0's next incarnation rejoins."""
 
@@ -44,11 +49,15 @@ def on_etcd(shape: list[str]) -> list[dict]:
 
     cluster = LocalEtcd(3).start()
     saved = dict(os.environ)
-    os.environ.update({keys.SECRET_ENV: secrets.token_hex(16), keys.RUN_ENV: secrets.token_hex(8),
-                       keys.REPLICAS_ENV: "0,1"})  # the run's first node: it begins the run
+    os.environ.update(
+        {keys.SECRET_ENV: secrets.token_hex(16), keys.RUN_ENV: secrets.token_hex(8), keys.REPLICAS_ENV: "0,1"}
+    )  # the run's first node: it begins the run
     try:
-        events, _ = launch([*shape, "--recover.fault_plan", ETCD_PLAN, "--recover.control_store", cluster.url],
-                           "exact R=2 on etcd", "llama3_exact_cpu")
+        events, _ = launch(
+            [*shape, "--recover.fault_plan", ETCD_PLAN, "--recover.control_store", cluster.url],
+            "exact R=2 on etcd",
+            "llama3_exact_cpu",
+        )
         return events
     finally:
         os.environ.clear()
@@ -81,15 +90,26 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: dict[str, list[dict]] = {}
     for replicas in (2, 3, 4):
-        shape = [*PRECISION, "--training.steps", str(a.exact_steps),
-                 "--parallelism.data_parallel_replicate_degree", str(replicas)]
-        runs[f"free{replicas}"], _ = launch([*shape, "--recover.fault_plan", "none"], f"exact R={replicas}", "llama3_exact_cpu")
-        runs[f"kill{replicas}"], _ = launch([*shape, "--recover.fault_plan", KILLS[replicas]], f"exact R={replicas} kill", "llama3_exact_cpu")
+        shape = [
+            *PRECISION,
+            "--training.steps",
+            str(a.exact_steps),
+            "--parallelism.data_parallel_replicate_degree",
+            str(replicas),
+        ]
+        runs[f"free{replicas}"], _ = launch(
+            [*shape, "--recover.fault_plan", "none"], f"exact R={replicas}", "llama3_exact_cpu"
+        )
+        runs[f"kill{replicas}"], _ = launch(
+            [*shape, "--recover.fault_plan", KILLS[replicas]], f"exact R={replicas} kill", "llama3_exact_cpu"
+        )
         log.info(f"R={replicas}: done")
     if a.etcd:
         runs["etcd2"] = on_etcd([*PRECISION, "--training.steps", str(a.exact_steps)])
     reference = runs["free2"]
-    comparisons = {name: compare_runs(reference, events, 0.0, exact=True) for name, events in runs.items() if name != "free2"}
+    comparisons = {
+        name: compare_runs(reference, events, 0.0, exact=True) for name, events in runs.items() if name != "free2"
+    }
     for name, c in comparisons.items():
         log.info(f"{name} vs free2: {c.steps} steps, {c.digest_steps} digest steps, problems {c.exact[:3]}")
     faults = {name: len(of(events, "failure")) for name, events in runs.items()}
@@ -106,17 +126,33 @@ def main(argv: list[str] | None = None) -> int:
         "step_time_s": {mode: [round(t, 4) for t in ts] for mode, ts in times.items()},
         "exact_faults": sum(faults.values()),
         "faults_by_run": faults,
-        "exact_max_rel_loss_dev": max([c.max_rel_loss_dev for c in comparisons.values()] + [soak_exact.get("max_rel_loss_dev", 0.0)]),
-        "exact_param_digests_equal": int(all(not c.exact for c in comparisons.values()) and not soak_exact.get("mismatches", 0)),
-        "soak": {"command": soak["command"], "steps": soak_exact["steps"], "digest_steps": soak_exact["digest_steps"],
-                 "mismatches": soak_exact["mismatches"], "faults_by_kind": soak.get("faults_by_kind")} if soak_exact else None,
+        "exact_max_rel_loss_dev": max(
+            [c.max_rel_loss_dev for c in comparisons.values()] + [soak_exact.get("max_rel_loss_dev", 0.0)]
+        ),
+        "exact_param_digests_equal": int(
+            all(not c.exact for c in comparisons.values()) and not soak_exact.get("mismatches", 0)
+        ),
+        "soak": {
+            "command": soak["command"],
+            "steps": soak_exact["steps"],
+            "digest_steps": soak_exact["digest_steps"],
+            "mismatches": soak_exact["mismatches"],
+            "faults_by_kind": soak.get("faults_by_kind"),
+        }
+        if soak_exact
+        else None,
         "exact_replica_counts": [2, 3, 4],
-        "compared": {name: {"steps": c.steps, "digest_steps": c.digest_steps, "mismatches": c.exact[:5]}
-                     for name, c in comparisons.items()},
+        "compared": {
+            name: {"steps": c.steps, "digest_steps": c.digest_steps, "mismatches": c.exact[:5]}
+            for name, c in comparisons.items()
+        },
         "redos": sum(len(of(events, "exact_redo")) for events in runs.values()),
     }
     path = write_result("exact", result)
-    log.info(f"exact/plain step time {ratio:.3f}; {result['exact_faults']} faults; digests equal: {result['exact_param_digests_equal']}; wrote {path}")
+    log.info(
+        f"exact/plain step time {ratio:.3f}; {result['exact_faults']} faults; "
+        f"digests equal: {result['exact_param_digests_equal']}; wrote {path}"
+    )
     return 0 if result["exact_param_digests_equal"] else 1
 
 

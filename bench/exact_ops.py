@@ -39,7 +39,12 @@ def op_times(trace: dict) -> dict[str, Any]:
     op's self time, its duration less its child ops', summed over the CPU threads), ``exact`` (the same for
     the ops inside exact mode's ``exact.*`` annotations) and ``scopes`` (each annotation's whole time)."""
     threads: dict[int, list[dict]] = defaultdict(list)
-    out: dict[str, Any] = {"step": 0.0, "ops": defaultdict(float), "exact": defaultdict(float), "scopes": defaultdict(float)}
+    out: dict[str, Any] = {
+        "step": 0.0,
+        "ops": defaultdict(float),
+        "exact": defaultdict(float),
+        "scopes": defaultdict(float),
+    }
     for e in trace["traceEvents"]:
         if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation"):
             threads[e["tid"]].append(e)
@@ -71,8 +76,19 @@ def profiled(shape: list[str], mode: str, steps: int) -> dict[str, Any]:
     """One failure-free run of ``mode`` with the profiler on its last step: replica 0 rank 0's figures."""
     section = FLAGS["profiler"]
     with tempfile.TemporaryDirectory() as dump:
-        launch([*shape, *MODES[mode], f"{section}.enable_profiling", f"{section}.profile_freq", str(steps),
-                f"{section}.save_traces_folder", "traces"], f"{mode}, profiled", dump=Path(dump))
+        launch(
+            [
+                *shape,
+                *MODES[mode],
+                f"{section}.enable_profiling",
+                f"{section}.profile_freq",
+                str(steps),
+                f"{section}.save_traces_folder",
+                "traces",
+            ],
+            f"{mode}, profiled",
+            dump=Path(dump),
+        )
         (trace,) = Path(dump, "traces", "replica0").glob("iteration_*/rank0_trace.json")
         return op_times(json.loads(trace.read_text()))
 
@@ -80,8 +96,16 @@ def profiled(shape: list[str], mode: str, steps: int) -> dict[str, Any]:
 def split(seq_len: int, pairs: int, steps: int) -> dict:
     """The step-time ratio at ``seq_len`` and, from one profiled step, what exact mode's own ops take."""
     sizes = [] if seq_len <= 128 else ["--training.local_batch_size", "1", "--training.global_batch_size", "4"]
-    shape = [*PRECISION, "--recover.fault_plan", "none", "--training.steps", str(steps),
-             "--training.seq_len", str(seq_len), *sizes]
+    shape = [
+        *PRECISION,
+        "--recover.fault_plan",
+        "none",
+        "--training.steps",
+        str(steps),
+        "--training.seq_len",
+        str(seq_len),
+        *sizes,
+    ]
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for i in range(pairs):
         for mode, extra in MODES.items():
@@ -91,14 +115,20 @@ def split(seq_len: int, pairs: int, steps: int) -> dict:
     ratio = statistics.median(times["exact"]) / statistics.median(times["plain"])
     plain, exact = (profiled(shape, mode, steps) for mode in MODES)
     own = dict(sorted(exact["exact"].items(), key=lambda kv: -kv[1])[:TOP])
-    log.info(f"seq_len {seq_len}: exact/plain step time {ratio:.3f}; profiled step {plain['step']:.0f} ms plain, "
-             f"{exact['step']:.0f} ms exact, of which " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in exact["scopes"].items()))
+    log.info(
+        f"seq_len {seq_len}: exact/plain step time {ratio:.3f}; profiled step {plain['step']:.0f} ms plain, "
+        f"{exact['step']:.0f} ms exact, of which " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in exact["scopes"].items())
+    )
     for name, ms in own.items():
         log.info(f"  {name:<28} {ms:>8.2f} ms")
-    return {"seq_len": seq_len, "exact_step_time_ratio": round(ratio, 3),
-            "step_time_s": {mode: [round(t, 4) for t in ts] for mode, ts in times.items()},
-            "profiled_step_ms": {"plain": plain["step"], "exact": exact["step"]},
-            "exact_scopes_ms": exact["scopes"], "exact_ops_ms": own}
+    return {
+        "seq_len": seq_len,
+        "exact_step_time_ratio": round(ratio, 3),
+        "step_time_s": {mode: [round(t, 4) for t in ts] for mode, ts in times.items()},
+        "profiled_step_ms": {"plain": plain["step"], "exact": exact["step"]},
+        "exact_scopes_ms": exact["scopes"],
+        "exact_ops_ms": own,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,9 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[exact_ops] %(message)s", stream=sys.stdout)
     rows = [split(s, a.pairs, a.steps) for s in a.seq_lens]
-    path = write_result("exact_ops", {
-        "issue": 41, "command": "python -m bench.exact_ops " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "precision": PRECISION[-1], "device": "cpu", "rows": rows})
+    path = write_result(
+        "exact_ops",
+        {
+            "issue": 41,
+            "command": "python -m bench.exact_ops " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "precision": PRECISION[-1],
+            "device": "cpu",
+            "rows": rows,
+        },
+    )
     log.info(f"wrote {path}")
     return 0
 

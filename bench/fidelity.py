@@ -51,10 +51,10 @@ from typing import Any
 import torch
 
 from bench.common import CONFIG, PRECISION, ROOT, of, write_result
-from titan_recover.data import addressing
-from titan_recover.observability.events import events_path, read_events
-from titan_recover.launch.torchruns import with_threads
 from titan_recover.control.transport import free_port
+from titan_recover.data import addressing
+from titan_recover.launch.torchruns import with_threads
+from titan_recover.observability.events import events_path, read_events
 
 BIN = Path(sys.executable).parent
 RUN_TIMEOUT_S = 900
@@ -89,17 +89,36 @@ class Setup:
     def overrides(self) -> list[str]:
         """TorchTitan CLI overrides shared by both systems (the rest comes from CONFIG)."""
         return [
-            "--model.flavor", self.flavor, "--training.seq_len", str(self.seq_len),
-            "--training.steps", str(self.steps), "--training.local_batch_size", str(self.local_batch),
-            "--training.global_batch_size", str(self.global_batch),
-            "--lr_scheduler.warmup_steps", str(self.warmup_steps), "--debug.seed", str(self.seed),
-            *PRECISION, "--metrics.log_freq", "1",
-            "--parallelism.data_parallel_shard_degree", str(self.shards),
+            "--model.flavor",
+            self.flavor,
+            "--training.seq_len",
+            str(self.seq_len),
+            "--training.steps",
+            str(self.steps),
+            "--training.local_batch_size",
+            str(self.local_batch),
+            "--training.global_batch_size",
+            str(self.global_batch),
+            "--lr_scheduler.warmup_steps",
+            str(self.warmup_steps),
+            "--debug.seed",
+            str(self.seed),
+            *PRECISION,
+            "--metrics.log_freq",
+            "1",
+            "--parallelism.data_parallel_shard_degree",
+            str(self.shards),
         ]
 
     def samples(self, step: int, microbatch: int, shard: int) -> range:
-        return addressing.sample_indices(step, microbatch, shard, num_microbatches=self.num_microbatches,
-                                   shards=self.shards, local_batch=self.local_batch)
+        return addressing.sample_indices(
+            step,
+            microbatch,
+            shard,
+            num_microbatches=self.num_microbatches,
+            shards=self.shards,
+            local_batch=self.local_batch,
+        )
 
 
 @dataclass
@@ -150,11 +169,22 @@ def _fault_time(events: list[dict[str, Any]]) -> float | None:
 
 def run_recover(setup: Setup, plan: str, dump: Path) -> Run:
     cmd = [
-        sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG),
-        "--job.dump_folder", str(dump), *setup.overrides(),
-        "--parallelism.data_parallel_replicate_degree", str(setup.replicas),
-        "--recover.max_restarts", "0", "--recover.heartbeat_timeout_s", str(setup.heartbeat_timeout_s),
-        "--recover.fault_plan", plan,
+        sys.executable,
+        "-m",
+        "titan_recover.launch",
+        "--job.config_file",
+        str(CONFIG),
+        "--job.dump_folder",
+        str(dump),
+        *setup.overrides(),
+        "--parallelism.data_parallel_replicate_degree",
+        str(setup.replicas),
+        "--recover.max_restarts",
+        "0",
+        "--recover.heartbeat_timeout_s",
+        str(setup.heartbeat_timeout_s),
+        "--recover.fault_plan",
+        plan,
     ]
     dump.mkdir(parents=True)
     log = dump / "launch.log"
@@ -170,13 +200,19 @@ def run_recover(setup: Setup, plan: str, dump: Path) -> Run:
     events = list(read_events(events_path(str(dump))))
     steps = {
         e["step"]: Step(
-            loss=e["loss"], time=e["time"], replicas=e["members"], data=[e["data_digest"]], by_replica={},
+            loss=e["loss"],
+            time=e["time"],
+            replicas=e["members"],
+            data=[e["data_digest"]],
+            by_replica={},
             samples=[s for m in e["microbatches"] for k in range(setup.shards) for s in setup.samples(e["step"], m, k)],
         )
         for e in of(events, "step")
     }
-    extra = {"recovered_latency_s": [e["latency_s"] for e in of(events, "recovered")],
-             "failures": [e["cause"] for e in of(events, "failure")]}
+    extra = {
+        "recovered_latency_s": [e["latency_s"] for e in of(events, "recovered")],
+        "failures": [e["cause"] for e in of(events, "failure")],
+    }
     return Run([shlex.join(cmd)], wall, steps, _fault_time(events), extra)
 
 
@@ -211,9 +247,12 @@ def _torchft_steps(setup: Setup, events: list[dict[str, Any]]) -> dict[int, Step
             loss, digests = groups.get(e["replica"], (0.0, []))
             groups[e["replica"]] = (loss + e["loss"], digests + e["digests"])
         steps[step] = Step(
-            loss=statistics.fmean(loss for loss, _ in groups.values()), time=max(e["time"] for e in ranks),
+            loss=statistics.fmean(loss for loss, _ in groups.values()),
+            time=max(e["time"] for e in ranks),
             samples=[s for e in ranks for m in e["microbatches"] for s in setup.samples(step, m, e["shard"])],
-            replicas=sorted(groups), data=[d for _, ds in groups.values() for d in ds], by_replica=groups,
+            replicas=sorted(groups),
+            data=[d for _, ds in groups.values() for d in ds],
+            by_replica=groups,
         )
     return steps
 
@@ -221,8 +260,15 @@ def _torchft_steps(setup: Setup, events: list[dict[str, Any]]) -> dict[int, Step
 def run_torchft(setup: Setup, plan: str, dump: Path) -> Run:
     dump.mkdir(parents=True)
     port = free_port()
-    lighthouse_cmd = [str(BIN / "torchft_lighthouse"), "--min_replicas", "1", "--bind", f"[::]:{port}",
-                      "--heartbeat_timeout_ms", str(int(setup.heartbeat_timeout_s * 1000))]
+    lighthouse_cmd = [
+        str(BIN / "torchft_lighthouse"),
+        "--min_replicas",
+        "1",
+        "--bind",
+        f"[::]:{port}",
+        "--heartbeat_timeout_ms",
+        str(int(setup.heartbeat_timeout_s * 1000)),
+    ]
     lighthouse_log = dump / "lighthouse.log"
     lighthouse = _start(lighthouse_cmd, lighthouse_log, ENV)
     groups: dict[int, subprocess.Popen] = {}
@@ -234,14 +280,36 @@ def run_torchft(setup: Setup, plan: str, dump: Path) -> Run:
         start = time.monotonic()
         for r in range(setup.replicas):
             cmds[r] = [
-                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                f"--nproc_per_node={setup.shards}", "--max_restarts", "0", "--role", f"replica{r}",
-                "bench/torchft_train.py", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
-                *setup.overrides(), "--model.name", "llama3_recover_torchft",
-                "--parallelism.data_parallel_replicate_degree", "1",
-                "--fault_tolerance.enable", "--fault_tolerance.replica_id", str(r),
-                "--fault_tolerance.group_size", str(setup.replicas), "--fault_tolerance.process_group", "gloo",
-                "--recover.fault_plan", plan,
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nnodes",
+                "1",
+                f"--nproc_per_node={setup.shards}",
+                "--max_restarts",
+                "0",
+                "--role",
+                f"replica{r}",
+                "bench/torchft_train.py",
+                "--job.config_file",
+                str(CONFIG),
+                "--job.dump_folder",
+                str(dump),
+                *setup.overrides(),
+                "--model.name",
+                "llama3_recover_torchft",
+                "--parallelism.data_parallel_replicate_degree",
+                "1",
+                "--fault_tolerance.enable",
+                "--fault_tolerance.replica_id",
+                str(r),
+                "--fault_tolerance.group_size",
+                str(setup.replicas),
+                "--fault_tolerance.process_group",
+                "gloo",
+                "--recover.fault_plan",
+                plan,
             ]
             groups[r] = _start(cmds[r], dump / f"replica{r}.log", env)
         for r, proc in groups.items():
@@ -270,12 +338,20 @@ def _median_step_time(run: Run) -> float:
 
 
 def _step_row(step: int, ref: Step, got: Step | None) -> dict[str, Any]:
-    row: dict[str, Any] = {"step": step, "loss_ff": ref.loss, "loss": None, "rel_dev": None,
-                           "samples": 0, "replicas": [], "data_matches_ff": None}
+    row: dict[str, Any] = {
+        "step": step,
+        "loss_ff": ref.loss,
+        "loss": None,
+        "rel_dev": None,
+        "samples": 0,
+        "replicas": [],
+        "data_matches_ff": None,
+    }
     if got is None:
         return row
-    row.update(loss=got.loss, rel_dev=abs(got.loss - ref.loss) / abs(ref.loss),
-               samples=len(got.samples), replicas=got.replicas)
+    row.update(
+        loss=got.loss, rel_dev=abs(got.loss - ref.loss) / abs(ref.loss), samples=len(got.samples), replicas=got.replicas
+    )
     if ref.by_replica:  # torchft: also against the failure-free loss of the same groups' samples
         same = statistics.fmean(ref.by_replica[r][0] for r in got.replicas)
         row["rel_dev_same_samples"] = abs(got.loss - same) / abs(same)
@@ -330,8 +406,11 @@ def run(quick: bool, out_dir: Path, shards: int = 1) -> dict[str, Any]:
         kill = runner(setup, setup.fault_plan, out_dir / f"{name}_kill")
         systems[name] = analyze(setup, ff, kill)
     short = {"torchft": "torchft", "titan_recover": "recover"}
-    top = {f"{short[n]}_{k}": systems[n][k] for n in systems for k in (
-        "max_rel_loss_dev", "samples_skipped", "samples_repeated", "recovery_s", "median_ff_step_s")}
+    top = {
+        f"{short[n]}_{k}": systems[n][k]
+        for n in systems
+        for k in ("max_rel_loss_dev", "samples_skipped", "samples_repeated", "recovery_s", "median_ff_step_s")
+    }
     for n, r in systems.items():  # per step, step 1 first; None where the kill run did not commit
         top[f"{short[n]}_rel_loss_dev"] = [row["rel_dev"] for row in r["per_step"]]
         top[f"{short[n]}_global_batch"] = r["global_batch_per_step"]
@@ -339,15 +418,23 @@ def run(quick: bool, out_dir: Path, shards: int = 1) -> dict[str, Any]:
         **top,
         "commands": {n: r["commands"] for n, r in systems.items()},
         "setup": {
-            **asdict(setup), "num_microbatches": setup.num_microbatches, "fault_plan": setup.fault_plan,
-            "config": str(CONFIG.relative_to(ROOT)), "model": "llama3_recover (torchft: llama3_recover_torchft, "
+            **asdict(setup),
+            "num_microbatches": setup.num_microbatches,
+            "fault_plan": setup.fault_plan,
+            "config": str(CONFIG.relative_to(ROOT)),
+            "model": "llama3_recover (torchft: llama3_recover_torchft, "
             "the same spec with FSDP on a one-rank mesh so TorchTitan's all-reduce hook reaches torchft)",
             "torchft": "TorchTitan's FTTrainer (torchtitan/experiments/ft/train.py), torchft Lighthouse "
             "(min_replicas 1), torchft ProcessGroupGloo, async quorum; the killed group is not restarted",
             "titan_recover": "titan_recover.launch, [recover] max_restarts = 0",
             "recovery_s": "wall time from the SIGKILL to the end of the survivors' first committed step after it",
-            "versions": {"torch": torch.__version__, "torchft": _version("torchft"), "torchtitan": _version("torchtitan")},
-            "install": "pip install torchft==0.2.0  (keeps torch 2.13.0+cpu; adds torchft, opentelemetry-* and googleapis-common-protos)",
+            "versions": {
+                "torch": torch.__version__,
+                "torchft": _version("torchft"),
+                "torchtitan": _version("torchtitan"),
+            },
+            "install": "pip install torchft==0.2.0  (keeps torch 2.13.0+cpu; "
+            "adds torchft, opentelemetry-* and googleapis-common-protos)",
         },
         "systems": systems,
         "wall_s": round(time.monotonic() - started, 1),
@@ -373,15 +460,21 @@ def main() -> None:
         result = run(args.quick, Path(tmp), args.shards)
     path = write_result("fidelity", result)
     s = result["setup"]
-    print(f"\n{s['replicas']} replica groups x {s['shards']} FSDP ranks, llama3 {s['flavor']}, {s['steps']} steps, "
-          f"{s['global_batch']} samples/step; {s['fault_plan']}; no restart")
-    print(f"{'system':14s} {'max rel dev':>11s} {'skipped':>8s} {'repeated':>8s} {'recovery s':>10s} "
-          f"{'ff step s':>9s} {'committed':>9s}  samples per step from step {s['fault_step']}")
+    print(
+        f"\n{s['replicas']} replica groups x {s['shards']} FSDP ranks, llama3 {s['flavor']}, {s['steps']} steps, "
+        f"{s['global_batch']} samples/step; {s['fault_plan']}; no restart"
+    )
+    print(
+        f"{'system':14s} {'max rel dev':>11s} {'skipped':>8s} {'repeated':>8s} {'recovery s':>10s} "
+        f"{'ff step s':>9s} {'committed':>9s}  samples per step from step {s['fault_step']}"
+    )
     for name, r in result["systems"].items():
-        batch = r["global_batch_per_step"][s["fault_step"] - 1:]
-        print(f"{name:14s} {r['max_rel_loss_dev']:11.2e} {r['samples_skipped']:8d} {r['samples_repeated']:8d} "
-              f"{_fmt(r['recovery_s'], '10.3f')} {r['median_ff_step_s']:9.3f} {r['steps_committed']:9d}  "
-              f"{batch}")
+        batch = r["global_batch_per_step"][s["fault_step"] - 1 :]
+        print(
+            f"{name:14s} {r['max_rel_loss_dev']:11.2e} {r['samples_skipped']:8d} {r['samples_repeated']:8d} "
+            f"{_fmt(r['recovery_s'], '10.3f')} {r['median_ff_step_s']:9.3f} {r['steps_committed']:9d}  "
+            f"{batch}"
+        )
     print(f"wrote {path} ({result['wall_s']:.0f}s)")
 
 

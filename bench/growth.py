@@ -29,16 +29,25 @@ import torch.distributed as dist
 
 from bench.common import CONFIG, PRECISION, RESULTS, ROOT
 from titan_recover.control import keys
-from titan_recover.control.etcd_store import EtcdStore
 from titan_recover.control.addresses import parse_etcd_url
+from titan_recover.control.etcd_store import EtcdStore
 from titan_recover.control.transport import free_port
 from titan_recover.tools.etcd_local import LocalEtcd
 
 OUT = ROOT / "outputs" / "growth"
 log = logging.getLogger("titan_recover.growth")
 # two groups of one rank: the control plane does per step what the default job does, at half its compute
-JOB = [*PRECISION, "--parallelism.data_parallel_shard_degree", "1", "--training.global_batch_size", "8",
-       "--metrics.log_freq", "50", "--recover.digest_interval", "50"]
+JOB = [
+    *PRECISION,
+    "--parallelism.data_parallel_shard_degree",
+    "1",
+    "--training.global_batch_size",
+    "8",
+    "--metrics.log_freq",
+    "50",
+    "--recover.digest_interval",
+    "50",
+]
 
 
 def growth(samples: list[dict], what: str) -> float:
@@ -69,15 +78,32 @@ class Soak:
         self.dump = OUT / self.name
         shutil.rmtree(self.dump, ignore_errors=True)
         self.dump.mkdir(parents=True)
-        kills = "; ".join(f"kill replica=1 rank=0 step={s} phase=backward attempt={i}"
-                          for i, s in enumerate((self.faults_within // 6, self.faults_within // 2, 5 * self.faults_within // 6)))
-        cmd = [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--job.dump_folder",
-               str(self.dump), *JOB, "--training.steps", str(self.steps), "--recover.fault_plan", kills,
-               "--recover.max_restarts", "10", *self.extra]
+        kills = "; ".join(
+            f"kill replica=1 rank=0 step={s} phase=backward attempt={i}"
+            for i, s in enumerate((self.faults_within // 6, self.faults_within // 2, 5 * self.faults_within // 6))
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "titan_recover.launch",
+            "--job.config_file",
+            str(CONFIG),
+            "--job.dump_folder",
+            str(self.dump),
+            *JOB,
+            "--training.steps",
+            str(self.steps),
+            "--recover.fault_plan",
+            kills,
+            "--recover.max_restarts",
+            "10",
+            *self.extra,
+        ]
         self.command = " ".join(cmd)
         with (self.dump / "launcher.log").open("w") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def stop(self) -> int | None:
         """Ends the run (its own process group, which it was started in)."""
@@ -101,8 +127,11 @@ def etcd_size(url: str) -> dict:
     store = EtcdStore(parse_etcd_url(url), 10)
     status = store.post("maintenance/status", {})
     count = store.post("kv/range", {"key": "AA==", "range_end": "AA==", "count_only": True})  # every key
-    return {"keys": int(count.get("count", 0)), "db_size": int(status["dbSize"]),
-            "db_size_in_use": int(status.get("dbSizeInUse", status["dbSize"]))}
+    return {
+        "keys": int(count.get("count", 0)),
+        "db_size": int(status["dbSize"]),
+        "db_size_in_use": int(status.get("dbSizeInUse", status["dbSize"])),
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -118,11 +147,26 @@ def main(argv: list[str]) -> int:
     base = {k: v for k, v in os.environ.items() if k not in (keys.SECRET_ENV, keys.COORDINATOR_ENV, keys.RUN_ENV)}
     steps = 100 * args.min_steps  # ended from here once both bounds are reached
     soaks = {
-        "tcp": (Soak("tcp", steps, args.min_steps, ["--recover.coordinator_port", str(port)], {**base, "PYTHONUNBUFFERED": "1"}),
-                lambda: tcp_keys(port)),
-        "etcd": (Soak("etcd", steps, args.min_steps, ["--recover.control_store", etcd.url],
-                      {**base, "PYTHONUNBUFFERED": "1", keys.SECRET_ENV: os.urandom(16).hex(), keys.RUN_ENV: "growth"}),
-                 lambda: etcd_size(etcd.url)),
+        "tcp": (
+            Soak(
+                "tcp",
+                steps,
+                args.min_steps,
+                ["--recover.coordinator_port", str(port)],
+                {**base, "PYTHONUNBUFFERED": "1"},
+            ),
+            lambda: tcp_keys(port),
+        ),
+        "etcd": (
+            Soak(
+                "etcd",
+                steps,
+                args.min_steps,
+                ["--recover.control_store", etcd.url],
+                {**base, "PYTHONUNBUFFERED": "1", keys.SECRET_ENV: os.urandom(16).hex(), keys.RUN_ENV: "growth"},
+            ),
+            lambda: etcd_size(etcd.url),
+        ),
     }
     start = time.monotonic()
     codes: dict[str, int | None] = {}
@@ -134,14 +178,18 @@ def main(argv: list[str]) -> int:
             elapsed = time.monotonic() - start
             for name, (soak, sample) in soaks.items():
                 if soak.proc is not None and soak.proc.poll() is not None:
-                    raise RuntimeError(f"the {name} run ended early (exit {soak.proc.returncode}): see {soak.dump}/launcher.log")
+                    raise RuntimeError(
+                        f"the {name} run ended early (exit {soak.proc.returncode}): see {soak.dump}/launcher.log"
+                    )
                 try:
                     soak.samples.append({"t": round(elapsed), "step": steps_logged(soak.dump), **sample()})
                 except Exception as e:  # one missed sample is not the run's failure
                     log.warning(f"{name}: no sample at {elapsed:.0f}s ({e})")
                     continue
                 log.info(f"{name}: {soak.samples[-1]}")
-            if elapsed >= args.min_seconds and all(s.samples and s.samples[-1]["step"] >= args.min_steps for s, _ in soaks.values()):
+            if elapsed >= args.min_seconds and all(
+                s.samples and s.samples[-1]["step"] >= args.min_steps for s, _ in soaks.values()
+            ):
                 break
     finally:
         for name, (soak, _) in soaks.items():
@@ -163,9 +211,11 @@ def main(argv: list[str]) -> int:
         "samples": {"tcp": tcp.samples, "etcd": on_etcd.samples},
     }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    log.info(f"growth in the last third: TCPStore keys {result['store_keys_growth_last_third']:+.2%}, etcd DB "
-             f"{result['etcd_db_growth_last_third']:+.2%} (in use {result['etcd_db_in_use_growth_last_third']:+.2%}); "
-             f"{result['steps']} steps in {result['wall_s']}s -> {args.out}")
+    log.info(
+        f"growth in the last third: TCPStore keys {result['store_keys_growth_last_third']:+.2%}, etcd DB "
+        f"{result['etcd_db_growth_last_third']:+.2%} (in use {result['etcd_db_in_use_growth_last_third']:+.2%}); "
+        f"{result['steps']} steps in {result['wall_s']}s -> {args.out}"
+    )
     return 0
 
 

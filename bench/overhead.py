@@ -20,8 +20,9 @@ WARMUP_STEPS = 3
 def measure(mode: str, steps: int, extra: list[str]) -> dict:
     """Median step time, max RSS of any rank and FT buffer of one run."""
     flag = "--recover.enable" if mode == "recover" else "--recover.no-enable"
-    events, _ = launch(["--training.steps", str(steps), "--recover.fault_plan", "none", flag, *PRECISION, *extra],
-                       f"{mode} run")
+    events, _ = launch(
+        ["--training.steps", str(steps), "--recover.fault_plan", "none", flag, *PRECISION, *extra], f"{mode} run"
+    )
     mem = of(events, "rank_memory")
     return {
         "step_s": statistics.median(step_gaps(of(events, "step")[WARMUP_STEPS:]).values()),
@@ -39,14 +40,22 @@ def run(pairs: int, steps: int, extra: list[str]) -> dict:
     for i in range(pairs):
         stock, recover = measure("stock", steps, extra), measure("recover", steps, extra)
         rows.append({"stock": stock, "recover": recover})
-        print(f"pair {i + 1}: step time stock {stock['step_s']:.3f}s recover {recover['step_s']:.3f}s "
-              f"(ratio {recover['step_s'] / stock['step_s']:.3f}); peak RSS stock {stock['max_rss_mb']:.0f} MiB "
-              f"recover {recover['max_rss_mb']:.0f} MiB; FT buffer {recover['ft_buffer_mb']:.1f} MiB", flush=True)
+        print(
+            f"pair {i + 1}: step time stock {stock['step_s']:.3f}s recover {recover['step_s']:.3f}s "
+            f"(ratio {recover['step_s'] / stock['step_s']:.3f}); peak RSS stock {stock['max_rss_mb']:.0f} MiB "
+            f"recover {recover['max_rss_mb']:.0f} MiB; FT buffer {recover['ft_buffer_mb']:.1f} MiB",
+            flush=True,
+        )
     step = spread([r["recover"]["step_s"] / r["stock"]["step_s"] for r in rows])
     rss = spread([r["recover"]["max_rss_mb"] / r["stock"]["max_rss_mb"] for r in rows])
     return {
-        "setup": {"config": "train_configs/llama3_debug_cpu.toml", "pairs": pairs, "steps": steps, "extra": extra,
-                  "precision": PRECISION[-1]},
+        "setup": {
+            "config": "train_configs/llama3_debug_cpu.toml",
+            "pairs": pairs,
+            "steps": steps,
+            "extra": extra,
+            "precision": PRECISION[-1],
+        },
         "pairs": rows,
         "step_time_ratio": step,
         "peak_rss_ratio": rss,

@@ -67,8 +67,9 @@ class Hang(AssertionError):
 class Launcher:
     """One node's launcher, started inside its namespace; its output goes to ``<name>.log``."""
 
-    def __init__(self, cluster: Cluster, node: Node, dump: Path, args: list[str], env: dict[str, str],
-                 name: str = "") -> None:
+    def __init__(
+        self, cluster: Cluster, node: Node, dump: Path, args: list[str], env: dict[str, str], name: str = ""
+    ) -> None:
         self.log = dump.parent / f"{name or f'node{node.index}'}.log"
         self.proc = cluster.spawn(node, args, cwd=ROOT, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
 
@@ -142,10 +143,20 @@ def wait_until(what: str, predicate: Callable[[], bool], timeout: float, launche
 def launcher_args(dump: Path, control: Node | LocalEtcd, plan: str, *extra: str) -> list[str]:
     """A launcher's command: the job with fault plan ``plan``, its control store the TCPStore coordinator
     on node ``control`` (bound to its address) or the etcd cluster ``control``."""
-    store = (["--recover.control_store", control.url] if isinstance(control, LocalEtcd) else
-             ["--recover.coordinator_port", str(PORT), "--recover.coordinator_bind", control.address])
+    store = (
+        ["--recover.control_store", control.url]
+        if isinstance(control, LocalEtcd)
+        else ["--recover.coordinator_port", str(PORT), "--recover.coordinator_bind", control.address]
+    )
     return [
-        sys.executable, "-m", "titan_recover.launch", *job(dump, tiny=True), "--recover.fault_plan", plan, *store, *extra,
+        sys.executable,
+        "-m",
+        "titan_recover.launch",
+        *job(dump, tiny=True),
+        "--recover.fault_plan",
+        plan,
+        *store,
+        *extra,
     ]
 
 
@@ -157,9 +168,16 @@ def node_envs(cluster: Cluster, etcd: LocalEtcd | None = None) -> list[dict[str,
     env.update({keys.SECRET_ENV: "partition-test-secret", "PYTHONUNBUFFERED": "1"})
     coordinator = f"{cluster.nodes[0].address}:{PORT}" if etcd is None else etcd.url
     on_etcd = {} if etcd is None else {keys.RUN_ENV: RUN_ID}
-    return [{**env, **on_etcd, keys.REPLICAS_ENV: str(n.index), **({keys.COORDINATOR_ENV: coordinator} if n.index else {}),
-             **({NODE_ENV: node_name(n)} if etcd else {})}
-            for n in cluster.nodes[:2]]
+    return [
+        {
+            **env,
+            **on_etcd,
+            keys.REPLICAS_ENV: str(n.index),
+            **({keys.COORDINATOR_ENV: coordinator} if n.index else {}),
+            **({NODE_ENV: node_name(n)} if etcd else {}),
+        }
+        for n in cluster.nodes[:2]
+    ]
 
 
 @contextlib.contextmanager
@@ -176,8 +194,11 @@ def etcd_members(cluster: Cluster) -> Iterator[LocalEtcd]:
     fails. Leading from the start: etcd renews every lease when a member starts leading, so leadership
     moved just before a fault would delay the lease's expiry (a case moves it again before its fault
     only if an election moved it meanwhile)."""
-    etcd = LocalEtcd(ETCD_NODES, hosts=[n.address for n in cluster.nodes[:ETCD_NODES]],
-                     spawn=lambda i, argv, **popen: cluster.spawn(cluster.nodes[i], argv, **popen)).start()
+    etcd = LocalEtcd(
+        ETCD_NODES,
+        hosts=[n.address for n in cluster.nodes[:ETCD_NODES]],
+        spawn=lambda i, argv, **popen: cluster.spawn(cluster.nodes[i], argv, **popen),
+    ).start()
     try:
         etcd.move_leader(etcd.names[2])
         yield etcd
@@ -207,8 +228,14 @@ def failure_free_on_etcd(cluster: Cluster, dump: Path) -> Outcome:
         return finish(dump, launchers, {})
 
 
-def fenced_and_back(dump: Path, launchers: list[Launcher], fault: contextlib.AbstractContextManager, for_s: float,
-                    after: str, during: Callable[[], dict[str, float]] = dict) -> dict[str, float]:
+def fenced_and_back(
+    dump: Path,
+    launchers: list[Launcher],
+    fault: contextlib.AbstractContextManager,
+    for_s: float,
+    after: str,
+    during: Callable[[], dict[str, float]] = dict,
+) -> dict[str, float]:
     """``fault`` from after step 2 for ``for_s``, ``during()`` run as soon as it is on: its timings, the
     seconds until a group was fenced, and from the fault's end until it rejoined (``rejoined_after_<after>_s``)."""
     wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
@@ -233,9 +260,11 @@ def cut_off(cluster: Cluster, dump: Path) -> Outcome:
 
 def coordinator_cut_off(cluster: Cluster, dump: Path) -> Outcome:
     """Node 0 (the TCPStore coordinator's node) unplugged for good after step 2, coordinator_timeout_s 10."""
-    plan = f"{STALL}; sleep replica=0 step=3 phase=optimizer seconds=20"  # step 3 neither committed nor recorded before the cut
-    args = launcher_args(dump, cluster.nodes[0], plan, "--recover.coordinator_timeout_s", str(TIMEOUT_S),
-                         "--recover.max_restarts", "0")
+    # step 3 neither committed nor recorded before the cut
+    plan = f"{STALL}; sleep replica=0 step=3 phase=optimizer seconds=20"
+    args = launcher_args(
+        dump, cluster.nodes[0], plan, "--recover.coordinator_timeout_s", str(TIMEOUT_S), "--recover.max_restarts", "0"
+    )
     with two_nodes(cluster, dump, args) as launchers:
         wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
         with cluster.unplugged(cluster.nodes[0]):
@@ -243,7 +272,9 @@ def coordinator_cut_off(cluster: Cluster, dump: Path) -> Outcome:
             try:
                 launchers[1].proc.wait(timeout=4 * TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                raise Hang(f"node 1 still running {4 * TIMEOUT_S:g}s after its coordinator's node was cut off") from None
+                raise Hang(
+                    f"node 1 still running {4 * TIMEOUT_S:g}s after its coordinator's node was cut off"
+                ) from None
             stopped = time.monotonic() - cut
             left = len(cluster.pids(cluster.nodes[1]))
             outcome = finish(dump, launchers, {"other_node_stopped_s": stopped})
@@ -253,8 +284,15 @@ def coordinator_cut_off(cluster: Cluster, dump: Path) -> Outcome:
 
 def paused(cluster: Cluster, dump: Path) -> Outcome:
     """Every process of node 1 SIGSTOPped for 20 s (2 x coordinator_timeout_s) after step 2."""
-    args = launcher_args(dump, cluster.nodes[0], f"{STALL}; {HOLD}", "--recover.coordinator_timeout_s", str(TIMEOUT_S),
-                         "--recover.collective_timeout_s", "60")
+    args = launcher_args(
+        dump,
+        cluster.nodes[0],
+        f"{STALL}; {HOLD}",
+        "--recover.coordinator_timeout_s",
+        str(TIMEOUT_S),
+        "--recover.collective_timeout_s",
+        "60",
+    )
     with two_nodes(cluster, dump, args) as launchers:
         timings = fenced_and_back(dump, launchers, cluster.paused(cluster.nodes[1]), PAUSE_S, "resume")
         return finish(dump, launchers, timings)
@@ -300,8 +338,11 @@ def leader_cut_off(cluster: Cluster, dump: Path) -> Outcome:
                 wait_until("a new leader", lambda: len(leaders(dump)) > len(before), 60, launchers)
                 since["bytes"] = node_log(dump, old).stat().st_size
                 new = leaders(dump)[len(before)]
-                return {"takeover_s": new["time"] - cut, "leader_node": old.index,
-                        "new_leader_node": node_of(cluster, new["pid"]).index}
+                return {
+                    "takeover_s": new["time"] - cut,
+                    "leader_node": old.index,
+                    "new_leader_node": node_of(cluster, new["pid"]).index,
+                }
 
             timings = fenced_and_back(dump, launchers, cluster.unplugged(old), CUT_S, "reconnect", takeover)
             outcome = finish(dump, launchers, timings)
@@ -330,9 +371,13 @@ def etcd_member_cut_off(cluster: Cluster, dump: Path) -> Outcome:
 
 
 CASES: dict[str, Callable[[Cluster, Path], Outcome]] = {
-    "cut_off": cut_off, "coordinator_cut_off": coordinator_cut_off, "paused": paused,
-    "replaced": replaced, "latency_loss": latency_loss,
-    "leader_cut_off": leader_cut_off, "etcd_member_cut_off": etcd_member_cut_off,
+    "cut_off": cut_off,
+    "coordinator_cut_off": coordinator_cut_off,
+    "paused": paused,
+    "replaced": replaced,
+    "latency_loss": latency_loss,
+    "leader_cut_off": leader_cut_off,
+    "etcd_member_cut_off": etcd_member_cut_off,
 }
 ON_ETCD = ("failure_free_on_etcd", "leader_cut_off", "etcd_member_cut_off")  # run on ETCD_NODES nodes
 
@@ -342,10 +387,15 @@ def violations(reference: Outcome, outcome: Outcome, survivors: list[int]) -> li
     step, each step logged once; exit 0 and equal parameter digests at the end for the ``survivors``."""
     result = compare_runs(reference.events, outcome.events, 1e-3)
     problems = list(result.problems)
-    problems += [f"step {e['step']}: {len(e['microbatches'])} microbatches" for e in outcome.of("step")
-                 if len(e["microbatches"]) != MICROBATCHES]
+    problems += [
+        f"step {e['step']}: {len(e['microbatches'])} microbatches"
+        for e in outcome.of("step")
+        if len(e["microbatches"]) != MICROBATCHES
+    ]
     logged = [e["step"] for e in outcome.of("step")]
-    problems += [f"steps logged {logged}, not 1..{STEPS} once each"] if sorted(logged) != list(range(1, STEPS + 1)) else []
+    problems += (
+        [f"steps logged {logged}, not 1..{STEPS} once each"] if sorted(logged) != list(range(1, STEPS + 1)) else []
+    )
     problems += [f"node {i} exited {outcome.exits[i]}" for i in survivors if outcome.exits[i] != 0]
     digests = {e["replica"]: e["digest"] for e in outcome.of("param_digest") if e["step"] == STEPS}
     problems += [f"parameter digests at step {STEPS}: {digests}"] if len(set(digests.values())) != 1 else []
@@ -368,6 +418,7 @@ def main(argv: list[str]) -> int:
     plain: list[float] = []
     shaped: list[float] = []
     with tempfile.TemporaryDirectory(prefix="partitions-") as work:
+
         def run(name: str, scenario: Callable[[Cluster, Path], Outcome]) -> tuple[Outcome | None, str | None]:
             dump = Path(work) / f"{name}-{len(os.listdir(work))}" / "dump"
             dump.parent.mkdir()
@@ -387,24 +438,41 @@ def main(argv: list[str]) -> int:
         for name, scenario in CASES.items():
             outcome, hang = run(name, scenario)
             survivors = [0] if name == "coordinator_cut_off" else [0, 1]
-            problems = [] if outcome is None else violations(on_etcd if name in ON_ETCD else reference, outcome, survivors)
+            problems = (
+                [] if outcome is None else violations(on_etcd if name in ON_ETCD else reference, outcome, survivors)
+            )
             if outcome is not None and name == "coordinator_cut_off":
                 problems = [p for p in problems if "parameter digests" not in p]  # replica 1 is gone by design
                 if outcome.exits[1] != 3:
                     problems.append(f"node 1 exited {outcome.exits[1]}, not 3")
             if outcome is not None and name == "leader_cut_off" and outcome.timings["old_leader_writes"]:
-                problems.append(f"the old leader's node logged {outcome.timings['old_leader_writes']:g} coordinator "
-                                "event(s) after the takeover")
-            if outcome is not None and name == "etcd_member_cut_off" and (outcome.of("failure") or len(outcome.of("leader")) != 1):
-                problems.append(f"a member cut off was seen: {len(outcome.of('failure'))} failure(s), "
-                                f"{len(outcome.of('leader'))} coordinator leader(s)")
-            cases[name] = {"hang": hang, "violations": problems,
-                           "timings": {k: round(v, 2) for k, v in (outcome.timings if outcome else {}).items()},
-                           "failures": [] if outcome is None else [{k: e[k] for k in ("replica", "step", "cause")}
-                                                                   for e in outcome.of("failure")]}
+                problems.append(
+                    f"the old leader's node logged {outcome.timings['old_leader_writes']:g} coordinator "
+                    "event(s) after the takeover"
+                )
+            if (
+                outcome is not None
+                and name == "etcd_member_cut_off"
+                and (outcome.of("failure") or len(outcome.of("leader")) != 1)
+            ):
+                problems.append(
+                    f"a member cut off was seen: {len(outcome.of('failure'))} failure(s), "
+                    f"{len(outcome.of('leader'))} coordinator leader(s)"
+                )
+            cases[name] = {
+                "hang": hang,
+                "violations": problems,
+                "timings": {k: round(v, 2) for k, v in (outcome.timings if outcome else {}).items()},
+                "failures": []
+                if outcome is None
+                else [{k: e[k] for k in ("replica", "step", "cause")} for e in outcome.of("failure")],
+            }
             if name == "latency_loss" and outcome is not None:
                 shaped.append(mean_step_s(outcome))
-            print(f"{name}: {'HANG ' + hang if hang else 'ok' if not problems else problems} {cases[name]['timings']}", flush=True)
+            print(
+                f"{name}: {'HANG ' + hang if hang else 'ok' if not problems else problems} {cases[name]['timings']}",
+                flush=True,
+            )
         for _ in range(args.pairs - 1):  # more side-by-side pairs for the step-time ratio
             for name, scenario, into in (("failure_free", failure_free, plain), ("latency_loss", latency_loss, shaped)):
                 outcome, hang = run(name, scenario)
@@ -414,20 +482,25 @@ def main(argv: list[str]) -> int:
     result = {
         "issue": 28,
         "setup": "2 network-namespace nodes on one 2-core machine, replica group i (llama3 tiny, FSDP 2, fp32) "
-                 f"on node i, {STEPS} steps, M = {MICROBATCHES}; TCPStore coordinator on node 0 at 198.18.0.1; "
-                 f"the etcd cases on {ETCD_NODES} nodes, an etcd member on each at its address, leader lease 3 s",
+        f"on node i, {STEPS} steps, M = {MICROBATCHES}; TCPStore coordinator on node 0 at 198.18.0.1; "
+        f"the etcd cases on {ETCD_NODES} nodes, an etcd member on each at its address, leader lease 3 s",
         "command": "python -m bench.partitions " + " ".join(argv),
         "partition_cases": list(cases),
         "partition_invariant_violations": sum(len(c["violations"]) for c in cases.values()),
         "partition_hangs": sum(c["hang"] is not None for c in cases.values()),
         "partition_max_recovery_s": round(max(recoveries), 2) if recoveries else None,
-        "latency_loss_step_time_ratio": round(statistics.median(shaped) / statistics.median(plain), 2) if shaped else None,
+        "latency_loss_step_time_ratio": round(statistics.median(shaped) / statistics.median(plain), 2)
+        if shaped
+        else None,
         "step_s": {"unshaped": [round(s, 3) for s in plain], "latency_50ms_loss_1pct": [round(s, 3) for s in shaped]},
         "cases": cases,
     }
     path = write_result("partitions", result)
-    print(f"{len(cases)} cases, {result['partition_invariant_violations']} violations, {result['partition_hangs']} hangs; "
-          f"latency and loss step time ratio {result['latency_loss_step_time_ratio']} -> {path}")
+    print(
+        f"{len(cases)} cases, {result['partition_invariant_violations']} "
+        f"violations, {result['partition_hangs']} hangs; "
+        f"latency and loss step time ratio {result['latency_loss_step_time_ratio']} -> {path}"
+    )
     return 0
 
 

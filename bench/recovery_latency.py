@@ -33,15 +33,29 @@ WAIT = "sleep replica=0 step=4 phase=optimizer seconds=30"  # keeps the run goin
 
 def run(replicas: int, fault: str, rejoin: bool) -> dict:
     plan = FAULTS[fault] + (f"; {WAIT}" if rejoin else "")
-    events, _ = launch([
-        "--model.flavor", "tiny", "--training.seq_len", "64",
-        "--training.steps", "8", "--lr_scheduler.warmup_steps", "2",
-        "--parallelism.data_parallel_replicate_degree", str(replicas),
-        "--parallelism.data_parallel_shard_degree", "1",
-        "--training.global_batch_size", str(4 * replicas),
-        "--recover.max_restarts", "1" if rejoin else "0",
-        "--recover.fault_plan", plan,
-    ], f"R={replicas} {fault}")
+    events, _ = launch(
+        [
+            "--model.flavor",
+            "tiny",
+            "--training.seq_len",
+            "64",
+            "--training.steps",
+            "8",
+            "--lr_scheduler.warmup_steps",
+            "2",
+            "--parallelism.data_parallel_replicate_degree",
+            str(replicas),
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--training.global_batch_size",
+            str(4 * replicas),
+            "--recover.max_restarts",
+            "1" if rejoin else "0",
+            "--recover.fault_plan",
+            plan,
+        ],
+        f"R={replicas} {fault}",
+    )
     (recovered,) = of(events, "recovered")
     result = {"replicas": replicas, "fault": fault, "latency_s": recovered["latency_s"]}
     back = of(events, "rejoined")
@@ -66,21 +80,32 @@ def main() -> None:
             for replicas in args.replicas:  # interleaved, so machine noise spreads over every R
                 row = run(replicas, fault, args.rejoin)
                 rows.append(row)
-                print(f"repeat {repeat + 1} {fault:4s} R={replicas}: " + ", ".join(
-                    f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
-                    if k not in ("replicas", "fault")), flush=True)
+                print(
+                    f"repeat {repeat + 1} {fault:4s} R={replicas}: "
+                    + ", ".join(
+                        f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                        for k, v in row.items()
+                        if k not in ("replicas", "fault")
+                    ),
+                    flush=True,
+                )
     print("\nmedians over repeats (s)")
     print("         " + "  ".join(f"R={r:<5d}" for r in args.replicas))
     summary: dict[str, dict] = {}
     for key in ("latency_s", "restart_s", "transfer_s", "downtime_s") if args.rejoin else ("latency_s",):
         print(f"{key}:")
         for fault in args.faults:
-            medians = [statistics.median(x.get(key, float("nan")) for x in rows if x["fault"] == fault and x["replicas"] == r)
-                       for r in args.replicas]
+            medians = [
+                statistics.median(x.get(key, float("nan")) for x in rows if x["fault"] == fault and x["replicas"] == r)
+                for r in args.replicas
+            ]
             summary.setdefault(key, {})[fault] = dict(zip(map(str, args.replicas), medians))
             print(f"  {fault:5s}  " + "  ".join(f"{m:<7.3f}" for m in medians))
-    path = write_result("recovery_latency_rejoin" if args.rejoin else "recovery_latency", {"runs": rows, "median": summary})
+    path = write_result(
+        "recovery_latency_rejoin" if args.rejoin else "recovery_latency", {"runs": rows, "median": summary}
+    )
     print(f"wrote {path}")
+
 
 if __name__ == "__main__":
     main()

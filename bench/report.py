@@ -1,6 +1,6 @@
 """The benchmark report: headline numbers, a summary table and PNG plots from bench/results.
 
-    .venv/bin/python -m bench.report [results_dir]   -> summary.json, summary.md, *.png there
+.venv/bin/python -m bench.report [results_dir]   -> summary.json, summary.md, *.png there
 """
 
 import json
@@ -19,21 +19,36 @@ HEADLINES = {
     "overhead_step_time_ratio": ("overhead", "step time recover / stock, no failures (median of pairs)"),
     "torchft_max_rel_loss_dev": ("fidelity", "torchft: max per-step relative loss deviation from its failure-free run"),
     "recover_max_rel_loss_dev": ("fidelity", "titan_recover: same, same kill"),
-    "ckpt_restart_effective_throughput_ratio": ("ckpt_restart", "tokens/s titan_recover / best-K checkpoint-and-restart, 3 kills"),
+    "ckpt_restart_effective_throughput_ratio": (
+        "ckpt_restart",
+        "tokens/s titan_recover / best-K checkpoint-and-restart, 3 kills",
+    ),
     "sim_calibration_error": ("goodput", "simulator vs measured training time, worst run of scenario 3"),
     "sim_paper_setting_ratio": ("goodput", "simulated effective throughput ratio, 512 GPUs with 256 lost"),
     "data_prepare_tokens_per_s": ("data", "tokens/s of the prepare command on every core of this machine"),
-    "data_read_vs_needed_ratio": ("data", "one rank's microbatches/s at seq 8192 / what one H100 of an 8B run consumes"),
+    "data_read_vs_needed_ratio": (
+        "data",
+        "one rank's microbatches/s at seq 8192 / what one H100 of an 8B run consumes",
+    ),
     "data_rss_growth_ratio": ("data", "a reading rank's peak RSS at 1B tokens / at 1M tokens"),
     "spare_rejoin_downtime_s": ("spares", "failure to full membership with a hot spare, worst of R = 2, 4, 8"),
     "restart_rejoin_downtime_s": ("spares", "the same by restarting the failed group, no spare"),
     "spare_failure_free_step_ratio": ("spares", "failure-free step time with a waiting spare / without, worst R"),
-    "straggler_speed_vs_ideal": ("stragglers", "step time with the speed policy / ideal, one of 2 groups F times slower (F: ratio)"),
+    "straggler_speed_vs_ideal": (
+        "stragglers",
+        "step time with the speed policy / ideal, one of 2 groups F times slower (F: ratio)",
+    ),
     "straggler_balanced_vs_ideal": ("stragglers", "the same with the balanced policy"),
     "coordinator_failover_s": ("failover", "etcd: coordinator leader SIGKILLed -> next committed step, R = 2"),
     "node_failover_s": ("failover", "etcd: the leader's node (launcher tree) SIGKILLed -> next committed step, R = 2"),
-    "dcp_restart_s": ("failover", "the same job in stock TorchTitan: a rank SIGKILLed -> the DCP-restarted job's first step"),
-    "etcd_step_time_ratio": ("failover", "failure-free step time, control_store etcd / TCPStore (3 etcd members on the same 2 cores)"),
+    "dcp_restart_s": (
+        "failover",
+        "the same job in stock TorchTitan: a rank SIGKILLed -> the DCP-restarted job's first step",
+    ),
+    "etcd_step_time_ratio": (
+        "failover",
+        "failure-free step time, control_store etcd / TCPStore (3 etcd members on the same 2 cores)",
+    ),
 }
 
 
@@ -122,8 +137,12 @@ def plot_latency(goodput: dict, out: Path) -> Path:
     for name, label in (("latency_s", "survivors regrouped"), ("restart_s", "failed group rejoined")):
         measured = scale["measured"][name]
         per_group = scale["gpus_per_group"]
-        ax.plot([int(r) * per_group for r in measured], list(measured.values()), "o",
-                label=f"{label} (measured, x{per_group} GPUs/group)")
+        ax.plot(
+            [int(r) * per_group for r in measured],
+            list(measured.values()),
+            "o",
+            label=f"{label} (measured, x{per_group} GPUs/group)",
+        )
         ext = scale["extrapolated"]
         ax.plot([e["devices"] for e in ext], [e[name] for e in ext], "--", label=f"{label} (linear fit)")
     fr = scale["flashrecovery"]

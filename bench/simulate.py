@@ -53,8 +53,12 @@ def calibration(measured: dict) -> dict:
         transfer_s=statistics.median(recover["transfer_s"]),
         repair_s=0.0,  # a killed process restarts at once on the same machine
     )
-    cluster = g.Cluster(gpus=setup["replica_groups"], group_gpus=setup["ranks_per_group"],
-                        microbatches=setup["microbatches"], tokens_per_step=setup["tokens_per_step"])
+    cluster = g.Cluster(
+        gpus=setup["replica_groups"],
+        group_gpus=setup["ranks_per_group"],
+        microbatches=setup["microbatches"],
+        tokens_per_step=setup["tokens_per_step"],
+    )
     failures = [g.Failure(step=s) for s in setup["kills"]]
     horizon = g.Horizon(steps=setup["steps"])
     rows = []
@@ -64,8 +68,14 @@ def calibration(measured: dict) -> dict:
         else:
             sim = g.simulate_restart(cluster, costs, failures, horizon, run["ckpt_every"])
         measured_s = run["train_s"]
-        rows.append({"system": run["system"], "measured_s": measured_s, "predicted_s": sim.wall_s,
-                     "error": abs(sim.wall_s - measured_s) / measured_s})
+        rows.append(
+            {
+                "system": run["system"],
+                "measured_s": measured_s,
+                "predicted_s": sim.wall_s,
+                "error": abs(sim.wall_s - measured_s) / measured_s,
+            }
+        )
     best = min(rows[1:], key=lambda r: r["measured_s"])
     predicted_best = min(r["predicted_s"] for r in rows[1:])
     return {
@@ -84,8 +94,14 @@ def paper() -> dict:
         restart: g.paper_setting(dataclasses.replace(g.PAPER_COSTS, restart_s=restart))["throughput_ratio"]
         for restart in (30.0, 60.0, 120.0, 300.0, 600.0)
     }
-    return {"costs": g.PAPER_COSTS.__dict__, "cluster": g.PAPER_CLUSTER.__dict__, "events": 4, "result": main,
-            "ratio_by_failure_events": per_events, "ratio_by_restart_s": per_restart}
+    return {
+        "costs": g.PAPER_COSTS.__dict__,
+        "cluster": g.PAPER_CLUSTER.__dict__,
+        "events": 4,
+        "result": main,
+        "ratio_by_failure_events": per_events,
+        "ratio_by_restart_s": per_restart,
+    }
 
 
 def paper_spares(results: Path, calibrated: dict) -> dict:
@@ -94,8 +110,11 @@ def paper_spares(results: Path, calibrated: dict) -> dict:
     bound a spare's downtime from below (``spare_downtime_floor_s``)."""
     path = results / "spares.json"
     measured = json.loads(path.read_text()).get("spare_rejoin_downtime_s") if path.exists() else None
-    admit = float(measured) if measured is not None else (
-        calibrated["detect_s"] + calibrated["transfer_s"] + calibrated["step_s"])
+    admit = (
+        float(measured)
+        if measured is not None
+        else (calibrated["detect_s"] + calibrated["transfer_s"] + calibrated["step_s"])
+    )
     costs = dataclasses.replace(g.PAPER_COSTS, spare_admit_s=admit)
     return {
         "spare_cost_source": "measured" if measured is not None else "derived",
@@ -109,8 +128,12 @@ def paper_stragglers() -> dict:
     """One straggling group in the paper setting: its failure-free step and titan_recover's
     throughput over the run, by quota policy (the baseline's quotas stay equal)."""
     cluster, costs = g.PAPER_CLUSTER, g.PAPER_COSTS
-    out: dict = {"groups": 1, "nominal_step_s": g.step_time(cluster, costs, cluster.groups),
-                 "nominal_tokens_per_s": g.paper_setting()["recover"]["tokens_per_s"], "by_slowdown": {}}
+    out: dict = {
+        "groups": 1,
+        "nominal_step_s": g.step_time(cluster, costs, cluster.groups),
+        "nominal_tokens_per_s": g.paper_setting()["recover"]["tokens_per_s"],
+        "by_slowdown": {},
+    }
     for slowdown in SLOWDOWNS:
         straggler = g.Straggler(slowdown)
         runs = {p: g.paper_setting(stragglers=[straggler], policy=p) for p in POLICIES}
@@ -129,8 +152,12 @@ def sweep() -> list[dict]:
     rows = []
     costs = dataclasses.replace(g.PAPER_COSTS, repair_s=SWEEP_REPAIR_S)
     for gpus in SIZES:
-        cluster = g.Cluster(gpus, g.PAPER_CLUSTER.group_gpus, g.MICROBATCHES_PER_GROUP * gpus // g.PAPER_CLUSTER.group_gpus,
-                            g.PAPER_CLUSTER.tokens_per_step)
+        cluster = g.Cluster(
+            gpus,
+            g.PAPER_CLUSTER.group_gpus,
+            g.MICROBATCHES_PER_GROUP * gpus // g.PAPER_CLUSTER.group_gpus,
+            g.PAPER_CLUSTER.tokens_per_step,
+        )
         horizon = g.Horizon(wall_s=SWEEP_HOURS * g.HOUR)
         for rate in RATES:
             k = g.young_daly_steps(costs, g.mtbf_s(cluster, [], horizon, rate))
@@ -139,8 +166,17 @@ def sweep() -> list[dict]:
                 drawn = g.poisson_failures(cluster, rate, horizon.wall_s, seed=seed)
                 ratios.append(g.compare(cluster, costs, drawn, horizon, k)["throughput_ratio"])
                 failures.append(len(drawn))
-            rows.append({"gpus": gpus, "rate_per_gpu_hour": rate, "ckpt_every": k, "failures": failures,
-                         "throughput_ratio": statistics.fmean(ratios), "min": min(ratios), "max": max(ratios)})
+            rows.append(
+                {
+                    "gpus": gpus,
+                    "rate_per_gpu_hour": rate,
+                    "ckpt_every": k,
+                    "failures": failures,
+                    "throughput_ratio": statistics.fmean(ratios),
+                    "min": min(ratios),
+                    "max": max(ratios),
+                }
+            )
     return rows
 
 
@@ -187,19 +223,31 @@ def main() -> None:
     result = run()
     path = write_result("goodput", result)
     for r in result["calibration"]["runs"]:
-        print(f"calibration {r['system']:20s} measured {r['measured_s']:6.1f} s  predicted {r['predicted_s']:6.1f} s  "
-              f"error {r['error']:.1%}")
-    print(f"paper setting: {result['sim_paper_setting_ratio']:.2f}x effective throughput, "
-          f"{result['sim_paper_tokens_ratio_at_234_gpu_hours']:.2f}x tokens at 234 GPU-hours")
+        print(
+            f"calibration {r['system']:20s} measured {r['measured_s']:6.1f} s  predicted {r['predicted_s']:6.1f} s  "
+            f"error {r['error']:.1%}"
+        )
+    print(
+        f"paper setting: {result['sim_paper_setting_ratio']:.2f}x effective throughput, "
+        f"{result['sim_paper_tokens_ratio_at_234_gpu_hours']:.2f}x tokens at 234 GPU-hours"
+    )
     spares = result["paper_spares"]
-    print(f"  spare admission: {spares['spare_admit_s']:.2f} s ({spares['spare_cost_source']}), "
-          f"{spares['spare_downtime_floor_s']:.2f} s at least in the paper's costs")
+    print(
+        f"  spare admission: {spares['spare_admit_s']:.2f} s ({spares['spare_cost_source']}), "
+        f"{spares['spare_downtime_floor_s']:.2f} s at least in the paper's costs"
+    )
     for n, r in spares["by_spares"].items():
-        print(f"  {n} spares: titan_recover {r['recover']['tokens_per_s']:.0f} tokens/s, {r['throughput_ratio']:.2f}x, "
-              f"{r['tokens_ratio_at_gpu_hours']:.2f}x tokens at 234 GPU-hours")
+        print(
+            f"  {n} spares: titan_recover {r['recover']['tokens_per_s']:.0f} tokens/s, {r['throughput_ratio']:.2f}x, "
+            f"{r['tokens_ratio_at_gpu_hours']:.2f}x tokens at 234 GPU-hours"
+        )
     for slowdown, r in result["paper_stragglers"]["by_slowdown"].items():
-        print(f"  one group {slowdown}x slower: failure-free step " + ", ".join(f"{p} {t:.2f} s" for p, t in r["step_s"].items())
-              + f"; paper run tokens/s speed/balanced {r['speed_over_balanced']:.2f}x, speed/ideal {r['speed_over_ideal']:.2f}x")
+        print(
+            f"  one group {slowdown}x slower: failure-free step "
+            + ", ".join(f"{p} {t:.2f} s" for p, t in r["step_s"].items())
+            + f"; paper run tokens/s speed/balanced {r['speed_over_balanced']:.2f}x,"
+            + f" speed/ideal {r['speed_over_ideal']:.2f}x"
+        )
     print(f"wrote {path}")
 
 

@@ -54,12 +54,14 @@ def make_schedule(n: int, kinds: Sequence[str], rng: random.Random) -> list[str]
     deck = [kinds[i % len(kinds)] for i in range(n)]
     extra = list(kinds)
     rng.shuffle(extra)
-    deck[len(deck) - n % len(kinds):] = extra[: n % len(kinds)]  # which kinds get the remainder: random
+    deck[len(deck) - n % len(kinds) :] = extra[: n % len(kinds)]  # which kinds get the remainder: random
     rng.shuffle(deck)
     return deck
 
 
-def phase_plan(shards: int, gap: int, rng: random.Random, first: int = 3) -> tuple[str, list[tuple[int, int, str]], int]:
+def phase_plan(
+    shards: int, gap: int, rng: random.Random, first: int = 3
+) -> tuple[str, list[tuple[int, int, str]], int]:
     """The prologue's fault plan: a SIGKILL in each phase, on replicas 0 and 1 in turn.
 
     Each entry names the incarnation it expects (attempts count the restarts before it):
@@ -72,9 +74,12 @@ def phase_plan(shards: int, gap: int, rng: random.Random, first: int = 3) -> tup
     s3, s4 = s1 + gap, s2 + gap
     rank = lambda: rng.randrange(shards)  # noqa: E731
     entries = [
-        (0, 0, "forward", f"step={s1}"), (1, 0, "backward", f"step={s2}"),
-        (0, 1, "allreduce", f"step={s3}"), (0, 2, "join", ""),
-        (1, 1, "optimizer", f"step={s4}"), (0, 3, "donate", ""),
+        (0, 0, "forward", f"step={s1}"),
+        (1, 0, "backward", f"step={s2}"),
+        (0, 1, "allreduce", f"step={s3}"),
+        (0, 2, "join", ""),
+        (1, 1, "optimizer", f"step={s4}"),
+        (0, 3, "donate", ""),
     ]
     plan = "; ".join(
         " ".join(w for w in (f"kill replica={r} rank={rank()}", step, f"phase={p}", f"attempt={a}" if a else "") if w)
@@ -126,8 +131,13 @@ def targets_for(kind: str, view: View, rng: random.Random) -> tuple[int, ...] | 
         return (d,) if d in candidates and len(view.holders) >= 2 else None
     if kind == LAUNCHER_KIND:
         hit = view.node1 & (view.holders | set(view.joining))
-        ok = (view.node1 and view.node1 & view.holders and view.holders - view.node1
-              and not view.node1 & (view.in_flight | view.lost) and view.spare not in view.node1)
+        ok = (
+            view.node1
+            and view.node1 & view.holders
+            and view.holders - view.node1
+            and not view.node1 & (view.in_flight | view.lost)
+            and view.spare not in view.node1
+        )
         return tuple(sorted(hit)) if ok else None
     if kind == "two_groups":
         if len(candidates) < 2 or len(view.holders) < 3:
@@ -138,7 +148,9 @@ def targets_for(kind: str, view: View, rng: random.Random) -> tuple[int, ...] | 
     raise ValueError(f"unknown fault kind {kind!r}")
 
 
-def pick(schedule: Sequence[str], view: View, rng: random.Random, lookahead: int = 8) -> tuple[int, str, tuple[int, ...]] | None:
+def pick(
+    schedule: Sequence[str], view: View, rng: random.Random, lookahead: int = 8
+) -> tuple[int, str, tuple[int, ...]] | None:
     """The next fault: (its index in ``schedule``, kind, target groups), or None to wait.
 
     Right after an admission (``view.fresh``) the first transfer kind among the next
@@ -218,8 +230,15 @@ class Tracker:
 
     def inject(self, kind: str, targets: Sequence[int], now: float, wall: float | None = None, **detail: Any) -> Fault:
         """Records a fault sent at ``now`` (monotonic; ``wall``: its wall-clock time, default now)."""
-        fault = Fault(len(self.faults) + 1, kind, tuple(targets), now, self.step, time.time() if wall is None else wall,
-                      dict(detail))
+        fault = Fault(
+            len(self.faults) + 1,
+            kind,
+            tuple(targets),
+            now,
+            self.step,
+            time.time() if wall is None else wall,
+            dict(detail),
+        )
         self.faults.append(fault)
         for e, seen in list(self.unmatched):  # its failure may have been read first (another file)
             if e["replica"] in fault.targets and e["replica"] not in fault.failed and e["time"] >= fault.wall - 2.0:
@@ -237,7 +256,12 @@ class Tracker:
             self.joining = {r: a for r, a in self.joining.items() if r not in self.holders}
             self.unrecovered.clear()
             for f in self.pending():
-                if f.kind != "slow" and set(f.targets) <= set(f.failed) or f.kind == "slow" and f.targets[0] in f.failed:
+                if (
+                    f.kind != "slow"
+                    and set(f.targets) <= set(f.failed)
+                    or f.kind == "slow"
+                    and f.targets[0] in f.failed
+                ):
                     f.resolved_at, f.recovered_step = now, e["step"]
                     f.outcome = "fenced" if f.kind == "slow" else "survived"
                     resolved.append(f)
@@ -264,16 +288,29 @@ class Tracker:
             self.joining[e["replica"]] = e["attempt"]
             self.fresh = (e["replica"], now)
         elif kind == "fault_injected":  # a plan fault fired inside a rank
-            self.inject(f"{e['action']}_{e['phase']}", (e["replica"],), now, e["time"], rank=e["rank"], attempt=e["attempt"],
-                        phase=e["phase"], plan=True)
+            self.inject(
+                f"{e['action']}_{e['phase']}",
+                (e["replica"],),
+                now,
+                e["time"],
+                rank=e["rank"],
+                attempt=e["attempt"],
+                phase=e["phase"],
+                plan=True,
+            )
         return resolved
 
     def tick(self, now: float, settle_s: float, timeout_s: float) -> list[Fault]:
         """Resolves slow faults that were not fenced, and gives up on faults older than ``timeout_s``."""
         resolved = []
         for f in self.pending():
-            if f.kind == "slow" and f.cont_at is not None and not f.failed and now >= f.cont_at + settle_s \
-                    and self.last_progress > f.cont_at:
+            if (
+                f.kind == "slow"
+                and f.cont_at is not None
+                and not f.failed
+                and now >= f.cont_at + settle_s
+                and self.last_progress > f.cont_at
+            ):
                 f.resolved_at, f.recovered_step, f.outcome = now, self.step, "survived"
                 resolved.append(f)
             elif now - f.at > timeout_s:
@@ -298,8 +335,16 @@ class Tracker:
             fresh = self.fresh[0]
         in_flight = {r for f in self.pending() for r in f.targets}
         down = set(range(self.replicas)) - self.holders - set(self.joining) - self.lost
-        return View(frozenset(self.holders), dict(self.joining), frozenset(in_flight), self.spare, self.node1,
-                    frozenset(self.lost), fresh, frozenset(down))
+        return View(
+            frozenset(self.holders),
+            dict(self.joining),
+            frozenset(in_flight),
+            self.spare,
+            self.node1,
+            frozenset(self.lost),
+            fresh,
+            frozenset(down),
+        )
 
 
 def incarnation_of_resources(events: Iterable[dict[str, Any]]) -> Iterable[tuple[dict[str, Any], int]]:
@@ -317,16 +362,23 @@ def incarnation_of_resources(events: Iterable[dict[str, Any]]) -> Iterable[tuple
 def _growth(series: list[dict[str, Any]]) -> dict[str, Any]:
     first, last = series[0], series[-1]
     return {
-        "samples": len(series), "from_step": first.get("step"), "to_step": last.get("step"),
-        "rss_mb": [first["rss_mb"], last["rss_mb"]], "max_rss_mb": max(e["rss_mb"] for e in series),
-        "threads": [first["threads"], last["threads"]], "fds": [first["fds"], last["fds"]],
+        "samples": len(series),
+        "from_step": first.get("step"),
+        "to_step": last.get("step"),
+        "rss_mb": [first["rss_mb"], last["rss_mb"]],
+        "max_rss_mb": max(e["rss_mb"] for e in series),
+        "threads": [first["threads"], last["threads"]],
+        "fds": [first["fds"], last["fds"]],
         "rss_growth_ratio": round(last["rss_mb"] / first["rss_mb"], 4) if first["rss_mb"] else None,
-        "thread_growth": last["threads"] - first["threads"], "fd_growth": last["fds"] - first["fds"],
+        "thread_growth": last["threads"] - first["threads"],
+        "fd_growth": last["fds"] - first["fds"],
         **({"parked": [first["parked"], last["parked"]]} if "parked" in first and "parked" in last else {}),
     }
 
 
-def survivor_growth(events: Iterable[dict[str, Any]], replica: int | None = None, rank: int = 0) -> dict[str, Any] | None:
+def survivor_growth(
+    events: Iterable[dict[str, Any]], replica: int | None = None, rank: int = 0
+) -> dict[str, Any] | None:
     """RSS, threads and fds of one surviving rank from its first ``resources`` event (the
     first failure it survived) to its last: ``replica``'s (or, if None, the incarnation with
     the most events), same attempt throughout."""
@@ -346,9 +398,12 @@ def survivor_growth(events: Iterable[dict[str, Any]], replica: int | None = None
     same = [e for e in chosen if size.get(e.get("step")) == size.get(chosen[-1].get("step"))]
     if size and len(same) >= 2:
         g = _growth(same)
-        out["same_members"] = {"members": size.get(chosen[-1].get("step")), "samples": len(same),
-                               **{k: g[k] for k in ("rss_growth_ratio", "thread_growth", "fd_growth")}}
-    half = chosen[len(chosen) // 2:]
+        out["same_members"] = {
+            "members": size.get(chosen[-1].get("step")),
+            "samples": len(same),
+            **{k: g[k] for k in ("rss_growth_ratio", "thread_growth", "fd_growth")},
+        }
+    half = chosen[len(chosen) // 2 :]
     out["rss_growth_ratio_second_half"] = _growth(half)["rss_growth_ratio"]
     return out
 
@@ -362,11 +417,16 @@ def final_digests(events: Iterable[dict[str, Any]], replicas: int, last_step: in
     """Problems with the parameter digests: mismatches anywhere, and at the last step every
     replica logging one and all of them equal."""
     events = list(events)
-    problems = [f"param_digest_mismatch: replica {e['replica']} at step {e['step']}"
-                for e in events if e["event"] == "param_digest_mismatch"]
+    problems = [
+        f"param_digest_mismatch: replica {e['replica']} at step {e['step']}"
+        for e in events
+        if e["event"] == "param_digest_mismatch"
+    ]
     last = {e["replica"]: e["digest"] for e in events if e["event"] == "param_digest" and e["step"] == last_step}
     if sorted(last) != list(range(replicas)):
-        problems.append(f"step {last_step}: param digests from replicas {sorted(last)}, expected all of 0..{replicas - 1}")
+        problems.append(
+            f"step {last_step}: param digests from replicas {sorted(last)}, expected all of 0..{replicas - 1}"
+        )
     if len(set(last.values())) > 1:
         problems.append(f"step {last_step}: param digests differ: {last}")
     return problems
@@ -385,14 +445,23 @@ def loss_violations(run: Comparison, control: Comparison | None) -> list[str]:
         return []
     if control is not None and run.max_rel_loss_dev <= DRIFT_MARGIN * control.max_rel_loss_dev:
         return []
-    floor = f"more than {DRIFT_MARGIN:g} x the control's {control.max_rel_loss_dev:.2e}" if control else "no control run"
+    floor = (
+        f"more than {DRIFT_MARGIN:g} x the control's {control.max_rel_loss_dev:.2e}" if control else "no control run"
+    )
     return [f"{line}: past {REL_TOL:g}, {floor}" for line in run.loss.values()]
 
 
 def summarize(
-    faults: Sequence[Fault], events: Sequence[dict[str, Any]], reference: Sequence[dict[str, Any]] | None,
-    replicas: int, steps: int, spare: int | None, hang: dict[str, Any] | None, exit_codes: dict[str, int | None],
-    collateral: Sequence[dict[str, Any]] = (), control: Sequence[dict[str, Any]] | None = None,
+    faults: Sequence[Fault],
+    events: Sequence[dict[str, Any]],
+    reference: Sequence[dict[str, Any]] | None,
+    replicas: int,
+    steps: int,
+    spare: int | None,
+    hang: dict[str, Any] | None,
+    exit_codes: dict[str, int | None],
+    collateral: Sequence[dict[str, Any]] = (),
+    control: Sequence[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The soak's result keys from its faults, its event log, the reference's and the control's."""
     of = lambda kind: [e for e in events if e["event"] == kind]  # noqa: E731
@@ -456,17 +525,26 @@ def summarize(
 
 def format_table(r: dict[str, Any]) -> str:
     rows = [
-        ("faults injected", r["faults_injected"]), ("faults survived", r["faults_survived"]),
-        ("invariant violations", r["invariant_violations"]), ("hangs", r["hangs"]),
-        ("max recovery latency (s)", r["max_recovery_latency_s"]), ("max rejoin downtime (s)", r["max_rejoin_downtime_s"]),
-        ("rss growth ratio", r["rss_growth_ratio"]), ("fd growth", r["fd_growth"]), ("thread growth", r["thread_growth"]),
+        ("faults injected", r["faults_injected"]),
+        ("faults survived", r["faults_survived"]),
+        ("invariant violations", r["invariant_violations"]),
+        ("hangs", r["hangs"]),
+        ("max recovery latency (s)", r["max_recovery_latency_s"]),
+        ("max rejoin downtime (s)", r["max_rejoin_downtime_s"]),
+        ("rss growth ratio", r["rss_growth_ratio"]),
+        ("fd growth", r["fd_growth"]),
+        ("thread growth", r["thread_growth"]),
         ("coordinator fd growth", r["coordinator_fd_growth"]),
         ("steps committed / compared", f"{r['steps_committed']} / {r['steps_compared']}"),
         ("max rel loss deviation", r["max_rel_loss_dev"]),
         ("  the control's (float drift)", r.get("control_max_rel_loss_dev")),
-        ("steps past the loss tolerance", f"{r.get('loss_steps_over_tol')} (control: {r.get('control_loss_steps_over_tol')})"),
+        (
+            "steps past the loss tolerance",
+            f"{r.get('loss_steps_over_tol')} (control: {r.get('control_loss_steps_over_tol')})",
+        ),
         ("failures / rejoins", f"{r['failures']} / {r['rejoins']}"),
-        ("collateral failures", len(r["collateral_failures"])), ("slow ranks fenced", r["slow_fenced"]),
+        ("collateral failures", len(r["collateral_failures"])),
+        ("slow ranks fenced", r["slow_fenced"]),
     ]
     width = max(len(k) for k, _ in rows)
     lines = ["soak summary"] + [f"  {k:<{width}} : {v}" for k, v in rows]
@@ -527,7 +605,17 @@ def process_tree(roots: Iterable[int]) -> list[Proc]:
         except OSError:
             continue
         num = lambda k: int(env[k]) if env.get(k, "").isdigit() else None  # noqa: E731
-        out.append(Proc(pid, ppid, state, num(REPLICA_ENV), num(ATTEMPT_ENV), num("RANK") if num(REPLICA_ENV) is not None else None, cmd))
+        out.append(
+            Proc(
+                pid,
+                ppid,
+                state,
+                num(REPLICA_ENV),
+                num(ATTEMPT_ENV),
+                num("RANK") if num(REPLICA_ENV) is not None else None,
+                cmd,
+            )
+        )
     return out
 
 
@@ -584,18 +672,41 @@ class Setup:
 
     def args(self, dump: Path, plan: str | None = None) -> list[str]:
         return [
-            sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG.relative_to(ROOT)),
-            "--job.dump_folder", str(dump), *PRECISION,
-            "--training.steps", str(self.steps), "--debug.seed", "42", "--metrics.log_freq", "10",
-            "--parallelism.data_parallel_replicate_degree", str(self.replicas),
-            "--parallelism.data_parallel_shard_degree", str(self.shards),
-            "--training.local_batch_size", str(self.local_batch),
-            "--training.global_batch_size", str(2 * self.replicas * self.shards * self.local_batch),
-            "--recover.max_restarts", "1000", "--recover.restart_window_s", "3600",
-            "--recover.heartbeat_timeout_s", str(self.heartbeat_timeout_s),
-            "--recover.collective_timeout_s", str(self.collective_timeout_s),
-            "--recover.digest_interval", str(self.digest_interval), *(["--recover.exact"] if self.exact else []),
-            "--recover.fault_plan", self.plan if plan is None else plan,
+            sys.executable,
+            "-m",
+            "titan_recover.launch",
+            "--job.config_file",
+            str(CONFIG.relative_to(ROOT)),
+            "--job.dump_folder",
+            str(dump),
+            *PRECISION,
+            "--training.steps",
+            str(self.steps),
+            "--debug.seed",
+            "42",
+            "--metrics.log_freq",
+            "10",
+            "--parallelism.data_parallel_replicate_degree",
+            str(self.replicas),
+            "--parallelism.data_parallel_shard_degree",
+            str(self.shards),
+            "--training.local_batch_size",
+            str(self.local_batch),
+            "--training.global_batch_size",
+            str(2 * self.replicas * self.shards * self.local_batch),
+            "--recover.max_restarts",
+            "1000",
+            "--recover.restart_window_s",
+            "3600",
+            "--recover.heartbeat_timeout_s",
+            str(self.heartbeat_timeout_s),
+            "--recover.collective_timeout_s",
+            str(self.collective_timeout_s),
+            "--recover.digest_interval",
+            str(self.digest_interval),
+            *(["--recover.exact"] if self.exact else []),
+            "--recover.fault_plan",
+            self.plan if plan is None else plan,
         ]
 
 
@@ -619,8 +730,9 @@ class Soak:
     def _start(self, name: str) -> subprocess.Popen:
         spec = self.commands[name]
         with open(self.logs[name], "a") as out:
-            proc = subprocess.Popen(spec["cmd"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=spec["env"],
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                spec["cmd"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=spec["env"], start_new_session=True
+            )
         self.launchers[name] = proc
         return proc
 
@@ -634,11 +746,21 @@ class Soak:
             port, secret = free_port(), os.urandom(16).hex()
             extra = ["--recover.coordinator_bind", "127.0.0.1", "--recover.coordinator_port", str(port)]
             local0 = [r for r in range(s.replicas) if r not in s.node1]
-            self.commands["node0"] = {"cmd": s.args(dump / "node0") + extra, "replicas": local0,
-                                      "env": {**base, SECRET_ENV: secret, REPLICAS_ENV: ",".join(map(str, local0))}}
-            self.commands["node1"] = {"cmd": s.args(dump / "node1") + extra, "replicas": s.node1,
-                                      "env": {**base, SECRET_ENV: secret, REPLICAS_ENV: ",".join(map(str, s.node1)),
-                                              COORDINATOR_ENV: f"127.0.0.1:{port}"}}
+            self.commands["node0"] = {
+                "cmd": s.args(dump / "node0") + extra,
+                "replicas": local0,
+                "env": {**base, SECRET_ENV: secret, REPLICAS_ENV: ",".join(map(str, local0))},
+            }
+            self.commands["node1"] = {
+                "cmd": s.args(dump / "node1") + extra,
+                "replicas": s.node1,
+                "env": {
+                    **base,
+                    SECRET_ENV: secret,
+                    REPLICAS_ENV: ",".join(map(str, s.node1)),
+                    COORDINATOR_ENV: f"127.0.0.1:{port}",
+                },
+            }
         for name in self.commands:
             (dump / name).mkdir(parents=True, exist_ok=True)
             self.logs[name] = dump / f"{name}.log"
@@ -690,8 +812,11 @@ class Soak:
             procs = [self._rank_of(r, att[r]) for r in targets]
             if any(p is None for p in procs):
                 return None
-            detail: dict[str, Any] = {"ranks": [p.rank for p in procs], "pids": [p.pid for p in procs],  # type: ignore[union-attr]
-                                      "attempts": [att[r] for r in targets]}
+            detail: dict[str, Any] = {
+                "ranks": [p.rank for p in procs],
+                "pids": [p.pid for p in procs],  # type: ignore[union-attr]
+                "attempts": [att[r] for r in targets],
+            }
             if kind == "slow":
                 detail["seconds"] = round(self.rng.uniform(0.3, 0.6) * self.setup.heartbeat_timeout_s, 2)
             if kind in TRANSFER_KINDS:
@@ -724,8 +849,9 @@ class Soak:
         self.rotate_node1()
         time.sleep(1.0)  # the node "reboots"
         self._start("node1")
-        self.launcher_rejoin.append({"fault": fault.index, "at": now, "replicas": list(self.setup.node1), "rejoined": [],
-                                     "rejoin_s": {}})
+        self.launcher_rejoin.append(
+            {"fault": fault.index, "at": now, "replicas": list(self.setup.node1), "rejoined": [], "rejoin_s": {}}
+        )
         self.log(f"relaunched node1 (same command), pid {self.launchers['node1'].pid}")
         return fault
 
@@ -768,7 +894,9 @@ class Soak:
         """The event logs to follow, the random faults' schedule, and the loop's bookkeeping."""
         s, a = self.setup, self.args
         self.dump = dump
-        self.tails = [Tail(Path(events_path(str(dump / n)))) for n in ("node1", "node0") if n in self.commands or n == "node0"]
+        self.tails = [
+            Tail(Path(events_path(str(dump / n)))) for n in ("node1", "node0") if n in self.commands or n == "node0"
+        ]
         self.pending_events: list[dict[str, Any]] = []
         tracker = Tracker(s.replicas, self.spare, s.node1, time.monotonic())
         kinds = tuple(a.kinds) if a.kinds else RANDOM_KINDS + ((LAUNCHER_KIND,) if a.launcher_faults else ())
@@ -779,8 +907,10 @@ class Soak:
         self.next_at: float | None = None  # when the next random fault is due
         self.step_times: list[float] = []
         self.last_status, self.finished_at = time.monotonic(), None
-        self.log(f"{s.replicas} groups x {s.shards} ranks, {s.steps} steps; prologue plan: {s.plan}; "
-                 f"then {a.faults} random faults until step {s.steps - a.tail}; spare {self.spare}")
+        self.log(
+            f"{s.replicas} groups x {s.shards} ranks, {s.steps} steps; prologue plan: {s.plan}; "
+            f"then {a.faults} random faults until step {s.steps - a.tail}; spare {self.spare}"
+        )
         return tracker
 
     def _take_events(self, tracker: Tracker, now: float) -> None:
@@ -793,15 +923,21 @@ class Soak:
     def _on_event(self, tracker: Tracker, e: dict[str, Any], now: float) -> None:
         prev_step = tracker.step
         for f in tracker.feed(e, now):
-            self.log(f"fault {f.index} {f.kind} {list(f.targets)}: {f.outcome}, "
-                     f"detected {f.record()['detect_s']}s, recovered by step {f.recovered_step}", tracker.step)
+            self.log(
+                f"fault {f.index} {f.kind} {list(f.targets)}: {f.outcome}, "
+                f"detected {f.record()['detect_s']}s, recovered by step {f.recovered_step}",
+                tracker.step,
+            )
         if e["event"] == "step" and tracker.step == prev_step + 1:
             self.step_times.append(e["time"])
         elif e["event"] == "failure":
             self.log(f"failure: replica {e['replica']} at step {e['step']}: {e['cause'][:140]}", tracker.step)
         elif e["event"] == "fault_injected":
-            self.log(f"plan fault fired: kill replica {e['replica']} rank {e['rank']} attempt {e['attempt']} "
-                     f"phase {e['phase']} (fault {len(tracker.faults)})", tracker.step)
+            self.log(
+                f"plan fault fired: kill replica {e['replica']} rank {e['rank']} attempt {e['attempt']} "
+                f"phase {e['phase']} (fault {len(tracker.faults)})",
+                tracker.step,
+            )
         elif e["event"] == "admitted":
             self.log(f"admitted replica {e['replica']} attempt {e['attempt']}", tracker.step)
         elif e["event"] == "rejoined":
@@ -817,7 +953,9 @@ class Soak:
                 lr["rejoin_s"][str(e["replica"])] = round(now - lr["at"], 1)
                 if e["replica"] in tracker.lost:
                     tracker.lost.discard(e["replica"])
-                    self.log(f"replica {e['replica']} is back, {now - lr['at']:.0f}s after node1's relaunch", tracker.step)
+                    self.log(
+                        f"replica {e['replica']} is back, {now - lr['at']:.0f}s after node1's relaunch", tracker.step
+                    )
 
     def _settle(self, tracker: Tracker, now: float) -> None:
         """Unclaimed failures become collateral; slow ranks not fenced survived; old faults are unresolved."""
@@ -841,8 +979,11 @@ class Soak:
             elif not lr.get("verdict") and now - lr["at"] > self.args.hang_s:
                 lr["verdict"] = "not rejoined"
                 tracker.lost |= set(lr["replicas"]) - set(lr["rejoined"])
-                self.log(f"node1's groups {sorted(tracker.lost)} did not rejoin within {self.args.hang_s:.0f}s of the "
-                         "relaunch: not hit until they are back", tracker.step)
+                self.log(
+                    f"node1's groups {sorted(tracker.lost)} did not rejoin within {self.args.hang_s:.0f}s of the "
+                    "relaunch: not hit until they are back",
+                    tracker.step,
+                )
 
     def _node0_ended(self) -> bool:
         codes = {n: p.poll() for n, p in self.launchers.items()}
@@ -863,17 +1004,27 @@ class Soak:
     def _report_status(self, tracker: Tracker, now: float) -> None:
         if now - self.last_status > 30:
             self.last_status = now
-            self.log(f"members {sorted(tracker.holders)}, joining {sorted(tracker.joining)}, faults "
-                     f"{len(tracker.faults)} ({self.random_injected}/{self.args.faults} random), pending "
-                     f"{[f.index for f in tracker.pending()]}", tracker.step)
+            self.log(
+                f"members {sorted(tracker.holders)}, joining {sorted(tracker.joining)}, faults "
+                f"{len(tracker.faults)} ({self.random_injected}/{self.args.faults} random), pending "
+                f"{[f.index for f in tracker.pending()]}",
+                tracker.step,
+            )
 
     def _may_inject(self, tracker: Tracker) -> bool:
-        """Random faults go after the prologue's plan faults, before the tail, and only when nothing is being recovered."""
+        """Random faults go after the prologue's plan faults, before the tail, and only when nothing is being
+        recovered."""
         s, a = self.setup, self.args
-        prologue = (len([f for f in tracker.faults if f.detail.get("plan")]) < self.plan_total
-                    and tracker.step < a.prologue_end)
-        return (self.random_injected < a.faults and not prologue and tracker.step < s.steps - a.tail
-                and tracker.step > 0 and tracker.gate_open())
+        prologue = (
+            len([f for f in tracker.faults if f.detail.get("plan")]) < self.plan_total and tracker.step < a.prologue_end
+        )
+        return (
+            self.random_injected < a.faults
+            and not prologue
+            and tracker.step < s.steps - a.tail
+            and tracker.step > 0
+            and tracker.gate_open()
+        )
 
     def _inject_next(self, tracker: Tracker, now: float) -> None:
         """Injects the next random fault when it is due (at once after an admission, for a transfer kind)."""
@@ -896,7 +1047,9 @@ class Soak:
         if choice is None and self.schedule:
             self._blocked(tracker, now)
 
-    def _fire(self, i: int, kind: str, targets: tuple[int, ...], tracker: Tracker, now: float) -> tuple[Fault | None, float]:
+    def _fire(
+        self, i: int, kind: str, targets: tuple[int, ...], tracker: Tracker, now: float
+    ) -> tuple[Fault | None, float]:
         """Injects schedule entry ``i`` (-1: an extra kill); the fault, or None, and the time it was sent."""
         if kind in TRANSFER_KINDS:  # somewhere in the transfer: its group setup, header or tensors
             time.sleep(self.rng.uniform(0.0, self.args.transfer_delay_s))
@@ -910,8 +1063,11 @@ class Soak:
         else:  # only transfer kinds left: this kill makes a group restart and rejoin
             fault.detail["extra"] = True
         self.blocked_since, self.next_at = None, None
-        self.log(f"fault {fault.index} ({self.random_injected}/{self.args.faults}): {kind} replicas {list(targets)} "
-                 f"{ {k: v for k, v in fault.detail.items() if k != 'pids'} }", tracker.step)
+        self.log(
+            f"fault {fault.index} ({self.random_injected}/{self.args.faults}): {kind} replicas {list(targets)} "
+            f"{ {k: v for k, v in fault.detail.items() if k != 'pids'} }",
+            tracker.step,
+        )
         return fault, now
 
     def _blocked(self, tracker: Tracker, now: float) -> None:
@@ -919,8 +1075,11 @@ class Soak:
         is dropped while node1's groups are lost), so that no kind holds the others up."""
         self.blocked_since = self.blocked_since or now
         if now - self.blocked_since > self.args.block_s:
-            head = next(i for i, k in enumerate(self.schedule) if k not in TRANSFER_KINDS) \
-                if any(k not in TRANSFER_KINDS for k in self.schedule) else 0
+            head = (
+                next(i for i, k in enumerate(self.schedule) if k not in TRANSFER_KINDS)
+                if any(k not in TRANSFER_KINDS for k in self.schedule)
+                else 0
+            )
             kind = self.schedule.pop(head)
             if kind == LAUNCHER_KIND and tracker.lost:
                 self.log("launcher fault dropped: node1's groups are lost", tracker.step)
@@ -956,19 +1115,27 @@ class Soak:
     def diagnose(self, tracker: Tracker, dump: Path, why: str) -> dict[str, Any]:
         path = dump / "hang_diagnostics.txt"
         roots = [p.pid for p in self.launchers.values() if p.poll() is None]
-        lines = [f"hang: {why}; last step {tracker.step}; members {sorted(tracker.holders)}; joining {tracker.joining}",
-                 f"pending faults: {[f.record() for f in tracker.pending()]}", "", "processes:"]
+        lines = [
+            f"hang: {why}; last step {tracker.step}; members {sorted(tracker.holders)}; joining {tracker.joining}",
+            f"pending faults: {[f.record() for f in tracker.pending()]}",
+            "",
+            "processes:",
+        ]
         for p in process_tree(roots):
             try:
                 wchan = Path(f"/proc/{p.pid}/wchan").read_text()
             except OSError:
                 wchan = "?"
-            lines.append(f"  pid {p.pid} ppid {p.ppid} state {p.state} wchan {wchan} replica {p.replica} "
-                         f"attempt {p.attempt} rank {p.rank}: {p.cmd[:120]}")
+            lines.append(
+                f"  pid {p.pid} ppid {p.ppid} state {p.state} wchan {wchan} replica {p.replica} "
+                f"attempt {p.attempt} rank {p.rank}: {p.cmd[:120]}"
+            )
         if shutil.which("py-spy"):
             for p in process_tree(roots):
                 if p.rank is not None:
-                    out = subprocess.run(["py-spy", "dump", "--pid", str(p.pid)], capture_output=True, text=True, timeout=30)
+                    out = subprocess.run(
+                        ["py-spy", "dump", "--pid", str(p.pid)], capture_output=True, text=True, timeout=30
+                    )
                     lines += ["", f"py-spy dump {p.pid}:", out.stdout[-4000:]]
         lines += ["", "last events:"] + [json.dumps(e) for e in tracker.events[-60:]]
         for logfile in self.logs.values():
@@ -990,7 +1157,9 @@ def run_reference(setup: Setup, dump: Path, extra: Sequence[str] = ()) -> tuple[
     env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, RUN_ENV, COORDINATOR_ENV, REPLICAS_ENV)}
     start = time.monotonic()
     with open(dump / "node0.log", "w") as out:
-        code = subprocess.call(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"})
+        code = subprocess.call(
+            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"}
+        )
     if code != 0:
         raise RuntimeError(f"failure-free run failed (exit {code}); see {dump / 'node0.log'}")
     events = list(read_events(events_path(str(dump / "node0"))))
@@ -1016,10 +1185,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--faults", type=int, default=100, help="random faults to inject (the phase prologue adds 6)")
     p.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="2: two launchers standing for two nodes")
-    p.add_argument("--launcher-faults", action="store_true", help="also SIGKILL the second launcher's tree (needs --nodes 2)")
+    p.add_argument(
+        "--launcher-faults", action="store_true", help="also SIGKILL the second launcher's tree (needs --nodes 2)"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kinds", nargs="+", choices=RANDOM_KINDS + (LAUNCHER_KIND,), default=None,
-                   help="draw only these kinds (default: all; launcher with --launcher-faults)")
+    p.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=RANDOM_KINDS + (LAUNCHER_KIND,),
+        default=None,
+        help="draw only these kinds (default: all; launcher with --launcher-faults)",
+    )
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--spare", type=int, default=None, help="replica never hit (default R - 1; -1: none)")
@@ -1031,13 +1207,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--collective-timeout-s", type=float, default=10.0)
     p.add_argument("--digest-interval", type=int, default=10)
     p.add_argument("--hang-s", type=float, default=120.0, help="no committed step this long is a hang")
-    p.add_argument("--transfer-delay-s", type=float, default=0.5,
-                   help="kill_joiner/kill_donor strike up to this long after the admission")
+    p.add_argument(
+        "--transfer-delay-s",
+        type=float,
+        default=0.5,
+        help="kill_joiner/kill_donor strike up to this long after the admission",
+    )
     p.add_argument("--block-s", type=float, default=90.0, help="a kind that cannot go this long is put back")
     p.add_argument("--reference", type=Path, default=None, help="reuse this reference event log (same command)")
     p.add_argument("--control", type=Path, default=None, help="reuse this control event log (same command, 1 group)")
-    p.add_argument("--exact", action="store_true",
-                   help="[recover] exact in the run and the reference, compared bit for bit (compare --exact); no control run")
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="[recover] exact in the run and the reference, compared bit for bit (compare --exact); no control run",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "soak.json")
     a = p.parse_args(argv)
     if a.replicas < 3:
@@ -1055,8 +1238,18 @@ def main(argv: list[str] | None = None) -> int:
         plan, _, a.prologue_end = phase_plan(a.shards, a.phase_gap, rng)
     a.tail = a.phase_gap + 6  # the last restarted group rejoins before the final digest
     steps = a.steps or a.prologue_end + a.faults * a.steps_per_fault + a.tail
-    setup = Setup(a.replicas, a.shards, steps, a.seed, a.nodes, plan, a.heartbeat_timeout_s, a.collective_timeout_s,
-                  a.digest_interval, exact=a.exact)
+    setup = Setup(
+        a.replicas,
+        a.shards,
+        steps,
+        a.seed,
+        a.nodes,
+        plan,
+        a.heartbeat_timeout_s,
+        a.collective_timeout_s,
+        a.digest_interval,
+        exact=a.exact,
+    )
     dump = OUT / "run"
     shutil.rmtree(dump, ignore_errors=True)
     dump.mkdir(parents=True)
@@ -1082,31 +1275,68 @@ def main(argv: list[str] | None = None) -> int:
     elif ended["hang"] is None and not a.exact:
         soak.log(f"the failure-free control ({steps} steps, one group sums all M) now")
         control, control_wall, control_cmd = run_reference(setup, OUT / "control", CONTROL)
-    result = summarize(soak.tracker.faults, events, reference, a.replicas, steps, a.spare if a.spare >= 0 else None,
-                       ended["hang"], ended["exit_codes"], soak.tracker.collateral, control)
+    result = summarize(
+        soak.tracker.faults,
+        events,
+        reference,
+        a.replicas,
+        steps,
+        a.spare if a.spare >= 0 else None,
+        ended["hang"],
+        ended["exit_codes"],
+        soak.tracker.collateral,
+        control,
+    )
     by_phase = {ph: sum(f.kind == f"kill_{ph}" for f in soak.tracker.faults) for ph in PHASES}
     out = {
         "issue": 12,
         **result,
-        "command": " ".join(shlex.quote(x) for x in ["python", "-m", "bench.soak", *(argv if argv is not None else sys.argv[1:])]),
-        "launch_commands": {n: (" ".join(f"{k}={v}" for k, v in c["env"].items() if k in (REPLICAS_ENV, COORDINATOR_ENV))
-                                + " " + shlex.join(["python", *c["cmd"][1:]])).strip() for n, c in soak.commands.items()},
-        "reference_command": shlex.join(["python", *ref_cmd[1:]]) if ref_cmd else (str(a.reference) if a.reference else None),
-        "control_command": shlex.join(["python", *control_cmd[1:]]) if control_cmd else (str(a.control) if a.control else None),
-        "precision": PRECISION[-1], "model": "llama3 debugmodel", "replicas": a.replicas, "shards": a.shards,
-        "nodes": a.nodes, "spare": a.spare, "steps": steps, "seed": a.seed,
-        "microbatches": 2 * a.replicas, "heartbeat_timeout_s": a.heartbeat_timeout_s,
-        "collective_timeout_s": a.collective_timeout_s, "random_faults_target": a.faults,
-        "phase_plan": plan, "phase_kills": by_phase,
-        "wall_s": round(wall, 1), "reference_wall_s": round(ref_wall, 1) if ref_wall else None,
+        "command": " ".join(
+            shlex.quote(x) for x in ["python", "-m", "bench.soak", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "launch_commands": {
+            n: (
+                " ".join(f"{k}={v}" for k, v in c["env"].items() if k in (REPLICAS_ENV, COORDINATOR_ENV))
+                + " "
+                + shlex.join(["python", *c["cmd"][1:]])
+            ).strip()
+            for n, c in soak.commands.items()
+        },
+        "reference_command": shlex.join(["python", *ref_cmd[1:]])
+        if ref_cmd
+        else (str(a.reference) if a.reference else None),
+        "control_command": shlex.join(["python", *control_cmd[1:]])
+        if control_cmd
+        else (str(a.control) if a.control else None),
+        "precision": PRECISION[-1],
+        "model": "llama3 debugmodel",
+        "replicas": a.replicas,
+        "shards": a.shards,
+        "nodes": a.nodes,
+        "spare": a.spare,
+        "steps": steps,
+        "seed": a.seed,
+        "microbatches": 2 * a.replicas,
+        "heartbeat_timeout_s": a.heartbeat_timeout_s,
+        "collective_timeout_s": a.collective_timeout_s,
+        "random_faults_target": a.faults,
+        "phase_plan": plan,
+        "phase_kills": by_phase,
+        "wall_s": round(wall, 1),
+        "reference_wall_s": round(ref_wall, 1) if ref_wall else None,
         "control_wall_s": round(control_wall, 1) if control_wall else None,
         "launcher_relaunches": [{k: v for k, v in lr.items() if k != "at"} for lr in soak.launcher_rejoin],
         "faults": [f.record() for f in soak.tracker.faults],
     }
     if a.exact and reference is not None:
         bits = compare_runs(reference, events, 0.0, exact=True)
-        out["exact"] = {"steps": bits.steps, "digest_steps": bits.digest_steps, "max_rel_loss_dev": bits.max_rel_loss_dev,
-                        "mismatches": len(bits.exact), "first_mismatches": bits.exact[:10]}
+        out["exact"] = {
+            "steps": bits.steps,
+            "digest_steps": bits.digest_steps,
+            "max_rel_loss_dev": bits.max_rel_loss_dev,
+            "mismatches": len(bits.exact),
+            "first_mismatches": bits.exact[:10],
+        }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=2) + "\n")
     print(format_table(out))

@@ -33,15 +33,34 @@ FF_STEPS, STEADY = 300, 100
 
 def run(replicas: int, spares: int, kill: bool) -> dict:
     steps = 12 if kill else FF_STEPS
-    events, _ = launch([
-        "--model.flavor", "tiny", "--training.seq_len", "64", "--training.steps", str(steps), "--metrics.log_freq", "50",
-        "--lr_scheduler.warmup_steps", "2", *PRECISION,
-        "--parallelism.data_parallel_replicate_degree", str(replicas),
-        "--parallelism.data_parallel_shard_degree", "1",
-        "--training.global_batch_size", str(4 * replicas),
-        "--recover.spares", str(spares), "--recover.collective_timeout_s", "120",
-        "--recover.fault_plan", KILL if kill else "none",
-    ], f"R={replicas} spares={spares} {'kill' if kill else 'failure-free'}")
+    events, _ = launch(
+        [
+            "--model.flavor",
+            "tiny",
+            "--training.seq_len",
+            "64",
+            "--training.steps",
+            str(steps),
+            "--metrics.log_freq",
+            "50",
+            "--lr_scheduler.warmup_steps",
+            "2",
+            *PRECISION,
+            "--parallelism.data_parallel_replicate_degree",
+            str(replicas),
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--training.global_batch_size",
+            str(4 * replicas),
+            "--recover.spares",
+            str(spares),
+            "--recover.collective_timeout_s",
+            "120",
+            "--recover.fault_plan",
+            KILL if kill else "none",
+        ],
+        f"R={replicas} spares={spares} {'kill' if kill else 'failure-free'}",
+    )
     gaps = step_gaps(of(events, "step"))
     row: dict = {"replicas": replicas, "spares": spares, "kill": kill}
     if not kill:
@@ -53,13 +72,15 @@ def run(replicas: int, spares: int, kill: bool) -> dict:
     (failure,) = of(events, "failure")
     admitted = [e for e in of(events, "admitted") if e["time"] > failure["time"]][0]
     back = [e for e in of(events, "rejoined") if e["replica"] == admitted["replica"]][0]
-    row.update({
-        "admitted_replica": admitted["replica"],
-        "admission_s": admitted["time"] - failure["time"],
-        "transfer_s": back["transfer_s"],
-        "after_failure_step_s": statistics.median(gaps[s] for s in AFTER if s in gaps),
-        "recovery_latency_s": of(events, "recovered")[0]["latency_s"],
-    })
+    row.update(
+        {
+            "admitted_replica": admitted["replica"],
+            "admission_s": admitted["time"] - failure["time"],
+            "transfer_s": back["transfer_s"],
+            "after_failure_step_s": statistics.median(gaps[s] for s in AFTER if s in gaps),
+            "recovery_latency_s": of(events, "recovered")[0]["latency_s"],
+        }
+    )
     if spares:
         row["rejoined_downtime_s"] = back["downtime_s"]
     return row
@@ -79,11 +100,16 @@ def main() -> None:
                 for spares in (0, 1):
                     row = run(replicas, spares, kill)
                     rows.append(row)
-                    print(f"repeat {repeat + 1} " + ", ".join(
-                        f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+                    print(
+                        f"repeat {repeat + 1} "
+                        + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+                        flush=True,
+                    )
 
     def med(key: str, replicas: int, spares: int, kill: bool) -> float:
-        return statistics.median(r[key] for r in rows if (r["replicas"], r["spares"], r["kill"]) == (replicas, spares, kill))
+        return statistics.median(
+            r[key] for r in rows if (r["replicas"], r["spares"], r["kill"]) == (replicas, spares, kill)
+        )
 
     per_r = {}
     for r in args.replicas:
@@ -96,18 +122,36 @@ def main() -> None:
             "restart_rejoin_downtime_s": downtime[0],
             "spare_rejoined_downtime_s": med("rejoined_downtime_s", r, 1, True),
             "detection_s": med("recovery_latency_s", r, 1, True),
-            "after_failure_step_ratio": {
-                str(s): med("after_failure_step_s", r, s, True) / step for s in (0, 1)},
+            "after_failure_step_ratio": {str(s): med("after_failure_step_s", r, s, True) / step for s in (0, 1)},
         }
-        print(f"R={r}: downtime with a spare {downtime[1]:.2f}s, by restart {downtime[0]:.2f}s; "
-              f"failure-free step {step:.3f}s, with a waiting spare x{per_r[str(r)]['spare_failure_free_step_ratio']:.3f}")
+        print(
+            f"R={r}: downtime with a spare {downtime[1]:.2f}s, by restart {downtime[0]:.2f}s; "
+            f"failure-free step {step:.3f}s, with a waiting spare x{per_r[str(r)]['spare_failure_free_step_ratio']:.3f}"
+        )
     worst = max(per_r.values(), key=lambda v: v["spare_rejoin_downtime_s"])
     result = {
-        "setup": {"model": "llama3 tiny", "precision": PRECISION[-1], "shards": 1, "microbatches": "2R",
-                  "fault_plan": KILL, "repeats": args.repeats, "ff_repeats": args.ff_repeats,
-                  "failure_free_steps": FF_STEPS, "steady_steps": STEADY, "command": "python -m bench.spares " +
-                  " ".join(["--replicas", *map(str, args.replicas), "--repeats", str(args.repeats),
-                            "--ff-repeats", str(args.ff_repeats)])},
+        "setup": {
+            "model": "llama3 tiny",
+            "precision": PRECISION[-1],
+            "shards": 1,
+            "microbatches": "2R",
+            "fault_plan": KILL,
+            "repeats": args.repeats,
+            "ff_repeats": args.ff_repeats,
+            "failure_free_steps": FF_STEPS,
+            "steady_steps": STEADY,
+            "command": "python -m bench.spares "
+            + " ".join(
+                [
+                    "--replicas",
+                    *map(str, args.replicas),
+                    "--repeats",
+                    str(args.repeats),
+                    "--ff-repeats",
+                    str(args.ff_repeats),
+                ]
+            ),
+        },
         "runs": rows,
         "by_replicas": per_r,
         "spare_rejoin_downtime_s": worst["spare_rejoin_downtime_s"],  # the largest R's or the worst

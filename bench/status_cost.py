@@ -61,9 +61,22 @@ def live(windows: int, window_s: float) -> dict:
     url = f"http://127.0.0.1:{port}/"
     steps = int((2 * windows * window_s + 60) / 0.9)  # long enough for every window, at ~1 s a step
     with tempfile.TemporaryDirectory() as dump:
-        cmd = [sys.executable, "-m", "titan_recover.launch", *job(dump), *PRECISION, "--recover.fault_plan", "none",
-               "--training.steps", str(steps), "--recover.status_port", str(port)]
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "titan_recover.launch",
+            *job(dump),
+            *PRECISION,
+            "--recover.fault_plan",
+            "none",
+            "--training.steps",
+            str(steps),
+            "--recover.status_port",
+            str(port),
+        ]
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         try:
             pid = None
             while pid is None and proc.poll() is None:
@@ -79,8 +92,11 @@ def live(windows: int, window_s: float) -> dict:
                 start, t0 = cpu_s(pid), time.monotonic()
                 time.sleep(window_s)
                 idle.append((cpu_s(pid) - start) / (time.monotonic() - t0))
-            sizes = {"page_bytes": len(get(url)), "status_json_bytes": len(get(url + "status.json")),
-                     "metrics_bytes": len(get(url + "metrics"))}
+            sizes = {
+                "page_bytes": len(get(url)),
+                "status_json_bytes": len(get(url + "status.json")),
+                "metrics_bytes": len(get(url + "metrics")),
+            }
             for _ in range(windows):
                 start, t0 = cpu_s(pid), time.monotonic()
                 while time.monotonic() - t0 < window_s:
@@ -94,30 +110,82 @@ def live(windows: int, window_s: float) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher, its coordinator and its groups
             proc.wait()
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    return {**sizes, "coordinator_cores_idle": [round(x, 4) for x in idle], "coordinator_cores_polled": [round(x, 4) for x in polled],
-            "extra_cpu_ms_per_s": round(1000 * (mean(polled) - mean(idle)), 2), "polled_refreshes": requests, "steps_when_measured": step,
-            "coordinator_cpu_ratio": round(mean(polled) / mean(idle), 3)}
+    return {
+        **sizes,
+        "coordinator_cores_idle": [round(x, 4) for x in idle],
+        "coordinator_cores_polled": [round(x, 4) for x in polled],
+        "extra_cpu_ms_per_s": round(1000 * (mean(polled) - mean(idle)), 2),
+        "polled_refreshes": requests,
+        "steps_when_measured": step,
+        "coordinator_cpu_ratio": round(mean(polled) / mean(idle), 3),
+    }
 
 
 def synthetic_log(folder: str, steps: int) -> None:
     t = 1_000.0
     with open(os.path.join(folder, "recover_events.jsonl"), "w") as f:
-        f.write(json.dumps({"event": "run_config", "run": "bench", "replicas": 8, "replica_ids": 8, "steps": steps,
-                            "tokens_per_step": 65536, "precision": "bfloat16", "time": t}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "event": "run_config",
+                    "run": "bench",
+                    "replicas": 8,
+                    "replica_ids": 8,
+                    "steps": steps,
+                    "tokens_per_step": 65536,
+                    "precision": "bfloat16",
+                    "time": t,
+                }
+            )
+            + "\n"
+        )
         members = list(range(8))
         for n in range(1, steps + 1):
             t += 1.0
             if n % 500 == 250:
-                f.write(json.dumps({"event": "failure", "replica": 3, "step": n, "cause": "rank 5 was killed", "time": t}) + "\n")
-                f.write(json.dumps({"event": "recovered", "step": n, "members": [0, 1, 2, 4, 5, 6, 7], "latency_s": 0.4, "time": t}) + "\n")
+                f.write(
+                    json.dumps({"event": "failure", "replica": 3, "step": n, "cause": "rank 5 was killed", "time": t})
+                    + "\n"
+                )
+                f.write(
+                    json.dumps(
+                        {"event": "recovered", "step": n, "members": [0, 1, 2, 4, 5, 6, 7], "latency_s": 0.4, "time": t}
+                    )
+                    + "\n"
+                )
                 members = [0, 1, 2, 4, 5, 6, 7]
             if n % 500 == 270:
                 f.write(json.dumps({"event": "admitted", "replica": 3, "attempt": 1, "step": n, "time": t}) + "\n")
-                f.write(json.dumps({"event": "rejoined", "replica": 3, "step": n, "bytes": 2**30, "transfer_s": 2.0,
-                                    "downtime_s": 20.0, "time": t}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "event": "rejoined",
+                            "replica": 3,
+                            "step": n,
+                            "bytes": 2**30,
+                            "transfer_s": 2.0,
+                            "downtime_s": 20.0,
+                            "time": t,
+                        }
+                    )
+                    + "\n"
+                )
                 members = list(range(8))
-            f.write(json.dumps({"event": "step", "step": n, "epoch": 0, "members": members, "loss": 10 / n, "time": t,
-                                "quotas": {str(r): 4 for r in members}, "microbatches": list(range(32))}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "event": "step",
+                        "step": n,
+                        "epoch": 0,
+                        "members": members,
+                        "loss": 10 / n,
+                        "time": t,
+                        "quotas": {str(r): 4 for r in members},
+                        "microbatches": list(range(32)),
+                    }
+                )
+                + "\n"
+            )
 
 
 def at_scale(sizes: list[int]) -> dict:
@@ -133,7 +201,11 @@ def at_scale(sizes: list[int]) -> dict:
             for _ in range(5):
                 body = json.dumps(source.refresh())  # each later one: nothing new to read, a snapshot and its JSON
             later = (time.perf_counter() - t0) / 5
-            out[str(steps)] = {"first_refresh_s": round(first, 3), "refresh_ms": round(1000 * later, 2), "status_json_bytes": len(body)}
+            out[str(steps)] = {
+                "first_refresh_s": round(first, 3),
+                "refresh_ms": round(1000 * later, 2),
+                "status_json_bytes": len(body),
+            }
     return out
 
 
@@ -143,8 +215,11 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=12.0)
     args = parser.parse_args()
     socket.setdefaulttimeout(10)
-    result = {"precision": "float32 (default job, CPU)", "live": live(args.windows, args.window_s),
-              "at_scale": at_scale([1_000, 10_000, 100_000])}
+    result = {
+        "precision": "float32 (default job, CPU)",
+        "live": live(args.windows, args.window_s),
+        "at_scale": at_scale([1_000, 10_000, 100_000]),
+    }
     print(json.dumps(result, indent=2))
     print(f"wrote {write_result('status', result)}")
 

@@ -31,12 +31,32 @@ FACTORS = (2, 4)
 
 def run(steps: int, policy: str, factor: int | None) -> tuple[list[dict], float]:
     plan = f"slow replica=1 factor={factor}" if factor else "none"
-    events, _ = launch([
-        "--model.flavor", "tiny", "--training.seq_len", "64", "--training.steps", str(steps),
-        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "10", *PRECISION,
-        "--parallelism.data_parallel_replicate_degree", str(R), "--parallelism.data_parallel_shard_degree", "1",
-        "--training.global_batch_size", str(2 * M), "--recover.policy", policy, "--recover.fault_plan", plan,
-    ], f"{policy} {plan}")
+    events, _ = launch(
+        [
+            "--model.flavor",
+            "tiny",
+            "--training.seq_len",
+            "64",
+            "--training.steps",
+            str(steps),
+            "--lr_scheduler.warmup_steps",
+            "2",
+            "--metrics.log_freq",
+            "10",
+            *PRECISION,
+            "--parallelism.data_parallel_replicate_degree",
+            str(R),
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--training.global_batch_size",
+            str(2 * M),
+            "--recover.policy",
+            policy,
+            "--recover.fault_plan",
+            plan,
+        ],
+        f"{policy} {plan}",
+    )
     return events, statistics.median(_steady(events, steps).values())
 
 
@@ -70,17 +90,33 @@ def main() -> None:
             ideal = ideal_step_s(events, args.steps)
             cmp = compare_runs(reference, events, 1e-3)
             last = of(events, "step")[-1]
-            row[policy] = {"step_s": step, "ideal_step_s": ideal, "vs_ideal": step / ideal,
-                           "seconds_per_microbatch": last["seconds_per_microbatch"], "final_quotas": last["quotas"],
-                           "same_trajectory": not cmp.problems, "max_rel_loss_dev": cmp.max_rel_loss_dev,
-                           "problems": cmp.problems[:5]}
-            print(f"F={factor} {policy:8s}: {step:.4f} s/step, {step / ideal:.3f} x ideal ({ideal:.4f}); quotas "
-                  f"{last['quotas']}; trajectory {'same' if not cmp.problems else 'DIFFERENT'} "
-                  f"(max loss dev {cmp.max_rel_loss_dev:.2e})", flush=True)
+            row[policy] = {
+                "step_s": step,
+                "ideal_step_s": ideal,
+                "vs_ideal": step / ideal,
+                "seconds_per_microbatch": last["seconds_per_microbatch"],
+                "final_quotas": last["quotas"],
+                "same_trajectory": not cmp.problems,
+                "max_rel_loss_dev": cmp.max_rel_loss_dev,
+                "problems": cmp.problems[:5],
+            }
+            print(
+                f"F={factor} {policy:8s}: {step:.4f} s/step, {step / ideal:.3f} x ideal ({ideal:.4f}); quotas "
+                f"{last['quotas']}; trajectory {'same' if not cmp.problems else 'DIFFERENT'} "
+                f"(max loss dev {cmp.max_rel_loss_dev:.2e})",
+                flush=True,
+            )
         rows.append(row)
     result = {
-        "setup": {"model": "llama3 tiny", "precision": PRECISION[-1], "replicas": R, "microbatches": M,
-                  "steps": args.steps, "steady_steps": STEADY, "command": f"python -m bench.stragglers --steps {args.steps}"},
+        "setup": {
+            "model": "llama3 tiny",
+            "precision": PRECISION[-1],
+            "replicas": R,
+            "microbatches": M,
+            "steps": args.steps,
+            "steady_steps": STEADY,
+            "command": f"python -m bench.stragglers --steps {args.steps}",
+        },
         "failure_free_step_s": ff,
         "runs": rows,
         "straggler_speed_vs_ideal": {str(r["factor"]): r["speed"]["vs_ideal"] for r in rows},

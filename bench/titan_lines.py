@@ -32,8 +32,10 @@ def measure_line(pairs: int, steps: int) -> dict:
     """This environment's line: the overhead pairs, then the kill run and its failure-free twin."""
     import torch
 
-    rows = [{"stock": overhead.measure("stock", steps, []), "recover": overhead.measure("recover", steps, [])}
-            for _ in range(pairs)]
+    rows = [
+        {"stock": overhead.measure("stock", steps, []), "recover": overhead.measure("recover", steps, [])}
+        for _ in range(pairs)
+    ]
     ratios = [r["recover"]["step_s"] / r["stock"]["step_s"] for r in rows]
     kill, kill_wall = launch(PRECISION, "the default job (its kill at step 5)")
     twin, twin_wall = launch(["--recover.fault_plan", "none", *PRECISION], "its failure-free twin")
@@ -60,8 +62,12 @@ def run_line(line: str, pairs: int, steps: int) -> dict:
     subprocess.run(["bash", "-c", "source ./scripts/bootstrap.sh"], cwd=ROOT, env=env, check=True)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         python = str(ROOT / LINES[line] / "bin" / "python")
-        subprocess.run([python, "-m", "bench.titan_lines", "--one", out.name, "--pairs", str(pairs), "--steps", str(steps)],
-                       cwd=ROOT, env=env, check=True)
+        subprocess.run(
+            [python, "-m", "bench.titan_lines", "--one", out.name, "--pairs", str(pairs), "--steps", str(steps)],
+            cwd=ROOT,
+            env=env,
+            check=True,
+        )
         return json.loads(open(out.name).read())
 
 
@@ -78,15 +84,26 @@ def main() -> None:
     lines = {}
     for line in LINES:
         lines[line] = result = run_line(line, args.pairs, args.steps)
-        print(f"TorchTitan {line}: overhead_ratio {result['overhead_ratio']:.3f} {result['overhead_ratios']}, "
-              f"recovery {result['recovery_latency_s']} s, rejoin downtime {result['rejoin_downtime_s']} s, "
-              f"max rel loss dev {result['max_rel_loss_dev']:.2e}", flush=True)
-    path = write_result("titan_lines", {
-        "setup": {"job": "the default job (llama3 debugmodel, 2 groups x 2 FSDP ranks, M = 4) on each line",
-                  "precision": PRECISION[-1], "pairs": args.pairs, "overhead_steps": args.steps, "cpus": os.cpu_count(),
-                  "command": "python -m bench.titan_lines " + " ".join(sys.argv[1:])},
-        "lines": lines,
-    })
+        print(
+            f"TorchTitan {line}: overhead_ratio {result['overhead_ratio']:.3f} {result['overhead_ratios']}, "
+            f"recovery {result['recovery_latency_s']} s, rejoin downtime {result['rejoin_downtime_s']} s, "
+            f"max rel loss dev {result['max_rel_loss_dev']:.2e}",
+            flush=True,
+        )
+    path = write_result(
+        "titan_lines",
+        {
+            "setup": {
+                "job": "the default job (llama3 debugmodel, 2 groups x 2 FSDP ranks, M = 4) on each line",
+                "precision": PRECISION[-1],
+                "pairs": args.pairs,
+                "overhead_steps": args.steps,
+                "cpus": os.cpu_count(),
+                "command": "python -m bench.titan_lines " + " ".join(sys.argv[1:]),
+            },
+            "lines": lines,
+        },
+    )
     print(f"wrote {path}")
 
 

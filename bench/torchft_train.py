@@ -24,6 +24,8 @@ This module only:
   the first quorum has every group (else the first to start trains alone for a while).
 """
 
+# the import order matters here (see the module docstring): not sorted
+# isort: skip_file
 import dataclasses
 import os
 import time
@@ -100,8 +102,14 @@ class LoggedFTTrainer(FTTrainer):
         self._digests: list[str] = []
 
     def _on_fault(self, fault: Fault) -> None:
-        self.bench_log.emit("fault_injected", action=fault.action, replica=self.replica, rank=self.rank,
-                            step=self.step, phase=fault.phase)
+        self.bench_log.emit(
+            "fault_injected",
+            action=fault.action,
+            replica=self.replica,
+            rank=self.rank,
+            step=self.step,
+            phase=fault.phase,
+        )
 
     def _wait_for_groups(self) -> None:
         """Start barrier over files in the dump folder: every rank of every group is built."""
@@ -118,8 +126,9 @@ class LoggedFTTrainer(FTTrainer):
         self._wait_for_groups()
         super().train()
 
-    def forward_backward_step(self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor,
-                              global_valid_tokens: torch.Tensor) -> torch.Tensor:
+    def forward_backward_step(
+        self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor
+    ) -> torch.Tensor:
         index = len(self._losses)
         with self.injector.microbatch(self.model_parts[0], self.step, index, self.gradient_accumulation_steps):
             loss = super().forward_backward_step(

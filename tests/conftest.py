@@ -13,8 +13,8 @@ import pytest
 from filelock import FileLock
 
 from bench.common import LINE, job
-from titan_recover.control import keys
 from titan_recover.compare import compare_runs
+from titan_recover.control import keys
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,8 +57,15 @@ def run_job(dump: Path, *overrides: str, timeout: int = 300, config: str = "llam
     """The shipped ``config`` at the tests' tiny size, as the installed TorchTitan line spells it."""
     cmd = [sys.executable, "-m", "titan_recover.launch", *job(dump, tiny=True, config=config), *overrides]
     proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        env={**{k: v for k, v in os.environ.items() if k != keys.SECRET_ENV}, "PYTHONUNBUFFERED": "1"},  # its launcher makes one
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={
+            **{k: v for k, v in os.environ.items() if k != keys.SECRET_ENV},
+            "PYTHONUNBUFFERED": "1",
+        },  # its launcher makes one
     )
     path = dump / "recover_events.jsonl"
     events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -82,8 +89,14 @@ def assert_all_rejoined(run: Run, replicas: int, last_step: int) -> None:
     assert not run.of("param_digest_mismatch")
 
 
-THREE = ["--parallelism.data_parallel_replicate_degree", "3", "--parallelism.data_parallel_shard_degree", "1",
-         "--training.global_batch_size", "12"]  # M = 12 / 2 = 6, two each
+THREE = [
+    "--parallelism.data_parallel_replicate_degree",
+    "3",
+    "--parallelism.data_parallel_shard_degree",
+    "1",
+    "--training.global_batch_size",
+    "12",
+]  # M = 12 / 2 = 6, two each
 
 
 def shared_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str, name: str, *overrides: str) -> Run:
@@ -129,8 +142,15 @@ def write_standin_tokenizer(folder: Path, vocab_size: int = 70_000) -> Path:
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<|begin_of_text|>",
+                "eos_token": "<|end_of_text|>",
+            }
+        )
+    )
     return folder
 
 
@@ -141,5 +161,6 @@ def write_jsonl(path: Path, texts: list[str]) -> Path:
 
 def run_data_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """``python -m titan_recover.data ARGS`` in a real process."""
-    return subprocess.run([sys.executable, "-m", "titan_recover.data", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "titan_recover.data", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )

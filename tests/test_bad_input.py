@@ -4,23 +4,23 @@ and what is allowed, before anything starts; never a traceback."""
 from __future__ import annotations
 
 import os
-import socket
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_data_cli
 
 from bench.common import job
-from conftest import run_data_cli
 from titan_recover import config, titan
 from titan_recover.config import ConfigError, Recover
 from titan_recover.control import keys
 from titan_recover.control.addresses import parse_etcd_url, parse_host_port
-from titan_recover.launch.launcher import check_coordinator
 from titan_recover.data.synthetic import TOKENIZER_DIR
+from titan_recover.launch.launcher import check_coordinator
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
@@ -42,7 +42,11 @@ def launch(*overrides: str, env: dict[str, str] | None = None) -> subprocess.Com
     """``python -m titan_recover.launch`` with the shipped config, as a user runs it; it must refuse in seconds."""
     return subprocess.run(
         [sys.executable, "-m", "titan_recover.launch", *job(DUMP), *overrides],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
 
 
@@ -64,8 +68,10 @@ def test_training_sizes_must_be_positive(key: str, value: str) -> None:
 def test_misspelled_model_name_lists_the_registered_ones() -> None:
     r = run_data_cli("check", "--job.config_file", str(CONFIG), "--model.name", "llama33")
     assert r.returncode == 2, r.stderr[-3000:]
-    assert "error: model.name 'llama33' is not a registered model; registered by experimental.custom_import " \
-           "('titan_recover.train_spec'): llama3_recover, qwen3_recover; TorchTitan's own: deepseek_v3" in r.stderr
+    assert (
+        "error: model.name 'llama33' is not a registered model; registered by experimental.custom_import "
+        "('titan_recover.train_spec'): llama3_recover, qwen3_recover; TorchTitan's own: deepseek_v3" in r.stderr
+    )
     assert "Traceback" not in r.stderr
 
 
@@ -106,9 +112,15 @@ def test_ipv6_literals_are_refused_at_parse_time(text: str) -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("bind, problem", [("::", "IPv6 is not supported"), ("[::1]", "IPv6 is not supported"),
-                                           ("my host", "is not a host name or IPv4 address"),
-                                           ("10.0.0.5:29500", "is not a host name or IPv4 address")])
+@pytest.mark.parametrize(
+    "bind, problem",
+    [
+        ("::", "IPv6 is not supported"),
+        ("[::1]", "IPv6 is not supported"),
+        ("my host", "is not a host name or IPv4 address"),
+        ("10.0.0.5:29500", "is not a host name or IPv4 address"),
+    ],
+)
 def test_coordinator_bind_is_a_host(bind: str, problem: str) -> None:
     with pytest.raises(ConfigError, match=rf"^recover\.coordinator_bind: .*{problem}"):
         load("--recover.coordinator_bind", bind)
@@ -121,8 +133,13 @@ def test_coordinator_bind_this_host_can_listen_on(bind: str) -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("bind, problem", [(UNRESOLVABLE, f"host {UNRESOLVABLE!r} does not resolve"),
-                                           ("192.0.2.1", "192.0.2.1 is not an address of this host")])  # TEST-NET-1
+@pytest.mark.parametrize(
+    "bind, problem",
+    [
+        (UNRESOLVABLE, f"host {UNRESOLVABLE!r} does not resolve"),
+        ("192.0.2.1", "192.0.2.1 is not an address of this host"),
+    ],
+)  # TEST-NET-1
 def test_coordinator_bind_this_host_cannot_listen_on(bind: str, problem: str) -> None:
     with pytest.raises(ConfigError, match=rf"^recover\.coordinator_bind = {bind!r}: {problem}"):
         config.check_coordinator_bind(Recover(coordinator_bind=bind))
@@ -135,19 +152,39 @@ def test_coordinator_bind_this_host_cannot_listen_on(bind: str, problem: str) ->
     "overrides, env, message",
     [
         (["--training.local_batch_size", "0"], {}, "error: training.local_batch_size must be an integer >= 1, got 0"),
-        pytest.param(["--model.name", "llama33"], {}, "error: model.name 'llama33' is not a registered model",
-                     marks=pytest.mark.toml(MODEL_NAME)),
-        ([], {keys.COORDINATOR_ENV: f"{UNRESOLVABLE}:29500", keys.SECRET_ENV: "s"},
-         f"error: {keys.COORDINATOR_ENV}='{UNRESOLVABLE}:29500': host '{UNRESOLVABLE}' does not resolve"),
+        pytest.param(
+            ["--model.name", "llama33"],
+            {},
+            "error: model.name 'llama33' is not a registered model",
+            marks=pytest.mark.toml(MODEL_NAME),
+        ),
+        (
+            [],
+            {keys.COORDINATOR_ENV: f"{UNRESOLVABLE}:29500", keys.SECRET_ENV: "s"},
+            f"error: {keys.COORDINATOR_ENV}='{UNRESOLVABLE}:29500': host '{UNRESOLVABLE}' does not resolve",
+        ),
         ([], {keys.COORDINATOR_ENV: "[::1]:29500", keys.SECRET_ENV: "s"}, "IPv6 is not supported"),
-        (["--recover.coordinator_bind", UNRESOLVABLE], {},
-         f"error: recover.coordinator_bind = '{UNRESOLVABLE}': host '{UNRESOLVABLE}' does not resolve"),
+        (
+            ["--recover.coordinator_bind", UNRESOLVABLE],
+            {},
+            f"error: recover.coordinator_bind = '{UNRESOLVABLE}': host '{UNRESOLVABLE}' does not resolve",
+        ),
         (["--recover.status_port", "70000"], {}, "error: recover.status_port out of range: 70000"),
-        (["--recover.status_port", "8765", "--recover.status_bind", UNRESOLVABLE], {},
-         f"error: recover.status_bind = '{UNRESOLVABLE}': host '{UNRESOLVABLE}' does not resolve"),
+        (
+            ["--recover.status_port", "8765", "--recover.status_bind", UNRESOLVABLE],
+            {},
+            f"error: recover.status_bind = '{UNRESOLVABLE}': host '{UNRESOLVABLE}' does not resolve",
+        ),
     ],
-    ids=["local_batch_size", "model.name", "coordinator-host", "coordinator-ipv6", "coordinator_bind", "status_port",
-         "status_bind"],
+    ids=[
+        "local_batch_size",
+        "model.name",
+        "coordinator-host",
+        "coordinator-ipv6",
+        "coordinator_bind",
+        "status_port",
+        "status_bind",
+    ],
 )
 def test_launcher_refuses_bad_input_before_starting(overrides: list[str], env: dict[str, str], message: str) -> None:
     proc = launch(*overrides, env=env)
@@ -190,7 +227,9 @@ def _megatron_pair(folder: Path) -> Path:
     return folder / "part_text_document.idx"
 
 
-@pytest.mark.parametrize("keep, problem", [(20, "end inside the header"), (40, "truncated: 40 bytes, but its 3 sequences")])
+@pytest.mark.parametrize(
+    "keep, problem", [(20, "end inside the header"), (40, "truncated: 40 bytes, but its 3 sequences")]
+)
 def test_truncated_megatron_index_names_the_file(tmp_path: Path, keep: int, problem: str) -> None:
     idx = _megatron_pair(tmp_path / "mg")
     os.truncate(idx, keep)
@@ -206,5 +245,7 @@ def test_megatron_index_and_tokens_must_agree(tmp_path: Path) -> None:
 
     idx = _megatron_pair(tmp_path / "mg")
     os.truncate(idx.with_suffix(".bin"), 2 * 10)  # 10 of its 17 uint16 tokens
-    with pytest.raises(DataError, match=rf"^{re.escape(str(idx))}: its sequences hold 17 tokens, but .*\.bin holds 10:"):
+    with pytest.raises(
+        DataError, match=rf"^{re.escape(str(idx))}: its sequences hold 17 tokens, but .*\.bin holds 10:"
+    ):
         index_folder(str(idx.parent), TOKENIZER_DIR, 2048)

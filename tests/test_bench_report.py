@@ -10,13 +10,35 @@ from bench import report, simulate
 
 def _measured(step_s: float = 1.0) -> dict:
     """A scenario-3 result of the shape bench.ckpt_restart writes (numbers invented)."""
-    recover = {"system": "titan_recover", "ckpt_every": None, "step_s": step_s, "train_s": 13.0,
-               "detect_s": [0.5], "rejoin_s": [3.0], "transfer_s": [0.1]}
-    base = {"system": "ckpt-restart K=5", "ckpt_every": 5, "step_s": step_s, "train_s": 25.0,
-            "ckpt_save_s": 0.5, "restart_s": [10.0]}
-    return {"setup": {"replica_groups": 2, "ranks_per_group": 1, "microbatches": 4, "tokens_per_step": 1024,
-                      "steps": 10, "kills": [8]}, "runs": [recover, base],
-            "ckpt_restart_effective_throughput_ratio": 1.8}
+    recover = {
+        "system": "titan_recover",
+        "ckpt_every": None,
+        "step_s": step_s,
+        "train_s": 13.0,
+        "detect_s": [0.5],
+        "rejoin_s": [3.0],
+        "transfer_s": [0.1],
+    }
+    base = {
+        "system": "ckpt-restart K=5",
+        "ckpt_every": 5,
+        "step_s": step_s,
+        "train_s": 25.0,
+        "ckpt_save_s": 0.5,
+        "restart_s": [10.0],
+    }
+    return {
+        "setup": {
+            "replica_groups": 2,
+            "ranks_per_group": 1,
+            "microbatches": 4,
+            "tokens_per_step": 1024,
+            "steps": 10,
+            "kills": [8],
+        },
+        "runs": [recover, base],
+        "ckpt_restart_effective_throughput_ratio": 1.8,
+    }
 
 
 def _write(results: Path) -> None:
@@ -59,15 +81,29 @@ def test_an_ops_self_time_leaves_out_its_childrens_and_exact_modes_ops_are_told_
     def event(name: str, ts: int, dur: int, tid: int = 1, cat: str = "cpu_op") -> dict:
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
 
-    trace = {"traceEvents": [
-        event("ProfilerStep#6", 0, 9000, cat="user_annotation"),
-        event("aten::linear", 0, 3000), event("aten::t", 0, 500), event("aten::addmm", 500, 2000),  # linear: 3 - 0.5 - 2
-        event("exact.add", 4000, 1500, cat="user_annotation"), event("aten::_foreach_mul", 4000, 1000),
-        event("aten::empty", 4100, 200), event("aten::aminmax", 5000, 500),
-        event("aten::addmm", 6000, 1000, tid=2),  # a second thread
-    ]}
+    trace = {
+        "traceEvents": [
+            event("ProfilerStep#6", 0, 9000, cat="user_annotation"),
+            event("aten::linear", 0, 3000),
+            event("aten::t", 0, 500),
+            event("aten::addmm", 500, 2000),  # linear: 3 - 0.5 - 2
+            event("exact.add", 4000, 1500, cat="user_annotation"),
+            event("aten::_foreach_mul", 4000, 1000),
+            event("aten::empty", 4100, 200),
+            event("aten::aminmax", 5000, 500),
+            event("aten::addmm", 6000, 1000, tid=2),  # a second thread
+        ]
+    }
     assert op_times(trace) == {
-        "step": 9.0, "scopes": {"exact.add": 1.5},
-        "ops": {"aten::linear": 0.5, "aten::t": 0.5, "aten::addmm": 3.0, "aten::_foreach_mul": 0.8, "aten::empty": 0.2,
-                "aten::aminmax": 0.5},
-        "exact": {"aten::_foreach_mul": 0.8, "aten::empty": 0.2, "aten::aminmax": 0.5}}
+        "step": 9.0,
+        "scopes": {"exact.add": 1.5},
+        "ops": {
+            "aten::linear": 0.5,
+            "aten::t": 0.5,
+            "aten::addmm": 3.0,
+            "aten::_foreach_mul": 0.8,
+            "aten::empty": 0.2,
+            "aten::aminmax": 0.5,
+        },
+        "exact": {"aten::_foreach_mul": 0.8, "aten::empty": 0.2, "aten::aminmax": 0.5},
+    }

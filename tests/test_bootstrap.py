@@ -19,8 +19,12 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
-LINE_REQUIREMENTS = subprocess.run([sys.executable, str(ROOT / "scripts" / "requirements.py"), "torchtitan022"],
-                                   capture_output=True, text=True, check=True).stdout.split()
+LINE_REQUIREMENTS = subprocess.run(
+    [sys.executable, str(ROOT / "scripts" / "requirements.py"), "torchtitan022"],
+    capture_output=True,
+    text=True,
+    check=True,
+).stdout.split()
 
 
 def closure(roots: list[str]) -> dict[str, metadata.Distribution]:
@@ -57,29 +61,71 @@ def test_a_torch_environment_gets_the_rest_from_a_wheel_folder_offline(tmp_path:
     have = set(closure(["torch", "triton"]))
     wanted = {n: d.version for n, d in closure(LINE_REQUIREMENTS).items() if n not in have}
     wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "-d", str(wheels),
-                    *(f"{n}=={v}" for n, v in wanted.items())], check=True, timeout=900)
-    env = {**os.environ, "TORCH_FROM": "env", "PYTHON": sys.executable, "PYTHONPATH": str(site), "WHEELS": str(wheels),
-           "VENV": str(tmp_path / "env"), "EXTRAS": "none", "PIP_INDEX_URL": "http://127.0.0.1:9/simple"}
-    made = subprocess.run(["bash", "-c", "source scripts/bootstrap.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(wheels),
+            *(f"{n}=={v}" for n, v in wanted.items()),
+        ],
+        check=True,
+        timeout=900,
+    )
+    env = {
+        **os.environ,
+        "TORCH_FROM": "env",
+        "PYTHON": sys.executable,
+        "PYTHONPATH": str(site),
+        "WHEELS": str(wheels),
+        "VENV": str(tmp_path / "env"),
+        "EXTRAS": "none",
+        "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+    }
+    made = subprocess.run(
+        ["bash", "-c", "source scripts/bootstrap.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
     assert made.returncode == 0, made.stderr[-3000:]
     assert f"[bootstrap] reusing torch {metadata.version('torch')} from {site}" in made.stderr
     python = tmp_path / "env" / "bin" / "python"
     clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the environment alone now: its .pth line
-    seen = subprocess.run([str(python), "-c", "import titan_recover.titan as t, torch, torchtitan; print(torch.__file__); "
-                           "print(t.LINE)"], cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=300)
+    seen = subprocess.run(
+        [str(python), "-c", "import titan_recover.titan as t, torch, torchtitan; print(torch.__file__); print(t.LINE)"],
+        cwd=tmp_path,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert seen.returncode == 0, seen.stderr[-3000:]
     assert seen.stdout.split() == [str(site / "torch" / "__init__.py"), "0.2"]
     own = next((tmp_path / "env" / "lib").glob("python*/site-packages"))
     assert not (own / "torch").exists() and (own / "torchtitan").is_dir()  # torch reused, the rest installed
     # the job's checks run in it: the preflight of the default job, through the self-test
-    check = subprocess.run([str(python), "-m", "titan_recover.selftest", "--only", "preflight"], cwd=ROOT, env=clean,
-                           capture_output=True, text=True, timeout=300)
+    check = subprocess.run(
+        [str(python), "-m", "titan_recover.selftest", "--only", "preflight"],
+        cwd=ROOT,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert check.returncode == 0 and "self-test PASSED" in check.stdout, check.stdout[-2000:] + check.stderr[-2000:]
-    again = subprocess.run(["bash", "-c", "source scripts/bootstrap.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=60)
+    again = subprocess.run(
+        ["bash", "-c", "source scripts/bootstrap.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
     assert again.returncode == 0 and "setting up" not in again.stderr  # made once: its stamp holds
-    wrong = subprocess.run(["bash", "-c", "source scripts/bootstrap.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                           env={**env, "VENV": str(tmp_path / "other"), "PYTHONPATH": "", "PYTHON": "/usr/bin/env"})
+    wrong = subprocess.run(
+        ["bash", "-c", "source scripts/bootstrap.sh"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "VENV": str(tmp_path / "other"), "PYTHONPATH": "", "PYTHON": "/usr/bin/env"},
+    )
     assert wrong.returncode == 2 and "TORCH_FROM=env: /usr/bin/env cannot import torch" in wrong.stderr

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT
 
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
@@ -23,9 +22,26 @@ MANIFEST = ROOT / "scripts" / "k8s" / "train-indexed-job.yaml"
 CFG = "train_configs/llama3_debug_cpu.toml"
 SCRIPTS_TOML = "the Slurm and Kubernetes scripts take the job as CONFIG_FILE, a TOML"
 # what the scripts read from the environment: the tests' own values only
-OURS = ("SLURM", "TITAN_RECOVER_", "DRY_RUN", "NODE_", "NUM_NODES", "COORDINATOR_", "GROUPS_PER_NODE", "GROUP_NODES", "SPARES",
-        "GPUS_PER_NODE", "RANKS_PER_GROUP", "CONFIG_FILE", "PLAN_ONLY", "SHOW_SECRET", "VENV", "EXTRAS", "PYTHON",
-        "CONTROL_STORE")
+OURS = (
+    "SLURM",
+    "TITAN_RECOVER_",
+    "DRY_RUN",
+    "NODE_",
+    "NUM_NODES",
+    "COORDINATOR_",
+    "GROUPS_PER_NODE",
+    "GROUP_NODES",
+    "SPARES",
+    "GPUS_PER_NODE",
+    "RANKS_PER_GROUP",
+    "CONFIG_FILE",
+    "PLAN_ONLY",
+    "SHOW_SECRET",
+    "VENV",
+    "EXTRAS",
+    "PYTHON",
+    "CONTROL_STORE",
+)
 
 
 def clean_env(**env: str) -> dict[str, str]:
@@ -33,8 +49,9 @@ def clean_env(**env: str) -> dict[str, str]:
 
 
 def sh(script: Path | str, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=clean_env(**env))
+    return subprocess.run(
+        ["bash", str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=clean_env(**env)
+    )
 
 
 def dry_run(nodes: str, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -76,11 +93,13 @@ def nodes_in(stdout: str) -> list[Node]:
                 key, _, value = words[i].partition("=")
                 env[key] = value
                 i += 1
-        nodes.append(Node(int(m[1]), m[2], env, unset, words[i + 1:]))
+        nodes.append(Node(int(m[1]), m[2], env, unset, words[i + 1 :]))
     return nodes
 
 
-def check_layout(nodes: list[Node], hosts: list[str], groups: int, spares: int, coordinator: str, span: int = 1) -> None:
+def check_layout(
+    nodes: list[Node], hosts: list[str], groups: int, spares: int, coordinator: str, span: int = 1
+) -> None:
     """One launcher per node; only node 0 starts the coordinator; one secret; the ids partitioned
     (each id over ``span`` nodes in a row, one part each)."""
     assert [(n.index, n.host) for n in nodes] == list(enumerate(hosts))
@@ -107,13 +126,28 @@ def test_the_scripts_parse() -> None:
         subprocess.run(["bash", "-n", str(script)], check=True)
 
 
-@pytest.mark.parametrize("hosts,groups,spares,span", [
-    (["n1", "n2"], 1, 0, 1), (["a", "b", "c"], 2, 1, 1), (["x", "y", "z"], 3, 0, 1),
-    (["n1", "n2", "n3", "n4"], 1, 0, 2), (["a", "b", "c", "d", "e", "f"], 2, 1, 3),  # groups that span nodes
-])
+@pytest.mark.parametrize(
+    "hosts,groups,spares,span",
+    [
+        (["n1", "n2"], 1, 0, 1),
+        (["a", "b", "c"], 2, 1, 1),
+        (["x", "y", "z"], 3, 0, 1),
+        (["n1", "n2", "n3", "n4"], 1, 0, 2),
+        (["a", "b", "c", "d", "e", "f"], 2, 1, 3),  # groups that span nodes
+    ],
+)
 def test_the_dry_run_prints_one_launcher_per_node(hosts: list[str], groups: int, spares: int, span: int) -> None:
-    out = dry_run(" ".join(hosts), CFG, "--training.steps", "100", "--job.description", "two words",
-                  GROUPS_PER_NODE=str(groups), SPARES=str(spares), GROUP_NODES=str(span))
+    out = dry_run(
+        " ".join(hosts),
+        CFG,
+        "--training.steps",
+        "100",
+        "--job.description",
+        "two words",
+        GROUPS_PER_NODE=str(groups),
+        SPARES=str(spares),
+        GROUP_NODES=str(span),
+    )
     assert out.returncode == 0, out.stderr
     nodes = nodes_in(out.stdout)
     check_layout(nodes, hosts, groups, spares, f"{hosts[0]}:29510", span)
@@ -141,8 +175,17 @@ def test_the_nodes_come_from_the_slurm_node_list(tmp_path: Path) -> None:
     )
     (fake / "scontrol").chmod(0o755)
     path = f"{fake}:{os.environ['PATH']}"
-    out = sh(SBATCH, CFG, DRY_RUN="1", PATH=path, SLURM_JOB_NODELIST="gpu[07-09]", SLURM_NNODES="3", GPUS_PER_NODE="0",
-             TITAN_RECOVER_PORT="31000", COORDINATOR_BIND="10.0.0.7")
+    out = sh(
+        SBATCH,
+        CFG,
+        DRY_RUN="1",
+        PATH=path,
+        SLURM_JOB_NODELIST="gpu[07-09]",
+        SLURM_NNODES="3",
+        GPUS_PER_NODE="0",
+        TITAN_RECOVER_PORT="31000",
+        COORDINATOR_BIND="10.0.0.7",
+    )
     assert out.returncode == 0, out.stderr
     nodes = nodes_in(out.stdout)
     check_layout(nodes, ["gpu07", "gpu08", "gpu09"], 1, 0, "gpu07:31000")
@@ -166,15 +209,31 @@ def test_the_real_path_runs_node_sh_once_per_node_under_srun(tmp_path: Path) -> 
         "#!/usr/bin/env bash\n"
         'printf "%s\\n" "$@" > "$FAKE_SRUN_ARGS"\n'
         "while [[ $1 == --* ]]; do shift; done\n"
-        'for i in 0 1 2; do node=c$((i + 1)); SLURMD_NODENAME=$node PLAN_ONLY=1 SHOW_SECRET=1 "$@" | sed "s/^/$i: /" || exit; done\n'
+        "for i in 0 1 2; do node=c$((i + 1)); SLURMD_NODENAME=$node "
+        'PLAN_ONLY=1 SHOW_SECRET=1 "$@" | sed "s/^/$i: /" || exit; done\n'
     )
     for f in fake.iterdir():
         f.chmod(0o755)
     srun_args = tmp_path / "srun-args"
-    out = sh(SBATCH, CFG, "--training.steps", "7", PATH=f"{fake}:{os.environ['PATH']}", SLURM_JOB_NODELIST="c[1-3]",
-             SLURM_NNODES="3", SLURM_SUBMIT_DIR=str(ROOT), SLURM_CPUS_ON_NODE="16", GPUS_PER_NODE="0",
-             GROUPS_PER_NODE="2", VENV=str(venv), EXTRAS="test", PYTHON="false", FAKE_SRUN_ARGS=str(srun_args),
-             TITAN_RECOVER_COORDINATOR="stale:1", NODE_INDEX="5")
+    out = sh(
+        SBATCH,
+        CFG,
+        "--training.steps",
+        "7",
+        PATH=f"{fake}:{os.environ['PATH']}",
+        SLURM_JOB_NODELIST="c[1-3]",
+        SLURM_NNODES="3",
+        SLURM_SUBMIT_DIR=str(ROOT),
+        SLURM_CPUS_ON_NODE="16",
+        GPUS_PER_NODE="0",
+        GROUPS_PER_NODE="2",
+        VENV=str(venv),
+        EXTRAS="test",
+        PYTHON="false",
+        FAKE_SRUN_ARGS=str(srun_args),
+        TITAN_RECOVER_COORDINATOR="stale:1",
+        NODE_INDEX="5",
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ignoring TITAN_RECOVER_COORDINATOR=stale:1" in out.stdout and "ignoring NODE_INDEX=5" in out.stdout
     plan = [line for line in out.stdout.splitlines() if line.startswith("node ")]
@@ -183,14 +242,22 @@ def test_the_real_path_runs_node_sh_once_per_node_under_srun(tmp_path: Path) -> 
     assert all("TITAN_RECOVER_SECRET='<hidden>'" in line for line in plan)  # the log has no secret
     nodes = nodes_in("\n".join(ran))  # what srun's tasks ran, each finding its index from its host name
     check_layout(nodes, ["c1", "c2", "c3"], 2, 0, "c1:29510")
+
     def unlabelled(line: str) -> str:
         return re.sub(r"SECRET=\S+", "SECRET=x", re.sub(r"^\d: ", "", line))
 
     assert [unlabelled(line) for line in plan] == [unlabelled(line) for line in ran]  # planned = run
     args = srun_args.read_text().splitlines()
-    for flag in ("--ntasks-per-node=1", "--nodes=3", "--kill-on-bad-exit=0", "--wait=0", "--export=ALL", "--cpus-per-task=16"):
+    for flag in (
+        "--ntasks-per-node=1",
+        "--nodes=3",
+        "--kill-on-bad-exit=0",
+        "--wait=0",
+        "--export=ALL",
+        "--cpus-per-task=16",
+    ):
         assert flag in args
-    assert args[args.index("./scripts/node.sh"):] == ["./scripts/node.sh", "--training.steps", "7"]
+    assert args[args.index("./scripts/node.sh") :] == ["./scripts/node.sh", "--training.steps", "7"]
 
 
 def test_node_sh_runs_run_train_sh_with_that_environment(tmp_path: Path) -> None:
@@ -204,13 +271,21 @@ def test_node_sh_runs_run_train_sh_with_that_environment(tmp_path: Path) -> None
         'PART=$TITAN_RECOVER_GROUP_NODE CONFIG_FILE=$CONFIG_FILE SECRET=$TITAN_RECOVER_SECRET ARGS=$*"\n'
     )
     (tmp_path / "run_train.sh").chmod(0o755)
-    base = dict(NUM_NODES="2", GROUPS_PER_NODE="2", COORDINATOR_ADDR="head:4000", CONFIG_FILE="c.toml",
-                TITAN_RECOVER_SECRET="s3", TITAN_RECOVER_COORDINATOR="inherited:1")
+    base = dict(
+        NUM_NODES="2",
+        GROUPS_PER_NODE="2",
+        COORDINATOR_ADDR="head:4000",
+        CONFIG_FILE="c.toml",
+        TITAN_RECOVER_SECRET="s3",
+        TITAN_RECOVER_COORDINATOR="inherited:1",
+    )
     ran = [sh(tmp_path / "scripts" / "node.sh", "--x.y", "1", NODE_INDEX=str(i), **base) for i in (0, 1)]
     assert [r.returncode for r in ran] == [0, 0], [r.stderr for r in ran]
     last = [r.stdout.splitlines()[-1] for r in ran]
-    tail = "PART=0 CONFIG_FILE=c.toml SECRET=s3 ARGS=--parallelism.data_parallel_replicate_degree 4 --recover.spares 0 " \
-           "--recover.group_nodes 1 --recover.coordinator_bind 0.0.0.0 --recover.coordinator_port 4000 --x.y 1"
+    tail = (
+        "PART=0 CONFIG_FILE=c.toml SECRET=s3 ARGS=--parallelism.data_parallel_replicate_degree 4 --recover.spares 0 "
+        "--recover.group_nodes 1 --recover.coordinator_bind 0.0.0.0 --recover.coordinator_port 4000 --x.y 1"
+    )
     assert last == [f"COORDINATOR=unset REPLICAS=0,1 {tail}", f"COORDINATOR=head:4000 REPLICAS=2,3 {tail}"]
     assert "s3" not in ran[0].stdout.splitlines()[0]  # its own log line hides the secret
 
@@ -225,7 +300,9 @@ def test_groups_per_node_default_to_gpus_per_node_over_ranks_per_group() -> None
     assert "GROUPS_PER_NODE=1: 8 GPUs per node / 8 ranks per group on a node" in spanning.stdout
     check_layout(nodes_in(spanning.stdout), ["n1", "n2", "n3", "n4"], 1, 0, "n1:29510", span=4)
     uneven = dry_run("n1 n2", CFG, GPUS_PER_NODE="6", RANKS_PER_GROUP="4")
-    assert uneven.returncode == 2 and "6 GPUs per node do not hold a whole number of replica groups of 4" in uneven.stderr
+    assert (
+        uneven.returncode == 2 and "6 GPUs per node do not hold a whole number of replica groups of 4" in uneven.stderr
+    )
 
 
 @pytest.mark.toml(SCRIPTS_TOML)
@@ -238,21 +315,32 @@ def test_ranks_per_group_are_read_from_the_config_and_its_overrides() -> None:
     assert [n.replicas for n in nodes_in(out.stdout)] == [[0, 1], [2, 3]]
 
 
-@pytest.mark.parametrize("args,env,message", [
-    (["missing.toml"], {}, "config file 'missing.toml' not found"),
-    ([], {}, "config file '' not found"),
-    ([CFG], {"GROUPS_PER_NODE": "0"}, "GROUPS_PER_NODE=0: every node runs at least one replica group"),
-    ([CFG], {"GROUPS_PER_NODE": "two"}, "GROUPS_PER_NODE=two must be a non-negative integer"),
-    ([CFG], {"SPARES": "2"}, "leave no member after SPARES=2"),
-    ([CFG], {"TITAN_RECOVER_PORT": "x"}, "COORDINATOR_ADDR='n1:x' is not host:port"),
-    ([CFG], {"TITAN_RECOVER_PORT": "70000"}, "is not host:port (port 1..65535)"),
-    ([CFG, "--recover.spares", "1"], {}, "--recover.spares is set from the node layout here"),
-    ([CFG, "--recover.group_nodes", "2"], {}, "--recover.group_nodes is set from the node layout here"),
-    ([CFG], {"GROUP_NODES": "3"}, "GROUP_NODES=3 must be >= 1 and divide NUM_NODES=2"),
-    ([CFG], {"GROUP_NODES": "2", "GPUS_PER_NODE": "8", "RANKS_PER_GROUP": "5"}, "GROUP_NODES=2 must be a positive integer that divides the 5 ranks"),
-    ([CFG, "--parallelism.data_parallel_replicate_degree=4"], {}, "--parallelism.data_parallel_replicate_degree is set"),
-    ([CFG], {"GPUS_PER_NODE": "8", "VENV": "/nonexistent"}, "set GROUPS_PER_NODE (or RANKS_PER_GROUP)"),
-])
+@pytest.mark.parametrize(
+    "args,env,message",
+    [
+        (["missing.toml"], {}, "config file 'missing.toml' not found"),
+        ([], {}, "config file '' not found"),
+        ([CFG], {"GROUPS_PER_NODE": "0"}, "GROUPS_PER_NODE=0: every node runs at least one replica group"),
+        ([CFG], {"GROUPS_PER_NODE": "two"}, "GROUPS_PER_NODE=two must be a non-negative integer"),
+        ([CFG], {"SPARES": "2"}, "leave no member after SPARES=2"),
+        ([CFG], {"TITAN_RECOVER_PORT": "x"}, "COORDINATOR_ADDR='n1:x' is not host:port"),
+        ([CFG], {"TITAN_RECOVER_PORT": "70000"}, "is not host:port (port 1..65535)"),
+        ([CFG, "--recover.spares", "1"], {}, "--recover.spares is set from the node layout here"),
+        ([CFG, "--recover.group_nodes", "2"], {}, "--recover.group_nodes is set from the node layout here"),
+        ([CFG], {"GROUP_NODES": "3"}, "GROUP_NODES=3 must be >= 1 and divide NUM_NODES=2"),
+        (
+            [CFG],
+            {"GROUP_NODES": "2", "GPUS_PER_NODE": "8", "RANKS_PER_GROUP": "5"},
+            "GROUP_NODES=2 must be a positive integer that divides the 5 ranks",
+        ),
+        (
+            [CFG, "--parallelism.data_parallel_replicate_degree=4"],
+            {},
+            "--parallelism.data_parallel_replicate_degree is set",
+        ),
+        ([CFG], {"GPUS_PER_NODE": "8", "VENV": "/nonexistent"}, "set GROUPS_PER_NODE (or RANKS_PER_GROUP)"),
+    ],
+)
 def test_bad_input_stops_the_script_naming_it(args: list[str], env: dict[str, str], message: str) -> None:
     out = dry_run("n1 n2", *args, **env)
     assert out.returncode == 2 and message in out.stderr, out.stderr
@@ -265,24 +353,60 @@ def test_outside_slurm_without_a_dry_run_it_says_how_to_submit() -> None:
 
 
 def test_a_node_not_in_the_allocation_stops() -> None:
-    out = sh(NODE_SH, NODE_LIST="n1 n2", SLURMD_NODENAME="n9", COORDINATOR_ADDR="n1:1", CONFIG_FILE=CFG,
-             TITAN_RECOVER_SECRET="s", PLAN_ONLY="1")
-    assert out.returncode == 2 and "this node (n9) is not in NODE_LIST=\"n1 n2\"" in out.stderr
+    out = sh(
+        NODE_SH,
+        NODE_LIST="n1 n2",
+        SLURMD_NODENAME="n9",
+        COORDINATOR_ADDR="n1:1",
+        CONFIG_FILE=CFG,
+        TITAN_RECOVER_SECRET="s",
+        PLAN_ONLY="1",
+    )
+    assert out.returncode == 2 and 'this node (n9) is not in NODE_LIST="n1 n2"' in out.stderr
 
 
 def test_with_an_etcd_control_store_every_node_names_it_and_none_binds_a_coordinator() -> None:
     url = "etcd://e1:2379,e2:2379,e3:2379"
-    lines = [sh(NODE_SH, NODE_INDEX=str(i), NUM_NODES="2", CONTROL_STORE=url, CONFIG_FILE=CFG, TITAN_RECOVER_SECRET="s",
-                TITAN_RECOVER_RUN_ID="job-7", PLAN_ONLY="1").stdout for i in (0, 1)]
+    lines = [
+        sh(
+            NODE_SH,
+            NODE_INDEX=str(i),
+            NUM_NODES="2",
+            CONTROL_STORE=url,
+            CONFIG_FILE=CFG,
+            TITAN_RECOVER_SECRET="s",
+            TITAN_RECOVER_RUN_ID="job-7",
+            PLAN_ONLY="1",
+        ).stdout
+        for i in (0, 1)
+    ]
     for line in lines:
-        assert f"--recover.control_store {url}" in line and "coordinator_bind" not in line and "coordinator_port" not in line
+        assert (
+            f"--recover.control_store {url}" in line
+            and "coordinator_bind" not in line
+            and "coordinator_port" not in line
+        )
         assert "TITAN_RECOVER_RUN_ID=job-7" in line
     assert "-u TITAN_RECOVER_COORDINATOR" in lines[0] and f"TITAN_RECOVER_COORDINATOR={url}" in lines[1]
-    unnamed = sh(NODE_SH, NODE_INDEX="0", NUM_NODES="2", CONTROL_STORE=url, CONFIG_FILE=CFG, TITAN_RECOVER_SECRET="s",
-                 PLAN_ONLY="1")
+    unnamed = sh(
+        NODE_SH,
+        NODE_INDEX="0",
+        NUM_NODES="2",
+        CONTROL_STORE=url,
+        CONFIG_FILE=CFG,
+        TITAN_RECOVER_SECRET="s",
+        PLAN_ONLY="1",
+    )
     assert unnamed.returncode == 2 and "TITAN_RECOVER_RUN_ID is not set: a run on etcd" in unnamed.stderr
-    bad = sh(NODE_SH, NODE_INDEX="0", NUM_NODES="1", CONTROL_STORE="e1:2379", CONFIG_FILE=CFG, TITAN_RECOVER_SECRET="s",
-             PLAN_ONLY="1")
+    bad = sh(
+        NODE_SH,
+        NODE_INDEX="0",
+        NUM_NODES="1",
+        CONTROL_STORE="e1:2379",
+        CONFIG_FILE=CFG,
+        TITAN_RECOVER_SECRET="s",
+        PLAN_ONLY="1",
+    )
     assert bad.returncode == 2 and "CONTROL_STORE='e1:2379' must be etcd://" in bad.stderr
 
 
@@ -328,15 +452,23 @@ def test_each_kubernetes_pod_runs_its_node_command() -> None:
                 assert ref["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/controller-uid']"
                 env[e["name"]] = "2f6c3b8e-uid"
             elif "fieldRef" in ref:
-                assert ref["fieldRef"]["fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+                assert (
+                    ref["fieldRef"]["fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+                )
                 env[e["name"]] = str(i)
             elif "secretKeyRef" in ref:
                 env[e["name"]] = secret
             else:
                 env[e["name"]] = e["value"]
         assert container["command"] == ["./scripts/node.sh"]
-        out = subprocess.run([*container["command"], *container["args"]], cwd=ROOT, capture_output=True, text=True,
-                             timeout=60, env=clean_env(**env, PLAN_ONLY="1", SHOW_SECRET="1", HOSTNAME=f"pod{i}"))
+        out = subprocess.run(
+            [*container["command"], *container["args"]],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=clean_env(**env, PLAN_ONLY="1", SHOW_SECRET="1", HOSTNAME=f"pod{i}"),
+        )
         assert out.returncode == 0, out.stderr
         lines.append(out.stdout)
     nodes = nodes_in("".join(lines))

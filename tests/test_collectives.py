@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_recover.observability import resources
 from titan_recover.control import transport
-from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
+from titan_recover.observability import resources
 from titan_recover.policy.membership import Membership
+from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
 
 ROOT = Path(__file__).resolve().parents[1]
 FAILURES = 10
@@ -45,12 +45,14 @@ def test_a_survivor_holds_no_more_after_ten_broken_epochs() -> None:
     groups = ReplicateProcessGroups(transport.connect(address, 30), replica=0, group_rank=0, timeout_s=2)
     peer = subprocess.Popen([sys.executable, "-c", PEER, address, str(FAILURES + 2)], cwd=ROOT)
     try:
+
         def broken_epoch(epoch: int) -> None:
             flat = torch.ones(2 << 20)  # 8 MiB, like a flattened gradient: kept forever, it would show
             launched = time.monotonic()
             try:
-                groups.allreduce(Membership(epoch, (0, 1)), [flat, torch.ones(4)],
-                                 abort=lambda: time.monotonic() > launched + 0.5)
+                groups.allreduce(
+                    Membership(epoch, (0, 1)), [flat, torch.ones(4)], abort=lambda: time.monotonic() > launched + 0.5
+                )
             except CollectiveAborted:
                 return
             raise AssertionError(f"epoch {epoch}: the all-reduce should have broken")
@@ -96,10 +98,12 @@ from titan_recover.policy.membership import Membership
 
 def main():
     groups = ReplicateProcessGroups(transport.connect(sys.argv[1], 30), replica=0, group_rank=0, timeout_s=60)
-    for epoch in range(1, int(sys.argv[2]) + 1):  # each ends 1 s after its all-reduce is launched or its rendezvous begins
+    # each ends 1 s after its all-reduce is launched or its rendezvous begins
+    for epoch in range(1, int(sys.argv[2]) + 1):
         launched = [time.monotonic() + (60 if epoch == 1 else 0)]
         try:
-            groups.allreduce(Membership(epoch, (0, 1)), [torch.ones(1 << 16)], abort=lambda: time.monotonic() > launched[0] + 1,
+            groups.allreduce(Membership(epoch, (0, 1)), [torch.ones(1 << 16)],
+                             abort=lambda: time.monotonic() > launched[0] + 1,
                              on_launched=lambda: launched.__setitem__(0, time.monotonic()))
         except CollectiveAborted as e:
             print(f"epoch {epoch}: {e}", flush=True)
@@ -130,8 +134,13 @@ def test_a_stopping_rank_leaves_at_once_while_its_peers_wait_no_more(rendezvous:
     address = f"127.0.0.1:{port}"
     peer = subprocess.Popen([sys.executable, "-c", HUNG_PEER, address], cwd=ROOT)
     try:
-        rank = subprocess.run([sys.executable, "-c", STOPPING_RANK, address, "2" if rendezvous else "1"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120)
+        rank = subprocess.run(
+            [sys.executable, "-c", STOPPING_RANK, address, "2" if rendezvous else "1"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         exited = time.time()
     finally:
         peer.kill()

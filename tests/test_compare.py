@@ -62,7 +62,13 @@ def test_exact_fails_on_one_ulp_of_loss_and_on_any_parameter_digest(tmp_path: Pa
     same = [step(1, 8.0), digest(1, 0, "d1"), digest(1, 2, "d1"), step(2, 7.0, "cd"), digest(2, 1, "d2")]
     c = compare_runs(ref, same, 0.0, exact=True)
     assert c.problems == [] and c.digest_steps == 2
-    off = [step(1, 8.0), step(2, math.nextafter(7.0, 8.0), "cd"), digest(1, 0, "d1"), digest(1, 1, "dX"), digest(2, 0, "d2")]
+    off = [
+        step(1, 8.0),
+        step(2, math.nextafter(7.0, 8.0), "cd"),
+        digest(1, 0, "d1"),
+        digest(1, 1, "dX"),
+        digest(2, 0, "d2"),
+    ]
     text = " | ".join(compare_runs(ref, off, 1e-3, exact=True).problems)
     assert "step 2: loss 0x1.c000000000001p+2 != 0x1.c000000000000p+2" in text  # within any rel_tol, still refused
     assert "step 1: parameter digests ['d1', 'dX'] != ['d1']" in text

@@ -6,16 +6,18 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from titan_recover import config, titan
 from titan_recover.config import ConfigError, Recover, replica_ids
 
-pytestmark = pytest.mark.toml("these load the [recover] section from train_configs/*.toml (test_lines.py sets "
-                              "and checks its keys on 0.3's command line, test_bad_input.py its errors)")
+pytestmark = pytest.mark.toml(
+    "these load the [recover] section from train_configs/*.toml (test_lines.py sets "
+    "and checks its keys on 0.3's command line, test_bad_input.py its errors)"
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
@@ -51,8 +53,16 @@ def test_shipped_config_loads_and_validates() -> None:
 
 @pytest.mark.unit
 def test_cli_overrides_reach_the_section() -> None:
-    jc = load("--recover.min_replicas", "2", "--recover.policy", "speed", "--recover.fault_plan", "none",
-              "--training.global_batch_size", "32")
+    jc = load(
+        "--recover.min_replicas",
+        "2",
+        "--recover.policy",
+        "speed",
+        "--recover.fault_plan",
+        "none",
+        "--training.global_batch_size",
+        "32",
+    )
     assert jc.recover.min_replicas == 2
     assert jc.recover.policy == "speed"
     assert jc.recover.fault_plan == "none"
@@ -105,7 +115,9 @@ def test_exact_mode_with_tp_or_pp_names_the_keys(degree: str) -> None:
 
 @pytest.mark.unit
 def test_rank_per_host_is_for_one_node() -> None:
-    with pytest.raises(ConfigError, match="recover.nccl_rank_per_host is for one node .* recover.group_nodes = 2: unset it"):
+    with pytest.raises(
+        ConfigError, match="recover.nccl_rank_per_host is for one node .* recover.group_nodes = 2: unset it"
+    ):
         load("--recover.nccl_rank_per_host", "--recover.group_nodes", "2")
     load("--recover.nccl_rank_per_host")
 
@@ -173,7 +185,9 @@ def test_on_etcd_node_messages_are_at_least_0_4s_apart_and_the_timeout_must_allo
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("store, confirm", [((), "0.2"), ((), "0.05"), (("--recover.control_store", "etcd://h1:2379"), "0.8")])
+@pytest.mark.parametrize(
+    "store, confirm", [((), "0.2"), ((), "0.05"), (("--recover.control_store", "etcd://h1:2379"), "0.8")]
+)
 def test_report_confirm_must_exceed_twice_the_node_message_interval(store: tuple[str, ...], confirm: str) -> None:
     # a healthy replica's beat reaches the coordinator up to two node message intervals late:
     # a shorter confirmation fenced it after a report
@@ -190,20 +204,37 @@ def test_report_confirm_must_exceed_twice_the_node_message_interval(store: tuple
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["--recover.fault_plan", "kill replica=1 step=31"],
-         "recover.fault_plan: 'kill replica=1 step=31' can never fire: the run ends at training.steps = 30"),
-        (["--training.steps", "6", "--recover.fault_plan", "kill replica=0 step=3; stop replica=1 phase=donate step=7"],
-         "'stop replica=1 step=7' can never fire: the run ends at training.steps = 6"),
-        (["--recover.max_restarts", "0", "--recover.fault_plan", "kill replica=1 step=3 attempt=1"],
-         "recover.fault_plan: 'kill replica=1 phase=backward attempt=1' can never fire: recover.max_restarts = 0 "
-         "allows no restart, so only attempt 0 ever runs"),
-        (["--recover.max_restarts", "0", "--recover.fault_plan", "kill replica=1 phase=join"],
-         "'kill replica=1 phase=join attempt=1' can never fire: recover.max_restarts = 0"),
-        (["--recover.spares", "1", "--recover.fault_plan", "kill replica=1 phase=join attempt=0"],
-         "'kill replica=1 phase=join attempt=0' can never fire: replica 1 starts as a member and joins only once "
-         "restarted (attempt >= 1); only a hot spare (replica 2..2) joins in its first incarnation"),
-        (["--recover.spares", "1", "--recover.fault_plan", "kill replica=3 step=3"],
-         "names no rank: the job has 3 replica groups (0..2, spares included)"),
+        (
+            ["--recover.fault_plan", "kill replica=1 step=31"],
+            "recover.fault_plan: 'kill replica=1 step=31' can never fire: the run ends at training.steps = 30",
+        ),
+        (
+            [
+                "--training.steps",
+                "6",
+                "--recover.fault_plan",
+                "kill replica=0 step=3; stop replica=1 phase=donate step=7",
+            ],
+            "'stop replica=1 step=7' can never fire: the run ends at training.steps = 6",
+        ),
+        (
+            ["--recover.max_restarts", "0", "--recover.fault_plan", "kill replica=1 step=3 attempt=1"],
+            "recover.fault_plan: 'kill replica=1 phase=backward attempt=1' can never fire: recover.max_restarts = 0 "
+            "allows no restart, so only attempt 0 ever runs",
+        ),
+        (
+            ["--recover.max_restarts", "0", "--recover.fault_plan", "kill replica=1 phase=join"],
+            "'kill replica=1 phase=join attempt=1' can never fire: recover.max_restarts = 0",
+        ),
+        (
+            ["--recover.spares", "1", "--recover.fault_plan", "kill replica=1 phase=join attempt=0"],
+            "'kill replica=1 phase=join attempt=0' can never fire: replica 1 starts as a member and joins only once "
+            "restarted (attempt >= 1); only a hot spare (replica 2..2) joins in its first incarnation",
+        ),
+        (
+            ["--recover.spares", "1", "--recover.fault_plan", "kill replica=3 step=3"],
+            "names no rank: the job has 3 replica groups (0..2, spares included)",
+        ),
     ],
 )
 def test_fault_that_can_never_fire_is_refused(overrides: list[str], message: str) -> None:
@@ -216,7 +247,9 @@ def test_fault_that_can_never_fire_is_refused(overrides: list[str], message: str
 def test_fault_at_the_last_step_or_a_late_attempt_loads() -> None:
     assert load("--recover.fault_plan", "kill replica=1 step=30").recover.fault_plan
     # restarts count per window: a long run may reach any attempt, even past max_restarts
-    assert load("--recover.max_restarts", "1", "--recover.fault_plan", "kill replica=1 step=3 attempt=5").recover.fault_plan
+    assert load(
+        "--recover.max_restarts", "1", "--recover.fault_plan", "kill replica=1 step=3 attempt=5"
+    ).recover.fault_plan
 
 
 @pytest.mark.unit
@@ -271,7 +304,9 @@ def test_wrong_type_for_int_in_toml(tmp_path: Path, bad: str) -> None:
 
 @pytest.mark.unit
 @pytest.mark.filterwarnings("ignore:The field `recover")
-@pytest.mark.parametrize("key, bad", [("max_restarts", "2.5"), ("digest_interval", '"often"'), ("max_restarts", "true")])
+@pytest.mark.parametrize(
+    "key, bad", [("max_restarts", "2.5"), ("digest_interval", '"often"'), ("max_restarts", "true")]
+)
 def test_wrong_type_for_restart_and_digest_in_toml(tmp_path: Path, key: str, bad: str) -> None:
     def edit(text: str) -> str:  # replace the key's line, or add one if the TOML leaves it at its default
         text = re.sub(rf"(?m)^{key} = .*\n", "", text)
@@ -307,7 +342,9 @@ def test_nan_durations_are_rejected(key: str) -> None:
     ],
 )
 def test_fault_aimed_at_no_rank_is_refused(overrides: list[str]) -> None:
-    with pytest.raises(ConfigError, match=r"recover.fault_plan: .* names no rank: the job has 2 replica groups \(0..1\)"):
+    with pytest.raises(
+        ConfigError, match=r"recover.fault_plan: .* names no rank: the job has 2 replica groups \(0..1\)"
+    ):
         load(*overrides)
 
 
@@ -318,9 +355,11 @@ def test_fault_at_the_last_rank_of_the_last_group_loads() -> None:
 
 def test_launch_rejects_bad_config_with_exit_code_2() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "titan_recover.launch",
-         "--job.config_file", str(CONFIG), "--recover.min_replicas", "0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--recover.min_replicas", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -333,8 +372,12 @@ def test_launch_rejects_bad_config_with_exit_code_2() -> None:
 def _par(pp: int, replicas: int, shards: int, tp: int) -> object:
     from types import SimpleNamespace
 
-    return SimpleNamespace(pipeline_parallel_degree=pp, data_parallel_replicate_degree=replicas,
-                           data_parallel_shard_degree=shards, tensor_parallel_degree=tp)
+    return SimpleNamespace(
+        pipeline_parallel_degree=pp,
+        data_parallel_replicate_degree=replicas,
+        data_parallel_shard_degree=shards,
+        tensor_parallel_degree=tp,
+    )
 
 
 @pytest.mark.unit
@@ -378,16 +421,24 @@ def test_a_cpu_run_gets_float32_parameters_unless_asked(monkeypatch: pytest.Monk
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("flag", [["--training.mixed_precision_param", "bfloat16"],
-                                  ["--training.mixed-precision-param", "bfloat16"],
-                                  ["--training.mixed_precision_param=bfloat16"]])
+@pytest.mark.parametrize(
+    "flag",
+    [
+        ["--training.mixed_precision_param", "bfloat16"],
+        ["--training.mixed-precision-param", "bfloat16"],
+        ["--training.mixed_precision_param=bfloat16"],
+    ],
+)
 def test_a_precision_on_the_command_line_is_kept(monkeypatch: pytest.MonkeyPatch, flag: list[str]) -> None:
     from titan_recover.titan import cpu_shim
 
     monkeypatch.setattr(cpu_shim, "needed", lambda: True)
     argv = ["--job.config_file", str(CONFIG), *flag]
     jc = titan.load_config(argv)
-    assert cpu_shim.precision_args(argv, jc, jc.job.config_file) == argv and jc.training.mixed_precision_param == "bfloat16"
+    assert (
+        cpu_shim.precision_args(argv, jc, jc.job.config_file) == argv
+        and jc.training.mixed_precision_param == "bfloat16"
+    )
 
 
 @pytest.mark.unit
@@ -399,7 +450,10 @@ def test_a_precision_in_the_toml_is_kept(monkeypatch: pytest.MonkeyPatch, tmp_pa
     toml.write_text(CONFIG.read_text().replace("[training]\n", '[training]\nmixed_precision_param = "bfloat16"\n'))
     argv = ["--job.config_file", str(toml)]
     jc = titan.load_config(argv)
-    assert cpu_shim.precision_args(argv, jc, jc.job.config_file) == argv and jc.training.mixed_precision_param == "bfloat16"
+    assert (
+        cpu_shim.precision_args(argv, jc, jc.job.config_file) == argv
+        and jc.training.mixed_precision_param == "bfloat16"
+    )
 
 
 @pytest.mark.unit
@@ -409,12 +463,17 @@ def test_an_accelerator_keeps_torchtitans_default(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(cpu_shim, "needed", lambda: False)
     argv = ["--job.config_file", str(CONFIG)]
     jc = titan.load_config(argv)
-    assert cpu_shim.precision_args(argv, jc, jc.job.config_file) == argv and jc.training.mixed_precision_param == "bfloat16"
+    assert (
+        cpu_shim.precision_args(argv, jc, jc.job.config_file) == argv
+        and jc.training.mixed_precision_param == "bfloat16"
+    )
 
 
 @pytest.mark.unit
 def test_spares_add_replica_ids_that_faults_may_name() -> None:
-    job = load("--recover.spares", "2", "--recover.fault_plan", "kill replica=3 phase=join attempt=0; kill replica=2 step=3")
+    job = load(
+        "--recover.spares", "2", "--recover.fault_plan", "kill replica=3 phase=join attempt=0; kill replica=2 step=3"
+    )
     assert replica_ids(job) == 4  # 2 members + 2 spares
     with pytest.raises(ConfigError, match="recover.spares must be >= 0, got -1"):
         load("--recover.spares", "-1")
@@ -432,7 +491,9 @@ def test_speed_keys_are_fractions(key: str, value: str) -> None:
 def test_group_nodes_must_split_a_group_evenly() -> None:
     # the default config's groups have dp_shard 2 ranks: over 2 nodes one each, over 3 not evenly
     assert load("--recover.group_nodes", "2").recover.group_nodes == 2
-    with pytest.raises(ConfigError, match=r"recover\.group_nodes \(3\) must divide the ranks of a replica group evenly"):
+    with pytest.raises(
+        ConfigError, match=r"recover\.group_nodes \(3\) must divide the ranks of a replica group evenly"
+    ):
         load("--recover.group_nodes", "3")
     with pytest.raises(ConfigError, match=r"recover\.group_nodes must be >= 1, got 0"):
         load("--recover.group_nodes", "0")

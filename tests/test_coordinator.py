@@ -16,10 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from titan_recover.config import CoordinatorSettings, Recover
 from titan_recover.control import keys, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Admission, Launcher, NodeGroup, NodeMessage, Report, StepRecord
-from titan_recover.config import CoordinatorSettings, Recover
 from titan_recover.coordinator.shell import REPORT_GRACE_S, Coordinator, serve
 from titan_recover.observability.events import EventLog
 
@@ -31,8 +31,12 @@ def make(tmp_path: Path) -> Iterator:
     def make(replicas: int = 2, **recover: object) -> tuple[Coordinator, object]:
         job = SimpleNamespace(
             recover=Recover(enable=True, **recover),
-            parallelism=SimpleNamespace(data_parallel_replicate_degree=replicas, data_parallel_shard_degree=1,
-                                        tensor_parallel_degree=1, pipeline_parallel_degree=1),
+            parallelism=SimpleNamespace(
+                data_parallel_replicate_degree=replicas,
+                data_parallel_shard_degree=1,
+                tensor_parallel_degree=1,
+                pipeline_parallel_degree=1,
+            ),
             training=SimpleNamespace(steps=10, global_batch_size=4, seq_len=16, mixed_precision_param="float32"),
             checkpoint=SimpleNamespace(enable=False, folder="checkpoint"),
         )
@@ -86,8 +90,13 @@ class FakeNode:
 
     def entry(self, replica: int, attempt: int | None = None, ready: int = 0) -> None:
         old = self.groups.get(replica, NodeGroup(0, 1, 0, 0, 0.0))
-        self.groups[replica] = NodeGroup(attempt=old.attempt if attempt is None else attempt, ranks=1,
-                                         ready=ready if attempt is not None else old.ready, finished=0, silent_s=0.0)
+        self.groups[replica] = NodeGroup(
+            attempt=old.attempt if attempt is None else attempt,
+            ranks=1,
+            ready=ready if attempt is not None else old.ready,
+            finished=0,
+            silent_s=0.0,
+        )
 
     def beat(self, *replicas: int) -> None:
         for r in replicas:
@@ -120,7 +129,8 @@ def poll(c: Coordinator, now: float) -> None:
 
 
 def joins(c: Coordinator, now: float) -> bool:
-    """Reads the node messages, then admits or parks waiting groups as one coordinator pass does; False once the run stops."""
+    """Reads the node messages, then admits or parks waiting groups as one coordinator pass does; False once the run
+    stops."""
     poll(c, now)
     if c.core.asking:  # a join may fence a group's previous incarnation: steps committed before it come first
         c._poll_steps()
@@ -339,8 +349,18 @@ def test_a_spare_replacing_a_group_is_timed_from_that_groups_failure(make, tmp_p
     ask_to_join(client, 1, 1)
     joins(c, time.monotonic())
     assert c.core.state.repairs == {1: (1, failed_at)}
-    ControlClient(client).offer_step(StepRecord(step=1, epoch=c.membership.epoch, members=[0, 1], microbatches=[0, 1],
-                                                data_digest="0", loss=1.0, grad_norm=None, time=failed_at + 30.0))
+    ControlClient(client).offer_step(
+        StepRecord(
+            step=1,
+            epoch=c.membership.epoch,
+            members=[0, 1],
+            microbatches=[0, 1],
+            data_digest="0",
+            loss=1.0,
+            grad_norm=None,
+            time=failed_at + 30.0,
+        )
+    )
     c._poll_steps()
     c._apply(c.core.on_rejoined(c._transfers))
     (rejoined,) = events(tmp_path, "rejoined")
@@ -468,12 +488,24 @@ def test_a_new_leader_reads_a_report_slot_reserved_before_it_took_over(make) -> 
     c, client = make()
     client.add(keys.REPORTS, 1)  # reserved; its reporter is slow to write it
     c._poll_reports(time.monotonic())
-    ControlClient(client).offer_step(StepRecord(step=1, epoch=0, members=[0, 1], microbatches=[0, 1], data_digest="0",
-                                                loss=1.0, grad_norm=None, time=time.time()))
+    ControlClient(client).offer_step(
+        StepRecord(
+            step=1,
+            epoch=0,
+            members=[0, 1],
+            microbatches=[0, 1],
+            data_digest="0",
+            loss=1.0,
+            grad_norm=None,
+            time=time.time(),
+        )
+    )
     c._poll_steps()  # saves the state (next_report is past the empty slot)
     leader = successor(c, client)
     assert leader.core.state.unread_reports == [1]
-    ControlClient(client).put(keys.report_key(1), Report(epoch=0, cause="torchrun of replica 1 exited", replica=0, suspect=1))
+    ControlClient(client).put(
+        keys.report_key(1), Report(epoch=0, cause="torchrun of replica 1 exited", replica=0, suspect=1)
+    )
     now = time.monotonic()
     leader._poll_reports(now)
     assert leader.core.detector.decide(now)[0] == {1: "torchrun of replica 1 exited"}
@@ -485,8 +517,18 @@ def test_a_malformed_step_record_is_an_event_and_later_steps_are_logged(make, tm
     c, client = make()
     client.set(keys.step_key(1), "{not json")
     client.set(keys.decision_key(1, 0), "commit")
-    ControlClient(client).offer_step(StepRecord(step=2, epoch=0, members=[0, 1], microbatches=[0, 1], data_digest="0",
-                                                loss=1.0, grad_norm=None, time=time.time()))
+    ControlClient(client).offer_step(
+        StepRecord(
+            step=2,
+            epoch=0,
+            members=[0, 1],
+            microbatches=[0, 1],
+            data_digest="0",
+            loss=1.0,
+            grad_norm=None,
+            time=time.time(),
+        )
+    )
     c._poll_steps()
     (unrecorded,) = events(tmp_path, "step_unrecorded")
     assert unrecorded["step"] == 1 and unrecorded["epoch"] == 0 and "'step/1'" in unrecorded["error"]

@@ -16,12 +16,12 @@ from titan_recover.control.protocol import (
     TransferRecord,
 )
 from titan_recover.coordinator.core import (
+    KEEP_STEPS,
     Admit,
     CoordinatorCore,
     Emit,
     FenceOut,
     Forget,
-    KEEP_STEPS,
     LogStep,
     Publish,
     Rules,
@@ -37,8 +37,15 @@ RANKS = 2
 
 
 def core(replicas: int = 3, spares: int = 0, min_replicas: int = 1, retries: int = 2, **lookups) -> CoordinatorCore:
-    rules = Rules(replicas=replicas, replica_ids=replicas + spares, group_ranks=RANKS, steps=100,
-                  min_replicas=min_replicas, max_step_retries=retries, spare_timeout_s=5.0)
+    rules = Rules(
+        replicas=replicas,
+        replica_ids=replicas + spares,
+        group_ranks=RANKS,
+        steps=100,
+        min_replicas=min_replicas,
+        max_step_retries=retries,
+        spare_timeout_s=5.0,
+    )
     detector = FailureDetector(members=tuple(range(replicas)), timeout_s=5.0, confirm_s=0.5, startup_s=60.0, start=0.0)
     return CoordinatorCore(rules, detector, wall=lambda: 1000.0, **lookups)
 
@@ -221,8 +228,11 @@ def test_a_malformed_step_record_counts_as_committed_once_the_store_says_so() ->
 
 
 def commit(c: CoordinatorCore, step: int, epoch: int | None = None) -> list:
-    return c.on_step(StepRecord(step, c.membership.epoch if epoch is None else epoch, [0, 1, 2], [], "d", 1.0, None,
-                                time=1000.0 + step))
+    return c.on_step(
+        StepRecord(
+            step, c.membership.epoch if epoch is None else epoch, [0, 1, 2], [], "d", 1.0, None, time=1000.0 + step
+        )
+    )
 
 
 def forgotten(effects: list) -> Forget | None:
@@ -258,7 +268,9 @@ def test_forgetting_starts_after_a_resumed_checkpoint_and_waits_for_known_epochs
         f = forgotten(commit(c, step))
     assert f is not None and list(f.steps) == [501]
     successor = core()
-    successor.take_over(CoordinatorState.from_json("coordinator/state", json.loads(c.state.dumps())), dict(c.history), 0)
+    successor.take_over(
+        CoordinatorState.from_json("coordinator/state", json.loads(c.state.dumps())), dict(c.history), 0
+    )
     for step in range(506, 506 + KEEP_STEPS):
         assert forgotten(commit(successor, step)) is None  # the commit epochs of steps before it are not known here
     f = forgotten(commit(successor, 506 + KEEP_STEPS))

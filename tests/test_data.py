@@ -7,9 +7,9 @@ import itertools
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
+
 from titan_recover import titan
 from titan_recover.data import prepare
 from titan_recover.data.addressing import load_samples, piece_digest, sample_indices
@@ -25,8 +25,7 @@ def tokenizer() -> titan.Tokenizer:
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> TokenDataset:
     folder = str(tmp_path_factory.mktemp("tokens"))
-    prepare.prepare_synthetic(folder, TOKENIZER_DIR, 20_000, 2, 0,
-                    workers=1, progress=False)
+    prepare.prepare_synthetic(folder, TOKENIZER_DIR, 20_000, 2, 0, workers=1, progress=False)
     return TokenDataset(folder)
 
 
@@ -40,8 +39,7 @@ def test_tokenizer_loads_with_bos_eos_and_round_trips(tokenizer):
     assert tokenizer.bos_id != tokenizer.eos_id
     assert tokenizer.id_to_token(tokenizer.bos_id) == "<|begin_of_text|>"
     assert tokenizer.id_to_token(tokenizer.eos_id) == "<|end_of_text|>"
-    for text in [next(iter(synthetic_corpus(1, seed=5))),
-                 "Unseen words: zebra, quixotic, ünïcode 日本 and 12345!"]:
+    for text in [next(iter(synthetic_corpus(1, seed=5))), "Unseen words: zebra, quixotic, ünïcode 日本 and 12345!"]:
         ids = tokenizer.encode(text, add_bos=True, add_eos=True)
         assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id
         assert all(0 <= i < 2048 for i in ids)
@@ -52,8 +50,7 @@ def test_tokenizer_loads_with_bos_eos_and_round_trips(tokenizer):
 
 
 def test_shipped_tokenizer_is_small_and_reproducible(tmp_path):
-    sizes = [os.path.getsize(os.path.join(TOKENIZER_DIR, f))
-             for f in ("tokenizer.json", "tokenizer_config.json")]
+    sizes = [os.path.getsize(os.path.join(TOKENIZER_DIR, f)) for f in ("tokenizer.json", "tokenizer_config.json")]
     assert sum(sizes) < 300_000
     train_tokenizer(str(tmp_path))
     for name in ("tokenizer.json", "tokenizer_config.json"):

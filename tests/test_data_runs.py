@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import Run, assert_all_rejoined, assert_same_trajectory, run_job, write_jsonl
 
 from bench.common import FLAGS
-from conftest import Run, assert_all_rejoined, assert_same_trajectory, run_job, write_jsonl
 from titan_recover.data import order, prepare
 from titan_recover.data.addressing import sample_indices
 from titan_recover.data.synthetic import TOKENIZER_DIR, synthetic_corpus
@@ -18,7 +18,8 @@ from titan_recover.data.tokens import TokenDataset
 M = 4
 QWEN3 = "qwen3_debug_cpu"
 DATA = [FLAGS["dataset"], "docs", FLAGS["dataset_path"]]
-SLEEP = "sleep replica=0 step=3 phase=optimizer seconds=120 until=epoch"  # the survivor waits for the admission (as test_rejoin)
+# the survivor waits for the admission (as test_rejoin)
+SLEEP = "sleep replica=0 step=3 phase=optimizer seconds=120 until=epoch"
 
 
 @pytest.fixture(scope="module")
@@ -33,21 +34,30 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def qwen3_reference(tmp_path_factory: pytest.TempPathFactory, small_corpus: Path) -> Run:
-    run = run_job(tmp_path_factory.mktemp("qwen3_ref"), *DATA, str(small_corpus), "--recover.fault_plan", "none", config=QWEN3)
+    run = run_job(
+        tmp_path_factory.mktemp("qwen3_ref"), *DATA, str(small_corpus), "--recover.fault_plan", "none", config=QWEN3
+    )
     assert run.returncode == 0, run.output[-3000:]
     return run
 
 
 def test_qwen3_on_prepared_shards_kill_rejoin_keeps_trajectory_across_data_epochs(
-        tmp_path: Path, small_corpus: Path, qwen3_reference: Run) -> None:
+    tmp_path: Path, small_corpus: Path, qwen3_reference: Run
+) -> None:
     windows = TokenDataset(str(small_corpus)).num_windows(64)
     assert len(TokenDataset(str(small_corpus)).manifest.shards) == 3 and 16 * 6 > 2 * windows
     expected = [(t, e) for t in range(1, 7) for e in order.epochs_started((t - 1) * 16, 16, windows)]
     assert [(e["step"], e["epoch"]) for e in qwen3_reference.of("data_epoch")] == expected
     assert "data epoch 1 begins at step" in qwen3_reference.output
 
-    run = run_job(tmp_path, *DATA, str(small_corpus),
-                  "--recover.fault_plan", f"kill replica=1 rank=1 step=2 phase=backward; {SLEEP}", config=QWEN3)
+    run = run_job(
+        tmp_path,
+        *DATA,
+        str(small_corpus),
+        "--recover.fault_plan",
+        f"kill replica=1 rank=1 step=2 phase=backward; {SLEEP}",
+        config=QWEN3,
+    )
     assert run.returncode == 0, run.output[-3000:]
     assert "qwen3" in run.output
     assert_same_trajectory(qwen3_reference, run, rel_tol=1e-3, num_microbatches=M)
@@ -59,8 +69,7 @@ def test_qwen3_on_prepared_shards_kill_rejoin_keeps_trajectory_across_data_epoch
 
 def test_token_changed_under_the_run_is_a_data_error_not_a_replica_failure(tmp_path: Path) -> None:
     folder = tmp_path / "data"
-    prepare.prepare_synthetic(str(folder), TOKENIZER_DIR, 20_000, 2, 0,
-                    workers=1, progress=False)
+    prepare.prepare_synthetic(str(folder), TOKENIZER_DIR, 20_000, 2, 0, workers=1, progress=False)
     dataset = TokenDataset(str(folder))
     windows = dataset.num_windows(64)
     # the first sample of step 2, microbatch 0, shard 0: find its window's shard and offset
@@ -73,8 +82,15 @@ def test_token_changed_under_the_run_is_a_data_error_not_a_replica_failure(tmp_p
     tokens[local * 64 + 5] = 4000  # the model has 2048 embedding rows; the manifest still says < 2048
     tokens.tofile(path)
 
-    run = run_job(tmp_path / "run", FLAGS["dataset_path"], str(folder), "--recover.fault_plan", "none",
-                  "--recover.max_restarts", "3")
+    run = run_job(
+        tmp_path / "run",
+        FLAGS["dataset_path"],
+        str(folder),
+        "--recover.fault_plan",
+        "none",
+        "--recover.max_restarts",
+        "3",
+    )
     assert run.returncode != 0
     assert f"DataError: {path}: token id 4000 at token offset {local * 64 + 5}" in run.output
     (fatal,) = run.of("fatal")

@@ -16,12 +16,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_recover.control import transport
-from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.config import ConfigError
+from titan_recover.control import transport
 from titan_recover.node import devices
 from titan_recover.node.devices import host_gpus, plan
 from titan_recover.policy.membership import Membership
+from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS8 = [str(i) for i in range(8)]
@@ -79,7 +79,9 @@ def test_gloo_asked_for_keeps_the_gpus_but_not_nccl() -> None:
 
 @pytest.mark.unit
 def test_a_group_larger_than_the_host_is_refused() -> None:
-    with pytest.raises(ConfigError, match="a replica group of 4 ranks .* needs 4 GPUs, one per rank, and this host has 2"):
+    with pytest.raises(
+        ConfigError, match="a replica group of 4 ranks .* needs 4 GPUs, one per rank, and this host has 2"
+    ):
         plan("auto", ["0", "1"], groups=1, ranks=4, nccl_available=True)
 
 
@@ -96,13 +98,18 @@ def test_rank_per_host_runs_every_communicator_on_nccl_with_shared_gpus() -> Non
     p = plan("auto", ["0"], groups=2, ranks=2, nccl_available=True, rank_per_host=True)
     assert (p.backend, p.visible, p.rank_per_host) == ("nccl", ["0,0", "0,0"], True)
     assert "each rank posing as a host of its own" in p.reason and "not a performance setup" in p.reason
-    assert plan("nccl", ["0", "1"], groups=2, ranks=2, nccl_available=True, rank_per_host=True).visible == ["0,1", "0,1"]
+    assert plan("nccl", ["0", "1"], groups=2, ranks=2, nccl_available=True, rank_per_host=True).visible == [
+        "0,1",
+        "0,1",
+    ]
     own = plan("auto", GPUS8, groups=2, ranks=4, nccl_available=True, rank_per_host=True)  # enough GPUs: not needed
     assert (own.backend, own.visible, own.rank_per_host) == ("nccl", ["0,1,2,3", "4,5,6,7"], False)
     assert own.reason.endswith("; recover.nccl_rank_per_host not needed")
     # gloo asked for: the replicate dimension on gloo, FSDP inside the groups still NCCL, so ranks still pose as hosts
     assert plan("gloo", ["0"], groups=2, ranks=2, nccl_available=True, rank_per_host=True).rank_per_host
-    with pytest.raises(ConfigError, match="recover.nccl_rank_per_host needs NCCL, and this torch was built without NCCL"):
+    with pytest.raises(
+        ConfigError, match="recover.nccl_rank_per_host needs NCCL, and this torch was built without NCCL"
+    ):
         plan("auto", ["0"], groups=2, ranks=2, nccl_available=False, rank_per_host=True)
     cpu = plan("auto", [], groups=2, ranks=2, nccl_available=False, rank_per_host=True)
     assert (cpu.backend, cpu.rank_per_host) == ("gloo", False) and "has nothing to do" in cpu.reason
@@ -119,8 +126,12 @@ def test_a_rank_per_host_rank_sees_its_gpu_as_cuda0_and_has_a_host_id_of_its_own
     assert devices.group_env(None, rank_per_host=False) == {}
     env = {**group, "LOCAL_RANK": "1", "TITAN_RECOVER_REPLICA": "3"}
     mine = devices.rank_env(env, host="h")
-    assert mine == {"CUDA_VISIBLE_DEVICES": "1", "LOCAL_RANK": "0", devices.SLOT_ENV: "1",
-                    "NCCL_HOSTID": "h-titan-recover-g3-r1"}
+    assert mine == {
+        "CUDA_VISIBLE_DEVICES": "1",
+        "LOCAL_RANK": "0",
+        devices.SLOT_ENV: "1",
+        "NCCL_HOSTID": "h-titan-recover-g3-r1",
+    }
     assert devices.local_rank({**env, **mine}) == 1 and devices.local_rank({"LOCAL_RANK": "2"}) == 2
     assert devices.rank_env({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "0,1"}) == {}  # not rank per host: untouched
     with pytest.raises(ConfigError, match="names no GPU for local rank 2"):
@@ -142,10 +153,23 @@ def test_torchruns_workers_share_one_environment_and_each_makes_its_own(tmp_path
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     seen = []
-    for replica, visible in enumerate(plan("auto", ["0"], groups=2, ranks=2, nccl_available=True, rank_per_host=True).visible):
-        env = {**os.environ, **devices.group_env(visible, True), "TITAN_RECOVER_REPLICA": str(replica), "PYTHONPATH": str(ROOT)}
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                              str(script)], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    for replica, visible in enumerate(
+        plan("auto", ["0"], groups=2, ranks=2, nccl_available=True, rank_per_host=True).visible
+    ):
+        env = {
+            **os.environ,
+            **devices.group_env(visible, True),
+            "TITAN_RECOVER_REPLICA": str(replica),
+            "PYTHONPATH": str(ROOT),
+        }
+        out = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         seen += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert sorted(s["slot"] for s in seen) == [0, 0, 1, 1]
@@ -164,7 +188,9 @@ def address() -> str:
 def test_replica_groups_on_different_backends_are_refused(address: str) -> None:
     ReplicateProcessGroups(transport.connect(address, 10), replica=0, group_rank=0, timeout_s=10, backend="gloo")
     ReplicateProcessGroups(transport.connect(address, 10), replica=1, group_rank=0, timeout_s=10, backend="gloo")
-    with pytest.raises(ConfigError, match="replica 2 runs the replicate dimension on nccl, another replica group on gloo"):
+    with pytest.raises(
+        ConfigError, match="replica 2 runs the replicate dimension on nccl, another replica group on gloo"
+    ):
         ReplicateProcessGroups(transport.connect(address, 10), replica=2, group_rank=0, timeout_s=10, backend="nccl")
 
 
@@ -192,7 +218,9 @@ class _StuckGroup:
 def test_abandoned_nccl_groups_are_aborted_once(address: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", raising=False)
     made: list[_StuckGroup] = []
-    groups = ReplicateProcessGroups(transport.connect(address, 10), replica=0, group_rank=0, timeout_s=7, backend="nccl")
+    groups = ReplicateProcessGroups(
+        transport.connect(address, 10), replica=0, group_rank=0, timeout_s=7, backend="nccl"
+    )
     assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "7"
     monkeypatch.setattr(groups, "_new_group", lambda *args: made.append(_StuckGroup()) or made[-1])
 
@@ -218,7 +246,9 @@ def test_abandoned_nccl_groups_are_aborted_once(address: str, monkeypatch: pytes
 
 def test_gloo_groups_are_parked_not_aborted(address: str, monkeypatch: pytest.MonkeyPatch) -> None:
     made: list[_StuckGroup] = []
-    groups = ReplicateProcessGroups(transport.connect(address, 10), replica=0, group_rank=0, timeout_s=7, backend="gloo")
+    groups = ReplicateProcessGroups(
+        transport.connect(address, 10), replica=0, group_rank=0, timeout_s=7, backend="gloo"
+    )
     monkeypatch.setattr(groups, "_new_group", lambda *args: made.append(_StuckGroup()) or made[-1])
     with pytest.raises(CollectiveAborted, match="the epoch ended first"):
         groups.allreduce(Membership(1, (0, 1)), [torch.zeros(3)], abort=lambda: bool(made) and made[0].launched)
@@ -228,9 +258,20 @@ def test_gloo_groups_are_parked_not_aborted(address: str, monkeypatch: pytest.Mo
 @pytest.mark.skipif(dist.is_nccl_available(), reason="checks the refusal on a host without NCCL")
 def test_launcher_refuses_nccl_without_gpus_before_starting_anything() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "titan_recover.launch", "--job.config_file",
-         str(ROOT / "train_configs" / "llama3_debug_cpu.toml"), "--recover.replicate_backend", "nccl"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [
+            sys.executable,
+            "-m",
+            "titan_recover.launch",
+            "--job.config_file",
+            str(ROOT / "train_configs" / "llama3_debug_cpu.toml"),
+            "--recover.replicate_backend",
+            "nccl",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert 'recover.replicate_backend = "nccl" needs CUDA GPUs' in proc.stderr

@@ -3,9 +3,9 @@
 from pathlib import Path
 
 import pytest
+from conftest import THREE, Run, assert_same_trajectory, run_job
 
 from bench.common import LINE
-from conftest import THREE, Run, assert_same_trajectory, run_job
 
 M = 4  # global_batch_size 16 / (local_batch_size 2 * 2 shards)
 
@@ -26,7 +26,9 @@ def test_matches_stock_torchtitan_hsdp(tmp_path: Path, failure_free: Run) -> Non
 # a kill in backward: test_rejoin.py and the self-test's default job (the lines tier's kill runs: test_features.py)
 @pytest.mark.parametrize("phase", ["forward", "allreduce"])
 def test_sigkill_mid_step_keeps_trajectory(tmp_path: Path, failure_free: Run, phase: str) -> None:
-    run = run_job(tmp_path, "--recover.max_restarts", "0", "--recover.fault_plan", f"kill replica=1 rank=1 step=3 phase={phase}")
+    run = run_job(
+        tmp_path, "--recover.max_restarts", "0", "--recover.fault_plan", f"kill replica=1 rank=1 step=3 phase={phase}"
+    )
     assert run.returncode == 0, run.output[-3000:]
     assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=M)
     (injected,) = run.of("fault_injected")
@@ -41,8 +43,16 @@ def test_sigkill_mid_step_keeps_trajectory(tmp_path: Path, failure_free: Run, ph
 
 def test_two_replicas_lost_in_one_step_down_to_one_survivor(tmp_path: Path, three_replicas: Run) -> None:
     plan = "kill replica=1 step=3 phase=backward; kill replica=2 step=3 phase=forward microbatch=0"
-    run = run_job(tmp_path, *THREE, "--recover.max_restarts", "0", "--recover.collective_timeout_s", "60",
-                  "--recover.fault_plan", plan)
+    run = run_job(
+        tmp_path,
+        *THREE,
+        "--recover.max_restarts",
+        "0",
+        "--recover.collective_timeout_s",
+        "60",
+        "--recover.fault_plan",
+        plan,
+    )
     assert run.returncode == 0, run.output[-3000:]
     assert_same_trajectory(three_replicas, run, rel_tol=1e-3, num_microbatches=6)
     # no survivor waits out a collective timeout (a rendezvous with a dead peer once held its store client)
@@ -53,8 +63,15 @@ def test_two_replicas_lost_in_one_step_down_to_one_survivor(tmp_path: Path, thre
 
 
 def test_below_min_replicas_is_a_clear_error(tmp_path: Path) -> None:
-    run = run_job(tmp_path, "--recover.min_replicas", "2", "--recover.max_restarts", "0",
-                  "--recover.fault_plan", "kill replica=1 step=2 phase=backward")
+    run = run_job(
+        tmp_path,
+        "--recover.min_replicas",
+        "2",
+        "--recover.max_restarts",
+        "0",
+        "--recover.fault_plan",
+        "kill replica=1 step=2 phase=backward",
+    )
     assert run.returncode != 0
     assert "recover.min_replicas is 2" in run.output
     assert run.of("fatal") and max(run.steps()) == 1

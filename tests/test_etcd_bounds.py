@@ -14,6 +14,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 from etcd3gw.exceptions import ConnectionFailedError
+from test_etcd_store import client, cluster, raw  # noqa: F401  # the fixtures: both backends, one etcd cluster
 
 from titan_recover.control import claims, etcd_store, keys, leader, transport
 from titan_recover.control.client import ControlClient
@@ -21,8 +22,6 @@ from titan_recover.control.etcd_store import EtcdStore, put_op
 from titan_recover.control.protocol import Launcher, NodeMessage
 from titan_recover.control.sealed import Run
 from titan_recover.tools.etcd_local import LocalEtcd
-
-from test_etcd_store import client, cluster, raw  # noqa: F401  # the fixtures: both backends, one etcd cluster
 
 
 def test_compare_set_expecting_empty_takes_a_key_holding_empty(client: dist.Store) -> None:  # noqa: F811
@@ -68,12 +67,14 @@ def lose_answers(store: EtcdStore, rate: float, seed: int) -> list[int]:
     when the member died mid-request; the list counts them."""
     rng, lost = random.Random(seed), []
     for c in store._clients:
+
         def post(url: str, *args: object, _post=c.post, **kwargs: object) -> object:
             answer = _post(url, *args, **kwargs)
             if url.endswith("kv/txn") and "request_put" in str(kwargs.get("json")) and rng.random() < rate:
                 lost.append(1)
                 raise ConnectionFailedError("answer lost")
             return answer
+
         c.post = post  # type: ignore[method-assign]
     return lost
 
@@ -147,7 +148,9 @@ def test_compacting_the_history_stops_the_database_growing(cluster: LocalEtcd) -
 
 
 def test_the_leader_compacts_the_history_older_than_its_window(
-        cluster: LocalEtcd, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    cluster: LocalEtcd,  # noqa: F811 (the fixture, by name)
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(leader, "COMPACT_EVERY_S", 0.5)
     monkeypatch.setattr(leader, "KEEP_HISTORY_S", 1.0)
     store = raw(cluster)

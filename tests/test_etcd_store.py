@@ -16,19 +16,18 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from conftest import ROOT
 
+from bench.common import config_args
 from titan_recover import config, titan
 from titan_recover.control import addresses, keys, protocol, transport
 from titan_recover.control.client import ControlClient
+from titan_recover.control.etcd_store import Changes, EtcdStore, LeadershipLost, check_cluster
+from titan_recover.control.leader import Lease
 from titan_recover.control.protocol import CoordinatorState, Progress
 from titan_recover.control.sealed import Run
-from titan_recover.tools.etcd_local import LocalEtcd
-from titan_recover.control.etcd_store import Changes, EtcdStore, LeadershipLost, check_cluster
 from titan_recover.observability.events import logged_steps
-from titan_recover.control.leader import Lease
-
-from bench.common import config_args
-from conftest import ROOT
+from titan_recover.tools.etcd_local import LocalEtcd
 
 
 @pytest.fixture(scope="module")
@@ -174,8 +173,11 @@ def test_counters_stay_exact_while_the_raft_leader_member_is_killed() -> None:
             t.start()
         time.sleep(0.2)
         leader = raw(c).post("maintenance/status", {})["leader"]
-        [name] = [n for n, port in c.client_ports.items()
-                  if EtcdStore([("127.0.0.1", port)], 5).post("maintenance/status", {})["header"]["member_id"] == leader]
+        [name] = [
+            n
+            for n, port in c.client_ports.items()
+            if EtcdStore([("127.0.0.1", port)], 5).post("maintenance/status", {})["header"]["member_id"] == leader
+        ]
         c.kill(name)
         for t in threads:
             t.join()
@@ -196,8 +198,12 @@ def test_a_stale_leaders_writes_are_refused_after_another_took_the_lease(cluster
     started = time.monotonic()
     successor = second.campaign(ended=lambda: False)
     assert successor is not None and 1.5 < time.monotonic() - started < 10
-    for write in (lambda: leading.set("epoch", "2"), lambda: leading.add("alive", 1),
-                  lambda: leading.compare_set("members/2", "", "{}"), leading.confirm_guard):
+    for write in (
+        lambda: leading.set("epoch", "2"),
+        lambda: leading.add("alive", 1),
+        lambda: leading.compare_set("members/2", "", "{}"),
+        leading.confirm_guard,
+    ):
         with pytest.raises(LeadershipLost, match="no longer holds this leader's lease"):
             write()
     assert raw(cluster).get("epoch") == b"1" and not raw(cluster).check(["members/2"])
@@ -219,19 +225,24 @@ def test_a_follower_stops_campaigning_when_the_run_ended(cluster: LocalEtcd) -> 
 
 
 def test_an_unreachable_cluster_is_named() -> None:
-    url = f"etcd://127.0.0.1:{transport.free_port()},127.0.0.1:{transport.free_port()},127.0.0.1:{transport.free_port()}"
+    url = (
+        f"etcd://127.0.0.1:{transport.free_port()},127.0.0.1:{transport.free_port()},127.0.0.1:{transport.free_port()}"
+    )
     with pytest.raises(ValueError, match=f"cannot reach the etcd cluster at {url}: no etcd member answered within 1s"):
         check_cluster(url, timeout_s=1.0)
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("url, problem", [
-    ("etcd://", "'' is not host:port"),
-    ("etcd://h1:2379,h2", "'h2' is not host:port"),
-    ("etcd://h1:99999", "'h1:99999' is not host:port"),
-    ("etcd://h1:2379,h1:2379", "lists an endpoint twice"),
-    ("http://h1:2379", "does not start with etcd://"),
-])
+@pytest.mark.parametrize(
+    "url, problem",
+    [
+        ("etcd://", "'' is not host:port"),
+        ("etcd://h1:2379,h2", "'h2' is not host:port"),
+        ("etcd://h1:99999", "'h1:99999' is not host:port"),
+        ("etcd://h1:2379,h1:2379", "lists an endpoint twice"),
+        ("http://h1:2379", "does not start with etcd://"),
+    ],
+)
 def test_a_malformed_control_store_is_refused_naming_it(url: str, problem: str) -> None:
     with pytest.raises(config.ConfigError, match=f"recover.control_store: .*{problem}"):
         titan.load_config([*config_args("llama3_debug_cpu"), "--recover.control_store", url])
@@ -240,14 +251,31 @@ def test_a_malformed_control_store_is_refused_naming_it(url: str, problem: str) 
 @pytest.mark.unit
 def test_the_lease_must_be_shorter_than_the_coordinator_timeout() -> None:
     with pytest.raises(config.ConfigError, match="recover.leader_lease_s must be >= 2"):
-        titan.load_config([*config_args("llama3_debug_cpu"), "--recover.leader_lease_s", "30", "--recover.coordinator_timeout_s", "30"])
+        titan.load_config(
+            [
+                *config_args("llama3_debug_cpu"),
+                "--recover.leader_lease_s",
+                "30",
+                "--recover.coordinator_timeout_s",
+                "30",
+            ]
+        )
     job = titan.load_config([*config_args("llama3_debug_cpu"), "--recover.control_store", "etcd://a:1,b:2,c:3"])
     assert job.recover.leader_lease_s == 3.0
 
 
-STATE = {"progress": {"step": 4, "epoch": 2, "time": 1.5}, "next_report": 3, "retries": 0,
-         "attempts": {"0": 0, "1": 1}, "admitted_epoch": {"0": 0, "1": 2}, "joining": {}, "spares": {},
-         "dropped": {}, "down_since": {"1": 10.0}, "repairs": {"1": [1, 10.0]}}
+STATE = {
+    "progress": {"step": 4, "epoch": 2, "time": 1.5},
+    "next_report": 3,
+    "retries": 0,
+    "attempts": {"0": 0, "1": 1},
+    "admitted_epoch": {"0": 0, "1": 2},
+    "joining": {},
+    "spares": {},
+    "dropped": {},
+    "down_since": {"1": 10.0},
+    "repairs": {"1": [1, 10.0]},
+}
 
 
 @pytest.mark.unit
@@ -258,10 +286,17 @@ def test_a_saved_state_is_read_back_with_replica_ids() -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("field, value", [
-    ("progress", {"step": "4", "epoch": 2, "time": 1.5}), ("next_report", 0), ("attempts", {"x": 1}),
-    ("down_since", {"1": "soon"}), ("repairs", {"1": [1]}), ("joining", [1]),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("progress", {"step": "4", "epoch": 2, "time": 1.5}),
+        ("next_report", 0),
+        ("attempts", {"x": 1}),
+        ("down_since", {"1": "soon"}),
+        ("repairs", {"1": [1]}),
+        ("joining", [1]),
+    ],
+)
 def test_a_malformed_saved_state_is_refused_naming_the_key(field: str, value: object) -> None:
     with pytest.raises(protocol.MessageError, match="store key 'coordinator/state'"):
         CoordinatorState.from_json(keys.COORDINATOR_STATE, {**STATE, field: value})
@@ -278,7 +313,8 @@ def test_the_package_runs_without_the_etcd_client_until_a_run_names_etcd() -> No
     """etcd3gw is an extra: nothing imports it unless ``control_store`` names etcd, which then says what to install."""
     code = (
         "import sys; sys.modules['etcd3gw'] = None\n"  # as if it were not installed
-        "import titan_recover.launch.launcher, titan_recover.coordinator.shell, titan_recover.rank.manager, titan_recover.node.agent\n"
+        "import titan_recover.launch.launcher, titan_recover.coordinator.shell, "
+        "titan_recover.rank.manager, titan_recover.node.agent\n"
         "from titan_recover import config\nfrom titan_recover.launch import launcher\n"
         "try:\n"
         "    launcher.check_control_store('etcd://a:1,b:2,c:3')\n"

@@ -36,7 +36,10 @@ def test_emit_creates_folder_and_appends(tmp_path: Path) -> None:
     log.close()
     assert rec["event"] == "step" and rec["step"] == 1 and before <= rec["time"] <= time.time()
     lines = (folder / EVENTS_FILE).read_text().splitlines()
-    assert [json.loads(line) for line in lines] == [rec, {"event": "failure", "replica": 1, "step": 2, "cause": "x", "time": 123.0}]
+    assert [json.loads(line) for line in lines] == [
+        rec,
+        {"event": "failure", "replica": 1, "step": 2, "cause": "x", "time": 123.0},
+    ]
     # a second log on the same folder appends, it does not truncate
     again = EventLog(str(folder))
     again.emit("fatal", error="e")
@@ -66,7 +69,9 @@ def write_until_overlap(folder, writer, n, payload, cap=200000):
     finally:
         log.close()
 """
-exec(WRITE_UNTIL_OVERLAP)
+namespace: dict = {}
+exec(WRITE_UNTIL_OVERLAP, namespace)  # the same function in this process as in the children
+write_until_overlap = namespace["write_until_overlap"]
 
 
 def _check_no_interleaving(path: Path, writers: tuple[str, str], payload: int) -> None:
@@ -110,11 +115,14 @@ def test_two_logs_in_threads_never_interleave(tmp_path: Path) -> None:
     _check_no_interleaving(tmp_path / EVENTS_FILE, ("a", "b"), payload)
 
 
-WRITER = WRITE_UNTIL_OVERLAP + """
+WRITER = (
+    WRITE_UNTIL_OVERLAP
+    + """
 import sys
 sys.stdin.read()  # start together
 write_until_overlap(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
 """
+)
 
 
 def test_two_processes_never_interleave(tmp_path: Path) -> None:
@@ -122,7 +130,8 @@ def test_two_processes_never_interleave(tmp_path: Path) -> None:
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", WRITER, str(tmp_path), w, "100", str(payload)],
-            cwd=ROOT, stdin=subprocess.PIPE,
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
         )
         for w in ("p", "q")
     ]
@@ -153,12 +162,19 @@ def test_read_log_skips_a_line_that_is_not_json_naming_file_and_line(tmp_path: P
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("line, why", [
-    ('{"step": 1}', "not an event object"), ("[1, 2]", "not an event object"), ('"event"', "not an event object"),
-    ("3", "not an event object"), ('{"event": 3}', "not an event object"),
-    ('{"event": "step", "step": "2"}', "a step event without an integer step"),
-    ('{"event": "a", "time": "noon"}', "time is not a number"), ("\x00\x00{}", "not JSON"),
-])
+@pytest.mark.parametrize(
+    "line, why",
+    [
+        ('{"step": 1}', "not an event object"),
+        ("[1, 2]", "not an event object"),
+        ('"event"', "not an event object"),
+        ("3", "not an event object"),
+        ('{"event": 3}', "not an event object"),
+        ('{"event": "step", "step": "2"}', "a step event without an integer step"),
+        ('{"event": "a", "time": "noon"}', "time is not a number"),
+        ("\x00\x00{}", "not JSON"),
+    ],
+)
 def test_read_log_skips_a_line_that_is_not_an_event(tmp_path: Path, line: str, why: str) -> None:
     path = tmp_path / "log.jsonl"
     path.write_text('{"event": "a"}\n' + line + "\n")
@@ -377,12 +393,16 @@ def test_a_named_nodes_run_logs_to_its_own_file_and_its_summary_reads_every_node
         deadline = time.monotonic() + 200
         while not own_file.exists() and time.monotonic() < deadline:  # the run has begun
             time.sleep(0.05)
-        (dump / "recover_events.node1.jsonl").write_text('{"event": "rank_memory", "replica": 1, "rank": 0, "time": 1.0}\n'
-                                                         '{"event": "rank_mem')  # node 1 died mid-line
+        (dump / "recover_events.node1.jsonl").write_text(
+            '{"event": "rank_memory", "replica": 1, "rank": 0, "time": 1.0}\n{"event": "rank_mem'
+        )  # node 1 died mid-line
+
     writer = threading.Thread(target=node1_writes, daemon=True)
     writer.start()
     monkeypatch.setenv(events.NODE_ENV, "node0")
-    run = run_job(dump, "--parallelism.data_parallel_replicate_degree", "1", "--recover.fault_plan", "none", timeout=240)
+    run = run_job(
+        dump, "--parallelism.data_parallel_replicate_degree", "1", "--recover.fault_plan", "none", timeout=240
+    )
     writer.join(timeout=1)
     assert run.returncode == 0, run.output[-3000:]
     assert not (dump / EVENTS_FILE).exists() and not stale.exists()

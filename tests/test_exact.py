@@ -31,7 +31,9 @@ def microbatch_grads(m: int, n: int, seed: int = 0, scale: float = 1.0) -> list[
     return out
 
 
-def split_sum(grads: list[list[torch.Tensor]], groups: list[list[int]], bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_sum(
+    grads: list[list[torch.Tensor]], groups: list[list[int]], bound: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each group sums its microbatches in its own order; then the replicate all-reduce (a plain sum)."""
     total = torch.zeros(sum(p.numel() for p in grads[0]), dtype=torch.float64)
     histogram = None
@@ -135,7 +137,11 @@ def test_shaped_and_empty_shards_land_on_their_own_grid_points(dtype: torch.dtyp
     """A rank's shards as FSDP leaves them (matrices, vectors, an empty shard) go onto the flat sum in
     parameter order, each element rounded once to the grid: the same points as one element at a time."""
     g = torch.Generator().manual_seed(3)
-    grads = [(torch.randn(3, 5, generator=g) * 0.1).to(dtype), torch.zeros(0, dtype=dtype), (torch.randn(7, generator=g) * 10).to(dtype)]
+    grads = [
+        (torch.randn(3, 5, generator=g) * 0.1).to(dtype),
+        torch.zeros(0, dtype=dtype),
+        (torch.randn(7, generator=g) * 10).to(dtype),
+    ]
     mine = ExactSum(22, 4, CPU, bound=FIRST_BOUND)
     mine.add(grads, "shards")
     step = 2.0 ** grid_exponent(FIRST_BOUND, 4)

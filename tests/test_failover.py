@@ -4,8 +4,8 @@ lease, an etcd member killed, and an etcd backend configured wrong."""
 
 from __future__ import annotations
 
-import json
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -15,16 +15,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from titan_recover.control import addresses, keys, sealed, transport
-from titan_recover.control.client import ControlClient
-from titan_recover.status import fetch
-from titan_recover.tools.etcd_local import LocalEtcd
-from titan_recover.control.etcd_store import EtcdStore
-
-from bench.common import job
 from conftest import ROOT, Run, assert_all_rejoined, assert_same_trajectory
 from test_nodes import Node, events, wait_until
+
+from bench.common import job
+from titan_recover.control import keys, sealed, transport
+from titan_recover.control.client import ControlClient
+from titan_recover.control.etcd_store import EtcdStore
+from titan_recover.status import fetch
+from titan_recover.tools.etcd_local import LocalEtcd
 
 
 @pytest.fixture
@@ -37,15 +36,30 @@ def etcd() -> Iterator[LocalEtcd]:
 def launcher(dump: Path, url: str, plan: str, *extra: str) -> list[str]:
     """One node's launcher command: the failure-free reference's job (2 groups x FSDP 2), on etcd."""
     return [
-        sys.executable, "-m", "titan_recover.launch", *job(dump, tiny=True), "--recover.fault_plan", plan, "--recover.control_store", url, "--recover.collective_timeout_s", "90", *extra,
+        sys.executable,
+        "-m",
+        "titan_recover.launch",
+        *job(dump, tiny=True),
+        "--recover.fault_plan",
+        plan,
+        "--recover.control_store",
+        url,
+        "--recover.collective_timeout_s",
+        "90",
+        *extra,
     ]
 
 
 def node_env(url: str | None, replicas: str) -> dict[str, str]:
     """A node's environment; the run's id names the test, so no test reads another's run on the shared etcd."""
     run_id = hashlib.sha256(os.environ["PYTEST_CURRENT_TEST"].split(" ")[0].encode()).hexdigest()[:16]
-    env = {**os.environ, keys.SECRET_ENV: "failover-test-secret", keys.RUN_ENV: run_id, "PYTHONUNBUFFERED": "1",
-           keys.REPLICAS_ENV: replicas}
+    env = {
+        **os.environ,
+        keys.SECRET_ENV: "failover-test-secret",
+        keys.RUN_ENV: run_id,
+        "PYTHONUNBUFFERED": "1",
+        keys.REPLICAS_ENV: replicas,
+    }
     return env if url is None else {**env, keys.COORDINATOR_ENV: url}
 
 
@@ -74,8 +88,10 @@ def test_the_leader_killed_mid_step_is_replaced_and_its_successor_fences_and_rea
     new leader fences it, and admits its restarted group, which rejoins. Every step is logged once with
     M = 4 microbatches and the failure-free data and losses."""
     dump = tmp_path / "dump"
-    plan = ("sleep replica=0 step=3 phase=forward seconds=10; kill replica=1 step=4; "
-            "sleep replica=0 step=5 phase=optimizer seconds=60 until=epoch")
+    plan = (
+        "sleep replica=0 step=3 phase=forward seconds=10; kill replica=1 step=4; "
+        "sleep replica=0 step=5 phase=optimizer seconds=60 until=epoch"
+    )
     page = f"http://127.0.0.1:{transport.free_port()}"
     args = launcher(dump, etcd.url, plan, "--recover.status_port", page.rsplit(":", 1)[1])
     with Node("a", dump, args, node_env(None, "0")) as a, Node("b", dump, args, node_env(etcd.url, "1")) as b:
@@ -152,8 +168,11 @@ def test_an_etcd_member_killed_is_invisible_and_a_stale_leader_cannot_change_mem
         candidate = Path(f"/proc/{first['pid']}/cmdline").read_bytes().decode().split("\0")[1:-1]
         assert candidate[:2] == ["-m", "titan_recover.coordinator"], candidate
         spare = subprocess.Popen(
-            [sys.executable, *candidate], cwd=ROOT,
-            env={**node_env(etcd.url, "0,1")}, stdout=(tmp_path / "spare.log").open("w"), stderr=subprocess.STDOUT,
+            [sys.executable, *candidate],
+            cwd=ROOT,
+            env={**node_env(etcd.url, "0,1")},
+            stdout=(tmp_path / "spare.log").open("w"),
+            stderr=subprocess.STDOUT,
         )
         try:
             wait_until("step 3", lambda: 3 in steps(dump), 120, [a])
@@ -178,10 +197,20 @@ def test_an_etcd_member_killed_is_invisible_and_a_stale_leader_cannot_change_mem
 def test_an_etcd_backend_configured_wrong_stops_before_training(tmp_path: Path, members: int) -> None:
     """Unreachable (nothing listens) or two members only: exit 2 with a line saying what to fix."""
     cluster = LocalEtcd(members).start() if members else None
-    url = cluster.url if cluster else f"etcd://127.0.0.1:{transport.free_port()},127.0.0.1:{transport.free_port()},127.0.0.1:{transport.free_port()}"
+    url = (
+        cluster.url
+        if cluster
+        else f"etcd://127.0.0.1:{transport.free_port()},127.0.0.1:{transport.free_port()},127.0.0.1:{transport.free_port()}"
+    )
     try:
-        proc = subprocess.run(launcher(tmp_path, url, "none"), cwd=ROOT, capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.run(
+            launcher(tmp_path, url, "none"),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     finally:
         if cluster:
             cluster.stop()
@@ -201,13 +230,19 @@ def test_a_leader_that_cannot_read_the_saved_state_stops_the_run_saying_so(tmp_p
     client = transport.connect(etcd.url, timeout_s=5, run=run)
     client.set(keys.COORDINATOR_STATE, json.dumps({"progress": None, "next_report": "one"}))  # malformed on purpose
     proc = subprocess.run(
-        [sys.executable, "-m", "titan_recover.coordinator", *launcher(tmp_path, etcd.url, "none")[3:]], cwd=ROOT,
-        env={**node_env(etcd.url, "0,1"), keys.SECRET_ENV: secret}, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "titan_recover.coordinator", *launcher(tmp_path, etcd.url, "none")[3:]],
+        cwd=ROOT,
+        env={**node_env(etcd.url, "0,1"), keys.SECRET_ENV: secret},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     error = ControlClient(client).fatal()
     assert error is not None
-    assert error.startswith("the coordinator state in etcd cannot be taken over: store key 'coordinator/state' lacks"), error
+    assert error.startswith(
+        "the coordinator state in etcd cannot be taken over: store key 'coordinator/state' lacks"
+    ), error
     assert f"FATAL: {error}" in proc.stderr  # the coordinator logs errors to stderr
 
 
@@ -221,8 +256,15 @@ def test_node_0_started_again_joins_the_running_run_and_a_new_run_id_reads_nothi
     replica 1 holds step 5. The run ends with every step logged once, those before the kill included.
     A new run with the same secret and a new id then starts from nothing: none of the old run's keys."""
     dump = tmp_path / "dump"
-    args = launcher(dump, etcd.url, "sleep replica=1 step=5 phase=forward seconds=120 until=epoch",
-                    "--training.steps", "7", "--recover.heartbeat_timeout_s", "3")
+    args = launcher(
+        dump,
+        etcd.url,
+        "sleep replica=1 step=5 phase=forward seconds=120 until=epoch",
+        "--training.steps",
+        "7",
+        "--recover.heartbeat_timeout_s",
+        "3",
+    )
     env_a = node_env(None, "0")
     with Node("a", dump, args, env_a) as a, Node("b", dump, args, node_env(etcd.url, "1")) as b:
         wait_until("step 2", lambda: 2 in steps(dump), 240, [a, b])

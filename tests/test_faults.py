@@ -45,7 +45,8 @@ def test_all_keys() -> None:
 @pytest.mark.unit
 def test_multiple_entries_with_semicolons_and_whitespace() -> None:
     faults = parse_fault_plan(
-        "kill replica=1 rank=1 step=10 phase=backward ;  kill  replica=0 step=3 phase=allreduce;kill replica=2 step=4 phase=optimizer"
+        "kill replica=1 rank=1 step=10 phase=backward ;  kill  replica=0 "
+        "step=3 phase=allreduce;kill replica=2 step=4 phase=optimizer"
     )
     assert faults == (
         Fault("kill", replica=1, step=10, rank=1, phase="backward"),
@@ -389,7 +390,8 @@ def test_injector_keeps_only_faults_of_its_attempt() -> None:
     )
     assert [(f.step, f.phase) for f in FaultInjector(plan, 1, 0, raise_fired).faults] == [(2, "allreduce")]
     assert [(f.step, f.phase) for f in FaultInjector(plan, 1, 0, raise_fired, attempt=1).faults] == [
-        (3, "allreduce"), (None, "join"),
+        (3, "allreduce"),
+        (None, "join"),
     ]
     assert [(f.step, f.phase) for f in FaultInjector(plan, 1, 0, raise_fired, attempt=2).faults] == [(None, "donate")]
     assert FaultInjector(plan, 1, 0, raise_fired, attempt=3).faults == []
@@ -465,16 +467,23 @@ def test_sleep_until_epoch_wakes_when_the_epoch_moves_and_is_bounded_by_seconds(
     assert f.until == "epoch" and f.seconds == 30.0
     t0 = time.perf_counter()
     epochs = iter([4] * 10 + [5] * 10)  # the epoch moves after ten looks (~0.2 s)
-    FaultInjector("sleep replica=1 step=2 phase=optimizer seconds=30 until=epoch", 1, 0, on_fire=lambda f: None,
-                  epoch=lambda: next(epochs)).at(2, "optimizer")
+    FaultInjector(
+        "sleep replica=1 step=2 phase=optimizer seconds=30 until=epoch",
+        1,
+        0,
+        on_fire=lambda f: None,
+        epoch=lambda: next(epochs),
+    ).at(2, "optimizer")
     assert time.perf_counter() - t0 < 5.0  # woke at the new epoch, not after 30 s
     t0 = time.perf_counter()
-    FaultInjector("sleep replica=1 step=2 phase=optimizer seconds=0.1 until=epoch", 1, 0, on_fire=lambda f: None,
-                  epoch=lambda: 4).at(2, "optimizer")
+    FaultInjector(
+        "sleep replica=1 step=2 phase=optimizer seconds=0.1 until=epoch", 1, 0, on_fire=lambda f: None, epoch=lambda: 4
+    ).at(2, "optimizer")
     assert 0.1 <= time.perf_counter() - t0 < 5.0  # no new epoch: seconds bounds it
     t0 = time.perf_counter()
-    FaultInjector("sleep replica=1 step=2 phase=optimizer seconds=0.1 until=epoch", 1, 0,
-                  on_fire=lambda f: None).at(2, "optimizer")
+    FaultInjector("sleep replica=1 step=2 phase=optimizer seconds=0.1 until=epoch", 1, 0, on_fire=lambda f: None).at(
+        2, "optimizer"
+    )
     assert time.perf_counter() - t0 >= 0.1  # stock mode has no epochs: the whole sleep
 
 
@@ -496,7 +505,8 @@ def test_sleep_in_forward_slows_the_microbatch_but_it_completes(model: Tiny) -> 
 CHILD = """
 import sys
 from titan_recover.rank.injector import FaultInjector
-inj = FaultInjector(sys.argv[1], replica=1, rank=0, on_fire=lambda f: print("fired", f.action, flush=True), attempt=int(sys.argv[2]))
+inj = FaultInjector(sys.argv[1], replica=1, rank=0, attempt=int(sys.argv[2]),
+                    on_fire=lambda f: print("fired", f.action, flush=True))
 inj.at(3, sys.argv[3])
 print("survived", flush=True)
 """
@@ -505,7 +515,10 @@ print("survived", flush=True)
 def spawn(plan: str, phase: str, attempt: int = 0) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", CHILD, plan, str(attempt), phase],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

@@ -5,9 +5,9 @@ save and resume is test_rejoin.py's DCP backstop; TP and PP are test_parallel.py
 from pathlib import Path
 
 import pytest
+from conftest import Run, assert_same_trajectory, run_job
 
 from bench.common import FLAGS, LINE
-from conftest import Run, assert_same_trajectory, run_job
 
 pytestmark = pytest.mark.lines
 
@@ -16,14 +16,23 @@ PROFILER = FLAGS["profiler"]
 KILL = ["--recover.max_restarts", "0", "--recover.fault_plan", "kill replica=1 rank=1 step=4 phase=backward"]
 
 FEATURES = [
-    "--lr_scheduler.decay_type", "cosine",
+    "--lr_scheduler.decay_type",
+    "cosine",
     # dynamo and AOTAutograd as on a GPU; aot_eager skips inductor's C++ code generation on CPU, which
     # would take minutes per rank on a 2-core machine
-    "--compile.enable", "--compile.backend", "aot_eager",
+    "--compile.enable",
+    "--compile.backend",
+    "aot_eager",
     # TorchTitan's default is the fused AdamW
-    "--optimizer.implementation", "foreach",
-    f"{PROFILER}.enable_profiling", f"{PROFILER}.profile_freq", "3", f"{PROFILER}.profiler_warmup", "1",
-    f"{PROFILER}.profiler_active", "1",
+    "--optimizer.implementation",
+    "foreach",
+    f"{PROFILER}.enable_profiling",
+    f"{PROFILER}.profile_freq",
+    "3",
+    f"{PROFILER}.profiler_warmup",
+    "1",
+    f"{PROFILER}.profiler_active",
+    "1",
     # full recomputation of every block in the backward (last: TorchTitan 0.3 selects it by a
     # subcommand, which takes every flag after it as its own)
     *(["--activation_checkpoint.mode", "full"] if LINE == "0.2" else ["activation-checkpoint:full"]),
@@ -38,7 +47,8 @@ LOGGED = [
 
 
 def test_a_kill_under_torchtitans_features_keeps_its_failure_free_twins_trajectory(
-        tmp_path: Path, failure_free: Run) -> None:
+    tmp_path: Path, failure_free: Run
+) -> None:
     twin = run_job(tmp_path / "failure_free", "--recover.fault_plan", "none", *FEATURES)
     assert twin.returncode == 0, twin.output[-3000:]
     # the schedule reached the optimizer: after warmup its learning rates are not the linear decay's
@@ -56,7 +66,11 @@ def test_a_kill_under_torchtitans_features_keeps_its_failure_free_twins_trajecto
     folder, suffix = ("profile_traces", "json") if LINE == "0.2" else ("profiling/traces", "json.gz")
     traces = tmp_path / "kill" / folder
     found = sorted(str(p.relative_to(traces)) for p in traces.glob("*/iteration_*/*_trace.*"))
-    assert found == [f"replica{r}/iteration_{i}/rank{k}_trace.{suffix}"
-                     for r, steps in ((0, (3, 6)), (1, (3,))) for i in steps for k in (0, 1)], found
+    assert found == [
+        f"replica{r}/iteration_{i}/rank{k}_trace.{suffix}"
+        for r, steps in ((0, (3, 6)), (1, (3,)))
+        for i in steps
+        for k in (0, 1)
+    ], found
     # and the flight recorder's dumps (written on an NCCL timeout) too
     assert sorted(p.name for p in (tmp_path / "kill" / "comm_traces").iterdir()) == ["replica0", "replica1"]

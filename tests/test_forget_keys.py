@@ -19,8 +19,9 @@ RUN = Run("s3cret", "forget")
 @pytest.fixture(params=["tcp", "etcd"])
 def store(request: pytest.FixtureRequest) -> Iterator[SealedStore]:
     if request.param == "tcp":
-        tcp = dist.TCPStore("127.0.0.1", transport.free_port(), is_master=True, timeout=timedelta(seconds=5),
-                            wait_for_workers=False)
+        tcp = dist.TCPStore(
+            "127.0.0.1", transport.free_port(), is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False
+        )
         yield transport.in_run(tcp, RUN)
         return
     cluster = LocalEtcd(3).start()
@@ -38,8 +39,16 @@ def test_an_epochs_members_and_group_rendezvous_keys_are_forgotten(store: Sealed
         store.set(keys.replicate_group_prefix(epoch, 0) + "/0/1", "gloo")  # a name gloo chose
         store.set(keys.transfer_group_prefix(epoch, 1, 2) + "/0/0", "gloo")
     client.forget_epochs(range(3, 4))
-    gone = [keys.members_key(3), keys.replicate_group_prefix(3, 0) + "/0/1", keys.transfer_group_prefix(3, 1, 2) + "/0/0"]
-    kept = [keys.members_key(13), keys.replicate_group_prefix(13, 0) + "/0/1", keys.transfer_group_prefix(13, 1, 2) + "/0/0"]
+    gone = [
+        keys.members_key(3),
+        keys.replicate_group_prefix(3, 0) + "/0/1",
+        keys.transfer_group_prefix(3, 1, 2) + "/0/0",
+    ]
+    kept = [
+        keys.members_key(13),
+        keys.replicate_group_prefix(13, 0) + "/0/1",
+        keys.transfer_group_prefix(13, 1, 2) + "/0/0",
+    ]
     assert not any(store.inner.check([k]) for k in gone)
     assert all(store.inner.check([k]) for k in kept)
 
@@ -47,10 +56,18 @@ def test_an_epochs_members_and_group_rendezvous_keys_are_forgotten(store: Sealed
 def test_a_steps_keys_are_forgotten(store: SealedStore) -> None:
     client = ControlClient(store)
     for step in (1, 2):
-        for name in (keys.step_key(step), keys.digest_key(step, 0), keys.digest_key(step, 1), keys.decision_key(step, 0)):
+        for name in (
+            keys.step_key(step),
+            keys.digest_key(step, 0),
+            keys.digest_key(step, 1),
+            keys.decision_key(step, 0),
+        ):
             store.set(name, "x")
         assert [client.vote(step, 0, "0.0"), client.vote(step, 0, "1.0")] == [1, 2]
     client.forget_steps(range(1, 2), range(0, 1), replicas=2)
     assert not store.inner.check([keys.step_key(1)]) and client.votes(1, 0) == 0
     assert not store.inner.check([keys.digest_key(1, 1)]) and not store.inner.check([keys.decision_key(1, 0)])
-    assert store.inner.check([keys.step_key(2), keys.digest_key(2, 1), keys.decision_key(2, 0)]) and client.votes(2, 0) == 2
+    assert (
+        store.inner.check([keys.step_key(2), keys.digest_key(2, 1), keys.decision_key(2, 0)])
+        and client.votes(2, 0) == 2
+    )

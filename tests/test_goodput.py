@@ -60,7 +60,9 @@ def test_groups_lost_for_good_slow_every_later_step() -> None:
 
 
 def test_everyone_dead_stops_the_recover_run() -> None:
-    rec = g.simulate_recover(CLUSTER, dataclasses.replace(COSTS, repair_s=math.inf), [g.Failure(time_s=0.5, groups=2)], TEN)
+    rec = g.simulate_recover(
+        CLUSTER, dataclasses.replace(COSTS, repair_s=math.inf), [g.Failure(time_s=0.5, groups=2)], TEN
+    )
     assert rec.steps == 0
 
 
@@ -104,8 +106,9 @@ def test_fit_line() -> None:
 
 def test_cli_writes_json(tmp_path, capsys) -> None:
     out = tmp_path / "sim.json"
-    assert g.main(["--gpus", "64", "--failure-rate", "1e-3", "--hours", "2", "--repair-s", "600",
-                   "--json", str(out)]) == 0
+    assert (
+        g.main(["--gpus", "64", "--failure-rate", "1e-3", "--hours", "2", "--repair-s", "600", "--json", str(out)]) == 0
+    )
     printed = capsys.readouterr().out
     assert "effective throughput ratio" in printed
     data = json.loads(out.read_text())
@@ -203,7 +206,9 @@ def test_speed_quotas_beat_equal_ones_and_meet_the_bound_when_m_divides() -> Non
             assert times["ideal"] <= times["speed"] + 1e-12 and times["speed"] <= times["balanced"] + 1e-12
     # M * speed / total speed whole for every group: 1, 2, 2, 2, 2 microbatches, all done at once
     cluster = g.Cluster(gpus=5, group_gpus=1, microbatches=9, tokens_per_step=1)
-    assert g.step_time(cluster, COSTS, 5, [0.5], "speed") == pytest.approx(g.step_time(cluster, COSTS, 5, [0.5], "ideal"))
+    assert g.step_time(cluster, COSTS, 5, [0.5], "speed") == pytest.approx(
+        g.step_time(cluster, COSTS, 5, [0.5], "ideal")
+    )
 
 
 def test_straggler_step_times_in_the_paper_cluster() -> None:
@@ -239,7 +244,9 @@ def test_paper_setting_with_spares_and_a_straggler() -> None:
     assert spared["recover"]["failures"] == spared["restart"]["failures"] == 4
     assert spared["recover"]["gpu_hours"] == pytest.approx(g.PAPER_GPU_HOURS, rel=0.02)
     slow = [g.Straggler(4.0)]
-    tokens = {p: g.paper_setting(stragglers=slow, policy=p)["recover"]["tokens_per_s"] for p in ("balanced", "speed", "ideal")}
+    tokens = {
+        p: g.paper_setting(stragglers=slow, policy=p)["recover"]["tokens_per_s"] for p in ("balanced", "speed", "ideal")
+    }
     assert tokens["balanced"] < tokens["speed"] <= tokens["ideal"]
 
 
@@ -255,5 +262,9 @@ def test_the_paper_spares_take_the_measured_admission_cost_if_any(tmp_path: Path
     assert derived["spare_downtime_floor_s"] == 10.0  # the paper's own detection and transfer
     (tmp_path / "spares.json").write_text(json.dumps({"spare_rejoin_downtime_s": 14.5}))
     measured = simulate.paper_spares(tmp_path, calibrated)
-    assert (measured["spare_cost_source"], measured["spare_admit_s"], measured["spare_downtime_floor_s"]) == ("measured", 14.5, 14.5)
+    assert (measured["spare_cost_source"], measured["spare_admit_s"], measured["spare_downtime_floor_s"]) == (
+        "measured",
+        14.5,
+        14.5,
+    )
     assert sorted(measured["by_spares"]) == [0, 1, 2]

@@ -6,17 +6,16 @@ import sys
 import time
 
 import pytest
+from conftest import ROOT
+from test_store import accepts, non_loopback_ip
 
-from titan_recover.launch import launcher, torchruns
+from bench.common import job
+from titan_recover.config import ConfigError
 from titan_recover.control import addresses, keys, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.sealed import Run
-from titan_recover.config import ConfigError
+from titan_recover.launch import launcher, torchruns
 from titan_recover.launch.torchruns import is_incarnation
-
-from bench.common import job
-from conftest import ROOT
-from test_store import accepts, non_loopback_ip
 
 
 def test_is_incarnation_reads_the_rank_environment() -> None:
@@ -47,10 +46,18 @@ def test_ranks_on_a_host_share_its_cores(monkeypatch) -> None:
 def test_the_launchers_flags_replace_the_asked_ones_ahead_of_any_subcommand() -> None:
     job = ["--module", "m", "--config", "c", "--recover.replicate-backend", "auto", "activation-checkpoint:full"]
     assert launcher.with_flags(job, {"--recover.replicate_backend": "gloo"}) == [
-        "--recover.replicate_backend", "gloo", "--module", "m", "--config", "c", "activation-checkpoint:full"]
-    assert launcher.with_flags(["--recover.replicate_backend=nccl", "--x", "1", "--comm.train_timeout_seconds", "100"],
-                             {"--recover.replicate_backend": "nccl", "--comm.train_timeout_seconds": "250"}) == [
-        "--recover.replicate_backend", "nccl", "--comm.train_timeout_seconds", "250", "--x", "1"]
+        "--recover.replicate_backend",
+        "gloo",
+        "--module",
+        "m",
+        "--config",
+        "c",
+        "activation-checkpoint:full",
+    ]
+    assert launcher.with_flags(
+        ["--recover.replicate_backend=nccl", "--x", "1", "--comm.train_timeout_seconds", "100"],
+        {"--recover.replicate_backend": "nccl", "--comm.train_timeout_seconds": "250"},
+    ) == ["--recover.replicate_backend", "nccl", "--comm.train_timeout_seconds", "250", "--x", "1"]
 
 
 @pytest.mark.unit
@@ -105,12 +112,14 @@ def test_the_coordinator_serves_its_run_only_on_loopback(tmp_path) -> None:
 
 
 def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on() -> None:
-    code = ("import os, signal, sys, threading, time\n"
-            "from titan_recover.node.procs import dumps_stacks\n"
-            "dumps_stacks()\n"
-            "threading.Thread(target=time.sleep, args=(5,), name='sleeper', daemon=True).start()\n"
-            "os.kill(os.getpid(), signal.SIGUSR1)\n"
-            "print('still running', flush=True)\n")
+    code = (
+        "import os, signal, sys, threading, time\n"
+        "from titan_recover.node.procs import dumps_stacks\n"
+        "dumps_stacks()\n"
+        "threading.Thread(target=time.sleep, args=(5,), name='sleeper', daemon=True).start()\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "print('still running', flush=True)\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout == "still running\n", r.stderr[-2000:]
     assert "Current thread" in r.stderr and "Thread 0x" in r.stderr, r.stderr[-2000:]  # the main thread and the sleeper
@@ -120,11 +129,22 @@ def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on() -> None:
 def test_a_group_spanning_nodes_meets_at_part_0s_rendezvous_and_needs_a_reachable_coordinator() -> None:
     meet = torchruns.Meeting("10.0.0.5", 29600, 1, 4, 600.0)
     cmd = torchruns.torchrun(2, ["--x.y", "1"], "replica3", meet)
-    assert cmd[cmd.index("--nnodes"):cmd.index("--nproc_per_node=2")] == [
-        "--nnodes", "4", "--node-rank", "1", "--master-addr", "10.0.0.5", "--master-port", "29600", "--rdzv-conf", "timeout=600"]
+    assert cmd[cmd.index("--nnodes") : cmd.index("--nproc_per_node=2")] == [
+        "--nnodes",
+        "4",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "10.0.0.5",
+        "--master-port",
+        "29600",
+        "--rdzv-conf",
+        "timeout=600",
+    ]
     assert "--standalone" not in cmd and "--standalone" in torchruns.torchrun(2, [], "replica0")
     assert torchruns.Span(1, 4).of(3) == "replica group 3 (part 1 of 4)" and torchruns.Span().of(3) == "replica group 3"
-    with pytest.raises(ConfigError, match="the replica groups span 2 nodes"):  # every group here, but half of each elsewhere
+    # every group here, but half of each elsewhere
+    with pytest.raises(ConfigError, match="the replica groups span 2 nodes"):
         launcher.coordinator_bind("", [0, 1], 2, parts=2)
     assert launcher.coordinator_bind("127.0.0.1", [0, 1], 2, parts=2) == "127.0.0.1"
     assert addresses.route_address("127.0.0.1:29500") == "127.0.0.1"
@@ -133,10 +153,11 @@ def test_a_group_spanning_nodes_meets_at_part_0s_rendezvous_and_needs_a_reachabl
 def test_a_rank_whose_parent_died_before_it_asked_to_die_with_it_does_not_live_on() -> None:
     """A torchrun agent SIGKILLed while its rank still imports (seconds, before ``die_with_parent``):
     the rank, adopted by init by then, must end instead of waiting for a coordinator that is gone."""
-    child = ("import time; time.sleep(1.0); from titan_recover import procs; procs.die_with_parent(); "
-             "time.sleep(60)")
-    parent = (f"import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', {child!r}], "
-              "stdout=subprocess.DEVNULL).pid, flush=True)")
+    child = "import time; time.sleep(1.0); from titan_recover import procs; procs.die_with_parent(); time.sleep(60)"
+    parent = (
+        f"import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', {child!r}], "
+        "stdout=subprocess.DEVNULL).pid, flush=True)"
+    )
     out = subprocess.run([sys.executable, "-c", parent], cwd=ROOT, capture_output=True, text=True, timeout=30)
     pid = int(out.stdout)
     deadline = time.monotonic() + 10

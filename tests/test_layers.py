@@ -80,8 +80,13 @@ def test_every_module_has_a_layer() -> None:
 
 
 def test_each_layer_imports_only_what_the_table_allows() -> None:
-    wrong = sorted(f"{m} imports {d}" for m, deps in OURS.items() if m != "titan_recover" for d in deps
-                   if d != "titan_recover" and layer(d) != layer(m) and layer(d) not in LAYERS[layer(m)])
+    wrong = sorted(
+        f"{m} imports {d}"
+        for m, deps in OURS.items()
+        if m != "titan_recover"
+        for d in deps
+        if d != "titan_recover" and layer(d) != layer(m) and layer(d) not in LAYERS[layer(m)]
+    )
     assert wrong == []
 
 
@@ -96,8 +101,13 @@ def test_the_table_has_no_circles() -> None:
 
 def test_the_coordinator_process_imports_no_torchtitan() -> None:
     """``python -m titan_recover.coordinator`` gets the job's settings as a record from its launcher."""
-    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "titan_recover.coordinator", "--help"],
-                         cwd=ROOT.parent, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "titan_recover.coordinator", "--help"],
+        cwd=ROOT.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
     assert "titan_recover.coordinator.shell" in imported
@@ -123,7 +133,9 @@ def test_every_torchtitan_line_defines_the_whole_interface() -> None:
     """``titan_recover.titan`` loads the installed line's module and takes ``INTERFACE`` from it: each
     line's module must define every name, read from its source (so both lines are checked on either)."""
     tree = ast.parse((ROOT / "titan" / "__init__.py").read_text())
-    found = {n.targets[0].id: n.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)}
+    found = {
+        n.targets[0].id: n.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
+    }
     interface, lines = ast.literal_eval(found["INTERFACE"]), ast.literal_eval(found["LINES"])
     assert set(lines) == {"0.2", "0.3"}
     for module in lines.values():

@@ -16,17 +16,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
-
-from titan_recover.launch import launcher
-from titan_recover.node.channel import DONE, FATAL
-from titan_recover.control import keys, transport
-from titan_recover.control.etcd_store import EtcdUnavailable
-from titan_recover.control.lifeline import AliveClock
-
-from bench.common import job
 from conftest import ROOT
 from test_nodes import Node, events, wait_until
 from test_store import COORDINATOR
+
+from bench.common import job
+from titan_recover.control import keys, transport
+from titan_recover.control.etcd_store import EtcdUnavailable
+from titan_recover.control.lifeline import AliveClock
+from titan_recover.launch import launcher
+from titan_recover.node.channel import DONE, FATAL
 
 # ---- the verdict, pure ------------------------------------------------------------------
 
@@ -85,12 +84,19 @@ def watched(bound_s: float, lives_s: float) -> Iterator[tuple[int, subprocess.Po
     """A coordinator-like process bumping its alive counter, and a process running a lifeline to it
     with ``bound_s`` for ``lives_s``, both up: (port, coordinator, watcher); both killed at the end."""
     port = transport.free_port()
-    coordinator = subprocess.Popen([sys.executable, "-c", COORDINATOR, str(port)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    coordinator = subprocess.Popen(
+        [sys.executable, "-c", COORDINATOR, str(port)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     watcher: subprocess.Popen | None = None
     try:
         assert coordinator.stdout.readline() == "up\n"
-        watcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, f"127.0.0.1:{port}", str(bound_s), str(lives_s)],
-                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        watcher = subprocess.Popen(
+            [sys.executable, "-c", LAUNCHER, f"127.0.0.1:{port}", str(bound_s), str(lives_s)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         assert watcher.stdout.readline() == "up\n"
         time.sleep(1.0)  # watching a live coordinator
         yield port, coordinator, watcher
@@ -168,12 +174,15 @@ def child(code: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-def node_launcher(coordinator: subprocess.Popen, etcd: bool, errors: list[Exception], timeout_s: float = 2.0) -> launcher.NodeLauncher:
+def node_launcher(
+    coordinator: subprocess.Popen, etcd: bool, errors: list[Exception], timeout_s: float = 2.0
+) -> launcher.NodeLauncher:
     """A ``NodeLauncher`` past ``register``, with a real coordinator process and stand-ins for the rest."""
     nl = object.__new__(launcher.NodeLauncher)
     nl.rc = SimpleNamespace(coordinator_timeout_s=timeout_s)
-    nl.job_config = SimpleNamespace(checkpoint=SimpleNamespace(enable=False), job=SimpleNamespace(dump_folder="outputs"),
-                                    dump_folder="outputs")  # where TorchTitan 0.2, then 0.3, keeps it
+    nl.job_config = SimpleNamespace(
+        checkpoint=SimpleNamespace(enable=False), job=SimpleNamespace(dump_folder="outputs"), dump_folder="outputs"
+    )  # where TorchTitan 0.2, then 0.3, keeps it
     nl.address = "etcd://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3" if etcd else "127.0.0.1:1"
     nl.etcd, nl.coordinator = etcd, coordinator
     nl.agent = SimpleNamespace(flags=0, never_admitted=lambda r: False)
@@ -191,8 +200,13 @@ def lost(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launcher, "exit_lost", exit_lost)
 
 
-@pytest.mark.parametrize("etcd, error", [(False, dist.DistStoreError("wait timeout after 600000ms")),
-                                         (True, EtcdUnavailable("no etcd member answered within 600s"))])
+@pytest.mark.parametrize(
+    "etcd, error",
+    [
+        (False, dist.DistStoreError("wait timeout after 600000ms")),
+        (True, EtcdUnavailable("no etcd member answered within 600s")),
+    ],
+)
 def test_a_store_error_while_the_coordinator_lives_is_retried_and_its_end_is_waited_for_within_a_bound(
     lost: None, etcd: bool, error: Exception, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -229,7 +243,9 @@ def test_a_coordinator_that_crashed_before_the_run_ended_is_lost(lost: None) -> 
     coordinator = child("raise RuntimeError('a bug')")
     coordinator.wait(timeout=60)
     nl = node_launcher(coordinator, etcd=False, errors=[])
-    with pytest.raises(Lost, match=rf"the coordinator at 127.0.0.1:1 \(pid {coordinator.pid}\) exited with code 1 before the run ended"):
+    with pytest.raises(
+        Lost, match=rf"the coordinator at 127.0.0.1:1 \(pid {coordinator.pid}\) exited with code 1 before the run ended"
+    ):
         nl.loop(client=None)  # type: ignore[arg-type]
     assert nl.groups.killed
 
@@ -250,8 +266,21 @@ def test_a_coordinator_that_ended_the_run_is_not_lost(lost: None) -> None:
 
 def launcher_args(dump: Path, port: int, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "titan_recover.launch", *job(dump, tiny=True), "--training.steps", "4", "--parallelism.data_parallel_shard_degree", "1", "--training.global_batch_size", "8",
-        "--recover.coordinator_port", str(port), "--recover.coordinator_bind", "127.0.0.1", *extra,
+        sys.executable,
+        "-m",
+        "titan_recover.launch",
+        *job(dump, tiny=True),
+        "--training.steps",
+        "4",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--training.global_batch_size",
+        "8",
+        "--recover.coordinator_port",
+        str(port),
+        "--recover.coordinator_bind",
+        "127.0.0.1",
+        *extra,
     ]
 
 
@@ -268,11 +297,21 @@ def test_the_coordinators_launcher_paused_past_the_coordinator_timeout_carries_o
     replica 1 holds step 2 for 20 s. Resumed, A's launcher finds the coordinator alive (no lost line, the
     coordinator is not killed) and restarts replica 0; every step is logged once and both end with exit 0."""
     dump, port = tmp_path / "dump", transport.free_port()
-    args = launcher_args(dump, port, "--recover.coordinator_timeout_s", "4", "--recover.collective_timeout_s", "60",
-                         "--recover.fault_plan", "sleep replica=1 step=2 phase=optimizer seconds=20")
+    args = launcher_args(
+        dump,
+        port,
+        "--recover.coordinator_timeout_s",
+        "4",
+        "--recover.collective_timeout_s",
+        "60",
+        "--recover.fault_plan",
+        "sleep replica=1 step=2 phase=optimizer seconds=20",
+    )
     env = {**os.environ, keys.SECRET_ENV: "pause-test-secret", "PYTHONUNBUFFERED": "1"}
-    with Node("a", dump, args, {**env, keys.REPLICAS_ENV: "0"}) as a, \
-            Node("b", dump, args, {**env, keys.REPLICAS_ENV: "1", keys.COORDINATOR_ENV: f"127.0.0.1:{port}"}) as b:
+    with (
+        Node("a", dump, args, {**env, keys.REPLICAS_ENV: "0"}) as a,
+        Node("b", dump, args, {**env, keys.REPLICAS_ENV: "1", keys.COORDINATOR_ENV: f"127.0.0.1:{port}"}) as b,
+    ):
         wait_until("step 1", lambda: 1 in steps(dump), 240, [a, b])
         os.kill(a.proc.pid, signal.SIGSTOP)
         time.sleep(7.0)
@@ -310,10 +349,17 @@ def test_a_coordinator_that_dies_from_a_traceback_mid_run_is_lost_on_every_node(
     site.mkdir()
     (site / "sitecustomize.py").write_text(CRASH)
     args = launcher_args(dump, port, "--recover.fault_plan", "sleep replica=0 step=2 phase=optimizer seconds=60")
-    env = {**os.environ, keys.SECRET_ENV: "crash-test-secret", "PYTHONUNBUFFERED": "1", "TITAN_TEST_CRASH": str(trigger),
-           "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    with Node("a", dump, args, {**env, keys.REPLICAS_ENV: "0"}) as a, \
-            Node("b", dump, args, {**env, keys.REPLICAS_ENV: "1", keys.COORDINATOR_ENV: f"127.0.0.1:{port}"}) as b:
+    env = {
+        **os.environ,
+        keys.SECRET_ENV: "crash-test-secret",
+        "PYTHONUNBUFFERED": "1",
+        "TITAN_TEST_CRASH": str(trigger),
+        "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    with (
+        Node("a", dump, args, {**env, keys.REPLICAS_ENV: "0"}) as a,
+        Node("b", dump, args, {**env, keys.REPLICAS_ENV: "1", keys.COORDINATOR_ENV: f"127.0.0.1:{port}"}) as b,
+    ):
         wait_until("step 1", lambda: 1 in steps(dump), 240, [a, b])
         trigger.touch()
         crashed = time.monotonic()

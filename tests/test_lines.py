@@ -5,9 +5,9 @@ runs of the ``lines`` tier are in test_e2e.py and test_rejoin.py."""
 from pathlib import Path
 
 import pytest
+from conftest import Run
 
 from bench.common import LINE, job
-from conftest import Run
 from titan_recover import titan
 from titan_recover.config import ConfigError
 
@@ -43,7 +43,6 @@ def test_tokens_are_counted_once(failure_free: Run) -> None:
     assert len(seen) == 4 and set(seen.values()) == {6 * (M // 2) * 2 * 64}, seen
 
 
-
 CONFIGS = Path(__file__).resolve().parents[1] / "train_configs"
 PLUMBING = {("job", "description"), ("job", "custom_config_module"), ("experimental", "custom_import")}
 """TorchTitan 0.2's TOML plumbing, which a 0.3 recipe has no place for."""
@@ -62,7 +61,8 @@ def _recipe_value(config: object, section: str, key: str) -> object:
         ("training", "dataset"): lambda: config.dataloader.dataset,
         ("training", "dataset_path"): lambda: config.dataloader.dataset_path,
         ("activation_checkpoint", "mode"): lambda: {None: "none", "SelectiveAC": "selective", "FullAC": "full"}[
-            config.activation_checkpoint and type(config.activation_checkpoint).__qualname__.split(".")[0]],
+            config.activation_checkpoint and type(config.activation_checkpoint).__qualname__.split(".")[0]
+        ],
         ("activation_checkpoint", "selective_ac_option"): lambda: "op",  # 0.3's selective AC is per-op only
     }
     return moved[section, key]() if (section, key) in moved else getattr(getattr(config, section), key)
@@ -81,7 +81,8 @@ def test_each_recipe_equals_its_toml_twin(toml: str) -> None:
         sections = tomli.load(f)
     different = {
         f"{section}.{key}": (value, _recipe_value(config, section, key))
-        for section, keys in sections.items() for key, value in keys.items()
+        for section, keys in sections.items()
+        for key, value in keys.items()
         if (section, key) not in PLUMBING and _recipe_value(config, section, key) != value
     }
     assert not different, different  # key: (TOML, recipe)

@@ -18,16 +18,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_recover.node.channel import DONE, FATAL, FINISHED, READY, RUNNING, STARTING, STATE, Channel
+from titan_recover.config import Recover
 from titan_recover.control import transport
 from titan_recover.control.client import ABORT, COMMIT, REDO, ControlClient
 from titan_recover.control.protocol import Admission, Report, StepRecord, TransferRecord
 from titan_recover.control.sealed import Run
-from titan_recover.rank.collectives import CollectiveAborted
-from titan_recover.config import Recover
-from titan_recover.rank.manager import ReplicaFenced, ReplicaManager, RunFailed, RunFinished
-from titan_recover.policy.membership import Membership
 from titan_recover.data.tokens import DataError
+from titan_recover.node.channel import DONE, FATAL, FINISHED, READY, RUNNING, STARTING, STATE, Channel
+from titan_recover.policy.membership import Membership
+from titan_recover.rank.collectives import CollectiveAborted
+from titan_recover.rank.manager import ReplicaFenced, ReplicaManager, RunFailed, RunFinished
 
 pytestmark = pytest.mark.unit
 
@@ -41,8 +41,13 @@ class FakeGroups:
         self.error, self.during = error, during
         self.calls: list[int] = []
 
-    def allreduce(self, membership: Membership, tensors: list[torch.Tensor], abort: Callable[[], bool],
-                  on_launched: Callable[[], None] = lambda: None) -> None:
+    def allreduce(
+        self,
+        membership: Membership,
+        tensors: list[torch.Tensor],
+        abort: Callable[[], bool],
+        on_launched: Callable[[], None] = lambda: None,
+    ) -> None:
         self.calls.append(membership.epoch)
         on_launched()
         self.during()
@@ -71,11 +76,26 @@ class Coordinator:
         self.control.publish(Membership(epoch, members))
         self.channel.publish(epoch, flags)
 
-    def manager(self, replica: int = 0, group_rank: int = 0, attempt: int = 0, rejoining: bool = False,
-                groups: FakeGroups | None = None) -> ReplicaManager:
+    def manager(
+        self,
+        replica: int = 0,
+        group_rank: int = 0,
+        attempt: int = 0,
+        rejoining: bool = False,
+        groups: FakeGroups | None = None,
+    ) -> ReplicaManager:
         lost: list[str] = []
-        m = ReplicaManager(self.store, self.channel, slot=len(self.managers), replica=replica, group_rank=group_rank,
-                           attempt=attempt, rejoining=rejoining, rc=RC, on_lost=lost.append)
+        m = ReplicaManager(
+            self.store,
+            self.channel,
+            slot=len(self.managers),
+            replica=replica,
+            group_rank=group_rank,
+            attempt=attempt,
+            rejoining=rejoining,
+            rc=RC,
+            on_lost=lost.append,
+        )
         m.attach(groups or FakeGroups(), torch.device("cpu"), 1)
         self.managers.append(m)
         return m
@@ -99,8 +119,16 @@ def coord(tmp_path: Path) -> Iterator[Coordinator]:
 
 
 def step_record(step: int, loss: float) -> StepRecord:
-    return StepRecord(step=step, epoch=0, members=[0, 1, 2], microbatches=[0], data_digest="0", loss=loss,
-                      grad_norm=None, time=time.time())
+    return StepRecord(
+        step=step,
+        epoch=0,
+        members=[0, 1, 2],
+        microbatches=[0],
+        data_digest="0",
+        loss=loss,
+        grad_norm=None,
+        time=time.time(),
+    )
 
 
 def later(seconds: float, action: Callable[[], None]) -> threading.Thread:
@@ -263,10 +291,16 @@ def test_a_spare_waiting_for_admission_ends_with_the_run(coord: Coordinator) -> 
         m.wait_for_admission(0, 2)
 
 
-@pytest.mark.parametrize("members, says", [((0,), "1 of 2 groups are members (epoch 0): it is admitted once"),
-                                           ((0, 1), "the membership is full (2 of 2, epoch 0): it waits as a hot spare")])
-def test_a_joiner_says_what_it_waits_for(coord: Coordinator, members: tuple[int, ...], says: str,
-                                         caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "members, says",
+    [
+        ((0,), "1 of 2 groups are members (epoch 0): it is admitted once"),
+        ((0, 1), "the membership is full (2 of 2, epoch 0): it waits as a hot spare"),
+    ],
+)
+def test_a_joiner_says_what_it_waits_for(
+    coord: Coordinator, members: tuple[int, ...], says: str, caplog: pytest.LogCaptureFixture
+) -> None:
     coord.publish(0, members)
     m = coord.manager(1 if len(members) == 1 else 2, attempt=1, rejoining=True)
     later(0.05, lambda: coord.channel.publish(0, DONE))
@@ -281,8 +315,19 @@ def test_records_digests_and_the_end(coord: Coordinator) -> None:
     m.start_step(5)
     m.publish_step(step_record(5, loss=1.0))
     m.flush_steps()
-    coord.managers.append(other := ReplicaManager(  # a second member offers its record too: the first counts
-        coord.store, coord.channel, slot=1, replica=1, group_rank=0, attempt=0, rejoining=False, rc=RC, on_lost=print))
+    coord.managers.append(
+        other := ReplicaManager(  # a second member offers its record too: the first counts
+            coord.store,
+            coord.channel,
+            slot=1,
+            replica=1,
+            group_rank=0,
+            attempt=0,
+            rejoining=False,
+            rc=RC,
+            on_lost=print,
+        )
+    )
     other.step = 5
     other.publish_step(step_record(5, loss=2.0))
     other.flush_steps()

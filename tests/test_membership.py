@@ -277,8 +277,11 @@ def make_detector(
     start: float = 1000.0,
 ) -> FailureDetector:
     return FailureDetector(
-        members=members, timeout_s=timeout_s,
-        confirm_s=confirm_s, startup_s=startup_s, start=start,
+        members=members,
+        timeout_s=timeout_s,
+        confirm_s=confirm_s,
+        startup_s=startup_s,
+        start=start,
     )
 
 
@@ -601,7 +604,7 @@ def test_new_epoch_drops_unnamed_reports_about_the_old_one() -> None:
 
 # --- bounded retries, the job's own errors, diverged replicas -------------------------
 
-from titan_recover.policy.membership import diverged, job_error, retry_verdict# noqa: E402
+from titan_recover.policy.membership import diverged, job_error, retry_verdict  # noqa: E402
 
 
 def test_retry_verdict_retries_then_fences_the_silent_then_stops() -> None:
@@ -654,6 +657,7 @@ def test_group_views_add_ranks_over_nodes_and_take_the_most_silent() -> None:
     b = NodeGroup(attempt=1, ranks=4, ready=3, finished=0, silent_s=2.0, stuck=Stuck(rank=3, step=7))
     old = NodeGroup(attempt=0, ranks=8, ready=0, finished=0, silent_s=0.0)
     views = group_views([(5, a, 100.0), (5, b, 99.0), (5, old, 50.0)])
-    assert views[(5, 1)] == GroupView(ranks=8, ready=7, finished=0, alive_at=97.0,
-                                      stuck="the main loop of its rank 3 made no progress (at step 7)")
+    assert views[(5, 1)] == GroupView(
+        ranks=8, ready=7, finished=0, alive_at=97.0, stuck="the main loop of its rank 3 made no progress (at step 7)"
+    )
     assert views[(5, 0)].alive_at == 50.0  # another incarnation: a view of its own

@@ -86,8 +86,9 @@ def reconnects(src: Node, dst: Node, within_s: float = 10.0) -> float:
 
 def datagrams(cluster: Cluster, src: Node, dst: Node, count: int = 40) -> int:
     """How many of ``count`` datagrams sent from ``src`` reach ``dst``."""
-    listener = cluster.spawn(dst, [sys.executable, "-c", LISTEN, dst.address, str(PORT + 1), "2.5"],
-                             stdout=subprocess.PIPE, text=True)
+    listener = cluster.spawn(
+        dst, [sys.executable, "-c", LISTEN, dst.address, str(PORT + 1), "2.5"], stdout=subprocess.PIPE, text=True
+    )
     assert listener.stdout is not None and listener.stdout.readline().strip() == "ready"
     in_ns(src, SEND, dst.address, PORT + 1, count)
     out, _ = listener.communicate(timeout=20)
@@ -104,7 +105,9 @@ def states(pids: list[int]) -> set[str]:
 def cluster() -> Iterator[Cluster]:
     with Cluster(3) as c:
         for node in c.nodes:  # every node serves TCP on its address
-            server = c.spawn(node, [sys.executable, "-c", SERVE, node.address, str(PORT)], stdout=subprocess.PIPE, text=True)
+            server = c.spawn(
+                node, [sys.executable, "-c", SERVE, node.address, str(PORT)], stdout=subprocess.PIPE, text=True
+            )
             assert server.stdout is not None and server.stdout.readline().strip() == "ready"
         yield c
 
@@ -194,8 +197,11 @@ def test_the_cluster_removes_what_it_made_also_when_the_test_fails() -> None:
             sleeper = c.spawn(c.nodes[1], ["sleep", "60"])
             with c.unplugged(c.nodes[0]):
                 raise RuntimeError("a test failing")
-    assert not [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-                if n.startswith(c.name + "-")]
+    assert not [
+        n
+        for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        if n.startswith(c.name + "-")
+    ]
     assert sleeper.poll() == -9
 
 
@@ -222,7 +228,9 @@ def test_latency_delays_new_connections_both_ways_and_ends_with_its_block(cluste
         during = [round_trip() for _ in range(3)]
         assert connect(b, a) == "connected"  # the other way too, through b's own relay
     after = round_trip()
-    print(f"request-reply: {before * 1000:.1f} ms, with 50 ms each way {[round(d * 1000, 1) for d in during]} ms, "
-          f"then {after * 1000:.1f} ms")
+    print(
+        f"request-reply: {before * 1000:.1f} ms, with 50 ms each way {[round(d * 1000, 1) for d in during]} ms, "
+        f"then {after * 1000:.1f} ms"
+    )
     assert all(0.100 <= d < 0.100 + 0.5 for d in during), during
     assert before < 0.05 and after < 0.05

@@ -14,14 +14,25 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-from titan_recover.node.channel import BEAT, DONE, FINISHED, PID, READY, RUNNING, STATE, STUCK, remove_orphans
 from titan_recover.control import protocol
 from titan_recover.control.protocol import NodeGroup, NodeMessage, Stuck
 from titan_recover.node.agent import NodeAgent, SlotWatch
-from titan_recover.node.channel import Channel, ChannelError, RankBeat
-
-from conftest import ROOT
+from titan_recover.node.channel import (
+    BEAT,
+    DONE,
+    FINISHED,
+    PID,
+    READY,
+    RUNNING,
+    STATE,
+    STUCK,
+    Channel,
+    ChannelError,
+    RankBeat,
+    remove_orphans,
+)
 
 
 @pytest.fixture
@@ -105,7 +116,9 @@ def test_slot_watch_counts_ranks_and_the_most_silent_one(channel: Channel) -> No
     watch = SlotWatch.new(2, now=100.0)
     channel.beat(0)
     channel.beat(1)
-    assert watch.entry(1, channel.read_slots(), 100.5) == NodeGroup(attempt=1, ranks=2, ready=0, finished=0, silent_s=0.0)
+    assert watch.entry(1, channel.read_slots(), 100.5) == NodeGroup(
+        attempt=1, ranks=2, ready=0, finished=0, silent_s=0.0
+    )
     channel.beat(0)  # rank 1 goes silent
     channel.set_step(1, 7)
     entry = watch.entry(1, channel.read_slots(), 102.0)
@@ -190,13 +203,16 @@ def test_only_a_restart_none_of_whose_ranks_was_admitted_counts_as_never_admitte
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("groups", [
-    {"0": {"attempt": -1, "ranks": 1, "ready": 0, "finished": 0, "silent_s": 0}},
-    {"x": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0, "silent_s": 0}},
-    {"0": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0}},
-    {"0": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0, "silent_s": "1"}},
-    {"0": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0, "silent_s": 0, "stuck": {"rank": "0"}}},
-])
+@pytest.mark.parametrize(
+    "groups",
+    [
+        {"0": {"attempt": -1, "ranks": 1, "ready": 0, "finished": 0, "silent_s": 0}},
+        {"x": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0, "silent_s": 0}},
+        {"0": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0}},
+        {"0": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0, "silent_s": "1"}},
+        {"0": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0, "silent_s": 0, "stuck": {"rank": "0"}}},
+    ],
+)
 def test_a_malformed_node_message_is_refused_naming_the_key(groups: dict) -> None:
     with pytest.raises(protocol.MessageError, match="launcher/x"):
         NodeMessage.loads("launcher/x", json.dumps({"seq": 1, "groups": groups}).encode())
@@ -205,8 +221,10 @@ def test_a_malformed_node_message_is_refused_naming_the_key(groups: dict) -> Non
 def test_the_channel_files_of_a_sigkilled_agent_are_removed_by_the_next_launcher(tmp_path: Path) -> None:
     """A SIGKILLed launcher cannot unlink its channel files; the next launcher on the node removes them
     (those of live agents and files that are not channels stay)."""
-    code = ("import sys, time; from titan_recover.node.channel import Channel; "
-            f"c = Channel.create(1, 0, 2, directory={str(tmp_path)!r}); print(c.path, flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from titan_recover.node.channel import Channel; "
+        f"c = Channel.create(1, 0, 2, directory={str(tmp_path)!r}); print(c.path, flush=True); time.sleep(60)"
+    )
     agent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     dead = agent.stdout.readline().strip()
     agent.kill()

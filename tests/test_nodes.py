@@ -15,15 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from conftest import ROOT, Run, assert_all_rejoined, assert_same_trajectory
 
+from bench.common import job
+from bench.partitions import wait_until
 from titan_recover.control import claims, keys, protocol, transport
 from titan_recover.control.client import ControlClient
-from titan_recover.control.sealed import SealedStore
 from titan_recover.control.protocol import Launcher, NodeMessage, Rendezvous
-
-from bench.partitions import wait_until
-from bench.common import job
-from conftest import ROOT, Run, assert_all_rejoined, assert_same_trajectory
+from titan_recover.control.sealed import SealedStore
 
 
 @pytest.fixture
@@ -89,7 +88,12 @@ class Node:
         self.log = dump.parent / f"{name}.log"
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            args, cwd=ROOT, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+            args,
+            cwd=ROOT,
+            env=env,
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def wait(self, timeout: float) -> int:
@@ -135,10 +139,24 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(tmp_path: Pat
     dump = tmp_path / "dump"
     port, secret = transport.free_port(), "nodes-test-secret"
     args = [
-        sys.executable, "-m", "titan_recover.launch", *job(dump, tiny=True), "--training.steps", str(STEPS), "--parallelism.data_parallel_shard_degree", "1",
-        "--training.global_batch_size", "8", "--recover.fault_plan", HOLDS,
-        "--recover.collective_timeout_s", "90",  # the joiner waits for its donor through the hold
-        "--recover.coordinator_port", str(port), "--recover.coordinator_bind", "127.0.0.1",
+        sys.executable,
+        "-m",
+        "titan_recover.launch",
+        *job(dump, tiny=True),
+        "--training.steps",
+        str(STEPS),
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--training.global_batch_size",
+        "8",
+        "--recover.fault_plan",
+        HOLDS,
+        "--recover.collective_timeout_s",
+        "90",  # the joiner waits for its donor through the hold
+        "--recover.coordinator_port",
+        str(port),
+        "--recover.coordinator_bind",
+        "127.0.0.1",
     ]
     env = {**os.environ, keys.SECRET_ENV: secret, "PYTHONUNBUFFERED": "1"}
     env_b = {**env, keys.REPLICAS_ENV: "1", keys.COORDINATOR_ENV: f"127.0.0.1:{port}"}
@@ -147,7 +165,9 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(tmp_path: Pat
         wait_until("step 1", lambda: len(steps()) >= 1, 240, [a, b])
         b.kill_node()
         with Node("b2", dump, args, env_b) as b2:
-            client = transport.connect(f"127.0.0.1:{port}", timeout_s=30, run=transport.find_run(f"127.0.0.1:{port}", 30, secret))
+            client = transport.connect(
+                f"127.0.0.1:{port}", timeout_s=30, run=transport.find_run(f"127.0.0.1:{port}", 30, secret)
+            )
             owner = lambda: Launcher.loads(keys.owner_key(1), client.get(keys.owner_key(1)))  # noqa: E731
             wait_until("B2 takes replica 1 over", lambda: owner().pid == b2.proc.pid, 120, [a, b2])
             with Node("c", dump, args, env_b) as c:  # a duplicate: the same group while B2 lives
@@ -184,14 +204,31 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(tmp_path: Pat
 def spanning(dump: Path, port: int, plan: str) -> list[str]:
     """A launcher's command for groups that span two nodes (FSDP 2: one rank of each group per node)."""
     return [
-        sys.executable, "-m", "titan_recover.launch", *job(dump, tiny=True), "--recover.group_nodes", "2", "--recover.fault_plan", plan, "--recover.collective_timeout_s", "90",
-        "--recover.coordinator_port", str(port), "--recover.coordinator_bind", "127.0.0.1",
+        sys.executable,
+        "-m",
+        "titan_recover.launch",
+        *job(dump, tiny=True),
+        "--recover.group_nodes",
+        "2",
+        "--recover.fault_plan",
+        plan,
+        "--recover.collective_timeout_s",
+        "90",
+        "--recover.coordinator_port",
+        str(port),
+        "--recover.coordinator_bind",
+        "127.0.0.1",
     ]
 
 
 def node_env(port: int | None, replicas: str, part: int) -> dict[str, str]:
-    env = {**os.environ, keys.SECRET_ENV: "span-test-secret", "PYTHONUNBUFFERED": "1",
-           keys.REPLICAS_ENV: replicas, keys.GROUP_NODE_ENV: str(part)}
+    env = {
+        **os.environ,
+        keys.SECRET_ENV: "span-test-secret",
+        "PYTHONUNBUFFERED": "1",
+        keys.REPLICAS_ENV: replicas,
+        keys.GROUP_NODE_ENV: str(part),
+    }
     return env if port is None else {**env, keys.COORDINATOR_ENV: f"127.0.0.1:{port}"}
 
 
@@ -205,7 +242,11 @@ def test_a_group_spanning_two_nodes_loses_a_rank_on_one_restarts_on_both_and_rej
     group rejoins by transfer. The run keeps the failure-free trajectory of the same groups on one node.
     """
     dump, port = tmp_path / "dump", transport.free_port()
-    args = spanning(dump, port, "kill replica=1 rank=1 step=2 phase=backward; sleep replica=0 step=3 phase=optimizer seconds=120 until=epoch")
+    args = spanning(
+        dump,
+        port,
+        "kill replica=1 rank=1 step=2 phase=backward; sleep replica=0 step=3 phase=optimizer seconds=120 until=epoch",
+    )
     with Node("a", dump, args, node_env(None, "0,1", 0)) as a, Node("b", dump, args, node_env(port, "0,1", 1)) as b:
         assert a.wait(timeout=300) == 0, a.output()[-3000:] + b.output()[-3000:]
         assert b.wait(timeout=60) == 0, b.output()[-3000:]
@@ -219,8 +260,10 @@ def test_a_group_spanning_two_nodes_loses_a_rank_on_one_restarts_on_both_and_rej
     assert rejoined["replica"] == 1 and rejoined["bytes"] > 0
     assert_all_rejoined(run, 2, 6)
     # A's part of the fenced group ended: killed by A, or first on its own when its rank saw the group break
-    assert ("killed local rank 0 of fenced replica 1 (attempt 0" in a.output()
-            or "replica group 1 (part 0 of 2) exited with code 1; restart 1 of 3" in a.output()), a.output()[-3000:]
+    assert (
+        "killed local rank 0 of fenced replica 1 (attempt 0" in a.output()
+        or "replica group 1 (part 0 of 2) exited with code 1; restart 1 of 3" in a.output()
+    ), a.output()[-3000:]
     assert "replica group 1 (part 1 of 2) exited with code 1; waiting for part 0" in b.output()
     assert "replica group 1 (part 1 of 2): joining incarnation 1 at 127.0.0.1:" in b.output()
     assert "replica group 0 (part 1 of 2): joining incarnation 1" not in b.output()  # the other group went on
@@ -236,8 +279,11 @@ def test_a_node_lost_under_a_spanning_group_is_taken_over_and_the_group_restarts
     dump, port = tmp_path / "dump", transport.free_port()
     args = spanning(dump, port, "sleep replica=0 step=3 phase=optimizer seconds=45")
     steps = lambda: [e for e in events(dump) if e["event"] == "step"]  # noqa: E731
-    with Node("a", dump, args, node_env(None, "0,1", 0)) as a, Node("b", dump, args, node_env(port, "0", 1)) as b, \
-            Node("c", dump, args, node_env(port, "1", 1)) as c:
+    with (
+        Node("a", dump, args, node_env(None, "0,1", 0)) as a,
+        Node("b", dump, args, node_env(port, "0", 1)) as b,
+        Node("c", dump, args, node_env(port, "1", 1)) as c,
+    ):
         wait_until("step 1", lambda: len(steps()) >= 1, 240, [a, b, c])
         c.kill_node()
         with Node("c2", dump, args, node_env(port, "1", 1)) as c2:
@@ -263,17 +309,27 @@ def test_each_part_of_a_group_is_claimed_on_its_own_and_its_rendezvous_is_valida
     lifelines = [Lifeline(client, first), Lifeline(client, second)]
     assert claims.claim(client, first, [0], stale_s=5.0, log=lines.append, part=0) == []
     assert claims.claim(client, second, [0], stale_s=5.0, log=lines.append, part=1) == []  # another part: no clash
-    assert claims.holds(client, first, 0) and claims.holds(client, second, 0, part=1) and not claims.holds(client, first, 0, part=1)
-    with pytest.raises(claims.ClaimRefused, match=r"replica groups \[0\] \(their part 1\) already run under a live launcher"):
+    assert (
+        claims.holds(client, first, 0)
+        and claims.holds(client, second, 0, part=1)
+        and not claims.holds(client, first, 0, part=1)
+    )
+    with pytest.raises(
+        claims.ClaimRefused, match=r"replica groups \[0\] \(their part 1\) already run under a live launcher"
+    ):
         claims.claim(client, Launcher.this(), [0], stale_s=5.0, log=lines.append, part=1)
     for lifeline in lifelines:
         lifeline.stop()
     third = Launcher.this()
-    assert claims.claim(client, third, [0], stale_s=0.5, log=lines.append, part=0) == [0]  # taken over: the caller is told
+    assert claims.claim(client, third, [0], stale_s=0.5, log=lines.append, part=0) == [
+        0
+    ]  # taken over: the caller is told
     assert client.read_rendezvous(0) is None
     client.publish_rendezvous(0, Rendezvous(2, "10.0.0.5", 29600))
     assert client.read_rendezvous(0) == Rendezvous(2, "10.0.0.5", 29600)
     assert json.loads(client.store.get(keys.rendezvous_key(0))) == {"attempt": 2, "host": "10.0.0.5", "port": 29600}
-    client.store.set(keys.rendezvous_key(0), json.dumps({"attempt": 2, "host": "10.0.0.5", "port": 0}))  # malformed on purpose
+    client.store.set(
+        keys.rendezvous_key(0), json.dumps({"attempt": 2, "host": "10.0.0.5", "port": 0})
+    )  # malformed on purpose
     with pytest.raises(protocol.MessageError, match="store key 'rendezvous/0'"):
         client.read_rendezvous(0)

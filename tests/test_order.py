@@ -53,10 +53,17 @@ def test_epochs_started() -> None:
     assert epochs_started(84, 16, 100) == []
 
 
-@pytest.mark.parametrize("call", [
-    lambda: permute(0, 0, 1), lambda: permute(5, 5, 1), lambda: permute(-1, 5, 1),
-    lambda: window_of(-1, 10, 0), lambda: epoch_key(-1, 0), lambda: epochs_started(0, 1, 0),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: permute(0, 0, 1),
+        lambda: permute(5, 5, 1),
+        lambda: permute(-1, 5, 1),
+        lambda: window_of(-1, 10, 0),
+        lambda: epoch_key(-1, 0),
+        lambda: epochs_started(0, 1, 0),
+    ],
+)
 def test_bad_arguments_are_errors(call) -> None:
     with pytest.raises(ValueError):
         call()

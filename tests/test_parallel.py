@@ -10,7 +10,6 @@ one FSDP rank (it falls back to DDP, which refuses TP and PP), so there is no st
 from pathlib import Path
 
 import pytest
-
 from conftest import Run, assert_all_rejoined, assert_same_trajectory, run_job
 from test_rejoin import WAIT, rejoined
 
@@ -18,8 +17,13 @@ M = 4
 ONE_SHARD = ["--parallelism.data_parallel_shard_degree", "1", "--training.global_batch_size", "8"]  # M = 8 / 2
 LAYOUTS = {
     "tp": [*ONE_SHARD, "--parallelism.tensor_parallel_degree", "2"],
-    "pp": [*ONE_SHARD, "--parallelism.pipeline_parallel_degree", "2",
-           "--parallelism.pipeline_parallel_microbatch_size", "1"],
+    "pp": [
+        *ONE_SHARD,
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "1",
+    ],
 }
 
 
@@ -39,7 +43,9 @@ def test_kill_and_rejoin_inside_a_3d_group(tmp_path: Path, layout: str) -> None:
     plan = f"kill replica=1 rank=1 step=2 phase=backward; {WAIT.format(r=0, s=3)}"
     run = ok(run_job(tmp_path / "kill", *args, "--recover.fault_plan", plan))
     assert_same_trajectory(reference, run, rel_tol=1e-3, num_microbatches=M)
-    assert [(f["replica"], f["rank"], f["step"]) for f in run.of("fault_injected") if f["action"] == "kill"] == [(1, 1, 2)]
+    assert [(f["replica"], f["rank"], f["step"]) for f in run.of("fault_injected") if f["action"] == "kill"] == [
+        (1, 1, 2)
+    ]
     assert run.steps()[2]["members"] == [0]  # the survivor finished the failed step alone
     assert rejoined(run, 1)["step"] <= 6
     assert_all_rejoined(run, replicas=2, last_step=6)

@@ -10,13 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import Run, assert_all_rejoined, assert_same_trajectory
+from test_netns import needs_netns
 
 from bench import partitions
 from bench.partitions import PORT, Outcome
 from titan_recover.tools.netns import Cluster
 
-from conftest import Run, assert_all_rejoined, assert_same_trajectory
-from test_netns import needs_netns
 
 @pytest.fixture
 def cluster() -> Iterator[Cluster]:
@@ -76,8 +76,9 @@ def test_the_coordinators_node_cut_off_stops_the_other_node_and_its_own_side_goe
     assert outcome.exits[1] == 3, outcome.outputs[1][-3000:]
     assert outcome.timings["other_node_stopped_s"] < partitions.TIMEOUT_S + 5
     assert outcome.timings["processes_left_on_node_1"] == 0
-    assert (f"lost the titan_recover coordinator: no sign of life from the coordinator at "
-            f"{cluster.nodes[0].address}:{PORT}") in outcome.outputs[1], outcome.outputs[1][-3000:]
+    assert (
+        f"lost the titan_recover coordinator: no sign of life from the coordinator at {cluster.nodes[0].address}:{PORT}"
+    ) in outcome.outputs[1], outcome.outputs[1][-3000:]
     run = as_run(outcome, failure_free)
     [failure] = run.of("failure")
     assert failure["replica"] == 1 and failure["step"] == 3, failure

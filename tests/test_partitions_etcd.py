@@ -7,15 +7,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import Run
+from test_netns import needs_netns
+from test_partitions import rejoined
 
 from bench import partitions
 from titan_recover.config import Recover
 from titan_recover.control.etcd_store import REQUEST_S
 from titan_recover.tools.netns import Cluster
-
-from conftest import Run
-from test_netns import needs_netns
-from test_partitions import rejoined
 
 LEASE_S = Recover.leader_lease_s  # the coordinator leader's lease on etcd (the scenarios keep the default)
 
@@ -53,7 +52,9 @@ def test_the_coordinator_leaders_node_cut_off_past_its_lease_is_replaced_and_wri
 
 
 @needs_netns
-def test_an_etcd_member_cut_off_and_back_is_invisible_to_the_run(tmp_path: Path, three: Cluster, failure_free: Run) -> None:
+def test_an_etcd_member_cut_off_and_back_is_invisible_to_the_run(
+    tmp_path: Path, three: Cluster, failure_free: Run
+) -> None:
     """On etcd, a member on each of three nodes, the launchers on nodes 0 and 1: node 2's member, moved to
     lead Raft, is cut off for 8 s after step 2 and reconnected mid-run. The other two elect a leader and the
     run sees nothing: no failure, no fence, the same coordinator leader, both groups throughout, the

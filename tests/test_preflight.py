@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from titan_recover.launch import preflight
-from titan_recover.config import Recover
-from titan_recover.launch.preflight import OK, REFUSE, WARN, check
-
 from bench.common import job
+from titan_recover.config import Recover
+from titan_recover.launch import preflight
+from titan_recover.launch.preflight import OK, REFUSE, WARN, check
 
 RC = Recover()  # heartbeat_timeout_s 5, collective_timeout_s 30: a survivor waits up to 35 s
 DEFAULT = (100.0, 100.0)  # TorchTitan's comm.train_timeout_seconds and its default
@@ -23,10 +22,21 @@ def finding(out: preflight.Preflight, rule: str) -> preflight.Finding:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("version, level", [
-    ((2, 21, 5), REFUSE), ((2, 25, 1), REFUSE), ((2, 26, 1), REFUSE), ((2, 26, 2), OK), ((2, 27, 7), OK),
-    ((2, 28, 3), REFUSE), ((2, 28, 8), REFUSE), ((2, 28, 9), OK), ((2, 31, 2), OK), ((3, 0, 0), OK),
-])
+@pytest.mark.parametrize(
+    "version, level",
+    [
+        ((2, 21, 5), REFUSE),
+        ((2, 25, 1), REFUSE),
+        ((2, 26, 1), REFUSE),
+        ((2, 26, 2), OK),
+        ((2, 27, 7), OK),
+        ((2, 28, 3), REFUSE),
+        ((2, 28, 8), REFUSE),
+        ((2, 28, 9), OK),
+        ((2, 31, 2), OK),
+        ((3, 0, 0), OK),
+    ],
+)
 def test_nccl_releases_whose_abort_hangs_are_refused(version: tuple[int, int, int], level: str) -> None:
     f = finding(check(version, "nccl", {}, RC, DEFAULT), "nccl-version")
     assert f.level == level
@@ -43,10 +53,17 @@ def test_a_cpu_run_checks_only_the_timeouts() -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("value, level, env", [
-    (None, OK, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}),  # unset: the launcher sets CleanUpOnly for the ranks
-    ("2", OK, {}), ("0", WARN, {}), ("1", REFUSE, {}), ("3", REFUSE, {}), ("yes", REFUSE, {}),
-])
+@pytest.mark.parametrize(
+    "value, level, env",
+    [
+        (None, OK, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}),  # unset: the launcher sets CleanUpOnly for the ranks
+        ("2", OK, {}),
+        ("0", WARN, {}),
+        ("1", REFUSE, {}),
+        ("3", REFUSE, {}),
+        ("yes", REFUSE, {}),
+    ],
+)
 def test_async_error_handling_must_not_tear_a_survivor_down(value: str | None, level: str, env: dict) -> None:
     given = {} if value is None else {"TORCH_NCCL_ASYNC_ERROR_HANDLING": value}
     out = check((2, 28, 9), "nccl", given, RC, DEFAULT)
@@ -86,17 +103,25 @@ def test_the_in_group_timeout_outlasts_a_survivors_wait() -> None:
 
 @pytest.mark.unit
 def test_the_override_turns_refusals_into_warnings_and_says_so() -> None:
-    out = check((2, 25, 1), "nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", preflight.OVERRIDE_ENV: "warn"}, RC, DEFAULT)
+    out = check(
+        (2, 25, 1), "nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", preflight.OVERRIDE_ENV: "warn"}, RC, DEFAULT
+    )
     assert not out.refusals
-    assert all("turned into a warning by TITAN_RECOVER_PREFLIGHT=warn" in f.text
-               for f in out.findings if f.rule in ("nccl-version", "TORCH_NCCL_ASYNC_ERROR_HANDLING"))
+    assert all(
+        "turned into a warning by TITAN_RECOVER_PREFLIGHT=warn" in f.text
+        for f in out.findings
+        if f.rule in ("nccl-version", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    )
 
 
 def test_the_launcher_refuses_a_too_short_in_group_timeout_before_anything_starts(tmp_path: Path) -> None:
     args = [*job(tmp_path, tiny=True), "--comm.train_timeout_seconds", "20"]
-    done = subprocess.run([sys.executable, "-m", "titan_recover.launch", *args], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "titan_recover.launch", *args], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "the preflight refuses this run" in done.stderr and "comm.train_timeout_seconds: 20s" in done.stderr
     assert "set TITAN_RECOVER_PREFLIGHT=warn to run anyway" in done.stderr
-    assert "starting replica groups" not in done.stdout + done.stderr and "coordinator at" not in done.stdout  # nothing started
+    assert (
+        "starting replica groups" not in done.stdout + done.stderr and "coordinator at" not in done.stdout
+    )  # nothing started

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT, run_data_cli, run_job, write_jsonl, write_standin_tokenizer
 
 from bench.common import FLAGS, config_args
-from conftest import ROOT, run_data_cli, run_job, write_jsonl, write_standin_tokenizer
 from titan_recover.data import prepare
 from titan_recover.data.synthetic import TOKENIZER_DIR, synthetic_corpus
 from titan_recover.data.tokens import DataError, TokenDataset
@@ -59,27 +59,61 @@ def test_jsonl_parquet_and_text_inputs_every_document_once_in_order(tmp_path: Pa
 def test_prepare_command_is_idempotent_and_caps_exactly(tmp_path: Path, docs: list[str]) -> None:
     write_jsonl(tmp_path / "in.jsonl", docs)
     out = tmp_path / "out"
-    r = run_data_cli("prepare", str(out), "--tokenizer", TOKENIZER_DIR, "--files", str(tmp_path / "in.jsonl"),
-                     "--task-mb", "0.02", "--workers", "2")
+    r = run_data_cli(
+        "prepare",
+        str(out),
+        "--tokenizer",
+        TOKENIZER_DIR,
+        "--files",
+        str(tmp_path / "in.jsonl"),
+        "--task-mb",
+        "0.02",
+        "--workers",
+        "2",
+    )
     assert r.returncode == 0, r.stderr
     assert "prepare" in r.stderr and "shard" in r.stderr  # the progress bar
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["num_tokens"] == encode(docs).size and len(manifest["shards"]) > 3
     stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-    r = run_data_cli("prepare", str(out), "--tokenizer", TOKENIZER_DIR, "--files", str(tmp_path / "in.jsonl"),
-                     "--task-mb", "0.02", "--workers", "2")
+    r = run_data_cli(
+        "prepare",
+        str(out),
+        "--tokenizer",
+        TOKENIZER_DIR,
+        "--files",
+        str(tmp_path / "in.jsonl"),
+        "--task-mb",
+        "0.02",
+        "--workers",
+        "2",
+    )
     assert r.returncode == 0 and {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps  # nothing redone
 
     total = manifest["num_tokens"]
     cap = total // 2 + 7  # inside a shard
-    m = prepare.prepare(str(tmp_path / "cap"), prepare.file_tasks([str(tmp_path / "in.jsonl")], 20_000), TOKENIZER_DIR,
-                        {"files": "in"}, max_tokens=cap, workers=2, progress=False)
+    m = prepare.prepare(
+        str(tmp_path / "cap"),
+        prepare.file_tasks([str(tmp_path / "in.jsonl")], 20_000),
+        TOKENIZER_DIR,
+        {"files": "in"},
+        max_tokens=cap,
+        workers=2,
+        progress=False,
+    )
     assert m.num_tokens == cap
     np.testing.assert_array_equal(all_tokens(str(tmp_path / "cap")), encode(docs)[:cap])
     assert tokens_verify_clean(str(tmp_path / "cap"))
     with pytest.raises(DataError, match=f"holds {total:,} tokens, fewer than --max-tokens"):
-        prepare.prepare(str(tmp_path / "big"), prepare.file_tasks([str(tmp_path / "in.jsonl")], 20_000), TOKENIZER_DIR,
-                        {"files": "in"}, max_tokens=total + 1, workers=2, progress=False)
+        prepare.prepare(
+            str(tmp_path / "big"),
+            prepare.file_tasks([str(tmp_path / "in.jsonl")], 20_000),
+            TOKENIZER_DIR,
+            {"files": "in"},
+            max_tokens=total + 1,
+            workers=2,
+            progress=False,
+        )
     assert not (tmp_path / "big" / "manifest.json").exists()
 
 
@@ -93,8 +127,13 @@ def test_prepare_resumes_after_sigkill(tmp_path: Path, docs: list[str]) -> None:
     write_jsonl(tmp_path / "in.jsonl", docs * 4)
     args = ["--tokenizer", TOKENIZER_DIR, "--files", str(tmp_path / "in.jsonl"), "--task-mb", "0.01", "--workers", "1"]
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "titan_recover.data", "prepare", str(out), *args], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "titan_recover.data", "prepare", str(out), *args],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while len(list(out.glob("*.done.json"))) < 3:
         assert proc.poll() is None and time.monotonic() < deadline, "prepare ended before it could be interrupted"
@@ -119,15 +158,21 @@ def test_torchtitan_hf_dataset_by_name(tmp_path: Path, monkeypatch: pytest.Monke
     write_jsonl(tmp_path / "local.jsonl", docs)
     cache = str(tmp_path / "hf_cache")
     datasets = titan.text_datasets()
-    monkeypatch.setitem(datasets, "titan_recover_local", dataclasses.replace(next(iter(datasets.values())),
-        path=str(tmp_path / "local.jsonl"),
-        loader=lambda p: load_dataset("json", data_files=p, split="train", cache_dir=cache),
-        sample_processor=lambda sample: sample["text"],
-    ))
+    monkeypatch.setitem(
+        datasets,
+        "titan_recover_local",
+        dataclasses.replace(
+            next(iter(datasets.values())),
+            path=str(tmp_path / "local.jsonl"),
+            loader=lambda p: load_dataset("json", data_files=p, split="train", cache_dir=cache),
+            sample_processor=lambda sample: sample["text"],
+        ),
+    )
     tasks = prepare.hf_tasks("titan_recover_local", None, rows_per_task=70)
     assert len(tasks) == 5
-    prepare.prepare(str(tmp_path / "out"), tasks, TOKENIZER_DIR, {"dataset": "titan_recover_local"}, workers=2,
-                    progress=False)
+    prepare.prepare(
+        str(tmp_path / "out"), tasks, TOKENIZER_DIR, {"dataset": "titan_recover_local"}, workers=2, progress=False
+    )
     np.testing.assert_array_equal(all_tokens(str(tmp_path / "out")), encode(docs))
     with pytest.raises(DataError, match="not one of TorchTitan's text datasets"):
         prepare.hf_tasks("no_such_dataset", None)
@@ -139,8 +184,7 @@ def test_torchtitan_hf_dataset_by_name(tmp_path: Path, monkeypatch: pytest.Monke
 @pytest.fixture
 def folder(tmp_path: Path) -> Path:
     out = tmp_path / "data"
-    prepare.prepare_synthetic(str(out), TOKENIZER_DIR, 20_000, 2, 0,
-                    workers=1, progress=False)
+    prepare.prepare_synthetic(str(out), TOKENIZER_DIR, 20_000, 2, 0, workers=1, progress=False)
     return out
 
 
@@ -163,20 +207,29 @@ def test_8b_config_data_path_prepares_and_loads(tmp_path: Path) -> None:
     """The 8B GPU configs' data path with a 128k-class vocabulary (a stand-in tokenizer: the real one
     needs a download): prepared, checked against llama3 8B's 128,256-row embedding, first microbatch loaded."""
     tok = write_standin_tokenizer(tmp_path / "tok", 128_000)
-    write_jsonl(tmp_path / "c4.jsonl", [f"w{127_999} " + " ".join(f"w{3 + (i * 7919 + j) % 127_990}" for j in range(3000))
-                                        for i in range(12)])
+    write_jsonl(
+        tmp_path / "c4.jsonl",
+        [f"w{127_999} " + " ".join(f"w{3 + (i * 7919 + j) % 127_990}" for j in range(3000)) for i in range(12)],
+    )
     r = run_data_cli("prepare", str(tmp_path / "c4"), "--tokenizer", str(tok), "--files", str(tmp_path / "c4.jsonl"))
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "c4" / "manifest.json").read_text())["dtype"] == "uint32"
-    config = [*config_args("llama3_8b_hsdp_gpu"), FLAGS["assets"], str(tok), FLAGS["dataset_path"], str(tmp_path / "c4")]
+    config = [
+        *config_args("llama3_8b_hsdp_gpu"),
+        FLAGS["assets"],
+        str(tok),
+        FLAGS["dataset_path"],
+        str(tmp_path / "c4"),
+    ]
     r = run_data_cli("check", *config)
     assert r.returncode == 0, r.stderr
     assert "36,036 tokens in 1 datatrove shards (uint32, ids < 128,000)" in r.stdout
     assert "samples of 8193 tokens" in r.stdout
 
 
-def test_a_worker_killed_mid_task_ends_prepare_with_a_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                              docs: list[str]) -> None:
+def test_a_worker_killed_mid_task_ends_prepare_with_a_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docs: list[str]
+) -> None:
     """multiprocessing's pool replaces a dead worker but never answers for its task: the stall deadline does."""
     write_jsonl(tmp_path / "in.jsonl", docs * 40)
     monkeypatch.setattr(prepare, "STALL_S", 2.0)
@@ -195,8 +248,14 @@ def test_a_worker_killed_mid_task_ends_prepare_with_a_message(tmp_path: Path, mo
     killer.start()
     start = time.monotonic()
     with pytest.raises(DataError, match=r"no token written for 2 s while waiting for task .* a worker died"):
-        prepare.prepare(str(tmp_path / "out"), prepare.file_tasks([str(tmp_path / "in.jsonl")], 1 << 30),
-                        TOKENIZER_DIR, {"files": "in"}, workers=1, progress=False)
+        prepare.prepare(
+            str(tmp_path / "out"),
+            prepare.file_tasks([str(tmp_path / "in.jsonl")], 1 << 30),
+            TOKENIZER_DIR,
+            {"files": "in"},
+            workers=1,
+            progress=False,
+        )
     killer.join()
     assert time.monotonic() - start < 60
     assert not list((tmp_path / "out").glob("*.tmp*"))  # the dead worker's half shard was removed
@@ -223,8 +282,9 @@ def _open_files(pid: int) -> list[str]:
 
 
 def _synthetic(out: Path, max_tokens: int | None) -> prepare.Manifest:
-    return prepare.prepare_synthetic(str(out), TOKENIZER_DIR, 6_000, 3, 0, max_tokens=max_tokens, workers=1,
-                                     progress=False)
+    return prepare.prepare_synthetic(
+        str(out), TOKENIZER_DIR, 6_000, 3, 0, max_tokens=max_tokens, workers=1, progress=False
+    )
 
 
 def _assert_same_as_fresh(out: Path, fresh: Path, max_tokens: int | None) -> None:
@@ -246,7 +306,9 @@ def test_rerun_with_another_max_tokens_redoes_the_cut_shard(tmp_path: Path) -> N
         _assert_same_as_fresh(out, tmp_path / f"fresh{other}", other)
 
 
-def test_a_crash_while_cutting_a_shard_leaves_no_record_that_lies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_crash_while_cutting_a_shard_leaves_no_record_that_lies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "out"
 
     def crash(*args: object) -> None:

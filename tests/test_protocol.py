@@ -42,8 +42,9 @@ RECORDS: list[Record] = [
     TransferRecord(1024, 0.5, 10, 3),
     FaultRecord(1, 0, 0, 5, "backward", 99.0),
     Fatal("only 1 replica group(s) left"),
-    CoordinatorState(Progress(4, 2, 1003.0), 7, 1, {0: 0, 1: 2}, {0: 0, 1: 5}, {1: 5}, {2: 0}, {3: 1}, {4: 900.0},
-                     {1: (1, 950.5)}),
+    CoordinatorState(
+        Progress(4, 2, 1003.0), 7, 1, {0: 0, 1: 2}, {0: 0, 1: 5}, {1: 5}, {2: 0}, {3: 1}, {4: 900.0}, {1: (1, 950.5)}
+    ),
 ]
 
 
@@ -62,30 +63,73 @@ def test_a_launcher_record_is_canonical_json() -> None:
     assert Launcher("x", "h", 1).dumps() == json.dumps({"host": "h", "launcher": "x", "pid": 1}, sort_keys=True)
 
 
-@pytest.mark.parametrize("kind, rec, words", [
-    (NodeMessage, {"seq": "1", "groups": {}}, "seq must be an integer"),
-    (NodeMessage, {"seq": 1, "groups": {"x": {}}}, "group 'x' is not a replica id"),
-    (NodeMessage, {"seq": 1, "groups": {"0": {"attempt": 0, "ranks": -1, "ready": 0, "finished": 0, "silent_s": 0}}},
-     "non-negative integers"),
-    (NodeMessage, {"seq": 1, "groups": {"0": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0, "silent_s": 0,
-                                              "stuck": {"rank": "0"}}}}, "stuck needs integers"),
-    (Report, {"epoch": "0", "cause": "x"}, "epoch must be a non-negative integer"),
-    (Report, {"epoch": 0, "cause": "x", "suspect": True}, "suspect must be a non-negative integer"),
-    (Report, {"epoch": 0, "cause": ["x"]}, "cause and error must be strings"),
-    (Report, {"epoch": 0, "cause": "x", "waiting": 1}, "waiting must be a boolean"),
-    (Report, {"epoch": 0, "cause": "x", "waiting": True, "suspect": 1}, "a waiting report names no suspect"),
-    (StepRecord, {"step": 1, "epoch": 0, "members": ["0"], "microbatches": [], "data_digest": "d", "loss": 1.0,
-                  "time": 0.0}, "a step record needs"),
-    (Rendezvous, {"attempt": 2, "host": "10.0.0.5", "port": 0}, "port in 1..65535"),
-    (Fence, {"attempt": -1, "epoch": 0}, "attempt and epoch must be integers >= 0"),
-    (Launcher, {"launcher": "x", "host": "h", "pid": "1"}, "pid an integer"),
-    (CoordinatorState, {"progress": None, "next_report": 0, "retries": 0, "attempts": {}, "admitted_epoch": {},
-                        "joining": {}, "spares": {}, "dropped": {}, "down_since": {}, "repairs": {}},
-     "next_report and retries must be integers"),
-    (CoordinatorState, {"progress": None, "next_report": 1, "retries": 0, "attempts": {"a": 0}, "admitted_epoch": {},
-                        "joining": {}, "spares": {}, "dropped": {}, "down_since": {}, "repairs": {}},
-     "attempts is not a map of replica ids"),
-])
+@pytest.mark.parametrize(
+    "kind, rec, words",
+    [
+        (NodeMessage, {"seq": "1", "groups": {}}, "seq must be an integer"),
+        (NodeMessage, {"seq": 1, "groups": {"x": {}}}, "group 'x' is not a replica id"),
+        (
+            NodeMessage,
+            {"seq": 1, "groups": {"0": {"attempt": 0, "ranks": -1, "ready": 0, "finished": 0, "silent_s": 0}}},
+            "non-negative integers",
+        ),
+        (
+            NodeMessage,
+            {
+                "seq": 1,
+                "groups": {
+                    "0": {"attempt": 0, "ranks": 1, "ready": 0, "finished": 0, "silent_s": 0, "stuck": {"rank": "0"}}
+                },
+            },
+            "stuck needs integers",
+        ),
+        (Report, {"epoch": "0", "cause": "x"}, "epoch must be a non-negative integer"),
+        (Report, {"epoch": 0, "cause": "x", "suspect": True}, "suspect must be a non-negative integer"),
+        (Report, {"epoch": 0, "cause": ["x"]}, "cause and error must be strings"),
+        (Report, {"epoch": 0, "cause": "x", "waiting": 1}, "waiting must be a boolean"),
+        (Report, {"epoch": 0, "cause": "x", "waiting": True, "suspect": 1}, "a waiting report names no suspect"),
+        (
+            StepRecord,
+            {"step": 1, "epoch": 0, "members": ["0"], "microbatches": [], "data_digest": "d", "loss": 1.0, "time": 0.0},
+            "a step record needs",
+        ),
+        (Rendezvous, {"attempt": 2, "host": "10.0.0.5", "port": 0}, "port in 1..65535"),
+        (Fence, {"attempt": -1, "epoch": 0}, "attempt and epoch must be integers >= 0"),
+        (Launcher, {"launcher": "x", "host": "h", "pid": "1"}, "pid an integer"),
+        (
+            CoordinatorState,
+            {
+                "progress": None,
+                "next_report": 0,
+                "retries": 0,
+                "attempts": {},
+                "admitted_epoch": {},
+                "joining": {},
+                "spares": {},
+                "dropped": {},
+                "down_since": {},
+                "repairs": {},
+            },
+            "next_report and retries must be integers",
+        ),
+        (
+            CoordinatorState,
+            {
+                "progress": None,
+                "next_report": 1,
+                "retries": 0,
+                "attempts": {"a": 0},
+                "admitted_epoch": {},
+                "joining": {},
+                "spares": {},
+                "dropped": {},
+                "down_since": {},
+                "repairs": {},
+            },
+            "attempts is not a map of replica ids",
+        ),
+    ],
+)
 def test_a_malformed_record_is_refused_naming_its_key(kind: type[Record], rec: dict, words: str) -> None:
     with pytest.raises(MessageError, match="store key 'the/key'") as info:
         kind.loads("the/key", json.dumps(rec).encode())

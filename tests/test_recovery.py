@@ -16,10 +16,10 @@ from titan_recover.policy.steps import (
     InvariantError,
     StepSummary,
     new_tally,
-    tally_time,
     step_assignment,
     summarize,
     tally_microbatch,
+    tally_time,
 )
 
 pytestmark = pytest.mark.unit
@@ -36,7 +36,10 @@ def test_single_membership_equals_assign(policy: str, members: tuple[int, ...], 
 
 def test_single_membership_matches_stock_hsdp_blocks() -> None:
     assert step_assignment("balanced", [Membership(0, (0, 1, 2, 3))], 8) == {
-        0: (0, 1), 1: (2, 3), 2: (4, 5), 3: (6, 7),
+        0: (0, 1),
+        1: (2, 3),
+        2: (4, 5),
+        3: (6, 7),
     }
 
 
@@ -99,8 +102,13 @@ def test_history_order_matters_one_failure_at_a_time() -> None:
 
 
 def test_retry_epochs_with_same_members_change_nothing() -> None:
-    with_retries = [HISTORY[0], Membership(1, (0, 1, 2, 3)), Membership(2, (0, 2, 3)),
-                    Membership(3, (0, 2, 3)), Membership(4, (0, 3))]
+    with_retries = [
+        HISTORY[0],
+        Membership(1, (0, 1, 2, 3)),
+        Membership(2, (0, 2, 3)),
+        Membership(3, (0, 2, 3)),
+        Membership(4, (0, 3)),
+    ]
     assert step_assignment("balanced", with_retries, 8) == step_assignment("balanced", HISTORY, 8)
 
 

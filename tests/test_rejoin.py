@@ -9,9 +9,9 @@ fault, which must not get them evicted) until it is admitted.
 from pathlib import Path
 
 import pytest
+from conftest import THREE, Run, assert_all_rejoined, assert_same_trajectory, run_job
 
 from bench.common import LINE
-from conftest import THREE, Run, assert_all_rejoined, assert_same_trajectory, run_job
 
 M = 4
 # survivors wait for the admission: 6-13 s here, over 30 s once on a loaded 2-core CI machine
@@ -60,8 +60,9 @@ def test_a_peer_hung_between_collectives_is_fenced_once_the_wait_is_reported(tmp
     # parameter digest, reports the wait after report_confirm_s, and the coordinator fences the
     # silent group then (not after heartbeat_timeout_s, 10 s here)
     plan = f"stop replica=1 rank=0 step=2 phase=optimizer; {WAIT.format(r=0, s=3)}"
-    run = run_job(tmp_path, "--recover.heartbeat_timeout_s", "10", "--recover.digest_interval", "2",
-                  "--recover.fault_plan", plan)
+    run = run_job(
+        tmp_path, "--recover.heartbeat_timeout_s", "10", "--recover.digest_interval", "2", "--recover.fault_plan", plan
+    )
     assert run.returncode == 0, run.output[-3000:]
     assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=M)
     (failure,) = run.of("failure")
@@ -103,8 +104,14 @@ def test_donor_killed_mid_transfer_another_donor_takes_over(tmp_path: Path, thre
 
 @pytest.mark.lines
 def test_dcp_checkpoint_backstop_resumes_on_the_failure_free_data(tmp_path: Path, failure_free: Run) -> None:
-    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last-save-model-only",
-            "--recover.max_restarts", "0"]
+    ckpt = [
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.no-last-save-model-only",
+        "--recover.max_restarts",
+        "0",
+    ]
     lost = run_job(tmp_path, *ckpt, "--recover.fault_plan", "kill replica=0 step=5; kill replica=1 step=5")
     assert lost.returncode != 0 and lost.of("fatal")  # every replica gone: only the checkpoint is left
     assert (tmp_path / "checkpoint" / "step-4").is_dir()

@@ -3,12 +3,12 @@
 import pytest
 import torch.distributed as dist
 
-from titan_recover.node.agent import NodeAgent
-from titan_recover.launch.torchruns import Meeting, ReplicaGroups, Span
 from titan_recover.control import claims, keys, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Fence, Launcher, Rendezvous
 from titan_recover.control.sealed import Run
+from titan_recover.launch.torchruns import Meeting, ReplicaGroups, Span
+from titan_recover.node.agent import NodeAgent
 from titan_recover.policy.restarts import RestartBudget, restart_allowed
 
 pytestmark = pytest.mark.unit
@@ -95,8 +95,16 @@ def test_replica_groups_restart_per_window_and_give_up_on_flapping(
     monkeypatch.setattr(ReplicaGroups, "_start", start)
     now = [0.0]
     me = Launcher.this()
-    groups = ReplicaGroups([], {0: {}, 1: {}}, 1, max_restarts=1, restart_window_s=HOUR, launcher=me,
-                                 agent=NodeAgent("127.0.0.1:1", "secret", 1), clock=lambda: now[0])
+    groups = ReplicaGroups(
+        [],
+        {0: {}, 1: {}},
+        1,
+        max_restarts=1,
+        restart_window_s=HOUR,
+        launcher=me,
+        agent=NodeAgent("127.0.0.1:1", "secret", 1),
+        clock=lambda: now[0],
+    )
     client = fake_client()
     claims.claim(client, me, [0, 1], stale_s=1.0, log=print)
     for r in (0, 1):
@@ -134,8 +142,9 @@ def test_a_group_taken_over_by_another_launcher_is_left_to_it(
     neither report that group's exit (it would fence the replacement's incarnation) nor restart it."""
     monkeypatch.setattr(ReplicaGroups, "_start", lambda self, replica: FakeProc())
     me, replacement = Launcher.this(), Launcher.this()
-    groups = ReplicaGroups([], {1: {}}, 1, max_restarts=3, restart_window_s=HOUR, launcher=me,
-                                  agent=NodeAgent("127.0.0.1:1", "secret", 1))
+    groups = ReplicaGroups(
+        [], {1: {}}, 1, max_restarts=3, restart_window_s=HOUR, launcher=me, agent=NodeAgent("127.0.0.1:1", "secret", 1)
+    )
     client = fake_client()
     claims.claim(client, me, [1], stale_s=1.0, log=print)
     groups.start(1, client.next_incarnation(1))
@@ -162,8 +171,16 @@ def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
     monkeypatch.setattr(ReplicaGroups, "_start", start)
     me, client = Launcher.this(), fake_client()
     client.store.set(keys.EPOCH, "0")
-    groups = ReplicaGroups([], {0: {}}, 1, max_restarts=0, restart_window_s=HOUR, launcher=me,
-                                  agent=NodeAgent("127.0.0.1:1", "secret", 1), span=Span(1, 2))
+    groups = ReplicaGroups(
+        [],
+        {0: {}},
+        1,
+        max_restarts=0,
+        restart_window_s=HOUR,
+        launcher=me,
+        agent=NodeAgent("127.0.0.1:1", "secret", 1),
+        span=Span(1, 2),
+    )
     claims.claim(client, me, [0], stale_s=1.0, log=print, part=1)
     groups.begin(client, 0, taken_over=False)
     assert groups.watch(client) and started == [] and not groups.done()  # nothing published yet
@@ -173,8 +190,11 @@ def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
     assert groups.meetings[0] == Meeting("10.0.0.5", 29600, 1, 2, 600.0)
     assert client.store.get(keys.joined_key(0, 1)) == b"0" and client.joined(0, 1) == 0
     groups.procs[0].code = 1  # its part fails: reported, not restarted here (no budget of its own: max_restarts 0)
-    assert groups.watch(client) and started == [(0, 0, 29600)] and causes(client) == [
-        "torchrun of replica 0 (part 1 of 2) exited with code 1"]
+    assert (
+        groups.watch(client)
+        and started == [(0, 0, 29600)]
+        and causes(client) == ["torchrun of replica 0 (part 1 of 2) exited with code 1"]
+    )
     assert groups.watch(client) and len(started) == 1  # the failed incarnation is not joined again
     client.fence(0, Fence(attempt=1, epoch=2))
     publish(1, 29601)
@@ -185,8 +205,16 @@ def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
     assert "replica group 0 (part 1 of 2) exited with code 1; waiting for part 0 to start its next incarnation" in out
     assert "replica group 0 (part 1 of 2): joining incarnation 2 at 10.0.0.5:29602" in out
 
-    replacement = ReplicaGroups([], {0: {}}, 1, max_restarts=0, restart_window_s=HOUR, launcher=me,
-                                       agent=NodeAgent("127.0.0.1:1", "secret", 1), span=Span(1, 2))
+    replacement = ReplicaGroups(
+        [],
+        {0: {}},
+        1,
+        max_restarts=0,
+        restart_window_s=HOUR,
+        launcher=me,
+        agent=NodeAgent("127.0.0.1:1", "secret", 1),
+        span=Span(1, 2),
+    )
     replacement.begin(client, 0, taken_over=True)  # its predecessor joined incarnation 2
     assert replacement.watch(client) and started[-1] == (0, 2, 29602)  # not joined
     assert causes(client)[-1] == "replica group 0 (part 1 of 2) lost with its launcher (attempt 2)"

@@ -12,8 +12,8 @@ from titan_recover import config
 from titan_recover.control.protocol import CoordinatorState, MessageError
 from titan_recover.observability.events import Tail, event_files
 from titan_recover.observability.run_status import MAX_POINTS, Live, LiveGroup, RunHistory
-from titan_recover.status import format_status
 from titan_recover.observability.status_server import Metrics, StatusSource
+from titan_recover.status import format_status
 
 pytestmark = pytest.mark.unit
 
@@ -21,8 +21,16 @@ T0 = 1_000.0
 
 
 def config_event() -> dict:
-    return {"event": "run_config", "run": "abc123", "replicas": 2, "replica_ids": 3, "steps": 10, "tokens_per_step": 100,
-            "precision": "float32", "time": T0}
+    return {
+        "event": "run_config",
+        "run": "abc123",
+        "replicas": 2,
+        "replica_ids": 3,
+        "steps": 10,
+        "tokens_per_step": 100,
+        "precision": "float32",
+        "time": T0,
+    }
 
 
 def step(n: int, members: list[int], quotas: dict[str, int], t: float) -> dict:
@@ -42,13 +50,28 @@ def test_a_group_goes_live_fenced_restarting_joining_live_from_the_events_alone(
         {"event": "group_started", "replica": 1, "attempt": 0, "host": "n0", "time": T0 + 1},
         {"event": "group_started", "replica": 2, "attempt": 0, "host": "n1", "time": T0 + 1},
         step(1, [0, 1], {"0": 2, "1": 2}, T0 + 2),
-        {"event": "failure", "replica": 1, "step": 2, "cause": "rank 1 was killed", "time": T0 + 3, "detected": T0 + 3.5},
+        {
+            "event": "failure",
+            "replica": 1,
+            "step": 2,
+            "cause": "rank 1 was killed",
+            "time": T0 + 3,
+            "detected": T0 + 3.5,
+        },
         {"event": "recovered", "step": 2, "members": [0], "latency_s": 0.7, "time": T0 + 3.7},
         step(2, [0], {"0": 4}, T0 + 4),
         {"event": "group_started", "replica": 1, "attempt": 1, "host": "n0", "time": T0 + 5},
         {"event": "admitted", "replica": 1, "attempt": 1, "epoch": 2, "step": 3, "time": T0 + 9},
         step(3, [0, 1], {"0": 4}, T0 + 10),
-        {"event": "rejoined", "replica": 1, "step": 3, "bytes": 2**20, "transfer_s": 0.2, "downtime_s": 7.0, "time": T0 + 10},
+        {
+            "event": "rejoined",
+            "replica": 1,
+            "step": 3,
+            "bytes": 2**20,
+            "transfer_s": 0.2,
+            "downtime_s": 7.0,
+            "time": T0 + 10,
+        },
     ]
     for e in events:
         h.add(e)
@@ -156,11 +179,14 @@ def test_the_new_counts_of_the_coordinator_state_are_checked_when_read() -> None
         CoordinatorState.loads("k", json.dumps({**json.loads(state.dumps()), "last_recovery_s": -1}).encode())
 
 
-@pytest.mark.parametrize("key, value, says", [
-    ("status_port", 70_000, "recover.status_port out of range: 70000"),
-    ("status_port", -1, "recover.status_port out of range"),
-    ("status_bind", "10.0.0.1:80", "recover.status_bind"),
-])
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("status_port", 70_000, "recover.status_port out of range: 70000"),
+        ("status_port", -1, "recover.status_port out of range"),
+        ("status_bind", "10.0.0.1:80", "recover.status_bind"),
+    ],
+)
 def test_a_bad_status_setting_names_its_key(key: str, value: object, says: str) -> None:
     rc = config.Recover(enable=True, **{key: value})
     with pytest.raises(config.ConfigError, match=says):
@@ -172,7 +198,9 @@ def test_a_status_port_in_use_or_a_bind_not_of_this_host_is_refused_naming_the_k
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        with pytest.raises(config.ConfigError, match=f"recover.status_port = {port}: cannot listen on 127.0.0.1:{port}"):
+        with pytest.raises(
+            config.ConfigError, match=f"recover.status_port = {port}: cannot listen on 127.0.0.1:{port}"
+        ):
             config.check_status_page(config.Recover(status_port=port))
     with pytest.raises(config.ConfigError, match="recover.status_bind = '192.0.2.1'"):
         config.check_status_page(config.Recover(status_port=8765, status_bind="192.0.2.1"))  # TEST-NET-1: no host's

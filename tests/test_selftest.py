@@ -12,37 +12,49 @@ from pathlib import Path
 import pytest
 
 from titan_recover import selftest
-from titan_recover.rank import probe
 from titan_recover.observability.events import RECOVERY_PHASES
+from titan_recover.rank import probe
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def recovery(**phases: float | None) -> dict:
     full = {"detect": 0.01, "abort": 0.05, "reform": 0.1, "first_good_step": 0.2, **phases}
-    return {"fault": "SIGKILL", "during": "all-reduce", "phases": full, "memory_returned": True,
-            "survivors": [{"first_good_step": full["first_good_step"], "sum_right": True}]}
+    return {
+        "fault": "SIGKILL",
+        "during": "all-reduce",
+        "phases": full,
+        "memory_returned": True,
+        "survivors": [{"first_good_step": full["first_good_step"], "sum_right": True}],
+    }
 
 
 @pytest.mark.unit
 def test_every_way_a_recovery_can_go_wrong_is_a_problem() -> None:
     assert selftest.collective_problems([recovery()], {0: 0, 1: 0}) == []
-    assert selftest.collective_problems([recovery(reform=None)], {0: 0}) == ["SIGKILL during all-reduce: reform never happened"]
+    assert selftest.collective_problems([recovery(reform=None)], {0: 0}) == [
+        "SIGKILL during all-reduce: reform never happened"
+    ]
     assert selftest.collective_problems([recovery(first_good_step=65.8)], {0: 0}) == [
-        "SIGKILL during all-reduce: first_good_step 65.80s > 10s"]
+        "SIGKILL during all-reduce: first_good_step 65.80s > 10s"
+    ]
     wrong = recovery()
     wrong["survivors"][0]["sum_right"] = False
     assert "summed wrong" in selftest.collective_problems([wrong], {0: 0})[0]
     assert selftest.collective_problems([{**recovery(), "memory_returned": False}], {0: 0}) == [
-        "SIGKILL during all-reduce: survivors' memory not back"]
+        "SIGKILL during all-reduce: survivors' memory not back"
+    ]
     assert selftest.collective_problems([recovery()], {0: None, 1: -6}) == [
-        "survivor 0 still running at the bound (wedged)", "survivor 1 exited with code -6"]
+        "survivor 0 still running at the bound (wedged)",
+        "survivor 1 exited with code -6",
+    ]
 
 
 @pytest.mark.unit
 def test_the_probes_phases_are_the_slowest_survivors_and_memory_counts_only_those_that_finished() -> None:
-    fault = probe.Fault(replica=3, signal="SIGKILL", during="state transfer", t=100.0, verdict_t=100.02, epoch=3,
-                        members=[0, 1, 2])
+    fault = probe.Fault(
+        replica=3, signal="SIGKILL", during="state transfer", t=100.0, verdict_t=100.02, epoch=3, members=[0, 1, 2]
+    )
     records = [
         {"replica": 0, "event": "step", "epoch": 2, "t": 99.0, "allocated_mb": 10.0, "ok": True},
         {"replica": 0, "event": "aborted", "epoch": 2, "t": 100.05, "during": "state transfer"},
@@ -58,29 +70,41 @@ def test_the_probes_phases_are_the_slowest_survivors_and_memory_counts_only_thos
     (out,) = probe.summarize([fault], records)
     assert out["phases"] == {"detect": 0.02, "abort": 0.5, "reform": None, "first_good_step": None}  # 2 never re-formed
     assert out["survivors"][0]["aborted_during"] == "state transfer"
-    assert out["memory_returned"] is True  # replica 1 had no step before the fault: nothing to compare; 2 never finished
+    assert (
+        out["memory_returned"] is True
+    )  # replica 1 had no step before the fault: nothing to compare; 2 never finished
     records.insert(5, {"replica": 1, "event": "step", "epoch": 2, "t": 99.5, "allocated_mb": 10.0, "ok": True})
     assert probe.summarize([fault], records)[0]["memory_returned"] is False
 
 
 @pytest.mark.unit
-def test_a_check_that_cannot_run_fails_the_self_test_saying_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 capsys: pytest.CaptureFixture) -> None:
+def test_a_check_that_cannot_run_fails_the_self_test_saying_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     def broken(facts: dict, work: Path) -> dict:
         raise TimeoutError("replica 4 never reached its fault point (all-reduce) within 180s")
 
     monkeypatch.setitem(selftest.RUNNERS, "collectives", broken)
     assert selftest.main(["--only", "collectives", "--out", str(tmp_path / "r.json")]) == 1
     out = capsys.readouterr().out
-    assert "collectives  FAIL" in out and "problem: TimeoutError: replica 4 never reached" in out and "self-test FAILED" in out
+    assert (
+        "collectives  FAIL" in out
+        and "problem: TimeoutError: replica 4 never reached" in out
+        and "self-test FAILED" in out
+    )
     assert json.loads((tmp_path / "r.json").read_text())["passed"] is False
 
 
 @pytest.mark.toml("the self-test's exact runs use the 0.2 flags")
 def test_the_self_test_passes_on_this_machines_cpus(tmp_path: Path) -> None:
     out = tmp_path / "selftest.json"
-    done = subprocess.run([sys.executable, "-m", "titan_recover.selftest", "--out", str(out), "--work", str(tmp_path / "runs")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(
+        [sys.executable, "-m", "titan_recover.selftest", "--out", str(out), "--work", str(tmp_path / "runs")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "self-test PASSED" in done.stdout and "check        result  seconds" in done.stdout
     result = json.loads(out.read_text())
@@ -88,7 +112,10 @@ def test_the_self_test_passes_on_this_machines_cpus(tmp_path: Path) -> None:
     collectives = result["checks"]["collectives"]
     assert collectives["backend"] == "gloo" and collectives["memory_returned"]
     assert [(r["fault"], r["during"]) for r in collectives["recoveries"]] == [
-        ("SIGKILL", "all-reduce"), ("SIGKILL", "state transfer"), ("SIGSTOP", "all-reduce")]
+        ("SIGKILL", "all-reduce"),
+        ("SIGKILL", "state transfer"),
+        ("SIGSTOP", "all-reduce"),
+    ]
     for r in collectives["recoveries"]:
         assert list(r["phases"]) == list(RECOVERY_PHASES)
         assert 0 < r["phases"]["detect"] <= r["phases"]["first_good_step"] <= selftest.BOUND_S, r["phases"]

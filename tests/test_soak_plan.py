@@ -43,8 +43,14 @@ def test_safety_rule_always_leaves_a_holder_and_spares_the_spare(kind: str) -> N
         holders = frozenset(r for r in range(4) if rng.random() < 0.6)
         joining = {r: 1 for r in range(4) if r not in holders and rng.random() < 0.5}
         in_flight = frozenset(r for r in range(4) if rng.random() < 0.2)
-        view = soak.View(holders, joining, in_flight, spare=3, node1=frozenset({0, 1}),
-                         fresh=rng.choice([None, *joining]) if joining else None)
+        view = soak.View(
+            holders,
+            joining,
+            in_flight,
+            spare=3,
+            node1=frozenset({0, 1}),
+            fresh=rng.choice([None, *joining]) if joining else None,
+        )
         targets = soak.targets_for(kind, view, rng)
         if targets is None:
             continue
@@ -62,7 +68,9 @@ def test_targets_for_each_kind() -> None:
     full = _view({0, 1, 2}, spare=2)
     assert soak.targets_for("kill", full, rng)[0] in (0, 1)
     assert soak.targets_for("two_groups", full, rng) == (0, 1)
-    assert soak.targets_for("two_groups", _view({0, 2}, spare=2), rng) is None  # would leave only... the spare, but 3 needed
+    assert (
+        soak.targets_for("two_groups", _view({0, 2}, spare=2), rng) is None
+    )  # would leave only... the spare, but 3 needed
     assert soak.targets_for("kill", _view({2}, spare=2), rng) is None  # fewer than 2 holders
     assert soak.targets_for("kill", _view({0, 2}, in_flight=frozenset({0}), spare=2), rng) is None
     # right after replica 0 was admitted: its donor is the lowest holder
@@ -85,8 +93,15 @@ def test_pick_waits_for_the_head_kind_and_takes_transfers_at_admissions() -> Non
 
 
 def _step(step, members, t=0.0):
-    return {"event": "step", "step": step, "members": members, "time": t, "microbatches": [0, 1], "data_digest": 7,
-            "loss": 5.0}
+    return {
+        "event": "step",
+        "step": step,
+        "members": members,
+        "time": t,
+        "microbatches": [0, 1],
+        "data_digest": 7,
+        "loss": 5.0,
+    }
 
 
 def _failure(replica, step, t=0.0):
@@ -118,8 +133,19 @@ def test_tracker_plan_faults_slow_ranks_collateral_and_timeouts() -> None:
     tr.feed(_step(1, [0, 1, 2], t=100.0), 1.0)
     # a plan fault: its own event, read after the failure (two event files)
     tr.feed(_failure(1, 2, t=100.5), 2.0)
-    tr.feed({"event": "fault_injected", "action": "kill", "phase": "optimizer", "replica": 1, "rank": 0,
-             "attempt": 0, "step": 2, "time": 100.4}, 2.1)
+    tr.feed(
+        {
+            "event": "fault_injected",
+            "action": "kill",
+            "phase": "optimizer",
+            "replica": 1,
+            "rank": 0,
+            "attempt": 0,
+            "step": 2,
+            "time": 100.4,
+        },
+        2.1,
+    )
     (plan,) = tr.pending()
     assert plan.kind == "kill_optimizer" and plan.failed
     tr.feed(_step(2, [0, 2]), 3.0)
@@ -140,17 +166,29 @@ def test_tracker_plan_faults_slow_ranks_collateral_and_timeouts() -> None:
 
 
 def _resources(replica, step, rss, threads, fds, process="rank"):
-    return {"event": "resources", "process": process, "replica": replica, "rank": 0, "step": step,
-            "rss_mb": rss, "threads": threads, "fds": fds, "parked": 0}
+    return {
+        "event": "resources",
+        "process": process,
+        "replica": replica,
+        "rank": 0,
+        "step": step,
+        "rss_mb": rss,
+        "threads": threads,
+        "fds": fds,
+        "parked": 0,
+    }
 
 
 def test_growth_follows_one_incarnation() -> None:
     events = [
-        _resources(0, 5, 100.0, 10, 20), _resources(2, 5, 200.0, 12, 30),
+        _resources(0, 5, 100.0, 10, 20),
+        _resources(2, 5, 200.0, 12, 30),
         {"event": "admitted", "replica": 0, "attempt": 1},
         _resources(0, 9, 50.0, 8, 15),  # replica 0's next incarnation: not the same process
-        _resources(2, 9, 210.0, 12, 31), _resources(2, 20, 220.0, 13, 30),
-        _resources(None, 20, 80.0, 4, 9, process="coordinator"), _resources(None, 30, 81.0, 4, 11, process="coordinator"),
+        _resources(2, 9, 210.0, 12, 31),
+        _resources(2, 20, 220.0, 13, 30),
+        _resources(None, 20, 80.0, 4, 9, process="coordinator"),
+        _resources(None, 30, 81.0, 4, 11, process="coordinator"),
     ]
     g = soak.survivor_growth(events, replica=2)
     assert (g["replica"], g["attempt"], g["samples"]) == (2, 0, 3)
@@ -163,10 +201,14 @@ def test_growth_follows_one_incarnation() -> None:
 
 def test_summarize_counts_violations_and_survivors() -> None:
     ref = [_step(1, [0, 1, 2]), _step(2, [0, 1, 2])]
-    run = [_step(1, [0, 1, 2]), _failure(1, 2), {"event": "recovered", "latency_s": 0.7},
-           {**_step(2, [0, 2]), "loss": 5.1},
-           {"event": "rejoined", "replica": 1, "downtime_s": 12.5},
-           *({"event": "param_digest", "step": 2, "replica": r, "digest": "ab"} for r in (0, 2))]
+    run = [
+        _step(1, [0, 1, 2]),
+        _failure(1, 2),
+        {"event": "recovered", "latency_s": 0.7},
+        {**_step(2, [0, 2]), "loss": 5.1},
+        {"event": "rejoined", "replica": 1, "downtime_s": 12.5},
+        *({"event": "param_digest", "step": 2, "replica": r, "digest": "ab"} for r in (0, 2)),
+    ]
     tr = soak.Tracker(3, spare=2)
     fault = tr.inject("kill", (1,), 0.0)
     fault.outcome = "survived"
@@ -183,14 +225,24 @@ def test_summarize_counts_violations_and_survivors() -> None:
 
 def test_growth_like_for_like_counts_only_samples_with_as_many_members() -> None:
     events = [
-        _step(3, [1, 2]), _resources(2, 3, 100.0, 10, 23),
-        _step(4, [2]), _resources(2, 4, 101.0, 7, 18),
-        _step(9, [0, 1, 2]), _resources(2, 9, 103.0, 12, 28),
-        _step(12, [1, 2]), _resources(2, 12, 104.0, 10, 24),
+        _step(3, [1, 2]),
+        _resources(2, 3, 100.0, 10, 23),
+        _step(4, [2]),
+        _resources(2, 4, 101.0, 7, 18),
+        _step(9, [0, 1, 2]),
+        _resources(2, 9, 103.0, 12, 28),
+        _step(12, [1, 2]),
+        _resources(2, 12, 104.0, 10, 24),
     ]
     g = soak.survivor_growth(events, replica=2)
     assert g["fd_growth"] == 1 and g["rss_growth_ratio"] == 1.04
-    assert g["same_members"] == {"members": 2, "samples": 2, "rss_growth_ratio": 1.04, "thread_growth": 0, "fd_growth": 1}
+    assert g["same_members"] == {
+        "members": 2,
+        "samples": 2,
+        "rss_growth_ratio": 1.04,
+        "thread_growth": 0,
+        "fd_growth": 1,
+    }
     assert g["rss_growth_ratio_second_half"] == round(104.0 / 103.0, 4)
 
 
@@ -212,10 +264,15 @@ def test_loss_past_the_tolerance_is_a_violation_unless_the_control_drifts_as_far
     run = [_step(1, [0, 1, 2]), {**_step(2, [0, 2]), "loss": _step(2, [0])["loss"] * 1.003}, _step(3, [0, 1, 2])]
     far = soak.compare_runs(ref, run, soak.REL_TOL)
     assert list(far.loss) == [2] and not far.exact
-    assert soak.loss_violations(far, None) == ["step 2: loss 5.015000 vs 5.000000 (rel 3.00e-03): past 0.001, no control run"]
+    assert soak.loss_violations(far, None) == [
+        "step 2: loss 5.015000 vs 5.000000 (rel 3.00e-03): past 0.001, no control run"
+    ]
     control = [*ref[:2], {**ref[2], "loss": ref[2]["loss"] * (1 - 0.002)}]  # drifts 2e-3: 3e-3 is within 2x
     assert soak.loss_violations(far, soak.compare_runs(ref, control, soak.REL_TOL)) == []
     calm = [*ref[:2], {**ref[2], "loss": ref[2]["loss"] * (1 + 1e-4)}]  # drifts 1e-4: 3e-3 is not float rounding
-    assert "more than 2 x the control's 1.00e-04" in soak.loss_violations(far, soak.compare_runs(ref, calm, soak.REL_TOL))[0]
+    assert (
+        "more than 2 x the control's 1.00e-04"
+        in soak.loss_violations(far, soak.compare_runs(ref, calm, soak.REL_TOL))[0]
+    )
     near = soak.compare_runs(ref, calm, soak.REL_TOL)
     assert soak.loss_violations(near, None) == []  # within the tolerance: nothing to explain

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, Run, assert_same_trajectory, run_job
 
 from bench.common import job
-from conftest import ROOT, Run, assert_same_trajectory, run_job
 from titan_recover.control import keys
 
 ONE_SHARD = ["--parallelism.data_parallel_shard_degree", "1", "--training.steps", "12"]  # M = 8
@@ -74,7 +74,16 @@ def test_a_spare_replaces_a_killed_group_at_once_and_the_group_comes_back_as_the
 ) -> None:
     dump = tmp_path / "run"
     plan = f"{PAUSE.format(step=2)}; kill replica=1 rank=0 step=4; {PAUSE.format(step=6)}"
-    cmd = [sys.executable, "-m", "titan_recover.launch", *job(dump, tiny=True), *ONE_SHARD, *SPARE, "--recover.fault_plan", plan]
+    cmd = [
+        sys.executable,
+        "-m",
+        "titan_recover.launch",
+        *job(dump, tiny=True),
+        *ONE_SHARD,
+        *SPARE,
+        "--recover.fault_plan",
+        plan,
+    ]
     env = {k: v for k, v in os.environ.items() if k != keys.SECRET_ENV}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -30,12 +30,23 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
 # replica 1 killed at step 3; replica 0 waits in step 4 until the restarted group is admitted (the tiny
 # model's steps are far shorter than a restart), and in step 9 long enough for Chromium to load the page
-PLAN = ("kill replica=1 rank=1 step=3 phase=backward; sleep replica=0 step=4 phase=optimizer seconds=90 until=epoch; "
-        "sleep replica=0 step=9 phase=optimizer seconds=10")
+PLAN = (
+    "kill replica=1 rank=1 step=3 phase=backward; sleep replica=0 step=4 phase=optimizer seconds=90 until=epoch; "
+    "sleep replica=0 step=9 phase=optimizer seconds=10"
+)
 RUN_ID = "status-test"
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",  # root needs --no-sandbox
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--virtual-time-budget=5000", "--window-size=1280,1200"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",  # root needs --no-sandbox
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--virtual-time-budget=5000",
+    "--window-size=1280,1200",
+]
 
 
 @dataclass
@@ -75,10 +86,27 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Watched:
     port = transport.free_port()
     url = f"http://127.0.0.1:{port}/"
     w = Watched(dump, secrets.token_hex(16))
-    cmd = [sys.executable, "-m", "titan_recover.launch", *job(dump, tiny=True), "--training.steps", str(STEPS),
-           "--recover.fault_plan", PLAN, "--recover.status_port", str(port),
-           "--metrics.enable_tensorboard", "--metrics.enable_wandb"]
-    env = {**os.environ, keys.SECRET_ENV: w.secret, keys.RUN_ENV: RUN_ID, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "titan_recover.launch",
+        *job(dump, tiny=True),
+        "--training.steps",
+        str(STEPS),
+        "--recover.fault_plan",
+        PLAN,
+        "--recover.status_port",
+        str(port),
+        "--metrics.enable_tensorboard",
+        "--metrics.enable_wandb",
+    ]
+    env = {
+        **os.environ,
+        keys.SECRET_ENV: w.secret,
+        keys.RUN_ENV: RUN_ID,
+        "WANDB_MODE": "offline",
+        "PYTHONUNBUFFERED": "1",
+    }
     with open(dump / "launcher.log", "w+") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 400
@@ -92,7 +120,12 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Watched:
                     time.sleep(0.5)  # not serving yet, or the run just ended
                     continue
                 w.snapshots.append(snapshot)
-                if w.dom is None and not w.browser and snapshot["counts"]["rejoins"] and snapshot["run"]["state"] == "running":
+                if (
+                    w.dom is None
+                    and not w.browser
+                    and snapshot["counts"]["rejoins"]
+                    and snapshot["run"]["state"] == "running"
+                ):
                     w.dom, w.screenshot, w.browser = browse(url, dump)
                     w.browser = w.browser or "Chromium rendered nothing"
                 time.sleep(0.3)
@@ -163,7 +196,9 @@ def test_a_person_sees_the_groups_the_failure_and_the_plots(watched: Watched) ->
         pytest.skip(watched.browser)
     dom = watched.dom
     assert int(re.search(r'data-rendered="(\d+)"', dom).group(1)) >= 1, dom[:2000]
-    assert re.search(r'<tr data-replica="0" data-state="live"', dom) and re.search(r'<tr data-replica="1" data-state="live"', dom)
+    assert re.search(r'<tr data-replica="0" data-state="live"', dom) and re.search(
+        r'<tr data-replica="1" data-state="live"', dom
+    )
     failures = re.search(r'<table id="failures".*?</table>', dom, re.S).group(0)
     assert re.search(r'<tr data-replica="1".*?<td class="cause">[^<]+</td>', failures, re.S), failures
     for plot in ("plot-loss", "plot-live", "plot-steptime"):
@@ -182,12 +217,25 @@ def test_tensorboard_holds_the_recovery_figures_across_the_groups_incarnations(w
         folder = watched.dump / "tb" / f"replica{replica}"
         acc = EventAccumulator(str(folder))
         acc.Reload()
-        scalars[replica] = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"] if tag.startswith("recover/")}
-        assert {"recover/live_groups", "recover/microbatches", "recover/failures", "recover/last_recovery_latency_s",
-                "recover/last_rejoin_downtime_s"} <= set(scalars[replica]), scalars[replica].keys()
-    assert len(list((watched.dump / "tb" / "replica1").glob("events.out.tfevents.*"))) == 2  # one per incarnation, one folder
+        scalars[replica] = {
+            tag: {e.step: e.value for e in acc.Scalars(tag)}
+            for tag in acc.Tags()["scalars"]
+            if tag.startswith("recover/")
+        }
+        assert {
+            "recover/live_groups",
+            "recover/microbatches",
+            "recover/failures",
+            "recover/last_recovery_latency_s",
+            "recover/last_rejoin_downtime_s",
+        } <= set(scalars[replica]), scalars[replica].keys()
+    assert (
+        len(list((watched.dump / "tb" / "replica1").glob("events.out.tfevents.*"))) == 2
+    )  # one per incarnation, one folder
     failures = scalars[1]["recover/failures"]
-    assert failures[1] == 0 and failures[max(failures)] == 1  # incarnation 0 logged step 1, incarnation 1 the later ones
+    assert (
+        failures[1] == 0 and failures[max(failures)] == 1
+    )  # incarnation 0 logged step 1, incarnation 1 the later ones
     assert min(scalars[0]["recover/live_groups"].values()) == 1 and scalars[0]["recover/live_groups"][STEPS] == 2
     assert max(scalars[0]["recover/microbatches"].values()) == 4  # M = 4: replica 0 alone carried them all
 
@@ -201,17 +249,19 @@ def wandb_history(path: Path) -> list[dict]:
     assert data[:4] == b":W&B", data[:8]
     while pos + 7 <= len(data):
         left = 32768 - pos % 32768
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if left < 7 or (length, kind) == (0, 0):
             pos += left
             continue
-        pending, pos = pending + data[pos + 7:pos + 7 + length], pos + 7 + length
+        pending, pos = pending + data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind in (1, 4):  # a whole record, or the last piece of one
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             pending = b""
             if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+                rows.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
     return rows
 
 
@@ -219,9 +269,15 @@ def test_wandb_offline_holds_the_recovery_figures_one_run_per_group(watched: Wat
     runs = {}
     for replica in (0, 1):
         files = sorted((watched.dump / "tb" / f"replica{replica}" / "wandb").glob("offline-run-*/run-*.wandb"))
-        assert files and {f.name for f in files} == {f"run-{Run(watched.secret, RUN_ID).public_id}-replica{replica}.wandb"}
+        assert files and {f.name for f in files} == {
+            f"run-{Run(watched.secret, RUN_ID).public_id}-replica{replica}.wandb"
+        }
         runs[replica] = [row for f in files for row in wandb_history(f)]
-        assert runs[replica] and all("recover/failures" in row and "recover/live_groups" in row for row in runs[replica])
-    assert len(list((watched.dump / "tb" / "replica1" / "wandb").glob("offline-run-*"))) == 2  # both incarnations, same run id
+        assert runs[replica] and all(
+            "recover/failures" in row and "recover/live_groups" in row for row in runs[replica]
+        )
+    assert (
+        len(list((watched.dump / "tb" / "replica1" / "wandb").glob("offline-run-*"))) == 2
+    )  # both incarnations, same run id
     assert {row["recover/failures"] for row in runs[0]} == {0, 1}
     assert runs[1][-1]["recover/failures"] == 1 and runs[1][-1]["recover/last_rejoin_downtime_s"] > 0

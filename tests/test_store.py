@@ -19,13 +19,12 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from conftest import ROOT
 
 from titan_recover.control import keys, lifeline, protocol, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Fence, Membership, MessageError, NodeMessage, Rendezvous, Report, StepRecord
 from titan_recover.control.sealed import Run
-
-from conftest import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +64,17 @@ def test_key_names() -> None:
 
 
 def test_records_round_trip_between_clients(server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str) -> None:
-    step = StepRecord(step=7, epoch=3, members=[0, 2], microbatches=[[0, 1], [2]], data_digest="ünïcode ✓", loss=1.5,
-                      grad_norm=None, time=12.5, samples={"x": [1.5, None, True]})
+    step = StepRecord(
+        step=7,
+        epoch=3,
+        members=[0, 2],
+        microbatches=[[0, 1], [2]],
+        data_digest="ünïcode ✓",
+        loss=1.5,
+        grad_norm=None,
+        time=12.5,
+        samples={"x": [1.5, None, True]},
+    )
     report = Report(epoch=3, cause="ünïcode ✓", replica=2, suspect=0)
     ControlClient(client).put(key, step)
     ControlClient(client).put(key + "/report", report)
@@ -147,8 +155,13 @@ def test_decode_json_directly() -> None:
 
 @pytest.mark.unit
 def test_records_load_their_own_dumps() -> None:
-    for record in (Report(epoch=0, cause="boom", replica=1), Rendezvous(2, "10.0.0.5", 29600), Fence(attempt=1, epoch=2),
-                   NodeMessage(3, {}), Membership(2, (0, 1))):
+    for record in (
+        Report(epoch=0, cause="boom", replica=1),
+        Rendezvous(2, "10.0.0.5", 29600),
+        Fence(attempt=1, epoch=2),
+        NodeMessage(3, {}),
+        Membership(2, (0, 1)),
+    ):
         assert type(record).loads("k", record.dumps().encode()) == record
         assert type(record).from_json("k", record.to_json()) == record
 
@@ -258,10 +271,14 @@ def read_seq(s: dist.TCPStore, key: str) -> int:
     return NodeMessage.loads(key, s.get(key)).seq if s.check([key]) else 0
 
 
-def test_lifeline_writes_the_node_message_every_interval_then_stops(server: tuple[dist.TCPStore, str], key: str) -> None:
+def test_lifeline_writes_the_node_message_every_interval_then_stops(
+    server: tuple[dist.TCPStore, str], key: str
+) -> None:
     srv, address = server
     lost: list[str] = []
-    hb = lifeline.Heartbeat(address, key, interval_s=0.05, coordinator_timeout_s=1e6, on_lost=lost.append, message=Messages())
+    hb = lifeline.Heartbeat(
+        address, key, interval_s=0.05, coordinator_timeout_s=1e6, on_lost=lost.append, message=Messages()
+    )
     try:
         seen = [read_seq(srv, key)]
         deadline = time.monotonic() + 10.0
@@ -328,7 +345,9 @@ def test_lifeline_survives_a_connection_reset(server: tuple[dist.TCPStore, str],
     """A transient reset must not end the lifeline (it would fence a healthy node)."""
     srv, _ = server
     proxy = ResettingProxy(int(server[1].rpartition(":")[2]))
-    hb = lifeline.Heartbeat(f"127.0.0.1:{proxy.port}", key, 0.02, coordinator_timeout_s=1e6, on_lost=never_lost, message=Messages())
+    hb = lifeline.Heartbeat(
+        f"127.0.0.1:{proxy.port}", key, 0.02, coordinator_timeout_s=1e6, on_lost=never_lost, message=Messages()
+    )
     try:
         wait_until(lambda: read_seq(srv, key) >= 3, 10)
         for _ in range(3):
@@ -360,8 +379,14 @@ def test_lifeline_notices_a_frozen_or_killed_coordinator(sig: signal.Signals) ->
     lost: list[tuple[float, str]] = []
     try:
         assert proc.stdout.readline() == "up\n"
-        hb = lifeline.Heartbeat(f"127.0.0.1:{port}", "launcher/test", 0.05, coordinator_timeout_s=2.0,
-                             on_lost=lambda reason: lost.append((time.monotonic(), reason)), message=Messages())
+        hb = lifeline.Heartbeat(
+            f"127.0.0.1:{port}",
+            "launcher/test",
+            0.05,
+            coordinator_timeout_s=2.0,
+            on_lost=lambda reason: lost.append((time.monotonic(), reason)),
+            message=Messages(),
+        )
         time.sleep(1.0)
         assert lost == []  # alive and answering: no verdict
         os.kill(proc.pid, sig)
@@ -466,8 +491,12 @@ def coordinator_process(secret: str) -> Iterator[str]:
     """A store server in a process of its own, run with ``secret``; yields its address."""
     port = transport.free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-c", SERVE, str(port)], cwd=ROOT, env={**os.environ, keys.SECRET_ENV: secret},
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", SERVE, str(port)],
+        cwd=ROOT,
+        env={**os.environ, keys.SECRET_ENV: secret},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout.readline() == "up\n"
@@ -498,7 +527,9 @@ def test_a_client_with_the_runs_secret_in_its_environment_connects(monkeypatch: 
             transport.connect(address, timeout_s=1)
 
 
-def test_without_a_secret_nothing_connects_or_serves(monkeypatch: pytest.MonkeyPatch, server: tuple[dist.TCPStore, str]) -> None:
+def test_without_a_secret_nothing_connects_or_serves(
+    monkeypatch: pytest.MonkeyPatch, server: tuple[dist.TCPStore, str]
+) -> None:
     monkeypatch.delenv(keys.SECRET_ENV)
     for call in (lambda: transport.connect(server[1], timeout_s=1), lambda: transport.serve(transport.free_port(), 1)):
         with pytest.raises(RuntimeError) as info:
@@ -506,7 +537,9 @@ def test_without_a_secret_nothing_connects_or_serves(monkeypatch: pytest.MonkeyP
         assert f"{keys.SECRET_ENV} is not set" in str(info.value)
 
 
-def test_the_runs_keys_are_out_of_reach_without_its_secret(server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str) -> None:
+def test_the_runs_keys_are_out_of_reach_without_its_secret(
+    server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str
+) -> None:
     host, _, port = server[1].rpartition(":")
     stray = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))  # no secret
     ControlClient(client).put(key, Fence(attempt=0, epoch=1))
@@ -515,7 +548,9 @@ def test_the_runs_keys_are_out_of_reach_without_its_secret(server: tuple[dist.TC
     assert ControlClient(server[0]).read(key, Fence) == Fence(attempt=0, epoch=1)
 
 
-def test_a_runs_store_does_what_the_trainer_asks(server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str) -> None:
+def test_a_runs_store_does_what_the_trainer_asks(
+    server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str
+) -> None:
     other = transport.connect(server[1], timeout_s=5)
     other.set(key, "v")
     assert client.get(key) == b"v"

@@ -17,9 +17,13 @@ def test_a_slow_replica_gets_fewer_microbatches_and_a_rejoiner_derives_the_same_
     reference = run_job(tmp_path / "reference", *ONE_SHARD, "--recover.fault_plan", "none")
     assert reference.returncode == 0, reference.output[-3000:]
     run = run_job(
-        tmp_path / "run", *ONE_SHARD, "--recover.policy", "speed",
+        tmp_path / "run",
+        *ONE_SHARD,
+        "--recover.policy",
+        "speed",
         # replica 1 is 4x slower in every incarnation; the fast one dies and rejoins from the slow one
-        "--recover.fault_plan", "slow replica=1 factor=4; kill replica=0 rank=0 step=4",
+        "--recover.fault_plan",
+        "slow replica=1 factor=4; kill replica=0 rank=0 step=4",
     )
     assert run.returncode == 0, run.output[-3000:]
     steps = run.steps()

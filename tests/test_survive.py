@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, Run, assert_same_trajectory, run_job
 
 from bench.common import job
-from conftest import ROOT, Run, assert_same_trajectory, run_job
 
 
 def _children(pid: int) -> list[int]:
@@ -76,8 +76,11 @@ def _kernel_view(pid: int) -> str:
     proc = Path(f"/proc/{pid}")
     lines = []
     try:
-        lines += [x for x in (proc / "status").read_text().splitlines() if x.split(":")[0] in
-                  ("State", "Threads", "SigQ", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")]
+        lines += [
+            x
+            for x in (proc / "status").read_text().splitlines()
+            if x.split(":")[0] in ("State", "Threads", "SigQ", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+        ]
         for task in sorted((proc / "task").iterdir()):
             info = {}
             for name in ("comm", "wchan", "syscall", "stack"):
@@ -86,7 +89,9 @@ def _kernel_view(pid: int) -> str:
                 except OSError as e:
                     info[name] = f"({e.strerror})"
             state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            lines.append(f"task {task.name} {info['comm']} state {state} wchan {info['wchan']} syscall {info['syscall']}")
+            lines.append(
+                f"task {task.name} {info['comm']} state {state} wchan {info['wchan']} syscall {info['syscall']}"
+            )
             lines += ["    " + x for x in info["stack"].splitlines()]
     except OSError as e:
         lines.append(f"({pid}: {e.strerror})")
@@ -95,14 +100,31 @@ def _kernel_view(pid: int) -> str:
 
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
 def test_a_frozen_or_killed_coordinator_stops_every_process_with_one_line(tmp_path: Path, sig: signal.Signals) -> None:
-    cmd = [sys.executable, "-m", "titan_recover.launch", *job(tmp_path, tiny=True), "--training.steps", "500", "--recover.fault_plan", "none",
-           "--recover.coordinator_timeout_s", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "titan_recover.launch",
+        *job(tmp_path, tiny=True),
+        "--training.steps",
+        "500",
+        "--recover.fault_plan",
+        "none",
+        "--recover.coordinator_timeout_s",
+        "4",
+    ]
     # output to files: a pipe would also wait for every process that inherited it, and the
     # launcher's own exit is what is measured here (leftovers are checked below, by name)
     out_path, err_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with out_path.open("w") as out, err_path.open("w") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, text=True,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=out,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     coordinator, run = None, []
     try:
         deadline = time.monotonic() + 240
@@ -110,7 +132,9 @@ def test_a_frozen_or_killed_coordinator_stops_every_process_with_one_line(tmp_pa
             assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
             time.sleep(0.2)
         run = _tree(proc.pid)
-        (coordinator,) = [p for p in _children(proc.pid) if b"titan_recover.coordinator" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        (coordinator,) = [
+            p for p in _children(proc.pid) if b"titan_recover.coordinator" in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
         os.kill(coordinator, sig)
         start = time.monotonic()
         try:
@@ -118,9 +142,11 @@ def test_a_frozen_or_killed_coordinator_stops_every_process_with_one_line(tmp_pa
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGUSR1)  # the launcher prints every thread's stack (launch.dumps_stacks)
             time.sleep(2)
-            pytest.fail(f"the launcher still ran 60s after the coordinator got {sig.name}; alive: "
-                        f"{_described([p for p in _tree(proc.pid) if _alive(p)])}\nlauncher {proc.pid}, as the "
-                        f"kernel sees it:\n{_kernel_view(proc.pid)}\n{err_path.read_text()[-6000:]}")
+            pytest.fail(
+                f"the launcher still ran 60s after the coordinator got {sig.name}; alive: "
+                f"{_described([p for p in _tree(proc.pid) if _alive(p)])}\nlauncher {proc.pid}, as the "
+                f"kernel sees it:\n{_kernel_view(proc.pid)}\n{err_path.read_text()[-6000:]}"
+            )
         took = time.monotonic() - start
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in run) and time.monotonic() < deadline:
@@ -146,8 +172,15 @@ def test_a_coordinator_killed_before_it_serves_the_run_stops_the_launcher_at_onc
     wait out ``startup_timeout_s`` (it did, in CI: the run's coordinator was killed before the
     launcher's own connect had found it)."""
     cmd = [sys.executable, "-m", "titan_recover.launch", *job(tmp_path, tiny=True), "--recover.fault_plan", "none"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         deadline = time.monotonic() + 120
         coordinator: list[int] = []
@@ -175,9 +208,18 @@ def test_the_leader_dying_right_after_a_commit_loses_no_step(tmp_path: Path, fai
     assert [e["replica"] for e in run.of("failure")] == [0]
 
 
-def test_a_rank_sleeping_past_the_collective_timeout_is_fenced_after_bounded_retries(tmp_path: Path, failure_free: Run) -> None:
-    run = run_job(tmp_path, "--recover.fault_plan", "sleep replica=1 rank=0 step=3 seconds=120",
-                  "--recover.collective_timeout_s", "3", "--recover.max_step_retries", "2")
+def test_a_rank_sleeping_past_the_collective_timeout_is_fenced_after_bounded_retries(
+    tmp_path: Path, failure_free: Run
+) -> None:
+    run = run_job(
+        tmp_path,
+        "--recover.fault_plan",
+        "sleep replica=1 rank=0 step=3 seconds=120",
+        "--recover.collective_timeout_s",
+        "3",
+        "--recover.max_step_retries",
+        "2",
+    )
     assert run.returncode == 0, run.output[-3000:]
     (failure,) = run.of("failure")
     assert failure["replica"] == 1 and "never did" in failure["cause"], failure
@@ -187,8 +229,13 @@ def test_a_rank_sleeping_past_the_collective_timeout_is_fenced_after_bounded_ret
 
 
 def test_a_stuck_main_loop_is_fenced_although_its_heartbeat_thread_runs(tmp_path: Path, failure_free: Run) -> None:
-    run = run_job(tmp_path, "--recover.fault_plan", "sleep replica=1 rank=1 step=3 seconds=120",
-                  "--recover.progress_timeout_s", "5")
+    run = run_job(
+        tmp_path,
+        "--recover.fault_plan",
+        "sleep replica=1 rank=1 step=3 seconds=120",
+        "--recover.progress_timeout_s",
+        "5",
+    )
     assert run.returncode == 0, run.output[-3000:]
     (failure,) = run.of("failure")
     assert failure["replica"] == 1 and "made no progress" in failure["cause"] and "step 3" in failure["cause"], failure
@@ -198,7 +245,10 @@ def test_a_stuck_main_loop_is_fenced_although_its_heartbeat_thread_runs(tmp_path
 def test_a_diverged_replica_leaves_and_rejoins_with_a_live_peers_state(tmp_path: Path) -> None:
     # replica 0 sleeps at step 3 until replica 1's restart is admitted (as in test_rejoin): the tiny
     # model's steps are faster than a restart (60 s at most: 30 was not always enough on a busy 2-core machine)
-    plan = "corrupt replica=1 rank=1 step=2 phase=optimizer; sleep replica=0 rank=0 step=3 phase=optimizer seconds=60 until=epoch"
+    plan = (
+        "corrupt replica=1 rank=1 step=2 phase=optimizer; "
+        "sleep replica=0 rank=0 step=3 phase=optimizer seconds=60 until=epoch"
+    )
     run = run_job(tmp_path, "--recover.fault_plan", plan, "--recover.digest_interval", "2", "--training.steps", "10")
     assert run.returncode == 0, run.output[-3000:]
     (mismatch,) = run.of("param_digest_mismatch")
@@ -219,6 +269,9 @@ def test_the_jobs_own_error_stops_the_run_at_once(tmp_path: Path) -> None:
     assert run.returncode != 0
     assert len(run.of("fatal")) == 1, run.output[-3000:]  # once seen with no event file at all: its output says why
     (fatal,) = run.of("fatal")
-    assert "the job's own error" in fatal["error"] and "at step 2: InjectedError: injected error at step 2" in fatal["error"], fatal
+    assert (
+        "the job's own error" in fatal["error"]
+        and "at step 2: InjectedError: injected error at step 2" in fatal["error"]
+    ), fatal
     assert not run.of("admitted")  # nothing was restarted and let in again
     assert "the job's own error" in run.output

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import run_data_cli, write_jsonl, write_standin_tokenizer
+
 from titan_recover.data import prepare, tokens
 from titan_recover.data.synthetic import TOKENIZER_DIR, synthetic_corpus
 from titan_recover.data.tokens import DataError, Manifest, TokenDataset
@@ -29,7 +29,9 @@ def assert_windows_match_files(dataset: TokenDataset, seq_len: int, vocab: int) 
     w = 0
     for arr in shard_tokens(dataset):
         for k in range((arr.size - 1) // seq_len):
-            np.testing.assert_array_equal(dataset.window(w, seq_len, vocab), arr[k * seq_len:k * seq_len + seq_len + 1])
+            np.testing.assert_array_equal(
+                dataset.window(w, seq_len, vocab), arr[k * seq_len : k * seq_len + seq_len + 1]
+            )
             w += 1
     assert w == dataset.num_windows(seq_len)
 
@@ -87,8 +89,15 @@ def test_datatrove_folder_written_by_datatrove_is_read_token_for_token(tmp_path:
     texts = list(synthetic_corpus(120, seed=9))
     out = tmp_path / "dt"
     for rank in range(2):  # two datatrove tasks, each split into several files
-        step = DocumentTokenizer(output_folder=str(out), tokenizer_name_or_path=SHIPPED_JSON, save_filename="corpus",
-                                 eos_token="<|end_of_text|>", max_tokens_per_file=3000, shuffle_documents=False, seed=0)
+        step = DocumentTokenizer(
+            output_folder=str(out),
+            tokenizer_name_or_path=SHIPPED_JSON,
+            save_filename="corpus",
+            eos_token="<|end_of_text|>",
+            max_tokens_per_file=3000,
+            shuffle_documents=False,
+            seed=0,
+        )
         step.run(iter(datatrove_docs(texts[rank::2])), rank=rank, world_size=2)
     files = sorted(out.glob("*.ds"))
     assert len(files) >= 2
@@ -102,8 +111,11 @@ def test_datatrove_folder_written_by_datatrove_is_read_token_for_token(tmp_path:
     # token for token: the documents datatrove wrote are the tokenizer's encoding of the texts + EOS
     tok = Tokenizer.from_file(SHIPPED_JSON)
     eos = tok.token_to_id("<|end_of_text|>")
-    written = {tuple(a.tolist()) for arr, f in zip(shard_tokens(dataset), files)
-               for a in np.split(arr, np.fromfile(f"{f}.index", dtype="<u8").astype(np.int64)[:-1])}
+    written = {
+        tuple(a.tolist())
+        for arr, f in zip(shard_tokens(dataset), files)
+        for a in np.split(arr, np.fromfile(f"{f}.index", dtype="<u8").astype(np.int64)[:-1])
+    }
     assert written == {tuple(tok.encode(t).ids + [eos]) for t in texts}
     assert_windows_match_files(dataset, 16, 2048)
 
@@ -113,8 +125,7 @@ def test_our_folder_is_read_by_datatrove(tmp_path: Path) -> None:
     from datatrove.utils.dataset import DatatroveFolderDataset
 
     folder = str(tmp_path / "ours")
-    prepare.prepare_synthetic(folder, TOKENIZER_DIR, 6_000, 3, 1,
-                    workers=1, progress=False)
+    prepare.prepare_synthetic(folder, TOKENIZER_DIR, 6_000, 3, 1, workers=1, progress=False)
     ours = TokenDataset(folder)
     seq = 31
     theirs = DatatroveFolderDataset(folder, seq_len=seq, filename_pattern="*.ds", token_size=2)
@@ -156,8 +167,13 @@ def test_index_refuses_a_wrong_token_width(tmp_path: Path) -> None:
 
     out = tmp_path / "dt"
     DocumentTokenizer(output_folder=str(out), tokenizer_name_or_path=SHIPPED_JSON, shuffle_documents=False).run(
-        iter(datatrove_docs(list(synthetic_corpus(20)))), rank=0, world_size=1)
-    with pytest.raises(DataError, match=r"\.ds(\.index: documents end at token .* is the token width right|: \d+ bytes is not a whole number of 4-byte)"):
+        iter(datatrove_docs(list(synthetic_corpus(20)))), rank=0, world_size=1
+    )
+    with pytest.raises(
+        DataError,
+        match=r"\.ds(\.index: documents end at token .* is the token width right"
+        r"|: \d+ bytes is not a whole number of 4-byte)",
+    ):
         tokens.index_folder(str(out), TOKENIZER_DIR, 2048, dtype="uint32")
 
 
@@ -167,8 +183,7 @@ def test_index_refuses_a_wrong_token_width(tmp_path: Path) -> None:
 @pytest.fixture
 def small(tmp_path: Path) -> TokenDataset:
     folder = str(tmp_path / "small")
-    prepare.prepare_synthetic(folder, TOKENIZER_DIR, 5_000, 2, 0,
-                    workers=1, progress=False)
+    prepare.prepare_synthetic(folder, TOKENIZER_DIR, 5_000, 2, 0, workers=1, progress=False)
     return TokenDataset(folder)
 
 

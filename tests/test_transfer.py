@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_recover.rank import transfer
 from titan_recover.control import protocol, transport
+from titan_recover.rank import transfer
 from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.rank.transfer import RNG, TransferError, check_manifest, manifest, pack, unpack
 
@@ -166,7 +166,11 @@ def test_checksum_is_its_definition_in_any_chunking(monkeypatch: pytest.MonkeyPa
 @pytest.mark.unit
 def test_equal_payloads_have_equal_checksums() -> None:
     payload = random_bytes(1000, seed=1)
-    assert transfer.checksum(payload) == transfer.checksum(payload.clone()) == transfer.checksum(random_bytes(1000, seed=1))
+    assert (
+        transfer.checksum(payload)
+        == transfer.checksum(payload.clone())
+        == transfer.checksum(random_bytes(1000, seed=1))
+    )
     assert transfer.checksum(pack(mixed_tensors())) == transfer.checksum(pack(mixed_tensors()))
 
 
@@ -201,9 +205,16 @@ def test_checksum_on_the_gpu_equals_the_cpus(monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.mark.unit
 def test_manifest_names_dtype_and_shape() -> None:
-    assert manifest([("a", torch.zeros(2, 3)), ("b", torch.zeros((), dtype=torch.int64)),
-                     ("c", torch.zeros(4, dtype=torch.bfloat16))]) == [
-        ["a", "float32", [2, 3]], ["b", "int64", []], ["c", "bfloat16", [4]],
+    assert manifest(
+        [
+            ("a", torch.zeros(2, 3)),
+            ("b", torch.zeros((), dtype=torch.int64)),
+            ("c", torch.zeros(4, dtype=torch.bfloat16)),
+        ]
+    ) == [
+        ["a", "float32", [2, 3]],
+        ["b", "int64", []],
+        ["c", "bfloat16", [4]],
     ]
 
 
@@ -225,10 +236,14 @@ OURS = [["model0/w", "float32", [8, 4]], ["model0/b", "float32", [8]], [RNG, "ui
         ([], ["the donor sent 0 tensors, this rank has 3"]),
         ("not a list", ["manifest is not a list", "'not a list'"]),
         (None, ["manifest is not a list", "None"]),
-        ([OURS[0], ["model0/b", "float32", [9]], OURS[2]],
-         ["['model0/b', 'float32', [9]]", "['model0/b', 'float32', [8]]"]),
-        ([["model0/w", "bfloat16", [8, 4]], *OURS[1:]],
-         ["['model0/w', 'bfloat16', [8, 4]]", "['model0/w', 'float32', [8, 4]]"]),
+        (
+            [OURS[0], ["model0/b", "float32", [9]], OURS[2]],
+            ["['model0/b', 'float32', [9]]", "['model0/b', 'float32', [8]]"],
+        ),
+        (
+            [["model0/w", "bfloat16", [8, 4]], *OURS[1:]],
+            ["['model0/w', 'bfloat16', [8, 4]]", "['model0/w', 'float32', [8, 4]]"],
+        ),
         ([["model0/weight", "float32", [8, 4]], *OURS[1:]], ["'model0/weight'", "'model0/w'"]),
     ],
 )
@@ -365,7 +380,9 @@ def test_send_receive_hands_the_joiner_the_donors_state(address: str) -> None:
         g = groups(address, 0)
         with g.pair(epoch=1, joiner=1, donor=True, abort=never) as pair:
             header = transfer.meta({"step": 7, "base_epoch": 1, "ntokens_seen": 4096}, d_opts, d_scheds)
-            return transfer.send(g, pair, header, [d_model], d_opts, abort=never, after_header=lambda: calls.append("donor"))
+            return transfer.send(
+                g, pair, header, [d_model], d_opts, abort=never, after_header=lambda: calls.append("donor")
+            )
 
     def joiner() -> tuple[dict[str, Any], int]:
         g = groups(address, 1)
@@ -458,8 +475,13 @@ def test_receive_rejects_a_different_model_and_the_donor_aborts(address: str) ->
         g = groups(address, 0)
         with g.pair(epoch=1, joiner=1, donor=True, abort=never) as pair:
             return transfer.send(
-                g, pair, {"step": 3}, [d_model], d_opts,
-                abort=joiner_failed.is_set, after_header=lambda: payload_reached.append(True),
+                g,
+                pair,
+                {"step": 3},
+                [d_model],
+                d_opts,
+                abort=joiner_failed.is_set,
+                after_header=lambda: payload_reached.append(True),
             )
 
     def joiner() -> tuple[dict[str, Any], int]:
@@ -522,6 +544,7 @@ def test_a_pair_is_its_own_two_rank_group(address: str) -> None:
             with groups(address, replica).pair(epoch=3, joiner=1, donor=replica == 0, abort=never) as pair:
                 assert isinstance(pair, dist.ProcessGroupGloo)
                 return pair.rank(), pair.size()
+
         return run
 
     results = run_both(side(0), side(1))

@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from conftest import ROOT
 
+from bench.common import job
 from titan_recover.control import keys, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Fatal, Fence, NodeMessage
 from titan_recover.control.sealed import ForgedRecord, Run
-
-from bench.common import job
-from conftest import ROOT
 
 SECRET = "0123456789abcdef-trust-test-secret"
 
@@ -87,7 +86,16 @@ def test_a_forged_fatal_does_not_stop_a_real_run(tmp_path: Path) -> None:
     output nor any key holds the secret."""
     port = transport.free_port()
     env = {**os.environ, keys.SECRET_ENV: SECRET, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "titan_recover.launch", *job(tmp_path, tiny=True), "--training.steps", "8", "--recover.coordinator_port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "titan_recover.launch",
+        *job(tmp_path, tiny=True),
+        "--training.steps",
+        "8",
+        "--recover.coordinator_port",
+        str(port),
+    ]
     out = (tmp_path / "out.log").open("w+")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:

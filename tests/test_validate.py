@@ -9,12 +9,12 @@ import pytest
 
 from bench.common import job
 from titan_recover import titan
-from titan_recover.control import keys
 from titan_recover.config import ConfigError
+from titan_recover.control import keys
 from titan_recover.data.addressing import check_tokenizer_folder
-from titan_recover.launch.launcher import check_coordinator, parse_group_node, parse_replicas
 from titan_recover.data.synthetic import TOKENIZER_DIR
 from titan_recover.data.tokens import DataError
+from titan_recover.launch.launcher import check_coordinator, parse_group_node, parse_replicas
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,17 +85,23 @@ def test_group_node_env_says_which_part_of_its_groups_a_node_runs(value: str | N
 @pytest.mark.unit
 @pytest.mark.parametrize("value", ["2", "-1", "x", ""])
 def test_bad_group_node_env_names_the_variable_and_the_range(value: str) -> None:
-    with pytest.raises(ConfigError, match=rf"{keys.GROUP_NODE_ENV}={value!r} is not a part of a replica group; set it to 0\.\.1"):
+    with pytest.raises(
+        ConfigError, match=rf"{keys.GROUP_NODE_ENV}={value!r} is not a part of a replica group; set it to 0\.\.1"
+    ):
         parse_group_node(value, 2)
 
 
 @pytest.mark.unit
 def test_tokenizer_folder_needs_tokenizer_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     check_tokenizer_folder(TOKENIZER_DIR, "model.hf_assets_path")
-    with pytest.raises(DataError, match=rf"^model.hf_assets_path: no tokenizer at {tmp_path} \(the folder has no tokenizer.json\)"):
+    with pytest.raises(
+        DataError, match=rf"^model.hf_assets_path: no tokenizer at {tmp_path} \(the folder has no tokenizer.json\)"
+    ):
         check_tokenizer_folder(str(tmp_path), "model.hf_assets_path")
     monkeypatch.chdir(tmp_path)  # a relative path: say where it was looked for
-    with pytest.raises(DataError, match=rf"no tokenizer at assets/tok \(no such folder, relative to the working directory {tmp_path}\)"):
+    with pytest.raises(
+        DataError, match=rf"no tokenizer at assets/tok \(no such folder, relative to the working directory {tmp_path}\)"
+    ):
         check_tokenizer_folder("assets/tok", "model.hf_assets_path")
 
 
@@ -103,7 +109,11 @@ def launch(*overrides: str, env: dict[str, str] | None = None) -> subprocess.Com
     """``python -m titan_recover.launch`` with the shipped config; it must refuse in seconds."""
     return subprocess.run(
         [sys.executable, "-m", "titan_recover.launch", *job(ROOT / "outputs" / "llama3_debug_cpu"), *overrides],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
 
 
@@ -112,7 +122,10 @@ def launch(*overrides: str, env: dict[str, str] | None = None) -> subprocess.Com
     [
         ({keys.REPLICAS_ENV: "1,x"}, f"error: {keys.REPLICAS_ENV}='1,x': 'x' is not a replica id"),
         ({keys.COORDINATOR_ENV: "10.0.0.5:0"}, f"error: {keys.COORDINATOR_ENV}='10.0.0.5:0': port 0 is out of range"),
-        ({keys.GROUP_NODE_ENV: "1"}, f"error: {keys.GROUP_NODE_ENV}='1' is not a part of a replica group; set it to 0..0"),
+        (
+            {keys.GROUP_NODE_ENV: "1"},
+            f"error: {keys.GROUP_NODE_ENV}='1' is not a part of a replica group; set it to 0..0",
+        ),
     ],
 )
 def test_launcher_refuses_a_bad_environment_before_starting(env: dict[str, str], message: str) -> None:

@@ -431,7 +431,12 @@ def test_equal_replicas_keep_equal_quotas_under_noise() -> None:
     for _ in range(200):
         noisy = {r: 1.0 + rng.uniform(-0.05, 0.05) for r in (0, 1, 2, 3)}
         speeds = update_speeds(speeds, noisy, (0, 1, 2, 3), 8, smoothing=0.3, threshold=0.1)
-        assert {r: len(ids) for r, ids in assign("speed", (0, 1, 2, 3), 8, speeds.rates()).items()} == {0: 2, 1: 2, 2: 2, 3: 2}
+        assert {r: len(ids) for r, ids in assign("speed", (0, 1, 2, 3), 8, speeds.rates()).items()} == {
+            0: 2,
+            1: 2,
+            2: 2,
+            3: 2,
+        }
 
 
 @pytest.mark.unit
@@ -476,7 +481,12 @@ def test_speeds_travel_as_json_exactly_and_bad_input_is_named() -> None:
     speeds = update_speeds(Speeds(), {0: 0.1234567891234, 3: 2.0}, (0, 3), 8, 0.3, 0.1)
     assert Speeds.from_json(json.loads(json.dumps(speeds.to_json()))) == speeds
     assert Speeds.from_json({"estimate": {}, "applied": {}}).rates() is None
-    for bad in [None, {"estimate": []}, {"estimate": {"x": 1.0}, "applied": {}},
-                {"estimate": {"1": -1.0}, "applied": {}}, {"estimate": {"1": True}, "applied": {}}]:
+    for bad in [
+        None,
+        {"estimate": []},
+        {"estimate": {"x": 1.0}, "applied": {}},
+        {"estimate": {"1": -1.0}, "applied": {}},
+        {"estimate": {"1": True}, "applied": {}},
+    ]:
         with pytest.raises(WorkloadError, match="speeds"):
             Speeds.from_json(bad)

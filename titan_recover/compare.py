@@ -55,8 +55,9 @@ def _digests(events: Iterable[dict[str, Any]]) -> dict[int, set[str]]:
     return out
 
 
-def compare_runs(reference: Iterable[dict[str, Any]], run: Iterable[dict[str, Any]], rel_tol: float,
-                 exact: bool = False) -> Comparison:
+def compare_runs(
+    reference: Iterable[dict[str, Any]], run: Iterable[dict[str, Any]], rel_tol: float, exact: bool = False
+) -> Comparison:
     """``exact``: losses compared bit for bit (``rel_tol`` unused), and the parameter digests too."""
     reference, run = list(reference), list(run)
     out = Comparison()
@@ -78,7 +79,9 @@ def compare_runs(reference: Iterable[dict[str, Any]], run: Iterable[dict[str, An
             out.loss[step] = f"step {step}: loss {g['loss']:.6f} vs {r['loss']:.6f} (rel {rel:.2e})"
         out.steps += 1
     if not out.steps:
-        out.exact.append("no step committed in both runs: nothing was compared (did both runs die before their first step?)")
+        out.exact.append(
+            "no step committed in both runs: nothing was compared (did both runs die before their first step?)"
+        )
     if exact:
         _compare_digests(_digests(reference), _digests(run), out)
     return out
@@ -110,8 +113,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("reference", help="an event log, or a dump folder")
     parser.add_argument("run", help="an event log, or a dump folder")
     parser.add_argument("--rel-tol", type=float, default=1e-3)
-    parser.add_argument("--exact", action="store_true",
-                        help="losses and parameter digests must be the same bits (runs with [recover] exact)")
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="losses and parameter digests must be the same bits (runs with [recover] exact)",
+    )
     args = parser.parse_args(argv)
     try:
         reference, run = _read(args.reference), _read(args.run)
@@ -126,8 +132,10 @@ def main(argv: list[str]) -> int:
     for p in c.problems:
         print(f"MISMATCH {p}")
     digests = f", parameter digests of {c.digest_steps} steps" if args.exact else ""
-    print(f"{c.steps} steps compared{digests}, max relative loss deviation {c.max_rel_loss_dev:.2e}: "
-          f"{('the same bits' if args.exact else 'same trajectory') if not c.problems else 'DIFFERENT'}")
+    print(
+        f"{c.steps} steps compared{digests}, max relative loss deviation {c.max_rel_loss_dev:.2e}: "
+        f"{('the same bits' if args.exact else 'same trajectory') if not c.problems else 'DIFFERENT'}"
+    )
     return 1 if c.problems else 0
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from titan_recover.policy import fault_plan, workload
 from titan_recover.control.addresses import check_bindable, check_port_free, parse_etcd_url, parse_host
+from titan_recover.policy import fault_plan, workload
 
 BACKENDS = ("auto", "nccl", "gloo")
 """Values of ``recover.replicate_backend`` (``titan_recover.node.devices`` resolves "auto")."""
@@ -192,10 +192,17 @@ class CoordinatorSettings:
     @classmethod
     def of(cls, job_config: Any, dump_folder: str) -> "CoordinatorSettings":
         tr, par = job_config.training, job_config.parallelism
-        return cls(recover=job_config.recover, replicas=par.data_parallel_replicate_degree,
-                   replica_ids=replica_ids(job_config), group_ranks=group_ranks(par), steps=tr.steps,
-                   tokens_per_step=tr.global_batch_size * tr.seq_len, precision=tr.mixed_precision_param,
-                   dump_folder=dump_folder, resume_hint=resume_hint(job_config, dump_folder))
+        return cls(
+            recover=job_config.recover,
+            replicas=par.data_parallel_replicate_degree,
+            replica_ids=replica_ids(job_config),
+            group_ranks=group_ranks(par),
+            steps=tr.steps,
+            tokens_per_step=tr.global_batch_size * tr.seq_len,
+            precision=tr.mixed_precision_param,
+            dump_folder=dump_folder,
+            resume_hint=resume_hint(job_config, dump_folder),
+        )
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -208,13 +215,25 @@ class CoordinatorSettings:
             recover = Recover(**fields.pop("recover"))
             settings = cls(recover=recover, **fields)
         except (ValueError, TypeError, KeyError, AttributeError) as e:
-            raise ConfigError(f"coordinator --settings is not a settings record ({e}): start the coordinator "
-                              "with run_train.sh, whose launcher writes it") from None
+            raise ConfigError(
+                f"coordinator --settings is not a settings record ({e}): start the coordinator "
+                "with run_train.sh, whose launcher writes it"
+            ) from None
         _check_types(settings.recover, "recover")
-        for name, kind in (("replicas", int), ("replica_ids", int), ("group_ranks", int), ("steps", int),
-                           ("tokens_per_step", int), ("precision", str), ("dump_folder", str), ("resume_hint", str)):
+        for name, kind in (
+            ("replicas", int),
+            ("replica_ids", int),
+            ("group_ranks", int),
+            ("steps", int),
+            ("tokens_per_step", int),
+            ("precision", str),
+            ("dump_folder", str),
+            ("resume_hint", str),
+        ):
             if type(getattr(settings, name)) is not kind:
-                raise ConfigError(f"coordinator --settings: {name} = {getattr(settings, name)!r} is not {kind.__name__}")
+                raise ConfigError(
+                    f"coordinator --settings: {name} = {getattr(settings, name)!r} is not {kind.__name__}"
+                )
         return settings
 
 
@@ -253,16 +272,30 @@ def validate(job_config: Any) -> Recover:
     return rc
 
 
-_COUNTS = {"spares": 0, "min_replicas": 1, "max_restarts": 0, "max_step_retries": 1, "group_nodes": 1,
-           "digest_interval": 1}
+_COUNTS = {
+    "spares": 0,
+    "min_replicas": 1,
+    "max_restarts": 0,
+    "max_step_retries": 1,
+    "group_nodes": 1,
+    "digest_interval": 1,
+}
 """Integer keys of ``[recover]`` and their smallest allowed value."""
 
 _TRAINING_COUNTS = ("local_batch_size", "global_batch_size", "seq_len", "steps")
 """Keys of ``[training]`` that the microbatch layout and the fault plan divide by or count to: each >= 1."""
 
-_SECONDS = ("heartbeat_interval_s", "heartbeat_timeout_s", "report_confirm_s", "collective_timeout_s",
-            "startup_timeout_s", "coordinator_timeout_s", "progress_timeout_s", "restart_window_s",
-            "leader_lease_s")
+_SECONDS = (
+    "heartbeat_interval_s",
+    "heartbeat_timeout_s",
+    "report_confirm_s",
+    "collective_timeout_s",
+    "startup_timeout_s",
+    "coordinator_timeout_s",
+    "progress_timeout_s",
+    "restart_window_s",
+    "leader_lease_s",
+)
 """Durations of ``[recover]``: each a finite number of seconds > 0."""
 
 
@@ -270,13 +303,9 @@ def _check_types(section: Any, name: str) -> None:
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
         expected = {bool: bool, int: int, float: (int, float), str: str}[f.type]
-        ok = isinstance(value, expected) and not (
-            expected is not bool and isinstance(value, bool)
-        )
+        ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
         if not ok:
-            raise ConfigError(
-                f"{name}.{f.name} must be of type {f.type.__name__}, got {value!r}"
-            )
+            raise ConfigError(f"{name}.{f.name} must be of type {f.type.__name__}, got {value!r}")
 
 
 def _check_minimums(rc: Recover, minimums: dict[str, int]) -> None:
@@ -322,8 +351,10 @@ def _check_coordinator_port(rc: Recover) -> None:
         raise ConfigError(f"recover.coordinator_port out of range: {rc.coordinator_port}")
 
 
-_BIND_FIX = ("set it to this node's address on the network the other nodes share (an IPv4 address or a host name), "
-             "0.0.0.0 for every interface, or \"\" for loopback (a run on one node)")
+_BIND_FIX = (
+    "set it to this node's address on the network the other nodes share (an IPv4 address or a host name), "
+    '0.0.0.0 for every interface, or "" for loopback (a run on one node)'
+)
 
 
 def _check_coordinator_bind(rc: Recover) -> None:
@@ -355,7 +386,9 @@ def _check_status_page(rc: Recover) -> None:
     try:
         parse_host(rc.status_bind)
     except ValueError as e:
-        raise ConfigError(f"recover.status_bind: {e}; name an IPv4 address of this host, 127.0.0.1 or 0.0.0.0") from None
+        raise ConfigError(
+            f"recover.status_bind: {e}; name an IPv4 address of this host, 127.0.0.1 or 0.0.0.0"
+        ) from None
 
 
 def check_status_page(rc: Recover, port: bool = True) -> None:
@@ -367,15 +400,18 @@ def check_status_page(rc: Recover, port: bool = True) -> None:
     try:
         ip = check_bindable(rc.status_bind)
     except ValueError as e:
-        raise ConfigError(f"recover.status_bind = {rc.status_bind!r}: {e}; name an address of this host, "
-                          "127.0.0.1 or 0.0.0.0") from None
+        raise ConfigError(
+            f"recover.status_bind = {rc.status_bind!r}: {e}; name an address of this host, 127.0.0.1 or 0.0.0.0"
+        ) from None
     if not port:
         return
     try:
         check_port_free(ip, rc.status_port)
     except OSError as e:
-        raise ConfigError(f"recover.status_port = {rc.status_port}: cannot listen on {ip}:{rc.status_port} "
-                          f"({e.strerror}); {_STATUS_FIX}") from None
+        raise ConfigError(
+            f"recover.status_port = {rc.status_port}: cannot listen on {ip}:{rc.status_port} "
+            f"({e.strerror}); {_STATUS_FIX}"
+        ) from None
 
 
 def _check_control_store(rc: Recover) -> None:
@@ -384,14 +420,18 @@ def _check_control_store(rc: Recover) -> None:
     try:
         parse_etcd_url(rc.control_store)
     except ValueError as e:
-        raise ConfigError(f"recover.control_store: {e}; use \"\" (the coordinator's own TCPStore) or "
-                          "\"etcd://host:port,host:port,host:port\"") from None
+        raise ConfigError(
+            f'recover.control_store: {e}; use "" (the coordinator\'s own TCPStore) or '
+            '"etcd://host:port,host:port,host:port"'
+        ) from None
 
 
 def _check_leader_lease(rc: Recover) -> None:
     if not 2 <= rc.leader_lease_s < rc.coordinator_timeout_s:
-        raise ConfigError(f"recover.leader_lease_s must be >= 2 (etcd's shortest lease) and below "
-                          f"recover.coordinator_timeout_s, got {rc.leader_lease_s} and {rc.coordinator_timeout_s}")
+        raise ConfigError(
+            f"recover.leader_lease_s must be >= 2 (etcd's shortest lease) and below "
+            f"recover.coordinator_timeout_s, got {rc.leader_lease_s} and {rc.coordinator_timeout_s}"
+        )
 
 
 def _check_backend(rc: Recover) -> None:
@@ -400,8 +440,10 @@ def _check_backend(rc: Recover) -> None:
             f"recover.replicate_backend must be one of {', '.join(BACKENDS)}, got {rc.replicate_backend!r}"
         )
     if rc.nccl_rank_per_host and rc.group_nodes > 1:
-        raise ConfigError(f"recover.nccl_rank_per_host is for one node (ranks pose as hosts over loopback), and "
-                          f"recover.group_nodes = {rc.group_nodes}: unset it")
+        raise ConfigError(
+            f"recover.nccl_rank_per_host is for one node (ranks pose as hosts over loopback), and "
+            f"recover.group_nodes = {rc.group_nodes}: unset it"
+        )
 
 
 def _check_policy(rc: Recover) -> None:
@@ -424,8 +466,7 @@ def _check_degrees(rc: Recover, par: Any) -> None:
         raise ConfigError(f"parallelism.data_parallel_replicate_degree must be >= 1, got {replicas}")
     if shards < 1:
         raise ConfigError(
-            "parallelism.data_parallel_shard_degree must be set explicitly (>= 1) "
-            f"with titan_recover, got {shards}"
+            f"parallelism.data_parallel_shard_degree must be set explicitly (>= 1) with titan_recover, got {shards}"
         )
     if rc.min_replicas > replicas:
         raise ConfigError(
@@ -465,7 +506,8 @@ def _check_fault_target(f: fault_plan.Fault, job_config: Any) -> None:
     if f.replica >= ids or f.rank >= ranks:
         raise ConfigError(
             f"recover.fault_plan: '{f.action} replica={f.replica} rank={f.rank}' names no rank: "
-            f"the job has {ids} replica groups (0..{ids - 1}{', spares included' if job_config.recover.spares else ''}) "
+            f"the job has {ids} replica groups "
+            f"(0..{ids - 1}{', spares included' if job_config.recover.spares else ''}) "
             f"of {ranks} ranks (0..{ranks - 1})"
         )
 
@@ -549,8 +591,10 @@ def resume_hint(job_config: Any, dump_folder: str) -> str:
     if ckpt.enable:
         where = os.path.join(dump_folder, ckpt.folder)
         return f"To resume, run the same command again: TorchTitan resumes from the last checkpoint in {where}"
-    return ("To resume, run the same command again; [checkpoint] enable = false, so the run starts over "
-            "(enable checkpoints to resume where it stopped)")
+    return (
+        "To resume, run the same command again; [checkpoint] enable = false, so the run starts over "
+        "(enable checkpoints to resume where it stopped)"
+    )
 
 
 def replica_ids(job_config: Any) -> int:
@@ -575,7 +619,11 @@ def group_coordinates(rank: int, par: Any) -> tuple[int, int]:
     TorchTitan lays the world out as (pp, dp_replicate, dp_shard, tp); a replica group's
     own world is (pp, dp_shard, tp), so a rank keeps its (pp, dp_shard, tp) coordinate.
     """
-    tp, shards, replicas = par.tensor_parallel_degree, par.data_parallel_shard_degree, par.data_parallel_replicate_degree
+    tp, shards, replicas = (
+        par.tensor_parallel_degree,
+        par.data_parallel_shard_degree,
+        par.data_parallel_replicate_degree,
+    )
     rest, t = divmod(rank, tp)
     rest, s = divmod(rest, shards)
     p, r = divmod(rest, replicas)

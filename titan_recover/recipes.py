@@ -2,9 +2,23 @@
 in the adapter, ``titan_recover.titan.recipes``, since they are made of TorchTitan's components)."""
 
 from titan_recover.titan.recipes import (
-    llama3_8b_hsdp_gpu, llama3_8b_hsdp_tp_gpu, llama3_debug_cpu, llama3_exact_cpu, llama3_pp_cpu, llama3_tiny_cpu, llama3_tp_cpu,
+    llama3_8b_hsdp_gpu,
+    llama3_8b_hsdp_tp_gpu,
+    llama3_debug_cpu,
+    llama3_exact_cpu,
+    llama3_pp_cpu,
+    llama3_tiny_cpu,
+    llama3_tp_cpu,
     qwen3_debug_cpu,
 )
 
-__all__ = ["llama3_8b_hsdp_gpu", "llama3_8b_hsdp_tp_gpu", "llama3_debug_cpu", "llama3_exact_cpu", "llama3_pp_cpu", "llama3_tiny_cpu",
-           "llama3_tp_cpu", "qwen3_debug_cpu"]
+__all__ = [
+    "llama3_8b_hsdp_gpu",
+    "llama3_8b_hsdp_tp_gpu",
+    "llama3_debug_cpu",
+    "llama3_exact_cpu",
+    "llama3_pp_cpu",
+    "llama3_tiny_cpu",
+    "llama3_tp_cpu",
+    "qwen3_debug_cpu",
+]

@@ -26,15 +26,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
-from titan_recover.launch import preflight
-from titan_recover.observability import logs
-from titan_recover.rank import probe
 from titan_recover.compare import compare_runs
 from titan_recover.config import Recover
 from titan_recover.control import keys
+from titan_recover.launch import preflight
+from titan_recover.observability import logs
 from titan_recover.observability.events import RECOVERY_PHASES, read_log
-from titan_recover.titan.jobs import job
 from titan_recover.observability.summary import summarize_events
+from titan_recover.rank import probe
+from titan_recover.titan.jobs import job
 
 CHECKS = ("preflight", "collectives", "default job", "exact")
 BOUND_S = 10.0  # a survivor's first good step after a fault, at the latest (detection of a stopped peer: 1 s)
@@ -42,7 +42,10 @@ STEPS = 8
 KILL = "kill replica=1 rank=0 step=3 phase=backward"
 HOLD = "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch"  # the survivor waits for the rejoin
 EXACT = ["--recover.exact", "--recover.digest_interval", "1", "--training.global_batch_size", "24"]  # M = 6
-ONE_RANK = ["--parallelism.data_parallel_shard_degree", "1"]  # exact mode's check: single-rank groups start fastest (M = 12)
+ONE_RANK = [
+    "--parallelism.data_parallel_shard_degree",
+    "1",
+]  # exact mode's check: single-rank groups start fastest (M = 12)
 SPIKE = ["--optimizer.lr", "3", "--lr_scheduler.warmup_steps", "0"]
 """A learning rate that makes step 2's gradients ~2**5 where step 1's were below 2**-6: past the grid's 8-bit
 margin, so every run redoes step 2 on the coarser grid (measured: bound 2 -> 6); the losses stay finite."""
@@ -54,9 +57,15 @@ def host() -> dict[str, Any]:
     """What this node is: the versions each figure depends on."""
     import torch
 
-    facts: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                             "torchtitan": metadata.version("torchtitan"), "host": platform.node(),
-                             "cpus": os.cpu_count(), "cuda": torch.version.cuda, "gpus": torch.cuda.device_count()}
+    facts: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchtitan": metadata.version("torchtitan"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "cuda": torch.version.cuda,
+        "gpus": torch.cuda.device_count(),
+    }
     version = preflight.nccl_version()
     facts["nccl"] = None if version is None else ".".join(map(str, version))
     if facts["gpus"]:
@@ -67,8 +76,12 @@ def host() -> dict[str, Any]:
 
 def _driver() -> str | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else None
@@ -84,9 +97,12 @@ def check_preflight(facts: dict[str, Any], work: Path) -> dict[str, Any]:
 
     in_group = titan.in_group_timeout_s(titan.load_config(job(work / "preflight", tiny=True)))
     checked = preflight.check(preflight.nccl_version(), backend(facts), os.environ, Recover(), in_group)
-    return {"passed": not checked.refusals, "findings": [f.line() for f in checked.findings],
-            "summary": f"{len(checked.findings)} findings, {len(checked.refusals)} refused, "
-                       f"{sum(f.level == preflight.WARN for f in checked.findings)} warned"}
+    return {
+        "passed": not checked.refusals,
+        "findings": [f.line() for f in checked.findings],
+        "summary": f"{len(checked.findings)} findings, {len(checked.refusals)} refused, "
+        f"{sum(f.level == preflight.WARN for f in checked.findings)} warned",
+    }
 
 
 def check_collectives(facts: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -96,23 +112,37 @@ def check_collectives(facts: dict[str, Any], work: Path) -> dict[str, Any]:
     recoveries = probe.summarize(faults, records)
     problems = collective_problems(recoveries, codes)
     worst = {phase: max((r["phases"][phase] or 0.0) for r in recoveries) for phase in RECOVERY_PHASES}
-    return {"passed": not problems, "problems": problems, "backend": backend(facts), "bound_s": BOUND_S,
-            "recoveries": recoveries, "survivor_exit_codes": codes,
-            "memory_returned": all(r["memory_returned"] for r in recoveries),
-            "summary": f"{backend(facts)}, {len(recoveries)} faults, slowest " +
-                       ", ".join(f"{p} {s:.2f}s" for p, s in worst.items())}
+    return {
+        "passed": not problems,
+        "problems": problems,
+        "backend": backend(facts),
+        "bound_s": BOUND_S,
+        "recoveries": recoveries,
+        "survivor_exit_codes": codes,
+        "memory_returned": all(r["memory_returned"] for r in recoveries),
+        "summary": f"{backend(facts)}, {len(recoveries)} faults, slowest "
+        + ", ".join(f"{p} {s:.2f}s" for p, s in worst.items()),
+    }
 
 
 def collective_problems(recoveries: list[dict], codes: dict[int, int | None]) -> list[str]:
     """What the probe's recoveries did wrong: a phase missing or past ``BOUND_S``, a wrong sum, memory
     not back, a survivor still running at the bound (wedged) or exiting with an error."""
-    problems = [f"{r['fault']} during {r['during']}: {phase} " + ("never happened" if r["phases"][phase] is None
-                                                                 else f"{r['phases'][phase]:.2f}s > {BOUND_S:g}s")
-                for r in recoveries for phase in RECOVERY_PHASES
-                if r["phases"][phase] is None or r["phases"][phase] > BOUND_S]
-    problems += [f"{r['fault']} during {r['during']}: a survivor's first all-reduce of the new epoch summed wrong"
-                 for r in recoveries if not all(s["sum_right"] for s in r["survivors"] if s["first_good_step"] is not None)]
-    problems += [f"{r['fault']} during {r['during']}: survivors' memory not back" for r in recoveries if not r["memory_returned"]]
+    problems = [
+        f"{r['fault']} during {r['during']}: {phase} "
+        + ("never happened" if r["phases"][phase] is None else f"{r['phases'][phase]:.2f}s > {BOUND_S:g}s")
+        for r in recoveries
+        for phase in RECOVERY_PHASES
+        if r["phases"][phase] is None or r["phases"][phase] > BOUND_S
+    ]
+    problems += [
+        f"{r['fault']} during {r['during']}: a survivor's first all-reduce of the new epoch summed wrong"
+        for r in recoveries
+        if not all(s["sum_right"] for s in r["survivors"] if s["first_good_step"] is not None)
+    ]
+    problems += [
+        f"{r['fault']} during {r['during']}: survivors' memory not back" for r in recoveries if not r["memory_returned"]
+    ]
     problems += [f"survivor {r} still running at the bound (wedged)" for r, code in codes.items() if code is None]
     problems += [f"survivor {r} exited with code {code}" for r, code in codes.items() if code not in (0, None)]
     return problems
@@ -123,7 +153,9 @@ def launch(dump: Path, *overrides: str) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "titan_recover.launch", *job(dump, tiny=True), *overrides]
     log.info(f"running {' '.join(overrides) or 'the failure-free job'} (dump {dump})")
     env = {k: v for k, v in os.environ.items() if k != keys.SECRET_ENV}  # each launcher makes its own
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env={**env, "PYTHONUNBUFFERED": "1"})
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env={**env, "PYTHONUNBUFFERED": "1"}
+    )
     dump.mkdir(parents=True, exist_ok=True)  # a launcher that stopped at its checks made no dump folder
     (dump / "selftest_output.log").write_text(done.stdout + done.stderr)
     return done.returncode, (done.stdout + done.stderr)[-1500:]
@@ -138,8 +170,11 @@ def check_default_job(facts: dict[str, Any], work: Path) -> dict[str, Any]:
     steps = ["--training.steps", str(STEPS), *placement(facts)]
     twin_code, twin_tail = launch(work / "twin", *steps, "--recover.fault_plan", "none")
     code, tail = launch(work / "job", *steps, "--recover.fault_plan", f"{KILL}; {HOLD}")
-    problems = [f"{what} exited with code {c}: {t[-600:]}" for what, c, t in
-                (("the failure-free twin", twin_code, twin_tail), ("the job", code, tail)) if c != 0]
+    problems = [
+        f"{what} exited with code {c}: {t[-600:]}"
+        for what, c, t in (("the failure-free twin", twin_code, twin_tail), ("the job", code, tail))
+        if c != 0
+    ]
     summary: dict[str, Any] = {}
     if not problems:
         ran = read_log(str(work / "job" / "recover_events.jsonl")).events
@@ -154,48 +189,88 @@ def check_default_job(facts: dict[str, Any], work: Path) -> dict[str, Any]:
         if not summary["rejoined"]:
             problems.append("the restarted group never rejoined")
     rejoin = (summary.get("rejoined") or [{}])[0]
-    said = (f"{STEPS} steps the same as the twin's; in-step recovery {summary['recovery_latency_s']} s; rejoined at "
-            f"step {rejoin.get('step')}, {rejoin.get('downtime_s', 0):.1f} s after the failure" if summary else "did not run")
-    return {"passed": not problems, "problems": problems, "steps": STEPS, "fault_plan": f"{KILL}; {HOLD}",
-            "recovery_latency_s": summary.get("recovery_latency_s"), "rejoined": summary.get("rejoined"), "summary": said}
+    said = (
+        f"{STEPS} steps the same as the twin's; in-step recovery {summary['recovery_latency_s']} s; rejoined at "
+        f"step {rejoin.get('step')}, {rejoin.get('downtime_s', 0):.1f} s after the failure"
+        if summary
+        else "did not run"
+    )
+    return {
+        "passed": not problems,
+        "problems": problems,
+        "steps": STEPS,
+        "fault_plan": f"{KILL}; {HOLD}",
+        "recovery_latency_s": summary.get("recovery_latency_s"),
+        "rejoined": summary.get("rejoined"),
+        "summary": said,
+    }
 
 
 def check_exact(facts: dict[str, Any], work: Path) -> dict[str, Any]:
     """The failure-free R = 2 run, then a kill at R = 2 and at R = 3: the same bits every step, step 2
     redone on the coarser grid in each (``SPIKE``)."""
     base = [*EXACT, *SPIKE, *ONE_RANK]
-    runs = {"free": launch(work / "exact_free", *base, *placement(facts, 2), "--recover.fault_plan", "none"),
-            "R=2": launch(work / "exact_two", *base, *placement(facts, 2), "--recover.fault_plan",
-                          "kill replica=1 rank=0 step=3 phase=backward"),
-            "R=3": launch(work / "exact_three", *base, *placement(facts, 3), "--parallelism.data_parallel_replicate_degree",
-                          "3", "--recover.fault_plan", "kill replica=2 rank=0 step=2 phase=forward")}
+    runs = {
+        "free": launch(work / "exact_free", *base, *placement(facts, 2), "--recover.fault_plan", "none"),
+        "R=2": launch(
+            work / "exact_two",
+            *base,
+            *placement(facts, 2),
+            "--recover.fault_plan",
+            "kill replica=1 rank=0 step=3 phase=backward",
+        ),
+        "R=3": launch(
+            work / "exact_three",
+            *base,
+            *placement(facts, 3),
+            "--parallelism.data_parallel_replicate_degree",
+            "3",
+            "--recover.fault_plan",
+            "kill replica=2 rank=0 step=2 phase=forward",
+        ),
+    }
     problems = [f"{name} exited with code {code}: {tail[-600:]}" for name, (code, tail) in runs.items() if code != 0]
     verdicts: dict[str, str] = {}
     redone: dict[str, list[int]] = {}
     if not problems:
-        events = {name: read_log(str(work / folder / "recover_events.jsonl")).events
-                  for name, folder in (("free", "exact_free"), ("R=2", "exact_two"), ("R=3", "exact_three"))}
+        events = {
+            name: read_log(str(work / folder / "recover_events.jsonl")).events
+            for name, folder in (("free", "exact_free"), ("R=2", "exact_two"), ("R=3", "exact_three"))
+        }
         redone = {name: sorted({e["step"] for e in ev if e["event"] == "exact_redo"}) for name, ev in events.items()}
         for name in ("R=2", "R=3"):
             compared = compare_runs(events["free"], events[name], 0.0, exact=True)
-            verdicts[name] = (f"the same bits ({compared.steps} steps, {compared.digest_steps} digests)"
-                              if not compared.problems else "DIFFERENT")
+            verdicts[name] = (
+                f"the same bits ({compared.steps} steps, {compared.digest_steps} digests)"
+                if not compared.problems
+                else "DIFFERENT"
+            )
             problems += [f"{name}: {p}" for p in compared.problems]
             if not any(e["event"] == "failure" for e in events[name]):
                 problems.append(f"{name}: the kill was never detected as a failure")
-    return {"passed": not problems, "problems": problems, "verdicts": verdicts, "redone_steps": redone,
-            "summary": "; ".join(f"{k}: {v}" for k, v in verdicts.items()) or "did not run"}
+    return {
+        "passed": not problems,
+        "problems": problems,
+        "verdicts": verdicts,
+        "redone_steps": redone,
+        "summary": "; ".join(f"{k}: {v}" for k, v in verdicts.items()) or "did not run",
+    }
 
 
 RUNNERS: dict[str, Callable[[dict[str, Any], Path], dict[str, Any]]] = {
-    "preflight": check_preflight, "collectives": check_collectives, "default job": check_default_job, "exact": check_exact,
+    "preflight": check_preflight,
+    "collectives": check_collectives,
+    "default job": check_default_job,
+    "exact": check_exact,
 }
 
 
 def run(only: list[str], work: Path) -> dict[str, Any]:
     facts = host()
-    log.info(f"self-test on {facts['host']}: {facts['gpus']} GPU(s), torch {facts['torch']}, NCCL {facts['nccl']}; "
-             f"replicate backend {backend(facts)}")
+    log.info(
+        f"self-test on {facts['host']}: {facts['gpus']} GPU(s), torch {facts['torch']}, NCCL {facts['nccl']}; "
+        f"replicate backend {backend(facts)}"
+    )
     results: dict[str, Any] = {"host": facts, "checks": {}}
     start = time.monotonic()
     for name in only:

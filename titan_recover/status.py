@@ -37,23 +37,35 @@ def format_status(s: dict[str, Any]) -> str:
     tokens = "" if run["tokens_per_s"] is None else f"  {run['tokens_per_s']:.0f} tokens/s"
     ago = "" if run["updated"] is None else f"  updated {run['now'] - run['updated']:.1f}s ago"
     leader = "" if not run["leader"] else f"  leader {run['leader']['host']}:{run['leader']['pid']}"
-    lines = [f"run {run['id']}  {run['state'].upper()}  step {run['step']}/{run['steps'] or '?'}{rate}{tokens}"
-             f"  {run['precision'] or ''}{leader}{ago}"]
+    lines = [
+        f"run {run['id']}  {run['state'].upper()}  step {run['step']}/{run['steps'] or '?'}{rate}{tokens}"
+        f"  {run['precision'] or ''}{leader}{ago}"
+    ]
     if run["fatal"]:
         lines.append(f"FATAL: {run['fatal']}")
     if run.get("store_error"):
         lines.append(f"control store unreadable ({run['store_error']}): states from the event log only")
-    lines.append(f"{'replica':>7}  {'state':<10}  {'inc':>3}  {'nodes':<16}  {'heartbeat':>9}  {'microbatches':>12}  down")
+    lines.append(
+        f"{'replica':>7}  {'state':<10}  {'inc':>3}  {'nodes':<16}  {'heartbeat':>9}  {'microbatches':>12}  down"
+    )
     for g in s["groups"]:
         down = "" if g["down_since"] is None else f"{run['now'] - g['down_since']:.1f}s"
-        lines.append(f"{g['replica']:>7}  {g['state']:<10}  {g['incarnation']:>3}  {','.join(g['nodes']) or '—':<16}  "
-                     f"{_s(g['heartbeat_age_s']):>9}  {g['microbatches']:>12}  {down}")
+        lines.append(
+            f"{g['replica']:>7}  {g['state']:<10}  {g['incarnation']:>3}  {','.join(g['nodes']) or '—':<16}  "
+            f"{_s(g['heartbeat_age_s']):>9}  {g['microbatches']:>12}  {down}"
+        )
     lines.append(f"failures: {s['counts']['failures']}")
-    lines += [f"  replica {f['replica']} at step {f['step']}: {f['cause']} "
-              f"(detected in {_s(f['detection_s'])}, recovered in {_s(f['recovery_s'], 3)})" for f in s["failures"][:5]]
+    lines += [
+        f"  replica {f['replica']} at step {f['step']}: {f['cause']} "
+        f"(detected in {_s(f['detection_s'])}, recovered in {_s(f['recovery_s'], 3)})"
+        for f in s["failures"][:5]
+    ]
     lines.append(f"rejoins: {s['counts']['rejoins']}")
-    lines += [f"  replica {r['replica']}{spare_note(r)} at step {r['step']}: down {_s(r['downtime_s'], 1)}, {(r['bytes'] or 0) / 2**20:.1f} MiB in {_s(r['transfer_s'], 3)}"
-              for r in s["rejoins"][:5]]
+    lines += [
+        f"  replica {r['replica']}{spare_note(r)} at step {r['step']}: down "
+        f"{_s(r['downtime_s'], 1)}, {(r['bytes'] or 0) / 2**20:.1f} MiB in {_s(r['transfer_s'], 3)}"
+        for r in s["rejoins"][:5]
+    ]
     digests = s["digests"]
     if digests["steps"]:
         verdict = f"MISMATCH ({digests['mismatches']})" if digests["mismatches"] else "equal across replicas"
@@ -92,8 +104,10 @@ def serve_events(path: str, bind: str, port: int) -> int:
         files = [path] if os.path.isfile(path) else []
         tail = Tail(lambda: [path])
     if not files:
-        print(f"error: --events {path}: no event log there (a dump folder with recover_events*.jsonl, or one such file)",
-              file=sys.stderr)
+        print(
+            f"error: --events {path}: no event log there (a dump folder with recover_events*.jsonl, or one such file)",
+            file=sys.stderr,
+        )
         return 2
     try:
         server = StatusServer(StatusSource(tail, RunHistory()), bind, port)
@@ -109,8 +123,9 @@ def serve_events(path: str, bind: str, port: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m titan_recover.status", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m titan_recover.status", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--events", help="serve the page of a run from its event log (a dump folder or one file)")
     what.add_argument("--url", help="print the status of the run whose page is served there")

@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterator
 
 from titan_recover.node import procs
 
-if __name__ == "__main__":  # before the seconds of imports below: a torchrun agent killed meanwhile takes this rank along
+# before the seconds of imports below: a torchrun agent killed meanwhile takes this rank along
+if __name__ == "__main__":
     procs.die_with_parent()
     from titan_recover.node import devices
 
@@ -38,23 +39,23 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titan_recover import titan
+from titan_recover.config import is_spare, replica_ids, resume_hint, validate
+from titan_recover.control import keys, transport
+from titan_recover.control.addresses import route_address
+from titan_recover.control.client import COMMIT, REDO
+from titan_recover.control.protocol import MessageError, TransferRecord
+from titan_recover.control.sealed import Run
 from titan_recover.data import addressing
 from titan_recover.node import procs
 from titan_recover.observability import logs, resources
 from titan_recover.policy import membership, steps, workload
+from titan_recover.policy.fault_plan import Fault
+from titan_recover.policy.membership import Membership, diverged
 from titan_recover.rank import exact, transfer
 from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
-from titan_recover.control import keys, transport
-from titan_recover.control.client import COMMIT, REDO
-from titan_recover.control.addresses import route_address
-from titan_recover.control.protocol import MessageError, TransferRecord
-from titan_recover.control.sealed import Run
-from titan_recover.config import is_spare, replica_ids, resume_hint, validate
-from titan_recover.policy.fault_plan import Fault
-from titan_recover.rank.trainer import LoggedTrainer
 from titan_recover.rank.manager import ReplicaFenced, ReplicaManager, RunFinished
-from titan_recover.policy.membership import Membership, diverged
 from titan_recover.rank.stock import StockTrainer
+from titan_recover.rank.trainer import LoggedTrainer
 
 log = logs.get("rank")
 
@@ -84,7 +85,11 @@ class RecoverTrainer(LoggedTrainer):
         # a restarted group, or a hot spare, holds no state until a peer sends it
         rejoining = keys.attempt() > 0 or is_spare(replica, job_config)
         self.manager = ReplicaManager.connect(  # before TorchTitan builds the model: its lifeline beats meanwhile
-            rc, replica=replica, group_rank=group_rank, attempt=keys.attempt(), rejoining=rejoining,
+            rc,
+            replica=replica,
+            group_rank=group_rank,
+            attempt=keys.attempt(),
+            rejoining=rejoining,
             resume_hint=resume_hint(job_config, titan.dump_folder(job_config)),
         )
         metrics = job_config.metrics
@@ -101,11 +106,16 @@ class RecoverTrainer(LoggedTrainer):
             self.metrics_processor.logger = titan.metric_logger(job_config, self.parallel_dims, folder)
         self.manager.attach(
             ReplicateProcessGroups(
-                self.manager.store, replica, group_rank, rc.collective_timeout_s,
-                backend="nccl" if rc.replicate_backend == "nccl" else "gloo", device=self.device,
+                self.manager.store,
+                replica,
+                group_rank,
+                rc.collective_timeout_s,
+                backend="nccl" if rc.replicate_backend == "nccl" else "gloo",
+                device=self.device,
                 host=route_address(transport.coordinator_address()),
             ),
-            self.device, self.parallel_dims.world_size,
+            self.device,
+            self.parallel_dims.world_size,
         )
         self.replica_slots = replica_ids(job_config)
         self.exact: exact.ExactSum | None = None
@@ -163,12 +173,17 @@ class RecoverTrainer(LoggedTrainer):
             with self.manager.transfer_group(epoch, self.replica, donor=False) as group:
                 start = time.perf_counter()
                 header, nbytes = transfer.receive(
-                    self.manager.groups, group, self.model_parts, self.optimizers,
+                    self.manager.groups,
+                    group,
+                    self.model_parts,
+                    self.optimizers,
                     abort=lambda: self.manager.epoch_moved(epoch),
                     after_header=lambda h: self.injector.at(h.get("step"), "join"),
                 )
         except CollectiveAborted as e:
-            self.manager.report_broken(epoch, f"state transfer to replica {self.replica} rank {self.group_rank} broke", e)
+            self.manager.report_broken(
+                epoch, f"state transfer to replica {self.replica} rank {self.group_rank} broke", e
+            )
             return False
         elapsed = time.perf_counter() - start
         step, base_epoch, tokens = (header.get(k) for k in ("step", "base_epoch", "ntokens_seen"))
@@ -180,8 +195,15 @@ class RecoverTrainer(LoggedTrainer):
             raise MessageError(f"state transfer header: {e}") from e
         if self.exact is not None:
             bound = header.get("exact_bound")
-            if not isinstance(bound, int) or isinstance(bound, bool) or not exact.LOW_EXPONENT <= bound <= exact.HIGH_EXPONENT + exact.MARGIN_BITS:
-                raise MessageError(f"state transfer header has no valid exact_bound (got {bound!r}): is the donor running with recover.exact?")
+            if (
+                not isinstance(bound, int)
+                or isinstance(bound, bool)
+                or not exact.LOW_EXPONENT <= bound <= exact.HIGH_EXPONENT + exact.MARGIN_BITS
+            ):
+                raise MessageError(
+                    "state transfer header has no valid exact_bound (got "
+                    f"{bound!r}): is the donor running with recover.exact?"
+                )
             self.exact.bound = bound
         if self._synced_epoch >= 0 and step != self.step:
             raise transfer.TransferError(f"donor is at step {step}, this rank at {self.step}")
@@ -189,22 +211,33 @@ class RecoverTrainer(LoggedTrainer):
         self.step, self.manager.base_epoch, self.ntokens_seen, self.speeds = step, base_epoch, tokens, speeds
         self._synced_epoch = epoch
         self.manager.record_transfer(TransferRecord(nbytes, elapsed, step, epoch))
-        log.info(f"replica {self.replica} rank {self.group_rank}: received {nbytes / 2**20:.1f} MiB of state "
-            f"for step {step} in {elapsed:.3f}s (epoch {epoch})")
+        log.info(
+            f"replica {self.replica} rank {self.group_rank}: received {nbytes / 2**20:.1f} MiB of state "
+            f"for step {step} in {elapsed:.3f}s (epoch {epoch})"
+        )
         return True
 
     def _send_state(self, epoch: int, joiner: int) -> bool:
         """Hands this rank's state to the same group rank of ``joiner``; False if that broke."""
         header = transfer.meta(
-            {"step": self.step, "base_epoch": self.manager.base_epoch, "ntokens_seen": self.ntokens_seen,
-             "speeds": self.speeds.to_json(),  # the joiner derives the same quotas from here on
-             **({"exact_bound": self.exact.bound} if self.exact is not None else {})},
-            self.optimizers, self.lr_schedulers,
+            {
+                "step": self.step,
+                "base_epoch": self.manager.base_epoch,
+                "ntokens_seen": self.ntokens_seen,
+                "speeds": self.speeds.to_json(),  # the joiner derives the same quotas from here on
+                **({"exact_bound": self.exact.bound} if self.exact is not None else {}),
+            },
+            self.optimizers,
+            self.lr_schedulers,
         )
         try:
             with self.manager.transfer_group(epoch, joiner, donor=True) as group:
                 nbytes = transfer.send(
-                    self.manager.groups, group, header, self.model_parts, self.optimizers,
+                    self.manager.groups,
+                    group,
+                    header,
+                    self.model_parts,
+                    self.optimizers,
                     abort=lambda: self.manager.epoch_moved(epoch),
                     after_header=lambda: self.injector.at(self.step, "donate"),
                 )
@@ -212,7 +245,10 @@ class RecoverTrainer(LoggedTrainer):
             cause = f"state transfer from replica {self.replica} rank {self.group_rank} to replica {joiner} broke"
             self.manager.report_broken(epoch, cause, e)
             return False
-        log.info(f"replica {self.replica} rank {self.group_rank}: sent {nbytes / 2**20:.1f} MiB of state to replica {joiner} (epoch {epoch})")
+        log.info(
+            f"replica {self.replica} rank {self.group_rank}: sent "
+            f"{nbytes / 2**20:.1f} MiB of state to replica {joiner} (epoch {epoch})"
+        )
         return True
 
     def _sync_state(self, history: list[Membership]) -> bool:
@@ -258,7 +294,9 @@ class RecoverTrainer(LoggedTrainer):
                         epoch = self.manager.agree_epoch(newer_than=epoch)
                         continue
                     synced = current.epoch
-                owned = steps.step_assignment(self.rc.policy, history, self.num_microbatches, self.speeds.rates())[self.replica]
+                owned = steps.step_assignment(self.rc.policy, history, self.num_microbatches, self.speeds.rates())[
+                    self.replica
+                ]
                 for m in owned:
                     if m not in done:
                         self._compute(m, tally, len(done), len(owned))
@@ -269,7 +307,9 @@ class RecoverTrainer(LoggedTrainer):
                     continue
                 buffers = self._reduction_buffers(tally)
                 reduced = self.manager.allreduce(
-                    current, buffers, on_launched=lambda: self.injector.at(self.step, "allreduce"),
+                    current,
+                    buffers,
+                    on_launched=lambda: self.injector.at(self.step, "allreduce"),
                 )
                 if reduced:
                     coarser = self.exact.redo_bound(buffers[2]) if self.exact is not None else None
@@ -292,9 +332,13 @@ class RecoverTrainer(LoggedTrainer):
         that holds its largest gradient (below ``2**bound``)."""
         assert self.exact is not None
         if self.group_rank == 0:
-            self.events.emit("exact_redo", step=self.step, replica=self.replica, bound=self.exact.bound, new_bound=bound)
-        log.info(f"replica {self.replica} rank {self.group_rank}: step {self.step}'s gradients reach 2**{bound}, past the "
-                 f"exact grid's 2**{self.exact.bound}: every replica redoes the step on the coarser grid")
+            self.events.emit(
+                "exact_redo", step=self.step, replica=self.replica, bound=self.exact.bound, new_bound=bound
+            )
+        log.info(
+            f"replica {self.replica} rank {self.group_rank}: step {self.step}'s gradients reach 2**{bound}, past the "
+            f"exact grid's 2**{self.exact.bound}: every replica redoes the step on the coarser grid"
+        )
         self.exact.bound = bound
         self.exact.reset()
 
@@ -306,7 +350,9 @@ class RecoverTrainer(LoggedTrainer):
         digest = addressing.piece_digest(inputs, labels) if self.reports_data else 0  # of the CPU copy
         with self.injector.microbatch(self.model_parts[0], self.step, index, count):
             input_dict, targets = titan.model_inputs(self, inputs.to(self.device), labels.to(self.device))
-            loss = self.forward_backward_step(input_dict=input_dict, labels=targets, global_valid_tokens=self.valid_tokens)
+            loss = self.forward_backward_step(
+                input_dict=input_dict, labels=targets, global_valid_tokens=self.valid_tokens
+            )
         if self.exact is not None:  # this microbatch's gradient alone onto the fixed-point sum
             grads = self._grads()
             self.exact.add(grads, f"step {self.step} microbatch {microbatch}")
@@ -360,8 +406,12 @@ class RecoverTrainer(LoggedTrainer):
         flat, tally = buffers[:2]
         summary = steps.summarize(tally, self.parallel_dims.dp_shard, int(self.global_tokens), self.replica_slots)
         self.speeds = workload.update_speeds(
-            self.speeds, summary.seconds_per_microbatch, current.members, self.num_microbatches,
-            self.rc.speed_smoothing, self.rc.rebalance_threshold,
+            self.speeds,
+            summary.seconds_per_microbatch,
+            current.members,
+            self.num_microbatches,
+            self.rc.speed_smoothing,
+            self.rc.rebalance_threshold,
         )
         with torch.no_grad():
             grads, offset = self._grads(), 0
@@ -379,8 +429,15 @@ class RecoverTrainer(LoggedTrainer):
             # every member offers the record, the first one counts
             self.manager.publish_step(self._step_record(summary, current.epoch, list(current.members), grad_norm))
             if after_failure:  # leaks would show here, failure after failure
-                self.events.emit("resources", process="rank", replica=self.replica, rank=self.group_rank, step=self.step,
-                                 parked=self.manager.groups.parked(), **resources.usage())
+                self.events.emit(
+                    "resources",
+                    process="rank",
+                    replica=self.replica,
+                    rank=self.group_rank,
+                    step=self.step,
+                    parked=self.manager.groups.parked(),
+                    **resources.usage(),
+                )
         if self.step % self.rc.digest_interval == 0 or self.step == self.job_config.training.steps:
             self._check_param_digest(current)
         if self.metrics_processor.should_log(self.step):
@@ -394,8 +451,10 @@ class RecoverTrainer(LoggedTrainer):
     def _recovery_metrics(self, current: Membership, summary: steps.StepSummary) -> dict[str, float]:
         """The run's recovery figures for TensorBoard/W&B: this step's, and the coordinator's counts
         as it last saved them (read from the store only at log steps, only when a logger wants them)."""
-        out = {"recover/live_groups": float(len(current.members)),
-               "recover/microbatches": float(summary.quotas.get(self.replica, 0))}
+        out = {
+            "recover/live_groups": float(len(current.members)),
+            "recover/microbatches": float(summary.quotas.get(self.replica, 0)),
+        }
         state = self.manager.control.read_state()
         if state is not None:
             out |= {"recover/failures": float(state.failures), "recover/rejoins": float(state.rejoins)}
@@ -429,9 +488,13 @@ class RecoverTrainer(LoggedTrainer):
             digests = self.manager.exchange_digests(current.members, digest)
             if self.replica in diverged(digests, current.members[0]):
                 expected = sorted(set(digests.values()) - {digest})
-                self.events.emit("param_digest_mismatch", step=self.step, replica=self.replica, digest=digest, expected=expected)
-                log.error(f"replica {self.replica} parameters differ from the others' at step {self.step}: "
-                    f"{digest} != {expected}; it leaves and rejoins with a live peer's state")
+                self.events.emit(
+                    "param_digest_mismatch", step=self.step, replica=self.replica, digest=digest, expected=expected
+                )
+                log.error(
+                    f"replica {self.replica} parameters differ from the others' at step {self.step}: "
+                    f"{digest} != {expected}; it leaves and rejoins with a live peer's state"
+                )
                 ok = False
         if not self.manager.group_all(ok):
             cause = f"its parameters diverged from the other replicas' at step {self.step} (digest mismatch)"

@@ -2,7 +2,8 @@
 
 Bottom up: ``keys`` and ``protocol`` (pure: key names, one record per message) ->
 ``addresses`` (pure: host:port and etcd URLs) -> ``sealed`` (a run's identity; every value
-sealed with its secret) -> ``transport`` (TCPStore and etcd: serve, connect, probe) -> ``client`` (every read and write of a record) -> ``lifeline``
+sealed with its secret) -> ``transport`` (TCPStore and etcd: serve, connect, probe) -> ``client`` (every read and write
+of a record) -> ``lifeline``
 and ``claims`` (a launcher's threads and claims). Nothing here imports the rank side,
 the data or TorchTitan.
 """

@@ -56,7 +56,9 @@ def resolve(host: str) -> str:
     try:
         return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
     except (socket.gaierror, UnicodeError) as e:
-        raise ValueError(f"host {host!r} does not resolve to an IPv4 address ({getattr(e, 'strerror', None) or e})") from None
+        raise ValueError(
+            f"host {host!r} does not resolve to an IPv4 address ({getattr(e, 'strerror', None) or e})"
+        ) from None
 
 
 def check_bindable(host: str) -> str:
@@ -87,7 +89,7 @@ def parse_etcd_url(url: str) -> list[tuple[str, int]]:
     if not is_etcd(url):
         raise ValueError(f"{url!r} does not start with {ETCD_SCHEME}")
     endpoints = []
-    for item in url[len(ETCD_SCHEME):].split(","):
+    for item in url[len(ETCD_SCHEME) :].split(","):
         try:
             endpoints.append(parse_host_port(item.strip()))
         except ValueError as e:

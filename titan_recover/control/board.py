@@ -96,7 +96,9 @@ class Board:
         except OSError as e:
             raise BoardMissing(f"the node board at {where.address} does not answer ({e}): its leader is gone") from None
         # not transport.connect, which waits for a starting server: a beat must not wait on a lost one
-        client = in_run(dist.TCPStore(where.host, where.port, is_master=False, timeout=timedelta(seconds=OP_S)), self._run)
+        client = in_run(
+            dist.TCPStore(where.host, where.port, is_master=False, timeout=timedelta(seconds=OP_S)), self._run
+        )
         if not client.check([keys.HELLO]):
             raise BoardMissing(f"the node board at {where.address} does not serve this run")
         return client

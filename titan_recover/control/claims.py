@@ -39,7 +39,12 @@ def silent(message_of: Callable[[Launcher], bytes], owners: set[Launcher], stale
 
 
 def claim(
-    client: ControlClient, me: Launcher, replicas: list[int], stale_s: float, log: Callable[[str], None], part: int = 0,
+    client: ControlClient,
+    me: Launcher,
+    replicas: list[int],
+    stale_s: float,
+    log: Callable[[str], None],
+    part: int = 0,
     message_of: Callable[[Launcher], bytes] | None = None,
 ) -> list[int]:
     """Claims ``replicas`` (their part ``part``, when groups span nodes) for ``me``, taking over
@@ -61,7 +66,12 @@ def _of(part: int) -> str:
 
 
 def _claim(
-    client: ControlClient, me: Launcher, replicas: list[int], stale_s: float, log: Callable[[str], None], part: int,
+    client: ControlClient,
+    me: Launcher,
+    replicas: list[int],
+    stale_s: float,
+    log: Callable[[str], None],
+    part: int,
     message_of: Callable[[Launcher], bytes],
 ) -> list[int]:
     held: dict[int, tuple[bytes, Launcher]] = {}  # claimed by someone else: their exact value, them
@@ -71,8 +81,10 @@ def _claim(
             held[r] = (raw, Launcher.loads(keys.owner_key(r, part), raw))
     owners = {o for _, o in held.values()}
     if owners:
-        log(f"replica groups {sorted(held)}{_of(part)} are claimed by {', '.join(map(str, owners))}; taking them over "
-            f"unless it shows a sign of life within {stale_s:g}s")
+        log(
+            f"replica groups {sorted(held)}{_of(part)} are claimed by {', '.join(map(str, owners))}; taking them over "
+            f"unless it shows a sign of life within {stale_s:g}s"
+        )
     dead = silent(message_of, owners, stale_s)
     live: dict[int, Launcher] = {}
     for r, (raw, owner) in sorted(held.items()):
@@ -91,11 +103,14 @@ def _claim(
         raise ClaimRefused(
             f"replica groups {sorted(live)}{_of(part)} already run under a live launcher ({who}); a replica group "
             f"runs under one launcher per node it spans. Give each node its own groups in {where}; to move groups to "
-            f"this node, stop that launcher first (its claims are taken over once it has shown no sign of life for {stale_s:g}s)"
+            "this node, stop that launcher first (its claims are taken "
+            f"over once it has shown no sign of life for {stale_s:g}s)"
         )
     taken = sorted(r for r in held if r not in live)
     if dead:
-        log(f"took over replica groups {taken}{_of(part)} from {', '.join(map(str, dead))}, which shows no sign of life")
+        log(
+            f"took over replica groups {taken}{_of(part)} from {', '.join(map(str, dead))}, which shows no sign of life"
+        )
     return taken
 
 
@@ -106,5 +121,6 @@ def release(client: ControlClient, me: Launcher, replicas: list[int], part: int 
 
 
 def holds(client: ControlClient, me: Launcher, replica: int, part: int = 0) -> bool:
-    """Whether ``me`` still runs ``replica`` (its part ``part``): another launcher takes it over when ``me`` looked dead."""
+    """Whether ``me`` still runs ``replica`` (its part ``part``): another launcher takes it over when ``me`` looked
+    dead."""
     return client.store.read(keys.owner_key(replica, part)) == me.dumps().encode()

@@ -14,12 +14,12 @@ from typing import TypeVar
 from titan_recover.control import keys
 from titan_recover.control.protocol import (
     Admission,
-    Membership,
     CoordinatorState,
     Fatal,
     FaultRecord,
     Fence,
     Launcher,
+    Membership,
     MessageError,
     NodeMessage,
     Record,
@@ -205,8 +205,10 @@ class ControlClient:
     def read_fences(self, replicas: list[int]) -> dict[int, Fence | None]:
         """The fences of ``replicas`` (None: not fenced), in one request on etcd."""
         names = [keys.fenced_key(r) for r in replicas]
-        return {r: None if raw is None else Fence.loads(name, raw)
-                for r, name, raw in zip(replicas, names, self.store.multi_read(names))}
+        return {
+            r: None if raw is None else Fence.loads(name, raw)
+            for r, name, raw in zip(replicas, names, self.store.multi_read(names))
+        }
 
     def admit(self, replica: int, admission: Admission) -> None:
         self.put(keys.admitted_key(replica, admission.attempt), admission)
@@ -267,7 +269,8 @@ class ControlClient:
         return self.store.multi_get(names)
 
     def node_message_raw(self, launcher: Launcher) -> bytes:
-        """A launcher's node message as it stands (b"" before it registered): a sequence number makes every beat differ."""
+        """A launcher's node message as it stands (b"" before it registered): a sequence number makes every beat
+        differ."""
         return self.store.read(launcher.key) or b""
 
     # ---- the coordinator's own --------------------------------------------------------
@@ -281,7 +284,6 @@ class ControlClient:
     def read_state(self) -> CoordinatorState | None:
         return self.read(keys.COORDINATOR_STATE, CoordinatorState)
 
-
     # ---- forgetting -------------------------------------------------------------------
     # Keys nobody reads any more are deleted, so a long run's store stays bounded. The coordinator
     # decides which (``coordinator.core.Forget``), after saving the state that says they are gone.
@@ -292,8 +294,15 @@ class ControlClient:
     def forget_steps(self, steps: range, epochs: range, replicas: int) -> None:
         """What committed ``steps`` left: their records, the parameter digests of replica ids
         0..``replicas``-1, and their commit votes and decisions in ``epochs``."""
-        names = [name for step in steps for name in (keys.step_key(step), *(keys.digest_key(step, r) for r in range(replicas)),
-                                                      *(keys.decision_key(step, e) for e in epochs))]
+        names = [
+            name
+            for step in steps
+            for name in (
+                keys.step_key(step),
+                *(keys.digest_key(step, r) for r in range(replicas)),
+                *(keys.decision_key(step, e) for e in epochs),
+            )
+        ]
         self.store.delete_many(names, tallies=[keys.ok_key(step, e) for step in steps for e in epochs])
 
     def forget_epochs(self, epochs: range) -> None:

@@ -70,7 +70,9 @@ def _b(data: str | bytes) -> bytes:
 class EtcdStore(dist.Store):
     """The TCPStore API on etcd, with fail-over across ``endpoints`` (see the module doc)."""
 
-    def __init__(self, endpoints: list[tuple[str, int]], timeout_s: float, guard: tuple[str, str] | None = None) -> None:
+    def __init__(
+        self, endpoints: list[tuple[str, int]], timeout_s: float, guard: tuple[str, str] | None = None
+    ) -> None:
         super().__init__()
         self.endpoints = endpoints
         self._clients = [Etcd3Client(host, port, timeout=REQUEST_S, api_path="/v3/") for host, port in endpoints]
@@ -137,7 +139,9 @@ class EtcdStore(dist.Store):
                 raise LeadershipLost(f"the leader key {key!r} no longer holds this leader's lease")
             return answer
         # the guard first: an inner txn runs the caller's own compare only while we lead
-        answer = self.txn([lease], [{"request_txn": {"compare": compare, "success": success, "failure": failure or []}}])
+        answer = self.txn(
+            [lease], [{"request_txn": {"compare": compare, "success": success, "failure": failure or []}}]
+        )
         if not answer.get("succeeded"):
             raise LeadershipLost(f"the leader key {key!r} no longer holds this leader's lease")
         return {**answer["responses"][0]["response_txn"], "header": answer["header"]}  # the inner one's is empty
@@ -171,11 +175,21 @@ class EtcdStore(dist.Store):
         watch saw one (no read needed), None otherwise: the caller reads the key again. One watch
         stream on a connection of its own, so a blocking wait never holds the store's lock."""
         client = self._clients[self._current]
-        body = {"create_request": {"key": _encode(key), "start_revision": revision + 1,
-                                   "filters": ["NOPUT" if deletes else "NODELETE"]}}
+        body = {
+            "create_request": {
+                "key": _encode(key),
+                "start_revision": revision + 1,
+                "filters": ["NOPUT" if deletes else "NODELETE"],
+            }
+        }
         try:
-            with requests.post(client.get_url("watch"), json=body, stream=True, headers=REQUIRE_LEADER,
-                               timeout=(REQUEST_S, max(seconds, 0.01))) as answer:
+            with requests.post(
+                client.get_url("watch"),
+                json=body,
+                stream=True,
+                headers=REQUIRE_LEADER,
+                timeout=(REQUEST_S, max(seconds, 0.01)),
+            ) as answer:
                 for line in answer.iter_lines():
                     result = json.loads(line).get("result", {}) if line else {}
                     if result.get("canceled"):
@@ -192,7 +206,7 @@ class EtcdStore(dist.Store):
         ops = [{"request_delete_range": {"key": _encode(k)}} for k in keys]
         ops += [{"request_delete_range": under(p)} for p in prefixes]
         for i in range(0, len(ops), MAX_TXN_OPS):
-            self._guarded([], ops[i:i + MAX_TXN_OPS])
+            self._guarded([], ops[i : i + MAX_TXN_OPS])
 
     def put_and_count(self, key: str, prefix: str) -> int:
         """Writes ``key`` (empty) and counts the keys under ``prefix`` right after, in one transaction:
@@ -265,7 +279,7 @@ class EtcdStore(dist.Store):
         (etcd's default limit of operations in a transaction)."""
         values: list[list[dict]] = []
         for i in range(0, len(keys), MAX_TXN_OPS):
-            answer = self.txn([], [{"request_range": {"key": _encode(k)}} for k in keys[i:i + MAX_TXN_OPS]])
+            answer = self.txn([], [{"request_range": {"key": _encode(k)}} for k in keys[i : i + MAX_TXN_OPS]])
             values += [r["response_range"].get("kvs", []) for r in answer.get("responses", [])]
         return [_decode(kvs[0].get("value", "")) if kvs else None for kvs in values]
 
@@ -288,15 +302,19 @@ class EtcdStore(dist.Store):
             seen = self._counters.pop(key, None)  # (value, mod_revision), or None: guessed missing
             while True:
                 new = (seen[0] if seen is not None else 0) + amount
-                same = ({"key": _encode(key), "target": "MOD", "result": "EQUAL", "mod_revision": seen[1]}
-                        if seen is not None else
-                        {"key": _encode(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0})
+                same = (
+                    {"key": _encode(key), "target": "MOD", "result": "EQUAL", "mod_revision": seen[1]}
+                    if seen is not None
+                    else {"key": _encode(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
+                )
                 mark = f"{self._seq} {new}".encode()
                 reads = [{"request_range": {"key": _encode(key)}}, {"request_range": {"key": _encode(self._marker)}}]
                 try:
-                    # a request resent to another member after its first one was applied fails ``same``: the marker says so
-                    answer = self._guarded([same], [put_op(key, str(new).encode()), put_op(self._marker, mark, self._lease())],
-                                           reads)
+                    # a request resent to another member after its first one was applied fails ``same``: the marker says
+                    # so
+                    answer = self._guarded(
+                        [same], [put_op(key, str(new).encode()), put_op(self._marker, mark, self._lease())], reads
+                    )
                 except EtcdRefused as e:
                     if "lease not found" not in str(e):
                         raise
@@ -338,8 +356,11 @@ class EtcdStore(dist.Store):
             answer = self._guarded([holds], [put_op(key, desired)], read)
         else:  # missing, or holding "" (etcd's value compare fails on a missing key): two tries in one txn
             missing = {"key": _encode(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
-            answer = self._guarded([missing], [put_op(key, desired)],
-                                   [{"request_txn": {"compare": [holds], "success": [put_op(key, desired)], "failure": read}}])
+            answer = self._guarded(
+                [missing],
+                [put_op(key, desired)],
+                [{"request_txn": {"compare": [holds], "success": [put_op(key, desired)], "failure": read}}],
+            )
             if not answer.get("succeeded"):
                 answer = answer["responses"][0]["response_txn"]
         if answer.get("succeeded"):
@@ -359,8 +380,9 @@ class EtcdStore(dist.Store):
             try:
                 self._until(key, timedelta(seconds=max(0.0, deadline - time.monotonic())))
             except dist.DistStoreError:
-                raise dist.DistStoreError(f"etcd store: keys {keys} did not all appear within "
-                                          f"{(timeout or self.timeout).total_seconds():g}s") from None
+                raise dist.DistStoreError(
+                    f"etcd store: keys {keys} did not all appear within {(timeout or self.timeout).total_seconds():g}s"
+                ) from None
 
     def clone(self) -> EtcdStore:
         """Itself: every call is one short request under the lock, so a blocking ``get`` in one
@@ -380,7 +402,9 @@ class Changes:
         self.store, self.prefix, self.ignore = store, prefix, ignore
         self._changed, self._stop = threading.Event(), threading.Event()
         self._lock = threading.Lock()
-        self._keys: set[str] | None = None  # put since the last ``wait``, after the prefix; None: unknown (at first too)
+        self._keys: set[str] | None = (
+            None  # put since the last ``wait``, after the prefix; None: unknown (at first too)
+        )
         self._thread = threading.Thread(target=self._run, name="titan-recover-changes", daemon=True)
         self._thread.start()
 
@@ -392,15 +416,20 @@ class Changes:
                 revision = revision or self.store.revision()
                 client = self.store._clients[self.store._current]
                 request = {"create_request": {**body, "start_revision": revision + 1}}
-                with requests.post(client.get_url("watch"), json=request, stream=True, headers=REQUIRE_LEADER,
-                                   timeout=(REQUEST_S, WATCH_S)) as answer:
+                with requests.post(
+                    client.get_url("watch"),
+                    json=request,
+                    stream=True,
+                    headers=REQUIRE_LEADER,
+                    timeout=(REQUEST_S, WATCH_S),
+                ) as answer:
                     for line in answer.iter_lines():
                         result = json.loads(line).get("result", {}) if line else {}
                         if result.get("canceled") or self._stop.is_set():
                             break
                         for event in result.get("events", []):
                             revision = int(event["kv"]["mod_revision"])
-                            key = _decode(event["kv"]["key"]).decode(errors="replace")[len(self.prefix):]
+                            key = _decode(event["kv"]["key"]).decode(errors="replace")[len(self.prefix) :]
                             if not key.startswith(self.ignore):
                                 self._put(key)
             except (requests.RequestException, ValueError, KeyError, EtcdError):
@@ -459,9 +488,12 @@ def check_cluster(url: str, timeout_s: float) -> str:
         members = probe.members()
         probe.range("titan_recover/probe")  # a linearizable read: the cluster has a leader and a quorum
     except (EtcdUnavailable, InternalServerError) as e:
-        raise ValueError(f"cannot reach the etcd cluster at {url}: {e}; is etcd running, and are those its client "
-                         "addresses?") from None
+        raise ValueError(
+            f"cannot reach the etcd cluster at {url}: {e}; is etcd running, and are those its client addresses?"
+        ) from None
     if len(members) < MIN_MEMBERS:
-        raise ValueError(f"the etcd cluster at {url} has {len(members)} member(s); coordinator fail-over needs at "
-                         f"least {MIN_MEMBERS} (a majority must survive the loss of one): add members")
+        raise ValueError(
+            f"the etcd cluster at {url} has {len(members)} member(s); coordinator fail-over needs at "
+            f"least {MIN_MEMBERS} (a majority must survive the loss of one): add members"
+        )
     return f"etcd cluster at {url}: {len(members)} members"

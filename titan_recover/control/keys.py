@@ -35,8 +35,19 @@ REPLICATE_BACKEND = "replicate_backend"  # "gloo" or "nccl": the first rank sets
 NODES = "nodes"  # counter: launchers registered so far; node_key(1..n) name them
 
 
-NO_PASS = ("ok/", "decision/", "param_digest/", "pg/", ALIVE, COORDINATOR_STATE, BOARD, "members/", EPOCH, "fenced/",
-           "admitted/")
+NO_PASS = (
+    "ok/",
+    "decision/",
+    "param_digest/",
+    "pg/",
+    ALIVE,
+    COORDINATOR_STATE,
+    BOARD,
+    "members/",
+    EPOCH,
+    "fenced/",
+    "admitted/",
+)
 """Keys whose writes wake no coordinator pass on etcd: the ranks' own per-step agreement and the
 coordinator's own writes (node messages are not in etcd: ``board``)."""
 

@@ -60,9 +60,13 @@ class Lease:
                 self._id = lease
                 self._lost.clear()
                 self._stop = threading.Event()  # this term's: a previous term's threads stay stopped
-                self._keeper = threading.Thread(target=self._keep, args=(self._stop,), name="titan-recover-lease", daemon=True)
+                self._keeper = threading.Thread(
+                    target=self._keep, args=(self._stop,), name="titan-recover-lease", daemon=True
+                )
                 self._keeper.start()
-                threading.Thread(target=self._compact, args=(self._stop,), name="titan-recover-compact", daemon=True).start()
+                threading.Thread(
+                    target=self._compact, args=(self._stop,), name="titan-recover-compact", daemon=True
+                ).start()
                 return self.store.guarded((self.key, self.value))
             self.store.post("kv/lease/revoke", {"ID": lease})
             held, revision = self.store.read_at(self.key)

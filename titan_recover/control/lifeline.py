@@ -10,10 +10,10 @@ from typing import Callable
 import torch.distributed as dist
 
 from titan_recover.control import keys
-from titan_recover.control.board import Board
 from titan_recover.control.addresses import is_etcd
-from titan_recover.control.transport import call_within, connect, connection_refused
+from titan_recover.control.board import Board
 from titan_recover.control.sealed import Run
+from titan_recover.control.transport import call_within, connect, connection_refused
 
 PROBE_S = 0.5  # how often a lifeline reads ALIVE; the coordinator lingers longer than that at the end
 CONFIRM_S = 1.0  # the fresh probe before a verdict: a live coordinator answers a new client well within it
@@ -48,7 +48,9 @@ class AliveClock:
     timeout_s: float
     start: float  # when watching began
     value: int = -1
-    startup_s: float = 0.0  # the bound before the counter first moved past 0 (a coordinator still starting, a leader being elected)
+    startup_s: float = (
+        0.0  # the bound before the counter first moved past 0 (a coordinator still starting, a leader being elected)
+    )
     since: float = field(init=False)  # when the counter last moved, or the watcher last woke from a pause
     last_tick: float = field(init=False)
 
@@ -160,8 +162,10 @@ class Heartbeat:
             self._board.set(client, self._key, self._message())
         except Exception as e:
             if not self._board_error and self._board_reached:  # before the first leader's board: expected
-                log.warning(f"this node's message did not reach the coordinator's board ({one_line(e)}); "
-                            "looking it up again every heartbeat interval")
+                log.warning(
+                    f"this node's message did not reach the coordinator's board ({one_line(e)}); "
+                    "looking it up again every heartbeat interval"
+                )
             self._board_error = one_line(e)
             return
         if self._board_error and self._board_reached:
@@ -200,8 +204,9 @@ class Heartbeat:
         if connection_refused(self._address):
             return False
         try:
-            return call_within(CONFIRM_S, lambda: self._read(connect(self._address, CONFIRM_S, self._run)),
-                               "titan-recover-probe")
+            return call_within(
+                CONFIRM_S, lambda: self._read(connect(self._address, CONFIRM_S, self._run)), "titan-recover-probe"
+            )
         except Exception as e:  # unreachable or too slow: no sign of life
             log.debug(f"probe of the coordinator at {self._address} failed: {e!r}")
             return False
@@ -212,9 +217,11 @@ class Heartbeat:
             with self._lock:
                 paused = self._clock.tick(time.monotonic(), wait)
             if paused:
-                log.warning(f"this launcher did not run for {paused:.1f}s (stopped, e.g. SIGSTOP or a paused VM, or starved "
-                            f"of CPU): the coordinator gets {self._timeout:g}s from now to show a sign of life; this "
-                            "node's replica groups may have been fenced meanwhile, and rejoin")
+                log.warning(
+                    f"this launcher did not run for {paused:.1f}s (stopped, e.g. SIGSTOP or a paused VM, or starved "
+                    f"of CPU): the coordinator gets {self._timeout:g}s from now to show a sign of life; this "
+                    "node's replica groups may have been fenced meanwhile, and rejoin"
+                )
             reason = self.verdict()
             if reason is None:
                 continue

@@ -147,15 +147,31 @@ class NodeGroup(Record):
     @classmethod
     def from_json(cls, key: str, rec: dict[str, Any]) -> "NodeGroup":
         silent = rec.get("silent_s")
-        if not (all(f in rec for f in cls.REQUIRED) and all(is_count(rec[f]) for f in cls.COUNTS)
-                and is_seconds(silent) and silent >= 0):
-            raise MessageError(f"store key {key!r}: a group needs non-negative integers {list(cls.COUNTS)} "
-                               f"and seconds silent_s: {rec!r:.200}")
+        if not (
+            all(f in rec for f in cls.REQUIRED)
+            and all(is_count(rec[f]) for f in cls.COUNTS)
+            and is_seconds(silent)
+            and silent >= 0
+        ):
+            raise MessageError(
+                f"store key {key!r}: a group needs non-negative integers {list(cls.COUNTS)} "
+                f"and seconds silent_s: {rec!r:.200}"
+            )
         stuck = rec.get("stuck")
-        _require(key, stuck is None or (isinstance(stuck, dict) and is_int(stuck.get("rank")) and is_int(stuck.get("step"))),
-                 "stuck needs integers rank and step", stuck)
-        return NodeGroup(rec["attempt"], rec["ranks"], rec["ready"], rec["finished"], silent,
-                         None if stuck is None else Stuck(stuck["rank"], stuck["step"]))
+        _require(
+            key,
+            stuck is None or (isinstance(stuck, dict) and is_int(stuck.get("rank")) and is_int(stuck.get("step"))),
+            "stuck needs integers rank and step",
+            stuck,
+        )
+        return NodeGroup(
+            rec["attempt"],
+            rec["ranks"],
+            rec["ready"],
+            rec["finished"],
+            silent,
+            None if stuck is None else Stuck(stuck["rank"], stuck["step"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -172,11 +188,20 @@ class NodeMessage(Record):
 
     @classmethod
     def from_json(cls, key: str, rec: dict[str, Any]) -> "NodeMessage":
-        _require(key, is_int(rec["seq"]) and isinstance(rec["groups"], dict), "seq must be an integer and groups an object", rec)
+        _require(
+            key,
+            is_int(rec["seq"]) and isinstance(rec["groups"], dict),
+            "seq must be an integer and groups an object",
+            rec,
+        )
         groups = {}
         for replica, entry in rec["groups"].items():
-            _require(key, isinstance(replica, str) and replica.isdigit() and isinstance(entry, dict),
-                     f"group {replica!r} is not a replica id with an object", entry)
+            _require(
+                key,
+                isinstance(replica, str) and replica.isdigit() and isinstance(entry, dict),
+                f"group {replica!r} is not a replica id with an object",
+                entry,
+            )
             try:
                 groups[int(replica)] = NodeGroup.from_json(key, entry)
             except MessageError as e:
@@ -212,14 +237,31 @@ class Report(Record):
             if value is not None and not is_count(value):
                 raise MessageError(f"store key {key!r}: {name} must be a non-negative integer, got {value!r}")
         error = rec.get("error")
-        _require(key, isinstance(rec["cause"], str) and (error is None or isinstance(error, str)),
-                 "cause and error must be strings", rec)
+        _require(
+            key,
+            isinstance(rec["cause"], str) and (error is None or isinstance(error, str)),
+            "cause and error must be strings",
+            rec,
+        )
         when, waiting = rec.get("time", 0.0), rec.get("waiting", False)
         _require(key, is_seconds(when), "time must be seconds", rec)
-        _require(key, isinstance(waiting, bool) and not (waiting and rec.get("suspect") is not None),
-                 "waiting must be a boolean, and a waiting report names no suspect", rec)
-        return Report(rec["epoch"], rec["cause"], rec.get("replica"), rec.get("suspect"), rec.get("step"),
-                      rec.get("attempt"), error or None, float(when), waiting)
+        _require(
+            key,
+            isinstance(waiting, bool) and not (waiting and rec.get("suspect") is not None),
+            "waiting must be a boolean, and a waiting report names no suspect",
+            rec,
+        )
+        return Report(
+            rec["epoch"],
+            rec["cause"],
+            rec.get("replica"),
+            rec.get("suspect"),
+            rec.get("step"),
+            rec.get("attempt"),
+            error or None,
+            float(when),
+            waiting,
+        )
 
 
 @dataclass(frozen=True)
@@ -243,15 +285,39 @@ class StepRecord(Record):
 
     @classmethod
     def from_json(cls, key: str, rec: dict[str, Any]) -> "StepRecord":
-        _require(key, is_count(rec["step"]) and is_count(rec["epoch"]) and isinstance(rec["members"], list)
-                 and all(is_count(m) for m in rec["members"]) and isinstance(rec["microbatches"], list)
-                 and isinstance(rec["data_digest"], str) and is_seconds(rec["time"]),
-                 "a step record needs integers step and epoch, a list of replica ids, microbatches, a digest and a time", rec)
+        _require(
+            key,
+            is_count(rec["step"])
+            and is_count(rec["epoch"])
+            and isinstance(rec["members"], list)
+            and all(is_count(m) for m in rec["members"])
+            and isinstance(rec["microbatches"], list)
+            and isinstance(rec["data_digest"], str)
+            and is_seconds(rec["time"]),
+            "a step record needs integers step and epoch, a list of replica ids, microbatches, a digest and a time",
+            rec,
+        )
         data_epochs = rec.get("data_epochs", [])
-        _require(key, isinstance(data_epochs, list) and all(is_count(e) for e in data_epochs), "data_epochs must be integers", rec)
-        return StepRecord(rec["step"], rec["epoch"], rec["members"], rec["microbatches"], rec["data_digest"], rec["loss"],
-                          rec.get("grad_norm"), rec["time"], data_epochs, rec.get("quotas", {}),
-                          rec.get("seconds_per_microbatch", {}), rec.get("samples"))
+        _require(
+            key,
+            isinstance(data_epochs, list) and all(is_count(e) for e in data_epochs),
+            "data_epochs must be integers",
+            rec,
+        )
+        return StepRecord(
+            rec["step"],
+            rec["epoch"],
+            rec["members"],
+            rec["microbatches"],
+            rec["data_digest"],
+            rec["loss"],
+            rec.get("grad_norm"),
+            rec["time"],
+            data_epochs,
+            rec.get("quotas", {}),
+            rec.get("seconds_per_microbatch", {}),
+            rec.get("samples"),
+        )
 
 
 def _is_endpoint(rec: dict[str, Any]) -> bool:
@@ -272,8 +338,12 @@ class Rendezvous(Record):
 
     @classmethod
     def from_json(cls, key: str, rec: dict[str, Any]) -> "Rendezvous":
-        _require(key, is_count(rec["attempt"]) and _is_endpoint(rec),
-                 "attempt must be an integer >= 0, host a name, port in 1..65535", rec)
+        _require(
+            key,
+            is_count(rec["attempt"]) and _is_endpoint(rec),
+            "attempt must be an integer >= 0, host a name, port in 1..65535",
+            rec,
+        )
         return Rendezvous(rec["attempt"], rec["host"], rec["port"])
 
 
@@ -307,7 +377,9 @@ class Incarnation(Record):
 
     @classmethod
     def from_json(cls, key: str, rec: dict[str, Any]) -> "Incarnation":
-        _require(key, is_count(rec["attempt"]) and is_count(rec["epoch"]), "attempt and epoch must be integers >= 0", rec)
+        _require(
+            key, is_count(rec["attempt"]) and is_count(rec["epoch"]), "attempt and epoch must be integers >= 0", rec
+        )
         return cls(rec["attempt"], rec["epoch"])
 
 
@@ -349,8 +421,12 @@ class Launcher(Record):
 
     @classmethod
     def from_json(cls, key: str, rec: dict[str, Any]) -> "Launcher":
-        _require(key, isinstance(rec["launcher"], str) and isinstance(rec["host"], str) and is_int(rec["pid"]),
-                 "launcher and host must be strings, pid an integer", rec)
+        _require(
+            key,
+            isinstance(rec["launcher"], str) and isinstance(rec["host"], str) and is_int(rec["pid"]),
+            "launcher and host must be strings, pid an integer",
+            rec,
+        )
         return Launcher(rec["launcher"], rec["host"], rec["pid"])
 
     def __str__(self) -> str:
@@ -370,7 +446,9 @@ class TransferRecord(Record):
 
     @classmethod
     def from_json(cls, key: str, rec: dict[str, Any]) -> "TransferRecord":
-        _require(key, is_count(rec["bytes"]) and is_seconds(rec["transfer_s"]), "bytes and transfer_s must be numbers", rec)
+        _require(
+            key, is_count(rec["bytes"]) and is_seconds(rec["transfer_s"]), "bytes and transfer_s must be numbers", rec
+        )
         return TransferRecord(rec["bytes"], rec["transfer_s"], rec.get("step", 0), rec.get("epoch", 0))
 
 
@@ -390,8 +468,14 @@ class FaultRecord(Record):
     @classmethod
     def from_json(cls, key: str, rec: dict[str, Any]) -> "FaultRecord":
         _require(key, is_seconds(rec["time"]) and is_count(rec["attempt"]), "time and attempt must be numbers", rec)
-        return FaultRecord(rec.get("replica", -1), rec.get("rank", -1), rec["attempt"], rec.get("step", -1),
-                           str(rec.get("phase", "")), float(rec["time"]))
+        return FaultRecord(
+            rec.get("replica", -1),
+            rec.get("rank", -1),
+            rec["attempt"],
+            rec.get("step", -1),
+            str(rec.get("phase", "")),
+            float(rec["time"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -433,7 +517,9 @@ class CoordinatorState(Record):
     spares: dict[int, int] = field(default_factory=dict)  # groups ready to join while the membership is full -> attempt
     dropped: dict[int, int] = field(default_factory=dict)  # waiting incarnations fenced for silence -> attempt
     down_since: dict[int, float] = field(default_factory=dict)  # failed replica, not yet replaced -> when it failed
-    repairs: dict[int, tuple[int, float]] = field(default_factory=dict)  # admitted group -> (replica it replaces, since)
+    repairs: dict[int, tuple[int, float]] = field(
+        default_factory=dict
+    )  # admitted group -> (replica it replaces, since)
     unread_reports: list[int] = field(default_factory=list)  # slots below next_report reserved but not written yet
     forgotten_steps: int = 0  # the store keys of committed steps up to this one are deleted
     kept_epoch: int = 0  # the oldest epoch whose store keys (members, group rendezvous) are kept
@@ -443,9 +529,25 @@ class CoordinatorState(Record):
     last_recovery_s: float | None = None  # the last failure's recovery latency
     last_downtime_s: float | None = None  # the last rejoin's downtime
 
-    REQUIRED = ("progress", "next_report", "retries", "attempts", "admitted_epoch", "joining", "spares", "dropped",
-                "down_since", "repairs")
-    COUNTS: ClassVar[tuple[str, ...]] = ("forgotten_steps", "kept_epoch", "forgotten_reports", "failures", "rejoins")  # absent: 0
+    REQUIRED = (
+        "progress",
+        "next_report",
+        "retries",
+        "attempts",
+        "admitted_epoch",
+        "joining",
+        "spares",
+        "dropped",
+        "down_since",
+        "repairs",
+    )
+    COUNTS: ClassVar[tuple[str, ...]] = (
+        "forgotten_steps",
+        "kept_epoch",
+        "forgotten_reports",
+        "failures",
+        "rejoins",
+    )  # absent: 0
     SECONDS: ClassVar[tuple[str, ...]] = ("last_recovery_s", "last_downtime_s")  # absent: none yet
 
     def to_json(self) -> dict[str, Any]:
@@ -456,24 +558,49 @@ class CoordinatorState(Record):
     @classmethod
     def from_json(cls, key: str, rec: dict[str, Any]) -> "CoordinatorState":
         progress = rec["progress"]
-        _require(key, progress is None or (isinstance(progress, dict) and is_int(progress.get("step"))
-                                           and is_int(progress.get("epoch")) and is_seconds(progress.get("time"))),
-                 "progress needs step, epoch, time", progress)
-        _require(key, is_int(rec["next_report"]) and rec["next_report"] >= 1 and is_int(rec["retries"]),
-                 "next_report and retries must be integers", rec)
+        _require(
+            key,
+            progress is None
+            or (
+                isinstance(progress, dict)
+                and is_int(progress.get("step"))
+                and is_int(progress.get("epoch"))
+                and is_seconds(progress.get("time"))
+            ),
+            "progress needs step, epoch, time",
+            progress,
+        )
+        _require(
+            key,
+            is_int(rec["next_report"]) and rec["next_report"] >= 1 and is_int(rec["retries"]),
+            "next_report and retries must be integers",
+            rec,
+        )
         unread = rec.get("unread_reports", [])
-        _require(key, isinstance(unread, list) and all(is_int(i) and 1 <= i < rec["next_report"] for i in unread),
-                 "unread_reports must be report slots below next_report", unread)
+        _require(
+            key,
+            isinstance(unread, list) and all(is_int(i) and 1 <= i < rec["next_report"] for i in unread),
+            "unread_reports must be report slots below next_report",
+            unread,
+        )
         counts = [rec.get(k, 0) for k in cls.COUNTS]
         _require(key, all(is_count(c) for c in counts), f"{list(cls.COUNTS)} must be integers >= 0", rec)
         seconds = [rec.get(k) for k in cls.SECONDS]
-        _require(key, all(s is None or (is_seconds(s) and s >= 0) for s in seconds), f"{list(cls.SECONDS)} must be seconds >= 0", rec)
+        _require(
+            key,
+            all(s is None or (is_seconds(s) and s >= 0) for s in seconds),
+            f"{list(cls.SECONDS)} must be seconds >= 0",
+            rec,
+        )
         pair = lambda v: isinstance(v, list) and len(v) == 2 and is_int(v[0]) and is_seconds(v[1])  # noqa: E731
         return CoordinatorState(
             None if progress is None else Progress(progress["step"], progress["epoch"], progress["time"]),
-            rec["next_report"], rec["retries"],
+            rec["next_report"],
+            rec["retries"],
             *(_ids(key, rec[k], k, is_int) for k in ("attempts", "admitted_epoch", "joining", "spares", "dropped")),
             _ids(key, rec["down_since"], "down_since", is_seconds),
             {r: (v[0], v[1]) for r, v in _ids(key, rec["repairs"], "repairs", pair).items()},
-            sorted(unread), *counts, *seconds,
+            sorted(unread),
+            *counts,
+            *seconds,
         )

@@ -176,7 +176,11 @@ class SealedStore(dist.Store):
 
     def check(self, keys: list[str]) -> bool:
         """Whether every key holds a sealed value: a forged one counts as missing."""
-        return all(self.read(k) is not None for k in keys) if not all(unsealed(k) for k in keys) else self.inner.check(keys)
+        return (
+            all(self.read(k) is not None for k in keys)
+            if not all(unsealed(k) for k in keys)
+            else self.inner.check(keys)
+        )
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """The values under ``keys``; a forged one reads as empty (and is logged)."""

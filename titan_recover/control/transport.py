@@ -14,7 +14,14 @@ from typing import Callable, TypeVar
 import torch.distributed as dist
 
 from titan_recover.control import keys
-from titan_recover.control.addresses import LOOPBACK, first_endpoint, is_etcd, local_host, parse_etcd_url, parse_host_port
+from titan_recover.control.addresses import (
+    LOOPBACK,
+    first_endpoint,
+    is_etcd,
+    local_host,
+    parse_etcd_url,
+    parse_host_port,
+)
 from titan_recover.control.sealed import Run, SealedStore
 
 HELLO_WAIT_S = 10.0  # how long a client waits for the hello (the coordinator sets it right after listening)
@@ -68,7 +75,9 @@ def listen(bind: str, port: int) -> int:
     the coordinator binds the socket itself and hands it over (``master_listen_fd``).
     """
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, addr = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+            0
+        ]
         sock = socket.socket(family, kind, proto)
     except OSError as e:
         raise RuntimeError(f"cannot listen on {bind}:{port}: {e}; check [recover] coordinator_bind") from e
@@ -113,7 +122,9 @@ def listening_port(fd: int) -> int:
         sock.detach()
 
 
-def serve(port: int, timeout_s: float, bind: str = LOOPBACK, run: Run | None = None, fd: int | None = None) -> SealedStore:
+def serve(
+    port: int, timeout_s: float, bind: str = LOOPBACK, run: Run | None = None, fd: int | None = None
+) -> SealedStore:
     """The coordinator's store server, reachable on ``bind`` only (loopback unless other nodes need it),
     holding the keys of ``run`` (default: the one in this process's environment), on the listening
     socket ``fd`` when its launcher bound it (no other process can take the port in between)."""
@@ -129,7 +140,11 @@ def serve_any_port(bind: str, timeout_s: float, run: Run) -> tuple[SealedStore, 
 
 def _serve(fd: int, port: int, timeout_s: float, bind: str, run: Run) -> SealedStore:
     tcp = dist.TCPStore(
-        local_host(bind), port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+        local_host(bind),
+        port,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
         master_listen_fd=fd,
     )
     in_run(tcp, Run(run.secret, "")).set(keys.CURRENT_RUN, run.id)  # how a launcher given only the secret finds the run
@@ -154,8 +169,9 @@ def etcd(address: str, timeout_s: float) -> dist.Store:
     try:
         from titan_recover.control.etcd_store import EtcdStore
     except ImportError as e:
-        raise RuntimeError(f"[recover] control_store names etcd but its client is missing ({e}): "
-                           "pip install 'titan_recover[etcd]'") from None
+        raise RuntimeError(
+            f"[recover] control_store names etcd but its client is missing ({e}): pip install 'titan_recover[etcd]'"
+        ) from None
     made = _ETCD_CLIENTS.setdefault((address, timeout_s, get_ident()), [])
     for client, timeout in made:
         if client.timeout == timeout:
@@ -229,9 +245,11 @@ def connect(
         try:
             wait_for(client, keys.HELLO, timeout_s, poll_s=0.05)
         except TimeoutError:
-            raise WrongRunError(f"the etcd cluster at {address} holds no run {run.id!r} with this {keys.SECRET_ENV} "
-                                f"after {timeout_s:g}s: give every launcher of the run the same {keys.SECRET_ENV} and "
-                                f"{keys.RUN_ENV}, and start the run's first node") from None
+            raise WrongRunError(
+                f"the etcd cluster at {address} holds no run {run.id!r} with this {keys.SECRET_ENV} "
+                f"after {timeout_s:g}s: give every launcher of the run the same {keys.SECRET_ENV} and "
+                f"{keys.RUN_ENV}, and start the run's first node"
+            ) from None
         return client
     client = in_run(_tcp_client(address, timeout_s, gone), run)
     try:

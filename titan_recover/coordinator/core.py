@@ -15,7 +15,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
-from titan_recover.control.protocol import Admission, CoordinatorState, Fence, Progress, Report, StepRecord, TransferRecord
+from titan_recover.control.protocol import (
+    Admission,
+    CoordinatorState,
+    Fence,
+    Progress,
+    Report,
+    StepRecord,
+    TransferRecord,
+)
 from titan_recover.policy.membership import (
     FailureDetector,
     GroupView,
@@ -142,7 +150,8 @@ class CoordinatorCore:
         self.commit_epochs: dict[int, int] = {}  # step -> its commit epoch, for the steps this leader saw commit
 
     def take_over(self, state: CoordinatorState, history: dict[int, Membership], epoch: int) -> None:
-        """Continues from the state a previous leader saved and the epochs the store holds (those from ``state.kept_epoch``)."""
+        """Continues from the state a previous leader saved and the epochs the store holds (those from
+        ``state.kept_epoch``)."""
         self.state, self.history = state, {e: m for e, m in history.items() if state.kept_epoch <= e <= epoch}
         self.detector.set_members(self.membership.members)
 
@@ -174,10 +183,17 @@ class CoordinatorCore:
     def on_step(self, record: StepRecord) -> list[Effect]:
         """A committed step: saved before its event, so a leader that dies in between has its successor log it."""
         forget = self._commit(record.step, record.epoch, record.time)
-        return [Save(), LogStep(record)] + [
-            Say(f"data epoch {epoch} begins at step {record.step}: every sample of the corpus was read "
-                "once; they are read again in a new order") for epoch in record.data_epochs
-        ] + forget
+        return (
+            [Save(), LogStep(record)]
+            + [
+                Say(
+                    f"data epoch {epoch} begins at step {record.step}: every sample of the corpus was read "
+                    "once; they are read again in a new order"
+                )
+                for epoch in record.data_epochs
+            ]
+            + forget
+        )
 
     def on_malformed_step(self, error: str) -> list[Effect]:
         """The record of the step in progress does not check out (``error`` names its key). Members
@@ -190,9 +206,14 @@ class CoordinatorCore:
         if epoch is None:
             return []
         forget = self._commit(step, epoch, self.wall())
-        return [Save(), Emit("step_unrecorded", {"step": step, "epoch": epoch, "error": error}),
-                Say(f"step {step} committed in epoch {epoch} without a readable record ({error}): it is not in the "
-                    "event log's steps")] + forget
+        return [
+            Save(),
+            Emit("step_unrecorded", {"step": step, "epoch": epoch, "error": error}),
+            Say(
+                f"step {step} committed in epoch {epoch} without a readable record ({error}): it is not in the "
+                "event log's steps"
+            ),
+        ] + forget
 
     def _commit(self, step: int, epoch: int, when: float) -> list[Effect]:
         """``step`` committed in ``epoch``: the run's progress, and the keys that can go now."""
@@ -216,8 +237,12 @@ class CoordinatorCore:
             return []
         first = max(state.forgotten_steps, self.start_step or 0) + 1
         upto = min([*state.unread_reports, state.next_report])
-        forget = Forget(steps=range(first, last + 1), vote_epochs=range(state.kept_epoch, edge + 1),
-                        epochs=range(state.kept_epoch, edge), reports=range(state.forgotten_reports + 1, upto))
+        forget = Forget(
+            steps=range(first, last + 1),
+            vote_epochs=range(state.kept_epoch, edge + 1),
+            epochs=range(state.kept_epoch, edge),
+            reports=range(state.forgotten_reports + 1, upto),
+        )
         state.forgotten_steps, state.kept_epoch = max(state.forgotten_steps, last), max(state.kept_epoch, edge)
         state.forgotten_reports = max(state.forgotten_reports, upto - 1)
         self.commit_epochs = {s: e for s, e in self.commit_epochs.items() if s > last}
@@ -286,9 +311,13 @@ class CoordinatorCore:
                 state.down_since[replaced] = since
             else:
                 state.down_since.setdefault(replica, t)
-            effects += [Emit("failure", {"replica": replica, "step": step, "cause": cause, "time": t, "clock": clock,
-                                         "detected": wall}),
-                        Say(f"replica {replica} failed at step {step}: {cause}")]
+            effects += [
+                Emit(
+                    "failure",
+                    {"replica": replica, "step": step, "cause": cause, "time": t, "clock": clock, "detected": wall},
+                ),
+                Say(f"replica {replica} failed at step {step}: {cause}"),
+            ]
         error = job_error(self.errors, self.membership.members)
         if error is not None:
             return effects + [Stop(f"the job's own error, not a hardware failure: {error}; fix it and run again")]
@@ -307,11 +336,18 @@ class CoordinatorCore:
         self.detector.set_members(new.members)
         if failed:
             return effects + [
-                Emit("recovered", {"step": step, "epoch": new.epoch, "members": list(new.members), "latency_s": latency}),
-                Usage(step), Say(f"epoch {new.epoch}: members {list(new.members)} (recovered in {latency:.3f}s)"),
+                Emit(
+                    "recovered", {"step": step, "epoch": new.epoch, "members": list(new.members), "latency_s": latency}
+                ),
+                Usage(step),
+                Say(f"epoch {new.epoch}: members {list(new.members)} (recovered in {latency:.3f}s)"),
             ]
-        return effects + [Say(f"epoch {new.epoch}: retrying step {step} with the same members {list(new.members)} "
-                              f"(retry {state.retries} of at most {self.rules.max_step_retries})")]
+        return effects + [
+            Say(
+                f"epoch {new.epoch}: retrying step {step} with the same members {list(new.members)} "
+                f"(retry {state.retries} of at most {self.rules.max_step_retries})"
+            )
+        ]
 
     def _still_joining(self) -> dict[int, int]:
         """Joiners without state. One admitted in an epoch whose step the store already
@@ -329,10 +365,20 @@ class CoordinatorCore:
             return self.on_failure({}, now)
         if verdict == "fence":
             reporters = sorted(self.reporters)
-            return self.on_failure({r: f"step {self.step()} broke {retries} times: replicas {reporters} "
-                                       "reported broken collectives and this one never did (it held them up)" for r in who}, now)
-        return [Stop(f"step {self.step()} broke {retries} times with every replica ({list(who)}) reporting broken "
-                     "collectives and none silent: check the network between the replica groups")]
+            return self.on_failure(
+                {
+                    r: f"step {self.step()} broke {retries} times: replicas {reporters} "
+                    "reported broken collectives and this one never did (it held them up)"
+                    for r in who
+                },
+                now,
+            )
+        return [
+            Stop(
+                f"step {self.step()} broke {retries} times with every replica ({list(who)}) reporting broken "
+                "collectives and none silent: check the network between the replica groups"
+            )
+        ]
 
     # ---- joins, spares, rejoins ---------------------------------------------------------
 
@@ -346,7 +392,11 @@ class CoordinatorCore:
         ready: dict[int, int] = {}
         for replica, attempt in self.asking.items():
             if replica >= self.rules.replica_ids:
-                effects.append(Say(f"ignoring a join request of replica {replica}: the run has ids 0..{self.rules.replica_ids - 1}"))
+                effects.append(
+                    Say(
+                        f"ignoring a join request of replica {replica}: the run has ids 0..{self.rules.replica_ids - 1}"
+                    )
+                )
                 continue
             up = self.views[(replica, attempt)].ready
             seen = max(state.attempts.get(replica, -1), state.dropped.get(replica, -1))
@@ -369,7 +419,9 @@ class CoordinatorCore:
             if replica not in state.spares:
                 state.spares[replica] = ready[replica]
                 self.detector.expect(replica, now)  # its beats are watched from now on
-                effects.append(Emit("spare_ready", {"replica": replica, "attempt": ready[replica], "step": self.step()}))
+                effects.append(
+                    Emit("spare_ready", {"replica": replica, "attempt": ready[replica], "step": self.step()})
+                )
         return effects
 
     def _drop_silent_spares(self, now: float) -> list[Effect]:
@@ -385,9 +437,12 @@ class CoordinatorCore:
     def _drop_spare(self, replica: int, cause: str) -> list[Effect]:
         attempt = self.state.spares.pop(replica)
         self.state.dropped[replica] = attempt
-        return [Save(), FenceOut(replica, Fence(attempt, self.membership.epoch)),
-                Emit("spare_lost", {"replica": replica, "attempt": attempt, "step": self.step(), "cause": cause}),
-                Say(f"spare replica {replica} (attempt {attempt}) fenced: {cause}")]
+        return [
+            Save(),
+            FenceOut(replica, Fence(attempt, self.membership.epoch)),
+            Emit("spare_lost", {"replica": replica, "attempt": attempt, "step": self.step(), "cause": cause}),
+            Say(f"spare replica {replica} (attempt {attempt}) fenced: {cause}"),
+        ]
 
     def _admit(self, replica: int, attempt: int, now: float) -> list[Effect]:
         """Makes a ready group a member in a new epoch; it takes the state from a live peer."""
@@ -406,9 +461,20 @@ class CoordinatorCore:
             state.repairs[replica] = (replaced, state.down_since.pop(replaced))
         instead = "" if replaced in (None, replica) else f" in place of replica {replaced}"
         return effects + [
-            Emit("admitted", {"replica": replica, "attempt": attempt, "epoch": new.epoch, "step": self.step(),
-                              **({"replaces": replaced} if replaced is not None else {})}),
-            Say(f"epoch {new.epoch}: replica {replica} (attempt {attempt}) admitted{instead}, members {list(new.members)}"),
+            Emit(
+                "admitted",
+                {
+                    "replica": replica,
+                    "attempt": attempt,
+                    "epoch": new.epoch,
+                    "step": self.step(),
+                    **({"replaces": replaced} if replaced is not None else {}),
+                },
+            ),
+            Say(
+                f"epoch {new.epoch}: replica {replica} (attempt {attempt}) "
+                f"admitted{instead}, members {list(new.members)}"
+            ),
         ]
 
     def on_rejoined(self, transfers: Callable[[int], list[TransferRecord]]) -> list[Effect]:
@@ -430,10 +496,19 @@ class CoordinatorCore:
             self.state.rejoins += 1
             self.state.last_downtime_s = downtime
             what = "rejoined" if replaced == replica else f"(a spare) replaced replica {replaced}"
-            effects += [Save(),
-                Emit("rejoined", {"replica": replica, "step": progress.step, "bytes": sum(r.bytes for r in records),
-                                  "transfer_s": max((r.transfer_s for r in records), default=0.0), "downtime_s": downtime,
-                                  **({"replaces": replaced} if replaced != replica else {})}),
+            effects += [
+                Save(),
+                Emit(
+                    "rejoined",
+                    {
+                        "replica": replica,
+                        "step": progress.step,
+                        "bytes": sum(r.bytes for r in records),
+                        "transfer_s": max((r.transfer_s for r in records), default=0.0),
+                        "downtime_s": downtime,
+                        **({"replaces": replaced} if replaced != replica else {}),
+                    },
+                ),
                 Say(f"replica {replica} {what} at step {progress.step}, {downtime:.1f}s after the failure"),
             ]
         return effects
@@ -441,7 +516,8 @@ class CoordinatorCore:
     def finished(self) -> bool:
         """Every member with state has finished (a group still rejoining is not waited for)."""
         return all(
-            (view := self.views.get((r, self.state.attempts[r]))) is not None and view.finished >= self.rules.group_ranks
+            (view := self.views.get((r, self.state.attempts[r]))) is not None
+            and view.finished >= self.rules.group_ranks
             for r in self.membership.members
             if r not in self.state.joining
         )

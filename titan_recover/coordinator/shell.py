@@ -24,15 +24,14 @@ import torch.distributed as dist
 
 from titan_recover import config
 from titan_recover.config import ConfigError, CoordinatorSettings
-from titan_recover.observability import logs, resources
 from titan_recover.control import keys, transport
-from titan_recover.control.board import LeaderBoard
 from titan_recover.control.addresses import LOOPBACK, is_etcd, parse_host_port
+from titan_recover.control.board import LeaderBoard
 from titan_recover.control.client import COMMIT, ControlClient
 from titan_recover.control.keys import BOARD, FATAL, NO_PASS, NODES, REPORTS, START_STEP, leader_key
-from titan_recover.control.sealed import Run
 from titan_recover.control.lifeline import PROBE_S
 from titan_recover.control.protocol import CoordinatorState, Membership, MessageError, NodeMessage, TransferRecord
+from titan_recover.control.sealed import Run
 from titan_recover.coordinator.core import (
     Admit,
     CoordinatorCore,
@@ -48,10 +47,11 @@ from titan_recover.coordinator.core import (
     Stop,
     Usage,
 )
+from titan_recover.observability import logs, resources
 from titan_recover.observability.events import EventLog, Tail, event_files, logged_steps
-from titan_recover.policy.membership import FailureDetector, group_views
 from titan_recover.observability.run_status import RunHistory
 from titan_recover.observability.status_server import StatusServer, StatusSource, StoreReader
+from titan_recover.policy.membership import FailureDetector, group_views
 
 POLL_S = 0.02  # detection is bounded by report_confirm_s / heartbeats, not by this
 ALIVE_S = 0.25  # how often the alive counter moves (watchers allow coordinator_timeout_s)
@@ -62,7 +62,8 @@ log = logs.get("coordinator")
 
 
 def sleep_then_anything(seconds: float) -> None:
-    """The wait between passes on the TCPStore: nothing tells which keys changed (None), so every pass reads them all."""
+    """The wait between passes on the TCPStore: nothing tells which keys changed (None), so every pass reads them
+    all."""
     time.sleep(seconds)
 
 
@@ -87,20 +88,32 @@ class LeaderEvents(EventLog):
 def rules(settings: CoordinatorSettings) -> Rules:
     rc = settings.recover
     return Rules(
-        replicas=settings.replicas, replica_ids=settings.replica_ids,
-        group_ranks=settings.group_ranks, steps=settings.steps, min_replicas=rc.min_replicas,
-        max_step_retries=rc.max_step_retries, spare_timeout_s=rc.heartbeat_timeout_s,
+        replicas=settings.replicas,
+        replica_ids=settings.replica_ids,
+        group_ranks=settings.group_ranks,
+        steps=settings.steps,
+        min_replicas=rc.min_replicas,
+        max_step_retries=rc.max_step_retries,
+        spare_timeout_s=rc.heartbeat_timeout_s,
     )
 
 
 def run_config(settings: CoordinatorSettings) -> dict[str, Any]:
     """What a reader of the event log needs to know of the run (the status page of a finished run)."""
-    return {"replicas": settings.replicas, "replica_ids": settings.replica_ids, "steps": settings.steps,
-            "tokens_per_step": settings.tokens_per_step, "precision": settings.precision}
+    return {
+        "replicas": settings.replicas,
+        "replica_ids": settings.replica_ids,
+        "steps": settings.steps,
+        "tokens_per_step": settings.tokens_per_step,
+        "precision": settings.precision,
+    }
 
 
-def status_page(settings: CoordinatorSettings, connect: Callable[[], ControlClient],
-                messages: Callable[[ControlClient, list[str]], list[bytes]]) -> StatusServer | None:
+def status_page(
+    settings: CoordinatorSettings,
+    connect: Callable[[], ControlClient],
+    messages: Callable[[ControlClient, list[str]], list[bytes]],
+) -> StatusServer | None:
     """The run's status page (``[recover] status_port``), read from the event log and through
     ``connect``'s own client of the store; None when it is off or cannot listen (said once: the
     run goes on without it)."""
@@ -109,11 +122,15 @@ def status_page(settings: CoordinatorSettings, connect: Callable[[], ControlClie
         return None
     history = RunHistory(**run_config(settings))
     folder = settings.dump_folder
-    source = StatusSource(Tail(lambda: event_files(folder)), history, Run.from_env().public_id, StoreReader(connect, messages))
+    source = StatusSource(
+        Tail(lambda: event_files(folder)), history, Run.from_env().public_id, StoreReader(connect, messages)
+    )
     try:
         server = StatusServer(source, rc.status_bind, rc.status_port)
     except OSError as e:  # checked free at launch: a frozen former leader on this host may hold it
-        log.warning(f"no status page: cannot listen on {rc.status_bind}:{rc.status_port} ({e.strerror}); the run goes on")
+        log.warning(
+            f"no status page: cannot listen on {rc.status_bind}:{rc.status_port} ({e.strerror}); the run goes on"
+        )
         return None
     log.info(f"status page at {server.address} (Prometheus: {server.address}metrics)")
     return server
@@ -122,22 +139,38 @@ def status_page(settings: CoordinatorSettings, connect: Callable[[], ControlClie
 class Coordinator:
     """The I/O shell around ``CoordinatorCore``: one pass reads the store, the core decides, the shell publishes."""
 
-    def __init__(self, settings: CoordinatorSettings, client: dist.Store, events: EventLog, poll_s: float = POLL_S,
-                 wait: Callable[[float], Collection[str] | None] = sleep_then_anything,
-                 node_messages: Callable[[list[str]], list[bytes]] | None = None) -> None:
+    def __init__(
+        self,
+        settings: CoordinatorSettings,
+        client: dist.Store,
+        events: EventLog,
+        poll_s: float = POLL_S,
+        wait: Callable[[float], Collection[str] | None] = sleep_then_anything,
+        node_messages: Callable[[list[str]], list[bytes]] | None = None,
+    ) -> None:
         self.rc = rc = settings.recover
         self.control = ControlClient(client)
         self.node_messages = node_messages or self.control.node_messages  # on etcd: the leader's board
         self.events = events
         self.poll_s, self.wait = poll_s, wait  # between passes: ``wait(poll_s)``, early with the keys put, or None
         self.alive_s = ETCD_ALIVE_S if rc.control_store else ALIVE_S
-        detector = FailureDetector(members=tuple(range(settings.replicas)),
-                                   timeout_s=rc.heartbeat_timeout_s, confirm_s=rc.report_confirm_s,
-                                   startup_s=rc.startup_timeout_s, start=time.monotonic())
-        self.core = CoordinatorCore(rules(settings), detector, fault_time=self._fault_time,
-                                    committed=lambda step, epoch: self.control.decision(step, epoch) == COMMIT)
+        detector = FailureDetector(
+            members=tuple(range(settings.replicas)),
+            timeout_s=rc.heartbeat_timeout_s,
+            confirm_s=rc.report_confirm_s,
+            startup_s=rc.startup_timeout_s,
+            start=time.monotonic(),
+        )
+        self.core = CoordinatorCore(
+            rules(settings),
+            detector,
+            fault_time=self._fault_time,
+            committed=lambda step, epoch: self.control.decision(step, epoch) == COMMIT,
+        )
         self.slot_seen: dict[int, float] = {}  # unread report slots (``state.unread_reports``) -> first seen empty
-        self.nodes: dict[str, int] = {}  # the launcher key of every registered node still read -> its registration index
+        self.nodes: dict[
+            str, int
+        ] = {}  # the launcher key of every registered node still read -> its registration index
         self.next_node = 1  # the next registration index to name
         self.nodes_put = True  # a launcher may have registered since the count was last read
         self.pending_nodes: dict[int, float] = {}  # registrations not yet named -> first seen
@@ -249,8 +282,10 @@ class Coordinator:
                 effects = self.core.on_malformed_step(str(e))
                 if not effects:
                     if self.malformed_step != step:
-                        log.warning(f"malformed step record: {e}; step {step} is logged without it once the store "
-                                    "shows it committed")
+                        log.warning(
+                            f"malformed step record: {e}; step {step} is logged without it once the store "
+                            "shows it committed"
+                        )
                         self.malformed_step = step
                     return
                 self._apply(effects)
@@ -267,8 +302,10 @@ class Coordinator:
         self.next_node_read = now + config.node_message_interval_s(self.rc)
         if self.last_node_read is not None and now - self.last_node_read > self.rc.heartbeat_timeout_s / 2:
             self.core.grace(now)  # no lifeline could write, or none was read: silence says nothing about the groups
-            log.warning(f"no node message read for {now - self.last_node_read:.1f}s (the control store stalled, e.g. "
-                        "an etcd election, or this coordinator was frozen): every group gets one heartbeat timeout from now")
+            log.warning(
+                f"no node message read for {now - self.last_node_read:.1f}s (the control store stalled, e.g. "
+                "an etcd election, or this coordinator was frozen): every group gets one heartbeat timeout from now"
+            )
         if self.nodes_put or self.pending_nodes:
             self.nodes_put = False
             self._register_nodes(now)
@@ -285,9 +322,14 @@ class Coordinator:
                 log.warning(f"ignoring malformed node message: {e}")
         self.last_node_read = now
         self._forget_nodes(now)
-        self.core.on_nodes(group_views(
-            (replica, entry, seen) for message, seen in self.node_groups.values() for replica, entry in message.groups.items()
-        ), now)
+        self.core.on_nodes(
+            group_views(
+                (replica, entry, seen)
+                for message, seen in self.node_groups.values()
+                for replica, entry in message.groups.items()
+            ),
+            now,
+        )
 
     def _register_nodes(self, now: float) -> None:
         """Names the launchers registered since the last read (each writes its name right after the counter)."""
@@ -303,8 +345,10 @@ class Coordinator:
                 self.node_changed[name] = now
             elif now - since > REPORT_GRACE_S:
                 del self.pending_nodes[index]
-                log.info(f"node {index} has no launcher name (it died before naming itself, or a previous leader "
-                         "forgot it once another launcher had taken its claims over); skipped")
+                log.info(
+                    f"node {index} has no launcher name (it died before naming itself, or a previous leader "
+                    "forgot it once another launcher had taken its claims over); skipped"
+                )
 
     def _forget_nodes(self, now: float) -> None:
         """Stops reading, and deletes, the launchers silent for longer than a claim's takeover bound
@@ -312,8 +356,11 @@ class Coordinator:
         then cost the store and each pass nothing once their predecessors are gone. A silent one
         still holding a claim (frozen, or cut off) is kept, and its claims read again one bound later."""
         bound = self.rc.heartbeat_timeout_s
-        silent = [key for key in self.nodes if now - self.node_changed[key] > bound
-                  and now - self.claims_checked.get(key, -bound) >= bound]
+        silent = [
+            key
+            for key in self.nodes
+            if now - self.node_changed[key] > bound and now - self.claims_checked.get(key, -bound) >= bound
+        ]
         if not silent:
             return
         holders = self.control.claim_holders(self.core.rules.replica_ids, self.rc.group_nodes)
@@ -437,8 +484,12 @@ def serve(settings: CoordinatorSettings, port: int) -> Coordinator:
     rc = settings.recover
     fd = os.environ.get(keys.LISTEN_FD_ENV)
     if fd is not None and not fd.isdigit():
-        raise RuntimeError(f"{keys.LISTEN_FD_ENV}={fd!r} is not a file descriptor: start the coordinator with run_train.sh")
-    client = transport.serve(port, rc.collective_timeout_s, rc.coordinator_bind or LOOPBACK, fd=None if fd is None else int(fd))
+        raise RuntimeError(
+            f"{keys.LISTEN_FD_ENV}={fd!r} is not a file descriptor: start the coordinator with run_train.sh"
+        )
+    client = transport.serve(
+        port, rc.collective_timeout_s, rc.coordinator_bind or LOOPBACK, fd=None if fd is None else int(fd)
+    )
     return Coordinator(settings, client, EventLog(settings.dump_folder))
 
 
@@ -472,18 +523,27 @@ def lead(settings: CoordinatorSettings, address: str) -> int:
             log.info(f"node messages on {board.where.address}")
             events = LeaderEvents(settings.dump_folder, guarded.confirm_guard)
             try:
-                coordinator = Coordinator(settings, client, events, config.node_message_interval_s(rc), changes.wait,
-                                          board.messages)
+                coordinator = Coordinator(
+                    settings, client, events, config.node_message_interval_s(rc), changes.wait, board.messages
+                )
             except MessageError as e:  # no leader could act on it: the run stops, saying why
                 error = f"the coordinator state in etcd cannot be taken over: {e}; {settings.resume_hint}"
                 ControlClient(client).stop(error)
                 events.emit("fatal", error=error)
                 log.error(f"FATAL: {error}")
                 return 1
-            events.emit("leader", pid=os.getpid(), host=socket.gethostname(), step=coordinator.core.step(),
-                        epoch=coordinator.membership.epoch)
-            status = status_page(settings, lambda: ControlClient(transport.in_run(transport.etcd(address, rc.coordinator_timeout_s), run)),
-                                 lambda _, names: board.messages(names))
+            events.emit(
+                "leader",
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                step=coordinator.core.step(),
+                epoch=coordinator.membership.epoch,
+            )
+            status = status_page(
+                settings,
+                lambda: ControlClient(transport.in_run(transport.etcd(address, rc.coordinator_timeout_s), run)),
+                lambda _, names: board.messages(names),
+            )
             code = coordinator.run(lease.check)
             coordinator.end()
             return code  # the state stays in etcd: no store to keep up for the others to read
@@ -499,9 +559,13 @@ def lead(settings: CoordinatorSettings, address: str) -> int:
 
 def parse_settings(argv: list[str]) -> str:
     """The JSON of ``--settings JSON``, the coordinator's one argument (its launcher writes it)."""
-    parser = argparse.ArgumentParser(prog="python -m titan_recover.coordinator",
-                                     description="The coordinator of a run; run_train.sh's launcher starts it.")
-    parser.add_argument("--settings", required=True, help="the job's settings record (config.CoordinatorSettings) as JSON")
+    parser = argparse.ArgumentParser(
+        prog="python -m titan_recover.coordinator",
+        description="The coordinator of a run; run_train.sh's launcher starts it.",
+    )
+    parser.add_argument(
+        "--settings", required=True, help="the job's settings record (config.CoordinatorSettings) as JSON"
+    )
     return parser.parse_args(argv).settings
 
 
@@ -515,8 +579,11 @@ def main(argv: list[str]) -> int:
     if is_etcd(address):
         return lead(settings, address)
     coordinator = serve(settings, parse_host_port(address)[1])
-    status = status_page(settings, lambda: ControlClient(transport.connect(address, settings.recover.startup_timeout_s)),
-                         lambda client, names: client.node_messages(names))
+    status = status_page(
+        settings,
+        lambda: ControlClient(transport.connect(address, settings.recover.startup_timeout_s)),
+        lambda client, names: client.node_messages(names),
+    )
     try:
         code = coordinator.run()
         coordinator.end()

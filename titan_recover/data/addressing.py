@@ -17,10 +17,8 @@ The data command line is ``data.cli`` (``python -m titan_recover.data``).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,16 +35,16 @@ SYNTHETIC_SHARDS = 4
 DEFAULT_SYNTHETIC_DIR = os.path.join("data", "synthetic")
 
 
-def sample_indices(step: int, microbatch: int, shard: int, *, num_microbatches: int,
-                   shards: int, local_batch: int) -> range:
+def sample_indices(
+    step: int, microbatch: int, shard: int, *, num_microbatches: int, shards: int, local_batch: int
+) -> range:
     """Global sample indices of one shard's slice of one microbatch of one step.
 
     ``(((step - 1) * M + microbatch) * S + shard) * b + j`` for ``j < b``: a pure function,
     so any process (including a replacement after a failure) can load exactly the
     samples another rank would have loaded, and no two pieces ever share a sample.
     """
-    for name, value in (("num_microbatches", num_microbatches), ("shards", shards),
-                        ("local_batch", local_batch)):
+    for name, value in (("num_microbatches", num_microbatches), ("shards", shards), ("local_batch", local_batch)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
     if step < 1:
@@ -59,8 +57,9 @@ def sample_indices(step: int, microbatch: int, shard: int, *, num_microbatches: 
     return range(first, first + local_batch)
 
 
-def load_samples(dataset: TokenDataset, samples: Sequence[int], *, seq_len: int, seed: int,
-                 vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def load_samples(
+    dataset: TokenDataset, samples: Sequence[int], *, seq_len: int, seed: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(inputs, labels)``, int64 ``[len(samples), seq_len]``, labels shifted by one."""
     windows = dataset.num_windows(seq_len)
     rows = [dataset.window(order.window_of(s, windows, seed)[1], seq_len, vocab_size) for s in samples]
@@ -115,7 +114,8 @@ def open_dataset(job_config: Any, tokenizer_vocab: int) -> TokenDataset:
 
 
 def check_tokenizer_folder(path: str, key: str) -> None:
-    """A ``DataError`` naming the setting ``key`` unless ``path`` holds a ``tokenizer.json`` (what titan_recover tokenizes with).
+    """A ``DataError`` naming the setting ``key`` unless ``path`` holds a ``tokenizer.json`` (what titan_recover
+    tokenizes with).
 
     Checked before TorchTitan looks: its own errors for a missing folder blame a deprecated
     ``tokenizer_path`` or list files, and never name the key to fix.
@@ -137,14 +137,17 @@ def check_data(job_config: Any) -> str:
     stops the launcher before anything starts; returns a line describing the data."""
     from titan_recover import titan
 
-    check_tokenizer_folder(titan.assets_path(job_config), titan.ASSETS_KEY)  # the model is registered: titan.check_model ran
+    check_tokenizer_folder(
+        titan.assets_path(job_config), titan.ASSETS_KEY
+    )  # the model is registered: titan.check_model ran
     tokenizer = titan.Tokenizer(titan.assets_path(job_config))
     dataset = open_dataset(job_config, tokenizer.get_vocab_size())
     tr, shards = job_config.training, job_config.parallelism.data_parallel_shard_degree
     m = config.num_microbatches(job_config)
     first = sample_indices(1, 0, 0, num_microbatches=m, shards=shards, local_batch=tr.local_batch_size)
-    load_samples(dataset, first, seq_len=tr.seq_len, seed=job_config.recover.data_seed,
-                 vocab_size=model_vocab_size(job_config))
+    load_samples(
+        dataset, first, seq_len=tr.seq_len, seed=job_config.recover.data_seed, vocab_size=model_vocab_size(job_config)
+    )
     windows, per_step, mf = dataset.num_windows(tr.seq_len), m * shards * tr.local_batch_size, dataset.manifest
     return (
         f"data: {dataset.folder}: {mf.num_tokens:,} tokens in {len(mf.shards)} {mf.layout} shards ({mf.dtype}, "

@@ -1,11 +1,11 @@
 """The data command line: prepare, index, verify and check a job's dataset folder.
 
-    python -m titan_recover.data prepare OUT --tokenizer DIR (--files F ... | --dataset NAME | --synthetic N)
-    python -m titan_recover.data index DIR --tokenizer DIR     # adopt datatrove / Megatron files
-    python -m titan_recover.data verify DIR                    # every shard's sha256
-    python -m titan_recover.data check JOB [--section.key value]   # the job's data, as a launch checks it
-    (JOB: --job.config_file X.toml on TorchTitan 0.2, --module titan_recover.recipes --config NAME on 0.3)
-    python -m titan_recover.data tokenizer OUT                 # regenerate the shipped tokenizer
+python -m titan_recover.data prepare OUT --tokenizer DIR (--files F ... | --dataset NAME | --synthetic N)
+python -m titan_recover.data index DIR --tokenizer DIR     # adopt datatrove / Megatron files
+python -m titan_recover.data verify DIR                    # every shard's sha256
+python -m titan_recover.data check JOB [--section.key value]   # the job's data, as a launch checks it
+(JOB: --job.config_file X.toml on TorchTitan 0.2, --module titan_recover.recipes --config NAME on 0.3)
+python -m titan_recover.data tokenizer OUT                 # regenerate the shipped tokenizer
 """
 
 import argparse
@@ -37,20 +37,27 @@ def _parser() -> argparse.ArgumentParser:
     idx = sub.add_parser("index", help="write manifest.json for datatrove (.ds) or Megatron (.bin/.idx) files")
     idx.add_argument("folder")
     idx.add_argument("--tokenizer", required=True, help="the tokenizer the files were made with")
-    idx.add_argument("--dtype", choices=sorted(tokens.DTYPES), help="datatrove token width (default: from the vocabulary)")
+    idx.add_argument(
+        "--dtype", choices=sorted(tokens.DTYPES), help="datatrove token width (default: from the vocabulary)"
+    )
     ver = sub.add_parser("verify", help="check every shard's sha256 against the manifest")
     ver.add_argument("folder")
-    sub.add_parser("check", help="check a job's data as the launcher does: --job.config_file X.toml (TorchTitan 0.2) or "
-                   "--module titan_recover.recipes --config NAME (0.3), then [--section.key value ...]",
-                   add_help=False)
+    sub.add_parser(
+        "check",
+        help="check a job's data as the launcher does: --job.config_file X.toml (TorchTitan 0.2) or "
+        "--module titan_recover.recipes --config NAME (0.3), then [--section.key value ...]",
+        add_help=False,
+    )
     tok = sub.add_parser("tokenizer", help="regenerate the shipped synthetic tokenizer")
     tok.add_argument("out")
     return p
 
 
 def _describe(m: tokens.Manifest) -> str:
-    return (f"{m.num_tokens:,} tokens, {m.num_documents:,} documents in {len(m.shards)} {m.layout} shards "
-            f"({m.dtype}, vocabulary {m.vocab_size:,}, largest id {m.max_token_id:,})")
+    return (
+        f"{m.num_tokens:,} tokens, {m.num_documents:,} documents in {len(m.shards)} {m.layout} shards "
+        f"({m.dtype}, vocabulary {m.vocab_size:,}, largest id {m.max_token_id:,})"
+    )
 
 
 def _check(argv: Sequence[str]) -> str:
@@ -71,7 +78,9 @@ def main(argv: Sequence[str]) -> int:
         elif args.command == "prepare":
             kwargs = {"max_tokens": args.max_tokens, "workers": args.workers, "text_key": args.text_key}
             if args.synthetic is not None:
-                m = prepare.prepare_synthetic(args.out, args.tokenizer, args.synthetic, args.shards, args.seed, **kwargs)
+                m = prepare.prepare_synthetic(
+                    args.out, args.tokenizer, args.synthetic, args.shards, args.seed, **kwargs
+                )
             elif args.files:
                 tasks = prepare.file_tasks(args.files, max(1, int(args.task_mb * 2**20)))
                 m = prepare.prepare(args.out, tasks, args.tokenizer, {"files": sorted(args.files)}, **kwargs)
@@ -100,4 +109,3 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
-

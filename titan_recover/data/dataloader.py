@@ -14,12 +14,13 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
+
 from titan_recover import titan
-from titan_recover.data import addressing, order
-from titan_recover.policy import workload
 from titan_recover.config import num_microbatches
+from titan_recover.data import addressing, order
 from titan_recover.data.addressing import model_vocab_size, open_dataset
 from titan_recover.data.tokens import TokenDataset
+from titan_recover.policy import workload
 
 
 class _FailureFreeOrder(Dataset):
@@ -61,16 +62,21 @@ class AddressableDataLoader(titan.BaseDataLoader):
         self.vocab_size = vocab_size
         self.windows = dataset.num_windows(seq_len)
         self.failure_free_ids = failure_free_ids
-        self._loader = StatefulDataLoader(
-            _FailureFreeOrder(self, failure_free_ids), batch_size=None, shuffle=False
-        )
+        self._loader = StatefulDataLoader(_FailureFreeOrder(self, failure_free_ids), batch_size=None, shuffle=False)
 
     def load(self, step: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels) of this shard's part of microbatch ``microbatch`` of ``step``."""
-        samples = addressing.sample_indices(step, microbatch, self.shard, num_microbatches=self.num_microbatches,
-                                      shards=self.shards, local_batch=self.local_batch)
-        return addressing.load_samples(self.dataset, samples, seq_len=self.seq_len, seed=self.seed,
-                                 vocab_size=self.vocab_size)
+        samples = addressing.sample_indices(
+            step,
+            microbatch,
+            self.shard,
+            num_microbatches=self.num_microbatches,
+            shards=self.shards,
+            local_batch=self.local_batch,
+        )
+        return addressing.load_samples(
+            self.dataset, samples, seq_len=self.seq_len, seed=self.seed, vocab_size=self.vocab_size
+        )
 
     def samples_per_step(self) -> int:
         return self.num_microbatches * self.shards * self.local_batch

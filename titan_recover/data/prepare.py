@@ -130,11 +130,17 @@ def file_tasks(paths: list[str], task_bytes: int = TASK_BYTES) -> list[Task]:
     return [Task(i, t.kind, t.args) for i, t in enumerate(out)]
 
 
-def prepare_synthetic(folder: str, tokenizer_dir: str, num_tokens: int, shards: int, seed: int = 0,
-                      **kwargs: Any) -> Manifest:
+def prepare_synthetic(
+    folder: str, tokenizer_dir: str, num_tokens: int, shards: int, seed: int = 0, **kwargs: Any
+) -> Manifest:
     """``prepare`` of exactly ``num_tokens`` synthetic tokens in ``shards`` shards."""
-    return prepare(folder, synthetic_tasks(num_tokens, shards, seed), tokenizer_dir,
-                   {"synthetic": num_tokens, "shards": shards, "seed": seed}, **kwargs)
+    return prepare(
+        folder,
+        synthetic_tasks(num_tokens, shards, seed),
+        tokenizer_dir,
+        {"synthetic": num_tokens, "shards": shards, "seed": seed},
+        **kwargs,
+    )
 
 
 def synthetic_tasks(num_tokens: int, shards: int, seed: int) -> list[Task]:
@@ -198,7 +204,11 @@ def _texts(task: Task, text_key: str) -> Iterator[str]:
         name, dataset_path, i, n = task.args
         cfg = _hf_config(name)
         ds = cfg.loader(dataset_path or cfg.path)
-        part = ds.shard(num_shards=n, index=i) if _streaming_shards(ds) else ds.shard(num_shards=n, index=i, contiguous=True)
+        part = (
+            ds.shard(num_shards=n, index=i)
+            if _streaming_shards(ds)
+            else ds.shard(num_shards=n, index=i, contiguous=True)
+        )
         for sample in part:
             yield cfg.sample_processor(sample)
     else:
@@ -234,8 +244,9 @@ def _cut_fingerprint(fingerprint: dict, max_tokens: int | None) -> dict:
 
 
 def _write_record(folder: str, task: Task, fingerprint: dict, shard: Shard) -> None:
-    tokens.write_json(_record_path(folder, task.index),
-                      {"task": task.to_json(), "fingerprint": fingerprint, "shard": asdict(shard)})
+    tokens.write_json(
+        _record_path(folder, task.index), {"task": task.to_json(), "fingerprint": fingerprint, "shard": asdict(shard)}
+    )
 
 
 def _read_record(folder: str, task: Task, fingerprint: dict, max_tokens: int | None) -> Shard | None:
@@ -248,7 +259,10 @@ def _read_record(folder: str, task: Task, fingerprint: dict, max_tokens: int | N
         if rec["task"] != task.to_json() or rec["fingerprint"] not in trusted:
             return None
         shard = Shard(**rec["shard"])
-        if os.path.getsize(os.path.join(folder, shard.file)) != shard.tokens * tokens.DTYPES[fingerprint["dtype"]].itemsize:
+        if (
+            os.path.getsize(os.path.join(folder, shard.file))
+            != shard.tokens * tokens.DTYPES[fingerprint["dtype"]].itemsize
+        ):
             return None
         return shard
     except (OSError, ValueError, KeyError, TypeError):
@@ -336,8 +350,17 @@ def _cut(folder: str, task: Task, shard: Shard, keep: int, fingerprint: dict) ->
     return cut
 
 
-def prepare(folder: str, tasks: list[Task], tokenizer_dir: str, source: dict, *, max_tokens: int | None = None,
-            workers: int | None = None, text_key: str = "text", progress: bool = True) -> Manifest:
+def prepare(
+    folder: str,
+    tasks: list[Task],
+    tokenizer_dir: str,
+    source: dict,
+    *,
+    max_tokens: int | None = None,
+    workers: int | None = None,
+    text_key: str = "text",
+    progress: bool = True,
+) -> Manifest:
     """Tokenizes ``tasks`` into ``folder`` (idempotent, resumable) and writes its manifest."""
     from tqdm import tqdm
 
@@ -353,8 +376,14 @@ def prepare(folder: str, tasks: list[Task], tokenizer_dir: str, source: dict, *,
             if current.source == request and current.tokenizer_sha256 == identity:
                 return current  # already prepared: nothing to do
         encoder, vocab = Encoder.for_tokenizer(tokenizer_dir, text_key)
-        fingerprint = {"tokenizer_sha256": identity, "dtype": encoder.dtype, "bos": list(encoder.bos),
-                       "eos": list(encoder.eos), "text_key": text_key, "source": source}
+        fingerprint = {
+            "tokenizer_sha256": identity,
+            "dtype": encoder.dtype,
+            "bos": list(encoder.bos),
+            "eos": list(encoder.eos),
+            "text_key": text_key,
+            "source": source,
+        }
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(folder, tokens.MANIFEST))  # stale: never describes new shards
         _remove_partial(folder)
@@ -365,8 +394,14 @@ def prepare(folder: str, tasks: list[Task], tokenizer_dir: str, source: dict, *,
         ctx = multiprocessing.get_context("fork")
         counter = ctx.Value("q", 0)
         start = time.monotonic()
-        bar = tqdm(total=len(tasks), initial=len(done), unit="shard", desc=f"prepare {folder}",
-                   disable=not progress, mininterval=0.1 if sys.stderr.isatty() else 10)
+        bar = tqdm(
+            total=len(tasks),
+            initial=len(done),
+            unit="shard",
+            desc=f"prepare {folder}",
+            disable=not progress,
+            mininterval=0.1 if sys.stderr.isatty() else 10,
+        )
         shards: list[Shard] = []
         total = 0
         try:
@@ -378,11 +413,15 @@ def prepare(folder: str, tasks: list[Task], tokenizer_dir: str, source: dict, *,
                     else:
                         shard = _await(results, task, counter, bar)
                         bar.update(1)
-                        bar.set_postfix(tokens=f"{counter.value:,}",
-                                        tok_per_s=f"{counter.value / max(1e-9, time.monotonic() - start):,.0f}")
+                        bar.set_postfix(
+                            tokens=f"{counter.value:,}",
+                            tok_per_s=f"{counter.value / max(1e-9, time.monotonic() - start):,.0f}",
+                        )
                     if max_tokens is not None and total + shard.tokens >= max_tokens:
                         if total + shard.tokens > max_tokens:
-                            shard = _cut(folder, task, shard, max_tokens - total, _cut_fingerprint(fingerprint, max_tokens))
+                            shard = _cut(
+                                folder, task, shard, max_tokens - total, _cut_fingerprint(fingerprint, max_tokens)
+                            )
                         shards.append(shard)
                         total = max_tokens
                         pool.terminate()

@@ -144,10 +144,14 @@ class Manifest:
 
     def to_json(self) -> dict:
         return {
-            "schema": SCHEMA, "layout": self.layout, "dtype": self.dtype,
+            "schema": SCHEMA,
+            "layout": self.layout,
+            "dtype": self.dtype,
             "tokenizer": {"sha256": self.tokenizer_sha256, "vocab_size": self.vocab_size},
-            "num_tokens": self.num_tokens, "num_documents": self.num_documents,
-            "max_token_id": self.max_token_id, "source": self.source,
+            "num_tokens": self.num_tokens,
+            "num_documents": self.num_documents,
+            "max_token_id": self.max_token_id,
+            "source": self.source,
             "shards": [asdict(s) for s in self.shards],
         }
 
@@ -167,22 +171,35 @@ class Manifest:
         need(raw.get("layout") in LAYOUTS, f"layout must be one of {LAYOUTS}, got {raw.get('layout')!r}")
         need(raw.get("dtype") in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {raw.get('dtype')!r}")
         tok = raw.get("tokenizer")
-        need(isinstance(tok, dict) and isinstance(tok.get("sha256"), str) and is_count(tok.get("vocab_size")),
-             "tokenizer must be {sha256: str, vocab_size: int}")
+        need(
+            isinstance(tok, dict) and isinstance(tok.get("sha256"), str) and is_count(tok.get("vocab_size")),
+            "tokenizer must be {sha256: str, vocab_size: int}",
+        )
         need(isinstance(raw.get("source", {}), dict), "source must be an object")
         shards = raw.get("shards")
         need(isinstance(shards, list) and len(shards) > 0, "shards must be a non-empty list")
         parsed = []
         for i, s in enumerate(shards):
-            need(isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("sha256"), str)
-                 and all(is_count(s.get(k)) for k in ("tokens", "documents", "max_token_id")),
-                 f"shards[{i}] must be {{file, sha256: str; tokens, documents, max_token_id: int >= 0}}")
-            need(not os.path.isabs(s["file"]) and ".." not in s["file"].split("/"),
-                 f"shards[{i}].file must be a path inside the dataset folder, got {s['file']!r}")
+            need(
+                isinstance(s, dict)
+                and isinstance(s.get("file"), str)
+                and isinstance(s.get("sha256"), str)
+                and all(is_count(s.get(k)) for k in ("tokens", "documents", "max_token_id")),
+                f"shards[{i}] must be {{file, sha256: str; tokens, documents, max_token_id: int >= 0}}",
+            )
+            need(
+                not os.path.isabs(s["file"]) and ".." not in s["file"].split("/"),
+                f"shards[{i}].file must be a path inside the dataset folder, got {s['file']!r}",
+            )
             parsed.append(Shard(s["file"], s["tokens"], s["documents"], s["max_token_id"], s["sha256"]))
-        manifest = cls(raw["layout"], raw["dtype"], tok["sha256"], tok["vocab_size"], tuple(parsed), raw.get("source", {}))
+        manifest = cls(
+            raw["layout"], raw["dtype"], tok["sha256"], tok["vocab_size"], tuple(parsed), raw.get("source", {})
+        )
         for key in ("num_tokens", "num_documents", "max_token_id"):
-            need(raw.get(key) == getattr(manifest, key), f"{key} is {raw.get(key)!r}, its shards say {getattr(manifest, key)}")
+            need(
+                raw.get(key) == getattr(manifest, key),
+                f"{key} is {raw.get(key)!r}, its shards say {getattr(manifest, key)}",
+            )
         return manifest
 
 
@@ -218,7 +235,7 @@ def megatron_dtype(idx_path: str) -> str:
         raise DataError(f"{idx_path}: cannot read the index ({e})") from None
     if len(head) < len(MEGATRON_MAGIC) + 9 or not head.startswith(MEGATRON_MAGIC):
         raise DataError(f"{idx_path}: not a Megatron indexed dataset index (bad magic)")
-    version, code = struct.unpack("<QB", head[len(MEGATRON_MAGIC):])
+    version, code = struct.unpack("<QB", head[len(MEGATRON_MAGIC) :])
     if version != 1:
         raise DataError(f"{idx_path}: Megatron index version {version}, only version 1 is read")
     name = MEGATRON_CODES.get(code)
@@ -300,7 +317,9 @@ class TokenDataset:
         width = self.dtype.itemsize
         data = os.pread(self._files[i], count * width, start * width)
         if len(data) != count * width:
-            raise DataError(f"{self.path(self.manifest.shards[i])}: shorter than {MANIFEST} says (changed under the run)")
+            raise DataError(
+                f"{self.path(self.manifest.shards[i])}: shorter than {MANIFEST} says (changed under the run)"
+            )
         return np.frombuffer(data, dtype=self.dtype)
 
     def close(self) -> None:
@@ -421,20 +440,26 @@ def _megatron_shard(path: str, file: str, dtype: str) -> Shard:
     header = len(MEGATRON_MAGIC) + 9 + 16
     size = os.path.getsize(idx)
     if size < header:
-        raise DataError(f"{idx}: truncated: its {size} bytes end inside the header ({header} bytes: magic, version, "
-                        f"dtype, sequence and document counts); write it again with Megatron's preprocess_data.py")
+        raise DataError(
+            f"{idx}: truncated: its {size} bytes end inside the header ({header} bytes: magic, version, "
+            f"dtype, sequence and document counts); write it again with Megatron's preprocess_data.py"
+        )
     with open(idx, "rb") as f:
         f.seek(len(MEGATRON_MAGIC) + 9)
         sequences, documents = struct.unpack("<QQ", f.read(16))
     needed = header + 12 * sequences + 8 * documents  # int32 lengths, int64 pointers, int64 document starts
     if size < needed:
-        raise DataError(f"{idx}: truncated: {size} bytes, but its {sequences:,} sequences and {documents:,} document "
-                        f"entries need {needed:,}; write it again with Megatron's preprocess_data.py")
+        raise DataError(
+            f"{idx}: truncated: {size} bytes, but its {sequences:,} sequences and {documents:,} document "
+            f"entries need {needed:,}; write it again with Megatron's preprocess_data.py"
+        )
     held = int(np.fromfile(idx, dtype="<i4", count=sequences, offset=header).sum(dtype=np.int64))
     on_disk = os.path.getsize(path) // DTYPES[dtype].itemsize
     if held != on_disk:
-        raise DataError(f"{idx}: its sequences hold {held:,} tokens, but {path} holds {on_disk:,}: the pair was "
-                        "changed or truncated, or comes from two different runs")
+        raise DataError(
+            f"{idx}: its sequences hold {held:,} tokens, but {path} holds {on_disk:,}: the pair was "
+            "changed or truncated, or comes from two different runs"
+        )
     return scan_shard(path, file, dtype, max(0, documents - 1))  # Megatron's document index starts with a 0
 
 
@@ -454,10 +479,18 @@ def index_folder(folder: str, tokenizer_dir: str, vocab_size: int, dtype: str | 
         raise DataError(f"token dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     read = _datatrove_shard if layout == "datatrove" else _megatron_shard
     shards = [read(path, os.path.relpath(path, folder), dtype) for path in files]
-    manifest = Manifest(layout, dtype, tokenizer_identity(tokenizer_dir), vocab_size, tuple(shards),
-                        {"indexed_from": layout, "tokenizer_dir": os.path.abspath(tokenizer_dir)})
+    manifest = Manifest(
+        layout,
+        dtype,
+        tokenizer_identity(tokenizer_dir),
+        vocab_size,
+        tuple(shards),
+        {"indexed_from": layout, "tokenizer_dir": os.path.abspath(tokenizer_dir)},
+    )
     if manifest.max_token_id >= vocab_size:
-        raise DataError(f"{folder}: token ids go up to {manifest.max_token_id}, beyond the tokenizer's vocabulary {vocab_size}")
+        raise DataError(
+            f"{folder}: token ids go up to {manifest.max_token_id}, beyond the tokenizer's vocabulary {vocab_size}"
+        )
     write_json(os.path.join(folder, MANIFEST), manifest.to_json())
     return manifest
 

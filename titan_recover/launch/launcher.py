@@ -23,12 +23,6 @@ import torch
 import torch.distributed as dist
 
 from titan_recover import config, titan
-from titan_recover.launch import preflight
-from titan_recover.node import devices
-from titan_recover.node.channel import remove_orphans, shm_dir
-from titan_recover.observability import logs
-from titan_recover.titan import cpu_shim
-from titan_recover.node.agent import NodeAgent
 from titan_recover.control import claims, keys, transport
 from titan_recover.control.addresses import LOOPBACK, local_host, parse_host_port, resolve, route_address
 from titan_recover.control.board import Board
@@ -36,13 +30,18 @@ from titan_recover.control.client import ControlClient
 from titan_recover.control.lifeline import Heartbeat, one_line, store_errors
 from titan_recover.control.protocol import Launcher
 from titan_recover.control.sealed import Run
-from titan_recover.observability.events import EventLog, event_files, events_path
-from titan_recover.launch.torchruns import ReplicaGroups, Span, torchrun, with_threads
-from titan_recover.node.procs import EXITING_S, exit_lost, stop_within
-from titan_recover.policy.restarts import RestartBudget
-from titan_recover.observability.summary import format_summary, summarize_events
 from titan_recover.data.tokens import DataError
-
+from titan_recover.launch import preflight
+from titan_recover.launch.torchruns import ReplicaGroups, Span, torchrun, with_threads
+from titan_recover.node import devices
+from titan_recover.node.agent import NodeAgent
+from titan_recover.node.channel import remove_orphans, shm_dir
+from titan_recover.node.procs import EXITING_S, exit_lost, stop_within
+from titan_recover.observability import logs
+from titan_recover.observability.events import EventLog, event_files, events_path
+from titan_recover.observability.summary import format_summary, summarize_events
+from titan_recover.policy.restarts import RestartBudget
+from titan_recover.titan import cpu_shim
 
 
 def parse_replicas(value: str | None, replicas: int) -> list[int]:
@@ -56,7 +55,8 @@ def parse_replicas(value: str | None, replicas: int) -> list[int]:
         return list(range(replicas))
     fix = (
         f"set it to the comma-separated replica groups this node launches, ids 0..{replicas - 1} "
-        f"(parallelism.data_parallel_replicate_degree + recover.spares = {replicas}), e.g. 0,1; or unset it to launch all"
+        "(parallelism.data_parallel_replicate_degree + recover.spares "
+        f"= {replicas}), e.g. 0,1; or unset it to launch all"
     )
     ids: list[int] = []
     for item in value.split(","):
@@ -88,8 +88,9 @@ def check_control_store(url: str) -> str:
     try:
         from titan_recover.control.etcd_store import check_cluster
     except ImportError as e:
-        raise config.ConfigError(f"recover.control_store names etcd but its client is missing ({e}): "
-                                 "pip install 'titan_recover[etcd]'") from None
+        raise config.ConfigError(
+            f"recover.control_store names etcd but its client is missing ({e}): pip install 'titan_recover[etcd]'"
+        ) from None
     try:
         return check_cluster(url, timeout_s=5.0)
     except ValueError as e:
@@ -131,12 +132,17 @@ def device_plan(rc: config.Recover, groups: int, ranks: int) -> devices.DevicePl
 def run_preflight(job_config: Any, backend: str, env: dict[str, str]) -> preflight.Preflight:
     """Logs every finding of the preflight and adds the environment it derives to ``env`` (its job
     flags are the caller's); a ``config.ConfigError`` naming each refused setting."""
-    checked = preflight.check(preflight.nccl_version(), backend, env, job_config.recover, titan.in_group_timeout_s(job_config))
+    checked = preflight.check(
+        preflight.nccl_version(), backend, env, job_config.recover, titan.in_group_timeout_s(job_config)
+    )
     for finding in checked.findings:
         (log.warning if finding.level == preflight.WARN else log.info)(finding.line())
     if checked.refusals:
-        raise config.ConfigError("the preflight refuses this run:\n  " + "\n  ".join(f.line() for f in checked.refusals)
-                                 + f"\n(set {preflight.OVERRIDE_ENV}=warn to run anyway)")
+        raise config.ConfigError(
+            "the preflight refuses this run:\n  "
+            + "\n  ".join(f.line() for f in checked.refusals)
+            + f"\n(set {preflight.OVERRIDE_ENV}=warn to run anyway)"
+        )
     env.update(checked.env)
     return checked
 
@@ -153,7 +159,11 @@ def coordinator_bind(configured: str, local: list[int], replicas: int, parts: in
     if sorted(local) == list(range(replicas)) and parts == 1:
         return LOOPBACK
     others = sorted(set(range(replicas)) - set(local))
-    what = f"replica groups {others} run" if others else f"the replica groups span {parts} nodes (recover.group_nodes), whose parts run"
+    what = (
+        f"replica groups {others} run"
+        if others
+        else f"the replica groups span {parts} nodes (recover.group_nodes), whose parts run"
+    )
     raise config.ConfigError(
         f"{what} on other nodes, which cannot reach a coordinator on loopback: set "
         "[recover] coordinator_bind to this node's address on the network they share (or 0.0.0.0 for every interface)"
@@ -191,8 +201,10 @@ def choose_run_id(env: dict[str, str], first: bool, etcd: bool) -> str | None:
     given = env.get(keys.RUN_ENV, "")
     if given:
         if not RUN_ID.fullmatch(given):
-            raise config.ConfigError(f"{keys.RUN_ENV}={given!r} is not a run id: use 1-128 letters, digits and ._:@- "
-                                     "(e.g. the scheduler's job id)")
+            raise config.ConfigError(
+                f"{keys.RUN_ENV}={given!r} is not a run id: use 1-128 letters, digits and ._:@- "
+                "(e.g. the scheduler's job id)"
+            )
         return given
     if etcd:
         raise config.ConfigError(
@@ -241,8 +253,10 @@ class NodeLauncher:
         only_this_node = self.first and sorted(local) == list(range(self.replicas)) and rc.group_nodes == 1
         self.plan = device_plan(rc, len(local), self.ranks)
         if self.plan.rank_per_host and not only_this_node:
-            raise config.ConfigError(f"recover.nccl_rank_per_host is for a run on one node, and this launcher runs "
-                                     f"replica groups {local} of 0..{self.replicas - 1}: unset it")
+            raise config.ConfigError(
+                f"recover.nccl_rank_per_host is for a run on one node, and this launcher runs "
+                f"replica groups {local} of 0..{self.replicas - 1}: unset it"
+            )
         self.env = with_threads(dict(os.environ), len(local) * self.ranks)
         checked = run_preflight(job_config, self.plan.backend, self.env)
         self.argv = with_flags(argv, {"--recover.replicate_backend": self.plan.backend, **checked.flags})
@@ -276,14 +290,17 @@ class NodeLauncher:
                 raise config.ConfigError(f"recover.coordinator_port = {rc.coordinator_port}: {e}") from None
             try:
                 self.address = self.env[keys.COORDINATOR_ENV] = f"{local_host(bind)}:{transport.listening_port(fd)}"
-                self.coordinator = subprocess.Popen(self._candidate(), env={**self.env, keys.LISTEN_FD_ENV: str(fd)},
-                                                    pass_fds=(fd,))
+                self.coordinator = subprocess.Popen(
+                    self._candidate(), env={**self.env, keys.LISTEN_FD_ENV: str(fd)}, pass_fds=(fd,)
+                )
             finally:
                 os.close(fd)
             return
         else:
             if self.run is None:
-                self.run = self._name_run(transport.find_run(self.address, rc.startup_timeout_s, self.env[keys.SECRET_ENV]).id)
+                self.run = self._name_run(
+                    transport.find_run(self.address, rc.startup_timeout_s, self.env[keys.SECRET_ENV]).id
+                )
             return
         self.coordinator = subprocess.Popen(self._candidate(), env=self.env)
 
@@ -297,15 +314,19 @@ class NodeLauncher:
             return
         ended = client.ended()
         if ended is not None:
-            raise config.ConfigError(f"run {self.run.id!r} on {self.address} has ended already ({ended}): "
-                                     f"start a new run with a new {keys.RUN_ENV}")
+            raise config.ConfigError(
+                f"run {self.run.id!r} on {self.address} has ended already ({ended}): "
+                f"start a new run with a new {keys.RUN_ENV}"
+            )
         log.info(f"run {self.run.id!r} is already running on {self.address}: this launcher joins it")
         self.first = False
 
     def _candidate(self) -> list[str]:
         """The coordinator's command line: the job's settings as a record, so it imports no TorchTitan."""
         settings = config.CoordinatorSettings.of(self.job_config, titan.dump_folder(self.job_config))
-        settings = dataclasses.replace(settings, recover=dataclasses.replace(settings.recover, replicate_backend=self.plan.backend))
+        settings = dataclasses.replace(
+            settings, recover=dataclasses.replace(settings.recover, replicate_backend=self.plan.backend)
+        )
         return [sys.executable, "-m", "titan_recover.coordinator", "--settings", settings.to_json()]
 
     def start_groups(self) -> "ReplicaGroups":
@@ -317,23 +338,39 @@ class NodeLauncher:
         log.info(
             f"coordinator at {address}; starting replica groups {self.local} of {self.replicas}"
             f"{f' ({spares} as hot spares)' if spares else ''}, "
-            f"{config.group_ranks(par)} ranks each (dp_shard {par.data_parallel_shard_degree} x tp {par.tensor_parallel_degree} "
+            f"{config.group_ranks(par)} ranks each (dp_shard "
+            f"{par.data_parallel_shard_degree} x tp {par.tensor_parallel_degree} "
             f"x pp {par.pipeline_parallel_degree})"
-            + (f"; each spans {span.parts} nodes: this node runs part {self.part}, {self.ranks} ranks of each, meeting at {span.host}"
-               if span.parts > 1 else "")
+            + (
+                f"; each spans {span.parts} nodes: this node runs part "
+                f"{self.part}, {self.ranks} ranks of each, meeting at {span.host}"
+                if span.parts > 1
+                else ""
+            )
         )
         gpus = "" if self.plan.visible[0] is None else f"; GPUs per group: {' | '.join(map(str, self.plan.visible))}"
         log.info(f"replicate dimension on {self.plan.backend} ({self.plan.reason}){gpus}")
-        envs = {r: {**self.env, **devices.group_env(visible, self.plan.rank_per_host)}
-                for r, visible in zip(self.local, self.plan.visible)}
+        envs = {
+            r: {**self.env, **devices.group_env(visible, self.plan.rank_per_host)}
+            for r, visible in zip(self.local, self.plan.visible)
+        }
         assert self.run is not None, "start_coordinator() first"
         orphans = remove_orphans()
         if orphans:
             log.info(f"removed {len(orphans)} channel file(s) of launchers that are gone from {shm_dir()}")
         self.agent = NodeAgent(address, self.run, self.ranks, hang_timeout_s=rc.heartbeat_timeout_s)
         self.events = EventLog(titan.dump_folder(self.job_config))
-        self.groups = ReplicaGroups(self.argv, envs, self.ranks, rc.max_restarts, rc.restart_window_s, self.me, self.agent,
-                                    span, on_start=self._started)
+        self.groups = ReplicaGroups(
+            self.argv,
+            envs,
+            self.ranks,
+            rc.max_restarts,
+            rc.restart_window_s,
+            self.me,
+            self.agent,
+            span,
+            on_start=self._started,
+        )
         if self.first and self.part == 0:
             for r in self.local:
                 self.groups.start(r, 0)
@@ -348,8 +385,9 @@ class NodeLauncher:
         its lifeline and epoch push, and claims its groups; None when the coordinator ended first."""
         rc = self.rc
         try:
-            client = ControlClient(transport.connect(str(self.address), rc.startup_timeout_s, self.run,
-                                                     gone=self._coordinator_gone))
+            client = ControlClient(
+                transport.connect(str(self.address), rc.startup_timeout_s, self.run, gone=self._coordinator_gone)
+            )
         except transport.CoordinatorGone as e:
             self.on_lost(str(e))
             return None
@@ -358,9 +396,18 @@ class NodeLauncher:
             client.register(self.me, self.agent.message())
         else:
             client.name_node(self.me)  # its lifeline writes its message on the board
-        self.lifeline = Heartbeat(str(self.address), self.me.key, config.node_message_interval_s(rc), rc.coordinator_timeout_s,
-                                  self.on_lost, lambda: self.agent.message().dumps(), run=self.run,
-                                  startup_timeout_s=rc.startup_timeout_s, ended=lambda: bool(self.agent.flags), board=board)
+        self.lifeline = Heartbeat(
+            str(self.address),
+            self.me.key,
+            config.node_message_interval_s(rc),
+            rc.coordinator_timeout_s,
+            self.on_lost,
+            lambda: self.agent.message().dumps(),
+            run=self.run,
+            startup_timeout_s=rc.startup_timeout_s,
+            ended=lambda: bool(self.agent.flags),
+            board=board,
+        )
         self.agent.start(on_error=log.warning)
         reader = Board(self.run) if self.etcd else None  # its own: the lifeline's is used by the lifeline's thread
         message_of = client.node_message_raw if reader is None else lambda o: reader.read(client.store, o.key)
@@ -388,8 +435,10 @@ class NodeLauncher:
                 if not self.etcd:
                     self.on_lost(self._exit_reason(coordinator))
                     return
-                log.info(f"coordinator candidate exited with code {coordinator.returncode} before the run ended; "
-                         "starting another (the leader's lease passes to a live candidate)")
+                log.info(
+                    f"coordinator candidate exited with code {coordinator.returncode} before the run ended; "
+                    "starting another (the leader's lease passes to a live candidate)"
+                )
                 self.coordinator = subprocess.Popen(self._candidate(), env=self.env)
             if coordinator is None and self.groups.done():
                 return
@@ -401,11 +450,15 @@ class NodeLauncher:
                 now = time.monotonic()
                 if failing_since is None:
                     failing_since = now
-                    log.warning(f"a call to the control store failed ({one_line(e)}); retrying while the "
-                                "coordinator's lifeline finds it alive")
+                    log.warning(
+                        f"a call to the control store failed ({one_line(e)}); retrying while the "
+                        "coordinator's lifeline finds it alive"
+                    )
                 elif now - failing_since >= self.rc.coordinator_timeout_s:
-                    self.on_lost(f"this launcher's calls to the control store at {self.address} failed for "
-                                 f"{now - failing_since:.0f}s ({one_line(e)})")
+                    self.on_lost(
+                        f"this launcher's calls to the control store at {self.address} failed for "
+                        f"{now - failing_since:.0f}s ({one_line(e)})"
+                    )
                     return
                 lifeline.settle()  # a lost coordinator ends this process in on_lost
                 continue
@@ -422,8 +475,10 @@ class NodeLauncher:
         if coordinator is not None:
             bound = self.rc.coordinator_timeout_s
             if not stop_within(coordinator, bound):
-                log.warning(f"the coordinator{' candidate' if self.etcd else ''} (pid {coordinator.pid}) was still running "
-                            f"{bound:g}s after the run ended: stopped")
+                log.warning(
+                    f"the coordinator{' candidate' if self.etcd else ''} (pid {coordinator.pid}) was still running "
+                    f"{bound:g}s after the run ended: stopped"
+                )
             if not self._run_ended():
                 self.on_lost(self._exit_reason(coordinator))
         procs = list(self.groups.procs.values())
@@ -433,10 +488,15 @@ class NodeLauncher:
                 log.info(f"replica group {r} was still starting or waiting to rejoin when the run ended: stopped")
                 proc.kill()
             if not stop_within(proc, max(0.1, deadline - time.monotonic())):
-                log.info(f"replica group {r} was still running 30s after the run ended (starting, rejoining or hung): stopped")
-        if coordinator is not None and coordinator.returncode in (0, 1):  # the run's outcome, as the coordinator ended it
+                log.info(
+                    f"replica group {r} was still running 30s after the "
+                    "run ended (starting, rejoining or hung): stopped"
+                )
+        # the run's outcome, as the coordinator ended it
+        if coordinator is not None and coordinator.returncode in (0, 1):
             return int(coordinator.returncode)
-        # the run's status, as on the coordinator's node: a group still starting or rejoining at the end does not fail it
+        # the run's status, as on the coordinator's node: a group still starting or rejoining at the end does not fail
+        # it
         return self.groups.outcome if self.groups.outcome is not None else max(p.returncode for p in procs)
 
     def close(self) -> None:
@@ -469,7 +529,11 @@ class NodeLauncher:
 
     def _exit_reason(self, coordinator: subprocess.Popen) -> str:
         code = coordinator.returncode
-        how = f"died of signal {-code}" if code < 0 else f"exited with code {code} before the run ended (its output above says why)"
+        how = (
+            f"died of signal {-code}"
+            if code < 0
+            else f"exited with code {code} before the run ended (its output above says why)"
+        )
         return f"the coordinator at {self.address} (pid {coordinator.pid}) {how}"
 
     def _run_ended(self) -> bool:
@@ -501,7 +565,9 @@ def with_flags(argv: list[str], flags: dict[str, str]) -> list[str]:
     return [*(token for flag, value in flags.items() for token in (flag, value)), *rest]
 
 
-def run_recover(job_config: Any, argv: list[str], local: list[int], coordinator_address: str | None, part: int = 0) -> int:
+def run_recover(
+    job_config: Any, argv: list[str], local: list[int], coordinator_address: str | None, part: int = 0
+) -> int:
     """The replica groups ``local`` of this node (their part ``part`` when they span nodes), and the
     coordinator unless ``coordinator_address`` names one."""
     launcher = NodeLauncher(job_config, argv, local, coordinator_address, part)
@@ -549,13 +615,17 @@ def main(argv: list[str]) -> int:
         return 2
     cpu_argv = cpu_shim.precision_args(argv, job_config, titan.config_file(job_config))
     if cpu_argv != argv:
-        log.info("no accelerator: parameters in float32 (bfloat16 is emulated on most CPUs, ~13x slower); "
-            "--training.mixed_precision_param bfloat16 to override")
+        log.info(
+            "no accelerator: parameters in float32 (bfloat16 is emulated on most CPUs, ~13x slower); "
+            "--training.mixed_precision_param bfloat16 to override"
+        )
     argv = cpu_argv
     path = events_path(titan.dump_folder(job_config))
     first = address is None  # this launcher starts the run and its coordinator; other nodes' launchers join it
     if first and not job_config.recover.control_store:
-        remove_events(titan.dump_folder(job_config))  # on etcd: only once the run proves new (NodeLauncher._begin_or_join)
+        remove_events(
+            titan.dump_folder(job_config)
+        )  # on etcd: only once the run proves new (NodeLauncher._begin_or_join)
     start = time.time()
     try:
         if job_config.recover.enable:
@@ -571,8 +641,10 @@ def main(argv: list[str]) -> int:
     tr = job_config.training
     files = event_files(titan.dump_folder(job_config))
     if not first:
-        log.info(f"the run's summary is printed by the launcher that started its coordinator ({address}); "
-            f"this node's ranks logged their events to {path}")
+        log.info(
+            f"the run's summary is printed by the launcher that started its coordinator ({address}); "
+            f"this node's ranks logged their events to {path}"
+        )
     elif files:
         try:  # the summary is a report: a log it cannot make sense of never costs the run its exit code
             summary = summarize_events(*files, last_step=tr.steps if code == 0 else None)

@@ -24,8 +24,12 @@ REFUSE, WARN, OK = "refuse", "warn", "ok"
 OVERRIDE_ENV = "TITAN_RECOVER_PREFLIGHT"
 ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 CLEAN_UP_ONLY = "2"  # abort the communicator, keep the process (PyTorch's ErrorHandlingMode::CleanUpOnly)
-ERROR_HANDLING = {"0": "no handling", "1": "abort and tear the process down",
-                  "2": "abort the communicator only", "3": "tear the process down without abort (PyTorch's default)"}
+ERROR_HANDLING = {
+    "0": "no handling",
+    "1": "abort and tear the process down",
+    "2": "abort the communicator only",
+    "3": "tear the process down without abort (PyTorch's default)",
+}
 
 
 @dataclass(frozen=True)
@@ -54,15 +58,19 @@ class Timeouts:
 
     def line(self) -> str:
         group = "" if self.in_group_s is None else f" < in-group collectives {self.in_group_s:g}s"
-        return (f"timeouts: detect {self.detect_s:g}s < replicate collective {self.collective_s:g}s "
-                f"(a survivor waits up to {self.survivor_wait_s:g}s){group}")
+        return (
+            f"timeouts: detect {self.detect_s:g}s < replicate collective {self.collective_s:g}s "
+            f"(a survivor waits up to {self.survivor_wait_s:g}s){group}"
+        )
 
 
 @dataclass
 class Preflight:
     findings: list[Finding] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # settings the launcher adds for the ranks (unset ones only)
-    flags: dict[str, str] = field(default_factory=dict)  # job flags the launcher adds (values the user left at the default)
+    flags: dict[str, str] = field(
+        default_factory=dict
+    )  # job flags the launcher adds (values the user left at the default)
 
     @property
     def refusals(self) -> list[Finding]:
@@ -75,10 +83,20 @@ def timeouts(rc: Any, in_group_s: float | None) -> Timeouts:
 
 # (lowest bad, highest bad, why, source): releases whose abort is known to hang or crash
 BAD_NCCL: tuple[tuple[tuple[int, int, int], tuple[int, int, int], str, str], ...] = (
-    ((0, 0, 0), (2, 26, 1), "ncclCommAbort can hang (fixed in NCCL 2.26.2): a survivor aborting a broken "
-     "replicate communicator would wedge", "pytorch/pytorch#149153"),
-    ((2, 28, 3), (2, 28, 8), "NVIDIA's resiliency tooling advises against these releases for aborting and "
-     "re-forming communicators in a live process", "NVIDIA/nvidia-resiliency-ext, as cited by titan_recover issue 41"),
+    (
+        (0, 0, 0),
+        (2, 26, 1),
+        "ncclCommAbort can hang (fixed in NCCL 2.26.2): a survivor aborting a broken "
+        "replicate communicator would wedge",
+        "pytorch/pytorch#149153",
+    ),
+    (
+        (2, 28, 3),
+        (2, 28, 8),
+        "NVIDIA's resiliency tooling advises against these releases for aborting and "
+        "re-forming communicators in a live process",
+        "NVIDIA/nvidia-resiliency-ext, as cited by titan_recover issue 41",
+    ),
 )
 SHRINK_HANG_FROM = (2, 31, 2)  # ncclCommShrink then abort and destroy hangs: pytorch/pytorch#194679
 
@@ -87,10 +105,21 @@ def nccl_version_finding(version: tuple[int, int, int]) -> Finding:
     text = ".".join(map(str, version))
     for low, high, why, source in BAD_NCCL:
         if low <= version <= high:
-            return Finding(REFUSE, "nccl-version", f"NCCL {text}: {why}; use NCCL 2.26.2 or newer outside "
-                           "2.28.3-2.28.8 (a torch build bundling one, or NCCL's own package)", source)
-    shrink = (" (its shrink-then-abort hang, pytorch/pytorch#194679, does not apply: titan_recover never shrinks "
-              "a communicator, it builds a new one per epoch)") if version >= SHRINK_HANG_FROM else ""
+            return Finding(
+                REFUSE,
+                "nccl-version",
+                f"NCCL {text}: {why}; use NCCL 2.26.2 or newer outside "
+                "2.28.3-2.28.8 (a torch build bundling one, or NCCL's own package)",
+                source,
+            )
+    shrink = (
+        (
+            " (its shrink-then-abort hang, pytorch/pytorch#194679, does not apply: titan_recover never shrinks "
+            "a communicator, it builds a new one per epoch)"
+        )
+        if version >= SHRINK_HANG_FROM
+        else ""
+    )
     return Finding(OK, "nccl-version", f"NCCL {text}: no known abort defect{shrink}")
 
 
@@ -99,35 +128,58 @@ def error_handling_finding(env: Mapping[str, str], out: Preflight) -> Finding:
     rule = ERROR_HANDLING_ENV
     if value is None:
         out.env[ERROR_HANDLING_ENV] = CLEAN_UP_ONLY
-        return Finding(OK, rule, f"unset: the ranks get {CLEAN_UP_ONLY} ({ERROR_HANDLING[CLEAN_UP_ONLY]}), so a "
-                       "survivor whose replicate all-reduce saw a peer die aborts the communicator and goes on")
+        return Finding(
+            OK,
+            rule,
+            f"unset: the ranks get {CLEAN_UP_ONLY} ({ERROR_HANDLING[CLEAN_UP_ONLY]}), so a "
+            "survivor whose replicate all-reduce saw a peer die aborts the communicator and goes on",
+        )
     if value not in ERROR_HANDLING:
-        return Finding(REFUSE, rule, f"{value!r} is not one of {', '.join(ERROR_HANDLING)}: unset it (titan_recover "
-                       f"then sets {CLEAN_UP_ONLY})")
+        return Finding(
+            REFUSE,
+            rule,
+            f"{value!r} is not one of {', '.join(ERROR_HANDLING)}: unset it (titan_recover then sets {CLEAN_UP_ONLY})",
+        )
     if value in ("1", "3"):
-        return Finding(REFUSE, rule, f"{value} ({ERROR_HANDLING[value]}): PyTorch's watchdog would kill a survivor whose "
-                       f"replicate all-reduce saw a peer die; unset it or set {CLEAN_UP_ONLY}",
-                       "measured: SIGABRT of that survivor, bench/results/nccl_probe.json (one H200)")
+        return Finding(
+            REFUSE,
+            rule,
+            f"{value} ({ERROR_HANDLING[value]}): PyTorch's watchdog would kill a survivor whose "
+            f"replicate all-reduce saw a peer die; unset it or set {CLEAN_UP_ONLY}",
+            "measured: SIGABRT of that survivor, bench/results/nccl_probe.json (one H200)",
+        )
     if value == "0":
-        return Finding(WARN, rule, "0 (no handling): the survivor whose replicate all-reduce failed stalled about 65 s "
-                       f"before it re-formed; {CLEAN_UP_ONLY} is what titan_recover sets",
-                       "measured: bench/results/nccl_probe.json (one H200, NCCL 2.28.9)")
+        return Finding(
+            WARN,
+            rule,
+            "0 (no handling): the survivor whose replicate all-reduce failed stalled about 65 s "
+            f"before it re-formed; {CLEAN_UP_ONLY} is what titan_recover sets",
+            "measured: bench/results/nccl_probe.json (one H200, NCCL 2.28.9)",
+        )
     return Finding(OK, rule, f"{value} ({ERROR_HANDLING[value]})")
 
 
 def nvls_finding(env: Mapping[str, str]) -> Finding:
     if env.get("NCCL_NVLS_ENABLE") == "0":
         return Finding(OK, "NCCL_NVLS_ENABLE", "0: no NVLink SHARP buffers per communicator")
-    return Finding(WARN, "NCCL_NVLS_ENABLE", "NVLink SHARP is on where the node has it: each communicator takes "
-                   "multicast buffers, and titan_recover builds a new replicate communicator every epoch; set "
-                   "NCCL_NVLS_ENABLE=0 unless the self-test's memory check passed on this node with it on")
+    return Finding(
+        WARN,
+        "NCCL_NVLS_ENABLE",
+        "NVLink SHARP is on where the node has it: each communicator takes "
+        "multicast buffers, and titan_recover builds a new replicate communicator every epoch; set "
+        "NCCL_NVLS_ENABLE=0 unless the self-test's memory check passed on this node with it on",
+    )
 
 
 def monitoring_finding(env: Mapping[str, str]) -> Finding | None:
     if env.get("TORCH_NCCL_ENABLE_MONITORING") != "0":
         return None
-    return Finding(WARN, "TORCH_NCCL_ENABLE_MONITORING", "0: a rank whose NCCL abort hangs is then ended only by "
-                   "recover.progress_timeout_s, not by PyTorch's watchdog monitor")
+    return Finding(
+        WARN,
+        "TORCH_NCCL_ENABLE_MONITORING",
+        "0: a rank whose NCCL abort hangs is then ended only by "
+        "recover.progress_timeout_s, not by PyTorch's watchdog monitor",
+    )
 
 
 IN_GROUP_FLAG = "--comm.train_timeout_seconds"
@@ -144,17 +196,30 @@ def timeout_finding(t: Timeouts, default_s: float | None, out: Preflight) -> Fin
     if t.in_group_s == default_s:
         raised = float(math.ceil(2 * t.survivor_wait_s))
         out.flags[IN_GROUP_FLAG] = str(int(raised))
-        return Finding(OK, rule, f"raised from TorchTitan's default {t.in_group_s:g}s to {raised:g}s; "
-                       + Timeouts(t.detect_s, t.collective_s, raised).line())
-    return Finding(REFUSE, rule, f"{t.in_group_s:g}s: a rank waits in its group's collectives while a groupmate's "
-                   f"replicate collective waits out a failed peer, up to recover.collective_timeout_s + "
-                   f"recover.heartbeat_timeout_s = {t.survivor_wait_s:g}s, so the surviving group would time out "
-                   f"and die; raise comm.train_timeout_seconds above {t.survivor_wait_s:g} (or leave it at "
-                   "TorchTitan's default: titan_recover then sets it) or lower recover.collective_timeout_s")
+        return Finding(
+            OK,
+            rule,
+            f"raised from TorchTitan's default {t.in_group_s:g}s to {raised:g}s; "
+            + Timeouts(t.detect_s, t.collective_s, raised).line(),
+        )
+    return Finding(
+        REFUSE,
+        rule,
+        f"{t.in_group_s:g}s: a rank waits in its group's collectives while a groupmate's "
+        f"replicate collective waits out a failed peer, up to recover.collective_timeout_s + "
+        f"recover.heartbeat_timeout_s = {t.survivor_wait_s:g}s, so the surviving group would time out "
+        f"and die; raise comm.train_timeout_seconds above {t.survivor_wait_s:g} (or leave it at "
+        "TorchTitan's default: titan_recover then sets it) or lower recover.collective_timeout_s",
+    )
 
 
-def check(nccl_version: tuple[int, int, int] | None, backend: str, env: Mapping[str, str], rc: Any,
-          in_group: tuple[float, float] | None) -> Preflight:
+def check(
+    nccl_version: tuple[int, int, int] | None,
+    backend: str,
+    env: Mapping[str, str],
+    rc: Any,
+    in_group: tuple[float, float] | None,
+) -> Preflight:
     """The findings for a run whose replicate dimension runs on ``backend``; ``nccl_version`` None:
     no NCCL on this host (a CPU run). ``in_group``: TorchTitan's in-group timeout and its default."""
     out = Preflight()
@@ -168,8 +233,12 @@ def check(nccl_version: tuple[int, int, int] | None, backend: str, env: Mapping[
         if (monitoring := monitoring_finding(env)) is not None:
             out.findings.append(monitoring)
     if env.get(OVERRIDE_ENV) == "warn":
-        out.findings = [Finding(WARN, f.rule, f"{f.text} (refusal turned into a warning by {OVERRIDE_ENV}=warn)", f.source)
-                        if f.level == REFUSE else f for f in out.findings]
+        out.findings = [
+            Finding(WARN, f.rule, f"{f.text} (refusal turned into a warning by {OVERRIDE_ENV}=warn)", f.source)
+            if f.level == REFUSE
+            else f
+            for f in out.findings
+        ]
     return out
 
 

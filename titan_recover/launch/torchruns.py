@@ -14,15 +14,15 @@ import sys
 import time
 from typing import Callable, NamedTuple
 
-from titan_recover.node.channel import CHANNEL_ENV, FATAL
-from titan_recover.observability import logs
-from titan_recover.node.agent import NodeAgent
 from titan_recover.control import claims, keys, transport
 from titan_recover.control.addresses import LOOPBACK
 from titan_recover.control.client import ControlClient
 from titan_recover.control.lifeline import PROBE_S
 from titan_recover.control.protocol import Fence, Launcher, Rendezvous, Report
+from titan_recover.node.agent import NodeAgent
+from titan_recover.node.channel import CHANNEL_ENV, FATAL
 from titan_recover.node.procs import die_with_parent
+from titan_recover.observability import logs
 from titan_recover.policy.restarts import RestartBudget
 
 log = logs.get("launcher")
@@ -39,16 +39,39 @@ class Meeting(NamedTuple):
     timeout_s: float
 
     def args(self) -> list[str]:
-        return ["--nnodes", str(self.parts), "--node-rank", str(self.part), "--master-addr", self.host,
-                "--master-port", str(self.port), "--rdzv-conf", f"timeout={int(self.timeout_s)}"]
+        return [
+            "--nnodes",
+            str(self.parts),
+            "--node-rank",
+            str(self.part),
+            "--master-addr",
+            self.host,
+            "--master-port",
+            str(self.port),
+            "--rdzv-conf",
+            f"timeout={int(self.timeout_s)}",
+        ]
 
 
 def torchrun(nproc: int, argv: list[str], role: str, meeting: Meeting | None = None) -> list[str]:
     where = ["--standalone", "--nnodes", "1"] if meeting is None else meeting.args()
     return [
-        sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={nproc}",
-        "--max_restarts", "0", "--role", role, "--tee", "3", "--local-ranks-filter", "0",
-        "-m", "titan_recover.train", *argv,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *where,
+        f"--nproc_per_node={nproc}",
+        "--max_restarts",
+        "0",
+        "--role",
+        role,
+        "--tee",
+        "3",
+        "--local-ranks-filter",
+        "0",
+        "-m",
+        "titan_recover.train",
+        *argv,
     ]
 
 
@@ -134,8 +157,10 @@ class LeaderPart:
         restart = budget.take(now)
         groups.report_exit(client, replica, code, "" if restart else " (no restarts left in the window)")
         if not restart:
-            log.info(f"replica group {replica} exited with code {code}; {budget.refusal(now)}; not restarting it; "
-                     "the run goes on with the other groups")
+            log.info(
+                f"replica group {replica} exited with code {code}; {budget.refusal(now)}; not restarting it; "
+                "the run goes on with the other groups"
+            )
             groups.given_up.add(replica)
             return
         attempt = client.next_incarnation(replica)
@@ -208,7 +233,9 @@ class ReplicaGroups:
         self.meetings: dict[int, Meeting] = {}  # groups that span nodes: where the current incarnation meets
         self.waiting: dict[int, int] = {}  # parts > 0: group -> the lowest incarnation of part 0's it may join
         self.fences_read = (-2, 0.0)  # the epoch at the last look for fenced incarnations, and when
-        self.attempts: dict[int, int] = {}  # the incarnation each group runs, numbered by the store (ControlClient.next_incarnation)
+        self.attempts: dict[
+            int, int
+        ] = {}  # the incarnation each group runs, numbered by the store (ControlClient.next_incarnation)
         self.budgets = {r: RestartBudget(max_restarts, restart_window_s) for r in envs}
         self.procs: dict[int, subprocess.Popen] = {}
         self.given_up: set[int] = set()
@@ -228,10 +255,17 @@ class ReplicaGroups:
 
     def _start(self, replica: int) -> subprocess.Popen:
         attempt = self.attempts[replica]
-        env = {**self.envs[replica], keys.REPLICA_ENV: str(replica), keys.ATTEMPT_ENV: str(attempt),
-               CHANNEL_ENV: self.agent.open(replica, attempt)}
-        return subprocess.Popen(torchrun(self.local_ranks, self.argv, f"replica{replica}", self.meetings.get(replica)),
-                                env=env, preexec_fn=die_with_parent)
+        env = {
+            **self.envs[replica],
+            keys.REPLICA_ENV: str(replica),
+            keys.ATTEMPT_ENV: str(attempt),
+            CHANNEL_ENV: self.agent.open(replica, attempt),
+        }
+        return subprocess.Popen(
+            torchrun(self.local_ranks, self.argv, f"replica{replica}", self.meetings.get(replica)),
+            env=env,
+            preexec_fn=die_with_parent,
+        )
 
     def begin(self, client: ControlClient, replica: int, taken_over: bool) -> None:
         """Once this launcher holds its claims: starts, or waits to join, the group's current incarnation."""
@@ -240,8 +274,15 @@ class ReplicaGroups:
     def report_exit(self, client: ControlClient, replica: int, code: int, note: str) -> None:
         """The group is certainly dead: say so first (faster than heartbeats)."""
         cause = f"torchrun of replica {replica}{self.span.suffix} exited with code {code}{note}"
-        client.report(Report(epoch=max(self.agent.epoch, 0), cause=cause, replica=replica, suspect=replica,
-                             attempt=self.attempts[replica]))
+        client.report(
+            Report(
+                epoch=max(self.agent.epoch, 0),
+                cause=cause,
+                replica=replica,
+                suspect=replica,
+                attempt=self.attempts[replica],
+            )
+        )
 
     def kill(self) -> None:
         """SIGKILLs every group's torchrun agent; its ranks die with it (``die_with_parent``)."""
@@ -258,8 +299,14 @@ class ReplicaGroups:
         now = self.clock()
         for report in self.agent.take_hangs():  # a rank of a local group stopped beating: fenced now
             client.report(report)
-        look = (self.agent.epoch, now) if self.agent.epoch != self.fences_read[0] or now - self.fences_read[1] >= PROBE_S else None
-        fences = client.read_fences(list(self.procs)) if look else {}  # a fence comes with a new epoch (a waiting spare's, within PROBE_S)
+        look = (
+            (self.agent.epoch, now)
+            if self.agent.epoch != self.fences_read[0] or now - self.fences_read[1] >= PROBE_S
+            else None
+        )
+        fences = (
+            client.read_fences(list(self.procs)) if look else {}
+        )  # a fence comes with a new epoch (a waiting spare's, within PROBE_S)
         for r, proc in list(self.procs.items()):
             if look:
                 kill_fenced(fences[r], self.agent, r, self.killed)
@@ -267,8 +314,10 @@ class ReplicaGroups:
             if code in (None, 0) or r in self.given_up or r in self.waiting:
                 continue
             if not claims.holds(client, self.launcher, r, self.span.part):
-                log.info(f"{self.span.of(r)} exited with code {code}; another launcher took it over (this one looked dead): "
-                         "leaving it to that one")
+                log.info(
+                    f"{self.span.of(r)} exited with code {code}; another launcher took it over (this one looked dead): "
+                    "leaving it to that one"
+                )
                 self.given_up.add(r)
                 continue
             self.part.exited(self, client, r, code)
@@ -278,8 +327,8 @@ class ReplicaGroups:
         return True
 
     def done(self) -> bool:
-        return not self.waiting and all(p.poll() is not None for p in self.procs.values()) and not any(
-            p.returncode != 0 and r not in self.given_up for r, p in self.procs.items()
+        return (
+            not self.waiting
+            and all(p.poll() is not None for p in self.procs.values())
+            and not any(p.returncode != 0 and r not in self.given_up for r, p in self.procs.items())
         )
-
-

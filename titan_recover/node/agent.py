@@ -25,8 +25,8 @@ import numpy as np
 
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import MessageError, NodeGroup, NodeMessage, Report, Stuck
-from titan_recover.control.transport import connect
 from titan_recover.control.sealed import Run
+from titan_recover.control.transport import connect
 from titan_recover.node.channel import BEAT, DONE, FATAL, FINISHED, PID, READY, RUNNING, STATE, STEP, STUCK, Channel
 
 EPOCH_WAIT_S = 24 * 3600.0  # one wait per epoch; a lost coordinator is the lifeline's to find, within its bound
@@ -122,7 +122,10 @@ class NodeAgent:
             self.seq += 1
             for channel in self.channels.values():
                 channel.tick()  # the ranks watch this move
-            groups = {r: self.watches[r].entry(self.attempts[r], channel.read_slots(), now) for r, channel in self.channels.items()}
+            groups = {
+                r: self.watches[r].entry(self.attempts[r], channel.read_slots(), now)
+                for r, channel in self.channels.items()
+            }
             for r, entry in groups.items():
                 self._check_hang(r, entry.silent_s)
         return NodeMessage(self.seq, groups)
@@ -135,7 +138,9 @@ class NodeAgent:
         self._hung.add(incarnation)
         rank, attempt = self.watches[replica].most_silent, incarnation[1]
         cause = f"heartbeat silent for {silent_s:.2f}s (local rank {rank} of attempt {attempt}, seen by its node agent)"
-        self._hangs.append(Report(epoch=max(self.epoch, 0), cause=cause, replica=replica, suspect=replica, attempt=attempt))
+        self._hangs.append(
+            Report(epoch=max(self.epoch, 0), cause=cause, replica=replica, suspect=replica, attempt=attempt)
+        )
 
     def take_hangs(self) -> list[Report]:
         """The hang reports queued since the last call (the launcher writes them to the store)."""
@@ -151,7 +156,9 @@ class NodeAgent:
 
     def start(self, on_error: Callable[[str], None]) -> None:
         """Starts pushing epochs into the channels (a daemon thread with its own store client)."""
-        self._waiter = threading.Thread(target=self._push_epochs, args=(on_error,), name="titan-recover-epochs", daemon=True)
+        self._waiter = threading.Thread(
+            target=self._push_epochs, args=(on_error,), name="titan-recover-epochs", daemon=True
+        )
         self._waiter.start()
 
     def _push_epochs(self, on_error: Callable[[str], None]) -> None:

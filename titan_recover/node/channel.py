@@ -23,8 +23,8 @@ from typing import Callable
 
 import numpy as np
 
-from titan_recover.observability import logs
 from titan_recover.node.procs import pid_alive
+from titan_recover.observability import logs
 
 CHANNEL_ENV = "TITAN_RECOVER_CHANNEL"  # path of this incarnation's channel file
 MAGIC = 0x7469_7461_6E72_6563  # "titanrec": a file that is not a channel is refused
@@ -48,7 +48,9 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-CHANNEL_FILE = re.compile(r"titan_recover-(\d+)-r\d+-a\d+-[0-9a-f]+")  # titan_recover-<agent pid>-r<replica>-a<attempt>-<random>
+CHANNEL_FILE = re.compile(
+    r"titan_recover-(\d+)-r\d+-a\d+-[0-9a-f]+"
+)  # titan_recover-<agent pid>-r<replica>-a<attempt>-<random>
 
 
 def remove_orphans(directory: str | None = None) -> list[str]:
@@ -77,7 +79,9 @@ class Channel:
 
     @staticmethod
     def create(replica: int, attempt: int, slots: int, directory: str | None = None) -> "Channel":
-        path = os.path.join(directory or shm_dir(), f"titan_recover-{os.getpid()}-r{replica}-a{attempt}-{secrets.token_hex(4)}")
+        path = os.path.join(
+            directory or shm_dir(), f"titan_recover-{os.getpid()}-r{replica}-a{attempt}-{secrets.token_hex(4)}"
+        )
         size = 8 * (HEADER + SLOT * slots)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -95,7 +99,9 @@ class Channel:
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError as e:
-            raise ChannelError(f"{CHANNEL_ENV}={path!r}: cannot open the node channel ({e}); start ranks with run_train.sh") from e
+            raise ChannelError(
+                f"{CHANNEL_ENV}={path!r}: cannot open the node channel ({e}); start ranks with run_train.sh"
+            ) from e
         try:
             size = os.fstat(fd).st_size
             if size < 8 * (HEADER + SLOT) or size % 8:
@@ -169,8 +175,13 @@ class RankBeat:
     """
 
     def __init__(
-        self, channel: Channel, slot: int, interval_s: float, progress_timeout_s: float,
-        agent_timeout_s: float, on_lost: Callable[[str], None],
+        self,
+        channel: Channel,
+        slot: int,
+        interval_s: float,
+        progress_timeout_s: float,
+        agent_timeout_s: float,
+        on_lost: Callable[[str], None],
     ) -> None:
         self.channel, self.slot = channel, slot
         self._interval, self._progress_timeout, self._agent_timeout = interval_s, progress_timeout_s, agent_timeout_s
@@ -197,8 +208,10 @@ class RankBeat:
                 self.channel.beat(self.slot)
             elif self.channel.words[self.channel._slot(self.slot) + STATE] != STUCK:
                 idle, where = self.idle()
-                log.warning(f"local rank {self.slot}: the main loop made no progress for {idle:.0f}s "
-                            f"(last: {where}); it stops beating and its node agent reports it")
+                log.warning(
+                    f"local rank {self.slot}: the main loop made no progress for {idle:.0f}s "
+                    f"(last: {where}); it stops beating and its node agent reports it"
+                )
                 self.channel.set_state(self.slot, STUCK)
             beat = self.channel.agent_beat()
             if beat != agent[0]:

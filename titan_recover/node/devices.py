@@ -46,8 +46,13 @@ RANK_GPUS_ENV = "TITAN_RECOVER_RANK_GPUS"  # the GPU of each local rank of a gro
 SLOT_ENV = "TITAN_RECOVER_LOCAL_RANK"  # a rank's torchrun LOCAL_RANK, kept where LOCAL_RANK is rewritten to 0
 # NCCL between ranks posing as hosts of one machine: its socket transport over loopback, nothing that
 # needs one host (NVLink SHARP, multi-node NVLink) or a NIC (InfiniBand)
-RANK_PER_HOST_NCCL = {"NCCL_NET": "Socket", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo",
-                      "NCCL_MNNVL_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+RANK_PER_HOST_NCCL = {
+    "NCCL_NET": "Socket",
+    "NCCL_IB_DISABLE": "1",
+    "NCCL_SOCKET_IFNAME": "lo",
+    "NCCL_MNNVL_ENABLE": "0",
+    "NCCL_NVLS_ENABLE": "0",
+}
 
 
 def host_gpus(cuda_visible: str | None, device_count: int) -> list[str]:
@@ -57,15 +62,21 @@ def host_gpus(cuda_visible: str | None, device_count: int) -> list[str]:
     return [d.strip() for d in cuda_visible.split(",") if d.strip()][:device_count]
 
 
-def plan(requested: str, gpus: list[str], groups: int, ranks: int, nccl_available: bool,
-         rank_per_host: bool = False) -> DevicePlan:
+def plan(
+    requested: str, gpus: list[str], groups: int, ranks: int, nccl_available: bool, rank_per_host: bool = False
+) -> DevicePlan:
     """The backend and GPUs for ``groups`` replica groups of ``ranks`` ranks on one host
     (``requested`` is one of BACKENDS, checked by ``config.validate``)."""
     if not gpus:
         if requested == "nccl":
-            raise ConfigError('recover.replicate_backend = "nccl" needs CUDA GPUs, and this host has none: use "gloo" or "auto"')
-        return DevicePlan("gloo", [None] * groups, "no GPUs on this host" + (
-            " (recover.nccl_rank_per_host has nothing to do)" if rank_per_host else ""))
+            raise ConfigError(
+                'recover.replicate_backend = "nccl" needs CUDA GPUs, and this host has none: use "gloo" or "auto"'
+            )
+        return DevicePlan(
+            "gloo",
+            [None] * groups,
+            "no GPUs on this host" + (" (recover.nccl_rank_per_host has nothing to do)" if rank_per_host else ""),
+        )
     if ranks > len(gpus) and not rank_per_host:
         raise ConfigError(
             f"a replica group of {ranks} ranks (dp_shard x tp x pp) needs {ranks} GPUs, one per rank, "
@@ -80,8 +91,10 @@ def plan(requested: str, gpus: list[str], groups: int, ranks: int, nccl_availabl
         usual = plan(requested, gpus, groups, ranks, nccl_available)
         return replace(usual, reason=f"{usual.reason}; recover.nccl_rank_per_host not needed")
     why_not = (
-        "this torch was built without NCCL" if not nccl_available
-        else f"{groups} groups x {ranks} ranks share {len(gpus)} GPUs, and NCCL needs one GPU per rank" if shared and not rank_per_host
+        "this torch was built without NCCL"
+        if not nccl_available
+        else f"{groups} groups x {ranks} ranks share {len(gpus)} GPUs, and NCCL needs one GPU per rank"
+        if shared and not rank_per_host
         else ""
     )
     if rank_per_host and not nccl_available:
@@ -93,9 +106,14 @@ def plan(requested: str, gpus: list[str], groups: int, ranks: int, nccl_availabl
     if why_not:
         return DevicePlan("gloo", visible, why_not)
     if rank_per_host:
-        return DevicePlan("nccl", visible, f"{groups} groups x {ranks} ranks on {len(gpus)} GPUs, each rank posing as "
-                          "a host of its own (recover.nccl_rank_per_host: NCCL over loopback sockets, not a "
-                          "performance setup)", True)
+        return DevicePlan(
+            "nccl",
+            visible,
+            f"{groups} groups x {ranks} ranks on {len(gpus)} GPUs, each rank posing as "
+            "a host of its own (recover.nccl_rank_per_host: NCCL over loopback sockets, not a "
+            "performance setup)",
+            True,
+        )
     return DevicePlan("nccl", visible, "every rank has a GPU of its own")
 
 
@@ -106,8 +124,11 @@ def group_env(visible: str | None, rank_per_host: bool) -> dict[str, str]:
         return {}
     if not rank_per_host:
         return {"CUDA_VISIBLE_DEVICES": visible}
-    return {"CUDA_VISIBLE_DEVICES": ",".join(dict.fromkeys(visible.split(","))), RANK_GPUS_ENV: visible,
-            **RANK_PER_HOST_NCCL}
+    return {
+        "CUDA_VISIBLE_DEVICES": ",".join(dict.fromkeys(visible.split(","))),
+        RANK_GPUS_ENV: visible,
+        **RANK_PER_HOST_NCCL,
+    }
 
 
 def rank_env(env: Mapping[str, str], host: str | None = None) -> dict[str, str]:
@@ -121,8 +142,12 @@ def rank_env(env: Mapping[str, str], host: str | None = None) -> dict[str, str]:
     if not 0 <= local < len(gpus):
         raise ConfigError(f"{RANK_GPUS_ENV}={env[RANK_GPUS_ENV]!r} names no GPU for local rank {local}")
     replica = env.get(REPLICA_ENV, "0")
-    return {"CUDA_VISIBLE_DEVICES": gpus[local], "LOCAL_RANK": "0", SLOT_ENV: str(local),
-            "NCCL_HOSTID": f"{host or socket.gethostname()}-titan-recover-g{replica}-r{local}"}
+    return {
+        "CUDA_VISIBLE_DEVICES": gpus[local],
+        "LOCAL_RANK": "0",
+        SLOT_ENV: str(local),
+        "NCCL_HOSTID": f"{host or socket.gethostname()}-titan-recover-g{replica}-r{local}",
+    }
 
 
 def local_rank(env: Mapping[str, str]) -> int:

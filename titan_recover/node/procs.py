@@ -15,7 +15,9 @@ from typing import Callable, NoReturn
 PR_SET_PDEATHSIG = 1
 LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a forked child must not dlopen (threads may hold its lock)
 EXIT_COORDINATOR_LOST = 3
-EXITING_S = 10.0  # a coordinator whose port closed is exiting (its interpreter's teardown): how long its exit code may take
+EXITING_S = (
+    10.0  # a coordinator whose port closed is exiting (its interpreter's teardown): how long its exit code may take
+)
 
 
 def die_with_parent() -> None:
@@ -98,7 +100,7 @@ def leave(main: Callable[[], None]) -> NoReturn:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):
             print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001: reported as the interpreter would, then leave
+    except BaseException:  # reported as the interpreter would, then leave
         traceback.print_exc()
         code = 1
     logging.shutdown()

@@ -41,8 +41,9 @@ def events_path(dump_folder: str) -> str:
     if node is None:
         return os.path.join(dump_folder, EVENTS_FILE)
     if not _NODE_NAME.fullmatch(node):
-        raise ValueError(f"{NODE_ENV}={node!r} cannot name this node's event log: "
-                         "use letters, digits, '-' and '_' only (e.g. node1)")
+        raise ValueError(
+            f"{NODE_ENV}={node!r} cannot name this node's event log: use letters, digits, '-' and '_' only (e.g. node1)"
+        )
     return os.path.join(dump_folder, f"recover_events.{node}.jsonl")
 
 

@@ -64,8 +64,14 @@ def _sample(n: int) -> list[int]:
 class RunHistory:
     """The run so far, from its events (fed in the order ``events.Tail`` reads them)."""
 
-    def __init__(self, replicas: int = 0, replica_ids: int = 0, steps: int | None = None, tokens_per_step: int | None = None,
-                 precision: str | None = None) -> None:
+    def __init__(
+        self,
+        replicas: int = 0,
+        replica_ids: int = 0,
+        steps: int | None = None,
+        tokens_per_step: int | None = None,
+        precision: str | None = None,
+    ) -> None:
         """The run's shape, from its config; a run read from its events alone takes it from its
         ``run_config`` event."""
         self.groups: dict[int, _Group] = {}
@@ -87,8 +93,9 @@ class RunHistory:
         self.started: float | None = None
         self.updated: float | None = None
 
-    def _configure(self, replicas: int, replica_ids: int, steps: int | None, tokens_per_step: int | None,
-                   precision: str | None) -> None:
+    def _configure(
+        self, replicas: int, replica_ids: int, steps: int | None, tokens_per_step: int | None, precision: str | None
+    ) -> None:
         self.steps_total = steps
         self.tokens_per_step, self.precision = tokens_per_step, precision
         for r in range(replica_ids):
@@ -136,11 +143,17 @@ class RunHistory:
         if group is not None:
             group.failed_at, group.failed_incarnation, group.joining, group.spare = t, group.incarnation, False, False
         detected = e.get("detected")
-        self.failures.append({
-            "replica": e.get("replica"), "step": e.get("step"), "cause": str(e.get("cause", "")), "time": t,
-            "clock": e.get("clock"), "detection_s": detected - t if isinstance(detected, (int, float)) else None,
-            "recovery_s": None,
-        })
+        self.failures.append(
+            {
+                "replica": e.get("replica"),
+                "step": e.get("step"),
+                "cause": str(e.get("cause", "")),
+                "time": t,
+                "clock": e.get("clock"),
+                "detection_s": detected - t if isinstance(detected, (int, float)) else None,
+                "recovery_s": None,
+            }
+        )
 
     def _on_recovered(self, e: dict[str, Any], t: float) -> None:
         if isinstance(e.get("members"), list):
@@ -157,7 +170,9 @@ class RunHistory:
         attempt = e.get("attempt")
         if group is None or type(attempt) is not int or attempt < group.incarnation:
             return
-        nodes = group.nodes if attempt == group.incarnation and group.started_at else ()  # a group's parts, one per node
+        nodes = (
+            group.nodes if attempt == group.incarnation and group.started_at else ()
+        )  # a group's parts, one per node
         group.incarnation, group.started_at = attempt, t
         group.nodes = tuple(sorted({*nodes, str(e.get("host", "?"))}))
 
@@ -172,7 +187,9 @@ class RunHistory:
         group = self._group(e)
         if group is not None:
             group.joining = False
-        self.rejoins.append({k: e.get(k) for k in ("replica", "step", "downtime_s", "bytes", "transfer_s", "replaces")} | {"time": t})
+        self.rejoins.append(
+            {k: e.get(k) for k in ("replica", "step", "downtime_s", "bytes", "transfer_s", "replaces")} | {"time": t}
+        )
 
     def _on_spare_ready(self, e: dict[str, Any], t: float) -> None:
         group = self._group(e)
@@ -240,34 +257,60 @@ class RunHistory:
             seen = live.groups.get(r) if live is not None else None
             state = self.state_of(r, live)
             saved_down = ((live.state or {}).get("down_since", {}) if live is not None else {}).get(str(r))
-            groups.append({
-                "replica": r, "state": state,
-                "incarnation": max(group.incarnation, seen.attempt if seen else 0),
-                "nodes": list(seen.nodes if seen and seen.nodes else group.nodes),
-                "heartbeat_age_s": round(seen.heartbeat_age_s, 3) if seen else None,
-                "microbatches": int(self.quotas.get(str(r), 0)) if state == "live" else 0,
-                "down_since": saved_down if saved_down is not None else (group.failed_at if state in ("fenced", "restarting") else None),
-            })
+            groups.append(
+                {
+                    "replica": r,
+                    "state": state,
+                    "incarnation": max(group.incarnation, seen.attempt if seen else 0),
+                    "nodes": list(seen.nodes if seen and seen.nodes else group.nodes),
+                    "heartbeat_age_s": round(seen.heartbeat_age_s, 3) if seen else None,
+                    "microbatches": int(self.quotas.get(str(r), 0)) if state == "live" else 0,
+                    "down_since": saved_down
+                    if saved_down is not None
+                    else (group.failed_at if state in ("fenced", "restarting") else None),
+                }
+            )
         return {
             "run": {
-                "id": run_id or self.run_id, "state": self.run_state(), "step": self.steps[-1] if self.steps else 0,
-                "steps": self.steps_total, "steps_per_s": rate,
+                "id": run_id or self.run_id,
+                "state": self.run_state(),
+                "step": self.steps[-1] if self.steps else 0,
+                "steps": self.steps_total,
+                "steps_per_s": rate,
                 "tokens_per_s": rate * self.tokens_per_step if rate is not None and self.tokens_per_step else None,
-                "tokens_per_step": self.tokens_per_step, "precision": self.precision,
-                "started": self.started, "updated": self.updated, "now": now, "leader": self.leader, "fatal": self.fatal,
+                "tokens_per_step": self.tokens_per_step,
+                "precision": self.precision,
+                "started": self.started,
+                "updated": self.updated,
+                "now": now,
+                "leader": self.leader,
+                "fatal": self.fatal,
             },
             "groups": groups,
             "failures": self.failures[-RECENT:][::-1],
             "rejoins": self.rejoins[-RECENT:][::-1],
-            "digests": {"steps": sorted(self.digest_steps)[-RECENT:], "mismatches": self.mismatches,
-                        "last": max(self.digest_steps, default=None)},
-            "series": {
-                "step": [self.steps[i] for i in picked], "time": [self.times[i] for i in picked],
-                "loss": [self.losses[i] for i in picked], "live_groups": [self.live[i] for i in picked],
-                "step_time_s": [self.times[i] - self.times[i - 1] if i else None for i in picked],  # the sampled ones only
+            "digests": {
+                "steps": sorted(self.digest_steps)[-RECENT:],
+                "mismatches": self.mismatches,
+                "last": max(self.digest_steps, default=None),
             },
-            "counts": {"failures": len(self.failures), "rejoins": len(self.rejoins), "steps": len(self.steps),
-                       "digest_mismatches": self.mismatches},
-            "latencies": {"recovery_s": list(self.recovery_s), "downtime_s": [r["downtime_s"] for r in self.rejoins
-                                                                              if isinstance(r["downtime_s"], (int, float))]},
+            "series": {
+                "step": [self.steps[i] for i in picked],
+                "time": [self.times[i] for i in picked],
+                "loss": [self.losses[i] for i in picked],
+                "live_groups": [self.live[i] for i in picked],
+                "step_time_s": [
+                    self.times[i] - self.times[i - 1] if i else None for i in picked
+                ],  # the sampled ones only
+            },
+            "counts": {
+                "failures": len(self.failures),
+                "rejoins": len(self.rejoins),
+                "steps": len(self.steps),
+                "digest_mismatches": self.mismatches,
+            },
+            "latencies": {
+                "recovery_s": list(self.recovery_s),
+                "downtime_s": [r["downtime_s"] for r in self.rejoins if isinstance(r["downtime_s"], (int, float))],
+            },
         }

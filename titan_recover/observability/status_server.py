@@ -44,7 +44,9 @@ class StoreReader:
     """The control store now: the saved coordinator state and every node's message. Made and used
     by the refresh thread only (an etcd client belongs to its thread)."""
 
-    def __init__(self, connect: Callable[[], ControlClient], messages: Callable[[ControlClient, list[str]], list[bytes]]) -> None:
+    def __init__(
+        self, connect: Callable[[], ControlClient], messages: Callable[[ControlClient, list[str]], list[bytes]]
+    ) -> None:
         self._connect, self._messages = connect, messages
         self._client: ControlClient | None = None
         self._names: dict[int, str] = {}  # registration index -> launcher key
@@ -85,14 +87,18 @@ class StoreReader:
                 if old is None or entry.attempt > old.attempt:
                     groups[replica] = LiveGroup(entry.attempt, (host,), age)
                 elif entry.attempt == old.attempt:
-                    groups[replica] = LiveGroup(entry.attempt, tuple(sorted({*old.nodes, host})), max(age, old.heartbeat_age_s))
+                    groups[replica] = LiveGroup(
+                        entry.attempt, tuple(sorted({*old.nodes, host})), max(age, old.heartbeat_age_s)
+                    )
         return Live(None if state is None else json.loads(state.dumps()), groups)  # as stored: replica ids as strings
 
 
 class StatusSource:
     """Keeps the snapshot: the history folded from the events so far, and the store now."""
 
-    def __init__(self, tail: Tail, history: RunHistory, run_id: str | None = None, store: StoreReader | None = None) -> None:
+    def __init__(
+        self, tail: Tail, history: RunHistory, run_id: str | None = None, store: StoreReader | None = None
+    ) -> None:
         self.tail, self.history, self.run_id, self.store = tail, history, run_id, store
         self.snapshot: dict[str, Any] | None = None
         self.store_error: str | None = None
@@ -108,8 +114,10 @@ class StatusSource:
                 self.store_error = None
             except Exception as e:  # a store that stalled or moved: the page still shows the events
                 if self.store_error is None:
-                    log.warning(f"status page: the control store could not be read ({type(e).__name__}: {e}); "
-                                "showing the event log only until it can")
+                    log.warning(
+                        f"status page: the control store could not be read ({type(e).__name__}: {e}); "
+                        "showing the event log only until it can"
+                    )
                 self.store_error = f"{type(e).__name__}: {e}"
                 self.store.forget_client()
         snapshot = self.history.snapshot(self.run_id, now, live)
@@ -130,13 +138,17 @@ class Metrics:
             return
         run, groups = s["run"], s["groups"]
         yield GaugeMetricFamily("titan_recover_step", "The last committed step.", value=run["step"])
-        for name, key, doc in (("steps_per_second", "steps_per_s", "Committed steps per second (latest steps)."),
-                               ("tokens_per_second", "tokens_per_s", "Tokens trained per second (latest steps).")):
+        for name, key, doc in (
+            ("steps_per_second", "steps_per_s", "Committed steps per second (latest steps)."),
+            ("tokens_per_second", "tokens_per_s", "Tokens trained per second (latest steps)."),
+        ):
             if run[key] is not None:
                 yield GaugeMetricFamily(f"titan_recover_{name}", doc, value=run[key])
         step_times = [t for t in s["series"]["step_time_s"][-1:] if t is not None]
         if step_times:
-            yield GaugeMetricFamily("titan_recover_step_time_seconds", "Wall time of the last committed step.", value=step_times[0])
+            yield GaugeMetricFamily(
+                "titan_recover_step_time_seconds", "Wall time of the last committed step.", value=step_times[0]
+            )
         live = sum(g["state"] == "live" for g in groups)
         yield GaugeMetricFamily("titan_recover_live_groups", "Replica groups that are members and live.", value=live)
         by_state = GaugeMetricFamily("titan_recover_groups", "Replica groups in each state.", labels=["state"])
@@ -144,9 +156,21 @@ class Metrics:
             by_state.add_metric([state], sum(g["state"] == state for g in groups))
         yield by_state
         per_group = {
-            "microbatches": GaugeMetricFamily("titan_recover_group_microbatches", "Microbatches the group computed in the last step.", labels=["replica"]),
-            "incarnation": GaugeMetricFamily("titan_recover_group_incarnation", "The group's newest incarnation (0, then +1 per restart).", labels=["replica"]),
-            "heartbeat_age_s": GaugeMetricFamily("titan_recover_group_heartbeat_age_seconds", "Seconds since the group's most silent rank beat.", labels=["replica"]),
+            "microbatches": GaugeMetricFamily(
+                "titan_recover_group_microbatches",
+                "Microbatches the group computed in the last step.",
+                labels=["replica"],
+            ),
+            "incarnation": GaugeMetricFamily(
+                "titan_recover_group_incarnation",
+                "The group's newest incarnation (0, then +1 per restart).",
+                labels=["replica"],
+            ),
+            "heartbeat_age_s": GaugeMetricFamily(
+                "titan_recover_group_heartbeat_age_seconds",
+                "Seconds since the group's most silent rank beat.",
+                labels=["replica"],
+            ),
         }
         for g in groups:
             for key, family in per_group.items():
@@ -155,11 +179,18 @@ class Metrics:
         yield from per_group.values()
         counts = s["counts"]
         yield CounterMetricFamily("titan_recover_failures", "Replica group failures.", value=counts["failures"])
-        yield CounterMetricFamily("titan_recover_rejoins", "Replica groups back with a live peer's state.", value=counts["rejoins"])
-        yield CounterMetricFamily("titan_recover_param_digest_mismatches", "Parameter digests that differed across replicas.",
-                                  value=counts["digest_mismatches"])
-        for name, key, doc in (("recovery_latency_seconds", "recovery_s", "From a failure to the survivors' new membership."),
-                               ("rejoin_downtime_seconds", "downtime_s", "From a failure to the group (or a spare) back with state.")):
+        yield CounterMetricFamily(
+            "titan_recover_rejoins", "Replica groups back with a live peer's state.", value=counts["rejoins"]
+        )
+        yield CounterMetricFamily(
+            "titan_recover_param_digest_mismatches",
+            "Parameter digests that differed across replicas.",
+            value=counts["digest_mismatches"],
+        )
+        for name, key, doc in (
+            ("recovery_latency_seconds", "recovery_s", "From a failure to the survivors' new membership."),
+            ("rejoin_downtime_seconds", "downtime_s", "From a failure to the group (or a spare) back with state."),
+        ):
             values = s["latencies"][key]
             buckets = [(str(b), sum(v <= b for v in values)) for b in BUCKETS_S] + [("+Inf", len(values))]
             yield HistogramMetricFamily(f"titan_recover_{name}", doc, buckets=buckets, sum_value=sum(values))
@@ -179,8 +210,10 @@ class StatusServer:
         self.httpd = ThreadingHTTPServer((bind, port), self._handler())
         self.httpd.daemon_threads = True
         self.address = f"http://{bind}:{self.httpd.server_address[1]}/"
-        self.threads = [threading.Thread(target=self.httpd.serve_forever, name="titan-recover-status", daemon=True),
-                        threading.Thread(target=self._refresh_loop, name="titan-recover-status-refresh", daemon=True)]
+        self.threads = [
+            threading.Thread(target=self.httpd.serve_forever, name="titan-recover-status", daemon=True),
+            threading.Thread(target=self._refresh_loop, name="titan-recover-status-refresh", daemon=True),
+        ]
         for thread in self.threads:
             thread.start()
 

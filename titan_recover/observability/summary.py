@@ -25,16 +25,15 @@ def summarize_events(*paths: str, last_step: int | None = None) -> dict[str, Any
     out: dict[str, Any] = {
         "steps": len(steps),
         "microbatches_per_step": sorted({len(e["microbatches"]) for e in steps}),
-        "failures": [
-            {k: e[k] for k in ("replica", "step", "cause")} for e in events if e["event"] == "failure"
-        ],
+        "failures": [{k: e[k] for k in ("replica", "step", "cause")} for e in events if e["event"] == "failure"],
         "recovery_latency_s": [round(e["latency_s"], 3) for e in recovered],
         "final_members": steps[-1]["members"] if steps else [],
         "final_loss": steps[-1]["loss"] if steps else None,
         "fatal": [e["error"] for e in events if e["event"] == "fatal"],
         "rejoined": [
             {k: e.get(k) for k in ("replica", "step", "downtime_s", "transfer_s", "bytes", "replaces")}
-            for e in events if e["event"] == "rejoined"
+            for e in events
+            if e["event"] == "rejoined"
         ],
         "digest_steps": sorted({e["step"] for e in events if e["event"] == "param_digest"}),
         "digest_mismatches": [e for e in events if e["event"] == "param_digest_mismatch"],
@@ -74,15 +73,21 @@ def _files(s: dict[str, Any]) -> list[str]:
     if len(names) == 1 and names[0] != EVENTS_FILE:
         node = names[0].removeprefix("recover_events.").removesuffix(".jsonl")
         folder = os.path.dirname(s["files"][0]) or "."
-        lines.append(f"    only node {node}'s event file is in {folder}: the other nodes' events, and steps "
-                     "logged by a coordinator on another node, are not counted here "
-                     "(give every node the same shared dump_folder to see them)")
+        lines.append(
+            f"    only node {node}'s event file is in {folder}: the other nodes' events, and steps "
+            "logged by a coordinator on another node, are not counted here "
+            "(give every node the same shared dump_folder to see them)"
+        )
     if s["missing_steps"]:
-        lines.append(f"  MISSING              : steps {_ranges(s['missing_steps'])} are in none of these files "
-                     "(logged by a coordinator on another node, whose event file is not in this folder)")
+        lines.append(
+            f"  MISSING              : steps {_ranges(s['missing_steps'])} are in none of these files "
+            "(logged by a coordinator on another node, whose event file is not in this folder)"
+        )
     if s["duplicates"]:
-        lines.append(f"  duplicate lines      : {len(s['duplicates'])} (step {_ranges(sorted(set(s['duplicates'])))} "
-                     "logged again, by a coordinator leader as it lost its lease; counted once)")
+        lines.append(
+            f"  duplicate lines      : {len(s['duplicates'])} (step {_ranges(sorted(set(s['duplicates'])))} "
+            "logged again, by a coordinator leader as it lost its lease; counted once)"
+        )
     if s["skipped"]:
         lines.append(f"  unreadable lines     : {len(s['skipped'])} skipped, the first {s['skipped'][0]}")
     return lines

@@ -115,8 +115,10 @@ def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
             else:
                 raise FaultPlanError(f"unknown key {key!r} in {entry.strip()!r}")
         if action == "slow" and (extra := sorted(fields.keys() - {"replica", "step", "factor"})):
-            raise FaultPlanError(f"slow takes replica=, factor= and step= only (it slows every rank of the "
-                                 f"group, in every incarnation), not {', '.join(extra)}, in {entry.strip()!r}")
+            raise FaultPlanError(
+                f"slow takes replica=, factor= and step= only (it slows every rank of the "
+                f"group, in every incarnation), not {', '.join(extra)}, in {entry.strip()!r}"
+            )
         phase = fields.setdefault("phase", "backward")
         required = ["replica"] if phase in TRANSFER_PHASES or action == "slow" else ["replica", "step"]
         for key, owner in (("seconds", "sleep"), ("until", "sleep"), ("factor", "slow")):

@@ -72,7 +72,9 @@ def donor(membership: Membership, joining: Sequence[int], joiner: int) -> int:
     return donors[sorted(joining).index(joiner) % len(donors)]
 
 
-def join_action(members: Sequence[int], replica: int, admitted_attempt: int, attempt: int, ready: int, shards: int) -> str:
+def join_action(
+    members: Sequence[int], replica: int, admitted_attempt: int, attempt: int, ready: int, shards: int
+) -> str:
     """What the coordinator does with a join request of ``replica``'s incarnation ``attempt``.
 
     "wait": not every rank of the group is up yet, or the request is stale;
@@ -102,12 +104,19 @@ def group_views(entries: Iterable[tuple[int, NodeGroup, float]]) -> dict[tuple[i
     for replica, entry, seen in entries:
         key = (replica, entry.attempt)
         stuck = entry.stuck
-        why = None if stuck is None else f"the main loop of its rank {stuck.rank} made no progress (at step {stuck.step})"
+        why = (
+            None if stuck is None else f"the main loop of its rank {stuck.rank} made no progress (at step {stuck.step})"
+        )
         view = GroupView(entry.ranks, entry.ready, entry.finished, seen - entry.silent_s, why)
         old = views.get(key)
         if old is not None:
-            view = GroupView(view.ranks + old.ranks, view.ready + old.ready, view.finished + old.finished,
-                             min(view.alive_at, old.alive_at), old.stuck or why)
+            view = GroupView(
+                view.ranks + old.ranks,
+                view.ready + old.ready,
+                view.finished + old.finished,
+                min(view.alive_at, old.alive_at),
+                old.stuck or why,
+            )
         views[key] = view
     return views
 
@@ -197,7 +206,9 @@ class FailureDetector:
         return failed, retry
 
 
-def retry_verdict(members: Sequence[int], reporters: Iterable[int], retries: int, max_retries: int) -> tuple[str, tuple[int, ...]]:
+def retry_verdict(
+    members: Sequence[int], reporters: Iterable[int], retries: int, max_retries: int
+) -> tuple[str, tuple[int, ...]]:
     """What to do when a step's collectives broke again with nobody silent.
 
     "retry" while fewer than ``max_retries`` retries of this step have run; then

@@ -85,9 +85,7 @@ def summarize(tally: torch.Tensor, shards: int, expected_tokens: int, replica_sl
     counts = tally[MICROBATCHES:seconds_at:2].tolist()
     wrong = {m: c / shards for m, c in enumerate(counts) if c != shards}
     if wrong:
-        raise InvariantError(
-            f"microbatches not summed exactly once (id: times): {wrong}"
-        )
+        raise InvariantError(f"microbatches not summed exactly once (id: times): {wrong}")
     tokens = int(tally[TOKENS])
     if tokens != expected_tokens:
         raise InvariantError(f"step summed {tokens} label tokens, expected {expected_tokens}")

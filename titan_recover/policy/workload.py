@@ -28,9 +28,7 @@ class WorkloadError(ValueError):
     """Invalid input to, or output of, the workload assignment."""
 
 
-def _apportion(
-    live: tuple[int, ...], weights: Mapping[int, Fraction], num_items: int
-) -> dict[int, int]:
+def _apportion(live: tuple[int, ...], weights: Mapping[int, Fraction], num_items: int) -> dict[int, int]:
     """Split ``num_items`` proportionally to ``weights`` by largest remainder.
 
     Exact ``Fraction`` arithmetic and ties broken by lowest replica id make the
@@ -51,9 +49,7 @@ def _apportion(
     return quotas
 
 
-def balanced(
-    live: tuple[int, ...], num_items: int, speeds: Mapping[int, float] | None = None
-) -> dict[int, int]:
+def balanced(live: tuple[int, ...], num_items: int, speeds: Mapping[int, float] | None = None) -> dict[int, int]:
     """Equal quotas; the remainder goes one each to the lowest replica ids.
 
     With ``M`` divisible by ``R`` this reproduces stock HSDP's ``M / R`` per replica.
@@ -61,9 +57,7 @@ def balanced(
     return _apportion(live, {replica: Fraction(1) for replica in live}, num_items)
 
 
-def speed(
-    live: tuple[int, ...], num_items: int, speeds: Mapping[int, float] | None = None
-) -> dict[int, int]:
+def speed(live: tuple[int, ...], num_items: int, speeds: Mapping[int, float] | None = None) -> dict[int, int]:
     """Quotas proportional to measured speeds (microbatches/s), so stragglers get less.
 
     Live replicas without a measurement (e.g. rejoiners) get the mean of the
@@ -106,19 +100,27 @@ class Speeds:
         return {r: 1.0 / t for r, t in self.applied.items()} or None
 
     def to_json(self) -> dict[str, dict[str, float]]:
-        return {"estimate": {str(r): t for r, t in self.estimate.items()},
-                "applied": {str(r): t for r, t in self.applied.items()}}
+        return {
+            "estimate": {str(r): t for r, t in self.estimate.items()},
+            "applied": {str(r): t for r, t in self.applied.items()},
+        }
 
     @staticmethod
     def from_json(obj: object) -> "Speeds":
         """Validates what a peer sent (a state transfer header): replica ids to finite times > 0."""
+
         def times(part: object) -> dict[int, float]:
             if not isinstance(part, dict):
                 raise WorkloadError(f"speeds must map replica ids to seconds, got {part!r:.200}")
             out = {}
             for key, value in part.items():
-                if not (isinstance(key, str) and key.isdigit()) or isinstance(value, bool) or not isinstance(value, (int, float)) \
-                        or not math.isfinite(value) or value <= 0:
+                if (
+                    not (isinstance(key, str) and key.isdigit())
+                    or isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or not math.isfinite(value)
+                    or value <= 0
+                ):
                     raise WorkloadError(f"speeds: bad entry {key!r}: {value!r}")
                 out[int(key)] = float(value)
             return out
@@ -136,8 +138,12 @@ def predicted_step_s(quotas: Mapping[int, int], seconds: Mapping[int, float]) ->
 
 
 def update_speeds(
-    speeds: Speeds, measured: Mapping[int, float], live: Iterable[int], num_items: int,
-    smoothing: float, threshold: float,
+    speeds: Speeds,
+    measured: Mapping[int, float],
+    live: Iterable[int],
+    num_items: int,
+    smoothing: float,
+    threshold: float,
 ) -> Speeds:
     """The speeds after a committed step that measured ``measured`` (seconds per microbatch of
     the replicas that computed some). Replicas that computed nothing keep their estimate."""
@@ -187,9 +193,7 @@ def _normalize_live(live: Iterable[int]) -> tuple[int, ...]:
     return tuple(sorted(replicas))
 
 
-def _quotas(
-    policy: str, live: tuple[int, ...], num_items: int, speeds: Mapping[int, float] | None
-) -> dict[int, int]:
+def _quotas(policy: str, live: tuple[int, ...], num_items: int, speeds: Mapping[int, float] | None) -> dict[int, int]:
     """Run a policy and verify its contract, since registered policies are user code."""
     quotas = get_policy(policy)(live, num_items, speeds)
     valid = (
@@ -265,9 +269,7 @@ def check_assignment(assignment: Assignment, num_microbatches: int) -> None:
     counts = Counter(mb for ids in assignment.values() for mb in ids)
     in_range = {mb for mb in counts if type(mb) is int and 0 <= mb < num_microbatches}
     # Ints first in numeric order, then anything non-int by repr, so the message is stable.
-    out_of_range = sorted(
-        set(counts) - in_range, key=lambda mb: (0, mb, "") if type(mb) is int else (1, 0, repr(mb))
-    )
+    out_of_range = sorted(set(counts) - in_range, key=lambda mb: (0, mb, "") if type(mb) is int else (1, 0, repr(mb)))
     duplicated = sorted(mb for mb in in_range if counts[mb] > 1)
     missing = sorted(set(range(num_microbatches)) - in_range)
     problems = []

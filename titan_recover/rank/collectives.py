@@ -21,19 +21,18 @@ import os
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from dataclasses import dataclass, field
-
-from titan_recover.node import procs
 from titan_recover.config import ConfigError
-from titan_recover.policy.membership import Membership
 from titan_recover.control.keys import REPLICATE_BACKEND, replicate_group_prefix, transfer_group_prefix
 from titan_recover.control.sealed import SealedStore
+from titan_recover.node import procs
+from titan_recover.policy.membership import Membership
 
 POLL_S = (0.0005, 0.005)  # first and longest pause while waiting: quick for short waits, light for long ones
 CLOSE_WAIT_S = 1.0  # how long a stopping rank gives its replicate-dim collectives to end
@@ -81,8 +80,14 @@ class ReplicateProcessGroups:
     """This rank's replicate-dim process groups, one per epoch."""
 
     def __init__(
-        self, store: SealedStore, replica: int, group_rank: int, timeout_s: float,
-        backend: str = "gloo", device: torch.device = torch.device("cpu"), host: str = "",
+        self,
+        store: SealedStore,
+        replica: int,
+        group_rank: int,
+        timeout_s: float,
+        backend: str = "gloo",
+        device: torch.device = torch.device("cpu"),
+        host: str = "",
     ) -> None:
         self.store = store
         # gloo listens on ``host``, the address the other nodes reach (the host name may resolve to
@@ -213,7 +218,14 @@ class ReplicateProcessGroups:
         self._groups[membership.epoch] = group
         return group
 
-    def _wait(self, group: dist.Backend, works: list[dist.Work], tensors: list[torch.Tensor], abort: Callable[[], bool], what: str) -> None:
+    def _wait(
+        self,
+        group: dist.Backend,
+        works: list[dist.Work],
+        tensors: list[torch.Tensor],
+        abort: Callable[[], bool],
+        what: str,
+    ) -> None:
         pause = POLL_S[0]
         while not all(w.is_completed() for w in works):
             if abort():

@@ -89,8 +89,10 @@ class ExactSum:
         ends = torch.stack([end for g in live for end in torch.aminmax(g)])  # promotes a mixed list exactly
         biggest = float(ends.abs().max())  # NaN when any is NaN
         if not math.isfinite(biggest):
-            raise NonFinite(f"the gradient of {where} holds a NaN or an inf: every replica would compute it again, "
-                            "so the run stops (lower the learning rate, or resume from an earlier checkpoint)")
+            raise NonFinite(
+                f"the gradient of {where} holds a NaN or an inf: every replica would compute it again, "
+                "so the run stops (lower the learning rate, or resume from an earlier checkpoint)"
+            )
         if biggest == 0.0:
             return
         e = exponent(biggest)

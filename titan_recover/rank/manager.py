@@ -33,19 +33,19 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 import torch.distributed as dist
 
+from titan_recover.config import Recover
+from titan_recover.control import transport
+from titan_recover.control.client import ABORT, COMMIT, REDO, ControlClient, redone
+from titan_recover.control.protocol import FaultRecord, MessageError, Report, StepRecord, TransferRecord
+from titan_recover.data.tokens import DataError
 from titan_recover.node import devices, procs
 from titan_recover.node.channel import CHANNEL_ENV, DONE, FATAL, FINISHED, READY, RUNNING, STARTING, Channel, RankBeat
 from titan_recover.observability import logs
 from titan_recover.policy import steps
+from titan_recover.policy.membership import Membership
 from titan_recover.rank import transfer
 from titan_recover.rank.collectives import POLL_S, CollectiveAborted, backoff
-from titan_recover.control import transport
-from titan_recover.control.client import ABORT, COMMIT, REDO, ControlClient, redone
-from titan_recover.control.protocol import FaultRecord, MessageError, Report, StepRecord, TransferRecord
-from titan_recover.config import Recover
-from titan_recover.policy.membership import Membership
 from titan_recover.rank.exact import NonFinite
-from titan_recover.data.tokens import DataError
 
 EPOCH_POLL_S = 0.02  # how stale a rank's view of the epoch may be while it waits
 DECISION_WAIT_S = 0.1  # on etcd a rank watches for the commit decision this long at a time, then looks at
@@ -88,7 +88,10 @@ class Collectives(Protocol):
     """What the manager needs of ``collectives.ReplicateProcessGroups`` (tests pass a stand-in)."""
 
     def allreduce(
-        self, membership: Membership, tensors: list[torch.Tensor], abort: Callable[[], bool],
+        self,
+        membership: Membership,
+        tensors: list[torch.Tensor],
+        abort: Callable[[], bool],
         on_launched: Callable[[], None] = ...,
     ) -> None: ...
 
@@ -140,7 +143,12 @@ class ReplicaManager:
         self._offered: list[Future[None]] = []
         channel.set_state(slot, STARTING)
         self.heartbeat = RankBeat(  # the one lifeline of this rank
-            channel, slot, rc.heartbeat_interval_s, rc.progress_timeout_s, rc.coordinator_timeout_s, on_lost=on_lost,
+            channel,
+            slot,
+            rc.heartbeat_interval_s,
+            rc.progress_timeout_s,
+            rc.coordinator_timeout_s,
+            on_lost=on_lost,
         )
 
     @classmethod
@@ -154,8 +162,14 @@ class ReplicaManager:
         channel = Channel.open(os.environ.get(CHANNEL_ENV, ""))
         who = f"replica {replica} rank {group_rank}"
         return cls(
-            client, channel, slot=devices.local_rank(os.environ), replica=replica, group_rank=group_rank,
-            attempt=attempt, rejoining=rejoining, rc=rc,
+            client,
+            channel,
+            slot=devices.local_rank(os.environ),
+            replica=replica,
+            group_rank=group_rank,
+            attempt=attempt,
+            rejoining=rejoining,
+            rc=rc,
             on_lost=lambda reason: procs.exit_lost(who, reason, resume_hint),
         )
 
@@ -265,8 +279,12 @@ class ReplicaManager:
         if self.control.vote(self.step, epoch, f"{self.replica}.{self.group_rank}", round) == expected:
             decision = self.control.decide(self.step, epoch, redone(round + 1) if redo else COMMIT, round)
         pause, start, told = POLL_S[0], time.monotonic(), False
-        waited = self._waiting(epoch, lambda: f"the commit votes of step {self.step} "
-                               f"({self.control.votes(self.step, epoch, round)} of {expected})")
+        waited = self._waiting(
+            epoch,
+            lambda: (
+                f"the commit votes of step {self.step} ({self.control.votes(self.step, epoch, round)} of {expected})"
+            ),
+        )
         while decision is None or decision == redone(round):  # a redo's own start is no decision
             if self.epoch_moved(epoch):
                 decision = self.control.decide(self.step, epoch, ABORT, round)
@@ -277,8 +295,11 @@ class ReplicaManager:
             waited()
             if not told and time.monotonic() - start > self.rc.collective_timeout_s:
                 votes = self.control.votes(self.step, epoch, round)
-                log.info(f"replica {self.replica} rank {self.group_rank}: step {self.step} epoch {epoch} has {votes} of "
-                    f"{expected} commit votes after {self.rc.collective_timeout_s:g}s; it waits for the rest or a new epoch")
+                log.info(
+                    f"replica {self.replica} rank {self.group_rank}: step {self.step} epoch {epoch} has {votes} of "
+                    f"{expected} commit votes after {self.rc.collective_timeout_s:g}s; "
+                    "it waits for the rest or a new epoch"
+                )
                 told = True
         if decision == redone(round + 1):
             self._round = ((self.step, epoch), round + 1)
@@ -319,8 +340,10 @@ class ReplicaManager:
         self.control.put_digest(self.step, self.replica, digest)
         wanted = list(members)
         epoch = self._read_epoch()
-        waited = self._waiting(epoch, lambda: f"the parameter digests of step {self.step} from replicas "
-                               f"{sorted(set(wanted) - set(digests))}")
+        waited = self._waiting(
+            epoch,
+            lambda: f"the parameter digests of step {self.step} from replicas {sorted(set(wanted) - set(digests))}",
+        )
         deadline = time.monotonic() + self.rc.collective_timeout_s
         while len(digests := self.control.digests(self.step, wanted)) < len(wanted) and time.monotonic() < deadline:
             live = self.membership(self._read_epoch()).members
@@ -340,8 +363,17 @@ class ReplicaManager:
             nonlocal told
             if not told and time.monotonic() - start >= self.rc.report_confirm_s and not self.epoch_moved(epoch):
                 told = True
-                self.control.report(Report(epoch=epoch, cause=f"replica {self.replica} rank {self.group_rank} waited "
-                    f"{self.rc.report_confirm_s:g}s for {what()}", replica=self.replica, step=self.step, waiting=True))
+                self.control.report(
+                    Report(
+                        epoch=epoch,
+                        cause=f"replica {self.replica} rank {self.group_rank} waited "
+                        f"{self.rc.report_confirm_s:g}s for {what()}",
+                        replica=self.replica,
+                        step=self.step,
+                        waiting=True,
+                    )
+                )
+
         return turn
 
     def tick(self, where: str) -> None:
@@ -361,13 +393,17 @@ class ReplicaManager:
         self._offers.shutdown(wait=False, cancel_futures=True)
         self.heartbeat.stop()
         if self.groups is not None and (kept := self.groups.close()):
-            log.info(f"replica {self.replica} rank {self.group_rank}: {kept} replicate-dim collective(s) still wait "
-                     "on a peer that finished or died; the rank leaves without waiting for them")
+            log.info(
+                f"replica {self.replica} rank {self.group_rank}: {kept} replicate-dim collective(s) still wait "
+                "on a peer that finished or died; the rank leaves without waiting for them"
+            )
 
     # ---- failure reports ------------------------------------------------------------
 
     def _report(self, epoch: int, suspect: int | None, cause: str, error: str | None = None) -> None:
-        self.control.report(Report(epoch=epoch, cause=cause, replica=self.replica, suspect=suspect, step=self.step, error=error))
+        self.control.report(
+            Report(epoch=epoch, cause=cause, replica=self.replica, suspect=suspect, step=self.step, error=error)
+        )
 
     def report_broken(self, epoch: int, cause: str, e: BaseException) -> None:
         """Tells the coordinator a replicate-dim collective broke, without knowing whose fault."""
@@ -405,8 +441,10 @@ class ReplicaManager:
         with the run (RunFinished / RunFailed), and the lifeline ends it if the coordinator is lost."""
         self.step = step
         self.channel.set_state(self.slot, READY)
-        log.info(f"replica {self.replica} rank {self.group_rank} (attempt {self.attempt}) asks to join; "
-                 + self._why_wait(wanted))
+        log.info(
+            f"replica {self.replica} rank {self.group_rank} (attempt {self.attempt}) asks to join; "
+            + self._why_wait(wanted)
+        )
         looked = -1
         while True:  # an admission comes with a new epoch: the store is read only then
             epoch = self._read_epoch()
@@ -424,8 +462,10 @@ class ReplicaManager:
             return "no membership is published yet"
         members = len(self.membership(epoch).members)
         if members < wanted:
-            return (f"{members} of {wanted} groups are members (epoch {epoch}): it is admitted once "
-                    "every rank of its group is up")
+            return (
+                f"{members} of {wanted} groups are members (epoch {epoch}): it is admitted once "
+                "every rank of its group is up"
+            )
         return f"the membership is full ({members} of {wanted}, epoch {epoch}): it waits as a hot spare"
 
     def _admitted_in(self, epoch: int) -> bool:

@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from titan_recover.node import devices, procs
 from titan_recover.control import keys
 from titan_recover.control.sealed import Run
+from titan_recover.node import devices, procs
 from titan_recover.observability.events import RECOVERY_PHASES
 
 REPLICAS = 5
@@ -52,23 +52,27 @@ def rank(address: str, replica: int, backend: str) -> None:
     inside the collective until the conductor's signal."""
     import torch
 
-    from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
     from titan_recover.control import transport
     from titan_recover.policy.membership import Membership
+    from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
 
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = transport.connect(address, TIMEOUT_S)
-    groups = ReplicateProcessGroups(store, replica=replica, group_rank=0, timeout_s=TIMEOUT_S, backend=backend,
-                                    device=device, host="127.0.0.1")
+    groups = ReplicateProcessGroups(
+        store, replica=replica, group_rank=0, timeout_s=TIMEOUT_S, backend=backend, device=device, host="127.0.0.1"
+    )
     doomed = {r: (s, during) for r, s, _, during in FAULTS}
     beats = transport.connect(address, TIMEOUT_S)
     threading.Thread(target=_beat, args=(beats, replica), daemon=True).start()
 
     def say(**record: Any) -> None:
         allocated = torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else None
-        print("PROBE " + json.dumps({"replica": replica, "t": time.time(), "allocated_mb": allocated, **record}), flush=True)
+        print(
+            "PROBE " + json.dumps({"replica": replica, "t": time.time(), "allocated_mb": allocated, **record}),
+            flush=True,
+        )
 
     def hang() -> None:
         store.set(f"probe/launched/{replica}", str(time.time()))
@@ -96,7 +100,14 @@ def rank(address: str, replica: int, backend: str) -> None:
         try:
             groups.allreduce(Membership(epoch, members), [tensor], abort=moved, on_launched=launched)
         except CollectiveAborted as e:  # the step is done again in the next epoch
-            say(event="aborted", epoch=epoch, step=step, during="all-reduce", seconds=time.time() - start, error=str(e)[:300])
+            say(
+                event="aborted",
+                epoch=epoch,
+                step=step,
+                during="all-reduce",
+                seconds=time.time() - start,
+                error=str(e)[:300],
+            )
             continue
         say(event="step", epoch=epoch, step=step, members=list(members), ok=bool((tensor == len(members)).all()))
         joiner = next((r for r, (s, during) in doomed.items() if s == step and during == "state transfer"), None)
@@ -106,8 +117,14 @@ def rank(address: str, replica: int, backend: str) -> None:
             try:
                 _transfer(groups, epoch, joiner, replica == DONOR, device, backend, moved, hang)
             except CollectiveAborted as e:
-                say(event="aborted", epoch=epoch, step=step, during="state transfer", seconds=time.time() - start,
-                    error=str(e)[:300])
+                say(
+                    event="aborted",
+                    epoch=epoch,
+                    step=step,
+                    during="state transfer",
+                    seconds=time.time() - start,
+                    error=str(e)[:300],
+                )
 
 
 def _beat(store: Any, replica: int) -> None:
@@ -116,7 +133,9 @@ def _beat(store: Any, replica: int) -> None:
         time.sleep(BEAT_S)
 
 
-def _transfer(groups: Any, epoch: int, joiner: int, donor: bool, device: Any, backend: str, moved: Any, hang: Any) -> None:
+def _transfer(
+    groups: Any, epoch: int, joiner: int, donor: bool, device: Any, backend: str, moved: Any, hang: Any
+) -> None:
     """The donor sends CHUNKS pieces of state to the joiner, which hangs after the first."""
     import torch
 
@@ -145,7 +164,7 @@ def conduct(backend: str, env: dict[str, str]) -> tuple[list[Fault], dict[int, i
 
     run = Run(os.urandom(16).hex(), "selftest-probe")
     port = transport.free_port()
-    server = transport.serve(port, TIMEOUT_S, run=run)  # noqa: F841: serves while the probe runs
+    server = transport.serve(port, TIMEOUT_S, run=run)  # noqa: F841 (it serves while the probe runs)
     address = f"127.0.0.1:{port}"
     client = transport.connect(address, TIMEOUT_S, run=run)
     members = list(range(REPLICAS))
@@ -154,21 +173,32 @@ def conduct(backend: str, env: dict[str, str]) -> tuple[list[Fault], dict[int, i
     env = {**env, keys.SECRET_ENV: run.secret, keys.RUN_ENV: run.id}
     if backend == "nccl":
         env.update(devices.RANK_PER_HOST_NCCL)  # the replicas share the GPU, each posing as a host
-    replicas = {r: subprocess.Popen([sys.executable, "-m", "titan_recover.rank.probe", "--rank", address, str(r), backend],
-                                    env={**env, "NCCL_HOSTID": f"titan-recover-probe-{r}"}, stdout=subprocess.PIPE,
-                                    text=True)
-                for r in range(REPLICAS)}
+    replicas = {
+        r: subprocess.Popen(
+            [sys.executable, "-m", "titan_recover.rank.probe", "--rank", address, str(r), backend],
+            env={**env, "NCCL_HOSTID": f"titan-recover-probe-{r}"},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(REPLICAS)
+    }
     deadline = time.time() + WAIT_S
     faults: list[Fault] = []
     try:
         for replica, _, name, during in FAULTS:
-            _wait_until(lambda: client.check([f"probe/launched/{replica}"]), deadline,
-                        f"replica {replica} never reached its fault point ({during})")
+            _wait_until(
+                lambda: client.check([f"probe/launched/{replica}"]),
+                deadline,
+                f"replica {replica} never reached its fault point ({during})",
+            )
             time.sleep(0.3)  # the others are in the collective, waiting on it
             t = time.time()
             replicas[replica].send_signal(getattr(signal, name))
-            _wait_until(lambda: _failed(replicas[replica], client, replica), deadline,
-                        f"replica {replica}'s {name} was never detected")
+            _wait_until(
+                lambda: _failed(replicas[replica], client, replica),
+                deadline,
+                f"replica {replica}'s {name} was never detected",
+            )
             members.remove(replica)
             client.set(f"probe/members/{len(faults) + 2}", json.dumps(members))
             client.set("probe/epoch", str(len(faults) + 2))
@@ -181,8 +211,12 @@ def conduct(backend: str, env: dict[str, str]) -> tuple[list[Fault], dict[int, i
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    records = [json.loads(line[len("PROBE "):]) for proc in replicas.values()
-               for line in (proc.stdout.read() if proc.stdout else "").splitlines() if line.startswith("PROBE ")]
+    records = [
+        json.loads(line[len("PROBE ") :])
+        for proc in replicas.values()
+        for line in (proc.stdout.read() if proc.stdout else "").splitlines()
+        if line.startswith("PROBE ")
+    ]
     return faults, codes, records
 
 
@@ -219,20 +253,33 @@ def summarize(faults: list[Fault], records: list[dict]) -> list[dict]:
             good = next((rec for rec in recs if rec["event"] == "step" and rec["epoch"] >= f.epoch), None)
             before = [rec["allocated_mb"] for rec in recs if rec["event"] == "step" and rec["t"] < f.t]
             done = next((rec for rec in recs if rec["event"] == "done"), None)
-            survivors.append({
-                "replica": r, "aborted_during": aborted and aborted["during"],
-                "abort": aborted and round(aborted["t"] - f.t, 3), "reform": launched and round(launched["t"] - f.t, 3),
-                "first_good_step": good and round(good["t"] - f.t, 3), "sum_right": bool(good and good["ok"]),
-                "allocated_mb_before": before[-1] if before else None, "allocated_mb_at_end": done and done["allocated_mb"],
-                "kept_after_close": done and done["kept"],
-            })
+            survivors.append(
+                {
+                    "replica": r,
+                    "aborted_during": aborted and aborted["during"],
+                    "abort": aborted and round(aborted["t"] - f.t, 3),
+                    "reform": launched and round(launched["t"] - f.t, 3),
+                    "first_good_step": good and round(good["t"] - f.t, 3),
+                    "sum_right": bool(good and good["ok"]),
+                    "allocated_mb_before": before[-1] if before else None,
+                    "allocated_mb_at_end": done and done["allocated_mb"],
+                    "kept_after_close": done and done["kept"],
+                }
+            )
         phases = {"detect": round(f.verdict_t - f.t, 3)}
         for phase in RECOVERY_PHASES[1:]:
             values = [s[phase] for s in survivors]
             phases[phase] = None if None in values else max(values)
-        out.append({"fault": f.signal, "during": f.during, "replica": f.replica, "survivors": survivors,
-                    "phases": phases,
-                    "memory_returned": all(_returned(s) for s in survivors if s["replica"] in finished)})
+        out.append(
+            {
+                "fault": f.signal,
+                "during": f.during,
+                "replica": f.replica,
+                "survivors": survivors,
+                "phases": phases,
+                "memory_returned": all(_returned(s) for s in survivors if s["replica"] in finished),
+            }
+        )
     return out
 
 

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from titan_recover import titan
+from titan_recover.config import group_coordinates, validate
 from titan_recover.data import addressing
 from titan_recover.policy import steps
-from titan_recover.config import group_coordinates, validate
 from titan_recover.rank.trainer import LoggedTrainer
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
@@ -35,8 +35,13 @@ class StockTrainer(LoggedTrainer):
 
         def tallied() -> Iterator[Batch]:
             for input_dict, labels in data_iterator:  # digests of the CPU copies, before TorchTitan moves them
-                self._pieces.append((next(ids), addressing.piece_digest(input_dict["input"], labels),
-                                     int((labels != titan.IGNORE_INDEX).sum())))
+                self._pieces.append(
+                    (
+                        next(ids),
+                        addressing.piece_digest(input_dict["input"], labels),
+                        int((labels != titan.IGNORE_INDEX).sum()),
+                    )
+                )
                 yield input_dict, labels
 
         super().train_step(tallied())
@@ -53,7 +58,9 @@ class StockTrainer(LoggedTrainer):
         """TorchTitan's, with this microbatch's faults armed and its loss tallied."""
         index, self._computed = self._computed, self._computed + 1
         with self.injector.microbatch(self.model_parts[0], self.step, index, self.gradient_accumulation_steps):
-            loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+            loss = super().forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
         if self.reports_data:
             steps.tally_microbatch(self._tally, *self._pieces[index], loss.detach())
         return loss

@@ -13,12 +13,12 @@ from typing import Any, Callable
 import torch
 
 from titan_recover import titan
-from titan_recover.policy import steps
+from titan_recover.config import Recover, num_microbatches, reports_data
 from titan_recover.control.keys import attempt as incarnation
 from titan_recover.control.protocol import FaultRecord, StepRecord
-from titan_recover.config import Recover, num_microbatches, reports_data
 from titan_recover.data.dataloader import AddressableDataLoader, build_addressable_dataloader
 from titan_recover.observability.events import EventLog
+from titan_recover.policy import steps
 from titan_recover.policy.fault_plan import Fault
 from titan_recover.rank.injector import FaultInjector
 
@@ -33,13 +33,16 @@ class LoggedTrainer(titan.Trainer):
         self.ft_buffer_bytes = 0  # the replicate all-reduce's one extra gradient copy (none in stock mode)
         super().__init__(job_config)
         self.num_microbatches = num_microbatches(job_config)
-        self.injector = FaultInjector(rc.fault_plan, replica, group_rank, self._on_fault, self.attempt, self._epoch_view())
+        self.injector = FaultInjector(
+            rc.fault_plan, replica, group_rank, self._on_fault, self.attempt, self._epoch_view()
+        )
         self.global_tokens = float(self.dataloader.valid_tokens_per_step())
         # a device tensor, as TorchTitan's loss takes it: a CUDA graph replays with it as an input
         self.valid_tokens = torch.tensor(self.global_tokens, device=self.device)
 
-    def build_dataloader(self, job_config: titan.JobConfig, *, dp_world_size: int, dp_rank: int, tokenizer: Any,
-                         **_: Any) -> AddressableDataLoader:
+    def build_dataloader(
+        self, job_config: titan.JobConfig, *, dp_world_size: int, dp_rank: int, tokenizer: Any, **_: Any
+    ) -> AddressableDataLoader:
         """The trainer's data (TorchTitan 0.3 asks the trainer; 0.2 the model's TrainSpec, ``train_spec``)."""
         return build_addressable_dataloader(dp_world_size, dp_rank, tokenizer, job_config)
 
@@ -51,9 +54,15 @@ class LoggedTrainer(titan.Trainer):
         return FaultRecord(self.replica, self.group_rank, self.attempt, self.step, fault.phase)
 
     def _on_fault(self, fault: Fault) -> None:
-        self.events.emit("fault_injected", action=fault.action, **{k: v for k, v in self._fault_record(fault).to_json().items() if k != "time"})
+        self.events.emit(
+            "fault_injected",
+            action=fault.action,
+            **{k: v for k, v in self._fault_record(fault).to_json().items() if k != "time"},
+        )
 
-    def _step_record(self, summary: steps.StepSummary, epoch: int, members: list[int], grad_norm: float | None) -> StepRecord:
+    def _step_record(
+        self, summary: steps.StepSummary, epoch: int, members: list[int], grad_norm: float | None
+    ) -> StepRecord:
         """What the event log says about a committed step (the same in both modes)."""
         return StepRecord(
             step=self.step,
@@ -73,7 +82,10 @@ class LoggedTrainer(titan.Trainer):
     def train(self) -> None:
         super().train()
         self.events.emit(
-            "rank_memory", replica=self.replica, rank=self.group_rank,
+            "rank_memory",
+            replica=self.replica,
+            rank=self.group_rank,
             max_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            ft_buffer_mb=self.ft_buffer_bytes / 2**20, ntokens_seen=self.ntokens_seen,
+            ft_buffer_mb=self.ft_buffer_bytes / 2**20,
+            ntokens_seen=self.ntokens_seen,
         )

@@ -25,8 +25,8 @@ from typing import Any, Callable
 import torch
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-from titan_recover.rank.collectives import ReplicateProcessGroups
 from titan_recover.control.protocol import MessageError
+from titan_recover.rank.collectives import ReplicateProcessGroups
 
 MAX_HEADER_BYTES = 64 << 20  # a larger header is a corrupted message, not a model
 RNG = "rng/cpu"
@@ -182,7 +182,9 @@ def receive(
         raise MessageError(
             "state transfer header lacks the payload's checksum: do both replica groups run the same titan_recover?"
         )
-    with_optim = any(str(entry[0]).startswith("optim") for entry in header["tensors"] if isinstance(entry, list) and entry)
+    with_optim = any(
+        str(entry[0]).startswith("optim") for entry in header["tensors"] if isinstance(entry, list) and entry
+    )
     if with_optim:
         for opt in optimizers.optimizers:
             _init_optim_state(opt)

@@ -21,7 +21,8 @@ The interface:
                                   where the line keeps those settings
     ASSETS_KEY                    the tokenizer folder's setting, as errors name it
     in_group_timeout_s(job_config)
-                                  TorchTitan's own collectives' timeout once training runs, and its default (None: no such key)
+                                  TorchTitan's own collectives' timeout once training runs, and its default (None: no
+                                  such key)
     metric_logger(job_config, parallel_dims, log_dir)
                                   TorchTitan's TensorBoard/W&B loggers as the job asks, writing to ``log_dir``
     text_datasets()               TorchTitan's named text datasets
@@ -35,10 +36,29 @@ LINES = {"0.2": "v0_2", "0.3": "v0_3"}
 """TorchTitan lines (major.minor) and their modules."""
 
 INTERFACE = (
-    "Trainer", "JobConfig", "BaseDataLoader", "Tokenizer", "IGNORE_INDEX", "run", "load_config", "check_model",
-    "clip_grad_norm", "guard_checkpointer", "count_tokens", "model_inputs", "dump_folder", "assets_path", "model_name",
-    "model_vocab_size", "dataset", "profiler", "config_file", "text_datasets", "ASSETS_KEY",
-    "metric_logger", "in_group_timeout_s",
+    "Trainer",
+    "JobConfig",
+    "BaseDataLoader",
+    "Tokenizer",
+    "IGNORE_INDEX",
+    "run",
+    "load_config",
+    "check_model",
+    "clip_grad_norm",
+    "guard_checkpointer",
+    "count_tokens",
+    "model_inputs",
+    "dump_folder",
+    "assets_path",
+    "model_name",
+    "model_vocab_size",
+    "dataset",
+    "profiler",
+    "config_file",
+    "text_datasets",
+    "ASSETS_KEY",
+    "metric_logger",
+    "in_group_timeout_s",
 )
 
 
@@ -50,8 +70,10 @@ def installed_line() -> str:
         raise ImportError("TorchTitan is not installed: run ./run_train.sh, which makes the environment") from None
     line = ".".join(version.split(".")[:2])
     if line not in LINES:
-        raise ImportError(f"TorchTitan {version} is installed; titan_recover has modules for TorchTitan "
-                          f"{', '.join(s + '.x' for s in LINES)} (TORCHTITAN=0.2.2 or 0.3.0 ./run_train.sh makes either)")
+        raise ImportError(
+            f"TorchTitan {version} is installed; titan_recover has modules for TorchTitan "
+            f"{', '.join(s + '.x' for s in LINES)} (TORCHTITAN=0.2.2 or 0.3.0 ./run_train.sh makes either)"
+        )
     return line
 
 

@@ -2,6 +2,8 @@
 device type (inside ``cpu_shim.cpu_device()``: TorchTitan binds it at import) before anything else
 of TorchTitan is imported."""
 
+# the import order matters here (see the module docstring): not sorted
+# isort: skip_file
 import dataclasses
 import logging
 import sys
@@ -12,9 +14,15 @@ import torch
 from titan_recover.titan import cpu_shim
 from titan_recover.config import ConfigError, validate
 
-if "torchtitan.tools.utils" in sys.modules and cpu_shim.needed() and sys.modules["torchtitan.tools.utils"].device_type != "cpu":
-    raise RuntimeError("torchtitan was imported before titan_recover on a machine without an accelerator, so it "
-                       "bound CUDA; import titan_recover (e.g. titan_recover.titan) before torchtitan")
+if (
+    "torchtitan.tools.utils" in sys.modules
+    and cpu_shim.needed()
+    and sys.modules["torchtitan.tools.utils"].device_type != "cpu"
+):
+    raise RuntimeError(
+        "torchtitan was imported before titan_recover on a machine without an accelerator, so it "
+        "bound CUDA; import titan_recover (e.g. titan_recover.titan) before torchtitan"
+    )
 
 with cpu_shim.cpu_device():
     import torchtitan.tools.utils  # noqa: F401  binds the device type for every torchtitan module
@@ -55,8 +63,11 @@ def in_group_timeout_s(job_config: Any) -> tuple[float, float] | None:
     """TorchTitan's ``comm.train_timeout_seconds`` and its default, from the config dataclass's field
     (0.3's is slotted: no class attribute holds it); None where the job has no such key."""
     comm = getattr(job_config, "comm", None)
-    default = next((f.default for f in dataclasses.fields(comm) if f.name == "train_timeout_seconds"), None) \
-        if dataclasses.is_dataclass(comm) else None
+    default = (
+        next((f.default for f in dataclasses.fields(comm) if f.name == "train_timeout_seconds"), None)
+        if dataclasses.is_dataclass(comm)
+        else None
+    )
     if not isinstance(default, (int, float)):
         return None
     return float(comm.train_timeout_seconds), float(default)
@@ -88,7 +99,8 @@ def metric_logger(metrics: Any, log_dir: str, logs_here: bool, wandb: Callable[[
         except Exception as e:  # as TorchTitan's own builder: the run goes on without W&B, saying why
             logging.getLogger("titan_recover.rank").error(
                 f"no W&B logging: {type(e).__name__}: {e} (log in with `wandb login`, set WANDB_API_KEY, "
-                "or WANDB_MODE=offline to write the run to disk)")
+                "or WANDB_MODE=offline to write the run to disk)"
+            )
     if metrics.enable_tensorboard:
         loggers.add_logger(FlushingTensorBoard(log_dir))
     return loggers

@@ -13,17 +13,36 @@ LINE = ".".join(metadata.version("torchtitan").split(".")[:2])
 """The installed TorchTitan line (0.2: TOML configs; 0.3: titan_recover.recipes)."""
 
 FLAGS = {
-    "0.2": {"dump_folder": "--job.dump_folder", "dataset": "--training.dataset", "dataset_path": "--training.dataset_path",
-            "assets": "--model.hf_assets_path", "profiler": "--profiling"},
-    "0.3": {"dump_folder": "--dump_folder", "dataset": "--dataloader.dataset", "dataset_path": "--dataloader.dataset_path",
-            "assets": "--hf_assets_path", "profiler": "--profiler"},
+    "0.2": {
+        "dump_folder": "--job.dump_folder",
+        "dataset": "--training.dataset",
+        "dataset_path": "--training.dataset_path",
+        "assets": "--model.hf_assets_path",
+        "profiler": "--profiling",
+    },
+    "0.3": {
+        "dump_folder": "--dump_folder",
+        "dataset": "--dataloader.dataset",
+        "dataset_path": "--dataloader.dataset_path",
+        "assets": "--hf_assets_path",
+        "profiler": "--profiler",
+    },
 }[LINE]
 """The settings that moved between lines, as the installed line spells them (``profiler``: the section)."""
 
 # CPU runs are float32 (bfloat16 is emulated on CPUs without AVX-512-BF16/AMX, ~13x slower)
 PRECISION = ["--training.mixed_precision_param", "float32"]
 # the tests' job, small enough for many multi-process runs on a 2-core CI machine (TorchTitan 0.2 spelling)
-TINY_SIZES = ["--training.seq_len", "64", "--training.steps", "6", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1"]
+TINY_SIZES = [
+    "--training.seq_len",
+    "64",
+    "--training.steps",
+    "6",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+]
 TINY = ["--model.flavor", "tiny", *TINY_SIZES]
 
 

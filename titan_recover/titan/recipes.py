@@ -5,6 +5,8 @@ Attention is SDPA, as TorchTitan 0.2's llama3 uses, also because 0.3's default (
 no backward on a CPU; on a CPU, FSDP reduces with SUM (gloo has no PREMUL_SUM).
 """
 
+# the import order matters here (see the module docstring): not sorted
+# isort: skip_file
 import dataclasses
 from typing import Any, Callable
 
@@ -43,14 +45,20 @@ def _llama3_tiny() -> ModelSpec:
     tokenizer's 2,048 ids), built like 0.3's debugmodel (its layer builders are the module's own)."""
     dim, heads, vocab = 64, 4, 2048
     model = llama3.Llama3Model.Config(
-        dim=dim, vocab_size=vocab,
+        dim=dim,
+        vocab_size=vocab,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
         layers=llama3._build_llama3_layers(
-            fuse_qkv=True, n_layers=2, dim=dim, n_heads=heads, hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=256),
+            fuse_qkv=True,
+            n_layers=2,
+            dim=dim,
+            n_heads=heads,
+            hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=256),
             rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=131072, theta=500000, scaling="llama"),
-            attn_backend="flex", tp_gemm_backend="default",
+            attn_backend="flex",
+            tp_gemm_backend="default",
         ),
     )
     return dataclasses.replace(llama3.model_registry("debugmodel"), flavor="tiny", model=model)
@@ -61,12 +69,22 @@ def _qwen3_tiny() -> ModelSpec:
     QK norm, hidden 192), untied like it: 0.3's qwen3 flavors tie the embedding and output weights."""
     dim, head_dim, vocab = 64, 16, 2048
     model = qwen3.Qwen3Model.Config(
-        vocab_size=vocab, dim=dim, norm=qwen3._qwen3_norm(dim), enable_weight_tying=False,
+        vocab_size=vocab,
+        dim=dim,
+        norm=qwen3._qwen3_norm(dim),
+        enable_weight_tying=False,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=qwen3._LINEAR_INIT),
         layers=qwen3._build_qwen3_layers(
-            fuse_qkv=True, n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim, hidden_dim=192,
-            attn_backend="flex", rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=4096, theta=1000000.0),
+            fuse_qkv=True,
+            n_layers=2,
+            dim=dim,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=head_dim,
+            hidden_dim=192,
+            attn_backend="flex",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=4096, theta=1000000.0),
         ),
     )
     return dataclasses.replace(qwen3.model_registry("debugmodel"), flavor="tiny", model=model)
@@ -93,7 +111,9 @@ KILL = "kill replica=1 rank=1 step=5 phase=backward"
 """The jobs' failure: a rank of replica 1 SIGKILLed mid-backward at step 5."""
 
 
-def cpu_job(name: str, spec: ModelSpec, parallelism: ParallelismConfig | None = None, fault_plan: str = KILL) -> Trainer.Config:
+def cpu_job(
+    name: str, spec: ModelSpec, parallelism: ParallelismConfig | None = None, fault_plan: str = KILL
+) -> Trainer.Config:
     """The CPU jobs' common settings (as in their TOMLs): 2 replica groups x 2 FSDP ranks unless
     ``parallelism`` says otherwise, float32 parameters, 30 steps of 16 samples of 128 tokens, the
     synthetic corpus, one injected failure (``fault_plan``), the failed group restarted and rejoined."""
@@ -103,9 +123,19 @@ def cpu_job(name: str, spec: ModelSpec, parallelism: ParallelismConfig | None = 
         model_spec=spec,
         loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))),
         optimizer=default_adamw(lr=8e-4),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=5, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0),
-        training=TrainingConfig(local_batch_size=2, global_batch_size=16, seq_len=128, max_norm=1.0, steps=30,
-                                gc_freq=50, mixed_precision_param="float32", disable_cuda_graphs=True),
+        lr_scheduler=LRSchedulersContainer.Config(
+            warmup_steps=5, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
+        ),
+        training=TrainingConfig(
+            local_batch_size=2,
+            global_batch_size=16,
+            seq_len=128,
+            max_norm=1.0,
+            steps=30,
+            gc_freq=50,
+            mixed_precision_param="float32",
+            disable_cuda_graphs=True,
+        ),
         dataloader=BaseDataLoader.Config(dataset="synthetic", dataset_path="./data/synthetic"),
         metrics=MetricsProcessor.Config(log_freq=5),
         parallelism=parallelism or ParallelismConfig(data_parallel_replicate_degree=2, data_parallel_shard_degree=2),
@@ -113,8 +143,14 @@ def cpu_job(name: str, spec: ModelSpec, parallelism: ParallelismConfig | None = 
         checkpoint=CheckpointManager.Config(enable=False),
         debug=DebugConfig(seed=42),  # every replica group must initialize identical weights
         recover=Recover(
-            enable=True, policy="balanced", min_replicas=1, fault_plan=fault_plan, max_restarts=3, digest_interval=10,
-            heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0,
+            enable=True,
+            policy="balanced",
+            min_replicas=1,
+            fault_plan=fault_plan,
+            max_restarts=3,
+            digest_interval=10,
+            heartbeat_interval_s=0.1,
+            heartbeat_timeout_s=5.0,
         ),
     )
 
@@ -147,17 +183,28 @@ def qwen3_debug_cpu() -> Trainer.Config:
 
 def llama3_tp_cpu() -> Trainer.Config:
     """``train_configs/llama3_tp_cpu.toml``: 2 replica groups x (FSDP 2 x TP 2) on CPU."""
-    return cpu_job("llama3_tp_cpu", model_spec("llama3", "debugmodel"), ParallelismConfig(
-        data_parallel_replicate_degree=2, data_parallel_shard_degree=2, tensor_parallel_degree=2))
+    return cpu_job(
+        "llama3_tp_cpu",
+        model_spec("llama3", "debugmodel"),
+        ParallelismConfig(data_parallel_replicate_degree=2, data_parallel_shard_degree=2, tensor_parallel_degree=2),
+    )
 
 
 def llama3_pp_cpu() -> Trainer.Config:
     """``train_configs/llama3_pp_cpu.toml``: 2 replica groups x (2 pipeline stages (1F1B) x FSDP 2) on
     CPU, 2 pipeline microbatches per replica microbatch; a last-stage rank is the one killed."""
-    return cpu_job("llama3_pp_cpu", model_spec("llama3", "debugmodel"), ParallelismConfig(
-        data_parallel_replicate_degree=2, data_parallel_shard_degree=2, pipeline_parallel_degree=2,
-        pipeline_parallel_schedule="1F1B", pipeline_parallel_microbatch_size=1,
-    ), fault_plan="kill replica=1 rank=3 step=5 phase=backward")
+    return cpu_job(
+        "llama3_pp_cpu",
+        model_spec("llama3", "debugmodel"),
+        ParallelismConfig(
+            data_parallel_replicate_degree=2,
+            data_parallel_shard_degree=2,
+            pipeline_parallel_degree=2,
+            pipeline_parallel_schedule="1F1B",
+            pipeline_parallel_microbatch_size=1,
+        ),
+        fault_plan="kill replica=1 rank=3 step=5 phase=backward",
+    )
 
 
 def gpu_job(name: str, parallelism: ParallelismConfig, global_batch_size: int) -> Trainer.Config:
@@ -174,8 +221,9 @@ def gpu_job(name: str, parallelism: ParallelismConfig, global_batch_size: int) -
         loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))),
         optimizer=default_adamw(lr=3e-4),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=200),
-        training=TrainingConfig(local_batch_size=1, global_batch_size=global_batch_size, seq_len=8192, max_norm=1.0,
-                                steps=1000),
+        training=TrainingConfig(
+            local_batch_size=1, global_batch_size=global_batch_size, seq_len=8192, max_norm=1.0, steps=1000
+        ),
         dataloader=BaseDataLoader.Config(dataset="c4", dataset_path="./data/c4_llama3"),
         metrics=MetricsProcessor.Config(log_freq=10),
         parallelism=parallelism,
@@ -183,8 +231,14 @@ def gpu_job(name: str, parallelism: ParallelismConfig, global_batch_size: int) -
         checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", interval=500),
         debug=DebugConfig(seed=42),
         recover=Recover(
-            enable=True, policy="balanced", min_replicas=1, fault_plan="none", max_restarts=3,
-            heartbeat_timeout_s=10.0, collective_timeout_s=120.0, replicate_backend="auto",
+            enable=True,
+            policy="balanced",
+            min_replicas=1,
+            fault_plan="none",
+            max_restarts=3,
+            heartbeat_timeout_s=10.0,
+            collective_timeout_s=120.0,
+            replicate_backend="auto",
         ),
     )
 
@@ -192,11 +246,16 @@ def gpu_job(name: str, parallelism: ParallelismConfig, global_batch_size: int) -
 def llama3_8b_hsdp_gpu() -> Trainer.Config:
     """``train_configs/llama3_8b_hsdp_gpu.toml``: llama3 8B, 2 replica groups (one per node) x FSDP over
     a node's 8 GPUs; M = 64 / (1 x 8) = 8 microbatches per step. Not run: no GPU was lent."""
-    return gpu_job("llama3_8b_hsdp", ParallelismConfig(data_parallel_replicate_degree=2, data_parallel_shard_degree=8), 64)
+    return gpu_job(
+        "llama3_8b_hsdp", ParallelismConfig(data_parallel_replicate_degree=2, data_parallel_shard_degree=8), 64
+    )
 
 
 def llama3_8b_hsdp_tp_gpu() -> Trainer.Config:
     """``train_configs/llama3_8b_hsdp_tp_gpu.toml``: llama3 8B, 2 replica groups x (FSDP 4 x TP 2) inside
     a node; M = 32 / (1 x 4) = 8 microbatches per step. Not run: no GPU was lent."""
-    return gpu_job("llama3_8b_hsdp_tp", ParallelismConfig(
-        data_parallel_replicate_degree=2, data_parallel_shard_degree=4, tensor_parallel_degree=2), 32)
+    return gpu_job(
+        "llama3_8b_hsdp_tp",
+        ParallelismConfig(data_parallel_replicate_degree=2, data_parallel_shard_degree=4, tensor_parallel_degree=2),
+        32,
+    )

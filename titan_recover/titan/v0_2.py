@@ -6,6 +6,8 @@ The job's ``[recover]`` section comes in through TorchTitan's ``job.custom_confi
 (``titan_recover.train_spec``, which calls ``register_model``).
 """
 
+# the import order matters here (see the module docstring): not sorted
+# isort: skip_file
 import dataclasses
 import importlib
 from typing import Any, Callable
@@ -16,7 +18,7 @@ from titan_recover.titan import cpu_shim
 from titan_recover.config import ConfigError
 
 from titan_recover.titan import common  # binds TorchTitan's device type first
-from titan_recover.titan.common import clip_grad_norm, in_group_timeout_s, text_datasets
+from titan_recover.titan.common import clip_grad_norm, in_group_timeout_s, text_datasets  # noqa: F401 (the interface)
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
@@ -36,8 +38,18 @@ SUFFIX = "_recover"
 # Flavors small enough for multi-process tests on a 2-core machine (the synthetic tokenizer's vocabulary).
 TINY: dict[str, Any] = {
     "llama3": TransformerModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=2048, rope_theta=500000),
-    "qwen3": Qwen3ModelArgs(vocab_size=2048, max_seq_len=4096, head_dim=16, dim=64, n_layers=2, n_heads=4,
-                            n_kv_heads=2, qk_norm=True, hidden_dim=192, rope_theta=1000000),
+    "qwen3": Qwen3ModelArgs(
+        vocab_size=2048,
+        max_seq_len=4096,
+        head_dim=16,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        qk_norm=True,
+        hidden_dim=192,
+        rope_theta=1000000,
+    ),
 }
 FAMILIES = tuple(TINY)
 """The model families titan_recover registers with its data (``<family>_recover``)."""
@@ -61,8 +73,10 @@ def check_model(job_config: JobConfig) -> None:
         try:
             importlib.import_module(module)
         except ImportError as e:
-            raise ConfigError(f"experimental.custom_import {module!r} cannot be imported ({e}); set it to the module "
-                              "that registers the job's model, e.g. titan_recover.train_spec") from None
+            raise ConfigError(
+                f"experimental.custom_import {module!r} cannot be imported ({e}); set it to the module "
+                "that registers the job's model, e.g. titan_recover.train_spec"
+            ) from None
     name = job_config.model.name
     try:
         model_flavors(name)
@@ -110,7 +124,9 @@ def _with_sum_reduction(parallelize: Callable[..., torch.nn.Module]) -> Callable
     return parallelize_fn
 
 
-def register_model(family: str, build_dataloader: Callable[..., BaseDataLoader], flavors: dict[str, Any] | None = None) -> str:
+def register_model(
+    family: str, build_dataloader: Callable[..., BaseDataLoader], flavors: dict[str, Any] | None = None
+) -> str:
     """Registers ``<family>_recover``: TorchTitan's ``family`` spec (plus a ``tiny`` flavor where
     there is one, and ``flavors``) with ``build_dataloader``'s data, SUM reductions on a CPU,
     and no validation (a streaming HF set); returns the name."""
@@ -148,7 +164,9 @@ def count_tokens(trainer: Trainer, labels: torch.Tensor) -> None:
     trainer.metrics_processor.ntokens_since_last_log += labels.numel()
 
 
-def model_inputs(trainer: Trainer, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def model_inputs(
+    trainer: Trainer, inputs: torch.Tensor, labels: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One microbatch for ``forward_backward_step`` (the pipeline schedule splits it itself)."""
     return {"input": inputs}, labels
 
@@ -189,4 +207,6 @@ def metric_logger(job_config: JobConfig, parallel_dims: Any, log_dir: str) -> An
     from torchtitan.components.metrics import WandBLogger, _get_metrics_rank
 
     logs_here = torch.distributed.get_rank() == _get_metrics_rank(parallel_dims, job_config)
-    return common.metric_logger(job_config.metrics, log_dir, logs_here, lambda log_dir: WandBLogger(log_dir, job_config))
+    return common.metric_logger(
+        job_config.metrics, log_dir, logs_here, lambda log_dir: WandBLogger(log_dir, job_config)
+    )

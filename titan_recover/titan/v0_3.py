@@ -7,6 +7,8 @@ plugin's configs are ``titan_recover.recipes``. The trainer builds titan_recover
 ``build_dataloader`` and a checkpointer whose ``_save``/``_load`` ask the guard first.
 """
 
+# the import order matters here (see the module docstring): not sorted
+# isort: skip_file
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable
@@ -17,7 +19,7 @@ import tyro
 from titan_recover.config import ConfigError, Recover
 
 from titan_recover.titan import common  # binds TorchTitan's device type first
-from titan_recover.titan.common import clip_grad_norm, in_group_timeout_s, text_datasets
+from titan_recover.titan.common import clip_grad_norm, in_group_timeout_s, text_datasets  # noqa: F401 (the interface)
 
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
@@ -76,7 +78,8 @@ class Trainer(TitanTrainer):
         config.checkpoint = GuardedCheckpointer.Config(**_fields(config.checkpoint))
         data = config.dataloader
         config.dataloader = _TrainerData.Config(
-            dataset=data.dataset, dataset_path=data.dataset_path,
+            dataset=data.dataset,
+            dataset_path=data.dataset_path,
             build_fn=lambda **kwargs: self.build_dataloader(config, **kwargs),
         )
         super().__init__(config)
@@ -86,8 +89,9 @@ class Trainer(TitanTrainer):
         """The job config under the name the rest of titan_recover (and TorchTitan 0.2) uses."""
         return self.config
 
-    def build_dataloader(self, job_config: "Trainer.Config", *, dp_world_size: int, dp_rank: int,
-                         tokenizer: Any, **_: Any) -> BaseDataLoader:
+    def build_dataloader(
+        self, job_config: "Trainer.Config", *, dp_world_size: int, dp_rank: int, tokenizer: Any, **_: Any
+    ) -> BaseDataLoader:
         """The data of this trainer (titan_recover's trainers give their addressable loader)."""
         raise NotImplementedError
 
@@ -117,15 +121,15 @@ def run(trainer_factory: Callable[[JobConfig], Trainer]) -> None:
 
 def load_config(argv: list[str]) -> JobConfig:
     """The job config from ``--module M --config F`` and ``--section.key value``, ``recover`` checked."""
-    return common.load_config(argv, "build the recipe's config from titan_recover.titan.Trainer.Config "
-                                    "(see titan_recover.recipes)")
+    return common.load_config(
+        argv, "build the recipe's config from titan_recover.titan.Trainer.Config (see titan_recover.recipes)"
+    )
 
 
 def check_model(job_config: JobConfig) -> None:
     """The recipe chose the model; a config without one cannot train."""
     if job_config.model_spec is None:
         raise ConfigError("the config has no model_spec: the recipe (--module/--config) must set one")
-
 
 
 def guard_checkpointer(trainer: Trainer, saves: Callable[[], bool], loads: bool) -> None:
@@ -189,5 +193,9 @@ def metric_logger(job_config: JobConfig, parallel_dims: Any, log_dir: str) -> An
     builder adds a folder per start time: a restarted group would start a new run)."""
     from torchtitan.components.metrics import WandBLogger, _get_metrics_rank
 
-    logs_here = torch.distributed.get_rank() == _get_metrics_rank(parallel_dims=parallel_dims, pp_schedule=job_config.parallelism.pipeline_parallel_schedule)
-    return common.metric_logger(job_config.metrics, log_dir, logs_here, lambda log_dir: WandBLogger(log_dir, config_dict=job_config.to_dict()))
+    logs_here = torch.distributed.get_rank() == _get_metrics_rank(
+        parallel_dims=parallel_dims, pp_schedule=job_config.parallelism.pipeline_parallel_schedule
+    )
+    return common.metric_logger(
+        job_config.metrics, log_dir, logs_here, lambda log_dir: WandBLogger(log_dir, config_dict=job_config.to_dict())
+    )

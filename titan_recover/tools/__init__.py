@@ -1,1 +1,2 @@
-"""Tools the benches and tests use beside a run (a local etcd cluster, the goodput model); never imported by the runtime."""
+"""Tools the benches and tests use beside a run (a local etcd cluster, the goodput model); never imported by the
+runtime."""

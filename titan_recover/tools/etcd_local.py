@@ -46,8 +46,9 @@ class LocalEtcd:
     or member i on ``hosts[i]``, its processes started by ``spawn(i, argv, **popen)`` where that
     address is (``Cluster.spawn`` of its node)."""
 
-    def __init__(self, members: int = 3, root: str | None = None, hosts: Sequence[str] = (),
-                 spawn: Spawn = _here) -> None:
+    def __init__(
+        self, members: int = 3, root: str | None = None, hosts: Sequence[str] = (), spawn: Spawn = _here
+    ) -> None:
         if hosts and len(hosts) != members:
             raise ValueError(f"{len(hosts)} hosts for {members} etcd members")
         self.root = root or tempfile.mkdtemp(prefix="titan-recover-etcd-")
@@ -70,11 +71,31 @@ class LocalEtcd:
         cluster = ",".join(f"{n}={self._peer(n)}" for n in self.names)
         client = self._client(name)
         return [
-            etcd_binary(), "--name", name, "--data-dir", os.path.join(self.root, name),
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", self._peer(name), "--initial-advertise-peer-urls", self._peer(name),
-            "--initial-cluster", cluster, "--initial-cluster-state", "new", "--initial-cluster-token", self.root,
-            "--heartbeat-interval", "100", "--election-timeout", "1000", "--log-level", "error",
+            etcd_binary(),
+            "--name",
+            name,
+            "--data-dir",
+            os.path.join(self.root, name),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            self._peer(name),
+            "--initial-advertise-peer-urls",
+            self._peer(name),
+            "--initial-cluster",
+            cluster,
+            "--initial-cluster-state",
+            "new",
+            "--initial-cluster-token",
+            self.root,
+            "--heartbeat-interval",
+            "100",
+            "--election-timeout",
+            "1000",
+            "--log-level",
+            "error",
         ]  # no auto-compaction, as on a cluster set up without it: the run's leader compacts (``leader``)
 
     def start(self, timeout_s: float = 30.0) -> "LocalEtcd":
@@ -91,9 +112,22 @@ class LocalEtcd:
     def ctl(self, name: str, *args: str, every: bool = False) -> subprocess.CompletedProcess:
         """``etcdctl ARGS`` started beside member ``name``, asking that member (or ``every`` member)."""
         endpoints = ",".join(self._client(n) for n in (self.names if every else [name]))
-        proc = self._spawn(self.names.index(name), [etcd_binary("etcdctl"), "--endpoints", endpoints,
-                                                    "--dial-timeout", "2s", "--command-timeout", "2s", *args],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = self._spawn(
+            self.names.index(name),
+            [
+                etcd_binary("etcdctl"),
+                "--endpoints",
+                endpoints,
+                "--dial-timeout",
+                "2s",
+                "--command-timeout",
+                "2s",
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             out, err = proc.communicate(timeout=CTL_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -107,8 +141,10 @@ class LocalEtcd:
         deadline = time.monotonic() + timeout_s
         while (done := self.ctl(name, "get", "titan_recover/probe", every=every)).returncode != 0:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"etcd {'cluster' if every else f'member {name}'} did not serve within "
-                                   f"{timeout_s:g}s: {done.stderr.strip()[-300:]}")
+                raise RuntimeError(
+                    f"etcd {'cluster' if every else f'member {name}'} did not serve within "
+                    f"{timeout_s:g}s: {done.stderr.strip()[-300:]}"
+                )
             time.sleep(0.1)
 
     def move_leader(self, name: str, timeout_s: float = 10.0) -> None:
@@ -118,12 +154,16 @@ class LocalEtcd:
         while True:
             done = self.ctl(name, "endpoint", "status", "-w", "json", every=True)
             statuses = json.loads(done.stdout or "[]")
-            target = next((s["Status"]["header"]["member_id"] for s in statuses if s["Endpoint"] == self._client(name)), None)
+            target = next(
+                (s["Status"]["header"]["member_id"] for s in statuses if s["Endpoint"] == self._client(name)), None
+            )
             if target is not None and {s["Status"]["leader"] for s in statuses} == {target}:
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"etcd member {name} does not lead {timeout_s:g}s after asking: "
-                                   f"{done.stdout.strip()} {done.stderr.strip()}")
+                raise RuntimeError(
+                    f"etcd member {name} does not lead {timeout_s:g}s after asking: "
+                    f"{done.stdout.strip()} {done.stderr.strip()}"
+                )
             if target is not None:
                 self.ctl(name, "move-leader", format(target, "x"), every=True)
             time.sleep(0.1)

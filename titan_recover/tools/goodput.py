@@ -146,8 +146,14 @@ def quotas(microbatches: int, speeds: Sequence[float], policy: Policy = "balance
     return out
 
 
-def step_time(cluster: Cluster, costs: Costs, live: int, slow: Sequence[float] = (), policy: Policy = "balanced",
-              microbatches: float | None = None) -> float:
+def step_time(
+    cluster: Cluster,
+    costs: Costs,
+    live: int,
+    slow: Sequence[float] = (),
+    policy: Policy = "balanced",
+    microbatches: float | None = None,
+) -> float:
     """A step of ``microbatches`` (default M; a fraction counts whole) on ``live`` groups,
     ``slow`` the speeds of the straggling ones (1 = nominal): the time of the group that
     finishes last. Without stragglers, each computes ceil(M / live) microbatches."""
@@ -203,8 +209,15 @@ class Horizon:
 class _Run:
     """The clock, failures, repairs and curve of one simulated run (shared by both systems)."""
 
-    def __init__(self, system: str, cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon,
-                 stragglers: Sequence[Straggler]) -> None:
+    def __init__(
+        self,
+        system: str,
+        cluster: Cluster,
+        costs: Costs,
+        failures: list[Failure],
+        horizon: Horizon,
+        stragglers: Sequence[Straggler],
+    ) -> None:
         self.system, self.cluster, self.costs, self.horizon = system, cluster, costs, horizon
         self.timed = sorted((f for f in failures if f.time_s is not None), key=lambda f: f.time_s)  # type: ignore[arg-type,return-value]  # timed: only failures with a time
         self.by_step = [f for f in failures if f.step is not None]
@@ -262,8 +275,14 @@ class _Run:
         return Result(self.system, self.t, self.steps, tokens, self.gpu_hours, self.fired, self.curve)
 
 
-def simulate_restart(cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon, ckpt_every: int,
-                     stragglers: Sequence[Straggler] = ()) -> Result:
+def simulate_restart(
+    cluster: Cluster,
+    costs: Costs,
+    failures: list[Failure],
+    horizon: Horizon,
+    ckpt_every: int,
+    stragglers: Sequence[Straggler] = (),
+) -> Result:
     """Checkpoint-and-restart with a blocking checkpoint every ``ckpt_every`` steps. Its
     quotas are equal; a restart takes up to R working groups, spares included."""
     run = _Run(f"ckpt-restart K={ckpt_every}", cluster, costs, failures, horizon, stragglers)
@@ -347,8 +366,14 @@ def _recover_step(run: _Run, live: int, outside: _Outside, policy: Policy) -> in
     return live
 
 
-def simulate_recover(cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon,
-                     stragglers: Sequence[Straggler] = (), policy: Policy = "balanced") -> Result:
+def simulate_recover(
+    cluster: Cluster,
+    costs: Costs,
+    failures: list[Failure],
+    horizon: Horizon,
+    stragglers: Sequence[Straggler] = (),
+    policy: Policy = "balanced",
+) -> Result:
     """titan_recover: survivors finish the step in flight and carry all M microbatches."""
     run = _Run("titan_recover", cluster, costs, failures, horizon, stragglers)
     live, outside = cluster.groups, _Outside(ready=cluster.spares)
@@ -362,7 +387,9 @@ def simulate_recover(cluster: Cluster, costs: Costs, failures: list[Failure], ho
     return run.result()
 
 
-def mtbf_s(cluster: Cluster, failures: list[Failure], horizon: Horizon, rate_per_gpu_hour: float | None = None) -> float:
+def mtbf_s(
+    cluster: Cluster, failures: list[Failure], horizon: Horizon, rate_per_gpu_hour: float | None = None
+) -> float:
     """Mean time between failures of the whole job, for the Young/Daly interval."""
     if rate_per_gpu_hour:
         return HOUR / (rate_per_gpu_hour * cluster.gpus)
@@ -372,8 +399,14 @@ def mtbf_s(cluster: Cluster, failures: list[Failure], horizon: Horizon, rate_per
 
 
 def compare(
-    cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon, ckpt_every: int, curves: bool = False,
-    stragglers: Sequence[Straggler] = (), policy: Policy = "balanced",
+    cluster: Cluster,
+    costs: Costs,
+    failures: list[Failure],
+    horizon: Horizon,
+    ckpt_every: int,
+    curves: bool = False,
+    stragglers: Sequence[Straggler] = (),
+    policy: Policy = "balanced",
 ) -> dict:
     """Both systems on the same failures and stragglers (titan_recover's quotas by
     ``policy``); ratios are titan_recover over checkpoint-and-restart. With ``curves``,
@@ -384,7 +417,9 @@ def compare(
         "ckpt_every": ckpt_every,
         "recover": summary(rec),
         "restart": summary(base),
-        "throughput_ratio": rec.throughput / base.throughput if base.throughput else None,  # None: baseline made nothing
+        "throughput_ratio": rec.throughput / base.throughput
+        if base.throughput
+        else None,  # None: baseline made nothing
     }
     if math.isfinite(horizon.gpu_hours):
         r, b = rec.tokens_at_gpu_hours(horizon.gpu_hours), base.tokens_at_gpu_hours(horizon.gpu_hours)
@@ -396,17 +431,29 @@ def compare(
 
 def summary(result: Result) -> dict:
     return {
-        "system": result.system, "wall_s": result.wall_s, "steps": result.steps, "tokens": result.tokens,
-        "gpu_hours": result.gpu_hours, "failures": result.failures, "tokens_per_s": result.throughput,
+        "system": result.system,
+        "wall_s": result.wall_s,
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "gpu_hours": result.gpu_hours,
+        "failures": result.failures,
+        "tokens_per_s": result.throughput,
     }
 
 
-def best_ckpt_every(cluster: Cluster, costs: Costs, failures: list[Failure], horizon: Horizon, upto: int,
-                    stragglers: Sequence[Straggler] = ()) -> int:
+def best_ckpt_every(
+    cluster: Cluster,
+    costs: Costs,
+    failures: list[Failure],
+    horizon: Horizon,
+    upto: int,
+    stragglers: Sequence[Straggler] = (),
+) -> int:
     """The checkpoint interval (1..upto steps) that gives the baseline its highest throughput
     on these very failures: fairer than Young/Daly when failures are not random."""
-    return max(range(1, upto + 1),
-               key=lambda k: simulate_restart(cluster, costs, failures, horizon, k, stragglers).throughput)
+    return max(
+        range(1, upto + 1), key=lambda k: simulate_restart(cluster, costs, failures, horizon, k, stragglers).throughput
+    )
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -428,8 +475,14 @@ PAPER_COSTS = Costs(step_s=10.0, ckpt_save_s=30.0, restart_s=300.0, detect_s=5.0
 PAPER_LOST_GPUS, PAPER_GPU_HOURS = 256, 234.0
 
 
-def paper_setting(costs: Costs = PAPER_COSTS, events: int = 4, curves: bool = False, spares: int = 0,
-                  stragglers: Sequence[Straggler] = (), policy: Policy = "balanced") -> dict:
+def paper_setting(
+    costs: Costs = PAPER_COSTS,
+    events: int = 4,
+    curves: bool = False,
+    spares: int = 0,
+    stragglers: Sequence[Straggler] = (),
+    policy: Policy = "balanced",
+) -> dict:
     """``events`` failures, each losing 256 / events GPUs for good, evenly spread over the
     run, which ends when 234 GPU-hours are spent. The baseline checkpoints at the interval
     that suits it best on these failures (searched up to twice the Young/Daly one).
@@ -453,13 +506,17 @@ def paper_setting(costs: Costs = PAPER_COSTS, events: int = 4, curves: bool = Fa
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m titan_recover.tools.goodput", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m titan_recover.tools.goodput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, default=PAPER_CLUSTER.gpus)
     c.add_argument("--group-gpus", type=int, default=PAPER_CLUSTER.group_gpus, help="GPUs per replica group")
-    c.add_argument("--microbatches", type=int, default=None,
-                   help=f"M per step (default: {MICROBATCHES_PER_GROUP} per group)")
+    c.add_argument(
+        "--microbatches", type=int, default=None, help=f"M per step (default: {MICROBATCHES_PER_GROUP} per group)"
+    )
     c.add_argument("--tokens-per-step", type=int, default=PAPER_CLUSTER.tokens_per_step)
     c.add_argument("--spares", type=int, default=0, help="hot spare groups on top of --gpus")
     k = p.add_argument_group("costs (seconds)")
@@ -473,8 +530,12 @@ def _parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("stragglers (the whole run)")
     s.add_argument("--slowdown", type=float, help="some groups run this many times slower")
     s.add_argument("--slow-groups", type=int, default=1, help="how many groups straggle")
-    s.add_argument("--policy", choices=("balanced", "speed", "ideal"), default="balanced",
-                   help="titan_recover's microbatch quotas: equal, by speed, or fractional by speed (a bound)")
+    s.add_argument(
+        "--policy",
+        choices=("balanced", "speed", "ideal"),
+        default="balanced",
+        help="titan_recover's microbatch quotas: equal, by speed, or fractional by speed (a bound)",
+    )
     h = p.add_argument_group("horizon")
     h.add_argument("--hours", type=float, default=24.0, help="wall-clock hours to simulate")
     h.add_argument("--ckpt-every", type=int, help="baseline checkpoint interval in steps (default: Young/Daly)")
@@ -494,8 +555,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.paper:
         result = paper_setting(costs, args.events, spares=args.spares, stragglers=stragglers, policy=args.policy)
     else:
-        cluster = Cluster(args.gpus, args.group_gpus, args.microbatches or MICROBATCHES_PER_GROUP * (args.gpus // args.group_gpus),
-                          args.tokens_per_step, args.spares)
+        cluster = Cluster(
+            args.gpus,
+            args.group_gpus,
+            args.microbatches or MICROBATCHES_PER_GROUP * (args.gpus // args.group_gpus),
+            args.tokens_per_step,
+            args.spares,
+        )
         if cluster.groups < 1 or cluster.microbatches < cluster.groups:
             raise SystemExit(f"error: need --gpus >= --group-gpus and --microbatches >= {cluster.groups} groups")
         horizon = Horizon(wall_s=args.hours * HOUR)
@@ -508,8 +574,10 @@ def main(argv: list[str] | None = None) -> int:
         result = compare(cluster, costs, failures, horizon, ckpt, stragglers=stragglers, policy=args.policy)
     for side in ("recover", "restart"):
         s = result[side]
-        print(f"{s['system']:22s} wall {s['wall_s'] / HOUR:7.2f} h  steps {s['steps']:7d}  failures {s['failures']:4d}  "
-              f"GPU-hours {s['gpu_hours']:9.1f}  tokens/s {s['tokens_per_s']:12.0f}")
+        print(
+            f"{s['system']:22s} wall {s['wall_s'] / HOUR:7.2f} h  steps {s['steps']:7d}  failures {s['failures']:4d}  "
+            f"GPU-hours {s['gpu_hours']:9.1f}  tokens/s {s['tokens_per_s']:12.0f}"
+        )
     print(f"effective throughput ratio titan_recover / checkpoint-and-restart: {_times(result['throughput_ratio'])}")
     if "tokens_ratio_at_gpu_hours" in result:
         print(f"tokens at {PAPER_GPU_HOURS:g} GPU-hours: {_times(result['tokens_ratio_at_gpu_hours'])}")

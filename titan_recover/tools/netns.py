@@ -86,8 +86,13 @@ def remove_orphans() -> list[str]:
 
 def _nft(ns: str, script: str) -> None:
     """An nftables script run inside namespace ``ns``."""
-    done = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=script,
-                          capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    done = subprocess.run(
+        ["ip", "netns", "exec", ns, "nft", "-f", "-"],
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+    )
     if done.returncode != 0:
         raise NetnsError(f"nft in {ns} exited {done.returncode}: {done.stderr.strip()}\n{script}")
 
@@ -159,12 +164,29 @@ class Cluster:
         _run("ip", "-n", self.switch, "link", "set", "br0", "up")
         for node in self.nodes:
             _run("ip", "netns", "add", node.ns)
-            _run("ip", "link", "add", "eth0", "netns", node.ns, "type", "veth", "peer", "name", node.port, "netns", self.switch)
+            _run(
+                "ip",
+                "link",
+                "add",
+                "eth0",
+                "netns",
+                node.ns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                node.port,
+                "netns",
+                self.switch,
+            )
             _run("ip", "-n", self.switch, "link", "set", node.port, "master", "br0", "up")
             _run("ip", "-n", node.ns, "addr", "add", f"{node.address}/24", "dev", "eth0")
             _run("ip", "-n", node.ns, "link", "set", "eth0", "up")
             _run("ip", "-n", node.ns, "link", "set", "lo", "up")
-        log.info(f"namespace cluster {self.name}: {len(self.nodes)} node(s), {self.nodes[0].address}..{self.nodes[-1].address}")
+        log.info(
+            f"namespace cluster {self.name}: {len(self.nodes)} node(s), "
+            f"{self.nodes[0].address}..{self.nodes[-1].address}"
+        )
 
     def close(self) -> None:
         """Kills every process of the cluster and removes its namespaces (and with them the links)."""
@@ -234,8 +256,9 @@ class Cluster:
             log.info(f"{node.ns}: reconnected")
 
     @contextlib.contextmanager
-    def dropping(self, node: Node, peers: Sequence[Node] = (), direction: str = "both",
-                 percent: int = 100) -> Iterator[None]:
+    def dropping(
+        self, node: Node, peers: Sequence[Node] = (), direction: str = "both", percent: int = 100
+    ) -> Iterator[None]:
         """``percent`` % of the IPv4 packets between ``node`` and ``peers`` (every other node when
         empty) dropped on the switch, silently to both ends, as on a lossy link: ``direction`` "in"
         (what they send it), "out" (what it sends them) or "both". Below 100, each packet is dropped
@@ -246,12 +269,19 @@ class Cluster:
             raise ValueError(f"percent is in (0, 100], not {percent}")
         others = ", ".join(p.address for p in (peers or [n for n in self.nodes if n != node]))
         chance = "" if percent == 100 else f"numgen random mod 100 < {percent} "
-        ways = {"out": f'iifname "{node.port}" ip daddr {{ {others} }}', "in": f'oifname "{node.port}" ip saddr {{ {others} }}'}
+        ways = {
+            "out": f'iifname "{node.port}" ip daddr {{ {others} }}',
+            "in": f'oifname "{node.port}" ip saddr {{ {others} }}',
+        }
         table = f"{_TABLE}_{node.port}"
-        rules = [f"add table bridge {table}",
-                 f"add chain bridge {table} forward {{ type filter hook forward priority 0; policy accept; }}"]
-        rules += [f"add rule bridge {table} forward {ways[way]} {chance}drop"
-                  for way in (("in", "out") if direction == "both" else (direction,))]
+        rules = [
+            f"add table bridge {table}",
+            f"add chain bridge {table} forward {{ type filter hook forward priority 0; policy accept; }}",
+        ]
+        rules += [
+            f"add rule bridge {table} forward {ways[way]} {chance}drop"
+            for way in (("in", "out") if direction == "both" else (direction,))
+        ]
         _nft(self.switch, "\n".join(rules))
         log.info(f"{node.ns}: dropping {percent}% {direction} with {others}")
         try:
@@ -269,21 +299,37 @@ class Cluster:
         relays: list[subprocess.Popen] = []
         try:
             for node in nodes:
-                relay = self.spawn(node, [sys.executable, "-m", "titan_recover.tools.delay_relay", "--port", str(RELAY_PORT),
-                                          "--delay-ms", str(delay_ms), "--seconds", str(seconds)],
-                                   stdout=subprocess.PIPE, text=True)
+                relay = self.spawn(
+                    node,
+                    [
+                        sys.executable,
+                        "-m",
+                        "titan_recover.tools.delay_relay",
+                        "--port",
+                        str(RELAY_PORT),
+                        "--delay-ms",
+                        str(delay_ms),
+                        "--seconds",
+                        str(seconds),
+                    ],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
                 relays.append(relay)
                 if relay.stdout is None or relay.stdout.readline().strip() != "ready":
                     raise NetnsError(f"{node.ns}: the delay relay did not start (exit {relay.poll()})")
                 others = ", ".join(n.address for n in self.nodes if n != node)
-                _nft(node.ns, f"add table ip {_TABLE}\n"
-                        f"add chain ip {_TABLE} delay {{ type nat hook output priority -100; }}\n"
-                        f"add rule ip {_TABLE} delay ip daddr {{ {others} }} meta l4proto tcp "
-                        f"meta mark != {delay_relay.MARK} redirect to :{RELAY_PORT}")
+                _nft(
+                    node.ns,
+                    f"add table ip {_TABLE}\n"
+                    f"add chain ip {_TABLE} delay {{ type nat hook output priority -100; }}\n"
+                    f"add rule ip {_TABLE} delay ip daddr {{ {others} }} meta l4proto tcp "
+                    f"meta mark != {delay_relay.MARK} redirect to :{RELAY_PORT}",
+                )
             log.info(f"{', '.join(n.ns for n in nodes)}: {delay_ms:g} ms more each way on new TCP connections")
             yield
         finally:
-            for node in nodes[:len(relays)]:
+            for node in nodes[: len(relays)]:
                 with contextlib.suppress(NetnsError):
                     _nft(node.ns, f"delete table ip {_TABLE}")
             for relay in relays:
