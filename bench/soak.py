@@ -3,7 +3,7 @@
 Drives the run from outside: a prologue of plan faults (a SIGKILL in every phase), then random
 faults of every kind that never leave the run without a group holding state; checks every step
 against a failure-free reference, and watches for hangs and resource growth. What it injects,
-its safety rule and its results: README.md, "Benchmarks" (the soak row and the **Soak** results).
+its safety rule and its results: docs/benchmarks.md (the soak results).
 
     .venv/bin/python -m bench.soak [--faults N] [--nodes 1|2] [--seed S] [--launcher-faults]
 

@@ -19,7 +19,7 @@
 #                     data_parallel_replicate_degree = NUM_NODES / K * G - SPARES, passed below (it and
 #                     recover.spares override the config file's values)
 #   COORDINATOR_BIND  where node 0's coordinator listens (default 0.0.0.0, every interface; prefer its
-#                     address on the private cluster network: see the README's trust model)
+#                     address on the private cluster network: see docs/trust-model.md)
 #   CONTROL_STORE     etcd://host:port,host:port,host:port of an etcd cluster (3+ members) for coordinator
 #                     fail-over (--recover.control_store): every node's launcher runs a coordinator
 #                     candidate and the run survives the loss of any node; COORDINATOR_ADDR and

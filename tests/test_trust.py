@@ -1,5 +1,5 @@
 """The control plane's trust model: no key, log line or error holds the run's secret, and a record
-without the run's seal is refused and logged, never acted on (README, "Trust model")."""
+without the run's seal is refused and logged, never acted on (docs/trust-model.md)."""
 
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ class Recover:
 
     heartbeat_interval_s: float = 0.1
     """How often every rank beats into its node channel, and every node agent (launcher) writes
-    its node message, the coordinator's one read per node (on etcd at least every 0.5 s:
+    its node message, the coordinator's one read per node (on etcd at least every 0.4 s:
     ``node_message_interval_s``)."""
 
     heartbeat_timeout_s: float = 5.0

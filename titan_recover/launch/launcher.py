@@ -5,8 +5,8 @@ on etcd, a candidate; start the groups; register and claim them; watch, restart 
 drain), restarting only a failed group, which rejoins from a live peer. torchrun's own
 ``--max_restarts`` is not used: with ``--standalone`` in torch 2.13 a restarted group read its
 previous attempt's gloo addresses and failed to connect. ``enable = false``: one torchrun world,
-stock TorchTitan, restarted as a whole (checkpoint-and-restart) on the same budget. The README's
-"How it works", "Multi-node" and "Trust model" sections say the rest.
+stock TorchTitan, restarted as a whole (checkpoint-and-restart) on the same budget. docs/design.md,
+docs/multi-node.md and docs/trust-model.md say the rest.
 """
 
 import dataclasses

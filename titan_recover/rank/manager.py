@@ -17,7 +17,7 @@ the protocol needs lives here too, so the trainer never touches a store key:
 - the rank's lifeline (``RankBeat``), started once, before TorchTitan builds
   the model, so the node agent sees the rank beat while it starts.
 
-Words as in the README's glossary: a *replica group* is one torchrun world; ``group_rank`` is
+Words as in the glossary (docs/design.md): a *replica group* is one torchrun world; ``group_rank`` is
 a rank's index inside its group (the same coordinate on every group; the replicate
 all-reduce joins them).
 """
