@@ -21,13 +21,22 @@ restart, detection, rejoin), read from the event logs.
 
 import argparse
 import statistics
+from typing import Any, TypedDict
 
 from bench.common import launch, of, step_gaps, write_result
 
 SHAPE = ["--parallelism.data_parallel_shard_degree", "1", "--training.global_batch_size", "8"]
 TOKENS_PER_STEP = 8 * 128  # global batch x seq_len of the default config
-FULL = {"steps": 60, "kills": (8, 28, 48), "ks": (3, 5, 10, 20)}
-QUICK = {"steps": 40, "kills": (5, 18, 31), "ks": (5, 10)}
+
+
+class Plan(TypedDict):
+    steps: int
+    kills: tuple[int, ...]  # the steps replica 1 is killed at, one per incarnation
+    ks: tuple[int, ...]  # the checkpoint intervals compared
+
+
+FULL: Plan = {"steps": 60, "kills": (8, 28, 48), "ks": (3, 5, 10, 20)}
+QUICK: Plan = {"steps": 40, "kills": (5, 18, 31), "ks": (5, 10)}
 
 
 def fault_plan(kills: tuple[int, ...]) -> str:
@@ -61,7 +70,7 @@ def measure(system: str, steps: int, kills: tuple[int, ...], k: int | None = Non
     final = {e["step"]: e for e in step_events}
     if sorted(final) != list(range(1, steps + 1)):
         raise RuntimeError(f"{system}: committed steps {sorted(final)} are not 1..{steps}")
-    run = {
+    run: dict[str, Any] = {
         "system": system,
         "ckpt_every": k,
         "wall_s": wall,

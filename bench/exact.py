@@ -23,6 +23,7 @@ import os
 import secrets
 import statistics
 import sys
+from typing import Any
 
 from bench.common import PRECISION, RESULTS, launch, of, step_gaps, write_result
 from titan_recover.compare import compare_runs
@@ -114,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info(f"{name} vs free2: {c.steps} steps, {c.digest_steps} digest steps, problems {c.exact[:3]}")
     faults = {name: len(of(events, "failure")) for name, events in runs.items()}
     soak_path = RESULTS / "exact_soak.json"
-    soak = json.loads(soak_path.read_text()) if soak_path.exists() else None
-    soak_exact = (soak or {}).get("exact") or {}
+    soak: dict[str, Any] = (json.loads(soak_path.read_text()) if soak_path.exists() else None) or {}
+    soak_exact = soak.get("exact") or {}
     if soak_exact:
         faults["soak"] = len(soak["faults"])
     result = {

@@ -38,6 +38,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any, Callable
 
 from bench.common import CONFIG, PRECISION, ROOT, launch, of, step_gaps, write_result
 from titan_recover.control import keys, transport
@@ -79,7 +80,7 @@ def events_of(dump: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
 
 
-def wait_for(what: str, predicate, procs: list[subprocess.Popen]) -> None:  # type: ignore[no-untyped-def]
+def wait_for(what: str, predicate: Callable[[], object], procs: list[subprocess.Popen]) -> None:
     deadline = time.monotonic() + WAIT_S
     while not predicate():
         if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
@@ -210,7 +211,7 @@ def dcp_restart(replicas: int) -> dict:
     }
 
 
-def etcd_requests(cluster: LocalEtcd) -> dict[str, int]:
+def etcd_requests(cluster: LocalEtcd) -> dict[str, float]:
     """Requests the members served so far, by method (their gRPC counters: the JSON gateway calls
     through them), and the CPU seconds their processes used."""
     counts: dict[str, int] = {}
@@ -284,7 +285,7 @@ def failure_free(cluster: LocalEtcd | None) -> dict:
         latency = probe.summary()
         del os.environ[keys.SECRET_ENV], os.environ[keys.RUN_ENV]
     steps = of(events, "step")
-    run = {
+    result: dict[str, Any] = {
         "backend": "etcd" if cluster else "tcpstore",
         "step_s": statistics.median(step_gaps(steps).values()),
         "wall_s": wall,
@@ -292,9 +293,9 @@ def failure_free(cluster: LocalEtcd | None) -> dict:
     }
     if cluster:
         after = etcd_requests(cluster)
-        run["etcd_requests_per_s"] = {k: (v - before.get(k, 0)) / wall for k, v in after.items() if k != "cpu_s"}
-        run["etcd_cpu_cores"] = (after["cpu_s"] - before["cpu_s"]) / wall  # the 3 members together
-    return run
+        result["etcd_requests_per_s"] = {k: (v - before.get(k, 0)) / wall for k, v in after.items() if k != "cpu_s"}
+        result["etcd_cpu_cores"] = (after["cpu_s"] - before["cpu_s"]) / wall  # the 3 members together
+    return result
 
 
 def main() -> None:
@@ -312,7 +313,7 @@ def main() -> None:
                 print(f"failure-free on {ff[-1]['backend']}: step {ff[-1]['step_s']:.3f}s", flush=True)
         per_r = {}
         for r in args.replicas:
-            runs = {"leader": [], "node": []}
+            runs: dict[str, list[dict]] = {"leader": [], "node": []}
             for _ in range(args.repeats):
                 for kind in runs:
                     runs[kind].append(failover(cluster.url, r, node=kind == "node"))

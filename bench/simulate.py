@@ -38,7 +38,7 @@ SWEEP_SEEDS = 5  # independent failure draws per point
 FLASHRECOVERY = {"devices": 4800, "restore_s": 150.0}
 SPARES = (0, 1, 2)
 SLOWDOWNS = (2, 4)
-POLICIES = ("balanced", "speed", "ideal")
+POLICIES: tuple[g.Policy, ...] = ("balanced", "speed", "ideal")
 
 
 def calibration(measured: dict) -> dict:

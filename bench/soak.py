@@ -26,7 +26,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, TextIO
 
 from bench.common import CONFIG, PRECISION, RESULTS, ROOT
 from titan_recover.compare import Comparison, compare_runs
@@ -120,8 +120,9 @@ def targets_for(kind: str, view: View, rng: random.Random) -> tuple[int, ...] | 
     candidates = sorted(view.holders - view.in_flight - view.lost - ({view.spare} if view.spare is not None else set()))
     if kind == "kill_joiner":
         j = view.fresh
-        ok = j is not None and j in view.joining and j not in view.in_flight and j != view.spare and view.holders
-        return (j,) if ok else None  # type: ignore[return-value]
+        if j is None or j not in view.joining or j in view.in_flight or j == view.spare or not view.holders:
+            return None
+        return (j,)
     if len(view.holders) < 2:
         return None
     if kind == "kill_donor":
@@ -631,7 +632,8 @@ class Tail:
     """New complete lines of a JSONL file that other processes append to."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.f, self.buf = path, None, ""
+        self.path, self.buf = path, ""
+        self.f: TextIO | None = None
 
     def read(self) -> list[dict[str, Any]]:
         if self.f is None:
@@ -809,12 +811,13 @@ class Soak:
         """Sends the fault's signals; None (nothing sent) when its processes are not all there."""
         att = tracker.attempts
         if kind in ("kill", "stop", "slow", "kill_joiner", "kill_donor", "two_groups"):
-            procs = [self._rank_of(r, att[r]) for r in targets]
-            if any(p is None for p in procs):
+            found = [self._rank_of(r, att[r]) for r in targets]
+            procs = [p for p in found if p is not None]
+            if len(procs) != len(found):
                 return None
             detail: dict[str, Any] = {
                 "ranks": [p.rank for p in procs],
-                "pids": [p.pid for p in procs],  # type: ignore[union-attr]
+                "pids": [p.pid for p in procs],
                 "attempts": [att[r] for r in targets],
             }
             if kind == "slow":
@@ -824,7 +827,7 @@ class Soak:
                 detail["after_admitted_s"] = round(now - fresh[1], 3) if fresh else None
             sig = signal.SIGSTOP if kind in ("stop", "slow") else signal.SIGKILL
             for p in procs:  # back to back: two_groups within microseconds, far inside 50 ms
-                _signal(p.pid, sig)  # type: ignore[union-attr]
+                _signal(p.pid, sig)
             return tracker.inject(kind, targets, now, **detail)
         if kind == "kill_agent":
             agent = self.agent(targets[0], att[targets[0]])
@@ -906,7 +909,8 @@ class Soak:
         self.blocked_since: float | None = None  # since when the schedule's head kind could not go
         self.next_at: float | None = None  # when the next random fault is due
         self.step_times: list[float] = []
-        self.last_status, self.finished_at = time.monotonic(), None
+        self.last_status = time.monotonic()
+        self.finished_at: float | None = None  # when the last step committed
         self.log(
             f"{s.replicas} groups x {s.shards} ranks, {s.steps} steps; prologue plan: {s.plan}; "
             f"then {a.faults} random faults until step {s.steps - a.tail}; spare {self.spare}"

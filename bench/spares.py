@@ -23,6 +23,7 @@ varies by +-25% between runs of the same job) and ratios are of medians.
 
 import argparse
 import statistics
+from typing import Any
 
 from bench.common import PRECISION, launch, of, step_gaps, write_result
 
@@ -111,7 +112,7 @@ def main() -> None:
             r[key] for r in rows if (r["replicas"], r["spares"], r["kill"]) == (replicas, spares, kill)
         )
 
-    per_r = {}
+    per_r: dict[str, dict[str, Any]] = {}
     for r in args.replicas:
         step = med("step_s", r, 0, False)
         downtime = {s: med("admission_s", r, s, True) + med("transfer_s", r, s, True) + step for s in (0, 1)}

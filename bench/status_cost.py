@@ -82,6 +82,8 @@ def live(windows: int, window_s: float) -> dict:
             while pid is None and proc.poll() is None:
                 pid = coordinator_pid(proc.pid)
                 time.sleep(0.5)
+            if pid is None:
+                raise RuntimeError(f"the launcher (pid {proc.pid}) exited before its coordinator was found")
             while proc.poll() is None:  # the first steps: the ranks built the model and trained a little
                 events = [e for p in event_files(dump) for e in map(json.loads, Path(p).read_text().splitlines())]
                 if sum(e["event"] == "step" for e in events) >= 3:

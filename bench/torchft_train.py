@@ -11,7 +11,7 @@ One torchrun job per replica group, with a torchft Lighthouse running::
 torchft's algorithm is left as it is (quorum, managed gloo process group, should_commit).
 This module only:
 
-- points TorchTitan at the CPU (``titan_recover.titan``, the adapter, imported before torchtitan);
+- points TorchTitan at the CPU (``titan_recover.titan.common``, the adapter's, imported before torchtitan);
 - registers ``llama3_recover_torchft``: ``llama3_recover`` (llama3 + titan_recover's
   addressable data) with FSDP applied even to a one-rank group, because TorchTitan hands
   gradients to torchft through FSDP's all-reduce hook (on a one-rank mesh FSDP only copies);
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from titan_recover import cpu_shim, titan  # noqa: F401  the adapter binds TorchTitan's device type first
+from titan_recover.titan import common, cpu_shim  # noqa: F401  the adapter's common binds TorchTitan's device type first
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh

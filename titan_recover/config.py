@@ -299,13 +299,19 @@ _SECONDS = (
 """Durations of ``[recover]``: each a finite number of seconds > 0."""
 
 
+_ACCEPTS: dict[type, type | tuple[type, ...]] = {bool: bool, int: int, float: (int, float), str: str}
+"""What a field annotated with each class accepts (an int where a float goes)."""
+
+
 def _check_types(section: Any, name: str) -> None:
     for f in dataclasses.fields(section):
-        value = getattr(section, f.name)
-        expected = {bool: bool, int: int, float: (int, float), str: str}[f.type]
+        value, kind = getattr(section, f.name), f.type
+        if not isinstance(kind, type):
+            raise TypeError(f"{name}.{f.name} is annotated {kind!r}: only bool, int, float or str fields are checked")
+        expected = _ACCEPTS[kind]
         ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
         if not ok:
-            raise ConfigError(f"{name}.{f.name} must be of type {f.type.__name__}, got {value!r}")
+            raise ConfigError(f"{name}.{f.name} must be of type {kind.__name__}, got {value!r}")
 
 
 def _check_minimums(rc: Recover, minimums: dict[str, int]) -> None:

@@ -104,19 +104,16 @@ class RecoverTrainer(LoggedTrainer):
             name_wandb_run(replica)
             folder = os.path.join(titan.dump_folder(job_config), metrics.save_tb_folder, f"replica{replica}")
             self.metrics_processor.logger = titan.metric_logger(job_config, self.parallel_dims, folder)
-        self.manager.attach(
-            ReplicateProcessGroups(
-                self.manager.store,
-                replica,
-                group_rank,
-                rc.collective_timeout_s,
-                backend="nccl" if rc.replicate_backend == "nccl" else "gloo",
-                device=self.device,
-                host=route_address(transport.coordinator_address()),
-            ),
-            self.device,
-            self.parallel_dims.world_size,
+        self.replicate_groups = ReplicateProcessGroups(
+            self.manager.store,
+            replica,
+            group_rank,
+            rc.collective_timeout_s,
+            backend="nccl" if rc.replicate_backend == "nccl" else "gloo",
+            device=self.device,
+            host=route_address(transport.coordinator_address()),
         )
+        self.manager.attach(self.replicate_groups, self.device, self.parallel_dims.world_size)
         self.replica_slots = replica_ids(job_config)
         self.exact: exact.ExactSum | None = None
         if rc.exact:
@@ -173,7 +170,7 @@ class RecoverTrainer(LoggedTrainer):
             with self.manager.transfer_group(epoch, self.replica, donor=False) as group:
                 start = time.perf_counter()
                 header, nbytes = transfer.receive(
-                    self.manager.groups,
+                    self.replicate_groups,
                     group,
                     self.model_parts,
                     self.optimizers,
@@ -187,7 +184,7 @@ class RecoverTrainer(LoggedTrainer):
             return False
         elapsed = time.perf_counter() - start
         step, base_epoch, tokens = (header.get(k) for k in ("step", "base_epoch", "ntokens_seen"))
-        if not all(isinstance(v, int) for v in (step, base_epoch, tokens)):
+        if not (isinstance(step, int) and isinstance(base_epoch, int) and isinstance(tokens, int)):
             raise MessageError(f"state transfer header has bad counters: step {step!r}, base_epoch {base_epoch!r}")
         try:
             speeds = workload.Speeds.from_json(header.get("speeds"))
@@ -233,7 +230,7 @@ class RecoverTrainer(LoggedTrainer):
         try:
             with self.manager.transfer_group(epoch, joiner, donor=True) as group:
                 nbytes = transfer.send(
-                    self.manager.groups,
+                    self.replicate_groups,
                     group,
                     header,
                     self.model_parts,
@@ -435,7 +432,7 @@ class RecoverTrainer(LoggedTrainer):
                     replica=self.replica,
                     rank=self.group_rank,
                     step=self.step,
-                    parked=self.manager.groups.parked(),
+                    parked=self.replicate_groups.parked(),
                     **resources.usage(),
                 )
         if self.step % self.rc.digest_interval == 0 or self.step == self.job_config.training.steps:
@@ -469,7 +466,7 @@ class RecoverTrainer(LoggedTrainer):
         h = hashlib.blake2b(digest_size=8)
         for m in self.model_parts:
             for p in m.parameters():
-                h.update(transfer.local(p.data).detach().contiguous().view(torch.uint8).cpu().numpy())
+                h.update(transfer.local(p.data).detach().contiguous().view(torch.uint8).cpu().numpy().data)
         mine = torch.tensor(list(h.digest()), dtype=torch.int64, device=self.device)
         shards = [mine]
         if self.parallel_dims.world_size > 1:

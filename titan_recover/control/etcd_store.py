@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import requests
 import torch.distributed as dist
@@ -85,6 +86,11 @@ class EtcdStore(dist.Store):
         self._lock = threading.Lock()  # one store object is shared by threads (gloo's rendezvous, a lifeline)
         self._add_lock = threading.Lock()  # one add at a time: the marker tells only the last add's fate
         self.set_timeout(timedelta(seconds=timeout_s))
+
+    if TYPE_CHECKING:  # torch's Store has it (what ``set_timeout`` set); its stub lacks it
+
+        @property
+        def timeout(self) -> timedelta: ...
 
     def guarded(self, guard: tuple[str, str]) -> EtcdStore:
         """A store like this one whose writes are all conditional on ``guard``; its first request goes
@@ -175,7 +181,7 @@ class EtcdStore(dist.Store):
         watch saw one (no read needed), None otherwise: the caller reads the key again. One watch
         stream on a connection of its own, so a blocking wait never holds the store's lock."""
         client = self._clients[self._current]
-        body = {
+        body: dict[str, dict[str, str | int | list[str]]] = {
             "create_request": {
                 "key": _encode(key),
                 "start_revision": revision + 1,
@@ -286,8 +292,9 @@ class EtcdStore(dist.Store):
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """``read_many``, blocking for the missing keys like TCPStore."""
         values = self.read_many(keys)
-        if all(v is not None for v in values):
-            return values  # type: ignore[return-value]
+        found = [v for v in values if v is not None]
+        if len(found) == len(values):
+            return found
         return [self.get(k) for k in keys]
 
     def add(self, key: str, amount: int) -> int:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from titan_recover.control import keys
 from titan_recover.control.addresses import is_etcd
 from titan_recover.control.board import Board
-from titan_recover.control.sealed import Run
+from titan_recover.control.sealed import Run, SealedStore
 from titan_recover.control.transport import call_within, connect, connection_refused
 
 PROBE_S = 0.5  # how often a lifeline reads ALIVE; the coordinator lingers longer than that at the end
@@ -134,7 +134,7 @@ class Heartbeat:
             t.start()
 
     def _beat(self) -> None:
-        client: dist.Store | None = None
+        client: SealedStore | None = None
         next_probe = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
@@ -154,7 +154,7 @@ class Heartbeat:
                 self._write_board(client)
             self._stop.wait(self._interval)
 
-    def _write_board(self, client: dist.Store) -> None:
+    def _write_board(self, client: SealedStore) -> None:
         """The node message, on the leader's board (etcd runs). A failure is not the coordinator's
         loss (its alive counter in etcd says that): it is logged once, and the board looked up again."""
         assert self._board is not None
@@ -176,7 +176,7 @@ class Heartbeat:
     def ending(self) -> bool:
         return self._ended()
 
-    def _read(self, client: dist.Store) -> bool:
+    def _read(self, client: SealedStore) -> bool:
         """Reads the alive counter through ``client``; whether it moved since the last reading."""
         alive = int(client.add(keys.ALIVE, 0))
         with self._lock:

@@ -593,11 +593,18 @@ class CoordinatorState(Record):
             rec,
         )
         pair = lambda v: isinstance(v, list) and len(v) == 2 and is_int(v[0]) and is_seconds(v[1])  # noqa: E731
+        attempts, admitted_epoch, joining, spares, dropped = (
+            _ids(key, rec[k], k, is_int) for k in ("attempts", "admitted_epoch", "joining", "spares", "dropped")
+        )
         return CoordinatorState(
             None if progress is None else Progress(progress["step"], progress["epoch"], progress["time"]),
             rec["next_report"],
             rec["retries"],
-            *(_ids(key, rec[k], k, is_int) for k in ("attempts", "admitted_epoch", "joining", "spares", "dropped")),
+            attempts,
+            admitted_epoch,
+            joining,
+            spares,
+            dropped,
             _ids(key, rec["down_since"], "down_since", is_seconds),
             {r: (v[0], v[1]) for r, v in _ids(key, rec["repairs"], "repairs", pair).items()},
             sorted(unread),

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from titan_recover.control import keys
 from titan_recover.control.protocol import MessageError
+from titan_recover.control.store_api import api
 
 MAC_HEX = 32  # 128 bits of HMAC-SHA256, in hex, before the value
 REFUSED_LOG_S = 60.0  # a forged key is logged at most once per this
@@ -111,7 +112,7 @@ class SealedStore(dist.Store):
         under = getattr(inner, "underlying_store", None)
         # the etcd store under the run's prefix, where one request does what the TCPStore API needs several for
         self._etcd = under if hasattr(under, "put_and_count") else None
-        super().set_timeout(inner.timeout)
+        super().set_timeout(api(inner).timeout)
 
     def _seal(self, key: str, value: str | bytes) -> bytes:
         if unsealed(key):
@@ -169,7 +170,7 @@ class SealedStore(dist.Store):
     # ---- the torch.distributed.Store API --------------------------------------------
 
     def set(self, key: str, value: str | bytes) -> None:
-        self.inner.set(key, self._seal(key, value))
+        api(self.inner).set(key, self._seal(key, value))
 
     def get(self, key: str) -> bytes:
         return self._unseal(key, self.inner.get(key))
@@ -204,11 +205,11 @@ class SealedStore(dist.Store):
         return [self.read(k) for k in keys]
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        self.inner.multi_set(keys, [self._seal(k, v) for k, v in zip(keys, values)])
+        api(self.inner).multi_set(keys, [self._seal(k, v) for k, v in zip(keys, values)])
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """TCPStore's semantics on the sealed values (an empty ``expected``: missing or empty)."""
-        got = self.inner.compare_set(key, self._seal(key, expected), self._seal(key, desired))
+        got = api(self.inner).compare_set(key, self._seal(key, expected), self._seal(key, desired))
         return self._unseal(key, got)
 
     def add(self, key: str, amount: int) -> int:
@@ -277,4 +278,4 @@ class SealedStore(dist.Store):
         """A connection of its own (``clone``) for a replicate-dim group's rendezvous under ``prefix``
         (a key under ``keys.PROCESS_GROUPS``): C++ only, so no Python object must outlive the call."""
         assert unsealed(prefix), prefix
-        return dist.PrefixStore(prefix, self.inner.clone())
+        return dist.PrefixStore(prefix, api(self.inner).clone())

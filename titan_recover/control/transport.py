@@ -8,8 +8,9 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import Future
 from datetime import timedelta
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch.distributed as dist
 
@@ -24,6 +25,9 @@ from titan_recover.control.addresses import (
 )
 from titan_recover.control.sealed import Run, SealedStore
 
+if TYPE_CHECKING:  # the etcd extra's client: imported only where a run on etcd needs it (``etcd``)
+    from titan_recover.control.etcd_store import EtcdStore
+
 HELLO_WAIT_S = 10.0  # how long a client waits for the hello (the coordinator sets it right after listening)
 LISTEN_POLL_S = 0.1  # how often a starting client probes the coordinator's port
 
@@ -35,23 +39,20 @@ def call_within(seconds: float, call: Callable[[], T], name: str) -> T:
     """``call()`` in a daemon thread given ``seconds``: its result, its exception, or TimeoutError.
     For a store call that can block past any timeout of its own (a TCPStore client of a frozen
     server); the thread is left behind, blocked, and the caller drops its client."""
-    box: list[tuple[bool, object]] = []
+    box: Future[T] = Future()
 
     def run() -> None:
         try:
-            box.append((True, call()))
+            box.set_result(call())
         except Exception as e:
-            box.append((False, e))
+            box.set_exception(e)
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     thread.join(seconds)
-    if not box:
+    if not box.done():
         raise TimeoutError(f"no answer within {seconds:g}s")
-    ok, outcome = box[0]
-    if not ok:
-        raise outcome  # type: ignore[misc]
-    return outcome  # type: ignore[return-value]
+    return box.result()  # the call's exception raised again here
 
 
 class WrongRunError(RuntimeError):
@@ -155,10 +156,10 @@ def _serve(fd: int, port: int, timeout_s: float, bind: str, run: Run) -> SealedS
 
 # every etcd client made, kept: a PrefixStore over one holds only its C++ half, its Python methods must stay.
 # Per (address, timeout, thread): the clients made there, each with the timeout it was made with.
-_ETCD_CLIENTS: dict[tuple[str, float, int], list[tuple[dist.Store, timedelta]]] = {}
+_ETCD_CLIENTS: dict[tuple[str, float, int], list[tuple["EtcdStore", timedelta]]] = {}
 
 
-def etcd(address: str, timeout_s: float) -> dist.Store:
+def etcd(address: str, timeout_s: float) -> "EtcdStore":
     """A client of the etcd cluster at ``address`` (the ``etcd`` extra's client, imported only here).
 
     The calling thread's client for ``address`` and ``timeout_s`` is reused (a lifeline reconnects

@@ -183,17 +183,18 @@ class CoordinatorCore:
     def on_step(self, record: StepRecord) -> list[Effect]:
         """A committed step: saved before its event, so a leader that dies in between has its successor log it."""
         forget = self._commit(record.step, record.epoch, record.time)
-        return (
-            [Save(), LogStep(record)]
-            + [
+        return [
+            Save(),
+            LogStep(record),
+            *(
                 Say(
                     f"data epoch {epoch} begins at step {record.step}: every sample of the corpus was read "
                     "once; they are read again in a new order"
                 )
                 for epoch in record.data_epochs
-            ]
-            + forget
-        )
+            ),
+            *forget,
+        ]
 
     def on_malformed_step(self, error: str) -> list[Effect]:
         """The record of the step in progress does not check out (``error`` names its key). Members
@@ -213,7 +214,8 @@ class CoordinatorCore:
                 f"step {step} committed in epoch {epoch} without a readable record ({error}): it is not in the "
                 "event log's steps"
             ),
-        ] + forget
+            *forget,
+        ]
 
     def _commit(self, step: int, epoch: int, when: float) -> list[Effect]:
         """``step`` committed in ``epoch``: the run's progress, and the keys that can go now."""
@@ -257,7 +259,8 @@ class CoordinatorCore:
         self.views = views
         self.asking = {replica: attempt for (replica, attempt), view in sorted(views.items()) if view.ready}
         for replica in (*self.membership.members, *self.state.spares):
-            view = views.get((replica, self._incarnation(replica)))
+            incarnation = self._incarnation(replica)
+            view = None if incarnation is None else views.get((replica, incarnation))
             if view is None or view.ranks < self.rules.group_ranks:
                 continue  # not every rank has beaten yet: the startup bound holds
             self.detector.beat(replica, view.alive_at)

@@ -20,8 +20,6 @@ import time
 from collections.abc import Collection
 from typing import Any, Callable
 
-import torch.distributed as dist
-
 from titan_recover import config
 from titan_recover.config import ConfigError, CoordinatorSettings
 from titan_recover.control import keys, transport
@@ -31,7 +29,7 @@ from titan_recover.control.client import COMMIT, ControlClient
 from titan_recover.control.keys import BOARD, FATAL, NO_PASS, NODES, REPORTS, START_STEP, leader_key
 from titan_recover.control.lifeline import PROBE_S
 from titan_recover.control.protocol import CoordinatorState, Membership, MessageError, NodeMessage, TransferRecord
-from titan_recover.control.sealed import Run
+from titan_recover.control.sealed import Run, SealedStore
 from titan_recover.coordinator.core import (
     Admit,
     CoordinatorCore,
@@ -142,7 +140,7 @@ class Coordinator:
     def __init__(
         self,
         settings: CoordinatorSettings,
-        client: dist.Store,
+        client: SealedStore,
         events: EventLog,
         poll_s: float = POLL_S,
         wait: Callable[[float], Collection[str] | None] = sleep_then_anything,
@@ -370,7 +368,7 @@ class Coordinator:
                 continue
             self.control.forget_node(self.nodes.pop(key), key)
             for seen in (self.node_raw, self.node_changed, self.node_groups, self.claims_checked):
-                seen.pop(key, None)  # type: ignore[attr-defined]
+                seen.pop(key, None)
             log.info(f"forgot {key}: silent for more than {bound:g}s and its claims taken over by another launcher")
 
     def _poll_reports(self, now: float, changed: Collection[str] | None = None) -> None:

@@ -41,7 +41,11 @@ import numpy as np
 MANIFEST = "manifest.json"
 SCHEMA = "titan_recover.tokens/1"
 LAYOUTS = ("datatrove", "megatron")
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4"), "int32": np.dtype("<i4")}
+DTYPES: dict[str, np.dtype[np.integer]] = {
+    "uint16": np.dtype("<u2"),
+    "uint32": np.dtype("<u4"),
+    "int32": np.dtype("<i4"),
+}
 
 # Megatron-LM's indexed dataset header: magic, version 1, a dtype code (its DType enum)
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"

@@ -383,15 +383,17 @@ class NodeLauncher:
     def register(self) -> ControlClient | None:
         """Connects (the coordinator may still be starting, or die doing so), names this node, starts
         its lifeline and epoch push, and claims its groups; None when the coordinator ended first."""
-        rc = self.rc
+        rc, run = self.rc, self.run
+        if run is None:
+            raise RuntimeError("register() before the run is named: start_coordinator() and start_groups() first")
         try:
             client = ControlClient(
-                transport.connect(str(self.address), rc.startup_timeout_s, self.run, gone=self._coordinator_gone)
+                transport.connect(str(self.address), rc.startup_timeout_s, run, gone=self._coordinator_gone)
             )
         except transport.CoordinatorGone as e:
             self.on_lost(str(e))
             return None
-        board = Board(self.run) if self.etcd else None  # on etcd the leader serves the node messages
+        board = Board(run) if self.etcd else None  # on etcd the leader serves the node messages
         if board is None:
             client.register(self.me, self.agent.message())
         else:
@@ -403,13 +405,13 @@ class NodeLauncher:
             rc.coordinator_timeout_s,
             self.on_lost,
             lambda: self.agent.message().dumps(),
-            run=self.run,
+            run=run,
             startup_timeout_s=rc.startup_timeout_s,
             ended=lambda: bool(self.agent.flags),
             board=board,
         )
         self.agent.start(on_error=log.warning)
-        reader = Board(self.run) if self.etcd else None  # its own: the lifeline's is used by the lifeline's thread
+        reader = Board(run) if self.etcd else None  # its own: the lifeline's is used by the lifeline's thread
         message_of = client.node_message_raw if reader is None else lambda o: reader.read(client.store, o.key)
         taken = claims.claim(client, self.me, self.local, rc.heartbeat_timeout_s, log.info, self.part, message_of)
         for r in self.local:
@@ -523,7 +525,7 @@ class NodeLauncher:
         if self._run_ended():
             return  # the coordinator ended the run (done or fatal) and closed its store: not lost
         self.groups.kill()
-        if exited and not self.etcd:  # a candidate's end is not the run's
+        if exited and coordinator is not None and not self.etcd:  # a candidate's end is not the run's
             reason = self._exit_reason(coordinator)
         exit_lost("launcher", reason, config.resume_hint(self.job_config, titan.dump_folder(self.job_config)))
 

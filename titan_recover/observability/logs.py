@@ -29,7 +29,7 @@ class _Std(logging.StreamHandler):
         self.setFormatter(_Prefix())
         self.addFilter(lambda r: low <= r.levelno < high)
 
-    @property  # type: ignore[override]  # read-only: the stream of the moment
+    @property  # read-only: the stream of the moment
     def stream(self) -> TextIO:
         return getattr(sys, self._name)
 

@@ -106,7 +106,7 @@ class RunHistory:
         self.run_id = str(e.get("run", ""))
         fields = ("replicas", "replica_ids", "steps", "tokens_per_step")
         if all(type(e.get(k)) is int and e[k] >= 0 for k in fields):
-            self._configure(*(e[k] for k in fields), str(e.get("precision")))
+            self._configure(e["replicas"], e["replica_ids"], e["steps"], e["tokens_per_step"], str(e.get("precision")))
 
     def add(self, event: dict[str, Any]) -> None:
         kind, t = event["event"], event.get("time", 0.0)
@@ -129,11 +129,11 @@ class RunHistory:
         self.steps.insert(at, e["step"])
         self.times.insert(at, t)
         self.losses.insert(at, loss if isinstance(loss, (int, float)) else None)
-        members = e.get("members") if isinstance(e.get("members"), list) else []
+        members: list[Any] = e["members"] if isinstance(e.get("members"), list) else []
         self.live.insert(at, len(members))
         if at == len(self.steps) - 1:
             self.members = members
-            self.quotas = e.get("quotas") if isinstance(e.get("quotas"), dict) else {}
+            self.quotas = e["quotas"] if isinstance(e.get("quotas"), dict) else {}
             for r in members:  # a step committed with it: it holds the run's state
                 if type(r) is int:
                     self.groups.setdefault(r, _Group()).joining = False

@@ -202,7 +202,7 @@ class StatusServer:
     def __init__(self, source: StatusSource, bind: str, port: int) -> None:
         self.source = source
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(Metrics(source))  # type: ignore[arg-type]  # a collector: collect() only
+        self.registry.register(Metrics(source))  # a collector: collect() only
         self.read_at = 0.0  # when a client last asked
         self.fresh = threading.Event()  # set after each refresh
         self.wanted = threading.Event()

@@ -74,7 +74,7 @@ def speed(live: tuple[int, ...], num_items: int, speeds: Mapping[int, float] | N
         if not math.isfinite(value) or value <= 0:
             raise WorkloadError(f"speed for replica {replica} must be finite and > 0, got {value!r}")
         measured[replica] = Fraction(value)
-    default = sum(measured.values()) / len(measured) if measured else Fraction(1)
+    default = sum(measured.values(), Fraction(0)) / len(measured) if measured else Fraction(1)
     return _apportion(live, {replica: measured.get(replica, default) for replica in live}, num_items)
 
 

@@ -23,7 +23,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,17 @@ class CollectiveAborted(RuntimeError):
     """The collective did not finish for this epoch; retry in the next one."""
 
 
+class GroupBackend(Protocol):
+    """A process group's backend as torch builds it (``ProcessGroupGloo``, ``ProcessGroupNCCL``): the calls
+    made on it here, which torch's stub leaves off its ``Backend`` class."""
+
+    def abort(self) -> None: ...
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
+
+
 @dataclass
 class Parked:
     """What an abandoned group or collective still holds until nothing runs on it."""
@@ -57,7 +68,7 @@ class Parked:
     works: list[dist.Work] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     builder: threading.Thread | None = None  # a rendezvous thread that may still return a group
-    built: list[object] = field(default_factory=list)  # ...into this list
+    built: list[GroupBackend | Exception] = field(default_factory=list)  # ...into this list
     store: dist.Store | None = None  # the rendezvous's own connection, held so that its socket stays open
     socket: int | None = None  # ...and that socket's descriptor
 
@@ -98,7 +109,7 @@ class ReplicateProcessGroups:
         self.timeout = timedelta(seconds=timeout_s)
         self.backend = backend
         self.device = device if backend == "nccl" else torch.device("cpu")  # where transfer buffers live
-        self._groups: dict[int, dist.Backend | None] = {}
+        self._groups: dict[int, GroupBackend | None] = {}
         self._parked: list[Parked] = []  # abandoned groups/work/buffers: kept until idle, never reused
         agreed = store.compare_set(REPLICATE_BACKEND, "", backend).decode()
         if agreed != backend:
@@ -109,22 +120,22 @@ class ReplicateProcessGroups:
         if backend == "nccl":
             os.environ.setdefault(NCCL_NONBLOCKING_TIMEOUT_ENV, str(max(1, int(timeout_s))))
 
-    def _new_group(self, store: dist.Store, rank: int, size: int) -> dist.Backend:
+    def _new_group(self, store: dist.Store, rank: int, size: int) -> GroupBackend:
         if self.backend == "gloo":
             gloo = dist.ProcessGroupGloo
-            opts = gloo._Options()
+            opts = gloo._Options()  # type: ignore[attr-defined]  # torch's stub has Options (devices), not _Options
             opts._devices = [gloo.create_device(hostname=self.host) if self.host else gloo.create_default_device()]
             opts._timeout = self.timeout
-            return gloo(store, rank, size, opts)
+            return cast(GroupBackend, gloo(store, rank, size, opts))
         opts = dist.ProcessGroupNCCL.Options()
         opts.config.blocking = 0  # setup and abort return instead of waiting on a dead peer
         opts._timeout = self.timeout
         group = dist.ProcessGroupNCCL(store, rank, size, opts)
         group.eager_connect_single_device(self.device)  # connect now, inside the abortable rendezvous
-        return group
+        return cast(GroupBackend, group)
 
     def _discard(
-        self, group: dist.Backend | None, works: Sequence[dist.Work] = (), tensors: Sequence[torch.Tensor] = ()
+        self, group: GroupBackend | None, works: Sequence[dist.Work] = (), tensors: Sequence[torch.Tensor] = ()
     ) -> None:
         """Parks a group that will not be used again (an NCCL one is aborted first), with
         the collectives still in flight on it and their buffers."""
@@ -142,7 +153,7 @@ class ReplicateProcessGroups:
         self._parked = [p for p in self._parked if p.busy()]
         for p in idle:
             for late in p.built:  # a rendezvous that finished after we gave up on it
-                if self.backend == "nccl" and isinstance(late, dist.Backend):
+                if self.backend == "nccl" and not isinstance(late, Exception):
                     late.abort()
         del idle  # the last references: gloo closes its pairs and joins its threads here
 
@@ -171,7 +182,7 @@ class ReplicateProcessGroups:
         self._reap()
         return {"entries": len(self._parked), "mb": round(sum(p.nbytes() for p in self._parked) / 2**20, 1)}
 
-    def _connect(self, prefix: str, rank: int, size: int, abort: Callable[[], bool]) -> dist.Backend:
+    def _connect(self, prefix: str, rank: int, size: int, abort: Callable[[], bool]) -> GroupBackend:
         """A group under ``prefix``; raises CollectiveAborted if ``abort()`` first.
 
         The rendezvous gets a store connection of its own (``process_group_store``): its blocking
@@ -182,7 +193,7 @@ class ReplicateProcessGroups:
         store = self.store.process_group_store(prefix)
         opened = procs.sockets() - before  # its socket, where the clone opened exactly one (a TCPStore's)
         fd = opened.pop() if len(opened) == 1 else None
-        result: list[object] = []
+        result: list[GroupBackend | Exception] = []
 
         def build() -> None:
             try:
@@ -200,11 +211,12 @@ class ReplicateProcessGroups:
                 self._parked.append(Parked(builder=thread, built=result, store=store, socket=fd))
                 raise CollectiveAborted(f"{prefix} ended while building its group")
             pause = backoff(pause)
-        if isinstance(result[0], Exception):
-            raise CollectiveAborted(f"building {prefix} failed: {result[0]}")
-        return result[0]  # type: ignore[return-value]  # not an Exception (checked above): the built group
+        built = result[0]
+        if isinstance(built, Exception):
+            raise CollectiveAborted(f"building {prefix} failed: {built}")
+        return built
 
-    def _build(self, membership: Membership, abort: Callable[[], bool]) -> dist.Backend | None:
+    def _build(self, membership: Membership, abort: Callable[[], bool]) -> GroupBackend | None:
         if membership.epoch in self._groups:
             return self._groups[membership.epoch]
         size = len(membership.members)
@@ -220,7 +232,7 @@ class ReplicateProcessGroups:
 
     def _wait(
         self,
-        group: dist.Backend,
+        group: GroupBackend,
         works: list[dist.Work],
         tensors: list[torch.Tensor],
         abort: Callable[[], bool],
@@ -243,7 +255,7 @@ class ReplicateProcessGroups:
             raise CollectiveAborted(error)
 
     @contextmanager
-    def pair(self, epoch: int, joiner: int, donor: bool, abort: Callable[[], bool]) -> Iterator[dist.Backend]:
+    def pair(self, epoch: int, joiner: int, donor: bool, abort: Callable[[], bool]) -> Iterator[GroupBackend]:
         """The two-rank group (donor = rank 0) that hands ``joiner`` its state in ``epoch``; one transfer only."""
         group = self._connect(transfer_group_prefix(epoch, self.group_rank, joiner), 0 if donor else 1, 2, abort)
         try:
@@ -251,7 +263,7 @@ class ReplicateProcessGroups:
         finally:
             self._discard(group)
 
-    def broadcast(self, group: dist.Backend, tensor: torch.Tensor, abort: Callable[[], bool]) -> None:
+    def broadcast(self, group: GroupBackend, tensor: torch.Tensor, abort: Callable[[], bool]) -> None:
         """Sends ``tensor`` from rank 0 of ``group`` into the others' ``tensor``, or raises CollectiveAborted."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0

@@ -136,4 +136,4 @@ def pin_kernels() -> None:
     torch.set_num_threads(1)
     if torch.cuda.is_available():
         torch.use_deterministic_algorithms(True)
-        torch.utils.deterministic.fill_uninitialized_memory = False
+        torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]  # a module property

@@ -49,7 +49,7 @@ class FaultInjector:
                     self.on_fire(f)
         return factor
 
-    def _match(self, step: int, phase: str, index: int | None = None, count: int = 0) -> Fault | None:
+    def _match(self, step: int | None, phase: str, index: int | None = None, count: int = 0) -> Fault | None:
         for f in self.faults:
             if f.phase != phase or f.step not in (None, step):
                 continue
@@ -86,8 +86,9 @@ class FaultInjector:
         while self.epoch() == start and time.monotonic() < deadline:
             time.sleep(0.02)
 
-    def at(self, step: int, phase: str, model: torch.nn.Module | None = None) -> None:
-        """Call at the allreduce, optimizer, join and donate points (``model``: what corrupt alters)."""
+    def at(self, step: int | None, phase: str, model: torch.nn.Module | None = None) -> None:
+        """Call at the allreduce, optimizer, join and donate points (``model``: what corrupt alters); a
+        ``step`` of None (a transfer header without one) matches only the faults that name no step."""
         fault = self._match(step, phase)
         if fault is not None:
             self._fire(fault, model)

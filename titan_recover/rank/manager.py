@@ -37,6 +37,7 @@ from titan_recover.config import Recover
 from titan_recover.control import transport
 from titan_recover.control.client import ABORT, COMMIT, REDO, ControlClient, redone
 from titan_recover.control.protocol import FaultRecord, MessageError, Report, StepRecord, TransferRecord
+from titan_recover.control.sealed import SealedStore
 from titan_recover.data.tokens import DataError
 from titan_recover.node import devices, procs
 from titan_recover.node.channel import CHANNEL_ENV, DONE, FATAL, FINISHED, READY, RUNNING, STARTING, Channel, RankBeat
@@ -115,7 +116,7 @@ class ReplicaManager:
 
     def __init__(
         self,
-        client: dist.Store,
+        client: SealedStore,
         channel: Channel,
         *,
         slot: int,

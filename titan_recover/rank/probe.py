@@ -112,7 +112,7 @@ def rank(address: str, replica: int, backend: str) -> None:
         say(event="step", epoch=epoch, step=step, members=list(members), ok=bool((tensor == len(members)).all()))
         joiner = next((r for r, (s, during) in doomed.items() if s == step and during == "state transfer"), None)
         step += 1
-        if joiner in members and replica in (joiner, DONOR):
+        if joiner is not None and joiner in members and replica in (joiner, DONOR):
             start = time.time()
             try:
                 _transfer(groups, epoch, joiner, replica == DONOR, device, backend, moved, hang)
@@ -246,7 +246,7 @@ def summarize(faults: list[Fault], records: list[dict]) -> list[dict]:
     finished = {rec["replica"] for rec in records if rec["event"] == "done"}
     for f in faults:
         mine = {r: [rec for rec in records if rec["replica"] == r] for r in f.members}
-        survivors = []
+        survivors: list[dict[str, Any]] = []
         for r, recs in mine.items():
             aborted = next((rec for rec in recs if rec["event"] == "aborted" and rec["t"] >= f.t), None)
             launched = next((rec for rec in recs if rec["event"] == "launched" and rec["epoch"] >= f.epoch), None)
@@ -266,7 +266,7 @@ def summarize(faults: list[Fault], records: list[dict]) -> list[dict]:
                     "kept_after_close": done and done["kept"],
                 }
             )
-        phases = {"detect": round(f.verdict_t - f.t, 3)}
+        phases: dict[str, float | None] = {"detect": round(f.verdict_t - f.t, 3)}
         for phase in RECOVERY_PHASES[1:]:
             values = [s[phase] for s in survivors]
             phases[phase] = None if None in values else max(values)

@@ -24,6 +24,8 @@ from titan_recover.rank.injector import FaultInjector
 
 
 class LoggedTrainer(titan.Trainer):
+    step: int  # TorchTitan's Trainer keeps it: the step in progress (0 before the first)
+
     def __init__(self, job_config: titan.JobConfig, rc: Recover, replica: int, group_rank: int) -> None:
         self.rc = rc
         self.events = EventLog(titan.dump_folder(job_config))

@@ -62,7 +62,7 @@ def clip_grad_norm(trainer: Any) -> torch.Tensor:
 def in_group_timeout_s(job_config: Any) -> tuple[float, float] | None:
     """TorchTitan's ``comm.train_timeout_seconds`` and its default, from the config dataclass's field
     (0.3's is slotted: no class attribute holds it); None where the job has no such key."""
-    comm = getattr(job_config, "comm", None)
+    comm: Any = getattr(job_config, "comm", None)
     default = (
         next((f.default for f in dataclasses.fields(comm) if f.name == "train_timeout_seconds"), None)
         if dataclasses.is_dataclass(comm)

@@ -103,7 +103,7 @@ def cpu_device() -> Iterator[None]:
 
     saved = tu._get_available_device_type, tu._get_device_module
     tu._get_available_device_type = lambda: "cpu"
-    tu._get_device_module = lambda device_type=None: _CpuDeviceModule()
+    tu._get_device_module = lambda device_type=None: _CpuDeviceModule()  # type: ignore[assignment]  # torch's is an lru_cache
     try:
         yield
     finally:

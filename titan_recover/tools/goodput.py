@@ -206,6 +206,11 @@ class Horizon:
     gpu_hours: float = math.inf
 
 
+def _time_s(failure: Failure) -> float:
+    """When a failure hits: math.inf for one triggered by a step instead."""
+    return math.inf if failure.time_s is None else failure.time_s
+
+
 class _Run:
     """The clock, failures, repairs and curve of one simulated run (shared by both systems)."""
 
@@ -219,7 +224,7 @@ class _Run:
         stragglers: Sequence[Straggler],
     ) -> None:
         self.system, self.cluster, self.costs, self.horizon = system, cluster, costs, horizon
-        self.timed = sorted((f for f in failures if f.time_s is not None), key=lambda f: f.time_s)  # type: ignore[arg-type,return-value]  # timed: only failures with a time
+        self.timed = sorted((f for f in failures if f.time_s is not None), key=_time_s)  # only failures with a time
         self.by_step = [f for f in failures if f.step is not None]
         self.stragglers = stragglers
         self.t, self.steps, self.fired, self.gpu_hours = 0.0, 0, 0, 0.0
@@ -246,18 +251,22 @@ class _Run:
         failure, its remainder) starts."""
         return [1 / s.slowdown for s in self.stragglers if s.start_s <= self.t < s.end_s for _ in range(s.groups)]
 
+    def next_timed(self) -> float:
+        """When the next timed failure hits; math.inf if none."""
+        return _time_s(self.timed[0]) if self.timed else math.inf
+
     def _step_due(self) -> bool:
         return bool(self.by_step) and self.by_step[0].step == self.steps + 1
 
     def next_failure(self, start: float, duration: float) -> float:
         """When the next failure hits, for a stretch of work [start, start + duration):
         a step-triggered one mid-way, a timed one at its time; math.inf if none."""
-        timed = self.timed[0].time_s if self.timed else math.inf
-        return min(timed, start + duration / 2) if self._step_due() else timed  # type: ignore[return-value]  # timed failures have a time
+        timed = self.next_timed()
+        return min(timed, start + duration / 2) if self._step_due() else timed
 
     def fail(self, exposed: int) -> int:
         """Fires the failure due now on ``exposed`` training groups; returns how many it took."""
-        timed_now = bool(self.timed) and self.timed[0].time_s <= self.t  # type: ignore[operator]  # timed failures have a time
+        timed_now = bool(self.timed) and self.next_timed() <= self.t
         failure = self.timed.pop(0) if timed_now or not self._step_due() else self.by_step.pop(0)
         lost = min(failure.groups, exposed, self.healthy)
         self.healthy -= lost
@@ -301,8 +310,8 @@ def simulate_restart(
         run.fail(live)
         run.steps = ckpt_step  # work since the last checkpoint is lost
         restart_end = run.t + costs.restart_s
-        while run.timed and run.timed[0].time_s < restart_end:  # a failure during the restart starts it over
-            run.advance(run.timed[0].time_s)  # type: ignore[arg-type]  # timed failures have a time
+        while run.timed and run.next_timed() < restart_end:  # a failure during the restart starts it over
+            run.advance(run.next_timed())
             run.fail(min(cluster.groups, run.healthy))
             restart_end = run.t + costs.restart_s
         run.advance(restart_end)

@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from titan_recover.node.procs import pid_alive
 from titan_recover.tools import delay_relay
@@ -199,11 +200,11 @@ class Cluster:
 
     # --- processes -------------------------------------------------------------------------
 
-    def spawn(self, node: Node, argv: Sequence[str], **popen: object) -> subprocess.Popen:
+    def spawn(self, node: Node, argv: Sequence[str], **popen: Any) -> subprocess.Popen:
         """``argv`` started inside ``node``'s namespace (``ip netns exec`` execs it: the pid is its own).
         Returns once the process is inside (or has already ended): until ``ip netns exec`` has entered
         the namespace, the node's process list, pause and kill would miss it."""
-        proc = subprocess.Popen(["ip", "netns", "exec", node.ns, *argv], **popen)  # type: ignore[call-overload]
+        proc = subprocess.Popen(["ip", "netns", "exec", node.ns, *argv], **popen)
         self.procs.append(proc)
         deadline = time.monotonic() + COMMAND_TIMEOUT_S
         while not _inside(proc.pid, node.ns) and proc.poll() is None:
