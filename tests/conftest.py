@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from bench.common import LINE, job
 from titan_recover.compare import compare_runs
 from titan_recover.control import keys
+from titan_recover.titan.jobs import LINE, job
 
 ROOT = Path(__file__).resolve().parents[1]
 

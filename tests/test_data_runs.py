@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from conftest import Run, assert_all_rejoined, assert_same_trajectory, run_job, write_jsonl
 
-from bench.common import FLAGS
 from titan_recover.data import order, prepare
 from titan_recover.data.addressing import sample_indices
 from titan_recover.data.synthetic import TOKENIZER_DIR, synthetic_corpus
 from titan_recover.data.tokens import TokenDataset
+from titan_recover.titan.jobs import FLAGS
 
 M = 4
 QWEN3 = "qwen3_debug_cpu"

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from conftest import THREE, Run, assert_same_trajectory, run_job
 
-from bench.common import LINE
+from titan_recover.titan.jobs import LINE
 
 M = 4  # global_batch_size 16 / (local_batch_size 2 * 2 shards)
 

@@ -18,7 +18,6 @@ import pytest
 import torch.distributed as dist
 from conftest import ROOT
 
-from bench.common import config_args
 from titan_recover import config, titan
 from titan_recover.control import addresses, keys, protocol, transport
 from titan_recover.control.client import ControlClient
@@ -27,6 +26,7 @@ from titan_recover.control.leader import Lease
 from titan_recover.control.protocol import CoordinatorState, Progress
 from titan_recover.control.sealed import Run
 from titan_recover.observability.events import logged_steps
+from titan_recover.titan.jobs import config_args
 from titan_recover.tools.etcd_local import LocalEtcd
 
 

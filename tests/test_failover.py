@@ -18,11 +18,11 @@ import pytest
 from conftest import ROOT, Run, assert_all_rejoined, assert_same_trajectory
 from test_nodes import Node, events, wait_until
 
-from bench.common import job
 from titan_recover.control import keys, sealed, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.etcd_store import EtcdStore
 from titan_recover.status import fetch
+from titan_recover.titan.jobs import job
 from titan_recover.tools.etcd_local import LocalEtcd
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import Run, assert_same_trajectory, run_job
 
-from bench.common import FLAGS, LINE
+from titan_recover.titan.jobs import FLAGS, LINE
 
 pytestmark = pytest.mark.lines
 

@@ -9,13 +9,13 @@ import pytest
 from conftest import ROOT
 from test_store import accepts, non_loopback_ip
 
-from bench.common import job
 from titan_recover.config import ConfigError
 from titan_recover.control import addresses, keys, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.sealed import Run
 from titan_recover.launch import launcher, torchruns
 from titan_recover.launch.torchruns import is_incarnation
+from titan_recover.titan.jobs import job
 
 
 def test_is_incarnation_reads_the_rank_environment() -> None:

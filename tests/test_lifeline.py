@@ -20,12 +20,12 @@ from conftest import ROOT
 from test_nodes import Node, events, wait_until
 from test_store import COORDINATOR
 
-from bench.common import job
 from titan_recover.control import keys, transport
 from titan_recover.control.etcd_store import EtcdUnavailable
 from titan_recover.control.lifeline import AliveClock
 from titan_recover.launch import launcher
 from titan_recover.node.channel import DONE, FATAL
+from titan_recover.titan.jobs import job
 
 # ---- the verdict, pure ------------------------------------------------------------------
 

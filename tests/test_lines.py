@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from conftest import Run
 
-from bench.common import LINE, job
 from titan_recover import titan
 from titan_recover.config import ConfigError
+from titan_recover.titan.jobs import LINE, job
 
 pytestmark = pytest.mark.lines
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import job
 from titan_recover.config import Recover
 from titan_recover.launch import preflight
 from titan_recover.launch.preflight import OK, REFUSE, WARN, check
+from titan_recover.titan.jobs import job
 
 RC = Recover()  # heartbeat_timeout_s 5, collective_timeout_s 30: a survivor waits up to 35 s
 DEFAULT = (100.0, 100.0)  # TorchTitan's comm.train_timeout_seconds and its default

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from conftest import ROOT, run_data_cli, run_job, write_jsonl, write_standin_tokenizer
 
-from bench.common import FLAGS, config_args
 from titan_recover.data import prepare
 from titan_recover.data.synthetic import TOKENIZER_DIR, synthetic_corpus
 from titan_recover.data.tokens import DataError, TokenDataset
+from titan_recover.titan.jobs import FLAGS, config_args
 
 
 def all_tokens(folder: str) -> np.ndarray:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import THREE, Run, assert_all_rejoined, assert_same_trajectory, run_job
 
-from bench.common import LINE
+from titan_recover.titan.jobs import LINE
 
 M = 4
 # survivors wait for the admission: 6-13 s here, over 30 s once on a loaded 2-core CI machine

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Run, assert_same_trajectory, run_job
 
-from bench.common import job
 from titan_recover.control import keys
+from titan_recover.titan.jobs import job
 
 ONE_SHARD = ["--parallelism.data_parallel_shard_degree", "1", "--training.steps", "12"]  # M = 8
 M = 8

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import job
 from titan_recover.control import keys, transport
 from titan_recover.control.sealed import Run
 from titan_recover.observability.events import read_events
 from titan_recover.status import fetch
+from titan_recover.titan.jobs import job
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12

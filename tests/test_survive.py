@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Run, assert_same_trajectory, run_job
 
-from bench.common import job
+from titan_recover.titan.jobs import job
 
 
 def _children(pid: int) -> list[int]:

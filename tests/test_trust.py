@@ -15,11 +15,11 @@ import pytest
 import torch.distributed as dist
 from conftest import ROOT
 
-from bench.common import job
 from titan_recover.control import keys, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Fatal, Fence, NodeMessage
 from titan_recover.control.sealed import ForgedRecord, Run
+from titan_recover.titan.jobs import job
 
 SECRET = "0123456789abcdef-trust-test-secret"
 

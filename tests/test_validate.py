@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import job
 from titan_recover import titan
 from titan_recover.config import ConfigError
 from titan_recover.control import keys
@@ -15,6 +14,7 @@ from titan_recover.data.addressing import check_tokenizer_folder
 from titan_recover.data.synthetic import TOKENIZER_DIR
 from titan_recover.data.tokens import DataError
 from titan_recover.launch.launcher import check_coordinator, parse_group_node, parse_replicas
+from titan_recover.titan.jobs import job
 
 ROOT = Path(__file__).resolve().parents[1]
 
