@@ -54,7 +54,7 @@ LAYERS: dict[str, set[str]] = {
     "config": {"control", "policy"},
     "node": {"control", "policy", "observability", "config"},
     "titan": {"config"},
-    "data": {"config", "policy", "titan"},
+    "data": {"control", "config", "policy", "titan"},
     "coordinator": {"control", "policy", "observability", "node", "config"},
     "rank": {"control", "policy", "observability", "node", "config", "data", "titan"},
     "launch": {"control", "policy", "observability", "node", "config", "data", "titan"},
@@ -64,7 +64,7 @@ LAYERS: dict[str, set[str]] = {
     "train_spec": {"data", "titan"},
     "recipes": {"titan"},
     "status": {"control", "observability"},
-    "compare": {"observability"},
+    "compare": {"control", "observability"},
     "selftest": {"control", "policy", "observability", "node", "config", "titan", "rank", "launch", "compare"},
 }
 

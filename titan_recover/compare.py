@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from titan_recover.control.keys import EXIT_FAILED, EXIT_OK
 from titan_recover.observability.events import Log, event_files, read_log
 
 
@@ -136,7 +137,7 @@ def main(argv: list[str]) -> int:
         f"{c.steps} steps compared{digests}, max relative loss deviation {c.max_rel_loss_dev:.2e}: "
         f"{('the same bits' if args.exact else 'same trajectory') if not c.problems else 'DIFFERENT'}"
     )
-    return 1 if c.problems else 0
+    return EXIT_FAILED if c.problems else EXIT_OK
 
 
 if __name__ == "__main__":

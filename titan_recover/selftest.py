@@ -29,6 +29,7 @@ from typing import Any, Callable
 from titan_recover.compare import compare_runs
 from titan_recover.config import Recover
 from titan_recover.control import keys
+from titan_recover.control.keys import EXIT_FAILED, EXIT_OK
 from titan_recover.launch import preflight
 from titan_recover.observability import logs
 from titan_recover.observability.events import RECOVERY_PHASES, read_log
@@ -315,7 +316,7 @@ def main(argv: list[str]) -> int:
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
         log.info(f"wrote {args.out}")
-    return 0 if results["passed"] else 1
+    return EXIT_OK if results["passed"] else EXIT_FAILED
 
 
 if __name__ == "__main__":

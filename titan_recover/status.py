@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from titan_recover.control.keys import EXIT_BAD_INPUT, EXIT_OK
 from titan_recover.observability.events import Tail, event_files
 from titan_recover.observability.run_status import RunHistory
 from titan_recover.observability.status_server import StatusServer, StatusSource
@@ -108,12 +109,12 @@ def serve_events(path: str, bind: str, port: int) -> int:
             f"error: --events {path}: no event log there (a dump folder with recover_events*.jsonl, or one such file)",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_BAD_INPUT
     try:
         server = StatusServer(StatusSource(tail, RunHistory()), bind, port)
     except OSError as e:
         print(f"error: --bind {bind} --port {port}: cannot listen there ({e.strerror})", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     log.info(f"status page of {path} at {server.address} (Prometheus: {server.address}metrics); Ctrl-C to stop")
     try:
         while True:
@@ -140,7 +141,7 @@ def main(argv: list[str]) -> int:
             return serve_events(args.events, args.bind, args.port)
         return watch(args.url, max(args.interval, 0.2), once=not args.watch)
     except KeyboardInterrupt:
-        return 0
+        return EXIT_OK
 
 
 if __name__ == "__main__":

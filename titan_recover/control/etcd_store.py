@@ -409,9 +409,8 @@ class Changes:
         self.store, self.prefix, self.ignore = store, prefix, ignore
         self._changed, self._stop = threading.Event(), threading.Event()
         self._lock = threading.Lock()
-        self._keys: set[str] | None = (
-            None  # put since the last ``wait``, after the prefix; None: unknown (at first too)
-        )
+        # put since the last ``wait``, after the prefix; None: unknown (at first too)
+        self._keys: set[str] | None = None
         self._thread = threading.Thread(target=self._run, name="titan-recover-changes", daemon=True)
         self._thread.start()
 

@@ -22,6 +22,13 @@ def attempt() -> int:
     return int(os.environ.get(ATTEMPT_ENV, "0"))
 
 
+# exit codes of every titan_recover process, what its supervisor (the launcher, Slurm, Kubernetes) acts on
+EXIT_OK = 0
+EXIT_FAILED = 1  # the run (or the check) failed or stopped for good; its last line says why
+EXIT_BAD_INPUT = 2  # a config value, the environment or the data cannot run: fix it, a restart fails the same way
+EXIT_COORDINATOR_LOST = 3  # no sign of life from the coordinator: every process stops; the same command resumes
+
+
 HELLO = "hello"  # the coordinator sets it on start: a client that cannot read it is not in this run
 EPOCH = "epoch"
 REPORTS = "reports"  # counter: report slots reserved so far

@@ -48,9 +48,8 @@ class AliveClock:
     timeout_s: float
     start: float  # when watching began
     value: int = -1
-    startup_s: float = (
-        0.0  # the bound before the counter first moved past 0 (a coordinator still starting, a leader being elected)
-    )
+    # the bound before the counter first moved past 0 (a coordinator still starting, a leader being elected)
+    startup_s: float = 0.0
     since: float = field(init=False)  # when the counter last moved, or the watcher last woke from a pause
     last_tick: float = field(init=False)
 

@@ -26,7 +26,18 @@ from titan_recover.control import keys, transport
 from titan_recover.control.addresses import LOOPBACK, is_etcd, parse_host_port
 from titan_recover.control.board import LeaderBoard
 from titan_recover.control.client import COMMIT, ControlClient
-from titan_recover.control.keys import BOARD, FATAL, NO_PASS, NODES, REPORTS, START_STEP, leader_key
+from titan_recover.control.keys import (
+    BOARD,
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    FATAL,
+    NO_PASS,
+    NODES,
+    REPORTS,
+    START_STEP,
+    leader_key,
+)
 from titan_recover.control.lifeline import PROBE_S
 from titan_recover.control.protocol import CoordinatorState, Membership, MessageError, NodeMessage, TransferRecord
 from titan_recover.control.sealed import Run, SealedStore
@@ -429,7 +440,7 @@ class Coordinator:
             self.control.beat_alive()  # every process watches this move
             self.next_alive = time.monotonic() + self.alive_s
         if (changed is None or FATAL in changed) and self._stopped_by_a_process():
-            return 1
+            return EXIT_FAILED
         now = time.monotonic()
         if changed is None or any(k.startswith(("step/", START_STEP)) for k in changed):
             self._poll_steps()
@@ -439,11 +450,11 @@ class Coordinator:
         if failed or retry:
             self._poll_steps()  # a step committed just before a failure belongs before it
             if not self._apply(self.core.on_failure(failed, now) if failed else self.core.on_retry(now)):
-                return 1
+                return EXIT_FAILED
         if any(r in self.membership.members for r in self.core.asking):  # a restart may fence its own member
             self._poll_steps()
         if not self._apply(self.core.on_joins(now)):
-            return 1
+            return EXIT_FAILED
         self._apply(self.core.on_rejoined(self._transfers))
         if self.core.finished():
             self._poll_steps()  # the last steps belong before the end, and their logging forgets older ones
@@ -452,7 +463,7 @@ class Coordinator:
                 self.events.emit("store", step=self.core.step() - 1, keys=keys_left)
             self.control.finish()
             log.info("all live replica groups finished")
-            return 0
+            return EXIT_OK
         return None
 
     def run(self, confirm: Callable[[], None] = lambda: None) -> int:
@@ -510,7 +521,7 @@ def lead(settings: CoordinatorSettings, address: str) -> int:
         guarded = lease.campaign(ended)
         if guarded is None or ended():  # another candidate led the run to its end (perhaps as this one won)
             lease.resign()
-            return 1 if view.stopped() else 0
+            return EXIT_FAILED if view.stopped() else EXIT_OK
         log.info(f"leading (lease {rc.leader_lease_s:g}s)")
         client = transport.in_run(guarded, run)
         changes = Changes(raw, f"{run.prefix}/", NO_PASS)  # a pass when a key it acts on changed
@@ -529,7 +540,7 @@ def lead(settings: CoordinatorSettings, address: str) -> int:
                 ControlClient(client).stop(error)
                 events.emit("fatal", error=error)
                 log.error(f"FATAL: {error}")
-                return 1
+                return EXIT_FAILED
             events.emit(
                 "leader",
                 pid=os.getpid(),
@@ -572,7 +583,7 @@ def main(argv: list[str]) -> int:
         settings = CoordinatorSettings.from_json(parse_settings(argv))
     except ConfigError as e:
         log.error(f"error: {e}")
-        return 2
+        return EXIT_BAD_INPUT
     address = transport.coordinator_address()
     if is_etcd(address):
         return lead(settings, address)

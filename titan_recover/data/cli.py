@@ -12,6 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from titan_recover.control.keys import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from titan_recover.data import prepare, tokens
 from titan_recover.data.addressing import check_data
 from titan_recover.data.tokens import DataError
@@ -98,7 +99,7 @@ def main(argv: Sequence[str]) -> int:
             for line in problems:
                 print(f"error: {line}", file=sys.stderr)
             if problems:
-                return 1
+                return EXIT_FAILED
             print(f"{args.folder}: every shard matches {tokens.MANIFEST}")
         else:
             from titan_recover.data.synthetic import train_tokenizer
@@ -107,5 +108,5 @@ def main(argv: Sequence[str]) -> int:
             print(f"wrote tokenizer to {args.out}")
     except (DataError, ValueError) as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return EXIT_BAD_INPUT
+    return EXIT_OK

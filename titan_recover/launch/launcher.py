@@ -27,6 +27,7 @@ from titan_recover.control import claims, keys, transport
 from titan_recover.control.addresses import LOOPBACK, local_host, parse_host_port, resolve, route_address
 from titan_recover.control.board import Board
 from titan_recover.control.client import ControlClient
+from titan_recover.control.keys import EXIT_BAD_INPUT
 from titan_recover.control.lifeline import Heartbeat, one_line, store_errors
 from titan_recover.control.protocol import Launcher
 from titan_recover.control.sealed import Run
@@ -607,14 +608,14 @@ def main(argv: list[str]) -> int:
                 log.info(check_control_store(job_config.recover.control_store))
     except config.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     from titan_recover.data.addressing import check_data
 
     try:
         log.info(check_data(job_config))  # prepared (synthetic) and checked once, before any rank starts
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     cpu_argv = cpu_shim.precision_args(argv, job_config, titan.config_file(job_config))
     if cpu_argv != argv:
         log.info(
@@ -636,10 +637,10 @@ def main(argv: list[str]) -> int:
             code = run_stock(job_config, argv)
     except config.ConfigError as e:  # the host cannot run this layout: nothing was started
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except claims.ClaimRefused as e:  # another launcher runs these groups: what this one started is stopped
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     tr = job_config.training
     files = event_files(titan.dump_folder(job_config))
     if not first:

@@ -12,12 +12,12 @@ import sys
 import traceback
 from typing import Callable, NoReturn
 
+from titan_recover.control.keys import EXIT_COORDINATOR_LOST
+
 PR_SET_PDEATHSIG = 1
 LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a forked child must not dlopen (threads may hold its lock)
-EXIT_COORDINATOR_LOST = 3
-EXITING_S = (
-    10.0  # a coordinator whose port closed is exiting (its interpreter's teardown): how long its exit code may take
-)
+# a coordinator whose port closed is exiting (its interpreter's teardown): how long its exit code may take
+EXITING_S = 10.0
 
 
 def die_with_parent() -> None:
