@@ -29,9 +29,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 from bench.common import ROOT, job, step_gaps, write_result
 from titan_recover.compare import compare_runs
@@ -130,7 +131,19 @@ def node_log(dump: Path, node: Node) -> Path:
     return dump / f"recover_events.{node_name(node)}.jsonl"
 
 
-def wait_until(what: str, predicate: Callable[[], bool], timeout: float, launchers: list[Launcher]) -> None:
+class Watched(Protocol):
+    """What ``wait_until`` watches of a launcher: the bench's ``Launcher`` or a test's own."""
+
+    @property
+    def proc(self) -> subprocess.Popen[Any]: ...
+
+    @property
+    def log(self) -> Path: ...
+
+    def output(self) -> str: ...
+
+
+def wait_until(what: str, predicate: Callable[[], bool], timeout: float, launchers: Sequence[Watched]) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         ended = [la for la in launchers if la.proc.poll() is not None]

@@ -9,7 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import tomllib
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the package it was taken from, which titan_recover depends on
+    import tomli as tomllib
 
 from titan_recover import config, titan
 from titan_recover.config import ConfigError, Recover, replica_ids

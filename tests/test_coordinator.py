@@ -10,9 +10,10 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -20,15 +21,16 @@ from titan_recover.config import CoordinatorSettings, Recover
 from titan_recover.control import keys, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Admission, Launcher, NodeGroup, NodeMessage, Report, StepRecord
+from titan_recover.control.sealed import SealedStore
 from titan_recover.coordinator.shell import REPORT_GRACE_S, Coordinator, serve
 from titan_recover.observability.events import EventLog
 
 
 @pytest.fixture
-def make(tmp_path: Path) -> Iterator:
+def make(tmp_path: Path) -> Iterator[Callable[..., tuple[Coordinator, SealedStore]]]:
     made: list[Coordinator] = []
 
-    def make(replicas: int = 2, **recover: object) -> tuple[Coordinator, object]:
+    def make(replicas: int = 2, **recover: Any) -> tuple[Coordinator, SealedStore]:
         job = SimpleNamespace(
             recover=Recover(enable=True, **recover),
             parallelism=SimpleNamespace(
@@ -57,7 +59,7 @@ def make(tmp_path: Path) -> Iterator:
 JOBS: dict[int, CoordinatorSettings] = {}
 
 
-def successor(c: Coordinator, client: object) -> Coordinator:
+def successor(c: Coordinator, client: SealedStore) -> Coordinator:
     """The next leader of ``c``'s run, on the same store: it takes over the state ``c`` saved."""
     return Coordinator(JOBS[id(c)], client, EventLog(os.path.dirname(c.events.path)))
 
@@ -71,8 +73,8 @@ class FakeNode:
     """Plays a node agent over a real store client: registers, then writes node messages
     exactly as ``agent.NodeAgent`` does (each replica group here has one rank)."""
 
-    def __init__(self, client: object, name: str = "node-a") -> None:
-        self.control, self.launcher, self.seq = ControlClient(client), Launcher(name, "localhost", 1), 0  # type: ignore[arg-type]
+    def __init__(self, client: SealedStore, name: str = "node-a") -> None:
+        self.control, self.launcher, self.seq = ControlClient(client), Launcher(name, "localhost", 1), 0
         self.groups: dict[int, NodeGroup] = {}
         self.control.register(self.launcher, self.message())
 
@@ -112,13 +114,13 @@ class FakeNode:
 NODES: dict[int, FakeNode] = {}
 
 
-def node(client: object) -> FakeNode:
+def node(client: SealedStore) -> FakeNode:
     if id(client) not in NODES:
         NODES[id(client)] = FakeNode(client)
     return NODES[id(client)]
 
 
-def beat(client: object, *replicas: int) -> None:
+def beat(client: SealedStore, *replicas: int) -> None:
     node(client).beat(*replicas)
 
 
@@ -149,19 +151,19 @@ def retry_step(c: Coordinator) -> bool:
     return c._apply(c.core.on_retry(time.monotonic()))
 
 
-def report(client: object, **fields: object) -> None:
+def report(client: SealedStore, **fields: Any) -> None:
     """A failure report, as a rank or a launcher writes it."""
-    ControlClient(client).report(Report(**fields))  # type: ignore[arg-type]
+    ControlClient(client).report(Report(**fields))
 
 
-def raw_report(client: object, rec: object) -> None:
+def raw_report(client: SealedStore, rec: object) -> None:
     """A report slot reserved, then written with ``rec`` as raw JSON (malformed fields)."""
-    index = int(client.add(keys.REPORTS, 1))  # type: ignore[attr-defined]
-    client.set(keys.report_key(index), json.dumps(rec))  # type: ignore[attr-defined]
+    index = int(client.add(keys.REPORTS, 1))
+    client.set(keys.report_key(index), json.dumps(rec))
 
 
-def fatal(client: object) -> str:
-    error = ControlClient(client).fatal()  # type: ignore[arg-type]
+def fatal(client: SealedStore) -> str:
+    error = ControlClient(client).fatal()
     assert error is not None
     return error
 
@@ -249,7 +251,7 @@ def test_without_a_commit_a_lone_joiner_cannot_carry_the_run(make) -> None:
     assert "no replica group with training state" in fatal(client)
 
 
-def _broken_allreduce(c: Coordinator, client: object, *reporters: int) -> tuple[dict, bool]:
+def _broken_allreduce(c: Coordinator, client: SealedStore, *reporters: int) -> tuple[dict, bool]:
     for r in reporters:
         report(client, replica=r, epoch=c.membership.epoch, suspect=None, cause="all-reduce broke")
     now = time.monotonic()
@@ -312,7 +314,7 @@ def test_one_replicas_own_error_is_treated_as_its_failure(make) -> None:
 # --- hot spares ------------------------------------------------------------------------
 
 
-def ask_to_join(client: object, replica: int, attempt: int) -> None:
+def ask_to_join(client: SealedStore, replica: int, attempt: int) -> None:
     """Every rank of that incarnation is up and waits to be admitted (its slot says READY)."""
     node(client).entry(replica, attempt, ready=1)
     node(client).write()
@@ -381,7 +383,8 @@ def test_a_spare_that_hangs_while_waiting_is_fenced_not_admitted(make, tmp_path:
         poll(c, now + t)
     joins(c, later)
     assert c.core.state.spares == {}
-    assert ControlClient(client).read_fence(2).attempt == 0  # its launcher kills it
+    fenced = ControlClient(client).read_fence(2)
+    assert fenced is not None and fenced.attempt == 0  # its launcher kills it
     (lost,) = events(tmp_path, "spare_lost")
     assert lost["replica"] == 2 and "waiting as a spare" in lost["cause"]
     assert fence(c, {1: "killed"})
@@ -461,15 +464,16 @@ def test_the_saved_state_holds_an_admission_as_soon_as_it_is_published(make) -> 
 class Recording:
     """A store that remembers the order of the keys set through it (the rest passes through)."""
 
-    def __init__(self, store: object) -> None:
-        self.store, self.sets = store, []
+    def __init__(self, store: SealedStore) -> None:
+        self.store = store
+        self.sets: list[str] = []
 
-    def __getattr__(self, name: str) -> object:
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)
 
-    def set(self, key: str, value: object) -> None:
+    def set(self, key: str, value: str | bytes) -> None:
         self.sets.append(key)
-        self.store.set(key, value)  # type: ignore[attr-defined]
+        self.store.set(key, value)
 
 
 def test_the_admission_is_in_the_store_before_the_epoch_that_includes_it(make) -> None:
@@ -477,7 +481,7 @@ def test_the_admission_is_in_the_store_before_the_epoch_that_includes_it(make) -
     cost it that whole epoch while its donors' rendezvous timed out."""
     c, client = make()
     assert fence(c, {1: "killed"})
-    c.control.store = recording = Recording(c.control.store)  # type: ignore[assignment]
+    c.control.store = recording = Recording(c.control.store)
     ask_to_join(client, 1, 1)
     assert joins(c, time.monotonic()) and c.membership.epoch == 2
     assert recording.sets.index(keys.admitted_key(1, 1)) < recording.sets.index(keys.EPOCH)

@@ -88,7 +88,7 @@ def test_sample_indices_disjoint_and_contiguous():
     M, S, b = 3, 4, 2
     seen: list[int] = []
     for step in (1, 2, 3):
-        step_indices = set()
+        step_indices: set[int] = set()
         for m, s in itertools.product(range(M), range(S)):
             r = sample_indices(step, m, s, num_microbatches=M, shards=S, local_batch=b)
             assert len(r) == b

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,7 @@ def test_groups_share_gpus_beyond_the_hosts_count_and_auto_falls_back_to_gloo() 
     three = plan("auto", ["0", "1", "2"], groups=2, ranks=2, nccl_available=True)
     assert three.visible == ["0,1", "2,0"]
     for visible in three.visible:
-        assert len(set(visible.split(","))) == 2
+        assert visible is not None and len(set(visible.split(","))) == 2
 
 
 @pytest.mark.unit
@@ -178,7 +179,7 @@ def test_torchruns_workers_share_one_environment_and_each_makes_its_own(tmp_path
 
 
 @pytest.fixture
-def address() -> str:
+def address() -> Iterator[str]:
     port = transport.free_port()
     server = transport.serve(port, timeout_s=10)
     yield f"127.0.0.1:{port}"
@@ -215,6 +216,12 @@ class _StuckGroup:
         self.aborts += 1
 
 
+def new_group(made: list[_StuckGroup]) -> _StuckGroup:
+    """Stands for ``_new_group``: a stuck group, kept in ``made``."""
+    made.append(_StuckGroup())
+    return made[-1]
+
+
 def test_abandoned_nccl_groups_are_aborted_once(address: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TORCH_NCCL_NONBLOCKING_TIMEOUT", raising=False)
     made: list[_StuckGroup] = []
@@ -222,7 +229,7 @@ def test_abandoned_nccl_groups_are_aborted_once(address: str, monkeypatch: pytes
         transport.connect(address, 10), replica=0, group_rank=0, timeout_s=7, backend="nccl"
     )
     assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "7"
-    monkeypatch.setattr(groups, "_new_group", lambda *args: made.append(_StuckGroup()) or made[-1])
+    monkeypatch.setattr(groups, "_new_group", lambda *args: new_group(made))
 
     def epoch_over() -> bool:  # the coordinator moves on once the all-reduce is stuck in flight
         return made[-1].launched if made else False
@@ -236,7 +243,7 @@ def test_abandoned_nccl_groups_are_aborted_once(address: str, monkeypatch: pytes
     assert [g.aborts for g in made] == [1, 1]
     # a transfer pair is aborted once the transfer is over, and once only if it broke
     with groups.pair(epoch=3, joiner=1, donor=True, abort=lambda: False) as pair:
-        assert pair is made[-1] and pair.aborts == 0
+        assert pair is made[-1] and made[-1].aborts == 0
     assert [g.aborts for g in made] == [1, 1, 1]
     with pytest.raises(CollectiveAborted, match="state transfer"):
         with groups.pair(epoch=4, joiner=1, donor=True, abort=epoch_over) as pair:
@@ -249,7 +256,7 @@ def test_gloo_groups_are_parked_not_aborted(address: str, monkeypatch: pytest.Mo
     groups = ReplicateProcessGroups(
         transport.connect(address, 10), replica=0, group_rank=0, timeout_s=7, backend="gloo"
     )
-    monkeypatch.setattr(groups, "_new_group", lambda *args: made.append(_StuckGroup()) or made[-1])
+    monkeypatch.setattr(groups, "_new_group", lambda *args: new_group(made))
     with pytest.raises(CollectiveAborted, match="the epoch ended first"):
         groups.allreduce(Membership(1, (0, 1)), [torch.zeros(3)], abort=lambda: bool(made) and made[0].launched)
     assert made[0].aborts == 0  # gloo has no abort that is safe with a dead peer: parked instead

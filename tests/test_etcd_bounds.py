@@ -75,7 +75,7 @@ def lose_answers(store: EtcdStore, rate: float, seed: int) -> list[int]:
                 raise ConnectionFailedError("answer lost")
             return answer
 
-        c.post = post  # type: ignore[method-assign]
+        c.post = post  # type: ignore[method-assign]  # this client loses some answers
     return lost
 
 

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from titan_recover.control.client import ControlClient
 from titan_recover.control.etcd_store import Changes, EtcdStore, LeadershipLost, check_cluster
 from titan_recover.control.leader import Lease
 from titan_recover.control.protocol import CoordinatorState, Progress
-from titan_recover.control.sealed import Run
+from titan_recover.control.sealed import Run, SealedStore
 from titan_recover.observability.events import logged_steps
 from titan_recover.titan.jobs import config_args
 from titan_recover.tools.etcd_local import LocalEtcd
@@ -42,7 +43,7 @@ def raw(c: LocalEtcd, timeout_s: float = 5.0) -> EtcdStore:
 
 
 @pytest.fixture(params=["tcp", "etcd"])
-def client(request: pytest.FixtureRequest, cluster: LocalEtcd) -> Iterator[dist.Store]:
+def client(request: pytest.FixtureRequest, cluster: LocalEtcd) -> Iterator[SealedStore]:
     """A run's client on either backend: the same calls must answer the same."""
     if request.param == "tcp":
         port = transport.free_port()
@@ -55,7 +56,7 @@ def client(request: pytest.FixtureRequest, cluster: LocalEtcd) -> Iterator[dist.
         yield transport.connect(cluster.url, timeout_s=5, run=run)
 
 
-def test_both_backends_answer_the_store_calls_alike(client: dist.Store) -> None:
+def test_both_backends_answer_the_store_calls_alike(client: SealedStore) -> None:
     client.set("a", "1")
     assert client.get("a") == b"1" and client.check(["a"]) and not client.check(["a", "nope"])
     assert [client.add("n", 2), client.add("n", 3), client.add("n", 0)] == [2, 5, 5]
@@ -72,13 +73,13 @@ def test_both_backends_answer_the_store_calls_alike(client: dist.Store) -> None:
     assert time.monotonic() - started < 5
 
 
-def test_both_backends_read_many_keys_and_forget_votes_alike(client: dist.Store) -> None:
+def test_both_backends_read_many_keys_and_forget_votes_alike(client: SealedStore) -> None:
     client.set("a", "1")
     client.set("b", "2")
-    assert client.multi_read(["a", "nope", "b"]) == [b"1", None, b"2"]  # type: ignore[attr-defined]
-    assert [client.tally("t", "0.0"), client.tally("t", "1.0")] == [1, 2]  # type: ignore[attr-defined]
-    client.delete_many(["a"], tallies=["t"])  # type: ignore[attr-defined]
-    assert client.multi_read(["a", "b"]) == [None, b"2"] and client.tallied("t") == 0  # type: ignore[attr-defined]
+    assert client.multi_read(["a", "nope", "b"]) == [b"1", None, b"2"]
+    assert [client.tally("t", "0.0"), client.tally("t", "1.0")] == [1, 2]
+    client.delete_many(["a"], tallies=["t"])
+    assert client.multi_read(["a", "b"]) == [None, b"2"] and client.tallied("t") == 0
 
 
 def test_multi_get_reads_more_keys_than_one_etcd_transaction_holds(cluster: LocalEtcd) -> None:
@@ -104,7 +105,7 @@ def requests_of(store: EtcdStore) -> list[str]:
         paths.append(path)
         return post(path, body)
 
-    store.post = counting  # type: ignore[method-assign]
+    store.post = counting  # type: ignore[method-assign]  # counts the requests this store makes
     return paths
 
 
@@ -303,7 +304,7 @@ def test_a_malformed_saved_state_is_refused_naming_the_key(field: str, value: ob
 
 
 @pytest.mark.unit
-def test_logged_steps_skips_a_line_cut_short(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_logged_steps_skips_a_line_cut_short(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     path.write_text('{"event": "step", "step": 1}\n{"event": "failure", "step": 2}\n{"event": "step", "st')
     assert logged_steps(str(path)) == {1} and logged_steps(str(tmp_path / "none")) == set()

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import run_job
@@ -136,6 +137,7 @@ def test_two_processes_never_interleave(tmp_path: Path) -> None:
         for w in ("p", "q")
     ]
     for p in procs:
+        assert p.stdin is not None
         p.stdin.close()
     for p in procs:
         assert p.wait(timeout=60) == 0
@@ -185,7 +187,7 @@ def test_read_log_skips_a_line_that_is_not_an_event(tmp_path: Path, line: str, w
 
 # --- summary ------------------------------------------------------------------------------
 
-HAND_WRITTEN = [
+HAND_WRITTEN: list[dict[str, Any]] = [
     {"event": "step", "step": 1, "time": 100.0, "loss": 8.0, "microbatches": [0, 1, 2, 3], "members": [0, 1]},
     {"event": "step", "step": 2, "time": 102.0, "loss": 7.5, "microbatches": [0, 1, 2, 3], "members": [0, 1]},
     {"event": "rank_memory", "replica": 0, "rank": 0, "max_rss_mb": 100.0, "time": 102.1},

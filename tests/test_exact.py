@@ -64,10 +64,10 @@ def test_any_order_and_any_split_over_groups_gives_the_same_bits() -> None:
         order = [m for g in groups for m in g]
         float_sums.add(sum((torch.cat(grads[m]) for m in order), torch.zeros(4096)).numpy().tobytes())
     assert len(float_sums) > 1  # the float32 sums in those orders do differ: the test can fail
-    exact = [reference[: 4096 // 3].float(), reference[4096 // 3 :].float()]  # copied into the gradients
-    ExactSum(4096, 8, CPU).scale(exact)
-    wide = sum(torch.cat(g).double() for g in grads)
-    exact = torch.cat(exact)
+    parts = [reference[: 4096 // 3].float(), reference[4096 // 3 :].float()]  # copied into the gradients
+    ExactSum(4096, 8, CPU).scale(parts)
+    wide = sum((torch.cat(g).double() for g in grads), torch.zeros(4096, dtype=torch.float64))
+    exact = torch.cat(parts)
     assert float((exact.double() - wide).abs().max()) <= float(wide.abs().max()) * 2**-23  # float32 rounding of the sum
 
 

@@ -4,8 +4,8 @@ with a step redone on the coarser grid, is the node self-test's ``exact`` check 
 from pathlib import Path
 
 import pytest
+from conftest import run_job
 
-from tests.conftest import run_job
 from titan_recover.selftest import EXACT
 
 

@@ -175,6 +175,12 @@ class Tiny(torch.nn.Module):
             x = layer(x)
         return x
 
+    def block(self, i: int) -> Block:
+        """Layer ``i``, typed."""
+        layer = self.layers[i]
+        assert isinstance(layer, Block)
+        return layer
+
 
 @pytest.fixture
 def model() -> Tiny:
@@ -207,8 +213,8 @@ def test_backward_fault_fires_during_backward_not_forward(model: Tiny) -> None:
             loss.backward()
     assert info.value.fault.phase == "backward"
     # it fired at the middle block's output: the last block's grads exist, the first's do not
-    assert model.layers[2].lin.weight.grad is not None
-    assert model.layers[0].lin.weight.grad is None
+    assert model.block(2).lin.weight.grad is not None
+    assert model.block(0).lin.weight.grad is None
 
 
 @pytest.mark.unit
@@ -263,7 +269,7 @@ def test_hooks_are_removed_after_the_microbatch(model: Tiny, phase: str) -> None
         assert len(layer._forward_hooks) == 0
     model.zero_grad()
     model(x()).sum().backward()  # a second forward/backward outside the context does not fire
-    assert model.layers[0].lin.weight.grad is not None
+    assert model.block(0).lin.weight.grad is not None
 
 
 @pytest.mark.unit

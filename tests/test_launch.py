@@ -23,6 +23,7 @@ def test_is_incarnation_reads_the_rank_environment() -> None:
     code = "import time; print('up', flush=True); time.sleep(30)"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     try:
+        assert proc.stdout is not None
         assert proc.stdout.readline() == "up\n"  # past exec: /proc/<pid>/environ is its own
         assert is_incarnation(proc.pid, replica=3, attempt=1)
         assert not is_incarnation(proc.pid, replica=3, attempt=0)  # an older incarnation's pid record

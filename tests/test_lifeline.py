@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -89,6 +90,7 @@ def watched(bound_s: float, lives_s: float) -> Iterator[tuple[int, subprocess.Po
     )
     watcher: subprocess.Popen | None = None
     try:
+        assert coordinator.stdout is not None
         assert coordinator.stdout.readline() == "up\n"
         watcher = subprocess.Popen(
             [sys.executable, "-c", LAUNCHER, f"127.0.0.1:{port}", str(bound_s), str(lives_s)],
@@ -97,6 +99,7 @@ def watched(bound_s: float, lives_s: float) -> Iterator[tuple[int, subprocess.Po
             stderr=subprocess.STDOUT,
             text=True,
         )
+        assert watcher.stdout is not None
         assert watcher.stdout.readline() == "up\n"
         time.sleep(1.0)  # watching a live coordinator
         yield port, coordinator, watcher
@@ -123,6 +126,7 @@ def test_a_lifeline_still_finds_a_frozen_coordinator_within_its_bound_and_a_prob
     with watched(2.0, 30) as (port, coordinator, watcher):
         os.kill(coordinator.pid, signal.SIGSTOP)
         frozen = time.monotonic()
+        assert watcher.stdout is not None
         line = watcher.stdout.readline()
         took = time.monotonic() - frozen
     assert line.startswith(f"LOST: no sign of life from the coordinator at 127.0.0.1:{port}"), line
@@ -174,11 +178,10 @@ def child(code: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-def node_launcher(
-    coordinator: subprocess.Popen, etcd: bool, errors: list[Exception], timeout_s: float = 2.0
-) -> launcher.NodeLauncher:
-    """A ``NodeLauncher`` past ``register``, with a real coordinator process and stand-ins for the rest."""
-    nl = object.__new__(launcher.NodeLauncher)
+def node_launcher(coordinator: subprocess.Popen, etcd: bool, errors: list[Exception], timeout_s: float = 2.0) -> Any:
+    """A ``NodeLauncher`` past ``register``, with a real coordinator process and stand-ins for the rest
+    (typed ``Any``: its groups, agent, lifeline and configs are the stand-ins above, not what it declares)."""
+    nl: Any = object.__new__(launcher.NodeLauncher)
     nl.rc = SimpleNamespace(coordinator_timeout_s=timeout_s)
     nl.job_config = SimpleNamespace(
         checkpoint=SimpleNamespace(enable=False), job=SimpleNamespace(dump_folder="outputs"), dump_folder="outputs"
@@ -215,7 +218,7 @@ def test_a_store_error_while_the_coordinator_lives_is_retried_and_its_end_is_wai
     coordinator = child("import time; time.sleep(120)")
     nl = node_launcher(coordinator, etcd, [error, error])
     try:
-        nl.loop(client=None)  # type: ignore[arg-type]
+        nl.loop(client=None)
         assert not nl.groups.errors and nl.agent.flags == DONE  # retried until the run ended
         start = time.monotonic()
         assert nl.drain() == 0
@@ -246,7 +249,7 @@ def test_a_coordinator_that_crashed_before_the_run_ended_is_lost(lost: None) -> 
     with pytest.raises(
         Lost, match=rf"the coordinator at 127.0.0.1:1 \(pid {coordinator.pid}\) exited with code 1 before the run ended"
     ):
-        nl.loop(client=None)  # type: ignore[arg-type]
+        nl.loop(client=None)
     assert nl.groups.killed
 
 
@@ -257,7 +260,7 @@ def test_a_coordinator_that_ended_the_run_is_not_lost(lost: None) -> None:
         nl = node_launcher(coordinator, etcd=False, errors=[])
         nl.agent.flags = flags
         nl.on_lost("the coordinator at 127.0.0.1:1 refused the connection: its process is gone")  # returns
-        nl.loop(client=None)  # type: ignore[arg-type]
+        nl.loop(client=None)
         assert nl.drain() == code and not nl.groups.killed
 
 

@@ -3,6 +3,7 @@
 runs of the ``lines`` tier are in test_e2e.py and test_rejoin.py."""
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import Run
@@ -48,8 +49,9 @@ PLUMBING = {("job", "description"), ("job", "custom_config_module"), ("experimen
 """TorchTitan 0.2's TOML plumbing, which a 0.3 recipe has no place for."""
 
 
-def _recipe_value(config: object, section: str, key: str) -> object:
-    """Where TorchTitan 0.3 keeps what a 0.2 TOML calls ``[section] key``."""
+def _recipe_value(config: Any, section: str, key: str) -> object:
+    """Where TorchTitan 0.3 keeps what a 0.2 TOML calls ``[section] key`` (``config``: a 0.3 recipe's trainer
+    config, which TorchTitan does not type)."""
     moved = {
         ("job", "dump_folder"): lambda: config.dump_folder,
         ("model", "name"): lambda: config.model_spec.name + "_recover",

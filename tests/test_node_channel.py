@@ -18,6 +18,7 @@ from conftest import ROOT
 
 from titan_recover.control import protocol
 from titan_recover.control.protocol import NodeGroup, NodeMessage, Stuck
+from titan_recover.control.sealed import Run
 from titan_recover.node.agent import NodeAgent, SlotWatch
 from titan_recover.node.channel import (
     BEAT,
@@ -133,7 +134,7 @@ def test_slot_watch_counts_ranks_and_the_most_silent_one(channel: Channel) -> No
 
 @pytest.mark.unit
 def test_the_node_message_passes_the_coordinators_check_and_new_incarnations_get_fresh_files(tmp_path: Path) -> None:
-    agent = NodeAgent("127.0.0.1:1", "secret", slots=2)
+    agent = NodeAgent("127.0.0.1:1", Run("secret", ""), slots=2)
     first = agent.open(0, 0)
     agent.open(1, 0)
     Channel.open(first).beat(0)
@@ -149,7 +150,7 @@ def test_the_node_message_passes_the_coordinators_check_and_new_incarnations_get
 
 def test_a_rank_silent_past_the_timeout_is_reported_by_its_agent_once_per_incarnation() -> None:
     """A hang is found on its node, at the timeout, not at the coordinator's next pass over all nodes."""
-    agent = NodeAgent("127.0.0.1:1", "secret", slots=2, hang_timeout_s=0.2)
+    agent = NodeAgent("127.0.0.1:1", Run("secret", ""), slots=2, hang_timeout_s=0.2)
     agent.epoch = 3
 
     def beat_rank_0_for(seconds: float, channel: Channel) -> None:
@@ -174,7 +175,7 @@ def test_a_rank_silent_past_the_timeout_is_reported_by_its_agent_once_per_incarn
         restart.beat(1)
         beat_rank_0_for(0.3, restart)
         assert "of attempt 1" in agent.take_hangs()[0].cause
-        quiet = NodeAgent("127.0.0.1:1", "secret", slots=1)  # no timeout: left to the coordinator
+        quiet = NodeAgent("127.0.0.1:1", Run("secret", ""), slots=1)  # no timeout: left to the coordinator
         Channel.open(quiet.open(0, 0)).beat(0)
         time.sleep(0.05)
         quiet.message()
@@ -187,7 +188,7 @@ def test_a_rank_silent_past_the_timeout_is_reported_by_its_agent_once_per_incarn
 @pytest.mark.unit
 def test_only_a_restart_none_of_whose_ranks_was_admitted_counts_as_never_admitted() -> None:
     """What the launcher stops at once when the run ends, instead of waiting for it to finish."""
-    agent = NodeAgent("127.0.0.1:1", "secret", slots=2)
+    agent = NodeAgent("127.0.0.1:1", Run("secret", ""), slots=2)
     try:
         agent.open(0, 0)
         assert not agent.never_admitted(0)  # a first incarnation stays STARTING while it trains
@@ -226,6 +227,7 @@ def test_the_channel_files_of_a_sigkilled_agent_are_removed_by_the_next_launcher
         f"c = Channel.create(1, 0, 2, directory={str(tmp_path)!r}); print(c.path, flush=True); time.sleep(60)"
     )
     agent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert agent.stdout is not None
     dead = agent.stdout.readline().strip()
     agent.kill()
     agent.wait()

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from conftest import ROOT, Run, assert_all_rejoined, assert_same_trajectory
 
 from bench.partitions import wait_until
-from titan_recover.control import claims, keys, protocol, transport
+from titan_recover.control import claims, keys, protocol, store_api, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Launcher, NodeMessage, Rendezvous
 from titan_recover.control.sealed import SealedStore
@@ -38,7 +38,8 @@ class Lifeline:
 
     def __init__(self, client: ControlClient, launcher: Launcher) -> None:
         self.stopped = threading.Event()
-        own = SealedStore(client.store.inner.clone(), client.store.run)  # a connection of its own, as the lifeline's
+        # a connection of its own, as the lifeline's
+        own = SealedStore(store_api.api(client.store.inner).clone(), client.store.run)
         self.thread = threading.Thread(target=self._beat, args=(own, launcher.key), daemon=True)
         self.thread.start()
 
@@ -54,7 +55,8 @@ class Lifeline:
 
 
 def test_a_live_launchers_claim_is_refused_quickly_and_a_silent_ones_taken_over(client: ControlClient) -> None:
-    first, second, lines = Launcher.this(), Launcher.this(), []
+    first, second = Launcher.this(), Launcher.this()
+    lines: list[str] = []
     lifeline = Lifeline(client, first)
     claims.claim(client, first, [0, 1], stale_s=5.0, log=lines.append)
     assert lines == [] and claims.holds(client, first, 0) and claims.holds(client, first, 1)
@@ -305,7 +307,8 @@ def test_a_node_lost_under_a_spanning_group_is_taken_over_and_the_group_restarts
 
 
 def test_each_part_of_a_group_is_claimed_on_its_own_and_its_rendezvous_is_validated(client: ControlClient) -> None:
-    first, second, lines = Launcher.this(), Launcher.this(), []
+    first, second = Launcher.this(), Launcher.this()
+    lines: list[str] = []
     lifelines = [Lifeline(client, first), Lifeline(client, second)]
     assert claims.claim(client, first, [0], stale_s=5.0, log=lines.append, part=0) == []
     assert claims.claim(client, second, [0], stale_s=5.0, log=lines.append, part=1) == []  # another part: no clash

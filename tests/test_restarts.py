@@ -70,6 +70,13 @@ class FakeProc:
         return self.code
 
 
+def fake_proc(groups: ReplicaGroups, replica: int) -> FakeProc:
+    """The stand-in ``_start`` gave ``replica``'s torchrun."""
+    proc = groups.procs[replica]
+    assert isinstance(proc, FakeProc)
+    return proc
+
+
 def fake_client() -> ControlClient:
     """A run's client on an in-process store (torch's HashStore): the calls ReplicaGroups.watch makes."""
     client = ControlClient(transport.in_run(dist.HashStore(), Run("restarts-test", "")))
@@ -102,7 +109,7 @@ def test_replica_groups_restart_per_window_and_give_up_on_flapping(
         max_restarts=1,
         restart_window_s=HOUR,
         launcher=me,
-        agent=NodeAgent("127.0.0.1:1", "secret", 1),
+        agent=NodeAgent("127.0.0.1:1", Run("secret", ""), 1),
         clock=lambda: now[0],
     )
     client = fake_client()
@@ -112,7 +119,7 @@ def test_replica_groups_restart_per_window_and_give_up_on_flapping(
 
     def fail(at: float) -> None:
         now[0] = at
-        groups.procs[1].code = 9
+        fake_proc(groups, 1).code = 9
         assert groups.watch(client)
 
     fail(10.0)
@@ -143,13 +150,19 @@ def test_a_group_taken_over_by_another_launcher_is_left_to_it(
     monkeypatch.setattr(ReplicaGroups, "_start", lambda self, replica: FakeProc())
     me, replacement = Launcher.this(), Launcher.this()
     groups = ReplicaGroups(
-        [], {1: {}}, 1, max_restarts=3, restart_window_s=HOUR, launcher=me, agent=NodeAgent("127.0.0.1:1", "secret", 1)
+        [],
+        {1: {}},
+        1,
+        max_restarts=3,
+        restart_window_s=HOUR,
+        launcher=me,
+        agent=NodeAgent("127.0.0.1:1", Run("secret", ""), 1),
     )
     client = fake_client()
     claims.claim(client, me, [1], stale_s=1.0, log=print)
     groups.start(1, client.next_incarnation(1))
     client.store.compare_set(keys.owner_key(1), me.dumps(), replacement.dumps())  # the replacement's takeover
-    groups.procs[1].code = -9  # fenced by the replacement's join, its ranks killed
+    fake_proc(groups, 1).code = -9  # fenced by the replacement's join, its ranks killed
     assert groups.watch(client)
     assert groups.given_up == {1} and groups.attempts == {1: 0} and causes(client) == []
     assert "replica group 1 exited with code -9; another launcher took it over" in capsys.readouterr().out
@@ -178,7 +191,7 @@ def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
         max_restarts=0,
         restart_window_s=HOUR,
         launcher=me,
-        agent=NodeAgent("127.0.0.1:1", "secret", 1),
+        agent=NodeAgent("127.0.0.1:1", Run("secret", ""), 1),
         span=Span(1, 2),
     )
     claims.claim(client, me, [0], stale_s=1.0, log=print, part=1)
@@ -189,7 +202,7 @@ def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
     assert groups.watch(client) and started == [(0, 0, 29600)]
     assert groups.meetings[0] == Meeting("10.0.0.5", 29600, 1, 2, 600.0)
     assert client.store.get(keys.joined_key(0, 1)) == b"0" and client.joined(0, 1) == 0
-    groups.procs[0].code = 1  # its part fails: reported, not restarted here (no budget of its own: max_restarts 0)
+    fake_proc(groups, 0).code = 1  # its part fails: reported, not restarted here (no budget of its own: max_restarts 0)
     assert (
         groups.watch(client)
         and started == [(0, 0, 29600)]
@@ -212,7 +225,7 @@ def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
         max_restarts=0,
         restart_window_s=HOUR,
         launcher=me,
-        agent=NodeAgent("127.0.0.1:1", "secret", 1),
+        agent=NodeAgent("127.0.0.1:1", Run("secret", ""), 1),
         span=Span(1, 2),
     )
     replacement.begin(client, 0, taken_over=True)  # its predecessor joined incarnation 2

@@ -4,6 +4,7 @@ of a growing log, the Prometheus names, the terminal table and the ``[recover]``
 import json
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -143,7 +144,7 @@ def test_prometheus_names_follow_its_conventions_and_count_what_happened() -> No
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(Metrics(source))  # type: ignore[arg-type]
+    registry.register(Metrics(source))
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
     assert all(name.startswith("titan_recover_") for name in families)
     samples = {s.name: s for f in families.values() for s in f.samples if not s.labels}
@@ -188,7 +189,8 @@ def test_the_new_counts_of_the_coordinator_state_are_checked_when_read() -> None
     ],
 )
 def test_a_bad_status_setting_names_its_key(key: str, value: object, says: str) -> None:
-    rc = config.Recover(enable=True, **{key: value})
+    setting: dict[str, Any] = {key: value}  # out of range or malformed on purpose
+    rc = config.Recover(enable=True, **setting)
     with pytest.raises(config.ConfigError, match=says):
         config._check_status_page(rc)
 

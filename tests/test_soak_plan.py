@@ -2,6 +2,7 @@
 
 import random
 from collections import Counter
+from typing import TypeVar
 
 import pytest
 
@@ -9,6 +10,14 @@ from bench import soak
 from titan_recover.policy.fault_plan import parse_fault_plan
 
 pytestmark = pytest.mark.unit
+
+T = TypeVar("T")
+
+
+def present(found: T | None) -> T:
+    """``found``, which the test expects to be there (None fails the test)."""
+    assert found is not None
+    return found
 
 
 def test_schedule_draws_every_kind_evenly_in_random_order() -> None:
@@ -66,7 +75,7 @@ def test_safety_rule_always_leaves_a_holder_and_spares_the_spare(kind: str) -> N
 def test_targets_for_each_kind() -> None:
     rng = random.Random(0)
     full = _view({0, 1, 2}, spare=2)
-    assert soak.targets_for("kill", full, rng)[0] in (0, 1)
+    assert present(soak.targets_for("kill", full, rng))[0] in (0, 1)
     assert soak.targets_for("two_groups", full, rng) == (0, 1)
     assert (
         soak.targets_for("two_groups", _view({0, 2}, spare=2), rng) is None
@@ -190,13 +199,13 @@ def test_growth_follows_one_incarnation() -> None:
         _resources(None, 20, 80.0, 4, 9, process="coordinator"),
         _resources(None, 30, 81.0, 4, 11, process="coordinator"),
     ]
-    g = soak.survivor_growth(events, replica=2)
+    g = present(soak.survivor_growth(events, replica=2))
     assert (g["replica"], g["attempt"], g["samples"]) == (2, 0, 3)
     assert g["rss_growth_ratio"] == 1.1 and g["fd_growth"] == 0 and g["thread_growth"] == 1
-    assert soak.survivor_growth(events)["replica"] == 2  # the longest-lived incarnation
-    zero = soak.survivor_growth(events, replica=0)
+    assert present(soak.survivor_growth(events))["replica"] == 2  # the longest-lived incarnation
+    zero = present(soak.survivor_growth(events, replica=0))
     assert (zero["attempt"], zero["samples"]) == (0, 1)  # attempt 0's only sample; attempt 1's is apart
-    assert soak.coordinator_growth(events)["fd_growth"] == 2
+    assert present(soak.coordinator_growth(events))["fd_growth"] == 2
 
 
 def test_summarize_counts_violations_and_survivors() -> None:
@@ -234,7 +243,7 @@ def test_growth_like_for_like_counts_only_samples_with_as_many_members() -> None
         _step(12, [1, 2]),
         _resources(2, 12, 104.0, 10, 24),
     ]
-    g = soak.survivor_growth(events, replica=2)
+    g = present(soak.survivor_growth(events, replica=2))
     assert g["fd_growth"] == 1 and g["rss_growth_ratio"] == 1.04
     assert g["same_members"] == {
         "members": 2,
@@ -249,11 +258,11 @@ def test_growth_like_for_like_counts_only_samples_with_as_many_members() -> None
 def test_pick_makes_an_admission_when_only_transfer_kinds_are_left() -> None:
     rng = random.Random(0)
     schedule = ["kill_joiner", "kill_donor"]
-    i, kind, (target,) = soak.pick(schedule, _view({0, 1, 2}, spare=2), rng)
+    i, kind, (target,) = present(soak.pick(schedule, _view({0, 1, 2}, spare=2), rng))
     assert (i, kind) == (-1, "kill") and target in (0, 1)  # an extra kill, not from the schedule
     assert soak.pick(schedule, _view({1, 2}, spare=2, down=frozenset({0})), rng) is None  # one is coming
     assert soak.pick(schedule, _view({1, 2}, {0: 1}, spare=2), rng) is None
-    assert soak.pick(schedule, _view({1, 2}, {0: 1}, spare=2, fresh=0), rng)[:2] == (0, "kill_joiner")
+    assert present(soak.pick(schedule, _view({1, 2}, {0: 1}, spare=2, fresh=0), rng))[:2] == (0, "kill_joiner")
     tr = soak.Tracker(3, spare=2)
     tr.feed(_failure(0, 1), 1.0)
     assert tr.view(1.0).down == {0}

@@ -191,26 +191,35 @@ def test_no_response_holds_the_secret(watched: Watched) -> None:
     assert {s["run"]["id"] for s in watched.snapshots} == {run.public_id}
 
 
+def found(pattern: str, text: str, flags: int = 0) -> re.Match[str]:
+    """The first match of ``pattern`` in ``text``, which the test expects to be there."""
+    match = re.search(pattern, text, flags)
+    assert match is not None, (pattern, text[:2000])
+    return match
+
+
 def test_a_person_sees_the_groups_the_failure_and_the_plots(watched: Watched) -> None:
     if watched.dom is None:
         pytest.skip(watched.browser)
     dom = watched.dom
-    assert int(re.search(r'data-rendered="(\d+)"', dom).group(1)) >= 1, dom[:2000]
+    assert int(found(r'data-rendered="(\d+)"', dom).group(1)) >= 1, dom[:2000]
     assert re.search(r'<tr data-replica="0" data-state="live"', dom) and re.search(
         r'<tr data-replica="1" data-state="live"', dom
     )
-    failures = re.search(r'<table id="failures".*?</table>', dom, re.S).group(0)
+    failures = found(r'<table id="failures".*?</table>', dom, re.S).group(0)
     assert re.search(r'<tr data-replica="1".*?<td class="cause">[^<]+</td>', failures, re.S), failures
     for plot in ("plot-loss", "plot-live", "plot-steptime"):
-        svg = re.search(rf'<svg[^>]*id="{plot}".*?</svg>', dom, re.S).group(0)
-        path = re.search(r'<path(?=[^>]*class="line")[^>]*\bd="([^"]+)"', svg).group(1)
+        svg = found(rf'<svg[^>]*id="{plot}".*?</svg>', dom, re.S).group(0)
+        path = found(r'<path(?=[^>]*class="line")[^>]*\bd="([^"]+)"', svg).group(1)
         assert path.count("L") >= 3, (plot, path)  # a line through the steps so far
     assert watched.screenshot is not None and watched.screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert watched.screenshot.stat().st_size > 20_000  # a page drawn, not a blank one
 
 
 def test_tensorboard_holds_the_recovery_figures_across_the_groups_incarnations(watched: Watched) -> None:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_accumulator import (
+        EventAccumulator,
+    )
 
     scalars = {}
     for replica in (0, 1):
@@ -255,7 +264,7 @@ def wandb_history(path: Path) -> list[dict]:
             continue
         pending, pos = pending + data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind in (1, 4):  # a whole record, or the last piece of one
-            record = wandb_internal_pb2.Record()
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # a class protobuf builds at import
             record.ParseFromString(pending)
             pending = b""
             if record.WhichOneof("record_type") == "history":

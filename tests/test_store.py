@@ -24,11 +24,11 @@ from conftest import ROOT
 from titan_recover.control import keys, lifeline, protocol, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Fence, Membership, MessageError, NodeMessage, Rendezvous, Report, StepRecord
-from titan_recover.control.sealed import Run
+from titan_recover.control.sealed import Run, SealedStore
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[tuple[dist.TCPStore, str]]:
+def server() -> Iterator[tuple[SealedStore, str]]:
     port = transport.free_port()
     srv = transport.serve(port, 5)
     yield srv, f"127.0.0.1:{port}"
@@ -36,7 +36,7 @@ def server() -> Iterator[tuple[dist.TCPStore, str]]:
 
 
 @pytest.fixture
-def client(server: tuple[dist.TCPStore, str]) -> dist.TCPStore:
+def client(server: tuple[SealedStore, str]) -> SealedStore:
     return transport.connect(server[1], timeout_s=5)
 
 
@@ -63,7 +63,7 @@ def test_key_names() -> None:
     assert keys.fault_key(1) == "fault/1"
 
 
-def test_records_round_trip_between_clients(server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str) -> None:
+def test_records_round_trip_between_clients(server: tuple[SealedStore, str], client: SealedStore, key: str) -> None:
     step = StepRecord(
         step=7,
         epoch=3,
@@ -87,12 +87,12 @@ def test_records_round_trip_between_clients(server: tuple[dist.TCPStore, str], c
 
 
 @pytest.mark.parametrize("value", [[1, 2], "text", 7, None])
-def test_json_non_objects_round_trip_without_required_fields(client: dist.TCPStore, key: str, value: object) -> None:
+def test_json_non_objects_round_trip_without_required_fields(client: SealedStore, key: str, value: object) -> None:
     client.set(key, json.dumps(value))
     assert protocol.decode_json(key, client.get(key)) == value
 
 
-def test_non_utf8_bytes_raise_message_error(client: dist.TCPStore, key: str) -> None:
+def test_non_utf8_bytes_raise_message_error(client: SealedStore, key: str) -> None:
     client.set(key, b"\xff\xfe\x80garbage")
     with pytest.raises(MessageError) as info:
         ControlClient(client).read(key, Report)
@@ -100,7 +100,7 @@ def test_non_utf8_bytes_raise_message_error(client: dist.TCPStore, key: str) -> 
     assert "does not hold JSON" in str(info.value)
 
 
-def test_non_json_text_raises_message_error(client: dist.TCPStore, key: str) -> None:
+def test_non_json_text_raises_message_error(client: SealedStore, key: str) -> None:
     client.set(key, "{epoch: 1")
     with pytest.raises(MessageError) as info:
         ControlClient(client).read(key, Fence)
@@ -109,7 +109,7 @@ def test_non_json_text_raises_message_error(client: dist.TCPStore, key: str) -> 
     assert "{epoch: 1" in str(info.value)
 
 
-def test_pickle_bytes_are_not_unpickled(client: dist.TCPStore, key: str) -> None:
+def test_pickle_bytes_are_not_unpickled(client: SealedStore, key: str) -> None:
     import pickle
 
     client.set(key, pickle.dumps({"epoch": 1}))
@@ -119,7 +119,7 @@ def test_pickle_bytes_are_not_unpickled(client: dist.TCPStore, key: str) -> None
         Fence.loads(key, pickle.dumps(Fence(attempt=1, epoch=2)))
 
 
-def test_list_where_object_required_raises(client: dist.TCPStore, key: str) -> None:
+def test_list_where_object_required_raises(client: SealedStore, key: str) -> None:
     client.set(key, json.dumps([{"attempt": 0, "epoch": 1}]))  # malformed on purpose
     with pytest.raises(MessageError) as info:
         ControlClient(client).read(key, Fence)
@@ -127,7 +127,7 @@ def test_list_where_object_required_raises(client: dist.TCPStore, key: str) -> N
     assert "must hold a JSON object" in str(info.value)
 
 
-def test_missing_required_fields_are_named(client: dist.TCPStore, key: str) -> None:
+def test_missing_required_fields_are_named(client: SealedStore, key: str) -> None:
     client.set(key, json.dumps({"attempt": 1, "extra": 2}))  # malformed on purpose: no host, no port
     with pytest.raises(MessageError) as info:
         ControlClient(client).read(key, Rendezvous)
@@ -166,7 +166,7 @@ def test_records_load_their_own_dumps() -> None:
         assert type(record).from_json("k", record.to_json()) == record
 
 
-def test_decode_int(client: dist.TCPStore, key: str) -> None:
+def test_decode_int(client: SealedStore, key: str) -> None:
     client.set(key, "42")
     assert protocol.decode_int(key, client.get(key)) == 42
     assert client.add(key + "/counter", 5) == 5
@@ -178,7 +178,7 @@ def test_decode_int(client: dist.TCPStore, key: str) -> None:
 
 
 @pytest.mark.parametrize("raw", [b"forty-two", b"", b"1.5", b"\xff\xfe", b'{"epoch": 1}'])
-def test_decode_int_on_garbage_raises_message_error(client: dist.TCPStore, key: str, raw: bytes) -> None:
+def test_decode_int_on_garbage_raises_message_error(client: SealedStore, key: str, raw: bytes) -> None:
     client.set(key, raw)
     with pytest.raises(MessageError) as info:
         protocol.decode_int(key, client.get(key))
@@ -208,12 +208,12 @@ def test_report_increments_counter_and_stores_record() -> None:
     assert ControlClient(srv).read_report(3) is None
 
 
-def test_wait_for_returns_once_the_key_exists(client: dist.TCPStore, key: str) -> None:
+def test_wait_for_returns_once_the_key_exists(client: SealedStore, key: str) -> None:
     client.set(key, "x")
     transport.wait_for(client, key, timeout_s=1.0)
 
 
-def test_wait_for_times_out_naming_the_key(client: dist.TCPStore, key: str) -> None:
+def test_wait_for_times_out_naming_the_key(client: SealedStore, key: str) -> None:
     start = time.monotonic()
     with pytest.raises(TimeoutError) as info:
         transport.wait_for(client, key + "/never", timeout_s=0.2)
@@ -267,13 +267,11 @@ class Messages:
         return NodeMessage(self.seq, {}).dumps()
 
 
-def read_seq(s: dist.TCPStore, key: str) -> int:
+def read_seq(s: SealedStore, key: str) -> int:
     return NodeMessage.loads(key, s.get(key)).seq if s.check([key]) else 0
 
 
-def test_lifeline_writes_the_node_message_every_interval_then_stops(
-    server: tuple[dist.TCPStore, str], key: str
-) -> None:
+def test_lifeline_writes_the_node_message_every_interval_then_stops(server: tuple[SealedStore, str], key: str) -> None:
     srv, address = server
     lost: list[str] = []
     hb = lifeline.Heartbeat(
@@ -341,7 +339,7 @@ class ResettingProxy:
         self.pairs = []
 
 
-def test_lifeline_survives_a_connection_reset(server: tuple[dist.TCPStore, str], key: str) -> None:
+def test_lifeline_survives_a_connection_reset(server: tuple[SealedStore, str], key: str) -> None:
     """A transient reset must not end the lifeline (it would fence a healthy node)."""
     srv, _ = server
     proxy = ResettingProxy(int(server[1].rpartition(":")[2]))
@@ -378,6 +376,7 @@ def test_lifeline_notices_a_frozen_or_killed_coordinator(sig: signal.Signals) ->
     proc = subprocess.Popen([sys.executable, "-c", COORDINATOR, str(port)], stdout=subprocess.PIPE, text=True)
     lost: list[tuple[float, str]] = []
     try:
+        assert proc.stdout is not None
         assert proc.stdout.readline() == "up\n"
         hb = lifeline.Heartbeat(
             f"127.0.0.1:{port}",
@@ -498,11 +497,13 @@ def coordinator_process(secret: str) -> Iterator[str]:
         stdout=subprocess.PIPE,
         text=True,
     )
+    stdin, stdout = proc.stdin, proc.stdout
+    assert stdin is not None and stdout is not None  # both piped
     try:
-        assert proc.stdout.readline() == "up\n"
+        assert stdout.readline() == "up\n"
         yield f"127.0.0.1:{port}"
     finally:
-        proc.stdin.close()
+        stdin.close()
         proc.wait(timeout=10)
 
 
@@ -528,7 +529,7 @@ def test_a_client_with_the_runs_secret_in_its_environment_connects(monkeypatch: 
 
 
 def test_without_a_secret_nothing_connects_or_serves(
-    monkeypatch: pytest.MonkeyPatch, server: tuple[dist.TCPStore, str]
+    monkeypatch: pytest.MonkeyPatch, server: tuple[SealedStore, str]
 ) -> None:
     monkeypatch.delenv(keys.SECRET_ENV)
     for call in (lambda: transport.connect(server[1], timeout_s=1), lambda: transport.serve(transport.free_port(), 1)):
@@ -538,7 +539,7 @@ def test_without_a_secret_nothing_connects_or_serves(
 
 
 def test_the_runs_keys_are_out_of_reach_without_its_secret(
-    server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str
+    server: tuple[SealedStore, str], client: SealedStore, key: str
 ) -> None:
     host, _, port = server[1].rpartition(":")
     stray = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))  # no secret
@@ -549,7 +550,7 @@ def test_the_runs_keys_are_out_of_reach_without_its_secret(
 
 
 def test_a_runs_store_does_what_the_trainer_asks(
-    server: tuple[dist.TCPStore, str], client: dist.TCPStore, key: str
+    server: tuple[SealedStore, str], client: SealedStore, key: str
 ) -> None:
     other = transport.connect(server[1], timeout_s=5)
     other.set(key, "v")
@@ -562,6 +563,7 @@ def test_a_runs_store_does_what_the_trainer_asks(
     assert client.multi_get([key + "/a", key + "/b"]) == [b"1", b"2"]
     other.wait([key + "/a"])
     group_store = client.process_group_store(f"{keys.PROCESS_GROUPS}{key}/e1/s0/")  # as collectives nests it
+    assert isinstance(group_store, dist.PrefixStore) and isinstance(client.inner, dist.PrefixStore)
     assert group_store.underlying_store is not client.inner.underlying_store  # a connection of its own
     group_store.set("addr", "x")
     assert not server[0].check(["addr"]) and group_store.get("addr") == b"x"

@@ -7,6 +7,7 @@ import json
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -190,7 +191,7 @@ def small(tmp_path: Path) -> TokenDataset:
 def test_manifest_round_trip_and_bad_fields(small: TokenDataset) -> None:
     raw = json.loads(Path(small.folder, "manifest.json").read_text())
     assert Manifest.from_json(raw, "m") == small.manifest
-    bad = [
+    bad: list[tuple[dict[str, Any], str]] = [
         ({"schema": "x"}, "schema"),
         ({"layout": "arrow"}, "layout"),
         ({"dtype": "float32"}, "dtype"),

@@ -41,12 +41,12 @@ def warmup(step: int) -> float:
     return min(1.0, (step + 1) / 4)
 
 
-def make_model(hidden: int = 8, seed: int = 0) -> torch.nn.Module:
+def make_model(hidden: int = 8, seed: int = 0) -> torch.nn.Sequential:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 3))
 
 
-def make_trainer(hidden: int = 8, seed: int = 0, steps: int = 0) -> tuple[torch.nn.Module, Optimizers, Schedulers]:
+def make_trainer(hidden: int = 8, seed: int = 0, steps: int = 0) -> tuple[torch.nn.Sequential, Optimizers, Schedulers]:
     """A model, AdamW and a LambdaLR warmup, optimizer (and scheduler) stepped ``steps`` times."""
     model = make_model(hidden, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -310,7 +310,8 @@ def test_meta_restore_round_trip_through_json() -> None:
     # the schedule goes on from the same place on both
     for _ in range(3):
         d_opt.step(), j_opt.step()
-        d_sched.step(), j_sched.step()
+        d_sched.step()
+        j_sched.step()
         assert j_opt.param_groups[0]["lr"] == d_opt.param_groups[0]["lr"]
 
 
@@ -369,7 +370,9 @@ def never() -> bool:
 def test_send_receive_hands_the_joiner_the_donors_state(address: str) -> None:
     d_model, d_opts, d_scheds = make_trainer(seed=0, steps=2)
     j_model, j_opts, j_scheds = make_trainer(seed=1, steps=0)  # a restarted rank: fresh, other init
-    assert not torch.equal(d_model[0].weight, j_model[0].weight)
+    d_first, j_first = d_model[0], j_model[0]
+    assert isinstance(d_first, torch.nn.Linear) and isinstance(j_first, torch.nn.Linear)
+    assert not torch.equal(d_first.weight, j_first.weight)
     assert not j_opts.optimizers[0].state
     d_before = {k: v.clone() for k, v in d_model.state_dict().items()}
     torch.manual_seed(42)
@@ -520,7 +523,7 @@ def test_receive_refuses_a_payload_corrupted_on_the_way(address: str) -> None:
                 tensor[tensor.numel() // 2] ^= 0x10
             broadcast(group, tensor, abort)
 
-        g.broadcast = corrupting  # type: ignore[method-assign]
+        g.broadcast = corrupting  # type: ignore[method-assign]  # this donor's wire flips a bit of the payload
         with g.pair(epoch=1, joiner=1, donor=True, abort=never) as pair:
             return transfer.send(g, pair, {"step": 2}, [d_model], d_opts, abort=never, after_header=lambda: None)
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -277,9 +278,9 @@ def test_check_assignment_reports_missing_duplicated_out_of_range() -> None:
 
 @pytest.mark.unit
 @pytest.mark.parametrize("bad", [0, -2, 1.5])
-def test_check_assignment_rejects_bad_num_microbatches(bad: object) -> None:
+def test_check_assignment_rejects_bad_num_microbatches(bad: Any) -> None:  # Any: the wrong type on purpose
     with pytest.raises(WorkloadError, match=f"num_microbatches.*got {bad}"):
-        check_assignment({0: (0,)}, bad)  # type: ignore[arg-type]
+        check_assignment({0: (0,)}, bad)
 
 
 # --- errors and registry --------------------------------------------------
@@ -312,9 +313,9 @@ def test_num_microbatches_must_be_positive(bad: int) -> None:
 
 @pytest.mark.unit
 @pytest.mark.parametrize("bad", [2.5, True, "4"])
-def test_num_microbatches_must_be_int(bad: object) -> None:
+def test_num_microbatches_must_be_int(bad: Any) -> None:  # Any: the wrong type on purpose
     with pytest.raises(WorkloadError, match=f"num_microbatches must be an int, got {bad!r}"):
-        assign("balanced", [0], bad)  # type: ignore[arg-type]
+        assign("balanced", [0], bad)
 
 
 @pytest.mark.unit
@@ -344,9 +345,9 @@ def test_replica_ids_must_be_unique() -> None:
 
 @pytest.mark.unit
 @pytest.mark.parametrize("bad", ["0", 1.0, None, True])
-def test_replica_ids_must_be_ints(bad: object) -> None:
+def test_replica_ids_must_be_ints(bad: Any) -> None:  # Any: the wrong type on purpose
     with pytest.raises(WorkloadError, match=f"replica ids must be ints, got {bad!r}"):
-        assign("balanced", [0, bad], 4)  # type: ignore[list-item]
+        assign("balanced", [0, bad], 4)
 
 
 @pytest.mark.unit
@@ -387,7 +388,7 @@ def test_register_policy_rejects_duplicates(isolated_registry: dict) -> None:
 @pytest.mark.unit
 def test_register_policy_rejects_non_callable(isolated_registry: dict) -> None:
     with pytest.raises(TypeError, match="'bad' must be callable"):
-        register_policy("bad", 42)  # type: ignore[arg-type]
+        register_policy("bad", 42)  # type: ignore[arg-type]  # not callable, on purpose
     assert "bad" not in isolated_registry
 
 
@@ -481,6 +482,7 @@ def test_speeds_travel_as_json_exactly_and_bad_input_is_named() -> None:
     speeds = update_speeds(Speeds(), {0: 0.1234567891234, 3: 2.0}, (0, 3), 8, 0.3, 0.1)
     assert Speeds.from_json(json.loads(json.dumps(speeds.to_json()))) == speeds
     assert Speeds.from_json({"estimate": {}, "applied": {}}).rates() is None
+    bad: object
     for bad in [
         None,
         {"estimate": []},
