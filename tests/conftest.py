@@ -72,6 +72,17 @@ def run_job(dump: Path, *overrides: str, timeout: int = 300, config: str = "llam
     return Run(proc.returncode, proc.stdout + proc.stderr, events)
 
 
+def coordinator_command(job_argv: list[str]) -> list[str]:
+    """``python -m titan_recover.coordinator`` as a launcher starts it for the job ``job_argv``: the job's
+    settings as the record the launcher hands over."""
+    from titan_recover import titan
+    from titan_recover.config import CoordinatorSettings
+
+    job_config = titan.load_config(job_argv)
+    settings = CoordinatorSettings.of(job_config, titan.dump_folder(job_config))
+    return [sys.executable, "-m", "titan_recover.coordinator", "--settings", settings.to_json()]
+
+
 def assert_same_trajectory(reference: Run, run: Run, rel_tol: float, num_microbatches: int) -> None:
     """Every step once, M microbatches each, the reference's data digest, loss within rel_tol."""
     assert run.of("step") and all(len(e["microbatches"]) == num_microbatches for e in reference.of("step"))

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Run, assert_all_rejoined, assert_same_trajectory
+from conftest import ROOT, Run, assert_all_rejoined, assert_same_trajectory, coordinator_command
 from test_nodes import Node, events, wait_until
 
 from titan_recover.control import keys, sealed, transport
@@ -230,7 +230,7 @@ def test_a_leader_that_cannot_read_the_saved_state_stops_the_run_saying_so(tmp_p
     client = transport.connect(etcd.url, timeout_s=5, run=run)
     client.set(keys.COORDINATOR_STATE, json.dumps({"progress": None, "next_report": "one"}))  # malformed on purpose
     proc = subprocess.run(
-        [sys.executable, "-m", "titan_recover.coordinator", *launcher(tmp_path, etcd.url, "none")[3:]],
+        coordinator_command(launcher(tmp_path, etcd.url, "none")[3:]),
         cwd=ROOT,
         env={**node_env(etcd.url, "0,1"), keys.SECRET_ENV: secret},
         capture_output=True,

@@ -6,7 +6,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, coordinator_command
 from test_store import accepts, non_loopback_ip
 
 from titan_recover.config import ConfigError
@@ -97,7 +97,7 @@ def test_the_coordinator_serves_its_run_only_on_loopback(tmp_path) -> None:
     """The real coordinator process as a single-node launcher starts it (no coordinator_bind)."""
     port = transport.free_port()
     env = {**os.environ, keys.COORDINATOR_ENV: f"127.0.0.1:{port}", keys.SECRET_ENV: "this-run"}
-    cmd = [sys.executable, "-m", "titan_recover.coordinator", *job(tmp_path)]
+    cmd = coordinator_command(job(tmp_path))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         client = transport.connect(f"127.0.0.1:{port}", timeout_s=60, run=Run("this-run", ""))

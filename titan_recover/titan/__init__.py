@@ -79,7 +79,9 @@ def installed_line() -> str:
 
 def __getattr__(name: str) -> Any:
     """The installed line's ``name`` (and ``LINE``), its module imported on first use."""
-    if name != "LINE" and name not in INTERFACE:
+    if name == "LINE":  # from the package's metadata: TorchTitan itself is not imported
+        return installed_line()
+    if name not in INTERFACE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     line = installed_line()
     module = importlib.import_module(f"{__name__}.{LINES[line]}")

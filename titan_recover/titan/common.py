@@ -21,7 +21,8 @@ if (
 ):
     raise RuntimeError(
         "torchtitan was imported before titan_recover on a machine without an accelerator, so it "
-        "bound CUDA; import titan_recover (e.g. titan_recover.titan) before torchtitan"
+        "bound CUDA; import titan_recover.titan.common (or use a name of titan_recover.titan, e.g. its Trainer) "
+        "before torchtitan"
     )
 
 with cpu_shim.cpu_device():
