@@ -23,7 +23,8 @@ import argparse
 import statistics
 from typing import Any, TypedDict
 
-from bench.common import launch, of, step_gaps, write_result
+from bench.common import launch, step_gaps, write_result
+from titan_recover.observability.events import of_kind
 
 SHAPE = ["--parallelism.data_parallel_shard_degree", "1", "--training.global_batch_size", "8"]
 TOKENS_PER_STEP = 8 * 128  # global batch x seq_len of the default config
@@ -63,8 +64,8 @@ def measure(system: str, steps: int, kills: tuple[int, ...], k: int | None = Non
             "checkpoint",
         ]
     events, wall = launch(args, f"{system} run")
-    step_events = of(events, "step")
-    faults = of(events, "fault_injected")
+    step_events = of_kind(events, "step")
+    faults = of_kind(events, "fault_injected")
     if len(faults) != len(kills):
         raise RuntimeError(f"{system}: {len(faults)} of {len(kills)} kills fired; space the kills wider")
     final = {e["step"]: e for e in step_events}
@@ -81,10 +82,10 @@ def measure(system: str, steps: int, kills: tuple[int, ...], k: int | None = Non
     if k is None:
         full = [e for e in step_events if len(e["members"]) == 2]
         run["step_s"] = statistics.median(step_gaps(full).values())
-        run["detect_s"] = [e["latency_s"] for e in of(events, "recovered")]
-        failed = [e["time"] for e in of(events, "failure")]
-        run["rejoin_s"] = [a["time"] - f for a, f in zip(of(events, "admitted"), failed)]
-        run["transfer_s"] = [e["transfer_s"] for e in of(events, "rejoined")]
+        run["detect_s"] = [e["latency_s"] for e in of_kind(events, "recovered")]
+        failed = [e["time"] for e in of_kind(events, "failure")]
+        run["rejoin_s"] = [a["time"] - f for a, f in zip(of_kind(events, "admitted"), failed)]
+        run["transfer_s"] = [e["transfer_s"] for e in of_kind(events, "rejoined")]
     else:
         gaps = step_gaps(step_events)
         normal = statistics.median(g for s, g in gaps.items() if (s - 1) % k)

@@ -32,10 +32,6 @@ def launch(
         return list(read_events(str(folder / "recover_events.jsonl"))), wall
 
 
-def of(events: list[dict], kind: str) -> list[dict]:
-    return [e for e in events if e["event"] == kind]
-
-
 def step_gaps(steps: list[dict]) -> dict[int, float]:
     """Step number -> seconds since the previous step's event, for consecutive steps only."""
     return {b["step"]: b["time"] - a["time"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1}

@@ -25,9 +25,10 @@ import statistics
 import sys
 from typing import Any
 
-from bench.common import PRECISION, RESULTS, launch, of, step_gaps, write_result
+from bench.common import PRECISION, RESULTS, launch, step_gaps, write_result
 from titan_recover.compare import compare_runs
 from titan_recover.control import keys
+from titan_recover.observability.events import of_kind
 
 log = logging.getLogger("titan_recover.bench.exact")
 
@@ -68,7 +69,7 @@ def on_etcd(shape: list[str]) -> list[dict]:
 
 def step_time(events: list[dict]) -> float:
     """The median time between consecutive steps, the first two left out (warm-up)."""
-    gaps = step_gaps(of(events, "step"))
+    gaps = step_gaps(of_kind(events, "step"))
     return statistics.median(v for k, v in gaps.items() if k > 2)
 
 
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name, c in comparisons.items():
         log.info(f"{name} vs free2: {c.steps} steps, {c.digest_steps} digest steps, problems {c.exact[:3]}")
-    faults = {name: len(of(events, "failure")) for name, events in runs.items()}
+    faults = {name: len(of_kind(events, "failure")) for name, events in runs.items()}
     soak_path = RESULTS / "exact_soak.json"
     soak: dict[str, Any] = (json.loads(soak_path.read_text()) if soak_path.exists() else None) or {}
     soak_exact = soak.get("exact") or {}
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             name: {"steps": c.steps, "digest_steps": c.digest_steps, "mismatches": c.exact[:5]}
             for name, c in comparisons.items()
         },
-        "redos": sum(len(of(events, "exact_redo")) for events in runs.values()),
+        "redos": sum(len(of_kind(events, "exact_redo")) for events in runs.values()),
     }
     path = write_result("exact", result)
     log.info(

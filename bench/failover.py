@@ -40,10 +40,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.common import CONFIG, PRECISION, ROOT, launch, of, step_gaps, write_result
+from bench.common import CONFIG, PRECISION, ROOT, launch, step_gaps, write_result
 from titan_recover.control import keys, transport
 from titan_recover.control.sealed import Run
-from titan_recover.observability.events import read_events
+from titan_recover.observability.events import of_kind, read_events
 from titan_recover.tools.etcd_local import LocalEtcd
 
 STEPS, KILL_AFTER = 40, 10
@@ -132,9 +132,9 @@ def failover(url: str, replicas: int, node: bool) -> dict:
         ]
         try:
             wait_for(
-                f"step {KILL_AFTER}", lambda: KILL_AFTER in [e["step"] for e in of(events_of(dump), "step")], procs
+                f"step {KILL_AFTER}", lambda: KILL_AFTER in [e["step"] for e in of_kind(events_of(dump), "step")], procs
             )
-            leader = of(events_of(dump), "leader")[-1]["pid"]
+            leader = of_kind(events_of(dump), "leader")[-1]["pid"]
             killed_at = time.time()
             if node:
                 launcher = parent(leader)
@@ -160,11 +160,11 @@ def failover(url: str, replicas: int, node: bool) -> dict:
                     os.killpg(p.pid, signal.SIGKILL)
             for f in logs:
                 f.close()
-    steps = of(events, "step")
+    steps = of_kind(events, "step")
     if sorted(e["step"] for e in steps) != list(range(1, STEPS + 1)):
         raise RuntimeError(f"steps logged: {sorted(e['step'] for e in steps)}")
     after = min(e["time"] for e in steps if e["time"] > killed_at)
-    new_leaders = [e for e in of(events, "leader") if e["time"] > killed_at]
+    new_leaders = [e for e in of_kind(events, "leader") if e["time"] > killed_at]
     normal = statistics.median(step_gaps([e for e in steps if e["time"] < killed_at]).values())
     return {
         "failover_s": after - killed_at,
@@ -173,7 +173,7 @@ def failover(url: str, replicas: int, node: bool) -> dict:
         "step_s": normal,
         "leaders_after_kill": [{"pid": e["pid"], "after_s": e["time"] - killed_at} for e in new_leaders],
         **({"coordinator_log": coordinator_lines} if len(new_leaders) > 1 else {}),
-        "failures": [{k: e[k] for k in ("replica", "step")} for e in of(events, "failure")],
+        "failures": [{k: e[k] for k in ("replica", "step")} for e in of_kind(events, "failure")],
         "members_at_end": steps[-1]["members"],
     }
 
@@ -196,8 +196,8 @@ def dcp_restart(replicas: int) -> dict:
         ],
         "stock DCP run",
     )
-    steps = of(events, "step")
-    [fault] = of(events, "fault_injected")
+    steps = of_kind(events, "step")
+    [fault] = of_kind(events, "fault_injected")
     first = next(e for e in steps if e["time"] > fault["time"])
     normal = statistics.median(
         g for s, g in step_gaps([e for e in steps if e["time"] < fault["time"]]).items() if (s - 1) % DCP_EVERY
@@ -284,7 +284,7 @@ def failure_free(cluster: LocalEtcd | None) -> dict:
     finally:
         latency = probe.summary()
         del os.environ[keys.SECRET_ENV], os.environ[keys.RUN_ENV]
-    steps = of(events, "step")
+    steps = of_kind(events, "step")
     result: dict[str, Any] = {
         "backend": "etcd" if cluster else "tcpstore",
         "step_s": statistics.median(step_gaps(steps).values()),

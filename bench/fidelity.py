@@ -50,11 +50,11 @@ from typing import Any
 
 import torch
 
-from bench.common import CONFIG, PRECISION, ROOT, of, write_result
+from bench.common import CONFIG, PRECISION, ROOT, write_result
 from titan_recover.control.transport import free_port
 from titan_recover.data import addressing
 from titan_recover.launch.torchruns import with_threads
-from titan_recover.observability.events import events_path, read_events
+from titan_recover.observability.events import events_path, of_kind, read_events
 
 BIN = Path(sys.executable).parent
 RUN_TIMEOUT_S = 900
@@ -160,7 +160,7 @@ def _failed(what: str, log: Path, code: int | None) -> RuntimeError:
 
 
 def _fault_time(events: list[dict[str, Any]]) -> float | None:
-    faults = of(events, "fault_injected")
+    faults = of_kind(events, "fault_injected")
     return faults[0]["time"] if faults else None
 
 
@@ -207,11 +207,11 @@ def run_recover(setup: Setup, plan: str, dump: Path) -> Run:
             by_replica={},
             samples=[s for m in e["microbatches"] for k in range(setup.shards) for s in setup.samples(e["step"], m, k)],
         )
-        for e in of(events, "step")
+        for e in of_kind(events, "step")
     }
     extra = {
-        "recovered_latency_s": [e["latency_s"] for e in of(events, "recovered")],
-        "failures": [e["cause"] for e in of(events, "failure")],
+        "recovered_latency_s": [e["latency_s"] for e in of_kind(events, "recovered")],
+        "failures": [e["cause"] for e in of_kind(events, "failure")],
     }
     return Run([shlex.join(cmd)], wall, steps, _fault_time(events), extra)
 
@@ -236,7 +236,7 @@ def _torchft_steps(setup: Setup, events: list[dict[str, Any]]) -> dict[int, Step
     """Committed steps from the per-rank ``ft_step`` events. A group's loss is the sum of its
     ranks' (each is divided by the group's tokens already); the step's is the mean over groups."""
     by_step: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
-    for e in of(events, "ft_step"):
+    for e in of_kind(events, "ft_step"):
         if e["committed"]:
             by_step[e["step"]].append(e)
     steps = {}
@@ -322,8 +322,10 @@ def run_torchft(setup: Setup, plan: str, dump: Path) -> Run:
     events = list(read_events(events_path(str(dump))))
     extra = {
         "env": {"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"},
-        "participants": {e["step"]: e["participants"] for e in of(events, "ft_step") if e["replica"] == e["rank"] == 0},
-        "uncommitted_steps": sorted({e["step"] for e in of(events, "ft_step") if not e["committed"]}),
+        "participants": {
+            e["step"]: e["participants"] for e in of_kind(events, "ft_step") if e["replica"] == e["rank"] == 0
+        },
+        "uncommitted_steps": sorted({e["step"] for e in of_kind(events, "ft_step") if not e["committed"]}),
     }
     commands = [shlex.join(c) for c in (lighthouse_cmd, *cmds.values())]
     return Run(commands, wall, _torchft_steps(setup, events), _fault_time(events), extra)

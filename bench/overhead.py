@@ -12,7 +12,8 @@ Steady-state step time = median gap between consecutive step events, first steps
 import argparse
 import statistics
 
-from bench.common import PRECISION, launch, of, step_gaps, write_result
+from bench.common import PRECISION, launch, step_gaps, write_result
+from titan_recover.observability.events import of_kind
 
 WARMUP_STEPS = 3
 
@@ -23,9 +24,9 @@ def measure(mode: str, steps: int, extra: list[str]) -> dict:
     events, _ = launch(
         ["--training.steps", str(steps), "--recover.fault_plan", "none", flag, *PRECISION, *extra], f"{mode} run"
     )
-    mem = of(events, "rank_memory")
+    mem = of_kind(events, "rank_memory")
     return {
-        "step_s": statistics.median(step_gaps(of(events, "step")[WARMUP_STEPS:]).values()),
+        "step_s": statistics.median(step_gaps(of_kind(events, "step")[WARMUP_STEPS:]).values()),
         "max_rss_mb": max(e["max_rss_mb"] for e in mem),
         "ft_buffer_mb": max(e["ft_buffer_mb"] for e in mem),
     }

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 from bench.common import ROOT, job, step_gaps, write_result
 from titan_recover.compare import compare_runs
 from titan_recover.control import keys
-from titan_recover.observability.events import NODE_ENV, event_files
+from titan_recover.observability.events import NODE_ENV, event_files, of_kind
 from titan_recover.tools import netns
 from titan_recover.tools.etcd_local import LocalEtcd
 from titan_recover.tools.netns import Cluster, Node
@@ -88,7 +88,7 @@ class Outcome:
     timings: dict[str, float] = field(default_factory=dict)
 
     def of(self, kind: str) -> list[dict]:
-        return [e for e in self.events if e["event"] == kind]
+        return of_kind(self.events, kind)
 
 
 def file_events(path: Path, start: int = 0) -> list[dict]:

@@ -22,7 +22,8 @@ Writes bench/results/recovery_latency.json (recovery_latency_rejoin.json with --
 import argparse
 import statistics
 
-from bench.common import launch, of, write_result
+from bench.common import launch, write_result
+from titan_recover.observability.events import of_kind
 
 FAULTS = {
     "kill": "kill replica=1 step=3 phase=backward",
@@ -56,12 +57,12 @@ def run(replicas: int, fault: str, rejoin: bool) -> dict:
         ],
         f"R={replicas} {fault}",
     )
-    (recovered,) = of(events, "recovered")
+    (recovered,) = of_kind(events, "recovered")
     result = {"replicas": replicas, "fault": fault, "latency_s": recovered["latency_s"]}
-    back = of(events, "rejoined")
+    back = of_kind(events, "rejoined")
     if rejoin and back:
-        (failure,) = of(events, "failure")
-        admitted = of(events, "admitted")[0]
+        (failure,) = of_kind(events, "failure")
+        admitted = of_kind(events, "admitted")[0]
         result["restart_s"] = admitted["time"] - failure["time"]
         result.update({k: back[0][k] for k in ("downtime_s", "transfer_s", "bytes")})
     return result

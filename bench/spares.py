@@ -25,7 +25,8 @@ import argparse
 import statistics
 from typing import Any
 
-from bench.common import PRECISION, launch, of, step_gaps, write_result
+from bench.common import PRECISION, launch, step_gaps, write_result
+from titan_recover.observability.events import of_kind
 
 KILL = "kill replica=1 step=3 phase=backward; sleep replica=0 step=9 phase=optimizer seconds=45"
 AFTER = range(4, 9)  # the 5 steps after the failure
@@ -62,24 +63,24 @@ def run(replicas: int, spares: int, kill: bool) -> dict:
         ],
         f"R={replicas} spares={spares} {'kill' if kill else 'failure-free'}",
     )
-    gaps = step_gaps(of(events, "step"))
+    gaps = step_gaps(of_kind(events, "step"))
     row: dict = {"replicas": replicas, "spares": spares, "kill": kill}
     if not kill:
-        ready = [e["time"] for e in of(events, "spare_ready")]
+        ready = [e["time"] for e in of_kind(events, "spare_ready")]
         steady = [s for s in range(steps - STEADY + 1, steps + 1) if s in gaps]
         row["step_s"] = statistics.median(gaps[s] for s in steady)
-        row["spare_ready_before_window"] = all(t < of(events, "step")[steps - STEADY - 1]["time"] for t in ready)
+        row["spare_ready_before_window"] = all(t < of_kind(events, "step")[steps - STEADY - 1]["time"] for t in ready)
         return row
-    (failure,) = of(events, "failure")
-    admitted = [e for e in of(events, "admitted") if e["time"] > failure["time"]][0]
-    back = [e for e in of(events, "rejoined") if e["replica"] == admitted["replica"]][0]
+    (failure,) = of_kind(events, "failure")
+    admitted = [e for e in of_kind(events, "admitted") if e["time"] > failure["time"]][0]
+    back = [e for e in of_kind(events, "rejoined") if e["replica"] == admitted["replica"]][0]
     row.update(
         {
             "admitted_replica": admitted["replica"],
             "admission_s": admitted["time"] - failure["time"],
             "transfer_s": back["transfer_s"],
             "after_failure_step_s": statistics.median(gaps[s] for s in AFTER if s in gaps),
-            "recovery_latency_s": of(events, "recovered")[0]["latency_s"],
+            "recovery_latency_s": of_kind(events, "recovered")[0]["latency_s"],
         }
     )
     if spares:

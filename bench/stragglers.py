@@ -22,8 +22,9 @@ Every run's data digests and losses are checked against the failure-free run
 import argparse
 import statistics
 
-from bench.common import PRECISION, launch, of, step_gaps, write_result
+from bench.common import PRECISION, launch, step_gaps, write_result
 from titan_recover.compare import compare_runs
+from titan_recover.observability.events import of_kind
 
 R, M, STEADY = 2, 16, 20
 FACTORS = (2, 4)
@@ -61,13 +62,13 @@ def run(steps: int, policy: str, factor: int | None) -> tuple[list[dict], float]
 
 
 def _steady(events: list[dict], steps: int) -> dict[int, float]:
-    gaps = step_gaps(of(events, "step"))
+    gaps = step_gaps(of_kind(events, "step"))
     return {s: gaps[s] for s in range(steps - STEADY + 1, steps + 1) if s in gaps}
 
 
 def ideal_step_s(events: list[dict], steps: int) -> float:
     """Median over the steady steps of the step at the replicas' summed measured speed."""
-    records = {e["step"]: e for e in of(events, "step")}
+    records = {e["step"]: e for e in of_kind(events, "step")}
     ideals = []
     for step, gap in _steady(events, steps).items():
         quotas, seconds = records[step]["quotas"], records[step]["seconds_per_microbatch"]
@@ -89,7 +90,7 @@ def main() -> None:
             events, step = run(args.steps, policy, factor)
             ideal = ideal_step_s(events, args.steps)
             cmp = compare_runs(reference, events, 1e-3)
-            last = of(events, "step")[-1]
+            last = of_kind(events, "step")[-1]
             row[policy] = {
                 "step_s": step,
                 "ideal_step_s": ideal,

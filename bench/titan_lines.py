@@ -21,8 +21,9 @@ import tempfile
 from importlib import metadata
 
 from bench import overhead
-from bench.common import PRECISION, ROOT, launch, of, write_result
+from bench.common import PRECISION, ROOT, launch, write_result
 from titan_recover.compare import compare_runs
+from titan_recover.observability.events import of_kind
 
 LINES = {"0.2.2": ".venv", "0.3.0": ".venv-0.3.0"}
 """$TORCHTITAN values and their environments (scripts/bootstrap.sh)."""
@@ -46,10 +47,10 @@ def measure_line(pairs: int, steps: int) -> dict:
         "pairs": rows,
         "overhead_ratio": statistics.median(ratios),
         "overhead_ratios": ratios,
-        "recovery_latency_s": [e["latency_s"] for e in of(kill, "recovered")],
-        "rejoin_downtime_s": [e["downtime_s"] for e in of(kill, "rejoined")],
-        "failures": len(of(kill, "failure")),
-        "steps": len(of(kill, "step")),
+        "recovery_latency_s": [e["latency_s"] for e in of_kind(kill, "recovered")],
+        "rejoin_downtime_s": [e["downtime_s"] for e in of_kind(kill, "rejoined")],
+        "failures": len(of_kind(kill, "failure")),
+        "steps": len(of_kind(kill, "step")),
         "max_rel_loss_dev": comparison.max_rel_loss_dev,
         "comparison_problems": comparison.problems,
         "wall_s": {"kill_run": kill_wall, "failure_free_twin": twin_wall},

@@ -14,6 +14,7 @@ from filelock import FileLock
 
 from titan_recover.compare import compare_runs
 from titan_recover.control import keys
+from titan_recover.observability.events import of_kind
 from titan_recover.titan.jobs import LINE, job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +27,7 @@ class Run:
     events: list[dict]
 
     def of(self, kind: str) -> list[dict]:
-        return [e for e in self.events if e["event"] == kind]
+        return of_kind(self.events, kind)
 
     def steps(self) -> dict[int, dict]:
         steps: dict[int, dict] = {}

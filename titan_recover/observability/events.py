@@ -190,6 +190,11 @@ def read_events(path: str) -> list[dict[str, Any]]:
     return read_log(path).events
 
 
+def of_kind(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The events named ``kind``, in their order."""
+    return [e for e in events if e["event"] == kind]
+
+
 def logged_steps(path: str) -> set[int]:
     """The steps logged in this file or any other node's beside it (a new coordinator leader
     logs none of them again)."""
