@@ -2,9 +2,11 @@
 refused with an error that names its key and field."""
 
 import json
+import re
 
 import pytest
 
+from titan_recover.config import ConfigError, CoordinatorSettings, Recover
 from titan_recover.control.protocol import (
     Admission,
     CoordinatorState,
@@ -143,3 +145,44 @@ def test_missing_fields_and_bytes_that_are_not_json_are_refused() -> None:
         Report.loads("report/1", b"\x80\x04pickle")
     with pytest.raises(MessageError, match="must hold an integer"):
         decode_int("epoch", b"one")
+
+
+def _settings(**changed: object) -> CoordinatorSettings:
+    fields = dict(
+        replicas=2,
+        replica_ids=2,
+        group_ranks=2,
+        steps=6,
+        tokens_per_step=512,
+        precision="float32",
+        dump_folder="/tmp/run",
+        resume_hint="To resume, run the same command again",
+    )
+    return CoordinatorSettings(recover=Recover(enable=True, min_replicas=2), **{**fields, **changed})
+
+
+def test_the_coordinators_settings_round_trip_through_json() -> None:
+    settings = _settings()
+    assert CoordinatorSettings.from_json(settings.to_json()) == settings
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "is not a settings record"),
+        ("[1, 2]", "is not a settings record"),
+        (_settings().to_json().replace('"steps": 6, ', ""), "is not a settings record"),
+        (
+            _settings().to_json().replace('"steps": 6', '"steps": "6"'),
+            "coordinator --settings.steps must be of type int",
+        ),
+        (
+            _settings().to_json().replace('"min_replicas": 2', '"min_replicas": true'),
+            "coordinator --settings.recover.min_replicas must be of type int",
+        ),
+    ],
+    ids=["not-json", "not-an-object", "a-field-missing", "a-wrong-type", "a-wrong-type-in-recover"],
+)
+def test_a_malformed_settings_record_is_refused_naming_what_is_wrong(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        CoordinatorSettings.from_json(text)

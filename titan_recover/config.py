@@ -219,21 +219,7 @@ class CoordinatorSettings:
                 f"coordinator --settings is not a settings record ({e}): start the coordinator "
                 "with run_train.sh, whose launcher writes it"
             ) from None
-        _check_types(settings.recover, "recover")
-        for name, kind in (
-            ("replicas", int),
-            ("replica_ids", int),
-            ("group_ranks", int),
-            ("steps", int),
-            ("tokens_per_step", int),
-            ("precision", str),
-            ("dump_folder", str),
-            ("resume_hint", str),
-        ):
-            if type(getattr(settings, name)) is not kind:
-                raise ConfigError(
-                    f"coordinator --settings: {name} = {getattr(settings, name)!r} is not {kind.__name__}"
-                )
+        _check_types(settings, "coordinator --settings")
         return settings
 
 
@@ -306,6 +292,9 @@ _ACCEPTS: dict[type, type | tuple[type, ...]] = {bool: bool, int: int, float: (i
 def _check_types(section: Any, name: str) -> None:
     for f in dataclasses.fields(section):
         value, kind = getattr(section, f.name), f.type
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind) and isinstance(value, kind):
+            _check_types(value, f"{name}.{f.name}")
+            continue
         if not isinstance(kind, type):
             raise TypeError(f"{name}.{f.name} is annotated {kind!r}: only bool, int, float or str fields are checked")
         expected = _ACCEPTS[kind]
