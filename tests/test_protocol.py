@@ -147,22 +147,21 @@ def test_missing_fields_and_bytes_that_are_not_json_are_refused() -> None:
         decode_int("epoch", b"one")
 
 
-def _settings(**changed: object) -> CoordinatorSettings:
-    fields = dict(
-        replicas=2,
-        replica_ids=2,
-        group_ranks=2,
-        steps=6,
-        tokens_per_step=512,
-        precision="float32",
-        dump_folder="/tmp/run",
-        resume_hint="To resume, run the same command again",
-    )
-    return CoordinatorSettings(recover=Recover(enable=True, min_replicas=2), **{**fields, **changed})
+SETTINGS = CoordinatorSettings(
+    recover=Recover(enable=True, min_replicas=2),
+    replicas=2,
+    replica_ids=2,
+    group_ranks=2,
+    steps=6,
+    tokens_per_step=512,
+    precision="float32",
+    dump_folder="/tmp/run",
+    resume_hint="To resume, run the same command again",
+)
 
 
 def test_the_coordinators_settings_round_trip_through_json() -> None:
-    settings = _settings()
+    settings = SETTINGS
     assert CoordinatorSettings.from_json(settings.to_json()) == settings
 
 
@@ -171,13 +170,13 @@ def test_the_coordinators_settings_round_trip_through_json() -> None:
     [
         ("{not json", "is not a settings record"),
         ("[1, 2]", "is not a settings record"),
-        (_settings().to_json().replace('"steps": 6, ', ""), "is not a settings record"),
+        (SETTINGS.to_json().replace('"steps": 6, ', ""), "is not a settings record"),
         (
-            _settings().to_json().replace('"steps": 6', '"steps": "6"'),
+            SETTINGS.to_json().replace('"steps": 6', '"steps": "6"'),
             "coordinator --settings.steps must be of type int",
         ),
         (
-            _settings().to_json().replace('"min_replicas": 2', '"min_replicas": true'),
+            SETTINGS.to_json().replace('"min_replicas": 2', '"min_replicas": true'),
             "coordinator --settings.recover.min_replicas must be of type int",
         ),
     ],
