@@ -7,8 +7,8 @@ own TCPStore, or etcd (``[recover] control_store``), where a candidate runs besi
 node's launcher, one leads (``control.leader``), and a new leader restores the state its
 predecessor saved there (``CoordinatorState``, saved with every epoch and every logged step).
 
-    python -m titan_recover.coordinator JOB [--section.key value ...]
-    (JOB: --job.config_file X.toml on TorchTitan 0.2, --module titan_recover.recipes --config NAME on 0.3)
+    python -m titan_recover.coordinator --settings JSON
+    (JSON: the job's ``config.CoordinatorSettings``, which its launcher writes: it reads no job config itself)
     (serves on the port in $TITAN_RECOVER_COORDINATOR, the run named by $TITAN_RECOVER_SECRET and $TITAN_RECOVER_RUN_ID;
     with an etcd:// address there, campaigns to lead and leads until the run ends)
 """
