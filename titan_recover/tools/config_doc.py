@@ -25,6 +25,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from titan_recover.control.keys import EXIT_FAILED, EXIT_OK
+
 log = logging.getLogger(__name__)
 
 PACKAGE = Path(__file__).resolve().parents[1]
@@ -170,16 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         if stale(args.page):
             log.error("%s is stale: run %s", args.page, COMMAND)
-            return 1
+            return EXIT_FAILED
         log.info("%s is up to date", args.page)
-        return 0
+        return EXIT_OK
     if args.write:
         args.page.parent.mkdir(parents=True, exist_ok=True)
         args.page.write_text(render())
         log.info("wrote %s", args.page)
-        return 0
+        return EXIT_OK
     sys.stdout.write(render())
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":
