@@ -37,8 +37,38 @@ class Run:
         return steps
 
 
+HEAVIEST_FIRST = (
+    "test_selftest.py",
+    "test_partitions.py",
+    "test_rejoin.py",
+    "test_nodes.py",
+    "test_spares.py",
+    "test_survive.py",
+    "test_e2e.py",
+    "test_failover.py",
+    "test_parallel.py",
+    "test_partitions_etcd.py",
+    "test_data_runs.py",
+    "test_lifeline.py",
+    "test_features.py",
+    "test_stragglers.py",
+    "test_status.py",
+    "test_store_growth.py",
+    "test_bootstrap.py",
+    "test_bad_input.py",
+    "test_prepare.py",
+    "test_trust.py",
+)
+"""The files with the most process-seconds, most first (from ``--durations``): run with ``--dist loadfile
+--no-loadscope-reorder``, both workers start on long files and the suite ends on short ones, not on a long
+file queued last behind a worker's other files."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A ``toml`` test runs on TorchTitan 0.2 only; elsewhere it is skipped with its reason."""
+    """The heaviest files first (``HEAVIEST_FIRST``). A ``toml`` test runs on TorchTitan 0.2 only; elsewhere it
+    is skipped with its reason."""
+    weight = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+    items.sort(key=lambda item: weight.get(item.path.name, len(weight)))
     if LINE == "0.2":
         return
     for item in items:
@@ -111,6 +141,17 @@ THREE = [
 ]  # M = 12 / 2 = 6, two each
 
 
+SINGLES = [
+    "--parallelism.data_parallel_shard_degree",
+    "1",
+    "--training.global_batch_size",
+    "8",
+    "--training.steps",
+    "10",
+]  # 2 single-rank replica groups, M = 8 / 2 = 4 as in the 2x2 job: for faults in the replicate dimension, the
+# control plane or the data, where FSDP inside a group adds nothing to what is checked and each rank costs seconds
+
+
 def shared_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str, name: str, *overrides: str) -> Run:
     """A failure-free reference run made once per test session, not once per xdist worker:
     the first worker to ask runs it, the others wait on a file lock and read its result
@@ -134,6 +175,12 @@ def _passed(run: Run) -> Run:
 def three_replicas(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Run:
     """3 single-rank replica groups, no failure: the reference for the R=3 scenarios."""
     return shared_run(tmp_path_factory, worker_id, "three_replicas", *THREE, "--recover.fault_plan", "none")
+
+
+@pytest.fixture(scope="session")
+def two_singles(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Run:
+    """2 single-rank replica groups for 10 steps (``SINGLES``), no failure: their reference trajectory."""
+    return shared_run(tmp_path_factory, worker_id, "two_singles", *SINGLES, "--recover.fault_plan", "none")
 
 
 @pytest.fixture(scope="session")

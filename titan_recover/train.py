@@ -20,6 +20,7 @@ modes log the same per-step events so their trajectories can be compared.
     torchrun ... -m titan_recover.train --module titan_recover.recipes --config NAME   (0.3)
 """
 
+import gc
 import hashlib
 import os
 import time
@@ -30,6 +31,7 @@ from titan_recover.node import procs
 # before the seconds of imports below: a torchrun agent killed meanwhile takes this rank along
 if __name__ == "__main__":
     procs.die_with_parent()
+    gc.disable()  # the imports below make millions of objects that live all run: collecting them costs ~15% of them
     from titan_recover.node import devices
 
     os.environ.update(devices.rank_env(os.environ))  # before CUDA or NCCL start: a rank-per-host rank's GPU and host id
@@ -525,5 +527,7 @@ def trainer(job_config: titan.JobConfig) -> titan.Trainer:
 
 
 if __name__ == "__main__":
+    gc.freeze()  # what the imports made is never collected, and later collections skip it
+    gc.enable()
     procs.dumps_stacks()
     procs.leave(lambda: titan.run(trainer))
