@@ -16,7 +16,6 @@ from conftest import ROOT, SINGLES, Run, assert_same_trajectory, run_job
 
 from titan_recover.titan.jobs import job
 
-
 NO_RESTART = ["--recover.max_restarts", "0"]  # the survivors finish the run; a restart would only cost seconds
 
 
