@@ -155,7 +155,8 @@ def wait_until(what: str, predicate: Callable[[], bool], timeout: float, launche
 
 def launcher_args(dump: Path, control: Node | LocalEtcd, plan: str, *extra: str) -> list[str]:
     """A launcher's command: the job with fault plan ``plan``, its control store the TCPStore coordinator
-    on node ``control`` (bound to its address) or the etcd cluster ``control``."""
+    on node ``control`` (bound to its address) or the etcd cluster ``control``. Each scenario passes on its
+    ``layout`` overrides last (the tests run single-rank groups; the benchmark, the job as it is)."""
     store = (
         ["--recover.control_store", control.url]
         if isinstance(control, LocalEtcd)
@@ -230,14 +231,17 @@ def finish(dump: Path, launchers: list[Launcher], timings: dict[str, float], tim
     return Outcome(events(dump), [la.proc.returncode for la in launchers], [la.output() for la in launchers], timings)
 
 
-def failure_free(cluster: Cluster, dump: Path) -> Outcome:
-    with two_nodes(cluster, dump, launcher_args(dump, cluster.nodes[0], "none")) as launchers:
+def failure_free(cluster: Cluster, dump: Path, *layout: str) -> Outcome:
+    with two_nodes(cluster, dump, launcher_args(dump, cluster.nodes[0], "none", *layout)) as launchers:
         return finish(dump, launchers, {})
 
 
-def failure_free_on_etcd(cluster: Cluster, dump: Path) -> Outcome:
+def failure_free_on_etcd(cluster: Cluster, dump: Path, *layout: str) -> Outcome:
     """The same job on etcd, a member per node: the etcd cases' reference."""
-    with etcd_members(cluster) as etcd, two_nodes(cluster, dump, launcher_args(dump, etcd, "none"), etcd) as launchers:
+    with (
+        etcd_members(cluster) as etcd,
+        two_nodes(cluster, dump, launcher_args(dump, etcd, "none", *layout), etcd) as launchers,
+    ):
         return finish(dump, launchers, {})
 
 
@@ -263,20 +267,27 @@ def fenced_and_back(
     return {**timings, "fenced_s": fenced, f"rejoined_after_{after}_s": time.monotonic() - back}
 
 
-def cut_off(cluster: Cluster, dump: Path) -> Outcome:
+def cut_off(cluster: Cluster, dump: Path, *layout: str) -> Outcome:
     """Node 1's cable pulled for 8 s after step 2 (heartbeat_timeout_s is 5), then plugged back."""
-    args = launcher_args(dump, cluster.nodes[0], f"{STALL}; {HOLD}", "--recover.collective_timeout_s", "60")
+    args = launcher_args(dump, cluster.nodes[0], f"{STALL}; {HOLD}", "--recover.collective_timeout_s", "60", *layout)
     with two_nodes(cluster, dump, args) as launchers:
         timings = fenced_and_back(dump, launchers, cluster.unplugged(cluster.nodes[1]), CUT_S, "reconnect")
         return finish(dump, launchers, timings)
 
 
-def coordinator_cut_off(cluster: Cluster, dump: Path) -> Outcome:
+def coordinator_cut_off(cluster: Cluster, dump: Path, *layout: str) -> Outcome:
     """Node 0 (the TCPStore coordinator's node) unplugged for good after step 2, coordinator_timeout_s 10."""
     # step 3 neither committed nor recorded before the cut
     plan = f"{STALL}; sleep replica=0 step=3 phase=optimizer seconds=20"
     args = launcher_args(
-        dump, cluster.nodes[0], plan, "--recover.coordinator_timeout_s", str(TIMEOUT_S), "--recover.max_restarts", "0"
+        dump,
+        cluster.nodes[0],
+        plan,
+        "--recover.coordinator_timeout_s",
+        str(TIMEOUT_S),
+        "--recover.max_restarts",
+        "0",
+        *layout,
     )
     with two_nodes(cluster, dump, args) as launchers:
         wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
@@ -295,7 +306,7 @@ def coordinator_cut_off(cluster: Cluster, dump: Path) -> Outcome:
         return outcome
 
 
-def paused(cluster: Cluster, dump: Path) -> Outcome:
+def paused(cluster: Cluster, dump: Path, *layout: str) -> Outcome:
     """Every process of node 1 SIGSTOPped for 20 s (2 x coordinator_timeout_s) after step 2."""
     args = launcher_args(
         dump,
@@ -305,15 +316,16 @@ def paused(cluster: Cluster, dump: Path) -> Outcome:
         str(TIMEOUT_S),
         "--recover.collective_timeout_s",
         "60",
+        *layout,
     )
     with two_nodes(cluster, dump, args) as launchers:
         timings = fenced_and_back(dump, launchers, cluster.paused(cluster.nodes[1]), PAUSE_S, "resume")
         return finish(dump, launchers, timings)
 
 
-def replaced(cluster: Cluster, dump: Path) -> Outcome:
+def replaced(cluster: Cluster, dump: Path, *layout: str) -> Outcome:
     """Node 1 replaced as a new pod: its processes SIGKILLed after step 2, the same command started again."""
-    args = launcher_args(dump, cluster.nodes[0], HOLD, "--recover.collective_timeout_s", "60")
+    args = launcher_args(dump, cluster.nodes[0], HOLD, "--recover.collective_timeout_s", "60", *layout)
     with two_nodes(cluster, dump, args) as launchers:
         wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
         cluster.kill(cluster.nodes[1])
@@ -323,14 +335,14 @@ def replaced(cluster: Cluster, dump: Path) -> Outcome:
         return finish(dump, launchers, {"rejoined_after_restart_s": time.monotonic() - again})
 
 
-def latency_loss(cluster: Cluster, dump: Path) -> Outcome:
+def latency_loss(cluster: Cluster, dump: Path, *layout: str) -> Outcome:
     """50 ms more each way on every connection between the nodes and 1% loss, from the start."""
     with cluster.delayed(50), cluster.dropping(cluster.nodes[1], percent=1):
-        with two_nodes(cluster, dump, launcher_args(dump, cluster.nodes[0], "none")) as launchers:
+        with two_nodes(cluster, dump, launcher_args(dump, cluster.nodes[0], "none", *layout)) as launchers:
             return finish(dump, launchers, {}, timeout=600)
 
 
-def leader_cut_off(cluster: Cluster, dump: Path) -> Outcome:
+def leader_cut_off(cluster: Cluster, dump: Path, *layout: str) -> Outcome:
     """On etcd: the coordinator leader's node unplugged for 8 s after step 2, past the leader's lease (3 s)
     and heartbeat_timeout_s (5 s). etcd's Raft leader is on node 2 (no launcher): the takeover waits for
     the lease alone (a Raft leader cut off is ``etcd_member_cut_off``'s). Timings: the cut to the
@@ -338,7 +350,7 @@ def leader_cut_off(cluster: Cluster, dump: Path) -> Outcome:
     and the lines a coordinator on the old leader's node wrote from the takeover on (``old_leader_writes``)."""
     plan = f"{STALL}; {hold(0)}; {hold(1)}"  # whichever group is cut off, the other holds step 5 for its return
     with etcd_members(cluster) as etcd:
-        args = launcher_args(dump, etcd, plan, "--recover.collective_timeout_s", "60")
+        args = launcher_args(dump, etcd, plan, "--recover.collective_timeout_s", "60", *layout)
         with two_nodes(cluster, dump, args, etcd) as launchers:
             wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
             etcd.move_leader(etcd.names[2])
@@ -363,12 +375,12 @@ def leader_cut_off(cluster: Cluster, dump: Path) -> Outcome:
     return outcome
 
 
-def etcd_member_cut_off(cluster: Cluster, dump: Path) -> Outcome:
+def etcd_member_cut_off(cluster: Cluster, dump: Path, *layout: str) -> Outcome:
     """On etcd: node 2 (its member only, leading Raft, so the other two must elect a leader)
     unplugged for 8 s after step 2, while replica 0 takes 10 s over step 4 so the run goes on after the
     reconnection. Timing: from the reconnection until node 2's member serves again (a linearizable read)."""
     with etcd_members(cluster) as etcd:
-        args = launcher_args(dump, etcd, "sleep replica=0 step=4 phase=forward seconds=10")
+        args = launcher_args(dump, etcd, "sleep replica=0 step=4 phase=forward seconds=10", *layout)
         with two_nodes(cluster, dump, args, etcd) as launchers:
             wait_until("step 2", lambda: 2 in steps(dump), 240, launchers)
             member = etcd.names[2]

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Run, assert_all_rejoined, assert_same_trajectory, coordinator_command
+from conftest import ROOT, SINGLES, Run, assert_all_rejoined, assert_same_trajectory, coordinator_command
 from test_nodes import Node, events, wait_until
 
 from titan_recover.control import keys, sealed, transport
@@ -34,12 +34,14 @@ def etcd() -> Iterator[LocalEtcd]:
 
 
 def launcher(dump: Path, url: str, plan: str, *extra: str) -> list[str]:
-    """One node's launcher command: the failure-free reference's job (2 groups x FSDP 2), on etcd."""
+    """One node's launcher command: the reference's job (``SINGLES``: 2 single-rank groups, 10 steps; the
+    faults here are the control plane's), on etcd."""
     return [
         sys.executable,
         "-m",
         "titan_recover.launch",
         *job(dump, tiny=True),
+        *SINGLES,
         "--recover.fault_plan",
         plan,
         "--recover.control_store",
@@ -80,7 +82,7 @@ def steps(dump: Path) -> list[int]:
 
 
 def test_the_leader_killed_mid_step_is_replaced_and_its_successor_fences_and_readmits(
-    tmp_path: Path, failure_free: Run, etcd: LocalEtcd
+    tmp_path: Path, two_singles: Run, etcd: LocalEtcd
 ) -> None:
     """Launchers A (replica 0) and B (replica 1) each run a coordinator candidate. Step 3 is held by
     replica 0 (a 10 s sleep mid-forward); once step 2 is logged the leader is SIGKILLed, mid-step 3. The
@@ -108,7 +110,7 @@ def test_the_leader_killed_mid_step_is_replaced_and_its_successor_fences_and_rea
         assert a.wait(timeout=240) == 0, a.output()[-3000:] + b.output()[-3000:]
         assert b.wait(timeout=60) == 0, b.output()[-3000:]
     run = Run(0, a.output(), events(dump))
-    assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=4)  # every step once (Run.steps)
+    assert_same_trajectory(two_singles, run, rel_tol=1e-3, num_microbatches=4)  # every step once (Run.steps)
     second = run.of("leader")[1]
     assert second["pid"] != first["pid"] and second["step"] == 3, second  # took over mid-step 3
     print(f"new leader {second['time'] - killed:.2f}s after the SIGKILL")
@@ -118,7 +120,7 @@ def test_the_leader_killed_mid_step_is_replaced_and_its_successor_fences_and_rea
     assert (admitted["replica"], admitted["attempt"]) == (1, 1)
     [rejoined] = run.of("rejoined")
     assert rejoined["replica"] == 1 and rejoined["bytes"] > 0
-    assert_all_rejoined(run, 2, 6)
+    assert_all_rejoined(run, 2, 10)
     died = a if "coordinator candidate exited with code -9" in a.output() else b
     assert "starting another (the leader's lease passes to a live candidate)" in died.output()
     assert "took over at step 3" in a.output() + b.output()
@@ -145,7 +147,7 @@ def raft_leader(cluster: LocalEtcd) -> str:
 
 
 def test_an_etcd_member_killed_is_invisible_and_a_stale_leader_cannot_change_membership(
-    tmp_path: Path, failure_free: Run, etcd: LocalEtcd
+    tmp_path: Path, two_singles: Run, etcd: LocalEtcd
 ) -> None:
     """One launcher (one candidate), both groups, and a second candidate started beside it. At step 2 the
     etcd member leading Raft is SIGKILLed: nothing changes (same coordinator leader, no failure). At step 3
@@ -185,7 +187,7 @@ def test_an_etcd_member_killed_is_invisible_and_a_stale_leader_cannot_change_mem
         finally:
             spare.kill()
     run = Run(0, a.output(), events(dump))
-    assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=4)
+    assert_same_trajectory(two_singles, run, rel_tol=1e-3, num_microbatches=4)
     assert not run.of("failure") and not run.of("recovered"), run.of("failure")  # nobody fenced
     assert all(e["members"] == [0, 1] for e in run.of("step"))
     assert [e["pid"] for e in run.of("leader")] == [first["pid"], spare.pid]

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Run, assert_all_rejoined, assert_same_trajectory
+from conftest import SINGLES, Run, assert_all_rejoined, assert_same_trajectory
 from test_netns import needs_netns
 
 from bench import partitions
@@ -24,35 +24,36 @@ def cluster() -> Iterator[Cluster]:
         yield c
 
 
-def as_run(outcome: Outcome, failure_free: Run) -> Run:
+def as_run(outcome: Outcome, reference: Run) -> Run:
     """The outcome as a run of node 0 (every step logged once: ``Run.steps``), with the failure-free
-    data, M microbatches and losses within 1e-3."""
+    data, M microbatches and losses within 1e-3. The scenarios run single-rank groups (``SINGLES``):
+    their faults are the network's, between groups."""
     run = Run(outcome.exits[0] or 0, outcome.outputs[0], outcome.events)
     assert outcome.exits[0] == 0, outcome.outputs[0][-3000:]
-    assert_same_trajectory(failure_free, run, 1e-3, num_microbatches=4)
+    assert_same_trajectory(reference, run, 1e-3, num_microbatches=4)
     return run
 
 
-def rejoined(outcome: Outcome, failure_free: Run) -> Run:
+def rejoined(outcome: Outcome, reference: Run) -> Run:
     """Both nodes ended with exit 0, and both groups with equal parameters after replica 1's return."""
     assert outcome.exits == [0, 0], [out[-3000:] for out in outcome.outputs]
-    run = as_run(outcome, failure_free)
-    assert_all_rejoined(run, 2, 6)
+    run = as_run(outcome, reference)
+    assert_all_rejoined(run, 2, 10)
     return run
 
 
 @needs_netns
 def test_a_node_cut_off_past_the_heartbeat_timeout_is_fenced_and_its_group_comes_back(
-    tmp_path: Path, cluster: Cluster, failure_free: Run
+    tmp_path: Path, cluster: Cluster, two_singles: Run
 ) -> None:
-    """Two nodes on their own addresses, replica group i (FSDP 2) on node i, the coordinator on node 0
+    """Two nodes on their own addresses, replica group i (one rank) on node i, the coordinator on node 0
     bound to 198.18.0.1. After step 2 node 1's cable is pulled for 8 s (heartbeat_timeout_s is 5):
     replica 1 is fenced and replica 0 goes on alone, then holds step 5 until an epoch admits again.
     Reconnected, node 1's launcher (the same process: it never stopped) learns its group was fenced,
     restarts it, and it rejoins by state transfer over the network."""
-    outcome = partitions.cut_off(cluster, tmp_path / "dump")
+    outcome = partitions.cut_off(cluster, tmp_path / "dump", *SINGLES)
     print(outcome.timings)
-    run = rejoined(outcome, failure_free)
+    run = rejoined(outcome, two_singles)
     [failure] = run.of("failure")
     assert failure["replica"] == 1 and failure["step"] == 3, failure
     [back_at] = [e["step"] for e in run.of("rejoined")]
@@ -65,13 +66,13 @@ def test_a_node_cut_off_past_the_heartbeat_timeout_is_fenced_and_its_group_comes
 
 @needs_netns
 def test_the_coordinators_node_cut_off_stops_the_other_node_and_its_own_side_goes_on(
-    tmp_path: Path, cluster: Cluster, failure_free: Run
+    tmp_path: Path, cluster: Cluster, two_singles: Run
 ) -> None:
     """On the TCPStore the coordinator's node is the run: node 0 (coordinator, replica 0) cut off for
     good after step 2. Node 1 (replica 1) stops within coordinator_timeout_s (10 s) of the cut with the
     one line saying how to resume (exit 3), its ranks gone with it; node 0 fences replica 1 and finishes
     alone with the failure-free data and losses."""
-    outcome = partitions.coordinator_cut_off(cluster, tmp_path / "dump")
+    outcome = partitions.coordinator_cut_off(cluster, tmp_path / "dump", *SINGLES)
     print(outcome.timings)
     assert outcome.exits[1] == 3, outcome.outputs[1][-3000:]
     assert outcome.timings["other_node_stopped_s"] < partitions.TIMEOUT_S + 5
@@ -79,21 +80,21 @@ def test_the_coordinators_node_cut_off_stops_the_other_node_and_its_own_side_goe
     assert (
         f"lost the titan_recover coordinator: no sign of life from the coordinator at {cluster.nodes[0].address}:{PORT}"
     ) in outcome.outputs[1], outcome.outputs[1][-3000:]
-    run = as_run(outcome, failure_free)
+    run = as_run(outcome, two_singles)
     [failure] = run.of("failure")
     assert failure["replica"] == 1 and failure["step"] == 3, failure
-    assert {s: e["members"] for s, e in run.steps().items()} == {1: [0, 1], 2: [0, 1], 3: [0], 4: [0], 5: [0], 6: [0]}
+    assert {s: e["members"] for s, e in run.steps().items()} == {s: [0, 1] if s < 3 else [0] for s in range(1, 11)}
 
 
 @needs_netns
-def test_a_paused_node_loses_only_its_own_groups(tmp_path: Path, cluster: Cluster, failure_free: Run) -> None:
+def test_a_paused_node_loses_only_its_own_groups(tmp_path: Path, cluster: Cluster, two_singles: Run) -> None:
     """Every process of node 1 (its launcher, torchrun agent, ranks) SIGSTOPped for 2 x
     coordinator_timeout_s (20 s) after step 2, as a frozen VM: replica 1 is fenced and replica 0 goes on.
     Resumed, node 1's launcher sees it was the one paused, judges the coordinator on fresh readings
     (alive) instead of stopping, finds its group fenced, restarts it, and it rejoins."""
-    outcome = partitions.paused(cluster, tmp_path / "dump")
+    outcome = partitions.paused(cluster, tmp_path / "dump", *SINGLES)
     print(outcome.timings)
-    run = rejoined(outcome, failure_free)
+    run = rejoined(outcome, two_singles)
     [failure] = run.of("failure")
     assert failure["replica"] == 1 and failure["step"] == 3, failure
     assert "did not run for" in outcome.outputs[1]  # it knows it was the one paused
@@ -101,15 +102,15 @@ def test_a_paused_node_loses_only_its_own_groups(tmp_path: Path, cluster: Cluste
 
 @needs_netns
 def test_a_replaced_node_running_the_same_command_takes_its_group_back(
-    tmp_path: Path, cluster: Cluster, failure_free: Run
+    tmp_path: Path, cluster: Cluster, two_singles: Run
 ) -> None:
     """Node 1 replaced, as a new pod: every process of its namespace SIGKILLed after step 2, then the
     same command started again there. It takes the dead launcher's claim over once that launcher's
     node message has been silent for heartbeat_timeout_s, starts replica 1 as incarnation 1, and the
     group rejoins by state transfer; replica 0 holds step 5 until that admission."""
-    outcome = partitions.replaced(cluster, tmp_path / "dump")
+    outcome = partitions.replaced(cluster, tmp_path / "dump", *SINGLES)
     print(outcome.timings)
-    run = rejoined(outcome, failure_free)
+    run = rejoined(outcome, two_singles)
     assert [e["replica"] for e in run.of("failure")] == [1]
     [admitted] = run.of("admitted")
     assert admitted["replica"] == 1 and admitted["attempt"] == 1  # the store's incarnation count, not 0 again
@@ -118,12 +119,12 @@ def test_a_replaced_node_running_the_same_command_takes_its_group_back(
 
 @needs_netns
 def test_latency_and_loss_between_nodes_cost_time_not_correctness(
-    tmp_path: Path, cluster: Cluster, failure_free: Run
+    tmp_path: Path, cluster: Cluster, two_singles: Run
 ) -> None:
     """50 ms more each way on every connection between the two nodes and 1% of their packets lost,
     from before the launchers start: the run completes with the failure-free data and losses, every
     step once, equal parameter digests and no failure; bench.partitions measures what it costs."""
-    outcome = partitions.latency_loss(cluster, tmp_path / "dump")
-    run = rejoined(outcome, failure_free)
+    outcome = partitions.latency_loss(cluster, tmp_path / "dump", *SINGLES)
+    run = rejoined(outcome, two_singles)
     assert not run.of("failure")
     print(f"mean step time with 50 ms and 1% loss: {partitions.mean_step_s(outcome):.2f}s")

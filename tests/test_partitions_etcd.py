@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Run
+from conftest import SINGLES, Run
 from test_netns import needs_netns
 from test_partitions import rejoined
 
@@ -28,7 +28,7 @@ def three() -> Iterator[Cluster]:
 
 @needs_netns
 def test_the_coordinator_leaders_node_cut_off_past_its_lease_is_replaced_and_writes_nothing_more(
-    tmp_path: Path, three: Cluster, failure_free: Run
+    tmp_path: Path, three: Cluster, two_singles: Run
 ) -> None:
     """On etcd, a member on each of three nodes, replica group i and a coordinator candidate on node i
     (0, 1). After step 2 the node of the coordinator leader is cut off for 8 s, past its lease (3 s;
@@ -36,7 +36,7 @@ def test_the_coordinator_leaders_node_cut_off_past_its_lease_is_replaced_and_wri
     lease plus its campaign, fences the cut-off group and readmits it once its node is back. The old leader
     logs no coordinator event from the takeover on (its writes are guarded by the lease it lost), it
     finds its leadership lost after the reconnection, and every step is logged exactly once."""
-    outcome = partitions.leader_cut_off(three, tmp_path / "dump")
+    outcome = partitions.leader_cut_off(three, tmp_path / "dump", *SINGLES)
     print(outcome.timings)
     old, new = int(outcome.timings["leader_node"]), int(outcome.timings["new_leader_node"])
     assert {old, new} == {0, 1}, outcome.timings
@@ -44,7 +44,7 @@ def test_the_coordinator_leaders_node_cut_off_past_its_lease_is_replaced_and_wri
     # URL first (node 0's), up to etcd_store.REQUEST_S when that is the node cut off
     assert outcome.timings["takeover_s"] < LEASE_S + REQUEST_S + 2, outcome.timings
     assert outcome.timings["old_leader_writes"] == 0
-    run = rejoined(outcome, failure_free)  # every step once, M = 4, failure-free data and losses
+    run = rejoined(outcome, two_singles)  # every step once, M = 4, failure-free data and losses
     assert len(run.of("leader")) == 2, run.of("leader")
     [failure] = run.of("failure")
     assert failure["replica"] == old, failure  # group i on node i
@@ -53,15 +53,15 @@ def test_the_coordinator_leaders_node_cut_off_past_its_lease_is_replaced_and_wri
 
 @needs_netns
 def test_an_etcd_member_cut_off_and_back_is_invisible_to_the_run(
-    tmp_path: Path, three: Cluster, failure_free: Run
+    tmp_path: Path, three: Cluster, two_singles: Run
 ) -> None:
     """On etcd, a member on each of three nodes, the launchers on nodes 0 and 1: node 2's member, moved to
     lead Raft, is cut off for 8 s after step 2 and reconnected mid-run. The other two elect a leader and the
     run sees nothing: no failure, no fence, the same coordinator leader, both groups throughout, the
     failure-free data and losses; node 2's member serves again after the reconnection."""
-    outcome = partitions.etcd_member_cut_off(three, tmp_path / "dump")
+    outcome = partitions.etcd_member_cut_off(three, tmp_path / "dump", *SINGLES)
     print(outcome.timings)
-    run = rejoined(outcome, failure_free)
+    run = rejoined(outcome, two_singles)
     assert not run.of("failure") and not run.of("recovered"), run.of("failure")
     assert all(e["members"] == [0, 1] for e in run.of("step"))
     assert len(run.of("leader")) == 1, run.of("leader")
