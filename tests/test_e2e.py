@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from conftest import THREE, Run, assert_same_trajectory, run_job
+from conftest import SINGLES, THREE, Run, assert_same_trajectory, run_job
 
 from titan_recover.titan.jobs import LINE
 
@@ -65,6 +65,7 @@ def test_two_replicas_lost_in_one_step_down_to_one_survivor(tmp_path: Path, thre
 def test_below_min_replicas_is_a_clear_error(tmp_path: Path) -> None:
     run = run_job(
         tmp_path,
+        *SINGLES,
         "--recover.min_replicas",
         "2",
         "--recover.max_restarts",

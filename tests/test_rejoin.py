@@ -9,7 +9,7 @@ fault, which must not get them evicted) until it is admitted.
 from pathlib import Path
 
 import pytest
-from conftest import THREE, Run, assert_all_rejoined, assert_same_trajectory, run_job
+from conftest import SINGLES, THREE, Run, assert_all_rejoined, assert_same_trajectory, run_job
 
 from titan_recover.titan.jobs import LINE
 
@@ -55,23 +55,30 @@ def test_sigstop_is_detected_fenced_and_restarted(tmp_path: Path, failure_free: 
     assert_all_rejoined(run, replicas=2, last_step=6)
 
 
-def test_a_peer_hung_between_collectives_is_fenced_once_the_wait_is_reported(tmp_path: Path, failure_free: Run) -> None:
+def test_a_peer_hung_between_collectives_is_fenced_once_the_wait_is_reported(tmp_path: Path, two_singles: Run) -> None:
     # replica 1 hangs after its step was agreed: no collective breaks, replica 0 waits for its
     # parameter digest, reports the wait after report_confirm_s, and the coordinator fences the
-    # silent group then (not after heartbeat_timeout_s, 10 s here)
+    # silent group then (not after heartbeat_timeout_s, 10 s here); single-rank groups: the hang is between groups
     plan = f"stop replica=1 rank=0 step=2 phase=optimizer; {WAIT.format(r=0, s=3)}"
     run = run_job(
-        tmp_path, "--recover.heartbeat_timeout_s", "10", "--recover.digest_interval", "2", "--recover.fault_plan", plan
+        tmp_path,
+        *SINGLES,
+        "--recover.heartbeat_timeout_s",
+        "10",
+        "--recover.digest_interval",
+        "2",
+        "--recover.fault_plan",
+        plan,
     )
     assert run.returncode == 0, run.output[-3000:]
-    assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=M)
+    assert_same_trajectory(two_singles, run, rel_tol=1e-3, num_microbatches=M)
     (failure,) = run.of("failure")
     assert failure["replica"] == 1, failure
     assert "while its peers waited (replica 0 rank 0 waited 1s for the parameter digests of step 2" in failure["cause"]
     (recovered,) = run.of("recovered")
     assert 1 < recovered["latency_s"] < 5, recovered
     rejoined(run, 1)
-    assert_all_rejoined(run, replicas=2, last_step=6)
+    assert_all_rejoined(run, replicas=2, last_step=10)
 
 
 def test_joiner_killed_mid_transfer_retries(tmp_path: Path, failure_free: Run) -> None:
