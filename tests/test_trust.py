@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import ROOT
+from conftest import ROOT, SINGLES
 
 from titan_recover.control import keys, transport
 from titan_recover.control.client import ControlClient
@@ -83,7 +83,8 @@ def test_an_outsider_on_the_port_sees_no_secret_and_cannot_forge_a_record(caplog
 def test_a_forged_fatal_does_not_stop_a_real_run(tmp_path: Path) -> None:
     """The issue's reproduction: an outsider on the coordinator's port lists the keys and forges
     ``fatal`` (and ``status``) while the run trains. The run finishes every step, and neither its
-    output nor any key holds the secret."""
+    output nor any key holds the secret. Single-rank groups and no failure of its own: the forgery is
+    the only fault."""
     port = transport.free_port()
     env = {**os.environ, keys.SECRET_ENV: SECRET, "PYTHONUNBUFFERED": "1"}
     cmd = [
@@ -91,8 +92,11 @@ def test_a_forged_fatal_does_not_stop_a_real_run(tmp_path: Path) -> None:
         "-m",
         "titan_recover.launch",
         *job(tmp_path, tiny=True),
+        *SINGLES,
         "--training.steps",
         "8",
+        "--recover.fault_plan",
+        "none",
         "--recover.coordinator_port",
         str(port),
     ]
