@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 import re
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import run_data_cli
+from launcher_in_process import data_cli, error_lines, launch, launch_process
 
 from titan_recover import config, titan
 from titan_recover.config import ConfigError, Recover
@@ -38,18 +37,6 @@ def load(*overrides: str):
     return titan.load_config([*job(DUMP), *overrides])
 
 
-def launch(*overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m titan_recover.launch`` with the shipped config, as a user runs it; it must refuse in seconds."""
-    return subprocess.run(
-        [sys.executable, "-m", "titan_recover.launch", *job(DUMP), *overrides],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-    )
-
-
 # ------------------------------------------------------------------ training sizes
 
 
@@ -66,6 +53,7 @@ def test_training_sizes_must_be_positive(key: str, value: str) -> None:
 
 @pytest.mark.toml(MODEL_NAME)
 def test_misspelled_model_name_lists_the_registered_ones() -> None:
+    """In a real process: the data command line's own smoke test (its other refusals run in-process)."""
     r = run_data_cli("check", "--job.config_file", str(CONFIG), "--model.name", "llama33")
     assert r.returncode == 2, r.stderr[-3000:]
     assert (
@@ -76,8 +64,8 @@ def test_misspelled_model_name_lists_the_registered_ones() -> None:
 
 
 @pytest.mark.toml(MODEL_NAME)
-def test_custom_import_that_does_not_import_names_the_key() -> None:
-    r = run_data_cli("check", "--job.config_file", str(CONFIG), "--experimental.custom_import", "no_such_module_xyz")
+def test_custom_import_that_does_not_import_names_the_key(capfd: pytest.CaptureFixture[str]) -> None:
+    r = data_cli(capfd, "check", "--job.config_file", str(CONFIG), "--experimental.custom_import", "no_such_module_xyz")
     assert r.returncode == 2, r.stderr[-3000:]
     assert "error: experimental.custom_import 'no_such_module_xyz' cannot be imported" in r.stderr
     assert "Traceback" not in r.stderr
@@ -148,10 +136,20 @@ def test_coordinator_bind_this_host_cannot_listen_on(bind: str, problem: str) ->
 # ------------------------------------------------------------------ the launcher, as a user runs it
 
 
+def test_launcher_process_refuses_a_bad_key() -> None:
+    """In a real process, as a user runs it: the entry point exits 2 with one error line and no traceback
+    (the other refusals run in-process, ``launcher_in_process``)."""
+    proc = launch_process("--training.local_batch_size", "0")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert error_lines(proc.stderr) == ["error: training.local_batch_size must be an integer >= 1, got 0"], out[-3000:]
+    assert "Traceback" not in out
+    assert "coordinator at" not in out and "data:" not in out  # refused before the data check and any process
+
+
 @pytest.mark.parametrize(
     "overrides, env, message",
     [
-        (["--training.local_batch_size", "0"], {}, "error: training.local_batch_size must be an integer >= 1, got 0"),
         pytest.param(
             ["--model.name", "llama33"],
             {},
@@ -177,7 +175,6 @@ def test_coordinator_bind_this_host_cannot_listen_on(bind: str, problem: str) ->
         ),
     ],
     ids=[
-        "local_batch_size",
         "model.name",
         "coordinator-host",
         "coordinator-ipv6",
@@ -186,8 +183,10 @@ def test_coordinator_bind_this_host_cannot_listen_on(bind: str, problem: str) ->
         "status_bind",
     ],
 )
-def test_launcher_refuses_bad_input_before_starting(overrides: list[str], env: dict[str, str], message: str) -> None:
-    proc = launch(*overrides, env=env)
+def test_launcher_refuses_bad_input_before_starting(
+    overrides: list[str], env: dict[str, str], message: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    proc = launch(capfd, *overrides, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert message in proc.stderr, out[-3000:]
@@ -195,15 +194,22 @@ def test_launcher_refuses_bad_input_before_starting(overrides: list[str], env: d
     assert "coordinator at" not in out and "data:" not in out  # refused before the data check and any process
 
 
-@pytest.mark.parametrize("key", ["status_port", "coordinator_port"])
-def test_launcher_refuses_a_port_in_use_before_starting(key: str) -> None:
+@pytest.mark.parametrize("key, in_process", [("status_port", True), ("coordinator_port", False)])
+def test_launcher_refuses_a_port_in_use_before_starting(
+    key: str, in_process: bool, capfd: pytest.CaptureFixture[str]
+) -> None:
     """The status page's port is checked before the data; the coordinator's is bound by the first
-    launcher itself (and handed to the coordinator), before any process starts."""
+    launcher itself (and handed to the coordinator), before any process starts. That one runs in a real
+    process: the launcher gets furthest there (data checked, a socket bound) before refusing."""
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        proc = launch(f"--recover.{key}", str(port))
+        proc = (
+            launch(capfd, f"--recover.{key}", str(port))
+            if in_process
+            else launch_process(f"--recover.{key}", str(port))
+        )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert f"error: recover.{key} = {port}: cannot listen on 127.0.0.1:{port}" in proc.stderr, out[-3000:]
@@ -230,10 +236,12 @@ def _megatron_pair(folder: Path) -> Path:
 @pytest.mark.parametrize(
     "keep, problem", [(20, "end inside the header"), (40, "truncated: 40 bytes, but its 3 sequences")]
 )
-def test_truncated_megatron_index_names_the_file(tmp_path: Path, keep: int, problem: str) -> None:
+def test_truncated_megatron_index_names_the_file(
+    tmp_path: Path, keep: int, problem: str, capfd: pytest.CaptureFixture[str]
+) -> None:
     idx = _megatron_pair(tmp_path / "mg")
     os.truncate(idx, keep)
-    r = run_data_cli("index", str(idx.parent), "--tokenizer", TOKENIZER_DIR)
+    r = data_cli(capfd, "index", str(idx.parent), "--tokenizer", TOKENIZER_DIR)
     assert r.returncode == 2, r.stderr[-3000:]
     assert f"error: {idx}: " in r.stderr and problem in r.stderr, r.stderr[-3000:]
     assert "Traceback" not in r.stderr

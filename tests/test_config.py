@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launcher_in_process import launch_argv
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -357,15 +356,8 @@ def test_fault_at_the_last_rank_of_the_last_group_loads() -> None:
     assert load("--recover.fault_plan", "kill replica=1 rank=1 step=3").recover.fault_plan
 
 
-def test_launch_rejects_bad_config_with_exit_code_2() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(CONFIG), "--recover.min_replicas", "0"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+def test_launch_rejects_bad_config_with_exit_code_2(capfd: pytest.CaptureFixture[str]) -> None:
+    proc = launch_argv(["--job.config_file", str(CONFIG), "--recover.min_replicas", "0"], capfd)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "recover.min_replicas" in proc.stderr
     # nothing was started: no coordinator or replica group printed anything

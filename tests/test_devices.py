@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from launcher_in_process import launch_argv
 
 from titan_recover.config import ConfigError
 from titan_recover.control import transport
@@ -263,23 +264,9 @@ def test_gloo_groups_are_parked_not_aborted(address: str, monkeypatch: pytest.Mo
 
 
 @pytest.mark.skipif(dist.is_nccl_available(), reason="checks the refusal on a host without NCCL")
-def test_launcher_refuses_nccl_without_gpus_before_starting_anything() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "titan_recover.launch",
-            "--job.config_file",
-            str(ROOT / "train_configs" / "llama3_debug_cpu.toml"),
-            "--recover.replicate_backend",
-            "nccl",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+def test_launcher_refuses_nccl_without_gpus_before_starting_anything(capfd: pytest.CaptureFixture[str]) -> None:
+    config = ["--job.config_file", str(ROOT / "train_configs" / "llama3_debug_cpu.toml")]
+    proc = launch_argv([*config, "--recover.replicate_backend", "nccl"], capfd)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert 'recover.replicate_backend = "nccl" needs CUDA GPUs' in proc.stderr
     assert "replica group" not in proc.stdout  # no coordinator, no group

@@ -1,11 +1,10 @@
 """The preflight's rules (``titan_recover.launch.preflight``), one test per rule, and the launcher refusing a
 run on one of them before anything starts."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launcher_in_process import launch_argv
 
 from titan_recover.config import Recover
 from titan_recover.launch import preflight
@@ -114,11 +113,10 @@ def test_the_override_turns_refusals_into_warnings_and_says_so() -> None:
     )
 
 
-def test_the_launcher_refuses_a_too_short_in_group_timeout_before_anything_starts(tmp_path: Path) -> None:
-    args = [*job(tmp_path, tiny=True), "--comm.train_timeout_seconds", "20"]
-    done = subprocess.run(
-        [sys.executable, "-m", "titan_recover.launch", *args], capture_output=True, text=True, timeout=300
-    )
+def test_the_launcher_refuses_a_too_short_in_group_timeout_before_anything_starts(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    done = launch_argv([*job(tmp_path, tiny=True), "--comm.train_timeout_seconds", "20"], capfd)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "the preflight refuses this run" in done.stderr and "comm.train_timeout_seconds: 20s" in done.stderr
     assert "set TITAN_RECOVER_PREFLIGHT=warn to run anyway" in done.stderr

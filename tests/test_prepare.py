@@ -14,12 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_data_cli, run_job, write_jsonl, write_standin_tokenizer
+from conftest import ROOT, run_data_cli, write_jsonl, write_standin_tokenizer
+from launcher_in_process import launch_argv
 
+from titan_recover.control import keys
 from titan_recover.data import prepare
 from titan_recover.data.synthetic import TOKENIZER_DIR, synthetic_corpus
 from titan_recover.data.tokens import DataError, TokenDataset
-from titan_recover.titan.jobs import FLAGS, config_args
+from titan_recover.titan.jobs import FLAGS, config_args, job
 
 
 def all_tokens(folder: str) -> np.ndarray:
@@ -188,19 +190,28 @@ def folder(tmp_path: Path) -> Path:
     return out
 
 
-def test_launcher_refuses_a_truncated_shard(tmp_path: Path, folder: Path) -> None:
+def refused(tmp_path: Path, capfd: pytest.CaptureFixture[str], *overrides: str) -> str:
+    """The tests' tiny job launched in-process (``launcher_in_process``) without the tests' secret, as
+    ``run_job`` launches it: exit 2, nothing started, no event logged; its output."""
+    dump = tmp_path / "run"
+    proc = launch_argv([*job(dump, tiny=True), *overrides], capfd, env={keys.SECRET_ENV: None})
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-2000:]
+    assert not (dump / "recover_events.jsonl").exists()
+    return output
+
+
+def test_launcher_refuses_a_truncated_shard(tmp_path: Path, folder: Path, capfd: pytest.CaptureFixture[str]) -> None:
     os.truncate(folder / "00001.ds", 1234)
-    run = run_job(tmp_path / "run", FLAGS["dataset_path"], str(folder), timeout=120)
-    assert run.returncode == 2, run.output[-2000:]
-    assert f"error: {folder / '00001.ds'}: 1234 bytes, but manifest.json lists" in run.output
-    assert "torchrun" not in run.output and not run.events
+    output = refused(tmp_path, capfd, FLAGS["dataset_path"], str(folder))
+    assert f"error: {folder / '00001.ds'}: 1234 bytes, but manifest.json lists" in output
+    assert "torchrun" not in output
 
 
-def test_launcher_refuses_another_tokenizer(tmp_path: Path, folder: Path) -> None:
+def test_launcher_refuses_another_tokenizer(tmp_path: Path, folder: Path, capfd: pytest.CaptureFixture[str]) -> None:
     tok = write_standin_tokenizer(tmp_path / "tok", 2048)
-    run = run_job(tmp_path / "run", FLAGS["dataset_path"], str(folder), FLAGS["assets"], str(tok), timeout=120)
-    assert run.returncode == 2, run.output[-2000:]
-    assert f"error: {folder / 'manifest.json'}: tokenized with another tokenizer" in run.output
+    output = refused(tmp_path, capfd, FLAGS["dataset_path"], str(folder), FLAGS["assets"], str(tok))
+    assert f"error: {folder / 'manifest.json'}: tokenized with another tokenizer" in output
 
 
 def test_8b_config_data_path_prepares_and_loads(tmp_path: Path) -> None:

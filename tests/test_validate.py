@@ -1,11 +1,9 @@
 """Bad input from the node's environment or the tokenizer folder: a clear error (exit 2) before anything starts."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launcher_in_process import launch, launch_process
 
 from titan_recover import titan
 from titan_recover.config import ConfigError
@@ -14,9 +12,6 @@ from titan_recover.data.addressing import check_tokenizer_folder
 from titan_recover.data.synthetic import TOKENIZER_DIR
 from titan_recover.data.tokens import DataError
 from titan_recover.launch.launcher import check_coordinator, parse_group_node, parse_replicas
-from titan_recover.titan.jobs import job
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.unit
@@ -105,22 +100,18 @@ def test_tokenizer_folder_needs_tokenizer_json(tmp_path: Path, monkeypatch: pyte
         check_tokenizer_folder("assets/tok", "model.hf_assets_path")
 
 
-def launch(*overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m titan_recover.launch`` with the shipped config; it must refuse in seconds."""
-    return subprocess.run(
-        [sys.executable, "-m", "titan_recover.launch", *job(ROOT / "outputs" / "llama3_debug_cpu"), *overrides],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-    )
+def test_launcher_process_refuses_a_bad_environment() -> None:
+    """In a real process, as a user runs it: the entry point reads the node's environment (the other
+    refusals run in-process, ``launcher_in_process``)."""
+    proc = launch_process(env={keys.REPLICAS_ENV: "1,x"})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"error: {keys.REPLICAS_ENV}='1,x': 'x' is not a replica id" in proc.stderr
+    assert "coordinator" not in proc.stdout and "data:" not in proc.stdout  # refused before the data check
 
 
 @pytest.mark.parametrize(
     "env, message",
     [
-        ({keys.REPLICAS_ENV: "1,x"}, f"error: {keys.REPLICAS_ENV}='1,x': 'x' is not a replica id"),
         ({keys.COORDINATOR_ENV: "10.0.0.5:0"}, f"error: {keys.COORDINATOR_ENV}='10.0.0.5:0': port 0 is out of range"),
         (
             {keys.GROUP_NODE_ENV: "1"},
@@ -128,17 +119,19 @@ def launch(*overrides: str, env: dict[str, str] | None = None) -> subprocess.Com
         ),
     ],
 )
-def test_launcher_refuses_a_bad_environment_before_starting(env: dict[str, str], message: str) -> None:
-    proc = launch(env=env)
+def test_launcher_refuses_a_bad_environment_before_starting(
+    env: dict[str, str], message: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    proc = launch(capfd, env=env)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert message in proc.stderr
     assert "coordinator" not in proc.stdout and "data:" not in proc.stdout  # refused before the data check
 
 
 @pytest.mark.parametrize("folder", ["/nonexistent", "empty"])
-def test_launcher_refuses_a_missing_tokenizer(folder: str, tmp_path: Path) -> None:
+def test_launcher_refuses_a_missing_tokenizer(folder: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     path = folder if folder.startswith("/") else str(tmp_path)  # an empty folder: TorchTitan's traceback, exit 1
-    proc = launch(f"--{titan.ASSETS_KEY}", path)
+    proc = launch(capfd, f"--{titan.ASSETS_KEY}", path)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"error: {titan.ASSETS_KEY}: no tokenizer at {path} (" in proc.stderr
     assert "Traceback" not in proc.stderr and "coordinator" not in proc.stdout
