@@ -41,18 +41,40 @@ def test_kill_restart_rejoin_keeps_trajectory(tmp_path: Path, failure_free: Run)
     assert_all_rejoined(run, replicas=2, last_step=6)
 
 
-def test_sigstop_is_detected_fenced_and_restarted(tmp_path: Path, failure_free: Run) -> None:
-    plan = f"stop replica=1 rank=0 step=2 phase=backward; {WAIT.format(r=0, s=3)}"
-    run = run_job(tmp_path, "--recover.heartbeat_timeout_s", "3", "--recover.fault_plan", plan)
+@pytest.fixture(scope="module")
+def stopped_then_joiner_killed(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """Replica 1's rank 0 SIGSTOPped mid-backward at step 2 (found by its silence, heartbeat_timeout_s 3),
+    then its restarted incarnation's rank 0 SIGKILLed while it receives its state: one run for both
+    stories, each test reading its own."""
+    plan = (
+        "stop replica=1 rank=0 step=2 phase=backward; kill replica=1 rank=0 phase=join; "
+        f"{WAIT.format(r=0, s=3)}; {WAIT.format(r=0, s=4)}"
+    )
+    run = run_job(
+        tmp_path_factory.mktemp("stopped"), "--recover.heartbeat_timeout_s", "3", "--recover.fault_plan", plan
+    )
     assert run.returncode == 0, run.output[-3000:]
+    return run
+
+
+def test_sigstop_is_detected_fenced_and_restarted(stopped_then_joiner_killed: Run, failure_free: Run) -> None:
+    run = stopped_then_joiner_killed
     assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=M)
-    (failure,) = run.of("failure")
-    assert failure["replica"] == 1 and "heartbeat silent" in failure["cause"]
-    (recovered,) = run.of("recovered")
-    assert 2.5 < recovered["latency_s"] < 10  # the hang costs about heartbeat_timeout_s
-    assert "killed local rank 0 of fenced replica 1" in run.output  # the hung rank was cleared away
+    stopped = run.of("failure")[0]
+    assert stopped["replica"] == 1 and "heartbeat silent" in stopped["cause"], stopped
+    recovered = run.of("recovered")[0]
+    assert 2.5 < recovered["latency_s"] < 10, recovered  # the hang costs about heartbeat_timeout_s
+    assert "killed local rank 0 of fenced replica 1 (attempt 0" in run.output  # the hung rank was cleared away
     rejoined(run, 1)
     assert_all_rejoined(run, replicas=2, last_step=6)
+
+
+def test_joiner_killed_mid_transfer_retries(stopped_then_joiner_killed: Run) -> None:
+    run = stopped_then_joiner_killed
+    assert [(e["replica"], e["attempt"]) for e in run.of("admitted")] == [(1, 1), (1, 2)]
+    assert any(e["phase"] == "join" and e["attempt"] == 1 for e in run.of("fault_injected"))
+    assert [f["replica"] for f in run.of("failure")] == [1, 1]  # the stopped incarnation, then the killed joiner
+    rejoined(run, 1)  # once: the joiner killed at attempt 1 never finished its transfer
 
 
 def test_a_peer_hung_between_collectives_is_fenced_once_the_wait_is_reported(tmp_path: Path, two_singles: Run) -> None:
@@ -79,20 +101,6 @@ def test_a_peer_hung_between_collectives_is_fenced_once_the_wait_is_reported(tmp
     assert 1 < recovered["latency_s"] < 5, recovered
     rejoined(run, 1)
     assert_all_rejoined(run, replicas=2, last_step=10)
-
-
-def test_joiner_killed_mid_transfer_retries(tmp_path: Path, failure_free: Run) -> None:
-    plan = (
-        "kill replica=1 rank=1 step=2 phase=backward; kill replica=1 rank=0 phase=join; "
-        f"{WAIT.format(r=0, s=3)}; {WAIT.format(r=0, s=4)}"
-    )
-    run = run_job(tmp_path, "--recover.fault_plan", plan)
-    assert run.returncode == 0, run.output[-3000:]
-    assert_same_trajectory(failure_free, run, rel_tol=1e-3, num_microbatches=M)
-    assert [(e["replica"], e["attempt"]) for e in run.of("admitted")] == [(1, 1), (1, 2)]
-    assert any(e["phase"] == "join" and e["attempt"] == 1 for e in run.of("fault_injected"))
-    rejoined(run, 1)
-    assert_all_rejoined(run, replicas=2, last_step=6)
 
 
 def test_donor_killed_mid_transfer_another_donor_takes_over(tmp_path: Path, three_replicas: Run) -> None:
