@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Run, assert_all_rejoined, assert_same_trajectory, run_job, write_jsonl
+from conftest import SINGLES, Run, assert_all_rejoined, assert_same_trajectory, run_job, write_jsonl
 
 from titan_recover.data import order, prepare
 from titan_recover.data.addressing import sample_indices
@@ -72,8 +72,9 @@ def test_token_changed_under_the_run_is_a_data_error_not_a_replica_failure(tmp_p
     prepare.prepare_synthetic(str(folder), TOKENIZER_DIR, 20_000, 2, 0, workers=1, progress=False)
     dataset = TokenDataset(str(folder))
     windows = dataset.num_windows(64)
-    # the first sample of step 2, microbatch 0, shard 0: find its window's shard and offset
-    sample = sample_indices(2, 0, 0, num_microbatches=M, shards=2, local_batch=2)[0]
+    # the first sample of step 2, microbatch 0 (single-rank groups: a data error is no group's): its window's
+    # shard and offset
+    sample = sample_indices(2, 0, 0, num_microbatches=M, shards=1, local_batch=2)[0]
     w = order.window_of(sample, windows, 0)[1]
     per_shard = [(s.tokens - 1) // 64 for s in dataset.manifest.shards]
     shard, local = (0, w) if w < per_shard[0] else (1, w - per_shard[0])
@@ -84,6 +85,7 @@ def test_token_changed_under_the_run_is_a_data_error_not_a_replica_failure(tmp_p
 
     run = run_job(
         tmp_path / "run",
+        *SINGLES,
         FLAGS["dataset_path"],
         str(folder),
         "--recover.fault_plan",
