@@ -55,6 +55,12 @@ if hasattr(config, "load"):
 else:
     from titan_recover import titan
     job = titan.load_config(sys.argv[3:])
+try:  # the coordinator's lines as its entry point sets them up (trees with logs.get did it on import)
+    from titan_recover.observability import logs
+    if not hasattr(logs, "get"):
+        logs.setup("coordinator")
+except ImportError:
+    pass
 try:  # the layered tree: the coordinator takes a settings record
     from titan_recover.coordinator import shell
     c = shell.serve(config.CoordinatorSettings.of(job, titan.dump_folder(job)), port)

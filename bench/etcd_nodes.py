@@ -30,9 +30,10 @@ from titan_recover.control import keys, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import NodeGroup, NodeMessage
 from titan_recover.control.sealed import Run
+from titan_recover.observability import logs
 from titan_recover.tools.etcd_local import LocalEtcd
 
-log = logging.getLogger("bench.etcd_nodes")
+log = logging.getLogger(__name__)
 INTERVAL_S = config.node_message_interval_s(config.Recover(control_store="etcd://h:1,h:2,h:3"))
 
 
@@ -136,7 +137,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--workers", type=int, default=4)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logs.setup("bench", __name__, "bench")
     cluster = LocalEtcd(3).start()
     try:
         sizes = []

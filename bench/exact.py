@@ -28,9 +28,10 @@ from typing import Any
 from bench.common import PRECISION, RESULTS, launch, step_gaps, write_result
 from titan_recover.compare import compare_runs
 from titan_recover.control import keys
+from titan_recover.observability import logs
 from titan_recover.observability.events import of_kind
 
-log = logging.getLogger("titan_recover.bench.exact")
+log = logging.getLogger(__name__)
 
 KILLS = {
     2: "kill replica=1 rank=1 step=3 phase=backward",
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exact-steps", type=int, default=8, help="steps of each replica-count run")
     p.add_argument("--etcd", action="store_true", help="also the kill-hang-rejoin run on a local etcd")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[exact] %(message)s", stream=sys.stdout)
+    logs.setup("bench", __name__, "bench")
     base = [*PRECISION, "--recover.fault_plan", "none", "--training.steps", str(a.steps)]
     times: dict[str, list[float]] = {"off": [], "on": []}
     for i in range(a.pairs):

@@ -27,8 +27,9 @@ from typing import Any
 
 from bench.common import FLAGS, PRECISION, launch, write_result
 from bench.exact import step_time
+from titan_recover.observability import logs
 
-log = logging.getLogger("titan_recover.bench.exact_ops")
+log = logging.getLogger(__name__)
 
 MODES = {"plain": [], "exact": ["--recover.exact"]}
 TOP = 10  # exact mode's own ops that the log and the result keep, the longest first
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--steps", type=int, default=6, help="steps of each run (the first two are left out of step times)")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[exact_ops] %(message)s", stream=sys.stdout)
+    logs.setup("bench", __name__, "bench")
     rows = [split(s, a.pairs, a.steps) for s in a.seq_lens]
     path = write_result(
         "exact_ops",

@@ -32,10 +32,11 @@ from titan_recover.control import keys
 from titan_recover.control.addresses import parse_etcd_url
 from titan_recover.control.etcd_store import EtcdStore
 from titan_recover.control.transport import free_port
+from titan_recover.observability import logs
 from titan_recover.tools.etcd_local import LocalEtcd
 
 OUT = ROOT / "outputs" / "growth"
-log = logging.getLogger("titan_recover.growth")
+log = logging.getLogger(__name__)
 # two groups of one rank: the control plane does per step what the default job does, at half its compute
 JOB = [
     *PRECISION,
@@ -141,7 +142,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--every", type=float, default=60.0, help="seconds between samples")
     p.add_argument("--out", default=str(RESULTS / "growth.json"))
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logs.setup("bench", __name__, "bench")
     port = free_port()
     etcd = LocalEtcd(3).start()
     base = {k: v for k, v in os.environ.items() if k not in (keys.SECRET_ENV, keys.COORDINATOR_ENV, keys.RUN_ENV)}

@@ -43,7 +43,7 @@ REL_TOL = 1e-3
 DRIFT_MARGIN = 2.0  # the run may drift from the reference up to this many times the control's drift
 OUT = ROOT / "outputs" / "soak"
 
-log = logging.getLogger("titan_recover.soak")
+log = logging.getLogger(__name__)
 
 
 # ---- pure parts: the schedule, the safety rule, the bookkeeping, growth, summary ----------

@@ -1,5 +1,7 @@
 """The restart budget per time window (titan_recover.policy.restarts) and the launcher's use of it (no processes)."""
 
+import logging
+
 import pytest
 import torch.distributed as dist
 
@@ -91,8 +93,9 @@ def causes(client: ControlClient) -> list[str]:
 
 
 def test_replica_groups_restart_per_window_and_give_up_on_flapping(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO)  # the launcher logs restarts at info
     started: list[tuple[int, int]] = []  # (replica, attempt) of every torchrun started
 
     def start(self: ReplicaGroups, replica: int) -> FakeProc:
@@ -133,7 +136,7 @@ def test_replica_groups_restart_per_window_and_give_up_on_flapping(
         "torchrun of replica 1 exited with code 9",
         "torchrun of replica 1 exited with code 9 (no restarts left in the window)",
     ]
-    out = capsys.readouterr().out
+    out = caplog.text
     assert "replica group 1 exited with code 9; restart 1 of 1 within 3600 s (attempt 2)" in out
     assert (
         "replica group 1 exited with code 9; it failed 2 times within 3600 s (restarted 10 s ago, and failed "
@@ -143,10 +146,11 @@ def test_replica_groups_restart_per_window_and_give_up_on_flapping(
 
 
 def test_a_group_taken_over_by_another_launcher_is_left_to_it(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """This launcher looked dead (e.g. SIGSTOPped) and a replacement claimed its group: it must
     neither report that group's exit (it would fence the replacement's incarnation) nor restart it."""
+    caplog.set_level(logging.INFO)  # the launcher logs restarts at info
     monkeypatch.setattr(ReplicaGroups, "_start", lambda self, replica: FakeProc())
     me, replacement = Launcher.this(), Launcher.this()
     groups = ReplicaGroups(
@@ -165,16 +169,17 @@ def test_a_group_taken_over_by_another_launcher_is_left_to_it(
     fake_proc(groups, 1).code = -9  # fenced by the replacement's join, its ranks killed
     assert groups.watch(client)
     assert groups.given_up == {1} and groups.attempts == {1: 0} and causes(client) == []
-    assert "replica group 1 exited with code -9; another launcher took it over" in capsys.readouterr().out
+    assert "replica group 1 exited with code -9; another launcher took it over" in caplog.text
     assert groups.done()
 
 
 def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Part 1 of group 0 (group_nodes = 2): it starts only an incarnation part 0 published and nobody
     fenced, reports its own exit but restarts nothing itself (part 0's budget decides), and waits
     for the next incarnation; a launcher that took part 1 over skips the one its predecessor joined."""
+    caplog.set_level(logging.INFO)  # the launcher logs restarts at info
     started: list[tuple[int, int, int]] = []  # (replica, attempt, port)
 
     def start(self: ReplicaGroups, replica: int) -> FakeProc:
@@ -214,7 +219,7 @@ def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
     assert groups.watch(client) and len(started) == 1  # published but fenced already: part 0 publishes another
     publish(2, 29602)
     assert groups.watch(client) and started[-1] == (0, 2, 29602)
-    out = capsys.readouterr().out
+    out = caplog.text
     assert "replica group 0 (part 1 of 2) exited with code 1; waiting for part 0 to start its next incarnation" in out
     assert "replica group 0 (part 1 of 2): joining incarnation 2 at 10.0.0.5:29602" in out
 

@@ -16,6 +16,7 @@ It prints a table and writes the results as JSON (``--out``); exit 0 only when e
 
 import argparse
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -51,7 +52,7 @@ SPIKE = ["--optimizer.lr", "3", "--lr_scheduler.warmup_steps", "0"]
 """A learning rate that makes step 2's gradients ~2**5 where step 1's were below 2**-6: past the grid's 8-bit
 margin, so every run redoes step 2 on the coarser grid (measured: bound 2 -> 6); the losses stay finite."""
 RUN_TIMEOUT_S = 600
-log = logs.get("selftest")
+log = logging.getLogger(__name__)
 
 
 def host() -> dict[str, Any]:
@@ -320,4 +321,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    logs.setup("selftest", __name__)
     sys.exit(main(sys.argv[1:]))

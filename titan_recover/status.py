@@ -18,13 +18,14 @@ import urllib.request
 from typing import Any
 
 from titan_recover.control.keys import EXIT_BAD_INPUT, EXIT_OK
+from titan_recover.observability import logs
 from titan_recover.observability.events import Tail, event_files
 from titan_recover.observability.run_status import RunHistory
 from titan_recover.observability.status_server import StatusServer, StatusSource
 from titan_recover.observability.summary import spare_note
 
 CLEAR = "\x1b[H\x1b[2J"
-log = logging.getLogger("titan_recover.status")
+log = logging.getLogger(__name__)
 
 
 def _s(value: float | None, digits: int = 2) -> str:
@@ -135,7 +136,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--watch", action="store_true", help="with --url: refresh the table until Ctrl-C")
     parser.add_argument("--interval", type=float, default=2.0, help="with --watch: seconds between refreshes")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[titan_recover.status] %(message)s")
+    logs.setup("status", __name__)
     try:
         if args.events is not None:
             return serve_events(args.events, args.bind, args.port)

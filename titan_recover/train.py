@@ -22,6 +22,7 @@ modes log the same per-step events so their trajectories can be compared.
 
 import gc
 import hashlib
+import logging
 import os
 import time
 from typing import Any, Callable, Iterator
@@ -59,7 +60,7 @@ from titan_recover.rank.manager import ReplicaFenced, ReplicaManager, RunFinishe
 from titan_recover.rank.stock import StockTrainer
 from titan_recover.rank.trainer import LoggedTrainer
 
-log = logs.get("rank")
+log = logging.getLogger(__name__)
 
 
 class ReplicaDiverged(RuntimeError):
@@ -80,6 +81,7 @@ class RecoverTrainer(LoggedTrainer):
         if rc.exact:
             exact.pin_kernels()
         replica, group_rank = int(os.environ[keys.REPLICA_ENV]), int(os.environ["RANK"])
+        self.log = logs.for_rank(log, replica, group_rank)  # its lines begin with replica and rank
         # each group is a torchrun world of its own: rank k of every group would write the same profiler
         # and flight-recorder (NCCL timeout) trace files
         for section in (titan.profiler(job_config), job_config.comm):
@@ -152,7 +154,7 @@ class RecoverTrainer(LoggedTrainer):
             try:
                 self._join()
             except RunFinished:
-                log.info(f"replica {self.replica} rank {self.group_rank}: the run finished before it could rejoin")
+                self.log.info("the run finished before it could rejoin")
                 return False
         return super().should_continue_training()
 
@@ -210,10 +212,7 @@ class RecoverTrainer(LoggedTrainer):
         self.step, self.manager.base_epoch, self.ntokens_seen, self.speeds = step, base_epoch, tokens, speeds
         self._synced_epoch = epoch
         self.manager.record_transfer(TransferRecord(nbytes, elapsed, step, epoch))
-        log.info(
-            f"replica {self.replica} rank {self.group_rank}: received {nbytes / 2**20:.1f} MiB of state "
-            f"for step {step} in {elapsed:.3f}s (epoch {epoch})"
-        )
+        self.log.info(f"received {nbytes / 2**20:.1f} MiB of state for step {step} in {elapsed:.3f}s (epoch {epoch})")
         return True
 
     def _send_state(self, epoch: int, joiner: int) -> bool:
@@ -244,10 +243,7 @@ class RecoverTrainer(LoggedTrainer):
             cause = f"state transfer from replica {self.replica} rank {self.group_rank} to replica {joiner} broke"
             self.manager.report_broken(epoch, cause, e)
             return False
-        log.info(
-            f"replica {self.replica} rank {self.group_rank}: sent "
-            f"{nbytes / 2**20:.1f} MiB of state to replica {joiner} (epoch {epoch})"
-        )
+        self.log.info(f"sent {nbytes / 2**20:.1f} MiB of state to replica {joiner} (epoch {epoch})")
         return True
 
     def _sync_state(self, history: list[Membership]) -> bool:
@@ -334,8 +330,8 @@ class RecoverTrainer(LoggedTrainer):
             self.events.emit(
                 "exact_redo", step=self.step, replica=self.replica, bound=self.exact.bound, new_bound=bound
             )
-        log.info(
-            f"replica {self.replica} rank {self.group_rank}: step {self.step}'s gradients reach 2**{bound}, past the "
+        self.log.info(
+            f"step {self.step}'s gradients reach 2**{bound}, past the "
             f"exact grid's 2**{self.exact.bound}: every replica redoes the step on the coarser grid"
         )
         self.exact.bound = bound
@@ -527,6 +523,7 @@ def trainer(job_config: titan.JobConfig) -> titan.Trainer:
 
 
 if __name__ == "__main__":
+    logs.setup("rank", __name__)
     gc.freeze()  # what the imports made is never collected, and later collections skip it
     gc.enable()
     procs.dumps_stacks()

@@ -29,7 +29,7 @@ from titan_recover.control.transport import call_within, connection_refused, in_
 
 OP_S = 0.5  # a board that does not answer within this (a dead, frozen or cut-off leader's): look again
 RETRY_S = 1.0  # a board that failed is tried again after this, unless etcd names a new one
-log = logging.getLogger("titan_recover.coordinator")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 

@@ -32,7 +32,7 @@ from titan_recover.control.etcd_store import EtcdError, EtcdStore, LeadershipLos
 CAMPAIGN_WAIT_S = 1.0  # longest a follower waits between tries: it watches the key, and tries once it is deleted
 COMPACT_EVERY_S = 60.0  # how often the leader compacts etcd's history
 KEEP_HISTORY_S = 300.0  # the history kept (nothing of the run reads an older revision; an operator may)
-log = logging.getLogger("titan_recover.control")
+log = logging.getLogger(__name__)
 
 
 class Lease:

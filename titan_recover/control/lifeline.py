@@ -17,7 +17,7 @@ from titan_recover.control.transport import call_within, connect, connection_ref
 
 PROBE_S = 0.5  # how often a lifeline reads ALIVE; the coordinator lingers longer than that at the end
 CONFIRM_S = 1.0  # the fresh probe before a verdict: a live coordinator answers a new client well within it
-log = logging.getLogger("titan_recover.launcher")
+log = logging.getLogger(__name__)
 
 
 def one_line(e: BaseException) -> str:

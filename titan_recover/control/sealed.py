@@ -30,7 +30,7 @@ from titan_recover.control.store_api import api
 
 MAC_HEX = 32  # 128 bits of HMAC-SHA256, in hex, before the value
 REFUSED_LOG_S = 60.0  # a forged key is logged at most once per this
-log = logging.getLogger("titan_recover.control")
+log = logging.getLogger(__name__)
 
 
 class ForgedRecord(MessageError):

@@ -14,6 +14,7 @@ predecessor saved there (``CoordinatorState``, saved with every epoch and every 
 """
 
 import argparse
+import logging
 import os
 import socket
 import time
@@ -56,7 +57,7 @@ from titan_recover.coordinator.core import (
     Stop,
     Usage,
 )
-from titan_recover.observability import logs, resources
+from titan_recover.observability import resources
 from titan_recover.observability.events import EventLog, Tail, event_files, logged_steps
 from titan_recover.observability.run_status import RunHistory
 from titan_recover.observability.status_server import StatusServer, StatusSource, StoreReader
@@ -67,7 +68,7 @@ ALIVE_S = 0.25  # how often the alive counter moves (watchers allow coordinator_
 ETCD_ALIVE_S = 1.0  # ... on etcd, where each move is a Raft write
 REPORT_GRACE_S = 5.0  # a reserved report slot still empty after this: its reporter died in between
 FULL_PASS_S = 5.0  # on etcd a pass reads only the keys put since the last; every key at least this often
-log = logs.get("coordinator")
+log = logging.getLogger(__name__)
 
 
 def sleep_then_anything(seconds: float) -> None:

@@ -10,6 +10,7 @@ docs/multi-node.md and docs/trust-model.md say the rest.
 """
 
 import dataclasses
+import logging
 import os
 import re
 import secrets
@@ -121,7 +122,7 @@ def check_coordinator(address: str, control_store: str = "") -> str:
     return address
 
 
-log = logs.get("launcher")
+log = logging.getLogger(__name__)
 
 
 def device_plan(rc: config.Recover, groups: int, ranks: int) -> devices.DevicePlan:
@@ -587,6 +588,7 @@ def run_recover(
 
 
 def main(argv: list[str]) -> int:
+    logs.setup("launcher")  # the process's entry point (python -m titan_recover.launch)
     local: list[int] = []
     address: str | None = None
     part = 0

@@ -7,6 +7,7 @@ for a group that spans nodes, publishes (node part 0) or follows (other parts) w
 incarnation's torchrun agents meet.
 """
 
+import logging
 import os
 import signal
 import subprocess
@@ -22,10 +23,9 @@ from titan_recover.control.protocol import Fence, Launcher, Rendezvous, Report
 from titan_recover.node.agent import NodeAgent
 from titan_recover.node.channel import CHANNEL_ENV, FATAL
 from titan_recover.node.procs import die_with_parent
-from titan_recover.observability import logs
 from titan_recover.policy.restarts import RestartBudget
 
-log = logs.get("launcher")
+log = logging.getLogger(__name__)
 
 
 class Meeting(NamedTuple):

@@ -12,6 +12,7 @@ each rank's ``RankBeat`` thread bumps its slot while its main loop makes progres
 and writes are aligned 8-byte stores: no lock, no syscall, nothing from the network.
 """
 
+import logging
 import mmap
 import os
 import re
@@ -24,12 +25,11 @@ from typing import Callable
 import numpy as np
 
 from titan_recover.node.procs import pid_alive
-from titan_recover.observability import logs
 
 CHANNEL_ENV = "TITAN_RECOVER_CHANNEL"  # path of this incarnation's channel file
 MAGIC = 0x7469_7461_6E72_6563  # "titanrec": a file that is not a channel is refused
 HEADER, SLOT = 8, 4  # int64 words
-log = logs.get("rank")
+log = logging.getLogger(__name__)
 
 EPOCH, FLAGS, AGENT_BEAT = 1, 2, 3
 FATAL, DONE = 1, 2  # flag bits: the run failed / finished

@@ -33,7 +33,7 @@ from titan_recover.observability.run_status import STATES, Live, LiveGroup, RunH
 REFRESH_S = 1.0  # the snapshot is at most this old
 IDLE_S = 30.0  # no refresh once nobody has read the page for this long
 BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-log = logging.getLogger("titan_recover.status")
+log = logging.getLogger(__name__)
 
 
 def page() -> bytes:

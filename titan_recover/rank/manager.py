@@ -22,6 +22,7 @@ a rank's index inside its group (the same coordinate on every group; the replica
 all-reduce joins them).
 """
 
+import logging
 import os
 import re
 import time
@@ -82,7 +83,7 @@ def own_error(e: BaseException) -> str | None:
     return re.sub(r"0x[0-9a-fA-F]+", "0x?", brief(e))
 
 
-log = logs.get("rank")
+log = logging.getLogger(__name__)
 
 
 class Collectives(Protocol):
@@ -129,6 +130,7 @@ class ReplicaManager:
     ) -> None:
         self.store, self.control, self.channel, self.slot = client, ControlClient(client), channel, slot
         self.replica, self.group_rank, self.attempt, self.rc = replica, group_rank, attempt, rc
+        self.log = logs.for_rank(log, replica, group_rank)  # its lines begin with replica and rank
         self.rejoining = rejoining  # holds no training state until a peer sends it
         self.base_epoch = 0  # the epoch the previous step committed with
         self._round: tuple[tuple[int, int], int] = ((-1, -1), 0)  # (step, epoch) -> its vote round (a redo's)
@@ -296,8 +298,8 @@ class ReplicaManager:
             waited()
             if not told and time.monotonic() - start > self.rc.collective_timeout_s:
                 votes = self.control.votes(self.step, epoch, round)
-                log.info(
-                    f"replica {self.replica} rank {self.group_rank}: step {self.step} epoch {epoch} has {votes} of "
+                self.log.info(
+                    f"step {self.step} epoch {epoch} has {votes} of "
                     f"{expected} commit votes after {self.rc.collective_timeout_s:g}s; "
                     "it waits for the rest or a new epoch"
                 )
@@ -394,8 +396,8 @@ class ReplicaManager:
         self._offers.shutdown(wait=False, cancel_futures=True)
         self.heartbeat.stop()
         if self.groups is not None and (kept := self.groups.close()):
-            log.info(
-                f"replica {self.replica} rank {self.group_rank}: {kept} replicate-dim collective(s) still wait "
+            self.log.info(
+                f"{kept} replicate-dim collective(s) still wait "
                 "on a peer that finished or died; the rank leaves without waiting for them"
             )
 
@@ -442,10 +444,7 @@ class ReplicaManager:
         with the run (RunFinished / RunFailed), and the lifeline ends it if the coordinator is lost."""
         self.step = step
         self.channel.set_state(self.slot, READY)
-        log.info(
-            f"replica {self.replica} rank {self.group_rank} (attempt {self.attempt}) asks to join; "
-            + self._why_wait(wanted)
-        )
+        self.log.info(f"(attempt {self.attempt}) asks to join; " + self._why_wait(wanted))
         looked = -1
         while True:  # an admission comes with a new epoch: the store is read only then
             epoch = self._read_epoch()

@@ -33,6 +33,8 @@ from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import DATASETS  # noqa: E402
 
+log = logging.getLogger(__name__)
+
 
 def load_config(argv: list[str], no_section: str) -> Any:
     """The job config from ``argv`` with ``recover`` checked (``config.validate``); ``ConfigError``
@@ -98,7 +100,7 @@ def metric_logger(metrics: Any, log_dir: str, logs_here: bool, wandb: Callable[[
         try:
             loggers.add_logger(wandb(log_dir))
         except Exception as e:  # as TorchTitan's own builder: the run goes on without W&B, saying why
-            logging.getLogger("titan_recover.rank").error(
+            log.error(
                 f"no W&B logging: {type(e).__name__}: {e} (log in with `wandb login`, set WANDB_API_KEY, "
                 "or WANDB_MODE=offline to write the run to disk)"
             )

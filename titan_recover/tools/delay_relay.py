@@ -20,7 +20,7 @@ import struct
 import sys
 import time
 
-log = logging.getLogger("titan_recover.delay_relay")
+log = logging.getLogger(__name__)
 
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
 MARK = 0x7472  # the relay's own connections carry this mark, and the redirect lets them through
@@ -93,7 +93,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--delay-ms", type=float, required=True)
     parser.add_argument("--seconds", type=float, default=600.0, help="it exits after this long")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[delay_relay] %(message)s")
     asyncio.run(serve(args.port, args.delay_ms / 1000, args.seconds))
     return 0
 

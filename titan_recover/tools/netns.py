@@ -33,7 +33,7 @@ from typing import Any
 from titan_recover.node.procs import pid_alive
 from titan_recover.tools import delay_relay
 
-log = logging.getLogger("titan_recover.netns")
+log = logging.getLogger(__name__)
 
 SUBNET = "198.18.0"  # the nodes' addresses: 198.18.0.1, .2, ...
 PREFIX = "trc"  # namespace names: trc<owner pid>x<cluster>-<node or "sw">
