@@ -141,7 +141,7 @@ class Lost(Exception):
 
 
 class Groups:
-    """Stands for ``ReplicaGroups``: ``watch`` raises each of ``errors`` in turn, then finds the run done."""
+    """Stands for ``Torchruns``: ``watch`` raises each of ``errors`` in turn, then finds the run done."""
 
     def __init__(self, agent: SimpleNamespace, errors: list[Exception]) -> None:
         self.agent, self.errors = agent, errors

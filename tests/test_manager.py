@@ -27,7 +27,7 @@ from titan_recover.data.tokens import DataError
 from titan_recover.node.channel import DONE, FATAL, FINISHED, READY, RUNNING, STARTING, STATE, Channel
 from titan_recover.policy.membership import Membership
 from titan_recover.rank.collectives import CollectiveAborted
-from titan_recover.rank.manager import ReplicaFenced, ReplicaManager, RunFailed, RunFinished
+from titan_recover.rank.manager import ReplicaFenced, ReplicaManager, RunDone, RunFatal
 
 pytestmark = pytest.mark.unit
 
@@ -256,7 +256,7 @@ def test_the_run_failing_reaches_every_wait(coord: Coordinator) -> None:
     m = coord.manager(0)
     coord.control.stop("only 1 replica group(s) left")
     coord.channel.publish(0, FATAL)
-    with pytest.raises(RunFailed, match="only 1 replica group"):
+    with pytest.raises(RunFatal, match="only 1 replica group"):
         m.start_step(1)
 
 
@@ -291,7 +291,7 @@ def test_a_spare_waiting_for_admission_ends_with_the_run(coord: Coordinator) -> 
     coord.publish(0, (0, 1))
     m = coord.manager(2, rejoining=True)
     later(0.05, lambda: coord.channel.publish(0, DONE))
-    with pytest.raises(RunFinished):
+    with pytest.raises(RunDone):
         m.wait_for_admission(0, 2)
 
 
@@ -308,7 +308,7 @@ def test_a_joiner_says_what_it_waits_for(
     coord.publish(0, members)
     m = coord.manager(1 if len(members) == 1 else 2, attempt=1, rejoining=True)
     later(0.05, lambda: coord.channel.publish(0, DONE))
-    with caplog.at_level(logging.INFO), pytest.raises(RunFinished):
+    with caplog.at_level(logging.INFO), pytest.raises(RunDone):
         m.wait_for_admission(3, 2)
     assert f"(attempt 1) asks to join; {says}" in caplog.text
 

@@ -9,7 +9,7 @@ from titan_recover.control import claims, keys, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Fence, Launcher, Rendezvous
 from titan_recover.control.sealed import Run
-from titan_recover.launch.torchruns import Meeting, ReplicaGroups, Span
+from titan_recover.launch.torchruns import Meeting, Span, Torchruns
 from titan_recover.node.agent import NodeAgent
 from titan_recover.policy.restarts import RestartBudget, restart_allowed
 
@@ -72,7 +72,7 @@ class FakeProc:
         return self.code
 
 
-def fake_proc(groups: ReplicaGroups, replica: int) -> FakeProc:
+def fake_proc(groups: Torchruns, replica: int) -> FakeProc:
     """The stand-in ``_start`` gave ``replica``'s torchrun."""
     proc = groups.procs[replica]
     assert isinstance(proc, FakeProc)
@@ -80,7 +80,7 @@ def fake_proc(groups: ReplicaGroups, replica: int) -> FakeProc:
 
 
 def fake_client() -> ControlClient:
-    """A run's client on an in-process store (torch's HashStore): the calls ReplicaGroups.watch makes."""
+    """A run's client on an in-process store (torch's HashStore): the calls Torchruns.watch makes."""
     client = ControlClient(transport.in_run(dist.HashStore(), Run("restarts-test", "")))
     client.store.set(keys.EPOCH, "0")
     return client
@@ -98,14 +98,14 @@ def test_replica_groups_restart_per_window_and_give_up_on_flapping(
     caplog.set_level(logging.INFO)  # the launcher logs restarts at info
     started: list[tuple[int, int]] = []  # (replica, attempt) of every torchrun started
 
-    def start(self: ReplicaGroups, replica: int) -> FakeProc:
+    def start(self: Torchruns, replica: int) -> FakeProc:
         started.append((replica, self.attempts[replica]))
         return FakeProc()
 
-    monkeypatch.setattr(ReplicaGroups, "_start", start)
+    monkeypatch.setattr(Torchruns, "_start", start)
     now = [0.0]
     me = Launcher.this()
-    groups = ReplicaGroups(
+    groups = Torchruns(
         [],
         {0: {}, 1: {}},
         1,
@@ -118,7 +118,7 @@ def test_replica_groups_restart_per_window_and_give_up_on_flapping(
     client = fake_client()
     claims.claim(client, me, [0, 1], stale_s=1.0, log=print)
     for r in (0, 1):
-        groups.start(r, client.next_incarnation(r))
+        groups.start(r, client.next_attempt(r))
 
     def fail(at: float) -> None:
         now[0] = at
@@ -151,9 +151,9 @@ def test_a_group_taken_over_by_another_launcher_is_left_to_it(
     """This launcher looked dead (e.g. SIGSTOPped) and a replacement claimed its group: it must
     neither report that group's exit (it would fence the replacement's incarnation) nor restart it."""
     caplog.set_level(logging.INFO)  # the launcher logs restarts at info
-    monkeypatch.setattr(ReplicaGroups, "_start", lambda self, replica: FakeProc())
+    monkeypatch.setattr(Torchruns, "_start", lambda self, replica: FakeProc())
     me, replacement = Launcher.this(), Launcher.this()
-    groups = ReplicaGroups(
+    groups = Torchruns(
         [],
         {1: {}},
         1,
@@ -164,7 +164,7 @@ def test_a_group_taken_over_by_another_launcher_is_left_to_it(
     )
     client = fake_client()
     claims.claim(client, me, [1], stale_s=1.0, log=print)
-    groups.start(1, client.next_incarnation(1))
+    groups.start(1, client.next_attempt(1))
     client.store.compare_set(keys.owner_key(1), me.dumps(), replacement.dumps())  # the replacement's takeover
     fake_proc(groups, 1).code = -9  # fenced by the replacement's join, its ranks killed
     assert groups.watch(client)
@@ -182,14 +182,14 @@ def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
     caplog.set_level(logging.INFO)  # the launcher logs restarts at info
     started: list[tuple[int, int, int]] = []  # (replica, attempt, port)
 
-    def start(self: ReplicaGroups, replica: int) -> FakeProc:
+    def start(self: Torchruns, replica: int) -> FakeProc:
         started.append((replica, self.attempts[replica], self.meetings[replica].port))
         return FakeProc()
 
-    monkeypatch.setattr(ReplicaGroups, "_start", start)
+    monkeypatch.setattr(Torchruns, "_start", start)
     me, client = Launcher.this(), fake_client()
     client.store.set(keys.EPOCH, "0")
-    groups = ReplicaGroups(
+    groups = Torchruns(
         [],
         {0: {}},
         1,
@@ -223,7 +223,7 @@ def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
     assert "replica group 0 (part 1 of 2) exited with code 1; waiting for part 0 to start its next incarnation" in out
     assert "replica group 0 (part 1 of 2): joining incarnation 2 at 10.0.0.5:29602" in out
 
-    replacement = ReplicaGroups(
+    replacement = Torchruns(
         [],
         {0: {}},
         1,

@@ -56,9 +56,9 @@ from titan_recover.policy.fault_plan import Fault
 from titan_recover.policy.membership import Membership, diverged
 from titan_recover.rank import exact, transfer
 from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
-from titan_recover.rank.manager import ReplicaFenced, ReplicaManager, RunFinished
+from titan_recover.rank.manager import ReplicaFenced, ReplicaManager, RunDone
 from titan_recover.rank.stock import StockTrainer
-from titan_recover.rank.trainer import LoggedTrainer
+from titan_recover.rank.trainer import BaseTrainer
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class ReplicaDiverged(RuntimeError):
     """This replica's parameters differ from the others': it reported itself and restarts."""
 
 
-class RecoverTrainer(LoggedTrainer):
+class RecoverTrainer(BaseTrainer):
     """TorchTitan's Trainer for one replica group; the replicate dimension is titan_recover's.
 
     State transfer to a rejoiner stays here: what the state is (model parts, optimizers,
@@ -153,7 +153,7 @@ class RecoverTrainer(LoggedTrainer):
         if self.manager.rejoining and self._synced_epoch < 0:
             try:
                 self._join()
-            except RunFinished:
+            except RunDone:
                 self.log.info("the run finished before it could rejoin")
                 return False
         return super().should_continue_training()

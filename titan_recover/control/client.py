@@ -222,7 +222,7 @@ class ControlClient:
     def read_transfer(self, replica: int, group_rank: int) -> TransferRecord | None:
         return self.read(keys.transfer_key(replica, group_rank), TransferRecord)
 
-    def next_incarnation(self, replica: int) -> int:
+    def next_attempt(self, replica: int) -> int:
         """The next incarnation number of ``replica``: 0 for its first start in the run, whoever starts it."""
         return int(self.store.add(keys.incarnation_key(replica), 1)) - 1
 

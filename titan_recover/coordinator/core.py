@@ -259,8 +259,8 @@ class CoordinatorCore:
         self.views = views
         self.asking = {replica: attempt for (replica, attempt), view in sorted(views.items()) if view.ready}
         for replica in (*self.membership.members, *self.state.spares):
-            incarnation = self._incarnation(replica)
-            view = None if incarnation is None else views.get((replica, incarnation))
+            attempt = self._attempt(replica)
+            view = None if attempt is None else views.get((replica, attempt))
             if view is None or view.ranks < self.rules.group_ranks:
                 continue  # not every rank has beaten yet: the startup bound holds
             self.detector.beat(replica, view.alive_at)
@@ -273,7 +273,7 @@ class CoordinatorCore:
             return []  # about an epoch already replaced
         if suspect is not None and report.epoch < self.state.admitted_epoch.get(suspect, 0):
             return []  # about an incarnation already replaced
-        if report.attempt is not None and (suspect is None or report.attempt != self._incarnation(suspect)):
+        if report.attempt is not None and (suspect is None or report.attempt != self._attempt(suspect)):
             return []  # a launcher's report about another incarnation (it crossed that group's restart)
         if suspect is None and report.replica is not None and not report.waiting:
             self.reporters.add(report.replica)
@@ -283,8 +283,8 @@ class CoordinatorCore:
         self.detector.report(suspect, report.cause, now, report.waiting)
         return effects
 
-    def _incarnation(self, replica: int) -> int | None:
-        """The incarnation of ``replica`` the run holds now: as a member or as a waiting spare."""
+    def _attempt(self, replica: int) -> int | None:
+        """The attempt of the incarnation of ``replica`` the run holds now: as a member or as a waiting spare."""
         return self.state.spares[replica] if replica in self.state.spares else self.state.attempts.get(replica)
 
     def _failure_time(self, replica: int, detected: float, now: float) -> tuple[float, str]:

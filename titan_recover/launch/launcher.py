@@ -34,7 +34,7 @@ from titan_recover.control.protocol import Launcher
 from titan_recover.control.sealed import Run
 from titan_recover.data.tokens import DataError
 from titan_recover.launch import preflight
-from titan_recover.launch.torchruns import ReplicaGroups, Span, torchrun, with_threads
+from titan_recover.launch.torchruns import Span, Torchruns, torchrun, with_threads
 from titan_recover.node import devices
 from titan_recover.node.agent import NodeAgent
 from titan_recover.node.channel import remove_orphans, shm_dir
@@ -331,7 +331,7 @@ class NodeLauncher:
         )
         return [sys.executable, "-m", "titan_recover.coordinator", "--settings", settings.to_json()]
 
-    def start_groups(self) -> "ReplicaGroups":
+    def start_groups(self) -> "Torchruns":
         """This node's replica groups; the first launcher's start at once as their first incarnation
         (the store is new): their ranks import and build the model while the coordinator comes up."""
         rc, par, address = self.rc, self.job_config.parallelism, str(self.address)
@@ -362,7 +362,7 @@ class NodeLauncher:
             log.info(f"removed {len(orphans)} channel file(s) of launchers that are gone from {shm_dir()}")
         self.agent = NodeAgent(address, self.run, self.ranks, hang_timeout_s=rc.heartbeat_timeout_s)
         self.events = EventLog(titan.dump_folder(self.job_config))
-        self.groups = ReplicaGroups(
+        self.groups = Torchruns(
             self.argv,
             envs,
             self.ranks,

@@ -1,6 +1,6 @@
 """A node's replica groups: one torchrun job each, restarted when it fails, killed when fenced.
 
-``ReplicaGroups`` is the launcher's view of the groups (or of its node part of each, ``Span``)
+``Torchruns`` is the launcher's view of the groups (or of its node part of each, ``Span``)
 it runs: it starts each incarnation under torchrun, reports and restarts a failed one within
 its restart budget while this launcher holds the claim, kills the ranks of a fenced one, and,
 for a group that spans nodes, publishes (node part 0) or follows (other parts) where each
@@ -140,18 +140,18 @@ class LeaderPart:
     """Node part 0 of its groups (every group of a single-node run): it numbers and starts each
     incarnation, restarts a failed one within its budget, and says where one that spans nodes meets."""
 
-    def begin(self, groups: "ReplicaGroups", client: ControlClient, replica: int, taken_over: bool) -> None:
-        attempt = client.next_incarnation(replica)  # 0 for a group started before the store was up
+    def begin(self, groups: "Torchruns", client: ControlClient, replica: int, taken_over: bool) -> None:
+        attempt = client.next_attempt(replica)  # 0 for a group started before the store was up
         if replica not in groups.procs:  # >= 1 for a group that ran under a launcher now dead: it rejoins
             groups.start(replica, attempt)
         self.publish(groups, client, replica)
 
-    def publish(self, groups: "ReplicaGroups", client: ControlClient, replica: int) -> None:
+    def publish(self, groups: "Torchruns", client: ControlClient, replica: int) -> None:
         if groups.span.parts > 1:
             meet = groups.meetings[replica]
             client.publish_rendezvous(replica, Rendezvous(groups.attempts[replica], meet.host, meet.port))
 
-    def exited(self, groups: "ReplicaGroups", client: ControlClient, replica: int, code: int) -> None:
+    def exited(self, groups: "Torchruns", client: ControlClient, replica: int, code: int) -> None:
         now = groups.clock()
         budget = groups.budgets[replica]
         restart = budget.take(now)
@@ -163,12 +163,12 @@ class LeaderPart:
             )
             groups.given_up.add(replica)
             return
-        attempt = client.next_incarnation(replica)
+        attempt = client.next_attempt(replica)
         log.info(f"{groups.span.of(replica)} exited with code {code}; {budget.used(now)} (attempt {attempt})")
         groups.start(replica, attempt)
         self.publish(groups, client, replica)
 
-    def poll(self, groups: "ReplicaGroups", client: ControlClient) -> None:
+    def poll(self, groups: "Torchruns", client: ControlClient) -> None:
         """Nothing to wait for: this part starts each incarnation itself."""
 
 
@@ -176,7 +176,7 @@ class FollowerPart:
     """Node parts > 0 of groups that span nodes: they join the incarnations node part 0 starts,
     and when their part exits they report it and wait for part 0's next one."""
 
-    def begin(self, groups: "ReplicaGroups", client: ControlClient, replica: int, taken_over: bool) -> None:
+    def begin(self, groups: "Torchruns", client: ControlClient, replica: int, taken_over: bool) -> None:
         """Waits for an incarnation of part 0's to join. A launcher that took this part over skips
         the incarnation its dead predecessor started (its ranks died with it) and reports it, so
         the group restarts now rather than when the coordinator finds it silent."""
@@ -188,12 +188,12 @@ class FollowerPart:
             client.report(Report(epoch=client.epoch(), cause=cause, replica=replica, suspect=replica, attempt=joined))
         groups.waiting[replica] = floor
 
-    def exited(self, groups: "ReplicaGroups", client: ControlClient, replica: int, code: int) -> None:
+    def exited(self, groups: "Torchruns", client: ControlClient, replica: int, code: int) -> None:
         groups.report_exit(client, replica, code, "")
         log.info(f"{groups.span.of(replica)} exited with code {code}; waiting for part 0 to start its next incarnation")
         groups.waiting[replica] = groups.attempts[replica] + 1
 
-    def poll(self, groups: "ReplicaGroups", client: ControlClient) -> None:
+    def poll(self, groups: "Torchruns", client: ControlClient) -> None:
         """Starts this part of part 0's latest incarnation of each waiting group, if it may join it."""
         for replica in list(groups.waiting):
             meet = client.read_rendezvous(replica)
@@ -207,7 +207,7 @@ class FollowerPart:
             groups.start(replica, meet.attempt, (meet.host, meet.port))
 
 
-class ReplicaGroups:
+class Torchruns:
     """This node's replica groups (or its node part of each, ``Span``): one torchrun job each,
     restarted when it fails while this launcher still holds its claim (``claims``). What a
     node part does about starts and exits is its strategy's: ``LeaderPart`` or ``FollowerPart``.
@@ -235,7 +235,7 @@ class ReplicaGroups:
         self.fences_read = (-2, 0.0)  # the epoch at the last look for fenced incarnations, and when
         self.attempts: dict[
             int, int
-        ] = {}  # the incarnation each group runs, numbered by the store (ControlClient.next_incarnation)
+        ] = {}  # the incarnation each group runs, numbered by the store (ControlClient.next_attempt)
         self.budgets = {r: RestartBudget(max_restarts, restart_window_s) for r in envs}
         self.procs: dict[int, subprocess.Popen] = {}
         self.given_up: set[int] = set()

@@ -58,12 +58,12 @@ class ReplicaFenced(RuntimeError):
     """This replica group was declared failed; it must not rejoin this step."""
 
 
-class RunFailed(RuntimeError):
-    """The coordinator stopped the run (e.g. fewer than min_replicas left)."""
+class RunFatal(RuntimeError):
+    """The coordinator ended the run as ``fatal`` (e.g. fewer than min_replicas left)."""
 
 
-class RunFinished(Exception):
-    """The run ended while this (rejoining) group was still waiting to take part."""
+class RunDone(Exception):
+    """The run ended ``done`` while this (rejoining) group was still waiting to take part."""
 
 
 PEER_FAILURE = re.compile(r"gloo|nccl|connection|timed out|timeout|closed by peer|broken pipe", re.IGNORECASE)
@@ -104,7 +104,7 @@ class Collectives(Protocol):
 
 # raised as they are: the protocol already knows (fenced, run stopped), or no group failure
 # explains them (a step that does not add up, a bad transfer, a malformed message)
-NOT_REPORTED = (ReplicaFenced, RunFailed, steps.InvariantError, transfer.TransferError, MessageError)
+NOT_REPORTED = (ReplicaFenced, RunFatal, steps.InvariantError, transfer.TransferError, MessageError)
 
 
 class ReplicaManager:
@@ -135,7 +135,7 @@ class ReplicaManager:
         self.base_epoch = 0  # the epoch the previous step committed with
         self._round: tuple[tuple[int, int], int] = ((-1, -1), 0)  # (step, epoch) -> its vote round (a redo's)
         self.step = 0  # the step this rank works on (its reports and its channel slot name it)
-        self.groups: Collectives | None = None
+        self.process_groups: Collectives | None = None
         self.device = torch.device("cpu")
         self.group_size = 1  # ranks in this replica group
         self._memberships: dict[int, Membership] = {}
@@ -179,20 +179,20 @@ class ReplicaManager:
     def attach(self, groups: Collectives, device: torch.device, group_size: int) -> None:
         """The replicate-dim groups, and the device and size of this group's own world
         (where the in-group agreements run), once TorchTitan has set them up."""
-        self.groups, self.device, self.group_size = groups, device, group_size
+        self.process_groups, self.device, self.group_size = groups, device, group_size
 
     # ---- the epoch view -------------------------------------------------------------
 
     def _read_epoch(self) -> int:
         """The latest epoch, as this node's agent pushed it into the channel (-1: none yet);
-        raises RunFailed / RunFinished when the run stopped. The only read of the epoch."""
+        raises RunFatal / RunDone when the run stopped. The only read of the epoch."""
         self.heartbeat.tick(f"waiting at step {self.step}")  # a loop that polls is not stuck
         self.channel.set_step(self.slot, self.step)
         flags = self.channel.flags()
         if flags & FATAL:
-            raise RunFailed(self.control.fatal() or "the run stopped")
+            raise RunFatal(self.control.fatal() or "the run stopped")
         if self.rejoining and flags & DONE:
-            raise RunFinished()  # the groups with state finished without us
+            raise RunDone()  # the groups with state finished without us
         return self.channel.epoch()
 
     def epoch_moved(self, epoch: int) -> bool:
@@ -253,10 +253,12 @@ class ReplicaManager:
     def allreduce(self, membership: Membership, tensors: list[torch.Tensor], on_launched: Callable[[], None]) -> bool:
         """Sums ``tensors`` in place across ``membership``'s replicas; False (reported, the
         caller's other buffers untouched) when it broke or the epoch moved first."""
-        assert self.groups is not None, "attach() first"
+        assert self.process_groups is not None, "attach() first"
         epoch = membership.epoch
         try:
-            self.groups.allreduce(membership, tensors, abort=lambda: self.epoch_moved(epoch), on_launched=on_launched)
+            self.process_groups.allreduce(
+                membership, tensors, abort=lambda: self.epoch_moved(epoch), on_launched=on_launched
+            )
         except CollectiveAborted as e:
             self.report_broken(epoch, f"replicate all-reduce broke (replica {self.replica} rank {self.group_rank})", e)
             return False
@@ -395,7 +397,7 @@ class ReplicaManager:
         (``ReplicateProcessGroups.close``), within about a second."""
         self._offers.shutdown(wait=False, cancel_futures=True)
         self.heartbeat.stop()
-        if self.groups is not None and (kept := self.groups.close()):
+        if self.process_groups is not None and (kept := self.process_groups.close()):
             self.log.info(
                 f"{kept} replicate-dim collective(s) still wait "
                 "on a peer that finished or died; the rank leaves without waiting for them"
@@ -441,7 +443,7 @@ class ReplicaManager:
         """Tells this node's agent the rank is ready to join (the agent tells the coordinator
         once every rank of the group is), then waits for the admission. A hot spare waits here
         while the membership is full (``wanted`` members): the wait ends with the admission, or
-        with the run (RunFinished / RunFailed), and the lifeline ends it if the coordinator is lost."""
+        with the run (RunDone / RunFatal), and the lifeline ends it if the coordinator is lost."""
         self.step = step
         self.channel.set_state(self.slot, READY)
         self.log.info(f"(attempt {self.attempt}) asks to join; " + self._why_wait(wanted))
@@ -478,8 +480,8 @@ class ReplicaManager:
     def transfer_group(self, epoch: int, joiner: int, donor: bool) -> Iterator[Any]:
         """The two-rank group that hands ``joiner`` this group rank's state in ``epoch``;
         it aborts when the epoch moves."""
-        assert self.groups is not None, "attach() first"
-        with self.groups.pair(epoch, joiner, donor=donor, abort=lambda: self.epoch_moved(epoch)) as group:
+        assert self.process_groups is not None, "attach() first"
+        with self.process_groups.pair(epoch, joiner, donor=donor, abort=lambda: self.epoch_moved(epoch)) as group:
             yield group
 
     def record_transfer(self, record: TransferRecord) -> None:

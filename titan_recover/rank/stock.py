@@ -15,12 +15,12 @@ from titan_recover import titan
 from titan_recover.config import group_coordinates, validate
 from titan_recover.data import addressing
 from titan_recover.policy import steps
-from titan_recover.rank.trainer import LoggedTrainer
+from titan_recover.rank.trainer import BaseTrainer
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
 
-class StockTrainer(LoggedTrainer):
+class StockTrainer(BaseTrainer):
     def __init__(self, job_config: titan.JobConfig) -> None:
         replica, group_rank = group_coordinates(int(os.environ["RANK"]), job_config.parallelism)
         super().__init__(job_config, validate(job_config), replica, group_rank)

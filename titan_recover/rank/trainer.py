@@ -14,7 +14,7 @@ import torch
 
 from titan_recover import titan
 from titan_recover.config import Recover, num_microbatches, reports_data
-from titan_recover.control.keys import attempt as incarnation
+from titan_recover.control.keys import attempt
 from titan_recover.control.protocol import FaultRecord, StepRecord
 from titan_recover.data.dataloader import AddressableDataLoader, build_addressable_dataloader
 from titan_recover.observability.events import EventLog
@@ -23,13 +23,13 @@ from titan_recover.policy.fault_plan import Fault
 from titan_recover.rank.injector import FaultInjector
 
 
-class LoggedTrainer(titan.Trainer):
+class BaseTrainer(titan.Trainer):
     step: int  # TorchTitan's Trainer keeps it: the step in progress (0 before the first)
 
     def __init__(self, job_config: titan.JobConfig, rc: Recover, replica: int, group_rank: int) -> None:
         self.rc = rc
         self.events = EventLog(titan.dump_folder(job_config))
-        self.attempt = incarnation()
+        self.attempt = attempt()
         self.replica, self.group_rank = replica, group_rank
         self.reports_data = reports_data(group_rank, job_config.parallelism)
         self.ft_buffer_bytes = 0  # the replicate all-reduce's one extra gradient copy (none in stock mode)
