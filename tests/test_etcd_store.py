@@ -316,9 +316,9 @@ def test_the_package_runs_without_the_etcd_client_until_a_run_names_etcd() -> No
         "import sys; sys.modules['etcd3gw'] = None\n"  # as if it were not installed
         "import titan_recover.launch.launcher, titan_recover.coordinator.shell, "
         "titan_recover.rank.manager, titan_recover.node.agent\n"
-        "from titan_recover import config\nfrom titan_recover.launch import launcher\n"
+        "from titan_recover import config\nfrom titan_recover.launch import backends\n"
         "try:\n"
-        "    launcher.check_control_store('etcd://a:1,b:2,c:3')\n"
+        "    backends.check_control_store('etcd://a:1,b:2,c:3')\n"
         "except config.ConfigError as e:\n"
         "    print(e)\n"
     )

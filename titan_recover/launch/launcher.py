@@ -25,8 +25,7 @@ import torch.distributed as dist
 
 from titan_recover import config, titan
 from titan_recover.control import claims, keys, transport
-from titan_recover.control.addresses import LOOPBACK, local_host, parse_host_port, resolve, route_address
-from titan_recover.control.board import Board
+from titan_recover.control.addresses import LOOPBACK, local_host, route_address
 from titan_recover.control.client import ControlClient
 from titan_recover.control.keys import EXIT_BAD_INPUT
 from titan_recover.control.lifeline import Heartbeat, one_line, store_errors
@@ -34,13 +33,14 @@ from titan_recover.control.protocol import Launcher
 from titan_recover.control.sealed import Run
 from titan_recover.data.tokens import DataError
 from titan_recover.launch import preflight
+from titan_recover.launch.backends import Backend, backend_of
 from titan_recover.launch.torchruns import Span, Torchruns, torchrun, with_threads
 from titan_recover.node import devices
 from titan_recover.node.agent import NodeAgent
 from titan_recover.node.channel import remove_orphans, shm_dir
 from titan_recover.node.procs import EXITING_S, exit_lost, stop_within
 from titan_recover.observability import logs
-from titan_recover.observability.events import EventLog, event_files, events_path
+from titan_recover.observability.events import EventLog, event_files, events_path, remove_events
 from titan_recover.observability.summary import format_summary, summarize_events
 from titan_recover.policy.restarts import RestartBudget
 from titan_recover.titan import cpu_shim
@@ -83,43 +83,6 @@ def parse_group_node(value: str | None, parts: int) -> int:
     if not re.fullmatch(r"\d+", value.strip(), re.ASCII) or not int(value) < parts:
         raise config.ConfigError(f"{keys.GROUP_NODE_ENV}={value!r} is not a part of a replica group; {fix}")
     return int(value)
-
-
-def check_control_store(url: str) -> str:
-    """The etcd cluster of ``[recover] control_store``, checked before anything starts."""
-    try:
-        from titan_recover.control.etcd_store import check_cluster
-    except ImportError as e:
-        raise config.ConfigError(
-            f"recover.control_store names etcd but its client is missing ({e}): pip install 'titan_recover[etcd]'"
-        ) from None
-    try:
-        return check_cluster(url, timeout_s=5.0)
-    except ValueError as e:
-        raise config.ConfigError(f"recover.control_store: {e}") from None
-
-
-def check_coordinator(address: str, control_store: str = "") -> str:
-    """``$TITAN_RECOVER_COORDINATOR`` checked as ``host:port`` of a host that resolves, before anything
-    starts (a bad one failed only once the replica groups were up), or, with an etcd control store,
-    as that store's URL; returns it."""
-    if control_store:
-        if address != control_store:
-            raise config.ConfigError(
-                f"{keys.COORDINATOR_ENV}={address!r} differs from recover.control_store={control_store!r}: with an "
-                f"etcd control store, set it to the same URL on every node after the first (or unset it on the first)"
-            )
-        return address
-    fix = "set it to host:port of the coordinator another node's launcher started, or unset it to start one here"
-    try:
-        host, _ = parse_host_port(address)
-    except ValueError as e:
-        raise config.ConfigError(f"{keys.COORDINATOR_ENV}={e}; {fix}") from None
-    try:
-        resolve(host)
-    except ValueError as e:
-        raise config.ConfigError(f"{keys.COORDINATOR_ENV}={address!r}: {e}; {fix}") from None
-    return address
 
 
 log = logging.getLogger(__name__)
@@ -172,13 +135,6 @@ def coordinator_bind(configured: str, local: list[int], replicas: int, parts: in
     )
 
 
-def remove_events(dump_folder: str) -> None:
-    """Starts a new run's event log (every node's file of it); a launcher joining a run (another node,
-    a replacement) only appends."""
-    for path in event_files(dump_folder):
-        os.remove(path)
-
-
 def choose_secret(env: dict[str, str], only_this_node: bool) -> str:
     """The run's secret: the user's ``$TITAN_RECOVER_SECRET``, or a fresh one when this launcher
     starts the coordinator and every replica group, so no other launcher needs to know it."""
@@ -195,7 +151,7 @@ def choose_secret(env: dict[str, str], only_this_node: bool) -> str:
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 
 
-def choose_run_id(env: dict[str, str], first: bool, etcd: bool) -> str | None:
+def choose_run_id(env: dict[str, str], first: bool, backend: Backend) -> str | None:
     """The run's id: the user's (or the scheduler's) ``$TITAN_RECOVER_RUN_ID``; else a fresh one
     when this launcher starts the coordinator's store, or None for a launcher that joins one (it
     asks the coordinator: ``transport.find_run``). On etcd the id is what tells a relaunched node
@@ -208,13 +164,7 @@ def choose_run_id(env: dict[str, str], first: bool, etcd: bool) -> str | None:
                 "(e.g. the scheduler's job id)"
             )
         return given
-    if etcd:
-        raise config.ConfigError(
-            f"a run on etcd needs {keys.RUN_ENV}, the same on every node: the job's id (scripts/node.sh uses "
-            f"$SLURM_JOB_ID under Slurm, the Job's uid on Kubernetes). A node started again with the same id "
-            "rejoins the run; a new id starts a new run"
-        )
-    return secrets.token_hex(8) if first else None
+    return backend.new_run_id(first)
 
 
 def run_stock(job_config: Any, argv: list[str]) -> int:
@@ -249,7 +199,7 @@ class NodeLauncher:
         rc, par = job_config.recover, job_config.parallelism
         self.job_config, self.rc, self.local, self.part = job_config, rc, local, part
         self.first = address is None
-        self.etcd = bool(rc.control_store)  # a coordinator candidate beside every launcher, one leads
+        self.backend = backend_of(rc)
         self.replicas = config.replica_ids(job_config)
         self.ranks = config.group_ranks(par) // rc.group_nodes  # of each group, on this node
         only_this_node = self.first and sorted(local) == list(range(self.replicas)) and rc.group_nodes == 1
@@ -263,8 +213,8 @@ class NodeLauncher:
         checked = run_preflight(job_config, self.plan.backend, self.env)
         self.argv = with_flags(argv, {"--recover.replicate_backend": self.plan.backend, **checked.flags})
         self.env[keys.SECRET_ENV] = choose_secret(self.env, only_this_node)
-        run_id = choose_run_id(self.env, self.first, self.etcd)
-        self.run = None if run_id is None else self._name_run(run_id)
+        run_id = choose_run_id(self.env, self.first, self.backend)
+        self.run = None if run_id is None else self.name_run(run_id)
         self.address = address
         self.coordinator: subprocess.Popen | None = None
         self.lifeline: Heartbeat | None = None
@@ -273,55 +223,36 @@ class NodeLauncher:
 
     # ---- phases -------------------------------------------------------------------------
 
-    def _name_run(self, run_id: str) -> Run:
+    def name_run(self, run_id: str) -> Run:
         self.env[keys.RUN_ENV] = run_id
-        return Run(self.env[keys.SECRET_ENV], run_id)
+        self.run = Run(self.env[keys.SECRET_ENV], run_id)
+        return self.run
 
     def start_coordinator(self) -> None:
-        """The coordinator (first launcher), or a candidate beside every launcher on etcd."""
-        rc = self.rc
-        if self.etcd:
-            self.address = self.env[keys.COORDINATOR_ENV] = rc.control_store
-            if self.first:
-                self._begin_or_join()
-        elif self.address is None:  # bound here and handed over: no other process can take a picked port meanwhile
-            bind = coordinator_bind(rc.coordinator_bind, self.local, self.replicas, rc.group_nodes)
-            try:
-                fd = transport.listen(bind, rc.coordinator_port)
-            except RuntimeError as e:
-                raise config.ConfigError(f"recover.coordinator_port = {rc.coordinator_port}: {e}") from None
-            try:
-                self.address = self.env[keys.COORDINATOR_ENV] = f"{local_host(bind)}:{transport.listening_port(fd)}"
-                self.coordinator = subprocess.Popen(
-                    self._candidate(), env={**self.env, keys.LISTEN_FD_ENV: str(fd)}, pass_fds=(fd,)
-                )
-            finally:
-                os.close(fd)
-            return
-        else:
-            if self.run is None:
-                self.run = self._name_run(
-                    transport.find_run(self.address, rc.startup_timeout_s, self.env[keys.SECRET_ENV]).id
-                )
-            return
-        self.coordinator = subprocess.Popen(self._candidate(), env=self.env)
+        """Names the run and starts the coordinator (first launcher) or a candidate (beside every
+        launcher on etcd), as the control store's backend decides."""
+        self.backend.start(self)
 
-    def _begin_or_join(self) -> None:
-        """The first node on etcd starts the run, unless it is running already: then this launcher
-        is a relaunched node (a replaced pod, the same command again) and joins it like any other."""
-        assert self.run is not None
-        client = ControlClient(transport.in_run(transport.etcd(str(self.address), self.rc.startup_timeout_s), self.run))
-        if client.begin():
-            remove_events(titan.dump_folder(self.job_config))
-            return
-        ended = client.ended()
-        if ended is not None:
-            raise config.ConfigError(
-                f"run {self.run.id!r} on {self.address} has ended already ({ended}): "
-                f"start a new run with a new {keys.RUN_ENV}"
+    def start_coordinator_here(self) -> None:
+        """The run's coordinator, on a port bound here and handed over: no other process can take a
+        picked port meanwhile."""
+        rc = self.rc
+        bind = coordinator_bind(rc.coordinator_bind, self.local, self.replicas, rc.group_nodes)
+        try:
+            fd = transport.listen(bind, rc.coordinator_port)
+        except RuntimeError as e:
+            raise config.ConfigError(f"recover.coordinator_port = {rc.coordinator_port}: {e}") from None
+        try:
+            self.address = self.env[keys.COORDINATOR_ENV] = f"{local_host(bind)}:{transport.listening_port(fd)}"
+            self.coordinator = subprocess.Popen(
+                self._candidate(), env={**self.env, keys.LISTEN_FD_ENV: str(fd)}, pass_fds=(fd,)
             )
-        log.info(f"run {self.run.id!r} is already running on {self.address}: this launcher joins it")
-        self.first = False
+        finally:
+            os.close(fd)
+
+    def start_candidate(self) -> None:
+        """A coordinator candidate beside this launcher (on etcd): it leads once it holds the lease."""
+        self.coordinator = subprocess.Popen(self._candidate(), env=self.env)
 
     def _candidate(self) -> list[str]:
         """The coordinator's command line: the job's settings as a record, so it imports no TorchTitan."""
@@ -395,7 +326,7 @@ class NodeLauncher:
         except transport.CoordinatorGone as e:
             self.on_lost(str(e))
             return None
-        board = Board(run) if self.etcd else None  # on etcd the leader serves the node messages
+        board = self.backend.board(run)
         if board is None:
             client.register(self.me, self.agent.message())
         else:
@@ -413,7 +344,7 @@ class NodeLauncher:
             board=board,
         )
         self.agent.start(on_error=log.warning)
-        reader = Board(run) if self.etcd else None  # its own: the lifeline's is used by the lifeline's thread
+        reader = self.backend.board(run)  # its own: the lifeline's is used by the lifeline's thread
         message_of = client.node_message_raw if reader is None else lambda o: reader.read(client.store, o.key)
         taken = claims.claim(client, self.me, self.local, rc.heartbeat_timeout_s, log.info, self.part, message_of)
         for r in self.local:
@@ -422,7 +353,7 @@ class NodeLauncher:
 
     def loop(self, client: ControlClient) -> None:
         """Watches the groups (restarts, fences, hang reports) until the run ends. A coordinator that
-        exits before the run ended is lost (``on_lost``); on etcd such a candidate is restarted instead.
+        exits before the run ended is lost (``on_lost``), or, on etcd, a candidate that did is started again.
 
         A failed store call is retried while the lifeline finds the coordinator alive (a lost
         one ends this process in ``on_lost``); failing for ``coordinator_timeout_s`` in a row
@@ -436,14 +367,14 @@ class NodeLauncher:
             if coordinator is not None and coordinator.poll() is not None:
                 if self._run_ended():
                     return
-                if not self.etcd:
+                if self.backend.lost_by(coordinator):
                     self.on_lost(self._exit_reason(coordinator))
                     return
                 log.info(
-                    f"coordinator candidate exited with code {coordinator.returncode} before the run ended; "
+                    f"{self.backend.coordinator} exited with code {coordinator.returncode} before the run ended; "
                     "starting another (the leader's lease passes to a live candidate)"
                 )
-                self.coordinator = subprocess.Popen(self._candidate(), env=self.env)
+                self.start_candidate()
             if coordinator is None and self.groups.done():
                 return
             try:
@@ -480,7 +411,7 @@ class NodeLauncher:
             bound = self.rc.coordinator_timeout_s
             if not stop_within(coordinator, bound):
                 log.warning(
-                    f"the coordinator{' candidate' if self.etcd else ''} (pid {coordinator.pid}) was still running "
+                    f"the {self.backend.coordinator} (pid {coordinator.pid}) was still running "
                     f"{bound:g}s after the run ended: stopped"
                 )
             if not self._run_ended():
@@ -522,12 +453,12 @@ class NodeLauncher:
             return
         coordinator = self.coordinator
         # one whose port closed is exiting, and its exit code says more; a frozen one would never answer again
-        exiting = coordinator is not None and not self.etcd and transport.connection_refused(str(self.address))
+        exiting = coordinator is not None and self.backend.exiting(str(self.address))
         exited = coordinator is not None and stop_within(coordinator, EXITING_S if exiting else 0.0)
         if self._run_ended():
             return  # the coordinator ended the run (done or fatal) and closed its store: not lost
         self.groups.kill()
-        if exited and coordinator is not None and not self.etcd:  # a candidate's end is not the run's
+        if exited and self.backend.lost_by(coordinator):  # a candidate's end is not the run's
             reason = self._exit_reason(coordinator)
         exit_lost("launcher", reason, config.resume_hint(self.job_config, titan.dump_folder(self.job_config)))
 
@@ -545,11 +476,11 @@ class NodeLauncher:
         TCPStore, a coordinator that exited 0 (only done does that). On etcd a candidate's exit code
         says nothing about the run, and exit 1 may be a traceback: neither counts."""
         coordinator = self.coordinator
-        return bool(self.agent.flags) or (not self.etcd and coordinator is not None and coordinator.poll() == 0)
+        return bool(self.agent.flags) or self.backend.ended_by(coordinator)
 
     def _coordinator_gone(self) -> str | None:
         coordinator = self.coordinator
-        if self.etcd or coordinator is None or coordinator.poll() is None:  # a candidate's end is not the run's
+        if coordinator is None or not self.backend.lost_by(coordinator):  # a candidate's end is not the run's
             return None
         return self._exit_reason(coordinator)
 
@@ -599,15 +530,9 @@ def main(argv: list[str]) -> int:
             local = parse_replicas(os.environ.get(keys.REPLICAS_ENV), config.replica_ids(job_config))
             part = parse_group_node(os.environ.get(keys.GROUP_NODE_ENV), job_config.recover.group_nodes)
             address = os.environ.get(keys.COORDINATOR_ENV)
-            if address is not None:
-                check_coordinator(address, job_config.recover.control_store)
-            elif not job_config.recover.control_store:  # this launcher starts the coordinator, listening there
-                config.check_coordinator_bind(job_config.recover)
-            if address is None or job_config.recover.control_store:  # a coordinator beside it may serve the page
-                # on etcd a leader on this host may hold the port already: only the address is checked
-                config.check_status_page(job_config.recover, port=not job_config.recover.control_store)
-            if job_config.recover.control_store:  # reachable, and able to lose a member, before anything starts
-                log.info(check_control_store(job_config.recover.control_store))
+            said = backend_of(job_config.recover).check(job_config.recover, address)
+            if said:
+                log.info(said)
     except config.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -627,10 +552,8 @@ def main(argv: list[str]) -> int:
     argv = cpu_argv
     path = events_path(titan.dump_folder(job_config))
     first = address is None  # this launcher starts the run and its coordinator; other nodes' launchers join it
-    if first and not job_config.recover.control_store:
-        remove_events(
-            titan.dump_folder(job_config)
-        )  # on etcd: only once the run proves new (NodeLauncher._begin_or_join)
+    if backend_of(job_config.recover).begins_new_run(first):
+        remove_events(titan.dump_folder(job_config))
     start = time.time()
     try:
         if job_config.recover.enable:

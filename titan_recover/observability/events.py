@@ -54,6 +54,13 @@ def event_files(dump_folder: str) -> list[str]:
     return ([plain] if os.path.exists(plain) else []) + named
 
 
+def remove_events(dump_folder: str) -> None:
+    """Starts a new run's event log (every node's file of it); a launcher joining a run (another node,
+    a replacement) only appends."""
+    for path in event_files(dump_folder):
+        os.remove(path)
+
+
 class EventLog:
     """Appends events to this node's event log."""
 
