@@ -58,7 +58,7 @@ LAYERS: dict[str, set[str]] = {
     "coordinator": {"control", "policy", "observability", "node", "config"},
     "rank": {"control", "policy", "observability", "node", "config", "data", "titan"},
     "launch": {"control", "policy", "observability", "node", "config", "data", "titan"},
-    "tools": {"control", "node"},
+    "tools": {"control", "node", "observability", "titan"},
     # the commands users and torchrun name (python -m titan_recover.X, custom_import, --module)
     "train": {"control", "policy", "observability", "node", "config", "data", "titan", "rank"},
     "train_spec": {"data", "titan"},

@@ -17,12 +17,12 @@ import pytest
 import torch.distributed as dist
 from conftest import ROOT, Run, assert_all_rejoined, assert_same_trajectory
 
-from bench.partitions import wait_until
 from titan_recover.control import claims, keys, protocol, store_api, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Launcher, NodeMessage, Rendezvous
 from titan_recover.control.sealed import SealedStore
 from titan_recover.titan.jobs import job
+from titan_recover.tools.partitions import wait_until
 
 
 @pytest.fixture

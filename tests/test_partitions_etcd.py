@@ -11,9 +11,9 @@ from conftest import SINGLES, Run
 from test_netns import needs_netns
 from test_partitions import rejoined
 
-from bench import partitions
 from titan_recover.config import Recover
 from titan_recover.control.etcd_store import REQUEST_S
+from titan_recover.tools import partitions
 from titan_recover.tools.netns import Cluster
 
 LEASE_S = Recover.leader_lease_s  # the coordinator leader's lease on etcd (the scenarios keep the default)
