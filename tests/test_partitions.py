@@ -127,4 +127,3 @@ def test_latency_and_loss_between_nodes_cost_time_not_correctness(
     outcome = partitions.latency_loss(cluster, tmp_path / "dump", *SINGLES)
     run = rejoined(outcome, two_singles)
     assert not run.of("failure")
-    print(f"mean step time with 50 ms and 1% loss: {partitions.mean_step_s(outcome):.2f}s")

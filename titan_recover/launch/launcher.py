@@ -458,7 +458,9 @@ class NodeLauncher:
         if self._run_ended():
             return  # the coordinator ended the run (done or fatal) and closed its store: not lost
         self.groups.kill()
-        if exited and self.backend.lost_by(coordinator):  # a candidate's end is not the run's
+        if (
+            exited and coordinator is not None and self.backend.lost_by(coordinator)
+        ):  # a candidate's end is not the run's
             reason = self._exit_reason(coordinator)
         exit_lost("launcher", reason, config.resume_hint(self.job_config, titan.dump_folder(self.job_config)))
 
