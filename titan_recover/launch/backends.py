@@ -16,7 +16,7 @@ store; ``check`` runs before anything starts.
 import logging
 import secrets
 import subprocess
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from titan_recover import config, titan
 from titan_recover.control import keys, transport
@@ -26,10 +26,24 @@ from titan_recover.control.client import ControlClient
 from titan_recover.control.sealed import Run
 from titan_recover.observability.events import remove_events
 
-if TYPE_CHECKING:
-    from titan_recover.launch.launcher import NodeLauncher
-
 log = logging.getLogger(__name__)
+
+
+class NodeLauncher(Protocol):
+    """The node launcher's side of a backend's start (``launch.launcher.NodeLauncher``)."""
+
+    address: str | None
+    env: dict[str, str]
+    first: bool
+    run: Run | None
+    rc: config.Recover
+    job_config: Any
+
+    def name_run(self, run_id: str) -> Run: ...
+
+    def start_coordinator_here(self) -> None: ...
+
+    def start_candidate(self) -> None: ...
 
 
 class Backend(Protocol):
@@ -50,7 +64,7 @@ class Backend(Protocol):
         log starts empty); otherwise it learns so only from the store, if at all."""
         ...
 
-    def start(self, launcher: "NodeLauncher") -> None:
+    def start(self, launcher: NodeLauncher) -> None:
         """Names the run and starts this launcher's coordinator process, if it runs one."""
         ...
 
@@ -91,7 +105,7 @@ class TcpStore:
     def begins_new_run(self, first: bool) -> bool:
         return first  # the first launcher starts the coordinator, and with it the run
 
-    def start(self, launcher: "NodeLauncher") -> None:
+    def start(self, launcher: NodeLauncher) -> None:
         if launcher.address is None:
             launcher.start_coordinator_here()
         elif launcher.run is None:
@@ -138,13 +152,13 @@ class Etcd:
     def begins_new_run(self, first: bool) -> bool:
         return False  # the run may be running already: ``_begin_or_join`` finds out from etcd
 
-    def start(self, launcher: "NodeLauncher") -> None:
+    def start(self, launcher: NodeLauncher) -> None:
         launcher.address = launcher.env[keys.COORDINATOR_ENV] = self.url
         if launcher.first:
             self._begin_or_join(launcher)
         launcher.start_candidate()
 
-    def _begin_or_join(self, launcher: "NodeLauncher") -> None:
+    def _begin_or_join(self, launcher: NodeLauncher) -> None:
         """The first node starts the run, unless it is running already: then this launcher is a
         relaunched node (a replaced pod, the same command again) and joins it like any other."""
         run = launcher.run
