@@ -2,6 +2,7 @@
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -97,6 +98,25 @@ def test_the_table_has_no_circles() -> None:
         ready = [name for name, below in LAYERS.items() if name not in order and below <= set(order)]
         assert ready, f"a circle among {sorted(set(LAYERS) - set(order))}"
         order.extend(ready)
+
+
+def documented_layers() -> dict[str, set[str]]:
+    """``docs/architecture.md``'s layer table: each row's layer and the layers named before its first ``:``
+    or ``;`` (outside parentheses)."""
+    rows: dict[str, set[str]] = {}
+    for line in (ROOT.parent / "docs" / "architecture.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and (name := re.fullmatch(r"`(\w+)(?:/|\.py)`", cells[0])):
+            allowed = re.sub(r"\([^)]*\)", "", re.split(r"[:;]", cells[2])[0])
+            rows[name.group(1)] = set(re.findall(r"`(\w+)`", allowed))
+    return rows
+
+
+def test_the_manuals_layer_table_is_this_one() -> None:
+    """The architecture page restates ``LAYERS`` for its subpackages and ``config.py``: the two must agree."""
+    doc = documented_layers()
+    assert set(doc) == {"config", *(p.name for p in ROOT.iterdir() if (p / "__init__.py").exists())}, sorted(doc)
+    assert doc == {name: LAYERS[name] for name in doc}
 
 
 def test_the_coordinator_process_imports_no_torchtitan() -> None:

@@ -19,12 +19,16 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import logging
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from titan_recover.control.keys import EXIT_FAILED, EXIT_OK
+from titan_recover.observability import logs
+
+log = logging.getLogger(__name__)
 
 PACKAGE = Path(__file__).resolve().parents[1]
 CONFIG_SOURCE = PACKAGE / "config.py"
@@ -165,16 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help="exit 1 when the page is stale")
     parser.add_argument("--page", type=Path, default=PAGE, help="the page to write or check (default: %(default)s)")
     args = parser.parse_args(argv)
+    logs.setup("config_doc", __name__)
     if args.check:
         if stale(args.page):
-            print(f"{args.page} is stale: run {COMMAND}", file=sys.stderr)
+            log.error(f"{args.page} is stale: run {COMMAND}")
             return EXIT_FAILED
-        print(f"{args.page} is up to date", file=sys.stderr)
+        log.info(f"{args.page} is up to date")
         return EXIT_OK
     if args.write:
         args.page.parent.mkdir(parents=True, exist_ok=True)
         args.page.write_text(render())
-        print(f"wrote {args.page}", file=sys.stderr)
+        log.info(f"wrote {args.page}")
         return EXIT_OK
     sys.stdout.write(render())
     return EXIT_OK
