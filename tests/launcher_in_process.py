@@ -47,9 +47,10 @@ def _logging_state() -> dict[logging.Logger, tuple[list[logging.Handler], int, b
 
 
 @contextmanager
-def _restored() -> Iterator[None]:
-    """Puts back what a ``main`` may change for later tests in this worker: ``os.environ``, the loggers
-    that existed before (handlers, level, propagation), ``logging.disable`` and the signal handlers."""
+def restored() -> Iterator[None]:
+    """Puts back what a ``main`` (or a test of logging) may change for later tests in this worker:
+    ``os.environ``, the loggers that existed before (handlers, level, propagation), ``logging.disable``
+    and the signal handlers."""
     environ = dict(os.environ)
     loggers, disabled = _logging_state(), logging.root.manager.disable
     handlers = {s: signal.getsignal(s) for s in signal.valid_signals()}
@@ -78,7 +79,7 @@ def run_main(
     """``main(argv)`` as its ``python -m`` process would run it, in this process: ``env`` on top of this
     process's environment (None: unset), and a SystemExit (argparse's refusal) read as the exit code."""
     capfd.readouterr()  # what this test printed before belongs to nobody's stderr here
-    with _restored(), pytest.MonkeyPatch.context() as mp:
+    with restored(), pytest.MonkeyPatch.context() as mp:
         mp.chdir(ROOT)
         for key, value in (env or {}).items():
             if value is None:

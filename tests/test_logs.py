@@ -9,6 +9,7 @@ import pathlib
 from collections.abc import Iterator
 
 import pytest
+from launcher_in_process import restored
 
 from titan_recover.observability import logs
 
@@ -20,14 +21,13 @@ TOUCHED = (logs.ROOT, SCRIPTS, f"{logs.ROOT}.launch.launcher")
 
 
 @pytest.fixture(autouse=True)
-def restored() -> Iterator[None]:
-    """Puts back the loggers a test sets up, for the tests after it in this worker."""
-    saved = [(x, list(x.handlers), x.level, x.propagate) for x in map(logging.getLogger, TOUCHED)]
-    yield
-    for x, handlers, level, propagate in saved:
-        x.handlers[:] = handlers
-        x.setLevel(level)
-        x.propagate = propagate
+def put_back() -> Iterator[None]:
+    """Puts back the loggers a test sets up, for the tests after it in this worker (made first, so they are
+    among the loggers ``restored`` puts back)."""
+    for name in TOUCHED:
+        logging.getLogger(name)
+    with restored():
+        yield
 
 
 @pytest.mark.parametrize(

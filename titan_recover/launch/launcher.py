@@ -528,11 +528,12 @@ def main(argv: list[str]) -> int:
     try:
         job_config = titan.load_config(argv)
         titan.check_model(job_config)
+        backend = backend_of(job_config.recover)
         if job_config.recover.enable:  # the node's environment, checked before the data and any process
             local = parse_replicas(os.environ.get(keys.REPLICAS_ENV), config.replica_ids(job_config))
             part = parse_group_node(os.environ.get(keys.GROUP_NODE_ENV), job_config.recover.group_nodes)
             address = os.environ.get(keys.COORDINATOR_ENV)
-            said = backend_of(job_config.recover).check(job_config.recover, address)
+            said = backend.check(job_config.recover, address)
             if said:
                 log.info(said)
     except config.ConfigError as e:
@@ -554,7 +555,7 @@ def main(argv: list[str]) -> int:
     argv = cpu_argv
     path = events_path(titan.dump_folder(job_config))
     first = address is None  # this launcher starts the run and its coordinator; other nodes' launchers join it
-    if backend_of(job_config.recover).begins_new_run(first):
+    if backend.begins_new_run(first):
         remove_events(titan.dump_folder(job_config))
     start = time.time()
     try:
