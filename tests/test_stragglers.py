@@ -21,19 +21,22 @@ def test_a_slow_replica_gets_fewer_microbatches_and_a_rejoiner_derives_the_same_
         *ONE_SHARD,
         "--recover.policy",
         "speed",
-        # replica 1 is 4x slower in every incarnation; the fast one dies and rejoins from the slow one
+        # replica 1 is 10x slower in every incarnation (sleeping, so no CPU taken from the other tests; a
+        # tiny microbatch's time is noise on 2 busy cores, a 10x gap is not); the fast one dies and
+        # rejoins from the slow one
         "--recover.fault_plan",
-        "slow replica=1 factor=4; kill replica=0 rank=0 step=4",
+        "slow replica=1 factor=10; kill replica=0 rank=0 step=4",
     )
     assert run.returncode == 0, run.output[-3000:]
     steps = run.steps()
     assert steps[1]["quotas"] == {"0": 4, "1": 4}  # nothing measured yet: equal quotas
     for step in (2, 3):  # one step measured: the straggler gives work away
-        assert steps[step]["quotas"]["1"] < steps[step]["quotas"]["0"], steps[step]
+        assert steps[step]["quotas"].get("1", 0) < steps[step]["quotas"]["0"], steps[step]
     (rejoined,) = run.of("rejoined")
     after = [s for s in steps.values() if s["step"] > rejoined["step"]]
     assert after, f"replica 0 rejoined at step {rejoined['step']}, after the last step"
     for s in after:  # the joiner took the measured speeds with its state: no reshuffle, no relearning
-        assert s["members"] == [0, 1] and s["quotas"]["1"] < s["quotas"]["0"], s
+        # (a quota of 0 is left out of the event: the straggler may be measured too slow for any)
+        assert s["members"] == [0, 1] and s["quotas"].get("1", 0) < s["quotas"]["0"], s
     assert_same_trajectory(reference, run, rel_tol=1e-3, num_microbatches=M)
     assert_all_rejoined(run, replicas=2, last_step=30)
