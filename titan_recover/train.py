@@ -54,7 +54,7 @@ from titan_recover.observability import logs, resources
 from titan_recover.policy import membership, steps, workload
 from titan_recover.policy.fault_plan import Fault
 from titan_recover.policy.membership import Membership, diverged
-from titan_recover.rank import exact, transfer
+from titan_recover.rank import balancing, exact, transfer
 from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.rank.manager import ReplicaFenced, ReplicaManager, RunDone
 from titan_recover.rank.stock import StockTrainer
@@ -119,6 +119,7 @@ class RecoverTrainer(BaseTrainer):
         )
         self.manager.attach(self.replicate_groups, self.device, self.parallel_dims.world_size)
         self.replica_slots = replica_ids(job_config)
+        self.expert_counts = titan.expert_counts(self)  # MoE load balancing's, summed with the gradients
         self.exact: exact.ExactSum | None = None
         if rc.exact:
             self.exact = exact.ExactSum(sum(g.numel() for g in self._grads()), self.num_microbatches, self.device)
@@ -336,6 +337,7 @@ class RecoverTrainer(BaseTrainer):
         )
         self.exact.bound = bound
         self.exact.reset()
+        balancing.reset(self.expert_counts)
 
     def _compute(self, microbatch: int, tally: torch.Tensor, index: int, count: int) -> None:
         self.manager.tick(f"microbatch {microbatch} of step {self.step}")
@@ -378,9 +380,10 @@ class RecoverTrainer(BaseTrainer):
         return grads
 
     def _reduction_buffers(self, tally: torch.Tensor) -> list[torch.Tensor]:
-        """Fresh copies of the local gradients and of the group's summed tally (and in exact mode,
-        of the fixed-point sum and its histogram, summed inside the group so every rank reads the same
-        overflow): the replicate all-reduce is out-of-place, so a broken one leaves the local state intact."""
+        """Fresh copies of the local gradients and of the group's summed tally (in exact mode, of the
+        fixed-point sum and its histogram, summed inside the group so every rank reads the same
+        overflow; last, the MoE layers' token counts where the optimizer balances experts): the replicate
+        all-reduce is out-of-place, so a broken one leaves the local state intact."""
         group_tally = tally.to(self.device, copy=True)
         extra = [] if self.exact is None else [self.exact.histogram.clone()]
         if self.parallel_dims.world_size > 1:
@@ -388,7 +391,8 @@ class RecoverTrainer(BaseTrainer):
                 dist.all_reduce(t)  # inside the group: sum over its ranks
         flat = torch.cat([g.reshape(-1) for g in self._grads()]) if self.exact is None else self.exact.total.clone()
         self.ft_buffer_bytes = flat.numel() * flat.element_size()  # the one extra gradient copy
-        return [flat, group_tally, *extra]
+        counts = [balancing.gather(self.expert_counts)] if self.expert_counts else []
+        return [flat, group_tally, *extra, *counts]
 
     def _optimizer_step(self) -> float:
         grad_norm = titan.clip_grad_norm(self)
@@ -416,6 +420,8 @@ class RecoverTrainer(BaseTrainer):
             if self.exact is not None:  # the grid points, as values
                 self.exact.scale(grads)
                 self.exact.committed(buffers[2])
+        if self.expert_counts:  # the optimizer's pre-hook moves the expert biases by every group's counts
+            balancing.scatter(self.expert_counts, buffers[-1])
         self.injector.at(self.step, "optimizer", self.model_parts[0])
         grad_norm = self._optimizer_step()
         after_failure = self.manager.committed(current)
@@ -460,11 +466,12 @@ class RecoverTrainer(BaseTrainer):
         return out
 
     def _param_digest(self) -> str:
-        """A digest of this replica's full parameter state: every shard, in order."""
+        """A digest of this replica's full model state (parameters and persistent buffers such as
+        the MoE expert biases): every shard, in order."""
         h = hashlib.blake2b(digest_size=8)
         for m in self.model_parts:
-            for p in m.parameters():
-                h.update(transfer.local(p.data).detach().contiguous().view(torch.uint8).cpu().numpy().data)
+            for _, t in transfer.model_tensors(m):
+                h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().data)
         mine = torch.tensor(list(h.digest()), dtype=torch.int64, device=self.device)
         shards = [mine]
         if self.parallel_dims.world_size > 1:

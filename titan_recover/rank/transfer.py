@@ -10,8 +10,9 @@ gloo, the rank's GPU for NCCL) go three broadcasts:
 2. the header, JSON (never pickle): step, base epoch, tokens seen, LR scheduler
    state, optimizer hyperparameters, the manifest ``[[name, dtype, shape], ...]``
    and the payload's checksum
-3. the payload: the tensors' bytes in manifest order (parameters, optimizer state,
-   the CPU RNG state, and the CUDA one on GPUs)
+3. the payload: the tensors' bytes in manifest order (parameters, persistent buffers
+   such as an MoE layer's expert bias, optimizer state, the CPU RNG state, and the CUDA
+   one on GPUs)
 
 The joiner checks the manifest against its own before taking any byte; a
 mismatch is a ``TransferError`` naming the first difference. It checks the payload's
@@ -44,12 +45,24 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's state as a checkpoint holds it: parameters, then persistent buffers (an MoE
+    layer's expert bias, which the optimizer step moves; not tables rebuilt at init, nor the token
+    counts of a step), as named local shards. Persistence is read from each module's own set: an
+    activation-checkpoint wrapper renames the state dict's keys."""
+    tensors = [(name, local(p.data)) for name, p in model.named_parameters()]
+    for prefix, module in model.named_modules():
+        for name, b in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                tensors.append((f"{prefix}.{name}" if prefix else name, local(b)))
+    return tensors
+
+
 def state_tensors(model_parts: list[torch.nn.Module], optimizers: Any) -> list[tuple[str, torch.Tensor]]:
     """This rank's share of the training state, as named local tensors (live, not copies)."""
     tensors = []
     for i, model in enumerate(model_parts):
-        for name, p in model.named_parameters():
-            tensors.append((f"model{i}/{name}", local(p.data)))
+        tensors += [(f"model{i}/{name}", t) for name, t in model_tensors(model)]
     for i, opt in enumerate(optimizers.optimizers):
         for g, group in enumerate(opt.param_groups):
             for j, p in enumerate(group["params"]):

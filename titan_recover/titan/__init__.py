@@ -15,6 +15,9 @@ The interface:
     guard_checkpointer(trainer, saves, loads)
                                   the trainer's checkpointer saves only while ``saves()``, loads only if ``loads``
     count_tokens(trainer, labels) a computed microbatch's tokens, in the counters TorchTitan does not keep itself
+    expert_counts(trainer)        each MoE layer's tokens-per-expert buffer that the optimizer step's load
+                                  balancing turns into its expert bias (none when the model's optimizers do not
+                                  balance)
     model_inputs(trainer, inputs, labels)
                                   one microbatch as the trainer's ``forward_backward_step`` takes it
     dump_folder, assets_path, model_name, model_vocab_size, dataset, profiler, config_file (job_config)
@@ -48,6 +51,7 @@ INTERFACE = (
     "clip_grad_norm",
     "guard_checkpointer",
     "count_tokens",
+    "expert_counts",
     "model_inputs",
     "dump_folder",
     "assets_path",

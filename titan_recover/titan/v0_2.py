@@ -23,10 +23,16 @@ from titan_recover.titan.common import clip_grad_norm, in_group_timeout_s, text_
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
 from torchtitan.components.tokenizer import HuggingFaceTokenizer as Tokenizer
 from torchtitan.config import JobConfig
 from torchtitan.models import _supported_models
+from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
+from torchtitan.models.gpt_oss.model.args import GptOssModelArgs
 from torchtitan.models.llama3 import TransformerModelArgs
+from torchtitan.models.llama4.model.args import RoPEScalingArgs
+from torchtitan.models.llama4.model.args import TransformerModelArgs as Llama4ModelArgs
+from torchtitan.models.moe import MoEArgs
 from torchtitan.models.qwen3 import Qwen3ModelArgs
 from torchtitan.protocols import train_spec as specs
 from torchtitan.train import Trainer, main
@@ -35,21 +41,85 @@ __all__ = ["BaseDataLoader", "IGNORE_INDEX", "JobConfig", "Tokenizer", "Trainer"
 
 SUFFIX = "_recover"
 
-# Flavors small enough for multi-process tests on a 2-core machine (the synthetic tokenizer's vocabulary).
-TINY: dict[str, Any] = {
-    "llama3": TransformerModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=2048, rope_theta=500000),
-    "qwen3": Qwen3ModelArgs(
-        vocab_size=2048,
-        max_seq_len=4096,
-        head_dim=16,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        qk_norm=True,
-        hidden_dim=192,
-        rope_theta=1000000,
-    ),
+
+# Flavors small enough for multi-process tests on a 2-core machine (the synthetic tokenizer's vocabulary);
+# the mixture-of-experts ones have 4 experts, 2 per token, and each family's own router and balancing.
+def _moe(**kwargs: Any) -> MoEArgs:
+    return MoEArgs(**{"num_experts": 4, "top_k": 2, **kwargs})
+
+
+_SOFTMAX = {"score_func": "softmax", "score_before_experts": False}
+TINY: dict[str, dict[str, Any]] = {
+    "llama3": {"tiny": TransformerModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=2048, rope_theta=500000)},
+    "qwen3": {
+        flavor: Qwen3ModelArgs(
+            vocab_size=2048,
+            max_seq_len=4096,
+            head_dim=16,
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            qk_norm=True,
+            hidden_dim=192,
+            rope_theta=1000000,
+            **moe,
+        )
+        for flavor, moe in (
+            ("tiny", {}),
+            (
+                "tiny_moe",
+                {
+                    "moe_enabled": True,
+                    "moe_inter_dim": 64,
+                    "moe_args": _moe(num_shared_experts=0, route_norm=True, **_SOFTMAX),
+                },
+            ),
+        )
+    },
+    "deepseek_v3": {
+        "tiny": DeepSeekV3ModelArgs(
+            vocab_size=2048,
+            dim=64,
+            inter_dim=128,
+            moe_inter_dim=64,
+            n_layers=2,
+            n_dense_layers=1,
+            n_heads=4,
+            moe_args=_moe(num_shared_experts=1, **_SOFTMAX),
+            q_lora_rank=0,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            mscale=0.70,
+        )
+    },
+    "llama4": {
+        "tiny": Llama4ModelArgs(
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            vocab_size=2048,
+            rope_theta=500000,
+            rope_scaling_args=RoPEScalingArgs(),
+            moe_args=_moe(),
+            interleave_moe_layer_step=1,
+        )
+    },
+    "gpt_oss": {
+        "tiny": GptOssModelArgs(
+            vocab_size=2048,
+            dim=64,
+            moe_inter_dim=64,
+            n_layers=2,
+            head_dim=16,
+            n_heads=4,
+            n_kv_heads=2,
+            sliding_window_size=16,
+            moe_args=_moe(num_shared_experts=0, route_norm=True, gate_bias=True, **_SOFTMAX),
+        )
+    },
 }
 FAMILIES = tuple(TINY)
 """The model families titan_recover registers with its data (``<family>_recover``)."""
@@ -67,7 +137,8 @@ def load_config(argv: list[str]) -> JobConfig:
 
 def check_model(job_config: JobConfig) -> None:
     """``model.name`` names a registered TrainSpec, after ``experimental.custom_import`` (which registers
-    the job's own) is imported: TorchTitan's own refusal is a traceback, in every rank."""
+    the job's own) is imported: TorchTitan's own refusal is a traceback, in every rank. On a CPU, a
+    flavor with FlexAttention (all of gpt_oss's) is refused: torch has no FlexAttention backward there."""
     module = job_config.experimental.custom_import
     if module:
         try:
@@ -77,15 +148,20 @@ def check_model(job_config: JobConfig) -> None:
                 f"experimental.custom_import {module!r} cannot be imported ({e}); set it to the module "
                 "that registers the job's model, e.g. titan_recover.train_spec"
             ) from None
-    name = job_config.model.name
+    name, flavor = job_config.model.name, job_config.model.flavor
     try:
-        model_flavors(name)
+        args = model_flavors(name).get(flavor)
     except ValueError:
         registered = sorted(specs._extra_train_specs)  # TorchTitan lists them nowhere else
         raise ConfigError(
             f"model.name {name!r} is not a registered model; registered by experimental.custom_import "
             f"({module!r}): {', '.join(registered) or 'none'}; TorchTitan's own: {', '.join(sorted(_supported_models))}"
         ) from None
+    if cpu_shim.needed() and getattr(args, "attn_type", None) == "flex":
+        raise ConfigError(
+            f"model.flavor {flavor!r} of {name} uses FlexAttention, which torch {torch.__version__} cannot train "
+            "on a CPU (it has no backward there): run it on a GPU, or choose a flavor whose attn_type is sdpa"
+        )
 
 
 class _GuardedCheckpointer:
@@ -119,7 +195,7 @@ def _with_sum_reduction(parallelize: Callable[..., torch.nn.Module]) -> Callable
                 f"model.flavor {job_config.model.flavor!r} ties its embedding and output weights, which TorchTitan "
                 "0.2.2 shards in two FSDP groups and torch 2.13's FSDP2 rejects; choose an untied flavor (e.g. tiny)"
             )
-        return cpu_shim.force_sum_reduction(parallelize(model, parallel_dims, job_config))
+        return cpu_shim.force_sum_reduction(parallelize(cpu_shim.moe_on_cpu(model), parallel_dims, job_config))
 
     return parallelize_fn
 
@@ -127,14 +203,13 @@ def _with_sum_reduction(parallelize: Callable[..., torch.nn.Module]) -> Callable
 def register_model(
     family: str, build_dataloader: Callable[..., BaseDataLoader], flavors: dict[str, Any] | None = None
 ) -> str:
-    """Registers ``<family>_recover``: TorchTitan's ``family`` spec (plus a ``tiny`` flavor where
-    there is one, and ``flavors``) with ``build_dataloader``'s data, SUM reductions on a CPU,
-    and no validation (a streaming HF set); returns the name."""
+    """Registers ``<family>_recover``: TorchTitan's ``family`` spec (plus the tiny flavors where
+    there are some, and ``flavors``) with ``build_dataloader``'s data, SUM reductions and MoE
+    layers that run on a CPU, and no validation (a streaming HF set); returns the name."""
     base = specs.get_train_spec(family)
-    tiny = {"tiny": TINY[family]} if family in TINY else {}
     spec = dataclasses.replace(
         base,
-        model_args={**base.model_args, **tiny, **(flavors or {})},
+        model_args={**base.model_args, **TINY.get(family, {}), **(flavors or {})},
         parallelize_fn=_with_sum_reduction(base.parallelize_fn),
         build_dataloader_fn=build_dataloader,
         build_validator_fn=None,
@@ -162,6 +237,21 @@ def count_tokens(trainer: Trainer, labels: torch.Tensor) -> None:
     """A microbatch's tokens: those seen (checkpointed) and the throughput counter's."""
     trainer.ntokens_seen += labels.numel()
     trainer.metrics_processor.ntokens_since_last_log += labels.numel()
+
+
+def expert_counts(trainer: Trainer) -> list[torch.Tensor]:
+    """The ``tokens_per_expert`` buffers the optimizer's load-balancing pre-hook reads, as it finds
+    them (every MoE layer, none if one has no ``load_balance_coeff``); none where the model's spec
+    builds its optimizers without the hook (0.2's qwen3)."""
+    if trainer.train_spec.build_optimizers_fn is not build_optimizers_with_moe_load_balancing:
+        return []
+    layers = [
+        block.moe
+        for part in trainer.model_parts
+        for block in part.get_submodule("layers").values()
+        if block.moe_enabled
+    ]
+    return [] if any(m.load_balance_coeff is None for m in layers) else [m.tokens_per_expert for m in layers]
 
 
 def model_inputs(

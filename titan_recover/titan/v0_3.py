@@ -24,6 +24,7 @@ from titan_recover.titan.common import clip_grad_norm, in_group_timeout_s, text_
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.config import ConfigManager
 from torchtitan.tools.logging import init_logger
@@ -142,6 +143,20 @@ def count_tokens(trainer: Trainer, labels: torch.Tensor) -> None:
     """A microbatch's tokens in the throughput counter (0.3 counts ``ntokens_seen`` itself, in
     ``post_dataloading_process``: counting it here too would double it)."""
     trainer.metrics_processor.ntokens_since_last_log += labels.numel()
+
+
+def expert_counts(trainer: Trainer) -> list[torch.Tensor]:
+    """The ``tokens_per_expert_E`` buffers the load-balancing pre-hook reads (every MoE layer; none if
+    their ``load_balance_coeff`` is unset); none where the model spec registers no such hook."""
+    if trainer.job_config.model_spec.post_optimizer_build_fn is not register_moe_load_balancing_hook:
+        return []
+    layers = [
+        block.moe
+        for part in trainer.model_parts
+        for block in part.get_submodule("layers").values()
+        if getattr(block, "moe_enabled", False)
+    ]
+    return [] if any(m.load_balance_coeff is None for m in layers) else [m.tokens_per_expert_E for m in layers]
 
 
 def model_inputs(trainer: Trainer, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[Any, Any]:
