@@ -58,7 +58,8 @@ def test_misspelled_model_name_lists_the_registered_ones() -> None:
     assert r.returncode == 2, r.stderr[-3000:]
     assert (
         "error: model.name 'llama33' is not a registered model; registered by experimental.custom_import "
-        "('titan_recover.train_spec'): llama3_recover, qwen3_recover; TorchTitan's own: deepseek_v3" in r.stderr
+        "('titan_recover.train_spec'): deepseek_v3_recover, gpt_oss_recover, llama3_recover, llama4_recover, "
+        "qwen3_recover; TorchTitan's own: deepseek_v3" in r.stderr
     )
     assert "Traceback" not in r.stderr
 

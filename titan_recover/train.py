@@ -25,7 +25,7 @@ import hashlib
 import logging
 import os
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from titan_recover.node import procs
 
@@ -468,11 +468,9 @@ class RecoverTrainer(BaseTrainer):
     def _param_digest(self) -> str:
         """A digest of this replica's full model state (parameters and persistent buffers such as
         the MoE expert biases): every shard, in order."""
-        h = hashlib.blake2b(digest_size=8)
-        for m in self.model_parts:
-            for _, t in transfer.model_tensors(m):
-                h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().data)
-        mine = torch.tensor(list(h.digest()), dtype=torch.int64, device=self.device)
+        mine = torch.tensor(
+            list(_digest(transfer.model_tensors(m) for m in self.model_parts)), dtype=torch.int64, device=self.device
+        )
         shards = [mine]
         if self.parallel_dims.world_size > 1:
             shards = [torch.empty_like(mine) for _ in range(self.parallel_dims.world_size)]
@@ -486,7 +484,14 @@ class RecoverTrainer(BaseTrainer):
         digest = self._param_digest()
         ok = True
         if self.group_rank == 0:
-            self.events.emit("param_digest", step=self.step, replica=self.replica, digest=digest)
+            buffers = [transfer.persistent_buffers(m) for m in self.model_parts]
+            self.events.emit(  # the buffers' own digest shows an MoE layer's expert bias moving, step by step
+                "param_digest",
+                step=self.step,
+                replica=self.replica,
+                digest=digest,
+                buffers=_digest(buffers).hex() if any(buffers) else None,
+            )
             digests = self.manager.exchange_digests(current.members, digest)
             if self.replica in diverged(digests, current.members[0]):
                 expected = sorted(set(digests.values()) - {digest})
@@ -511,6 +516,15 @@ class RecoverTrainer(BaseTrainer):
     def close(self) -> None:
         super().close()
         self.manager.close()
+
+
+def _digest(parts: Iterable[list[tuple[str, torch.Tensor]]]) -> bytes:
+    """blake2b (8 bytes) over the tensors' bytes, in order."""
+    h = hashlib.blake2b(digest_size=8)
+    for tensors in parts:
+        for _, t in tensors:
+            h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().data)
+    return h.digest()
 
 
 def name_wandb_run(replica: int) -> None:

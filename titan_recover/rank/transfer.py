@@ -45,17 +45,21 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint holds (an MoE layer's expert bias, which the optimizer step moves;
+    not tables rebuilt at init, nor a step's token counts), as named local tensors. Persistence is
+    read from each module's own set: an activation-checkpoint wrapper renames the state dict's keys."""
+    return [
+        (f"{prefix}.{name}" if prefix else name, local(b))
+        for prefix, module in model.named_modules()
+        for name, b in module.named_buffers(recurse=False)
+        if name not in module._non_persistent_buffers_set
+    ]
+
+
 def model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The model's state as a checkpoint holds it: parameters, then persistent buffers (an MoE
-    layer's expert bias, which the optimizer step moves; not tables rebuilt at init, nor the token
-    counts of a step), as named local shards. Persistence is read from each module's own set: an
-    activation-checkpoint wrapper renames the state dict's keys."""
-    tensors = [(name, local(p.data)) for name, p in model.named_parameters()]
-    for prefix, module in model.named_modules():
-        for name, b in module.named_buffers(recurse=False):
-            if name not in module._non_persistent_buffers_set:
-                tensors.append((f"{prefix}.{name}" if prefix else name, local(b)))
-    return tensors
+    """The model's state as a checkpoint holds it: parameters, then persistent buffers, as named local shards."""
+    return [(name, local(p.data)) for name, p in model.named_parameters()] + persistent_buffers(model)
 
 
 def state_tensors(model_parts: list[torch.nn.Module], optimizers: Any) -> list[tuple[str, torch.Tensor]]:

@@ -1,0 +1,92 @@
+"""Mixture-of-experts models: the CPU shim's pieces, and each MoE family that trains on a CPU killed
+mid-backward and rejoined against its failure-free twin in exact mode, so every loss, parameter and
+expert bias (the parameter digests cover persistent buffers) must be the same bits. Where the model's
+optimizer balances experts (deepseek_v3, llama4), the bias must move, from the counts of every
+group's microbatches; where it does not (0.2's qwen3), it must stay as TorchTitan leaves it.
+gpt_oss needs FlexAttention's backward, which torch has on GPUs only: on a CPU it is refused."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SINGLES, run_job
+from launcher_in_process import launch
+
+from titan_recover.compare import compare_runs
+from titan_recover.rank import balancing, transfer
+from titan_recover.titan import cpu_shim
+
+MOE = "MoE families on TorchTitan 0.2 (0.3's MoE recipes are not registered yet)"
+EXACT = ["--recover.exact", "--recover.digest_interval", "1", "--training.steps", "8"]
+# the survivor waits at step 5 until the restarted group is admitted: the rejoin happens in every run
+KILL = "kill replica=1 rank=0 step=3 phase=backward; sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "values, bins, low, high",
+    [([0, 3, 3, 1, 7, 7, 7], 8, 0, 8), ([2, 5, 9, 11, 12, -1, 13], 5, 2, 12), ([4, 4], 4, 0, 4), ([], 3, 0, 3)],
+)
+def test_the_integer_count_is_histc_on_the_same_values_as_floats(values: list, bins: int, low: int, high: int) -> None:
+    ints = torch.tensor(values, dtype=torch.int64)
+    counted = cpu_shim._histc(torch.histc, ints, bins=bins, min=low, max=high)
+    assert counted.dtype == torch.int64
+    assert counted.tolist() == torch.histc(ints.double(), bins=bins, min=low, max=high).long().tolist()
+
+
+@pytest.mark.unit
+def test_replicate_summed_counts_go_back_into_the_layers_buffers() -> None:
+    layers = [torch.tensor([1.0, 0.0, 3.0]), torch.tensor([2.0, 2.0])]
+    flat = balancing.gather(layers)
+    assert flat.dtype == torch.float64 and flat.tolist() == [1, 0, 3, 2, 2]
+    flat += torch.tensor([4.0, 1.0, 0.0, 0.0, 5.0], dtype=torch.float64)  # another group's counts
+    balancing.scatter(layers, flat)
+    assert [c.tolist() for c in layers] == [[5, 1, 3], [2, 7]]
+    balancing.reset(layers)
+    assert all(not c.any() for c in layers)
+
+
+@pytest.mark.unit
+def test_state_holds_persistent_buffers_and_not_a_steps_counts() -> None:
+    class Moe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = torch.nn.Linear(2, 4)
+            self.register_buffer("expert_bias", torch.zeros(4))
+            self.register_buffer("tokens_per_expert", torch.zeros(4), persistent=False)
+
+    model = torch.nn.Sequential(Moe())
+    assert [name for name, _ in transfer.persistent_buffers(model)] == ["0.expert_bias"]
+    names = [name for name, _ in transfer.model_tensors(model)]
+    assert names == ["0.gate.weight", "0.gate.bias", "0.expert_bias"]
+
+
+@pytest.mark.toml(MOE)
+def test_flex_attention_flavors_are_refused_on_a_cpu(capfd: pytest.CaptureFixture[str]) -> None:
+    r = launch(capfd, "--model.name", "gpt_oss_recover", "--model.flavor", "tiny")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "model.flavor 'tiny' of gpt_oss_recover uses FlexAttention" in r.stderr
+    assert "run it on a GPU" in r.stderr
+
+
+@pytest.mark.toml(MOE)
+@pytest.mark.parametrize(
+    "model, flavor, balances",
+    [("deepseek_v3_recover", "tiny", True), ("llama4_recover", "tiny", True), ("qwen3_recover", "tiny_moe", False)],
+)
+def test_a_kill_mid_backward_keeps_every_bit_and_the_expert_bias(
+    tmp_path: Path, model: str, flavor: str, balances: bool
+) -> None:
+    job = [*SINGLES, *EXACT, "--model.name", model, "--model.flavor", flavor]
+    reference = run_job(tmp_path / "reference", *job, "--recover.fault_plan", "none")
+    assert reference.returncode == 0, reference.output[-3000:]
+    run = run_job(tmp_path / "run", *job, "--recover.fault_plan", KILL)
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.of("failure") and run.of("rejoined"), run.output[-3000:]
+    result = compare_runs(reference.events, run.events, rel_tol=0.0, exact=True)
+    assert not result.problems, result.problems
+    assert result.steps == 8 and result.digest_steps == 8
+    assert run.steps()[8]["members"] == [0, 1]
+    biases = [e["buffers"] for e in reference.of("param_digest") if e["replica"] == 0]
+    assert len(biases) == 8 and None not in biases
+    assert (len(set(biases)) > 1) == balances, biases  # moved by the balancing hook, or left as built
