@@ -45,6 +45,7 @@ HEAVIEST_FIRST = (
     "test_spares.py",
     "test_survive.py",
     "test_e2e.py",
+    "test_moe.py",
     "test_failover.py",
     "test_parallel.py",
     "test_partitions_etcd.py",
