@@ -1,5 +1,6 @@
 """Mixture-of-experts models: the CPU shim's pieces, and each MoE family that trains on a CPU killed
-mid-backward and rejoined against its failure-free twin in exact mode, so every loss, parameter and
+(mid-backward, or with expert parallelism mid-forward inside an MoE layer) and rejoined against its
+failure-free twin in exact mode, so every loss, parameter and
 expert bias (the parameter digests cover persistent buffers) must be the same bits. Where the model's
 optimizer balances experts (deepseek_v3, llama4), the bias must move, from the counts of every
 group's microbatches; where it does not (0.2's qwen3), it must stay as TorchTitan leaves it.
@@ -18,8 +19,16 @@ from titan_recover.titan import cpu_shim
 
 MOE = "MoE families on TorchTitan 0.2 (0.3's MoE recipes are not registered yet)"
 EXACT = ["--recover.exact", "--recover.digest_interval", "1", "--training.steps", "8"]
-# the survivor waits at step 5 until the restarted group is admitted: the rejoin happens in every run
-KILL = "kill replica=1 rank=0 step=3 phase=backward; sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch"
+HOLD = "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch"  # the survivor waits for the rejoin
+MID_BACKWARD = [*SINGLES, "--recover.fault_plan", f"kill replica=1 rank=0 step=3 phase=backward; {HOLD}"]
+# expert parallelism over a 2-rank group: rank 1 dies inside the middle block's forward (an MoE layer, its
+# tokens going to and from rank 0's experts); the default 2 x 2 layout, M = 4
+EP2_MID_FORWARD = [
+    "--parallelism.expert_parallel_degree",
+    "2",
+    "--recover.fault_plan",
+    f"kill replica=1 rank=1 step=3 phase=forward; {HOLD}",
+]
 
 
 @pytest.mark.unit
@@ -71,16 +80,21 @@ def test_flex_attention_flavors_are_refused_on_a_cpu(capfd: pytest.CaptureFixtur
 
 @pytest.mark.toml(MOE)
 @pytest.mark.parametrize(
-    "model, flavor, balances",
-    [("deepseek_v3_recover", "tiny", True), ("llama4_recover", "tiny", True), ("qwen3_recover", "tiny_moe", False)],
+    "model, flavor, fault, balances",
+    [
+        ("deepseek_v3_recover", "tiny", MID_BACKWARD, True),
+        ("llama4_recover", "tiny", EP2_MID_FORWARD, True),
+        ("qwen3_recover", "tiny_moe", MID_BACKWARD, False),
+    ],
+    ids=["deepseek_v3-mid-backward", "llama4-ep2-mid-forward", "qwen3-mid-backward"],
 )
-def test_a_kill_mid_backward_keeps_every_bit_and_the_expert_bias(
-    tmp_path: Path, model: str, flavor: str, balances: bool
+def test_a_kill_keeps_every_bit_and_the_expert_bias(
+    tmp_path: Path, model: str, flavor: str, fault: list[str], balances: bool
 ) -> None:
-    job = [*SINGLES, *EXACT, "--model.name", model, "--model.flavor", flavor]
-    reference = run_job(tmp_path / "reference", *job, "--recover.fault_plan", "none")
+    job = [*EXACT, "--model.name", model, "--model.flavor", flavor]
+    reference = run_job(tmp_path / "reference", *fault, *job, "--recover.fault_plan", "none")
     assert reference.returncode == 0, reference.output[-3000:]
-    run = run_job(tmp_path / "run", *job, "--recover.fault_plan", KILL)
+    run = run_job(tmp_path / "run", *fault, *job)
     assert run.returncode == 0, run.output[-3000:]
     assert run.of("failure") and run.of("rejoined"), run.output[-3000:]
     result = compare_runs(reference.events, run.events, rel_tol=0.0, exact=True)
