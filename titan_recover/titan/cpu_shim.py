@@ -119,7 +119,7 @@ def cpu_device() -> Iterator[None]:
 def _on_cpu(original: Any, shim: Any) -> Any:
     """``original`` wrapped by ``shim`` (called with it first), once: a real function with the
     original's name, as torch.compile's tracer expects of torch's functions."""
-    if getattr(original, "__wrapped__", None) is not None and getattr(original, "_cpu_shim", False):
+    if getattr(original, "_cpu_shim", False):
         return original
 
     @functools.wraps(original)
