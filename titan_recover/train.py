@@ -27,14 +27,12 @@ import os
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-from titan_recover.node import procs
+from titan_recover.node import devices, procs
 
 # before the seconds of imports below: a torchrun agent killed meanwhile takes this rank along
 if __name__ == "__main__":
     procs.die_with_parent()
     gc.disable()  # the imports below make millions of objects that live all run: collecting them costs ~15% of them
-    from titan_recover.node import devices
-
     os.environ.update(devices.rank_env(os.environ))  # before CUDA or NCCL start: a rank-per-host rank's GPU and host id
 
 import torch
@@ -133,13 +131,23 @@ class RecoverTrainer(BaseTrainer):
 
     def init_distributed(self) -> Any:
         """This torchrun world is one replica group: TorchTitan sees dp_replicate = 1;
-        the replicate dimension is titan_recover's, across jobs."""
+        the replicate dimension is titan_recover's, across jobs.
+
+        TorchTitan sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` for the groups it makes here (the watchdog
+        takes the process down when a collective fails: its group dies as one anyway). The replicate
+        groups, made later, keep the launcher's value (2: abort the communicator, keep the process),
+        or a survivor would be torn down with its dead peer (seen on an H200: SIGABRT, run lost)."""
         par = self.job_config.parallelism
         replicas, par.data_parallel_replicate_degree = par.data_parallel_replicate_degree, 1
+        handling = os.environ.get(devices.ERROR_HANDLING_ENV)
         try:
             return super().init_distributed()
         finally:
             par.data_parallel_replicate_degree = replicas
+            if handling is None:
+                os.environ.pop(devices.ERROR_HANDLING_ENV, None)
+            else:
+                os.environ[devices.ERROR_HANDLING_ENV] = handling
 
     def _epoch_view(self) -> Callable[[], int]:
         return self.manager.channel.epoch

@@ -20,9 +20,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from titan_recover.node.devices import ERROR_HANDLING_ENV
+
 REFUSE, WARN, OK = "refuse", "warn", "ok"
 OVERRIDE_ENV = "TITAN_RECOVER_PREFLIGHT"
-ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 CLEAN_UP_ONLY = "2"  # abort the communicator, keep the process (PyTorch's ErrorHandlingMode::CleanUpOnly)
 ERROR_HANDLING = {
     "0": "no handling",
