@@ -262,6 +262,15 @@ def test_bad_fault_plan_message_names_the_token() -> None:
 
 
 @pytest.mark.unit
+def test_an_experts_fault_needs_a_model_with_experts() -> None:
+    rc = config.Recover(fault_plan="kill replica=1 step=2 phase=experts")
+    config.check_experts_faults(rc, "an MoE flavor", has_experts=True)
+    config.check_experts_faults(config.Recover(fault_plan="kill replica=1 step=2"), "a dense one", has_experts=False)
+    with pytest.raises(ConfigError, match="phase=experts .* and a dense one has none"):
+        config.check_experts_faults(rc, "a dense one", has_experts=False)
+
+
+@pytest.mark.unit
 def test_bad_policy_lists_the_choices() -> None:
     with pytest.raises(ConfigError) as info:
         load("--recover.policy", "nosuch")

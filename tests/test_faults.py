@@ -282,6 +282,55 @@ def test_hooks_removed_after_a_normal_exit(model: Tiny) -> None:
     model(x()).sum().backward()
 
 
+class GroupedExperts(torch.nn.Module):
+    """Named as TorchTitan's experts are (both lines): what ``phase=experts`` finds."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        super().__init__()
+        self.name, self.log = name, log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.log.append(self.name)
+        return x
+
+
+class Moe(torch.nn.Module):
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.log: list[str] = []
+        self.layers = torch.nn.ModuleList(GroupedExperts(f"e{i}", self.log) for i in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.unit
+def test_an_experts_fault_fires_as_the_middle_moe_layers_experts_are_called() -> None:
+    model = Moe(experts=3)
+    model.layers[1].__class__ = type("FSDPGroupedExperts", (GroupedExperts,), {})  # as fully_shard renames it
+    model.layers[1].register_forward_pre_hook(lambda *_: model.log.append("dispatched"))  # as EP's own hook
+    inj = injector("kill replica=1 step=2 phase=experts microbatch=0")
+    with inj.microbatch(model, step=1, index=0, count=1):
+        model(x())  # another step: nothing fires
+    model.log.clear()
+    with pytest.raises(Fired) as info:
+        with inj.microbatch(model, step=2, index=0, count=1):
+            model(x())
+    assert info.value.fault.phase == "experts"
+    assert model.log == ["e0", "dispatched"]  # after the tokens went out, before the experts ran
+    assert len(model.layers[1]._forward_pre_hooks) == 1  # the injector's own hook is gone
+
+
+@pytest.mark.unit
+def test_an_experts_fault_in_a_model_without_experts_names_the_problem(model: Tiny) -> None:
+    inj = injector("kill replica=1 step=2 phase=experts")
+    with pytest.raises(FaultPlanError, match="phase=experts needs a mixture-of-experts layer"):
+        with inj.microbatch(model, step=2, index=1, count=2):
+            model(x())
+
+
 @pytest.mark.unit
 def test_model_without_layers_hooks_the_model_itself() -> None:
     lin = torch.nn.Linear(3, 3)

@@ -16,19 +16,26 @@ from launcher_in_process import launch
 from titan_recover.compare import compare_runs
 from titan_recover.rank import balancing, transfer
 from titan_recover.titan import cpu_shim
+from titan_recover.titan.jobs import LINE
 
-MOE = "MoE families on TorchTitan 0.2 (0.3's MoE recipes are not registered yet)"
+MOE = "the MoE families of TorchTitan 0.2 (0.3's qwen3 runs in the lines tier)"
 EXACT = ["--recover.exact", "--recover.digest_interval", "1", "--training.steps", "8"]
 HOLD = "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch"  # the survivor waits for the rejoin
 MID_BACKWARD = [*SINGLES, "--recover.fault_plan", f"kill replica=1 rank=0 step=3 phase=backward; {HOLD}"]
-# expert parallelism over a 2-rank group: rank 1 dies inside the middle block's forward (an MoE layer, its
-# tokens going to and from rank 0's experts); the default 2 x 2 layout, M = 4
-EP2_MID_FORWARD = [
+# expert parallelism over a 2-rank group: rank 1 dies in the middle MoE layer after its tokens went out to
+# rank 0's experts, and rank 0 waits for its experts' outputs; the default 2 x 2 layout, M = 4
+EP2_IN_EXPERTS = [
     "--parallelism.expert_parallel_degree",
     "2",
     "--recover.fault_plan",
-    f"kill replica=1 rank=1 step=3 phase=forward; {HOLD}",
+    f"kill replica=1 rank=1 step=3 phase=experts; {HOLD}",
 ]
+# qwen3's tiny MoE flavor as each line spells it; 0.2's qwen3 builds no balancing hook, 0.3's does
+QWEN3_MOE = (
+    ("llama3_debug_cpu", ["--model.name", "qwen3_recover", "--model.flavor", "tiny_moe"], False)
+    if LINE == "0.2"
+    else ("qwen3_moe_cpu", [], True)
+)
 
 
 @pytest.mark.unit
@@ -78,25 +85,38 @@ def test_flex_attention_flavors_are_refused_on_a_cpu(capfd: pytest.CaptureFixtur
     assert "run it on a GPU" in r.stderr
 
 
-@pytest.mark.toml(MOE)
 @pytest.mark.parametrize(
-    "model, flavor, fault, balances",
+    "config, model, fault, balances",
     [
-        ("deepseek_v3_recover", "tiny", MID_BACKWARD, True),
-        ("llama4_recover", "tiny", EP2_MID_FORWARD, True),
-        ("qwen3_recover", "tiny_moe", MID_BACKWARD, False),
+        pytest.param(
+            "llama3_debug_cpu",
+            ["--model.name", "deepseek_v3_recover", "--model.flavor", "tiny"],
+            MID_BACKWARD,
+            True,
+            marks=pytest.mark.toml(MOE),
+        ),
+        pytest.param(
+            "llama3_debug_cpu",
+            ["--model.name", "llama4_recover", "--model.flavor", "tiny"],
+            EP2_IN_EXPERTS,
+            True,
+            marks=pytest.mark.toml(MOE),
+        ),
+        pytest.param(*QWEN3_MOE[:2], EP2_IN_EXPERTS, QWEN3_MOE[2], marks=pytest.mark.lines),
     ],
-    ids=["deepseek_v3-mid-backward", "llama4-ep2-mid-forward", "qwen3-mid-backward"],
+    ids=["deepseek_v3-mid-backward", "llama4-ep2-in-experts", "qwen3-ep2-in-experts"],
 )
 def test_a_kill_keeps_every_bit_and_the_expert_bias(
-    tmp_path: Path, model: str, flavor: str, fault: list[str], balances: bool
+    tmp_path: Path, config: str, model: list[str], fault: list[str], balances: bool
 ) -> None:
-    job = [*EXACT, "--model.name", model, "--model.flavor", flavor]
-    reference = run_job(tmp_path / "reference", *fault, *job, "--recover.fault_plan", "none")
+    job = [*EXACT, *model]
+    reference = run_job(tmp_path / "reference", *fault, *job, "--recover.fault_plan", "none", config=config)
     assert reference.returncode == 0, reference.output[-3000:]
-    run = run_job(tmp_path / "run", *fault, *job)
+    run = run_job(tmp_path / "run", *fault, *job, config=config)
     assert run.returncode == 0, run.output[-3000:]
     assert run.of("failure") and run.of("rejoined"), run.output[-3000:]
+    phase = fault[-1].split("phase=")[1].split(";")[0]
+    assert [(e["replica"], e["phase"]) for e in run.of("fault_injected")][0] == (1, phase)
     result = compare_runs(reference.events, run.events, rel_tol=0.0, exact=True)
     assert not result.problems, result.problems
     assert result.steps == 8 and result.digest_steps == 8
@@ -104,3 +124,11 @@ def test_a_kill_keeps_every_bit_and_the_expert_bias(
     biases = [e["buffers"] for e in reference.of("param_digest") if e["replica"] == 0]
     assert len(biases) == 8 and None not in biases
     assert (len(set(biases)) > 1) == balances, biases  # moved by the balancing hook, or left as built
+
+
+@pytest.mark.lines
+def test_a_fault_in_experts_is_refused_for_a_model_without_them(capfd: pytest.CaptureFixture[str]) -> None:
+    r = launch(capfd, "--recover.fault_plan", "kill replica=1 step=2 phase=experts")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "phase=experts fires inside a mixture-of-experts layer" in r.stderr
+    assert "choose phase=forward or backward" in r.stderr

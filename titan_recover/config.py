@@ -455,6 +455,17 @@ def _parse_fault_plan(rc: Recover) -> tuple[fault_plan.Fault, ...]:
         raise ConfigError(f"recover.fault_plan: {e}") from e
 
 
+def check_experts_faults(rc: Recover, model: str, has_experts: bool) -> None:
+    """A ``phase=experts`` fault fires in a mixture-of-experts layer: ``model`` (its name and flavor,
+    for the message) must have one, or the fault would never fire."""
+    if has_experts or not any(f.phase == "experts" for f in _parse_fault_plan(rc)):
+        return
+    raise ConfigError(
+        f"recover.fault_plan: phase=experts fires inside a mixture-of-experts layer, and {model} has none: "
+        "choose phase=forward or backward, or a flavor with experts"
+    )
+
+
 def _check_degrees(rc: Recover, par: Any) -> None:
     replicas, shards = par.data_parallel_replicate_degree, par.data_parallel_shard_degree
     if replicas < 1:

@@ -10,6 +10,8 @@ from titan_recover.titan.recipes import (
     llama3_tiny_cpu,
     llama3_tp_cpu,
     qwen3_debug_cpu,
+    qwen3_moe_cpu,
+    qwen3_moe_debug_cpu,
 )
 
 __all__ = [
@@ -21,4 +23,6 @@ __all__ = [
     "llama3_tiny_cpu",
     "llama3_tp_cpu",
     "qwen3_debug_cpu",
+    "qwen3_moe_cpu",
+    "qwen3_moe_debug_cpu",
 ]

@@ -8,10 +8,10 @@ Grammar (whitespace-separated ``key=value`` after an action, entries joined by `
               rank=INT      rank inside that group (its shard index; default 0)
               step=INT      training step, 1-based (required, except for join/donate:
                             there it is optional and matches any step)
-              phase=NAME    forward | backward | allreduce | optimizer | join | donate
-                            (default backward)
+              phase=NAME    forward | backward | experts | allreduce | optimizer | join
+                            | donate (default backward)
               microbatch=INT  which of the replica's microbatches in that step, counted
-                            from 0 in the order it computes them (forward/backward only;
+                            from 0 in the order it computes them (forward/backward/experts only;
                             default 1, or its last one if it has fewer)
               attempt=INT   which incarnation of the replica group (how often the
                             launcher restarted it): default 0, the first; 1 for phase=join
@@ -34,7 +34,10 @@ from ``step`` on (default: the first), every microbatch of every rank of that re
 group, in every incarnation, takes ``factor`` times as long (it sleeps the difference
 after computing), as a slower GPU or a throttled host would. Points:
 mid-forward and mid-backward mean inside the middle transformer block of that
-microbatch; allreduce means after the replicate all-reduce was launched; optimizer
+microbatch; experts means inside the middle mixture-of-experts layer, as its experts
+are called: with expert parallelism, after the tokens were sent to the experts' ranks
+and before the outputs come back (a model without one is refused); allreduce means
+after the replicate all-reduce was launched; optimizer
 means after the step was agreed, before ``optimizer.step()``; join means a restarted
 rank in the middle of receiving its state, donate a live rank in the middle of
 sending it (after the header, before the tensors).
@@ -42,7 +45,7 @@ sending it (after the header, before the tensors).
 
 from dataclasses import dataclass
 
-PHASES = ("forward", "backward", "allreduce", "optimizer", "join", "donate")
+PHASES = ("forward", "backward", "experts", "allreduce", "optimizer", "join", "donate")
 TRANSFER_PHASES = ("join", "donate")  # step is optional for these
 ACTIONS = ("kill", "stop", "sleep", "corrupt", "raise", "slow")
 

@@ -98,22 +98,33 @@ class FaultInjector:
         """Arms forward/backward faults for the ``index``-th of ``count`` microbatches."""
         fwd = self._match(step, "forward", index, count)
         bwd = self._match(step, "backward", index, count)
-        if fwd is None and bwd is None:
-            yield
-            return
-        block = _middle_block(model)
+        exp = self._match(step, "experts", index, count)
+        handles = []
+        if fwd is not None or bwd is not None:
 
-        def hook(_module: torch.nn.Module, _args: object, output: torch.Tensor) -> None:
-            if fwd is not None:
-                self._fire(fwd, model)
-            if bwd is not None and output.requires_grad:
-                output.register_hook(lambda grad: self._fire(bwd, model))
+            def hook(_module: torch.nn.Module, _args: object, output: torch.Tensor) -> None:
+                if fwd is not None:
+                    self._fire(fwd, model)
+                if bwd is not None and output.requires_grad:
+                    output.register_hook(lambda grad: self._fire(bwd, model))
 
-        handle = block.register_forward_hook(hook)
+            handles.append(_middle_block(model).register_forward_hook(hook))
+        if exp is not None:  # after any pre-hook expert parallelism put there: its tokens are already sent
+            handles.append(middle_experts(model).register_forward_pre_hook(lambda *_: self._fire(exp, model)))
         try:
             yield
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
+
+
+def middle_experts(model: torch.nn.Module) -> torch.nn.Module:
+    """The routed experts (TorchTitan's ``GroupedExperts`` on either line, or FSDP's subclass of it) of the
+    middle mixture-of-experts layer: with expert parallelism they are called between the token all-to-alls."""
+    experts = [m for m in model.modules() if "GroupedExperts" in (c.__name__ for c in type(m).__mro__)]
+    if not experts:
+        raise FaultPlanError("phase=experts needs a mixture-of-experts layer, and this model (or stage) has none")
+    return experts[len(experts) // 2]
 
 
 def _middle_block(model: torch.nn.Module) -> torch.nn.Module:

@@ -163,14 +163,28 @@ def _grouped_experts(
     return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
 
 
+def _experts_in_own_dtype(experts: Any, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """TorchTitan 0.3's ``GroupedExperts.forward`` without its cast to bfloat16 (its weights are
+    plain tensors or, sharded, DTensors whose local shards the experts compute with)."""
+    w1, w2, w3 = (
+        w.to_local() if hasattr(w, "to_local") else w for w in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD)
+    )
+    return _grouped_experts(w1, w2, w3, x, num_tokens_per_expert)
+
+
 def moe_on_cpu(model: torch.nn.Module) -> torch.nn.Module:
-    """On a CPU, ``model``'s experts run grouped matmuls in their own dtype and permute tokens with
-    TorchTitan's CPU code; returns ``model``. TorchTitan's grouped matmul casts to bfloat16 (emulated
-    and lossy here), and the per-expert loop that llama4, deepseek_v3 and gpt_oss pick without an
-    SM90 GPU writes a whole-tensor gradient per expert in backward: 34 s of backward for qwen3's
-    64-expert debugmodel_moe against 1.2 s with grouped matmuls, whose float32 results equal
-    the loop's."""
-    if not needed():
+    """On a CPU, ``model``'s experts run grouped matmuls in their own dtype and (TorchTitan 0.2) permute
+    tokens with TorchTitan's CPU code; returns ``model``. Both lines' grouped matmul casts to bfloat16
+    (emulated and lossy here), and the per-expert loop that 0.2's llama4, deepseek_v3 and gpt_oss pick
+    without an SM90 GPU writes a whole-tensor gradient per expert in backward: 34 s of backward for
+    qwen3's 64-expert debugmodel_moe against 1.2 s with grouped matmuls, whose float32 results equal
+    the loop's. 0.3's token permutation is plain torch already."""
+    experts = next((m for m in model.modules() if type(m).__name__ == "GroupedExperts"), None)
+    if not needed() or experts is None:
+        return model
+    if not hasattr(experts, "use_grouped_mm"):  # TorchTitan 0.3
+        cls = type(experts)
+        cls.forward = _on_cpu(cls.forward, lambda _, *args: _experts_in_own_dtype(*args))
         return model
     import torchtitan.models.moe.moe as moe
     import torchtitan.models.moe.utils as moe_utils

@@ -33,9 +33,9 @@ from torchtitan.protocols.model_spec import ModelSpec
 ASSETS = "./titan_recover/assets/tokenizer"
 
 
-def _with_sum_reduction(parallelize: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
+def _on_cpu(parallelize: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
     def parallelize_fn(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
-        return cpu_shim.force_sum_reduction(parallelize(model, **kwargs))
+        return cpu_shim.force_sum_reduction(parallelize(cpu_shim.moe_on_cpu(model), **kwargs))
 
     return parallelize_fn
 
@@ -90,20 +90,51 @@ def _qwen3_tiny() -> ModelSpec:
     return dataclasses.replace(qwen3.model_registry("debugmodel"), flavor="tiny", model=model)
 
 
+def _qwen3_tiny_moe() -> ModelSpec:
+    """TorchTitan 0.2's ``qwen3_recover`` ``tiny_moe`` flavor: ``tiny`` with a mixture-of-experts layer
+    in each block (4 experts of hidden size 64, top-2, softmax routing), balanced by 0.3's optimizer hook."""
+    dim, head_dim, vocab = 64, 16, 2048
+    model = qwen3.Qwen3Model.Config(
+        vocab_size=vocab,
+        dim=dim,
+        norm=qwen3._qwen3_norm(dim),
+        enable_weight_tying=False,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=qwen3._LINEAR_INIT),
+        layers=qwen3._build_qwen3_moe_layers(
+            fuse_qkv=True,
+            n_layers=2,
+            dim=dim,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=head_dim,
+            moe_hidden_dim=64,
+            num_experts=4,
+            top_k=2,
+            attn_backend="flex",
+            moe_comm_backend="standard",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=4096, theta=1000000.0),
+        ),
+    )
+    return dataclasses.replace(qwen3.model_registry("debugmodel_moe"), flavor="tiny_moe", model=model)
+
+
 MODELS: dict[tuple[str, str], Callable[[], ModelSpec]] = {
     ("llama3", "debugmodel"): lambda: llama3.model_registry("debugmodel"),
     ("llama3", "8B"): lambda: llama3.model_registry("8B"),
     ("llama3", "tiny"): _llama3_tiny,
     ("qwen3", "tiny"): _qwen3_tiny,
+    ("qwen3", "tiny_moe"): _qwen3_tiny_moe,
+    ("qwen3", "debugmodel_moe"): lambda: qwen3.model_registry("debugmodel_moe"),
 }
 
 
 def model_spec(family: str, flavor: str) -> ModelSpec:
-    """``family``'s ``flavor`` with SDPA attention and, on a CPU, SUM reductions."""
+    """``family``'s ``flavor`` with SDPA attention and, on a CPU, SUM reductions and experts in their own dtype."""
     spec = MODELS[family, flavor]()
     for _, _, parent, attr in list(spec.model.traverse(FlexAttention.Config)):
         setattr(parent, attr, ScaledDotProductAttention.Config())
-    spec.parallelize_fn = _with_sum_reduction(spec.parallelize_fn)
+    spec.parallelize_fn = _on_cpu(spec.parallelize_fn)
     return spec
 
 
@@ -179,6 +210,18 @@ def llama3_tiny_cpu() -> Trainer.Config:
 def qwen3_debug_cpu() -> Trainer.Config:
     """``train_configs/qwen3_debug_cpu.toml``: the default job's layout and failure with qwen3 ``tiny``."""
     return cpu_job("qwen3_debug_cpu", model_spec("qwen3", "tiny"))
+
+
+def qwen3_moe_cpu() -> Trainer.Config:
+    """The default job's layout and failure with qwen3 ``tiny_moe`` (TorchTitan 0.2's ``qwen3_debug_cpu``
+    with ``--model.flavor tiny_moe``); experts sharded over a group with
+    ``--parallelism.expert_parallel_degree 2``."""
+    return cpu_job("qwen3_moe_cpu", model_spec("qwen3", "tiny_moe"))
+
+
+def qwen3_moe_debug_cpu() -> Trainer.Config:
+    """qwen3's own ``debugmodel_moe`` (64 experts, top-8, 8 layers) in the default job's layout and failure."""
+    return cpu_job("qwen3_moe_debug_cpu", model_spec("qwen3", "debugmodel_moe"))
 
 
 def llama3_tp_cpu() -> Trainer.Config:

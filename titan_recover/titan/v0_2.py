@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from titan_recover.titan import cpu_shim
-from titan_recover.config import ConfigError
+from titan_recover.config import ConfigError, check_experts_faults
 
 from titan_recover.titan import common  # binds TorchTitan's device type first
 from titan_recover.titan.common import clip_grad_norm, in_group_timeout_s, text_datasets  # noqa: F401 (the interface)
@@ -157,6 +157,8 @@ def check_model(job_config: JobConfig) -> None:
             f"model.name {name!r} is not a registered model; registered by experimental.custom_import "
             f"({module!r}): {', '.join(registered) or 'none'}; TorchTitan's own: {', '.join(sorted(_supported_models))}"
         ) from None
+    has_experts = bool(getattr(args, "moe_enabled", hasattr(args, "moe_args")))
+    check_experts_faults(job_config.recover, f"model.flavor {flavor!r} of {name}", has_experts)
     if cpu_shim.needed() and getattr(args, "attn_type", None) == "flex":
         raise ConfigError(
             f"model.flavor {flavor!r} of {name} uses FlexAttention, which torch {torch.__version__} cannot train "

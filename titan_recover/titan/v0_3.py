@@ -16,7 +16,7 @@ from typing import Annotated, Any, Callable
 import torch
 import tyro
 
-from titan_recover.config import ConfigError, Recover
+from titan_recover.config import ConfigError, Recover, check_experts_faults
 
 from titan_recover.titan import common  # binds TorchTitan's device type first
 from titan_recover.titan.common import clip_grad_norm, in_group_timeout_s, text_datasets  # noqa: F401 (the interface)
@@ -27,6 +27,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.config import ConfigManager
+from torchtitan.models.common.moe import MoE
 from torchtitan.tools.logging import init_logger
 from torchtitan.trainer import Trainer as TitanTrainer
 
@@ -128,9 +129,12 @@ def load_config(argv: list[str]) -> JobConfig:
 
 
 def check_model(job_config: JobConfig) -> None:
-    """The recipe chose the model; a config without one cannot train."""
-    if job_config.model_spec is None:
+    """The recipe chose the model; a config without one cannot train, nor a fault in experts it lacks."""
+    spec = job_config.model_spec
+    if spec is None:
         raise ConfigError("the config has no model_spec: the recipe (--module/--config) must set one")
+    has_experts = any(True for _ in spec.model.traverse(MoE.Config))
+    check_experts_faults(job_config.recover, f"model {spec.name} flavor {spec.flavor!r}", has_experts)
 
 
 def guard_checkpointer(trainer: Trainer, saves: Callable[[], bool], loads: bool) -> None:
