@@ -213,10 +213,15 @@ def qwen3_debug_cpu() -> Trainer.Config:
 
 
 def qwen3_moe_cpu() -> Trainer.Config:
-    """The default job's layout and failure with qwen3 ``tiny_moe`` (TorchTitan 0.2's ``qwen3_debug_cpu``
-    with ``--model.flavor tiny_moe``); experts sharded over a group with
-    ``--parallelism.expert_parallel_degree 2``."""
-    return cpu_job("qwen3_moe_cpu", model_spec("qwen3", "tiny_moe"))
+    """``train_configs/qwen3_moe_cpu.toml``: qwen3 ``tiny_moe`` in the default job's layout with each group's
+    experts sharded over its 2 ranks (expert parallelism), a rank of replica 1 SIGKILLed at step 5 inside
+    an MoE layer, after its tokens went out to the other rank's experts."""
+    return cpu_job(
+        "qwen3_moe_cpu",
+        model_spec("qwen3", "tiny_moe"),
+        ParallelismConfig(data_parallel_replicate_degree=2, data_parallel_shard_degree=2, expert_parallel_degree=2),
+        fault_plan="kill replica=1 rank=1 step=5 phase=experts",
+    )
 
 
 def qwen3_moe_debug_cpu() -> Trainer.Config:
