@@ -15,8 +15,11 @@ state transfer. Its ``downtime_s`` (failure to first commit back) here includes 
 30 s the survivor is made to sleep so that the short run outlives the restart.
 
     .venv/bin/python -m bench.recovery_latency [--replicas 2 4 8] [--repeats 2] [--rejoin]
+        [--models llama3_recover:tiny deepseek_v3_recover:tiny]
 
-Writes bench/results/recovery_latency.json (recovery_latency_rejoin.json with --rejoin).
+Writes bench/results/recovery_latency.json (recovery_latency_rejoin.json with --rejoin); with more
+than one of ``--models`` (``name:flavor``, each run in turn, so the same noise falls on each),
+recovery_latency_models.json (``_rejoin`` added with --rejoin).
 """
 
 import argparse
@@ -30,14 +33,18 @@ FAULTS = {
     "stop": "stop replica=1 step=3 phase=backward",
 }
 WAIT = "sleep replica=0 step=4 phase=optimizer seconds=30"  # keeps the run going while the group restarts
+DENSE = "llama3_recover:tiny"
 
 
-def run(replicas: int, fault: str, rejoin: bool) -> dict:
+def run(replicas: int, fault: str, rejoin: bool, model: str = DENSE) -> dict:
     plan = FAULTS[fault] + (f"; {WAIT}" if rejoin else "")
+    name, flavor = model.split(":")
     events, _ = launch(
         [
+            "--model.name",
+            name,
             "--model.flavor",
-            "tiny",
+            flavor,
             "--training.seq_len",
             "64",
             "--training.steps",
@@ -55,10 +62,10 @@ def run(replicas: int, fault: str, rejoin: bool) -> dict:
             "--recover.fault_plan",
             plan,
         ],
-        f"R={replicas} {fault}",
+        f"{model} R={replicas} {fault}",
     )
     (recovered,) = of_kind(events, "recovered")
-    result = {"replicas": replicas, "fault": fault, "latency_s": recovered["latency_s"]}
+    result = {"model": model, "replicas": replicas, "fault": fault, "latency_s": recovered["latency_s"]}
     back = of_kind(events, "rejoined")
     if rejoin and back:
         (failure,) = of_kind(events, "failure")
@@ -74,37 +81,44 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--faults", nargs="+", default=list(FAULTS), choices=list(FAULTS))
     parser.add_argument("--rejoin", action="store_true", help="also restart the failed group and time its rejoin")
+    parser.add_argument("--models", nargs="+", default=[DENSE], help="name:flavor of each model to run, in turn")
     args = parser.parse_args()
     rows = []
     for repeat in range(args.repeats):
         for fault in args.faults:
-            for replicas in args.replicas:  # interleaved, so machine noise spreads over every R
-                row = run(replicas, fault, args.rejoin)
-                rows.append(row)
-                print(
-                    f"repeat {repeat + 1} {fault:4s} R={replicas}: "
-                    + ", ".join(
-                        f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                        for k, v in row.items()
-                        if k not in ("replicas", "fault")
-                    ),
-                    flush=True,
-                )
+            for replicas in args.replicas:  # interleaved, so machine noise spreads over every R and model
+                for model in args.models:
+                    row = run(replicas, fault, args.rejoin, model)
+                    rows.append(row)
+                    print(
+                        f"repeat {repeat + 1} {fault:4s} R={replicas} {model}: "
+                        + ", ".join(
+                            f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                            for k, v in row.items()
+                            if k not in ("replicas", "fault", "model")
+                        ),
+                        flush=True,
+                    )
     print("\nmedians over repeats (s)")
     print("         " + "  ".join(f"R={r:<5d}" for r in args.replicas))
     summary: dict[str, dict] = {}
     for key in ("latency_s", "restart_s", "transfer_s", "downtime_s") if args.rejoin else ("latency_s",):
         print(f"{key}:")
         for fault in args.faults:
-            medians = [
-                statistics.median(x.get(key, float("nan")) for x in rows if x["fault"] == fault and x["replicas"] == r)
-                for r in args.replicas
-            ]
-            summary.setdefault(key, {})[fault] = dict(zip(map(str, args.replicas), medians))
-            print(f"  {fault:5s}  " + "  ".join(f"{m:<7.3f}" for m in medians))
-    path = write_result(
-        "recovery_latency_rejoin" if args.rejoin else "recovery_latency", {"runs": rows, "median": summary}
-    )
+            for model in args.models:
+                label = fault if args.models == [DENSE] else f"{model} {fault}"
+                medians = [
+                    statistics.median(
+                        x.get(key, float("nan"))
+                        for x in rows
+                        if (x["fault"], x["replicas"], x["model"]) == (fault, r, model)
+                    )
+                    for r in args.replicas
+                ]
+                summary.setdefault(key, {})[label] = dict(zip(map(str, args.replicas), medians))
+                print(f"  {label:5s}  " + "  ".join(f"{m:<7.3f}" for m in medians))
+    name = "recovery_latency" + ("_models" if len(args.models) > 1 else "") + ("_rejoin" if args.rejoin else "")
+    path = write_result(name, {"runs": rows, "median": summary})
     print(f"wrote {path}")
 
 
