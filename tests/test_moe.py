@@ -1,10 +1,10 @@
 """Mixture-of-experts models: the CPU shim's pieces, and each MoE family that trains on a CPU killed
-(mid-backward, or with expert parallelism mid-forward inside an MoE layer) and rejoined against its
-failure-free twin in exact mode, so every loss, parameter and
-expert bias (the parameter digests cover persistent buffers) must be the same bits. Where the model's
-optimizer balances experts (deepseek_v3, llama4), the bias must move, from the counts of every
-group's microbatches; where it does not (0.2's qwen3), it must stay as TorchTitan leaves it.
-gpt_oss needs FlexAttention's backward, which torch has on GPUs only: on a CPU it is refused."""
+(mid-backward, or with expert parallelism inside the experts' token exchange) and rejoined against its
+failure-free twin in exact mode, so every loss, parameter and expert bias (the parameter digests cover
+persistent buffers) must be the same bits; deepseek_v3 and qwen3 on both TorchTitan lines. Where the
+model's optimizer balances experts (deepseek_v3, llama4, 0.3's qwen3), the bias must move, from the
+counts of every group's microbatches; where it does not (0.2's qwen3), it must stay as TorchTitan
+leaves it. gpt_oss needs FlexAttention's backward, which torch has on GPUs only: on a CPU it is refused."""
 
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from titan_recover.rank import balancing, transfer
 from titan_recover.titan import cpu_shim
 from titan_recover.titan.jobs import LINE
 
-MOE = "the MoE families of TorchTitan 0.2 (0.3's qwen3 runs in the lines tier)"
+MOE = "the <family>_recover models are TorchTitan 0.2 registrations (0.3 builds its models in recipes)"
 EXACT = ["--recover.exact", "--recover.digest_interval", "1", "--training.steps", "8"]
 HOLD = "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch"  # the survivor waits for the rejoin
 MID_BACKWARD = [*SINGLES, "--recover.fault_plan", f"kill replica=1 rank=0 step=3 phase=backward; {HOLD}"]
@@ -30,9 +30,14 @@ EP2_IN_EXPERTS = [
     "--recover.fault_plan",
     f"kill replica=1 rank=1 step=3 phase=experts; {HOLD}",
 ]
-# qwen3's tiny MoE job (its TOML twin on 0.2, with the tests' tiny sizes); 0.2's qwen3 builds no balancing
-# hook, 0.3's does
+# qwen3's and deepseek_v3's tiny MoE jobs as each line spells them (qwen3's TOML twin on 0.2, with the tests'
+# tiny sizes); 0.2's qwen3 builds no balancing hook, 0.3's does; 0.3's deepseek_v3 recipe has EP 2
 QWEN3_MOE = ("qwen3_moe_cpu", ["--model.flavor", "tiny_moe"] if LINE == "0.2" else [], LINE != "0.2")
+DEEPSEEK_V3 = (
+    ("llama3_debug_cpu", ["--model.name", "deepseek_v3_recover", "--model.flavor", "tiny"])
+    if LINE == "0.2"
+    else ("deepseek_v3_cpu", ["--parallelism.expert_parallel_degree", "1"])
+)
 
 
 @pytest.mark.unit
@@ -85,13 +90,7 @@ def test_flex_attention_flavors_are_refused_on_a_cpu(capfd: pytest.CaptureFixtur
 @pytest.mark.parametrize(
     "config, model, fault, balances",
     [
-        pytest.param(
-            "llama3_debug_cpu",
-            ["--model.name", "deepseek_v3_recover", "--model.flavor", "tiny"],
-            MID_BACKWARD,
-            True,
-            marks=pytest.mark.toml(MOE),
-        ),
+        pytest.param(*DEEPSEEK_V3, MID_BACKWARD, True, marks=pytest.mark.lines),
         pytest.param(
             "llama3_debug_cpu",
             ["--model.name", "llama4_recover", "--model.flavor", "tiny"],

@@ -2,6 +2,7 @@
 in the adapter, ``titan_recover.titan.recipes``, since they are made of TorchTitan's components)."""
 
 from titan_recover.titan.recipes import (
+    deepseek_v3_cpu,
     llama3_8b_hsdp_gpu,
     llama3_8b_hsdp_tp_gpu,
     llama3_debug_cpu,
@@ -15,6 +16,7 @@ from titan_recover.titan.recipes import (
 )
 
 __all__ = [
+    "deepseek_v3_cpu",
     "llama3_8b_hsdp_gpu",
     "llama3_8b_hsdp_tp_gpu",
     "llama3_debug_cpu",

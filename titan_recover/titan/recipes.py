@@ -24,7 +24,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import DebugConfig
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
-from torchtitan.models import llama3, qwen3
+from torchtitan.models import deepseek_v3, llama3, qwen3
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.common.config_utils import decoder_vocab_size
@@ -64,59 +64,80 @@ def _llama3_tiny() -> ModelSpec:
     return dataclasses.replace(llama3.model_registry("debugmodel"), flavor="tiny", model=model)
 
 
-def _qwen3_tiny() -> ModelSpec:
+def _qwen3_tiny(moe: bool = False) -> ModelSpec:
     """TorchTitan 0.2's ``qwen3_recover`` ``tiny`` flavor (dim 64, 2 layers, 4 heads of 16, 2 KV heads,
-    QK norm, hidden 192), untied like it: 0.3's qwen3 flavors tie the embedding and output weights."""
+    QK norm, hidden 192), untied like it: 0.3's qwen3 flavors tie the embedding and output weights. With
+    ``moe``, its ``tiny_moe``: a mixture-of-experts layer in each block (4 experts of hidden size 64,
+    top-2, softmax routing), which 0.3's optimizer hook balances."""
     dim, head_dim, vocab = 64, 16, 2048
-    model = qwen3.Qwen3Model.Config(
-        vocab_size=vocab,
-        dim=dim,
-        norm=qwen3._qwen3_norm(dim),
-        enable_weight_tying=False,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=qwen3._LINEAR_INIT),
-        layers=qwen3._build_qwen3_layers(
-            fuse_qkv=True,
-            n_layers=2,
-            dim=dim,
-            n_heads=4,
-            n_kv_heads=2,
-            head_dim=head_dim,
-            hidden_dim=192,
-            attn_backend="flex",
-            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=4096, theta=1000000.0),
-        ),
-    )
-    return dataclasses.replace(qwen3.model_registry("debugmodel"), flavor="tiny", model=model)
-
-
-def _qwen3_tiny_moe() -> ModelSpec:
-    """TorchTitan 0.2's ``qwen3_recover`` ``tiny_moe`` flavor: ``tiny`` with a mixture-of-experts layer
-    in each block (4 experts of hidden size 64, top-2, softmax routing), balanced by 0.3's optimizer hook."""
-    dim, head_dim, vocab = 64, 16, 2048
-    model = qwen3.Qwen3Model.Config(
-        vocab_size=vocab,
-        dim=dim,
-        norm=qwen3._qwen3_norm(dim),
-        enable_weight_tying=False,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=qwen3._LINEAR_INIT),
-        layers=qwen3._build_qwen3_moe_layers(
-            fuse_qkv=True,
-            n_layers=2,
-            dim=dim,
-            n_heads=4,
-            n_kv_heads=2,
-            head_dim=head_dim,
+    common: dict[str, Any] = dict(fuse_qkv=True, n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim)
+    rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=4096, theta=1000000.0)
+    layers = (
+        qwen3._build_qwen3_moe_layers(
+            **common,
             moe_hidden_dim=64,
             num_experts=4,
             top_k=2,
             attn_backend="flex",
             moe_comm_backend="standard",
-            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=4096, theta=1000000.0),
-        ),
+            rope=rope,
+        )
+        if moe
+        else qwen3._build_qwen3_layers(**common, hidden_dim=192, attn_backend="flex", rope=rope)
     )
-    return dataclasses.replace(qwen3.model_registry("debugmodel_moe"), flavor="tiny_moe", model=model)
+    model = qwen3.Qwen3Model.Config(
+        vocab_size=vocab,
+        dim=dim,
+        norm=qwen3._qwen3_norm(dim),
+        enable_weight_tying=False,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=qwen3._LINEAR_INIT),
+        layers=layers,
+    )
+    base = "debugmodel_moe" if moe else "debugmodel"
+    return dataclasses.replace(qwen3.model_registry(base), flavor="tiny_moe" if moe else "tiny", model=model)
+
+
+def _deepseek_v3_tiny() -> ModelSpec:
+    """TorchTitan 0.2's ``deepseek_v3_recover`` ``tiny`` flavor: dim 64, a dense block then an MoE block
+    (4 experts of hidden size 64 and 1 shared, top-2, softmax routing), MLA with 4 heads (KV rank 32)."""
+    dim, rope_dim, vocab = 64, 8, 2048
+    spec = deepseek_v3.model_registry("debugmodel")
+    layers = deepseek_v3._build_dsv3_layers(
+        n_layers=2,
+        n_dense_layers=1,
+        dim=dim,
+        n_heads=4,
+        q_lora_rank=0,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=16,
+        mscale=0.70,
+        dense_hidden_dim=128,
+        moe_hidden_dim=64,
+        num_experts=4,
+        num_shared_experts=1,
+        router_top_k=2,
+        router_score_func="softmax",
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        rope=dataclasses.replace(spec.model.layers[0].attention.rope, dim=rope_dim),
+    )
+    model = dataclasses.replace(
+        spec.model,
+        vocab_size=vocab,
+        dim=dim,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab, embedding_dim=dim, param_init=deepseek_v3._EMBEDDING_INIT
+        ),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=deepseek_v3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=deepseek_v3._output_linear_init(dim)),
+        layers=layers,
+        mtp_layers=[],
+    )
+    return dataclasses.replace(spec, flavor="tiny", model=model)
 
 
 MODELS: dict[tuple[str, str], Callable[[], ModelSpec]] = {
@@ -124,8 +145,9 @@ MODELS: dict[tuple[str, str], Callable[[], ModelSpec]] = {
     ("llama3", "8B"): lambda: llama3.model_registry("8B"),
     ("llama3", "tiny"): _llama3_tiny,
     ("qwen3", "tiny"): _qwen3_tiny,
-    ("qwen3", "tiny_moe"): _qwen3_tiny_moe,
+    ("qwen3", "tiny_moe"): lambda: _qwen3_tiny(moe=True),
     ("qwen3", "debugmodel_moe"): lambda: qwen3.model_registry("debugmodel_moe"),
+    ("deepseek_v3", "tiny"): _deepseek_v3_tiny,
 }
 
 
@@ -212,16 +234,27 @@ def qwen3_debug_cpu() -> Trainer.Config:
     return cpu_job("qwen3_debug_cpu", model_spec("qwen3", "tiny"))
 
 
-def qwen3_moe_cpu() -> Trainer.Config:
-    """``train_configs/qwen3_moe_cpu.toml``: qwen3 ``tiny_moe`` in the default job's layout with each group's
-    experts sharded over its 2 ranks (expert parallelism), a rank of replica 1 SIGKILLed at step 5 inside
-    an MoE layer, after its tokens went out to the other rank's experts."""
+def _expert_parallel_job(name: str, spec: ModelSpec) -> Trainer.Config:
+    """The default job's layout with each group's experts sharded over its 2 ranks (expert parallelism), a
+    rank of replica 1 SIGKILLed at step 5 inside an MoE layer, after its tokens went out to the other
+    rank's experts."""
     return cpu_job(
-        "qwen3_moe_cpu",
-        model_spec("qwen3", "tiny_moe"),
+        name,
+        spec,
         ParallelismConfig(data_parallel_replicate_degree=2, data_parallel_shard_degree=2, expert_parallel_degree=2),
         fault_plan="kill replica=1 rank=1 step=5 phase=experts",
     )
+
+
+def qwen3_moe_cpu() -> Trainer.Config:
+    """``train_configs/qwen3_moe_cpu.toml``: qwen3 ``tiny_moe`` in ``_expert_parallel_job``."""
+    return _expert_parallel_job("qwen3_moe_cpu", model_spec("qwen3", "tiny_moe"))
+
+
+def deepseek_v3_cpu() -> Trainer.Config:
+    """deepseek_v3 ``tiny`` (0.2's ``--model.name deepseek_v3_recover --model.flavor tiny``) in
+    ``_expert_parallel_job``."""
+    return _expert_parallel_job("deepseek_v3_cpu", model_spec("deepseek_v3", "tiny"))
 
 
 def qwen3_moe_debug_cpu() -> Trainer.Config:
