@@ -1,7 +1,7 @@
 """Mixture-of-experts models: the CPU shim's pieces, and each MoE family that trains on a CPU killed
 (mid-backward, or with expert parallelism inside the experts' token exchange) and rejoined against its
 failure-free twin in exact mode, so every loss, parameter and expert bias (the parameter digests cover
-persistent buffers) must be the same bits; deepseek_v3 and qwen3 on both TorchTitan lines. Where the
+persistent buffers) must be the same bits; qwen3 on both TorchTitan lines. Where the
 model's optimizer balances experts (deepseek_v3, llama4, 0.3's qwen3), the bias must move, from the
 counts of every group's microbatches; where it does not (0.2's qwen3), it must stay as TorchTitan
 leaves it. gpt_oss needs FlexAttention's backward, which torch has on GPUs only: on a CPU it is refused."""
@@ -30,14 +30,9 @@ EP2_IN_EXPERTS = [
     "--recover.fault_plan",
     f"kill replica=1 rank=1 step=3 phase=experts; {HOLD}",
 ]
-# qwen3's and deepseek_v3's tiny MoE jobs as each line spells them (qwen3's TOML twin on 0.2, with the tests'
-# tiny sizes); 0.2's qwen3 builds no balancing hook, 0.3's does; 0.3's deepseek_v3 recipe has EP 2
+# qwen3's tiny MoE job as each line spells it (its TOML twin on 0.2, with the tests' tiny sizes); 0.2's qwen3
+# builds no balancing hook, 0.3's does
 QWEN3_MOE = ("qwen3_moe_cpu", ["--model.flavor", "tiny_moe"] if LINE == "0.2" else [], LINE != "0.2")
-DEEPSEEK_V3 = (
-    ("llama3_debug_cpu", ["--model.name", "deepseek_v3_recover", "--model.flavor", "tiny"])
-    if LINE == "0.2"
-    else ("deepseek_v3_cpu", ["--parallelism.expert_parallel_degree", "1"])
-)
 
 
 @pytest.mark.unit
@@ -87,17 +82,17 @@ def test_flex_attention_flavors_are_refused_on_a_cpu(capfd: pytest.CaptureFixtur
     assert "run it on a GPU" in r.stderr
 
 
+def on_0_2(name: str, fault: list[str]) -> object:
+    """``name``'s tiny flavor, a 0.2.2 model, in the default job's TOML; its optimizer balances experts."""
+    model = ["--model.name", name, "--model.flavor", "tiny"]
+    return pytest.param("llama3_debug_cpu", model, fault, True, marks=pytest.mark.toml(MOE))
+
+
 @pytest.mark.parametrize(
     "config, model, fault, balances",
     [
-        pytest.param(*DEEPSEEK_V3, MID_BACKWARD, True, marks=pytest.mark.lines),
-        pytest.param(
-            "llama3_debug_cpu",
-            ["--model.name", "llama4_recover", "--model.flavor", "tiny"],
-            EP2_IN_EXPERTS,
-            True,
-            marks=pytest.mark.toml(MOE),
-        ),
+        on_0_2("deepseek_v3_recover", MID_BACKWARD),
+        on_0_2("llama4_recover", EP2_IN_EXPERTS),
         pytest.param(*QWEN3_MOE[:2], EP2_IN_EXPERTS, QWEN3_MOE[2], marks=pytest.mark.lines),
     ],
     ids=["deepseek_v3-mid-backward", "llama4-ep2-in-experts", "qwen3-ep2-in-experts"],
