@@ -237,13 +237,15 @@ def qwen3_debug_cpu() -> Trainer.Config:
 def _expert_parallel_job(name: str, spec: ModelSpec) -> Trainer.Config:
     """The default job's layout with each group's experts sharded over its 2 ranks (expert parallelism), a
     rank of replica 1 SIGKILLed at step 5 inside an MoE layer, after its tokens went out to the other
-    rank's experts."""
-    return cpu_job(
+    rank's experts; 100 steps, so the restarted group is back before the end."""
+    config = cpu_job(
         name,
         spec,
         ParallelismConfig(data_parallel_replicate_degree=2, data_parallel_shard_degree=2, expert_parallel_degree=2),
         fault_plan="kill replica=1 rank=1 step=5 phase=experts",
     )
+    config.training.steps = 100  # a tiny step takes about 0.6 s: 30 of them end before a restart is back
+    return config
 
 
 def qwen3_moe_cpu() -> Trainer.Config:
