@@ -72,10 +72,11 @@ def test_a_coordinator_that_never_showed_life_is_given_the_startup_bound() -> No
 LAUNCHER = """
 import sys, time
 from titan_recover.control.lifeline import Heartbeat
-Heartbeat(sys.argv[1], "launcher/test", 0.05, coordinator_timeout_s=float(sys.argv[2]),
-          on_lost=lambda reason: print(f"LOST: {reason}", flush=True), message=lambda: "{}")
+lifeline = Heartbeat(sys.argv[1], "launcher/test", 0.05, coordinator_timeout_s=float(sys.argv[2]),
+                     on_lost=lambda reason: print(f"LOST: {reason}", flush=True), message=lambda: "{}")
 print("up", flush=True)
 time.sleep(float(sys.argv[3]))
+lifeline.stop()  # as a launcher does at its end: no store call of its threads left running into exit
 print("done", flush=True)
 """
 
