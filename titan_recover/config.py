@@ -22,6 +22,9 @@ from titan_recover.policy import fault_plan, workload
 BACKENDS = ("auto", "nccl", "gloo")
 """Values of ``recover.replicate_backend`` (``titan_recover.node.devices`` resolves "auto")."""
 
+WARM = ("auto", "on", "off")
+"""Values of ``recover.warm`` (``titan_recover.node.warm.off_because`` resolves "auto")."""
+
 
 class ConfigError(ValueError):
     """A config value titan_recover cannot run with; the message names the key."""
@@ -55,6 +58,16 @@ class Recover:
     connects and waits outside the membership, costing no collective. On a failure the coordinator
     admits a ready spare at once (state from a live peer); the failed group restarts and waits as
     a spare. Each holds the devices of one replica group."""
+
+    warm: str = "auto"
+    """Keep each replica group's next incarnation warm (titan_recover.node.warm): once a group trains,
+    its launcher starts another torchrun for it whose ranks import torch and TorchTitan, parse the
+    job and wait before building anything (no accelerator memory, no process group). A restart
+    activates it: the failed group is back without the seconds a new process spends importing.
+    "auto": on where it fits: the node has a core per training and per waiting rank (the waiting
+    ranks' imports would otherwise slow training), and twice 1.5 GiB of free host memory per waiting
+    rank (one holds about 0.5-0.7 GiB). "on": despite too few cores. "off": restarts import anew.
+    Groups spanning nodes restart cold."""
 
     min_replicas: int = 1
     """Stop with an error when fewer replica groups than this are left."""
@@ -430,6 +443,8 @@ def _check_leader_lease(rc: Recover) -> None:
 
 
 def _check_backend(rc: Recover) -> None:
+    if rc.warm not in WARM:
+        raise ConfigError(f"recover.warm must be one of {', '.join(WARM)}, got {rc.warm!r}")
     if rc.replicate_backend not in BACKENDS:
         raise ConfigError(
             f"recover.replicate_backend must be one of {', '.join(BACKENDS)}, got {rc.replicate_backend!r}"

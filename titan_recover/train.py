@@ -47,7 +47,7 @@ from titan_recover.control.client import COMMIT, REDO
 from titan_recover.control.protocol import MessageError, TransferRecord
 from titan_recover.control.sealed import Run
 from titan_recover.data import addressing
-from titan_recover.node import procs
+from titan_recover.node import warm
 from titan_recover.observability import logs, resources
 from titan_recover.policy import membership, steps, workload
 from titan_recover.policy.fault_plan import Fault
@@ -551,9 +551,15 @@ def trainer(job_config: titan.JobConfig) -> titan.Trainer:
     return (RecoverTrainer if job_config.recover.enable else StockTrainer)(job_config)
 
 
+def checked(job_config: titan.JobConfig) -> None:
+    """What a warm rank does before it waits (``node.warm``): the job's checks, which import the model's modules."""
+    validate(job_config)
+    titan.check_model(job_config)
+
+
 if __name__ == "__main__":
     logs.setup("rank", __name__)
     gc.freeze()  # what the imports made is never collected, and later collections skip it
     gc.enable()
     procs.dumps_stacks()
-    procs.leave(lambda: titan.run(trainer))
+    procs.leave(lambda: titan.run(warm.stand_by(trainer, checked)))

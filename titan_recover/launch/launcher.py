@@ -35,7 +35,7 @@ from titan_recover.data.tokens import DataError
 from titan_recover.launch import preflight
 from titan_recover.launch.backends import Backend, backend_of
 from titan_recover.launch.torchruns import Span, Torchruns, torchrun, with_threads
-from titan_recover.node import devices
+from titan_recover.node import devices, warm
 from titan_recover.node.agent import NodeAgent
 from titan_recover.node.channel import remove_orphans, shm_dir
 from titan_recover.node.procs import EXITING_S, exit_lost, stop_within
@@ -303,15 +303,35 @@ class NodeLauncher:
             self.agent,
             span,
             on_start=self._started,
+            warm=self.keeps_warm(span),
+            on_warm=lambda replica, seconds: self.events.emit("warm_ready", replica=replica, seconds=seconds),
         )
         if self.first and self.part == 0:
             for r in self.local:
                 self.groups.start(r, 0)
         return self.groups
 
-    def _started(self, replica: int, attempt: int) -> None:
-        """The event log says where and when each incarnation started (the status page's restarts)."""
-        self.events.emit("group_started", replica=replica, attempt=attempt, host=self.me.host, part=self.part)
+    def keeps_warm(self, span: Span) -> bool:
+        """Whether this node's groups get warm incarnations (``[recover] warm``, where they fit); the log says which."""
+        ranks = len(self.local) * self.ranks
+        why = warm.off_because(
+            self.rc.warm, span.parts > 1, warm.host_available_bytes(), os.cpu_count() or 1, ranks, ranks
+        )
+        if why:
+            log.info(f"warm incarnations: off ({why}); a failed group restarts cold, importing from nothing")
+            return False
+        log.info(
+            "warm incarnations: on; once a group trains, its next incarnation starts and waits imported "
+            f"(up to {warm.RANK_BYTES / 2**30:.1f} GiB host memory per rank, no accelerator memory), so a restart "
+            "skips the imports (recover.warm = off: none)"
+        )
+        return True
+
+    def _started(self, replica: int, attempt: int, warm: bool) -> None:
+        """The event log says where and when each incarnation started, and whether warm (the status page's restarts)."""
+        self.events.emit(
+            "group_started", replica=replica, attempt=attempt, host=self.me.host, part=self.part, warm=warm
+        )
 
     def register(self) -> ControlClient | None:
         """Connects (the coordinator may still be starting, or die doing so), names this node, starts
@@ -406,6 +426,7 @@ class NodeLauncher:
         """Stops what is left once the run ended; the run's exit code as this node sees it."""
         if self.lifeline is not None:
             self.lifeline.stop()  # the run is ending and the store ends with it
+        self.groups.stop_standbys()
         coordinator = self.coordinator
         if coordinator is not None:
             bound = self.rc.coordinator_timeout_s

@@ -20,9 +20,11 @@ from titan_recover.control.addresses import LOOPBACK
 from titan_recover.control.client import ControlClient
 from titan_recover.control.lifeline import PROBE_S
 from titan_recover.control.protocol import Fence, Launcher, Rendezvous, Report
+from titan_recover.launch.standbys import Standbys
 from titan_recover.node.agent import NodeAgent
 from titan_recover.node.channel import CHANNEL_ENV, FATAL
 from titan_recover.node.procs import die_with_parent
+from titan_recover.node.warm import WARM_ENV
 from titan_recover.policy.restarts import RestartBudget
 
 log = logging.getLogger(__name__)
@@ -87,37 +89,39 @@ def with_threads(env: dict[str, str], local_ranks: int) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // local_ranks))}
 
 
-def is_incarnation(pid: int, replica: int, attempt: int) -> bool:
-    """Whether ``pid`` is a rank of that incarnation (its environment says so), not a reused pid."""
+def is_incarnation(pid: int, replica: int, mark: str) -> bool:
+    """Whether ``pid`` is a rank of the incarnation of ``replica`` whose start environment holds
+    ``mark`` (``Torchruns.marks``), not a reused pid."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = set(f.read().split(b"\0"))
     except OSError:  # gone already
         return False
-    return {f"{keys.REPLICA_ENV}={replica}".encode(), f"{keys.ATTEMPT_ENV}={attempt}".encode()} <= env
+    return {f"{keys.REPLICA_ENV}={replica}".encode(), mark.encode()} <= env
 
 
-def kill_fenced(fence: Fence | None, agent: NodeAgent, replica: int, handled: dict[int, int]) -> None:
+def kill_fenced(fence: Fence | None, agent: NodeAgent, replica: int, mark: str, handled: dict[int, int]) -> bool:
     """SIGKILLs the ranks of the incarnation of ``replica`` that ``fence`` fenced that run on
-    this node (their pids are in its channel).
+    this node (their pids are in its channel; ``mark`` is the current incarnation's, see ``is_incarnation``).
 
     A fenced group may be hung (SIGSTOP, a wedged collective) rather than dead;
-    torchrun only restarts a group once one of its processes exits.
+    torchrun only restarts a group once one of its processes exits. Whether the fence was new.
     """
     if fence is None:
-        return
+        return False
     attempt = fence.attempt
     if handled.get(replica, -1) >= attempt:
-        return
+        return False
     handled[replica] = attempt
     for local_rank, pid in agent.pids(replica, attempt).items():
-        if not is_incarnation(pid, replica, attempt):
+        if not is_incarnation(pid, replica, mark):
             continue  # the pid now belongs to someone else
         try:
             os.kill(pid, signal.SIGKILL)
             log.info(f"killed local rank {local_rank} of fenced replica {replica} (attempt {attempt}, pid {pid})")
         except ProcessLookupError:
             pass  # already gone
+    return True
 
 
 class Span(NamedTuple):
@@ -211,6 +215,9 @@ class Torchruns:
     """This node's replica groups (or its node part of each, ``Span``): one torchrun job each,
     restarted when it fails while this launcher still holds its claim (``claims``). What a
     node part does about starts and exits is its strategy's: ``LeaderPart`` or ``FollowerPart``.
+
+    With ``warm``, each group that trains gets a warm incarnation (``standbys.Standbys``), and a
+    restart activates it instead of starting a torchrun from nothing.
     """
 
     def __init__(
@@ -224,10 +231,19 @@ class Torchruns:
         agent: NodeAgent,
         span: Span = Span(),
         clock: Callable[[], float] = time.monotonic,
-        on_start: Callable[[int, int], None] = lambda replica, attempt: None,
+        on_start: Callable[[int, int, bool], None] = lambda replica, attempt, warm: None,
+        warm: bool = False,
+        on_warm: Callable[[int, float], object] = lambda replica, seconds: None,
     ) -> None:
         self.argv, self.envs, self.local_ranks, self.launcher, self.clock = argv, envs, local_ranks, launcher, clock
-        self.on_start = on_start  # (replica, attempt): an incarnation started here (the event log says so)
+        self.on_start = on_start  # (replica, attempt, warm): an incarnation started here (the event log says so)
+        # the torchrun of a group spanning nodes starts with its other parts: no warm one
+        self.standbys = (
+            Standbys(lambda r: torchrun(local_ranks, argv, f"replica{r}"), envs, local_ranks, agent, clock, on_warm)
+            if warm and span.parts == 1
+            else None
+        )
+        self.marks: dict[int, str] = {}  # group -> the start environment entry its current incarnation's ranks have
         self.agent, self.span = agent, span
         self.part = FollowerPart() if span.part > 0 else LeaderPart()
         self.meetings: dict[int, Meeting] = {}  # groups that span nodes: where the current incarnation meets
@@ -248,10 +264,20 @@ class Torchruns:
         if span.parts > 1:
             host, port = meet or (span.host, transport.free_port())
             self.meetings[replica] = Meeting(host, port, span.part, span.parts, span.timeout_s)
+        standby = None
+        if self.standbys is not None and replica in self.attempts:
+            failed = self.agent.pids(replica, self.attempts[replica]).values()
+            standby = self.standbys.take(
+                replica, [p for p in failed if is_incarnation(p, replica, self.marks[replica])]
+            )
         self.attempts[replica] = attempt
         self.waiting.pop(replica, None)
-        self.procs[replica] = self._start(replica)
-        self.on_start(replica, attempt)
+        if standby is None:
+            self.procs[replica], self.marks[replica] = self._start(replica), f"{keys.ATTEMPT_ENV}={attempt}"
+        else:
+            self.procs[replica] = standby.activate(attempt, self.agent.open(replica, attempt))
+            self.marks[replica] = f"{WARM_ENV}={standby.path}"
+        self.on_start(replica, attempt, standby is not None)
 
     def _start(self, replica: int) -> subprocess.Popen:
         attempt = self.attempts[replica]
@@ -284,8 +310,13 @@ class Torchruns:
             )
         )
 
+    def stop_standbys(self) -> None:
+        if self.standbys is not None:
+            self.standbys.stop()
+
     def kill(self) -> None:
-        """SIGKILLs every group's torchrun agent; its ranks die with it (``die_with_parent``)."""
+        """SIGKILLs every group's torchrun agent (warm ones too); its ranks die with it (``die_with_parent``)."""
+        self.stop_standbys()
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()
@@ -308,8 +339,10 @@ class Torchruns:
             client.read_fences(list(self.procs)) if look else {}
         )  # a fence comes with a new epoch (a waiting spare's, within PROBE_S)
         for r, proc in list(self.procs.items()):
-            if look:
-                kill_fenced(fences[r], self.agent, r, self.killed)
+            fence = fences.get(r)
+            if look and kill_fenced(fence, self.agent, r, self.marks[r], self.killed):
+                if fence is not None and fence.attempt == self.attempts[r] and self.standbys and self.standbys.has(r):
+                    proc.kill()  # its torchrun need not wind down: the warm incarnation takes over at once
             code = proc.poll()
             if code in (None, 0) or r in self.given_up or r in self.waiting:
                 continue
@@ -322,6 +355,8 @@ class Torchruns:
                 continue
             self.part.exited(self, client, r, code)
         self.part.poll(self, client)
+        if self.standbys is not None:
+            self.standbys.keep(self.procs, self.given_up)
         if look:
             self.fences_read = look
         return True

@@ -27,7 +27,20 @@ from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import MessageError, NodeGroup, NodeMessage, Report, Stuck
 from titan_recover.control.sealed import Run
 from titan_recover.control.transport import connect
-from titan_recover.node.channel import BEAT, DONE, FATAL, FINISHED, PID, READY, RUNNING, STATE, STEP, STUCK, Channel
+from titan_recover.node.channel import (
+    BEAT,
+    DONE,
+    FATAL,
+    FINISHED,
+    PID,
+    READY,
+    RUNNING,
+    STARTING,
+    STATE,
+    STEP,
+    STUCK,
+    Channel,
+)
 
 EPOCH_WAIT_S = 24 * 3600.0  # one wait per epoch; a lost coordinator is the lifeline's to find, within its bound
 
@@ -105,6 +118,16 @@ class NodeAgent:
                 return {}
             slots = self.channels[replica].read_slots()
         return {k: int(p) for k, p in enumerate(slots[:, PID]) if p > 0}
+
+    def training(self, replica: int) -> bool:
+        """Every rank of the current incarnation of ``replica`` trains: admitted (RUNNING), or in the
+        first incarnation (whose ranks stay STARTING) past its first step."""
+        with self._lock:
+            if replica not in self.channels:
+                return False
+            slots = self.channels[replica].read_slots()
+        state, step = slots[:, STATE], slots[:, STEP]
+        return bool(((state == RUNNING) | ((state == STARTING) & (step > 0))).all())
 
     def never_admitted(self, replica: int) -> bool:
         """The current incarnation of ``replica`` is a restart none of whose ranks was ever admitted:

@@ -49,8 +49,8 @@ def shm_dir() -> str:
 
 
 CHANNEL_FILE = re.compile(
-    r"titan_recover-(\d+)-r\d+-a\d+-[0-9a-f]+"
-)  # titan_recover-<agent pid>-r<replica>-a<attempt>-<random>
+    r"titan_recover-(\d+)-r\d+-(?:a\d+|warm)-[0-9a-f]+(?:\.partial|\.ready\d+)?"
+)  # titan_recover-<agent pid>-r<replica>-a<attempt>-<random>, and a warm incarnation's activation (node.warm)
 
 
 def remove_orphans(directory: str | None = None) -> list[str]:

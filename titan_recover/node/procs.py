@@ -40,6 +40,16 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def holds_memory(pid: int) -> bool:
+    """Whether process ``pid`` still exists as more than a zombie (an exited process whose parent has not
+    reaped it yet holds no memory, a GPU's included)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return pid_alive(pid)  # no /proc: as far as the kernel's signal check tells
+
+
 def stop_within(proc: subprocess.Popen, timeout_s: float) -> bool:
     """Waits up to ``timeout_s`` for ``proc`` to exit, then SIGKILLs and reaps it: a frozen child
     must not hang its parent. Whether it exited on its own."""

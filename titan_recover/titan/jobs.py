@@ -42,6 +42,8 @@ TINY_SIZES = [
     "2",
     "--metrics.log_freq",
     "1",
+    "--recover.warm",  # each run starts no second set of ranks; tests of warm incarnations turn them on
+    "off",
 ]
 TINY = ["--model.flavor", "tiny", *TINY_SIZES]
 
