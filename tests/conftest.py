@@ -52,6 +52,7 @@ HEAVIEST_FIRST = (
     "test_data_runs.py",
     "test_lifeline.py",
     "test_features.py",
+    "test_warm.py",
     "test_stragglers.py",
     "test_status.py",
     "test_store_growth.py",

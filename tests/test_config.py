@@ -89,6 +89,7 @@ def test_cli_overrides_reach_the_section() -> None:
         (["--recover.digest_interval", "-5"], "recover.digest_interval"),
         (["--recover.fault_plan", "sleep replica=1 step=2"], "recover.fault_plan"),
         (["--recover.replicate_backend", "mpi"], "recover.replicate_backend"),
+        (["--recover.warm", "true"], "recover.warm"),
         (["--parallelism.tensor_parallel_degree", "0"], "parallelism.tensor_parallel_degree"),
         (["--parallelism.pipeline_parallel_degree", "0"], "parallelism.pipeline_parallel_degree"),
         (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree"),

@@ -1,10 +1,10 @@
 """Mixture-of-experts models: the CPU shim's pieces, and each MoE family that trains on a CPU killed
 (mid-backward, or with expert parallelism inside the experts' token exchange) and rejoined against its
 failure-free twin in exact mode, so every loss, parameter and expert bias (the parameter digests cover
-persistent buffers) must be the same bits; qwen3 on both TorchTitan lines. Where the
-model's optimizer balances experts (deepseek_v3, llama4, 0.3's qwen3), the bias must move, from the
-counts of every group's microbatches; where it does not (0.2's qwen3), it must stay as TorchTitan
-leaves it. gpt_oss needs FlexAttention's backward, which torch has on GPUs only: on a CPU it is refused."""
+persistent buffers) must be the same bits; qwen3 on TorchTitan 0.3 (the lines tier). Each model's
+optimizer balances experts (deepseek_v3, llama4, 0.3's qwen3): the bias must move, from the counts of
+every group's microbatches. gpt_oss needs FlexAttention's backward, which torch has on GPUs only: on a
+CPU it is refused."""
 
 from pathlib import Path
 
@@ -30,9 +30,6 @@ EP2_IN_EXPERTS = [
     "--recover.fault_plan",
     f"kill replica=1 rank=1 step=3 phase=experts; {HOLD}",
 ]
-# qwen3's tiny MoE job as each line spells it (its TOML twin on 0.2, with the tests' tiny sizes); 0.2's qwen3
-# builds no balancing hook, 0.3's does
-QWEN3_MOE = ("qwen3_moe_cpu", ["--model.flavor", "tiny_moe"] if LINE == "0.2" else [], LINE != "0.2")
 
 
 @pytest.mark.unit
@@ -85,20 +82,32 @@ def test_flex_attention_flavors_are_refused_on_a_cpu(capfd: pytest.CaptureFixtur
 def on_0_2(name: str, fault: list[str]) -> object:
     """``name``'s tiny flavor, a 0.2.2 model, in the default job's TOML; its optimizer balances experts."""
     model = ["--model.name", name, "--model.flavor", "tiny"]
-    return pytest.param("llama3_debug_cpu", model, fault, True, marks=pytest.mark.toml(MOE))
+    return pytest.param("llama3_debug_cpu", model, fault, marks=pytest.mark.toml(MOE))
 
 
 @pytest.mark.parametrize(
-    "config, model, fault, balances",
+    "config, model, fault",
     [
         on_0_2("deepseek_v3_recover", MID_BACKWARD),
         on_0_2("llama4_recover", EP2_IN_EXPERTS),
-        pytest.param(*QWEN3_MOE[:2], EP2_IN_EXPERTS, QWEN3_MOE[2], marks=pytest.mark.lines),
+        pytest.param(  # qwen3's tiny MoE recipe
+            "qwen3_moe_cpu",
+            [],
+            EP2_IN_EXPERTS,
+            marks=[
+                pytest.mark.lines,
+                pytest.mark.skipif(
+                    LINE == "0.2",
+                    reason="for CI time, on TorchTitan 0.3 only, whose qwen3 balances experts (0.2's builds no hook; "
+                    "0.2's kill in the experts' exchange is llama4's)",
+                ),
+            ],
+        ),
     ],
     ids=["deepseek_v3-mid-backward", "llama4-ep2-in-experts", "qwen3-ep2-in-experts"],
 )
 def test_a_kill_keeps_every_bit_and_the_expert_bias(
-    tmp_path: Path, config: str, model: list[str], fault: list[str], balances: bool
+    tmp_path: Path, config: str, model: list[str], fault: list[str]
 ) -> None:
     job = [*EXACT, *model]
     reference = run_job(tmp_path / "reference", *fault, *job, "--recover.fault_plan", "none", config=config)
@@ -114,7 +123,7 @@ def test_a_kill_keeps_every_bit_and_the_expert_bias(
     assert run.steps()[8]["members"] == [0, 1]
     biases = [e["buffers"] for e in reference.of("param_digest") if e["replica"] == 0]
     assert len(biases) == 8 and None not in biases
-    assert (len(set(biases)) > 1) == balances, biases  # moved by the balancing hook, or left as built
+    assert len(set(biases)) > 1, biases  # moved by the balancing hook
 
 
 @pytest.mark.lines

@@ -433,11 +433,20 @@ class RecoverTrainer(BaseTrainer):
         self.injector.at(self.step, "optimizer", self.model_parts[0])
         grad_norm = self._optimizer_step()
         after_failure = self.manager.committed(current)
+        torn_down, reformed = self.replicate_groups.moments()  # this step's, if its epoch changed
         self._leader = self.replica == current.members[0]
         if self.group_rank == 0:
             # every member offers the record, the first one counts
             self.manager.publish_step(self._step_record(summary, current.epoch, list(current.members), grad_norm))
             if after_failure:  # leaks would show here, failure after failure
+                self.events.emit(
+                    "recovery_moments",
+                    replica=self.replica,
+                    epoch=current.epoch,
+                    step=self.step,
+                    torn_down=torn_down,
+                    reformed=reformed,
+                )
                 self.events.emit(
                     "resources",
                     process="rank",

@@ -17,10 +17,13 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
+from titan_recover.observability import phases
+
 STATES = ("live", "fenced", "restarting", "joining", "spare")
 MAX_POINTS = 1500  # plotted points per series: a long run's history is sampled down to this
 RATE_STEPS = 10  # steps/s over this many latest steps
 RECENT = 50  # failures and rejoins listed (newest)
+PHASE_EVENTS = frozenset({"failure", "recovered", "recovery_moments", "group_started", "admitted", "rejoined"})
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class RunHistory:
         self.failures: list[dict[str, Any]] = []
         self.rejoins: list[dict[str, Any]] = []
         self.recovery_s: list[float] = []
+        self.phase_events: list[dict[str, Any]] = []  # what ``phases.recoveries`` reads: a few per failure
         self.digest_steps: set[int] = set()
         self.mismatches = 0
         self.leader: dict[str, Any] | None = None
@@ -115,6 +119,8 @@ class RunHistory:
         handler = getattr(self, f"_on_{kind}", None)
         if handler is not None:
             handler(event, t)
+        if kind in PHASE_EVENTS:
+            self.phase_events.append(event)
 
     def _group(self, event: dict[str, Any]) -> _Group | None:
         """The group an event names (one not known yet is added: a run read without its config)."""
@@ -268,6 +274,9 @@ class RunHistory:
                     else (group.failed_at if state in ("fenced", "restarting") else None),
                 }
             )
+        recoveries = phases.recoveries(self.phase_events)
+        timelines = {(r["replica"], r["step"]): r["phases"] for r in recoveries}
+        failures = [f | {"phases": timelines.get((f["replica"], f["step"]))} for f in self.failures[-RECENT:][::-1]]
         return {
             "run": {
                 "id": run_id or self.run_id,
@@ -285,7 +294,7 @@ class RunHistory:
                 "fatal": self.fatal,
             },
             "groups": groups,
-            "failures": self.failures[-RECENT:][::-1],
+            "failures": failures,
             "rejoins": self.rejoins[-RECENT:][::-1],
             "digests": {
                 "steps": sorted(self.digest_steps)[-RECENT:],
@@ -310,5 +319,9 @@ class RunHistory:
             "latencies": {
                 "recovery_s": list(self.recovery_s),
                 "downtime_s": [r["downtime_s"] for r in self.rejoins if isinstance(r["downtime_s"], (int, float))],
+                "phases": {
+                    name: [r["phases"][name] for r in recoveries if r["phases"][name] is not None]
+                    for name in phases.PHASES
+                },
             },
         }

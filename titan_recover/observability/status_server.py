@@ -192,8 +192,20 @@ class Metrics:
             ("rejoin_downtime_seconds", "downtime_s", "From a failure to the group (or a spare) back with state."),
         ):
             values = s["latencies"][key]
-            buckets = [(str(b), sum(v <= b for v in values)) for b in BUCKETS_S] + [("+Inf", len(values))]
-            yield HistogramMetricFamily(f"titan_recover_{name}", doc, buckets=buckets, sum_value=sum(values))
+            yield HistogramMetricFamily(f"titan_recover_{name}", doc, buckets=buckets(values), sum_value=sum(values))
+        per_phase = HistogramMetricFamily(
+            "titan_recover_recovery_phase_seconds",
+            "From a fault to the end of each phase of its recovery (docs/observability.md#recovery-phases).",
+            labels=["phase"],
+        )
+        for phase, values in s["latencies"]["phases"].items():
+            per_phase.add_metric([phase], buckets(values), sum(values))
+        yield per_phase
+
+
+def buckets(values: list[float]) -> list[tuple[str, float]]:
+    """Prometheus's cumulative buckets of ``values`` over ``BUCKETS_S``."""
+    return [(str(b), float(sum(v <= b for v in values))) for b in BUCKETS_S] + [("+Inf", float(len(values)))]
 
 
 class StatusServer:

@@ -3,6 +3,7 @@
 import os
 from typing import Any
 
+from titan_recover.observability import phases
 from titan_recover.observability.events import EVENTS_FILE, read_log
 
 
@@ -27,6 +28,7 @@ def summarize_events(*paths: str, last_step: int | None = None) -> dict[str, Any
         "microbatches_per_step": sorted({len(e["microbatches"]) for e in steps}),
         "failures": [{k: e[k] for k in ("replica", "step", "cause")} for e in events if e["event"] == "failure"],
         "recovery_latency_s": [round(e["latency_s"], 3) for e in recovered],
+        "recoveries": phases.recoveries(events),
         "final_members": steps[-1]["members"] if steps else [],
         "final_loss": steps[-1]["loss"] if steps else None,
         "fatal": [e["error"] for e in events if e["event"] == "fatal"],
@@ -104,6 +106,11 @@ def format_summary(s: dict[str, Any], tokens_per_step: int) -> str:
     lines += [f"    replica {f['replica']} at step {f['step']}: {f['cause']}" for f in s["failures"]]
     if s["recovery_latency_s"]:
         lines.append(f"  recovery latency (s) : {s['recovery_latency_s']}")
+    if s["recoveries"]:
+        lines.append("  recovery phases      : seconds from each fault (docs/observability.md#recovery-phases)")
+        for r in s["recoveries"]:
+            how = "" if r["warm"] is None else " (restarted warm)" if r["warm"] else " (restarted cold)"
+            lines.append(f"    replica {r['replica']} at step {r['step']}{how}: {phases.timeline(r)}")
     lines.append(f"  rejoined             : {len(s['rejoined'])}")
     lines += [
         f"    replica {r['replica']}{spare_note(r)} at step {r['step']}: down {r['downtime_s']:.1f}s, "

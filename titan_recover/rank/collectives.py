@@ -111,6 +111,10 @@ class ReplicateProcessGroups:
         self.device = device if backend == "nccl" else torch.device("cpu")  # where transfer buffers live
         self._groups: dict[int, GroupBackend | None] = {}
         self._parked: list[Parked] = []  # abandoned groups/work/buffers: kept until idle, never reused
+        # a recovery's moments on this rank (wall clock, for the event log's recovery phases): when it gave up
+        # a group of an ended epoch, and when it had the next epoch's; ``moments`` reads and clears them
+        self.torn_down: float | None = None
+        self.reformed: float | None = None
         agreed = store.compare_set(REPLICATE_BACKEND, "", backend).decode()
         if agreed != backend:
             raise ConfigError(
@@ -226,9 +230,25 @@ class ReplicateProcessGroups:
             group = self._connect(prefix, membership.members.index(self.replica), size, abort)
         # older epochs' groups are done with; park them (destroying may block on dead peers)
         for epoch in [e for e in self._groups if e < membership.epoch]:
-            self._discard(self._groups.pop(epoch))
+            self._give_up(self._groups.pop(epoch))
+        if self.torn_down is not None and self.reformed is None:
+            self.reformed = time.time()
         self._groups[membership.epoch] = group
         return group
+
+    def _give_up(
+        self, group: GroupBackend | None, works: Sequence[dist.Work] = (), tensors: Sequence[torch.Tensor] = ()
+    ) -> None:
+        """``_discard``, for a group whose epoch ended (a recovery's abort)."""
+        if self.torn_down is None:
+            self.torn_down = time.time()
+        self._discard(group, works, tensors)
+
+    def moments(self) -> tuple[float | None, float | None]:
+        """When this rank gave up an ended epoch's group and formed the next one since the last call (wall clock)."""
+        moments = self.torn_down, self.reformed
+        self.torn_down = self.reformed = None
+        return moments
 
     def _wait(
         self,
@@ -241,7 +261,7 @@ class ReplicateProcessGroups:
         pause = POLL_S[0]
         while not all(w.is_completed() for w in works):
             if abort():
-                self._discard(group, works, tensors)
+                self._give_up(group, works, tensors)
                 raise CollectiveAborted(f"{what}: the epoch ended first")
             pause = backoff(pause)
         error = None
@@ -251,7 +271,7 @@ class ReplicateProcessGroups:
         except Exception as e:  # raised below, outside this frame's reference cycle with ``e``,
             error = f"{what} failed: {e}"  # so the group and its buffers are freed without a gc pass
         if error is not None:
-            self._discard(group, works, tensors)
+            self._give_up(group, works, tensors)
             raise CollectiveAborted(error)
 
     @contextmanager
