@@ -40,6 +40,18 @@ def _first(events: list[dict[str, Any]], kind: str, after: float, **match: Any) 
     )
 
 
+def _survivors(events: list[dict[str, Any]], t0: float, epoch: float | None) -> list[dict[str, Any]]:
+    """Each survivor group's first ``recovery_moments`` from the failure's epoch on (a fast rejoin may
+    have moved the epoch again before a survivor's first commit)."""
+    first: dict[Any, dict[str, Any]] = {}
+    for e in events:
+        if e["event"] == "recovery_moments" and epoch is not None and e["time"] >= t0:
+            moved = _num(e.get("epoch"))
+            if moved is not None and moved >= epoch:
+                first.setdefault(e.get("replica"), e)
+    return list(first.values())
+
+
 def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each failure's phases (``PHASES``: seconds from the fault, None where not reached), in the
     order of the faults: ``replica, step, clock, warm, phases``. Events without a time are left out;
@@ -49,10 +61,8 @@ def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for failure in (e for e in events if e["event"] == "failure"):
         t0, replica, detected = failure["time"], failure.get("replica"), _num(failure.get("detected"))
         recovered = _first(events, "recovered", t0 if detected is None else detected)
-        epoch = recovered.get("epoch") if recovered else None
-        moments = [
-            e for e in events if e["event"] == "recovery_moments" and epoch is not None and e.get("epoch") == epoch
-        ]
+        epoch = _num(recovered.get("epoch")) if recovered else None
+        moments = _survivors(events, t0, epoch)
         started = _first(events, "group_started", t0, replica=replica)
         admitted = _first(events, "admitted", t0, replica=replica)
         rejoined = _first(events, "rejoined", t0, replica=replica)
