@@ -29,10 +29,10 @@ def a_failure_and_its_rejoin() -> list[dict]:
             "reformed": T + 0.35,
             "time": T + 2.0,
         },
-        {
+        {  # replica 2 first committed after the rejoiner's admission had moved the epoch on again
             "event": "recovery_moments",
             "replica": 2,
-            "epoch": 1,
+            "epoch": 2,
             "torn_down": T + 0.3,
             "reformed": T + 0.4,
             "time": T + 2.1,
