@@ -1,8 +1,9 @@
 """Effective throughput: titan_recover against checkpoint-and-restart, same successive failures.
 
 Both run the default model with R = 2 single-rank replica groups (M = 4 microbatches)
-for N steps while replica 1 is SIGKILLed mid-backward three times (at steps a, b, c;
-the i-th kill hits the i-th incarnation):
+for N steps while replica 1 is SIGKILLed mid-backward three times: the first incarnation
+at step a, and each later one at its b-th step (``step=+b``: counted from the step it
+first computes, however long its restart took):
 
 - checkpoint-and-restart: stock TorchTitan HSDP (``--recover.no-enable``) with a DCP
   checkpoint every K steps; on a failure the launcher restarts the whole torchrun job,
@@ -32,19 +33,19 @@ TOKENS_PER_STEP = 8 * 128  # global batch x seq_len of the default config
 
 class Plan(TypedDict):
     steps: int
-    kills: tuple[int, ...]  # the steps replica 1 is killed at, one per incarnation
+    kills: tuple[str, ...]  # the step replica 1's i-th incarnation is killed at (fault plan's step=)
     ks: tuple[int, ...]  # the checkpoint intervals compared
 
 
-FULL: Plan = {"steps": 60, "kills": (8, 28, 48), "ks": (3, 5, 10, 20)}
-QUICK: Plan = {"steps": 40, "kills": (5, 18, 31), "ks": (5, 10)}
+FULL: Plan = {"steps": 60, "kills": ("8", "+12", "+12"), "ks": (3, 5, 10, 20)}
+QUICK: Plan = {"steps": 40, "kills": ("5", "+8", "+8"), "ks": (5, 10)}
 
 
-def fault_plan(kills: tuple[int, ...]) -> str:
+def fault_plan(kills: tuple[str, ...]) -> str:
     return "; ".join(f"kill replica=1 step={s} attempt={i}" for i, s in enumerate(kills))
 
 
-def measure(system: str, steps: int, kills: tuple[int, ...], k: int | None = None) -> dict:
+def measure(system: str, steps: int, kills: tuple[str, ...], k: int | None = None) -> dict:
     args = [
         *SHAPE,
         "--training.steps",
@@ -66,14 +67,16 @@ def measure(system: str, steps: int, kills: tuple[int, ...], k: int | None = Non
     events, wall = launch(args, f"{system} run")
     step_events = of_kind(events, "step")
     faults = of_kind(events, "fault_injected")
-    if len(faults) != len(kills):
-        raise RuntimeError(f"{system}: {len(faults)} of {len(kills)} kills fired; space the kills wider")
+    if len(faults) != len(kills):  # the run ended before an incarnation reached its step: said, and kept
+        print(f"{system}: {len(faults)} of {len(kills)} kills fired (the run ended first)", flush=True)
     final = {e["step"]: e for e in step_events}
     if sorted(final) != list(range(1, steps + 1)):
         raise RuntimeError(f"{system}: committed steps {sorted(final)} are not 1..{steps}")
     run: dict[str, Any] = {
         "system": system,
         "ckpt_every": k,
+        "kills_fired": len(faults),
+        "kill_steps": [f["step"] for f in faults],
         "wall_s": wall,
         "steps_computed": len(step_events),
         "losses": [final[s]["loss"] for s in range(1, steps + 1)],
@@ -126,6 +129,7 @@ def run(quick: bool) -> dict:
         "runs": runs,
         "best_ckpt_every": best["ckpt_every"],
         "same_data_every_step": same_data,
+        "every_kill_fired": all(r["kills_fired"] == len(plan["kills"]) for r in runs),
         "ckpt_restart_effective_throughput_ratio": recover["tokens_per_s"] / best["tokens_per_s"],
         "command_wall_ratio": recover["command_tokens_per_s"] / best_command["command_tokens_per_s"],
     }

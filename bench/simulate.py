@@ -59,10 +59,10 @@ def calibration(measured: dict) -> dict:
         microbatches=setup["microbatches"],
         tokens_per_step=setup["tokens_per_step"],
     )
-    failures = [g.Failure(step=s) for s in setup["kills"]]
     horizon = g.Horizon(steps=setup["steps"])
     rows = []
     for run in runs:
+        failures = [g.Failure(step=s) for s in run["kill_steps"]]  # where this run's kills fired
         if run["ckpt_every"] is None:
             sim = g.simulate_recover(cluster, costs, failures, horizon)
         else:

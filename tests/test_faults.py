@@ -148,6 +148,19 @@ def test_at_fires_only_at_its_step_and_phase() -> None:
 
 
 @pytest.mark.unit
+def test_a_relative_step_counts_from_the_incarnations_first_step() -> None:
+    """``step=+2``: the second step this incarnation computes, however late its restart made it a member."""
+    (fault,) = parse_fault_plan("kill replica=1 step=+2 attempt=1 phase=allreduce")
+    assert (fault.step, fault.relative, fault.at_step(None), fault.at_step(17)) == (2, True, None, 18)
+    assert parse_fault_plan("kill replica=1 step=2")[0].at_step(17) == 2  # absolute: whatever the first step
+    inj = FaultInjector("kill replica=1 step=+2 attempt=1 phase=allreduce", 1, 0, raise_fired, attempt=1)
+    inj.at(17, "join")  # its state arrives for step 17: its first step
+    inj.at(17, "allreduce")  # must not fire
+    with pytest.raises(Fired):
+        inj.at(18, "allreduce")
+
+
+@pytest.mark.unit
 def test_at_ignores_other_ranks_faults() -> None:
     inj = injector("kill replica=1 rank=1 step=3 phase=allreduce", replica=1, rank=0)
     inj.at(3, "allreduce")
@@ -428,6 +441,9 @@ def test_explicit_attempt() -> None:
         ("kill replica=1 step=2 attempt=x", ["attempt must be an integer", "'x'"]),
         ("kill replica=1 phase=donate step=0", ["step out of range", "0"]),
         ("pause replica=1 step=2", ["unknown action", "'pause'"]),
+        ("kill replica=1 step=+0", ["step out of range", "0"]),
+        ("kill replica=1 step=+x", ["step must be an integer", "'x'"]),
+        ("slow replica=1 step=+2 factor=2", ["slow takes an absolute step="]),
     ],
 )
 def test_new_grammar_errors_name_the_problem(plan: str, fragments: list[str]) -> None:

@@ -7,7 +7,11 @@ Grammar (whitespace-separated ``key=value`` after an action, entries joined by `
     keys   := replica=INT   replica group of the rank (required)
               rank=INT      rank inside that group (its shard index; default 0)
               step=INT      training step, 1-based (required, except for join/donate:
-                            there it is optional and matches any step)
+                            there it is optional and matches any step); step=+INT
+                            counts from the incarnation's first step instead (+1: the
+                            first step it computes, as a member or after a job restart),
+                            so a kill of a restarted incarnation fires however long its
+                            restart took
               phase=NAME    forward | backward | experts | allreduce | optimizer | join
                             | donate (default backward)
               microbatch=INT  which of the replica's microbatches in that step, counted
@@ -66,6 +70,13 @@ class Fault:
     seconds: float = 0.0
     factor: float = 1.0
     until: str = ""  # "epoch": a sleep ends at the next epoch
+    relative: bool = False  # step=+N: the incarnation's N-th step (see ``at_step``)
+
+    def at_step(self, first: int | None) -> int | None:
+        """The training step it fires at, for an incarnation whose first step is ``first`` (None: not known yet)."""
+        if not self.relative or self.step is None:
+            return self.step
+        return None if first is None else first + self.step - 1
 
 
 def _positive(key: str, value: str, above: float) -> float:
@@ -108,6 +119,8 @@ def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
             elif key == "factor":
                 fields[key] = _positive(key, value, 1)
             elif key in ("replica", "rank", "step", "microbatch", "attempt"):
+                if key == "step" and value.startswith("+"):
+                    fields["relative"], value = True, value[1:]
                 try:
                     number = int(value)
                 except ValueError:
@@ -117,6 +130,8 @@ def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
                 fields[key] = number
             else:
                 raise FaultPlanError(f"unknown key {key!r} in {entry.strip()!r}")
+        if action == "slow" and fields.get("relative"):
+            raise FaultPlanError(f"slow takes an absolute step= (it slows every incarnation), in {entry.strip()!r}")
         if action == "slow" and (extra := sorted(fields.keys() - {"replica", "step", "factor"})):
             raise FaultPlanError(
                 f"slow takes replica=, factor= and step= only (it slows every rank of the "

@@ -36,6 +36,7 @@ class FaultInjector:
         self._slowing: set[Fault] = set()
         self.on_fire = on_fire
         self.epoch = epoch  # the rank's view of the epoch (None in stock mode: until=epoch sleeps it all)
+        self.first: int | None = None  # this incarnation's first step (step=+N faults count from it)
 
     def slow_factor(self, step: int) -> float:
         """How many times as long this rank's microbatches take at ``step`` (1.0: not slowed);
@@ -50,8 +51,10 @@ class FaultInjector:
         return factor
 
     def _match(self, step: int | None, phase: str, index: int | None = None, count: int = 0) -> Fault | None:
+        if self.first is None and step is not None:
+            self.first = step
         for f in self.faults:
-            if f.phase != phase or f.step not in (None, step):
+            if f.phase != phase or f.at_step(self.first) not in (None, step):
                 continue
             if index is None or index == min(f.microbatch, count - 1):
                 return f
