@@ -33,6 +33,8 @@ HEADLINES = {
     "data_rss_growth_ratio": ("data", "a reading rank's peak RSS at 1B tokens / at 1M tokens"),
     "spare_rejoin_downtime_s": ("spares", "failure to full membership with a hot spare, worst of R = 2, 4, 8"),
     "restart_rejoin_downtime_s": ("spares", "the same by restarting the failed group, no spare"),
+    "warm_rejoin_downtime_s": ("warm", "failure to the group back from its warm incarnation, default job (median)"),
+    "cold_rejoin_downtime_s": ("warm", "the same restarting cold, importing anew, same bench run (median)"),
     "spare_failure_free_step_ratio": ("spares", "failure-free step time with a waiting spare / without, worst R"),
     "straggler_speed_vs_ideal": (
         "stragglers",

@@ -161,6 +161,9 @@ def test_the_killed_group_goes_live_restarting_joining_live_in_that_order(watche
     assert incarnations == sorted(incarnations) and incarnations[-1] == 1
     last = watched.snapshots[-1]
     assert last["failures"][0]["replica"] == 1 and last["failures"][0]["recovery_s"] is not None
+    phases = last["failures"][0]["phases"]  # seconds from the fault, growing phase by phase
+    assert phases["detect"] > 0 and phases["restart"] <= phases["admit"] <= phases["rejoin"], phases
+    assert phases["first_good_step"] is not None, phases
     assert last["rejoins"][0]["replica"] == 1 and last["rejoins"][0]["bytes"] > 0
     assert all(g["heartbeat_age_s"] is not None and g["heartbeat_age_s"] < 5 for g in last["groups"])
 
@@ -180,6 +183,13 @@ def test_prometheus_counters_only_grow_and_count_the_failure_and_the_rejoin(watc
     assert value(final, "titan_recover_failures_total") == 1 and value(final, "titan_recover_rejoins_total") == 1
     assert value(final, "titan_recover_recovery_latency_seconds_count") == 1
     assert value(final, "titan_recover_rejoin_downtime_seconds_count") == 1
+    counts = {
+        s.labels["phase"]: s.value
+        for f in text_string_to_metric_families(final)
+        for s in f.samples
+        if s.name == "titan_recover_recovery_phase_seconds_count"
+    }
+    assert counts["detect"] == counts["rejoin"] == 1, counts
     lows = [value(text, "titan_recover_live_groups") for text in watched.metrics]
     assert min(lows) == 1 and lows[-1] == 2
 
@@ -208,6 +218,8 @@ def test_a_person_sees_the_groups_the_failure_and_the_plots(watched: Watched) ->
     )
     failures = found(r'<table id="failures".*?</table>', dom, re.S).group(0)
     assert re.search(r'<tr data-replica="1".*?<td class="cause">[^<]+</td>', failures, re.S), failures
+    timeline = found(r'<td class="mono phases">([^<]+)</td>', failures).group(1)
+    assert re.fullmatch(r"detect [\d.]+ > .* > rejoin [\d.]+", timeline), timeline  # a timeline per failure
     for plot in ("plot-loss", "plot-live", "plot-steptime"):
         svg = found(rf'<svg[^>]*id="{plot}".*?</svg>', dom, re.S).group(0)
         path = found(r'<path(?=[^>]*class="line")[^>]*\bd="([^"]+)"', svg).group(1)

@@ -311,6 +311,7 @@ class Torchruns:
         )
 
     def stop_standbys(self) -> None:
+        """Kills the warm incarnations (the run ended: nothing will restart)."""
         if self.standbys is not None:
             self.standbys.stop()
 
