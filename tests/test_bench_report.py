@@ -18,6 +18,7 @@ def _measured(step_s: float = 1.0) -> dict:
         "detect_s": [0.5],
         "rejoin_s": [3.0],
         "transfer_s": [0.1],
+        "kill_steps": [8],
     }
     base = {
         "system": "ckpt-restart K=5",
@@ -26,6 +27,7 @@ def _measured(step_s: float = 1.0) -> dict:
         "train_s": 25.0,
         "ckpt_save_s": 0.5,
         "restart_s": [10.0],
+        "kill_steps": [8],
     }
     return {
         "setup": {
@@ -34,7 +36,7 @@ def _measured(step_s: float = 1.0) -> dict:
             "microbatches": 4,
             "tokens_per_step": 1024,
             "steps": 10,
-            "kills": [8],
+            "kills": ["8"],
         },
         "runs": [recover, base],
         "ckpt_restart_effective_throughput_ratio": 1.8,

@@ -162,6 +162,9 @@ class Groups:
     def kill(self) -> None:
         self.killed = True
 
+    def stop_standbys(self) -> None:
+        """None to stop: the run has no warm incarnations."""
+
 
 class Lifeline:
     """Stands for ``Heartbeat``: the coordinator lives, and the run has not ended."""

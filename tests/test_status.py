@@ -3,6 +3,7 @@ job): replica 1 is SIGKILLed mid-backward at step 3, restarts and rejoins. The t
 ``/metrics`` and ``/`` while it trains, opens the page in headless Chromium once the group is
 back, and reads TensorBoard's and W&B's files afterwards."""
 
+import html
 import json
 import os
 import re
@@ -218,7 +219,7 @@ def test_a_person_sees_the_groups_the_failure_and_the_plots(watched: Watched) ->
     )
     failures = found(r'<table id="failures".*?</table>', dom, re.S).group(0)
     assert re.search(r'<tr data-replica="1".*?<td class="cause">[^<]+</td>', failures, re.S), failures
-    timeline = found(r'<td class="mono phases">([^<]+)</td>', failures).group(1)
+    timeline = html.unescape(found(r'<td class="mono phases">([^<]+)</td>', failures).group(1))
     assert re.fullmatch(r"detect [\d.]+ > .* > rejoin [\d.]+", timeline), timeline  # a timeline per failure
     for plot in ("plot-loss", "plot-live", "plot-steptime"):
         svg = found(rf'<svg[^>]*id="{plot}".*?</svg>', dom, re.S).group(0)
