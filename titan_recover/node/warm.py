@@ -29,7 +29,7 @@ from titan_recover.node.channel import CHANNEL_ENV
 
 WARM_ENV = "TITAN_RECOVER_WARM"  # a warm rank's activation file: it waits until the file exists
 POLL_S = 0.02  # how often a warm rank looks for its activation: ~50 stat calls a second, no CPU to speak of
-RANK_BYTES = 1536 * 2**20  # host memory a warm rank may hold (measured ~600-700 MiB on CPU, torch 2.13): the fit check
+RANK_BYTES = 1536 * 2**20  # host memory a warm rank may hold (measured 527-539 MiB on CPU, torch 2.13): the fit check
 log = logging.getLogger(__name__)
 
 
