@@ -258,6 +258,7 @@ def validate(job_config: Any) -> Recover:
     _check_control_store(rc)
     _check_leader_lease(rc)
     _check_backend(rc)
+    _check_warm(rc)
     _check_policy(rc)
     plan = _parse_fault_plan(rc)
     _check_degrees(rc, job_config.parallelism)
@@ -442,9 +443,12 @@ def _check_leader_lease(rc: Recover) -> None:
         )
 
 
-def _check_backend(rc: Recover) -> None:
+def _check_warm(rc: Recover) -> None:
     if rc.warm not in WARM:
         raise ConfigError(f"recover.warm must be one of {', '.join(WARM)}, got {rc.warm!r}")
+
+
+def _check_backend(rc: Recover) -> None:
     if rc.replicate_backend not in BACKENDS:
         raise ConfigError(
             f"recover.replicate_backend must be one of {', '.join(BACKENDS)}, got {rc.replicate_backend!r}"

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from titan_recover.control import keys
 from titan_recover.node.channel import CHANNEL_ENV
+from titan_recover.observability import resources
 
 WARM_ENV = "TITAN_RECOVER_WARM"  # a warm rank's activation file: it waits until the file exists
 POLL_S = 0.02  # how often a warm rank looks for its activation: ~50 stat calls a second, no CPU to speak of
@@ -129,7 +130,7 @@ def stand_by(build: Callable[[Any], Any], ready: Callable[[Any], None]) -> Calla
         open(ready_file(path, int(os.environ.get("LOCAL_RANK", "0"))), "w").close()
         log.info(
             f"warm incarnation of replica group {replica}: ready in {time.monotonic() - start:.1f}s after parsing, "
-            f"holding {rss_mib():.0f} MiB; waiting to stand in when the group fails"
+            f"holding {resources.usage()['rss_mb']:.0f} MiB; waiting to stand in when the group fails"
         )
         while not os.path.exists(path):
             time.sleep(POLL_S)
@@ -141,12 +142,3 @@ def stand_by(build: Callable[[Any], Any], ready: Callable[[Any], None]) -> Calla
         return build(job_config)
 
     return warm_build
-
-
-def rss_mib() -> float:
-    """This process's resident memory in MiB (0 where /proc is not there)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        return 0.0

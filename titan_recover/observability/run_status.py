@@ -90,6 +90,7 @@ class RunHistory:
         self.rejoins: list[dict[str, Any]] = []
         self.recovery_s: list[float] = []
         self.phase_events: list[dict[str, Any]] = []  # what ``phases.recoveries`` reads: a few per failure
+        self._recoveries: tuple[int, list[dict[str, Any]]] = (0, [])  # for how many phase events, and what it gave
         self.digest_steps: set[int] = set()
         self.mismatches = 0
         self.leader: dict[str, Any] | None = None
@@ -121,6 +122,13 @@ class RunHistory:
             handler(event, t)
         if kind in PHASE_EVENTS:
             self.phase_events.append(event)
+
+    def recoveries(self) -> list[dict[str, Any]]:
+        """``phases.recoveries`` of the events so far, read again only once a phase event arrived (each
+        refresh of the page asks; reading them is quadratic in the failures)."""
+        if self._recoveries[0] != len(self.phase_events):
+            self._recoveries = (len(self.phase_events), phases.recoveries(self.phase_events))
+        return self._recoveries[1]
 
     def _group(self, event: dict[str, Any]) -> _Group | None:
         """The group an event names (one not known yet is added: a run read without its config)."""
@@ -274,7 +282,7 @@ class RunHistory:
                     else (group.failed_at if state in ("fenced", "restarting") else None),
                 }
             )
-        recoveries = phases.recoveries(self.phase_events)
+        recoveries = self.recoveries()
         timelines = {(r["replica"], r["step"]): r["phases"] for r in recoveries}
         failures = [f | {"phases": timelines.get((f["replica"], f["step"]))} for f in self.failures[-RECENT:][::-1]]
         return {
