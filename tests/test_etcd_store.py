@@ -21,7 +21,7 @@ from conftest import ROOT
 
 from titan_recover import config, titan
 from titan_recover.control import addresses, keys, protocol, transport
-from titan_recover.control.client import ControlClient
+from titan_recover.control.client import ABORT, COMMIT, ControlClient, redone
 from titan_recover.control.etcd_store import Changes, EtcdStore, LeadershipLost, check_cluster
 from titan_recover.control.leader import Lease
 from titan_recover.control.protocol import CoordinatorState, Progress
@@ -77,9 +77,68 @@ def test_both_backends_read_many_keys_and_forget_votes_alike(client: SealedStore
     client.set("a", "1")
     client.set("b", "2")
     assert client.multi_read(["a", "nope", "b"]) == [b"1", None, b"2"]
-    assert [client.tally("t", "0.0"), client.tally("t", "1.0")] == [1, 2]
+    assert [client.vote("t", v, "d", 3, "", "commit")[0] for v in ("0.0", "1.0")] == [1, 2]
     client.delete_many(["a"], tallies=["t"])
     assert client.multi_read(["a", "b"]) == [None, b"2"] and client.tallied("t") == 0
+
+
+def test_the_last_vote_decides_and_an_abort_cannot_follow_it(client: SealedStore) -> None:
+    control = ControlClient(client)
+    assert control.vote(1, 0, "0.0", expected=2, outcome=COMMIT) is None
+    assert control.vote(1, 0, "1.0", expected=2, outcome=COMMIT) == COMMIT
+    assert control.abort(1, 0, expected=2) == COMMIT and control.decision(1, 0) == COMMIT
+    assert control.abort(2, 0, expected=2) == ABORT  # nobody voted: the abort decides
+    assert control.vote(2, 0, "0.0", expected=1, outcome=COMMIT) == ABORT  # a vote after it learns the abort
+    assert control.vote(3, 0, "0.0", expected=1, outcome=redone(1)) == redone(1)  # a redo's round 0...
+    assert control.vote(3, 0, "0.0", expected=1, outcome=COMMIT, round=1) == COMMIT  # ...replaced by round 1's
+
+
+def test_a_resent_etcd_vote_counts_once_and_cannot_decide_early(cluster: LocalEtcd) -> None:
+    run = Run(Run.from_env().secret, uuid.uuid4().hex)
+    assert ControlClient(transport.in_run(raw(cluster), run)).begin()
+    client = transport.connect(cluster.url, timeout_s=5, run=run)
+    for _ in range(3):  # its answer lost, the same vote sent again (``EtcdStore.post`` resends to the next member)
+        assert client.vote("ok/1/0", "0.0", "decision/1/0", 2, "", COMMIT) == (1, None)
+    assert client.tallied("ok/1/0") == 1
+    assert client.vote("ok/1/0", "1.0", "decision/1/0", 2, "", COMMIT) == (2, COMMIT.encode())
+    assert client.vote("ok/1/0", "1.0", "decision/1/0", 2, "", ABORT) == (2, COMMIT.encode())  # resent after it
+
+
+def test_the_last_etcd_vote_with_its_decision_is_one_request(cluster: LocalEtcd) -> None:
+    run = Run(Run.from_env().secret, uuid.uuid4().hex)
+    assert ControlClient(transport.in_run(raw(cluster), run)).begin()
+    client = transport.connect(cluster.url, timeout_s=5, run=run)
+    assert client._etcd is not None
+    made = requests_of(client._etcd)
+    assert ControlClient(client).vote(1, 0, "0.0", expected=1, outcome=COMMIT) == COMMIT
+    assert made == ["kv/txn"]  # was a vote, then a compare-and-set of the decision: two Raft writes in a row
+
+
+def test_an_abort_racing_the_last_vote_yields_one_outcome(client: SealedStore) -> None:
+    """The last voter and a rank that saw the epoch move, at once, 20 times: both act on the decision stored."""
+    outcomes = set()
+    for step in range(1, 21):
+        control = ControlClient(client)
+        assert control.vote(step, 0, "0.0", expected=2, outcome=COMMIT) is None
+        seen: dict[str, str | None] = {}
+        start = threading.Barrier(2)
+
+        def last(step: int = step) -> None:
+            start.wait()
+            seen["vote"] = control.vote(step, 0, "1.0", expected=2, outcome=COMMIT)
+
+        def abort(step: int = step) -> None:
+            start.wait()
+            seen["abort"] = control.abort(step, 0, expected=2)
+
+        threads = [threading.Thread(target=last), threading.Thread(target=abort)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert seen["vote"] == seen["abort"] == control.decision(step, 0) in (COMMIT, ABORT), seen
+        outcomes.add(seen["abort"])
+    assert outcomes  # which one wins is the race's; that every rank sees the same one is the point
 
 
 def test_multi_get_reads_more_keys_than_one_etcd_transaction_holds(cluster: LocalEtcd) -> None:

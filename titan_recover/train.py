@@ -437,7 +437,9 @@ class RecoverTrainer(BaseTrainer):
         self._leader = self.replica == current.members[0]
         if self.group_rank == 0:
             # every member offers the record, the first one counts
-            self.manager.publish_step(self._step_record(summary, current.epoch, list(current.members), grad_norm))
+            self.manager.publish_step(
+                self._step_record(summary, current.epoch, list(current.members), grad_norm, self.manager.commit_round_s)
+            )
             if after_failure:  # leaks would show here, failure after failure
                 self.events.emit(
                     "recovery_moments",

@@ -152,19 +152,30 @@ class ControlClient:
     def start_step(self) -> int | None:
         return self._int(keys.START_STEP)
 
-    def vote(self, step: int, epoch: int, voter: str, round: int = 0) -> int:
-        """``voter``'s commit vote for ``step`` in ``epoch`` (and ``round``); the number of votes so far."""
-        return self.store.tally(keys.ok_key(step, epoch, round), voter)
+    def vote(self, step: int, epoch: int, voter: str, expected: int, outcome: str, round: int = 0) -> str | None:
+        """``voter``'s commit vote for ``step`` in ``epoch`` (and ``round``); the step's decision after
+        it (None: none yet, or a value not sealed with the run's secret). The last of ``expected``
+        votes decides ``outcome`` unless another writer (an abort) was first: every rank acts on the
+        same outcome. On etcd the vote and that decision are one Raft write."""
+        try:
+            _, won = self.store.vote(
+                keys.ok_key(step, epoch, round), voter, keys.decision_key(step, epoch), expected, redone(round), outcome
+            )
+        except ForgedRecord:
+            return None
+        return None if won is None else won.decode(errors="replace") or None
 
     def votes(self, step: int, epoch: int, round: int = 0) -> int:
         return self.store.tallied(keys.ok_key(step, epoch, round))
 
-    def decide(self, step: int, epoch: int, outcome: str, round: int = 0) -> str | None:
-        """The first writer of a step's decision in an epoch (and ``round``: a redo's decision replaces
-        the redo) wins: every rank acts on the same outcome, the one returned (None: the key holds a
-        value not sealed with the run's secret)."""
+    def abort(self, step: int, epoch: int, expected: int, round: int = 0) -> str | None:
+        """Decides ``ABORT`` for ``step`` in ``epoch`` unless it is decided already (on etcd only while
+        its votes are fewer than ``expected``, so an abort racing the last vote yields one outcome);
+        the decision every rank acts on (None: a value not sealed with the run's secret)."""
         try:
-            won = self.store.compare_set(keys.decision_key(step, epoch), redone(round), outcome)
+            won = self.store.decide_short(
+                keys.ok_key(step, epoch, round), keys.decision_key(step, epoch), expected, redone(round), ABORT
+            )
         except ForgedRecord:
             return None
         return won.decode(errors="replace") or None

@@ -214,11 +214,48 @@ class EtcdStore(dist.Store):
         for i in range(0, len(ops), MAX_TXN_OPS):
             self._guarded([], ops[i : i + MAX_TXN_OPS])
 
-    def put_and_count(self, key: str, prefix: str) -> int:
-        """Writes ``key`` (empty) and counts the keys under ``prefix`` right after, in one transaction:
-        a vote that needs no compare-and-swap, so none is lost and retried when many vote at once."""
-        answer = self._guarded([], [put_op(key, b""), {"request_range": {**under(prefix), "count_only": True}}])
-        return int(answer["responses"][1]["response_range"].get("count", 0))
+    def vote(
+        self, tally: str, voter: str, decision: str, expected: int, undecided: bytes, outcome: bytes
+    ) -> tuple[int, bytes | None]:
+        """``voter``'s vote in one transaction (one Raft write): the ``tally`` key's version counts the
+        votes. The last vote (the version at ``expected - 1``, ``voter`` not counted yet, ``decision``
+        still ``undecided``: missing when empty) writes the tally, its voter key and ``outcome``
+        together, so the decision costs no write of its own; any other vote writes the tally and its
+        voter key only if that key is absent (a vote resent after a lost answer counts once, and
+        cannot reach ``expected`` early). The votes counted and the decision after it (None: none)."""
+        never_voted = {"key": _encode(voter), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
+        votes = [put_op(tally, b""), put_op(voter, b"")]
+        reads = [{"request_range": {"key": _encode(tally)}}, {"request_range": {"key": _encode(decision)}}]
+        last = {"key": _encode(tally), "target": "VERSION", "result": "EQUAL", "version": expected - 1}
+        answer = self._guarded(
+            [last, never_voted, _holds(decision, undecided)],
+            [*votes, put_op(decision, outcome)],
+            [{"request_txn": {"compare": [never_voted], "success": votes, "failure": []}}, *reads],
+        )
+        if answer.get("succeeded"):
+            return expected, outcome
+        counted, decided = (r["response_range"].get("kvs", []) for r in answer["responses"][1:])
+        return (
+            int(counted[0]["version"]) if counted else 0,
+            _decode(decided[0].get("value", "")) if decided else None,
+        )
+
+    def decide_short(self, tally: str, decision: str, expected: int, undecided: bytes, outcome: bytes) -> bytes | None:
+        """Writes ``outcome`` (an abort) only while ``decision`` is ``undecided`` and the ``tally`` of
+        ``vote`` is below ``expected``: it can never overwrite, nor race past, the last vote's
+        decision. The decision after the call (None: none)."""
+        short = {"key": _encode(tally), "target": "VERSION", "result": "LESS", "version": expected}
+        read = [{"request_range": {"key": _encode(decision)}}]
+        answer = self._guarded([short, _holds(decision, undecided)], [put_op(decision, outcome)], read)
+        if answer.get("succeeded"):
+            return outcome
+        kvs = answer["responses"][0]["response_range"].get("kvs", [])
+        return _decode(kvs[0].get("value", "")) if kvs else None
+
+    def version(self, key: str) -> int:
+        """How many times ``key`` was written since it was created (0: missing): ``vote``'s count."""
+        kvs = self.post("kv/range", {"key": _encode(key)}).get("kvs", [])
+        return int(kvs[0]["version"]) if kvs else 0
 
     def count(self, prefix: str) -> int:
         """How many keys are under ``prefix``."""
@@ -478,6 +515,13 @@ def under(prefix: str) -> dict:
     """The key range of every key starting with ``prefix``, as etcd's JSON gateway takes it."""
     start = _b(prefix)
     return {"key": _encode(start), "range_end": _encode(start[:-1] + bytes([start[-1] + 1]))}
+
+
+def _holds(key: str, value: bytes) -> dict:
+    """A transaction's compare: ``key`` holds ``value``, or is missing when ``value`` is empty."""
+    if not value:
+        return {"key": _encode(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
+    return {"key": _encode(key), "target": "VALUE", "result": "EQUAL", "value": _encode(value)}
 
 
 def put_op(key: str, value: bytes, lease: int = 0) -> dict:

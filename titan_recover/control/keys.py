@@ -85,10 +85,13 @@ def members_key(epoch: int) -> str:
     return f"members/{epoch}"
 
 
+VOTE_TALLY = "#"  # on etcd, the key under a vote's prefix whose version counts the votes (voters: "<replica>.<rank>")
+
+
 def ok_key(step: int, epoch: int, round: int = 0) -> str:
-    """The commit votes of ``step`` in ``epoch``: a counter on the TCPStore, the prefix of one key per
-    voter on etcd (``SealedStore.tally``). A step redone in the same epoch (``[recover] exact``
-    on a coarser grid) votes again in its next ``round``."""
+    """The commit votes of ``step`` in ``epoch``: a counter on the TCPStore; on etcd the prefix of
+    one key per voter and of the ``VOTE_TALLY`` key (``SealedStore.vote``). A step redone in the
+    same epoch (``[recover] exact`` on a coarser grid) votes again in its next ``round``."""
     return f"ok/{step}/{epoch}" + (f"/{round}" if round else "")
 
 

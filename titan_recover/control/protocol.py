@@ -280,6 +280,7 @@ class StepRecord(Record):
     quotas: dict[str, int] = field(default_factory=dict)  # replica -> microbatches it computed
     seconds_per_microbatch: dict[str, float] = field(default_factory=dict)
     samples: Any = None  # the dataloader's windows (events of data epochs name them)
+    commit_round_s: float | None = None  # the recording rank's vote to decision (None: stock mode)
 
     REQUIRED = ("step", "epoch", "members", "microbatches", "data_digest", "loss", "time")
 
@@ -304,6 +305,8 @@ class StepRecord(Record):
             "data_epochs must be integers",
             rec,
         )
+        commit_round_s = rec.get("commit_round_s")
+        _require(key, commit_round_s is None or is_seconds(commit_round_s), "commit_round_s must be seconds", rec)
         return StepRecord(
             rec["step"],
             rec["epoch"],
@@ -317,6 +320,7 @@ class StepRecord(Record):
             rec.get("quotas", {}),
             rec.get("seconds_per_microbatch", {}),
             rec.get("samples"),
+            commit_round_s,
         )
 
 

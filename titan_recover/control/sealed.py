@@ -111,7 +111,7 @@ class SealedStore(dist.Store):
         self._refused: dict[str, float] = {}
         under = getattr(inner, "underlying_store", None)
         # the etcd store under the run's prefix, where one request does what the TCPStore API needs several for
-        self._etcd = under if hasattr(under, "put_and_count") else None
+        self._etcd = under if hasattr(under, "vote") else None
         super().set_timeout(api(inner).timeout)
 
     def _seal(self, key: str, value: str | bytes) -> bytes:
@@ -242,19 +242,46 @@ class SealedStore(dist.Store):
         for key in [*keys, *tallies]:
             self.inner.delete_key(key)
 
-    def tally(self, counter: str, voter: str) -> int:
-        """Counts ``voter``'s vote under ``counter``; the votes so far. On etcd one transaction writes
-        the voter's own key and counts the counter's keys (``EtcdStore.put_and_count``): no
-        compare-and-swap to lose, and retry as another Raft entry, when every rank votes at once.
-        On the TCPStore, ``add``."""
+    def vote(
+        self, counter: str, voter: str, decision: str, expected: int, undecided: str, outcome: str
+    ) -> tuple[int, bytes | None]:
+        """``voter``'s vote under ``counter``; the votes counted, and ``decision``'s value after the
+        vote (None: none yet), which the last of ``expected`` votes sets to ``outcome`` while it still
+        holds ``undecided`` (empty: missing), unless another writer was first. On etcd one
+        transaction (``EtcdStore.vote``): one Raft write on the commit round's critical path, not a
+        vote and then a decision. On the TCPStore, ``add`` and, for the last vote, ``compare_set``."""
         if self._etcd is not None:
-            return int(self._etcd.put_and_count(self._full(f"{counter}/{voter}"), self._full(f"{counter}/")))
-        return int(self.inner.add(counter, 1))
+            count, raw = self._etcd.vote(
+                self._full(f"{counter}/{keys.VOTE_TALLY}"),
+                self._full(f"{counter}/{voter}"),
+                self._full(decision),
+                expected,
+                self._seal(decision, undecided),
+                self._seal(decision, outcome),
+            )
+            return count, None if raw is None else self._unseal_or_none(decision, raw)
+        count = int(self.inner.add(counter, 1))
+        return count, self.compare_set(decision, undecided, outcome) if count == expected else None
+
+    def decide_short(self, counter: str, decision: str, expected: int, undecided: str, outcome: str) -> bytes:
+        """Sets ``decision`` to ``outcome`` (an abort) while it holds ``undecided``; on etcd only while
+        fewer than ``expected`` votes are under ``counter`` (``EtcdStore.decide_short``). The value
+        after the call, as ``compare_set`` answers."""
+        if self._etcd is None:
+            return self.compare_set(decision, undecided, outcome)
+        raw = self._etcd.decide_short(
+            self._full(f"{counter}/{keys.VOTE_TALLY}"),
+            self._full(decision),
+            expected,
+            self._seal(decision, undecided),
+            self._seal(decision, outcome),
+        )
+        return self._unseal(decision, raw) if raw is not None else undecided.encode()
 
     def tallied(self, counter: str) -> int:
         """The votes under ``counter`` so far."""
         if self._etcd is not None:
-            return int(self._etcd.count(self._full(f"{counter}/")))
+            return self._etcd.version(self._full(f"{counter}/{keys.VOTE_TALLY}"))
         return int(self.inner.add(counter, 0))
 
     def delete_under(self, prefixes: tuple[str, ...]) -> None:

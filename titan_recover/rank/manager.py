@@ -134,6 +134,7 @@ class ReplicaManager:
         self.rejoining = rejoining  # holds no training state until a peer sends it
         self.base_epoch = 0  # the epoch the previous step committed with
         self._round: tuple[tuple[int, int], int] = ((-1, -1), 0)  # (step, epoch) -> its vote round (a redo's)
+        self.commit_round_s: float | None = None  # the last agreement round's vote to decision
         self.step = 0  # the step this rank works on (its reports and its channel slot name it)
         self.process_groups: Collectives | None = None
         self.device = torch.device("cpu")
@@ -280,10 +281,10 @@ class ReplicaManager:
         epoch = membership.epoch
         round = self._round[1] if self._round[0] == (self.step, epoch) else 0
         expected = len(membership.members) * self.group_size
-        decision = None
-        if self.control.vote(self.step, epoch, f"{self.replica}.{self.group_rank}", round) == expected:
-            decision = self.control.decide(self.step, epoch, redone(round + 1) if redo else COMMIT, round)
-        pause, start, told = POLL_S[0], time.monotonic(), False
+        start = time.monotonic()
+        outcome = redone(round + 1) if redo else COMMIT
+        decision = self.control.vote(self.step, epoch, f"{self.replica}.{self.group_rank}", expected, outcome, round)
+        pause, told = POLL_S[0], False
         waited = self._waiting(
             epoch,
             lambda: (
@@ -292,7 +293,7 @@ class ReplicaManager:
         )
         while decision is None or decision == redone(round):  # a redo's own start is no decision
             if self.epoch_moved(epoch):
-                decision = self.control.decide(self.step, epoch, ABORT, round)
+                decision = self.control.abort(self.step, epoch, expected, round)
             elif self.rc.control_store and not round:  # a watch: the decision comes with its event
                 decision = self.control.await_decision(self.step, epoch, DECISION_WAIT_S)
             elif (decision := self.control.decision(self.step, epoch)) in (None, redone(round)):
@@ -306,6 +307,7 @@ class ReplicaManager:
                     "it waits for the rest or a new epoch"
                 )
                 told = True
+        self.commit_round_s = time.monotonic() - start
         if decision == redone(round + 1):
             self._round = ((self.step, epoch), round + 1)
             return REDO

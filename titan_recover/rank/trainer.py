@@ -63,7 +63,12 @@ class BaseTrainer(titan.Trainer):
         )
 
     def _step_record(
-        self, summary: steps.StepSummary, epoch: int, members: list[int], grad_norm: float | None
+        self,
+        summary: steps.StepSummary,
+        epoch: int,
+        members: list[int],
+        grad_norm: float | None,
+        commit_round_s: float | None = None,
     ) -> StepRecord:
         """What the event log says about a committed step (the same in both modes)."""
         return StepRecord(
@@ -79,6 +84,7 @@ class BaseTrainer(titan.Trainer):
             quotas={str(r): n for r, n in summary.quotas.items()},
             seconds_per_microbatch={str(r): t for r, t in summary.seconds_per_microbatch.items()},
             samples=self.dataloader.windows,
+            commit_round_s=commit_round_s,
         )
 
     def train(self) -> None:
