@@ -24,6 +24,7 @@ from titan_recover.control import addresses, keys, protocol, transport
 from titan_recover.control.client import ABORT, COMMIT, ControlClient, redone
 from titan_recover.control.etcd_store import Changes, EtcdStore, LeadershipLost, check_cluster
 from titan_recover.control.leader import Lease
+from titan_recover.control.lifeline import alive_reading
 from titan_recover.control.protocol import CoordinatorState, Progress
 from titan_recover.control.sealed import Run, SealedStore
 from titan_recover.observability.events import logged_steps
@@ -139,6 +140,28 @@ def test_an_abort_racing_the_last_vote_yields_one_outcome(client: SealedStore) -
         assert seen["vote"] == seen["abort"] == control.decision(step, 0) in (COMMIT, ABORT), seen
         outcomes.add(seen["abort"])
     assert outcomes  # which one wins is the race's; that every rank sees the same one is the point
+
+
+def test_a_lifeline_on_etcd_reads_the_moving_alive_counter_from_its_watch(cluster: LocalEtcd) -> None:
+    run = Run(Run.from_env().secret, uuid.uuid4().hex)
+    coordinator = transport.in_run(raw(cluster), run)
+    assert ControlClient(coordinator).begin()
+    launcher = transport.connect(cluster.url, timeout_s=5, run=run)
+    watch = launcher.watch(keys.ALIVE)
+    assert watch is not None and launcher._etcd is not None
+    try:
+        assert alive_reading(launcher, watch) == 0  # the watch just started: read once
+        made = requests_of(launcher._etcd)
+        for n in (1, 2, 3):
+            coordinator.add(keys.ALIVE, 1)
+            deadline = time.monotonic() + 5
+            while (seen := alive_reading(launcher, watch)) is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert seen == n
+        assert alive_reading(launcher, watch) is None  # standing still: no reading, and no request either
+        assert made == []  # polling made a linearizable read every 0.5 s, from every launcher
+    finally:
+        watch.close()
 
 
 def test_multi_get_reads_more_keys_than_one_etcd_transaction_holds(cluster: LocalEtcd) -> None:

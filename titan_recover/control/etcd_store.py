@@ -448,6 +448,7 @@ class Changes:
         self._lock = threading.Lock()
         # put since the last ``wait``, after the prefix; None: unknown (at first too)
         self._keys: set[str] | None = None
+        self._values: dict[str, bytes] = {}  # the value each key's latest put wrote, after the prefix
         self._thread = threading.Thread(target=self._run, name="titan-recover-changes", daemon=True)
         self._thread.start()
 
@@ -474,20 +475,27 @@ class Changes:
                             revision = int(event["kv"]["mod_revision"])
                             key = _decode(event["kv"]["key"]).decode(errors="replace")[len(self.prefix) :]
                             if not key.startswith(self.ignore):
-                                self._put(key)
+                                self._put(key, _decode(event["kv"].get("value", "")))
             except (requests.RequestException, ValueError, KeyError, EtcdError):
                 pass
             self._put(None)  # the watch ended (a silent member, an error, a compaction): read everything once
             revision = 0  # from now on (a linearizable read fails over to a member in the quorum)
             self._stop.wait(0.1)
 
-    def _put(self, key: str | None) -> None:
+    def _put(self, key: str | None, value: bytes = b"") -> None:
         with self._lock:
             if key is None or self._keys is None:
                 self._keys = None
             else:
                 self._keys.add(key)
+            if key is not None:
+                self._values[key] = value
             self._changed.set()
+
+    def value(self, key: str) -> bytes | None:
+        """What the latest put of ``key`` (after the prefix) that the watch saw wrote (None: none seen)."""
+        with self._lock:
+            return self._values.get(key)
 
     def wait(self, timeout_s: float) -> set[str] | None:
         """The keys (after the prefix) put before ``timeout_s`` passed, empty when none was;

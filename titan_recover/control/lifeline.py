@@ -1,11 +1,13 @@
 """A launcher's lifeline to the coordinator: the node message it writes, and the watch that
 finds the coordinator lost. Daemon threads with their own store client."""
 
+from __future__ import annotations
+
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch.distributed as dist
 
@@ -14,6 +16,9 @@ from titan_recover.control.addresses import is_etcd
 from titan_recover.control.board import Board
 from titan_recover.control.sealed import Run, SealedStore
 from titan_recover.control.transport import call_within, connect, connection_refused
+
+if TYPE_CHECKING:
+    from titan_recover.control.etcd_store import Changes
 
 PROBE_S = 0.5  # how often a lifeline reads ALIVE; the coordinator lingers longer than that at the end
 CONFIRM_S = 1.0  # the fresh probe before a verdict: a live coordinator answers a new client well within it
@@ -82,6 +87,17 @@ class AliveClock:
         return self.timeout_s if self.value > 0 else max(self.timeout_s, self.startup_s)
 
 
+def alive_reading(client: SealedStore, watch: Changes | None = None) -> int | None:
+    """The coordinator's alive counter: from ``watch``'s events when it saw a put, None when it saw
+    none (no request: the counter stood still), read through ``client`` when there is no watch or
+    it (re)started and anything may have moved."""
+    seen = watch.wait(0) if watch is not None else None
+    if seen is not None and not seen:
+        return None
+    raw = watch.value("") if watch is not None and seen else None
+    return int(raw) if raw is not None else int(client.add(keys.ALIVE, 0))
+
+
 class Heartbeat:
     """A launcher's lifeline to the coordinator, run by daemon threads with their own store client.
 
@@ -134,16 +150,18 @@ class Heartbeat:
 
     def _beat(self) -> None:
         client: SealedStore | None = None
+        watch: Changes | None = None  # on etcd, the alive counter's puts: no read while it moves
         next_probe = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
             try:
                 if client is None:
                     client = connect(self._address, min(self._timeout, 60.0), self._run)
+                    watch = watch or client.watch(keys.ALIVE)
                 if self._board is None:
                     client.set(self._key, self._message())
                 if now >= next_probe:
-                    self._read(client)
+                    self._read(client, watch)
                     next_probe = now + min(PROBE_S, self._timeout / 4)
                 self._error, self._refused, self._contact = "", False, time.monotonic()
             except Exception as e:  # retried on a fresh connection; the watch bounds how long
@@ -152,6 +170,8 @@ class Heartbeat:
             if self._board is not None and client is not None:
                 self._write_board(client)
             self._stop.wait(self._interval)
+        if watch is not None:
+            watch.close()
 
     def _write_board(self, client: SealedStore) -> None:
         """The node message, on the leader's board (etcd runs). A failure is not the coordinator's
@@ -175,9 +195,14 @@ class Heartbeat:
     def ending(self) -> bool:
         return self._ended()
 
-    def _read(self, client: SealedStore) -> bool:
-        """Reads the alive counter through ``client``; whether it moved since the last reading."""
-        alive = int(client.add(keys.ALIVE, 0))
+    def _read(self, client: SealedStore, watch: Changes | None = None) -> bool:
+        """Reads the alive counter through ``client``, or from ``watch`` (etcd) while the watch runs:
+        its events carry the counter's puts, so a moving counter costs no request (a linearizable
+        read each, every ``PROBE_S``, from every launcher, otherwise); whether it moved since the
+        last reading."""
+        alive = alive_reading(client, watch)
+        if alive is None:
+            return False
         with self._lock:
             return self._clock.read(alive, time.monotonic())
 

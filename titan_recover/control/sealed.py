@@ -21,12 +21,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from titan_recover.control import keys
 from titan_recover.control.protocol import MessageError
 from titan_recover.control.store_api import api
+
+if TYPE_CHECKING:
+    from titan_recover.control.etcd_store import Changes
 
 MAC_HEX = 32  # 128 bits of HMAC-SHA256, in hex, before the value
 REFUSED_LOG_S = 60.0  # a forged key is logged at most once per this
@@ -277,6 +281,15 @@ class SealedStore(dist.Store):
             self._seal(decision, outcome),
         )
         return self._unseal(decision, raw) if raw is not None else undecided.encode()
+
+    def watch(self, key: str) -> Changes | None:
+        """On etcd, a watch of ``key`` (``Changes``: its puts without a request each, ``close`` it);
+        None on the TCPStore, which has no watch. For counters, whose values are not sealed."""
+        if self._etcd is None:
+            return None
+        from titan_recover.control.etcd_store import Changes  # the etcd extra: only a run on etcd has it
+
+        return Changes(self._etcd, self._full(key))
 
     def tallied(self, counter: str) -> int:
         """The votes under ``counter`` so far."""
