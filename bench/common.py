@@ -1,12 +1,15 @@
 """What every benchmark shares: paths, one launcher run, results files."""
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+from titan_recover.observability import phases
 from titan_recover.observability.events import read_events
 from titan_recover.titan.jobs import FLAGS, LINE, PRECISION, TINY, TINY_SIZES, config_args, job  # noqa: F401  (how each line spells a job)
 
@@ -42,3 +45,25 @@ def write_result(name: str, result: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
+
+
+def recovery_phases(events: list[dict]) -> dict[str, float | None]:
+    """The run's first failure's phases (``observability.phases``: seconds from the fault to the end of
+    each, None where the run did not reach it), as the run's own summary splits it."""
+    found = phases.recoveries(events)
+    return found[0]["phases"] if found else dict.fromkeys(phases.PHASES)
+
+
+def phase_medians(rows: list[dict]) -> dict[str, float]:
+    """Each phase's median over ``rows`` (their ``phases``), for the phases any of them reached."""
+    picked = [r["phases"] for r in rows]
+    return {
+        name: statistics.median(v for p in picked if (v := p[name]) is not None)
+        for name in phases.PHASES
+        if any(p[name] is not None for p in picked)
+    }
+
+
+def timeline(split: dict[str, Any]) -> str:
+    """``phases.timeline`` of a bench row's ``phases``."""
+    return phases.timeline({"phases": split})

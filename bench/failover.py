@@ -40,7 +40,18 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.common import CONFIG, PRECISION, RESULTS, ROOT, launch, step_gaps, write_result
+from bench.common import (
+    CONFIG,
+    PRECISION,
+    RESULTS,
+    ROOT,
+    launch,
+    phase_medians,
+    recovery_phases,
+    step_gaps,
+    timeline,
+    write_result,
+)
 from titan_recover.control import keys, transport
 from titan_recover.control.sealed import Run
 from titan_recover.observability.events import of_kind, read_events
@@ -174,6 +185,8 @@ def failover(url: str, replicas: int, node: bool) -> dict:
         "leaders_after_kill": [{"pid": e["pid"], "after_s": e["time"] - killed_at} for e in new_leaders],
         **({"coordinator_log": coordinator_lines} if len(new_leaders) > 1 else {}),
         "failures": [{k: e[k] for k in ("replica", "step")} for e in of_kind(events, "failure")],
+        # the group lost with the leader's node (a leader alone takes no group with it)
+        "phases": recovery_phases(events) if of_kind(events, "failure") else None,
         "members_at_end": steps[-1]["members"],
     }
 
@@ -331,9 +344,11 @@ def main() -> None:
             for _ in range(args.repeats):
                 for kind in runs:
                     runs[kind].append(failover(cluster.url, r, node=kind == "node"))
+                    split = runs[kind][-1]["phases"]
                     print(
                         f"R={r} {kind} killed: next step after {runs[kind][-1]['failover_s']:.2f}s "
-                        f"(new leader after {runs[kind][-1]['leader_takeover_s']:.2f}s)",
+                        f"(new leader after {runs[kind][-1]['leader_takeover_s']:.2f}s)"
+                        + (f"; its group's recovery from the fault: {timeline(split)}" if split else ""),
                         flush=True,
                     )
             dcp = dcp_restart(r)
@@ -342,6 +357,7 @@ def main() -> None:
                 "coordinator_failover_s": statistics.median(x["failover_s"] for x in runs["leader"]),
                 "node_failover_s": statistics.median(x["failover_s"] for x in runs["node"]),
                 "dcp_restart_s": dcp["restart_s"],
+                "node_phases_median_s": phase_medians([x for x in runs["node"] if x["phases"]]),
                 "runs": runs,
                 "dcp": dcp,
             }

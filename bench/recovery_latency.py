@@ -25,7 +25,7 @@ recovery_latency_models.json (``_rejoin`` added with --rejoin).
 import argparse
 import statistics
 
-from bench.common import launch, write_result
+from bench.common import launch, phase_medians, recovery_phases, timeline, write_result
 from titan_recover.observability.events import of_kind
 
 FAULTS = {
@@ -65,7 +65,13 @@ def run(replicas: int, fault: str, rejoin: bool, model: str = DENSE) -> dict:
         f"{model} R={replicas} {fault}",
     )
     (recovered,) = of_kind(events, "recovered")
-    result = {"model": model, "replicas": replicas, "fault": fault, "latency_s": recovered["latency_s"]}
+    result = {
+        "model": model,
+        "replicas": replicas,
+        "fault": fault,
+        "latency_s": recovered["latency_s"],
+        "phases": recovery_phases(events),
+    }
     back = of_kind(events, "rejoined")
     if rejoin and back:
         (failure,) = of_kind(events, "failure")
@@ -95,8 +101,9 @@ def main() -> None:
                         + ", ".join(
                             f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in row.items()
-                            if k not in ("replicas", "fault", "model")
-                        ),
+                            if k not in ("replicas", "fault", "model", "phases")
+                        )
+                        + f"; from the fault: {timeline(row['phases'])}",
                         flush=True,
                     )
     print("\nmedians over repeats (s)")
@@ -117,8 +124,19 @@ def main() -> None:
                 ]
                 summary.setdefault(key, {})[label] = dict(zip(map(str, args.replicas), medians))
                 print(f"  {label:5s}  " + "  ".join(f"{m:<7.3f}" for m in medians))
+    split = {
+        f"{model} {fault} R={r}": phase_medians(
+            [x for x in rows if (x["fault"], x["replicas"], x["model"]) == (fault, r, model)]
+        )
+        for fault in args.faults
+        for model in args.models
+        for r in args.replicas
+    }
+    print("phases, medians (s from the fault):")
+    for label, split_medians in split.items():
+        print(f"  {label}: {timeline(split_medians)}")
     name = "recovery_latency" + ("_models" if len(args.models) > 1 else "") + ("_rejoin" if args.rejoin else "")
-    path = write_result(name, {"runs": rows, "median": summary})
+    path = write_result(name, {"runs": rows, "median": summary, "phases_median_s": split})
     print(f"wrote {path}")
 
 

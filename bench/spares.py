@@ -25,7 +25,7 @@ import argparse
 import statistics
 from typing import Any
 
-from bench.common import PRECISION, launch, step_gaps, write_result
+from bench.common import PRECISION, launch, phase_medians, recovery_phases, step_gaps, timeline, write_result
 from titan_recover.observability.events import of_kind
 
 KILL = "kill replica=1 step=3 phase=backward; sleep replica=0 step=9 phase=optimizer seconds=45"
@@ -81,6 +81,8 @@ def run(replicas: int, spares: int, kill: bool) -> dict:
             "transfer_s": back["transfer_s"],
             "after_failure_step_s": statistics.median(gaps[s] for s in AFTER if s in gaps),
             "recovery_latency_s": of_kind(events, "recovered")[0]["latency_s"],
+            # the failed group's own (with a spare its restart comes after the spare took its place)
+            "phases": recovery_phases(events),
         }
     )
     if spares:
@@ -104,7 +106,12 @@ def main() -> None:
                     rows.append(row)
                     print(
                         f"repeat {repeat + 1} "
-                        + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+                        + ", ".join(
+                            f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                            for k, v in row.items()
+                            if k != "phases"
+                        )
+                        + (f"; from the fault: {timeline(row['phases'])}" if kill else ""),
                         flush=True,
                     )
 
@@ -125,6 +132,10 @@ def main() -> None:
             "spare_rejoined_downtime_s": med("rejoined_downtime_s", r, 1, True),
             "detection_s": med("recovery_latency_s", r, 1, True),
             "after_failure_step_ratio": {str(s): med("after_failure_step_s", r, s, True) / step for s in (0, 1)},
+            "phases_median_s": {
+                f"spares={s}": phase_medians([x for x in rows if x["kill"] and (x["replicas"], x["spares"]) == (r, s)])
+                for s in (0, 1)
+            },
         }
         print(
             f"R={r}: downtime with a spare {downtime[1]:.2f}s, by restart {downtime[0]:.2f}s; "

@@ -19,7 +19,7 @@ Prometheus give them.
 import argparse
 import statistics
 
-from bench.common import launch, write_result
+from bench.common import launch, phase_medians, write_result
 from titan_recover.observability import phases
 from titan_recover.observability.events import of_kind
 
@@ -68,14 +68,7 @@ def main() -> None:
     warm_down = statistics.median(r["rejoin_downtime_s"] for r in runs if r["warm"])
     cold_down = statistics.median(r["rejoin_downtime_s"] for r in runs if not r["warm"])
     medians = {
-        kind: {
-            name: statistics.median(
-                r["phases"][name] for r in runs if r["warm"] == warm and r["phases"][name] is not None
-            )
-            for name in phases.PHASES
-            if any(r["phases"][name] is not None for r in runs if r["warm"] == warm)
-        }
-        for kind, warm in (("warm", True), ("cold", False))
+        kind: phase_medians([r for r in runs if r["warm"] == warm]) for kind, warm in (("warm", True), ("cold", False))
     }
     result = {
         "job": f"train_configs/llama3_debug_cpu.toml, {STEPS} steps, {KILL}, float32",

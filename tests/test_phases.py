@@ -97,3 +97,16 @@ def test_the_status_page_and_prometheus_carry_every_recoverys_phases() -> None:
     assert counts == dict.fromkeys(phases.PHASES, 1.0)
     le = {(s.labels["phase"], s.labels["le"]): s.value for s in family.samples if s.name.endswith("_bucket")}
     assert le[("rejoin", "2.5")] == 0 and le[("rejoin", "5.0")] == 1
+
+
+def test_the_benches_split_a_runs_first_recovery_and_take_each_phases_median_over_the_runs_that_reached_it() -> None:
+    from bench.common import phase_medians, recovery_phases
+
+    split = recovery_phases(a_failure_and_its_rejoin())
+    assert split == phases.recoveries(a_failure_and_its_rejoin())[0]["phases"] and split["rejoin"] == 4.0
+    assert recovery_phases([]) == dict.fromkeys(phases.PHASES)  # no failure: nothing reached
+    cold = {**split, "rejoin": 20.0}
+    reached_none = dict.fromkeys(phases.PHASES)
+    medians = phase_medians([{"phases": split}, {"phases": cold}, {"phases": reached_none}])
+    assert medians["rejoin"] == 12.0 and medians["detect"] == split["detect"]
+    assert phase_medians([{"phases": reached_none}]) == {}
