@@ -19,10 +19,15 @@ replica group per node); today's design and the one it replaced, side by side.
 
 Measured per design and size: a process death (its agent reports the exit) and a hung rank
 (from its last beat; after: its agent reports it at the timeout) to the new epoch, the
-slowest rank to see that epoch, the coordinator process's CPU (it also runs the store server) and store requests per
-second (the
-generator's and the coordinator's own, counted). A whole node's death (agent and ranks
+slowest rank to see that epoch, the coordinator process's CPU, resident memory and threads (it
+also runs the store server) and store requests per second (the generator's and the coordinator's
+own, counted) against those the protocol demands: where the generator serves fewer, the figures
+measure the generator on this machine's cores as much as the coordinator. After (this tree) also
+the killed group back: its restarted ranks all waiting to join (their node message says so) to
+the epoch that admits it (``rejoin_admission_s``). A whole node's death (agent and ranks
 silent) is measured too: only the heartbeat bound can find it, in both designs.
+
+    .venv/bin/python -m bench.control_plane --designs after --ranks 32768 65536 100000   (the TCPStore)
 """
 
 import argparse
@@ -38,7 +43,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from bench.common import CONFIG, ROOT, write_result
+from bench.common import CONFIG, RESULTS, ROOT, write_result
+from titan_recover.observability import resources
 
 RANKS_PER_NODE = 8
 WAIT_S = 120.0  # bound on any one measured event
@@ -168,7 +174,7 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
 
     if design == "after":
         from titan_recover.node.agent import NodeAgent
-        from titan_recover.node.channel import BEAT, HEADER, SLOT, Channel
+        from titan_recover.node.channel import BEAT, HEADER, READY, SLOT, STATE, Channel
 
         agents = {
             n: NodeAgent(address, identity(secret), RANKS_PER_NODE, hang_timeout_s=HEARTBEAT_TIMEOUT_S) for n in nodes
@@ -211,6 +217,13 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
                         json.dumps({"replica": node, "epoch": 0, "suspect": node, "cause": cause, "time": time.time()}),
                     )
                 outbox.put(("killed", t))
+            elif cmd == "restart":  # the killed group's next incarnation, every rank up and waiting to join
+                path = agents[node].open(node, 1)
+                channels[node] = Channel.open(path)
+                channels[node].words[HEADER + STATE :: SLOT] = READY
+                slot_beats[node] = channels[node].words[HEADER + BEAT :: SLOT]
+                dead.discard(node)
+                outbox.put(("restarted", time.time()))
             elif cmd == "hang":
                 hung.add(node)
                 outbox.put(("hung", last_beat[node]))
@@ -297,6 +310,8 @@ def demanded(design: str, nodes: int) -> float:
 
 
 def run(design: str, ranks: int, workers: int, tree: str, scratch: str) -> dict:
+    from torch.distributed import DistStoreError
+
     from titan_recover.control import keys, transport
     from titan_recover.control.client import ControlClient
 
@@ -364,44 +379,66 @@ def run(design: str, ranks: int, workers: int, tree: str, scratch: str) -> dict:
         cpu0, req0, t0 = cpu_seconds(coordinator.pid), requests(), time.monotonic()
         time.sleep(window)
         cpu1, req1, t1 = cpu_seconds(coordinator.pid), requests(), time.monotonic()
+        held = resources.usage(coordinator.pid)
 
-        def next_epoch(epoch: int) -> float:
-            main.wait([keys.members_key(epoch + 1)], timedelta(seconds=WAIT_S))
+        def next_epoch(epoch: int) -> float | None:
+            """When the epoch after ``epoch`` was published; None when not within ``WAIT_S`` (recorded, not
+            fatal: the size at which the control plane stops keeping up is a result)."""
+            try:
+                main.wait([keys.members_key(epoch + 1)], timedelta(seconds=WAIT_S))
+            except DistStoreError:
+                missed.append(epoch + 1)
+                return None
             return time.time()
 
-        def propagation(epoch: int, published: float) -> float | None:
+        def since(start: float, woke: float | None) -> float | None:
+            return None if woke is None else round(woke - start, 3)
+
+        def propagation(epoch: int, published: float | None) -> float | None:
             deadline = time.monotonic() + WAIT_S
-            while time.monotonic() < deadline:
+            while published is not None and time.monotonic() < deadline:
                 slowest = [ask(i, "seen", epoch) for i in range(workers)]
                 if None not in slowest:
                     return max(slowest) - published
                 time.sleep(0.2)
             return None
 
+        missed: list[int] = []
         epoch = ControlClient(main).epoch()
         killed = ask(0, "kill", slices[0][0])
         woke = next_epoch(epoch)
-        death = woke - killed
+        death = since(killed, woke)
         prop = [propagation(epoch + 1, woke)]
+        admission = None
+        if design == "after" and woke is not None:  # the killed group back: its restarted ranks' join to its admission
+            epoch = ControlClient(main).epoch()
+            restarted = ask(0, "restart", slices[0][0])
+            admission = since(restarted, next_epoch(epoch))
+            if admission is not None and slices[0][0] not in ControlClient(main).membership(epoch + 1).members:
+                raise RuntimeError(f"epoch {epoch + 1} after the restart does not admit group {slices[0][0]}")
         epoch = ControlClient(main).epoch()
         hung = ask(1 % workers, "hang", slices[1 % workers][1])
         woke = next_epoch(epoch)
-        hang = woke - hung
+        hang = since(hung, woke)
         prop.append(propagation(epoch + 1, woke))
         epoch = ControlClient(main).epoch()
         gone = ask(2 % workers, "node_down", slices[2 % workers][2])
-        node_death = next_epoch(epoch) - gone
+        node_death = since(gone, next_epoch(epoch))
         for inbox in inboxes:
             inbox.put(("stop", -1))
         propagated = [s for s in prop if s is not None]
         return {
-            "death_detect_s": round(death, 3),
-            "hang_detect_s": round(hang, 3),
-            "node_death_detect_s": round(node_death, 3),
+            "death_detect_s": death,
+            "rejoin_admission_s": admission,
+            "hang_detect_s": hang,
+            "node_death_detect_s": node_death,
             "epoch_propagation_s": None if len(propagated) < len(prop) else round(max(propagated), 3),
             "coordinator_cpu_cores": round((cpu1 - cpu0) / (t1 - t0), 3),
+            "coordinator_memory_mib": held["rss_mb"],
+            "coordinator_threads": held["threads"],
             "store_requests_per_s": round((req1 - req0) / (t1 - t0)),
             "demanded_requests_per_s": demanded(design, nodes),
+            "epochs_not_published": missed,  # within WAIT_S of their failure (or restart)
         }
     except BaseException:
         print(Path(dump, "coordinator.log").read_text()[-3000:], file=sys.stderr)
@@ -436,16 +473,20 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         trees = {"after": str(ROOT), "before": extract(args.before_rev, tempfile.mkdtemp(dir=scratch))}
         for design in args.designs:
-            result[design] = {
+            result[design] = {"ranks": args.ranks} | {
                 key: []
                 for key in (
                     "death_detect_s",
+                    "rejoin_admission_s",
                     "hang_detect_s",
                     "node_death_detect_s",
                     "epoch_propagation_s",
                     "coordinator_cpu_cores",
+                    "coordinator_memory_mib",
+                    "coordinator_threads",
                     "store_requests_per_s",
                     "demanded_requests_per_s",
+                    "epochs_not_published",
                 )
             }
             for ranks in args.ranks:
@@ -454,6 +495,12 @@ def main(argv: list[str]) -> int:
                 for key, value in row.items():
                     result[design][key].append(value)
                 print(f"{design:6} {ranks:6} ranks: {json.dumps(row)} ({time.monotonic() - start:.0f}s)", flush=True)
+    kept = RESULTS / "control_plane.json"
+    if kept.exists():  # a design not run this time keeps its committed figures, at its own sizes
+        before = json.loads(kept.read_text())
+        for design in {"before", "after"} - set(args.designs):
+            if design in before:
+                result[design] = {"ranks": before[design].get("ranks", before["ranks"]), **before[design]}
     print(f"wrote {write_result('control_plane', result)}")
     return 0
 

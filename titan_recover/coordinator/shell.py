@@ -310,19 +310,24 @@ class Coordinator:
         if now < self.next_node_read:
             return
         self.next_node_read = now + config.node_message_interval_s(self.rc)
-        if self.last_node_read is not None and now - self.last_node_read > self.rc.heartbeat_timeout_s / 2:
-            self.core.grace(now)  # no lifeline could write, or none was read: silence says nothing about the groups
-            log.warning(
-                f"no node message read for {now - self.last_node_read:.1f}s (the control store stalled, e.g. "
-                "an etcd election, or this coordinator was frozen): every group gets one heartbeat timeout from now"
-            )
+        started = time.monotonic()
         if self.nodes_put or self.pending_nodes:
             self.nodes_put = False
             self._register_nodes(now)
         if not self.nodes:
             return
         names = list(self.nodes)
-        for key, raw in zip(names, self.node_messages(names)):
+        raws = self.node_messages(names)
+        # the time between two reads, and the read's own request: not the time this coordinator spends on
+        # what it read (it grows with the nodes, and taken for a stall it would hide every silent node)
+        unread = max(now - self.last_node_read if self.last_node_read is not None else 0.0, time.monotonic() - started)
+        if unread > self.rc.heartbeat_timeout_s / 2:
+            self.core.grace(now)  # no lifeline could write, or none was read: silence says nothing about the groups
+            log.warning(
+                f"no node message read for {unread:.1f}s (the control store stalled, e.g. "
+                "an etcd election, or this coordinator was frozen): every group gets one heartbeat timeout from now"
+            )
+        for key, raw in zip(names, raws):
             if raw == self.node_raw.get(key) or not raw:
                 continue  # its lifeline did not write since (or not yet to this leader's board): its groups age
             self.node_raw[key], self.node_changed[key] = raw, now
@@ -330,7 +335,6 @@ class Coordinator:
                 self.node_groups[key] = (NodeMessage.loads(key, raw), now)
             except MessageError as e:
                 log.warning(f"ignoring malformed node message: {e}")
-        self.last_node_read = now
         self._forget_nodes(now)
         self.core.on_nodes(
             group_views(
@@ -340,6 +344,7 @@ class Coordinator:
             ),
             now,
         )
+        self.last_node_read = now + (time.monotonic() - started)  # read and folded
 
     def _register_nodes(self, now: float) -> None:
         """Names the launchers registered since the last read (each writes its name right after the counter)."""
