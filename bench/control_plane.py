@@ -1,6 +1,6 @@
 """Control-plane load test: the real coordinator and store, simulated nodes and ranks that
-speak the protocol but train nothing, at 1,024 / 4,096 / 16,384 ranks (8 per node, one
-replica group per node); today's design and the one it replaced, side by side.
+speak the protocol but train nothing, at 1,024 / 4,096 / 16,384 ranks by default and up to 100,000
+(8 per node, one replica group per node); today's design and the one it replaced, side by side.
 
     .venv/bin/python -m bench.control_plane [--ranks 1024 4096 16384] [--workers 4] [--before-rev ff61664]
 
