@@ -223,7 +223,7 @@ class EtcdStore(dist.Store):
         together, so the decision costs no write of its own; any other vote writes the tally and its
         voter key only if that key is absent (a vote resent after a lost answer counts once, and
         cannot reach ``expected`` early). The votes counted and the decision after it (None: none)."""
-        never_voted = {"key": _encode(voter), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
+        never_voted = _missing(voter)
         votes = [put_op(tally, b""), put_op(voter, b"")]
         reads = [{"request_range": {"key": _encode(tally)}}, {"request_range": {"key": _encode(decision)}}]
         last = {"key": _encode(tally), "target": "VERSION", "result": "EQUAL", "version": expected - 1}
@@ -256,10 +256,6 @@ class EtcdStore(dist.Store):
         """How many times ``key`` was written since it was created (0: missing): ``vote``'s count."""
         kvs = self.post("kv/range", {"key": _encode(key)}).get("kvs", [])
         return int(kvs[0]["version"]) if kvs else 0
-
-    def count(self, prefix: str) -> int:
-        """How many keys are under ``prefix``."""
-        return int(self.post("kv/range", {**under(prefix), "count_only": True}).get("count", 0))
 
     def members(self) -> list[dict]:
         return self.post("cluster/member/list", {}).get("members", [])
@@ -349,7 +345,7 @@ class EtcdStore(dist.Store):
                 same = (
                     {"key": _encode(key), "target": "MOD", "result": "EQUAL", "mod_revision": seen[1]}
                     if seen is not None
-                    else {"key": _encode(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
+                    else _missing(key)
                 )
                 mark = f"{self._seq} {new}".encode()
                 reads = [{"request_range": {"key": _encode(key)}}, {"request_range": {"key": _encode(self._marker)}}]
@@ -399,7 +395,7 @@ class EtcdStore(dist.Store):
         if expected:
             answer = self._guarded([holds], [put_op(key, desired)], read)
         else:  # missing, or holding "" (etcd's value compare fails on a missing key): two tries in one txn
-            missing = {"key": _encode(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
+            missing = _missing(key)
             answer = self._guarded(
                 [missing],
                 [put_op(key, desired)],
@@ -448,7 +444,8 @@ class Changes:
         self._lock = threading.Lock()
         # put since the last ``wait``, after the prefix; None: unknown (at first too)
         self._keys: set[str] | None = None
-        self._values: dict[str, bytes] = {}  # the value each key's latest put wrote, after the prefix
+        self._values: dict[str, bytes] = {}  # the value each key's latest put since the last ``wait`` wrote
+        self._seen: dict[str, bytes] = {}  # ... as ``wait`` last took them (``value``): none kept longer
         self._thread = threading.Thread(target=self._run, name="titan-recover-changes", daemon=True)
         self._thread.start()
 
@@ -493,9 +490,9 @@ class Changes:
             self._changed.set()
 
     def value(self, key: str) -> bytes | None:
-        """What the latest put of ``key`` (after the prefix) that the watch saw wrote (None: none seen)."""
+        """What the latest put of ``key`` (after the prefix) before the last ``wait`` wrote (None: none)."""
         with self._lock:
-            return self._values.get(key)
+            return self._seen.get(key)
 
     def wait(self, timeout_s: float) -> set[str] | None:
         """The keys (after the prefix) put before ``timeout_s`` passed, empty when none was;
@@ -503,6 +500,7 @@ class Changes:
         self._changed.wait(timeout_s)
         with self._lock:
             keys, self._keys = self._keys, set()
+            self._seen, self._values = self._values, {}
             self._changed.clear()
         return keys
 
@@ -525,10 +523,15 @@ def under(prefix: str) -> dict:
     return {"key": _encode(start), "range_end": _encode(start[:-1] + bytes([start[-1] + 1]))}
 
 
+def _missing(key: str) -> dict:
+    """A transaction's compare: ``key`` does not exist."""
+    return {"key": _encode(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
+
+
 def _holds(key: str, value: bytes) -> dict:
     """A transaction's compare: ``key`` holds ``value``, or is missing when ``value`` is empty."""
     if not value:
-        return {"key": _encode(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
+        return _missing(key)
     return {"key": _encode(key), "target": "VALUE", "result": "EQUAL", "value": _encode(value)}
 
 
