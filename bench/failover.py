@@ -185,8 +185,8 @@ def failover(url: str, replicas: int, node: bool) -> dict:
         "leaders_after_kill": [{"pid": e["pid"], "after_s": e["time"] - killed_at} for e in new_leaders],
         **({"coordinator_log": coordinator_lines} if len(new_leaders) > 1 else {}),
         "failures": [{k: e[k] for k in ("replica", "step")} for e in of_kind(events, "failure")],
-        # the group lost with the leader's node (a leader alone takes no group with it)
-        "phases": recovery_phases(events) if of_kind(events, "failure") else None,
+        # the group lost with the leader's node (a leader alone takes no group with it: no phase reached)
+        "phases": recovery_phases(events),
         "members_at_end": steps[-1]["members"],
     }
 
@@ -348,7 +348,11 @@ def main() -> None:
                     print(
                         f"R={r} {kind} killed: next step after {runs[kind][-1]['failover_s']:.2f}s "
                         f"(new leader after {runs[kind][-1]['leader_takeover_s']:.2f}s)"
-                        + (f"; its group's recovery from the fault: {timeline(split)}" if split else ""),
+                        + (
+                            f"; its group's recovery from the fault: {timeline(split)}"
+                            if any(v is not None for v in split.values())
+                            else ""
+                        ),
                         flush=True,
                     )
             dcp = dcp_restart(r)
@@ -357,7 +361,7 @@ def main() -> None:
                 "coordinator_failover_s": statistics.median(x["failover_s"] for x in runs["leader"]),
                 "node_failover_s": statistics.median(x["failover_s"] for x in runs["node"]),
                 "dcp_restart_s": dcp["restart_s"],
-                "node_phases_median_s": phase_medians([x for x in runs["node"] if x["phases"]]),
+                "node_phases_median_s": phase_medians(runs["node"]),
                 "runs": runs,
                 "dcp": dcp,
             }
