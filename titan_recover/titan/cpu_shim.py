@@ -10,7 +10,10 @@ Parameters are float32 on a CPU unless the job names a precision (``precision_ar
 Mixture-of-experts layers count tokens per expert with ``torch.histc``, which has no CPU kernel
 for integer indices, and permute tokens with a Triton kernel: on a CPU the count is exact
 integer arithmetic, the permutation TorchTitan's own CPU version, and the experts' grouped
-matmul keeps the parameters' dtype instead of casting to bfloat16 (``moe_on_cpu``).
+matmul keeps the parameters' dtype instead of casting to bfloat16 (``moe_on_cpu``). TorchTitan 0.3's
+expert parallelism exchanges tokens with a list all-to-all of uneven chunks, which gloo refuses: on a CPU
+such an exchange goes through ``all_to_all_single``. FlexAttention has no CPU backward: gpt_oss's runs as
+dense attention there (``flex_attention_on_cpu``).
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ def cpu_device() -> Iterator[None]:
         return
     torch.profiler.profile = _CpuProfile  # type: ignore[misc]  # the shim swaps torch's class for its CPU stand-in
     torch.histc = _on_cpu(torch.histc, _histc)
+    torch.distributed.all_to_all = _on_cpu(torch.distributed.all_to_all, _all_to_all)
     import torch._utils as tu
 
     saved = tu._get_available_device_type, tu._get_device_module
@@ -146,6 +150,28 @@ def _histc(
     return torch.bincount(index, minlength=bins).to(input.dtype)
 
 
+def _all_to_all(
+    all_to_all: Any, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: Any = None, async_op: bool = False
+) -> Any:
+    """``torch.distributed.all_to_all``, and for CPU chunks of different lengths (gloo's takes equal chunks
+    only, "invalid tensor size at index 1") the same exchange as one ``all_to_all_single`` with splits:
+    TorchTitan 0.3's expert parallelism sends each rank as many tokens as its experts were routed."""
+    if async_op or inputs[0].device.type != "cpu" or len({t.shape for t in (*outputs, *inputs)}) == 1:
+        return all_to_all(outputs, inputs, group=group, async_op=async_op)
+    received = inputs[0].new_empty((sum(len(t) for t in outputs), *outputs[0].shape[1:]))
+    sizes = [len(t) for t in outputs]
+    torch.distributed.all_to_all_single(
+        received,
+        torch.cat([t.reshape(len(t), *outputs[0].shape[1:]) for t in inputs]),
+        sizes,
+        [len(t) for t in inputs],
+        group=group,
+    )
+    for output, part in zip(outputs, received.split(sizes)):
+        output.copy_(part)
+    return None
+
+
 def _permute_on_cpu(generate: Any, tokens_per_expert: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     """TorchTitan's token permutation, with its CPU implementation for CPU tensors (it never asks
     for it, and its Triton kernel has no CPU driver)."""
@@ -172,6 +198,30 @@ def _experts_in_own_dtype(experts: Any, x: torch.Tensor, num_tokens_per_expert: 
     return _grouped_experts(w1, w2, w3, x, num_tokens_per_expert)
 
 
+def _gpt_oss_experts_in_own_dtype(experts: Any, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """TorchTitan 0.3's ``GptOssGroupedExperts.forward`` (biased SwiGLU experts) without its casts
+    to bfloat16, for a CPU without tensor parallelism."""
+    from torchtitan.models.gpt_oss.moe import swiglu
+
+    w1, b1, w2, b2 = (
+        w.to_local() if hasattr(w, "to_local") else w
+        for w in (experts.mlp1_weight_EGD, experts.mlp1_bias_EG, experts.mlp2_weight_EDF, experts.mlp2_bias_ED)
+    )
+    offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+    rows = torch.cat([num_tokens_per_expert, (x.shape[0] - offsets[-1]).unsqueeze(0).to(offsets.dtype)]).long()
+
+    def biases(b: torch.Tensor) -> torch.Tensor:  # each row's expert's bias; zeros for the padding rows
+        return torch.cat([b, b.new_zeros(1, b.shape[-1])]).repeat_interleave(rows, dim=0, output_size=x.shape[0])
+
+    h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets) + biases(b1)
+    h = swiglu(h, limit=experts.swiglu_limit)
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets) + biases(b2)
+
+
+_OWN_DTYPE_EXPERTS = {"GroupedExperts": _experts_in_own_dtype, "GptOssGroupedExperts": _gpt_oss_experts_in_own_dtype}
+"""TorchTitan 0.3's expert classes, by name, and their forward in the parameters' dtype."""
+
+
 def moe_on_cpu(model: torch.nn.Module) -> torch.nn.Module:
     """On a CPU, ``model``'s experts run grouped matmuls in their own dtype and (TorchTitan 0.2) permute
     tokens with TorchTitan's CPU code; returns ``model``. Both lines' grouped matmul casts to bfloat16
@@ -179,12 +229,12 @@ def moe_on_cpu(model: torch.nn.Module) -> torch.nn.Module:
     without an SM90 GPU writes a whole-tensor gradient per expert in backward: 34 s of backward for
     qwen3's 64-expert debugmodel_moe against 1.2 s with grouped matmuls, whose float32 results equal
     the loop's. 0.3's token permutation is plain torch already."""
-    experts = next((m for m in model.modules() if type(m).__name__ == "GroupedExperts"), None)
+    experts = next((m for m in model.modules() if type(m).__name__ in _OWN_DTYPE_EXPERTS), None)
     if not needed() or experts is None:
         return model
     if not hasattr(experts, "use_grouped_mm"):  # TorchTitan 0.3
-        cls = type(experts)
-        cls.forward = _on_cpu(cls.forward, lambda _, *args: _experts_in_own_dtype(*args))
+        cls, forward = type(experts), _OWN_DTYPE_EXPERTS[type(experts).__name__]
+        cls.forward = _on_cpu(cls.forward, lambda _, *args: forward(*args))
         return model
     import torchtitan.models.moe.moe as moe
     import torchtitan.models.moe.utils as moe_utils
@@ -194,6 +244,58 @@ def moe_on_cpu(model: torch.nn.Module) -> torch.nn.Module:
     for module in model.modules():
         if isinstance(module, moe.GroupedExperts):
             module.use_grouped_mm = True
+    return model
+
+
+def _dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float | None, enable_gqa: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention's output and log-sum-exp (natural log, as FlexAttention's) for ``(B, N, L, H)``
+    tensors, as dense math: the block mask's own ``mask_mod`` made a boolean mask."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    if enable_gqa:
+        k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
+    batch, heads = block_mask.shape[:2]
+    mask = create_mask(block_mask.mask_mod, batch, heads, q.size(2), k.size(2), device=q.device)
+    scores = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5 if scale is None else scale)
+    lse = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.exp(scores.masked_fill(~mask, float("-inf")) - lse.unsqueeze(-1)) @ v, lse
+
+
+def _dense_flex_0_3(flex: Any, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
+    """TorchTitan 0.3's ``FlexAttention.forward`` (``(B, L, N, H)`` tensors; the log-sum-exp goes to
+    ``out_transform``, which gpt_oss's attention sinks are) on CPU tensors."""
+    if q.device.type != "cpu" or kw.get("score_mod") is not None:
+        return flex(module, q, k, v, **kw)
+    out, lse = _dense_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), kw["attention_masks"], kw.get("scale"), kw.get("enable_gqa", False)
+    )
+    transform = kw.get("out_transform")
+    return out.transpose(1, 2) if transform is None else transform(out.transpose(1, 2), lse.transpose(1, 2))
+
+
+def _dense_flex_0_2(flex: Any, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
+    """TorchTitan 0.2's ``FlexAttentionWrapper.forward`` (``(B, N, L, H)`` tensors, the log-sum-exp
+    returned beside the output if ``return_lse``) on CPU tensors."""
+    if q.device.type != "cpu" or kw.get("score_mod") is not None or kw.get("block_mask") is None:
+        return flex(module, q, k, v, **kw)
+    out, lse = _dense_attention(q, k, v, kw["block_mask"], kw.get("scale"), kw.get("enable_gqa", False))
+    return (out, lse) if kw.get("return_lse") else out
+
+
+_DENSE_FLEX = {"FlexAttention": _dense_flex_0_3, "FlexAttentionWrapper": _dense_flex_0_2}
+"""Each line's FlexAttention module, by class name, and its forward as dense math on a CPU."""
+
+
+def flex_attention_on_cpu(model: torch.nn.Module) -> torch.nn.Module:
+    """On a CPU, ``model``'s FlexAttention layers compute dense attention (torch has no FlexAttention
+    backward there); returns ``model``. Only gpt_oss keeps FlexAttention on a CPU: its attention sinks
+    need the log-sum-exp, which SDPA does not return (0.3's recipes make every other attention SDPA)."""
+    flex = next((m for m in model.modules() if type(m).__name__ in _DENSE_FLEX), None)
+    if needed() and flex is not None:
+        cls = type(flex)
+        cls.forward = _on_cpu(cls.forward, _DENSE_FLEX[cls.__name__])
     return model
 
 

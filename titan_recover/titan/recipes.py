@@ -24,8 +24,9 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import DebugConfig
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
-from torchtitan.models import deepseek_v3, llama3, qwen3
+from torchtitan.models import deepseek_v3, gpt_oss, kimi_k2_7, llama3, qwen3
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+from torchtitan.models.gpt_oss.model import Attention as GptOssAttention
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.protocols.model_spec import ModelSpec
@@ -35,7 +36,8 @@ ASSETS = "./titan_recover/assets/tokenizer"
 
 def _on_cpu(parallelize: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
     def parallelize_fn(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
-        return cpu_shim.force_sum_reduction(parallelize(cpu_shim.moe_on_cpu(model), **kwargs))
+        model = cpu_shim.flex_attention_on_cpu(cpu_shim.moe_on_cpu(model))
+        return cpu_shim.force_sum_reduction(parallelize(model, **kwargs))
 
     return parallelize_fn
 
@@ -140,6 +142,91 @@ def _deepseek_v3_tiny() -> ModelSpec:
     return dataclasses.replace(spec, flavor="tiny", model=model)
 
 
+def _kimi_k2_7_tiny() -> ModelSpec:
+    """Kimi K2's text tower (Moonlight's: MLA without q-LoRA, sigmoid routing with normalized, scaled
+    weights, shared experts) at deepseek_v3 ``tiny``'s sizes: dim 64, a dense block then an MoE block (4
+    experts of hidden size 64 and 2 shared, top-2), 4 heads (KV rank 32); no vision tower."""
+    dim, rope_dim, vocab = 64, 8, 2048
+    spec = kimi_k2_7.model_registry("moonlight-16B-A3B")
+    layers = kimi_k2_7._build_kimi_layers(
+        n_layers=2,
+        n_dense_layers=1,
+        dim=dim,
+        n_heads=4,
+        q_lora_rank=0,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=16,
+        mscale=1.0,
+        dense_hidden_dim=128,
+        moe_hidden_dim=64,
+        num_experts=4,
+        num_shared_experts=2,
+        router_top_k=2,
+        router_score_func="sigmoid",
+        router_route_scale=2.446,
+        router_route_norm=True,
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=rope_dim, max_seq_len=4096, theta=50000.0),
+    )
+    model = dataclasses.replace(
+        spec.model,
+        vocab_size=vocab,
+        dim=dim,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=kimi_k2_7._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=kimi_k2_7._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=kimi_k2_7._output_linear_init(dim)),
+        layers=layers,
+        vision_encoder=None,
+    )
+    return dataclasses.replace(spec, flavor="tiny", model=model)
+
+
+def _gpt_oss_tiny() -> ModelSpec:
+    """TorchTitan 0.2's ``gpt_oss_recover`` ``tiny`` flavor: dim 64, 2 blocks (sliding-window attention
+    over 16 tokens, then full), 4 heads of 16 and 2 KV heads with attention sinks, 4 experts of hidden
+    size 64 with biases, top-2. Its attention stays FlexAttention: the sinks need the softmax's
+    log-sum-exp, which SDPA does not return."""
+    dim, head_dim, vocab = 64, 16, 2048
+    spec = gpt_oss.model_registry("debugmodel", attn_backend="flex")
+    rope = dataclasses.replace(spec.model.layers[0].attention.rope, dim=head_dim)
+    layers = gpt_oss._build_gptoss_layers(
+        dim=dim,
+        n_layers=2,
+        hidden_dim=64,
+        num_experts=4,
+        top_k=2,
+        load_balance_coeff=1e-3,
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        rope=rope,
+    )
+    for layer_id, layer in enumerate(layers):  # 0.3's builder gives every flavor the 20B's attention widths
+        layer.attention = gpt_oss._make_gptoss_attn_config(
+            dim=dim,
+            layer_id=layer_id,
+            attn_backend="flex",
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=head_dim,
+            sliding_window_size=16 if layer_id % 2 == 0 else None,
+            rope=rope,
+        )
+    model = dataclasses.replace(
+        spec.model,
+        vocab_size=vocab,
+        dim=dim,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=gpt_oss._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=gpt_oss._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=gpt_oss._output_linear_init(dim)),
+        layers=layers,
+    )
+    return dataclasses.replace(spec, flavor="tiny", model=model)
+
+
 MODELS: dict[tuple[str, str], Callable[[], ModelSpec]] = {
     ("llama3", "debugmodel"): lambda: llama3.model_registry("debugmodel"),
     ("llama3", "8B"): lambda: llama3.model_registry("8B"),
@@ -148,14 +235,18 @@ MODELS: dict[tuple[str, str], Callable[[], ModelSpec]] = {
     ("qwen3", "tiny_moe"): lambda: _qwen3_tiny(moe=True),
     ("qwen3", "debugmodel_moe"): lambda: qwen3.model_registry("debugmodel_moe"),
     ("deepseek_v3", "tiny"): _deepseek_v3_tiny,
+    ("kimi_k2_7", "tiny"): _kimi_k2_7_tiny,
+    ("gpt_oss", "tiny"): _gpt_oss_tiny,
 }
 
 
 def model_spec(family: str, flavor: str) -> ModelSpec:
-    """``family``'s ``flavor`` with SDPA attention and, on a CPU, SUM reductions and experts in their own dtype."""
+    """``family``'s ``flavor`` with SDPA attention (but where attention sinks need FlexAttention's
+    log-sum-exp) and, on a CPU, SUM reductions and experts in their own dtype."""
     spec = MODELS[family, flavor]()
     for _, _, parent, attr in list(spec.model.traverse(FlexAttention.Config)):
-        setattr(parent, attr, ScaledDotProductAttention.Config())
+        if not isinstance(parent, GptOssAttention.Config):
+            setattr(parent, attr, ScaledDotProductAttention.Config())
     spec.parallelize_fn = _on_cpu(spec.parallelize_fn)
     return spec
 
@@ -262,6 +353,17 @@ def deepseek_v3_cpu() -> Trainer.Config:
 def qwen3_moe_debug_cpu() -> Trainer.Config:
     """qwen3's own ``debugmodel_moe`` (64 experts, top-8, 8 layers) in the default job's layout and failure."""
     return cpu_job("qwen3_moe_debug_cpu", model_spec("qwen3", "debugmodel_moe"))
+
+
+def kimi_k2_7_cpu() -> Trainer.Config:
+    """Kimi K2's text tower at ``tiny`` size (``_kimi_k2_7_tiny``) in ``_expert_parallel_job``."""
+    return _expert_parallel_job("kimi_k2_7_cpu", model_spec("kimi_k2_7", "tiny"))
+
+
+def gpt_oss_cpu() -> Trainer.Config:
+    """gpt_oss ``tiny`` (0.2's ``--model.name gpt_oss_recover --model.flavor tiny``) in
+    ``_expert_parallel_job``; on a CPU its FlexAttention runs as the CPU shim's dense equivalent."""
+    return _expert_parallel_job("gpt_oss_cpu", model_spec("gpt_oss", "tiny"))
 
 
 def llama3_tp_cpu() -> Trainer.Config:

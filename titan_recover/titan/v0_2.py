@@ -137,8 +137,7 @@ def load_config(argv: list[str]) -> JobConfig:
 
 def check_model(job_config: JobConfig) -> None:
     """``model.name`` names a registered TrainSpec, after ``experimental.custom_import`` (which registers
-    the job's own) is imported: TorchTitan's own refusal is a traceback, in every rank. On a CPU, a
-    flavor with FlexAttention (all of gpt_oss's) is refused: torch has no FlexAttention backward there."""
+    the job's own) is imported: TorchTitan's own refusal is a traceback, in every rank."""
     module = job_config.experimental.custom_import
     if module:
         try:
@@ -159,11 +158,6 @@ def check_model(job_config: JobConfig) -> None:
         ) from None
     has_experts = bool(getattr(args, "moe_enabled", hasattr(args, "moe_args")))
     check_experts_faults(job_config.recover, f"model.flavor {flavor!r} of {name}", has_experts)
-    if cpu_shim.needed() and getattr(args, "attn_type", None) == "flex":
-        raise ConfigError(
-            f"model.flavor {flavor!r} of {name} uses FlexAttention, which torch {torch.__version__} cannot train "
-            "on a CPU (it has no backward there): run it on a GPU, or choose a flavor whose attn_type is sdpa"
-        )
 
 
 class _GuardedCheckpointer:
@@ -197,7 +191,8 @@ def _with_sum_reduction(parallelize: Callable[..., torch.nn.Module]) -> Callable
                 f"model.flavor {job_config.model.flavor!r} ties its embedding and output weights, which TorchTitan "
                 "0.2.2 shards in two FSDP groups and torch 2.13's FSDP2 rejects; choose an untied flavor (e.g. tiny)"
             )
-        return cpu_shim.force_sum_reduction(parallelize(cpu_shim.moe_on_cpu(model), parallel_dims, job_config))
+        model = cpu_shim.flex_attention_on_cpu(cpu_shim.moe_on_cpu(model))
+        return cpu_shim.force_sum_reduction(parallelize(model, parallel_dims, job_config))
 
     return parallelize_fn
 

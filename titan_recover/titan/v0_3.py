@@ -27,6 +27,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.config import ConfigManager
+from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 from torchtitan.models.common.moe import MoE
 from torchtitan.tools.logging import init_logger
 from torchtitan.trainer import Trainer as TitanTrainer
@@ -163,13 +164,26 @@ def expert_counts(trainer: Trainer) -> list[torch.Tensor]:
     return [] if any(m.load_balance_coeff is None for m in layers) else [m.tokens_per_expert_E for m in layers]
 
 
+def _masked_attention(job_config: JobConfig) -> bool:
+    """Whether the model's attention takes masks (FlexAttention, varlen), which 0.3's trainer builds
+    only from token positions (its text loader yields them; titan_recover's gives tokens only)."""
+    attention = getattr(job_config.model_spec.model, "first_attention", None)
+    return isinstance(getattr(attention, "inner_attention", None), (FlexAttention.Config, VarlenAttention.Config))
+
+
 def model_inputs(trainer: Trainer, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[Any, Any]:
     """One microbatch for ``forward_backward_step``: with pipeline stages 0.3 takes it as lists of
-    pipeline microbatches (``parallelism.pipeline_parallel_microbatch_size`` samples each)."""
+    pipeline microbatches (``parallelism.pipeline_parallel_microbatch_size`` samples each). A model
+    with masked attention also gets each sample's positions (0 to seq_len - 1: a sample is one
+    document), from which the trainer builds its causal masks."""
+    batch = {"input": inputs}
+    if _masked_attention(trainer.config):
+        batch["positions"] = torch.arange(inputs.size(1), device=inputs.device).expand_as(inputs)
     if not trainer.parallel_dims.pp_enabled:
-        return {"input": inputs}, labels
+        return batch, labels
     size = trainer.config.parallelism.pipeline_parallel_microbatch_size
-    return [{"input": x} for x in inputs.split(size)], list(labels.split(size))
+    parts = {key: value.split(size) for key, value in batch.items()}
+    return [dict(zip(parts, values)) for values in zip(*parts.values())], list(labels.split(size))
 
 
 def dump_folder(job_config: JobConfig) -> str:
