@@ -5,8 +5,8 @@
 #   STEPS=20 bash bench/moe.sh                       # on a GPU machine: python3 with torch, and TorchTitan's
 #                                                    # wheels in .whl/ (see docs/gpus.md), logs in $OUT
 #   WAVE2=qwen3_recover:tiny_moe OUT=/tmp/moe bash bench/moe.sh   # on a CPU, from a checkout's .venv
-# On a CPU gpt_oss is refused (FlexAttention) and debugmodel_moe takes minutes a step. Results on one
-# H200: bench/results/moe_gpu.txt.
+# On a CPU debugmodel_moe takes minutes a step. Results on one H200: bench/results/moe_gpu.txt (from
+# before gpt_oss's router bias was initialized: docs/torchtitan-lines.md).
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT" /tmp/o
 if [ -d .whl ] && python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then

@@ -122,9 +122,10 @@ class FaultInjector:
 
 
 def middle_experts(model: torch.nn.Module) -> torch.nn.Module:
-    """The routed experts (TorchTitan's ``GroupedExperts`` on either line, or FSDP's subclass of it) of the
-    middle mixture-of-experts layer: with expert parallelism they are called between the token all-to-alls."""
-    experts = [m for m in model.modules() if "GroupedExperts" in (c.__name__ for c in type(m).__mro__)]
+    """The routed experts (TorchTitan's ``GroupedExperts`` on either line, 0.2's gpt_oss's own
+    ``GptOssGroupedExperts``, or FSDP's subclasses of them) of the middle mixture-of-experts layer: with
+    expert parallelism they are called between the token all-to-alls."""
+    experts = [m for m in model.modules() if any(c.__name__.endswith("GroupedExperts") for c in type(m).__mro__)]
     if not experts:
         raise FaultPlanError("phase=experts needs a mixture-of-experts layer, and this model (or stage) has none")
     return experts[len(experts) // 2]

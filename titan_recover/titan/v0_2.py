@@ -184,6 +184,27 @@ def guard_checkpointer(trainer: Trainer, saves: Callable[[], bool], loads: bool)
     trainer.checkpointer = _GuardedCheckpointer(trainer.checkpointer, saves, loads)
 
 
+def _router_biases_zeroed(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``, whose ``init_weights`` also zeroes its MoE routers' gate biases (gpt_oss has them), as
+    TorchTitan 0.3 initializes them: 0.2.2 initializes the gate's weight only, so its bias keeps whatever
+    memory it was given, different in every process, and replica groups (stock HSDP's replicas too)
+    start from different weights. Found by the replica digests: gpt_oss's groups differed after step 1."""
+    routers = [m.gate for m in model.modules() if type(m).__name__ == "TokenChoiceTopKRouter"]
+    init_weights = getattr(model, "init_weights", None)
+    if init_weights is None or not any(gate.bias is not None for gate in routers):
+        return model
+
+    def init_and_zero(*args: Any, **kwargs: Any) -> None:
+        init_weights(*args, **kwargs)
+        with torch.no_grad():
+            for gate in routers:
+                if gate.bias is not None:
+                    gate.bias.zero_()
+
+    model.init_weights = init_and_zero  # type: ignore[method-assign]  # TorchTitan calls it after parallelizing
+    return model
+
+
 def _with_sum_reduction(parallelize: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
     def parallelize_fn(model: torch.nn.Module, parallel_dims: Any, job_config: Any) -> torch.nn.Module:
         if getattr(model, "enable_weight_tying", False) and parallel_dims.fsdp_enabled:
@@ -191,7 +212,7 @@ def _with_sum_reduction(parallelize: Callable[..., torch.nn.Module]) -> Callable
                 f"model.flavor {job_config.model.flavor!r} ties its embedding and output weights, which TorchTitan "
                 "0.2.2 shards in two FSDP groups and torch 2.13's FSDP2 rejects; choose an untied flavor (e.g. tiny)"
             )
-        model = cpu_shim.flex_attention_on_cpu(cpu_shim.moe_on_cpu(model))
+        model = cpu_shim.flex_attention_on_cpu(cpu_shim.moe_on_cpu(_router_biases_zeroed(model)))
         return cpu_shim.force_sum_reduction(parallelize(model, parallel_dims, job_config))
 
     return parallelize_fn
