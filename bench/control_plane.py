@@ -439,6 +439,8 @@ def run(design: str, ranks: int, workers: int, tree: str, scratch: str) -> dict:
             "store_requests_per_s": round((req1 - req0) / (t1 - t0)),
             "demanded_requests_per_s": demanded(design, nodes),
             "epochs_not_published": missed,  # within WAIT_S of their failure (or restart)
+            # node reads the coordinator took for a stalled store, granting every group a new timeout
+            "stall_graces": Path(dump, "coordinator.log").read_text().count("no node message read"),
         }
     except BaseException:
         print(Path(dump, "coordinator.log").read_text()[-3000:], file=sys.stderr)
@@ -473,28 +475,13 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         trees = {"after": str(ROOT), "before": extract(args.before_rev, tempfile.mkdtemp(dir=scratch))}
         for design in args.designs:
-            result[design] = {"ranks": args.ranks} | {
-                key: []
-                for key in (
-                    "death_detect_s",
-                    "rejoin_admission_s",
-                    "hang_detect_s",
-                    "node_death_detect_s",
-                    "epoch_propagation_s",
-                    "coordinator_cpu_cores",
-                    "coordinator_memory_mib",
-                    "coordinator_threads",
-                    "store_requests_per_s",
-                    "demanded_requests_per_s",
-                    "epochs_not_published",
-                )
-            }
+            result[design] = {"ranks": args.ranks}
             for ranks in args.ranks:
                 start = time.monotonic()
                 row = run(design, ranks, args.workers, trees[design], scratch)
-                for key, value in row.items():
-                    result[design][key].append(value)
                 print(f"{design:6} {ranks:6} ranks: {json.dumps(row)} ({time.monotonic() - start:.0f}s)", flush=True)
+                for key, value in row.items():  # one list per measure, a value per size
+                    result[design].setdefault(key, []).append(value)
     kept = RESULTS / "control_plane.json"
     if kept.exists():  # a design not run this time keeps its committed figures, at its own sizes
         before = json.loads(kept.read_text())

@@ -408,6 +408,21 @@ def test_a_store_stall_is_not_taken_for_every_group_going_silent(make, tmp_path:
     assert sorted(failed) == [0, 1]
 
 
+def test_a_slow_read_in_which_most_nodes_moved_finds_the_silent_one(make, tmp_path: Path) -> None:
+    """A gap over half the heartbeat timeout in which most node messages moved (a read that is slow, as
+    folding 100,000 ranks is, not a stalled store): no grace, the silent node's group fails on time."""
+    c, client = make(heartbeat_timeout_s=2.0)
+    a, b = node(client), FakeNode(client, "node-b")
+    now = time.monotonic()
+    a.beat(0)
+    b.beat(1)
+    poll(c, now)
+    a.beat(0)  # node-b's lifeline wrote nothing since
+    poll(c, now + 1.8)
+    failed, _ = c.core.detector.decide(now + 2.1)  # with the grace neither would fail before now + 3.8
+    assert sorted(failed) == [1]
+
+
 def test_a_spare_whose_launcher_reports_it_dead_is_dropped_at_once(make, tmp_path: Path) -> None:
     c, client = make(spares=1)
     ask_to_join(client, 2, 0)

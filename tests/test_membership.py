@@ -23,6 +23,7 @@ from titan_recover.policy.membership import (
     joiners,
     next_membership,
     repaired_failure,
+    store_stalled,
 )
 
 pytestmark = pytest.mark.unit
@@ -664,3 +665,21 @@ def test_group_views_add_ranks_over_nodes_and_take_the_most_silent() -> None:
         ranks=8, ready=7, finished=0, alive_at=97.0, stuck="the main loop of its rank 3 made no progress (at step 7)"
     )
     assert views[(5, 0)].alive_at == 50.0  # another incarnation: a view of its own
+
+
+@pytest.mark.parametrize(
+    "gap_s, moved, read, stalled",
+    [
+        (0.1, 0, 4, False),  # read every interval: silence is silence
+        (2.6, 0, 4, True),  # over half the 5 s timeout and nothing moved: the store took no writes
+        (2.6, 1, 4, True),  # fewer than half moved
+        (2.6, 2, 4, False),  # half moved: the store took writes, the others are silent indeed
+        (3.0, 12_499, 12_500, False),  # a slow read of 100,000 ranks with one node dead
+        (2.5, 0, 4, False),  # exactly half the timeout is no stall
+        (9.0, 0, 1, True),  # one node: a stall and its death look alike for one timeout
+    ],
+)
+def test_a_store_stall_is_a_long_gap_in_which_most_node_messages_stood_still(
+    gap_s: float, moved: int, read: int, stalled: bool
+) -> None:
+    assert store_stalled(gap_s, 5.0, moved, read) is stalled

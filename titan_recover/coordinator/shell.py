@@ -61,7 +61,7 @@ from titan_recover.observability import resources
 from titan_recover.observability.events import EventLog, Tail, event_files, logged_steps
 from titan_recover.observability.run_status import RunHistory
 from titan_recover.observability.status_server import StatusServer, StatusSource, StoreReader
-from titan_recover.policy.membership import FailureDetector, group_views
+from titan_recover.policy.membership import FailureDetector, group_views, store_stalled
 
 POLL_S = 0.02  # detection is bounded by report_confirm_s / heartbeats, not by this
 ALIVE_S = 0.25  # how often the alive counter moves (watchers allow coordinator_timeout_s)
@@ -321,11 +321,13 @@ class Coordinator:
         # the time between two reads, and the read's own request: not the time this coordinator spends on
         # what it read (it grows with the nodes, and taken for a stall it would hide every silent node)
         unread = max(now - self.last_node_read if self.last_node_read is not None else 0.0, time.monotonic() - started)
-        if unread > self.rc.heartbeat_timeout_s / 2:
+        moved = sum(1 for key, raw in zip(names, raws) if raw and raw != self.node_raw.get(key))
+        if store_stalled(unread, self.rc.heartbeat_timeout_s, moved, len(names)):
             self.core.grace(now)  # no lifeline could write, or none was read: silence says nothing about the groups
             log.warning(
-                f"no node message read for {unread:.1f}s (the control store stalled, e.g. "
-                "an etcd election, or this coordinator was frozen): every group gets one heartbeat timeout from now"
+                f"no node message read for {unread:.1f}s and {moved} of {len(names)} moved (the control store "
+                "stalled, e.g. an etcd election, or this coordinator was frozen): every group gets one heartbeat "
+                "timeout from now"
             )
         for key, raw in zip(names, raws):
             if raw == self.node_raw.get(key) or not raw:

@@ -121,6 +121,15 @@ def group_views(entries: Iterable[tuple[int, NodeGroup, float]]) -> dict[tuple[i
     return views
 
 
+def store_stalled(gap_s: float, timeout_s: float, moved: int, read: int) -> bool:
+    """Whether ``read`` node messages, unread for ``gap_s``, say nothing about the groups: the gap is over
+    half the heartbeat timeout (an etcd election, a frozen coordinator, a slow read) and fewer than half of
+    the messages moved. A live lifeline rewrites its message every interval, so where most moved the store
+    took their writes, and the unmoved nodes are silent indeed: a read that is slow, not stalled (a
+    coordinator folding 100,000 ranks), must not give a dead node a new timeout at every read."""
+    return gap_s > timeout_s / 2 and 2 * moved < read
+
+
 @dataclass
 class FailureDetector:
     """Decides which replica groups have failed from heartbeats and reports.

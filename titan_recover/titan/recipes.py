@@ -100,89 +100,69 @@ def _qwen3_tiny(moe: bool = False) -> ModelSpec:
     return dataclasses.replace(qwen3.model_registry(base), flavor="tiny_moe" if moe else "tiny", model=model)
 
 
-def _deepseek_v3_tiny() -> ModelSpec:
-    """TorchTitan 0.2's ``deepseek_v3_recover`` ``tiny`` flavor: dim 64, a dense block then an MoE block
-    (4 experts of hidden size 64 and 1 shared, top-2, softmax routing), MLA with 4 heads (KV rank 32)."""
-    dim, rope_dim, vocab = 64, 8, 2048
-    spec = deepseek_v3.model_registry("debugmodel")
-    layers = deepseek_v3._build_dsv3_layers(
-        n_layers=2,
-        n_dense_layers=1,
-        dim=dim,
-        n_heads=4,
-        q_lora_rank=0,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=rope_dim,
-        v_head_dim=16,
-        mscale=0.70,
-        dense_hidden_dim=128,
-        moe_hidden_dim=64,
-        num_experts=4,
-        num_shared_experts=1,
-        router_top_k=2,
-        router_score_func="softmax",
-        attn_backend="flex",
-        moe_comm_backend="standard",
-        non_blocking_capacity_factor=None,
-        rope=dataclasses.replace(spec.model.layers[0].attention.rope, dim=rope_dim),
-    )
+def _tiny_decoder(spec: ModelSpec, family: Any, layers: list, **fields: Any) -> ModelSpec:
+    """``spec`` at the tiny flavors' size: dim 64, the synthetic tokenizer's 2,048 ids, ``layers``, and the
+    embedding, final norm and output head with ``family``'s (its module's) initializers."""
+    dim, vocab = 64, 2048
     model = dataclasses.replace(
         spec.model,
         vocab_size=vocab,
         dim=dim,
-        tok_embeddings=Embedding.Config(
-            num_embeddings=vocab, embedding_dim=dim, param_init=deepseek_v3._EMBEDDING_INIT
-        ),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init=deepseek_v3._NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=deepseek_v3._output_linear_init(dim)),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=family._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=family._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=family._output_linear_init(dim)),
         layers=layers,
-        mtp_layers=[],
+        **fields,
     )
     return dataclasses.replace(spec, flavor="tiny", model=model)
+
+
+_TINY_MLA: dict[str, Any] = dict(
+    n_layers=2,
+    n_dense_layers=1,
+    dim=64,
+    n_heads=4,
+    q_lora_rank=0,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    dense_hidden_dim=128,
+    moe_hidden_dim=64,
+    num_experts=4,
+    router_top_k=2,
+    attn_backend="flex",
+    moe_comm_backend="standard",
+    non_blocking_capacity_factor=None,
+)
+"""deepseek_v3 ``tiny``'s sizes (0.2's ``deepseek_v3_recover`` flavor): dim 64, a dense block (hidden size
+128) then an MoE block (4 experts of hidden size 64, top-2), MLA with 4 heads (KV rank 32, no q-LoRA)."""
+
+
+def _deepseek_v3_tiny() -> ModelSpec:
+    """deepseek_v3 at ``_TINY_MLA``'s sizes with 1 shared expert and softmax routing."""
+    spec = deepseek_v3.model_registry("debugmodel")
+    rope = dataclasses.replace(spec.model.layers[0].attention.rope, dim=_TINY_MLA["qk_rope_head_dim"])
+    layers = deepseek_v3._build_dsv3_layers(
+        **_TINY_MLA, mscale=0.70, num_shared_experts=1, router_score_func="softmax", rope=rope
+    )
+    return _tiny_decoder(spec, deepseek_v3, layers, mtp_layers=[])
 
 
 def _kimi_k2_7_tiny() -> ModelSpec:
-    """Kimi K2's text tower (Moonlight's: MLA without q-LoRA, sigmoid routing with normalized, scaled
-    weights, shared experts) at deepseek_v3 ``tiny``'s sizes: dim 64, a dense block then an MoE block (4
-    experts of hidden size 64 and 2 shared, top-2), 4 heads (KV rank 32); no vision tower."""
-    dim, rope_dim, vocab = 64, 8, 2048
+    """Kimi K2's text tower (Moonlight's: sigmoid routing with normalized, scaled weights, 2 shared
+    experts) at ``_TINY_MLA``'s sizes; no vision tower."""
     spec = kimi_k2_7.model_registry("moonlight-16B-A3B")
     layers = kimi_k2_7._build_kimi_layers(
-        n_layers=2,
-        n_dense_layers=1,
-        dim=dim,
-        n_heads=4,
-        q_lora_rank=0,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=rope_dim,
-        v_head_dim=16,
+        **_TINY_MLA,
         mscale=1.0,
-        dense_hidden_dim=128,
-        moe_hidden_dim=64,
-        num_experts=4,
         num_shared_experts=2,
-        router_top_k=2,
         router_score_func="sigmoid",
         router_route_scale=2.446,
         router_route_norm=True,
-        attn_backend="flex",
-        moe_comm_backend="standard",
-        non_blocking_capacity_factor=None,
-        rope=ComplexRoPE.Config(dim=rope_dim, max_seq_len=4096, theta=50000.0),
+        rope=ComplexRoPE.Config(dim=_TINY_MLA["qk_rope_head_dim"], max_seq_len=4096, theta=50000.0),
     )
-    model = dataclasses.replace(
-        spec.model,
-        vocab_size=vocab,
-        dim=dim,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=kimi_k2_7._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init=kimi_k2_7._NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=kimi_k2_7._output_linear_init(dim)),
-        layers=layers,
-        vision_encoder=None,
-    )
-    return dataclasses.replace(spec, flavor="tiny", model=model)
+    return _tiny_decoder(spec, kimi_k2_7, layers, vision_encoder=None)
 
 
 def _gpt_oss_tiny() -> ModelSpec:
@@ -190,7 +170,7 @@ def _gpt_oss_tiny() -> ModelSpec:
     over 16 tokens, then full), 4 heads of 16 and 2 KV heads with attention sinks, 4 experts of hidden
     size 64 with biases, top-2. Its attention stays FlexAttention: the sinks need the softmax's
     log-sum-exp, which SDPA does not return."""
-    dim, head_dim, vocab = 64, 16, 2048
+    dim, head_dim = 64, 16
     spec = gpt_oss.model_registry("debugmodel", attn_backend="flex")
     rope = dataclasses.replace(spec.model.layers[0].attention.rope, dim=head_dim)
     layers = gpt_oss._build_gptoss_layers(
@@ -215,16 +195,7 @@ def _gpt_oss_tiny() -> ModelSpec:
             sliding_window_size=16 if layer_id % 2 == 0 else None,
             rope=rope,
         )
-    model = dataclasses.replace(
-        spec.model,
-        vocab_size=vocab,
-        dim=dim,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=gpt_oss._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init=gpt_oss._NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=gpt_oss._output_linear_init(dim)),
-        layers=layers,
-    )
-    return dataclasses.replace(spec, flavor="tiny", model=model)
+    return _tiny_decoder(spec, gpt_oss, layers)
 
 
 MODELS: dict[tuple[str, str], Callable[[], ModelSpec]] = {
