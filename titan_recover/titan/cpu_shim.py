@@ -259,8 +259,9 @@ def _dense_attention(
     batch, heads = block_mask.shape[:2]
     mask = create_mask(block_mask.mask_mod, batch, heads, q.size(2), k.size(2), device=q.device)
     scores = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5 if scale is None else scale)
-    lse = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.exp(scores.masked_fill(~mask, float("-inf")) - lse.unsqueeze(-1)) @ v, lse
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
 
 
 def _dense_flex_0_3(flex: Any, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
