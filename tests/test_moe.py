@@ -2,8 +2,8 @@
 (mid-backward, or with expert parallelism inside the experts' token exchange) and rejoined against its
 failure-free twin in exact mode, so every loss, parameter and expert bias (the parameter digests cover
 persistent buffers) must be the same bits; qwen3 on TorchTitan 0.3 (the lines tier). Each model's
-optimizer balances experts (deepseek_v3, llama4, gpt_oss, 0.3's qwen3 and Kimi K2): the bias must move, from the counts of
-every group's microbatches. gpt_oss's FlexAttention (its attention sinks need the log-sum-exp) has no
+optimizer balances experts (deepseek_v3, llama4, gpt_oss, 0.3's qwen3 and Kimi K2): the bias must move,
+from the counts of every group's microbatches. gpt_oss's FlexAttention (its attention sinks need the log-sum-exp) has no
 backward on a CPU: there the CPU shim computes it as dense attention. 0.3's Kimi K2 and gpt_oss recipes
 run by hand (``TORCHTITAN=0.3.0 ./run_tests.sh tests/test_moe.py``): CI's 0.3 tier has qwen3's only, for time."""
 
@@ -82,20 +82,18 @@ def test_the_dense_flex_attention_is_flex_attention_with_its_log_sum_exp() -> No
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 64, heads, 16, generator=gen) for heads in (4, 2, 2))  # (B, L, N, H): GQA
     mask = create_block_mask(sliding_causal, 2, None, 64, 64, device="cpu")
-    out, aux = flex_attention(
-        *(t.transpose(1, 2) for t in (q, k, v)),
-        block_mask=mask,
-        scale=0.3,
-        enable_gqa=True,
-        return_aux=AuxRequest(lse=True),
-    )
+    q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))  # (B, N, L, H)
+    out, aux = flex_attention(q_, k_, v_, block_mask=mask, scale=0.3, enable_gqa=True, return_aux=AuxRequest(lse=True))
+    lse = aux.lse
+    assert lse is not None
     as_0_3 = cpu_shim._dense_flex_0_3(
         None, None, q, k, v, attention_masks=mask, scale=0.3, enable_gqa=True, out_transform=lambda o, s: (o, s)
     )
-    torch.testing.assert_close(as_0_3, (out.transpose(1, 2), aux.lse.transpose(1, 2)), rtol=1e-5, atol=1e-5)
-    bnlh = (t.transpose(1, 2) for t in (q, k, v))
-    as_0_2 = cpu_shim._dense_flex_0_2(None, None, *bnlh, block_mask=mask, scale=0.3, enable_gqa=True, return_lse=True)
-    torch.testing.assert_close(as_0_2, (out, aux.lse), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(as_0_3, (out.transpose(1, 2), lse.transpose(1, 2)), rtol=1e-5, atol=1e-5)
+    as_0_2 = cpu_shim._dense_flex_0_2(
+        None, None, q_, k_, v_, block_mask=mask, scale=0.3, enable_gqa=True, return_lse=True
+    )
+    torch.testing.assert_close(as_0_2, (out, lse), rtol=1e-5, atol=1e-5)
 
 
 def on_0_2(name: str, fault: list[str]) -> object:

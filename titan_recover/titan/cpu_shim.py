@@ -269,9 +269,8 @@ def _dense_flex_0_3(flex: Any, module: Any, q: torch.Tensor, k: torch.Tensor, v:
     ``out_transform``, which gpt_oss's attention sinks are) on CPU tensors."""
     if q.device.type != "cpu" or kw.get("score_mod") is not None:
         return flex(module, q, k, v, **kw)
-    out, lse = _dense_attention(
-        *(t.transpose(1, 2) for t in (q, k, v)), kw["attention_masks"], kw.get("scale"), kw.get("enable_gqa", False)
-    )
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, N, L, H)
+    out, lse = _dense_attention(q, k, v, kw["attention_masks"], kw.get("scale"), kw.get("enable_gqa", False))
     transform = kw.get("out_transform")
     return out.transpose(1, 2) if transform is None else transform(out.transpose(1, 2), lse.transpose(1, 2))
 

@@ -189,19 +189,19 @@ def _router_biases_zeroed(model: torch.nn.Module) -> torch.nn.Module:
     TorchTitan 0.3 initializes them: 0.2.2 initializes the gate's weight only, so its bias keeps whatever
     memory it was given, different in every process, and replica groups (stock HSDP's replicas too)
     start from different weights. Found by the replica digests: gpt_oss's groups differed after step 1."""
-    routers = [m.gate for m in model.modules() if type(m).__name__ == "TokenChoiceTopKRouter"]
+    gates: list[Any] = [m.gate for m in model.modules() if type(m).__name__ == "TokenChoiceTopKRouter"]
     init_weights = getattr(model, "init_weights", None)
-    if init_weights is None or not any(gate.bias is not None for gate in routers):
+    if init_weights is None or not any(gate.bias is not None for gate in gates):
         return model
 
     def init_and_zero(*args: Any, **kwargs: Any) -> None:
         init_weights(*args, **kwargs)
         with torch.no_grad():
-            for gate in routers:
+            for gate in gates:
                 if gate.bias is not None:
                     gate.bias.zero_()
 
-    model.init_weights = init_and_zero  # type: ignore[method-assign]  # TorchTitan calls it after parallelizing
+    model.init_weights = init_and_zero  # type: ignore[assignment]  # TorchTitan calls it after parallelizing
     return model
 
 
