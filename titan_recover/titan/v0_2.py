@@ -205,7 +205,10 @@ def _router_biases_zeroed(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _with_sum_reduction(parallelize: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
+def _adapted(parallelize: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
+    """TorchTitan's ``parallelize`` of a model, after the router biases' initialization and the CPU
+    shim's MoE and FlexAttention pieces, and with SUM reductions on a CPU; a tied flavor is refused."""
+
     def parallelize_fn(model: torch.nn.Module, parallel_dims: Any, job_config: Any) -> torch.nn.Module:
         if getattr(model, "enable_weight_tying", False) and parallel_dims.fsdp_enabled:
             raise ValueError(
@@ -228,7 +231,7 @@ def register_model(
     spec = dataclasses.replace(
         base,
         model_args={**base.model_args, **TINY.get(family, {}), **(flavors or {})},
-        parallelize_fn=_with_sum_reduction(base.parallelize_fn),
+        parallelize_fn=_adapted(base.parallelize_fn),
         build_dataloader_fn=build_dataloader,
         build_validator_fn=None,
     )
