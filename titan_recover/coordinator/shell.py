@@ -321,17 +321,17 @@ class Coordinator:
         # the time between two reads, and the read's own request: not the time this coordinator spends on
         # what it read (it grows with the nodes, and taken for a stall it would hide every silent node)
         unread = max(now - self.last_node_read if self.last_node_read is not None else 0.0, time.monotonic() - started)
-        moved = sum(1 for key, raw in zip(names, raws) if raw and raw != self.node_raw.get(key))
-        if store_stalled(unread, self.rc.heartbeat_timeout_s, moved, len(names)):
+        # the messages written since the last read; the others' lifelines did not write (or not yet to this
+        # leader's board): their groups age
+        moved = [(key, raw) for key, raw in zip(names, raws) if raw and raw != self.node_raw.get(key)]
+        if store_stalled(unread, self.rc.heartbeat_timeout_s, len(moved), len(names)):
             self.core.grace(now)  # no lifeline could write, or none was read: silence says nothing about the groups
             log.warning(
-                f"no node message read for {unread:.1f}s and {moved} of {len(names)} moved (the control store "
+                f"no node message read for {unread:.1f}s and {len(moved)} of {len(names)} moved (the control store "
                 "stalled, e.g. an etcd election, or this coordinator was frozen): every group gets one heartbeat "
                 "timeout from now"
             )
-        for key, raw in zip(names, raws):
-            if raw == self.node_raw.get(key) or not raw:
-                continue  # its lifeline did not write since (or not yet to this leader's board): its groups age
+        for key, raw in moved:
             self.node_raw[key], self.node_changed[key] = raw, now
             try:
                 self.node_groups[key] = (NodeMessage.loads(key, raw), now)
