@@ -4,7 +4,8 @@ speak the protocol but train nothing, at 1,024 / 4,096 / 16,384 ranks by default
 
     .venv/bin/python -m bench.control_plane [--ranks 1024 4096 16384] [--workers 4] [--before-rev ff61664]
 
-- ``after``: this tree. Each simulated node is a real ``agent.NodeAgent``: its 8 ranks beat
+- ``after``: this tree. Each simulated node is a real ``agent.NodeAgent`` whose launcher claims its
+  group as a launcher does (a node silent for a while is then kept, not forgotten): its 8 ranks beat
   into real shared-memory channels, its node message is written every heartbeat interval
   (the request its lifeline makes), its epoch thread blocks on the store, and each rank
   reads its channel every 20 ms.
@@ -153,7 +154,7 @@ def identity(secret: str) -> Any:
 
 def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Queue, outbox: mp.Queue) -> None:
     """Simulates ``nodes`` until told to stop; answers commands with measurements."""
-    from titan_recover.control import keys, lifeline, transport
+    from titan_recover.control import claims, keys, lifeline, transport
     from titan_recover.control.client import ControlClient
     from titan_recover.control.protocol import Launcher, Report
 
@@ -186,6 +187,7 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
             channels[n] = Channel.open(path)
             control.register(launchers_of[n], agent.message())
             agent.start(on_error=print)
+            claims.claim(control, launchers_of[n], [n], HEARTBEAT_TIMEOUT_S, lambda _: None)  # as launch.py does
         slot_beats = {n: c.words[HEADER + BEAT :: SLOT] for n, c in channels.items()}
     outbox.put(("up", nodes[0]))
     next_beat = next_probe = next_launcher = time.monotonic()

@@ -182,3 +182,10 @@ def test_no_module_sets_up_logging_when_imported() -> None:
         if _called(node) in ("setup", "addHandler")
     ]
     assert found == []
+
+
+def test_a_line_lists_a_few_groups_and_spans_many() -> None:
+    assert logs.id_list((0, 2, 3)) == "[0, 2, 3]"
+    many = [0, *range(2, 12_500)]
+    assert logs.id_list(many) == "[0, 2-12499] (12,499 groups)"
+    assert logs.ranges([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"

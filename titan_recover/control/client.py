@@ -336,17 +336,16 @@ class ControlClient:
 
     def claim_holders(self, replicas: int, parts: int) -> set[str]:
         """The launcher keys of the launchers that hold a claim on a group 0..``replicas``-1 (any of its
-        ``parts`` node parts); a released or malformed claim names none."""
+        ``parts`` node parts); a released or malformed claim names none. One read of every claim (12,500
+        groups read one by one took seconds of the coordinator's pass)."""
+        names = [keys.owner_key(replica, part) for replica in range(replicas) for part in range(parts)]
         holders = set()
-        for replica in range(replicas):
-            for part in range(parts):
-                key = keys.owner_key(replica, part)
-                raw = self.store.read(key)
-                if raw:
-                    try:
-                        holders.add(Launcher.loads(key, raw).key)
-                    except MessageError:
-                        continue
+        for key, raw in zip(names, self.store.multi_read(names)):
+            if raw:
+                try:
+                    holders.add(Launcher.loads(key, raw).key)
+                except MessageError:
+                    continue
         return holders
 
     def key_count(self) -> int | None:

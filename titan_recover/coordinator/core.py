@@ -24,6 +24,7 @@ from titan_recover.control.protocol import (
     StepRecord,
     TransferRecord,
 )
+from titan_recover.observability.logs import id_list
 from titan_recover.policy.membership import (
     FailureDetector,
     GroupView,
@@ -343,11 +344,11 @@ class CoordinatorCore:
                     "recovered", {"step": step, "epoch": new.epoch, "members": list(new.members), "latency_s": latency}
                 ),
                 Usage(step),
-                Say(f"epoch {new.epoch}: members {list(new.members)} (recovered in {latency:.3f}s)"),
+                Say(f"epoch {new.epoch}: members {id_list(new.members)} (recovered in {latency:.3f}s)"),
             ]
         return effects + [
             Say(
-                f"epoch {new.epoch}: retrying step {step} with the same members {list(new.members)} "
+                f"epoch {new.epoch}: retrying step {step} with the same members {id_list(new.members)} "
                 f"(retry {state.retries} of at most {self.rules.max_step_retries})"
             )
         ]
@@ -476,7 +477,7 @@ class CoordinatorCore:
             ),
             Say(
                 f"epoch {new.epoch}: replica {replica} (attempt {attempt}) "
-                f"admitted{instead}, members {list(new.members)}"
+                f"admitted{instead}, members {id_list(new.members)}"
             ),
         ]
 

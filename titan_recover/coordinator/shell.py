@@ -58,6 +58,7 @@ from titan_recover.coordinator.core import (
     Usage,
 )
 from titan_recover.observability import resources
+from titan_recover.observability.logs import id_list
 from titan_recover.observability.events import EventLog, Tail, event_files, logged_steps
 from titan_recover.observability.run_status import RunHistory
 from titan_recover.observability.status_server import StatusServer, StatusSource, StoreReader
@@ -259,7 +260,7 @@ class Coordinator:
                     record = None  # committed without a record: its leader wrote the event saying so, or died first
                 if record is not None:
                     self.events.step(record.to_json())
-        log.info(f"took over at step {self.core.step()}: epoch {epoch}, members {list(self.membership.members)}")
+        log.info(f"took over at step {self.core.step()}: epoch {epoch}, members {id_list(self.membership.members)}")
 
     def _fault_time(self, replica: int, attempt: int) -> float | None:
         """An injected fault's own time, if that incarnation had one (measurement only)."""
@@ -476,7 +477,7 @@ class Coordinator:
 
     def run(self, confirm: Callable[[], None] = lambda: None) -> int:
         """Coordinates until the run ends; ``confirm`` raises once this leader lost its lease."""
-        log.info(f"serving; members {list(self.membership.members)} x {self.core.rules.group_ranks} ranks")
+        log.info(f"serving; members {id_list(self.membership.members)} x {self.core.rules.group_ranks} ranks")
         changed: Collection[str] | None = None
         full = time.monotonic()
         while True:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Iterable, MutableMapping
 from typing import Any, TextIO
 
 ROOT = "titan_recover"
 RANK = "rank"  # the kind whose lines carry the bare prefix
+SHORT_LIST = 16  # replica groups a line lists one by one
 
 logging.getLogger(ROOT)  # a logger, not a placeholder, from the start: whoever saves logging's state sees it
 
@@ -30,6 +31,24 @@ logging.getLogger(ROOT)  # a logger, not a placeholder, from the start: whoever 
 def prefix(kind: str) -> str:
     """The prefix of a process kind's lines."""
     return f"[{ROOT}]" if kind == RANK else f"[{ROOT} {kind}]"
+
+
+def ranges(steps: list[int]) -> str:
+    """[1, 2, 3, 7] -> "1-3, 7"."""
+    spans: list[list[int]] = []
+    for n in steps:
+        if spans and spans[-1][1] == n - 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def id_list(ids: Iterable[int]) -> str:
+    """Replica groups as a log line names them: the list while it is short, its spans and count beyond
+    (12,500 groups listed one by one make a line of 70 kB)."""
+    ids = list(ids)
+    return str(ids) if len(ids) <= SHORT_LIST else f"[{ranges(ids)}] ({len(ids):,} groups)"
 
 
 class _Prefix(logging.Formatter):

@@ -3,7 +3,7 @@
 import os
 from typing import Any
 
-from titan_recover.observability import phases
+from titan_recover.observability import logs, phases
 from titan_recover.observability.events import EVENTS_FILE, read_log
 
 
@@ -56,17 +56,6 @@ def spare_note(rejoined: dict[str, Any]) -> str:
     return "" if rejoined["replaces"] is None else f" (spare, for replica {rejoined['replaces']})"
 
 
-def _ranges(steps: list[int]) -> str:
-    """[1, 2, 3, 7] -> "1-3, 7"."""
-    spans: list[list[int]] = []
-    for n in steps:
-        if spans and spans[-1][1] == n - 1:
-            spans[-1][1] = n
-        else:
-            spans.append([n, n])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-
-
 def _files(s: dict[str, Any]) -> list[str]:
     """What was read, and what it may lack: one named node's file alone is a multi-node run's
     dump folder that the other nodes do not share."""
@@ -82,12 +71,12 @@ def _files(s: dict[str, Any]) -> list[str]:
         )
     if s["missing_steps"]:
         lines.append(
-            f"  MISSING              : steps {_ranges(s['missing_steps'])} are in none of these files "
+            f"  MISSING              : steps {logs.ranges(s['missing_steps'])} are in none of these files "
             "(logged by a coordinator on another node, whose event file is not in this folder)"
         )
     if s["duplicates"]:
         lines.append(
-            f"  duplicate lines      : {len(s['duplicates'])} (step {_ranges(sorted(set(s['duplicates'])))} "
+            f"  duplicate lines      : {len(s['duplicates'])} (step {logs.ranges(sorted(set(s['duplicates'])))} "
             "logged again, by a coordinator leader as it lost its lease; counted once)"
         )
     if s["skipped"]:
