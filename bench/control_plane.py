@@ -23,7 +23,9 @@ Measured per design and size: a process death (its agent reports the exit) and a
 slowest rank to see that epoch, the coordinator process's CPU, resident memory and threads (it
 also runs the store server) and store requests per second (the generator's and the coordinator's
 own, counted) against those the protocol demands: where the generator serves fewer, the figures
-measure the generator on this machine's cores as much as the coordinator. After (this tree) also
+measure the generator on this machine's cores as much as the coordinator; after, also how often the
+generator wrote each node's message and the coordinator read them all (the protocol: every 0.1 s),
+which says which of the two lagged. After (this tree) also
 the killed group back: its restarted ranks all waiting to join (their node message says so) to
 the epoch that admits it (``rejoin_admission_s``). A whole node's death (agent and ranks
 silent) is measured too: only the heartbeat bound can find it, in both designs.
@@ -78,15 +80,17 @@ except ImportError:
 
 
 class Counting:
-    '''The coordinator's store, counting the requests the coordinator makes.'''
+    '''The coordinator's store, counting the requests the coordinator makes and its reads of every node
+    message (one multi_get each).'''
     def __init__(self, inner):
-        self.inner, self.n = inner, 0
+        self.inner, self.n, self.node_reads = inner, 0, 0
     def __getattr__(self, name):
         attr = getattr(self.inner, name)
         if not callable(attr):
             return attr
         def call(*a, **k):
             self.n += 1
+            self.node_reads += name == "multi_get"
             return attr(*a, **k)
         return call
 
@@ -99,7 +103,7 @@ holder.store = counting = Counting(holder.store)
 def dump():
     while True:
         with open(counts_path + ".tmp", "w") as f:
-            json.dump({"requests": counting.n, "time": time.time()}, f)
+            json.dump({"requests": counting.n, "node_reads": counting.node_reads, "time": time.time()}, f)
         import os; os.replace(counts_path + ".tmp", counts_path)
         time.sleep(0.25)
 
@@ -166,6 +170,7 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
     last_beat = {n: time.time() for n in nodes}  # when rank 0 of each node last beat: a hang counts from there
     seen: dict[int, dict[int, float]] = {}  # epoch -> node -> when its slowest rank first saw it
     newest = {n: -1 for n in nodes}
+    written = 0  # node messages written
 
     def saw(n: int, epoch: int) -> None:
         """Node ``n``'s ranks have all read ``epoch`` (and so every epoch before it) by now."""
@@ -204,6 +209,8 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
                 os._exit(0)
             if cmd == "requests":
                 outbox.put(("requests", client.n))
+            elif cmd == "written":
+                outbox.put(("written", written))
             elif cmd == "kill":  # its torchrun exited: the agent (launcher) reports it, as launch.py does
                 dead.add(node)
                 t = time.time()
@@ -250,6 +257,7 @@ def worker(design: str, nodes: list[int], address: str, secret: str, inbox: mp.Q
                 for n in nodes:
                     if n not in down:
                         control.write_node(launchers_of[n], agents[n].message())
+                        written += 1
                         for rec in agents[n].take_hangs():  # the launcher's watch loop reports them
                             control.report(rec)
                 if now >= next_probe:
@@ -373,14 +381,19 @@ def run(design: str, ranks: int, workers: int, tree: str, scratch: str) -> dict:
             inboxes[i].put((cmd, arg))
             return outboxes[i].get(timeout=WAIT_S)[1]
 
-        def requests() -> int:
-            return sum(ask(i, "requests") for i in range(workers)) + json.loads(Path(counts).read_text())["requests"]
+        def tally() -> tuple[int, int, int]:
+            """Store requests (the generator's and the coordinator's), node messages the generator wrote, and
+            the coordinator's reads of every node message (after; 0 before) so far."""
+            coordinator_counts = json.loads(Path(counts).read_text())
+            asked = sum(ask(i, "requests") for i in range(workers)) + coordinator_counts["requests"]
+            written = sum(ask(i, "written") for i in range(workers)) if design == "after" else 0
+            return asked, written, coordinator_counts.get("node_reads", 0)
 
         # steady state: coordinator CPU and store requests over a window without failures
         window = 10.0
-        cpu0, req0, t0 = cpu_seconds(coordinator.pid), requests(), time.monotonic()
+        cpu0, (req0, wrote0, read0), t0 = cpu_seconds(coordinator.pid), tally(), time.monotonic()
         time.sleep(window)
-        cpu1, req1, t1 = cpu_seconds(coordinator.pid), requests(), time.monotonic()
+        cpu1, (req1, wrote1, read1), t1 = cpu_seconds(coordinator.pid), tally(), time.monotonic()
         held = resources.usage(coordinator.pid)
 
         def next_epoch(epoch: int) -> float | None:
@@ -440,6 +453,9 @@ def run(design: str, ranks: int, workers: int, tree: str, scratch: str) -> dict:
             "coordinator_threads": held["threads"],
             "store_requests_per_s": round((req1 - req0) / (t1 - t0)),
             "demanded_requests_per_s": demanded(design, nodes),
+            # how often each node's message was written (the protocol: every 0.1 s) and the coordinator read them all
+            "node_message_interval_s": round(nodes * (t1 - t0) / (wrote1 - wrote0), 3) if wrote1 > wrote0 else None,
+            "coordinator_read_interval_s": round((t1 - t0) / (read1 - read0), 3) if read1 > read0 else None,
             "epochs_not_published": missed,  # within WAIT_S of their failure (or restart)
             # node reads the coordinator took for a stalled store, granting every group a new timeout
             "stall_graces": Path(dump, "coordinator.log").read_text().count("no node message read"),
