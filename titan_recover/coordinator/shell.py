@@ -58,8 +58,8 @@ from titan_recover.coordinator.core import (
     Usage,
 )
 from titan_recover.observability import resources
-from titan_recover.observability.logs import id_list
 from titan_recover.observability.events import EventLog, Tail, event_files, logged_steps
+from titan_recover.observability.logs import id_list
 from titan_recover.observability.run_status import RunHistory
 from titan_recover.observability.status_server import StatusServer, StatusSource, StoreReader
 from titan_recover.policy.membership import FailureDetector, group_views, store_stalled
