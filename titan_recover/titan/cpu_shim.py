@@ -299,6 +299,40 @@ def flex_attention_on_cpu(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _recurrent_gated_delta(
+    kernel: Any,
+    module: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    **varlen: Any,
+) -> torch.Tensor:
+    """0.3's ``GatedDeltaKernel.forward`` (qwen3_5's gated DeltaNet: Q/K heads repeated to V's, then
+    flash-linear-attention's chunked kernel with its L2 norm of Q and K) as fla's own recurrent
+    reference, in float32: the same rule token by token, which tiny models' sequences afford. Packed
+    documents (``cu_seqlens``) are not taken: the recipes give each sample one document."""
+    if varlen.get("cu_seqlens") is not None:
+        raise NotImplementedError("titan_recover's CPU gated DeltaNet takes one document per sample (no cu_seqlens)")
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+
+    if q.shape[2] != v.shape[2]:
+        q, k = (x.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for x in (q, k))
+    q, k = (torch.nn.functional.normalize(x.float(), dim=-1) for x in (q, k))
+    return naive_recurrent_gated_delta_rule(q, k, v, beta, g)[0].to(v.dtype)
+
+
+def gated_delta_on_cpu(model: torch.nn.Module) -> torch.nn.Module:
+    """On a CPU, ``model``'s gated DeltaNet kernels (qwen3_5 on 0.3: flash-linear-attention's Triton
+    kernels, which need a GPU) run as ``_recurrent_gated_delta``; returns ``model``."""
+    kernel = next((m for m in model.modules() if type(m).__name__ == "GatedDeltaKernel"), None)
+    if needed() and kernel is not None:
+        cls = type(kernel)
+        cls.forward = _on_cpu(cls.forward, _recurrent_gated_delta)
+    return model
+
+
 def force_sum_reduction(model: torch.nn.Module) -> torch.nn.Module:
     """On CPU, make FSDP2 reduce ``model``'s gradients with SUM (gloo rejects PREMUL_SUM/AVG); returns it.
 

@@ -36,7 +36,7 @@ ASSETS = "./titan_recover/assets/tokenizer"
 
 def _on_cpu(parallelize: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
     def parallelize_fn(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
-        model = cpu_shim.flex_attention_on_cpu(cpu_shim.moe_on_cpu(model))
+        model = cpu_shim.gated_delta_on_cpu(cpu_shim.flex_attention_on_cpu(cpu_shim.moe_on_cpu(model)))
         return cpu_shim.force_sum_reduction(parallelize(model, **kwargs))
 
     return parallelize_fn
@@ -198,6 +198,60 @@ def _gpt_oss_tiny() -> ModelSpec:
     return _tiny_decoder(spec, gpt_oss, layers)
 
 
+def _qwen3_5_tiny() -> ModelSpec:
+    """Qwen3.5's hybrid MoE decoder at tiny sizes: dim 64, 2 blocks (gated DeltaNet, then full attention
+    with its output gate and partial RoPE over 8 of 16 dims; the real flavors have 3 DeltaNet blocks per
+    attention block, which on a CPU cost a step 3 s), 4 experts of hidden size 64, top-2, and a shared
+    expert; a one-layer vision tower that text batches leave unused. Imported here: its module needs
+    flash-linear-attention (``fla``), which only this family uses."""
+    from torchtitan.models import qwen3_5
+
+    dim, vocab = 64, 2048
+    spec = qwen3_5.model_registry("debugmodel_moe", moe_comm_backend="standard")
+    layers = qwen3_5._build_qwen35_moe_layers(
+        rope=qwen3_5.MRoPE.Config(dim=8, max_seq_len=4096, theta=10_000_000.0, mrope_section=[2, 1, 1]),
+        attn_backend="flex",
+        n_layers=2,
+        full_attention_interval=2,
+        dim=dim,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        rotary_dim=8,
+        moe_hidden_dim=64,
+        num_experts=4,
+        top_k=2,
+        shared_expert_hidden_dim=64,
+        n_key_heads=2,
+        n_value_heads=4,
+        key_head_dim=16,
+        value_head_dim=16,
+        moe_comm_backend="standard",
+    )
+    vision = qwen3_5._qwen35_vision_encoder_config(
+        dim=32,
+        ffn_dim=64,
+        num_layers=1,
+        num_heads=2,
+        patch_size=16,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        out_hidden_size=dim,
+        num_position_embeddings=64,
+    )
+    model = dataclasses.replace(
+        spec.model,
+        vocab_size=vocab,
+        dim=dim,
+        norm=qwen3_5._offset_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=qwen3_5._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=qwen3_5._output_linear_init(dim)),
+        layers=layers,
+        vision_encoder=vision,
+    )
+    return dataclasses.replace(spec, flavor="tiny", model=model)
+
+
 MODELS: dict[tuple[str, str], Callable[[], ModelSpec]] = {
     ("llama3", "debugmodel"): lambda: llama3.model_registry("debugmodel"),
     ("llama3", "8B"): lambda: llama3.model_registry("8B"),
@@ -208,6 +262,7 @@ MODELS: dict[tuple[str, str], Callable[[], ModelSpec]] = {
     ("deepseek_v3", "tiny"): _deepseek_v3_tiny,
     ("kimi_k2_7", "tiny"): _kimi_k2_7_tiny,
     ("gpt_oss", "tiny"): _gpt_oss_tiny,
+    ("qwen3_5", "tiny"): _qwen3_5_tiny,
 }
 
 
@@ -335,6 +390,13 @@ def gpt_oss_cpu() -> Trainer.Config:
     """gpt_oss ``tiny`` (0.2's ``--model.name gpt_oss_recover --model.flavor tiny``) in
     ``_expert_parallel_job``; on a CPU its FlexAttention runs as the CPU shim's dense equivalent."""
     return _expert_parallel_job("gpt_oss_cpu", model_spec("gpt_oss", "tiny"))
+
+
+def qwen3_5_cpu() -> Trainer.Config:
+    """Qwen3.5's hybrid MoE decoder at tiny size (``_qwen3_5_tiny``) in ``_expert_parallel_job``; on a
+    CPU its gated DeltaNet runs as the CPU shim's recurrence. Needs ``fla-core`` (TorchTitan 0.3.0's
+    environment has it)."""
+    return _expert_parallel_job("qwen3_5_cpu", model_spec("qwen3_5", "tiny"))
 
 
 def llama3_tp_cpu() -> Trainer.Config:

@@ -10,6 +10,7 @@ plugin's configs are ``titan_recover.recipes``. The trainer builds titan_recover
 # the import order matters here (see the module docstring): not sorted
 # isort: skip_file
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable
 
@@ -171,19 +172,35 @@ def _masked_attention(job_config: JobConfig) -> bool:
     return isinstance(getattr(attention, "inner_attention", None), (FlexAttention.Config, VarlenAttention.Config))
 
 
+NO_VISION_TOKENS = {"image_id": -1, "video_id": -1}
+"""The vision token ids a text batch gives a multimodal decoder: ids no token has."""
+
+
+def _text_of_multimodal(trainer: Trainer) -> bool:
+    """Whether the model is a multimodal decoder (qwen3_5) trained on text: its RoPE needs each token's
+    position, and its embedding looks up the tokenizer's vision token ids even in a batch without images
+    (0.3's multimodal loader gives both; titan_recover's gives tokens)."""
+    return "mrope_positions" in inspect.signature(trainer.model_parts[0].forward).parameters
+
+
 def model_inputs(trainer: Trainer, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[Any, Any]:
     """One microbatch for ``forward_backward_step``: with pipeline stages 0.3 takes it as lists of
     pipeline microbatches (``parallelism.pipeline_parallel_microbatch_size`` samples each). A model
-    with masked attention also gets each sample's positions (0 to seq_len - 1: a sample is one
-    document), from which the trainer builds its causal masks."""
-    batch = {"input": inputs}
-    if _masked_attention(trainer.config):
+    with masked attention, or a multimodal one, also gets each sample's positions (0 to seq_len - 1: a
+    sample is one document), from which the trainer builds its causal masks; a multimodal one also
+    vision token ids that match no token."""
+    batch: dict[str, Any] = {"input": inputs}
+    multimodal = _text_of_multimodal(trainer)
+    if multimodal or _masked_attention(trainer.config):
         batch["positions"] = torch.arange(inputs.size(1), device=inputs.device).expand_as(inputs)
+    if multimodal:
+        batch["special_tokens"] = NO_VISION_TOKENS
     if not trainer.parallel_dims.pp_enabled:
         return batch, labels
     size = trainer.config.parallelism.pipeline_parallel_microbatch_size
-    parts = {key: value.split(size) for key, value in batch.items()}
-    return [dict(zip(parts, values)) for values in zip(*parts.values())], list(labels.split(size))
+    parts = {key: value.split(size) for key, value in batch.items() if isinstance(value, torch.Tensor)}
+    rest = {key: value for key, value in batch.items() if not isinstance(value, torch.Tensor)}
+    return [{**dict(zip(parts, values)), **rest} for values in zip(*parts.values())], list(labels.split(size))
 
 
 def dump_folder(job_config: JobConfig) -> str:
