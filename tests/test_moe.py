@@ -4,8 +4,10 @@ failure-free twin in exact mode, so every loss, parameter and expert bias (the p
 persistent buffers) must be the same bits; qwen3 on TorchTitan 0.3 (the lines tier). Each model's
 optimizer balances experts (deepseek_v3, llama4, gpt_oss, 0.3's qwen3 and Kimi K2): the bias must move,
 from the counts of every group's microbatches. gpt_oss's FlexAttention (its attention sinks need the log-sum-exp) has no
-backward on a CPU: there the CPU shim computes it as dense attention. 0.3's Kimi K2 and gpt_oss recipes
-run by hand (``TORCHTITAN=0.3.0 ./run_tests.sh tests/test_moe.py``): CI's 0.3 tier has qwen3's only, for time."""
+backward on a CPU: there the CPU shim computes it as dense attention; qwen3_5's gated DeltaNet has
+GPU kernels only: there the shim runs flash-linear-attention's recurrent reference. 0.3's Kimi K2,
+gpt_oss and qwen3_5 recipes run by hand (``TORCHTITAN=0.3.0 ./run_tests.sh tests/test_moe.py``): CI's 0.3
+tier has qwen3's only, for time."""
 
 from pathlib import Path
 
@@ -96,6 +98,30 @@ def test_the_dense_flex_attention_is_flex_attention_with_its_log_sum_exp() -> No
     torch.testing.assert_close(as_0_2, (out, lse), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.unit
+@pytest.mark.lines
+def test_the_cpu_gated_delta_rule_is_the_rule_with_normalized_queries_and_keys() -> None:
+    """qwen3_5's DeltaNet kernel on a CPU against the gated delta rule written out here, token by token:
+    the state decays by exp(g), takes the key's correction of its value scaled by beta, and is read by the
+    query; Q/K heads repeated to V's 4, queries and keys L2-normalized, the query scaled by 1/sqrt(K)."""
+    pytest.importorskip("fla", reason="flash-linear-attention: TorchTitan 0.3.0's environment has it")
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 32, 2, 8, generator=gen) for _ in range(2))  # (B, L, N, K), 2 key heads
+    v = torch.randn(2, 32, 4, 8, generator=gen)  # 4 value heads
+    g, beta = -torch.rand(2, 32, 4, generator=gen), torch.rand(2, 32, 4, generator=gen)
+    got = cpu_shim._recurrent_gated_delta(None, None, q, k, v, g, beta)
+    q, k = (torch.nn.functional.normalize(x.repeat_interleave(2, dim=2), dim=-1) for x in (q, k))
+    state, want = torch.zeros(2, 4, 8, 8), []
+    for t in range(32):
+        state = state * g[:, t].exp()[..., None, None]
+        correction = (v[:, t] - torch.einsum("bnk,bnkv->bnv", k[:, t], state)) * beta[:, t, :, None]
+        state = state + torch.einsum("bnk,bnv->bnkv", k[:, t], correction)
+        want.append(torch.einsum("bnk,bnkv->bnv", q[:, t] / 8**0.5, state))
+    torch.testing.assert_close(got, torch.stack(want, dim=1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="one document per sample"):
+        cpu_shim._recurrent_gated_delta(None, None, q, k, v, g, beta, cu_seqlens=torch.tensor([0, 16, 32]))
+
+
 def on_0_2(name: str, fault: list[str]) -> object:
     """``name``'s tiny flavor, a 0.2.2 model, in the default job's TOML; its optimizer balances experts."""
     model = ["--model.name", name, "--model.flavor", "tiny"]
@@ -104,7 +130,7 @@ def on_0_2(name: str, fault: list[str]) -> object:
 
 def on_0_3(recipe: str) -> object:
     """A TorchTitan 0.3 MoE recipe outside the lines tier (see the module's docstring)."""
-    reason = "a TorchTitan 0.3 recipe (on 0.2, gpt_oss is refused on a CPU and Kimi K2 is not a family)"
+    reason = "a TorchTitan 0.3 recipe (0.2's gpt_oss runs in its TOML case; Kimi K2 and qwen3_5 are 0.3's)"
     return pytest.param(recipe, [], EP2_IN_EXPERTS, marks=pytest.mark.skipif(LINE == "0.2", reason=reason))
 
 
@@ -129,6 +155,7 @@ def on_0_3(recipe: str) -> object:
         ),
         on_0_3("kimi_k2_7_cpu"),
         on_0_3("gpt_oss_cpu"),
+        on_0_3("qwen3_5_cpu"),
     ],
     ids=[
         "deepseek_v3-mid-backward",
@@ -137,6 +164,7 @@ def on_0_3(recipe: str) -> object:
         "qwen3-ep2-in-experts",
         "kimi_k2_7-recipe-ep2-in-experts",
         "gpt_oss-recipe-ep2-in-experts",
+        "qwen3_5-recipe-ep2-in-experts",
     ],
 )
 def test_a_kill_keeps_every_bit_and_the_expert_bias(
