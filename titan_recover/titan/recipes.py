@@ -102,14 +102,16 @@ def _qwen3_tiny(moe: bool = False) -> ModelSpec:
 
 def _tiny_decoder(spec: ModelSpec, family: Any, layers: list, **fields: Any) -> ModelSpec:
     """``spec`` at the tiny flavors' size: dim 64, the synthetic tokenizer's 2,048 ids, ``layers``, and the
-    embedding, final norm and output head with ``family``'s (its module's) initializers."""
+    embedding, final norm (unless ``fields`` name one) and output head with ``family``'s (its module's)
+    initializers."""
     dim, vocab = 64, 2048
+    norm = fields.pop("norm", None) or RMSNorm.Config(normalized_shape=dim, param_init=family._NORM_INIT)
     model = dataclasses.replace(
         spec.model,
         vocab_size=vocab,
         dim=dim,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=family._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init=family._NORM_INIT),
+        norm=norm,
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=family._output_linear_init(dim)),
         layers=layers,
         **fields,
@@ -206,7 +208,7 @@ def _qwen3_5_tiny() -> ModelSpec:
     flash-linear-attention (``fla``), which only this family uses."""
     from torchtitan.models import qwen3_5
 
-    dim, vocab = 64, 2048
+    dim = 64
     spec = qwen3_5.model_registry("debugmodel_moe", moe_comm_backend="standard")
     layers = qwen3_5._build_qwen35_moe_layers(
         rope=qwen3_5.MRoPE.Config(dim=8, max_seq_len=4096, theta=10_000_000.0, mrope_section=[2, 1, 1]),
@@ -239,17 +241,7 @@ def _qwen3_5_tiny() -> ModelSpec:
         out_hidden_size=dim,
         num_position_embeddings=64,
     )
-    model = dataclasses.replace(
-        spec.model,
-        vocab_size=vocab,
-        dim=dim,
-        norm=qwen3_5._offset_norm(dim),
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=qwen3_5._EMBEDDING_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=qwen3_5._output_linear_init(dim)),
-        layers=layers,
-        vision_encoder=vision,
-    )
-    return dataclasses.replace(spec, flavor="tiny", model=model)
+    return _tiny_decoder(spec, qwen3_5, layers, norm=qwen3_5._offset_norm(dim), vision_encoder=vision)
 
 
 MODELS: dict[tuple[str, str], Callable[[], ModelSpec]] = {
