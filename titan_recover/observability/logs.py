@@ -33,10 +33,10 @@ def prefix(kind: str) -> str:
     return f"[{ROOT}]" if kind == RANK else f"[{ROOT} {kind}]"
 
 
-def ranges(steps: list[int]) -> str:
-    """[1, 2, 3, 7] -> "1-3, 7"."""
+def ranges(values: list[int]) -> str:
+    """Sorted integers (steps, replica ids) by their runs: [1, 2, 3, 7] -> "1-3, 7"."""
     spans: list[list[int]] = []
-    for n in steps:
+    for n in values:
         if spans and spans[-1][1] == n - 1:
             spans[-1][1] = n
         else:
