@@ -10,6 +10,7 @@ from conftest import Run
 
 from titan_recover import titan
 from titan_recover.config import ConfigError
+from titan_recover.launch import preflight
 from titan_recover.titan.jobs import LINE, job
 
 pytestmark = pytest.mark.lines
@@ -29,12 +30,15 @@ def test_recover_keys_are_set_on_the_command_line_and_checked(tmp_path: Path) ->
         titan.load_config([*job(tmp_path, tiny=True), "--recover.heartbeat_timeout_s", "0"])
 
 
-def test_the_in_group_timeout_and_its_default_are_read_for_the_preflight(tmp_path: Path) -> None:
-    """The preflight checks TorchTitan's in-group timeout against the survivors' wait, and raises it only
-    where the job left it at TorchTitan's default: the adapter must read both on every line."""
-    assert titan.in_group_timeout_s(titan.load_config(job(tmp_path, tiny=True))) == (100.0, 100.0)
-    mine = titan.load_config([*job(tmp_path, tiny=True), "--comm.train_timeout_seconds", "300"])
-    assert titan.in_group_timeout_s(mine) == (300.0, 100.0)
+def test_the_comm_keys_and_their_defaults_are_read_for_the_preflight(tmp_path: Path) -> None:
+    """The preflight checks TorchTitan's in-group timeout against the survivors' wait and its flight
+    recorder against NCCL replicate groups, and changes either only where the job left it at TorchTitan's
+    default: the adapter must read both values and defaults on every line."""
+    default = preflight.comm_facts(titan.load_config(job(tmp_path, tiny=True)))
+    assert default == {"train_timeout_seconds": (100.0, 100.0), "trace_buf_size": (20000.0, 20000.0)}
+    flags = ["--comm.train_timeout_seconds", "300", "--comm.trace_buf_size", "0"]
+    mine = preflight.comm_facts(titan.load_config([*job(tmp_path, tiny=True), *flags]))
+    assert mine == {"train_timeout_seconds": (300.0, 100.0), "trace_buf_size": (0.0, 20000.0)}
 
 
 def test_tokens_are_counted_once(failure_free: Run) -> None:

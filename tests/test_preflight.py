@@ -12,7 +12,9 @@ from titan_recover.launch.preflight import OK, REFUSE, WARN, check
 from titan_recover.titan.jobs import job
 
 RC = Recover()  # heartbeat_timeout_s 5, collective_timeout_s 30: a survivor waits up to 35 s
-DEFAULT = (100.0, 100.0)  # TorchTitan's comm.train_timeout_seconds and its default
+TIMEOUT = (100.0, 100.0)  # TorchTitan's comm.train_timeout_seconds and its default
+TRACE = (20000.0, 20000.0)  # ...its comm.trace_buf_size and its default
+DEFAULT = {"train_timeout_seconds": TIMEOUT, "trace_buf_size": TRACE}
 
 
 def finding(out: preflight.Preflight, rule: str) -> preflight.Finding:
@@ -47,33 +49,72 @@ def test_nccl_releases_whose_abort_hangs_are_refused(version: tuple[int, int, in
 
 @pytest.mark.unit
 def test_a_cpu_run_checks_only_the_timeouts() -> None:
-    out = check(None, "gloo", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, RC, DEFAULT)
+    out = check(None, "gloo", {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, RC, DEFAULT)
     assert [f.rule for f in out.findings] == ["comm.train_timeout_seconds"] and not out.refusals and not out.env
+    assert not out.flags
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize(
     "value, level, env",
     [
-        (None, OK, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}),  # unset: the launcher sets CleanUpOnly for the ranks
-        ("2", OK, {}),
-        ("0", WARN, {}),
+        (None, OK, {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}),  # unset (torch's default: on): the ranks get 0
+        ("0", OK, {}),
+        ("false", OK, {}),
         ("1", REFUSE, {}),
-        ("3", REFUSE, {}),
-        ("yes", REFUSE, {}),
+        ("True", REFUSE, {}),
+        ("maybe", REFUSE, {}),  # not a flag c10d reads as off
     ],
 )
-def test_async_error_handling_must_not_tear_a_survivor_down(value: str | None, level: str, env: dict) -> None:
-    given = {} if value is None else {"TORCH_NCCL_ASYNC_ERROR_HANDLING": value}
+def test_dump_on_timeout_must_not_let_the_first_groups_monitor_kill_survivors(
+    value: str | None, level: str, env: dict
+) -> None:
+    given = {} if value is None else {"TORCH_NCCL_DUMP_ON_TIMEOUT": value}
     out = check((2, 28, 9), "nccl", given, RC, DEFAULT)
-    f = finding(out, "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    f = finding(out, "TORCH_NCCL_DUMP_ON_TIMEOUT")
     assert f.level == level and out.env == env
-    if value in ("1", "3"):
-        assert "watchdog would kill a survivor" in f.text and "nccl_probe.json" in f.source
-    if value == "yes":
-        assert "'yes' is not one of 0, 1, 2, 3" in f.text
-    # only where the replicate dimension is NCCL: a gloo replicate dimension never meets that watchdog
+    if level == REFUSE:
+        assert "aborts the process, so every survivor of a replicate failure would be killed" in f.text
+        assert "ProcessGroupNCCL.cpp" in f.source and "HeartbeatMonitor::runLoop" in f.source
+    # only where the replicate dimension is NCCL: a gloo replicate dimension never signals a dump
     assert not [g for g in check((2, 28, 9), "gloo", given, RC, DEFAULT).findings if g.rule == f.rule]
+
+
+@pytest.mark.unit
+def test_torchtitans_flight_recorder_is_turned_off_at_its_default_and_refused_when_set() -> None:
+    """Above 0, TorchTitan sets TORCH_NCCL_DUMP_ON_TIMEOUT=1 itself, whatever the environment says."""
+    left = check((2, 28, 9), "nccl", {}, RC, DEFAULT)
+    assert left.flags == {"--comm.trace_buf_size": "0"} and not left.refusals
+    assert "lowered from TorchTitan's default 20000 to 0" in finding(left, "comm.trace_buf_size").text
+    mine = check((2, 28, 9), "nccl", {}, RC, {**DEFAULT, "trace_buf_size": (5000.0, 20000.0)})
+    assert mine.flags == {} and [f.rule for f in mine.refusals] == ["comm.trace_buf_size"]
+    assert "sets TORCH_NCCL_DUMP_ON_TIMEOUT=1" in mine.refusals[0].text and "or set 0" in mine.refusals[0].text
+    off = check((2, 28, 9), "nccl", {}, RC, {**DEFAULT, "trace_buf_size": (0.0, 20000.0)})
+    assert finding(off, "comm.trace_buf_size").level == OK and not off.flags
+    assert not [f for f in check((2, 28, 9), "nccl", {}, RC, {}).findings if f.rule == "comm.trace_buf_size"]
+    assert not check(None, "gloo", {}, RC, DEFAULT).flags  # gloo: TorchTitan keeps its recorder
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "env, refused",
+    [
+        ({"TORCH_NCCL_DESYNC_DEBUG": "1"}, ["TORCH_NCCL_DESYNC_DEBUG"]),
+        ({"TORCH_NCCL_DESYNC_DEBUG": "0"}, []),
+        ({"TORCH_DISTRIBUTED_DEBUG": "detail"}, ["TORCH_DISTRIBUTED_DEBUG"]),
+        ({"TORCH_DISTRIBUTED_DEBUG": "INFO"}, []),
+        (
+            {"TORCH_NCCL_DESYNC_DEBUG": "yes", "TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
+            ["TORCH_NCCL_DESYNC_DEBUG", "TORCH_DISTRIBUTED_DEBUG"],
+        ),
+    ],
+)
+def test_desync_debugging_is_refused_with_nccl_replicate_groups(env: dict[str, str], refused: list[str]) -> None:
+    out = check((2, 28, 9), "nccl", env, RC, DEFAULT)
+    assert [f.rule for f in out.refusals] == refused
+    for f in out.refusals:
+        assert "desync debugging in every NCCL group" in f.text and "ProcessGroupNCCL.cpp" in f.source
+    assert not check((2, 28, 9), "gloo", env, RC, DEFAULT).refusals
 
 
 @pytest.mark.unit
@@ -94,23 +135,19 @@ def test_the_in_group_timeout_outlasts_a_survivors_wait() -> None:
     raised = check(None, "gloo", {}, long, DEFAULT)
     assert raised.flags == {"--comm.train_timeout_seconds": "250"} and not raised.refusals
     assert "raised from TorchTitan's default 100s to 250s" in raised.findings[0].text
-    mine = check(None, "gloo", {}, long, (110.0, 100.0))  # the user's own value is checked, never changed
+    mine = check(None, "gloo", {}, long, {"train_timeout_seconds": (110.0, 100.0)})  # the user's: checked, not changed
     assert mine.flags == {} and mine.refusals[0].rule == "comm.train_timeout_seconds"
     assert "raise comm.train_timeout_seconds above 125" in mine.refusals[0].text
-    assert finding(check(None, "gloo", {}, RC, None), "comm.train_timeout_seconds").level == OK  # a line without it
+    assert finding(check(None, "gloo", {}, RC, {}), "comm.train_timeout_seconds").level == OK  # a line without it
 
 
 @pytest.mark.unit
 def test_the_override_turns_refusals_into_warnings_and_says_so() -> None:
-    out = check(
-        (2, 25, 1), "nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", preflight.OVERRIDE_ENV: "warn"}, RC, DEFAULT
-    )
+    out = check((2, 25, 1), "nccl", {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", preflight.OVERRIDE_ENV: "warn"}, RC, DEFAULT)
     assert not out.refusals
-    assert all(
-        "turned into a warning by TITAN_RECOVER_PREFLIGHT=warn" in f.text
-        for f in out.findings
-        if f.rule in ("nccl-version", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
-    )
+    warned = [f for f in out.findings if f.rule in ("nccl-version", "TORCH_NCCL_DUMP_ON_TIMEOUT")]
+    assert len(warned) == 2
+    assert all("turned into a warning by TITAN_RECOVER_PREFLIGHT=warn" in f.text for f in warned)
 
 
 def test_the_launcher_refuses_a_too_short_in_group_timeout_before_anything_starts(

@@ -97,8 +97,8 @@ def check_preflight(facts: dict[str, Any], work: Path) -> dict[str, Any]:
     """The launcher's preflight for the default job on this node, with this environment."""
     from titan_recover import titan
 
-    in_group = titan.in_group_timeout_s(titan.load_config(job(work / "preflight", tiny=True)))
-    checked = preflight.check(preflight.nccl_version(), backend(facts), os.environ, Recover(), in_group)
+    comm = preflight.comm_facts(titan.load_config(job(work / "preflight", tiny=True)))
+    checked = preflight.check(preflight.nccl_version(), backend(facts), os.environ, Recover(), comm)
     return {
         "passed": not checked.refusals,
         "findings": [f.line() for f in checked.findings],
@@ -109,7 +109,7 @@ def check_preflight(facts: dict[str, Any], work: Path) -> dict[str, Any]:
 
 def check_collectives(facts: dict[str, Any], work: Path) -> dict[str, Any]:
     """The probe's faults on this node's replicate backend, with the preflight's settings for the ranks."""
-    env = {**os.environ, **preflight.check(None, backend(facts), os.environ, Recover(), None).env}
+    env = {**os.environ, **preflight.check(None, backend(facts), os.environ, Recover(), {}).env}
     faults, codes, records = probe.conduct(backend(facts), env)
     recoveries = probe.summarize(faults, records)
     problems = collective_problems(recoveries, codes)

@@ -133,21 +133,15 @@ class RecoverTrainer(BaseTrainer):
         """This torchrun world is one replica group: TorchTitan sees dp_replicate = 1;
         the replicate dimension is titan_recover's, across jobs.
 
-        TorchTitan sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` for the groups it makes here (the watchdog
-        takes the process down when a collective fails: its group dies as one anyway). The replicate
-        groups, made later, keep the launcher's value (2: abort the communicator, keep the process),
-        or a survivor would be torn down with its dead peer (seen on an H200: SIGABRT, run lost)."""
+        TorchTitan's groups keep its settings (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``: a failed in-group
+        collective takes the process down, its group dies as one anyway); the replicate groups are built
+        with their own (``collectives.NCCL_GROUP_ENV``)."""
         par = self.job_config.parallelism
         replicas, par.data_parallel_replicate_degree = par.data_parallel_replicate_degree, 1
-        handling = os.environ.get(devices.ERROR_HANDLING_ENV)
         try:
             return super().init_distributed()
         finally:
             par.data_parallel_replicate_degree = replicas
-            if handling is None:
-                os.environ.pop(devices.ERROR_HANDLING_ENV, None)
-            else:
-                os.environ[devices.ERROR_HANDLING_ENV] = handling
 
     def _epoch_view(self) -> Callable[[], int]:
         return self.manager.channel.epoch

@@ -98,7 +98,7 @@ def run_preflight(job_config: Any, backend: str, env: dict[str, str]) -> preflig
     """Logs every finding of the preflight and adds the environment it derives to ``env`` (its job
     flags are the caller's); a ``config.ConfigError`` naming each refused setting."""
     checked = preflight.check(
-        preflight.nccl_version(), backend, env, job_config.recover, titan.in_group_timeout_s(job_config)
+        preflight.nccl_version(), backend, env, job_config.recover, preflight.comm_facts(job_config)
     )
     for finding in checked.findings:
         (log.warning if finding.level == preflight.WARN else log.info)(finding.line())

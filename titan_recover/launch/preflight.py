@@ -2,7 +2,7 @@
 the NCCL release, the PyTorch NCCL settings of the environment and the timeouts against each other.
 
 Pure decisions from facts (the NCCL version, the environment, the ``[recover]`` keys, TorchTitan's
-in-group collective timeout), so every rule is unit-tested without a GPU. The launcher runs it on
+``[comm]`` keys), so every rule is unit-tested without a GPU. The launcher runs it on
 every run and logs each finding; a refusal stops it with exit 2 naming the setting, and
 ``TITAN_RECOVER_PREFLIGHT=warn`` turns refusals into warnings for an operator who knows better.
 The self-test prints the same findings.
@@ -20,17 +20,20 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from titan_recover.node.devices import ERROR_HANDLING_ENV
-
 REFUSE, WARN, OK = "refuse", "warn", "ok"
 OVERRIDE_ENV = "TITAN_RECOVER_PREFLIGHT"
-CLEAN_UP_ONLY = "2"  # abort the communicator, keep the process (PyTorch's ErrorHandlingMode::CleanUpOnly)
-ERROR_HANDLING = {
-    "0": "no handling",
-    "1": "abort and tear the process down",
-    "2": "abort the communicator only",
-    "3": "tear the process down without abort (PyTorch's default)",
-}
+TRUE, FALSE = ("1", "y", "yes", "t", "true"), ("0", "n", "no", "f", "false")  # c10d's getCvarBool
+PG_NCCL = "torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp (torch 2.11)"
+DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+TRACE_BUF_FLAG = "--comm.trace_buf_size"
+IN_GROUP_FLAG = "--comm.train_timeout_seconds"
+KILLS_SURVIVORS = (
+    "every failure of a replicate group sets ProcessGroupNCCL::shouldDump_, a process-wide flag never reset "
+    "(Watchdog::runLoop -> broadcastDumpSignal), and the heartbeat monitor of the process's first NCCL group "
+    "(TorchTitan's default group) acts on it when that group was made with TORCH_NCCL_DUMP_ON_TIMEOUT on: it "
+    "dumps, waits TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (480 s) and aborts the process, so every survivor of a "
+    "replicate failure would be killed 8 minutes later"
+)
 
 
 @dataclass(frozen=True)
@@ -124,40 +127,93 @@ def nccl_version_finding(version: tuple[int, int, int]) -> Finding:
     return Finding(OK, "nccl-version", f"NCCL {text}: no known abort defect{shrink}")
 
 
-def error_handling_finding(env: Mapping[str, str], out: Preflight) -> Finding:
-    value = env.get(ERROR_HANDLING_ENV)
-    rule = ERROR_HANDLING_ENV
+def flag(value: str | None) -> bool | None:
+    """An environment flag as c10d reads it (``getCvarBool``): None where unset or not a flag."""
+    low = (value or "").strip().lower()
+    return True if low in TRUE else False if low in FALSE else None
+
+
+def dump_on_timeout_finding(env: Mapping[str, str], out: Preflight) -> Finding:
+    value = env.get(DUMP_ON_TIMEOUT)
     if value is None:
-        out.env[ERROR_HANDLING_ENV] = CLEAN_UP_ONLY
+        out.env[DUMP_ON_TIMEOUT] = "0"
+        return Finding(
+            OK,
+            DUMP_ON_TIMEOUT,
+            "unset (torch's default is on): the ranks get 0, so TorchTitan's first NCCL group never acts on a "
+            "replicate group's failure; NCCL flight-recorder dumps on a timeout are off (docs/gpus.md says how "
+            "to have them in a debugging run)",
+        )
+    if flag(value) is False:
+        return Finding(OK, DUMP_ON_TIMEOUT, f"{value!r}: off")
+    return Finding(
+        REFUSE,
+        DUMP_ON_TIMEOUT,
+        f"{value!r}: {KILLS_SURVIVORS}; unset it (titan_recover then sets 0)",
+        f"{PG_NCCL}: HeartbeatMonitor::runLoop, checkDumpSignal = dumpOnTimeoutOrEx_ && uid 0",
+    )
+
+
+def trace_buffer_finding(trace_buf: tuple[float, float] | None, out: Preflight) -> Finding | None:
+    """TorchTitan sets TORCH_NCCL_DUMP_ON_TIMEOUT=1 whenever its flight recorder is on
+    (``comm.trace_buf_size`` > 0, by default 20000): left at the default it is turned off, set by the
+    user it is refused."""
+    rule = "comm.trace_buf_size"
+    if trace_buf is None:
+        return None
+    value, default = trace_buf
+    if value <= 0:
+        return Finding(OK, rule, f"{value:g}: TorchTitan's flight recorder is off")
+    why = (
+        f"above 0, TorchTitan's init_distributed sets {DUMP_ON_TIMEOUT}=1 for its groups "
+        "(torchtitan/distributed/utils.py), and "
+    )
+    if value == default:
+        out.flags[TRACE_BUF_FLAG] = "0"
         return Finding(
             OK,
             rule,
-            f"unset: the ranks get {CLEAN_UP_ONLY} ({ERROR_HANDLING[CLEAN_UP_ONLY]}), so a "
-            "survivor whose replicate all-reduce saw a peer die aborts the communicator and goes on",
+            f"lowered from TorchTitan's default {value:g} to 0: {why}{KILLS_SURVIVORS}",
         )
-    if value not in ERROR_HANDLING:
-        return Finding(
-            REFUSE,
-            rule,
-            f"{value!r} is not one of {', '.join(ERROR_HANDLING)}: unset it (titan_recover then sets {CLEAN_UP_ONLY})",
+    return Finding(
+        REFUSE,
+        rule,
+        f"{value:g}: {why}{KILLS_SURVIVORS}; leave it at TorchTitan's default (titan_recover then sets 0) or set 0",
+        f"{PG_NCCL}: HeartbeatMonitor::runLoop",
+    )
+
+
+def desync_debug_findings(env: Mapping[str, str]) -> list[Finding]:
+    """Desync debugging is on for every NCCL group of a process where either setting asks for it; a
+    group's timeout then runs the desync debugger, which reads its peers' keys from the group's store
+    (the control plane's, for a replicate group, where a dead peer's never come), and no-handling
+    error mode turns into tear-down."""
+    why = (
+        "turns on desync debugging in every NCCL group of the process (desyncDebug_, read in the "
+        "ProcessGroupNCCL constructor): a replicate group's timeout then waits on a dead peer's trace keys in "
+        "the control plane's store, every collective is timed with CUDA events, and error handling 0 becomes 3 "
+        "(tear the process down)"
+    )
+    found = []
+    if flag(env.get("TORCH_NCCL_DESYNC_DEBUG")):
+        found.append(
+            Finding(
+                REFUSE,
+                "TORCH_NCCL_DESYNC_DEBUG",
+                f"{env['TORCH_NCCL_DESYNC_DEBUG']!r} {why}; unset it for a run with NCCL replicate groups",
+                f"{PG_NCCL}: the constructor (desyncDebug_) and Watchdog::runLoop",
+            )
         )
-    if value in ("1", "3"):
-        return Finding(
-            REFUSE,
-            rule,
-            f"{value} ({ERROR_HANDLING[value]}): PyTorch's watchdog would kill a survivor whose "
-            f"replicate all-reduce saw a peer die; unset it or set {CLEAN_UP_ONLY}",
-            "measured: SIGABRT of that survivor, bench/results/nccl_probe.json (one H200)",
+    if env.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL":
+        found.append(
+            Finding(
+                REFUSE,
+                "TORCH_DISTRIBUTED_DEBUG",
+                f"DETAIL {why}; use INFO (or unset it) for a run with NCCL replicate groups",
+                f"{PG_NCCL}: the constructor (dist_debug_level_ >= Detail)",
+            )
         )
-    if value == "0":
-        return Finding(
-            WARN,
-            rule,
-            "0 (no handling): the survivor whose replicate all-reduce failed stalled about 65 s "
-            f"before it re-formed; {CLEAN_UP_ONLY} is what titan_recover sets",
-            "measured: bench/results/nccl_probe.json (one H200, NCCL 2.28.9)",
-        )
-    return Finding(OK, rule, f"{value} ({ERROR_HANDLING[value]})")
+    return found
 
 
 def nvls_finding(env: Mapping[str, str]) -> Finding:
@@ -181,9 +237,6 @@ def monitoring_finding(env: Mapping[str, str]) -> Finding | None:
         "0: a rank whose NCCL abort hangs is then ended only by "
         "recover.progress_timeout_s, not by PyTorch's watchdog monitor",
     )
-
-
-IN_GROUP_FLAG = "--comm.train_timeout_seconds"
 
 
 def timeout_finding(t: Timeouts, default_s: float | None, out: Preflight) -> Finding:
@@ -219,17 +272,21 @@ def check(
     backend: str,
     env: Mapping[str, str],
     rc: Any,
-    in_group: tuple[float, float] | None,
+    comm: Mapping[str, tuple[float, float]],
 ) -> Preflight:
     """The findings for a run whose replicate dimension runs on ``backend``; ``nccl_version`` None:
-    no NCCL on this host (a CPU run). ``in_group``: TorchTitan's in-group timeout and its default."""
+    no NCCL on this host (a CPU run). ``comm``: TorchTitan's ``[comm]`` keys and their defaults
+    (``comm_facts``; a key this TorchTitan line lacks is left out)."""
     out = Preflight()
-    value, default = in_group if in_group is not None else (None, None)
+    value, default = comm.get("train_timeout_seconds", (None, None))
     out.findings.append(timeout_finding(timeouts(rc, value), default, out))
     if nccl_version is not None:
         out.findings.append(nccl_version_finding(nccl_version))
     if backend == "nccl":
-        out.findings.append(error_handling_finding(env, out))
+        out.findings.append(dump_on_timeout_finding(env, out))
+        if (trace := trace_buffer_finding(comm.get("trace_buf_size"), out)) is not None:
+            out.findings.append(trace)
+        out.findings.extend(desync_debug_findings(env))
         out.findings.append(nvls_finding(env))
         if (monitoring := monitoring_finding(env)) is not None:
             out.findings.append(monitoring)
@@ -241,6 +298,16 @@ def check(
             for f in out.findings
         ]
     return out
+
+
+COMM_KEYS = ("train_timeout_seconds", "trace_buf_size")
+
+
+def comm_facts(job_config: Any) -> dict[str, tuple[float, float]]:
+    """The job's TorchTitan ``[comm]`` keys the rules read, each with its default."""
+    from titan_recover import titan
+
+    return {key: found for key in COMM_KEYS if (found := titan.comm_setting(job_config, key)) is not None}
 
 
 def nccl_version() -> tuple[int, int, int] | None:

@@ -26,10 +26,6 @@ from typing import Mapping
 from titan_recover.config import ConfigError
 from titan_recover.control.keys import REPLICA_ENV
 
-ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-"""How torch's NCCL watchdog treats a failed collective of a process group made while it is set; the
-launcher's preflight sets it for the ranks when the replicate dimension runs on NCCL."""
-
 
 @dataclass(frozen=True)
 class DevicePlan:

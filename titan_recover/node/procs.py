@@ -1,5 +1,6 @@
 """Process plumbing every process kind shares: parent-death signals, stack dumps, the lost-coordinator exit,
-a rank's leaving, and the sockets a blocked C++ call waits on."""
+a rank's leaving, the sockets a blocked C++ call waits on, and settings a C++ constructor reads from the
+environment."""
 
 import ctypes
 import faulthandler
@@ -9,8 +10,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import traceback
-from typing import Callable, NoReturn
+from contextlib import contextmanager
+from typing import Callable, Iterator, Mapping, NoReturn
 
 from titan_recover.control.keys import EXIT_COORDINATOR_LOST
 
@@ -95,6 +98,28 @@ def shut_down(fd: int) -> None:
             s.shutdown(socket.SHUT_RDWR)
         except OSError:  # not connected any more: nothing waits on it
             pass
+
+
+ENVIRON_LOCK = threading.Lock()  # one ``environ`` at a time: threads build process groups concurrently
+
+
+@contextmanager
+def environ(settings: Mapping[str, str]) -> Iterator[None]:
+    """``settings`` in the process environment while the block runs, the earlier values back after it:
+    for C++ objects that read their settings from the environment in their constructor (torch's
+    ProcessGroupNCCL), when one object needs other values than the process has. Blocks run one at a
+    time, so two threads never see each other's settings."""
+    with ENVIRON_LOCK:
+        before = {name: os.environ.get(name) for name in settings}
+        os.environ.update(settings)
+        try:
+            yield
+        finally:
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def leave(main: Callable[[], None]) -> NoReturn:

@@ -5,18 +5,22 @@ membership epoch, built under the store prefix ``replicate/e<epoch>/s<k>``: a ra
 an old epoch can never join a newer group. Collectives are asynchronous and polled,
 so they return within a bounded time once the epoch moves on (a peer died or hung);
 an abandoned group and its buffers are parked, never reused or freed mid-flight, and
-freed once nothing runs on them any more (gloo ends a collective with a dead peer at
-its timeout), so memory, threads and descriptors do not grow failure after failure.
-Callers pass fresh buffers (out-of-place), so a broken collective never touches
-local gradients.
+released once nothing runs on them any more (gloo ends a collective with a dead peer at
+its timeout), on a thread of their own, since a group's destructor joins its threads;
+so memory, threads and descriptors do not grow failure after failure, and no step
+waits for a teardown. Callers pass fresh buffers (out-of-place), so a broken collective
+never touches local gradients. Whatever a dead peer makes a group raise, at a
+collective's launch, its wait or its abort, is a ``CollectiveAborted`` of that epoch,
+never this rank's own failure.
 
 The groups are gloo, or NCCL where every rank has a GPU of its own (see
 ``titan_recover.node.devices``). An abandoned NCCL group is aborted (``ncclCommAbort``):
 a collective whose peer died would otherwise spin on the GPU forever and wedge the
 rank's later kernels. Its communicators are non-blocking, so building and aborting
-never wait on a dead peer.
+never wait on a dead peer, and each is built with ``NCCL_GROUP_ENV`` (docs/gpus.md).
 """
 
+import logging
 import os
 import threading
 import time
@@ -34,9 +38,29 @@ from titan_recover.control.sealed import SealedStore
 from titan_recover.node import procs
 from titan_recover.policy.membership import Membership
 
+log = logging.getLogger(__name__)
+
 POLL_S = (0.0005, 0.005)  # first and longest pause while waiting: quick for short waits, light for long ones
 CLOSE_WAIT_S = 1.0  # how long a stopping rank gives its replicate-dim collectives to end
 NCCL_NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"  # bounds a non-blocking communicator's setup
+NCCL_GROUP_ENV = {
+    # the watchdog sleeps 4x this after every failed Work, holding the group's work list: a survivor
+    # stalled 60 s at the default, its group's destructor (which joins the watchdog) with it
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0",
+    # a failed Work aborts the communicator and leaves the process alone (CleanUpOnly); TorchTitan sets 3
+    # (tear the process down) for its own groups
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    # this group's heartbeat monitor, if it is the process's first (a probe's), never acts on a dump signal
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    # no abort that signals a dump, no error keys written to the control plane's store
+    "TORCH_NCCL_EXTRA_DUMP_ON_EXEC": "0",
+    "TORCH_NCCL_PROPAGATE_ERROR": "0",
+    # the watchdog, not a blocking wait(), ends a failed Work: collectives here are polled
+    "TORCH_NCCL_BLOCKING_WAIT": "0",
+}
+"""What each replicate or transfer group's ProcessGroupNCCL reads from the environment in its constructor,
+set for that constructor alone (torch 2.11, ProcessGroupNCCL.cpp: the constructor and
+Watchdog::runLoop; docs/gpus.md has the lines)."""
 
 
 def backoff(pause: float, longest: float = POLL_S[1]) -> float:
@@ -83,6 +107,81 @@ class Parked:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
+    def release(self, backend: str) -> None:
+        """Drops what this entry holds, here: a group's destructor runs in the calling thread (it releases
+        the GIL while it joins the group's threads). A rendezvous that finished after we gave up on it
+        handed back a group no one will use: an NCCL one is aborted first."""
+        for late in self.built:
+            if backend == "nccl" and not isinstance(late, Exception):
+                abort_quietly(late)
+        self.group, self.store, self.builder = None, None, None
+        self.works.clear()
+        self.tensors.clear()
+        self.built.clear()
+
+
+def abort_quietly(group: GroupBackend) -> None:
+    """Aborts ``group``; it raises when the abort outlasts the group timeout or its communicator already
+    failed, and the group is given up either way."""
+    error = None
+    try:
+        group.abort()
+    except Exception as e:  # noqa: BLE001  (torch raises DistBackendError or RuntimeError)
+        error = f"{type(e).__name__}: {e}"
+    if error is not None:
+        log.warning(f"aborting an abandoned replicate group raised (it is given up all the same): {error}")
+
+
+class Releaser:
+    """A thread that releases parked entries once nothing runs on them, so that no step waits for a
+    group's destructor (NCCL's joins the watchdog and heartbeat monitor; gloo's its pair threads).
+    What waits for it, or is being released, still counts as parked."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self._queue: list[Parked] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def release(self, entries: list[Parked]) -> None:
+        if not entries:
+            return
+        with self._lock:
+            self._queue.extend(entries)
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping = False
+                self._thread = threading.Thread(target=self._run, name="replicate-releaser", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def pending(self) -> tuple[int, int]:
+        """How many entries wait for their release or are in it, and the bytes their buffers hold."""
+        with self._lock:
+            return len(self._queue), sum(p.nbytes() for p in self._queue)
+
+    def stop(self, deadline: float) -> None:
+        """Releases what is queued and ends the thread, waiting until ``deadline`` (monotonic) at most."""
+        with self._lock:
+            thread, self._stopping = self._thread, True
+            self._wake.notify()
+        if thread is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._stopping:
+                    self._wake.wait()
+                if not self._queue:
+                    self._thread = None
+                    return
+                entry = self._queue[0]
+            entry.release(self.backend)
+            with self._lock:
+                self._queue.pop(0)
+
 
 UNFREED: list[Parked] = []  # what close() could not free: referenced until the process leaves (procs.leave)
 
@@ -111,6 +210,7 @@ class ReplicateProcessGroups:
         self.device = device if backend == "nccl" else torch.device("cpu")  # where transfer buffers live
         self._groups: dict[int, GroupBackend | None] = {}
         self._parked: list[Parked] = []  # abandoned groups/work/buffers: kept until idle, never reused
+        self._releaser = Releaser(backend)  # ...then released off the step's path
         # a recovery's moments on this rank (wall clock, for the event log's recovery phases): when it gave up
         # a group of an ended epoch, and when it had the next epoch's; ``moments`` reads and clears them
         self.torn_down: float | None = None
@@ -134,7 +234,8 @@ class ReplicateProcessGroups:
         opts = dist.ProcessGroupNCCL.Options()
         opts.config.blocking = 0  # setup and abort return instead of waiting on a dead peer
         opts._timeout = self.timeout
-        group = dist.ProcessGroupNCCL(store, rank, size, opts)
+        with procs.environ(NCCL_GROUP_ENV):
+            group = dist.ProcessGroupNCCL(store, rank, size, opts)
         group.eager_connect_single_device(self.device)  # connect now, inside the abortable rendezvous
         return cast(GroupBackend, group)
 
@@ -146,28 +247,24 @@ class ReplicateProcessGroups:
         if group is None and not works:
             return
         if group is not None and self.backend == "nccl" and not any(p.group is group for p in self._parked):
-            group.abort()
+            abort_quietly(group)
         self._parked.append(Parked(group, list(works), list(tensors)))
         self._reap()
 
     def _reap(self) -> None:
-        """Frees what is parked once nothing runs on it: its collectives ended (a dead
+        """Hands what is parked to the releaser once nothing runs on it: its collectives ended (a dead
         peer's at the group timeout) and no rendezvous thread can still hand a group back."""
-        idle = [p for p in self._parked if not p.busy()]
+        self._releaser.release([p for p in self._parked if not p.busy()])
         self._parked = [p for p in self._parked if p.busy()]
-        for p in idle:
-            for late in p.built:  # a rendezvous that finished after we gave up on it
-                if self.backend == "nccl" and not isinstance(late, Exception):
-                    late.abort()
-        del idle  # the last references: gloo closes its pairs and joins its threads here
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> int:
         """Ends what this rank's groups still run, when the rank stops: every group is discarded (NCCL
         ones aborted), rendezvous still waiting for a peer are cut off and their threads joined, and
         collectives get ``wait_s`` to end. What still runs after that (a gloo collective waiting on a
         peer that finished or died: gloo cannot cancel it) is kept in ``UNFREED``, not destroyed, since
-        its destructor would wait out the group timeout; the rank leaves without its teardown.
-        Returns how many such entries were kept."""
+        its destructor would wait out the group timeout; the rank leaves without its teardown. What
+        the releaser has not released by then (a destructor that hangs) is left to it.
+        Returns how many entries were kept or left."""
         for epoch in list(self._groups):
             self._discard(self._groups.pop(epoch))
         for p in self._parked:
@@ -179,12 +276,15 @@ class ReplicateProcessGroups:
         self._reap()
         kept, self._parked = self._parked, []
         UNFREED.extend(kept)
-        return len(kept)
+        self._releaser.stop(max(deadline, time.monotonic() + CLOSE_WAIT_S))
+        return len(kept) + self._releaser.pending()[0]
 
     def parked(self) -> dict[str, float]:
         """What abandoned collectives hold right now (for the event log's resources events)."""
         self._reap()
-        return {"entries": len(self._parked), "mb": round(sum(p.nbytes() for p in self._parked) / 2**20, 1)}
+        releasing, nbytes = self._releaser.pending()
+        nbytes += sum(p.nbytes() for p in self._parked)
+        return {"entries": len(self._parked) + releasing, "mb": round(nbytes / 2**20, 1)}
 
     def _connect(self, prefix: str, rank: int, size: int, abort: Callable[[], bool]) -> GroupBackend:
         """A group under ``prefix``; raises CollectiveAborted if ``abort()`` first.
@@ -250,6 +350,29 @@ class ReplicateProcessGroups:
         self.torn_down = self.reformed = None
         return moments
 
+    def _run(
+        self,
+        group: GroupBackend,
+        launches: Iterator[dist.Work],
+        tensors: list[torch.Tensor],
+        abort: Callable[[], bool],
+        what: str,
+        on_launched: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Launches a collective's pieces and waits for them. A launch that raises (NCCL does, at once,
+        when its communicator has seen a peer die) gives the group up as a failed wait does."""
+        works: list[dist.Work] = []
+        error = None
+        try:
+            works.extend(launches)
+        except Exception as e:  # raised below, outside this frame's reference cycle with ``e``
+            error = f"{what} failed at its launch: {type(e).__name__}: {e}"
+        if error is not None:
+            self._give_up(group, works, tensors)
+            raise CollectiveAborted(error)
+        on_launched()
+        self._wait(group, works, tensors, abort, what)
+
     def _wait(
         self,
         group: GroupBackend,
@@ -287,7 +410,8 @@ class ReplicateProcessGroups:
         """Sends ``tensor`` from rank 0 of ``group`` into the others' ``tensor``, or raises CollectiveAborted."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self._wait(group, [group.broadcast([tensor], opts)], [tensor], abort, "state transfer")
+        launches = (group.broadcast([t], opts) for t in (tensor,))
+        self._run(group, launches, [tensor], abort, "state transfer")
 
     def allreduce(
         self,
@@ -304,10 +428,9 @@ class ReplicateProcessGroups:
         if group is None:
             on_launched()
             return
-        works = [group.allreduce([t]) for t in tensors]
-        on_launched()
+        launches = (group.allreduce([t]) for t in tensors)
         try:
-            self._wait(group, works, tensors, abort, f"all-reduce in epoch {membership.epoch}")
+            self._run(group, launches, tensors, abort, f"all-reduce in epoch {membership.epoch}", on_launched)
         except CollectiveAborted:
             self._groups.pop(membership.epoch, None)  # discarded; the caller moves on to a newer epoch
             raise

@@ -23,9 +23,9 @@ The interface:
     dump_folder, assets_path, model_name, model_vocab_size, dataset, profiler, config_file (job_config)
                                   where the line keeps those settings
     ASSETS_KEY                    the tokenizer folder's setting, as errors name it
-    in_group_timeout_s(job_config)
-                                  TorchTitan's own collectives' timeout once training runs, and its default (None: no
-                                  such key)
+    comm_setting(job_config, key)  a key of TorchTitan's ``[comm]`` section (``train_timeout_seconds``: its own
+                                  collectives' timeout once training runs; ``trace_buf_size``: its flight
+                                  recorder) and its default (None: no such key)
     metric_logger(job_config, parallel_dims, log_dir)
                                   TorchTitan's TensorBoard/W&B loggers as the job asks, writing to ``log_dir``
     text_datasets()               TorchTitan's named text datasets
@@ -63,7 +63,7 @@ INTERFACE = (
     "text_datasets",
     "ASSETS_KEY",
     "metric_logger",
-    "in_group_timeout_s",
+    "comm_setting",
 )
 
 

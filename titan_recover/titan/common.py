@@ -62,18 +62,18 @@ def clip_grad_norm(trainer: Any) -> torch.Tensor:
     )
 
 
-def in_group_timeout_s(job_config: Any) -> tuple[float, float] | None:
-    """TorchTitan's ``comm.train_timeout_seconds`` and its default, from the config dataclass's field
-    (0.3's is slotted: no class attribute holds it); None where the job has no such key."""
+def comm_setting(job_config: Any, key: str) -> tuple[float, float] | None:
+    """TorchTitan's ``comm.<key>`` and its default, from the config dataclass's field (0.3's is slotted: no
+    class attribute holds it); None where the job has no such key."""
     comm: Any = getattr(job_config, "comm", None)
     default = (
-        next((f.default for f in dataclasses.fields(comm) if f.name == "train_timeout_seconds"), None)
+        next((f.default for f in dataclasses.fields(comm) if f.name == key), None)
         if dataclasses.is_dataclass(comm)
         else None
     )
     if not isinstance(default, (int, float)):
         return None
-    return float(comm.train_timeout_seconds), float(default)
+    return float(getattr(comm, key)), float(default)
 
 
 def text_datasets() -> dict[str, Any]:

@@ -18,7 +18,7 @@ from titan_recover.titan import cpu_shim
 from titan_recover.config import ConfigError, check_experts_faults
 
 from titan_recover.titan import common  # binds TorchTitan's device type first
-from titan_recover.titan.common import clip_grad_norm, in_group_timeout_s, text_datasets  # noqa: F401 (the interface)
+from titan_recover.titan.common import clip_grad_norm, comm_setting, text_datasets  # noqa: F401 (the interface)
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
