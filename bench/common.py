@@ -1,6 +1,7 @@
 """What every benchmark shares: paths, one launcher run, results files."""
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from titan_recover.titan.jobs import FLAGS, LINE, PRECISION, TINY, TINY_SIZES, c
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_cpu.toml"
-RESULTS = ROOT / "bench" / "results"
+RESULTS = Path(os.environ.get("BENCH_RESULTS") or ROOT / "bench" / "results")  # BENCH_RESULTS: elsewhere (a check)
 
 
 def launch(
@@ -38,6 +39,13 @@ def launch(
 def step_gaps(steps: list[dict]) -> dict[int, float]:
     """Step number -> seconds since the previous step's event, for consecutive steps only."""
     return {b["step"]: b["time"] - a["time"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1}
+
+
+def device() -> str:
+    """What the runs train on: the GPU's name, or "cpu"."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
 def write_result(name: str, result: dict) -> Path:

@@ -25,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench.common import FLAGS, PRECISION, launch, write_result
+from bench.common import FLAGS, PRECISION, device, launch, write_result
 from bench.exact import step_time
 from titan_recover.observability import logs
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             "issue": 41,
             "command": "python -m bench.exact_ops " + " ".join(argv if argv is not None else sys.argv[1:]),
             "precision": PRECISION[-1],
-            "device": "cpu",
+            "device": device(),
             "rows": rows,
         },
     )

@@ -9,14 +9,7 @@
 # before gpt_oss's router bias was initialized: docs/torchtitan-lines.md).
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT" /tmp/o
-if [ -d .whl ] && python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-    PY=python3
-else
-    PY=${PY:-.venv/bin/python}
-fi
-export PYTHONUNBUFFERED=1
+source bench/gpu_env.sh
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
 BASE=(--job.config_file train_configs/llama3_debug_cpu.toml --parallelism.data_parallel_shard_degree 1 --metrics.log_freq 10)
 HOLD="sleep replica=0 step=8 seconds=120 until=epoch"   # the survivor waits for the rejoin: it happens in every run
