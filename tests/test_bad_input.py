@@ -3,6 +3,7 @@ and what is allowed, before anything starts; never a traceback."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -14,7 +15,7 @@ from conftest import run_data_cli
 from launcher_in_process import data_cli, error_lines, launch, launch_process
 
 from titan_recover import config, titan
-from titan_recover.config import ConfigError, Recover
+from titan_recover.config import ConfigError, Recover, num_microbatches
 from titan_recover.control import keys
 from titan_recover.control.addresses import parse_etcd_url, parse_host_port
 from titan_recover.data.synthetic import TOKENIZER_DIR
@@ -46,6 +47,21 @@ def load(*overrides: str):
 def test_training_sizes_must_be_positive(key: str, value: str) -> None:
     with pytest.raises(ConfigError, match=rf"^training\.{key} must be an integer >= 1, got {value}$"):
         load(f"--training.{key}", value, "--recover.fault_plan", "none")
+
+
+@pytest.mark.unit
+def test_torchtitans_default_global_batch_means_one_microbatch_per_replica_group(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """TorchTitan's own configs (its llama3 debug_model.toml among them) leave ``global_batch_size`` at -1:
+    ``local_batch_size`` times the data-parallel degree, no gradient accumulation."""
+    with caplog.at_level(logging.INFO, logger="titan_recover.config"):
+        jc = load("--training.global_batch_size", "-1", "--recover.fault_plan", "none")
+    tr, par = jc.training, jc.parallelism
+    replicas = par.data_parallel_replicate_degree
+    assert tr.global_batch_size == tr.local_batch_size * par.data_parallel_shard_degree * replicas
+    assert num_microbatches(jc) == replicas == 2
+    assert f"M = {replicas} microbatches per step, one per replica group" in caplog.text
 
 
 # ------------------------------------------------------------------ model.name

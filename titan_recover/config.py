@@ -9,6 +9,7 @@ the same TOML describes stock HSDP (``enable = false``) and titan_recover.
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ import torch
 
 from titan_recover.control.addresses import check_bindable, check_port_free, parse_etcd_url, parse_host
 from titan_recover.policy import fault_plan, workload
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "nccl", "gloo")
 """Values of ``recover.replicate_backend`` (``titan_recover.node.devices`` resolves "auto")."""
@@ -262,6 +265,7 @@ def validate(job_config: Any) -> Recover:
     _check_policy(rc)
     plan = _parse_fault_plan(rc)
     _check_degrees(rc, job_config.parallelism)
+    _derive_global_batch(job_config)
     _check_training(job_config.training)
     _check_group_nodes(rc, job_config.parallelism)
     _check_fault_plan(plan, job_config)
@@ -501,6 +505,24 @@ def _check_degrees(rc: Recover, par: Any) -> None:
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree"):
         if getattr(par, key) < 1:
             raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(par, key)}")
+
+
+DERIVED = -1
+"""TorchTitan's default ``training.global_batch_size``: ``local_batch_size`` times the data-parallel degree."""
+
+
+def _derive_global_batch(job_config: Any) -> None:
+    """TorchTitan's ``global_batch_size = -1`` (its default: no gradient accumulation) becomes what it
+    means, ``local_batch_size`` x dp_shard x dp_replicate: M = R microbatches, one per replica group."""
+    tr, par = job_config.training, job_config.parallelism
+    if tr.global_batch_size != DERIVED or tr.local_batch_size < 1:
+        return
+    tr.global_batch_size = tr.local_batch_size * par.data_parallel_shard_degree * par.data_parallel_replicate_degree
+    log.info(
+        f"training.global_batch_size = -1 (TorchTitan's default: local_batch_size x the data-parallel degree, no "
+        f"gradient accumulation) is {tr.global_batch_size}: M = {par.data_parallel_replicate_degree} microbatches "
+        "per step, one per replica group; set it to a multiple of that for more"
+    )
 
 
 def _check_training(tr: Any) -> None:

@@ -67,8 +67,10 @@ run the command again (tests/test_docs.py fails while this page is stale). -->
 
 Global batch: M = `global_batch_size / (local_batch_size * data_parallel_shard_degree)` microbatches
 per step, with ids 0..M-1; microbatch (t, m) on data shard k is always the same samples, whoever
-computes it. Bad values stop the launcher before anything starts, with an error naming the key
-(exit 2).
+computes it. TorchTitan's default `global_batch_size = -1` (`local_batch_size` times the data-parallel
+degree, no gradient accumulation) means M = R: one microbatch per replica group per step, and the
+launcher's log says so. Bad values stop the launcher before anything starts, with an error naming the
+key (exit 2).
 """
 
 
