@@ -127,7 +127,14 @@ class RecoverTrainer(BaseTrainer):
         # DCP checkpoints stay a backstop: one replica group saves (the step's leader), and a
         # rejoining group never loads one: its state comes from a live peer
         self._leader = True
-        titan.guard_checkpointer(self, saves=lambda: self._leader, loads=not self.manager.rejoining)
+        titan.guard_checkpointer(
+            self,
+            saves=lambda: self._leader,
+            loads=not self.manager.rejoining,
+            failed=lambda step, why: self.events.emit(
+                "checkpoint_failed", step=step, replica=replica, rank=group_rank, error=why
+            ),
+        )
 
     def init_distributed(self) -> Any:
         """This torchrun world is one replica group: TorchTitan sees dp_replicate = 1;

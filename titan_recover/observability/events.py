@@ -11,10 +11,16 @@ Lines are written at least once: a coordinator leader that loses its lease betwe
 confirmation and its write may log a step its successor logs too. Readers therefore count
 each step once (the first line wins) and skip a line that is not an event (cut short by a
 killed writer), counting both.
+
+Nothing the log cannot write stops the run: while its folder is full, failing, removed or
+read-only, a process keeps its events in memory (up to ``PENDING_MAX_BYTES``, the oldest dropped
+past it, counted), says so on stderr once per ``REPORT_EVERY_S``, and writes them in order once it
+can, then logs an ``events_delayed`` event with the counts.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import heapq
 import json
@@ -22,6 +28,7 @@ import logging
 import os
 import re
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
@@ -30,6 +37,8 @@ RECOVERY_PHASES = ("detect", "abort", "reform", "first_good_step")
 """A recovery's phases, timed from the fault, in order: the verdict published, the survivors'
 collectives torn down, re-formed in the new epoch, and the first step summed there (the self-test's
 names, for every report of where a recovery's time went)."""
+PENDING_MAX_BYTES = 16 * 2**20  # what one process keeps of an event log it cannot write (a step event: ~1 KiB)
+REPORT_EVERY_S = 30.0  # how often a process says that it cannot write its event log
 NODE_ENV = "TITAN_RECOVER_NODE"  # this node's name in a multi-node run: its processes log to their own file
 _NODE_NAME = re.compile(r"[A-Za-z0-9_-]+")
 log = logging.getLogger(__name__)
@@ -61,19 +70,135 @@ def remove_events(dump_folder: str) -> None:
         os.remove(path)
 
 
+@dataclass
+class Backlog:
+    """Events not written yet, in order, and what became of the earlier ones (a pure queue: the writer is
+    ``EventLog``). A full disk may take a line's first bytes only: that line is written again, whole, and
+    its cut prefix (never JSON) is a line readers skip; one that lacks only its newline counts as written."""
+
+    max_bytes: int = PENDING_MAX_BYTES
+    lines: deque[bytes] = field(default_factory=deque)
+    nbytes: int = 0
+    delayed: int = 0  # events written later than emitted, since the log's last failure
+    dropped: int = 0  # ...and dropped, the oldest first, past ``max_bytes``
+    since: float | None = None  # when the log became unwritable (None: writable)
+
+    def add(self, line: bytes) -> None:
+        self.lines.append(line)
+        self.nbytes += len(line)
+        while self.nbytes > self.max_bytes and len(self.lines) > 1:
+            self.nbytes -= len(self.lines.popleft())
+            self.dropped += 1
+
+    def wrote(self, count: int) -> None:
+        """``count`` bytes of the first line reached the file."""
+        if count < len(self.lines[0]) - 1:
+            return  # a cut prefix: the line waits, whole
+        self.nbytes -= len(self.lines.popleft())
+        self.delayed += self.since is not None
+
+
 class EventLog:
-    """Appends events to this node's event log."""
+    """Appends events to this node's event log; what it cannot write waits in a ``Backlog``."""
 
     def __init__(self, dump_folder: str) -> None:
-        os.makedirs(dump_folder, exist_ok=True)
+        self.folder = dump_folder
         self.path = events_path(dump_folder)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.backlog = Backlog()
+        self._fd: int | None = None
+        self._reported = 0.0
+        self._error = ""
+
+    def _open(self) -> int:
+        if self._fd is not None and os.fstat(self._fd).st_nlink == 0:  # removed (its folder too): lines would vanish
+            self._reopen()
+        if self._fd is None:
+            os.makedirs(self.folder, exist_ok=True)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        return self._fd
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"event": event, **fields}
         record.setdefault("time", time.time())
-        os.write(self._fd, (json.dumps(record, sort_keys=True) + "\n").encode())
+        self.backlog.add((json.dumps(record, sort_keys=True) + "\n").encode())
+        self.flush()
         return record
+
+    def flush(self) -> bool:
+        """Writes what waits, in order; False where some still waits (the folder cannot take it yet)."""
+        backlog = self.backlog
+        while backlog.lines:
+            line = backlog.lines[0]
+            try:
+                fd = self._open()
+                # after a line that lacks its newline (cut by a full disk, in any process of the node), a new one
+                size = os.fstat(fd).st_size
+                lead = b"\n" if size and os.pread(fd, 1, size - 1) != b"\n" else b""
+                count = os.write(fd, lead + line) - len(lead)
+            except OSError as e:
+                self._failed(e)
+                return False
+            backlog.wrote(count)
+            if count < len(line):  # the disk took a part of it: it is full
+                self._failed(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+                return False
+        if backlog.since is not None:
+            self._recovered()
+        return True
+
+    def _failed(self, error: OSError) -> None:
+        backlog = self.backlog
+        if backlog.since is None:
+            backlog.since = time.time()
+        if isinstance(error, FileNotFoundError) or error.errno in (errno.ESTALE, errno.EBADF):
+            self._reopen()  # the folder or file went away: made again at the next try
+        self._error = f"{os.strerror(error.errno) if error.errno else error}"
+        now = time.monotonic()
+        if now - self._reported >= REPORT_EVERY_S:
+            self._reported = now
+            log.warning(
+                f"cannot write the event log in {self.folder}: {self._error}; {len(backlog.lines)} events "
+                f"({backlog.nbytes / 2**10:.0f} KiB) kept in memory, written once it can be"
+                + (
+                    f", {backlog.dropped} of the oldest dropped past {backlog.max_bytes >> 20} MiB"
+                    if backlog.dropped
+                    else ""
+                )
+                + "; the training goes on"
+            )
+
+    def _reopen(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
+    def _recovered(self) -> None:
+        backlog = self.backlog
+        delayed, dropped, since = backlog.delayed, backlog.dropped, backlog.since or time.time()
+        backlog.delayed = backlog.dropped = 0
+        backlog.since = None
+        self._reported = 0.0
+        late = time.time() - since
+        log.warning(
+            f"the event log in {self.folder} is written again: {delayed} events written up to {late:.0f}s late"
+            + (f", {dropped} dropped" if dropped else "")
+        )
+        self.emit("events_delayed", pid=os.getpid(), delayed=delayed, dropped=dropped, seconds=round(late, 1))
+
+    def pending(self) -> dict[str, Any]:
+        """What waits to be written (the status page's and /metrics' figures)."""
+        backlog = self.backlog
+        return {
+            "events": len(backlog.lines),
+            "bytes": backlog.nbytes,
+            "dropped": backlog.dropped,
+            "since": backlog.since,
+            "folder": self.folder,
+            "error": self._error if backlog.since is not None else "",
+        }
 
     def step(self, record: dict[str, Any]) -> None:
         """A committed step, preceded by the data epochs it starts (see ``order.epochs_started``)."""
@@ -82,7 +207,17 @@ class EventLog:
         self.emit("step", **{k: v for k, v in record.items() if k not in ("data_epochs", "samples")})
 
     def close(self) -> None:
-        os.close(self._fd)
+        """Writes what waits one last time; what still cannot be written is said and left."""
+        if not self.flush():
+            backlog = self.backlog
+            log.error(
+                f"the event log in {self.folder} could not be written since "
+                f"{time.strftime('%H:%M:%S', time.localtime(backlog.since))} ({self._error}): its last "
+                f"{len(backlog.lines)} events are lost with this process"
+                + (f", and {backlog.dropped} dropped before" if backlog.dropped else "")
+                + "; the run's record ends before them"
+            )
+        self._reopen()
 
 
 @dataclass

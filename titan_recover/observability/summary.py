@@ -44,6 +44,10 @@ def summarize_events(*paths: str, last_step: int | None = None) -> dict[str, Any
         "skipped": log.skipped,
         "duplicates": [e["step"] for e in log.duplicates],
         "missing_steps": _missing([e["step"] for e in steps], last_step),
+        "events_delayed": sum(e.get("delayed", 0) for e in events if e["event"] == "events_delayed"),
+        "events_dropped": sum(e.get("dropped", 0) for e in events if e["event"] == "events_delayed"),
+        "events_late_s": max((e.get("seconds", 0.0) for e in events if e["event"] == "events_delayed"), default=0.0),
+        "checkpoints_failed": sorted({e["step"] for e in events if e["event"] == "checkpoint_failed"}),
     }
     if len(steps) >= 2:
         span = steps[-1]["time"] - steps[0]["time"]
@@ -117,6 +121,16 @@ def format_summary(s: dict[str, Any], tokens_per_step: int) -> str:
     if len(s.get("leaders", [])) > 1:  # coordinator fail-over on etcd
         lines.append(f"  coordinator leaders  : {len(s['leaders'])}")
         lines += [f"    pid {e['pid']} on {e['host']} from step {e['step']}" for e in s["leaders"][1:]]
+    if s.get("events_delayed") or s.get("events_dropped"):
+        lines.append(
+            f"  event log            : {s['events_delayed']} events written late (up to {s['events_late_s']:.0f}s), "
+            f"{s['events_dropped']} dropped, while the dump folder could not take them"
+        )
+    if s.get("checkpoints_failed"):
+        lines.append(
+            f"  checkpoints failed   : steps {logs.ranges(s['checkpoints_failed'])} (the disk did not take them; "
+            "a resume starts from the last complete one)"
+        )
     lines.append(f"  final members        : {s['final_members']}")
     lines += [f"  FATAL: {err}" for err in s["fatal"]]
     return "\n".join(lines)

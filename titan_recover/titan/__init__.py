@@ -12,8 +12,9 @@ The interface:
     load_config(argv)             the job config from the command line, ``[recover]`` checked (ConfigError)
     check_model(job_config)       the job's model exists (ConfigError naming the key otherwise)
     clip_grad_norm(trainer)       the step's gradient clipping, over the trainer's model parts
-    guard_checkpointer(trainer, saves, loads)
-                                  the trainer's checkpointer saves only while ``saves()``, loads only if ``loads``
+    guard_checkpointer(trainer, saves, loads, failed)
+                                  the trainer's checkpointer saves only while ``saves()``, loads only if ``loads``;
+                                  a save the disk does not take is reported to ``failed(step, why)``, not raised
     count_tokens(trainer, labels) a computed microbatch's tokens, in the counters TorchTitan does not keep itself
     expert_counts(trainer)        each MoE layer's tokens-per-expert buffer that the optimizer step's load
                                   balancing turns into its expert bias (none when the model's optimizers do not

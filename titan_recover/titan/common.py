@@ -6,8 +6,12 @@ of TorchTitan is imported."""
 # isort: skip_file
 import dataclasses
 import logging
+import os
+import shutil
 import sys
-from typing import Any, Callable
+import time
+from collections import deque
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -28,12 +32,16 @@ if (
 with cpu_shim.cpu_device():
     import torchtitan.tools.utils  # noqa: F401  binds the device type for every torchtitan module
 
+from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, TensorBoardLogger  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import DATASETS  # noqa: E402
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+TB_PENDING = 10_000  # log steps TensorBoard's logger keeps while its folder cannot take them
+REPORT_EVERY_S = 30.0  # ...and how often it says so (as the event log does)
 
 
 def load_config(argv: list[str], no_section: str) -> Any:
@@ -76,18 +84,86 @@ def comm_setting(job_config: Any, key: str) -> tuple[float, float] | None:
     return float(getattr(comm, key)), float(default)
 
 
+def save_or_report(save: Callable[[], T], step: int, checkpointer: Any, failed: Callable[[int, str], None]) -> T | None:
+    """A DCP save that the disk does not take (full, failing, read-only, removed) is reported through
+    ``failed`` and left for the next interval; TorchTitan would stop the run, though none of the training
+    state is lost with the checkpoint (the live replica groups hold it). The step's folder, left without
+    its ``.metadata``, is removed to give the space back (a resume skips such a folder anyway). Other
+    errors stop the run as before."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return save()
+    except (OSError, CheckpointException) as e:
+        failures = getattr(e, "failures", None) or {}  # DCP's: each rank's (exception, traceback)
+        cause = next((failure[0] for failure in failures.values()), e)
+        why = f"{type(cause).__name__}: {cause}".splitlines()[0][:500]
+    folder = getattr(checkpointer, "folder", "")  # TorchTitan's CheckpointManager (0.2 sets it only when enabled)
+    partial = os.path.join(folder, f"step-{step}")
+    if not os.path.exists(os.path.join(partial, ".metadata")) and int(os.environ.get("RANK", "0")) == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    log.error(
+        f"the checkpoint of step {step} could not be written in {folder} ({why}): the training goes on, "
+        "and the next checkpoint interval tries again"
+    )
+    failed(step, why)
+    return None
+
+
 def text_datasets() -> dict[str, Any]:
     """TorchTitan's text datasets by name (each a ``DatasetConfig``: path, loader, text processor)."""
     return DATASETS
 
 
 class FlushingTensorBoard(TensorBoardLogger):
-    """TorchTitan's TensorBoard logger, written out at every log step: a replica group can be
-    SIGKILLed at any moment, and what its incarnation logged must be on disk by then."""
+    """TorchTitan's TensorBoard logger, written out at every log step (a replica group can be SIGKILLed at
+    any moment, and what its incarnation logged must be on disk by then), and kept going through a dump
+    folder that cannot take it (full, failing, removed): the log steps it could not write wait, up to
+    ``TB_PENDING`` (the oldest dropped past it), and go into a new event file once they can. A step written
+    just as the disk filled may then be in both files."""
+
+    def __init__(self, log_dir: str) -> None:  # TorchTitan's makes its writer at once, which may fail here
+        self.tag = None
+        self.log_dir = log_dir
+        self.writer: Any = None
+        self.pending: deque[tuple[dict[str, Any], int]] = deque(maxlen=TB_PENDING)
+        self._reported = 0.0
+        self._write()
+
+    def _write(self) -> None:
+        try:
+            if self.writer is None:
+                self.writer = SummaryWriter(self.log_dir, max_queue=1000)
+            for metrics, step in self.pending:
+                for k, v in metrics.items():
+                    self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+        except Exception as e:  # noqa: BLE001  tensorboard's writer thread re-raises what it met, wrapped or not
+            self._drop_writer()
+            now = time.monotonic()
+            if now - self._reported >= REPORT_EVERY_S:
+                self._reported = now
+                log.warning(
+                    f"cannot write TensorBoard's log in {self.log_dir}: {type(e).__name__}: {e}; "
+                    f"{len(self.pending)} log steps kept in memory, written once it can be; the training goes on"
+                )
+            return
+        self.pending.clear()
+
+    def _drop_writer(self) -> None:
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception:  # noqa: BLE001  it already failed
+                pass
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        super().log(metrics, step)
-        self.writer.flush()
+        self.pending.append((dict(metrics), step))
+        self._write()
+
+    def close(self) -> None:
+        self._drop_writer()
 
 
 def metric_logger(metrics: Any, log_dir: str, logs_here: bool, wandb: Callable[[str], BaseLogger]) -> BaseLogger:

@@ -18,7 +18,7 @@ from titan_recover.titan import cpu_shim
 from titan_recover.config import ConfigError, check_experts_faults
 
 from titan_recover.titan import common  # binds TorchTitan's device type first
-from titan_recover.titan.common import clip_grad_norm, comm_setting, text_datasets  # noqa: F401 (the interface)
+from titan_recover.titan.common import clip_grad_norm, comm_setting, save_or_report, text_datasets  # noqa: F401 (the interface)
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
@@ -164,12 +164,14 @@ class _GuardedCheckpointer:
     """The trainer's CheckpointManager, saving only while ``saves()`` and loading only if ``loads``.
     0.2's Trainer builds its CheckpointManager inline, so the manager is wrapped, not subclassed."""
 
-    def __init__(self, inner: CheckpointManager, saves: Callable[[], bool], loads: bool) -> None:
-        self._inner, self._saves, self._loads = inner, saves, loads
+    def __init__(
+        self, inner: CheckpointManager, saves: Callable[[], bool], loads: bool, failed: Callable[[int, str], None]
+    ) -> None:
+        self._inner, self._saves, self._loads, self._failed = inner, saves, loads, failed
 
     def save(self, curr_step: int, last_step: bool = False) -> None:
         if self._saves():
-            self._inner.save(curr_step, last_step)
+            save_or_report(lambda: self._inner.save(curr_step, last_step), curr_step, self._inner, self._failed)
 
     def load(self, step: int = -1) -> bool:
         return self._inner.load(step) if self._loads else False
@@ -178,10 +180,12 @@ class _GuardedCheckpointer:
         return getattr(self._inner, name)
 
 
-def guard_checkpointer(trainer: Trainer, saves: Callable[[], bool], loads: bool) -> None:
+def guard_checkpointer(
+    trainer: Trainer, saves: Callable[[], bool], loads: bool, failed: Callable[[int, str], None]
+) -> None:
     """From here on the trainer's DCP checkpoints are written only while ``saves()``, and
-    read at the start only if ``loads``."""
-    trainer.checkpointer = _GuardedCheckpointer(trainer.checkpointer, saves, loads)
+    read at the start only if ``loads``; a save the disk does not take goes to ``failed``."""
+    trainer.checkpointer = _GuardedCheckpointer(trainer.checkpointer, saves, loads, failed)
 
 
 def _router_biases_zeroed(model: torch.nn.Module) -> torch.nn.Module:

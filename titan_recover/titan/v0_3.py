@@ -20,7 +20,7 @@ import tyro
 from titan_recover.config import ConfigError, Recover, check_experts_faults
 
 from titan_recover.titan import common  # binds TorchTitan's device type first
-from titan_recover.titan.common import clip_grad_norm, comm_setting, text_datasets  # noqa: F401 (the interface)
+from titan_recover.titan.common import clip_grad_norm, comm_setting, save_or_report, text_datasets  # noqa: F401 (the interface)
 
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
@@ -46,9 +46,15 @@ class GuardedCheckpointer(CheckpointManager):
 
     saves: Callable[[], bool] = staticmethod(lambda: True)
     loads: bool = True
+    failed: Callable[[int, str], None] = staticmethod(lambda step, why: None)
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        return super()._save(curr_step, last_step) if self.saves() else False
+        if not self.saves():
+            return False
+        saved = save_or_report(
+            lambda: super(GuardedCheckpointer, self)._save(curr_step, last_step), curr_step, self, self.failed
+        )
+        return bool(saved)
 
     def _load(self, step: int = -1) -> bool:
         return super()._load(step) if self.loads else False
@@ -139,10 +145,13 @@ def check_model(job_config: JobConfig) -> None:
     check_experts_faults(job_config.recover, f"model {spec.name} flavor {spec.flavor!r}", has_experts)
 
 
-def guard_checkpointer(trainer: Trainer, saves: Callable[[], bool], loads: bool) -> None:
+def guard_checkpointer(
+    trainer: Trainer, saves: Callable[[], bool], loads: bool, failed: Callable[[int, str], None]
+) -> None:
     """From here on the trainer's DCP checkpoints are written only while ``saves()``, and
-    read at the start only if ``loads``."""
-    trainer.checkpointer.saves, trainer.checkpointer.loads = saves, loads
+    read at the start only if ``loads``; a save the disk does not take goes to ``failed``."""
+    checkpointer = trainer.checkpointer
+    checkpointer.saves, checkpointer.loads, checkpointer.failed = saves, loads, failed
 
 
 def count_tokens(trainer: Trainer, labels: torch.Tensor) -> None:

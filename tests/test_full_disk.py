@@ -1,0 +1,161 @@
+"""Nothing the run writes beside the training stops the training: its dump folder on a real filesystem
+(a small tmpfs the test mounts, removed after) that fills up mid-run and is freed again, or never is.
+Where the test cannot mount (not root), it skips saying why. The pure queue of what waits is unit-tested."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, SINGLES, run_job
+
+from titan_recover.observability.events import EVENTS_FILE, Backlog, read_log
+
+
+@pytest.mark.unit
+def test_a_line_cut_by_a_full_disk_is_written_again_whole_never_twice() -> None:
+    backlog = Backlog(max_bytes=100)
+    backlog.since = time.time()
+    backlog.add(b'{"event": "a"}\n')
+    backlog.wrote(5)  # a prefix reached the file (not JSON: readers skip it): the line waits, whole
+    assert list(backlog.lines) == [b'{"event": "a"}\n'] and backlog.delayed == 0
+    backlog.wrote(len(b'{"event": "a"}'))  # all but the newline (the next line's write puts one first)
+    assert not backlog.lines and backlog.delayed == 1 and backlog.nbytes == 0
+
+
+@pytest.mark.unit
+def test_past_its_bound_the_oldest_lines_are_dropped_and_counted() -> None:
+    backlog = Backlog(max_bytes=30)
+    backlog.since = time.time()
+    for i in range(5):
+        backlog.add(f'{{"event": "{i}"}}\n'.encode())  # 15 bytes each: two fit
+    assert backlog.dropped == 3 and [line[11:12] for line in backlog.lines] == [b"3", b"4"]
+    backlog.wrote(15)
+    assert backlog.delayed == 1 and backlog.nbytes == 15
+
+
+def fill(folder: Path) -> Path:
+    """Takes every free byte of ``folder``'s filesystem, as another job would."""
+    filler = folder / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 2**20)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    return filler
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs of the test's own, unmounted after (also when the test fails)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem to fill needs root")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+# A process whose event log fills its folder and never gets space back: it ends, saying what is lost.
+NEVER_FREED = """
+import logging, sys
+from titan_recover.observability import logs
+from titan_recover.observability.events import EventLog
+logs.setup("test", "__main__")
+events = EventLog(sys.argv[1])
+for step in range(1, 2001):
+    events.emit("step", step=step, pad="x" * 900)
+events.close()
+print("ended", events.pending()["events"], "pending", events.backlog.dropped, "dropped", flush=True)
+"""
+
+
+def test_an_event_log_on_a_disk_that_stays_full_ends_cleanly_and_says_what_is_lost(small_disk: Path) -> None:
+    filler = fill(small_disk)
+    filler.write_bytes(b"\0" * (63 * 2**20))  # 1 MiB left: about 1,100 of the 2,000 events fit
+    done = subprocess.run(
+        [sys.executable, "-c", NEVER_FREED, str(small_disk)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("cannot write the event log in") == 1, done.stderr[-3000:]  # once per 30 s
+    assert "could not be written since" in done.stderr and "are lost with this process" in done.stderr
+    pending = int(done.stdout.split()[1])
+    written = read_log(str(small_disk / EVENTS_FILE))
+    steps = [e["step"] for e in written.events]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) + pending == 2000, (len(steps), pending)
+    assert len(written.skipped) <= 1  # at most the line the full disk cut
+
+
+def test_the_main_job_goes_on_while_its_dump_folder_is_full_and_writes_every_event_once_after(
+    small_disk: Path,
+) -> None:
+    """The tests' tiny main job (2 single-rank groups, a kill at step 4 and a rejoin, digests every step: more
+    events while the folder is full than the slack of the log's last page takes, replica 0 sleeping 12 s at
+    step 12 so that the run is still going when the folder is freed) with TensorBoard
+    and DCP checkpoints every 3 steps, its dump folder filled once step 2 is logged and freed 8 s later:
+    exit 0, every step in the event log once, the late events counted in the summary, the checkpoints the
+    full disk refused reported and a later one complete (a resume's)."""
+    dump = small_disk / "out"
+    events = dump / EVENTS_FILE
+    moments: dict[str, float] = {}
+
+    def another_job() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (events.exists() and '"step": 2,' in events.read_text()):
+            time.sleep(0.05)
+        filler = fill(small_disk)
+        moments["filled"] = time.time()
+        time.sleep(8)  # replica 0 goes on to step 12 (a second or two) and sleeps there 12 s
+        filler.unlink()
+        moments["freed"] = time.time()
+
+    filling = threading.Thread(target=another_job, daemon=True)
+    filling.start()
+    run = run_job(
+        dump,
+        *SINGLES,
+        "--training.steps",
+        "16",
+        "--recover.fault_plan",
+        "kill replica=1 rank=0 step=4 phase=backward; sleep replica=0 step=12 phase=optimizer seconds=12",
+        "--recover.digest_interval",
+        "1",
+        "--metrics.enable_tensorboard",
+        "--metrics.log_freq",
+        "1",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "3",
+        timeout=400,
+        cut_lines=True,
+    )
+    filling.join(30)
+    print(run.output[-4000:])
+    assert run.returncode == 0, run.output[-4000:]
+    assert "filled" in moments and "freed" in moments, moments
+    assert sorted(run.steps()) == list(range(1, 17))  # each once (``steps`` refuses a step logged twice)
+    during = [e for e in run.of("step") if moments["filled"] < e["time"] < moments["freed"]]
+    assert during, "no step was committed while the folder was full"
+    delayed = run.of("events_delayed")
+    when = (moments, [(e["step"], round(e["time"], 1)) for e in run.of("step")], run.of("checkpoint_failed"))
+    assert delayed and sum(e["delayed"] for e in delayed) > 0 and not sum(e["dropped"] for e in delayed), when
+    assert "cannot write the event log in" in run.output
+    assert "events written late" in run.output  # the summary's line
+    failed = sorted({e["step"] for e in run.of("checkpoint_failed")})
+    assert failed and "checkpoints failed" in run.output, when
+    folders = sorted((dump / "checkpoint").glob("step-*"))
+    assert folders and all((f / ".metadata").exists() for f in folders), folders  # nothing half-written left
+    assert int(folders[-1].name.split("-")[1]) > max(failed)  # a later save went through
