@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from titan_recover import config
 from titan_recover.control.protocol import CoordinatorState, MessageError
-from titan_recover.observability.events import Tail, event_files
+from titan_recover.observability.events import EventLog, Tail, event_files, read_events
 from titan_recover.observability.run_status import MAX_POINTS, Live, LiveGroup, RunHistory
 from titan_recover.observability.status_server import Metrics, StatusSource
 from titan_recover.status import format_status
@@ -207,3 +207,31 @@ def test_a_status_port_in_use_or_a_bind_not_of_this_host_is_refused_naming_the_k
     with pytest.raises(config.ConfigError, match="recover.status_bind = '192.0.2.1'"):
         config.check_status_page(config.Recover(status_port=8765, status_bind="192.0.2.1"))  # TEST-NET-1: no host's
     config.check_status_page(config.Recover(status_port=0, status_bind="192.0.2.1"))  # no page: nothing to check
+
+
+def test_the_page_and_metrics_show_events_the_coordinators_log_cannot_write(tmp_path: Path) -> None:
+    """An event log whose folder cannot be made (a file stands where it goes: NotADirectoryError, as a
+    removed or read-only dump folder would fail): the events wait, the snapshot and /metrics count them,
+    and once the folder can be made they are written in order, then ``events_delayed``."""
+    (tmp_path / "shared").write_text("another job's file")
+    events = EventLog(str(tmp_path / "shared" / "dump"))
+    for n in (1, 2, 3):
+        events.emit("step", step=n)
+    source = StatusSource(Tail(lambda: []), RunHistory(), "abc", pending=events.pending)
+    waiting = source.refresh()["run"]["event_log"]
+    assert waiting["events"] == 3 and waiting["since"] is not None and "Not a directory" in waiting["error"]
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Metrics(source))
+    samples = {
+        s.name: s.value for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples
+    }
+    assert samples["titan_recover_event_log_pending_events"] == 3
+    (tmp_path / "shared").unlink()
+    events.emit("step", step=4)
+    written = read_events(events.path)
+    assert [e.get("step") for e in written if e["event"] == "step"] == [1, 2, 3, 4]
+    (late,) = [e for e in written if e["event"] == "events_delayed"]
+    assert late["delayed"] == 4 and late["dropped"] == 0
+    assert source.refresh()["run"]["event_log"]["events"] == 0

@@ -124,17 +124,22 @@ def status_page(
     settings: CoordinatorSettings,
     connect: Callable[[], ControlClient],
     messages: Callable[[ControlClient, list[str]], list[bytes]],
+    events: EventLog,
 ) -> StatusServer | None:
     """The run's status page (``[recover] status_port``), read from the event log and through
-    ``connect``'s own client of the store; None when it is off or cannot listen (said once: the
-    run goes on without it)."""
+    ``connect``'s own client of the store, with what ``events`` could not write yet; None when it is
+    off or cannot listen (said once: the run goes on without it)."""
     rc = settings.recover
     if not rc.status_port:
         return None
     history = RunHistory(**run_config(settings))
     folder = settings.dump_folder
     source = StatusSource(
-        Tail(lambda: event_files(folder)), history, Run.from_env().public_id, StoreReader(connect, messages)
+        Tail(lambda: event_files(folder)),
+        history,
+        Run.from_env().public_id,
+        StoreReader(connect, messages),
+        events.pending,
     )
     try:
         server = StatusServer(source, rc.status_bind, rc.status_port)
@@ -561,6 +566,7 @@ def lead(settings: CoordinatorSettings, address: str) -> int:
                 settings,
                 lambda: ControlClient(transport.in_run(transport.etcd(address, rc.coordinator_timeout_s), run)),
                 lambda _, names: board.messages(names),
+                events,
             )
             code = coordinator.run(lease.check)
             coordinator.end()
@@ -601,6 +607,7 @@ def main(argv: list[str]) -> int:
         settings,
         lambda: ControlClient(transport.connect(address, settings.recover.startup_timeout_s)),
         lambda client, names: client.node_messages(names),
+        coordinator.events,
     )
     try:
         code = coordinator.run()

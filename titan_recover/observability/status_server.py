@@ -97,9 +97,15 @@ class StatusSource:
     """Keeps the snapshot: the history folded from the events so far, and the store now."""
 
     def __init__(
-        self, tail: Tail, history: RunHistory, run_id: str | None = None, store: StoreReader | None = None
+        self,
+        tail: Tail,
+        history: RunHistory,
+        run_id: str | None = None,
+        store: StoreReader | None = None,
+        pending: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.tail, self.history, self.run_id, self.store = tail, history, run_id, store
+        self.pending = pending  # what the coordinator's event log could not write yet (``EventLog.pending``)
         self.snapshot: dict[str, Any] | None = None
         self.store_error: str | None = None
 
@@ -122,6 +128,7 @@ class StatusSource:
                 self.store.forget_client()
         snapshot = self.history.snapshot(self.run_id, now, live)
         snapshot["run"]["store_error"] = self.store_error
+        snapshot["run"]["event_log"] = self.pending() if self.pending is not None else None
         self.snapshot = snapshot
         return snapshot
 
@@ -138,6 +145,12 @@ class Metrics:
             return
         run, groups = s["run"], s["groups"]
         yield GaugeMetricFamily("titan_recover_step", "The last committed step.", value=run["step"])
+        if run.get("event_log"):
+            for name, key, doc in (
+                ("event_log_pending_events", "events", "Events the coordinator's event log waits to write."),
+                ("event_log_dropped_events", "dropped", "Events dropped past the bound since the log failed."),
+            ):
+                yield GaugeMetricFamily(f"titan_recover_{name}", doc, value=run["event_log"][key])
         for name, key, doc in (
             ("steps_per_second", "steps_per_s", "Committed steps per second (latest steps)."),
             ("tokens_per_second", "tokens_per_s", "Tokens trained per second (latest steps)."),
