@@ -78,15 +78,17 @@ def exit_lost(who: str, reason: str, hint: str) -> None:
     os._exit(EXIT_COORDINATOR_LOST)
 
 
-def sockets() -> set[int]:
-    """This process's open socket descriptors."""
+def sockets() -> set[tuple[int, str]]:
+    """This process's open sockets, each as its descriptor and its inode (``socket:[123]``): a number
+    another thread closed and the next socket took again is a new pair."""
     found = set()
     for name in os.listdir("/proc/self/fd"):
         try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                found.add(int(name))
+            link = os.readlink(f"/proc/self/fd/{name}")
         except OSError:  # closed meanwhile (the listing's own descriptor, for one)
-            pass
+            continue
+        if link.startswith("socket:"):
+            found.add((int(name), link))
     return found
 
 

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = (0.0005, 0.005)  # first and longest pause while waiting: quick for short waits, light for long ones
 CLOSE_WAIT_S = 1.0  # how long a stopping rank gives its replicate-dim collectives to end
+RELEASE_WAIT_S = 10.0  # ...and the releaser to destroy what ended (gloo's pair threads join; seconds on a busy host)
 NCCL_NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"  # bounds a non-blocking communicator's setup
 NCCL_GROUP_ENV = {
     # the watchdog sleeps 4x this after every failed Work, holding the group's work list: a survivor
@@ -262,8 +263,9 @@ class ReplicateProcessGroups:
         ones aborted), rendezvous still waiting for a peer are cut off and their threads joined, and
         collectives get ``wait_s`` to end. What still runs after that (a gloo collective waiting on a
         peer that finished or died: gloo cannot cancel it) is kept in ``UNFREED``, not destroyed, since
-        its destructor would wait out the group timeout; the rank leaves without its teardown. What
-        the releaser has not released by then (a destructor that hangs) is left to it.
+        its destructor would wait out the group timeout; the rank leaves without its teardown. The
+        releaser gets ``RELEASE_WAIT_S`` for what ended; what it has not released by then (a destructor
+        that hangs) is left to it.
         Returns how many entries were kept or left."""
         for epoch in list(self._groups):
             self._discard(self._groups.pop(epoch))
@@ -276,7 +278,7 @@ class ReplicateProcessGroups:
         self._reap()
         kept, self._parked = self._parked, []
         UNFREED.extend(kept)
-        self._releaser.stop(max(deadline, time.monotonic() + CLOSE_WAIT_S))
+        self._releaser.stop(time.monotonic() + RELEASE_WAIT_S)
         return len(kept) + self._releaser.pending()[0]
 
     def parked(self) -> dict[str, float]:
@@ -296,7 +298,7 @@ class ReplicateProcessGroups:
         before = procs.sockets()
         store = self.store.process_group_store(prefix)
         opened = procs.sockets() - before  # its socket, where the clone opened exactly one (a TCPStore's)
-        fd = opened.pop() if len(opened) == 1 else None
+        fd = opened.pop()[0] if len(opened) == 1 else None
         result: list[GroupBackend | Exception] = []
 
         def build() -> None:
