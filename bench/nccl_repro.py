@@ -2,7 +2,7 @@
 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC after a failed Work, errors raised at a collective's launch on a
 non-blocking communicator, and the first group's heartbeat monitor acting on another group's failure.
 
-Needs only torch with a GPU (no titan_recover, no TorchTitan); bench/gpu_check.sh runs it on a GPU:
+Needs torch with a GPU and this checkout (no TorchTitan); bench/gpu_check.sh runs it on a GPU:
     python3 bench/nccl_repro.py            # every case, about 3 minutes
     python3 bench/nccl_repro.py --case B   # one case
 Case B's settings are the ones titan_recover builds its replicate groups with (``collectives.NCCL_GROUP_ENV``),
@@ -30,7 +30,7 @@ import sys
 import time
 
 WORLD = 3
-log = logging.getLogger("nccl_repro")
+log = logging.getLogger(__name__)
 CASES = {
     # name: (replicate-group env, uid-0 group env, linger seconds, what we expect)
     "A": (
@@ -232,7 +232,9 @@ def main() -> None:
     ap.add_argument("--linger", type=float, default=2)
     ap.add_argument("--case", choices=sorted(CASES))
     a = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    from titan_recover.observability import logs
+
+    logs.setup("bench", __name__)
     if a.worker is not None:
         worker(a.worker, WORLD, a.port, a.linger)
         return

@@ -5,17 +5,20 @@ Where the test cannot mount (not root), it skips saying why. The pure queue of w
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, SINGLES, run_job
 
+from titan_recover.control import transport
 from titan_recover.observability.events import EVENTS_FILE, Backlog, read_log
 
 
@@ -104,13 +107,23 @@ def test_the_main_job_goes_on_while_its_dump_folder_is_full_and_writes_every_eve
 ) -> None:
     """The tests' tiny main job (2 single-rank groups, a kill at step 4 and a rejoin, digests every step: more
     events while the folder is full than the slack of the log's last page takes, replica 0 sleeping 12 s at
-    step 12 so that the run is still going when the folder is freed) with TensorBoard
-    and DCP checkpoints every 3 steps, its dump folder filled once step 2 is logged and freed 8 s later:
+    step 12 so that the run is still going when the folder is freed) with TensorBoard and DCP checkpoints
+    every 3 steps, its dump folder filled once step 2 is logged and freed once the coordinator's status
+    page shows 3 events waiting:
     exit 0, every step in the event log once, the late events counted in the summary, the checkpoints the
     full disk refused reported and a later one complete (a resume's)."""
     dump = small_disk / "out"
     events = dump / EVENTS_FILE
     moments: dict[str, float] = {}
+    port = transport.free_port()
+
+    def waiting() -> int:
+        """The events the coordinator keeps, as its status page says (0 before the page is up)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/status.json", timeout=5) as page:
+                return int((json.load(page)["run"].get("event_log") or {}).get("events", 0))
+        except OSError:
+            return 0
 
     def another_job() -> None:
         deadline = time.monotonic() + 240
@@ -118,7 +131,9 @@ def test_the_main_job_goes_on_while_its_dump_folder_is_full_and_writes_every_eve
             time.sleep(0.05)
         filler = fill(small_disk)
         moments["filled"] = time.time()
-        time.sleep(8)  # replica 0 goes on to step 12 (a second or two) and sleeps there 12 s
+        while time.monotonic() < deadline and waiting() < 3:  # the log's last page is full: events wait
+            time.sleep(0.2)
+        moments["waited"] = time.time()
         filler.unlink()
         moments["freed"] = time.time()
 
@@ -139,6 +154,8 @@ def test_the_main_job_goes_on_while_its_dump_folder_is_full_and_writes_every_eve
         "--checkpoint.enable",
         "--checkpoint.interval",
         "3",
+        "--recover.status_port",
+        str(port),
         timeout=400,
         cut_lines=True,
     )
