@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ import pytest
 from conftest import ROOT, SINGLES, run_job
 
 from titan_recover.control import transport
-from titan_recover.observability.events import EVENTS_FILE, Backlog, read_log
+from titan_recover.observability.events import EVENTS_FILE, Backlog, EventLog, read_log
 
 
 @pytest.mark.unit
@@ -176,3 +177,17 @@ def test_the_main_job_goes_on_while_its_dump_folder_is_full_and_writes_every_eve
     folders = sorted((dump / "checkpoint").glob("step-*"))
     assert folders and all((f / ".metadata").exists() for f in folders), folders  # nothing half-written left
     assert int(folders[-1].name.split("-")[1]) > max(failed)  # a later save went through
+
+
+def test_an_event_log_whose_folder_is_removed_writes_again_into_a_new_one(small_disk: Path) -> None:
+    """A clean-up job removes the dump folder mid-run: the lines written so far go with it (the operator's
+    choice), and the next events are written into the folder and file made again, not into the removed
+    file (where they would vanish)."""
+    folder = small_disk / "out"
+    events = EventLog(str(folder))
+    events.emit("step", step=1)
+    shutil.rmtree(folder)
+    events.emit("step", step=2)
+    events.emit("step", step=3)
+    assert [e.get("step") for e in read_log(events.path).events] == [2, 3]
+    events.close()

@@ -536,6 +536,7 @@ class RecoverTrainer(BaseTrainer):
     def close(self) -> None:
         super().close()
         self.manager.close()
+        self.events.close()  # what it still keeps is written, or said to be lost
 
 
 def _digest(parts: Iterable[list[tuple[str, torch.Tensor]]]) -> bytes:

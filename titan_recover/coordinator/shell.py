@@ -497,8 +497,10 @@ class Coordinator:
                 changed = None
 
     def end(self) -> None:
-        """Wakes every node agent, blocked until the next epoch, to read the run's end (done or fatal)."""
+        """Wakes every node agent, blocked until the next epoch, to read the run's end (done or fatal), and
+        writes what the event log still keeps (or says it cannot)."""
         self._apply(self.core.end())
+        self.events.close()
 
 
 def serve(settings: CoordinatorSettings, port: int) -> Coordinator:

@@ -76,7 +76,8 @@ def _files(s: dict[str, Any]) -> list[str]:
     if s["missing_steps"]:
         lines.append(
             f"  MISSING              : steps {logs.ranges(s['missing_steps'])} are in none of these files "
-            "(logged by a coordinator on another node, whose event file is not in this folder)"
+            "(logged by a coordinator on another node, whose event file is not in this folder, or never "
+            "written: the dump folder could not take them, as the coordinator said on stderr)"
         )
     if s["duplicates"]:
         lines.append(
