@@ -131,9 +131,7 @@ class EventLog:
             line = backlog.lines[0]
             try:
                 fd = self._open()
-                # after a line that lacks its newline (cut by a full disk, in any process of the node), a new one
-                size = os.fstat(fd).st_size
-                lead = b"\n" if size and os.pread(fd, 1, size - 1) != b"\n" else b""
+                lead = self._lead(fd)
                 count = os.write(fd, lead + line) - len(lead)
             except OSError as e:
                 self._failed(e)
@@ -145,6 +143,15 @@ class EventLog:
         if backlog.since is not None:
             self._recovered()
         return True
+
+    def _lead(self, fd: int) -> bytes:
+        """A newline to put first, after a write failed here, where the file does not end in one: a line cut
+        short by the full disk (this process's, or another's of the node) must not swallow this one. Only
+        then: while other processes append, the last byte is a race (a write still being copied)."""
+        if self.backlog.since is None:
+            return b""
+        size = os.fstat(fd).st_size
+        return b"\n" if size and os.pread(fd, 1, size - 1) != b"\n" else b""
 
     def _failed(self, error: OSError) -> None:
         backlog = self.backlog
