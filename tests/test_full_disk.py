@@ -103,6 +103,7 @@ def test_an_event_log_on_a_disk_that_stays_full_ends_cleanly_and_says_what_is_lo
     assert len(written.skipped) <= 1  # at most the line the full disk cut
 
 
+@pytest.mark.toml("TorchTitan 0.2's spelling of the metrics and checkpoint flags (0.3 names them in its recipes)")
 def test_the_main_job_goes_on_while_its_dump_folder_is_full_and_writes_every_event_once_after(
     small_disk: Path,
 ) -> None:
