@@ -97,6 +97,8 @@ def save_or_report(save: Callable[[], T], step: int, checkpointer: Any, failed: 
     except (OSError, CheckpointException) as e:
         failures = getattr(e, "failures", None) or {}  # DCP's: each rank's (exception, traceback)
         cause = next((failure[0] for failure in failures.values()), e)
+        if not isinstance(cause, OSError):
+            raise
         why = f"{type(cause).__name__}: {cause}".splitlines()[0][:500]
     folder = getattr(checkpointer, "folder", "")  # TorchTitan's CheckpointManager (0.2 sets it only when enabled)
     partial = os.path.join(folder, f"step-{step}")
