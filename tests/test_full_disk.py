@@ -1,6 +1,8 @@
 """Nothing the run writes beside the training stops the training: its dump folder on a real filesystem
-(a small tmpfs the test mounts, removed after) that fills up mid-run and is freed again, or never is.
-Where the test cannot mount (not root), it skips saying why. The pure queue of what waits is unit-tested."""
+(a small tmpfs the test mounts, removed after) that fills up mid-run and is freed again, or never is, and
+one (ext4 on a loop device of the test's own) that the kernel makes read-only mid-run, as it does on a disk
+error. Where the test cannot mount (not root, no loop device), it skips saying why. The pure queue of what
+waits is unit-tested."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,7 @@ from conftest import ROOT, SINGLES, run_job
 
 from titan_recover.control import transport
 from titan_recover.observability.events import EVENTS_FILE, Backlog, EventLog, read_log
+from titan_recover.titan.jobs import FLAGS
 
 
 @pytest.mark.unit
@@ -43,6 +47,35 @@ def test_past_its_bound_the_oldest_lines_are_dropped_and_counted() -> None:
     assert backlog.dropped == 3 and [line[11:12] for line in backlog.lines] == [b"3", b"4"]
     backlog.wrote(15)
     assert backlog.delayed == 1 and backlog.nbytes == 15
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("code", [errno.EIO, errno.ESTALE, errno.EROFS, errno.ENOSPC])
+def test_any_io_error_of_the_event_log_takes_the_same_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """A failing disk (EIO), an NFS handle gone stale (ESTALE: the file is opened again), a read-only folder,
+    a full one: each write fails with the errno the kernel would give (no test here can make a real EIO or
+    ESTALE), the events wait in order, and the first write that goes through writes them all."""
+    events = EventLog(str(tmp_path))
+    events.emit("step", step=1)
+    real_write, failing = os.write, [True]
+
+    def write(fd: int, data: bytes) -> int:
+        if failing[0]:
+            raise OSError(code, os.strerror(code))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    events.emit("step", step=2)
+    events.emit("step", step=3)
+    assert events.pending()["events"] == 2 and events.pending()["error"] == os.strerror(code)
+    failing[0] = False
+    events.emit("step", step=4)
+    written = read_log(events.path).events
+    assert [e.get("step") for e in written] == [1, 2, 3, 4, None]
+    assert written[-1]["event"] == "events_delayed" and written[-1]["delayed"] == 3
+    events.close()
 
 
 def fill(folder: Path) -> Path:
@@ -192,3 +225,104 @@ def test_an_event_log_whose_folder_is_removed_writes_again_into_a_new_one(small_
     events.emit("step", step=3)
     assert [e.get("step") for e in read_log(events.path).events] == [2, 3]
     events.close()
+
+
+@dataclass
+class FailingDisk:
+    """An ext4 filesystem mounted with ``errors=remount-ro``: ``fail()`` makes the kernel take it read-only at
+    once (ext4's ``trigger_fs_error``, the path a disk error takes), for good, open files and all."""
+
+    mount: Path
+    device: str
+
+    def fail(self) -> None:
+        Path(f"/sys/fs/ext4/{os.path.basename(self.device)}/trigger_fs_error").write_text("titan_recover test\n")
+
+
+@pytest.fixture
+def failing_disk(tmp_path: Path) -> Iterator[FailingDisk]:
+    """A 256 MiB ext4 image on a loop device, unmounted and detached after (also when the test fails)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a loop device needs root")
+    image, mount = tmp_path / "ext4.img", tmp_path / "disk"
+    mount.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(256 * 2**20)
+    made = subprocess.run(["mkfs.ext4", "-q", str(image)], capture_output=True, text=True)
+    attached = subprocess.run(["losetup", "-f", "--show", str(image)], capture_output=True, text=True)
+    if made.returncode != 0 or attached.returncode != 0:
+        pytest.skip(f"cannot make an ext4 loop device here: {(made.stderr + attached.stderr).strip()}")
+    device = attached.stdout.strip()
+    try:
+        mounted = subprocess.run(
+            ["mount", "-o", "errors=remount-ro", device, str(mount)], capture_output=True, text=True
+        )
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount {device}: {mounted.stderr.strip()}")
+        if not Path(f"/sys/fs/ext4/{os.path.basename(device)}/trigger_fs_error").exists():
+            pytest.skip("this kernel's ext4 has no trigger_fs_error to make the filesystem fail")
+        yield FailingDisk(mount, device)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+        subprocess.run(["losetup", "-d", device], check=False)
+
+
+@pytest.mark.lines
+def test_the_main_job_finishes_on_a_dump_folder_made_read_only_for_good(failing_disk: FailingDisk) -> None:
+    """TorchTitan's default ``global_batch_size = -1`` (M = R = 2) and the tests' tiny job with everything
+    that writes beside the training on (TensorBoard, DCP checkpoints every 3 steps, a profiler trace every 2
+    steps), its dump folder made read-only by the kernel once step 2 is logged, a kill at step 4 and replica 0
+    sleeping 15 s at step 6 so that the restarted group rejoins meanwhile: exit 0, the event log ends cleanly
+    where the folder failed (steps 1-k, each once), every process says what it could not write, and the
+    summary says how many steps the record lacks."""
+    dump = failing_disk.mount / "out"
+    events = dump / EVENTS_FILE
+    moments: dict[str, float] = {}
+
+    def disk_error() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (events.exists() and '"step": 2,' in events.read_text()):
+            time.sleep(0.05)
+        failing_disk.fail()
+        moments["failed"] = time.time()
+
+    failing = threading.Thread(target=disk_error, daemon=True)
+    failing.start()
+    profiling = FLAGS["profiler"]
+    run = run_job(
+        dump,
+        *SINGLES,
+        "--training.global_batch_size",
+        "-1",
+        "--recover.fault_plan",
+        "kill replica=1 rank=0 step=4 phase=backward; sleep replica=0 step=6 phase=optimizer seconds=15",
+        "--metrics.enable_tensorboard",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "3",
+        f"{profiling}.enable_profiling",
+        f"{profiling}.profile_freq",
+        "2",
+        f"{profiling}.profiler_warmup",
+        "0",
+        f"{profiling}.profiler_active",
+        "1",
+        timeout=400,
+        cut_lines=True,
+    )
+    failing.join(30)
+    print(run.output[-4000:])
+    assert run.returncode == 0, run.output[-4000:]
+    assert "failed" in moments, "the folder was never made read-only"
+    assert "M = 2 microbatches per step, one per replica group" in run.output
+    steps = sorted(run.steps())
+    assert steps == list(range(1, len(steps) + 1)) and 2 <= len(steps) < 10, steps
+    assert all(len(e["microbatches"]) == 2 for e in run.of("step"))
+    assert f"steps in these files : {len(steps)} of 10 committed" in run.output
+    assert "Read-only file system" in run.output
+    assert "cannot write the event log in" in run.output and "are lost with this process" in run.output
+    assert "cannot write a profiler trace" in run.output  # TorchTitan would stop the rank here
+    assert "could not be written in" in run.output and "the next checkpoint interval tries again" in run.output
+    assert "cannot write TensorBoard's log in" in run.output and "Exception in thread" not in run.output
+    assert "replica 1 rejoined at step" in run.output  # its restart, with the dump folder read-only
+    assert "still starting or waiting to rejoin when the run ended" not in run.output

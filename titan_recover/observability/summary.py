@@ -93,7 +93,12 @@ def format_summary(s: dict[str, Any], tokens_per_step: int) -> str:
     lines = [
         "titan_recover summary",
         *_files(s),
-        f"  steps committed      : {s['steps']}",
+        (
+            f"  steps in these files : {s['steps']} of {s['steps'] + len(s['missing_steps'])} committed; "
+            "the figures below are of these"
+            if s["missing_steps"]
+            else f"  steps committed      : {s['steps']}"
+        ),
         f"  microbatches per step: {s['microbatches_per_step']}",
         f"  failures             : {len(s['failures'])}",
     ]

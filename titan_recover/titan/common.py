@@ -5,10 +5,12 @@ of TorchTitan is imported."""
 # the import order matters here (see the module docstring): not sorted
 # isort: skip_file
 import dataclasses
+import functools
 import logging
 import os
 import shutil
 import sys
+import threading
 import time
 from collections import deque
 from typing import Any, Callable, TypeVar
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 TB_PENDING = 10_000  # log steps TensorBoard's logger keeps while its folder cannot take them
 REPORT_EVERY_S = 30.0  # ...and how often it says so (as the event log does)
+TB_RETRY_S = 10.0  # ...and how often it tries a new event file meanwhile (each try is a file and a thread)
 
 
 def load_config(argv: list[str], no_section: str) -> Any:
@@ -112,6 +115,37 @@ def save_or_report(save: Callable[[], T], step: int, checkpointer: Any, failed: 
     return None
 
 
+def surviving_profiler(build: Callable[[], T | None], what: str, write: str) -> T | None:
+    """One of TorchTitan's profilers (``build``), whose ``write`` method (its torch profiler's
+    ``on_trace_ready``, its memory profiler's ``step``) runs inside the training step: an ``OSError`` there
+    (the folder full, read-only, failing, removed) is said on the rank's log, that trace lost and the next one
+    tried, where TorchTitan would stop the rank. Traces are not kept in memory to write later (one is tens
+    of MiB to GiBs). A profiler that cannot make its folder at all is left out (None) for this incarnation.
+    A full disk under a torch trace raises nothing: Kineto logs ``Failed to write to log file!`` itself."""
+    try:
+        profiler = build()
+    except OSError as e:
+        _trace_lost(what, e, "no more of them from this incarnation")
+        return None
+    if profiler is not None:
+        method = getattr(profiler, write)
+
+        @functools.wraps(method)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            except OSError as e:
+                _trace_lost(what, e, "the next one is tried")
+                return None
+
+        setattr(profiler, write, guarded)
+    return profiler
+
+
+def _trace_lost(what: str, error: OSError, then: str) -> None:
+    log.warning(f"cannot write {what} ({type(error).__name__}: {error}): lost, {then}; the training goes on")
+
+
 def text_datasets() -> dict[str, Any]:
     """TorchTitan's text datasets by name (each a ``DatasetConfig``: path, loader, text processor)."""
     return DATASETS
@@ -120,9 +154,9 @@ def text_datasets() -> dict[str, Any]:
 class FlushingTensorBoard(TensorBoardLogger):
     """TorchTitan's TensorBoard logger, written out at every log step (a replica group can be SIGKILLed at
     any moment, and what its incarnation logged must be on disk by then), and kept going through a dump
-    folder that cannot take it (full, failing, removed): the log steps it could not write wait, up to
-    ``TB_PENDING`` (the oldest dropped past it), and go into a new event file once they can. A step written
-    just as the disk filled may then be in both files."""
+    folder that cannot take it (full, failing, read-only, removed): the log steps it could not write wait, up
+    to ``TB_PENDING`` (the oldest dropped past it), and go into a new event file once they can (tried every
+    ``TB_RETRY_S``). A step written just as the disk filled may then be in both files."""
 
     def __init__(self, log_dir: str) -> None:  # TorchTitan's makes its writer at once, which may fail here
         self.tag = None
@@ -130,9 +164,13 @@ class FlushingTensorBoard(TensorBoardLogger):
         self.writer: Any = None
         self.pending: deque[tuple[dict[str, Any], int]] = deque(maxlen=TB_PENDING)
         self._reported = 0.0
+        self._retry_at = 0.0
+        _quiet_writer_threads()
         self._write()
 
     def _write(self) -> None:
+        if time.monotonic() < self._retry_at:
+            return
         try:
             if self.writer is None:
                 self.writer = SummaryWriter(self.log_dir, max_queue=1000)
@@ -143,6 +181,7 @@ class FlushingTensorBoard(TensorBoardLogger):
         except Exception as e:  # noqa: BLE001  tensorboard's writer thread re-raises what it met, wrapped or not
             self._drop_writer()
             now = time.monotonic()
+            self._retry_at = now + TB_RETRY_S
             if now - self._reported >= REPORT_EVERY_S:
                 self._reported = now
                 log.warning(
@@ -165,7 +204,28 @@ class FlushingTensorBoard(TensorBoardLogger):
         self._write()
 
     def close(self) -> None:
+        """Writes what waits one last time; what still cannot be written is said and left."""
+        self._retry_at = 0.0
+        if self.pending:
+            self._write()
+        if self.pending:
+            log.error(f"TensorBoard's last {len(self.pending)} log steps are lost: {self.log_dir} cannot take them")
         self._drop_writer()
+
+
+def _quiet_writer_threads() -> None:
+    """TensorBoard's writer thread re-raises the write that failed, and Python prints its traceback at every
+    try; ``FlushingTensorBoard`` says it once per ``REPORT_EVERY_S`` instead. Other threads' errors print."""
+    default = threading.excepthook
+    if getattr(default, "quiets_tensorboard", False):
+        return
+
+    def hook(args: Any) -> None:
+        if not (isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+            default(args)
+
+    hook.quiets_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def metric_logger(metrics: Any, log_dir: str, logs_here: bool, wandb: Callable[[str], BaseLogger]) -> BaseLogger:

@@ -8,9 +8,10 @@ The job's ``[recover]`` section comes in through TorchTitan's ``job.custom_confi
 
 # the import order matters here (see the module docstring): not sorted
 # isort: skip_file
+import contextlib
 import dataclasses
 import importlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -35,6 +36,7 @@ from torchtitan.models.llama4.model.args import TransformerModelArgs as Llama4Mo
 from torchtitan.models.moe import MoEArgs
 from torchtitan.models.qwen3 import Qwen3ModelArgs
 from torchtitan.protocols import train_spec as specs
+import torchtitan.train
 from torchtitan.train import Trainer, main
 
 __all__ = ["BaseDataLoader", "IGNORE_INDEX", "JobConfig", "Tokenizer", "Trainer"]
@@ -178,6 +180,27 @@ class _GuardedCheckpointer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+def _surviving(enter: Callable[..., Any], what: str, write: str) -> Callable[..., Any]:
+    """``enter`` (one of 0.2's profiler context managers) whose profiler survives a folder that cannot take
+    its traces (``common.surviving_profiler``)."""
+
+    @contextlib.contextmanager
+    def surviving(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        with contextlib.ExitStack() as stack:
+            yield common.surviving_profiler(lambda: stack.enter_context(enter(*args, **kwargs)), what, write)
+
+    return surviving
+
+
+# 0.2's Trainer.train enters its profilers by these names, inside the loop this line cannot subclass
+torchtitan.train.maybe_enable_profiling = _surviving(
+    torchtitan.train.maybe_enable_profiling, "a profiler trace", "on_trace_ready"
+)
+torchtitan.train.maybe_enable_memory_snapshot = _surviving(
+    torchtitan.train.maybe_enable_memory_snapshot, "a memory snapshot", "step"
+)
 
 
 def guard_checkpointer(

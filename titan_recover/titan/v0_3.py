@@ -31,6 +31,7 @@ from torchtitan.config import ConfigManager
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 from torchtitan.models.common.moe import MoE
 from torchtitan.tools.logging import init_logger
+from torchtitan.tools.profiler import Profiler
 from torchtitan.trainer import Trainer as TitanTrainer
 
 __all__ = ["BaseDataLoader", "IGNORE_INDEX"]
@@ -72,12 +73,30 @@ class _TrainerData(BaseDataLoader):
             return self.build_fn(**kwargs)
 
 
+class GuardedProfiler(Profiler):
+    """TorchTitan's profilers, surviving a folder that cannot take their traces
+    (``common.surviving_profiler``)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Profiler.Config):
+        pass
+
+    def build_torch_profiler(self, **kwargs: Any) -> Any:
+        build = super(GuardedProfiler, self).build_torch_profiler
+        return common.surviving_profiler(lambda: build(**kwargs), "a profiler trace", "on_trace_ready")
+
+    def build_memory_profiler(self, **kwargs: Any) -> Any:
+        build = super(GuardedProfiler, self).build_memory_profiler
+        return common.surviving_profiler(lambda: build(**kwargs), "a memory snapshot", "step")
+
+
 def _fields(config: Any) -> dict[str, Any]:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
 
 
 class Trainer(TitanTrainer):
-    """TorchTitan's trainer with the ``recover`` section, titan_recover's data and the guarded checkpointer."""
+    """TorchTitan's trainer with the ``recover`` section, titan_recover's data and the guarded checkpointer and
+    profilers."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(TitanTrainer.Config):
@@ -86,6 +105,7 @@ class Trainer(TitanTrainer):
 
     def __init__(self, config: "Trainer.Config") -> None:
         config.checkpoint = GuardedCheckpointer.Config(**_fields(config.checkpoint))
+        config.profiler = GuardedProfiler.Config(**_fields(config.profiler))
         data = config.dataloader
         config.dataloader = _TrainerData.Config(
             dataset=data.dataset,
