@@ -3,8 +3,10 @@
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -237,3 +239,52 @@ def run_data_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "titan_recover.data", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
+
+
+class Node:
+    """One node's launcher, in a session of its own so that the whole node can be SIGKILLed."""
+
+    def __init__(self, name: str, dump: Path, args: list[str], env: dict[str, str]) -> None:
+        self.log = dump.parent / f"{name}.log"
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env=env,
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def kill_node(self) -> None:
+        """SIGKILL of the launcher and its whole tree: torchrun agent and ranks."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def notice(self, every_process: bool = False) -> float:
+        """A scheduler's notice that the node goes away: SIGTERM to the launcher (Kubernetes: the pod's
+        first process), or to every process of the node (Slurm, systemd). When it was sent (monotonic)."""
+        if every_process:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        else:
+            self.proc.send_signal(signal.SIGTERM)
+        return time.monotonic()
+
+    def __enter__(self) -> "Node":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.kill_node()
+
+
+def events(dump: Path) -> list[dict]:
+    """The run's events so far (a line still being written, after the last newline, is left for later)."""
+    path = dump / "recover_events.jsonl"
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []

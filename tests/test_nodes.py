@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -15,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import ROOT, Run, assert_all_rejoined, assert_same_trajectory
+from conftest import Node, Run, assert_all_rejoined, assert_same_trajectory, events
 
 from titan_recover.control import claims, keys, protocol, store_api, transport
 from titan_recover.control.client import ControlClient
@@ -81,46 +79,6 @@ def test_a_malformed_claim_is_refused_naming_the_key(client: ControlClient) -> N
     client.store.set(keys.owner_key(0), json.dumps({"launcher": 7, "host": "h", "pid": 1}))  # malformed on purpose
     with pytest.raises(claims.ClaimRefused, match=r"cannot tell who runs replica groups \[0\]: store key 'owner/0'"):
         claims.claim(client, Launcher.this(), [0], stale_s=0.1, log=print)
-
-
-class Node:
-    """One node's launcher, in a session of its own so that the whole node can be SIGKILLed."""
-
-    def __init__(self, name: str, dump: Path, args: list[str], env: dict[str, str]) -> None:
-        self.log = dump.parent / f"{name}.log"
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            args,
-            cwd=ROOT,
-            env=env,
-            stdout=self.log.open("w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def wait(self, timeout: float) -> int:
-        return self.proc.wait(timeout=timeout)
-
-    def output(self) -> str:
-        return self.log.read_text()
-
-    def kill_node(self) -> None:
-        """SIGKILL of the launcher and its whole tree: torchrun agent and ranks."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def __enter__(self) -> "Node":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.kill_node()
-
-
-def events(dump: Path) -> list[dict]:
-    """The run's events so far (a line still being written, after the last newline, is left for later)."""
-    path = dump / "recover_events.jsonl"
-    return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
 
 
 STEPS, HOLD = 10, 4

@@ -98,6 +98,14 @@ class Recover:
     startup_timeout_s: float = 600.0
     """How long a replica group may take to send its first heartbeat."""
 
+    notice_budget_s: float = 12.0
+    """How long a node told it will go away (SIGTERM to its launcher, or to every process of the node)
+    gives its replica groups to leave at a step boundary: each finishes the step it is in and leaves
+    before the next, its quota taken by the others, nothing computed again. A group still in its step
+    after this long is killed and failed at once (today's in-step recovery, with no detection time).
+    Set it a few seconds under the scheduler's grace: Kubernetes' 30 s by default, GKE's 15 s
+    (docs/elasticity.md)."""
+
     coordinator_timeout_s: float = 30.0
     """Every process of the run stops, with one line saying how to resume, when the coordinator
     shows no sign of life this long (frozen or its host gone); a killed one is noticed at once."""
@@ -295,6 +303,7 @@ _SECONDS = (
     "report_confirm_s",
     "collective_timeout_s",
     "startup_timeout_s",
+    "notice_budget_s",
     "coordinator_timeout_s",
     "progress_timeout_s",
     "restart_window_s",

@@ -54,7 +54,7 @@ from titan_recover.policy.fault_plan import Fault
 from titan_recover.policy.membership import Membership, diverged
 from titan_recover.rank import balancing, exact, transfer
 from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
-from titan_recover.rank.manager import ReplicaFenced, ReplicaManager, RunDone
+from titan_recover.rank.manager import ReplicaFenced, ReplicaLeaving, ReplicaManager, RunDone
 from titan_recover.rank.stock import StockTrainer
 from titan_recover.rank.trainer import BaseTrainer
 
@@ -94,6 +94,7 @@ class RecoverTrainer(BaseTrainer):
             rejoining=rejoining,
             resume_hint=resume_hint(job_config, titan.dump_folder(job_config)),
         )
+        procs.on_notice(self.manager.notice)  # SIGTERM to every process of the node: leave, do not die
         metrics = job_config.metrics
         wanted = metrics.enable_tensorboard, metrics.enable_wandb
         metrics.enable_tensorboard = metrics.enable_wandb = False  # TorchTitan's own write to a folder per start time
@@ -530,7 +531,12 @@ class RecoverTrainer(BaseTrainer):
             raise ReplicaDiverged(f"replica {self.replica}: {cause}")
 
     def train(self) -> None:
-        super().train()
+        try:
+            super().train()
+        except ReplicaLeaving as leaving:  # before a step: every step before it is committed
+            self.log.info(f"replica {self.replica} {leaving}: the other groups take its quota")
+            self.manager.leave(leaving)
+            return
         self.manager.finish()
 
     def close(self) -> None:

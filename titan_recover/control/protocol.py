@@ -211,10 +211,11 @@ class NodeMessage(Record):
 
 @dataclass(frozen=True)
 class Report(Record):
-    """A failure seen from a rank or a launcher. ``suspect`` names the failed group when the
-    reporter knows it; a broken replicate-dim collective names none. ``waiting``: no collective
-    broke, the reporter has waited long for its peers' commit votes or digests (a peer that died
-    between collectives): a silent member is failed, and if nobody is silent nothing is retried."""
+    """A failure seen from a rank or a launcher, or a group's own leave on notice (``left``). ``suspect``
+    names the failed group when the reporter knows it; a broken replicate-dim collective names none.
+    ``waiting``: no collective broke, the reporter has waited long for its peers' commit votes or digests
+    (a peer that died between collectives): a silent member is failed, and if nobody is silent nothing is
+    retried."""
 
     epoch: int
     cause: str
@@ -225,6 +226,8 @@ class Report(Record):
     error: str | None = None  # the job's own error, as the same text on every replica that raises it
     time: float = 0.0  # when it was written (wall clock)
     waiting: bool = False
+    left: bool = False  # ``suspect`` (the reporter's own group) leaves on notice before ``step``: no failure
+    notice_s: float | None = None  # a leave's: seconds from the notice to the leave
 
     REQUIRED = ("epoch", "cause")
 
@@ -251,6 +254,16 @@ class Report(Record):
             "waiting must be a boolean, and a waiting report names no suspect",
             rec,
         )
+        left = rec.get("left", False)
+        _require(
+            key,
+            isinstance(left, bool)
+            and not (left and (rec.get("suspect") is None or rec.get("suspect") != rec.get("replica"))),
+            "left must be a boolean, and a group leaves only on its own report (suspect = replica)",
+            rec,
+        )
+        notice = rec.get("notice_s")
+        _require(key, notice is None or (left and is_seconds(notice)), "notice_s must be a leave's seconds", rec)
         return Report(
             rec["epoch"],
             rec["cause"],
@@ -261,6 +274,8 @@ class Report(Record):
             error or None,
             float(when),
             waiting,
+            left,
+            None if notice is None else float(notice),
         )
 
 

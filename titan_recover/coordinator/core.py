@@ -149,6 +149,7 @@ class CoordinatorCore:
         self.views: dict[tuple[int, int], GroupView] = {}  # (replica, attempt) -> folded over its nodes
         self.asking: dict[int, int] = {}  # replica -> its latest incarnation whose ranks wait to join
         self.commit_epochs: dict[int, int] = {}  # step -> its commit epoch, for the steps this leader saw commit
+        self.leaving: dict[int, Report] = {}  # members whose own report says they leave on notice: no failure
 
     def take_over(self, state: CoordinatorState, history: dict[int, Membership], epoch: int) -> None:
         """Continues from the state a previous leader saved and the epochs the store holds (those from
@@ -280,6 +281,8 @@ class CoordinatorCore:
             self.reporters.add(report.replica)
         if suspect is not None and report.error and report.step is not None:
             self.errors[suspect] = (report.error, report.step)
+        if report.left and suspect in self.membership.members:
+            self.leaving.setdefault(suspect, report)  # taken out of the next epoch at once, as a failure is
         effects = self._drop_spare(suspect, report.cause) if suspect in self.state.spares else []
         self.detector.report(suspect, report.cause, now, report.waiting)
         return effects
@@ -303,11 +306,29 @@ class CoordinatorCore:
     # ---- failures -----------------------------------------------------------------------
 
     def on_failure(self, failed: dict[int, str], now: float) -> list[Effect]:
-        """The next epoch without ``failed`` (a retry when it is empty), or the run's stop."""
+        """The next epoch without ``failed`` (a retry when it is empty), or the run's stop. A member that
+        reported its own leave on notice (``leaving``) goes the same way, as a leave: no failure counted,
+        no slot held for its return."""
         wall, step, state = self.wall(), self.step(), self.state
         effects: list[Effect] = []
         first = wall
-        for replica, cause in sorted(failed.items()):
+        leaving = {r: self.leaving.pop(r) for r in failed if r in self.leaving}
+        for replica, report in sorted(leaving.items()):
+            effects += [
+                Emit(
+                    "left",
+                    {
+                        "replica": replica,
+                        "step": report.step if report.step is not None else step,
+                        "reason": report.cause,
+                        "notice_s": report.notice_s,
+                        "attempt": report.attempt,
+                    },
+                ),
+                Say(f"replica {replica} {report.cause}: its quota goes to the others"),
+            ]
+        crashed = {r: c for r, c in failed.items() if r not in leaving}
+        for replica, cause in sorted(crashed.items()):
             t, clock = self._failure_time(replica, wall, now)
             first = min(first, t)
             if replica in state.repairs:  # failed before its first step: what it was to repair is open again
@@ -329,8 +350,8 @@ class CoordinatorCore:
             new = next_membership(self.membership, failed, self.rules.min_replicas, self._still_joining())
         except TooFewReplicasError as e:
             return effects + [Stop(str(e))]
-        if failed:  # counted before the publish, so the state saved with it holds them
-            state.failures += len(failed)
+        if crashed:  # counted before the publish, so the state saved with it holds them
+            state.failures += len(crashed)
             state.last_recovery_s = latency = self.wall() - first
         effects += self._publish(new)
         for replica in failed:
@@ -338,7 +359,7 @@ class CoordinatorCore:
             # its launcher kills whatever is left of this incarnation (e.g. a hung rank)
             effects.append(FenceOut(replica, Fence(state.attempts[replica], new.epoch)))
         self.detector.set_members(new.members)
-        if failed:
+        if crashed:
             return effects + [
                 Emit(
                     "recovered", {"step": step, "epoch": new.epoch, "members": list(new.members), "latency_s": latency}
@@ -346,6 +367,8 @@ class CoordinatorCore:
                 Usage(step),
                 Say(f"epoch {new.epoch}: members {id_list(new.members)} (recovered in {latency:.3f}s)"),
             ]
+        if leaving:
+            return effects + [Say(f"epoch {new.epoch}: members {id_list(new.members)}")]
         return effects + [
             Say(
                 f"epoch {new.epoch}: retrying step {step} with the same members {id_list(new.members)} "

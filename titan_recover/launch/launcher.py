@@ -27,7 +27,7 @@ from titan_recover import config, titan
 from titan_recover.control import claims, keys, transport
 from titan_recover.control.addresses import LOOPBACK, local_host, route_address
 from titan_recover.control.client import ControlClient
-from titan_recover.control.keys import EXIT_BAD_INPUT
+from titan_recover.control.keys import EXIT_BAD_INPUT, EXIT_LEFT, EXIT_OK
 from titan_recover.control.lifeline import Heartbeat, one_line, store_errors
 from titan_recover.control.protocol import Launcher
 from titan_recover.control.sealed import Run
@@ -38,7 +38,7 @@ from titan_recover.launch.torchruns import Span, Torchruns, torchrun, with_threa
 from titan_recover.node import devices, warm
 from titan_recover.node.agent import NodeAgent
 from titan_recover.node.channel import remove_orphans, shm_dir
-from titan_recover.node.procs import EXITING_S, exit_lost, stop_within
+from titan_recover.node.procs import EXITING_S, exit_lost, on_notice, stop_within
 from titan_recover.observability import logs
 from titan_recover.observability.events import EventLog, event_files, events_path, remove_events
 from titan_recover.observability.summary import format_summary, summarize_events
@@ -220,6 +220,12 @@ class NodeLauncher:
         self.lifeline: Heartbeat | None = None
         self.lost_once = threading.Lock()
         self.me = Launcher.this()
+        self.noticed: float | None = None  # when SIGTERM told this node it goes away (wall clock)
+
+    def notice(self) -> None:
+        """SIGTERM's handler: this node goes away. It only notes the time; the loop acts on it."""
+        if self.noticed is None:
+            self.noticed = time.time()
 
     # ---- phases -------------------------------------------------------------------------
 
@@ -395,8 +401,15 @@ class NodeLauncher:
                     "starting another (the leader's lease passes to a live candidate)"
                 )
                 self.start_candidate()
-            if coordinator is None and self.groups.done():
+            if coordinator is None and self.groups.done() and self.groups.leave_by is None:
                 return
+            if self.noticed is not None and self.groups.leave_by is None:
+                budget = self.rc.notice_budget_s
+                log.info(
+                    f"this node goes away (SIGTERM): its replica groups {self.local} leave at their next step "
+                    f"boundary, within recover.notice_budget_s = {budget:g}s of the notice"
+                )
+                self.groups.leave(self.noticed, budget - (time.time() - self.noticed))
             try:
                 running = self.groups.watch(client)
             except errors as e:
@@ -427,6 +440,13 @@ class NodeLauncher:
         if self.lifeline is not None:
             self.lifeline.stop()  # the run is ending and the store ends with it
         self.groups.stop_standbys()
+        if self.groups.leave_by is not None:
+            log.info(
+                f"this node left the run on notice: replica groups {self.groups.left} at a step boundary"
+                + (f", {sorted(self.groups.given_up)} failed at once" if self.groups.given_up else "")
+                + "; the run goes on without them"
+            )
+            return EXIT_LEFT
         coordinator = self.coordinator
         if coordinator is not None:
             bound = self.rc.coordinator_timeout_s
@@ -531,6 +551,8 @@ def run_recover(
     launcher = NodeLauncher(job_config, argv, local, coordinator_address, part)
     try:
         launcher.start_coordinator()
+        if launcher.coordinator is None:  # the run's coordinator is elsewhere: this node can leave it
+            on_notice(launcher.notice)
         launcher.start_groups()
         client = launcher.register()
         if client is None:  # the coordinator ended on its own (0 or 1) and said why
@@ -604,5 +626,6 @@ def main(argv: list[str]) -> int:
             log.warning(f"no summary: the event logs {files} could not be read ({e!r})")
         else:
             print(format_summary(summary, tr.global_batch_size * tr.seq_len), flush=True)
-    log.info(f"{'finished' if code == 0 else 'FAILED'} in {time.time() - start:.1f}s; events: {path}")
+    outcome = {EXIT_OK: "finished", EXIT_LEFT: "left the run on notice"}.get(code, "FAILED")
+    log.info(f"{outcome} in {time.time() - start:.1f}s; events: {path}")
     return code

@@ -257,6 +257,8 @@ class Torchruns:
         self.given_up: set[int] = set()
         self.killed: dict[int, int] = {}
         self.outcome: int | None = None  # the run's exit status (1: fatal) once the coordinator ended it
+        self.leave_by: float | None = None  # this node was told it goes away: every group here is gone by then
+        self.left: list[int] = []  # groups that left at a step boundary
 
     def start(self, replica: int, attempt: int, meet: tuple[str, int] | None = None) -> None:
         """Starts that incarnation; a group that spans nodes meets at ``meet`` (part 0 picks a port)."""
@@ -299,7 +301,11 @@ class Torchruns:
 
     def report_exit(self, client: ControlClient, replica: int, code: int, note: str) -> None:
         """The group is certainly dead: say so first (faster than heartbeats)."""
-        cause = f"torchrun of replica {replica}{self.span.suffix} exited with code {code}{note}"
+        self.report_gone(
+            client, replica, f"torchrun of replica {replica}{self.span.suffix} exited with code {code}{note}"
+        )
+
+    def report_gone(self, client: ControlClient, replica: int, cause: str) -> None:
         client.report(
             Report(
                 epoch=max(self.agent.epoch, 0),
@@ -322,12 +328,52 @@ class Torchruns:
             if proc.poll() is None:
                 proc.kill()
 
+    def leave(self, noticed: float, budget_s: float) -> None:
+        """This node was told at ``noticed`` (wall clock) that it goes away within ``budget_s``: each group
+        here leaves at its next step boundary (its ranks read LEAVE in their channel), nothing restarts,
+        and the warm incarnations stop."""
+        if self.leave_by is not None:
+            return
+        self.leave_by = self.clock() + budget_s
+        self.agent.leave(noticed)
+        self.stop_standbys()
+
+    def _leaving(self, client: ControlClient) -> bool:
+        """One look while leaving: a group whose ranks all finished left; one that exited otherwise, or
+        is still in its step when the budget is spent (killed then), is failed at once, so the others
+        recover in-step without waiting for a detection. False once every group here is gone."""
+        now = self.clock()
+        assert self.leave_by is not None
+        for r, proc in self.procs.items():
+            if r in self.left or r in self.given_up:
+                continue
+            code = proc.poll()
+            if code is not None and self.agent.finished(r):
+                self.left.append(r)
+                log.info(f"{self.span.of(r)} left on notice at a step boundary (its torchrun exited with code {code})")
+            elif code is not None or now >= self.leave_by or self.agent.never_admitted(r):
+                if code is None:
+                    proc.kill()
+                    proc.wait()
+                self.given_up.add(r)
+                cause = (
+                    f"replica {r}{self.span.suffix} did not leave at a step boundary within "
+                    f"recover.notice_budget_s of its node's notice (torchrun exit code {proc.returncode})"
+                )
+                log.info(f"{cause}: reported failed at once")
+                if not self.agent.never_admitted(r):
+                    self.report_gone(client, r, cause)
+        return len(self.left) + len(self.given_up) < len(self.procs)
+
     def watch(self, client: ControlClient) -> bool:
-        """One look: kill fenced leftovers, report and restart failed groups; False once the run is ending."""
+        """One look: kill fenced leftovers, report and restart failed groups; False once the run is ending
+        (or, on notice, once this node's groups are gone)."""
         flags = self.agent.flags  # pushed with the epoch
         if flags:
             self.outcome = 1 if flags & FATAL else 0
             return False  # restart nothing
+        if self.leave_by is not None:
+            return self._leaving(client)
         now = self.clock()
         for report in self.agent.take_hangs():  # a rank of a local group stopped beating: fenced now
             client.report(report)

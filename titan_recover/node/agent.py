@@ -32,6 +32,7 @@ from titan_recover.node.channel import (
     DONE,
     FATAL,
     FINISHED,
+    LEAVE,
     PID,
     READY,
     RUNNING,
@@ -90,7 +91,8 @@ class NodeAgent:
     watches: dict[int, SlotWatch] = field(default_factory=dict)
     hang_timeout_s: float = 0.0  # > 0: report a rank silent this long (0: leave it to the coordinator)
     epoch: int = -1
-    flags: int = 0
+    flags: int = 0  # the run's, from the store (FATAL, DONE)
+    noticed: float | None = None  # when this node was told it goes away (wall clock): its ranks read LEAVE
     seq: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _waiter: threading.Thread | None = None
@@ -103,7 +105,7 @@ class NodeAgent:
         channel = Channel.create(replica, attempt, self.slots)
         with self._lock:
             old = self.channels.get(replica)
-            channel.publish(self.epoch, self.flags)
+            channel.publish(self.epoch, self._channel_flags(), self.noticed)
             self.channels[replica], self.attempts[replica] = channel, attempt
             self.watches[replica] = SlotWatch.new(self.slots, time.monotonic())
         if old is not None:
@@ -128,6 +130,15 @@ class NodeAgent:
             slots = self.channels[replica].read_slots()
         state, step = slots[:, STATE], slots[:, STEP]
         return bool(((state == RUNNING) | ((state == STARTING) & (step > 0))).all())
+
+    def finished(self, replica: int) -> bool:
+        """Every rank of the current incarnation of ``replica`` finished in order (the run's end, or a
+        leave at a step boundary): none died in a step."""
+        with self._lock:
+            if replica not in self.channels:
+                return False
+            states = self.channels[replica].read_slots()[:, STATE]
+        return bool((states == FINISHED).all())
 
     def never_admitted(self, replica: int) -> bool:
         """The current incarnation of ``replica`` is a restart none of whose ranks was ever admitted:
@@ -171,11 +182,22 @@ class NodeAgent:
             hangs, self._hangs = self._hangs, []
         return hangs
 
+    def _channel_flags(self) -> int:
+        return self.flags | (0 if self.noticed is None else LEAVE)
+
     def _publish(self, epoch: int, flags: int) -> None:
         with self._lock:
             self.epoch, self.flags = epoch, flags
             for channel in self.channels.values():
-                channel.publish(epoch, flags)
+                channel.publish(epoch, self._channel_flags())
+
+    def leave(self, noticed: float) -> None:
+        """Tells every local group's ranks that this node goes away (told at ``noticed``, wall clock):
+        each group leaves at its next step boundary (``ReplicaManager.start_step``)."""
+        with self._lock:
+            self.noticed = noticed
+            for channel in self.channels.values():
+                channel.publish(self.epoch, self._channel_flags(), noticed)
 
     def start(self, on_error: Callable[[str], None]) -> None:
         """Starts pushing epochs into the channels (a daemon thread with its own store client)."""

@@ -4,7 +4,7 @@ A rank never polls the coordinator's store for liveness or epochs: at thousands 
 those polls, not failures, would set recovery time. Instead each incarnation of a group gets
 a small shared-memory file on its node (``$TITAN_RECOVER_CHANNEL``), a fixed array of int64:
 
-    header: magic, epoch, flags (fatal, done), agent beat
+    header: magic, epoch, flags (fatal, done, leave), agent beat, the node's notice (wall-clock ms)
     one slot per local rank (``LOCAL_RANK``): beat, state, pid, step
 
 The agent pushes the epoch (it waits on the store, one wait per node) and bumps its beat;
@@ -31,8 +31,8 @@ MAGIC = 0x7469_7461_6E72_6563  # "titanrec": a file that is not a channel is ref
 HEADER, SLOT = 8, 4  # int64 words
 log = logging.getLogger(__name__)
 
-EPOCH, FLAGS, AGENT_BEAT = 1, 2, 3
-FATAL, DONE = 1, 2  # flag bits: the run failed / finished
+EPOCH, FLAGS, AGENT_BEAT, NOTICE_MS = 1, 2, 3, 4
+FATAL, DONE, LEAVE = 1, 2, 4  # flag bits: the run failed / finished / this node was told it goes away
 BEAT, STATE, PID, STEP = 0, 1, 2, 3  # slot words
 
 # a rank's state, as its slot says
@@ -116,7 +116,9 @@ class Channel:
 
     # ---- agent side -------------------------------------------------------------------
 
-    def publish(self, epoch: int, flags: int) -> None:
+    def publish(self, epoch: int, flags: int, notice: float | None = None) -> None:
+        if notice is not None:  # before the flags: a rank that sees LEAVE sees when the notice came
+            self.words[NOTICE_MS] = round(notice * 1000)
         self.words[FLAGS] = flags  # before the epoch: a rank that sees the epoch sees the flags
         self.words[EPOCH] = epoch
 
@@ -144,6 +146,10 @@ class Channel:
 
     def agent_beat(self) -> int:
         return int(self.words[AGENT_BEAT])
+
+    def notice(self) -> float:
+        """When the node's agent heard that the node goes away (wall clock; 0.0: no notice)."""
+        return int(self.words[NOTICE_MS]) / 1000
 
     def _slot(self, slot: int) -> int:
         if not 0 <= slot < self.slots:

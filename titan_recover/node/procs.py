@@ -65,6 +65,13 @@ def stop_within(proc: subprocess.Popen, timeout_s: float) -> bool:
         return False
 
 
+def on_notice(notice: Callable[[], None]) -> None:
+    """SIGTERM calls ``notice`` instead of ending this process: it is a scheduler's notice that the node
+    goes away (Kubernetes sends it to a pod's first process, Slurm and systemd to every process of the
+    node), and the process leaves in order within the notice (``recover.notice_budget_s``)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: notice())
+
+
 def dumps_stacks() -> None:
     """``kill -USR1 <pid>`` prints every thread's stack to this process's stderr: what a
     process that looks hung is doing, without stopping it (launcher, coordinator, ranks)."""

@@ -41,7 +41,18 @@ from titan_recover.control.protocol import FaultRecord, MessageError, Report, St
 from titan_recover.control.sealed import SealedStore
 from titan_recover.data.tokens import DataError
 from titan_recover.node import devices, procs
-from titan_recover.node.channel import CHANNEL_ENV, DONE, FATAL, FINISHED, READY, RUNNING, STARTING, Channel, RankBeat
+from titan_recover.node.channel import (
+    CHANNEL_ENV,
+    DONE,
+    FATAL,
+    FINISHED,
+    LEAVE,
+    READY,
+    RUNNING,
+    STARTING,
+    Channel,
+    RankBeat,
+)
 from titan_recover.observability import logs
 from titan_recover.policy import steps
 from titan_recover.policy.membership import Membership
@@ -64,6 +75,15 @@ class RunFatal(RuntimeError):
 
 class RunDone(Exception):
     """The run ended ``done`` while this (rejoining) group was still waiting to take part."""
+
+
+class ReplicaLeaving(Exception):
+    """This replica group's node was told it goes away: the group leaves before ``step``, having
+    committed every step before it (``ReplicaManager.start_step``)."""
+
+    def __init__(self, step: int, notice_s: float) -> None:
+        super().__init__(f"leaves on notice before step {step}, {notice_s:.1f}s after the notice")
+        self.step, self.notice_s = step, notice_s
 
 
 PEER_FAILURE = re.compile(r"gloo|nccl|connection|timed out|timeout|closed by peer|broken pipe", re.IGNORECASE)
@@ -142,6 +162,8 @@ class ReplicaManager:
         self._memberships: dict[int, Membership] = {}
         self._epoch_checked = (0.0, 0)
         self._start_told = False
+        self.noticed_at: float | None = None  # when this rank's node was told it goes away (wall clock)
+        self.leave_agreed = False  # ...and every rank of its group has (each acts at the same step boundary)
         # step records are written off the step's path (on etcd each is a Raft write), in order
         self._offers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-recover-steps")
         self._offered: list[Future[None]] = []
@@ -194,7 +216,15 @@ class ReplicaManager:
             raise RunFatal(self.control.fatal() or "the run stopped")
         if self.rejoining and flags & DONE:
             raise RunDone()  # the groups with state finished without us
+        if flags & LEAVE:
+            self.notice(self.channel.notice())
         return self.channel.epoch()
+
+    def notice(self, at: float | None = None) -> None:
+        """This rank's node goes away, told at ``at`` (its agent's LEAVE flag; None: now, a SIGTERM to the
+        rank itself)."""
+        if self.noticed_at is None:
+            self.noticed_at = at or time.time()
 
     def epoch_moved(self, epoch: int) -> bool:
         """Throttled check whether the coordinator has published an epoch after ``epoch``
@@ -207,16 +237,19 @@ class ReplicaManager:
         return self._epoch_checked[1] > epoch
 
     def agree_epoch(self, newer_than: int = -1) -> int:
-        """The epoch every rank of this replica group continues in (max of their views)."""
+        """The epoch every rank of this replica group continues in (max of their views); whether one of
+        them heard of a leave rides along (``leave_agreed``), so every rank of the group knows it at once."""
         deadline = time.monotonic() + self.rc.collective_timeout_s
         while (epoch := self._read_epoch()) <= newer_than:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no epoch after {newer_than} within {self.rc.collective_timeout_s}s")
             time.sleep(EPOCH_POLL_S)
+        leave = self.noticed_at is not None
         if self.group_size > 1:
-            t = torch.tensor([epoch], dtype=torch.int64, device=self.device)
+            t = torch.tensor([epoch, int(leave)], dtype=torch.int64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            epoch = int(t.item())
+            epoch, leave = int(t[0].item()), bool(t[1].item())
+        self.leave_agreed = self.leave_agreed or leave
         return epoch
 
     def group_all(self, ok: bool) -> bool:
@@ -249,7 +282,30 @@ class ReplicaManager:
         if not self.rejoining and not self._start_told:
             self.control.tell_start_step(step - 1)
             self._start_told = True
-        return self.agree_epoch()
+        epoch = self.agree_epoch()
+        if self.leave_agreed and not self.rejoining:
+            self.noticed_at = self.noticed_at or time.time()  # a peer of the group heard it first
+            raise ReplicaLeaving(step, time.time() - self.noticed_at)
+        return epoch
+
+    def leave(self, leaving: ReplicaLeaving) -> None:
+        """The group leaves before ``leaving.step``: its step records are written, and its first rank tells
+        the coordinator, which takes the group out of the next epoch at once (no detection, no failure)."""
+        self.flush_steps()
+        if self.group_rank == 0:
+            self.control.report(
+                Report(
+                    epoch=max(self.channel.epoch(), 0),
+                    cause=f"left on notice before step {leaving.step} ({leaving.notice_s:.1f}s after the notice)",
+                    replica=self.replica,
+                    suspect=self.replica,
+                    step=leaving.step,
+                    attempt=self.attempt,
+                    left=True,
+                    notice_s=round(leaving.notice_s, 3),
+                )
+            )
+        self.finish()
 
     def allreduce(self, membership: Membership, tensors: list[torch.Tensor], on_launched: Callable[[], None]) -> bool:
         """Sums ``tensors`` in place across ``membership``'s replicas; False (reported, the

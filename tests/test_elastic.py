@@ -1,0 +1,109 @@
+"""Elastic runs: a node told it goes away (SIGTERM to its launcher, or to every process of the node) takes its
+replica groups out at a step boundary, and the others go on with every step's M microbatches; a notice too
+short for the step falls back to in-step recovery at once. Two launchers on one host stand for two nodes."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SINGLES, Node, Run, assert_same_trajectory, events
+
+from titan_recover.control import keys, transport
+from titan_recover.control.keys import EXIT_LEFT
+from titan_recover.titan.jobs import job
+from titan_recover.tools.partitions import wait_until
+
+LAST = 10  # SINGLES' steps
+# replica 1 holds step 4 (inside its backward) long enough for the notice to arrive while it is in the step
+HOLD_STEP, HOLD_S = 4, 4
+
+
+def two_nodes(dump: Path, *overrides: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """The tests' tiny job on two launchers: A runs the coordinator and replica 0, B replica 1."""
+    port = transport.free_port()
+    args = [
+        sys.executable,
+        "-m",
+        "titan_recover.launch",
+        *job(dump, tiny=True),
+        *SINGLES,
+        "--recover.coordinator_port",
+        str(port),
+        "--recover.coordinator_bind",
+        "127.0.0.1",
+        *overrides,
+    ]
+    env = {**os.environ, keys.SECRET_ENV: "elastic-test-secret", "PYTHONUNBUFFERED": "1"}
+    return (
+        args,
+        {**env, keys.REPLICAS_ENV: "0"},
+        {**env, keys.REPLICAS_ENV: "1", keys.COORDINATOR_ENV: f"127.0.0.1:{port}"},
+    )
+
+
+def steps(dump: Path) -> list[dict]:
+    return [e for e in events(dump) if e["event"] == "step"]
+
+
+def run_with_notice(tmp_path: Path, every_process: bool, *overrides: str) -> tuple[Run, Node, float]:
+    """Node B gets its notice while replica 1 is in step 4's backward (held there ``HOLD_S``): A's run, node B,
+    and how long after the notice B's launcher exited."""
+    dump = tmp_path / "dump"
+    hold = f"sleep replica=1 step={HOLD_STEP} phase=backward seconds={HOLD_S}"
+    args, env_a, env_b = two_nodes(dump, "--recover.fault_plan", hold, *overrides)
+    with Node("a", dump, args, env_a) as a, Node("b", dump, args, env_b) as b:
+        wait_until(f"step {HOLD_STEP - 1}", lambda: len(steps(dump)) >= HOLD_STEP - 1, 240, [a, b])
+        time.sleep(1.0)  # replica 1 is in its hold by now
+        sent = b.notice(every_process)
+        code_b = b.wait(timeout=120)
+        gone_s = time.monotonic() - sent
+        assert code_b == EXIT_LEFT, b.output()[-4000:]
+        assert a.wait(timeout=240) == 0, a.output()[-4000:]
+    return Run(0, a.output(), events(dump)), b, gone_s
+
+
+@pytest.mark.parametrize("every_process", [False, True], ids=["launcher", "every-process"])
+def test_a_node_told_it_goes_away_leaves_at_the_step_boundary_and_the_run_keeps_its_trajectory(
+    tmp_path: Path, two_singles: Run, every_process: bool
+) -> None:
+    """SIGTERM to node B's launcher (Kubernetes), or to every process of node B (Slurm: torchrun's agent and
+    the rank too), while replica 1 is inside step 4: replica 1 finishes step 4 with replica 0, leaves before
+    step 5 (nothing of it computed again: no failure, no retry, no detection), B's processes are gone within
+    the notice budget by themselves (exit 4), and replica 0 finishes alone with every step's 4 microbatches
+    and the failure-free twin's data."""
+    run, b, gone_s = run_with_notice(tmp_path, every_process)
+    print(f"node B gone {gone_s:.1f}s after its notice")
+    [left] = run.of("left")
+    assert left["replica"] == 1 and left["step"] == HOLD_STEP + 1, left
+    assert left["notice_s"] is not None and 0 <= left["notice_s"] < 12, left
+    assert not run.of("failure") and not run.of("recovered"), (run.of("failure"), run.of("recovered"))
+    assert gone_s < 12, gone_s  # recover.notice_budget_s: B's groups and B itself left by themselves
+    for s, e in run.steps().items():
+        assert e["members"] == ([0, 1] if s <= HOLD_STEP else [0]), (s, e)
+    assert run.steps()[HOLD_STEP]["quotas"].get("1", 0) > 0  # replica 1's work of step 4 counted, not redone
+    assert_same_trajectory(two_singles, run, rel_tol=1e-5, num_microbatches=4)
+    assert f"replica 1 left on notice before step {HOLD_STEP + 1}" in run.output
+    assert "this node left the run on notice: replica groups [1] at a step boundary" in b.output()
+    assert "left the run on notice in" in b.output()
+    assert "Traceback" not in run.output, run.output[-4000:]
+
+
+def test_a_notice_shorter_than_the_step_falls_back_to_in_step_recovery_at_once(tmp_path: Path) -> None:
+    """A notice budget of 1 s while replica 1 holds step 4 for 4 s: at the budget node B kills the group and
+    reports it failed at once (no heartbeat timeout), replica 0 finishes step 4 in-step with all 4
+    microbatches, and B still exits as a node that left."""
+    run, b, gone_s = run_with_notice(tmp_path, False, "--recover.notice_budget_s", "1")
+    assert not run.of("left")
+    [failure] = run.of("failure")
+    assert failure["replica"] == 1 and failure["step"] == HOLD_STEP, failure
+    assert "did not leave at a step boundary within recover.notice_budget_s" in failure["cause"], failure
+    # failed by the budget (about 1 s after the notice, itself 1 s into the hold), not found after the hold
+    assert failure["detected"] - failure["time"] < HOLD_S, failure
+    assert gone_s < 1 + 5, gone_s
+    assert all(len(e["microbatches"]) == 4 for e in run.of("step"))
+    assert sorted(run.steps()) == list(range(1, LAST + 1))
+    assert "failed at once" in b.output()
