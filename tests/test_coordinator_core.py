@@ -79,6 +79,46 @@ def test_a_failed_member_is_fenced_in_a_new_epoch() -> None:
     assert effects.index(Save()) < effects.index(FenceOut(1, Fence(0, 1)))
 
 
+def test_a_member_that_reports_its_own_leave_leaves_in_a_new_epoch_without_a_failure() -> None:
+    """A leave on notice goes out of the membership as a failure does, at once, but is no failure: no
+    failure counted, no recovery, no slot held for its return (``down_since``)."""
+    c = core()
+    leave = Report(
+        epoch=0, cause="left on notice before step 5", replica=1, suspect=1, step=5, attempt=0, left=True, notice_s=2.5
+    )
+    c.on_report(leave, now=1.0)
+    failed, _ = c.detector.decide(now=1.0)
+    assert failed == {1: "left on notice before step 5"}  # no detection timeout
+    effects = c.on_failure(failed, now=1.0)
+    assert of(effects, Publish) == [Publish(Membership(1, (0, 2)))]
+    assert of(effects, FenceOut) == [FenceOut(1, Fence(0, 1))]
+    [left] = of(effects, Emit)
+    assert left.event == "left" and left.fields == {
+        "replica": 1,
+        "step": 5,
+        "reason": "left on notice before step 5",
+        "notice_s": 2.5,
+        "attempt": 0,
+    }
+    assert c.state.failures == 0 and c.state.down_since == {} and not c.leaving
+
+
+def test_a_leave_and_a_crash_in_one_decision_are_told_apart() -> None:
+    c = core()
+    c.on_report(Report(epoch=0, cause="left", replica=2, suspect=2, step=3, left=True), now=1.0)
+    effects = c.on_failure({1: "torchrun exited", 2: "left"}, now=1.0)
+    assert events(effects) == ["left", "failure", "recovered"]
+    assert c.membership.members == (0,) and c.state.failures == 1 and list(c.state.down_since) == [1]
+
+
+def test_a_report_of_a_leave_for_another_group_is_refused() -> None:
+    raw = {"epoch": 0, "cause": "left", "replica": 0, "suspect": 1, "left": True}
+    with pytest.raises(MessageError, match="a group leaves only on its own report"):
+        Report.from_json("report/1", raw)
+    with pytest.raises(MessageError, match="notice_s must be a leave's seconds"):
+        Report.from_json("report/1", {**raw, "suspect": 0, "notice_s": "soon"})
+
+
 def test_an_injected_fault_time_is_the_failure_time() -> None:
     c = core(fault_time=lambda replica, attempt: 990.0 if (replica, attempt) == (2, 0) else None)
     failure = of(c.on_failure({2: "killed"}, now=10.0), Emit)[0]

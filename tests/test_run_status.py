@@ -85,7 +85,7 @@ def test_a_group_goes_live_fenced_restarting_joining_live_from_the_events_alone(
     assert snap["failures"][0]["detection_s"] == pytest.approx(0.5) and snap["failures"][0]["recovery_s"] == 0.7
     assert snap["rejoins"][0]["downtime_s"] == 7.0
     assert snap["series"]["live_groups"] == [2, 1, 2] and snap["series"]["step_time_s"] == [None, 2.0, 6.0]
-    assert snap["counts"] == {"failures": 1, "rejoins": 1, "steps": 3, "digest_mismatches": 0}
+    assert snap["counts"] == {"failures": 1, "leaves": 0, "rejoins": 1, "steps": 3, "digest_mismatches": 0}
     assert [g["nodes"] for g in snap["groups"]] == [["n0"], ["n0"], ["n1"]]
 
 
@@ -117,6 +117,24 @@ def test_steps_read_out_of_order_are_plotted_in_order() -> None:
     for n in (1, 3, 2):
         h.add(step(n, [0], {"0": 1}, T0 + n))
     assert h.snapshot(None, T0)["series"]["step"] == [1, 2, 3]
+
+
+def test_a_group_that_left_on_notice_is_left_not_fenced_and_counted_apart() -> None:
+    h = RunHistory(replicas=2, replica_ids=2, steps=10)
+    h.add(step(1, [0, 1], {"0": 2, "1": 2}, T0))
+    h.add({"event": "left", "replica": 1, "step": 2, "reason": "left on notice", "notice_s": 1.5, "time": T0 + 1})
+    h.add(step(2, [0], {"0": 4}, T0 + 2))
+    snap = h.snapshot(None, T0 + 3)
+    assert {g["replica"]: g["state"] for g in snap["groups"]} == {0: "live", 1: "left"}
+    assert snap["counts"]["leaves"] == 1 and snap["counts"]["failures"] == 0
+    assert snap["leaves"][0] | {"time": 0} == {
+        "replica": 1,
+        "step": 2,
+        "reason": "left on notice",
+        "notice_s": 1.5,
+        "time": 0,
+    }
+    assert "left on notice: 1" in format_status(snap)
 
 
 def test_the_tail_reads_whole_lines_once_new_files_too_and_each_step_once(tmp_path: Path) -> None:
@@ -153,7 +171,7 @@ def test_prometheus_names_follow_its_conventions_and_count_what_happened() -> No
     assert samples["titan_recover_recovery_latency_seconds_count"].value == 1
     assert samples["titan_recover_recovery_latency_seconds_sum"].value == pytest.approx(0.3)
     by_state = {s.labels["state"]: s.value for s in families["titan_recover_groups"].samples}
-    assert by_state == {"live": 1, "fenced": 1, "restarting": 0, "joining": 0, "spare": 0}
+    assert by_state == {"live": 1, "fenced": 1, "restarting": 0, "joining": 0, "spare": 0, "left": 0}
     quota = {s.labels["replica"]: s.value for s in families["titan_recover_group_microbatches"].samples}
     assert quota == {"0": 4, "1": 0}
 

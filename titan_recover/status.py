@@ -62,6 +62,12 @@ def format_status(s: dict[str, Any]) -> str:
         f"(detected in {_s(f['detection_s'])}, recovered in {_s(f['recovery_s'], 3)})"
         for f in s["failures"][:5]
     ]
+    if s["counts"]["leaves"]:
+        lines.append(f"left on notice: {s['counts']['leaves']}")
+        lines += [
+            f"  replica {e['replica']} before step {e['step']}, {_s(e['notice_s'], 1)} after the notice"
+            for e in s["leaves"][:5]
+        ]
     lines.append(f"rejoins: {s['counts']['rejoins']}")
     lines += [
         f"  replica {r['replica']}{spare_note(r)} at step {r['step']}: down "

@@ -8,7 +8,8 @@ read back from its event files alone (``python -m titan_recover.status --events`
 
 A group's state, in this order: ``joining`` (admitted, no step committed with it yet), ``spare``
 (ready outside the membership), ``live`` (a member), ``restarting`` (out of the membership, a
-newer incarnation started), ``fenced`` (failed, no newer incarnation yet).
+newer incarnation started), ``left`` (out of the membership on its node's notice, no newer incarnation
+yet), ``fenced`` (failed, no newer incarnation yet).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from typing import Any
 
 from titan_recover.observability import phases
 
-STATES = ("live", "fenced", "restarting", "joining", "spare")
+STATES = ("live", "fenced", "restarting", "joining", "spare", "left")
 MAX_POINTS = 1500  # plotted points per series: a long run's history is sampled down to this
 RATE_STEPS = 10  # steps/s over this many latest steps
-RECENT = 50  # failures and rejoins listed (newest)
+RECENT = 50  # failures, leaves and rejoins listed (newest)
 PHASE_EVENTS = frozenset({"failure", "recovered", "recovery_moments", "group_started", "admitted", "rejoined"})
 
 
@@ -54,6 +55,7 @@ class _Group:
     admitted_at: float | None = None  # the last admission
     joining: bool = False  # admitted, no step committed with it yet
     spare: bool = False  # ready, waiting outside the membership
+    left: bool = False  # its last incarnation left on notice (not a failure)
 
 
 def _sample(n: int) -> list[int]:
@@ -87,6 +89,7 @@ class RunHistory:
         self.live: list[int] = []
         self.quotas: dict[str, int] = {}  # the last step's microbatches per replica
         self.failures: list[dict[str, Any]] = []
+        self.leaves: list[dict[str, Any]] = []
         self.rejoins: list[dict[str, Any]] = []
         self.recovery_s: list[float] = []
         self.phase_events: list[dict[str, Any]] = []  # what ``phases.recoveries`` reads: a few per failure
@@ -169,6 +172,15 @@ class RunHistory:
             }
         )
 
+    def _on_left(self, e: dict[str, Any], t: float) -> None:
+        group = self._group(e)
+        if group is not None:
+            group.failed_at, group.failed_attempt, group.joining, group.spare = t, group.attempt, False, False
+            group.left = True
+        if isinstance(e.get("replica"), int) and e["replica"] in self.members:
+            self.members = [m for m in self.members if m != e["replica"]]
+        self.leaves.append({k: e.get(k) for k in ("replica", "step", "reason", "notice_s")} | {"time": t})
+
     def _on_recovered(self, e: dict[str, Any], t: float) -> None:
         if isinstance(e.get("members"), list):
             self.members = e["members"]
@@ -245,7 +257,7 @@ class RunHistory:
         newest = live.groups[replica].attempt if live is not None and replica in live.groups else group.attempt
         if group.started_at > (group.failed_at or 0.0) or newest > group.failed_attempt:
             return "restarting"
-        return "fenced"
+        return "left" if group.left else "fenced"
 
     def _rate(self) -> float | None:
         n = min(len(self.steps), RATE_STEPS + 1)
@@ -304,6 +316,7 @@ class RunHistory:
             "groups": groups,
             "failures": failures,
             "rejoins": self.rejoins[-RECENT:][::-1],
+            "leaves": self.leaves[-RECENT:][::-1],
             "digests": {
                 "steps": sorted(self.digest_steps)[-RECENT:],
                 "mismatches": self.mismatches,
@@ -320,6 +333,7 @@ class RunHistory:
             },
             "counts": {
                 "failures": len(self.failures),
+                "leaves": len(self.leaves),
                 "rejoins": len(self.rejoins),
                 "steps": len(self.steps),
                 "digest_mismatches": self.mismatches,

@@ -193,6 +193,9 @@ class Metrics:
         counts = s["counts"]
         yield CounterMetricFamily("titan_recover_failures", "Replica group failures.", value=counts["failures"])
         yield CounterMetricFamily(
+            "titan_recover_leaves", "Replica groups that left on their node's notice.", value=counts["leaves"]
+        )
+        yield CounterMetricFamily(
             "titan_recover_rejoins", "Replica groups back with a live peer's state.", value=counts["rejoins"]
         )
         yield CounterMetricFamily(

@@ -32,6 +32,7 @@ def summarize_events(*paths: str, last_step: int | None = None) -> dict[str, Any
         "final_members": steps[-1]["members"] if steps else [],
         "final_loss": steps[-1]["loss"] if steps else None,
         "fatal": [e["error"] for e in events if e["event"] == "fatal"],
+        "left": [{k: e.get(k) for k in ("replica", "step", "notice_s")} for e in events if e["event"] == "left"],
         "rejoined": [
             {k: e.get(k) for k in ("replica", "step", "downtime_s", "transfer_s", "bytes", "replaces")}
             for e in events
@@ -110,6 +111,13 @@ def format_summary(s: dict[str, Any], tokens_per_step: int) -> str:
         for r in s["recoveries"]:
             how = "" if r["warm"] is None else " (restarted warm)" if r["warm"] else " (restarted cold)"
             lines.append(f"    replica {r['replica']} at step {r['step']}{how}: {phases.timeline(r)}")
+    if s["left"]:
+        lines.append(f"  left on notice       : {len(s['left'])}")
+        lines += [
+            f"    replica {e['replica']} before step {e['step']}"
+            + ("" if e["notice_s"] is None else f", {e['notice_s']:.1f}s after the notice")
+            for e in s["left"]
+        ]
     lines.append(f"  rejoined             : {len(s['rejoined'])}")
     lines += [
         f"    replica {r['replica']}{spare_note(r)} at step {r['step']}: down {r['downtime_s']:.1f}s, "
