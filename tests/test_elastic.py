@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SINGLES, Node, Run, assert_same_trajectory, events
+from conftest import SINGLES, Node, Run, assert_all_rejoined, assert_same_trajectory, events
 
 from titan_recover.control import keys, transport
 from titan_recover.control.keys import EXIT_LEFT
@@ -49,12 +49,20 @@ def steps(dump: Path) -> list[dict]:
     return [e for e in events(dump) if e["event"] == "step"]
 
 
-def run_with_notice(tmp_path: Path, every_process: bool, *overrides: str) -> tuple[Run, Node, float]:
+BACK_STEP, BACK_HOLD_S = 7, 40  # replica 0 holds step 7 while node B comes back (a new launcher, a cold start)
+
+
+def run_with_notice(
+    tmp_path: Path, every_process: bool, *overrides: str, comes_back: bool = False
+) -> tuple[Run, Node, float]:
     """Node B gets its notice while replica 1 is in step 4's backward (held there ``HOLD_S``): A's run, node B,
-    and how long after the notice B's launcher exited."""
+    and how long after the notice B's launcher exited. ``comes_back``: B's command is started again once it
+    left, and its group rejoins while replica 0 holds step 7."""
     dump = tmp_path / "dump"
-    hold = f"sleep replica=1 step={HOLD_STEP} phase=backward seconds={HOLD_S}"
-    args, env_a, env_b = two_nodes(dump, "--recover.fault_plan", hold, *overrides)
+    plan = f"sleep replica=1 step={HOLD_STEP} phase=backward seconds={HOLD_S}"
+    if comes_back:
+        plan += f"; sleep replica=0 step={BACK_STEP} phase=optimizer seconds={BACK_HOLD_S}"
+    args, env_a, env_b = two_nodes(dump, "--recover.fault_plan", plan, *overrides)
     with Node("a", dump, args, env_a) as a, Node("b", dump, args, env_b) as b:
         wait_until(f"step {HOLD_STEP - 1}", lambda: len(steps(dump)) >= HOLD_STEP - 1, 240, [a, b])
         time.sleep(1.0)  # replica 1 is in its hold by now
@@ -62,31 +70,43 @@ def run_with_notice(tmp_path: Path, every_process: bool, *overrides: str) -> tup
         code_b = b.wait(timeout=120)
         gone_s = time.monotonic() - sent
         assert code_b == EXIT_LEFT, b.output()[-4000:]
+        if comes_back:
+            with Node("b2", dump, args, env_b) as b2:
+                assert b2.wait(timeout=240) == 0, b2.output()[-4000:]
         assert a.wait(timeout=240) == 0, a.output()[-4000:]
     return Run(0, a.output(), events(dump)), b, gone_s
 
 
-@pytest.mark.parametrize("every_process", [False, True], ids=["launcher", "every-process"])
+@pytest.mark.parametrize("every_process", [False, True], ids=["launcher-and-back", "every-process"])
 def test_a_node_told_it_goes_away_leaves_at_the_step_boundary_and_the_run_keeps_its_trajectory(
     tmp_path: Path, two_singles: Run, every_process: bool
 ) -> None:
     """SIGTERM to node B's launcher (Kubernetes), or to every process of node B (Slurm: torchrun's agent and
     the rank too), while replica 1 is inside step 4: replica 1 finishes step 4 with replica 0, leaves before
     step 5 (nothing of it computed again: no failure, no retry, no detection), B's processes are gone within
-    the notice budget by themselves (exit 4), and replica 0 finishes alone with every step's 4 microbatches
-    and the failure-free twin's data."""
-    run, b, gone_s = run_with_notice(tmp_path, every_process)
+    the notice budget by themselves (exit 4), and replica 0 goes on alone with every step's 4 microbatches
+    and the failure-free twin's data. After the launcher's notice, B's command started again brings its
+    group back: admitted, its state from replica 0, no checkpoint."""
+    comes_back = not every_process
+    run, b, gone_s = run_with_notice(tmp_path, every_process, comes_back=comes_back)
     print(f"node B gone {gone_s:.1f}s after its notice")
     [left] = run.of("left")
     assert left["replica"] == 1 and left["step"] == HOLD_STEP + 1, left
     assert left["notice_s"] is not None and 0 <= left["notice_s"] < 12, left
     assert not run.of("failure") and not run.of("recovered"), (run.of("failure"), run.of("recovered"))
     assert gone_s < 12, gone_s  # recover.notice_budget_s: B's groups and B itself left by themselves
+    back = run.of("rejoined")[0]["step"] if comes_back else LAST + 1
+    assert back > HOLD_STEP + 1
     for s, e in run.steps().items():
-        assert e["members"] == ([0, 1] if s <= HOLD_STEP else [0]), (s, e)
+        assert e["members"] == ([0, 1] if s <= HOLD_STEP or s >= back else [0]), (s, e)
     assert run.steps()[HOLD_STEP]["quotas"].get("1", 0) > 0  # replica 1's work of step 4 counted, not redone
     assert_same_trajectory(two_singles, run, rel_tol=1e-5, num_microbatches=4)
+    if comes_back:
+        [rejoined] = run.of("rejoined")
+        assert rejoined["replica"] == 1 and rejoined["bytes"] > 0, rejoined
+        assert_all_rejoined(run, 2, LAST)  # the same parameters on both at the end
     assert f"replica 1 left on notice before step {HOLD_STEP + 1}" in run.output
+    assert "left on notice       : 1" in run.output and "failures             : 0" in run.output
     assert "this node left the run on notice: replica groups [1] at a step boundary" in b.output()
     assert "left the run on notice in" in b.output()
     assert "Traceback" not in run.output, run.output[-4000:]
