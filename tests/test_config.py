@@ -82,6 +82,8 @@ def test_cli_overrides_reach_the_section() -> None:
         (["--recover.heartbeat_interval_s", "0"], "recover.heartbeat_interval_s"),
         (["--recover.report_confirm_s", "-1"], "recover.report_confirm_s"),
         (["--recover.notice_budget_s", "0"], "recover.notice_budget_s"),
+        (["--recover.max_replicas", "1"], "recover.max_replicas"),
+        (["--recover.max_replicas", "99"], "recover.max_replicas"),
         (["--recover.coordinator_port", "70000"], "recover.coordinator_port"),
         (["--recover.policy", "nosuch"], "recover.policy"),
         (["--recover.fault_plan", "explode replica=1 step=2"], "recover.fault_plan"),

@@ -5,21 +5,44 @@ short for the step falls back to in-step recovery at once. Two launchers on one 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import SINGLES, Node, Run, assert_all_rejoined, assert_same_trajectory, events
+from conftest import ROOT, SINGLES, Node, Run, assert_all_rejoined, assert_same_trajectory, events
 
 from titan_recover.control import keys, transport
 from titan_recover.control.keys import EXIT_LEFT
+from titan_recover.control.protocol import Drain, MessageError
+from titan_recover.drain import DrainError, parse_ids, plan
 from titan_recover.titan.jobs import job
 from titan_recover.tools.partitions import wait_until
 
 LAST = 10  # SINGLES' steps
 # replica 1 holds step 4 (inside its backward) long enough for the notice to arrive while it is in the step
 HOLD_STEP, HOLD_S = 4, 4
+
+
+@pytest.mark.unit
+def test_a_drain_names_members_only_and_leaves_one_at_least() -> None:
+    assert parse_ids("1,3") == [1, 3]
+    for bad in ("", "1,x", "1,1", "-1"):
+        with pytest.raises(DrainError, match="--replicas"):
+            parse_ids(bad)
+    assert plan([1], (0, 1, 2), 4, {1: 2}) == {1: 2}  # the incarnation that runs now
+    with pytest.raises(DrainError, match=r"replica group\(s\) \[5\] are not members of the run's epoch 4"):
+        plan([1, 5], (0, 1, 2), 4, {})
+    with pytest.raises(DrainError, match="would leave no replica group"):
+        plan([0, 1], (0, 1), 4, {})
+
+
+@pytest.mark.unit
+def test_a_drain_record_is_checked_as_it_is_read() -> None:
+    assert Drain.loads("drain/1", b'{"attempt": 2, "reason": "disk swap", "time": 5.0}') == Drain(2, "disk swap", 5.0)
+    with pytest.raises(MessageError, match="attempt must be an integer >= 0"):
+        Drain.loads("drain/1", b'{"attempt": -1, "reason": "x", "time": 5.0}')
 
 
 def two_nodes(dump: Path, *overrides: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
@@ -127,3 +150,73 @@ def test_a_notice_shorter_than_the_step_falls_back_to_in_step_recovery_at_once(t
     assert all(len(e["microbatches"]) == 4 for e in run.of("step"))
     assert sorted(run.steps()) == list(range(1, LAST + 1))
     assert "failed at once" in b.output()
+
+
+def drain(env: dict[str, str], port: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "titan_recover.drain", "--coordinator", f"127.0.0.1:{port}", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_operators_drain_has_one_group_leave_and_its_node_go_on_with_the_other(tmp_path: Path) -> None:
+    """One launcher runs both groups and the coordinator; ``python -m titan_recover.drain --replicas 1`` while
+    replica 1 holds step 4 for 10 s: replica 1 leaves at the step boundary (a ``left`` event, no failure), the launcher
+    keeps replica 0 and ends the run with exit 0, every step with its 4 microbatches. Draining a group that is
+    no member, or every member, stops with exit 2 naming it, and drains nothing."""
+    dump = tmp_path / "dump"
+    hold = f"sleep replica=1 step={HOLD_STEP} phase=backward seconds=10"  # the drain command imports torch
+    args, env, _ = two_nodes(dump, "--recover.fault_plan", hold)
+    port = int(args[args.index("--recover.coordinator_port") + 1])
+    with Node("a", dump, args, {**env, keys.REPLICAS_ENV: "0,1"}) as a:
+        wait_until(f"step {HOLD_STEP - 1}", lambda: len(steps(dump)) >= HOLD_STEP - 1, 240, [a])
+        asked = drain(env, port, "--replicas", "1", "--reason", "disk swap")
+        absent = drain(env, port, "--replicas", "7")
+        every = drain(env, port, "--replicas", "0,1")
+        assert a.wait(timeout=240) == 0, a.output()[-4000:]
+    assert absent.returncode == 2 and "replica group(s) [7] are not members of the run's epoch" in absent.stderr
+    assert every.returncode == 2 and "would leave no replica group" in every.stderr, every.stderr
+    assert asked.returncode == 0, asked.stderr
+    run = Run(0, a.output(), events(dump))
+    [left] = run.of("left")
+    assert left["replica"] == 1 and left["step"] > HOLD_STEP - 1, left
+    assert not run.of("failure")
+    assert sorted(run.steps()) == list(range(1, LAST + 1))
+    assert all(len(e["microbatches"]) == 4 for e in run.of("step"))
+    for s, e in run.steps().items():
+        assert e["members"] == ([0, 1] if s < left["step"] else [0]), (s, e)
+    assert "leaves at its next step boundary (drained by the operator: disk swap)" in run.output
+    assert "left on notice       : 1" in run.output
+
+
+def test_a_group_started_later_joins_beyond_r_and_takes_its_share_of_the_same_microbatches(
+    tmp_path: Path, two_singles: Run
+) -> None:
+    """``recover.max_replicas = 3`` on a run of R = 2: a node started once step 2 is logged, with the new id 2,
+    is admitted at a step boundary (while replica 0 holds step 5), receives its state from a live peer and
+    computes a share of the same 4 microbatches from then on; the run keeps its failure-free twin's data and
+    losses, and the three groups end with equal parameters."""
+    dump = tmp_path / "dump"
+    hold = "sleep replica=0 step=5 phase=optimizer seconds=30"  # the new node imports torch meanwhile
+    args, env_a, env_b = two_nodes(dump, "--recover.fault_plan", hold, "--recover.max_replicas", "3")
+    with Node("a", dump, args, {**env_a, keys.REPLICAS_ENV: "0,1"}) as a:
+        wait_until("step 2", lambda: len(steps(dump)) >= 2, 240, [a])
+        with Node("c", dump, args, {**env_b, keys.REPLICAS_ENV: "2"}) as c:
+            assert a.wait(timeout=300) == 0, a.output()[-4000:]
+            assert c.wait(timeout=60) == 0, c.output()[-4000:]
+    run = Run(0, a.output(), events(dump))
+    [admitted] = run.of("admitted")
+    assert admitted["replica"] == 2 and "replaces" not in admitted, admitted
+    [rejoined] = run.of("rejoined")
+    joined = rejoined["step"]
+    assert 2 < joined <= LAST and rejoined["bytes"] > 0, rejoined
+    for s, e in run.steps().items():
+        assert e["members"] == ([0, 1, 2] if s >= joined else [0, 1]), (s, e)
+        assert sum(e["quotas"].values()) == 4 and (s <= joined or e["quotas"].get("2", 0) > 0), (s, e)
+    assert not run.of("failure")
+    assert_same_trajectory(two_singles, run, rel_tol=1e-5, num_microbatches=4)
+    assert_all_rejoined(run, 3, LAST)

@@ -65,6 +65,7 @@ LAYERS: dict[str, set[str]] = {
     "train_spec": {"data", "titan"},
     "recipes": {"titan"},
     "status": {"control", "observability"},
+    "drain": {"control", "observability"},
     "compare": {"control", "observability"},
     "selftest": {"control", "policy", "observability", "node", "config", "titan", "rank", "launch", "compare"},
 }

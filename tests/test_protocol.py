@@ -151,6 +151,7 @@ SETTINGS = CoordinatorSettings(
     recover=Recover(enable=True, min_replicas=2),
     replicas=2,
     replica_ids=2,
+    max_members=2,
     group_ranks=2,
     steps=6,
     tokens_per_step=512,

@@ -42,7 +42,7 @@ def test_bad_replicas_env_names_the_variable_and_value(value: str, problem: str)
         parse_replicas(value, 2)
     msg = str(info.value)
     assert msg.startswith(f"{keys.REPLICAS_ENV}={value!r}: {problem};"), msg
-    assert "ids 0..1 (parallelism.data_parallel_replicate_degree + recover.spares = 2)" in msg
+    assert "ids 0..1 (parallelism.data_parallel_replicate_degree + recover.spares, or recover.max_replicas = 2)" in msg
 
 
 @pytest.mark.unit

@@ -62,6 +62,15 @@ class Recover:
     admits a ready spare at once (state from a live peer); the failed group restarts and waits as
     a spare. Each holds the devices of one replica group."""
 
+    max_replicas: int = 0
+    """The most replica groups that may be members at once (0: ``data_parallel_replicate_degree``, R, a
+    fixed-size run). Above R, a group started later (a node given new ids R+spares .. max_replicas-1 in
+    ``TITAN_RECOVER_REPLICAS``, with the coordinator's address) is admitted at a step boundary while fewer
+    are members, takes its state from a live peer and a share of the M microbatches: the trajectory does
+    not change (M is fixed), and each step gets faster where each rank has its own device. Hot spares then
+    join whenever fewer than this many are members. At most M (a member with no microbatch would idle)
+    (docs/elasticity.md)."""
+
     warm: str = "auto"
     """Keep each replica group's next incarnation warm (titan_recover.node.warm): once a group trains,
     its launcher starts another torchrun for it whose ranks import torch and TorchTitan, parse the
@@ -204,7 +213,10 @@ class CoordinatorSettings:
     replicas: int
     """``parallelism.data_parallel_replicate_degree``: the members of epoch 0."""
     replica_ids: int
-    """Replica groups the run starts (members and hot spares)."""
+    """Replica ids of the run (``replica_ids``): the groups it starts, members and hot spares, and those
+    nodes started later may bring."""
+    max_members: int
+    """``recover.max_replicas`` (0: ``replicas``): the most members at once."""
     group_ranks: int
     steps: int
     tokens_per_step: int
@@ -220,6 +232,7 @@ class CoordinatorSettings:
             recover=job_config.recover,
             replicas=par.data_parallel_replicate_degree,
             replica_ids=replica_ids(job_config),
+            max_members=max_members(job_config),
             group_ranks=group_ranks(par),
             steps=tr.steps,
             tokens_per_step=tr.global_batch_size * tr.seq_len,
@@ -286,6 +299,7 @@ def validate(job_config: Any) -> Recover:
 
 _COUNTS = {
     "spares": 0,
+    "max_replicas": 0,
     "min_replicas": 1,
     "max_restarts": 0,
     "max_step_retries": 1,
@@ -639,6 +653,17 @@ def _check_batch(job_config: Any) -> None:
             "multiple of training.local_batch_size * data_parallel_shard_degree * "
             f"data_parallel_replicate_degree ({per_microbatch * replicas})"
         )
+    most, rc = max_members(job_config), job_config.recover
+    if rc.max_replicas and rc.max_replicas < replicas:
+        raise ConfigError(
+            f"recover.max_replicas ({rc.max_replicas}) is below parallelism.data_parallel_replicate_degree "
+            f"({replicas}): set it to 0 (a fixed R) or to R or more"
+        )
+    if most > num_microbatches(job_config):
+        raise ConfigError(
+            f"recover.max_replicas ({most}) is more than the {num_microbatches(job_config)} microbatches of a step "
+            "(training.global_batch_size / (local_batch_size * data_parallel_shard_degree)): a member would idle"
+        )
 
 
 def resume_hint(job_config: Any, dump_folder: str) -> str:
@@ -653,10 +678,21 @@ def resume_hint(job_config: Any, dump_folder: str) -> str:
     )
 
 
-def replica_ids(job_config: Any) -> int:
-    """How many replica ids the run has (0 .. n-1): one per replica group it starts. The first
-    ``data_parallel_replicate_degree`` are the members of epoch 0, the rest hot spares."""
+def started_ids(job_config: Any) -> int:
+    """How many replica groups the run starts (ids 0 .. n-1): the first ``data_parallel_replicate_degree``
+    are the members of epoch 0, the rest hot spares."""
     return job_config.parallelism.data_parallel_replicate_degree + job_config.recover.spares
+
+
+def max_members(job_config: Any) -> int:
+    """The most replica groups that may be members at once (``recover.max_replicas``, 0 meaning R)."""
+    return job_config.recover.max_replicas or job_config.parallelism.data_parallel_replicate_degree
+
+
+def replica_ids(job_config: Any) -> int:
+    """How many replica ids the run has (0 .. n-1): the groups it starts, and the ids up to
+    ``recover.max_replicas`` that nodes started later may bring."""
+    return max(started_ids(job_config), max_members(job_config))
 
 
 def is_spare(replica: int, job_config: Any) -> bool:

@@ -15,6 +15,7 @@ from titan_recover.control import keys
 from titan_recover.control.protocol import (
     Admission,
     CoordinatorState,
+    Drain,
     Fatal,
     FaultRecord,
     Fence,
@@ -218,6 +219,17 @@ class ControlClient:
         names = [keys.fenced_key(r) for r in replicas]
         return {
             r: None if raw is None else Fence.loads(name, raw)
+            for r, name, raw in zip(replicas, names, self.store.multi_read(names))
+        }
+
+    def drain(self, replica: int, drain: Drain) -> None:
+        self.put(keys.drain_key(replica), drain)
+
+    def read_drains(self, replicas: list[int]) -> dict[int, Drain | None]:
+        """The operator's drains of ``replicas`` (None: none asked), in one request on etcd."""
+        names = [keys.drain_key(r) for r in replicas]
+        return {
+            r: None if raw is None else Drain.loads(name, raw)
             for r, name, raw in zip(replicas, names, self.store.multi_read(names))
         }
 

@@ -55,6 +55,7 @@ NO_PASS = (
     EPOCH,
     "fenced/",
     "admitted/",
+    "drain/",
 )
 """Keys whose writes wake no coordinator pass on etcd: the ranks' own per-step agreement and the
 coordinator's own writes (node messages are not in etcd: ``board``)."""
@@ -122,6 +123,11 @@ def admitted_key(replica: int, attempt: int) -> str:
 def fenced_key(replica: int) -> str:
     """That incarnation is out; its launcher kills what is left of it."""
     return f"fenced/{replica}"
+
+
+def drain_key(replica: int) -> str:
+    """An operator asks that incarnation to leave at a step boundary (``protocol.Drain``); its launcher reads it."""
+    return f"drain/{replica}"
 
 
 def owner_key(replica: int, part: int = 0) -> str:

@@ -411,6 +411,29 @@ class Admission(Incarnation):
 
 
 @dataclass(frozen=True)
+class Drain(Record):
+    """An operator's drain of incarnation ``attempt`` of a replica group (``python -m titan_recover.drain``):
+    its launcher has it leave at its next step boundary, as on its node's notice. A later incarnation (the
+    group started again) is not drained."""
+
+    attempt: int
+    reason: str
+    time: float  # when the operator asked (wall clock)
+
+    REQUIRED = ("attempt", "reason", "time")
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "Drain":
+        _require(
+            key,
+            is_count(rec["attempt"]) and isinstance(rec["reason"], str) and is_seconds(rec["time"]),
+            "attempt must be an integer >= 0, reason a string and time seconds",
+            rec,
+        )
+        return Drain(rec["attempt"], rec["reason"], float(rec["time"]))
+
+
+@dataclass(frozen=True)
 class Launcher(Record):
     """One launcher process of the run (the owner of its claims); ``id`` is unique even across
     hosts and pid reuse."""

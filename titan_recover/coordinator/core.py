@@ -48,13 +48,14 @@ KEEP_STEPS = 4  # a committed step's store keys outlive it by this many steps. A
 class Rules:
     """What the coordinator decides by, from the job config."""
 
-    replicas: int  # members wanted; ids past them are spares
+    replicas: int  # members of epoch 0; ids past them start as spares
     replica_ids: int  # every id of the run: 0..replica_ids-1
     group_ranks: int  # ranks per replica group
     steps: int
     min_replicas: int
     max_step_retries: int
     spare_timeout_s: float  # a waiting spare silent this long is fenced (the heartbeat timeout)
+    max_members: int = 0  # the most members at once (0: ``replicas``): groups beyond R are admitted up to it
 
 
 @dataclass(frozen=True)
@@ -410,8 +411,9 @@ class CoordinatorCore:
     # ---- joins, spares, rejoins ---------------------------------------------------------
 
     def on_joins(self, now: float) -> list[Effect]:
-        """Admits groups whose ranks are all up while fewer than R are members (restarted ones,
-        or hot spares waiting since the start); the others wait as spares."""
+        """Admits groups whose ranks are all up while fewer than ``max_members`` (R by default) are members
+        (restarted ones, hot spares waiting since the start, groups of nodes started later); the others wait
+        as spares."""
         state = self.state
         if state.progress is not None and state.progress.step >= self.rules.steps:
             return []  # the last step is done: nothing left to join
@@ -438,7 +440,7 @@ class CoordinatorCore:
         state.spares = {r: a for r, a in state.spares.items() if ready.get(r) == a}  # same incarnation, still waiting
         effects += self._drop_silent_spares(now)
         ready = {r: a for r, a in ready.items() if a > state.dropped.get(r, -1)}
-        free = max(0, self.rules.replicas - len(self.membership.members))
+        free = max(0, (self.rules.max_members or self.rules.replicas) - len(self.membership.members))
         for replica in sorted(ready)[:free]:
             state.spares.pop(replica, None)
             effects += self._admit(replica, ready[replica], now)

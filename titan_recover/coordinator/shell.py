@@ -101,6 +101,7 @@ def rules(settings: CoordinatorSettings) -> Rules:
     return Rules(
         replicas=settings.replicas,
         replica_ids=settings.replica_ids,
+        max_members=settings.max_members,
         group_ranks=settings.group_ranks,
         steps=settings.steps,
         min_replicas=rc.min_replicas,

@@ -46,19 +46,20 @@ from titan_recover.policy.restarts import RestartBudget
 from titan_recover.titan import cpu_shim
 
 
-def parse_replicas(value: str | None, replicas: int) -> list[int]:
-    """The replica groups this node launches, from ``$TITAN_RECOVER_REPLICAS`` (unset: all of them,
-    spares included: ``replicas`` counts every id).
+def parse_replicas(value: str | None, replicas: int, started: int | None = None) -> list[int]:
+    """The replica groups this node launches, from ``$TITAN_RECOVER_REPLICAS`` (unset: the ``started``
+    ones the run starts, spares included; ``replicas`` counts every id, those up to ``recover.max_replicas``
+    included).
 
     Checked before anything starts: a bad id would end in a traceback, or in groups that never
     come (an id out of range, or one listed twice) while the coordinator waits for them.
     """
     if value is None:
-        return list(range(replicas))
+        return list(range(replicas if started is None else started))
     fix = (
         f"set it to the comma-separated replica groups this node launches, ids 0..{replicas - 1} "
-        "(parallelism.data_parallel_replicate_degree + recover.spares "
-        f"= {replicas}), e.g. 0,1; or unset it to launch all"
+        "(parallelism.data_parallel_replicate_degree + recover.spares, or recover.max_replicas "
+        f"= {replicas}), e.g. 0,1; or unset it to launch the run's own"
     )
     ids: list[int] = []
     for item in value.split(","):
@@ -311,6 +312,7 @@ class NodeLauncher:
             on_start=self._started,
             warm=self.keeps_warm(span),
             on_warm=lambda replica, seconds: self.events.emit("warm_ready", replica=replica, seconds=seconds),
+            notice_budget_s=rc.notice_budget_s,
         )
         if self.first and self.part == 0:
             for r in self.local:
@@ -401,15 +403,12 @@ class NodeLauncher:
                     "starting another (the leader's lease passes to a live candidate)"
                 )
                 self.start_candidate()
-            if coordinator is None and self.groups.done() and self.groups.leave_by is None:
+            if coordinator is None and self.groups.done() and not self.groups.leave_by:
                 return
-            if self.noticed is not None and self.groups.leave_by is None:
-                budget = self.rc.notice_budget_s
-                log.info(
-                    f"this node goes away (SIGTERM): its replica groups {self.local} leave at their next step "
-                    f"boundary, within recover.notice_budget_s = {budget:g}s of the notice"
-                )
-                self.groups.leave(self.noticed, budget - (time.time() - self.noticed))
+            if self.noticed is not None and set(self.groups.procs) - set(self.groups.leave_by):
+                budget = self.rc.notice_budget_s - (time.time() - self.noticed)
+                log.info(f"this node goes away (SIGTERM): its replica groups {self.local} leave the run")
+                self.groups.leave(self.noticed, budget, list(self.groups.procs), "its node goes away")
             try:
                 running = self.groups.watch(client)
             except errors as e:
@@ -440,7 +439,7 @@ class NodeLauncher:
         if self.lifeline is not None:
             self.lifeline.stop()  # the run is ending and the store ends with it
         self.groups.stop_standbys()
-        if self.groups.leave_by is not None:
+        if self.groups.outcome is None and self.groups.gone():
             log.info(
                 f"this node left the run on notice: replica groups {self.groups.left} at a step boundary"
                 + (f", {sorted(self.groups.given_up)} failed at once" if self.groups.given_up else "")
@@ -573,7 +572,9 @@ def main(argv: list[str]) -> int:
         titan.check_model(job_config)
         backend = backend_of(job_config.recover)
         if job_config.recover.enable:  # the node's environment, checked before the data and any process
-            local = parse_replicas(os.environ.get(keys.REPLICAS_ENV), config.replica_ids(job_config))
+            local = parse_replicas(
+                os.environ.get(keys.REPLICAS_ENV), config.replica_ids(job_config), config.started_ids(job_config)
+            )
             part = parse_group_node(os.environ.get(keys.GROUP_NODE_ENV), job_config.recover.group_nodes)
             address = os.environ.get(keys.COORDINATOR_ENV)
             said = backend.check(job_config.recover, address)

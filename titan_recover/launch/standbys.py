@@ -125,6 +125,15 @@ class Standbys:
         self.activated[replica] = standby
         return standby
 
+    def drop(self, replica: int) -> None:
+        """Kills the warm incarnation of ``replica``, if it has one (the group leaves: nothing will restart)."""
+        standby = self.waiting.pop(replica, None)
+        if standby is not None:
+            if standby.proc.poll() is None:
+                standby.proc.kill()
+                standby.proc.wait()
+            self._remove(standby)
+
     def stop(self) -> None:
         """Kills every waiting warm incarnation (the run ends, or this launcher does) and removes every file."""
         for standby in self.waiting.values():

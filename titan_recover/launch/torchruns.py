@@ -27,6 +27,7 @@ from titan_recover.node.procs import die_with_parent
 from titan_recover.node.warm import WARM_ENV
 from titan_recover.policy.restarts import RestartBudget
 
+DRAIN_PROBE_S = 2.0  # how often a launcher looks for the operator's drains of its groups (one read per node)
 log = logging.getLogger(__name__)
 
 
@@ -234,9 +235,11 @@ class Torchruns:
         on_start: Callable[[int, int, bool], None] = lambda replica, attempt, warm: None,
         warm: bool = False,
         on_warm: Callable[[int, float], object] = lambda replica, seconds: None,
+        notice_budget_s: float = 12.0,
     ) -> None:
         self.argv, self.envs, self.local_ranks, self.launcher, self.clock = argv, envs, local_ranks, launcher, clock
         self.on_start = on_start  # (replica, attempt, warm): an incarnation started here (the event log says so)
+        self.notice_budget_s = notice_budget_s  # how long a drained group may take to leave
         # the torchrun of a group spanning nodes starts with its other parts: no warm one
         self.standbys = (
             Standbys(lambda r: torchrun(local_ranks, argv, f"replica{r}"), envs, local_ranks, agent, clock, on_warm)
@@ -257,8 +260,9 @@ class Torchruns:
         self.given_up: set[int] = set()
         self.killed: dict[int, int] = {}
         self.outcome: int | None = None  # the run's exit status (1: fatal) once the coordinator ended it
-        self.leave_by: float | None = None  # this node was told it goes away: every group here is gone by then
+        self.leave_by: dict[int, float] = {}  # groups told to leave (their node goes away, or drained) -> by when
         self.left: list[int] = []  # groups that left at a step boundary
+        self.drains_read = -DRAIN_PROBE_S  # when this launcher last looked for the operator's drains
 
     def start(self, replica: int, attempt: int, meet: tuple[str, int] | None = None) -> None:
         """Starts that incarnation; a group that spans nodes meets at ``meet`` (part 0 picks a port)."""
@@ -328,52 +332,55 @@ class Torchruns:
             if proc.poll() is None:
                 proc.kill()
 
-    def leave(self, noticed: float, budget_s: float) -> None:
-        """This node was told at ``noticed`` (wall clock) that it goes away within ``budget_s``: each group
-        here leaves at its next step boundary (its ranks read LEAVE in their channel), nothing restarts,
-        and the warm incarnations stop."""
-        if self.leave_by is not None:
-            return
-        self.leave_by = self.clock() + budget_s
-        self.agent.leave(noticed)
-        self.stop_standbys()
+    def leave(self, noticed: float, budget_s: float, replicas: list[int], why: str) -> None:
+        """These groups were told at ``noticed`` (wall clock) to leave within ``budget_s`` (``why``: their node
+        goes away, or the operator drained them): each leaves at its next step boundary (its ranks read LEAVE
+        in their channel), is not restarted, and its warm incarnation stops."""
+        new = [r for r in replicas if r in self.procs and r not in self.leave_by]
+        for r in new:
+            self.leave_by[r] = self.clock() + budget_s
+            if self.standbys is not None:
+                self.standbys.drop(r)
+            log.info(
+                f"{self.span.of(r)} leaves at its next step boundary ({why}), within recover.notice_budget_s "
+                f"= {budget_s:g}s"
+            )
+        self.agent.leave(noticed, new)
 
-    def _leaving(self, client: ControlClient) -> bool:
-        """One look while leaving: a group whose ranks all finished left; one that exited otherwise, or
-        is still in its step when the budget is spent (killed then), is failed at once, so the others
-        recover in-step without waiting for a detection. False once every group here is gone."""
-        now = self.clock()
-        assert self.leave_by is not None
-        for r, proc in self.procs.items():
-            if r in self.left or r in self.given_up:
-                continue
-            code = proc.poll()
-            if code is not None and self.agent.finished(r):
-                self.left.append(r)
-                log.info(f"{self.span.of(r)} left on notice at a step boundary (its torchrun exited with code {code})")
-            elif code is not None or now >= self.leave_by or self.agent.never_admitted(r):
-                if code is None:
-                    proc.kill()
-                    proc.wait()
-                self.given_up.add(r)
-                cause = (
-                    f"replica {r}{self.span.suffix} did not leave at a step boundary within "
-                    f"recover.notice_budget_s of its node's notice (torchrun exit code {proc.returncode})"
-                )
-                log.info(f"{cause}: reported failed at once")
-                if not self.agent.never_admitted(r):
-                    self.report_gone(client, r, cause)
-        return len(self.left) + len(self.given_up) < len(self.procs)
+    def _leaving(self, client: ControlClient, r: int, proc: subprocess.Popen, now: float) -> None:
+        """One look at a group told to leave: once its ranks all finished, it left; one that exited otherwise,
+        or is still in its step when the budget is spent (killed then), is failed at once, so the others
+        recover in-step without waiting for a detection."""
+        if r in self.left or r in self.given_up:
+            return
+        code = proc.poll()
+        if code is not None and self.agent.finished(r):
+            self.left.append(r)
+            log.info(f"{self.span.of(r)} left at a step boundary (its torchrun exited with code {code})")
+        elif code is not None or now >= self.leave_by[r] or self.agent.never_admitted(r):
+            if code is None:
+                proc.kill()
+                proc.wait()
+            self.given_up.add(r)
+            cause = (
+                f"replica {r}{self.span.suffix} did not leave at a step boundary within "
+                f"recover.notice_budget_s of its notice (torchrun exit code {proc.returncode})"
+            )
+            log.info(f"{cause}: reported failed at once")
+            if not self.agent.never_admitted(r):
+                self.report_gone(client, r, cause)
+
+    def gone(self) -> bool:
+        """Every group here left (or failed on its way out): this launcher has nothing left to run."""
+        return bool(self.leave_by) and all(r in self.left or r in self.given_up for r in self.procs)
 
     def watch(self, client: ControlClient) -> bool:
-        """One look: kill fenced leftovers, report and restart failed groups; False once the run is ending
-        (or, on notice, once this node's groups are gone)."""
+        """One look: kill fenced leftovers, report and restart failed groups, have drained ones leave; False
+        once the run is ending, or once every group here left."""
         flags = self.agent.flags  # pushed with the epoch
         if flags:
             self.outcome = 1 if flags & FATAL else 0
             return False  # restart nothing
-        if self.leave_by is not None:
-            return self._leaving(client)
         now = self.clock()
         for report in self.agent.take_hangs():  # a rank of a local group stopped beating: fenced now
             client.report(report)
@@ -382,10 +389,18 @@ class Torchruns:
             if self.agent.epoch != self.fences_read[0] or now - self.fences_read[1] >= PROBE_S
             else None
         )
-        fences = (
-            client.read_fences(list(self.procs)) if look else {}
-        )  # a fence comes with a new epoch (a waiting spare's, within PROBE_S)
+        # a fence comes with a new epoch (a waiting spare's, within PROBE_S); a drain within DRAIN_PROBE_S
+        fences = client.read_fences(list(self.procs)) if look else {}
+        drains = {}
+        if look and now - self.drains_read >= DRAIN_PROBE_S:
+            drains, self.drains_read = client.read_drains(list(self.procs)), now
+        for r, drain in drains.items():
+            if drain is not None and drain.attempt == self.attempts.get(r):
+                self.leave(drain.time, self.notice_budget_s, [r], f"drained by the operator: {drain.reason}")
         for r, proc in list(self.procs.items()):
+            if r in self.leave_by:  # it exits by itself: its fence (the coordinator's, after its leave) kills nothing
+                self._leaving(client, r, proc, now)
+                continue
             fence = fences.get(r)
             if look and kill_fenced(fence, self.agent, r, self.marks[r], self.killed):
                 if fence is not None and fence.attempt == self.attempts[r] and self.standbys and self.standbys.has(r):
@@ -403,14 +418,16 @@ class Torchruns:
             self.part.exited(self, client, r, code)
         self.part.poll(self, client)
         if self.standbys is not None:
-            self.standbys.keep(self.procs, self.given_up)
+            self.standbys.keep(self.procs, self.given_up | set(self.leave_by))
         if look:
             self.fences_read = look
-        return True
+        return not self.gone()
 
     def done(self) -> bool:
         return (
             not self.waiting
             and all(p.poll() is not None for p in self.procs.values())
-            and not any(p.returncode != 0 and r not in self.given_up for r, p in self.procs.items())
+            and not any(
+                p.returncode != 0 and r not in self.given_up and r not in self.left for r, p in self.procs.items()
+            )
         )

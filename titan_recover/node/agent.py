@@ -92,7 +92,7 @@ class NodeAgent:
     hang_timeout_s: float = 0.0  # > 0: report a rank silent this long (0: leave it to the coordinator)
     epoch: int = -1
     flags: int = 0  # the run's, from the store (FATAL, DONE)
-    noticed: float | None = None  # when this node was told it goes away (wall clock): its ranks read LEAVE
+    notices: dict[int, float] = field(default_factory=dict)  # group -> when it was told to leave (wall clock)
     seq: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _waiter: threading.Thread | None = None
@@ -105,7 +105,7 @@ class NodeAgent:
         channel = Channel.create(replica, attempt, self.slots)
         with self._lock:
             old = self.channels.get(replica)
-            channel.publish(self.epoch, self._channel_flags(), self.noticed)
+            channel.publish(self.epoch, self._channel_flags(replica), self.notices.get(replica))
             self.channels[replica], self.attempts[replica] = channel, attempt
             self.watches[replica] = SlotWatch.new(self.slots, time.monotonic())
         if old is not None:
@@ -182,22 +182,23 @@ class NodeAgent:
             hangs, self._hangs = self._hangs, []
         return hangs
 
-    def _channel_flags(self) -> int:
-        return self.flags | (0 if self.noticed is None else LEAVE)
+    def _channel_flags(self, replica: int) -> int:
+        return self.flags | (LEAVE if replica in self.notices else 0)
 
     def _publish(self, epoch: int, flags: int) -> None:
         with self._lock:
             self.epoch, self.flags = epoch, flags
-            for channel in self.channels.values():
-                channel.publish(epoch, self._channel_flags())
+            for replica, channel in self.channels.items():
+                channel.publish(epoch, self._channel_flags(replica))
 
-    def leave(self, noticed: float) -> None:
-        """Tells every local group's ranks that this node goes away (told at ``noticed``, wall clock):
-        each group leaves at its next step boundary (``ReplicaManager.start_step``)."""
+    def leave(self, noticed: float, replicas: list[int]) -> None:
+        """Tells the ranks of these local groups to leave (their node goes away, or the operator drains them;
+        told at ``noticed``, wall clock): each leaves at its next step boundary (``ReplicaManager.start_step``)."""
         with self._lock:
-            self.noticed = noticed
-            for channel in self.channels.values():
-                channel.publish(self.epoch, self._channel_flags(), noticed)
+            for replica in replicas:
+                self.notices.setdefault(replica, noticed)
+                if replica in self.channels:
+                    self.channels[replica].publish(self.epoch, self._channel_flags(replica), self.notices[replica])
 
     def start(self, on_error: Callable[[str], None]) -> None:
         """Starts pushing epochs into the channels (a daemon thread with its own store client)."""

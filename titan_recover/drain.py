@@ -1,0 +1,99 @@
+"""Drains replica groups of a live run for planned maintenance: each leaves at its next step boundary, as
+on its node's notice (docs/elasticity.md), and the others take its quota; nothing is computed again.
+
+    TITAN_RECOVER_COORDINATOR=host:port TITAN_RECOVER_SECRET=... python -m titan_recover.drain --replicas 1,3
+
+The run's coordinator address and secret are the ones its other nodes' launchers are given; the run's id
+is found from the secret on the TCPStore (``TITAN_RECOVER_RUN_ID`` names it on etcd). A drained group's
+launcher exits 4 once all of its groups left; started again, its groups rejoin from a live peer.
+"""
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from titan_recover.control import keys, transport
+from titan_recover.control.client import ControlClient
+from titan_recover.control.protocol import Drain, MessageError
+from titan_recover.control.sealed import Run
+from titan_recover.control.transport import WrongRunError
+from titan_recover.observability import logs
+
+CONNECT_S = 30.0
+log = logging.getLogger(__name__)
+
+
+class DrainError(ValueError):
+    """The drain cannot be asked: the message names the replica group or setting."""
+
+
+def parse_ids(text: str) -> list[int]:
+    """``1,3`` -> [1, 3]; DrainError naming what is not a replica id."""
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise DrainError(f"--replicas {text!r}: give replica group ids separated by commas, e.g. 1,3") from None
+    if not ids or any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise DrainError(f"--replicas {text!r}: give distinct replica group ids >= 0, e.g. 1,3")
+    return ids
+
+
+def plan(ids: list[int], members: tuple[int, ...], epoch: int, attempts: dict[int, int]) -> dict[int, int]:
+    """The incarnation to drain of each group; DrainError when one is no member, or when no member would be left."""
+    missing = [r for r in ids if r not in members]
+    if missing:
+        raise DrainError(
+            f"replica group(s) {missing} are not members of the run's epoch {epoch} (members {list(members)}): "
+            "nothing was drained"
+        )
+    if set(members) <= set(ids):
+        raise DrainError(
+            f"draining {ids} would leave no replica group of {list(members)}: nothing was drained "
+            "(stop the run instead)"
+        )
+    return {r: attempts.get(r, 0) for r in ids}
+
+
+def connect(address: str, env: dict[str, str]) -> ControlClient:
+    secret = env.get(keys.SECRET_ENV, "")
+    if not secret:
+        raise DrainError(f"{keys.SECRET_ENV} is not set: give the run's secret, as its other nodes' launchers have it")
+    run_id = env.get(keys.RUN_ENV) or transport.find_run(address, CONNECT_S, secret).id
+    return ControlClient(transport.connect(address, CONNECT_S, Run(secret, run_id)))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m titan_recover.drain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--replicas", required=True, help="replica group ids to drain, e.g. 1,3")
+    parser.add_argument("--reason", default="planned maintenance", help="said in the run's log and its left events")
+    parser.add_argument("--coordinator", help=f"host:port of the run's coordinator (default: ${keys.COORDINATOR_ENV})")
+    args = parser.parse_args(argv)
+    logs.setup("drain", __name__)
+    address = args.coordinator or os.environ.get(keys.COORDINATOR_ENV, "")
+    try:
+        ids = parse_ids(args.replicas)
+        if not address:
+            raise DrainError(f"give the run's coordinator: --coordinator host:port or {keys.COORDINATOR_ENV}")
+        client = connect(address, dict(os.environ))
+        epoch = client.epoch()
+        state = client.read_state()
+        drains = plan(ids, client.membership(epoch).members, epoch, state.attempts if state is not None else {})
+    except (DrainError, WrongRunError, MessageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return keys.EXIT_BAD_INPUT
+    now = time.time()
+    for replica, attempt in drains.items():
+        client.drain(replica, Drain(attempt, args.reason, now))
+    log.info(
+        f"asked replica group(s) {ids} to leave at their next step boundary ({args.reason}); their launchers act "
+        "within a few seconds, and the run's log and events say when each left"
+    )
+    return keys.EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
