@@ -35,6 +35,8 @@ HEADLINES = {
     "restart_rejoin_downtime_s": ("spares", "the same by restarting the failed group, no spare"),
     "warm_rejoin_downtime_s": ("warm", "failure to the group back from its warm incarnation, default job (median)"),
     "cold_rejoin_downtime_s": ("warm", "the same restarting cold, importing anew, same bench run (median)"),
+    "stall_s_notice": ("leave", "survivor's stall when a node leaves on notice (SIGTERM), two launchers (median)"),
+    "stall_s_lost": ("leave", "the same when that node is lost whole (SIGKILL, no notice), same bench run (median)"),
     "spare_failure_free_step_ratio": ("spares", "failure-free step time with a waiting spare / without, worst R"),
     "straggler_speed_vs_ideal": (
         "stragglers",

@@ -72,7 +72,7 @@ def steps(dump: Path) -> list[dict]:
     return [e for e in events(dump) if e["event"] == "step"]
 
 
-BACK_STEP, BACK_HOLD_S = 7, 40  # replica 0 holds step 7 while node B comes back (a new launcher, a cold start)
+BACK_STEP = 7  # replica 0 holds step 7 until node B is back (a new launcher, a cold start) and admitted
 
 
 def run_with_notice(
@@ -84,7 +84,7 @@ def run_with_notice(
     dump = tmp_path / "dump"
     plan = f"sleep replica=1 step={HOLD_STEP} phase=backward seconds={HOLD_S}"
     if comes_back:
-        plan += f"; sleep replica=0 step={BACK_STEP} phase=optimizer seconds={BACK_HOLD_S}"
+        plan += f"; sleep replica=0 step={BACK_STEP} phase=optimizer seconds=120 until=epoch"
     args, env_a, env_b = two_nodes(dump, "--recover.fault_plan", plan, *overrides)
     with Node("a", dump, args, env_a) as a, Node("b", dump, args, env_b) as b:
         wait_until(f"step {HOLD_STEP - 1}", lambda: len(steps(dump)) >= HOLD_STEP - 1, 240, [a, b])
@@ -152,71 +152,61 @@ def test_a_notice_shorter_than_the_step_falls_back_to_in_step_recovery_at_once(t
     assert "failed at once" in b.output()
 
 
-def drain(env: dict[str, str], port: int, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+def drain(env: dict[str, str], port: int, *args: str) -> subprocess.Popen:
+    """``python -m titan_recover.drain`` against the run's coordinator, started (its output piped)."""
+    return subprocess.Popen(
         [sys.executable, "-m", "titan_recover.drain", "--coordinator", f"127.0.0.1:{port}", *args],
         cwd=ROOT,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=120,
     )
 
 
-def test_the_operators_drain_has_one_group_leave_and_its_node_go_on_with_the_other(tmp_path: Path) -> None:
-    """One launcher runs both groups and the coordinator; ``python -m titan_recover.drain --replicas 1`` while
-    replica 1 holds step 4 for 10 s: replica 1 leaves at the step boundary (a ``left`` event, no failure), the launcher
-    keeps replica 0 and ends the run with exit 0, every step with its 4 microbatches. Draining a group that is
-    no member, or every member, stops with exit 2 naming it, and drains nothing."""
-    dump = tmp_path / "dump"
-    hold = f"sleep replica=1 step={HOLD_STEP} phase=backward seconds=10"  # the drain command imports torch
-    args, env, _ = two_nodes(dump, "--recover.fault_plan", hold)
-    port = int(args[args.index("--recover.coordinator_port") + 1])
-    with Node("a", dump, args, {**env, keys.REPLICAS_ENV: "0,1"}) as a:
-        wait_until(f"step {HOLD_STEP - 1}", lambda: len(steps(dump)) >= HOLD_STEP - 1, 240, [a])
-        asked = drain(env, port, "--replicas", "1", "--reason", "disk swap")
-        absent = drain(env, port, "--replicas", "7")
-        every = drain(env, port, "--replicas", "0,1")
-        assert a.wait(timeout=240) == 0, a.output()[-4000:]
-    assert absent.returncode == 2 and "replica group(s) [7] are not members of the run's epoch" in absent.stderr
-    assert every.returncode == 2 and "would leave no replica group" in every.stderr, every.stderr
-    assert asked.returncode == 0, asked.stderr
-    run = Run(0, a.output(), events(dump))
-    [left] = run.of("left")
-    assert left["replica"] == 1 and left["step"] > HOLD_STEP - 1, left
-    assert not run.of("failure")
-    assert sorted(run.steps()) == list(range(1, LAST + 1))
-    assert all(len(e["microbatches"]) == 4 for e in run.of("step"))
-    for s, e in run.steps().items():
-        assert e["members"] == ([0, 1] if s < left["step"] else [0]), (s, e)
-    assert "leaves at its next step boundary (drained by the operator: disk swap)" in run.output
-    assert "left on notice       : 1" in run.output
-
-
-def test_a_group_started_later_joins_beyond_r_and_takes_its_share_of_the_same_microbatches(
+def test_a_group_joins_beyond_r_and_the_operator_drains_another_on_the_coordinators_node(
     tmp_path: Path, two_singles: Run
 ) -> None:
-    """``recover.max_replicas = 3`` on a run of R = 2: a node started once step 2 is logged, with the new id 2,
-    is admitted at a step boundary (while replica 0 holds step 5), receives its state from a live peer and
-    computes a share of the same 4 microbatches from then on; the run keeps its failure-free twin's data and
-    losses, and the three groups end with equal parameters."""
+    """``recover.max_replicas = 3`` on a run of R = 2 whose one launcher runs replicas 0 and 1 and the
+    coordinator. A node started once step 2 is logged, with the new id 2, is admitted at a step boundary
+    while replica 0 holds step 4, receives its state from a live peer and computes a share of the same 4
+    microbatches. Then, while replica 1 holds step 8 for 10 s, ``python -m titan_recover.drain --replicas 1``:
+    replica 1 leaves at the boundary (a ``left`` event, no failure), its launcher runs replica 0 on to exit 0.
+    Draining a group that is no member, or every member, exits 2 naming it and drains nothing. Throughout,
+    the failure-free twin's data and losses, every step's 4 microbatches, equal parameters at the end."""
     dump = tmp_path / "dump"
-    hold = "sleep replica=0 step=5 phase=optimizer seconds=30"  # the new node imports torch meanwhile
-    args, env_a, env_b = two_nodes(dump, "--recover.fault_plan", hold, "--recover.max_replicas", "3")
-    with Node("a", dump, args, {**env_a, keys.REPLICAS_ENV: "0,1"}) as a:
+    plan = (
+        "sleep replica=0 step=4 phase=optimizer seconds=120 until=epoch; "  # until the new group is admitted
+        "sleep replica=1 step=8 phase=backward seconds=10"  # the drain command imports torch meanwhile
+    )
+    args, env, env_c = two_nodes(dump, "--recover.fault_plan", plan, "--recover.max_replicas", "3")
+    port = int(args[args.index("--recover.coordinator_port") + 1])
+    with Node("a", dump, args, {**env, keys.REPLICAS_ENV: "0,1"}) as a:
         wait_until("step 2", lambda: len(steps(dump)) >= 2, 240, [a])
-        with Node("c", dump, args, {**env_b, keys.REPLICAS_ENV: "2"}) as c:
+        with Node("c", dump, args, {**env_c, keys.REPLICAS_ENV: "2"}) as c:
+            wait_until("step 7", lambda: len(steps(dump)) >= 7, 240, [a, c])
+            asked = drain(env, port, "--replicas", "1", "--reason", "disk swap")
+            absent, every = drain(env, port, "--replicas", "7"), drain(env, port, "--replicas", "0,1,2")
+            said = [cli.communicate(timeout=120)[1] for cli in (asked, absent, every)]  # each one's stderr
             assert a.wait(timeout=300) == 0, a.output()[-4000:]
             assert c.wait(timeout=60) == 0, c.output()[-4000:]
+    assert asked.returncode == 0, said[0]
+    assert absent.returncode == 2 and "replica group(s) [7] are not members of the run's epoch" in said[1]
+    assert every.returncode == 2 and "would leave no replica group" in said[2]
     run = Run(0, a.output(), events(dump))
     [admitted] = run.of("admitted")
-    assert admitted["replica"] == 2 and "replaces" not in admitted, admitted
+    assert admitted["replica"] == 2 and "replaces" not in admitted, admitted  # a member beyond R, no repair
     [rejoined] = run.of("rejoined")
-    joined = rejoined["step"]
-    assert 2 < joined <= LAST and rejoined["bytes"] > 0, rejoined
-    for s, e in run.steps().items():
-        assert e["members"] == ([0, 1, 2] if s >= joined else [0, 1]), (s, e)
-        assert sum(e["quotas"].values()) == 4 and (s <= joined or e["quotas"].get("2", 0) > 0), (s, e)
+    [left] = run.of("left")
+    joined, gone = rejoined["step"], left["step"]
+    assert left["replica"] == 1 and 2 < joined < gone <= LAST and rejoined["bytes"] > 0, (rejoined, left)
     assert not run.of("failure")
+    for s, e in run.steps().items():
+        members = [0, 1] if s < joined else [0, 1, 2] if s < gone else [0, 2]
+        assert e["members"] == members and sum(e["quotas"].values()) == 4, (s, e)
+        assert s <= joined or e["quotas"].get("2", 0) > 0, (s, e)  # the joiner takes a share once it holds state
     assert_same_trajectory(two_singles, run, rel_tol=1e-5, num_microbatches=4)
-    assert_all_rejoined(run, 3, LAST)
+    digests = {e["replica"]: e["digest"] for e in run.of("param_digest") if e["step"] == LAST}
+    assert sorted(digests) == [0, 2] and len(set(digests.values())) == 1, digests
+    assert "leaves at its next step boundary (drained by the operator: disk swap)" in run.output
+    assert "left on notice       : 1" in run.output

@@ -267,7 +267,7 @@ def failing_disk(tmp_path: Path) -> Iterator[FailingDisk]:
         subprocess.run(["losetup", "-d", device], check=False)
 
 
-@pytest.mark.lines
+@pytest.mark.toml("CI's time: run on 0.3.0 by hand (the same flags work there), not in its lines tier")
 def test_the_main_job_finishes_on_a_dump_folder_made_read_only_for_good(failing_disk: FailingDisk) -> None:
     """TorchTitan's default ``global_batch_size = -1`` (M = R = 2) and the tests' tiny job with everything
     that writes beside the training on (TensorBoard, DCP checkpoints every 3 steps, a profiler trace every 2

@@ -149,6 +149,7 @@ class Groups:
         self.procs: dict[int, subprocess.Popen] = {}
         self.outcome: int | None = None
         self.killed = False
+        self.leave_by: dict[int, float] = {}  # no notice: nothing leaves
 
     def watch(self, client: object) -> bool:
         if self.errors:
@@ -161,6 +162,9 @@ class Groups:
 
     def kill(self) -> None:
         self.killed = True
+
+    def gone(self) -> bool:
+        return False
 
     def stop_standbys(self) -> None:
         """None to stop: the run has no warm incarnations."""
@@ -197,6 +201,7 @@ def node_launcher(coordinator: subprocess.Popen, etcd: bool, errors: list[Except
     nl.groups = Groups(nl.agent, errors)
     nl.lifeline = Lifeline()
     nl.lost_once = launcher.threading.Lock()
+    nl.noticed = None
     return nl
 
 
