@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, SINGLES, run_job
@@ -104,6 +105,35 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_checkpoint_write_the_full_disk_refuses_is_reported_and_left_for_the_next_interval(small_disk: Path) -> None:
+    """torch.save's zip writer tells a full disk as a RuntimeError (``unexpected pos ...``), not an OSError:
+    the save is still the disk's failure, reported and its half-written step folder removed; any other
+    error still stops the run."""
+    import torch
+
+    from titan_recover.titan.common import save_or_report
+
+    folder = small_disk / "checkpoint"
+    (folder / "step-3").mkdir(parents=True)
+    fill(small_disk)
+    said: list[tuple[int, str]] = []
+    saved = save_or_report(
+        lambda: torch.save(torch.zeros(400_000), folder / "step-3" / "shard.pt"),
+        3,
+        SimpleNamespace(folder=str(folder)),
+        lambda step, why: said.append((step, why)),
+    )
+    assert saved is None and said and said[0][0] == 3, said
+    assert said[0][1].startswith("RuntimeError") or said[0][1].startswith("OSError"), said
+    assert not (folder / "step-3").exists()  # the space it held is given back
+
+    def not_the_disk() -> None:
+        raise RuntimeError("a shape mismatch in the state dict")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        save_or_report(not_the_disk, 6, SimpleNamespace(folder=str(folder)), lambda step, why: said.append((step, why)))
 
 
 # A process whose event log fills its folder and never gets space back: it ends, saying what is lost.

@@ -87,20 +87,30 @@ def comm_setting(job_config: Any, key: str) -> tuple[float, float] | None:
     return float(getattr(comm, key)), float(default)
 
 
+WRITER_FAILED = ("unexpected pos", "file write failed")
+"""How torch.save's zip writer (``caffe2/serialize/inline_container.cc``) says the disk did not take a write:
+a ``RuntimeError``, not an ``OSError`` (a full tmpfs gave ``unexpected pos 704 vs 598``)."""
+
+
+def disk_failure(e: BaseException) -> bool:
+    """Whether ``e`` is the disk refusing a write: an ``OSError``, or torch.save's writer saying so."""
+    return isinstance(e, OSError) or (isinstance(e, RuntimeError) and any(m in str(e) for m in WRITER_FAILED))
+
+
 def save_or_report(save: Callable[[], T], step: int, checkpointer: Any, failed: Callable[[int, str], None]) -> T | None:
-    """A DCP save that the disk does not take (full, failing, read-only, removed) is reported through
-    ``failed`` and left for the next interval; TorchTitan would stop the run, though none of the training
-    state is lost with the checkpoint (the live replica groups hold it). The step's folder, left without
-    its ``.metadata``, is removed to give the space back (a resume skips such a folder anyway). Other
-    errors stop the run as before."""
+    """A DCP save that the disk does not take (full, failing, read-only, removed: ``disk_failure``) is
+    reported through ``failed`` and left for the next interval; TorchTitan would stop the run, though none
+    of the training state is lost with the checkpoint (the live replica groups hold it). The step's folder,
+    left without its ``.metadata``, is removed to give the space back (a resume skips such a folder
+    anyway). Other errors stop the run as before."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         return save()
-    except (OSError, CheckpointException) as e:
+    except (OSError, RuntimeError, CheckpointException) as e:
         failures = getattr(e, "failures", None) or {}  # DCP's: each rank's (exception, traceback)
         cause = next((failure[0] for failure in failures.values()), e)
-        if not isinstance(cause, OSError):
+        if not disk_failure(cause):
             raise
         why = f"{type(cause).__name__}: {cause}".splitlines()[0][:500]
     folder = getattr(checkpointer, "folder", "")  # TorchTitan's CheckpointManager (0.2 sets it only when enabled)
