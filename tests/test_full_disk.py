@@ -302,9 +302,9 @@ def test_the_main_job_finishes_on_a_dump_folder_made_read_only_for_good(failing_
     """TorchTitan's default ``global_batch_size = -1`` (M = R = 2) and the tests' tiny job with everything
     that writes beside the training on (TensorBoard, DCP checkpoints every 3 steps, a profiler trace every 2
     steps), its dump folder made read-only by the kernel once step 2 is logged, a kill at step 4 and replica 0
-    held at step 6 until the restarted group is admitted (at most 120 s), so that it rejoins: exit 0, the event log ends cleanly
-    where the folder failed (steps 1-k, each once), every process says what it could not write, and the
-    summary says how many steps the record lacks."""
+    held at step 6 until the restarted group is admitted (at most 120 s), so that it rejoins: exit 0, the event
+    log ends cleanly where the folder failed (steps 1-k, each once), every process says what it could not
+    write, and the summary says how many steps the record lacks."""
     dump = failing_disk.mount / "out"
     events = dump / EVENTS_FILE
     moments: dict[str, float] = {}
