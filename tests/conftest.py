@@ -170,6 +170,9 @@ SINGLES = [
 # control plane or the data, where FSDP inside a group adds nothing to what is checked and each rank costs seconds
 
 
+EXACT_EVERY_STEP = ["--recover.exact", "--recover.digest_interval", "1"]
+
+
 def shared_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str, name: str, *overrides: str) -> Run:
     """A failure-free reference run made once per test session, not once per xdist worker:
     the first worker to ask runs it, the others wait on a file lock and read its result
@@ -199,6 +202,23 @@ def three_replicas(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> 
 def two_singles(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Run:
     """2 single-rank replica groups for 10 steps (``SINGLES``), no failure: their reference trajectory."""
     return shared_run(tmp_path_factory, worker_id, "two_singles", *SINGLES, "--recover.fault_plan", "none")
+
+
+@pytest.fixture(scope="session")
+def exact_single(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Run:
+    """One single-rank group in exact mode for ``SINGLES``' 10 steps (M = 4), a parameter digest every step:
+    the bits every exact run of that job has, whatever its membership."""
+    return shared_run(
+        tmp_path_factory,
+        worker_id,
+        "exact_single",
+        *SINGLES,
+        *EXACT_EVERY_STEP,
+        "--parallelism.data_parallel_replicate_degree",
+        "1",
+        "--recover.fault_plan",
+        "none",
+    )
 
 
 @pytest.fixture(scope="session")

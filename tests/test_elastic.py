@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SINGLES, Node, Run, assert_all_rejoined, assert_same_trajectory, events
+from conftest import EXACT_EVERY_STEP, ROOT, SINGLES, Node, Run, assert_all_rejoined, assert_same_trajectory, events
 
 from titan_recover.control import keys, transport
 from titan_recover.control.keys import EXIT_LEFT
@@ -165,21 +165,22 @@ def drain(env: dict[str, str], port: int, *args: str) -> subprocess.Popen:
 
 
 def test_a_group_joins_beyond_r_and_the_operator_drains_another_on_the_coordinators_node(
-    tmp_path: Path, two_singles: Run
+    tmp_path: Path, exact_single: Run
 ) -> None:
     """``recover.max_replicas = 3`` on a run of R = 2 whose one launcher runs replicas 0 and 1 and the
     coordinator. A node started once step 2 is logged, with the new id 2, is admitted at a step boundary
     while replica 0 holds step 4, receives its state from a live peer and computes a share of the same 4
     microbatches. Then, while replica 1 holds step 8 for 10 s, ``python -m titan_recover.drain --replicas 1``:
     replica 1 leaves at the boundary (a ``left`` event, no failure), its launcher runs replica 0 on to exit 0.
-    Draining a group that is no member, or every member, exits 2 naming it and drains nothing. Throughout,
-    the failure-free twin's data and losses, every step's 4 microbatches, equal parameters at the end."""
+    Draining a group that is no member, or every member, exits 2 naming it and drains nothing. In exact mode
+    throughout: every member's parameters after every step are the bits of one group's failure-free run, with
+    its data and losses, and every step's 4 microbatches."""
     dump = tmp_path / "dump"
     plan = (
         "sleep replica=0 step=4 phase=optimizer seconds=120 until=epoch; "  # until the new group is admitted
         "sleep replica=1 step=8 phase=backward seconds=10"  # the drain command imports torch meanwhile
     )
-    args, env, env_c = two_nodes(dump, "--recover.fault_plan", plan, "--recover.max_replicas", "3")
+    args, env, env_c = two_nodes(dump, "--recover.fault_plan", plan, "--recover.max_replicas", "3", *EXACT_EVERY_STEP)
     port = int(args[args.index("--recover.coordinator_port") + 1])
     with Node("a", dump, args, {**env, keys.REPLICAS_ENV: "0,1"}) as a:
         wait_until("step 2", lambda: len(steps(dump)) >= 2, 240, [a])
@@ -205,8 +206,10 @@ def test_a_group_joins_beyond_r_and_the_operator_drains_another_on_the_coordinat
         members = [0, 1] if s < joined else [0, 1, 2] if s < gone else [0, 2]
         assert e["members"] == members and sum(e["quotas"].values()) == 4, (s, e)
         assert s <= joined or e["quotas"].get("2", 0) > 0, (s, e)  # the joiner takes a share once it holds state
-    assert_same_trajectory(two_singles, run, rel_tol=1e-5, num_microbatches=4)
-    digests = {e["replica"]: e["digest"] for e in run.of("param_digest") if e["step"] == LAST}
-    assert sorted(digests) == [0, 2] and len(set(digests.values())) == 1, digests
+    assert_same_trajectory(exact_single, run, rel_tol=0.0, num_microbatches=4)
+    twin = {e["step"]: e["digest"] for e in exact_single.of("param_digest")}
+    differ = [(e["step"], e["replica"]) for e in run.of("param_digest") if e["digest"] != twin[e["step"]]]
+    assert sorted(twin) == list(range(1, LAST + 1)) and not differ, differ
+    assert sorted(e["replica"] for e in run.of("param_digest") if e["step"] == LAST) == [0, 2]
     assert "leaves at its next step boundary (drained by the operator: disk swap)" in run.output
     assert "left on notice       : 1" in run.output
