@@ -5,6 +5,7 @@ short for the step falls back to in-step recovery at once. Two launchers on one 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -15,8 +16,8 @@ from conftest import EXACT_EVERY_STEP, ROOT, SINGLES, Node, Run, assert_all_rejo
 
 from titan_recover.control import keys, transport
 from titan_recover.control.keys import EXIT_LEFT
-from titan_recover.control.protocol import Drain, MessageError
-from titan_recover.drain import DrainError, parse_ids, plan
+from titan_recover.control.protocol import Drain, Launcher, MessageError
+from titan_recover.drain import DrainError, on_node, parse_ids, plan
 from titan_recover.titan.jobs import job
 from titan_recover.tools.partitions import wait_until
 
@@ -36,6 +37,18 @@ def test_a_drain_names_members_only_and_leaves_one_at_least() -> None:
         plan([1, 5], (0, 1, 2), 4, {})
     with pytest.raises(DrainError, match="would leave no replica group"):
         plan([0, 1], (0, 1), 4, {})
+
+
+@pytest.mark.unit
+def test_a_drain_by_node_takes_every_group_with_a_part_there() -> None:
+    def on(host: str) -> Launcher:
+        return Launcher(f"{host}:1:ab", host, 1)
+
+    owners = {0: [on("n0")], 1: [on("n1")], 2: [on("n0"), on("n2")], 3: [on("n1")]}
+    assert on_node("n1", owners, (0, 1, 2, 3)) == [1, 3]
+    assert on_node("n2", owners, (0, 1, 2, 3)) == [2]  # a spanning group leaves whole
+    with pytest.raises(DrainError, match=r"--node 'n1': no replica group of the run's members \[0, 2\] runs there"):
+        on_node("n1", owners, (0, 2))
 
 
 @pytest.mark.unit
@@ -170,17 +183,21 @@ def test_a_group_joins_beyond_r_and_the_operator_drains_another_on_the_coordinat
     """``recover.max_replicas = 3`` on a run of R = 2 whose one launcher runs replicas 0 and 1 and the
     coordinator. A node started once step 2 is logged, with the new id 2, is admitted at a step boundary
     while replica 0 holds step 4, receives its state from a live peer and computes a share of the same 4
-    microbatches. Then, while replica 1 holds step 8 for 10 s, ``python -m titan_recover.drain --replicas 1``:
+    microbatches. Then, while replica 1 holds step 8 for 20 s, ``python -m titan_recover.drain --replicas 1``:
     replica 1 leaves at the boundary (a ``left`` event, no failure), its launcher runs replica 0 on to exit 0.
-    Draining a group that is no member, or every member, exits 2 naming it and drains nothing. In exact mode
+    Draining a group that is no member, or every member (also by naming this host, where every launcher runs),
+    or a node that runs none exits 2 naming it and drains nothing. In exact mode
     throughout: every member's parameters after every step are the bits of one group's failure-free run, with
     its data and losses, and every step's 4 microbatches."""
     dump = tmp_path / "dump"
     plan = (
         "sleep replica=0 step=4 phase=optimizer seconds=120 until=epoch; "  # until the new group is admitted
-        "sleep replica=1 step=8 phase=backward seconds=10"  # the drain command imports torch meanwhile
+        "sleep replica=1 step=8 phase=backward seconds=20"  # the five drain commands import torch meanwhile
     )
-    args, env, env_c = two_nodes(dump, "--recover.fault_plan", plan, "--recover.max_replicas", "3", *EXACT_EVERY_STEP)
+    budget = ("--recover.notice_budget_s", "40")  # above the 20 s hold
+    args, env, env_c = two_nodes(
+        dump, "--recover.fault_plan", plan, "--recover.max_replicas", "3", *budget, *EXACT_EVERY_STEP
+    )
     port = int(args[args.index("--recover.coordinator_port") + 1])
     with Node("a", dump, args, {**env, keys.REPLICAS_ENV: "0,1"}) as a:
         wait_until("step 2", lambda: len(steps(dump)) >= 2, 240, [a])
@@ -188,12 +205,16 @@ def test_a_group_joins_beyond_r_and_the_operator_drains_another_on_the_coordinat
             wait_until("step 7", lambda: len(steps(dump)) >= 7, 240, [a, c])
             asked = drain(env, port, "--replicas", "1", "--reason", "disk swap")
             absent, every = drain(env, port, "--replicas", "7"), drain(env, port, "--replicas", "0,1,2")
-            said = [cli.communicate(timeout=120)[1] for cli in (asked, absent, every)]  # each one's stderr
+            here, nowhere = drain(env, port, "--node", socket.gethostname()), drain(env, port, "--node", "no-such-node")
+            clis = (asked, absent, every, here, nowhere)
+            said = [cli.communicate(timeout=120)[1] for cli in clis]  # each one's stderr
             assert a.wait(timeout=300) == 0, a.output()[-4000:]
             assert c.wait(timeout=60) == 0, c.output()[-4000:]
     assert asked.returncode == 0, said[0]
     assert absent.returncode == 2 and "replica group(s) [7] are not members of the run's epoch" in said[1]
     assert every.returncode == 2 and "would leave no replica group" in said[2]
+    assert here.returncode == 2 and "would leave no replica group" in said[3]  # every launcher runs on this host
+    assert nowhere.returncode == 2 and "--node 'no-such-node': no replica group of the run's members" in said[4]
     run = Run(0, a.output(), events(dump))
     [admitted] = run.of("admitted")
     assert admitted["replica"] == 2 and "replaces" not in admitted, admitted  # a member beyond R, no repair

@@ -2,6 +2,7 @@
 on its node's notice (docs/elasticity.md), and the others take its quota; nothing is computed again.
 
     TITAN_RECOVER_COORDINATOR=host:port TITAN_RECOVER_SECRET=... python -m titan_recover.drain --replicas 1,3
+    TITAN_RECOVER_COORDINATOR=host:port TITAN_RECOVER_SECRET=... python -m titan_recover.drain --node gpu-node-17
 
 The run's coordinator address and secret are the ones its other nodes' launchers are given; the run's id
 is found from the secret on the TCPStore (``TITAN_RECOVER_RUN_ID`` names it on etcd). A drained group's
@@ -16,12 +17,13 @@ import time
 
 from titan_recover.control import keys, transport
 from titan_recover.control.client import ControlClient
-from titan_recover.control.protocol import Drain, MessageError
+from titan_recover.control.protocol import Drain, Launcher, MessageError
 from titan_recover.control.sealed import Run
 from titan_recover.control.transport import WrongRunError
 from titan_recover.observability import logs
 
 CONNECT_S = 30.0
+MAX_PARTS = 1024  # a group spans at most this many nodes (each part's launcher claims its own key)
 log = logging.getLogger(__name__)
 
 
@@ -56,6 +58,33 @@ def plan(ids: list[int], members: tuple[int, ...], epoch: int, attempts: dict[in
     return {r: attempts.get(r, 0) for r in ids}
 
 
+def on_node(node: str, owners: dict[int, list[Launcher]], members: tuple[int, ...]) -> list[int]:
+    """The member groups with a part on ``node`` (by its launchers' host names, ``owners``: each group's
+    parts' launchers); a group spanning nodes leaves whole. DrainError when none runs there."""
+    ids = [r for r in members if any(o.host == node for o in owners.get(r, []))]
+    if not ids:
+        hosts = {r: sorted({o.host for o in owners.get(r, [])}) for r in members}
+        raise DrainError(
+            f"--node {node!r}: no replica group of the run's members {list(members)} runs there "
+            f"(their nodes: {hosts}): nothing was drained"
+        )
+    return ids
+
+
+def owners(client: ControlClient, members: tuple[int, ...]) -> dict[int, list[Launcher]]:
+    """Each member group's launchers, part by part, from their claims (a released claim is empty)."""
+    found: dict[int, list[Launcher]] = {}
+    for r in members:
+        for part in range(MAX_PARTS):
+            key = keys.owner_key(r, part)
+            raw = client.store.read(key)
+            if raw is None:
+                break
+            if raw:
+                found.setdefault(r, []).append(Launcher.loads(key, raw))
+    return found
+
+
 def connect(address: str, env: dict[str, str]) -> ControlClient:
     secret = env.get(keys.SECRET_ENV, "")
     if not secret:
@@ -68,20 +97,25 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m titan_recover.drain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--replicas", required=True, help="replica group ids to drain, e.g. 1,3")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--replicas", help="replica group ids to drain, e.g. 1,3")
+    which.add_argument("--node", help="drain every replica group running on this host (its launchers' host name)")
     parser.add_argument("--reason", default="planned maintenance", help="said in the run's log and its left events")
     parser.add_argument("--coordinator", help=f"host:port of the run's coordinator (default: ${keys.COORDINATOR_ENV})")
     args = parser.parse_args(argv)
     logs.setup("drain", __name__)
     address = args.coordinator or os.environ.get(keys.COORDINATOR_ENV, "")
     try:
-        ids = parse_ids(args.replicas)
+        ids = parse_ids(args.replicas) if args.replicas is not None else []
         if not address:
             raise DrainError(f"give the run's coordinator: --coordinator host:port or {keys.COORDINATOR_ENV}")
         client = connect(address, dict(os.environ))
         epoch = client.epoch()
         state = client.read_state()
-        drains = plan(ids, client.membership(epoch).members, epoch, state.attempts if state is not None else {})
+        members = client.membership(epoch).members
+        if args.node is not None:
+            ids = on_node(args.node, owners(client, members), members)
+        drains = plan(ids, members, epoch, state.attempts if state is not None else {})
     except (DrainError, WrongRunError, MessageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return keys.EXIT_BAD_INPUT
