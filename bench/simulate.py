@@ -27,7 +27,7 @@ import json
 import statistics
 from pathlib import Path
 
-from bench.common import RESULTS, write_result
+from bench.common import RESULTS, ROOT, write_result
 from titan_recover.tools import goodput as g
 
 SIZES = (512, 1024, 2048, 4096, 8192, 16384)
@@ -202,6 +202,43 @@ def latency_scale(results: Path) -> dict:
     return out
 
 
+SPOT_TRACE = Path(__file__).parent / "traces" / "aws-p3-trace.csv"
+# one trace node (a p3.2xlarge in the trace) stands for a node of 8 GPUs, one replica group; 32 live at most
+SPOT_CLUSTER = g.Cluster(gpus=32 * 8, group_gpus=8, microbatches=256, tokens_per_step=4 * 2**20)
+
+
+def spot_trace() -> dict:
+    """The whole spot trace (11.4 hours, 177 nodes) at the paper setting's costs for the four systems; the
+    checkpoint-and-restart baseline at its best interval on this trace (searched up to twice Young/Daly's for
+    the trace's mean time between losses), restarting on every change (the issue's baseline) and, better for
+    it, on its own nodes' losses only."""
+    events = g.read_capacity_trace(SPOT_TRACE.read_text())
+    costs = g.PAPER_COSTS
+    losses = sum(e.kind == "remove" for e in events)
+    daly = g.young_daly_steps(costs, events[-1].time_s / losses)
+
+    def restart(grow: bool) -> dict:
+        runs = (
+            g.simulate_capacity("restart", events, SPOT_CLUSTER, costs, ckpt_every=k, grow=grow)
+            for k in range(1, 2 * daly + 1)
+        )
+        return max(runs, key=lambda r: r["tokens_per_hour"])
+
+    systems = {s: g.simulate_capacity(s, events, SPOT_CLUSTER, costs) for s in ("elastic", "fixed", "membership")}
+    systems |= {"restart": restart(grow=True), "restart_on_losses": restart(grow=False)}
+    elastic = systems["elastic"]["tokens_per_hour"]
+    return {
+        "trace": f"{SPOT_TRACE.relative_to(ROOT)}: {len(events)} events, {losses} losses, {events[-1].time_s:.0f} s",
+        "cluster": dataclasses.asdict(SPOT_CLUSTER),
+        "costs": dataclasses.asdict(costs),
+        "costs_source": "the paper setting's (titan_recover.tools.goodput.PAPER_COSTS), as scenario 2 of goodput.json",
+        "notice_s": 25.0,
+        "young_daly_steps": daly,
+        "systems": systems,
+        "tokens_per_hour_vs_elastic": {name: r["tokens_per_hour"] / elastic for name, r in systems.items()},
+    }
+
+
 def run(results: Path = RESULTS) -> dict:
     measured = json.loads((results / "ckpt_restart.json").read_text())
     cal = calibration(measured)
@@ -213,6 +250,7 @@ def run(results: Path = RESULTS) -> dict:
         "latency_scale": latency_scale(results),
         "paper_spares": paper_spares(results, cal["costs"]),
         "paper_stragglers": paper_stragglers(),
+        "spot_trace": spot_trace(),
         "sim_calibration_error": cal["sim_calibration_error"],
         "sim_paper_setting_ratio": pap["result"]["throughput_ratio"],
         "sim_paper_tokens_ratio_at_234_gpu_hours": pap["result"]["tokens_ratio_at_gpu_hours"],

@@ -198,6 +198,251 @@ def spread_failures(count: int, horizon_s: float, groups: int = 1) -> list[Failu
 
 
 @dataclass(frozen=True)
+class TraceEvent:
+    """One line of a capacity trace: a node arrives (``add``) or goes away (``remove``) at ``time_s``."""
+
+    time_s: float
+    kind: str  # "add" or "remove"
+    node: str
+
+
+def read_capacity_trace(text: str) -> list[TraceEvent]:
+    """A capacity trace's CSV lines ``time_ms,add|remove,node`` (Bamboo's and Parcae's format), in file
+    order; ValueError naming the line when one is malformed or inconsistent (a node added while live, a
+    node removed while not, time going backwards)."""
+    events: list[TraceEvent] = []
+    live: set[str] = set()
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        fields = [f.strip() for f in line.split(",")]
+
+        def bad(why: str, number: int = number, line: str = line) -> ValueError:
+            return ValueError(f"capacity trace line {number} ({line.strip()!r}): {why}")
+
+        if len(fields) != 3:
+            raise bad(f"expected time_ms,add|remove,node; got {len(fields)} fields")
+        ms, kind, node = fields
+        if not ms.isdigit():
+            raise bad(f"the time {ms!r} is not a whole number of milliseconds >= 0")
+        if kind not in ("add", "remove") or not node:
+            raise bad(f"expected add or remove and a node name, got {kind!r} and {node!r}")
+        time_s = int(ms) / 1000
+        if events and time_s < events[-1].time_s:
+            raise bad(f"time goes backwards (the line before is at {events[-1].time_s:g} s)")
+        if (node in live) == (kind == "add"):
+            raise bad(f"node {node!r} is {'already' if kind == 'add' else 'not'} live")
+        (live.add if kind == "add" else live.discard)(node)
+        events.append(TraceEvent(time_s, kind, node))
+    return events
+
+
+def group_changes(
+    events: Sequence[TraceEvent], nodes_per_group: int, max_groups: int, min_groups: int = 0
+) -> list[tuple[float, int]]:
+    """(time s, replica groups) where the groups the live nodes make change: ``live // nodes_per_group``
+    clamped to ``[min_groups, max_groups]``, after all events of a time stamp; the first time stamp always."""
+    if nodes_per_group < 1 or max_groups < max(1, min_groups):
+        raise ValueError(
+            f"nodes_per_group must be >= 1 (got {nodes_per_group}) and max_groups >= max(1, min_groups) "
+            f"(got {max_groups}, {min_groups})"
+        )
+    out: list[tuple[float, int]] = []
+    live = 0
+    for i, event in enumerate(events):
+        live += 1 if event.kind == "add" else -1
+        if i + 1 < len(events) and events[i + 1].time_s == event.time_s:
+            continue  # the time stamp's other events first
+        groups = min(max_groups, max(min_groups, live // nodes_per_group))
+        if not out or out[-1][1] != groups:
+            out.append((event.time_s, groups))
+    return out
+
+
+CapacitySystem = Literal["elastic", "fixed", "restart", "membership"]
+CAPACITY_SYSTEMS: dict[CapacitySystem, str] = {
+    "elastic": "titan_recover elastic (leaves on notice, joins beyond R)",
+    "fixed": "titan_recover, R fixed at the start (every loss a crash, rejoins into its slot)",
+    "restart": "checkpoint-and-restart (the whole job restarted on every change, global batch kept)",
+    "membership": "global batch follows the membership (torchft's semantics: a loss discards the step)",
+}
+
+
+@dataclass
+class _Nodes:
+    """A capacity trace seen from one node-sized replica group each: when each node arrives and goes."""
+
+    added: dict[str, float]
+    removed: dict[str, float]
+    end_s: float
+
+    @staticmethod
+    def of(events: Sequence[TraceEvent]) -> _Nodes:
+        return _Nodes(
+            {e.node: e.time_s for e in events if e.kind == "add"},
+            {e.node: e.time_s for e in events if e.kind == "remove"},
+            events[-1].time_s,
+        )
+
+    def gone(self, node: str) -> float:
+        return self.removed.get(node, math.inf)
+
+    def live(self, t: float) -> list[str]:
+        return [n for n, a in self.added.items() if a <= t < self.gone(n)]
+
+
+def _titan(nodes: _Nodes, cluster: Cluster, costs: Costs, notice_s: float, elastic: bool) -> dict:
+    """titan_recover on a capacity trace. ``elastic``: up to every live node a member, a member under notice
+    leaves at the first step boundary after it (a crash at its removal, detection 0, only where no boundary
+    came in between); a new node starts at once (``rejoin_s``) and is admitted at a boundary (``transfer_s``).
+    Else R is the start's node count: a node beyond it waits, unstarted, for a slot; every removal is a crash
+    (``detect_s``, the lost share of the step redone) and the slot goes to a waiting node (``rejoin_s``)."""
+    cap = len(nodes.live(0.0)) if not elastic else cluster.groups
+    members = set(nodes.live(0.0)[:cap])
+    starting: dict[str, float] = {}  # node -> when it can be admitted
+    t, steps, redone, leaves, crashes, joins = 0.0, 0, 0.0, 0, 0, 0
+    while t < nodes.end_s:
+        for n in nodes.live(t):  # nodes that start: any (elastic), or into a free slot
+            if n not in members and n not in starting and len(members) + len(starting) < cap:
+                starting[n] = t + costs.rejoin_s
+        starting = {n: r for n, r in starting.items() if nodes.gone(n) > t}
+        if elastic:  # noticed members leave here, at the boundary
+            noticed = {n for n in members if nodes.gone(n) - notice_s <= t}
+            leaves, members = leaves + len(noticed), members - noticed
+        gone = {n for n in members if nodes.gone(n) <= t}  # lost between steps (in a pause): found, nothing redone
+        if gone:
+            crashes, members, t = crashes + len(gone), members - gone, t + (0.0 if elastic else costs.detect_s)
+        ready = {n for n, r in starting.items() if r <= t and (not elastic or nodes.gone(n) - notice_s > t)}
+        if ready:
+            t += costs.transfer_s if members else 0.0
+            members |= ready
+            joins += len(ready)
+            starting = {n: r for n, r in starting.items() if n not in ready}
+        if not members:  # nothing trains until a node is ready
+            t = min([*starting.values(), *(a for a in nodes.added.values() if a > t), nodes.end_s])
+            continue
+        remaining = float(cluster.microbatches)
+        while remaining > 0 and members:
+            dt = step_time(cluster, costs, len(members), microbatches=remaining)
+            lost = {n for n in members if t < nodes.gone(n) < t + dt}
+            if not lost:
+                t += dt
+                break
+            at = min(nodes.gone(n) for n in lost)
+            lost = {n for n in lost if nodes.gone(n) == at}
+            done = remaining * (at - t) / dt
+            redone += done * len(lost) / len(members)
+            remaining -= done * (1 - len(lost) / len(members))
+            crashes, members = crashes + len(lost), members - lost
+            t = at + (0.0 if elastic else costs.detect_s)
+        steps += 1 if members and t <= nodes.end_s else 0  # a step the trace's end cuts is not counted
+    return {"steps": steps, "redone_steps": redone / cluster.microbatches, "leaves": leaves, "crashes": crashes,
+            "joins": joins, "groups_at_most": cap}  # fmt: skip
+
+
+def _restart(nodes: _Nodes, cluster: Cluster, costs: Costs, ckpt_every: int, grow: bool) -> dict:
+    """Checkpoint-and-restart: the job runs on the nodes live when it started, a blocking checkpoint every
+    ``ckpt_every`` steps. It stops at the loss of one of its nodes, losing the steps since the last checkpoint
+    (a notice shorter than ``ckpt_save_s`` cannot save one), and, with ``grow``, at an arrival too, taken
+    after a checkpoint (nothing lost); then ``restart_s`` on every live node, and a change during a restart
+    starts it over."""
+    stamps = sorted({*nodes.added.values(), *nodes.removed.values()} - {0.0})
+    t, steps, saved, lost, restarts, i = 0.0, 0, 0, 0, 0, 0
+    while t < nodes.end_s:
+        used = nodes.live(t)
+        while i < len(stamps) and not (grow or any(nodes.gone(n) == stamps[i] for n in used)):
+            i += 1  # a change that does not stop the job: an arrival, or the loss of a node it does not use
+        change = stamps[i] if i < len(stamps) else nodes.end_s
+        live = len(used)
+        while live:
+            dt = step_time(cluster, costs, live) + (costs.ckpt_save_s if (steps + 1) % ckpt_every == 0 else 0.0)
+            if t + dt > change:
+                break
+            t, steps = t + dt, steps + 1
+            saved = steps if steps % ckpt_every == 0 else saved
+        if change >= nodes.end_s:
+            break
+        if any(r == change for r in nodes.removed.values()):
+            lost, steps = lost + steps - saved, saved
+        else:
+            saved = steps
+            change += costs.ckpt_save_s
+        t = change + costs.restart_s
+        restarts += 1
+        i += 1
+        while i < len(stamps) and stamps[i] < t:  # changed again while restarting: start over from there
+            if any(r == stamps[i] for r in nodes.removed.values()):
+                lost, steps = lost + steps - saved, saved
+            t, i = stamps[i] + costs.restart_s, i + 1
+            restarts += 1
+    return {"steps": steps, "redone_steps": float(lost), "restarts": restarts, "ckpt_every": ckpt_every, "grow": grow}
+
+
+def _membership(nodes: _Nodes, cluster: Cluster, costs: Costs) -> dict:
+    """The global batch follows the membership: each member computes its own share of a full cluster's batch
+    in ``step_s`` whatever the others do; a member lost in a step discards that step for all (no drain path),
+    found after ``detect_s``; a new node heals from a peer (``rejoin_s``, then ``transfer_s`` at a step)."""
+    members = set(nodes.live(0.0))
+    t, steps, tokens, discarded, batches = 0.0, 0, 0.0, 0.0, []
+    per_group = cluster.tokens_per_step / cluster.groups
+    while t < nodes.end_s:
+        gone = {n for n in members if nodes.gone(n) <= t}  # lost between steps: found after the detection
+        if gone:
+            members, t = members - gone, t + costs.detect_s
+        ready = {n for n in nodes.live(t) if n not in members and nodes.added[n] + costs.rejoin_s <= t}
+        if ready:
+            t += costs.transfer_s if members else 0.0
+            members |= ready
+        if not members:
+            t = min([*(a + costs.rejoin_s for a in nodes.added.values() if a + costs.rejoin_s > t), nodes.end_s])
+            continue
+        lost = [nodes.gone(n) for n in members if t < nodes.gone(n) < t + costs.step_s]
+        if lost:
+            discarded += (min(lost) - t) / costs.step_s
+            members = {n for n in members if nodes.gone(n) > min(lost)}
+            t = min(lost) + costs.detect_s
+            continue
+        t += costs.step_s
+        if t > nodes.end_s:  # a step the trace's end cuts is not counted
+            break
+        steps, tokens = steps + 1, tokens + per_group * len(members)
+        batches.append(len(members))
+    return {"steps": steps, "redone_steps": discarded, "tokens": tokens,
+            "global_batch_groups": [min(batches, default=0), max(batches, default=0)]}  # fmt: skip
+
+
+def simulate_capacity(
+    system: CapacitySystem,
+    events: Sequence[TraceEvent],
+    cluster: Cluster,
+    costs: Costs,
+    notice_s: float = 25.0,
+    ckpt_every: int = 0,
+    grow: bool = True,
+) -> dict:
+    """One system over a capacity trace (``read_capacity_trace``), one node = one replica group of
+    ``cluster.group_gpus`` GPUs; ``cluster.groups`` is the most nodes live at once, and M is fixed except
+    under ``membership``. Tokens per hour over the trace, steps, the work computed again (in steps: a crash's
+    share redone, a restart's steps since its checkpoint, a discarded step's part done) and its fraction.
+    ``restart`` checkpoints every ``ckpt_every`` steps and, with ``grow``, restarts to take arrivals too."""
+    nodes = _Nodes.of(events)
+    if system == "restart":
+        out = _restart(nodes, cluster, costs, ckpt_every, grow)
+    elif system == "membership":
+        out = _membership(nodes, cluster, costs)
+    else:
+        out = _titan(nodes, cluster, costs, notice_s, elastic=system == "elastic")
+    tokens = out.pop("tokens", out["steps"] * float(cluster.tokens_per_step))
+    return {
+        "system": CAPACITY_SYSTEMS[system],
+        **out,
+        "tokens": tokens,
+        "tokens_per_hour": tokens / (nodes.end_s / HOUR),
+        "redone_fraction": out["redone_steps"] / max(1e-9, out["steps"] + out["redone_steps"]),
+    }
+
+
+@dataclass(frozen=True)
 class Horizon:
     """When a simulated run stops: whichever comes first."""
 
