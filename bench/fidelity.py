@@ -232,7 +232,7 @@ def _wait_listening(port: int, proc: subprocess.Popen, log: Path, timeout_s: flo
     raise RuntimeError(f"torchft_lighthouse not listening on port {port} after {timeout_s}s")
 
 
-def _torchft_steps(setup: Setup, events: list[dict[str, Any]]) -> dict[int, Step]:
+def torchft_steps(setup: Setup, events: list[dict[str, Any]]) -> dict[int, Step]:
     """Committed steps from the per-rank ``ft_step`` events. A group's loss is the sum of its
     ranks' (each is divided by the group's tokens already); the step's is the mean over groups."""
     by_step: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
@@ -257,10 +257,10 @@ def _torchft_steps(setup: Setup, events: list[dict[str, Any]]) -> dict[int, Step
     return steps
 
 
-def run_torchft(setup: Setup, plan: str, dump: Path) -> Run:
-    dump.mkdir(parents=True)
+def lighthouse(setup: Setup, dump: Path) -> tuple[subprocess.Popen, list[str], int]:
+    """A torchft Lighthouse for ``dump``'s groups, listening: its process, command and port."""
     port = free_port()
-    lighthouse_cmd = [
+    cmd = [
         str(BIN / "torchft_lighthouse"),
         "--min_replicas",
         "1",
@@ -269,55 +269,75 @@ def run_torchft(setup: Setup, plan: str, dump: Path) -> Run:
         "--heartbeat_timeout_ms",
         str(int(setup.heartbeat_timeout_s * 1000)),
     ]
-    lighthouse_log = dump / "lighthouse.log"
-    lighthouse = _start(lighthouse_cmd, lighthouse_log, ENV)
+    log = dump / "lighthouse.log"
+    proc = _start(cmd, log, ENV)
+    try:
+        _wait_listening(port, proc, log)
+    except RuntimeError:
+        _stop(proc)
+        raise
+    return proc, cmd, port
+
+
+def torchft_group(setup: Setup, replica: int, plan: str, dump: Path) -> list[str]:
+    """One replica group's torchrun under TorchTitan's fault-tolerance trainer, ``setup.replicas`` in all."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        f"--nproc_per_node={setup.shards}",
+        "--max_restarts",
+        "0",
+        "--role",
+        f"replica{replica}",
+        "bench/torchft_train.py",
+        "--job.config_file",
+        str(CONFIG),
+        "--job.dump_folder",
+        str(dump),
+        *setup.overrides(),
+        "--model.name",
+        "llama3_recover_torchft",
+        "--parallelism.data_parallel_replicate_degree",
+        "1",
+        "--fault_tolerance.enable",
+        "--fault_tolerance.replica_id",
+        str(replica),
+        "--fault_tolerance.group_size",
+        str(setup.replicas),
+        "--fault_tolerance.process_group",
+        "gloo",
+        "--recover.fault_plan",
+        plan,
+    ]
+
+
+def torchft_env(setup: Setup, port: int) -> dict[str, str]:
+    """The groups' environment: the Lighthouse, and the thread split titan_recover's launcher makes, so that
+    neither oversubscribes the cores."""
+    return with_threads({**ENV, "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}, setup.replicas * setup.shards)
+
+
+def run_torchft(setup: Setup, plan: str, dump: Path) -> Run:
+    dump.mkdir(parents=True)
+    light, lighthouse_cmd, port = lighthouse(setup, dump)
     groups: dict[int, subprocess.Popen] = {}
     cmds: dict[int, list[str]] = {}
     try:
-        _wait_listening(port, lighthouse, lighthouse_log)
-        # the same thread split titan_recover's launcher makes, so neither oversubscribes the cores
-        env = with_threads({**ENV, "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}, setup.replicas * setup.shards)
+        env = torchft_env(setup, port)
         start = time.monotonic()
         for r in range(setup.replicas):
-            cmds[r] = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nnodes",
-                "1",
-                f"--nproc_per_node={setup.shards}",
-                "--max_restarts",
-                "0",
-                "--role",
-                f"replica{r}",
-                "bench/torchft_train.py",
-                "--job.config_file",
-                str(CONFIG),
-                "--job.dump_folder",
-                str(dump),
-                *setup.overrides(),
-                "--model.name",
-                "llama3_recover_torchft",
-                "--parallelism.data_parallel_replicate_degree",
-                "1",
-                "--fault_tolerance.enable",
-                "--fault_tolerance.replica_id",
-                str(r),
-                "--fault_tolerance.group_size",
-                str(setup.replicas),
-                "--fault_tolerance.process_group",
-                "gloo",
-                "--recover.fault_plan",
-                plan,
-            ]
+            cmds[r] = torchft_group(setup, r, plan, dump)
             groups[r] = _start(cmds[r], dump / f"replica{r}.log", env)
         for r, proc in groups.items():
             if proc.wait(timeout=RUN_TIMEOUT_S) != 0 and not (plan != "none" and r == setup.killed_replica):
                 raise _failed(f"torchft replica group {r}", dump / f"replica{r}.log", proc.returncode)
         wall = time.monotonic() - start
     finally:
-        for proc in [*groups.values(), lighthouse]:
+        for proc in [*groups.values(), light]:
             _stop(proc)
     events = list(read_events(events_path(str(dump))))
     extra = {
@@ -328,7 +348,7 @@ def run_torchft(setup: Setup, plan: str, dump: Path) -> Run:
         "uncommitted_steps": sorted({e["step"] for e in of_kind(events, "ft_step") if not e["committed"]}),
     }
     commands = [shlex.join(c) for c in (lighthouse_cmd, *cmds.values())]
-    return Run(commands, wall, _torchft_steps(setup, events), _fault_time(events), extra)
+    return Run(commands, wall, torchft_steps(setup, events), _fault_time(events), extra)
 
 
 # ---- analysis -------------------------------------------------------------------------

@@ -37,6 +37,10 @@ HEADLINES = {
     "cold_rejoin_downtime_s": ("warm", "the same restarting cold, importing anew, same bench run (median)"),
     "stall_s_notice": ("leave", "survivor's stall when a node leaves on notice (SIGTERM), two launchers (median)"),
     "stall_s_lost": ("leave", "the same when that node is lost whole (SIGKILL, no notice), same bench run (median)"),
+    "spot_steps_vs_elastic": ("spot", "a spot-trace window replayed: each system's steps per trace hour / elastic's"),
+    "spot_exact_every_step": ("spot", "the same replay: every parameter digest equal to the exact twin's, all steps"),
+    "spot_membership_max_rel_loss_dev": ("spot", "the same: max relative loss drift, the batch following the members"),
+    "sim_spot_vs_elastic": ("spot", "simulated whole trace, 32 nodes of 8 GPUs: tokens per hour / elastic's"),
     "spare_failure_free_step_ratio": ("spares", "failure-free step time with a waiting spare / without, worst R"),
     "straggler_speed_vs_ideal": (
         "stragglers",

@@ -32,9 +32,12 @@ file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import fidelity
 from bench.common import ROOT, write_result
 from bench.simulate import spot_trace
 from titan_recover.control import keys, transport
@@ -63,6 +67,7 @@ SHAPE = [
     str(M),
 ]
 CKPT_EVERY = 25
+COMMITTED = '"committed": true'  # a torchft group's committed step in its event log
 log = logging.getLogger(__name__)
 
 
@@ -136,6 +141,8 @@ class Replayed:
     computed_again: int = 0  # steps logged again (checkpoint-and-restart's work since its last checkpoint)
     m_every_step: bool = True
     digests: dict[int, set[str]] = field(default_factory=dict)  # step -> the replicas' parameter digests
+    losses: dict[int, float] = field(default_factory=dict)  # torchft's: step -> loss
+    batches: list[int] = field(default_factory=list)  # torchft's: each committed step's global batch (samples)
     actions: list[dict[str, Any]] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
@@ -210,19 +217,42 @@ class Node:
             self.proc.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
+        """SIGKILL of its process group and of every process under it (torchrun starts its workers in
+        sessions of their own, out of the group's reach; titan_recover's ranks die with their agent anyway)."""
         if self.proc.poll() is None:
+            under = descendants(self.proc.pid)
             os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in under:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         self.proc.wait()
 
 
-def steps_logged(events: Path) -> int:
-    return events.read_text().count('"event": "step"') if events.exists() else 0
+def descendants(pid: int) -> list[int]:
+    """The processes under ``pid``, from /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
 
 
-def first_step(events: Path, node: Node, what: str) -> float:
+def steps_logged(events: Path, marker: str = '"event": "step"') -> int:
+    return events.read_text().count(marker) if events.exists() else 0
+
+
+def first_step(events: Path, node: Node, what: str, marker: str = '"event": "step"') -> float:
     """When the run's first step was logged (monotonic): the replay's start."""
     deadline = time.monotonic() + 600
-    while steps_logged(events) < 1:
+    while steps_logged(events, marker) < 1:
         if time.monotonic() > deadline or node.proc.poll() is not None:
             raise RuntimeError(f"{what}: the run never committed step 1 (exit {node.proc.poll()})")
         time.sleep(0.05)
@@ -315,6 +345,80 @@ def restarts(plan: Replay, changes: list[tuple[float, int]], folder: Path, ckpt_
     return read_replay(Replayed("restart", first, window, window * plan.compress, actions=done), *events)
 
 
+def torchft_setup(plan: Replay) -> fidelity.Setup:
+    """The batch-follows-membership run's job: the same model, data, seed and learning rates, each of the
+    ``max_groups`` groups a fixed M / max_groups samples a step (so M with every group, fewer with fewer)."""
+    return fidelity.Setup(steps=STEPS, fault_step=0, replicas=plan.max_groups, local_batch=1, global_batch=M)
+
+
+def torchft_run(plan: Replay, first: int, actions: list[Action], folder: Path, name: str, until: int = 0) -> Replayed:
+    """TorchTitan's fault-tolerance trainer (torchft, ``bench.fidelity``'s) on the same schedule: a group
+    started for each arrival joins torchft's quorum and heals from a peer; a notice does nothing (torchft has
+    no drain path) and the removal SIGKILLs the group; its step is not committed, and the global batch is
+    the members' share. ``until``: no actions, stopped once that many steps are committed (the twin)."""
+    setup, dump = torchft_setup(plan), folder / name
+    dump.mkdir(parents=True)
+    for r in range(first, plan.max_groups):  # the start barrier counts the groups the trace brings later as up
+        (dump / f"torchft_ready_{r}_0").touch()
+    light, _, port = fidelity.lighthouse(setup, dump)
+    env, groups, started = fidelity.torchft_env(setup, port), {}, 0
+
+    def start(replica: int) -> None:
+        nonlocal started
+        started += 1
+        cmd = fidelity.torchft_group(setup, replica, "none", dump)
+        groups[replica] = Node(cmd, env, folder / f"{name}-{replica}-{started}.log")
+
+    events = dump / "recover_events.jsonl"
+    done: list[dict[str, Any]] = []
+    try:
+        for replica in range(first):
+            start(replica)
+        t0 = first_step(events, groups[0], f"{name} (see {folder})", COMMITTED)
+        end = t0 + (math.inf if until else plan.minutes * MIN / plan.compress)
+        for action in [] if until else actions:
+            time.sleep(max(0.0, t0 + action.at - time.monotonic()))
+            if action.kind == "start":
+                start(action.replica)
+            elif action.kind == "kill":
+                groups[action.replica].kill()
+            done.append({**asdict(action), "late_s": round(time.monotonic() - t0 - action.at, 3)})
+            log.info("%s: %.1fs %s replica %d", name, action.at, action.kind, action.replica)
+        deadline = time.monotonic() + 120 + until
+        while time.monotonic() < min(end, deadline) and steps_logged(events, COMMITTED) < until * plan.max_groups:
+            time.sleep(0.2)
+        window = time.monotonic() - t0
+    finally:
+        for node in groups.values():
+            node.kill()
+        fidelity._stop(light)
+    logged = read_log(str(events)).events
+    steps = fidelity.torchft_steps(setup, logged)
+    out = Replayed(name, first, window, window * plan.compress, steps=len(steps), actions=done)
+    out.computed_again = len({e["step"] for e in of_kind(logged, "ft_step") if not e["committed"]})
+    out.losses = {s: step.loss for s, step in steps.items()}
+    out.batches = [len(steps[s].replicas) * M // plan.max_groups for s in sorted(steps)]
+    out.m_every_step = all(b == M for b in out.batches)
+    out.failures = sum(a["kind"] == "kill" for a in done)
+    out.joins = sum(a["kind"] == "start" for a in done)
+    return out
+
+
+def drift(run: Replayed, reference: Replayed) -> dict[str, Any]:
+    """Per-step relative loss deviation from the failure-free run's, over the steps both committed."""
+    devs = [
+        abs(loss - reference.losses[s]) / abs(reference.losses[s])
+        for s, loss in sorted(run.losses.items())
+        if s in reference.losses
+    ]
+    return {
+        "steps_compared": len(devs),
+        "max_rel_loss_dev": max(devs, default=None),
+        "median_rel_loss_dev": statistics.median(devs) if devs else None,
+        "global_batch_samples": [min(run.batches, default=0), max(run.batches, default=0)],
+    }
+
+
 def _at_start(changes: list[tuple[float, int]], replay: Replay) -> int:
     return [n for t, n in changes if t <= replay.start_min * MIN][-1]
 
@@ -362,20 +466,32 @@ def exact_verdict(replayed: Replayed, reference: dict[int, str]) -> dict[str, An
 def run(plan: Replay, systems: list[str], folder: Path, ckpt_every: int) -> dict[str, Any]:
     """Each system over the same window, then the twin over as many steps as the longest titan_recover replay."""
     changes = group_changes(read_capacity_trace(TRACE.read_text()), plan.nodes_per_group, plan.max_groups, 1)
-    replays = [
-        restarts(plan, changes, folder, ckpt_every) if system == "restart" else replay(system, plan, changes, folder)
-        for system in systems
-    ]
-    ours = [r for r in replays if r.system != "restart"]
-    reference = twin(max(r.steps for r in ours), folder) if ours else {}
-    rows = {r.system: {**r.row(), **({"exact": exact_verdict(r, reference)} if r in ours else {})} for r in replays}
+
+    def one(system: str) -> Replayed:
+        if system == "restart":
+            return restarts(plan, changes, folder, ckpt_every)
+        if system == "membership":
+            return torchft_run(plan, *schedule(changes, plan, plan.max_groups, notices=False), folder, system)
+        return replay(system, plan, changes, folder)
+
+    replays = [one(system) for system in systems]
+    rows = {r.system: r.row() for r in replays}
+    ours = [r for r in replays if r.system in ("elastic", "fixed")]
+    if ours:
+        reference = twin(max(r.steps for r in ours), folder)
+        for r in ours:
+            rows[r.system]["exact"] = exact_verdict(r, reference)
+    for r in replays:
+        if r.system == "membership":
+            ff = torchft_run(plan, plan.max_groups, [], folder, "membership-twin", until=max(r.losses, default=1))
+            rows[r.system]["drift"] = drift(r, ff)
     for row in rows.values():
         log.info(
-            "%-8s %5d steps (%.0f per trace hour), %d computed again, %d leaves, %d failures, %d joins, "
-            "<= %d microbatches redone, M every step: %s, digests equal to the twin's: %s",
+            "%-10s %5d steps (%.0f per trace hour), %d computed again, %d leaves, %d failures, %d joins, "
+            "<= %d microbatches redone, M every step: %s, digests equal to the twin's: %s, drift: %s",
             row["system"], row["steps"], row["steps_per_trace_hour"], row["steps_computed_again"], row["leaves"],
             row["failures"], row["joins"], row["microbatches_redone_at_most"], row["m_every_step"],
-            row.get("exact", {}).get("equal", "-"),
+            row.get("exact", {}).get("equal", "-"), row.get("drift", {}).get("max_rel_loss_dev", "-"),
         )  # fmt: skip
     return {
         "job": (
@@ -395,15 +511,30 @@ def main() -> None:
     parser.add_argument("--start-min", type=float, default=Replay.start_min)
     parser.add_argument("--minutes", type=float, default=Replay.minutes)
     parser.add_argument("--compress", type=float, default=Replay.compress)
-    parser.add_argument("--systems", default="elastic,fixed,restart")
+    parser.add_argument("--systems", default="elastic,fixed,restart,membership")
     parser.add_argument("--ckpt-every", type=int, default=CKPT_EVERY, help="checkpoint-and-restart's interval, steps")
     args = parser.parse_args()
     plan = Replay(start_min=args.start_min, minutes=args.minutes, compress=args.compress)
     with tempfile.TemporaryDirectory() as scratch:
         result = run(plan, args.systems.split(","), Path(scratch), args.ckpt_every)
     result["command"] = "python -m bench.spot " + " ".join(sys.argv[1:])
+    result |= headlines(result["systems"])
     result["simulator"] = spot_trace()
+    result["sim_spot_vs_elastic"] = result["simulator"]["tokens_per_hour_vs_elastic"]
     log.info("-> %s", write_result("spot", result))
+
+
+def headlines(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The report's figures: each system's steps per trace hour against titan_recover elastic's, the exact
+    verdict and the batch-follows-membership run's drift."""
+    elastic = rows.get("elastic", {}).get("steps_per_trace_hour")
+    return {
+        "spot_steps_vs_elastic": {
+            name: row["steps_per_trace_hour"] / elastic for name, row in rows.items() if elastic and name != "elastic"
+        },
+        "spot_exact_every_step": all(row["exact"]["equal"] for row in rows.values() if "exact" in row),
+        "spot_membership_max_rel_loss_dev": rows.get("membership", {}).get("drift", {}).get("max_rel_loss_dev"),
+    }
 
 
 if __name__ == "__main__":
