@@ -50,6 +50,7 @@ from bench import fidelity
 from bench.common import ROOT, write_result
 from bench.simulate import spot_trace
 from titan_recover.control import keys, transport
+from titan_recover.observability import logs
 from titan_recover.observability.events import of_kind, read_log
 from titan_recover.titan.jobs import job
 from titan_recover.tools.goodput import group_changes, read_capacity_trace
@@ -506,7 +507,7 @@ def run(plan: Replay, systems: list[str], folder: Path, ckpt_every: int) -> dict
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logs.setup("bench", __name__, "bench")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--start-min", type=float, default=Replay.start_min)
     parser.add_argument("--minutes", type=float, default=Replay.minutes)
