@@ -386,27 +386,36 @@ def torchft_run(plan: Replay, first: int, actions: list[Action], folder: Path, n
             done.append({**asdict(action), "late_s": round(time.monotonic() - t0 - action.at, 3)})
             log.info("%s: %.1fs %s replica %d", name, action.at, action.kind, action.replica)
         deadline = time.monotonic() + 120 + until
-        while time.monotonic() < min(end, deadline) and steps_logged(events, COMMITTED) < until * plan.max_groups:
+        while time.monotonic() < min(end, deadline) and (
+            not until or steps_logged(events, COMMITTED) < until * plan.max_groups
+        ):
             time.sleep(0.2)
         window = time.monotonic() - t0
     finally:
         for node in groups.values():
             node.kill()
         fidelity._stop(light)
+    return read_torchft(Replayed(name, first, window, window * plan.compress, actions=done), events, plan)
+
+
+def read_torchft(out: Replayed, events: Path, plan: Replay) -> Replayed:
+    """What a torchft run's event log holds: committed steps, replica 0's loss at each, the global batches."""
     logged = read_log(str(events)).events
-    steps = fidelity.torchft_steps(setup, logged)
-    out = Replayed(name, first, window, window * plan.compress, steps=len(steps), actions=done)
+    steps = fidelity.torchft_steps(torchft_setup(plan), logged)
+    out.steps = len(steps)
     out.computed_again = len({e["step"] for e in of_kind(logged, "ft_step") if not e["committed"]})
-    out.losses = {s: step.loss for s, step in steps.items()}
+    # replica 0's own loss: the same samples in both runs (its share of each step), never healing
+    out.losses = {s: step.by_replica[0][0] for s, step in steps.items() if 0 in step.by_replica}
     out.batches = [len(steps[s].replicas) * M // plan.max_groups for s in sorted(steps)]
     out.m_every_step = all(b == M for b in out.batches)
-    out.failures = sum(a["kind"] == "kill" for a in done)
-    out.joins = sum(a["kind"] == "start" for a in done)
+    out.failures = sum(a["kind"] == "kill" for a in out.actions)
+    out.joins = sum(a["kind"] == "start" for a in out.actions)
     return out
 
 
 def drift(run: Replayed, reference: Replayed) -> dict[str, Any]:
-    """Per-step relative loss deviation from the failure-free run's, over the steps both committed."""
+    """Per-step relative deviation of replica 0's loss (its samples are the same in both runs: this is the
+    weights' drift) from the failure-free run's, over the steps both committed."""
     devs = [
         abs(loss - reference.losses[s]) / abs(reference.losses[s])
         for s, loss in sorted(run.losses.items())
