@@ -1,32 +1,36 @@
-"""A real spot-instance trace replayed on this machine: titan_recover elastic against a fixed R.
+"""A real spot-instance trace replayed on this machine: four systems on the same window of it.
 
-The trace (``bench/traces/aws-p3-trace.csv``: 32 AWS p3.2xlarge spot nodes over 11.4 hours, MIT, from
-Bamboo) gives the live-node count; here one single-rank replica group stands for ``--nodes-per-group``
-trace nodes (``goodput.group_changes``: live // 8, between 1 and 4). A window of the trace is replayed with
-its time divided by ``--compress``: each launcher stands for a node (one group of the tests' tiny llama3,
-float32 on a CPU). Node A runs the coordinator and replica 0 and is never preempted (the coordinator's own
-node leaving is another case). When the count rises, a node is started with the lowest free id; when it
-falls, the most recently started node goes: a preemption notice (SIGTERM to its launcher)
-``--notice-s`` trace seconds before the removal's time stamp, as Parcae's replayer fires it, then SIGKILL
-of its whole process tree at the time stamp if anything is left; every ``--hard-every``-th removal comes
-without notice (the SIGKILL only), to show the fallback.
+The trace (``bench/traces/aws-p3-trace.csv``: 32 AWS p3.2xlarge spot nodes at most over 11.4 hours, MIT,
+from Bamboo) gives the live-node count; one single-rank replica group stands for 8 trace nodes
+(``goodput.group_changes``: live // 8, between 1 and 4). A window (``--start-min``, ``--minutes``) is
+replayed ``--compress`` times faster; each launcher (or torchrun) stands for a node running one group of
+the tests' tiny llama3 (M = 12, local batch 1, float32 on a CPU). Node A runs replica 0 (and the
+coordinator) and is never preempted. When the count rises, a node starts with the lowest free id; when it
+falls, the most recently started node goes: a preemption notice (SIGTERM to its launcher) 25 trace seconds
+before the removal's time stamp, as Parcae's replayer fires it, then SIGKILL of its whole process tree at
+the stamp; every third removal comes without notice (the SIGKILL only), to show the fallback.
 
-Systems, one after the other on the same window:
+``--systems``, one after the other on the same window:
 
-- ``elastic``: ``[recover] max_replicas = 4``, notices honoured (``notice_budget_s`` = the compressed
-  notice), groups beyond the starting R admitted;
-- ``fixed``: today's behaviour: R fixed at the window's starting count (capacity beyond it unused), every
-  removal a crash (SIGKILL, no notice), and the slot restarted on the next node that arrives;
-- ``twin``: one group, failure-free, exact mode, as many steps as the elastic run committed: every replica's
-  parameter digest of every step of both replays must equal the twin's (exact mode: the same bits at any
-  membership).
+- ``elastic``: titan_recover with ``max_replicas = 4``, notices honoured (``notice_budget_s`` = the
+  compressed notice), groups beyond the starting R admitted;
+- ``fixed``: titan_recover as before elasticity: R fixed at the window's starting count (capacity beyond
+  it unused), every removal a crash, the slot restarted on the next node that arrives;
+- ``restart``: stock TorchTitan with a DCP checkpoint every ``--ckpt-every`` steps, the whole job killed
+  and started again from its checkpoint on the new count at every change (global batch kept);
+- ``membership``: torchft (``bench.fidelity``'s trainer), each group a fixed M / 4 samples a step, so the
+  global batch follows the membership; no drain path, so a removal is its SIGKILL.
 
-Per system: steps committed over the window, steps per trace hour, microbatches computed again (a failed
-group's share of its step; a leave costs none), leaves, failures, joins, and whether every step summed M.
-The simulator's whole-trace figures for the four systems (``bench.simulate.spot_trace``) go into the same
-file.
+Then the references: one titan_recover group failure-free in exact mode (every digest of every step of
+``elastic`` and ``fixed`` must be its digest: exact mode gives the same bits at any membership), and a
+4-group failure-free torchft run (``membership``'s drift: replica 0's own loss, the same samples in both).
 
-    .venv/bin/python -m bench.spot [--start-min 40] [--minutes 60] [--compress 20]  -> bench/results/spot.json
+Per system: steps committed, steps per trace hour, steps computed again, microbatches redone at most (a
+crashed group's quota of one step; a leave redoes none), leaves, failures, joins, M every step. The
+simulator's whole-trace figures (``bench.simulate.spot_trace``) go into the same file. Needs torchft for
+``membership`` (the ``bench`` extra). About 40 minutes on 2 cores.
+
+    .venv/bin/python -m bench.spot [--start-min 40] [--minutes 35] [--compress 6]  -> bench/results/spot.json
 """
 
 from __future__ import annotations
