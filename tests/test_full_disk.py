@@ -171,7 +171,7 @@ def test_the_main_job_goes_on_while_its_dump_folder_is_full_and_writes_every_eve
     small_disk: Path,
 ) -> None:
     """The tests' tiny main job (2 single-rank groups, a kill at step 4 and a rejoin, digests every step: more
-    events while the folder is full than the slack of the log's last page takes, replica 0 sleeping 12 s at
+    events while the folder is full than the slack of the log's last page takes, replica 0 sleeping 25 s at
     step 12 so that the run is still going when the folder is freed) with TensorBoard and DCP checkpoints
     every 3 steps, its dump folder filled once step 2 is logged and freed once the coordinator's status
     page shows 3 events waiting:
@@ -210,7 +210,7 @@ def test_the_main_job_goes_on_while_its_dump_folder_is_full_and_writes_every_eve
         "--training.steps",
         "16",
         "--recover.fault_plan",
-        "kill replica=1 rank=0 step=4 phase=backward; sleep replica=0 step=12 phase=optimizer seconds=12",
+        "kill replica=1 rank=0 step=4 phase=backward; sleep replica=0 step=12 phase=optimizer seconds=25",
         "--recover.digest_interval",
         "1",
         "--metrics.enable_tensorboard",
