@@ -108,10 +108,7 @@ def schedule(changes: list[tuple[float, int]], replay: Replay, cap: int, notices
     maximum); ``notices``: False makes every removal a crash. Joins take the lowest free id (0 is node A's,
     never removed); a fall removes the most recently started groups."""
     start_s, end_s = replay.start_min * MIN, (replay.start_min + replay.minutes) * MIN
-    before = [n for t, n in changes if t <= start_s]
-    if not before:
-        raise ValueError(f"the trace starts after minute {replay.start_min}")
-    first = max(1, min(cap, before[-1]))
+    first = max(1, min(cap, _at_start(changes, replay)))
     live, removals, actions = list(range(first)), 0, []
     for t, n in changes:
         if not start_s < t < end_s:
@@ -434,7 +431,11 @@ def drift(run: Replayed, reference: Replayed) -> dict[str, Any]:
 
 
 def _at_start(changes: list[tuple[float, int]], replay: Replay) -> int:
-    return [n for t, n in changes if t <= replay.start_min * MIN][-1]
+    """The groups the trace makes at the window's start."""
+    before = [n for t, n in changes if t <= replay.start_min * MIN]
+    if not before:
+        raise ValueError(f"the trace starts after minute {replay.start_min}")
+    return before[-1]
 
 
 def read_replay(out: Replayed, *events: str) -> Replayed:
