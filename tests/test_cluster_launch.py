@@ -426,8 +426,8 @@ def test_the_kubernetes_manifest_is_an_indexed_job_behind_a_headless_service() -
     pod = job["template"]["spec"]
     assert pod["restartPolicy"] == "Never" and job["backoffLimitPerIndex"] >= 1  # the API requires Never for it
     assert job["podReplacementPolicy"] == "Failed"  # the API requires it with podFailurePolicy
-    left = [r for r in job["podFailurePolicy"]["rules"] if r.get("onExitCodes", {}).get("values") == [4]]
-    assert left and left[0]["action"] == "Ignore"  # a pod that left on notice is replaced, counted against nothing
+    left = [r for r in job["podFailurePolicy"]["rules"] if r.get("onExitCodes", {}).get("values") == [4, 5]]
+    assert left and left[0]["action"] == "Ignore"  # left (4), or stopped in order (5): replaced, uncounted
     assert pod["terminationGracePeriodSeconds"] > 12  # above recover.notice_budget_s's default
     assert pod["subdomain"] == service["metadata"]["name"]
     (container,) = pod["containers"]

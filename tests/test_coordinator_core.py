@@ -165,6 +165,31 @@ def test_a_broken_step_is_retried_then_its_holdout_fenced_then_stopped() -> None
     assert "check the network between the replica groups" in of(c2.on_retry(now=1.0), Stop)[0].error
 
 
+def test_a_notice_to_the_coordinators_node_stops_the_run_after_the_step_in_progress() -> None:
+    """The run stops in order: an epoch of the same members says no step after the one in progress (3)
+    commits, every later epoch (a failure meanwhile) says it too, nobody is admitted any more, and the run
+    ends once every member finished; a second notice changes nothing."""
+    c = core()
+    c.on_step(StepRecord(2, 0, [0, 1, 2], [], "d", 1.0, None, time=1002.0))
+    effects = c.on_notice("the coordinator's node goes away")
+    assert of(effects, Publish) == [Publish(Membership(1, (0, 1, 2), last_step=3))]
+    assert events(effects) == ["stopping"] and of(effects, Emit)[0].fields["step"] == 3
+    assert c.on_notice("again") == [] and c.stopping == (3, "the coordinator's node goes away")
+    assert of(c.on_failure({1: "killed"}, now=10.0), Publish) == [Publish(Membership(2, (0, 2), last_step=3))]
+    nodes(c, 11.0, r0=up(), r2=up(), r1=up(attempt=1, ready=RANKS))
+    assert c.on_joins(now=11.0) == []  # the restarted group is not admitted into a run that stops
+    assert not c.finished()
+    nodes(c, 12.0, r0=up(finished=RANKS), r2=up(finished=RANKS), r1=up(attempt=1, ready=RANKS))
+    assert c.finished()
+
+
+def test_an_epochs_last_step_is_checked_as_it_is_read() -> None:
+    assert Membership.loads("epoch/1", json.dumps({"epoch": 1, "members": [0], "last_step": 4}).encode()).last_step == 4
+    assert "last_step" not in Membership(1, (0,)).to_json()  # a run that does not stop writes what it always did
+    with pytest.raises(MessageError, match="last_step must be a step"):
+        Membership.loads("epoch/1", json.dumps({"epoch": 1, "members": [0], "last_step": -1}).encode())
+
+
 def test_a_restarted_group_is_admitted_then_rejoins_at_its_first_commit() -> None:
     c = core()
     c.on_failure({1: "killed"}, now=10.0)

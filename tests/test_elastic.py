@@ -15,7 +15,7 @@ import pytest
 from conftest import EXACT_EVERY_STEP, ROOT, SINGLES, Node, Run, assert_all_rejoined, assert_same_trajectory, events
 
 from titan_recover.control import keys, transport
-from titan_recover.control.keys import EXIT_LEFT
+from titan_recover.control.keys import EXIT_LEFT, EXIT_STOPPED
 from titan_recover.control.protocol import Drain, Launcher, MessageError
 from titan_recover.drain import DrainError, on_node, parse_ids, plan
 from titan_recover.titan.jobs import job
@@ -163,6 +163,61 @@ def test_a_notice_shorter_than_the_step_falls_back_to_in_step_recovery_at_once(t
     assert all(len(e["microbatches"]) == 4 for e in run.of("step"))
     assert sorted(run.steps()) == list(range(1, LAST + 1))
     assert "failed at once" in b.output()
+
+
+def checkpoint_keys(folder: Path) -> list[str]:
+    """The state a DCP checkpoint holds, by key."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return sorted(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+
+
+def test_the_coordinators_node_told_it_goes_away_stops_the_run_in_order_and_the_same_commands_resume_it(
+    tmp_path: Path, two_singles: Run
+) -> None:
+    """SIGTERM to every process of node A (Slurm), which runs the TCPStore coordinator and replica 0, while
+    replica 1 is inside step 4: the run's store goes with A, so the coordinator stops the run in order. Both
+    groups finish step 4 and stop at its boundary (no failure, no leave, nothing computed again), replica 0
+    (the step's leader) saves a checkpoint of the whole state at step 4 although the interval is 100, and both
+    launchers exit 5 by themselves within the notice budget, saying how to resume. The same two commands then
+    resume from it: steps 5-10 run, and the two parts together have the failure-free twin's data and losses."""
+    dump = tmp_path / "dump"
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "100"]
+    plan = f"sleep replica=1 step={HOLD_STEP} phase=backward seconds={HOLD_S}"
+    args, env_a, env_b = two_nodes(dump, "--recover.fault_plan", plan, *ckpt)
+    with Node("a", dump, args, env_a) as a, Node("b", dump, args, env_b) as b:
+        wait_until(f"step {HOLD_STEP - 1}", lambda: len(steps(dump)) >= HOLD_STEP - 1, 240, [a, b])
+        time.sleep(1.0)  # replica 1 is in its hold by now
+        sent = a.notice(every_process=True)
+        code_a = a.wait(timeout=120)
+        gone_s = time.monotonic() - sent
+        code_b = b.wait(timeout=60)
+    print(f"node A gone {gone_s:.1f}s after its notice")
+    assert code_a == EXIT_STOPPED, a.output()[-4000:]
+    assert code_b == EXIT_STOPPED, b.output()[-4000:]
+    assert gone_s < 12, gone_s  # recover.notice_budget_s
+    first = Run(code_a, a.output(), events(dump))
+    assert sorted(first.steps()) == list(range(1, HOLD_STEP + 1))
+    assert all(e["members"] == [0, 1] for e in first.of("step"))
+    assert not first.of("failure") and not first.of("left") and not first.of("fatal")
+    [stopping], [stopped] = first.of("stopping"), first.of("stopped")
+    assert stopping["step"] == HOLD_STEP and stopped["step"] == HOLD_STEP, (stopping, stopped)
+    saved = dump / "checkpoint" / f"step-{HOLD_STEP}"
+    assert (saved / ".metadata").exists(), sorted(p.name for p in (dump / "checkpoint").iterdir())
+    whole = checkpoint_keys(saved)
+    assert any("exp_avg" in k for k in whole), whole  # the optimizer's state too, not the model only
+    for node in (a, b):
+        assert "stopped in order at a step boundary" in node.output(), node.output()[-3000:]
+        assert "To resume, run the same command again" in node.output()
+        # torchrun's agent, SIGTERMed on A, prints its own SignalException once its ranks stopped; nothing else
+        said = node.output()
+        assert said.count("Traceback") == said.count("SignalException: Process"), said[-4000:]
+    with Node("a2", dump, args, env_a) as a2, Node("b2", dump, args, env_b) as b2:
+        assert a2.wait(timeout=300) == 0, a2.output()[-4000:]
+        assert b2.wait(timeout=60) == 0, b2.output()[-4000:]
+    second = Run(0, a2.output(), events(dump))
+    assert sorted(second.steps()) == list(range(HOLD_STEP + 1, LAST + 1))
+    assert_same_trajectory(two_singles, Run(0, "", first.events + second.events), rel_tol=1e-5, num_microbatches=4)
 
 
 def drain(env: dict[str, str], port: int, *args: str) -> subprocess.Popen:

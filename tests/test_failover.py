@@ -131,6 +131,40 @@ def test_the_leader_killed_mid_step_is_replaced_and_its_successor_fences_and_rea
     assert "titan_recover/coordinator/" not in b.output() and "titan_recover/launch/" not in b.output()
 
 
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_the_leaders_node_told_it_goes_away_hands_the_lead_over_and_the_run_goes_on(
+    tmp_path: Path, two_singles: Run, etcd: LocalEtcd
+) -> None:
+    """SIGTERM to the launcher of the node whose candidate leads (Kubernetes) while its group is inside step 4:
+    its group leaves at the step boundary, its candidate gives the lease up at once (no lease expiry waited
+    for), the other node's candidate leads on, and the run finishes with every step's 4 microbatches and the
+    failure-free data. The noticed launcher starts no new candidate and exits 4."""
+    dump = tmp_path / "dump"
+    plan = "sleep replica=0 step=4 phase=backward seconds=4; sleep replica=1 step=4 phase=backward seconds=4"
+    args = launcher(dump, etcd.url, plan)
+    with Node("a", dump, args, node_env(None, "0")) as a, Node("b", dump, args, node_env(etcd.url, "1")) as b:
+        wait_until("step 3", lambda: 3 in steps(dump), 240, [a, b])
+        time.sleep(1.0)  # both groups are in their hold
+        [first] = leaders(dump)
+        noticed, other = (a, b) if parent_of(first["pid"]) == a.proc.pid else (b, a)
+        sent = time.time()
+        noticed.notice()
+        assert noticed.wait(timeout=60) == keys.EXIT_LEFT, noticed.output()[-3000:]
+        assert other.wait(timeout=240) == 0, other.output()[-3000:]
+    run = Run(0, other.output(), events(dump))
+    second = run.of("leader")[1]
+    print(f"new leader {second['time'] - sent:.2f}s after the notice")
+    assert second["pid"] != first["pid"] and second["time"] - sent < 3.0, second  # under the 3 s lease
+    [left] = run.of("left")
+    assert left["step"] == 5 and not run.of("failure"), (left, run.of("failure"))
+    assert_same_trajectory(two_singles, run, rel_tol=1e-3, num_microbatches=4)
+    assert "starting another" not in noticed.output()
+    assert "Traceback" not in other.output(), other.output()[-3000:]
+
+
 def raft_leader(cluster: LocalEtcd) -> str:
     """The name of the etcd member that leads its Raft group now."""
     for name, port in cluster.client_ports.items():

@@ -54,7 +54,7 @@ from titan_recover.policy.fault_plan import Fault
 from titan_recover.policy.membership import Membership, diverged
 from titan_recover.rank import balancing, exact, transfer
 from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
-from titan_recover.rank.manager import ReplicaFenced, ReplicaLeaving, ReplicaManager, RunDone
+from titan_recover.rank.manager import ReplicaFenced, ReplicaLeaving, ReplicaManager, RunDone, RunStopping
 from titan_recover.rank.stock import StockTrainer
 from titan_recover.rank.trainer import BaseTrainer
 
@@ -94,7 +94,9 @@ class RecoverTrainer(BaseTrainer):
             rejoining=rejoining,
             resume_hint=resume_hint(job_config, titan.dump_folder(job_config)),
         )
-        procs.on_notice(self.manager.notice)  # SIGTERM to every process of the node: leave, do not die
+        # SIGTERM to every process of the node: leave, do not die; where the coordinator runs, it stops the whole
+        # run at one step boundary instead, which this group's own leave would forestall
+        procs.on_notice(lambda: None if os.environ.get(keys.NOTICE_STOPS_RUN_ENV) else self.manager.notice())
         metrics = job_config.metrics
         wanted = metrics.enable_tensorboard, metrics.enable_wandb
         metrics.enable_tensorboard = metrics.enable_wandb = False  # TorchTitan's own write to a folder per start time
@@ -537,6 +539,10 @@ class RecoverTrainer(BaseTrainer):
             self.log.info(f"replica {self.replica} {leaving}: the other groups take its quota")
             self.manager.leave(leaving)
             return
+        except RunStopping as stopping:  # every group stops at this boundary; the step's leader saves
+            self.log.info(f"replica {self.replica} {stopping}")
+            self.step = stopping.step  # the checkpoint's train state: the step its parameters are of
+            self.checkpointer.save_whole(stopping.step)
         self.manager.finish()
 
     def close(self) -> None:

@@ -35,6 +35,7 @@ from titan_recover.control.sealed import ForgedRecord, SealedStore
 R = TypeVar("R", bound=Record)
 COMMIT, ABORT = "commit", "abort"
 REDO = "redo"  # + the round that follows: every vote was in, and the step is done again in this epoch
+STOPPED = "stopped"  # the run's status when it stopped in order before its last step (else "done")
 
 
 def redone(round: int) -> str:
@@ -106,11 +107,16 @@ class ControlClient:
     def stopped(self) -> bool:
         return self.store.read(keys.FATAL) is not None
 
-    def finish(self) -> None:
-        self.store.set(keys.STATUS, "done")
+    def finish(self, stopped: bool = False) -> None:
+        """Ends the run: done (its last step), or ``stopped`` in order before it (the same command resumes)."""
+        self.store.set(keys.STATUS, STOPPED if stopped else "done")
 
     def finished(self) -> bool:
         return self.store.read(keys.STATUS) is not None
+
+    def stopped_in_order(self) -> bool:
+        """Whether the run ended stopped in order rather than done (read once, at its end)."""
+        return self.store.read(keys.STATUS) == STOPPED.encode()
 
     def begin(self) -> bool:
         """Says hello for the run on a shared store (etcd): True when this call started it, False

@@ -15,6 +15,7 @@ SECRET_ENV = "TITAN_RECOVER_SECRET"  # this run's secret: it seals every record 
 RUN_ENV = "TITAN_RECOVER_RUN_ID"  # this run's id: a new id is a new run; the same id relaunched rejoins it
 LISTEN_FD_ENV = "TITAN_RECOVER_LISTEN_FD"  # the listening socket its launcher bound and handed to the coordinator
 ATTEMPT_ENV = "TITAN_RECOVER_ATTEMPT"  # incarnation of this replica group: 0, then +1 per restart
+NOTICE_STOPS_RUN_ENV = "TITAN_RECOVER_NOTICE_STOPS_RUN"  # "1": a SIGTERM here stops the whole run (its coordinator)
 
 
 def attempt() -> int:
@@ -28,6 +29,9 @@ EXIT_FAILED = 1  # the run (or the check) failed or stopped for good; its last l
 EXIT_BAD_INPUT = 2  # a config value, the environment or the data cannot run: fix it, a restart fails the same way
 EXIT_COORDINATOR_LOST = 3  # no sign of life from the coordinator: every process stops; the same command resumes
 EXIT_LEFT = 4  # this node was told it goes away and left the run (its groups at a step boundary); the run goes on
+EXIT_STOPPED = (
+    5  # the run stopped in order at a step boundary (its coordinator's node goes away): the same command resumes
+)
 
 
 HELLO = "hello"  # the coordinator sets it on start: a client that cannot read it is not in this run

@@ -94,15 +94,23 @@ class Record:
 
 @dataclass(frozen=True)
 class Membership(Record):
-    """Live replica groups of one epoch. Epochs only grow; an epoch's members never change."""
+    """Live replica groups of one epoch. Epochs only grow; an epoch's members never change.
+
+    ``last_step``: the run stops in order (its coordinator's node goes away): no step after it commits;
+    a group that reads it at a later step stops there, having committed the one before. Carried by every
+    epoch from the first that says it."""
 
     epoch: int
     members: tuple[int, ...]
+    last_step: int | None = None
 
     REQUIRED = ("epoch", "members")
 
     def to_json(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "members": list(self.members)}
+        rec: dict[str, Any] = {"epoch": self.epoch, "members": list(self.members)}
+        if self.last_step is not None:
+            rec["last_step"] = self.last_step
+        return rec
 
     @classmethod
     def from_json(cls, key: str, rec: dict[str, Any]) -> "Membership":
@@ -113,7 +121,10 @@ class Membership(Record):
             raise MessageError(f"store key {key!r}: membership members must be a list of replica ids, got {members!r}")
         if len(set(members)) != len(members):
             raise MessageError(f"store key {key!r}: membership members repeat a replica: {members!r}")
-        return Membership(epoch, tuple(sorted(members)))
+        last_step = rec.get("last_step")
+        if last_step is not None and not is_count(last_step):
+            raise MessageError(f"store key {key!r}: membership last_step must be a step (int >= 0), got {last_step!r}")
+        return Membership(epoch, tuple(sorted(members)), last_step)
 
 
 @dataclass(frozen=True)

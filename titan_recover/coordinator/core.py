@@ -12,7 +12,7 @@ microseconds without a store.
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Union
 
 from titan_recover.control.protocol import (
@@ -151,6 +151,7 @@ class CoordinatorCore:
         self.asking: dict[int, int] = {}  # replica -> its latest incarnation whose ranks wait to join
         self.commit_epochs: dict[int, int] = {}  # step -> its commit epoch, for the steps this leader saw commit
         self.leaving: dict[int, Report] = {}  # members whose own report says they leave on notice: no failure
+        self.stopping: tuple[int, str] | None = None  # the run stops in order: (its last step at most, why)
 
     def take_over(self, state: CoordinatorState, history: dict[int, Membership], epoch: int) -> None:
         """Continues from the state a previous leader saved and the epochs the store holds (those from
@@ -174,6 +175,8 @@ class CoordinatorCore:
             self.detector.expect(replica, now)
 
     def _publish(self, membership: Membership) -> list[Effect]:
+        if self.stopping is not None:
+            membership = replace(membership, last_step=self.stopping[0])
         self.history[membership.epoch] = membership
         return [Publish(membership), Save()]
 
@@ -415,8 +418,8 @@ class CoordinatorCore:
         (restarted ones, hot spares waiting since the start, groups of nodes started later); the others wait
         as spares."""
         state = self.state
-        if state.progress is not None and state.progress.step >= self.rules.steps:
-            return []  # the last step is done: nothing left to join
+        if state.progress is not None and state.progress.step >= self.rules.steps or self.stopping is not None:
+            return []  # the last step is done, or the run stops: nothing left to join
         effects: list[Effect] = []
         ready: dict[int, int] = {}
         for replica, attempt in self.asking.items():
@@ -541,6 +544,24 @@ class CoordinatorCore:
                 Say(f"replica {replica} {what} at step {progress.step}, {downtime:.1f}s after the failure"),
             ]
         return effects
+
+    def on_notice(self, why: str) -> list[Effect]:
+        """The run stops in order (``why``: the coordinator's own node goes away, and on a TCPStore the run with
+        it): a new epoch of the same members says that no step after the one in progress commits. A group
+        reading it in a later step (this leader had not read a commit yet) stops there, having committed the
+        step before: commits are all or none, so every group ends at the same step. Each group stops at that
+        boundary, the step's leader saves a DCP checkpoint of the whole state, and ``finished`` ends the run."""
+        if self.stopping is not None:
+            return []
+        self.stopping = (self.step(), why)
+        return [
+            *self._publish(Membership(self.membership.epoch + 1, self.membership.members)),
+            Emit("stopping", {"step": self.step(), "reason": why}),
+            Say(
+                f"{why}: the run stops in order after step {self.step()} at the latest (every group at the same step "
+                "boundary, a checkpoint of the whole state first where checkpoints are on)"
+            ),
+        ]
 
     def finished(self) -> bool:
         """Every member with state has finished (a group still rejoining is not waited for)."""

@@ -17,6 +17,7 @@ import argparse
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Collection
 from typing import Any, Callable
@@ -32,6 +33,7 @@ from titan_recover.control.keys import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_OK,
+    EXIT_STOPPED,
     FATAL,
     NO_PASS,
     NODES,
@@ -57,6 +59,7 @@ from titan_recover.coordinator.core import (
     Stop,
     Usage,
 )
+from titan_recover.node.procs import on_notice
 from titan_recover.observability import resources
 from titan_recover.observability.events import EventLog, Tail, event_files, logged_steps
 from titan_recover.observability.logs import id_list
@@ -199,6 +202,8 @@ class Coordinator:
         self.next_node_read = 0.0
         self.last_node_read: float | None = None  # when the node messages were last read
         self.next_alive = 0.0
+        self.settings = settings
+        self.noticed: float | None = None  # when SIGTERM told this coordinator's node it goes away (wall clock)
         saved = self.control.read_state()
         if saved is not None:
             self._take_over(saved)
@@ -448,6 +453,40 @@ class Coordinator:
         log.error(f"FATAL: {error}")
         return True
 
+    def notice(self) -> None:
+        """SIGTERM's handler (on a TCPStore): this coordinator's node goes away, and its store with it. It
+        only notes the time; the next pass stops the run in order (``CoordinatorCore.on_notice``)."""
+        if self.noticed is None:
+            self.noticed = time.time()
+
+    def _stop_in_order(self) -> bool:
+        """Once noticed: the run stops at a step boundary, or, not done within ``recover.notice_budget_s``
+        (a hung rank, a slow save), ends as fatal at once; False then."""
+        assert self.noticed is not None
+        self._poll_steps()  # the last step this coordinator knows committed bounds the stop
+        self._apply(self.core.on_notice("the coordinator's node goes away (SIGTERM)"))
+        late = time.time() - self.noticed
+        if late <= self.rc.notice_budget_s:
+            return True
+        step = self.core.stopping[0] if self.core.stopping else self.core.step()
+        return self._apply(
+            [
+                Stop(
+                    f"the run did not stop in order within recover.notice_budget_s = {self.rc.notice_budget_s:g}s "
+                    f"of its coordinator's notice (stopping after step {step}); {self.settings.resume_hint}"
+                )
+            ]
+        )
+
+    def _end_stopped(self) -> int:
+        """Every group stopped at the same step boundary: the run's end says so, with the resume line."""
+        assert self.core.stopping is not None and self.noticed is not None
+        step, why = self.core.step() - 1, self.core.stopping[1]
+        self.control.finish(stopped=True)
+        self.events.emit("stopped", step=step, reason=why, notice_s=round(time.time() - self.noticed, 3))
+        log.info(f"the run stopped in order after step {step} ({why}). {self.settings.resume_hint}")
+        return EXIT_STOPPED
+
     def _pass(self, changed: Collection[str] | None = None) -> int | None:
         """One pass over the store, reading the keys in ``changed`` (those put since the last
         pass; None: anything may have changed); the run's exit code once it ends."""
@@ -455,6 +494,8 @@ class Coordinator:
             self.control.beat_alive()  # every process watches this move
             self.next_alive = time.monotonic() + self.alive_s
         if (changed is None or FATAL in changed) and self._stopped_by_a_process():
+            return EXIT_FAILED
+        if self.noticed is not None and not self._stop_in_order():
             return EXIT_FAILED
         now = time.monotonic()
         if changed is None or any(k.startswith(("step/", START_STEP)) for k in changed):
@@ -476,6 +517,8 @@ class Coordinator:
             keys_left = self.control.key_count()
             if keys_left is not None:  # what the run leaves in the store: bounded whatever its length
                 self.events.emit("store", step=self.core.step() - 1, keys=keys_left)
+            if self.core.stopping is not None:
+                return self._end_stopped()
             self.control.finish()
             log.info("all live replica groups finished")
             return EXIT_OK
@@ -531,11 +574,19 @@ def lead(settings: CoordinatorSettings, address: str) -> int:
     lease = Lease(raw, leader_key(run.prefix), rc.leader_lease_s)
     view = ControlClient(transport.in_run(raw, run))
 
+    noticed = threading.Event()
+    on_notice(noticed.set)  # this node goes away: the lead passes to another node's candidate at once
+
     def ended() -> bool:
         return view.finished() or view.stopped()
 
+    def confirm() -> None:
+        lease.check()
+        if noticed.is_set():
+            raise LeadershipLost("this node goes away (SIGTERM): the lead passes to another node's candidate")
+
     while True:
-        guarded = lease.campaign(ended)
+        guarded = lease.campaign(lambda: ended() or noticed.is_set())
         if guarded is None or ended():  # another candidate led the run to its end (perhaps as this one won)
             lease.resign()
             return EXIT_FAILED if view.stopped() else EXIT_OK
@@ -571,7 +622,7 @@ def lead(settings: CoordinatorSettings, address: str) -> int:
                 lambda _, names: board.messages(names),
                 events,
             )
-            code = coordinator.run(lease.check)
+            code = coordinator.run(confirm)
             coordinator.end()
             return code  # the state stays in etcd: no store to keep up for the others to read
         except LeadershipLost as e:
@@ -606,6 +657,7 @@ def main(argv: list[str]) -> int:
     if is_etcd(address):
         return lead(settings, address)
     coordinator = serve(settings, parse_host_port(address)[1])
+    on_notice(coordinator.notice)  # the run's store goes with this process: a notice stops the run in order
     status = status_page(
         settings,
         lambda: ControlClient(transport.connect(address, settings.recover.startup_timeout_s)),

@@ -23,6 +23,7 @@ from titan_recover.control import keys, transport
 from titan_recover.control.addresses import parse_host_port, resolve
 from titan_recover.control.board import Board
 from titan_recover.control.client import ControlClient
+from titan_recover.control.keys import EXIT_OK, EXIT_STOPPED
 from titan_recover.control.sealed import Run
 from titan_recover.observability.events import remove_events
 
@@ -48,6 +49,7 @@ class NodeLauncher(Protocol):
 
 class Backend(Protocol):
     coordinator: str  # what this launcher's coordinator process is called in its lines
+    notice_stops_run: bool  # a notice to the node running the coordinator stops the whole run in order
 
     def check(self, rc: config.Recover, address: str | None) -> str | None:
         """This node's settings for the store, before anything starts: a ``ConfigError`` naming the
@@ -90,6 +92,7 @@ class TcpStore:
     """The coordinator's own TCPStore, its coordinator started by the first launcher."""
 
     coordinator = "coordinator"
+    notice_stops_run = True  # the run's store lives in the coordinator: it goes with its node
 
     def check(self, rc: config.Recover, address: str | None) -> str | None:
         if address is not None:
@@ -116,7 +119,7 @@ class TcpStore:
         return None
 
     def ended_by(self, coordinator: subprocess.Popen | None) -> bool:
-        return coordinator is not None and coordinator.poll() == 0  # only done exits 0
+        return coordinator is not None and coordinator.poll() in (EXIT_OK, EXIT_STOPPED)  # done, or stopped in order
 
     def lost_by(self, coordinator: subprocess.Popen | None) -> bool:
         return coordinator is not None and coordinator.poll() is not None
@@ -129,6 +132,7 @@ class Etcd:
     """An etcd cluster, a coordinator candidate beside every launcher."""
 
     coordinator = "coordinator candidate"
+    notice_stops_run = False  # another node's candidate leads once this one is gone
 
     def __init__(self, url: str) -> None:
         self.url = url

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -27,7 +28,7 @@ from titan_recover import config, titan
 from titan_recover.control import claims, keys, transport
 from titan_recover.control.addresses import LOOPBACK, local_host, route_address
 from titan_recover.control.client import ControlClient
-from titan_recover.control.keys import EXIT_BAD_INPUT, EXIT_LEFT, EXIT_OK
+from titan_recover.control.keys import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_LEFT, EXIT_OK, EXIT_STOPPED
 from titan_recover.control.lifeline import Heartbeat, one_line, store_errors
 from titan_recover.control.protocol import Launcher
 from titan_recover.control.sealed import Run
@@ -291,7 +292,7 @@ class NodeLauncher:
         gpus = "" if self.plan.visible[0] is None else f"; GPUs per group: {' | '.join(map(str, self.plan.visible))}"
         log.info(f"replicate dimension on {self.plan.backend} ({self.plan.reason}){gpus}")
         envs = {
-            r: {**self.env, **devices.group_env(visible, self.plan.rank_per_host)}
+            r: {**self.env, **devices.group_env(visible, self.plan.rank_per_host), **self.notice_env()}
             for r, visible in zip(self.local, self.plan.visible)
         }
         assert self.run is not None, "start_coordinator() first"
@@ -318,6 +319,16 @@ class NodeLauncher:
             for r in self.local:
                 self.groups.start(r, 0)
         return self.groups
+
+    def stops_run(self) -> bool:
+        """Whether a notice to this node stops the whole run in order: it runs the coordinator, and on a
+        TCPStore the run's store goes with it."""
+        return self.coordinator is not None and self.backend.notice_stops_run
+
+    def notice_env(self) -> dict[str, str]:
+        """The ranks' environment for a notice: where it stops the run, a rank's own SIGTERM (Slurm's, to every
+        process) is left to the coordinator, which stops every group at one step boundary."""
+        return {keys.NOTICE_STOPS_RUN_ENV: "1"} if self.stops_run() else {}
 
     def keeps_warm(self, span: Span) -> bool:
         """Whether this node's groups get warm incarnations (``[recover] warm``, where they fit); the log says which."""
@@ -398,17 +409,18 @@ class NodeLauncher:
                 if self.backend.lost_by(coordinator):
                     self.on_lost(self._exit_reason(coordinator))
                     return
-                log.info(
-                    f"{self.backend.coordinator} exited with code {coordinator.returncode} before the run ended; "
-                    "starting another (the leader's lease passes to a live candidate)"
-                )
-                self.start_candidate()
-            if coordinator is None and self.groups.done() and not self.groups.leave_by:
+                if self.noticed is None:
+                    log.info(
+                        f"{self.backend.coordinator} exited with code {coordinator.returncode} before the run ended; "
+                        "starting another (the leader's lease passes to a live candidate)"
+                    )
+                    self.start_candidate()
+                else:
+                    self.coordinator = None  # this node goes away: another node's candidate leads
+            if self.coordinator is None and self.groups.done() and not self.groups.leave_by:
                 return
-            if self.noticed is not None and set(self.groups.procs) - set(self.groups.leave_by):
-                budget = self.rc.notice_budget_s - (time.time() - self.noticed)
-                log.info(f"this node goes away (SIGTERM): its replica groups {self.local} leave the run")
-                self.groups.leave(self.noticed, budget, list(self.groups.procs), "its node goes away")
+            if self.noticed is not None:
+                self.act_on_notice(self.noticed)
             try:
                 running = self.groups.watch(client)
             except errors as e:
@@ -433,6 +445,29 @@ class NodeLauncher:
             if not running:
                 return
             time.sleep(0.05)
+
+    def act_on_notice(self, noticed: float) -> None:
+        """This node goes away (SIGTERM at ``noticed``): where it runs the TCPStore's coordinator, the coordinator
+        stops the whole run in order (every group at one step boundary, a checkpoint of the whole state first);
+        else its groups leave at their step boundary, and its coordinator candidate, told too, gives up the lead."""
+        coordinator = self.coordinator
+        if self.stops_run():
+            if not self.groups.stopping:
+                log.info(
+                    "this node goes away (SIGTERM) and runs the run's coordinator: the run stops in order at a "
+                    "step boundary"
+                )
+                self.groups.stopping = True
+                self.groups.stop_standbys()
+                assert coordinator is not None
+                coordinator.send_signal(signal.SIGTERM)
+            return
+        if set(self.groups.procs) - set(self.groups.leave_by):
+            budget = self.rc.notice_budget_s - (time.time() - noticed)
+            log.info(f"this node goes away (SIGTERM): its replica groups {self.local} leave the run")
+            self.groups.leave(noticed, budget, list(self.groups.procs), "its node goes away")
+            if coordinator is not None and coordinator.poll() is None:
+                coordinator.send_signal(signal.SIGTERM)  # a candidate: it gives up the lead, if it has it
 
     def drain(self) -> int:
         """Stops what is left once the run ended; the run's exit code as this node sees it."""
@@ -468,7 +503,7 @@ class NodeLauncher:
                     "run ended (starting, rejoining or hung): stopped"
                 )
         # the run's outcome, as the coordinator ended it
-        if coordinator is not None and coordinator.returncode in (0, 1):
+        if coordinator is not None and coordinator.returncode in (EXIT_OK, EXIT_FAILED, EXIT_STOPPED):
             return int(coordinator.returncode)
         # the run's status, as on the coordinator's node: a group still starting or rejoining at the end does not fail
         # it
@@ -549,9 +584,8 @@ def run_recover(
     coordinator unless ``coordinator_address`` names one."""
     launcher = NodeLauncher(job_config, argv, local, coordinator_address, part)
     try:
+        on_notice(launcher.notice)  # this node goes away: it leaves the run, or stops it where the run's store is
         launcher.start_coordinator()
-        if launcher.coordinator is None:  # the run's coordinator is elsewhere: this node can leave it
-            on_notice(launcher.notice)
         launcher.start_groups()
         client = launcher.register()
         if client is None:  # the coordinator ended on its own (0 or 1) and said why
@@ -627,6 +661,11 @@ def main(argv: list[str]) -> int:
             log.warning(f"no summary: the event logs {files} could not be read ({e!r})")
         else:
             print(format_summary(summary, tr.global_batch_size * tr.seq_len), flush=True)
-    outcome = {EXIT_OK: "finished", EXIT_LEFT: "left the run on notice"}.get(code, "FAILED")
+    outcome = {
+        EXIT_OK: "finished",
+        EXIT_LEFT: "left the run on notice",
+        EXIT_STOPPED: "stopped in order at a step boundary, its coordinator's node going away. "
+        + config.resume_hint(job_config, titan.dump_folder(job_config)),
+    }.get(code, "FAILED")
     log.info(f"{outcome} in {time.time() - start:.1f}s; events: {path}")
     return code

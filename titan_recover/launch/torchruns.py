@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple
 from titan_recover.control import claims, keys, transport
 from titan_recover.control.addresses import LOOPBACK
 from titan_recover.control.client import ControlClient
+from titan_recover.control.keys import EXIT_FAILED, EXIT_OK, EXIT_STOPPED
 from titan_recover.control.lifeline import PROBE_S
 from titan_recover.control.protocol import Fence, Launcher, Rendezvous, Report
 from titan_recover.launch.standbys import Standbys
@@ -262,6 +263,7 @@ class Torchruns:
         self.outcome: int | None = None  # the run's exit status (1: fatal) once the coordinator ended it
         self.leave_by: dict[int, float] = {}  # groups told to leave (their node goes away, or drained) -> by when
         self.left: list[int] = []  # groups that left at a step boundary
+        self.stopping = False  # the run stops in order (this node runs its coordinator and goes away): no restarts
         self.drains_read = -DRAIN_PROBE_S  # when this launcher last looked for the operator's drains
 
     def start(self, replica: int, attempt: int, meet: tuple[str, int] | None = None) -> None:
@@ -379,7 +381,7 @@ class Torchruns:
         once the run is ending, or once every group here left."""
         flags = self.agent.flags  # pushed with the epoch
         if flags:
-            self.outcome = 1 if flags & FATAL else 0
+            self.outcome = EXIT_FAILED if flags & FATAL else EXIT_STOPPED if client.stopped_in_order() else EXIT_OK
             return False  # restart nothing
         now = self.clock()
         for report in self.agent.take_hangs():  # a rank of a local group stopped beating: fenced now
@@ -406,8 +408,8 @@ class Torchruns:
                 if fence is not None and fence.attempt == self.attempts[r] and self.standbys and self.standbys.has(r):
                     proc.kill()  # its torchrun need not wind down: the warm incarnation takes over at once
             code = proc.poll()
-            if code in (None, 0) or r in self.given_up or r in self.waiting:
-                continue
+            if code in (None, 0) or r in self.given_up or r in self.waiting or self.stopping:
+                continue  # stopping: torchrun's agent may exit of the node's SIGTERM after its ranks stopped
             if not claims.holds(client, self.launcher, r, self.span.part):
                 log.info(
                     f"{self.span.of(r)} exited with code {code}; another launcher took it over (this one looked dead): "

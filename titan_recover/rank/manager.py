@@ -77,6 +77,15 @@ class RunDone(Exception):
     """The run ended ``done`` while this (rejoining) group was still waiting to take part."""
 
 
+class RunStopping(Exception):
+    """The run stops in order (its coordinator's node goes away): this group's step is past the
+    epoch's ``last_step``, so it stops here, every step up to ``step`` committed."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"stops in order after step {step}: the coordinator's node goes away")
+        self.step = step
+
+
 class ReplicaLeaving(Exception):
     """This replica group's node was told it goes away: the group leaves before ``step``, having
     committed every step before it (``ReplicaManager.start_step``)."""
@@ -124,7 +133,7 @@ class Collectives(Protocol):
 
 # raised as they are: the protocol already knows (fenced, run stopped), or no group failure
 # explains them (a step that does not add up, a bad transfer, a malformed message)
-NOT_REPORTED = (ReplicaFenced, RunFatal, steps.InvariantError, transfer.TransferError, MessageError)
+NOT_REPORTED = (ReplicaFenced, RunFatal, RunStopping, steps.InvariantError, transfer.TransferError, MessageError)
 
 
 class ReplicaManager:
@@ -267,10 +276,14 @@ class ReplicaManager:
 
     def history(self, epoch: int) -> list[Membership]:
         """The memberships from the epoch the previous step committed with through ``epoch``
-        (what the step's assignment is replayed from); ReplicaFenced if we are not in ``epoch``."""
+        (what the step's assignment is replayed from); ReplicaFenced if we are not in ``epoch``, RunStopping if
+        the run stops before this step."""
         history = [self.membership(e) for e in range(self.base_epoch, epoch + 1)]
         if self.replica not in history[-1].members:
             raise ReplicaFenced(f"replica {self.replica} was fenced out in epoch {epoch}")
+        last = history[-1].last_step
+        if last is not None and self.step > last:
+            raise RunStopping(self.step - 1)
         return history
 
     # ---- the step -------------------------------------------------------------------
@@ -284,6 +297,9 @@ class ReplicaManager:
             self._start_told = True
         epoch = self.agree_epoch()
         if self.leave_agreed and not self.rejoining:
+            last = self.membership(epoch).last_step if epoch >= 0 else None
+            if last is not None and step > last:  # the run stops here too: the group stops with it, and may save
+                raise RunStopping(step - 1)
             self.noticed_at = self.noticed_at or time.time()  # a peer of the group heard it first
             raise ReplicaLeaving(step, time.time() - self.noticed_at)
         return epoch

@@ -14,7 +14,9 @@ The interface:
     clip_grad_norm(trainer)       the step's gradient clipping, over the trainer's model parts
     guard_checkpointer(trainer, saves, loads, failed)
                                   the trainer's checkpointer saves only while ``saves()``, loads only if ``loads``;
-                                  a save the disk does not take is reported to ``failed(step, why)``, not raised
+                                  a save the disk does not take is reported to ``failed(step, why)``, not raised;
+                                  ``trainer.checkpointer.save_whole(step)`` saves the whole state at ``step``
+                                  whatever the interval (the run stops in order there)
     count_tokens(trainer, labels) a computed microbatch's tokens, in the counters TorchTitan does not keep itself
     expert_counts(trainer)        each MoE layer's tokens-per-expert buffer that the optimizer step's load
                                   balancing turns into its expert bias (none when the model's optimizers do not

@@ -125,6 +125,23 @@ def save_or_report(save: Callable[[], T], step: int, checkpointer: Any, failed: 
     return None
 
 
+def save_whole(manager: Any, save: Callable[[], Any], step: int) -> None:
+    """A DCP save of the whole state at ``step`` by ``save`` (the guarded save of ``manager``, TorchTitan's
+    CheckpointManager) whatever the interval, waited for: the run stops in order there and the same command
+    resumes from it. TorchTitan's own last-step save keeps the model only by default
+    (``last_save_model_only``): a resume from it would lose the optimizer. Nothing when checkpoints are off,
+    or when the interval's save of ``step`` was just made."""
+    if not manager.enable or step % manager.interval == 0:
+        return
+    interval, manager.interval = manager.interval, 1
+    try:
+        save()
+    finally:
+        manager.interval = interval
+    if manager.save_future is not None:  # an async save: the process exits after this
+        manager.save_future.result()
+
+
 def surviving_profiler(build: Callable[[], T | None], what: str, write: str) -> T | None:
     """One of TorchTitan's profilers (``build``), whose ``write`` method (its torch profiler's
     ``on_trace_ready``, its memory profiler's ``step``) runs inside the training step: an ``OSError`` there

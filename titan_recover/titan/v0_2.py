@@ -175,6 +175,9 @@ class _GuardedCheckpointer:
         if self._saves():
             save_or_report(lambda: self._inner.save(curr_step, last_step), curr_step, self._inner, self._failed)
 
+    def save_whole(self, step: int) -> None:
+        common.save_whole(self._inner, lambda: self.save(step), step)
+
     def load(self, step: int = -1) -> bool:
         return self._inner.load(step) if self._loads else False
 

@@ -57,6 +57,9 @@ class GuardedCheckpointer(CheckpointManager):
         )
         return bool(saved)
 
+    def save_whole(self, step: int) -> None:
+        common.save_whole(self, lambda: self.save(step), step)
+
     def _load(self, step: int = -1) -> bool:
         return super()._load(step) if self.loads else False
 
