@@ -236,8 +236,8 @@ def test_a_group_joins_beyond_r_and_the_operator_drains_another_on_the_coordinat
     tmp_path: Path, exact_single: Run
 ) -> None:
     """``recover.max_replicas = 3`` on a run of R = 2 whose one launcher runs replicas 0 and 1 and the
-    coordinator. A node started once step 2 is logged, with the new id 2, is admitted at a step boundary
-    while replica 0 holds step 4, receives its state from a live peer and computes a share of the same 4
+    coordinator. A node started once step 2 is logged, asking for any free id (it gets 2), is admitted at a step
+    boundary while replica 0 holds step 4, receives its state from a live peer and computes a share of the same 4
     microbatches. Then, while replica 1 holds step 8 for 20 s, ``python -m titan_recover.drain --replicas 1``:
     replica 1 leaves at the boundary (a ``left`` event, no failure), its launcher runs replica 0 on to exit 0.
     Draining a group that is no member, or every member (also by naming this host, where every launcher runs),
@@ -256,7 +256,7 @@ def test_a_group_joins_beyond_r_and_the_operator_drains_another_on_the_coordinat
     port = int(args[args.index("--recover.coordinator_port") + 1])
     with Node("a", dump, args, {**env, keys.REPLICAS_ENV: "0,1"}) as a:
         wait_until("step 2", lambda: len(steps(dump)) >= 2, 240, [a])
-        with Node("c", dump, args, {**env_c, keys.REPLICAS_ENV: "2"}) as c:
+        with Node("c", dump, args, {**env_c, keys.REPLICAS_ENV: "any"}) as c:  # id 2: the only free one
             wait_until("step 7", lambda: len(steps(dump)) >= 7, 240, [a, c])
             asked = drain(env, port, "--replicas", "1", "--reason", "disk swap")
             absent, every = drain(env, port, "--replicas", "7"), drain(env, port, "--replicas", "0,1,2")
@@ -270,6 +270,7 @@ def test_a_group_joins_beyond_r_and_the_operator_drains_another_on_the_coordinat
     assert every.returncode == 2 and "would leave no replica group" in said[2]
     assert here.returncode == 2 and "would leave no replica group" in said[3]  # every launcher runs on this host
     assert nowhere.returncode == 2 and "--node 'no-such-node': no replica group of the run's members" in said[4]
+    assert f"{keys.REPLICAS_ENV}=any: replica ids [2] are free (members [0, 1])" in c.output(), c.output()[-3000:]
     run = Run(0, a.output(), events(dump))
     [admitted] = run.of("admitted")
     assert admitted["replica"] == 2 and "replaces" not in admitted, admitted  # a member beyond R, no repair

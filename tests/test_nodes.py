@@ -75,6 +75,30 @@ def test_a_live_launchers_claim_is_refused_quickly_and_a_silent_ones_taken_over(
     assert client.next_attempt(2) == 0
 
 
+def test_a_node_asking_for_any_free_ids_gets_unused_ones_first_then_those_of_silent_launchers(
+    client: ControlClient,
+) -> None:
+    """Members' ids are never given; ids never claimed come first, then those of a launcher that shows no sign
+    of life (its group left or failed with its node); a live launcher's ids are not; too few free is refused,
+    releasing what it took."""
+    live, dead, asking = Launcher.this(), Launcher.this(), Launcher.this()
+    lifeline = Lifeline(client, live)
+    try:
+        claims.claim(client, live, [0, 4], stale_s=5.0, log=print)  # 0 a member, 4 its waiting spare
+        claims.claim(client, dead, [2], stale_s=5.0, log=print)  # it never beats: its node is gone
+        lines: list[str] = []
+        assert claims.claim_free(client, asking, 1, range(5), (0, 1), 0.5, lines.append, client.node_message_raw) == [3]
+        started = time.monotonic()
+        got = claims.claim_free(client, asking, 1, range(5), (0, 1, 3), 0.5, lines.append, client.node_message_raw)
+        assert got == [2] and claims.holds(client, asking, 2) and time.monotonic() - started >= 0.5
+        assert lines == [f"took replica id 2 over from {dead}, which shows no sign of life"]
+        with pytest.raises(claims.ClaimRefused, match=r"asks for 2 free replica id\(s\) and 0 of 0..4 are free"):
+            claims.claim_free(client, Launcher.this(), 2, range(5), (0, 1, 2, 3), 0.5, print, client.node_message_raw)
+        assert claims.holds(client, live, 4)  # a live launcher's spare is not free
+    finally:
+        lifeline.stop()
+
+
 def test_a_malformed_claim_is_refused_naming_the_key(client: ControlClient) -> None:
     client.store.set(keys.owner_key(0), json.dumps({"launcher": 7, "host": "h", "pid": 1}))  # malformed on purpose
     with pytest.raises(claims.ClaimRefused, match=r"cannot tell who runs replica groups \[0\]: store key 'owner/0'"):

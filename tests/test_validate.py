@@ -12,7 +12,7 @@ from titan_recover.data.addressing import check_tokenizer_folder
 from titan_recover.data.synthetic import TOKENIZER_DIR
 from titan_recover.data.tokens import DataError
 from titan_recover.launch.backends import check_coordinator
-from titan_recover.launch.launcher import parse_group_node, parse_replicas
+from titan_recover.launch.launcher import parse_any, parse_group_node, parse_replicas
 
 
 @pytest.mark.unit
@@ -43,6 +43,15 @@ def test_bad_replicas_env_names_the_variable_and_value(value: str, problem: str)
     msg = str(info.value)
     assert msg.startswith(f"{keys.REPLICAS_ENV}={value!r}: {problem};"), msg
     assert "ids 0..1 (parallelism.data_parallel_replicate_degree + recover.spares, or recover.max_replicas = 2)" in msg
+
+
+@pytest.mark.unit
+def test_a_node_may_ask_for_any_free_replica_ids() -> None:
+    assert parse_any(None, 4) is None and parse_any("0,1", 4) is None  # it names them
+    assert parse_any("any", 4) == 1 and parse_any(" any:3 ", 4) == 3
+    for bad in ("any:0", "any:5", "any:x", "anyway"):
+        with pytest.raises(ConfigError, match=r"write any \(one free replica id\) or any:N, N from 1 to 4"):
+            parse_any(bad, 4)
 
 
 @pytest.mark.unit

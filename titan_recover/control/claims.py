@@ -114,6 +114,52 @@ def _claim(
     return taken
 
 
+def claim_free(
+    client: ControlClient,
+    me: Launcher,
+    count: int,
+    ids: range,
+    members: tuple[int, ...],
+    stale_s: float,
+    log: Callable[[str], None],
+    message_of: Callable[[Launcher], bytes],
+) -> list[int]:
+    """``count`` replica ids of ``ids`` for a node that asks for any free ones: ids no member of the run
+    uses, never claimed first (in order), then ids whose launcher shows no sign of life for ``stale_s`` (a
+    group that left or failed with its node); claimed for ``me`` as ``claim`` does.
+
+    Raises ``ClaimRefused`` saying how many were free; what it claimed is released then."""
+    mine = me.dumps()
+    taken: list[int] = []
+    held: dict[int, tuple[bytes, Launcher]] = {}
+    try:
+        for r in (r for r in ids if r not in members):
+            raw = client.store.compare_set(keys.owner_key(r), "", mine)
+            if raw == mine.encode():
+                taken.append(r)
+                if len(taken) == count:
+                    return taken
+            else:
+                held[r] = (raw, Launcher.loads(keys.owner_key(r), raw))
+    except MessageError as e:
+        release(client, me, taken)
+        raise ClaimRefused(f"cannot tell which replica ids are free: {e}") from None
+    dead = silent(message_of, {o for _, o in held.values()}, stale_s) if held else set()
+    for r, (raw, owner) in sorted(held.items()):
+        if len(taken) < count and owner in dead:
+            if client.store.compare_set(keys.owner_key(r), raw.decode(), mine) == mine.encode():
+                taken.append(r)
+                log(f"took replica id {r} over from {owner}, which shows no sign of life")
+    if len(taken) < count:
+        release(client, me, taken)
+        raise ClaimRefused(
+            f"{keys.REPLICAS_ENV} asks for {count} free replica id(s) and {len(taken)} of {ids.start}..{ids.stop - 1} "
+            f"are free (members {list(members)}; the others run under live launchers): raise recover.max_replicas "
+            "on every node, or start this node once a group has left"
+        )
+    return sorted(taken)
+
+
 def release(client: ControlClient, me: Launcher, replicas: list[int], part: int = 0) -> None:
     """Gives up ``me``'s claims on ``replicas`` (those another launcher holds stay as they are)."""
     for r in replicas:

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,21 @@ def parse_replicas(value: str | None, replicas: int, started: int | None = None)
             raise config.ConfigError(f"{keys.REPLICAS_ENV}={value!r}: replica {r} is listed twice; {fix}")
         ids.append(r)
     return ids
+
+
+def parse_any(value: str | None, replicas: int) -> int | None:
+    """How many free replica ids this node asks for (``$TITAN_RECOVER_REPLICAS=any`` or ``any:N``), or None
+    when it names its ids (``parse_replicas``)."""
+    if value is None or not value.strip().startswith("any"):
+        return None
+    found = re.fullmatch(r"any(?::(\d+))?", value.strip(), re.ASCII)
+    count = int(found.group(1) or 1) if found else 0
+    if not 1 <= count <= replicas:
+        raise config.ConfigError(
+            f"{keys.REPLICAS_ENV}={value!r}: write any (one free replica id) or any:N, N from 1 to {replicas} "
+            "(the run's replica ids)"
+        )
+    return count
 
 
 def parse_group_node(value: str | None, parts: int) -> int:
@@ -197,21 +212,31 @@ class NodeLauncher:
     ``first``: this launcher starts the run and its coordinator; other nodes' launchers join it.
     """
 
-    def __init__(self, job_config: Any, argv: list[str], local: list[int], address: str | None, part: int) -> None:
+    def __init__(
+        self, job_config: Any, argv: list[str], local: list[int] | int, address: str | None, part: int
+    ) -> None:
+        """``local``: this node's replica ids, or how many free ones it asks for (chosen in ``start_coordinator``)."""
         rc, par = job_config.recover, job_config.parallelism
-        self.job_config, self.rc, self.local, self.part = job_config, rc, local, part
+        self.wanted = local if isinstance(local, int) else 0
+        self.job_config, self.rc, self.part = job_config, rc, part
+        self.local: list[int] = [] if isinstance(local, int) else local
         self.first = address is None
+        if self.wanted and (self.first or rc.group_nodes > 1):
+            raise config.ConfigError(
+                f"{keys.REPLICAS_ENV}=any is for a node that joins a running run (set {keys.COORDINATOR_ENV}), "
+                "its groups on this node alone (recover.group_nodes = 1): name the ids otherwise"
+            )
         self.backend = backend_of(rc)
         self.replicas = config.replica_ids(job_config)
         self.ranks = config.group_ranks(par) // rc.group_nodes  # of each group, on this node
-        only_this_node = self.first and sorted(local) == list(range(self.replicas)) and rc.group_nodes == 1
-        self.plan = device_plan(rc, len(local), self.ranks)
+        only_this_node = self.first and sorted(self.local) == list(range(self.replicas)) and rc.group_nodes == 1
+        self.plan = device_plan(rc, self.wanted or len(self.local), self.ranks)
         if self.plan.rank_per_host and not only_this_node:
             raise config.ConfigError(
                 f"recover.nccl_rank_per_host is for a run on one node, and this launcher runs "
                 f"replica groups {local} of 0..{self.replicas - 1}: unset it"
             )
-        self.env = with_threads(dict(os.environ), len(local) * self.ranks)
+        self.env = with_threads(dict(os.environ), (self.wanted or len(self.local)) * self.ranks)
         checked = run_preflight(job_config, self.plan.backend, self.env)
         self.argv = with_flags(argv, {"--recover.replicate_backend": self.plan.backend, **checked.flags})
         self.env[keys.SECRET_ENV] = choose_secret(self.env, only_this_node)
@@ -240,6 +265,33 @@ class NodeLauncher:
         """Names the run and starts the coordinator (first launcher) or a candidate (beside every
         launcher on etcd), as the control store's backend decides."""
         self.backend.start(self)
+        if self.wanted:
+            self.local = self.claim_free()
+
+    def claim_free(self) -> list[int]:
+        """The free replica ids this node asked for, claimed before its groups start (``claims.claim_free``)."""
+        run, rc = self.run, self.rc
+        assert run is not None, "the run is named first"
+        client = ControlClient(transport.connect(str(self.address), rc.startup_timeout_s, run))
+        members = client.membership(client.epoch()).members
+        free = claims.claim_free(
+            client,
+            self.me,
+            self.wanted,
+            range(self.replicas),
+            members,
+            rc.heartbeat_timeout_s,
+            log.info,
+            self.message_of(client),
+        )
+        log.info(f"{keys.REPLICAS_ENV}=any: replica ids {free} are free (members {list(members)}); this node runs them")
+        return free
+
+    def message_of(self, client: ControlClient) -> Callable[[Launcher], bytes]:
+        """How a claimant reads another launcher's node message: from the store, or on etcd the leader's board."""
+        assert self.run is not None
+        reader = self.backend.board(self.run)
+        return client.node_message_raw if reader is None else lambda o: reader.read(client.store, o.key)
 
     def start_coordinator_here(self) -> None:
         """The run's coordinator, on a port bound here and handed over: no other process can take a
@@ -383,8 +435,7 @@ class NodeLauncher:
             board=board,
         )
         self.agent.start(on_error=log.warning)
-        reader = self.backend.board(run)  # its own: the lifeline's is used by the lifeline's thread
-        message_of = client.node_message_raw if reader is None else lambda o: reader.read(client.store, o.key)
+        message_of = self.message_of(client)  # its own board reader: the lifeline's is used by the lifeline's thread
         taken = claims.claim(client, self.me, self.local, rc.heartbeat_timeout_s, log.info, self.part, message_of)
         for r in self.local:
             self.groups.begin(client, r, r in taken)
@@ -578,10 +629,10 @@ def with_flags(argv: list[str], flags: dict[str, str]) -> list[str]:
 
 
 def run_recover(
-    job_config: Any, argv: list[str], local: list[int], coordinator_address: str | None, part: int = 0
+    job_config: Any, argv: list[str], local: list[int] | int, coordinator_address: str | None, part: int = 0
 ) -> int:
-    """The replica groups ``local`` of this node (their part ``part`` when they span nodes), and the
-    coordinator unless ``coordinator_address`` names one."""
+    """The replica groups ``local`` of this node, or how many free ones it asks for (their part ``part`` when
+    they span nodes), and the coordinator unless ``coordinator_address`` names one."""
     launcher = NodeLauncher(job_config, argv, local, coordinator_address, part)
     try:
         on_notice(launcher.notice)  # this node goes away: it leaves the run, or stops it where the run's store is
@@ -598,7 +649,7 @@ def run_recover(
 
 def main(argv: list[str]) -> int:
     logs.setup("launcher")  # the process's entry point (python -m titan_recover.launch)
-    local: list[int] = []
+    local: list[int] | int = []
     address: str | None = None
     part = 0
     try:
@@ -606,7 +657,8 @@ def main(argv: list[str]) -> int:
         titan.check_model(job_config)
         backend = backend_of(job_config.recover)
         if job_config.recover.enable:  # the node's environment, checked before the data and any process
-            local = parse_replicas(
+            wanted = parse_any(os.environ.get(keys.REPLICAS_ENV), config.replica_ids(job_config))
+            local = wanted or parse_replicas(
                 os.environ.get(keys.REPLICAS_ENV), config.replica_ids(job_config), config.started_ids(job_config)
             )
             part = parse_group_node(os.environ.get(keys.GROUP_NODE_ENV), job_config.recover.group_nodes)
