@@ -65,11 +65,11 @@ class Recover:
     max_replicas: int = 0
     """The most replica groups that may be members at once (0: ``data_parallel_replicate_degree``, R, a
     fixed-size run). Above R, a group started later (a node given new ids R+spares .. max_replicas-1 in
-    ``TITAN_RECOVER_REPLICAS``, or ``any`` free ones, with the coordinator's address) is admitted at a step boundary while fewer
-    are members, takes its state from a live peer and a share of the M microbatches: the trajectory does
-    not change (M is fixed), and each step gets faster where each rank has its own device. Hot spares then
-    join whenever fewer than this many are members. At most M (a member with no microbatch would idle)
-    (docs/elasticity.md)."""
+    ``TITAN_RECOVER_REPLICAS``, or ``any`` free ones, with the coordinator's address) is admitted at a step
+    boundary while fewer are members, takes its state from a live peer and a share of the M microbatches:
+    the trajectory does not change (M is fixed), and each step gets faster where each rank has its own
+    device. Hot spares then join whenever fewer than this many are members. At most M (a member with no
+    microbatch would idle) (docs/elasticity.md)."""
 
     warm: str = "auto"
     """Keep each replica group's next incarnation warm (titan_recover.node.warm): once a group trains,
