@@ -96,7 +96,7 @@ class RecoverTrainer(BaseTrainer):
         )
         # SIGTERM to every process of the node: leave, do not die; where the coordinator runs, it stops the whole
         # run at one step boundary instead, which this group's own leave would forestall
-        procs.on_notice(lambda: None if os.environ.get(keys.NOTICE_STOPS_RUN_ENV) else self.manager.notice())
+        procs.on_notice((lambda: None) if os.environ.get(keys.NOTICE_STOPS_RUN_ENV) else self.manager.notice)
         metrics = job_config.metrics
         wanted = metrics.enable_tensorboard, metrics.enable_wandb
         metrics.enable_tensorboard = metrics.enable_wandb = False  # TorchTitan's own write to a folder per start time

@@ -91,9 +91,7 @@ def _claim(
         if owner not in dead:
             live[r] = owner
             continue
-        got = client.store.compare_set(keys.owner_key(r, part), raw.decode(), me.dumps())
-        if got == b"":  # taken over and released meanwhile by a launcher that was refused
-            got = client.store.compare_set(keys.owner_key(r, part), "", me.dumps())
+        got = _take_over(client, me, r, raw, part)
         if got != me.dumps().encode():  # another launcher took it over first
             live[r] = Launcher.loads(keys.owner_key(r, part), got)
     if live:
@@ -146,10 +144,9 @@ def claim_free(
         raise ClaimRefused(f"cannot tell which replica ids are free: {e}") from None
     dead = silent(message_of, {o for _, o in held.values()}, stale_s) if held else set()
     for r, (raw, owner) in sorted(held.items()):
-        if len(taken) < count and owner in dead:
-            if client.store.compare_set(keys.owner_key(r), raw.decode(), mine) == mine.encode():
-                taken.append(r)
-                log(f"took replica id {r} over from {owner}, which shows no sign of life")
+        if len(taken) < count and owner in dead and _take_over(client, me, r, raw, 0) == mine.encode():
+            taken.append(r)
+            log(f"took replica id {r} over from {owner}, which shows no sign of life")
     if len(taken) < count:
         release(client, me, taken)
         raise ClaimRefused(
@@ -158,6 +155,15 @@ def claim_free(
             "on every node, or start this node once a group has left"
         )
     return sorted(taken)
+
+
+def _take_over(client: ControlClient, me: Launcher, replica: int, raw: bytes, part: int) -> bytes:
+    """Takes the claim on ``replica`` (its part ``part``) over from a silent owner, whose exact claim was
+    ``raw``; the claim after it (``me``'s when taken)."""
+    got = client.store.compare_set(keys.owner_key(replica, part), raw.decode(), me.dumps())
+    if got == b"":  # taken over and released meanwhile by a launcher that was refused
+        got = client.store.compare_set(keys.owner_key(replica, part), "", me.dumps())
+    return got
 
 
 def release(client: ControlClient, me: Launcher, replicas: list[int], part: int = 0) -> None:

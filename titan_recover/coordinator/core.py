@@ -418,7 +418,7 @@ class CoordinatorCore:
         (restarted ones, hot spares waiting since the start, groups of nodes started later); the others wait
         as spares."""
         state = self.state
-        if state.progress is not None and state.progress.step >= self.rules.steps or self.stopping is not None:
+        if (state.progress is not None and state.progress.step >= self.rules.steps) or self.stopping is not None:
             return []  # the last step is done, or the run stops: nothing left to join
         effects: list[Effect] = []
         ready: dict[int, int] = {}

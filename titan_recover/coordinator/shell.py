@@ -463,8 +463,9 @@ class Coordinator:
         """Once noticed: the run stops at a step boundary, or, not done within ``recover.notice_budget_s``
         (a hung rank, a slow save), ends as fatal at once; False then."""
         assert self.noticed is not None
-        self._poll_steps()  # the last step this coordinator knows committed bounds the stop
-        self._apply(self.core.on_notice("the coordinator's node goes away (SIGTERM)"))
+        if self.core.stopping is None:
+            self._poll_steps()  # the last step this coordinator knows committed bounds the stop
+            self._apply(self.core.on_notice("the coordinator's node goes away (SIGTERM)"))
         late = time.time() - self.noticed
         if late <= self.rc.notice_budget_s:
             return True

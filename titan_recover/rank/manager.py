@@ -131,6 +131,12 @@ class Collectives(Protocol):
     def close(self) -> int: ...
 
 
+def stops_before(membership: Membership, step: int) -> None:
+    """RunStopping when ``membership`` says the run stops before ``step`` (its ``last_step``)."""
+    if membership.last_step is not None and step > membership.last_step:
+        raise RunStopping(step - 1)
+
+
 # raised as they are: the protocol already knows (fenced, run stopped), or no group failure
 # explains them (a step that does not add up, a bad transfer, a malformed message)
 NOT_REPORTED = (ReplicaFenced, RunFatal, RunStopping, steps.InvariantError, transfer.TransferError, MessageError)
@@ -281,9 +287,7 @@ class ReplicaManager:
         history = [self.membership(e) for e in range(self.base_epoch, epoch + 1)]
         if self.replica not in history[-1].members:
             raise ReplicaFenced(f"replica {self.replica} was fenced out in epoch {epoch}")
-        last = history[-1].last_step
-        if last is not None and self.step > last:
-            raise RunStopping(self.step - 1)
+        stops_before(history[-1], self.step)
         return history
 
     # ---- the step -------------------------------------------------------------------
@@ -297,9 +301,7 @@ class ReplicaManager:
             self._start_told = True
         epoch = self.agree_epoch()
         if self.leave_agreed and not self.rejoining:
-            last = self.membership(epoch).last_step if epoch >= 0 else None
-            if last is not None and step > last:  # the run stops here too: the group stops with it, and may save
-                raise RunStopping(step - 1)
+            stops_before(self.membership(epoch), step)  # the run stops here too: the group stops with it, may save
             self.noticed_at = self.noticed_at or time.time()  # a peer of the group heard it first
             raise ReplicaLeaving(step, time.time() - self.noticed_at)
         return epoch
