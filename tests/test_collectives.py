@@ -199,7 +199,7 @@ with groups.pair(1, joiner=1, donor=False, abort=lambda: False) as pair:
 def test_a_launch_that_raises_because_a_peer_died_is_an_aborted_collective_not_the_ranks_failure() -> None:
     """Real gloo groups whose peer was SIGKILLed before the launch: the all-reduce and the state transfer
     each end as a ``CollectiveAborted`` of their epoch at once, the broken group is given up (nothing left
-    parked), and the next epoch's all-reduce runs."""
+    parked), the broken epoch's group is not built again, and the next epoch's all-reduce runs."""
     port = transport.free_port()
     server = transport.serve(port, 30)
     address = f"127.0.0.1:{port}"
@@ -218,6 +218,8 @@ def test_a_launch_that_raises_because_a_peer_died_is_an_aborted_collective_not_t
                 groups.broadcast(pair, torch.ones(4), abort=lambda: False)
         with pytest.raises(CollectiveAborted, match="all-reduce in epoch 1 failed at its launch: RuntimeError"):
             groups.allreduce(both, [torch.ones(4)], abort=lambda: False)
+        with pytest.raises(CollectiveAborted, match="epoch 1's replicate group broke here"):  # its keys are spent:
+            groups.allreduce(both, [torch.ones(4)], abort=lambda: False)  # no second rendezvous under them
         elapsed = time.monotonic() - start
         alone = torch.ones(4)
         groups.allreduce(Membership(2, (0,)), [alone], abort=lambda: False)  # the next epoch goes on

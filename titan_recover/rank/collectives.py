@@ -210,6 +210,9 @@ class ReplicateProcessGroups:
         self.backend = backend
         self.device = device if backend == "nccl" else torch.device("cpu")  # where transfer buffers live
         self._groups: dict[int, GroupBackend | None] = {}
+        # the newest epoch whose group this rank gave up: its rendezvous keys are spent, and a second
+        # rendezvous under them would reach the first one's peers and wait out the group timeout
+        self._spent = 0
         self._parked: list[Parked] = []  # abandoned groups/work/buffers: kept until idle, never reused
         self._releaser = Releaser(backend)  # ...then released off the step's path
         # a recovery's moments on this rank (wall clock, for the event log's recovery phases): when it gave up
@@ -325,6 +328,11 @@ class ReplicateProcessGroups:
     def _build(self, membership: Membership, abort: Callable[[], bool]) -> GroupBackend | None:
         if membership.epoch in self._groups:
             return self._groups[membership.epoch]
+        if membership.epoch <= self._spent:
+            raise CollectiveAborted(
+                f"epoch {membership.epoch}'s replicate group broke here, and an epoch's group is built once: "
+                "wait for a newer epoch"
+            )
         size = len(membership.members)
         group = None
         if size > 1:
@@ -426,13 +434,14 @@ class ReplicateProcessGroups:
 
         ``on_launched`` runs once the all-reduce is in flight (a fault injection point).
         """
-        group = self._build(membership, abort)
-        if group is None:
-            on_launched()
-            return
-        launches = (group.allreduce([t]) for t in tensors)
         try:
+            group = self._build(membership, abort)
+            if group is None:
+                on_launched()
+                return
+            launches = (group.allreduce([t]) for t in tensors)
             self._run(group, launches, tensors, abort, f"all-reduce in epoch {membership.epoch}", on_launched)
         except CollectiveAborted:
             self._groups.pop(membership.epoch, None)  # discarded; the caller moves on to a newer epoch
+            self._spent = max(self._spent, membership.epoch)
             raise

@@ -99,7 +99,7 @@ def rank(address: str, replica: int, backend: str) -> None:
         start = time.time()
         try:
             groups.allreduce(Membership(epoch, members), [tensor], abort=moved, on_launched=launched)
-        except CollectiveAborted as e:  # the step is done again in the next epoch
+        except CollectiveAborted as e:  # the step is done again in the next epoch, as the trainer does
             say(
                 event="aborted",
                 epoch=epoch,
@@ -107,6 +107,9 @@ def rank(address: str, replica: int, backend: str) -> None:
                 during="all-reduce",
                 seconds=time.time() - start,
                 error=str(e)[:300],
+            )
+            _wait_until(
+                moved, start + WAIT_S, f"replica {replica} never saw epoch {epoch} end after its all-reduce broke"
             )
             continue
         say(event="step", epoch=epoch, step=step, members=list(members), ok=bool((tensor == len(members)).all()))
