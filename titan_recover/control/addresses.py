@@ -22,6 +22,20 @@ def local_host(bind: str) -> str:
     return LOOPBACK if bind == "0.0.0.0" else bind
 
 
+def node_host(bind: str) -> str:
+    """The host this node's ranks dial to reach a coordinator listening on ``bind`` in a run that spans
+    nodes: each rank's replicate groups listen on its route to it (``route_address``), so it must be an
+    address the other nodes reach, not loopback. On every interface (0.0.0.0): the address this host's
+    name resolves to; ValueError naming the host where that is loopback (Debian's 127.0.1.1)."""
+    if bind != "0.0.0.0":
+        return bind
+    name = socket.gethostname()
+    ip = resolve(name)
+    if ipaddress.ip_address(ip).is_loopback:
+        raise ValueError(f"this host's name {name!r} resolves to {ip}, a loopback address the other nodes cannot reach")
+    return ip
+
+
 def _is_ipv6(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).version == 6

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from titan_recover import config, titan
 from titan_recover.control import claims, keys, transport
-from titan_recover.control.addresses import LOOPBACK, local_host, route_address
+from titan_recover.control.addresses import LOOPBACK, local_host, node_host, route_address
 from titan_recover.control.client import ControlClient
 from titan_recover.control.keys import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_LEFT, EXIT_OK, EXIT_STOPPED
 from titan_recover.control.lifeline import Heartbeat, one_line, store_errors
@@ -298,12 +298,19 @@ class NodeLauncher:
         picked port meanwhile."""
         rc = self.rc
         bind = coordinator_bind(rc.coordinator_bind, self.local, self.replicas, rc.group_nodes)
+        alone = sorted(self.local) == list(range(self.replicas)) and rc.group_nodes == 1
+        try:  # where GLOO_SOCKET_IFNAME names the interface, the groups do not listen on the ranks' route
+            host = local_host(bind) if alone or self.env.get("GLOO_SOCKET_IFNAME") else node_host(bind)
+        except ValueError as e:
+            raise config.ConfigError(
+                f"recover.coordinator_bind = {bind}: {e}; set it to this node's address on the network the nodes share"
+            ) from None
         try:
             fd = transport.listen(bind, rc.coordinator_port)
         except RuntimeError as e:
             raise config.ConfigError(f"recover.coordinator_port = {rc.coordinator_port}: {e}") from None
         try:
-            self.address = self.env[keys.COORDINATOR_ENV] = f"{local_host(bind)}:{transport.listening_port(fd)}"
+            self.address = self.env[keys.COORDINATOR_ENV] = f"{host}:{transport.listening_port(fd)}"
             self.coordinator = subprocess.Popen(
                 self._candidate(), env={**self.env, keys.LISTEN_FD_ENV: str(fd)}, pass_fds=(fd,)
             )
