@@ -251,6 +251,7 @@ def test_the_real_path_runs_node_sh_once_per_node_under_srun(tmp_path: Path) -> 
     for flag in (
         "--ntasks-per-node=1",
         "--nodes=3",
+        "--no-kill",
         "--kill-on-bad-exit=0",
         "--wait=0",
         "--export=ALL",

@@ -23,7 +23,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from titan_recover.tools import netns
@@ -160,21 +160,22 @@ class SlurmCluster:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        self._wait("munged's socket", lambda: (self.folder / "munge.sock").exists())
+        self.wait(lambda: (self.folder / "munge.sock").exists(), READY_S, "munged's socket")
         self._daemon(self.controller, CONTROLLER, ["slurmctld", "-D", "-f", str(self.conf)])
-        self._wait("slurmctld", lambda: self.client(["scontrol", "ping"], check=False).returncode == 0)
+        self.wait(lambda: self.client(["scontrol", "ping"], check=False).returncode == 0, READY_S, "slurmctld")
         for index in range(len(self.nodes)):
             self.start_node(index)
-        self._wait("every node idle", lambda: self.states() == {name: "idle" for name in self.names})
+        self.wait(lambda: self.states() == dict.fromkeys(self.names, "idle"), READY_S, "every node idle")
         log.info(f"Slurm cluster of {len(self.nodes)} node(s) up, state in {self.folder}")
 
-    def _wait(self, what: str, done: object) -> None:
-        deadline = time.monotonic() + READY_S
-        while not done():  # type: ignore[operator]
+    def wait(self, done: Callable[[], bool], timeout_s: float, what: str) -> None:
+        """Waits until ``done()``; TimeoutError naming ``what``, with the end of slurmctld's log."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
             if time.monotonic() > deadline:
                 logged = self.folder / "slurmctld.log"
                 tail = logged.read_text()[-2000:] if logged.exists() else ""
-                raise netns.NetnsError(f"{what} not ready within {READY_S:g}s (state in {self.folder})\n{tail}")
+                raise TimeoutError(f"{what}: not within {timeout_s:g}s (the cluster's state: {self.folder})\n{tail}")
             time.sleep(0.1)
 
     def _daemon(self, node: netns.Node, hostname: str, argv: Sequence[str]) -> subprocess.Popen:
