@@ -29,6 +29,12 @@
 #                     started again with the same id (a replaced pod) rejoins the run; a new id is a
 #                     new run, which never reads an earlier run's state. The batch script passes
 #                     $SLURM_JOB_ID, the Kubernetes manifest the Job's uid
+#   JOIN_RUN          host:port of a running run's coordinator (TCPStore) that this job's nodes join, each
+#                     asking for GROUPS_PER_NODE free replica ids (TITAN_RECOVER_REPLICAS=any:G): a lost
+#                     node's ids, or new ones up to the run's recover.max_replicas. No node starts a
+#                     coordinator; pass the running run's layout as arguments
+#                     (--parallelism.data_parallel_replicate_degree R, and --recover.spares, --recover.max_replicas
+#                     where it has them), its TITAN_RECOVER_SECRET and TITAN_RECOVER_RUN_ID
 #   PLAN_ONLY=1       print the node's command and exit (SHOW_SECRET=1 prints the secret too; else
 #                     it is shown as <hidden>, e.g. in a Slurm log); unset: print it, then run it
 #
@@ -92,7 +98,15 @@ RUN_ID=${TITAN_RECOVER_RUN_ID:-}
 if [ -n "$CONTROL_STORE" ] && [ -z "$RUN_ID" ]; then
     fail "TITAN_RECOVER_RUN_ID is not set: a run on etcd (CONTROL_STORE) needs its id, the same on every node (e.g. the job's id); a relaunched node with the same id rejoins the run"
 fi
+JOIN_RUN=${JOIN_RUN:-}
+if [ -n "$JOIN_RUN" ]; then
+    [ -z "$CONTROL_STORE" ] || fail "JOIN_RUN and CONTROL_STORE are both set: on etcd a node joins with CONTROL_STORE and the run's TITAN_RECOVER_RUN_ID alone"
+    [[ $JOIN_RUN == ?*:* ]] && is_count "${JOIN_RUN##*:}" \
+        || fail "JOIN_RUN='$JOIN_RUN' is not host:port: set it to the running run's coordinator (its first node and port)"
+    [ -n "$RUN_ID" ] || fail "TITAN_RECOVER_RUN_ID is not set: a joining job needs the running run's id (the first job's id under Slurm)"
+fi
 for arg in "$@"; do
+    [ -z "$JOIN_RUN" ] || break  # a joining node passes the running run's layout itself
     case $arg in
         --parallelism.data_parallel_replicate_degree* | --recover.spares* | --recover.coordinator_bind* | --recover.coordinator_port* | --recover.group_nodes* | --recover.control_store*)
             fail "${arg%%=*} is set from the node layout here: use NODES x GROUPS_PER_NODE, GROUP_NODES, SPARES, COORDINATOR_BIND, the port of COORDINATOR_ADDR and CONTROL_STORE instead" ;;
@@ -111,15 +125,30 @@ if [ -n "$CONTROL_STORE" ]; then
 else
     where=(--recover.coordinator_bind "$COORDINATOR_BIND" --recover.coordinator_port "$port")
 fi
-if [ "$NODE_INDEX" -eq 0 ]; then coordinator=(-u TITAN_RECOVER_COORDINATOR); else coordinator=("TITAN_RECOVER_COORDINATOR=$addr"); fi
+if [ -n "$JOIN_RUN" ]; then
+    coordinator=("TITAN_RECOVER_COORDINATOR=$JOIN_RUN")
+    replicas=any:$GROUPS_PER_NODE
+elif [ "$NODE_INDEX" -eq 0 ]; then
+    coordinator=(-u TITAN_RECOVER_COORDINATOR)
+else
+    coordinator=("TITAN_RECOVER_COORDINATOR=$addr")
+fi
 env_args=("${coordinator[@]}" "CONFIG_FILE=$CONFIG_FILE" "TITAN_RECOVER_REPLICAS=$replicas"
           "TITAN_RECOVER_GROUP_NODE=$((NODE_INDEX % GROUP_NODES))")
 if [ -n "$RUN_ID" ]; then env_args+=("TITAN_RECOVER_RUN_ID=$RUN_ID"); fi
 # each node's processes log to a file of their own (recover_events.node<i>.jsonl): a shared dump folder
 # (NFS) does not make appends from several hosts atomic
-if [ "$NUM_NODES" -gt 1 ]; then env_args+=("TITAN_RECOVER_NODE=node$NODE_INDEX"); fi
-cmd=(./run_train.sh --parallelism.data_parallel_replicate_degree "$replicate" --recover.spares "$SPARES"
-     --recover.group_nodes "$GROUP_NODES" "${where[@]}" "$@")
+if [ -n "$JOIN_RUN" ]; then  # a name of its own beside the running run's node<i> files
+    env_args+=("TITAN_RECOVER_NODE=joined-${SLURM_JOB_ID:-$$}-node$NODE_INDEX")
+elif [ "$NUM_NODES" -gt 1 ]; then
+    env_args+=("TITAN_RECOVER_NODE=node$NODE_INDEX")
+fi
+if [ -n "$JOIN_RUN" ]; then
+    cmd=(./run_train.sh --recover.group_nodes "$GROUP_NODES" "$@")
+else
+    cmd=(./run_train.sh --parallelism.data_parallel_replicate_degree "$replicate" --recover.spares "$SPARES"
+         --recover.group_nodes "$GROUP_NODES" "${where[@]}" "$@")
+fi
 
 # the secret comes from this process's environment (not the command line, which `ps` shows)
 shown=$([ -n "${SHOW_SECRET:-}" ] && quote "$TITAN_RECOVER_SECRET" || echo "'<hidden>'")

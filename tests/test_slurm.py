@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import SINGLES, Run, assert_same_trajectory
 
+from titan_recover.control import keys
 from titan_recover.titan.jobs import job
 from titan_recover.tools import slurm_local
 from titan_recover.tools.partitions import events
@@ -28,22 +29,34 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm_local.Slur
         yield cluster
 
 
-def submit(slurm: slurm_local.SlurmCluster, dump: Path, plan: str, *sbatch: str) -> str:
-    """The tests' job (``SINGLES``, fault plan ``plan``) submitted on both nodes; its job id."""
-    config, path, *args = job(dump, tiny=True)
+def submit(
+    slurm: slurm_local.SlurmCluster,
+    out: Path,
+    plan: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    dump: Path | None = None,
+) -> str:
+    """The tests' job (``SINGLES``, fault plan ``plan``) submitted on both nodes (``extra``: sbatch's
+    options, then the job's), logging to ``out``.out and dumping to ``dump`` (default: ``out``); its job id."""
+    config, path, *args = job(dump or out, tiny=True)
     assert config == "--job.config_file"
+    options = [a for a in extra if a.startswith("--nodes") or a.startswith("--nodelist")]
+    overrides = [a for a in extra if a not in options]
     return slurm.sbatch(
         [
             "--nodes=2",
-            f"--output={dump}.out",
-            *sbatch,
+            f"--output={out}.out",
+            *options,
             "scripts/slurm/train.sbatch",
             path,
             *args,
             *SINGLES,
             "--recover.fault_plan",
             plan,
+            *overrides,
         ],
+        env=env,
         cwd=ROOT,
     )
 
@@ -67,27 +80,57 @@ def test_the_main_job_finishes_under_sbatch_on_two_slurm_nodes(
     assert {e["members"] == [0, 1] for e in run.steps().values()} == {True}
 
 
-def test_a_failed_node_costs_only_its_group_and_slurm_leaves_the_survivor_running(
+def test_a_failed_node_costs_only_its_group_then_a_job_on_the_repaired_node_joins_and_leaves_on_slurms_signal(
     tmp_path: Path, slurm: slurm_local.SlurmCluster, two_singles: Run
 ) -> None:
-    """Node 1 fails in step 3 (every process of it SIGKILLed, slurmd too) while its replica stalls in a
-    forward pass. Slurm marks the node down; with the script's ``--no-kill`` it neither signals node 0's
-    task nor requeues the job: replica 0 takes over the step's microbatches and finishes every step with
-    M of them on the failure-free data, and the job ends without a restart."""
+    """A node lost, capacity back, then preempted. Node 1 fails in step 3 (every process of it SIGKILLed,
+    slurmd too) while its replica stalls in a forward pass; Slurm marks it down and, with the script's
+    ``--no-kill``, neither signals node 0's task nor requeues the job: replica 0 takes over the step's
+    microbatches. Node 1's slurmd starts again, and a second ``sbatch`` job on it (``JOIN_RUN``: the
+    running run's coordinator, its secret and run id) takes the lost group's replica id and is admitted
+    while replica 0 holds step 5. Slurm then signals that job (``scancel --signal=TERM``, as a preemption
+    does) while replica 0 is slow in step 7: its group leaves at a step boundary and its job ends with
+    exit 4. The first job completes, exit 0, no restart, every step once with M microbatches on the
+    failure-free data."""
     dump = tmp_path / "dump"
-    job_id = submit(slurm, dump, "sleep replica=1 step=3 phase=forward seconds=60")
-    slurm.wait(lambda: any(e["event"] == "fault_injected" for e in events(dump)), RUN_S, "replica 1's stall")
+    secret = "slurm-test-secret"
+    plan = (
+        "sleep replica=1 step=3 phase=forward seconds=60; "
+        "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch; "
+        "sleep replica=0 step=7 phase=forward seconds=8"
+    )
+    first = submit(slurm, dump, plan, env={keys.SECRET_ENV: secret})
+    stalled = lambda: any(e["event"] == "fault_injected" and e["replica"] == 1 for e in events(dump))  # noqa: E731
+    slurm.wait(stalled, RUN_S, "replica 1's stall")
     slurm.fail(1)
-    try:
-        fields, run = finished(slurm, job_id, dump)
-        print(fields["JobState"], fields["ExitCode"], slurm.states())
-        assert "0: titan_recover summary" in run.output, run.output[-3000:]
-        assert_same_trajectory(two_singles, run, 1e-3, num_microbatches=4)
-        [failure] = run.of("failure")
-        assert failure["replica"] == 1, failure
-        assert fields["Restarts"] == "0"
-        assert "SIGTERM" not in run.output.split("0: titan_recover summary")[0], run.output[-3000:]
-        assert slurm.states()["node1"].startswith("down"), slurm.states()
-    finally:
-        slurm.start_node(1)
-        slurm.wait(lambda: slurm.states().get("node1") == "idle", 60, "node1 idle again")
+    # until Slurm marks it down, node 1 stays in the first job's allocation: the repair comes after that
+    slurm.wait(lambda: slurm.states().get("node1", "").startswith("down"), 60, "node1 down")
+    slurm.start_node(1)
+    slurm.wait(lambda: slurm.states().get("node1") == "idle", 60, "node1 idle again")
+    joining = submit(
+        slurm,
+        tmp_path / "joined",
+        "none",
+        "--nodes=1",
+        "--nodelist=node1",
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        env={keys.SECRET_ENV: secret, keys.RUN_ENV: first, "JOIN_RUN": "node0:29510"},
+        dump=dump,
+    )
+    slurm.wait(lambda: any(e["event"] == "rejoined" for e in events(dump)), RUN_S, "the joining job's group admitted")
+    slurm.client(["scancel", "--signal=TERM", joining])
+    left = slurm.wait_job(joining, ENDED, RUN_S)
+    fields, run = finished(slurm, first, dump)
+    print(fields["JobState"], fields["ExitCode"], left["JobState"], left["ExitCode"])
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "0"), run.output[-3000:]
+    assert left["ExitCode"] == "4:0", Path(f"{tmp_path / 'joined'}.out").read_text()[-3000:]
+    assert_same_trajectory(two_singles, run, 1e-3, num_microbatches=4)
+    [failure] = run.of("failure")
+    [rejoined] = run.of("rejoined")
+    [gone] = run.of("left")
+    assert failure["replica"] == rejoined["replica"] == gone["replica"] == 1, (failure, rejoined, gone)
+    members = {s: e["members"] for s, e in run.steps().items()}
+    assert members[3] == [0] and members[rejoined["step"]] == [0, 1] and members[10] == [0], members
+    assert gone["step"] > rejoined["step"], (rejoined, gone)
+    assert "this node goes away" not in run.output, run.output[-3000:]  # Slurm never signalled node 0's task
