@@ -154,4 +154,34 @@ fi
 shown=$([ -n "${SHOW_SECRET:-}" ] && quote "$TITAN_RECOVER_SECRET" || echo "'<hidden>'")
 echo "node $NODE_INDEX ($NODE_NAME): TITAN_RECOVER_SECRET=$shown $(quote env "${env_args[@]}" "${cmd[@]}")"
 if [ -n "${PLAN_ONLY:-}" ]; then exit 0; fi
-exec env "${env_args[@]}" "${cmd[@]}"
+# Under Slurm on the TCPStore, the node that ran the coordinator may be lost; it was the batch host, and
+# with --no-kill Slurm leaves the job RUNNING with no batch script. A node whose launcher lost the
+# coordinator (exit 3) waits for Slurm's own verdict on that node (not responding or down, within
+# its SlurmdTimeout) and requeues the job: it resumes from the last checkpoint. A coordinator lost from here
+# only (a partition between the nodes, the node still answering Slurm) requeues nothing.
+if [ -z "${SLURM_JOB_ID:-}" ]; then exec env "${env_args[@]}" "${cmd[@]}"; fi
+requeue_if_lost() {  # the coordinator's Slurm node
+    local node=$1 wait state
+    wait=$(scontrol show config 2>/dev/null | sed -n 's/^SlurmdTimeout *= *\([0-9]*\).*/\1/p')
+    local deadline=$((SECONDS + ${wait:-300} + 30))
+    while [ "$SECONDS" -lt "$deadline" ]; do
+        state=$(sinfo -h -N -n "$node" -o %t 2>/dev/null || true)
+        case $state in
+            *'*'* | down* | fail*)
+                echo "[node.sh] the coordinator's node $node is $state to Slurm: requeueing job $SLURM_JOB_ID, which resumes from the last checkpoint"
+                scontrol requeue "$SLURM_JOB_ID" || echo "error: [node.sh] scontrol requeue $SLURM_JOB_ID failed: requeue it by hand" >&2
+                return ;;
+        esac
+        sleep 2
+    done
+    echo "[node.sh] the coordinator was lost from here, but Slurm still finds $node ${state:-unknown}: not requeueing (a partition between the nodes?)"
+}
+trap 'true' TERM  # Slurm signals every process of the step: the launcher acts on it, this shell waits for it
+set +e
+env "${env_args[@]}" "${cmd[@]}"
+rc=$?
+set -e
+if [ "$rc" -eq 3 ] && [ -z "$CONTROL_STORE" ] && [ -z "$JOIN_RUN" ] && [ "$NODE_INDEX" -gt 0 ]; then
+    requeue_if_lost "${hosts[0]:-${addr%:*}}"
+fi
+exit "$rc"

@@ -134,3 +134,36 @@ def test_a_failed_node_costs_only_its_group_then_a_job_on_the_repaired_node_join
     assert members[3] == [0] and members[rejoined["step"]] == [0, 1] and members[10] == [0], members
     assert gone["step"] > rejoined["step"], (rejoined, gone)
     assert "this node goes away" not in run.output, run.output[-3000:]  # Slurm never signalled node 0's task
+
+
+def test_the_coordinators_node_lost_requeues_the_job_and_it_resumes_from_the_checkpoint(
+    tmp_path: Path, slurm: slurm_local.SlurmCluster, two_singles: Run
+) -> None:
+    """On the TCPStore the coordinator's node is the run: node 0 fails (every process SIGKILLed) in step 5,
+    after the step-4 checkpoint, while replica 1 stalls in a forward pass. Node 0 was the batch host, and
+    with ``--no-kill`` Slurm leaves the job running without it (measured: still RUNNING 120 s later). Node
+    1's launcher loses the coordinator (exit 3), its ``node.sh`` waits for Slurm to find node 0 not
+    responding and requeues the job (same id; its lines are lost with srun, which ran on node 0). Once node
+    0 is back, the requeued job runs the same command (the stall again): TorchTitan resumes from the step-4
+    checkpoint, steps 5-10 run, and the two runs together are the failure-free trajectory."""
+    dump = tmp_path / "dump"
+    checkpoint = ("--checkpoint.enable", "--checkpoint.interval", "2", "--recover.coordinator_timeout_s", "5")
+    job_id = submit(slurm, dump, "sleep replica=1 step=5 phase=forward seconds=10", *checkpoint)
+    stalled = lambda: any(e["event"] == "fault_injected" and e["replica"] == 1 for e in events(dump))  # noqa: E731
+    slurm.wait(stalled, RUN_S, "replica 1's stall")
+    assert (dump / "checkpoint" / "step-4" / ".metadata").exists()
+    first = Run(1, "", events(dump))  # a new run's launchers start the event files again
+    slurm.fail(0)
+    slurm.wait_job(job_id, ("PENDING",), 120)  # by node 1's node.sh, once Slurm finds node 0 not responding
+    slurm.wait(lambda: slurm.states().get("node0", "").startswith("down"), 60, "node0 down")
+    slurm.start_node(0)
+    slurm.wait(lambda: slurm.states().get("node0") == "idle", 60, "node0 idle again")
+    slurm.client(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])  # Slurm holds a requeued job 120 s
+    fields, second = finished(slurm, job_id, dump)
+    print(fields["JobState"], fields["ExitCode"], fields["Restarts"])
+    ended = (fields["JobState"], fields["ExitCode"], fields["Restarts"])
+    assert ended == ("COMPLETED", "0:0", "1"), second.output[-3000:]
+    assert sorted(first.steps()) == [1, 2, 3, 4]
+    assert sorted(second.steps()) == list(range(5, 11)), second.output[-3000:]
+    assert second.output.count("0: titan_recover summary") == 1  # the first run's output kept (--open-mode=append)
+    assert_same_trajectory(two_singles, Run(0, "", first.events + second.events), 1e-3, num_microbatches=4)
