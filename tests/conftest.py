@@ -41,6 +41,7 @@ class Run:
 
 HEAVIEST_FIRST = (
     "test_selftest.py",
+    "test_slurm.py",
     "test_partitions.py",
     "test_rejoin.py",
     "test_nodes.py",
