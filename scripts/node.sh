@@ -138,14 +138,11 @@ env_args=("${coordinator[@]}" "CONFIG_FILE=$CONFIG_FILE" "TITAN_RECOVER_REPLICAS
 if [ -n "$RUN_ID" ]; then env_args+=("TITAN_RECOVER_RUN_ID=$RUN_ID"); fi
 # each node's processes log to a file of their own (recover_events.node<i>.jsonl): a shared dump folder
 # (NFS) does not make appends from several hosts atomic
-if [ -n "$JOIN_RUN" ]; then  # a name of its own beside the running run's node<i> files
+if [ -n "$JOIN_RUN" ]; then  # a log of its own beside the running run's node<i> files; the run's layout in "$@"
     env_args+=("TITAN_RECOVER_NODE=joined-${SLURM_JOB_ID:-$$}-node$NODE_INDEX")
-elif [ "$NUM_NODES" -gt 1 ]; then
-    env_args+=("TITAN_RECOVER_NODE=node$NODE_INDEX")
-fi
-if [ -n "$JOIN_RUN" ]; then
     cmd=(./run_train.sh --recover.group_nodes "$GROUP_NODES" "$@")
 else
+    if [ "$NUM_NODES" -gt 1 ]; then env_args+=("TITAN_RECOVER_NODE=node$NODE_INDEX"); fi
     cmd=(./run_train.sh --parallelism.data_parallel_replicate_degree "$replicate" --recover.spares "$SPARES"
          --recover.group_nodes "$GROUP_NODES" "${where[@]}" "$@")
 fi

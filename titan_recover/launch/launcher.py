@@ -229,9 +229,10 @@ class NodeLauncher:
         self.backend = backend_of(rc)
         self.replicas = config.replica_ids(job_config)
         self.ranks = config.group_ranks(par) // rc.group_nodes  # of each group, on this node
-        only_this_node = self.first and sorted(self.local) == list(range(self.replicas)) and rc.group_nodes == 1
+        # the run is this launcher's alone: it starts the coordinator and every replica group, whole
+        self.only_this_node = self.first and sorted(self.local) == list(range(self.replicas)) and rc.group_nodes == 1
         self.plan = device_plan(rc, self.wanted or len(self.local), self.ranks)
-        if self.plan.rank_per_host and not only_this_node:
+        if self.plan.rank_per_host and not self.only_this_node:
             raise config.ConfigError(
                 f"recover.nccl_rank_per_host is for a run on one node, and this launcher runs "
                 f"replica groups {local} of 0..{self.replicas - 1}: unset it"
@@ -239,7 +240,7 @@ class NodeLauncher:
         self.env = with_threads(dict(os.environ), (self.wanted or len(self.local)) * self.ranks)
         checked = run_preflight(job_config, self.plan.backend, self.env)
         self.argv = with_flags(argv, {"--recover.replicate_backend": self.plan.backend, **checked.flags})
-        self.env[keys.SECRET_ENV] = choose_secret(self.env, only_this_node)
+        self.env[keys.SECRET_ENV] = choose_secret(self.env, self.only_this_node)
         run_id = choose_run_id(self.env, self.first, self.backend)
         self.run = None if run_id is None else self.name_run(run_id)
         self.address = address
@@ -298,9 +299,8 @@ class NodeLauncher:
         picked port meanwhile."""
         rc = self.rc
         bind = coordinator_bind(rc.coordinator_bind, self.local, self.replicas, rc.group_nodes)
-        alone = sorted(self.local) == list(range(self.replicas)) and rc.group_nodes == 1
         try:  # where GLOO_SOCKET_IFNAME names the interface, the groups do not listen on the ranks' route
-            host = local_host(bind) if alone or self.env.get("GLOO_SOCKET_IFNAME") else node_host(bind)
+            host = local_host(bind) if self.only_this_node or self.env.get("GLOO_SOCKET_IFNAME") else node_host(bind)
         except ValueError as e:
             raise config.ConfigError(
                 f"recover.coordinator_bind = {bind}: {e}; set it to this node's address on the network the nodes share"

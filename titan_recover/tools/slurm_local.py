@@ -200,7 +200,7 @@ class SlurmCluster:
                 hostname,
                 *argv,
             ],
-            env={**os.environ, "SLURM_CONF": str(self.conf)},
+            env=self.env(),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
