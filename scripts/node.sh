@@ -173,6 +173,28 @@ requeue_if_lost() {  # the coordinator's Slurm node
     done
     echo "[node.sh] the coordinator was lost from here, but Slurm still finds $node ${state:-unknown}: not requeueing (a partition between the nodes?)"
 }
+# On etcd the run outlives the batch host, and so does the job: Slurm removes the lost node from it (--no-kill)
+# but ends it only when its batch script does, and that died with the node (measured: RUNNING, holding the
+# other nodes, 120 s after the run ended; the repaired node, idle again, did not change that). Once the run
+# has ended here, the first node left in the job ends it. The batch host's loss is Slurm's verdict, as above:
+# one it has not yet found (within SlurmdTimeout of the end) leaves the job to its time limit.
+end_if_orphaned() {  # the batch host's Slurm node
+    local batch=$1 state nodes node
+    state=$(sinfo -h -N -n "$batch" -o %t 2>/dev/null || true)
+    nodes=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null || true)
+    mapfile -t nodes < <([ -n "$nodes" ] && scontrol show hostnames "$nodes")
+    [ ${#nodes[@]} -gt 0 ] || return  # ended already, or Slurm did not answer
+    case " ${nodes[*]} " in
+        *" $batch "*) case $state in *'*'* | down* | fail*) ;; *) return ;; esac ;;  # its batch script ends it
+    esac
+    for node in "${nodes[@]}"; do
+        [ "$node" = "$batch" ] && continue
+        [ "$node" = "$NODE_NAME" ] || return  # not the first node left
+        break
+    done
+    echo "[node.sh] the run ended here (exit $rc), and job $SLURM_JOB_ID lost its batch host $batch (${state:-gone}), whose script would have ended it: ending it (scancel) to free its nodes"
+    scancel "$SLURM_JOB_ID" || echo "error: [node.sh] scancel $SLURM_JOB_ID failed: cancel it by hand" >&2
+}
 trap 'true' TERM  # Slurm signals every process of the step: the launcher acts on it, this shell waits for it
 set +e
 env "${env_args[@]}" "${cmd[@]}"
@@ -180,5 +202,7 @@ rc=$?
 set -e
 if [ "$rc" -eq 3 ] && [ -z "$CONTROL_STORE" ] && [ -z "$JOIN_RUN" ] && [ "$NODE_INDEX" -gt 0 ]; then
     requeue_if_lost "${hosts[0]:-${addr%:*}}"
+elif [ -n "$CONTROL_STORE" ] && [ "$NODE_INDEX" -gt 0 ] && [ ${#hosts[@]} -gt 0 ]; then
+    end_if_orphaned "${hosts[0]}"
 fi
 exit "$rc"

@@ -5,7 +5,7 @@ node, submitted with ``sbatch`` as a user does. Each run is held against the fai
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +14,7 @@ from conftest import SINGLES, Run, assert_same_trajectory
 from titan_recover.control import keys
 from titan_recover.titan.jobs import job
 from titan_recover.tools import slurm_local
-from titan_recover.tools.partitions import events
+from titan_recover.tools.partitions import events, leaders
 
 ROOT = Path(__file__).resolve().parents[1]
 REASON = slurm_local.unavailable()
@@ -68,6 +68,11 @@ def finished(slurm: slurm_local.SlurmCluster, job_id: str, dump: Path) -> tuple[
     return fields, Run(0 if "0: titan_recover summary" in output else 1, output, events(dump))
 
 
+def stalled(dump: Path, replica: int) -> Callable[[], bool]:
+    """Whether ``replica``'s fault (its stall) has fired."""
+    return lambda: any(e["event"] == "fault_injected" and e["replica"] == replica for e in events(dump))
+
+
 def test_the_main_job_finishes_under_sbatch_on_two_slurm_nodes(
     tmp_path: Path, slurm: slurm_local.SlurmCluster, two_singles: Run
 ) -> None:
@@ -100,8 +105,7 @@ def test_a_failed_node_costs_only_its_group_then_a_job_on_the_repaired_node_join
         "sleep replica=0 step=7 phase=forward seconds=8"
     )
     first = submit(slurm, dump, plan, env={keys.SECRET_ENV: secret})
-    stalled = lambda: any(e["event"] == "fault_injected" and e["replica"] == 1 for e in events(dump))  # noqa: E731
-    slurm.wait(stalled, RUN_S, "replica 1's stall")
+    slurm.wait(stalled(dump, 1), RUN_S, "replica 1's stall")
     slurm.fail(1)
     # until Slurm marks it down, node 1 stays in the first job's allocation: the repair comes after that
     slurm.wait(lambda: slurm.states().get("node1", "").startswith("down"), 60, "node1 down")
@@ -149,8 +153,7 @@ def test_the_coordinators_node_lost_requeues_the_job_and_it_resumes_from_the_che
     dump = tmp_path / "dump"
     checkpoint = ("--checkpoint.enable", "--checkpoint.interval", "2", "--recover.coordinator_timeout_s", "5")
     job_id = submit(slurm, dump, "sleep replica=1 step=5 phase=forward seconds=10", *checkpoint)
-    stalled = lambda: any(e["event"] == "fault_injected" and e["replica"] == 1 for e in events(dump))  # noqa: E731
-    slurm.wait(stalled, RUN_S, "replica 1's stall")
+    slurm.wait(stalled(dump, 1), RUN_S, "replica 1's stall")
     assert (dump / "checkpoint" / "step-4" / ".metadata").exists()
     first = Run(1, "", events(dump))  # a new run's launchers start the event files again
     slurm.fail(0)
@@ -167,3 +170,55 @@ def test_the_coordinators_node_lost_requeues_the_job_and_it_resumes_from_the_che
     assert sorted(second.steps()) == list(range(5, 11)), second.output[-3000:]
     assert second.output.count("0: titan_recover summary") == 1  # the first run's output kept (--open-mode=append)
     assert_same_trajectory(two_singles, Run(0, "", first.events + second.events), 1e-3, num_microbatches=4)
+
+
+def test_a_node_cut_off_costs_only_its_group_and_slurm_ends_its_tasks_when_it_is_back(
+    tmp_path: Path, slurm: slurm_local.SlurmCluster, two_singles: Run
+) -> None:
+    """Node 1's cable pulled (its processes run on, unreachable) while its replica stalls in step 3, until
+    Slurm marks it down; then put back. The coordinator fences replica 1 on its silent heartbeat and replica
+    0 runs on alone; with ``--no-kill`` Slurm removes node 1 from the job instead of ending it, and kills the
+    job's tasks there once the node answers again. The job completes, exit 0, no restart, node 0 never
+    signalled, every step once with M microbatches on the failure-free data."""
+    dump = tmp_path / "dump"
+    job_id = submit(slurm, dump, "sleep replica=1 step=3 phase=forward seconds=30")
+    slurm.wait(stalled(dump, 1), RUN_S, "replica 1's stall")
+    with slurm.cut_off(1):
+        slurm.wait(lambda: slurm.states().get("node1", "").startswith("down"), 60, "node1 down")
+    fields, run = finished(slurm, job_id, dump)
+    print(fields["JobState"], fields["ExitCode"], fields["NodeList"])
+    ended = (fields["JobState"], fields["ExitCode"], fields["Restarts"], fields["NodeList"])
+    assert ended == ("COMPLETED", "0:0", "0", "node0"), run.output[-3000:]
+    assert_same_trajectory(two_singles, run, 1e-3, num_microbatches=4)
+    [failure] = run.of("failure")
+    assert (failure["replica"], failure["step"]) == (1, 3) and "heartbeat silent" in failure["cause"], failure
+    assert {s: e["members"] for s, e in run.steps().items()} == {s: [0, 1] if s < 3 else [0] for s in range(1, 11)}
+    assert "this node goes away" not in run.output, run.output[-3000:]
+    slurm.wait(lambda: slurm.processes(1) == ["slurmd"], 60, "the job's tasks on node1 ended by Slurm")
+
+
+def test_on_etcd_the_batch_hosts_node_lost_is_survived_and_the_orphaned_job_ended(
+    tmp_path: Path, slurm: slurm_local.SlurmCluster, two_singles: Run
+) -> None:
+    """With ``CONTROL_STORE`` (three etcd members on the controller's host) every node runs a coordinator
+    candidate, and whichever won the first campaign leads. Node 0, the batch host, fails (every process
+    SIGKILLed) in step 5 while replica 1 stalls: node 1's candidate leads (it did, or takes the lead over
+    once node 0's lease expires), fences replica 0 and finishes the run alone, with no requeue. Slurm
+    removes node 0 from the job but, its batch script dead, would leave the job running (measured); node
+    1's ``node.sh`` ends it (``scancel``) once the run has ended there."""
+    dump = tmp_path / "dump"
+    with slurm.etcd(tmp_path / "etcd") as etcd:
+        job_id = submit(slurm, dump, "sleep replica=1 step=5 phase=forward seconds=10", env={"CONTROL_STORE": etcd.url})
+        slurm.wait(stalled(dump, 1), RUN_S, "replica 1's stall")
+        slurm.fail(0)
+        fields = slurm.wait_job(job_id, ENDED, RUN_S)
+    run = Run(0, "", events(dump))  # srun ran on node 0: the lines of node 1 went with it
+    hosts = [e["host"] for e in leaders(dump)]
+    print(fields["JobState"], fields["ExitCode"], fields["Restarts"], fields["NodeList"], "leaders:", hosts)
+    assert (fields["JobState"], fields["Restarts"]) == ("CANCELLED", "0"), fields
+    assert_same_trajectory(two_singles, run, 1e-3, num_microbatches=4)
+    assert hosts in (["node0", "node1"], ["node1"]), hosts  # a takeover, where node 0 led
+    [failure] = run.of("failure")
+    assert (failure["replica"], failure["step"]) == (0, 5), failure
+    assert {s: e["members"] for s, e in run.steps().items()} == {s: [0, 1] if s < 5 else [1] for s in range(1, 11)}
+    assert run.of("param_digest")[-1]["step"] == 10

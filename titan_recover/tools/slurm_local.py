@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from titan_recover.tools import netns
+from titan_recover.tools.etcd_local import LocalEtcd
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +253,31 @@ class SlurmCluster:
         """Each node's state as ``sinfo`` prints it (``idle``, ``alloc``, ``down*``, ...)."""
         out = self.client(["sinfo", "-h", "-N", "-o", "%N %t"], check=False).stdout
         return dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
+
+    @contextlib.contextmanager
+    def etcd(self, root: Path) -> Iterator[LocalEtcd]:
+        """An etcd cluster of three members (``CONTROL_STORE``) on the controller's host, as on a cluster whose
+        etcd runs on its service nodes: no compute node's loss takes a member. Data under ``root``; stopped
+        when the block ends."""
+        etcd = LocalEtcd(
+            3,
+            root=str(root),
+            hosts=[self.controller.address] * 3,
+            spawn=lambda i, argv, **popen: self.net.spawn(self.controller, argv, **popen),
+        )
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            yield etcd.start()
+        finally:
+            etcd.stop()
+
+    def processes(self, index: int) -> list[str]:
+        """The names of node ``index``'s processes (``slurmd``, a job's ``slurmstepd``, ``python3``, ...)."""
+        names = []
+        for pid in self.net.pids(self.nodes[index]):
+            with contextlib.suppress(OSError):
+                names.append(Path(f"/proc/{pid}/comm").read_text().strip())
+        return names
 
     # --- faults ----------------------------------------------------------------------------------
 
