@@ -24,9 +24,19 @@ RUN_S = 240.0  # a job's bound, start to end
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm_local.SlurmCluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm_local.SlurmCluster]:
     with slurm_local.SlurmCluster(2, tmp_path_factory.mktemp("slurm")) as cluster:
         yield cluster
+
+
+@pytest.fixture
+def slurm(cluster: slurm_local.SlurmCluster) -> slurm_local.SlurmCluster:
+    """The file's cluster with every node idle: a node an earlier test failed is repaired first."""
+    for index, name in enumerate(cluster.names):
+        if cluster.states().get(name, "").startswith("down"):
+            cluster.start_node(index)
+    cluster.wait(lambda: set(cluster.states().values()) == {"idle"}, 60, "every node idle")
+    return cluster
 
 
 def submit(
