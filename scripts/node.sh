@@ -174,8 +174,8 @@ requeue_if_lost() {  # the coordinator's Slurm node
     echo "[node.sh] the coordinator was lost from here, but Slurm still finds $node ${state:-unknown}: not requeueing (a partition between the nodes?)"
 }
 # On etcd the run outlives the batch host, and so does the job: Slurm removes the lost node from it (--no-kill)
-# but ends it only when its batch script does, and that died with the node (measured: RUNNING, holding the
-# other nodes, 120 s after the run ended; the repaired node, idle again, did not change that). Once the run
+# but ends it only when its batch script does, and that died with the node (measured: still RUNNING, holding
+# the other nodes, 109 s after the run ended; the repaired node, idle again, did not change that). Once the run
 # has ended here, the first node left in the job ends it. The batch host's loss is Slurm's verdict, as above:
 # one it has not yet found (within SlurmdTimeout of the end) leaves the job to its time limit.
 end_if_orphaned() {  # the batch host's Slurm node
