@@ -167,7 +167,7 @@ requeue_if_lost() {  # the coordinator's Slurm node
             *'*'* | down* | fail*)
                 echo "[node.sh] the coordinator's node $node is $state to Slurm: requeueing job $SLURM_JOB_ID, which resumes from the last checkpoint"
                 scontrol requeue "$SLURM_JOB_ID" || echo "error: [node.sh] scontrol requeue $SLURM_JOB_ID failed: requeue it by hand" >&2
-                return ;;
+                return 0 ;;
         esac
         sleep 2
     done
@@ -183,13 +183,13 @@ end_if_orphaned() {  # the batch host's Slurm node
     state=$(sinfo -h -N -n "$batch" -o %t 2>/dev/null || true)
     nodes=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null || true)
     mapfile -t nodes < <([ -n "$nodes" ] && scontrol show hostnames "$nodes")
-    [ ${#nodes[@]} -gt 0 ] || return  # ended already, or Slurm did not answer
+    [ ${#nodes[@]} -gt 0 ] || return 0  # ended already, or Slurm did not answer
     case " ${nodes[*]} " in
-        *" $batch "*) case $state in *'*'* | down* | fail*) ;; *) return ;; esac ;;  # its batch script ends it
+        *" $batch "*) case $state in *'*'* | down* | fail*) ;; *) return 0 ;; esac ;;  # its batch script ends it
     esac
     for node in "${nodes[@]}"; do
         [ "$node" = "$batch" ] && continue
-        [ "$node" = "$NODE_NAME" ] || return  # not the first node left
+        [ "$node" = "$NODE_NAME" ] || return 0  # not the first node left
         break
     done
     echo "[node.sh] the run ended here (exit $rc), and job $SLURM_JOB_ID lost its batch host $batch (${state:-gone}), whose script would have ended it: ending it (scancel) to free its nodes"

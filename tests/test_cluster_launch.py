@@ -291,6 +291,53 @@ def test_node_sh_runs_run_train_sh_with_that_environment(tmp_path: Path) -> None
     assert "s3" not in ran[0].stdout.splitlines()[0]  # its own log line hides the secret
 
 
+@pytest.mark.parametrize(
+    "node, batch_host_state, job_nodes, ends",
+    [
+        ("node1", "alloc", "node0 node1", False),  # the batch host is well: its script ends the job
+        ("node1", "alloc*", "node0 node1", True),  # not responding: nothing will end the job
+        ("node1", "idle", "node1", True),  # removed from the job (and repaired since)
+        ("node2", "down*", "node0 node1 node2", False),  # not the first node left
+        ("node1", "down*", "", False),  # the job ended already, or Slurm did not answer
+    ],
+)
+def test_on_etcd_the_first_node_left_ends_a_job_whose_batch_host_is_lost(
+    tmp_path: Path, node: str, batch_host_state: str, job_nodes: str, ends: bool
+) -> None:
+    """node.sh's decision once its launcher has ended, from what Slurm's commands (stand-ins here) say: the
+    real path runs in tests/test_slurm.py."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(NODE_SH, tmp_path / "scripts" / "node.sh")
+    (tmp_path / "c.toml").write_text("")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    scripts = {
+        "run_train.sh": "exit 0",
+        "bin/sinfo": f"echo '{batch_host_state}'",
+        "bin/squeue": f"echo '{job_nodes}'",
+        "bin/scontrol": 'printf "%s\\n" $3',  # `scontrol show hostnames LIST`: here LIST is the names
+        "bin/scancel": f'echo "$@" >> {tmp_path}/cancelled',
+    }
+    for name, body in scripts.items():
+        (tmp_path / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    ran = sh(
+        tmp_path / "scripts" / "node.sh",
+        SLURMD_NODENAME=node,
+        NODE_LIST="node0 node1 node2",
+        SLURM_JOB_ID="77",
+        CONTROL_STORE="etcd://e1:2379,e2:2379,e3:2379",
+        CONFIG_FILE="c.toml",
+        TITAN_RECOVER_SECRET="s",
+        TITAN_RECOVER_RUN_ID="77",
+        PATH=f"{fake}:{os.environ['PATH']}",
+    )
+    assert ran.returncode == 0, ran.stderr
+    cancelled = (tmp_path / "cancelled").read_text().split() if (tmp_path / "cancelled").exists() else []
+    assert cancelled == (["77"] if ends else []), ran.stdout
+    assert ("lost its batch host node0" in ran.stdout) == ends
+
+
 def test_groups_per_node_default_to_gpus_per_node_over_ranks_per_group() -> None:
     out = dry_run("n1 n2", CFG, GPUS_PER_NODE="8", RANKS_PER_GROUP="4")
     assert out.returncode == 0, out.stderr
