@@ -282,6 +282,36 @@ def test_a_leader_that_cannot_read_the_saved_state_stops_the_run_saying_so(tmp_p
     assert f"FATAL: {error}" in proc.stderr  # the coordinator logs errors to stderr
 
 
+def test_a_candidate_waits_for_the_run_to_begin_before_it_leads_or_writes(tmp_path: Path, etcd: LocalEtcd) -> None:
+    """Node 0's launcher begins a new run by starting its event log afresh: it removes every node's file in
+    the (shared) dump folder. A candidate on another node that led before that lost its ``leader`` line (seen
+    under Slurm, where every node starts at once). A candidate now waits for the run's hello: nothing is
+    written until the first node says it, then the candidate leads."""
+    env = node_env(etcd.url, "0,1")
+    run = sealed.Run(env[keys.SECRET_ENV], env[keys.RUN_ENV])
+    log = tmp_path / "candidate.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            coordinator_command(launcher(tmp_path, etcd.url, "none")[3:]), cwd=ROOT, env=env, stdout=out, stderr=out
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while f"waiting up to 600s for run {run.id!r} to begin" not in (text := log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline and not leaders(tmp_path), text[-3000:]
+            time.sleep(0.1)
+        time.sleep(1.0)  # a candidate that did not wait leads in a few milliseconds here
+        assert not list(tmp_path.glob("recover_events*.jsonl")), log.read_text()[-3000:]
+        assert ControlClient(transport.in_run(transport.etcd(etcd.url, 5), run)).begin()
+        while not leaders(tmp_path):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        [leader] = leaders(tmp_path)
+        assert leader["pid"] == proc.pid, leader
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_node_0_started_again_joins_the_running_run_and_a_new_run_id_reads_nothing_of_it(
     tmp_path: Path, etcd: LocalEtcd
 ) -> None:

@@ -124,6 +124,10 @@ class ControlClient:
         mine = f"titan_recover {uuid.uuid4().hex}"
         return self.store.compare_set(keys.HELLO, "", mine).decode(errors="replace") == mine
 
+    def begun(self) -> bool:
+        """Whether the run has started (its hello is set): until then no process of it writes an event."""
+        return self.store.check([keys.HELLO])
+
     def ended(self) -> str | None:
         """How the run ended ("done", or why it stopped), or None while it goes on."""
         return "done" if self.finished() else self.fatal()

@@ -586,6 +586,16 @@ def lead(settings: CoordinatorSettings, address: str) -> int:
         if noticed.is_set():
             raise LeadershipLost("this node goes away (SIGTERM): the lead passes to another node's candidate")
 
+    if not view.begun():  # the first node starts the run's event log afresh first: a leader's lines must come after
+        log.info(f"waiting up to {rc.startup_timeout_s:g}s for run {run.id!r} to begin (its first node's launcher)")
+        try:
+            transport.wait_for(view.store, keys.HELLO, rc.startup_timeout_s, poll_s=0.1)
+        except TimeoutError:
+            log.error(
+                f"run {run.id!r} did not begin within recover.startup_timeout_s = {rc.startup_timeout_s:g}s: "
+                "start the run's first node, with the same run id and secret"
+            )
+            return EXIT_FAILED
     while True:
         guarded = lease.campaign(lambda: ended() or noticed.is_set())
         if guarded is None or ended():  # another candidate led the run to its end (perhaps as this one won)
