@@ -157,18 +157,19 @@ if [ -n "${PLAN_ONLY:-}" ]; then exit 0; fi
 # its SlurmdTimeout) and requeues the job: it resumes from the last checkpoint. A coordinator lost from here
 # only (a partition between the nodes, the node still answering Slurm) requeues nothing.
 if [ -z "${SLURM_JOB_ID:-}" ]; then exec env "${env_args[@]}" "${cmd[@]}"; fi
+node_state() { sinfo -h -N -n "$1" -o %t 2>/dev/null || true; }  # as sinfo prints it: idle, alloc*, down*, ...
+is_lost() { case $1 in *'*'* | down* | fail*) return 0 ;; *) return 1 ;; esac; }  # not responding, down or failed
 requeue_if_lost() {  # the coordinator's Slurm node
     local node=$1 wait state
     wait=$(scontrol show config 2>/dev/null | sed -n 's/^SlurmdTimeout *= *\([0-9]*\).*/\1/p')
     local deadline=$((SECONDS + ${wait:-300} + 30))
     while [ "$SECONDS" -lt "$deadline" ]; do
-        state=$(sinfo -h -N -n "$node" -o %t 2>/dev/null || true)
-        case $state in
-            *'*'* | down* | fail*)
-                echo "[node.sh] the coordinator's node $node is $state to Slurm: requeueing job $SLURM_JOB_ID, which resumes from the last checkpoint"
-                scontrol requeue "$SLURM_JOB_ID" || echo "error: [node.sh] scontrol requeue $SLURM_JOB_ID failed: requeue it by hand" >&2
-                return 0 ;;
-        esac
+        state=$(node_state "$node")
+        if is_lost "$state"; then
+            echo "[node.sh] the coordinator's node $node is $state to Slurm: requeueing job $SLURM_JOB_ID, which resumes from the last checkpoint"
+            scontrol requeue "$SLURM_JOB_ID" || echo "error: [node.sh] scontrol requeue $SLURM_JOB_ID failed: requeue it by hand" >&2
+            return 0
+        fi
         sleep 2
     done
     echo "[node.sh] the coordinator was lost from here, but Slurm still finds $node ${state:-unknown}: not requeueing (a partition between the nodes?)"
@@ -180,13 +181,11 @@ requeue_if_lost() {  # the coordinator's Slurm node
 # one it has not yet found (within SlurmdTimeout of the end) leaves the job to its time limit.
 end_if_orphaned() {  # the batch host's Slurm node
     local batch=$1 state nodes node
-    state=$(sinfo -h -N -n "$batch" -o %t 2>/dev/null || true)
+    state=$(node_state "$batch")
     nodes=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null || true)
     mapfile -t nodes < <([ -n "$nodes" ] && scontrol show hostnames "$nodes")
     [ ${#nodes[@]} -gt 0 ] || return 0  # ended already, or Slurm did not answer
-    case " ${nodes[*]} " in
-        *" $batch "*) case $state in *'*'* | down* | fail*) ;; *) return 0 ;; esac ;;  # its batch script ends it
-    esac
+    if [[ " ${nodes[*]} " == *" $batch "* ]] && ! is_lost "$state"; then return 0; fi  # its batch script ends it
     for node in "${nodes[@]}"; do
         [ "$node" = "$batch" ] && continue
         [ "$node" = "$NODE_NAME" ] || return 0  # not the first node left

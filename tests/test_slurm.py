@@ -32,8 +32,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm_local.Sl
 @pytest.fixture
 def slurm(cluster: slurm_local.SlurmCluster) -> slurm_local.SlurmCluster:
     """The file's cluster with every node idle: a node an earlier test failed is repaired first."""
-    for index, name in enumerate(cluster.names):
-        if cluster.states().get(name, "").startswith("down"):
+    for index in range(len(cluster.names)):
+        if cluster.down(index):
             cluster.start_node(index)
     cluster.wait(lambda: set(cluster.states().values()) == {"idle"}, 60, "every node idle")
     return cluster
@@ -118,7 +118,7 @@ def test_a_failed_node_costs_only_its_group_then_a_job_on_the_repaired_node_join
     slurm.wait(stalled(dump, 1), RUN_S, "replica 1's stall")
     slurm.fail(1)
     # until Slurm marks it down, node 1 stays in the first job's allocation: the repair comes after that
-    slurm.wait(lambda: slurm.states().get("node1", "").startswith("down"), 60, "node1 down")
+    slurm.wait(lambda: slurm.down(1), 60, "node1 down")
     slurm.start_node(1)
     slurm.wait(lambda: slurm.states().get("node1") == "idle", 60, "node1 idle again")
     joining = submit(
@@ -169,7 +169,7 @@ def test_the_coordinators_node_lost_requeues_the_job_and_it_resumes_from_the_che
     first = Run(1, "", events(dump))  # a new run's launchers start the event files again
     slurm.fail(0)
     slurm.wait_job(job_id, ("PENDING",), 120)  # by node 1's node.sh, once Slurm finds node 0 not responding
-    slurm.wait(lambda: slurm.states().get("node0", "").startswith("down"), 60, "node0 down")
+    slurm.wait(lambda: slurm.down(0), 60, "node0 down")
     slurm.start_node(0)
     slurm.wait(lambda: slurm.states().get("node0") == "idle", 60, "node0 idle again")
     slurm.client(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])  # Slurm holds a requeued job 120 s
@@ -195,7 +195,7 @@ def test_a_node_cut_off_costs_only_its_group_and_slurm_ends_its_tasks_when_it_is
     job_id = submit(slurm, dump, "sleep replica=1 step=3 phase=forward seconds=30")
     slurm.wait(stalled(dump, 1), RUN_S, "replica 1's stall")
     with slurm.cut_off(1):
-        slurm.wait(lambda: slurm.states().get("node1", "").startswith("down"), 60, "node1 down")
+        slurm.wait(lambda: slurm.down(1), 60, "node1 down")
     fields, run = finished(slurm, job_id, dump)
     print(fields["JobState"], fields["ExitCode"], fields["NodeList"])
     ended = (fields["JobState"], fields["ExitCode"], fields["Restarts"], fields["NodeList"])

@@ -254,6 +254,10 @@ class SlurmCluster:
         out = self.client(["sinfo", "-h", "-N", "-o", "%N %t"], check=False).stdout
         return dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
 
+    def down(self, index: int) -> bool:
+        """Whether Slurm has marked node ``index`` down (``down``, or ``down*``: down and not responding)."""
+        return self.states().get(self.names[index], "").startswith("down")
+
     @contextlib.contextmanager
     def etcd(self, root: Path) -> Iterator[LocalEtcd]:
         """An etcd cluster of three members (``CONTROL_STORE``) on the controller's host, as on a cluster whose
