@@ -1,9 +1,9 @@
 """Network faults on a cluster of network namespaces (issue 28): the job's partition cases
-(``titan_recover.tools.partitions``, which the tests run too), each checked against the failure-free
+(``titan_recover.tools.clusters.partitions``, which the tests run too), each checked against the failure-free
 run on the same cluster, and the step time that latency and loss between nodes cost, side by side with
 no shaping.
 
-Two nodes (``titan_recover.tools.netns``, addresses 198.18.0.1-2), replica group i (FSDP 2, the
+Two nodes (``titan_recover.tools.clusters.netns``, addresses 198.18.0.1-2), replica group i (FSDP 2, the
 tiny llama3, fp32, 6 steps) on node i, the coordinator's TCPStore on node 0 bound to its address.
 Cases: ``cut_off`` (node 1 unplugged for 8 s after step 2), ``coordinator_cut_off`` (node 0 unplugged
 for good), ``paused`` (node 1 SIGSTOPped for 20 s), ``replaced`` (node 1's processes SIGKILLed, the
@@ -31,9 +31,9 @@ from pathlib import Path
 
 from bench.common import step_gaps, write_result
 from titan_recover.compare import compare_runs
-from titan_recover.tools import netns
-from titan_recover.tools.netns import Cluster
-from titan_recover.tools.partitions import (
+from titan_recover.tools.clusters import netns
+from titan_recover.tools.clusters.netns import Cluster
+from titan_recover.tools.clusters.partitions import (
     CASES,
     ETCD_NODES,
     MICROBATCHES,

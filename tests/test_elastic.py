@@ -19,7 +19,7 @@ from titan_recover.control.keys import EXIT_LEFT, EXIT_STOPPED
 from titan_recover.control.protocol import Drain, Launcher, MessageError
 from titan_recover.drain import DrainError, on_node, parse_ids, plan
 from titan_recover.titan.jobs import job
-from titan_recover.tools.partitions import wait_until
+from titan_recover.tools.clusters.partitions import wait_until
 
 LAST = 10  # SINGLES' steps
 # replica 1 holds step 4 (inside its backward) long enough for the notice to arrive while it is in the step

@@ -1,4 +1,4 @@
-"""The namespace cluster itself (titan_recover.tools.netns): real addresses, and each fault doing
+"""The namespace cluster itself (titan_recover.tools.clusters.netns): real addresses, and each fault doing
 what it says to real packets, checked with TCP connects and UDP datagrams between its nodes."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from titan_recover.tools import netns
-from titan_recover.tools.netns import Cluster, Node
+from titan_recover.tools.clusters import netns
+from titan_recover.tools.clusters.netns import Cluster, Node
 
 REASON = netns.unavailable()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no namespace cluster here: {REASON}")

@@ -20,7 +20,7 @@ from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Launcher, NodeMessage, Rendezvous
 from titan_recover.control.sealed import SealedStore
 from titan_recover.titan.jobs import job
-from titan_recover.tools.partitions import wait_until
+from titan_recover.tools.clusters.partitions import wait_until
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
-"""The job on a cluster of network namespaces (titan_recover.tools.netns): each node's launcher in a
+"""The job on a cluster of network namespaces (titan_recover.tools.clusters.netns): each node's launcher in a
 namespace of its own with a real address, the coordinator bound to its node's address, and faults
-of the network rather than of processes. The scenarios are titan_recover.tools.partitions's
+of the network rather than of processes. The scenarios are titan_recover.tools.clusters.partitions's
 (bench.partitions measures them); here each is asserted on, against the failure-free run on one host.
 The etcd cases are in test_partitions_etcd.py (a file per worker's share: pytest-xdist hands out whole files)."""
 
@@ -13,9 +13,9 @@ import pytest
 from conftest import SINGLES, Run, assert_all_rejoined, assert_same_trajectory
 from test_netns import needs_netns
 
-from titan_recover.tools import partitions
-from titan_recover.tools.netns import Cluster
-from titan_recover.tools.partitions import PORT, Outcome
+from titan_recover.tools.clusters import partitions
+from titan_recover.tools.clusters.netns import Cluster
+from titan_recover.tools.clusters.partitions import PORT, Outcome
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from test_partitions import rejoined
 
 from titan_recover.config import Recover
 from titan_recover.control.etcd_store import REQUEST_S
-from titan_recover.tools import partitions
-from titan_recover.tools.netns import Cluster
+from titan_recover.tools.clusters import partitions
+from titan_recover.tools.clusters.netns import Cluster
 
 LEASE_S = Recover.leader_lease_s  # the coordinator leader's lease on etcd (the scenarios keep the default)
 

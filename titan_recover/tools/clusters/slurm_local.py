@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from titan_recover.tools import netns
+from titan_recover.tools.clusters import netns
 from titan_recover.tools.etcd_local import LocalEtcd
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Network faults on a cluster of network namespaces (``tools.netns``), as scenarios both the tests
+"""Network faults on a cluster of network namespaces (``tools.clusters.netns``), as scenarios both the tests
 (``tests/test_partitions.py``, ``tests/test_partitions_etcd.py``) and the benchmark (``bench.partitions``,
 which measures them) run.
 
@@ -29,10 +29,10 @@ from typing import Any, Protocol
 from titan_recover.control import keys
 from titan_recover.observability.events import NODE_ENV, event_files, of_kind
 from titan_recover.titan.jobs import job
+from titan_recover.tools.clusters.netns import Cluster, Node
 from titan_recover.tools.etcd_local import LocalEtcd
-from titan_recover.tools.netns import Cluster, Node
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout the launchers run in
+ROOT = Path(__file__).resolve().parents[3]  # the checkout the launchers run in
 
 PORT = 29510  # every node has its own port space: a fixed port, as on a real cluster
 ETCD_NODES = 3  # on etcd: a member on each node, launchers on the first two

@@ -6,7 +6,7 @@ dials it with a socket mark the redirect skips, and forwards both ways, each chu
 after it arrived, in order. A connection made from this node thus sees ``delay_ms`` more each way.
 It serves for ``--seconds`` at most, then exits by itself.
 
-    python -m titan_recover.tools.delay_relay --port P --delay-ms 50 --seconds 600
+    python -m titan_recover.tools.clusters.delay_relay --port P --delay-ms 50 --seconds 600
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from titan_recover.node.procs import pid_alive
-from titan_recover.tools import delay_relay
+from titan_recover.tools.clusters import delay_relay
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +305,7 @@ class Cluster:
                     [
                         sys.executable,
                         "-m",
-                        "titan_recover.tools.delay_relay",
+                        "titan_recover.tools.clusters.delay_relay",
                         "--port",
                         str(RELAY_PORT),
                         "--delay-ms",
