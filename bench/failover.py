@@ -18,7 +18,7 @@ M = 8 microbatches per step:
   ``control_store`` etcd against the embedded TCPStore, runs alternated, ratio of median steps.
 - Store load on the same failure-free runs: etcd requests/s (the members' own gRPC request
   counters, summed), and the latency of a probe client's read (``check``) and write (``add``)
-  against each backend every 0.2 s while the run trains.
+  against each store every 0.2 s while the run trains.
 
     .venv/bin/python -m bench.failover [--replicas 2 4] [--repeats 2] [--ff-pairs 2]  -> bench/results/failover.json
 """
@@ -299,7 +299,7 @@ def failure_free(cluster: LocalEtcd | None) -> dict:
         del os.environ[keys.SECRET_ENV], os.environ[keys.RUN_ENV]
     steps = of_kind(events, "step")
     result: dict[str, Any] = {
-        "backend": "etcd" if cluster else "tcpstore",
+        "store": "etcd" if cluster else "tcpstore",
         "step_s": statistics.median(step_gaps(steps).values()),
         # the first member's rank 0: its vote to the decision, each step
         "commit_round_s": statistics.median(e["commit_round_s"] for e in steps),
@@ -330,10 +330,10 @@ def main() -> None:
     try:
         ff = []
         for _ in range(args.ff_pairs):
-            for backend in (None, cluster):
-                ff.append(failure_free(backend))
+            for etcd in (None, cluster):
+                ff.append(failure_free(etcd))
                 print(
-                    f"failure-free on {ff[-1]['backend']}: step {ff[-1]['step_s']:.3f}s, "
+                    f"failure-free on {ff[-1]['store']}: step {ff[-1]['step_s']:.3f}s, "
                     f"commit round {1000 * ff[-1]['commit_round_s']:.1f} ms",
                     flush=True,
                 )
@@ -413,10 +413,10 @@ STEP_KEYS = (
 
 
 def step_keys(ff: list[dict]) -> dict[str, Any]:
-    """The failure-free pairs' keys of failover.json: step times and commit rounds by backend, etcd's load."""
+    """The failure-free pairs' keys of failover.json: step times and commit rounds by control store, etcd's load."""
 
-    def median(key: str, backend: str) -> float:
-        return statistics.median(x[key] for x in ff if x["backend"] == backend)
+    def median(key: str, store: str) -> float:
+        return statistics.median(x[key] for x in ff if x["store"] == store)
 
     return {
         "etcd_step_time_ratio": median("step_s", "etcd") / median("step_s", "tcpstore"),
@@ -424,7 +424,7 @@ def step_keys(ff: list[dict]) -> dict[str, Any]:
         "step_s": {b: median("step_s", b) for b in ("etcd", "tcpstore")},
         "failure_free": ff,
         "etcd_requests_per_s": statistics.median(
-            sum(x["etcd_requests_per_s"].values()) for x in ff if x["backend"] == "etcd"
+            sum(x["etcd_requests_per_s"].values()) for x in ff if x["store"] == "etcd"
         ),
         "etcd_cpu_cores": median("etcd_cpu_cores", "etcd"),
         "tcpstore_requests_per_s": None,  # TCPStore counts no requests; the probe's latency is measured for both

@@ -19,7 +19,7 @@ from titan_recover.config import ConfigError, Recover, num_microbatches
 from titan_recover.control import keys
 from titan_recover.control.addresses import parse_etcd_url, parse_host_port
 from titan_recover.data.synthetic import TOKENIZER_DIR
-from titan_recover.launch.backends import check_coordinator
+from titan_recover.launch.stores import check_coordinator
 from titan_recover.titan.jobs import job
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The etcd backend over a long run: the same ``compare_set`` as TCPStore (released claims can be
+"""The etcd control store over a long run: the same ``compare_set`` as TCPStore (released claims can be
 claimed again), exact counters when one store object is shared by threads, and bounded state:
 per-client markers that go with their client, one client per thread and address, and a history
 that the run's leader compacts itself (a real cluster has no auto-compaction unless told)."""
@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 from etcd3gw.exceptions import ConnectionFailedError
-from test_etcd_store import client, cluster, raw  # noqa: F401  # the fixtures: both backends, one etcd cluster
+from test_etcd_store import client, cluster, raw  # noqa: F401  # the fixtures: both stores, one etcd cluster
 
 from titan_recover.control import claims, etcd_store, keys, leader, transport
 from titan_recover.control.client import ControlClient

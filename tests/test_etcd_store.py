@@ -45,7 +45,7 @@ def raw(c: LocalEtcd, timeout_s: float = 5.0) -> EtcdStore:
 
 @pytest.fixture(params=["tcp", "etcd"])
 def client(request: pytest.FixtureRequest, cluster: LocalEtcd) -> Iterator[SealedStore]:
-    """A run's client on either backend: the same calls must answer the same."""
+    """A run's client on either control store: the same calls must answer the same."""
     if request.param == "tcp":
         port = transport.free_port()
         server = transport.serve(port, 5)
@@ -57,7 +57,7 @@ def client(request: pytest.FixtureRequest, cluster: LocalEtcd) -> Iterator[Seale
         yield transport.connect(cluster.url, timeout_s=5, run=run)
 
 
-def test_both_backends_answer_the_store_calls_alike(client: SealedStore) -> None:
+def test_both_stores_answer_the_store_calls_alike(client: SealedStore) -> None:
     client.set("a", "1")
     assert client.get("a") == b"1" and client.check(["a"]) and not client.check(["a", "nope"])
     assert [client.add("n", 2), client.add("n", 3), client.add("n", 0)] == [2, 5, 5]
@@ -74,7 +74,7 @@ def test_both_backends_answer_the_store_calls_alike(client: SealedStore) -> None
     assert time.monotonic() - started < 5
 
 
-def test_both_backends_read_many_keys_and_forget_votes_alike(client: SealedStore) -> None:
+def test_both_stores_read_many_keys_and_forget_votes_alike(client: SealedStore) -> None:
     client.set("a", "1")
     client.set("b", "2")
     assert client.multi_read(["a", "nope", "b"]) == [b"1", None, b"2"]
@@ -398,9 +398,9 @@ def test_the_package_runs_without_the_etcd_client_until_a_run_names_etcd() -> No
         "import sys; sys.modules['etcd3gw'] = None\n"  # as if it were not installed
         "import titan_recover.launch.launcher, titan_recover.coordinator.shell, "
         "titan_recover.rank.manager, titan_recover.node.agent\n"
-        "from titan_recover import config\nfrom titan_recover.launch import backends\n"
+        "from titan_recover import config\nfrom titan_recover.launch import stores\n"
         "try:\n"
-        "    backends.check_control_store('etcd://a:1,b:2,c:3')\n"
+        "    stores.check_control_store('etcd://a:1,b:2,c:3')\n"
         "except config.ConfigError as e:\n"
         "    print(e)\n"
     )

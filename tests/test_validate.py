@@ -11,8 +11,8 @@ from titan_recover.control import keys
 from titan_recover.data.addressing import check_tokenizer_folder
 from titan_recover.data.synthetic import TOKENIZER_DIR
 from titan_recover.data.tokens import DataError
-from titan_recover.launch.backends import check_coordinator
 from titan_recover.launch.launcher import parse_any, parse_group_node, parse_replicas
+from titan_recover.launch.stores import check_coordinator
 
 
 @pytest.mark.unit

@@ -1,4 +1,4 @@
-"""The etcd backend of the control store: the run's state on a Raft-replicated store.
+"""The etcd control store: the run's state on a Raft-replicated store.
 
 ``[recover] control_store = "etcd://h1:2379,h2:2379,h3:2379"``. ``EtcdStore`` is a
 ``torch.distributed.Store`` written in Python over etcd's JSON gateway (etcd3gw: base64

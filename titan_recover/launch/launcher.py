@@ -34,7 +34,7 @@ from titan_recover.control.protocol import Launcher
 from titan_recover.control.sealed import Run
 from titan_recover.data.tokens import DataError
 from titan_recover.launch import preflight
-from titan_recover.launch.backends import Backend, backend_of
+from titan_recover.launch.stores import ControlStore, store_of
 from titan_recover.launch.torchruns import Span, Torchruns, torchrun, with_threads
 from titan_recover.node import devices, warm
 from titan_recover.node.agent import NodeAgent
@@ -168,7 +168,7 @@ def choose_secret(env: dict[str, str], only_this_node: bool) -> str:
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 
 
-def choose_run_id(env: dict[str, str], first: bool, backend: Backend) -> str | None:
+def choose_run_id(env: dict[str, str], first: bool, store: ControlStore) -> str | None:
     """The run's id: the user's (or the scheduler's) ``$TITAN_RECOVER_RUN_ID``; else a fresh one
     when this launcher starts the coordinator's store, or None for a launcher that joins one (it
     asks the coordinator: ``transport.find_run``). On etcd the id is what tells a relaunched node
@@ -181,7 +181,7 @@ def choose_run_id(env: dict[str, str], first: bool, backend: Backend) -> str | N
                 "(e.g. the scheduler's job id)"
             )
         return given
-    return backend.new_run_id(first)
+    return store.new_run_id(first)
 
 
 def run_stock(job_config: Any, argv: list[str]) -> int:
@@ -226,7 +226,7 @@ class NodeLauncher:
                 f"{keys.REPLICAS_ENV}=any is for a node that joins a running run (set {keys.COORDINATOR_ENV}), "
                 "its groups on this node alone (recover.group_nodes = 1): name the ids otherwise"
             )
-        self.backend = backend_of(rc)
+        self.store = store_of(rc)
         self.replicas = config.replica_ids(job_config)
         self.ranks = config.group_ranks(par) // rc.group_nodes  # of each group, on this node
         # the run is this launcher's alone: it starts the coordinator and every replica group, whole
@@ -241,7 +241,7 @@ class NodeLauncher:
         checked = run_preflight(job_config, self.plan.backend, self.env)
         self.argv = with_flags(argv, {"--recover.replicate_backend": self.plan.backend, **checked.flags})
         self.env[keys.SECRET_ENV] = choose_secret(self.env, self.only_this_node)
-        run_id = choose_run_id(self.env, self.first, self.backend)
+        run_id = choose_run_id(self.env, self.first, self.store)
         self.run = None if run_id is None else self.name_run(run_id)
         self.address = address
         self.coordinator: subprocess.Popen | None = None
@@ -264,8 +264,8 @@ class NodeLauncher:
 
     def start_coordinator(self) -> None:
         """Names the run and starts the coordinator (first launcher) or a candidate (beside every
-        launcher on etcd), as the control store's backend decides."""
-        self.backend.start(self)
+        launcher on etcd), as the control store decides."""
+        self.store.start(self)
         if self.wanted:
             self.local = self.claim_free()
 
@@ -291,7 +291,7 @@ class NodeLauncher:
     def message_of(self, client: ControlClient) -> Callable[[Launcher], bytes]:
         """How a claimant reads another launcher's node message: from the store, or on etcd the leader's board."""
         assert self.run is not None
-        reader = self.backend.board(self.run)
+        reader = self.store.board(self.run)
         return client.node_message_raw if reader is None else lambda o: reader.read(client.store, o.key)
 
     def start_coordinator_here(self) -> None:
@@ -382,7 +382,7 @@ class NodeLauncher:
     def stops_run(self) -> bool:
         """Whether a notice to this node stops the whole run in order: it runs the coordinator, and on a
         TCPStore the run's store goes with it."""
-        return self.coordinator is not None and self.backend.notice_stops_run
+        return self.coordinator is not None and self.store.notice_stops_run
 
     def notice_env(self) -> dict[str, str]:
         """The ranks' environment for a notice: where it stops the run, a rank's own SIGTERM (Slurm's, to every
@@ -424,7 +424,7 @@ class NodeLauncher:
         except transport.CoordinatorGone as e:
             self.on_lost(str(e))
             return None
-        board = self.backend.board(run)
+        board = self.store.board(run)
         if board is None:
             client.register(self.me, self.agent.message())
         else:
@@ -464,12 +464,12 @@ class NodeLauncher:
             if coordinator is not None and coordinator.poll() is not None:
                 if self._run_ended():
                     return
-                if self.backend.lost_by(coordinator):
+                if self.store.lost_by(coordinator):
                     self.on_lost(self._exit_reason(coordinator))
                     return
                 if self.noticed is None:
                     log.info(
-                        f"{self.backend.coordinator} exited with code {coordinator.returncode} before the run ended; "
+                        f"{self.store.coordinator} exited with code {coordinator.returncode} before the run ended; "
                         "starting another (the leader's lease passes to a live candidate)"
                     )
                     self.start_candidate()
@@ -544,7 +544,7 @@ class NodeLauncher:
             bound = self.rc.coordinator_timeout_s
             if not stop_within(coordinator, bound):
                 log.warning(
-                    f"the {self.backend.coordinator} (pid {coordinator.pid}) was still running "
+                    f"the {self.store.coordinator} (pid {coordinator.pid}) was still running "
                     f"{bound:g}s after the run ended: stopped"
                 )
             if not self._run_ended():
@@ -586,14 +586,12 @@ class NodeLauncher:
             return
         coordinator = self.coordinator
         # one whose port closed is exiting, and its exit code says more; a frozen one would never answer again
-        exiting = coordinator is not None and self.backend.exiting(str(self.address))
+        exiting = coordinator is not None and self.store.exiting(str(self.address))
         exited = coordinator is not None and stop_within(coordinator, EXITING_S if exiting else 0.0)
         if self._run_ended():
             return  # the coordinator ended the run (done or fatal) and closed its store: not lost
         self.groups.kill()
-        if (
-            exited and coordinator is not None and self.backend.lost_by(coordinator)
-        ):  # a candidate's end is not the run's
+        if exited and coordinator is not None and self.store.lost_by(coordinator):  # a candidate's end is not the run's
             reason = self._exit_reason(coordinator)
         exit_lost("launcher", reason, config.resume_hint(self.job_config, titan.dump_folder(self.job_config)))
 
@@ -611,11 +609,11 @@ class NodeLauncher:
         TCPStore, a coordinator that exited 0 (only done does that). On etcd a candidate's exit code
         says nothing about the run, and exit 1 may be a traceback: neither counts."""
         coordinator = self.coordinator
-        return bool(self.agent.flags) or self.backend.ended_by(coordinator)
+        return bool(self.agent.flags) or self.store.ended_by(coordinator)
 
     def _coordinator_gone(self) -> str | None:
         coordinator = self.coordinator
-        if coordinator is None or not self.backend.lost_by(coordinator):  # a candidate's end is not the run's
+        if coordinator is None or not self.store.lost_by(coordinator):  # a candidate's end is not the run's
             return None
         return self._exit_reason(coordinator)
 
@@ -662,7 +660,7 @@ def main(argv: list[str]) -> int:
     try:
         job_config = titan.load_config(argv)
         titan.check_model(job_config)
-        backend = backend_of(job_config.recover)
+        store = store_of(job_config.recover)
         if job_config.recover.enable:  # the node's environment, checked before the data and any process
             wanted = parse_any(os.environ.get(keys.REPLICAS_ENV), config.replica_ids(job_config))
             local = wanted or parse_replicas(
@@ -670,7 +668,7 @@ def main(argv: list[str]) -> int:
             )
             part = parse_group_node(os.environ.get(keys.GROUP_NODE_ENV), job_config.recover.group_nodes)
             address = os.environ.get(keys.COORDINATOR_ENV)
-            said = backend.check(job_config.recover, address)
+            said = store.check(job_config.recover, address)
             if said:
                 log.info(said)
     except config.ConfigError as e:
@@ -692,7 +690,7 @@ def main(argv: list[str]) -> int:
     argv = cpu_argv
     path = events_path(titan.dump_folder(job_config))
     first = address is None  # this launcher starts the run and its coordinator; other nodes' launchers join it
-    if backend.begins_new_run(first):
+    if store.begins_new_run(first):
         remove_events(titan.dump_folder(job_config))
     start = time.time()
     try:

@@ -9,8 +9,8 @@
   (a replaced pod, the same command again), joins it. A candidate's exit says nothing about the run: it
   is started again.
 
-``NodeLauncher`` asks its backend (``backend_of``) at each of these points instead of branching on the
-store; ``check`` runs before anything starts.
+``NodeLauncher`` asks its control store (``store_of``) at each of these points instead of branching on
+which one it is; ``check`` runs before anything starts.
 """
 
 import logging
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class NodeLauncher(Protocol):
-    """The node launcher's side of a backend's start (``launch.launcher.NodeLauncher``)."""
+    """The node launcher's side of a control store's start (``launch.launcher.NodeLauncher``)."""
 
     address: str | None
     env: dict[str, str]
@@ -47,7 +47,9 @@ class NodeLauncher(Protocol):
     def start_candidate(self) -> None: ...
 
 
-class Backend(Protocol):
+class ControlStore(Protocol):
+    """What the control store decides for a node's launcher: ``TcpStore`` or ``Etcd``."""
+
     coordinator: str  # what this launcher's coordinator process is called in its lines
     notice_stops_run: bool  # a notice to the node running the coordinator stops the whole run in order
 
@@ -195,7 +197,7 @@ class Etcd:
         return False  # the lease passes on; the lifeline judges the leader
 
 
-def backend_of(rc: config.Recover) -> Backend:
+def store_of(rc: config.Recover) -> ControlStore:
     return Etcd(rc.control_store) if rc.control_store else TcpStore()
 
 
