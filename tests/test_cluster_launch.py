@@ -18,6 +18,7 @@ from conftest import ROOT
 
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 NODE_SH = ROOT / "scripts" / "node.sh"
+NODE_SLURM_SH = ROOT / "scripts" / "slurm" / "node_slurm.sh"  # node.sh sources it under Slurm
 MANIFEST = ROOT / "scripts" / "k8s" / "train-indexed-job.yaml"
 CFG = "train_configs/llama3_debug_cpu.toml"
 SCRIPTS_TOML = "the Slurm and Kubernetes scripts take the job as CONFIG_FILE, a TOML"
@@ -122,7 +123,7 @@ def check_layout(
 
 
 def test_the_scripts_parse() -> None:
-    for script in (SBATCH, NODE_SH):
+    for script in (SBATCH, NODE_SH, NODE_SLURM_SH):
         subprocess.run(["bash", "-n", str(script)], check=True)
 
 
@@ -304,10 +305,11 @@ def test_node_sh_runs_run_train_sh_with_that_environment(tmp_path: Path) -> None
 def test_on_etcd_the_first_node_left_ends_a_job_whose_batch_host_is_lost(
     tmp_path: Path, node: str, batch_host_state: str, job_nodes: str, ends: bool
 ) -> None:
-    """node.sh's decision once its launcher has ended, from what Slurm's commands (stand-ins here) say: the
-    real path runs in tests/test_slurm.py."""
-    (tmp_path / "scripts").mkdir()
+    """node.sh's decision under Slurm (``scripts/slurm/node_slurm.sh``) once its launcher has ended, from what
+    Slurm's commands (stand-ins here) say: the real path runs in tests/test_slurm.py."""
+    (tmp_path / "scripts" / "slurm").mkdir(parents=True)
     shutil.copy(NODE_SH, tmp_path / "scripts" / "node.sh")
+    shutil.copy(NODE_SLURM_SH, tmp_path / "scripts" / "slurm" / "node_slurm.sh")
     (tmp_path / "c.toml").write_text("")
     fake = tmp_path / "bin"
     fake.mkdir()
