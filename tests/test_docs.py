@@ -87,3 +87,38 @@ def test_relative_links_point_at_files_that_exist(path: Path) -> None:
 def test_each_page_starts_with_a_title() -> None:
     untitled = [p.name for p in pages() if not p.read_text().startswith("# ")]
     assert untitled == [], f"docs pages that do not start with a '# Title' line: {untitled}"
+
+
+ARCHITECTURE = DOCS / "architecture.md"
+PACKAGE = ROOT / "titan_recover"
+SUBPACKAGE_HEADING = re.compile(r"^### `([\w/]+)/`")
+MODULE_NAME = re.compile(r"`([\w/]+\.py)`")
+
+
+def architecture_modules() -> set[Path]:
+    """Each ``.py`` file architecture.md names: under a ``### `sub/``` heading a bare or relative name is
+    that subpackage's (or, failing that, the package's top level: ``recipes.py`` beside the rank's entry
+    point), elsewhere the package's; a name that starts with a folder of the repository is the repository's."""
+    named: set[Path] = set()
+    here = PACKAGE
+    for line in ARCHITECTURE.read_text().splitlines():
+        if line.startswith("#"):
+            heading = SUBPACKAGE_HEADING.match(line)
+            here = PACKAGE / heading.group(1) if heading else PACKAGE
+        for name in MODULE_NAME.findall(line):
+            if "/" in name and (ROOT / name.split("/")[0]).is_dir():
+                named.add(ROOT / name)
+            else:
+                named.add(next((p for p in (here / name, PACKAGE / name) if p.exists()), here / name))
+    return named
+
+
+def test_the_architecture_page_names_every_module() -> None:
+    modules = {p for p in PACKAGE.rglob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    missing = sorted(p.relative_to(ROOT).as_posix() for p in modules - architecture_modules())
+    assert missing == [], f"modules docs/architecture.md does not list (add each to its subpackage's table): {missing}"
+
+
+def test_every_module_the_architecture_page_names_exists() -> None:
+    gone = sorted(p.relative_to(ROOT).as_posix() for p in architecture_modules() if not p.exists())
+    assert gone == [], f"docs/architecture.md names files that do not exist: {gone}"
