@@ -1,6 +1,6 @@
 """TorchTitan's Trainer plus what both modes log, so their trajectories can be compared.
 
-Stock HSDP (``stock.StockTrainer``) and titan_recover (``train.RecoverTrainer``) each log
+Stock HSDP (``stock.StockTrainer``) and titan_recover (``recover.RecoverTrainer``) each log
 one ``step`` event per committed step with the same fields (microbatch ids, data digest,
 loss, ...), fire the fault plan's faults at the same points and end with a ``rank_memory``
 event. ``group_rank`` is a rank's index inside its replica group, ``replica`` the group.

@@ -1,0 +1,558 @@
+"""titan_recover's trainer (``[recover] enable = true``): TorchTitan's Trainer with a fault-tolerant
+replicate dimension.
+
+Each torchrun job is one replica group (a TorchTitan world of dp_shard x tp x pp ranks; rank k of
+every group holds the same coordinate, its ``group_rank``, and the replicate all-reduce joins those)
+and ``train_step`` reads like TorchTitan's, with the protocol behind a ``manager.ReplicaManager``:
+
+    epoch = manager.start_step(step) -> hand state to rejoiners -> assignment
+    -> compute owned microbatches -> manager.allreduce -> manager.should_commit -> optimizer step
+
+re-entering the loop in a new epoch when membership changes mid-step. With ``[recover] exact``
+each microbatch's gradient goes onto a fixed-point sum (``exact.ExactSum``) right after its
+backward, and a grid overflow redoes the step in the same epoch on the coarser grid all agreed on. A group the
+launcher restarted (or a hot spare) first waits for the coordinator to admit it, then
+receives parameters, optimizer, scheduler and step from a live peer (no checkpoint read).
+With ``enable = false`` the rank runs ``stock.StockTrainer``, stock TorchTitan HSDP; both
+modes log the same per-step events so their trajectories can be compared.
+"""
+
+import hashlib
+import logging
+import os
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from titan_recover import titan
+from titan_recover.config import is_spare, replica_ids, resume_hint, validate
+from titan_recover.control import keys, transport
+from titan_recover.control.addresses import route_address
+from titan_recover.control.client import COMMIT, REDO
+from titan_recover.control.protocol import MessageError, TransferRecord
+from titan_recover.control.sealed import Run
+from titan_recover.data import addressing
+from titan_recover.node import procs
+from titan_recover.observability import logs, resources
+from titan_recover.policy import membership, steps, workload
+from titan_recover.policy.fault_plan import Fault
+from titan_recover.policy.membership import Membership, diverged
+from titan_recover.rank import balancing, exact, transfer
+from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
+from titan_recover.rank.manager import ReplicaFenced, ReplicaLeaving, ReplicaManager, RunDone, RunStopping
+from titan_recover.rank.trainer import BaseTrainer
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaDiverged(RuntimeError):
+    """This replica's parameters differ from the others': it reported itself and restarts."""
+
+
+class RecoverTrainer(BaseTrainer):
+    """TorchTitan's Trainer for one replica group; the replicate dimension is titan_recover's.
+
+    State transfer to a rejoiner stays here: what the state is (model parts, optimizers,
+    schedulers, step counters, measured speeds) and where the plan's join/donate faults
+    fire are the trainer's; the manager supplies the protocol around it (the two-rank
+    group that aborts when the epoch moves, the reports, the transfer record).
+    """
+
+    def __init__(self, job_config: titan.JobConfig) -> None:
+        rc = validate(job_config)
+        if rc.exact:
+            exact.pin_kernels()
+        replica, group_rank = int(os.environ[keys.REPLICA_ENV]), int(os.environ["RANK"])
+        self.log = logs.for_rank(log, replica, group_rank)  # its lines begin with replica and rank
+        # each group is a torchrun world of its own: rank k of every group would write the same profiler
+        # and flight-recorder (NCCL timeout) trace files
+        for section in (titan.profiler(job_config), job_config.comm):
+            section.save_traces_folder = os.path.join(section.save_traces_folder, f"replica{replica}")
+        # a restarted group, or a hot spare, holds no state until a peer sends it
+        rejoining = keys.attempt() > 0 or is_spare(replica, job_config)
+        self.manager = ReplicaManager.connect(  # before TorchTitan builds the model: its lifeline beats meanwhile
+            rc,
+            replica=replica,
+            group_rank=group_rank,
+            attempt=keys.attempt(),
+            rejoining=rejoining,
+            resume_hint=resume_hint(job_config, titan.dump_folder(job_config)),
+        )
+        # SIGTERM to every process of the node: leave, do not die; where the coordinator runs, it stops the whole
+        # run at one step boundary instead, which this group's own leave would forestall
+        procs.on_notice((lambda: None) if os.environ.get(keys.NOTICE_STOPS_RUN_ENV) else self.manager.notice)
+        metrics = job_config.metrics
+        wanted = metrics.enable_tensorboard, metrics.enable_wandb
+        metrics.enable_tensorboard = metrics.enable_wandb = False  # TorchTitan's own write to a folder per start time
+        try:
+            super().__init__(job_config, rc, replica, group_rank)
+        finally:
+            metrics.enable_tensorboard, metrics.enable_wandb = wanted
+        self.logs_recovery = any(wanted)
+        if self.logs_recovery:  # one folder per group, every incarnation's in it: one TensorBoard run per group
+            name_wandb_run(replica)
+            folder = os.path.join(titan.dump_folder(job_config), metrics.save_tb_folder, f"replica{replica}")
+            self.metrics_processor.logger = titan.metric_logger(job_config, self.parallel_dims, folder)
+        self.replicate_groups = ReplicateProcessGroups(
+            self.manager.store,
+            replica,
+            group_rank,
+            rc.collective_timeout_s,
+            backend="nccl" if rc.replicate_backend == "nccl" else "gloo",
+            device=self.device,
+            host=route_address(transport.coordinator_address()),
+        )
+        self.manager.attach(self.replicate_groups, self.device, self.parallel_dims.world_size)
+        self.replica_slots = replica_ids(job_config)
+        self.expert_counts = titan.expert_counts(self)  # MoE load balancing's, summed with the gradients
+        self.exact: exact.ExactSum | None = None
+        if rc.exact:
+            self.exact = exact.ExactSum(sum(g.numel() for g in self._grads()), self.num_microbatches, self.device)
+            self.optimizers.zero_grad()  # the zeros _grads() made to count them
+        self.speeds = workload.Speeds()  # seconds per microbatch of each replica, from committed steps
+        self._synced_epoch = -1  # the last epoch in which this rank received the state
+        # DCP checkpoints stay a backstop: one replica group saves (the step's leader), and a
+        # rejoining group never loads one: its state comes from a live peer
+        self._leader = True
+        titan.guard_checkpointer(
+            self,
+            saves=lambda: self._leader,
+            loads=not self.manager.rejoining,
+            failed=lambda step, why: self.events.emit(
+                "checkpoint_failed", step=step, replica=replica, rank=group_rank, error=why
+            ),
+        )
+
+    def init_distributed(self) -> Any:
+        """This torchrun world is one replica group: TorchTitan sees dp_replicate = 1;
+        the replicate dimension is titan_recover's, across jobs.
+
+        TorchTitan's groups keep its settings (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``: a failed in-group
+        collective takes the process down, its group dies as one anyway); the replicate groups are built
+        with their own (``collectives.NCCL_GROUP_ENV``)."""
+        par = self.job_config.parallelism
+        replicas, par.data_parallel_replicate_degree = par.data_parallel_replicate_degree, 1
+        try:
+            return super().init_distributed()
+        finally:
+            par.data_parallel_replicate_degree = replicas
+
+    def _epoch_view(self) -> Callable[[], int]:
+        return self.manager.channel.epoch
+
+    def _on_fault(self, fault: Fault) -> None:
+        self.manager.report_fault(self._fault_record(fault))
+        super()._on_fault(fault)
+
+    # ---- rejoin: admission and state transfer -----------------------------------------
+
+    def should_continue_training(self) -> bool:
+        if self.manager.rejoining and self._synced_epoch < 0:
+            try:
+                self._join()
+            except RunDone:
+                self.log.info("the run finished before it could rejoin")
+                return False
+        return super().should_continue_training()
+
+    def _join(self) -> None:
+        """Waits for the coordinator to admit this group, then takes the state from a live peer."""
+        self.manager.wait_for_admission(self.step, self.job_config.parallelism.data_parallel_replicate_degree)
+        epoch = self.manager.agree_epoch()
+        while not self.manager.group_all(self._receive_state(epoch)):
+            epoch = self.manager.agree_epoch(newer_than=epoch)
+        self.step -= 1  # TorchTitan's loop adds one before the step we join in
+
+    def _receive_state(self, epoch: int) -> bool:
+        """Takes the state from this group rank's donor in ``epoch``; False if that broke."""
+        if self.replica not in self.manager.membership(epoch).members:
+            raise ReplicaFenced(f"replica {self.replica} was fenced out in epoch {epoch} while rejoining")
+        try:
+            with self.manager.transfer_group(epoch, self.replica, donor=False) as group:
+                start = time.perf_counter()
+                header, nbytes = transfer.receive(
+                    self.replicate_groups,
+                    group,
+                    self.model_parts,
+                    self.optimizers,
+                    abort=lambda: self.manager.epoch_moved(epoch),
+                    after_header=lambda h: self.injector.at(h.get("step"), "join"),
+                )
+        except CollectiveAborted as e:
+            self.manager.report_broken(
+                epoch, f"state transfer to replica {self.replica} rank {self.group_rank} broke", e
+            )
+            return False
+        elapsed = time.perf_counter() - start
+        step, base_epoch, tokens = (header.get(k) for k in ("step", "base_epoch", "ntokens_seen"))
+        if not (isinstance(step, int) and isinstance(base_epoch, int) and isinstance(tokens, int)):
+            raise MessageError(f"state transfer header has bad counters: step {step!r}, base_epoch {base_epoch!r}")
+        try:
+            speeds = workload.Speeds.from_json(header.get("speeds"))
+        except workload.WorkloadError as e:
+            raise MessageError(f"state transfer header: {e}") from e
+        if self.exact is not None:
+            bound = header.get("exact_bound")
+            if (
+                not isinstance(bound, int)
+                or isinstance(bound, bool)
+                or not exact.LOW_EXPONENT <= bound <= exact.HIGH_EXPONENT + exact.MARGIN_BITS
+            ):
+                raise MessageError(
+                    "state transfer header has no valid exact_bound (got "
+                    f"{bound!r}): is the donor running with recover.exact?"
+                )
+            self.exact.bound = bound
+        if self._synced_epoch >= 0 and step != self.step:
+            raise transfer.TransferError(f"donor is at step {step}, this rank at {self.step}")
+        transfer.restore(header, self.optimizers, self.lr_schedulers)
+        self.step, self.manager.base_epoch, self.ntokens_seen, self.speeds = step, base_epoch, tokens, speeds
+        self._synced_epoch = epoch
+        self.manager.record_transfer(TransferRecord(nbytes, elapsed, step, epoch))
+        self.log.info(f"received {nbytes / 2**20:.1f} MiB of state for step {step} in {elapsed:.3f}s (epoch {epoch})")
+        return True
+
+    def _send_state(self, epoch: int, joiner: int) -> bool:
+        """Hands this rank's state to the same group rank of ``joiner``; False if that broke."""
+        header = transfer.meta(
+            {
+                "step": self.step,
+                "base_epoch": self.manager.base_epoch,
+                "ntokens_seen": self.ntokens_seen,
+                "speeds": self.speeds.to_json(),  # the joiner derives the same quotas from here on
+                **({"exact_bound": self.exact.bound} if self.exact is not None else {}),
+            },
+            self.optimizers,
+            self.lr_schedulers,
+        )
+        try:
+            with self.manager.transfer_group(epoch, joiner, donor=True) as group:
+                nbytes = transfer.send(
+                    self.replicate_groups,
+                    group,
+                    header,
+                    self.model_parts,
+                    self.optimizers,
+                    abort=lambda: self.manager.epoch_moved(epoch),
+                    after_header=lambda: self.injector.at(self.step, "donate"),
+                )
+        except CollectiveAborted as e:
+            cause = f"state transfer from replica {self.replica} rank {self.group_rank} to replica {joiner} broke"
+            self.manager.report_broken(epoch, cause, e)
+            return False
+        self.log.info(f"sent {nbytes / 2**20:.1f} MiB of state to replica {joiner} (epoch {epoch})")
+        return True
+
+    def _sync_state(self, history: list[Membership]) -> bool:
+        """Before any work in an epoch: donors send, rejoiners receive the step's starting state.
+
+        Members (re)admitted during this step take part in its all-reduce with no
+        microbatches of their own, so they end the step with everyone's state.
+        Returns the same answer on every rank of this group; False: retry in a newer epoch.
+        """
+        joining = membership.joiners(history)
+        if not joining:
+            return True
+        current = history[-1]
+        ok = True
+        if self.replica in joining:
+            if current.epoch > self._synced_epoch:
+                ok = self._receive_state(current.epoch)
+        else:
+            for joiner in joining:
+                if membership.donor(current, joining, joiner) == self.replica:
+                    ok = self._send_state(current.epoch, joiner) and ok
+        return self.manager.group_all(ok)
+
+    # ---- the step -------------------------------------------------------------------
+
+    def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
+        """Assignment -> accumulate owned microbatches -> FT all-reduce -> agreement -> commit,
+        retried in the next epoch (keeping what was computed) until the step commits."""
+        epoch = self.manager.start_step(self.step)
+        self.optimizers.zero_grad()
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        tally = steps.new_tally(self.num_microbatches, self.replica_slots)
+        done: set[int] = set()
+        synced = -1  # the epoch this step's state was handed over in (a redo stays in it)
+        if self.exact is not None:
+            self.exact.reset()
+        try:
+            while True:
+                history = self.manager.history(epoch)
+                current = history[-1]
+                if current.epoch != synced:
+                    if not self._sync_state(history):
+                        epoch = self.manager.agree_epoch(newer_than=epoch)
+                        continue
+                    synced = current.epoch
+                owned = steps.step_assignment(self.rc.policy, history, self.num_microbatches, self.speeds.rates())[
+                    self.replica
+                ]
+                for m in owned:
+                    if m not in done:
+                        self._compute(m, tally, len(done), len(owned))
+                        done.add(m)
+                latest = self.manager.agree_epoch()
+                if latest != epoch:
+                    epoch = latest  # membership changed while computing: take on more work first
+                    continue
+                buffers = self._reduction_buffers(tally)
+                reduced = self.manager.allreduce(
+                    current,
+                    buffers,
+                    on_launched=lambda: self.injector.at(self.step, "allreduce"),
+                )
+                if reduced:
+                    coarser = self.exact.redo_bound(buffers[2]) if self.exact is not None else None
+                    decision = self.manager.should_commit(current, redo=coarser is not None)
+                    if decision == COMMIT:
+                        break
+                    if decision == REDO:
+                        assert coarser is not None  # every member read the same histogram
+                        self._redo(coarser)
+                        tally, done = steps.new_tally(self.num_microbatches, self.replica_slots), set()
+                        continue
+                epoch = self.manager.agree_epoch(newer_than=epoch)
+        except Exception as e:
+            self.manager.report_failure(epoch, e)
+            raise
+        self._commit(current, buffers, lr)
+
+    def _redo(self, bound: int) -> None:
+        """Every member read the same overflow of the exact grid: the step again, on the grid
+        that holds its largest gradient (below ``2**bound``)."""
+        assert self.exact is not None
+        if self.group_rank == 0:
+            self.events.emit(
+                "exact_redo", step=self.step, replica=self.replica, bound=self.exact.bound, new_bound=bound
+            )
+        self.log.info(
+            f"step {self.step}'s gradients reach 2**{bound}, past the "
+            f"exact grid's 2**{self.exact.bound}: every replica redoes the step on the coarser grid"
+        )
+        self.exact.bound = bound
+        self.exact.reset()
+        balancing.reset(self.expert_counts)
+
+    def _compute(self, microbatch: int, tally: torch.Tensor, index: int, count: int) -> None:
+        self.manager.tick(f"microbatch {microbatch} of step {self.step}")
+        start = time.perf_counter()
+        inputs, labels = self.dataloader.load(self.step, microbatch)
+        self.metrics_processor.data_loading_times.append(time.perf_counter() - start)
+        digest = addressing.piece_digest(inputs, labels) if self.reports_data else 0  # of the CPU copy
+        with self.injector.microbatch(self.model_parts[0], self.step, index, count):
+            input_dict, targets = titan.model_inputs(self, inputs.to(self.device), labels.to(self.device))
+            loss = self.forward_backward_step(
+                input_dict=input_dict, labels=targets, global_valid_tokens=self.valid_tokens
+            )
+        if self.exact is not None:  # this microbatch's gradient alone onto the fixed-point sum
+            grads = self._grads()
+            self.exact.add(grads, f"step {self.step} microbatch {microbatch}")
+            for part in self.model_parts:  # the next backward writes its gradient afresh: no zeroing, no adding
+                part.zero_grad(set_to_none=True)
+        tokens = int((labels != titan.IGNORE_INDEX).sum())
+        if self.reports_data:
+            steps.tally_microbatch(tally, microbatch, digest, tokens, loss.detach())
+        if (factor := self.injector.slow_factor(self.step)) > 1:  # a straggler, for tests and benches
+            time.sleep((factor - 1) * (time.perf_counter() - start))
+        if self.group_rank == 0:  # one rank per replica times it: every rank reads the same sum
+            steps.tally_time(tally, self.replica_slots, self.replica, time.perf_counter() - start)
+        titan.count_tokens(self, labels)
+
+    def _grads(self) -> list[torch.Tensor]:
+        """Each parameter's local gradient, laid out like the parameter. TP can leave a
+        gradient Partial or Replicate where its parameter is Replicate or Shard; it is
+        redistributed first, so every replica (and a rejoiner's zeros) flattens the same shapes."""
+        grads = []
+        for m in self.model_parts:
+            for p in m.parameters():
+                if p.requires_grad:
+                    if p.grad is None:  # a rejoiner owns no microbatch in the step it joins
+                        p.grad = torch.zeros_like(p)
+                    elif isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+                    grads.append(transfer.local(p.grad))
+        return grads
+
+    def _reduction_buffers(self, tally: torch.Tensor) -> list[torch.Tensor]:
+        """Fresh copies of the local gradients and of the group's summed tally (in exact mode, of the
+        fixed-point sum and its histogram, summed inside the group so every rank reads the same
+        overflow; last, the MoE layers' token counts where the optimizer balances experts): the replicate
+        all-reduce is out-of-place, so a broken one leaves the local state intact."""
+        group_tally = tally.to(self.device, copy=True)
+        extra = [] if self.exact is None else [self.exact.histogram.clone()]
+        if self.parallel_dims.world_size > 1:
+            for t in (group_tally, *extra):
+                dist.all_reduce(t)  # inside the group: sum over its ranks
+        flat = torch.cat([g.reshape(-1) for g in self._grads()]) if self.exact is None else self.exact.total.clone()
+        self.ft_buffer_bytes = flat.numel() * flat.element_size()  # the one extra gradient copy
+        counts = [balancing.gather(self.expert_counts)] if self.expert_counts else []
+        return [flat, group_tally, *extra, *counts]
+
+    def _optimizer_step(self) -> float:
+        grad_norm = titan.clip_grad_norm(self)
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        return grad_norm.item()
+
+    def _commit(self, current: Membership, buffers: list[torch.Tensor], lr: float) -> None:
+        flat, tally = buffers[:2]
+        summary = steps.summarize(tally, self.parallel_dims.dp_shard, int(self.global_tokens), self.replica_slots)
+        self.speeds = workload.update_speeds(
+            self.speeds,
+            summary.seconds_per_microbatch,
+            current.members,
+            self.num_microbatches,
+            self.rc.speed_smoothing,
+            self.rc.rebalance_threshold,
+        )
+        with torch.no_grad():
+            grads, offset = self._grads(), 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            if self.exact is not None:  # the grid points, as values
+                self.exact.scale(grads)
+                self.exact.committed(buffers[2])
+        if self.expert_counts:  # the optimizer's pre-hook moves the expert biases by every group's counts
+            balancing.scatter(self.expert_counts, buffers[-1])
+        self.injector.at(self.step, "optimizer", self.model_parts[0])
+        grad_norm = self._optimizer_step()
+        after_failure = self.manager.committed(current)
+        torn_down, reformed = self.replicate_groups.moments()  # this step's, if its epoch changed
+        self._leader = self.replica == current.members[0]
+        if self.group_rank == 0:
+            # every member offers the record, the first one counts
+            self.manager.publish_step(
+                self._step_record(summary, current.epoch, list(current.members), grad_norm, self.manager.commit_round_s)
+            )
+            if after_failure:  # leaks would show here, failure after failure
+                self.events.emit(
+                    "recovery_moments",
+                    replica=self.replica,
+                    epoch=current.epoch,
+                    step=self.step,
+                    torn_down=torn_down,
+                    reformed=reformed,
+                )
+                self.events.emit(
+                    "resources",
+                    process="rank",
+                    replica=self.replica,
+                    rank=self.group_rank,
+                    step=self.step,
+                    parked=self.replicate_groups.parked(),
+                    **resources.usage(),
+                )
+        if self.step % self.rc.digest_interval == 0 or self.step == self.job_config.training.steps:
+            self._check_param_digest(current)
+        if self.metrics_processor.should_log(self.step):
+            if not self.metrics_processor.data_loading_times:
+                self.metrics_processor.data_loading_times.append(0.0)  # computed nothing since the last log
+            extra = {"n_tokens_seen": self.ntokens_seen, "lr": lr}
+            if self.logs_recovery:
+                extra |= self._recovery_metrics(current, summary)
+            self.metrics_processor.log(self.step, summary.loss, summary.loss, grad_norm, extra_metrics=extra)
+
+    def _recovery_metrics(self, current: Membership, summary: steps.StepSummary) -> dict[str, float]:
+        """The run's recovery figures for TensorBoard/W&B: this step's, and the coordinator's counts
+        as it last saved them (read from the store only at log steps, only when a logger wants them)."""
+        out = {
+            "recover/live_groups": float(len(current.members)),
+            "recover/microbatches": float(summary.quotas.get(self.replica, 0)),
+        }
+        state = self.manager.control.read_state()
+        if state is not None:
+            out |= {"recover/failures": float(state.failures), "recover/rejoins": float(state.rejoins)}
+            if state.last_recovery_s is not None:
+                out["recover/last_recovery_latency_s"] = state.last_recovery_s
+            if state.last_downtime_s is not None:
+                out["recover/last_rejoin_downtime_s"] = state.last_downtime_s
+        return out
+
+    def _param_digest(self) -> str:
+        """A digest of this replica's full model state (parameters and persistent buffers such as
+        the MoE expert biases): every shard, in order."""
+        mine = torch.tensor(
+            list(_digest(transfer.model_tensors(m) for m in self.model_parts)), dtype=torch.int64, device=self.device
+        )
+        shards = [mine]
+        if self.parallel_dims.world_size > 1:
+            shards = [torch.empty_like(mine) for _ in range(self.parallel_dims.world_size)]
+            dist.all_gather(shards, mine)
+        return hashlib.blake2b(bytes(torch.cat(shards).tolist()), digest_size=8).hexdigest()
+
+    def _check_param_digest(self, current: Membership) -> None:
+        """Logs the digest and compares it with every member's. A replica whose parameters
+        differ from the majority's (the leader's when two disagree) reports itself and
+        restarts: it rejoins with a live peer's state instead of training on diverged weights."""
+        digest = self._param_digest()
+        ok = True
+        if self.group_rank == 0:
+            buffers = [transfer.persistent_buffers(m) for m in self.model_parts]
+            self.events.emit(  # the buffers' own digest shows an MoE layer's expert bias moving, step by step
+                "param_digest",
+                step=self.step,
+                replica=self.replica,
+                digest=digest,
+                buffers=_digest(buffers).hex() if any(buffers) else None,
+            )
+            digests = self.manager.exchange_digests(current.members, digest)
+            if self.replica in diverged(digests, current.members[0]):
+                expected = sorted(set(digests.values()) - {digest})
+                self.events.emit(
+                    "param_digest_mismatch", step=self.step, replica=self.replica, digest=digest, expected=expected
+                )
+                log.error(
+                    f"replica {self.replica} parameters differ from the others' at step {self.step}: "
+                    f"{digest} != {expected}; it leaves and rejoins with a live peer's state"
+                )
+                ok = False
+        if not self.manager.group_all(ok):
+            cause = f"its parameters diverged from the other replicas' at step {self.step} (digest mismatch)"
+            if self.group_rank == 0:
+                self.manager.report_diverged(current.epoch, cause)
+            raise ReplicaDiverged(f"replica {self.replica}: {cause}")
+
+    def train(self) -> None:
+        try:
+            super().train()
+        except ReplicaLeaving as leaving:  # before a step: every step before it is committed
+            self.log.info(f"replica {self.replica} {leaving}: the other groups take its quota")
+            self.manager.leave(leaving)
+            return
+        except RunStopping as stopping:  # every group stops at this boundary; the step's leader saves
+            self.log.info(f"replica {self.replica} {stopping}")
+            self.step = stopping.step  # the checkpoint's train state: the step its parameters are of
+            self.checkpointer.save_whole(stopping.step)
+        self.manager.finish()
+
+    def close(self) -> None:
+        super().close()
+        self.manager.close()
+        self.events.close()  # what it still keeps is written, or said to be lost
+
+
+def _digest(parts: Iterable[list[tuple[str, torch.Tensor]]]) -> bytes:
+    """blake2b (8 bytes) over the tensors' bytes, in order."""
+    h = hashlib.blake2b(digest_size=8)
+    for tensors in parts:
+        for _, t in tensors:
+            h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().data)
+    return h.digest()
+
+
+def name_wandb_run(replica: int) -> None:
+    """Each replica group is a W&B run of its own, resumed by every incarnation (one history per
+    group), grouped under the run's public id; a name or id the user set is kept as a prefix."""
+    run = Run.from_env().public_id
+    for key, default in (("WANDB_RUN_ID", run), ("WANDB_RUN_NAME", "")):
+        prefix = os.environ.get(key) or default
+        os.environ[key] = f"{prefix}-replica{replica}" if prefix else f"replica{replica}"
+    os.environ.setdefault("WANDB_RUN_GROUP", run)
+    os.environ.setdefault("WANDB_RESUME", "allow")
