@@ -29,14 +29,11 @@ from titan_recover.policy.membership import (
     FailureDetector,
     GroupView,
     Membership,
-    TooFewReplicasError,
     admit,
-    job_error,
-    join_action,
-    next_membership,
     repaired_failure,
     retry_verdict,
 )
+from titan_recover.policy.roster import DropSpare, Leave, Limits, Roster, joins, reported, take_out
 
 KEEP_STEPS = 4  # a committed step's store keys outlive it by this many steps. A step commits only once
 # every rank of its members voted in it, having read the decision and offered the record of the step
@@ -128,7 +125,8 @@ def stops(effects: list[Effect]) -> bool:
 
 
 class CoordinatorCore:
-    """Membership and lifecycle decisions of one run, with no store, no clock of its own and no I/O."""
+    """Membership and lifecycle of one run, with no store, no clock of its own and no I/O: who is in the run
+    is ``policy.roster``'s decision, which the core carries out."""
 
     def __init__(
         self,
@@ -140,6 +138,13 @@ class CoordinatorCore:
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.rules, self.detector = rules, detector
+        self.limits = Limits(
+            replica_ids=rules.replica_ids,
+            group_ranks=rules.group_ranks,
+            seats=rules.max_members or rules.replicas,
+            min_replicas=rules.min_replicas,
+            spare_timeout_s=rules.spare_timeout_s,
+        )
         self.fault_time, self.committed, self.wall = fault_time, committed, wall
         members = tuple(range(rules.replicas))
         self.state = CoordinatorState(attempts={r: 0 for r in members}, admitted_epoch={r: 0 for r in members})
@@ -162,6 +167,12 @@ class CoordinatorCore:
     @property
     def membership(self) -> Membership:
         return self.history[max(self.history)]
+
+    def _roster(self) -> Roster:
+        """The membership the decisions read: members, spares, incarnations, and whether the run still takes joins."""
+        state = self.state
+        done = state.progress is not None and state.progress.step >= self.rules.steps
+        return Roster(self.membership, state.spares, state.attempts, state.dropped, done or self.stopping is not None)
 
     def step(self) -> int:
         """The step in progress: one past the last committed step (or the checkpoint resumed from)."""
@@ -285,9 +296,12 @@ class CoordinatorCore:
             self.reporters.add(report.replica)
         if suspect is not None and report.error and report.step is not None:
             self.errors[suspect] = (report.error, report.step)
-        if report.left and suspect in self.membership.members:
-            self.leaving.setdefault(suspect, report)  # taken out of the next epoch at once, as a failure is
-        effects = self._drop_spare(suspect, report.cause) if suspect in self.state.spares else []
+        decision = reported(self._roster(), suspect, report.left, report.cause)
+        effects: list[Effect] = []
+        if isinstance(decision, Leave):
+            self.leaving.setdefault(decision.replica, report)  # taken out of the next epoch at once, as a failure is
+        elif isinstance(decision, DropSpare):
+            effects = self._drop_spare(decision.replica, decision.cause)
         self.detector.report(suspect, report.cause, now, report.waiting)
         return effects
 
@@ -316,8 +330,9 @@ class CoordinatorCore:
         wall, step, state = self.wall(), self.step(), self.state
         effects: list[Effect] = []
         first = wall
-        leaving = {r: self.leaving.pop(r) for r in failed if r in self.leaving}
-        for replica, report in sorted(leaving.items()):
+        out = take_out(self._roster(), self.limits, failed, self.leaving, self._still_joining(), self.errors)
+        leaving = {r: self.leaving.pop(r) for r in out.left}
+        for replica, report in leaving.items():
             effects += [
                 Emit(
                     "left",
@@ -331,8 +346,8 @@ class CoordinatorCore:
                 ),
                 Say(f"replica {replica} {report.cause}: its quota goes to the others"),
             ]
-        crashed = {r: c for r, c in failed.items() if r not in leaving}
-        for replica, cause in sorted(crashed.items()):
+        crashed = {r: failed[r] for r in out.crashed}
+        for replica, cause in crashed.items():
             t, clock = self._failure_time(replica, wall, now)
             first = min(first, t)
             if replica in state.repairs:  # failed before its first step: what it was to repair is open again
@@ -347,13 +362,9 @@ class CoordinatorCore:
                 ),
                 Say(f"replica {replica} failed at step {step}: {cause}"),
             ]
-        error = job_error(self.errors, self.membership.members)
-        if error is not None:
-            return effects + [Stop(f"the job's own error, not a hardware failure: {error}; fix it and run again")]
-        try:
-            new = next_membership(self.membership, failed, self.rules.min_replicas, self._still_joining())
-        except TooFewReplicasError as e:
-            return effects + [Stop(str(e))]
+        new = out.membership
+        if new is None:
+            return effects + [Stop(out.stop)]
         if crashed:  # counted before the publish, so the state saved with it holds them
             state.failures += len(crashed)
             state.last_recovery_s = latency = self.wall() - first
@@ -414,56 +425,31 @@ class CoordinatorCore:
     # ---- joins, spares, rejoins ---------------------------------------------------------
 
     def on_joins(self, now: float) -> list[Effect]:
-        """Admits groups whose ranks are all up while fewer than ``max_members`` (R by default) are members
-        (restarted ones, hot spares waiting since the start, groups of nodes started later); the others wait
-        as spares."""
+        """Carries out ``roster.joins``: replaces, admits, holds and drops the groups whose ranks are all up."""
         state = self.state
-        if (state.progress is not None and state.progress.step >= self.rules.steps) or self.stopping is not None:
-            return []  # the last step is done, or the run stops: nothing left to join
+        last_beat = {r: self.detector.silent_since(r) for r in state.spares}
+        decision = joins(self._roster(), self.limits, self.asking, self.views, last_beat, now)
         effects: list[Effect] = []
-        ready: dict[int, int] = {}
-        for replica, attempt in self.asking.items():
-            if replica >= self.rules.replica_ids:
-                effects.append(
-                    Say(
-                        f"ignoring a join request of replica {replica}: the run has ids 0..{self.rules.replica_ids - 1}"
-                    )
-                )
-                continue
-            up = self.views[(replica, attempt)].ready
-            seen = max(state.attempts.get(replica, -1), state.dropped.get(replica, -1))
-            action = join_action(self.membership.members, replica, seen, attempt, up, self.rules.group_ranks)
-            if action == "replace":  # its previous incarnation is still a member: it takes its own place back
-                effects += self.on_failure({replica: f"restarted by its launcher (attempt {attempt})"}, now)
-                if stops(effects):
-                    return effects
-                effects += self._admit(replica, attempt, now)
-            elif action == "admit":
-                ready[replica] = attempt
-        state.spares = {r: a for r, a in state.spares.items() if ready.get(r) == a}  # same incarnation, still waiting
-        effects += self._drop_silent_spares(now)
-        ready = {r: a for r, a in ready.items() if a > state.dropped.get(r, -1)}
-        free = max(0, (self.rules.max_members or self.rules.replicas) - len(self.membership.members))
-        for replica in sorted(ready)[:free]:
+        for replica, attempt in decision.replace:  # its previous incarnation is still a member: it takes its place back
+            effects += self.on_failure({replica: f"restarted by its launcher (attempt {attempt})"}, now)
+            if stops(effects):
+                return effects
+            effects += self._admit(replica, attempt, now)
+        effects += [
+            Say(f"ignoring a join request of replica {replica}: the run has ids 0..{self.rules.replica_ids - 1}")
+            for replica in decision.outside
+        ]
+        for replica in decision.gone:
+            del state.spares[replica]
+        for replica, cause in decision.drop:
+            effects += self._drop_spare(replica, cause)
+        for replica, attempt in decision.admit:
             state.spares.pop(replica, None)
-            effects += self._admit(replica, ready[replica], now)
-        for replica in sorted(ready)[free:]:
-            if replica not in state.spares:
-                state.spares[replica] = ready[replica]
-                self.detector.expect(replica, now)  # its beats are watched from now on
-                effects.append(
-                    Emit("spare_ready", {"replica": replica, "attempt": ready[replica], "step": self.step()})
-                )
-        return effects
-
-    def _drop_silent_spares(self, now: float) -> list[Effect]:
-        """A waiting group whose heartbeat stalled (hung while waiting) is fenced: its launcher
-        kills it and starts it again, instead of it being admitted to hold the others up."""
-        effects: list[Effect] = []
-        for replica in sorted(self.state.spares):
-            last = self.detector.silent_since(replica)
-            if last is not None and now - last >= self.rules.spare_timeout_s:
-                effects += self._drop_spare(replica, f"heartbeat silent for {now - last:.2f}s while waiting as a spare")
+            effects += self._admit(replica, attempt, now)
+        for replica, attempt in decision.hold:
+            state.spares[replica] = attempt
+            self.detector.expect(replica, now)  # its beats are watched from now on
+            effects.append(Emit("spare_ready", {"replica": replica, "attempt": attempt, "step": self.step()}))
         return effects
 
     def _drop_spare(self, replica: int, cause: str) -> list[Effect]:

@@ -27,6 +27,7 @@ from titan_recover.node.channel import CHANNEL_ENV, FATAL
 from titan_recover.node.procs import die_with_parent
 from titan_recover.node.warm import WARM_ENV
 from titan_recover.policy.restarts import RestartBudget
+from titan_recover.policy.roster import GiveUp, on_exit
 
 DRAIN_PROBE_S = 2.0  # how often a launcher looks for the operator's drains of its groups (one read per node)
 log = logging.getLogger(__name__)
@@ -160,15 +161,17 @@ class LeaderPart:
     def exited(self, groups: "Torchruns", client: ControlClient, replica: int, code: int) -> None:
         now = groups.clock()
         budget = groups.budgets[replica]
-        restart = budget.take(now)
-        groups.report_exit(client, replica, code, "" if restart else " (no restarts left in the window)")
-        if not restart:
+        decision = on_exit(budget, now)
+        if isinstance(decision, GiveUp):
+            groups.report_exit(client, replica, code, " (no restarts left in the window)")
             log.info(
-                f"replica group {replica} exited with code {code}; {budget.refusal(now)}; not restarting it; "
+                f"replica group {replica} exited with code {code}; {decision.why}; not restarting it; "
                 "the run goes on with the other groups"
             )
             groups.given_up.add(replica)
             return
+        budget.record(now)
+        groups.report_exit(client, replica, code, "")
         attempt = client.next_attempt(replica)
         log.info(f"{groups.span.of(replica)} exited with code {code}; {budget.used(now)} (attempt {attempt})")
         groups.start(replica, attempt)

@@ -5,7 +5,7 @@ every rule here is testable in microseconds.
 """
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from titan_recover.control.protocol import Membership, NodeGroup
 
@@ -233,7 +233,7 @@ def retry_verdict(
     return "stop", tuple(members)
 
 
-def job_error(errors: dict[int, tuple[str, int]], members: Sequence[int]) -> str | None:
+def job_error(errors: Mapping[int, tuple[str, int]], members: Sequence[int]) -> str | None:
     """The error that is the job's own, not a hardware fault, or None.
 
     ``errors`` maps a replica to the (error, step) its ranks raised. Replica groups do

@@ -26,11 +26,19 @@ class RestartBudget:
         """Restarts that still count against the budget at ``now``."""
         return [t for t in self.times if now - t < self.window_s]
 
+    def allows(self, now: float) -> bool:
+        """Whether one more restart at ``now`` fits the budget."""
+        return restart_allowed(self.times, now, self.max_restarts, self.window_s)
+
+    def record(self, now: float) -> None:
+        """Counts a restart at ``now``."""
+        self.times = [*self.recent(now), now]  # older ones never count again
+
     def take(self, now: float) -> bool:
         """Records a restart at ``now`` if the budget allows one; False: no restart left in the window."""
-        if not restart_allowed(self.times, now, self.max_restarts, self.window_s):
+        if not self.allows(now):
             return False
-        self.times = [*self.recent(now), now]  # older ones never count again
+        self.record(now)
         return True
 
     def refusal(self, now: float) -> str:
