@@ -6,11 +6,13 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import forked_launcher
 import pytest
 from filelock import FileLock
 
@@ -39,43 +41,16 @@ class Run:
         return steps
 
 
-HEAVIEST_FIRST = (
-    "test_selftest.py",
-    "test_slurm.py",
-    "test_partitions.py",
-    "test_rejoin.py",
-    "test_nodes.py",
-    "test_spares.py",
-    "test_elastic.py",
-    "test_survive.py",
-    "test_e2e.py",
-    "test_moe.py",
-    "test_failover.py",
-    "test_parallel.py",
-    "test_partitions_etcd.py",
-    "test_data_runs.py",
-    "test_lifeline.py",
-    "test_features.py",
-    "test_full_disk.py",
-    "test_warm.py",
-    "test_stragglers.py",
-    "test_status.py",
-    "test_store_growth.py",
-    "test_bootstrap.py",
-    "test_bad_input.py",
-    "test_prepare.py",
-    "test_trust.py",
-)
-"""The files with the most process-seconds, most first (from ``--durations``): run with ``--dist loadfile
---no-loadscope-reorder``, both workers start on long files and the suite ends on short ones, not on a long
-file queued last behind a worker's other files."""
+DURATIONS = json.loads((ROOT / "tests" / "durations.json").read_text())
+"""Each test file's measured seconds (``scripts/test_durations.py`` writes it from a ``--durations=0`` run): run
+with ``--dist loadfile --no-loadscope-reorder``, both workers start on the longest files and the suite ends on
+short ones, not on a long file queued last behind a worker's other files. A file not listed counts as 0 s."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The heaviest files first (``HEAVIEST_FIRST``). A ``toml`` test runs on TorchTitan 0.2 only; elsewhere it
-    is skipped with its reason."""
-    weight = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
-    items.sort(key=lambda item: weight.get(item.path.name, len(weight)))
+    """The heaviest files first (``DURATIONS``; a stable sort keeps each file's tests in their order). A ``toml``
+    test runs on TorchTitan 0.2 only; elsewhere it is skipped with its reason."""
+    items.sort(key=lambda item: -DURATIONS.get(item.path.name, 0.0))
     if LINE == "0.2":
         return
     for item in items:
@@ -97,21 +72,21 @@ def run_job(
     """The shipped ``config`` at the tests' tiny size, as the installed TorchTitan line spells it. Its event
     log must be all JSON lines, unless ``cut_lines``: then a line a full disk cut short is left out."""
     cmd = [sys.executable, "-m", "titan_recover.launch", *job(dump, tiny=True, config=config), *overrides]
-    proc = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={
-            **{k: v for k, v in os.environ.items() if k != keys.SECRET_ENV},
-            "PYTHONUNBUFFERED": "1",
-        },  # its launcher makes one
-    )
+    env = {**{k: v for k, v in os.environ.items() if k != keys.SECRET_ENV}, "PYTHONUNBUFFERED": "1"}  # it makes one
+    with tempfile.TemporaryDirectory() as said:
+        out, err = Path(said, "stdout"), Path(said, "stderr")
+        proc = forked_launcher.start(cmd, env, out, err)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        output = out.read_text() + err.read_text()
     path = dump / "recover_events.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
     events = [json.loads(line) for line in lines if not cut_lines or _whole(line)]
-    return Run(proc.returncode, proc.stdout + proc.stderr, events)
+    return Run(proc.wait(), output, events)
 
 
 def _whole(line: str) -> bool:
@@ -189,7 +164,10 @@ def shared_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str, name: s
 
 
 def _passed(run: Run) -> Run:
+    """A reference ran without a failure: every step committed in the run's first epoch (one that broke its
+    first all-reduce and retried in epoch 1 would still have the same trajectory)."""
     assert run.returncode == 0, run.output[-3000:]
+    assert not run.of("failure") and {e["epoch"] for e in run.of("step")} == {0}, run.of("step")
     return run
 
 
@@ -270,14 +248,7 @@ class Node:
     def __init__(self, name: str, dump: Path, args: list[str], env: dict[str, str]) -> None:
         self.log = dump.parent / f"{name}.log"
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            args,
-            cwd=ROOT,
-            env=env,
-            stdout=self.log.open("w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        self.proc = forked_launcher.start(args, env, self.log, new_session=True)
 
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout=timeout)

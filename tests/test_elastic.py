@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 from conftest import EXACT_EVERY_STEP, ROOT, SINGLES, Node, Run, assert_all_rejoined, assert_same_trajectory, events
+from launcher_in_process import run_main
 
 from titan_recover.control import keys, transport
 from titan_recover.control.keys import EXIT_LEFT, EXIT_STOPPED
 from titan_recover.control.protocol import Drain, Launcher, MessageError
 from titan_recover.drain import DrainError, on_node, parse_ids, plan
+from titan_recover.drain import main as drain_main
 from titan_recover.titan.jobs import job
 from titan_recover.tools.clusters.partitions import wait_until
 
@@ -86,65 +88,74 @@ def steps(dump: Path) -> list[dict]:
 
 
 BACK_STEP = 7  # replica 0 holds step 7 until node B is back (a new launcher, a cold start) and admitted
+AGAIN_STEP = 9  # then node B's second launcher gets the other notice while replica 1 holds step 9
 
 
-def run_with_notice(
-    tmp_path: Path, every_process: bool, *overrides: str, comes_back: bool = False
-) -> tuple[Run, Node, float]:
-    """Node B gets its notice while replica 1 is in step 4's backward (held there ``HOLD_S``): A's run, node B,
-    and how long after the notice B's launcher exited. ``comes_back``: B's command is started again once it
-    left, and its group rejoins while replica 0 holds step 7."""
+def run_with_notice(tmp_path: Path, *overrides: str, comes_back: bool = False) -> tuple[Run, list[Node], list[float]]:
+    """Node B's launcher gets its notice while replica 1 is in step 4's backward (held there ``HOLD_S``): A's run,
+    node B's launchers, and how long after each notice each exited. ``comes_back``: B's command is started again
+    once it left, its group rejoins while replica 0 holds step 7, and then every process of that node gets its
+    notice while replica 1 holds step 9."""
     dump = tmp_path / "dump"
     plan = f"sleep replica=1 step={HOLD_STEP} phase=backward seconds={HOLD_S}"
     if comes_back:
-        plan += f"; sleep replica=0 step={BACK_STEP} phase=optimizer seconds=120 until=epoch"
+        plan += (
+            f"; sleep replica=0 step={BACK_STEP} phase=optimizer seconds=120 until=epoch"
+            f"; sleep replica=1 step={AGAIN_STEP} phase=backward seconds={HOLD_S}"
+        )
     args, env_a, env_b = two_nodes(dump, "--recover.fault_plan", plan, *overrides)
-    with Node("a", dump, args, env_a) as a, Node("b", dump, args, env_b) as b:
-        wait_until(f"step {HOLD_STEP - 1}", lambda: len(steps(dump)) >= HOLD_STEP - 1, 240, [a, b])
+    nodes: list[Node] = []
+    gone: list[float] = []
+
+    def leaves(node: Node, after_step: int, every_process: bool) -> None:
+        wait_until(f"step {after_step}", lambda: len(steps(dump)) >= after_step, 240, [a, node])
         time.sleep(1.0)  # replica 1 is in its hold by now
-        sent = b.notice(every_process)
-        code_b = b.wait(timeout=120)
-        gone_s = time.monotonic() - sent
-        assert code_b == EXIT_LEFT, b.output()[-4000:]
+        sent = node.notice(every_process)
+        code = node.wait(timeout=120)
+        gone.append(time.monotonic() - sent)
+        nodes.append(node)
+        assert code == EXIT_LEFT, node.output()[-4000:]
+
+    with Node("a", dump, args, env_a) as a, Node("b", dump, args, env_b) as b:
+        leaves(b, HOLD_STEP - 1, every_process=False)
         if comes_back:
             with Node("b2", dump, args, env_b) as b2:
-                assert b2.wait(timeout=240) == 0, b2.output()[-4000:]
+                leaves(b2, AGAIN_STEP - 1, every_process=True)
         assert a.wait(timeout=240) == 0, a.output()[-4000:]
-    return Run(0, a.output(), events(dump)), b, gone_s
+    return Run(0, a.output(), events(dump)), nodes, gone
 
 
-@pytest.mark.parametrize("every_process", [False, True], ids=["launcher-and-back", "every-process"])
 def test_a_node_told_it_goes_away_leaves_at_the_step_boundary_and_the_run_keeps_its_trajectory(
-    tmp_path: Path, two_singles: Run, every_process: bool
+    tmp_path: Path, two_singles: Run
 ) -> None:
-    """SIGTERM to node B's launcher (Kubernetes), or to every process of node B (Slurm: torchrun's agent and
-    the rank too), while replica 1 is inside step 4: replica 1 finishes step 4 with replica 0, leaves before
-    step 5 (nothing of it computed again: no failure, no retry, no detection), B's processes are gone within
-    the notice budget by themselves (exit 4), and replica 0 goes on alone with every step's 4 microbatches
-    and the failure-free twin's data. After the launcher's notice, B's command started again brings its
-    group back: admitted, its state from replica 0, no checkpoint."""
-    comes_back = not every_process
-    run, b, gone_s = run_with_notice(tmp_path, every_process, comes_back=comes_back)
-    print(f"node B gone {gone_s:.1f}s after its notice")
-    [left] = run.of("left")
-    assert left["replica"] == 1 and left["step"] == HOLD_STEP + 1, left
-    assert left["notice_s"] is not None and 0 <= left["notice_s"] < 12, left
+    """SIGTERM to node B's launcher (Kubernetes) while replica 1 is inside step 4: replica 1 finishes step 4 with
+    replica 0, leaves before step 5 (nothing of it computed again: no failure, no retry, no detection), B's
+    processes are gone within the notice budget by themselves (exit 4), and replica 0 goes on alone with every
+    step's 4 microbatches and the failure-free twin's data. B's command started again brings its group back:
+    admitted, its state from replica 0, no checkpoint. Then SIGTERM to every process of that node (Slurm:
+    torchrun's agent and the rank too) while replica 1 is inside step 9: it leaves before step 10 the same way."""
+    run, (b, b2), gone = run_with_notice(tmp_path, "--recover.digest_interval", "1", comes_back=True)
+    print(f"node B gone {gone[0]:.1f}s after its launcher's notice, {gone[1]:.1f}s after every process's")
+    assert [(e["replica"], e["step"]) for e in run.of("left")] == [(1, HOLD_STEP + 1), (1, AGAIN_STEP + 1)]
+    for left in run.of("left"):
+        assert left["notice_s"] is not None and 0 <= left["notice_s"] < 12, left
     assert not run.of("failure") and not run.of("recovered"), (run.of("failure"), run.of("recovered"))
-    assert gone_s < 12, gone_s  # recover.notice_budget_s: B's groups and B itself left by themselves
-    back = run.of("rejoined")[0]["step"] if comes_back else LAST + 1
-    assert back > HOLD_STEP + 1
+    assert max(gone) < 12, gone  # recover.notice_budget_s: B's groups and B itself left by themselves
+    [rejoined] = run.of("rejoined")
+    back = rejoined["step"]
+    assert rejoined["replica"] == 1 and rejoined["bytes"] > 0 and HOLD_STEP + 1 < back <= AGAIN_STEP, rejoined
     for s, e in run.steps().items():
-        assert e["members"] == ([0, 1] if s <= HOLD_STEP or s >= back else [0]), (s, e)
-    assert run.steps()[HOLD_STEP]["quotas"].get("1", 0) > 0  # replica 1's work of step 4 counted, not redone
+        assert e["members"] == ([0, 1] if s <= HOLD_STEP or back <= s <= AGAIN_STEP else [0]), (s, e)
+    for s in (HOLD_STEP, AGAIN_STEP):  # replica 1's work of the step it was told in counted, not redone
+        assert run.steps()[s]["quotas"].get("1", 0) > 0, run.steps()[s]
     assert_same_trajectory(two_singles, run, rel_tol=1e-5, num_microbatches=4)
-    if comes_back:
-        [rejoined] = run.of("rejoined")
-        assert rejoined["replica"] == 1 and rejoined["bytes"] > 0, rejoined
-        assert_all_rejoined(run, 2, LAST)  # the same parameters on both at the end
-    assert f"replica 1 left on notice before step {HOLD_STEP + 1}" in run.output
-    assert "left on notice       : 1" in run.output and "failures             : 0" in run.output
-    assert "this node left the run on notice: replica groups [1] at a step boundary" in b.output()
-    assert "left the run on notice in" in b.output()
+    assert_all_rejoined(run, 2, AGAIN_STEP)  # the same parameters on both once it was back
+    for s in (HOLD_STEP, AGAIN_STEP):
+        assert f"replica 1 left on notice before step {s + 1}" in run.output
+    assert "left on notice       : 2" in run.output and "failures             : 0" in run.output
+    for node in (b, b2):
+        assert "this node left the run on notice: replica groups [1] at a step boundary" in node.output()
+        assert "left the run on notice in" in node.output()
     assert "Traceback" not in run.output, run.output[-4000:]
 
 
@@ -152,7 +163,7 @@ def test_a_notice_shorter_than_the_step_falls_back_to_in_step_recovery_at_once(t
     """A notice budget of 1 s while replica 1 holds step 4 for 4 s: at the budget node B kills the group and
     reports it failed at once (no heartbeat timeout), replica 0 finishes step 4 in-step with all 4
     microbatches, and B still exits as a node that left."""
-    run, b, gone_s = run_with_notice(tmp_path, False, "--recover.notice_budget_s", "1")
+    run, [b], [gone_s] = run_with_notice(tmp_path, "--recover.notice_budget_s", "1")
     assert not run.of("left")
     [failure] = run.of("failure")
     assert failure["replica"] == 1 and failure["step"] == HOLD_STEP, failure
@@ -233,7 +244,7 @@ def drain(env: dict[str, str], port: int, *args: str) -> subprocess.Popen:
 
 
 def test_a_group_joins_beyond_r_and_the_operator_drains_another_on_the_coordinators_node(
-    tmp_path: Path, exact_single: Run
+    tmp_path: Path, exact_single: Run, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """``recover.max_replicas = 3`` on a run of R = 2 whose one launcher runs replicas 0 and 1 and the
     coordinator. A node started once step 2 is logged, asking for any free id (it gets 2), is admitted at a step
@@ -247,7 +258,7 @@ def test_a_group_joins_beyond_r_and_the_operator_drains_another_on_the_coordinat
     dump = tmp_path / "dump"
     plan = (
         "sleep replica=0 step=4 phase=optimizer seconds=120 until=epoch; "  # until the new group is admitted
-        "sleep replica=1 step=8 phase=backward seconds=20"  # the five drain commands import torch meanwhile
+        "sleep replica=1 step=8 phase=backward seconds=20"  # the drain command imports torch meanwhile
     )
     budget = ("--recover.notice_budget_s", "40")  # above the 20 s hold
     args, env, env_c = two_nodes(
@@ -258,18 +269,23 @@ def test_a_group_joins_beyond_r_and_the_operator_drains_another_on_the_coordinat
         wait_until("step 2", lambda: len(steps(dump)) >= 2, 240, [a])
         with Node("c", dump, args, {**env_c, keys.REPLICAS_ENV: "any"}) as c:  # id 2: the only free one
             wait_until("step 7", lambda: len(steps(dump)) >= 7, 240, [a, c])
+            # the refusals in this process (each drains nothing), the drain asked as the command a user runs
+            refusals = [["--replicas", "7"], ["--replicas", "0,1,2"], ["--node", socket.gethostname()]]
+            refusals.append(["--node", "no-such-node"])
+            refused = [
+                run_main(drain_main, ["--coordinator", f"127.0.0.1:{port}", *which], capfd, env) for which in refusals
+            ]
             asked = drain(env, port, "--replicas", "1", "--reason", "disk swap")
-            absent, every = drain(env, port, "--replicas", "7"), drain(env, port, "--replicas", "0,1,2")
-            here, nowhere = drain(env, port, "--node", socket.gethostname()), drain(env, port, "--node", "no-such-node")
-            clis = (asked, absent, every, here, nowhere)
-            said = [cli.communicate(timeout=120)[1] for cli in clis]  # each one's stderr
+            said = asked.communicate(timeout=120)[1]
             assert a.wait(timeout=300) == 0, a.output()[-4000:]
             assert c.wait(timeout=60) == 0, c.output()[-4000:]
-    assert asked.returncode == 0, said[0]
-    assert absent.returncode == 2 and "replica group(s) [7] are not members of the run's epoch" in said[1]
-    assert every.returncode == 2 and "would leave no replica group" in said[2]
-    assert here.returncode == 2 and "would leave no replica group" in said[3]  # every launcher runs on this host
-    assert nowhere.returncode == 2 and "--node 'no-such-node': no replica group of the run's members" in said[4]
+    assert asked.returncode == 0, said
+    assert [r.returncode for r in refused] == [2] * 4, [r.stderr for r in refused]
+    absent, every, here, nowhere = (r.stderr for r in refused)
+    assert "replica group(s) [7] are not members of the run's epoch" in absent, absent
+    assert "would leave no replica group" in every, every
+    assert "would leave no replica group" in here, here  # every launcher runs on this host
+    assert "--node 'no-such-node': no replica group of the run's members" in nowhere, nowhere
     assert f"{keys.REPLICAS_ENV}=any: replica ids [2] are free (members [0, 1])" in c.output(), c.output()[-3000:]
     run = Run(0, a.output(), events(dump))
     [admitted] = run.of("admitted")

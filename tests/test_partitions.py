@@ -50,8 +50,12 @@ def test_a_node_cut_off_past_the_heartbeat_timeout_is_fenced_and_its_group_comes
     bound to 198.18.0.1. After step 2 node 1's cable is pulled for 8 s (heartbeat_timeout_s is 5):
     replica 1 is fenced and replica 0 goes on alone, then holds step 5 until an epoch admits again.
     Reconnected, node 1's launcher (the same process: it never stopped) learns its group was fenced,
-    restarts it, and it rejoins by state transfer over the network."""
-    outcome = partitions.cut_off(cluster, tmp_path / "dump", *SINGLES)
+    restarts it, and it rejoins by state transfer over the network. All of it with 50 ms more each way on
+    every connection between the nodes and 1% of their packets lost, from before the launchers start:
+    latency and loss cost time, not correctness (no other failure, the failure-free data and losses);
+    bench.partitions measures what they cost."""
+    with cluster.delayed(50), cluster.dropping(cluster.nodes[1], percent=1):
+        outcome = partitions.cut_off(cluster, tmp_path / "dump", *SINGLES)
     print(outcome.timings)
     run = rejoined(outcome, two_singles)
     [failure] = run.of("failure")
@@ -115,15 +119,3 @@ def test_a_replaced_node_running_the_same_command_takes_its_group_back(
     [admitted] = run.of("admitted")
     assert admitted["replica"] == 1 and admitted["attempt"] == 1  # the store's incarnation count, not 0 again
     assert "took over replica groups [1] from the launcher on host" in outcome.outputs[1]
-
-
-@needs_netns
-def test_latency_and_loss_between_nodes_cost_time_not_correctness(
-    tmp_path: Path, cluster: Cluster, two_singles: Run
-) -> None:
-    """50 ms more each way on every connection between the two nodes and 1% of their packets lost,
-    from before the launchers start: the run completes with the failure-free data and losses, every
-    step once, equal parameter digests and no failure; bench.partitions measures what it costs."""
-    outcome = partitions.latency_loss(cluster, tmp_path / "dump", *SINGLES)
-    run = rejoined(outcome, two_singles)
-    assert not run.of("failure")

@@ -83,18 +83,6 @@ def stalled(dump: Path, replica: int) -> Callable[[], bool]:
     return lambda: any(e["event"] == "fault_injected" and e["replica"] == replica for e in events(dump))
 
 
-def test_the_main_job_finishes_under_sbatch_on_two_slurm_nodes(
-    tmp_path: Path, slurm: slurm_local.SlurmCluster, two_singles: Run
-) -> None:
-    """``sbatch --nodes=2 scripts/slurm/train.sbatch``: node 0's launcher starts the coordinator, node 1's
-    dials it by its Slurm node name; the job completes with exit 0 on the failure-free trajectory."""
-    dump = tmp_path / "dump"
-    fields, run = finished(slurm, submit(slurm, dump, "none"), dump)
-    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "0"), run.output[-3000:]
-    assert_same_trajectory(two_singles, run, 1e-3, num_microbatches=4)
-    assert {e["members"] == [0, 1] for e in run.steps().values()} == {True}
-
-
 def test_a_failed_node_costs_only_its_group_then_a_job_on_the_repaired_node_joins_and_leaves_on_slurms_signal(
     tmp_path: Path, slurm: slurm_local.SlurmCluster, two_singles: Run
 ) -> None:
@@ -190,7 +178,9 @@ def test_a_node_cut_off_costs_only_its_group_and_slurm_ends_its_tasks_when_it_is
     Slurm marks it down; then put back. The coordinator fences replica 1 on its silent heartbeat and replica
     0 runs on alone; with ``--no-kill`` Slurm removes node 1 from the job instead of ending it, and kills the
     job's tasks there once the node answers again. The job completes, exit 0, no restart, node 0 never
-    signalled, every step once with M microbatches on the failure-free data."""
+    signalled, every step once with M microbatches on the failure-free data. Also the main job under
+    ``sbatch --nodes=2 scripts/slurm/train.sbatch``: node 1's launcher dials node 0's coordinator by its Slurm
+    node name (both groups members of steps 1-2), and the job ends COMPLETED."""
     dump = tmp_path / "dump"
     job_id = submit(slurm, dump, "sleep replica=1 step=3 phase=forward seconds=30")
     slurm.wait(stalled(dump, 1), RUN_S, "replica 1's stall")

@@ -174,7 +174,15 @@ def test_a_coordinator_killed_before_it_serves_the_run_stops_the_launcher_at_onc
     """Killed while it still imports torch: the launcher, waiting for it to listen, must not
     wait out ``startup_timeout_s`` (it did, in CI: the run's coordinator was killed before the
     launcher's own connect had found it)."""
-    cmd = [sys.executable, "-m", "titan_recover.launch", *job(tmp_path, tiny=True), "--recover.fault_plan", "none"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "titan_recover.launch",
+        *job(tmp_path, tiny=True),
+        *SINGLES,
+        "--recover.fault_plan",
+        "none",
+    ]
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -259,10 +267,10 @@ def test_a_diverged_replica_leaves_and_rejoins_with_a_live_peers_state(tmp_path:
     # replica 0 sleeps at step 3 until replica 1's restart is admitted (as in test_rejoin): the tiny
     # model's steps are faster than a restart (60 s at most: 30 was not always enough on a busy 2-core machine)
     plan = (
-        "corrupt replica=1 rank=1 step=2 phase=optimizer; "
+        "corrupt replica=1 rank=0 step=2 phase=optimizer; "
         "sleep replica=0 rank=0 step=3 phase=optimizer seconds=60 until=epoch"
     )
-    run = run_job(tmp_path, "--recover.fault_plan", plan, "--recover.digest_interval", "2", "--training.steps", "10")
+    run = run_job(tmp_path, *SINGLES, "--recover.fault_plan", plan, "--recover.digest_interval", "2")
     assert run.returncode == 0, run.output[-3000:]
     (mismatch,) = run.of("param_digest_mismatch")
     assert (mismatch["replica"], mismatch["step"]) == (1, 2)  # the corrupted one, not the leader

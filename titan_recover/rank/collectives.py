@@ -210,9 +210,10 @@ class ReplicateProcessGroups:
         self.backend = backend
         self.device = device if backend == "nccl" else torch.device("cpu")  # where transfer buffers live
         self._groups: dict[int, GroupBackend | None] = {}
-        # the newest epoch whose group this rank gave up: its rendezvous keys are spent, and a second
-        # rendezvous under them would reach the first one's peers and wait out the group timeout
-        self._spent = 0
+        # the newest epoch whose group this rank gave up (none yet: epoch 0 is the run's first): its rendezvous
+        # keys are spent, and a second rendezvous under them would reach the first one's peers and wait out the
+        # group timeout
+        self._spent = -1
         self._parked: list[Parked] = []  # abandoned groups/work/buffers: kept until idle, never reused
         self._releaser = Releaser(backend)  # ...then released off the step's path
         # a recovery's moments on this rank (wall clock, for the event log's recovery phases): when it gave up

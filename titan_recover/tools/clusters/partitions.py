@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from titan_recover.control import keys
 from titan_recover.observability.events import NODE_ENV, event_files, of_kind
@@ -123,11 +123,17 @@ def node_log(dump: Path, node: Node) -> Path:
     return dump / f"recover_events.{node_name(node)}.jsonl"
 
 
+class Polled(Protocol):
+    """A launcher's process as ``wait_until`` asks it whether it ended: a ``subprocess.Popen``, or a test's own."""
+
+    def poll(self) -> int | None: ...
+
+
 class Watched(Protocol):
     """What ``wait_until`` watches of a launcher: the bench's ``Launcher`` or a test's own."""
 
     @property
-    def proc(self) -> subprocess.Popen[Any]: ...
+    def proc(self) -> Polled: ...
 
     @property
     def log(self) -> Path: ...
