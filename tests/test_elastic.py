@@ -101,7 +101,7 @@ def run_with_notice(tmp_path: Path, *overrides: str, comes_back: bool = False) -
     if comes_back:
         plan += (
             f"; sleep replica=0 step={BACK_STEP} phase=optimizer seconds=120 until=epoch"
-            f"; sleep replica=1 step={AGAIN_STEP} phase=backward seconds={HOLD_S}"
+            f"; sleep replica=1 attempt=1 step={AGAIN_STEP} phase=backward seconds={HOLD_S}"  # node B's second
         )
     args, env_a, env_b = two_nodes(dump, "--recover.fault_plan", plan, *overrides)
     nodes: list[Node] = []

@@ -139,7 +139,7 @@ def on_0_3(recipe: str) -> object:
     [
         on_0_2("deepseek_v3_recover", MID_BACKWARD),
         on_0_2("llama4_recover", EP2_IN_EXPERTS),
-        on_0_2("gpt_oss_recover", MID_BACKWARD),  # single-rank groups: llama4 holds 0.2's kill in the experts' exchange
+        on_0_2("gpt_oss_recover", EP2_IN_EXPERTS),
         pytest.param(  # qwen3's tiny MoE recipe
             "qwen3_moe_cpu",
             [],
@@ -160,7 +160,7 @@ def on_0_3(recipe: str) -> object:
     ids=[
         "deepseek_v3-mid-backward",
         "llama4-ep2-in-experts",
-        "gpt_oss-mid-backward",
+        "gpt_oss-ep2-in-experts",
         "qwen3-ep2-in-experts",
         "kimi_k2_7-recipe-ep2-in-experts",
         "gpt_oss-recipe-ep2-in-experts",
