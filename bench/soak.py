@@ -30,7 +30,7 @@ from typing import Any, Iterable, Sequence, TextIO
 
 from bench.common import CONFIG, PRECISION, RESULTS, ROOT
 from titan_recover.compare import Comparison, compare_runs
-from titan_recover.control.keys import ATTEMPT_ENV, COORDINATOR_ENV, REPLICA_ENV, REPLICAS_ENV, RUN_ENV, SECRET_ENV
+from titan_recover.control.keys import COORDINATOR_ENV, INCARNATION_ENV, REPLICA_ENV, REPLICAS_ENV, RUN_ENV, SECRET_ENV
 from titan_recover.control.transport import free_port
 from titan_recover.observability.events import events_path, read_events, read_log
 from titan_recover.policy.membership import Membership, TooFewReplicasError, donor
@@ -64,11 +64,11 @@ def phase_plan(
 ) -> tuple[str, list[tuple[int, int, str]], int]:
     """The prologue's fault plan: a SIGKILL in each phase, on replicas 0 and 1 in turn.
 
-    Each entry names the incarnation it expects (attempts count the restarts before it):
-    0 forward, 1 backward, 0 (back, attempt 1) allreduce, 0 again while receiving its state
-    (attempt 2, join), 1 (attempt 1) optimizer, 0 (attempt 3) while sending its state to 1
+    Each entry names the incarnation it expects (incarnations count the restarts before it):
+    0 forward, 1 backward, 0 (back, incarnation 1) allreduce, 0 again while receiving its state
+    (incarnation 2, join), 1 (incarnation 1) optimizer, 0 (incarnation 3) while sending its state to 1
     (donate). ``gap`` steps leave room for a group to restart and rejoin. Returns the plan,
-    its (replica, attempt, phase) entries and the step by which the prologue is over.
+    its (replica, incarnation, phase) entries and the step by which the prologue is over.
     """
     s1, s2 = first, first + gap // 2
     s3, s4 = s1 + gap, s2 + gap
@@ -93,7 +93,7 @@ class View:
     """What the driver knows when it picks a fault."""
 
     holders: frozenset[int]  # groups holding the training state: last step's members less the failed
-    joining: dict[int, int]  # admitted groups without state yet -> attempt
+    joining: dict[int, int]  # admitted groups without state yet -> incarnation
     in_flight: frozenset[int] = frozenset()  # groups hit by a fault not yet recovered
     spare: int | None = None  # never hit
     node1: frozenset[int] = frozenset()  # groups of the second launcher (--nodes 2)
@@ -216,7 +216,7 @@ class Tracker:
         self.step = 0
         self.holders: set[int] = set(range(replicas))
         self.joining: dict[int, int] = {}
-        self.attempts = {r: 0 for r in range(replicas)}
+        self.incarnations = {r: 0 for r in range(replicas)}
         self.unrecovered: set[int] = set()  # failed since the last committed step
         self.faults: list[Fault] = []
         self.collateral: list[dict[str, Any]] = []  # failures no fault aimed at
@@ -285,7 +285,7 @@ class Tracker:
                 if f.recovery_s is None and f.failed and (f.kind == "slow" or set(f.targets) <= set(f.failed)):
                     f.recovery_s = round(e["time"] - f.wall, 3)
         elif kind == "admitted":
-            self.attempts[e["replica"]] = e["attempt"]
+            self.incarnations[e["replica"]] = e["attempt"]
             self.joining[e["replica"]] = e["attempt"]
             self.fresh = (e["replica"], now)
         elif kind == "fault_injected":  # a plan fault fired inside a rank
@@ -349,15 +349,15 @@ class Tracker:
 
 
 def incarnation_of_resources(events: Iterable[dict[str, Any]]) -> Iterable[tuple[dict[str, Any], int]]:
-    """(resources event of a rank, attempt of its replica group): the attempt is the last
+    """(resources event of a rank, incarnation of its replica group): the incarnation is the last
     ``admitted`` one before it in the log (0 before any), since an incarnation is admitted
     before it commits anything and is fenced before the next one is admitted."""
-    attempt: dict[int, int] = {}
+    incarnation: dict[int, int] = {}
     for e in events:
         if e["event"] == "admitted":
-            attempt[e["replica"]] = e["attempt"]
+            incarnation[e["replica"]] = e["attempt"]
         elif e["event"] == "resources" and e.get("process") == "rank":
-            yield e, attempt.get(e["replica"], 0)
+            yield e, incarnation.get(e["replica"], 0)
 
 
 def _growth(series: list[dict[str, Any]]) -> dict[str, Any]:
@@ -382,12 +382,12 @@ def survivor_growth(
 ) -> dict[str, Any] | None:
     """RSS, threads and fds of one surviving rank from its first ``resources`` event (the
     first failure it survived) to its last: ``replica``'s (or, if None, the incarnation with
-    the most events), same attempt throughout."""
+    the most events), same incarnation throughout."""
     events = list(events)
     series: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
-    for e, attempt in incarnation_of_resources(events):
+    for e, incarnation in incarnation_of_resources(events):
         if e.get("rank", 0) == rank and (replica is None or e["replica"] == replica):
-            series[(e["replica"], attempt)].append(e)
+            series[(e["replica"], incarnation)].append(e)
     if not series:
         return None
     key = max(series, key=lambda k: (len(series[k]), -k[1], -k[0]))
@@ -565,7 +565,7 @@ class Proc:
     ppid: int
     state: str
     replica: int | None
-    attempt: int | None
+    incarnation: int | None
     rank: int | None  # None: not a rank (a torchrun agent, the coordinator, a launcher)
     cmd: str
 
@@ -599,7 +599,7 @@ def process_tree(roots: Iterable[int]) -> list[Proc]:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 for item in f.read().split(b"\0"):
                     key, _, value = item.decode(errors="replace").partition("=")
-                    if key in (REPLICA_ENV, ATTEMPT_ENV, "RANK"):
+                    if key in (REPLICA_ENV, INCARNATION_ENV, "RANK"):
                         env[key] = value
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
@@ -612,7 +612,7 @@ def process_tree(roots: Iterable[int]) -> list[Proc]:
                 ppid,
                 state,
                 num(REPLICA_ENV),
-                num(ATTEMPT_ENV),
+                num(INCARNATION_ENV),
                 num("RANK") if num(REPLICA_ENV) is not None else None,
                 cmd,
             )
@@ -787,29 +787,29 @@ class Soak:
 
     # -- finding targets --
 
-    def ranks(self, replica: int, attempt: int | None = None) -> list[Proc]:
+    def ranks(self, replica: int, incarnation: int | None = None) -> list[Proc]:
         roots = [p.pid for p in self.launchers.values() if p.poll() is None]
         procs = [p for p in process_tree(roots) if p.replica == replica and p.rank is not None]
-        if attempt is None and procs:
-            attempt = max(p.attempt or 0 for p in procs)
-        return sorted((p for p in procs if p.attempt == attempt), key=lambda p: p.rank or 0)
+        if incarnation is None and procs:
+            incarnation = max(p.incarnation or 0 for p in procs)
+        return sorted((p for p in procs if p.incarnation == incarnation), key=lambda p: p.rank or 0)
 
-    def agent(self, replica: int, attempt: int) -> Proc | None:
+    def agent(self, replica: int, incarnation: int) -> Proc | None:
         launchers = {p.pid for p in self.launchers.values() if p.poll() is None}
         for p in process_tree(launchers):
-            if p.ppid in launchers and p.replica == replica and p.attempt == attempt and p.rank is None:
+            if p.ppid in launchers and p.replica == replica and p.incarnation == incarnation and p.rank is None:
                 return p
         return None
 
-    def _rank_of(self, replica: int, attempt: int) -> Proc | None:
-        procs = [p for p in self.ranks(replica, attempt) if p.state not in ("T", "t")]
+    def _rank_of(self, replica: int, incarnation: int) -> Proc | None:
+        procs = [p for p in self.ranks(replica, incarnation) if p.state not in ("T", "t")]
         return self.rng.choice(procs) if len(procs) == self.setup.shards else None
 
     # -- injecting --
 
     def inject(self, kind: str, targets: tuple[int, ...], tracker: Tracker, now: float) -> Fault | None:
         """Sends the fault's signals; None (nothing sent) when its processes are not all there."""
-        att = tracker.attempts
+        att = tracker.incarnations
         if kind in ("kill", "stop", "slow", "kill_joiner", "kill_donor", "two_groups"):
             found = [self._rank_of(r, att[r]) for r in targets]
             procs = [p for p in found if p is not None]
@@ -1132,7 +1132,7 @@ class Soak:
                 wchan = "?"
             lines.append(
                 f"  pid {p.pid} ppid {p.ppid} state {p.state} wchan {wchan} replica {p.replica} "
-                f"attempt {p.attempt} rank {p.rank}: {p.cmd[:120]}"
+                f"attempt {p.incarnation} rank {p.rank}: {p.cmd[:120]}"
             )
         if shutil.which("py-spy"):
             for p in process_tree(roots):

@@ -251,9 +251,9 @@ def test_fault_that_can_never_fire_is_refused(overrides: list[str], message: str
 
 
 @pytest.mark.unit
-def test_fault_at_the_last_step_or_a_late_attempt_loads() -> None:
+def test_fault_at_the_last_step_or_a_late_incarnation_loads() -> None:
     assert load("--recover.fault_plan", "kill replica=1 step=30").recover.fault_plan
-    # restarts count per window: a long run may reach any attempt, even past max_restarts
+    # restarts count per window: a long run may reach any incarnation, even past max_restarts
     assert load(
         "--recover.max_restarts", "1", "--recover.fault_plan", "kill replica=1 step=3 attempt=5"
     ).recover.fault_plan

@@ -90,12 +90,12 @@ class FakeNode:
         self.seq += 1
         self.control.store.set(self.launcher.key, json.dumps({"seq": self.seq, "groups": groups}))
 
-    def entry(self, replica: int, attempt: int | None = None, ready: int = 0) -> None:
+    def entry(self, replica: int, incarnation: int | None = None, ready: int = 0) -> None:
         old = self.groups.get(replica, NodeGroup(0, 1, 0, 0, 0.0))
         self.groups[replica] = NodeGroup(
-            attempt=old.attempt if attempt is None else attempt,
+            attempt=old.attempt if incarnation is None else incarnation,
             ranks=1,
-            ready=ready if attempt is not None else old.ready,
+            ready=ready if incarnation is not None else old.ready,
             finished=0,
             silent_s=0.0,
         )
@@ -266,7 +266,7 @@ def _broken_allreduce(c: Coordinator, client: SealedStore, *reporters: int) -> t
 
 def test_retries_of_a_step_are_bounded_then_the_replica_that_held_it_up_is_fenced(make, tmp_path: Path) -> None:
     c, client = make(replicas=3, max_step_retries=2, report_confirm_s=0.2)
-    for attempt in range(2):
+    for incarnation in range(2):
         failed, retry = _broken_allreduce(c, client, 0, 2)
         assert (failed, retry) == ({}, True)
         assert retry_step(c)
@@ -314,9 +314,9 @@ def test_one_replicas_own_error_is_treated_as_its_failure(make) -> None:
 # --- hot spares ------------------------------------------------------------------------
 
 
-def ask_to_join(client: SealedStore, replica: int, attempt: int) -> None:
+def ask_to_join(client: SealedStore, replica: int, incarnation: int) -> None:
     """Every rank of that incarnation is up and waits to be admitted (its slot says READY)."""
-    node(client).entry(replica, attempt, ready=1)
+    node(client).entry(replica, incarnation, ready=1)
     node(client).write()
 
 
@@ -461,7 +461,7 @@ def test_a_restarted_group_with_room_is_admitted_without_waiting_as_a_spare(make
 
 def test_the_saved_state_holds_an_admission_as_soon_as_it_is_published(make) -> None:
     """A leader that dies right after admitting a group leaves its successor the admission: the state
-    is saved after the transition (it was saved with the epoch, before the admitted group's attempt,
+    is saved after the transition (it was saved with the epoch, before the admitted group's incarnation,
     joining epoch and repair were recorded, so a successor lost them until the next step)."""
     c, client = make(spares=1)
     ask_to_join(client, 2, 0)

@@ -55,8 +55,8 @@ def nodes(c: CoordinatorCore, now: float, **groups: NodeGroup) -> None:
     c.on_nodes(group_views((int(name[1:]), g, now) for name, g in groups.items()), now)
 
 
-def up(attempt: int = 0, ready: int = 0, finished: int = 0) -> NodeGroup:
-    return NodeGroup(attempt=attempt, ranks=RANKS, ready=ready, finished=finished, silent_s=0.0)
+def up(incarnation: int = 0, ready: int = 0, finished: int = 0) -> NodeGroup:
+    return NodeGroup(attempt=incarnation, ranks=RANKS, ready=ready, finished=finished, silent_s=0.0)
 
 
 def of(effects: list, kind: type) -> list:
@@ -120,7 +120,7 @@ def test_a_report_of_a_leave_for_another_group_is_refused() -> None:
 
 
 def test_an_injected_fault_time_is_the_failure_time() -> None:
-    c = core(fault_time=lambda replica, attempt: 990.0 if (replica, attempt) == (2, 0) else None)
+    c = core(fault_time=lambda replica, incarnation: 990.0 if (replica, incarnation) == (2, 0) else None)
     failure = of(c.on_failure({2: "killed"}, now=10.0), Emit)[0]
     assert (failure.fields["time"], failure.fields["clock"]) == (990.0, "fault_injected")
     recovered = of(c.on_failure({}, now=11.0), Emit)
@@ -176,10 +176,10 @@ def test_a_notice_to_the_coordinators_node_stops_the_run_after_the_step_in_progr
     assert events(effects) == ["stopping"] and of(effects, Emit)[0].fields["step"] == 3
     assert c.on_notice("again") == [] and c.stopping == (3, "the coordinator's node goes away")
     assert of(c.on_failure({1: "killed"}, now=10.0), Publish) == [Publish(Membership(2, (0, 2), last_step=3))]
-    nodes(c, 11.0, r0=up(), r2=up(), r1=up(attempt=1, ready=RANKS))
+    nodes(c, 11.0, r0=up(), r2=up(), r1=up(incarnation=1, ready=RANKS))
     assert c.on_joins(now=11.0) == []  # the restarted group is not admitted into a run that stops
     assert not c.finished()
-    nodes(c, 12.0, r0=up(finished=RANKS), r2=up(finished=RANKS), r1=up(attempt=1, ready=RANKS))
+    nodes(c, 12.0, r0=up(finished=RANKS), r2=up(finished=RANKS), r1=up(incarnation=1, ready=RANKS))
     assert c.finished()
 
 
@@ -193,7 +193,7 @@ def test_an_epochs_last_step_is_checked_as_it_is_read() -> None:
 def test_a_restarted_group_is_admitted_then_rejoins_at_its_first_commit() -> None:
     c = core()
     c.on_failure({1: "killed"}, now=10.0)
-    nodes(c, 11.0, r0=up(), r2=up(), r1=up(attempt=1, ready=RANKS))
+    nodes(c, 11.0, r0=up(), r2=up(), r1=up(incarnation=1, ready=RANKS))
     effects = c.on_joins(now=11.0)
     assert of(effects, Admit) == [Admit(1, Admission(1, 2))]
     assert c.membership == Membership(2, (0, 1, 2)) and c.state.joining == {1: 2}
@@ -227,7 +227,7 @@ def test_a_spare_takes_a_failed_members_place() -> None:
 
 def test_a_restart_that_beat_detection_replaces_its_own_member() -> None:
     c = core()
-    nodes(c, 1.0, r0=up(), r2=up(), r1=up(attempt=1, ready=RANKS))
+    nodes(c, 1.0, r0=up(), r2=up(), r1=up(incarnation=1, ready=RANKS))
     effects = c.on_joins(now=1.0)
     assert of(effects, FenceOut) == [FenceOut(1, Fence(0, 1))]
     assert of(effects, Admit) == [Admit(1, Admission(1, 2))]
@@ -244,7 +244,7 @@ def test_finished_waits_for_every_member_with_state() -> None:
 def test_the_state_a_new_leader_takes_over_round_trips_through_json() -> None:
     c = core()
     c.on_failure({1: "killed"}, now=10.0)
-    nodes(c, 11.0, r0=up(), r2=up(), r1=up(attempt=1, ready=RANKS))
+    nodes(c, 11.0, r0=up(), r2=up(), r1=up(incarnation=1, ready=RANKS))
     c.on_joins(now=11.0)
     c.state.progress = Progress(4, 2, 1003.0)
     raw = json.loads(c.state.dumps())
@@ -258,11 +258,11 @@ def test_an_admission_is_written_before_the_epoch_that_includes_it() -> None:
     """A joiner looks for its admission when it sees a new epoch: the admission must be there by then."""
     c = core()
     c.on_failure({1: "killed"}, now=10.0)
-    nodes(c, 11.0, r0=up(), r2=up(), r1=up(attempt=1, ready=RANKS))
+    nodes(c, 11.0, r0=up(), r2=up(), r1=up(incarnation=1, ready=RANKS))
     effects = c.on_joins(now=11.0)
     assert effects.index(Admit(1, Admission(1, 2))) < effects.index(Publish(Membership(2, (0, 1, 2))))
     replaced = core()  # a restart that beat detection: fenced in one epoch, admitted in the next
-    nodes(replaced, 1.0, r0=up(), r2=up(), r1=up(attempt=1, ready=RANKS))
+    nodes(replaced, 1.0, r0=up(), r2=up(), r1=up(incarnation=1, ready=RANKS))
     effects = replaced.on_joins(now=1.0)
     assert effects.index(Admit(1, Admission(1, 2))) < effects.index(Publish(Membership(2, (0, 1, 2))))
 
@@ -357,10 +357,10 @@ def test_report_slots_are_forgotten_below_the_first_one_not_read() -> None:
 def test_an_admission_is_forgotten_once_its_group_rejoined_or_a_newer_incarnation_is_admitted() -> None:
     c = core()
     c.on_failure({1: "killed"}, now=10.0)
-    nodes(c, 11.0, r0=up(), r2=up(), r1=up(attempt=1, ready=RANKS))
+    nodes(c, 11.0, r0=up(), r2=up(), r1=up(incarnation=1, ready=RANKS))
     c.on_joins(now=11.0)
     commit(c, 1)
     assert forgotten(c.on_rejoined(lambda r: [])) == Forget(admissions=((1, 1),))
     c.on_failure({1: "killed again"}, now=20.0)
-    nodes(c, 21.0, r0=up(), r2=up(), r1=up(attempt=2, ready=RANKS))
+    nodes(c, 21.0, r0=up(), r2=up(), r1=up(incarnation=2, ready=RANKS))
     assert forgotten(c.on_joins(now=21.0)) == Forget(admissions=((1, 1),))  # the incarnation it replaces

@@ -318,7 +318,7 @@ def test_node_0_started_again_joins_the_running_run_and_a_new_run_id_reads_nothi
     """Launchers A (node 0: no coordinator address, replica 0) and B (replica 1) on etcd. Once step 2 is
     logged, A's whole tree is SIGKILLed and the same command started again, as a replaced pod would be:
     it finds the run going on and joins it (nothing of the run is cleared, its groups are not restarted at
-    attempt 0), takes replica 0 over once A's lifeline has gone silent, and replica 0 rejoins while
+    incarnation 0), takes replica 0 over once A's lifeline has gone silent, and replica 0 rejoins while
     replica 1 holds step 5. The run ends with every step logged once, those before the kill included.
     A new run with the same secret and a new id then starts from nothing: none of the old run's keys."""
     dump = tmp_path / "dump"

@@ -153,7 +153,7 @@ def test_a_relative_step_counts_from_the_incarnations_first_step() -> None:
     (fault,) = parse_fault_plan("kill replica=1 step=+2 attempt=1 phase=allreduce")
     assert (fault.step, fault.relative, fault.at_step(None), fault.at_step(17)) == (2, True, None, 18)
     assert parse_fault_plan("kill replica=1 step=2")[0].at_step(17) == 2  # absolute: whatever the first step
-    inj = FaultInjector("kill replica=1 step=+2 attempt=1 phase=allreduce", 1, 0, raise_fired, attempt=1)
+    inj = FaultInjector("kill replica=1 step=+2 attempt=1 phase=allreduce", 1, 0, raise_fired, incarnation=1)
     inj.at(17, "join")  # its state arrives for step 17: its first step
     inj.at(17, "allreduce")  # must not fire
     with pytest.raises(Fired):
@@ -368,7 +368,7 @@ def test_module_dict_layers_use_the_middle_value() -> None:
     assert log == ["b0", "b1", "b2"]
 
 
-# --- stop / sleep actions, join / donate phases, attempts ------------------------
+# --- stop / sleep actions, join / donate phases, incarnations --------------------
 
 
 @pytest.mark.unit
@@ -403,21 +403,21 @@ def test_other_phases_still_require_step(phase: str) -> None:
 
 
 @pytest.mark.unit
-def test_attempt_defaults() -> None:
+def test_incarnation_defaults() -> None:
     kill, donate, join = parse_fault_plan(
         "kill replica=1 step=2; kill replica=0 phase=donate; kill replica=1 phase=join"
     )
-    assert kill.attempt == 0
-    assert donate.attempt == 0
-    assert join.attempt == 1  # a join only happens in a restarted group
+    assert kill.incarnation == 0
+    assert donate.incarnation == 0
+    assert join.incarnation == 1  # a join only happens in a restarted group
 
 
 @pytest.mark.unit
-def test_explicit_attempt() -> None:
+def test_explicit_incarnation() -> None:
     a, b, c = parse_fault_plan(
         "kill replica=1 step=2 attempt=2; stop replica=1 phase=join attempt=3; kill replica=0 phase=donate attempt=1"
     )
-    assert (a.attempt, b.attempt, c.attempt) == (2, 3, 1)
+    assert (a.incarnation, b.incarnation, c.incarnation) == (2, 3, 1)
 
 
 @pytest.mark.unit
@@ -454,25 +454,27 @@ def test_new_grammar_errors_name_the_problem(plan: str, fragments: list[str]) ->
 
 
 @pytest.mark.unit
-def test_injector_keeps_only_faults_of_its_attempt() -> None:
+def test_injector_keeps_only_faults_of_its_incarnation() -> None:
     plan = (
         "kill replica=1 step=2 phase=allreduce; kill replica=1 step=3 phase=allreduce attempt=1; "
         "kill replica=1 phase=join; kill replica=1 phase=donate attempt=2; kill replica=0 step=5 attempt=1"
     )
     assert [(f.step, f.phase) for f in FaultInjector(plan, 1, 0, raise_fired).faults] == [(2, "allreduce")]
-    assert [(f.step, f.phase) for f in FaultInjector(plan, 1, 0, raise_fired, attempt=1).faults] == [
+    assert [(f.step, f.phase) for f in FaultInjector(plan, 1, 0, raise_fired, incarnation=1).faults] == [
         (3, "allreduce"),
         (None, "join"),
     ]
-    assert [(f.step, f.phase) for f in FaultInjector(plan, 1, 0, raise_fired, attempt=2).faults] == [(None, "donate")]
-    assert FaultInjector(plan, 1, 0, raise_fired, attempt=3).faults == []
-    assert [f.step for f in FaultInjector(plan, 0, 0, raise_fired, attempt=1).faults] == [5]
+    assert [(f.step, f.phase) for f in FaultInjector(plan, 1, 0, raise_fired, incarnation=2).faults] == [
+        (None, "donate")
+    ]
+    assert FaultInjector(plan, 1, 0, raise_fired, incarnation=3).faults == []
+    assert [f.step for f in FaultInjector(plan, 0, 0, raise_fired, incarnation=1).faults] == [5]
 
 
 @pytest.mark.unit
-def test_other_attempts_faults_do_not_fire() -> None:
+def test_other_incarnations_faults_do_not_fire() -> None:
     inj = injector("kill replica=1 step=2 phase=allreduce attempt=1; kill replica=1 phase=join")
-    inj.at(2, "allreduce")  # attempt 0: neither is ours
+    inj.at(2, "allreduce")  # incarnation 0: neither is ours
     inj.at(2, "join")
 
 
@@ -501,7 +503,7 @@ def test_step_none_matches_any_step_of_its_phase() -> None:
 
 @pytest.mark.unit
 def test_step_none_join_fault_fires_at_any_step() -> None:
-    inj = FaultInjector("kill replica=2 rank=1 phase=join", 2, 1, raise_fired, attempt=1)
+    inj = FaultInjector("kill replica=2 rank=1 phase=join", 2, 1, raise_fired, incarnation=1)
     with pytest.raises(Fired) as info:
         inj.at(12345, "join")
     assert info.value.fault.step is None
@@ -576,16 +578,16 @@ def test_sleep_in_forward_slows_the_microbatch_but_it_completes(model: Tiny) -> 
 CHILD = """
 import sys
 from titan_recover.rank.injector import FaultInjector
-inj = FaultInjector(sys.argv[1], replica=1, rank=0, attempt=int(sys.argv[2]),
+inj = FaultInjector(sys.argv[1], replica=1, rank=0, incarnation=int(sys.argv[2]),
                     on_fire=lambda f: print("fired", f.action, flush=True))
 inj.at(3, sys.argv[3])
 print("survived", flush=True)
 """
 
 
-def spawn(plan: str, phase: str, attempt: int = 0) -> subprocess.Popen:
+def spawn(plan: str, phase: str, incarnation: int = 0) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", CHILD, plan, str(attempt), phase],
+        [sys.executable, "-c", CHILD, plan, str(incarnation), phase],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -602,15 +604,15 @@ def test_kill_sends_sigkill_to_its_own_process() -> None:
 
 
 def test_kill_at_join_of_a_restarted_group_sends_sigkill() -> None:
-    proc = spawn("kill replica=1 phase=join", "join", attempt=1)
+    proc = spawn("kill replica=1 phase=join", "join", incarnation=1)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL, (out, err)
     assert "survived" not in out
 
 
 def test_child_not_matching_survives() -> None:
-    """The harness itself: a fault of another attempt does nothing."""
-    proc = spawn("kill replica=1 phase=join", "join", attempt=0)
+    """The harness itself: a fault of another incarnation does nothing."""
+    proc = spawn("kill replica=1 phase=join", "join", incarnation=0)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, (out, err)
     assert "survived" in out and "fired" not in out
@@ -660,8 +662,8 @@ def test_slow_parses_and_needs_a_factor_above_one() -> None:
 def test_slow_slows_every_rank_and_incarnation_of_its_replica_from_its_step() -> None:
     fired: list[Fault] = []
     plan = "slow replica=1 factor=3 step=2; slow replica=0 factor=2"
-    for rank, attempt in [(0, 0), (1, 0), (0, 2)]:
-        inj = FaultInjector(plan, replica=1, rank=rank, on_fire=fired.append, attempt=attempt)
+    for rank, incarnation in [(0, 0), (1, 0), (0, 2)]:
+        inj = FaultInjector(plan, replica=1, rank=rank, on_fire=fired.append, incarnation=incarnation)
         assert inj.slow_factor(1) == 1.0
         assert [inj.slow_factor(s) for s in (2, 3, 50)] == [3.0, 3.0, 3.0]
     assert len(fired) == 3  # reported once per process, at its first slowed microbatch

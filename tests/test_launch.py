@@ -20,23 +20,23 @@ from titan_recover.titan.jobs import job
 
 
 def test_is_incarnation_reads_the_rank_environment() -> None:
-    env = {**os.environ, keys.REPLICA_ENV: "3", keys.ATTEMPT_ENV: "1", WARM_ENV: "/dev/shm/w"}
+    env = {**os.environ, keys.REPLICA_ENV: "3", keys.INCARNATION_ENV: "1", WARM_ENV: "/dev/shm/w"}
     code = "import time; print('up', flush=True); time.sleep(30)"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
-    attempt_1 = f"{keys.ATTEMPT_ENV}=1"
+    incarnation_1 = f"{keys.INCARNATION_ENV}=1"
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline() == "up\n"  # past exec: /proc/<pid>/environ is its own
-        assert is_incarnation(proc.pid, 3, attempt_1)
+        assert is_incarnation(proc.pid, 3, incarnation_1)
         assert is_incarnation(proc.pid, 3, f"{WARM_ENV}=/dev/shm/w")  # a warm incarnation's own activation file
         assert not is_incarnation(proc.pid, 3, f"{WARM_ENV}=/dev/shm/other")
-        assert not is_incarnation(proc.pid, 3, f"{keys.ATTEMPT_ENV}=0")  # an older incarnation's pid record
-        assert not is_incarnation(proc.pid, 1, attempt_1)
-        assert not is_incarnation(os.getpid(), 3, attempt_1)  # not a rank at all
+        assert not is_incarnation(proc.pid, 3, f"{keys.INCARNATION_ENV}=0")  # an older incarnation's pid record
+        assert not is_incarnation(proc.pid, 1, incarnation_1)
+        assert not is_incarnation(os.getpid(), 3, incarnation_1)  # not a rank at all
     finally:
         proc.kill()
         proc.wait()
-    assert not is_incarnation(proc.pid, 3, attempt_1)  # gone
+    assert not is_incarnation(proc.pid, 3, incarnation_1)  # gone
 
 
 @pytest.mark.unit

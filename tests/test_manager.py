@@ -80,7 +80,7 @@ class Coordinator:
         self,
         replica: int = 0,
         group_rank: int = 0,
-        attempt: int = 0,
+        incarnation: int = 0,
         rejoining: bool = False,
         groups: FakeGroups | None = None,
     ) -> ReplicaManager:
@@ -91,7 +91,7 @@ class Coordinator:
             slot=len(self.managers),
             replica=replica,
             group_rank=group_rank,
-            attempt=attempt,
+            incarnation=incarnation,
             rejoining=rejoining,
             rc=RC,
             on_lost=lost.append,
@@ -270,7 +270,7 @@ def test_agreeing_on_a_newer_epoch_is_bounded(coord: Coordinator) -> None:
 
 def test_join_request_then_admission(coord: Coordinator) -> None:
     coord.publish(0, (0, 1))
-    m = coord.manager(2, attempt=1, rejoining=True)
+    m = coord.manager(2, incarnation=1, rejoining=True)
     assert coord.slot_state(m) == STARTING
     waiter = threading.Thread(target=m.wait_for_admission, args=(0, 2), daemon=True)
     waiter.start()
@@ -306,7 +306,7 @@ def test_a_joiner_says_what_it_waits_for(
     coord: Coordinator, members: tuple[int, ...], says: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     coord.publish(0, members)
-    m = coord.manager(1 if len(members) == 1 else 2, attempt=1, rejoining=True)
+    m = coord.manager(1 if len(members) == 1 else 2, incarnation=1, rejoining=True)
     later(0.05, lambda: coord.channel.publish(0, DONE))
     with caplog.at_level(logging.INFO), pytest.raises(RunDone):
         m.wait_for_admission(3, 2)
@@ -326,7 +326,7 @@ def test_records_digests_and_the_end(coord: Coordinator) -> None:
             slot=1,
             replica=1,
             group_rank=0,
-            attempt=0,
+            incarnation=0,
             rejoining=False,
             rc=RC,
             on_lost=print,
@@ -385,7 +385,7 @@ def test_a_joiner_goes_on_only_in_an_epoch_that_includes_it(coord: Coordinator) 
     """The admission is written before its epoch is published; a leader that dies in between leaves an
     admission whose epoch never includes the group: the joiner waits for its successor's admission."""
     coord.publish(0, (0, 1))
-    m = coord.manager(2, attempt=1, rejoining=True)
+    m = coord.manager(2, incarnation=1, rejoining=True)
     waiter = threading.Thread(target=m.wait_for_admission, args=(0, 2), daemon=True)
     waiter.start()
     coord.control.admit(2, Admission(attempt=1, epoch=1))  # then its leader died before publishing epoch 1

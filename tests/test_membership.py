@@ -246,23 +246,23 @@ def test_no_donor_is_too_few_replicas() -> None:
 
 
 @pytest.mark.parametrize(
-    "members, replica, admitted, attempt, ready, shards, action",
+    "members, replica, admitted, incarnation, ready, shards, action",
     [
         ((0,), 1, 0, 1, 2, 2, "admit"),
         ((0, 2), 1, -1, 0, 1, 1, "admit"),  # never admitted before
         ((0, 1), 1, 0, 1, 2, 2, "replace"),  # the restart beat detection
         ((0,), 1, 0, 1, 1, 2, "wait"),  # not all ranks up
         ((0, 1), 1, 0, 1, 0, 2, "wait"),
-        ((0,), 1, 1, 1, 2, 2, "wait"),  # already admitted this attempt
+        ((0,), 1, 1, 1, 2, 2, "wait"),  # already admitted this incarnation
         ((0, 1), 1, 1, 1, 2, 2, "wait"),  # ... and it is a member
-        ((0,), 1, 2, 1, 2, 2, "wait"),  # stale request of an older attempt
+        ((0,), 1, 2, 1, 2, 2, "wait"),  # stale request of an older incarnation
         ((0,), 1, 1, 2, 3, 2, "admit"),  # more ready than shards: enough
     ],
 )
 def test_join_action(
-    members: tuple[int, ...], replica: int, admitted: int, attempt: int, ready: int, shards: int, action: str
+    members: tuple[int, ...], replica: int, admitted: int, incarnation: int, ready: int, shards: int, action: str
 ) -> None:
-    assert join_action(members, replica, admitted, attempt, ready, shards) == action
+    assert join_action(members, replica, admitted, incarnation, ready, shards) == action
 
 
 # --- FailureDetector ----------------------------------------------------------

@@ -38,7 +38,7 @@ from titan_recover.node.channel import (
 
 @pytest.fixture
 def channel(tmp_path: Path) -> Channel:
-    return Channel.create(replica=3, attempt=1, slots=2, directory=str(tmp_path))
+    return Channel.create(replica=3, incarnation=1, slots=2, directory=str(tmp_path))
 
 
 def wait_until(predicate, timeout_s: float) -> None:

@@ -59,7 +59,7 @@ def test_a_live_launchers_claim_is_refused_quickly_and_a_silent_ones_taken_over(
     lifeline = Lifeline(client, first)
     claims.claim(client, first, [0, 1], stale_s=5.0, log=lines.append)
     assert lines == [] and claims.holds(client, first, 0) and claims.holds(client, first, 1)
-    assert [client.next_attempt(r) for r in (0, 1)] == [0, 0]  # their first starts
+    assert [client.next_incarnation(r) for r in (0, 1)] == [0, 0]  # their first starts
     started = time.monotonic()
     with pytest.raises(claims.ClaimRefused) as info:
         claims.claim(client, second, [2, 1], stale_s=5.0, log=lines.append)
@@ -72,8 +72,8 @@ def test_a_live_launchers_claim_is_refused_quickly_and_a_silent_ones_taken_over(
     claims.claim(client, second, [2, 1], stale_s=0.5, log=lines.append)
     assert claims.holds(client, second, 1) and claims.holds(client, second, 2) and not claims.holds(client, first, 1)
     assert lines[-1] == f"took over replica groups [1] from {first}, which shows no sign of life"
-    assert client.next_attempt(1) == 1  # the replacement's group rejoins; a new group starts at 0
-    assert client.next_attempt(2) == 0
+    assert client.next_incarnation(1) == 1  # the replacement's group rejoins; a new group starts at 0
+    assert client.next_incarnation(2) == 0
 
 
 def test_a_node_asking_for_any_free_ids_gets_unused_ones_first_then_those_of_silent_launchers(

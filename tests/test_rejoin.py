@@ -74,7 +74,7 @@ def test_joiner_killed_mid_transfer_retries(stopped_then_joiner_killed: Run) -> 
     assert [(e["replica"], e["attempt"]) for e in run.of("admitted")] == [(1, 1), (1, 2)]
     assert any(e["phase"] == "join" and e["attempt"] == 1 for e in run.of("fault_injected"))
     assert [f["replica"] for f in run.of("failure")] == [1, 1]  # the stopped incarnation, then the killed joiner
-    rejoined(run, 1)  # once: the joiner killed at attempt 1 never finished its transfer
+    rejoined(run, 1)  # once: the joiner killed in incarnation 1 never finished its transfer
 
 
 def test_a_peer_hung_between_collectives_is_fenced_once_the_wait_is_reported(tmp_path: Path, two_singles: Run) -> None:

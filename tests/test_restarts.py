@@ -96,10 +96,10 @@ def test_replica_groups_restart_per_window_and_give_up_on_flapping(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)  # the launcher logs restarts at info
-    started: list[tuple[int, int]] = []  # (replica, attempt) of every torchrun started
+    started: list[tuple[int, int]] = []  # (replica, incarnation) of every torchrun started
 
     def start(self: Torchruns, replica: int) -> FakeProc:
-        started.append((replica, self.attempts[replica]))
+        started.append((replica, self.incarnations[replica]))
         return FakeProc()
 
     monkeypatch.setattr(Torchruns, "_start", start)
@@ -118,7 +118,7 @@ def test_replica_groups_restart_per_window_and_give_up_on_flapping(
     client = fake_client()
     claims.claim(client, me, [0, 1], stale_s=1.0, log=print)
     for r in (0, 1):
-        groups.start(r, client.next_attempt(r))
+        groups.start(r, client.next_incarnation(r))
 
     def fail(at: float) -> None:
         now[0] = at
@@ -164,11 +164,11 @@ def test_a_group_taken_over_by_another_launcher_is_left_to_it(
     )
     client = fake_client()
     claims.claim(client, me, [1], stale_s=1.0, log=print)
-    groups.start(1, client.next_attempt(1))
+    groups.start(1, client.next_incarnation(1))
     client.store.compare_set(keys.owner_key(1), me.dumps(), replacement.dumps())  # the replacement's takeover
     fake_proc(groups, 1).code = -9  # fenced by the replacement's join, its ranks killed
     assert groups.watch(client)
-    assert groups.given_up == {1} and groups.attempts == {1: 0} and causes(client) == []
+    assert groups.given_up == {1} and groups.incarnations == {1: 0} and causes(client) == []
     assert "replica group 1 exited with code -9; another launcher took it over" in caplog.text
     assert groups.done()
 
@@ -180,10 +180,10 @@ def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
     fenced, reports its own exit but restarts nothing itself (part 0's budget decides), and waits
     for the next incarnation; a launcher that took part 1 over skips the one its predecessor joined."""
     caplog.set_level(logging.INFO)  # the launcher logs restarts at info
-    started: list[tuple[int, int, int]] = []  # (replica, attempt, port)
+    started: list[tuple[int, int, int]] = []  # (replica, incarnation, port)
 
     def start(self: Torchruns, replica: int) -> FakeProc:
-        started.append((replica, self.attempts[replica], self.meetings[replica].port))
+        started.append((replica, self.incarnations[replica], self.meetings[replica].port))
         return FakeProc()
 
     monkeypatch.setattr(Torchruns, "_start", start)
@@ -202,7 +202,7 @@ def test_a_part_of_a_spanning_group_follows_part_0s_incarnations(
     claims.claim(client, me, [0], stale_s=1.0, log=print, part=1)
     groups.begin(client, 0, taken_over=False)
     assert groups.watch(client) and started == [] and not groups.done()  # nothing published yet
-    publish = lambda attempt, port: client.publish_rendezvous(0, Rendezvous(attempt, "10.0.0.5", port))  # noqa: E731
+    publish = lambda incarnation, port: client.publish_rendezvous(0, Rendezvous(incarnation, "10.0.0.5", port))  # noqa: E731
     publish(0, 29600)
     assert groups.watch(client) and started == [(0, 0, 29600)]
     assert groups.meetings[0] == Meeting("10.0.0.5", 29600, 1, 2, 600.0)

@@ -33,8 +33,8 @@ def roster(*members: int, spares: dict[int, int] | None = None, dropped: dict[in
 
 
 def decide(r: Roster, now: float = 0.0, limits: Limits = LIMITS, **groups: int) -> Joins:
-    """``joins`` with every rank of each ``r<id>=<attempt>`` up, and each spare last beaten at 0."""
-    asking = {int(name[1:]): attempt for name, attempt in groups.items()}
+    """``joins`` with every rank of each ``r<id>=<incarnation>`` up, and each spare last beaten at 0."""
+    asking = {int(name[1:]): incarnation for name, incarnation in groups.items()}
     views = {(replica, a): GroupView(RANKS, RANKS, 0, 0.0) for replica, a in asking.items()}
     return joins(r, limits, asking, views, {s: 0.0 for s in r.spares}, now)
 
@@ -99,7 +99,7 @@ def test_ignore_an_id_outside_the_run() -> None:
 
 
 def test_nobody_joins_a_run_that_is_closing() -> None:
-    closing = Roster(Membership(1, (0,)), spares={2: 0}, attempts={0: 0}, closed=True)
+    closing = Roster(Membership(1, (0,)), spares={2: 0}, incarnations={0: 0}, closed=True)
     assert decide(closing, 9.0, r1=1, r2=0) == Joins()
 
 

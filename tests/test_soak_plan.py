@@ -34,7 +34,7 @@ def test_phase_plan_kills_in_every_phase_and_parses() -> None:
     faults = parse_fault_plan(plan)
     assert sorted(f.phase for f in faults) == sorted(soak.PHASES)
     assert all(f.action == "kill" and f.replica in (0, 1) and f.rank in (0, 1) for f in faults)
-    assert [(f.replica, f.attempt, f.phase) for f in faults] == entries
+    assert [(f.replica, f.incarnation, f.phase) for f in faults] == entries
     steps = [f.step for f in faults if f.step is not None]
     assert steps == sorted(steps) and end > max(steps)
     # the same replica is hit again only gap steps later, after it had time to rejoin
@@ -132,7 +132,7 @@ def test_tracker_resolves_a_fault_after_its_failure_and_a_later_step() -> None:
     assert fault.outcome == "survived" and fault.recovered_step == 3 and fault.record()["detect_s"] == 1.0
     assert tr.gate_open()
     tr.feed({"event": "admitted", "replica": 0, "attempt": 1, "epoch": 3, "step": 9}, 10.0)
-    assert tr.view(10.2).fresh == 0 and tr.view(11.5).fresh is None and tr.attempts[0] == 1
+    assert tr.view(10.2).fresh == 0 and tr.view(11.5).fresh is None and tr.incarnations[0] == 1
     tr.feed(_step(4, [0, 1, 2]), 11.0)
     assert tr.holders == {0, 1, 2} and not tr.joining
 

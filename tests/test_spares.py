@@ -45,9 +45,9 @@ def _events(dump: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _ranks_of(replica: int, attempt: int) -> list[int]:
+def _ranks_of(replica: int, incarnation: int) -> list[int]:
     """Pids of the training ranks of that incarnation (their environment says which)."""
-    want = {f"{keys.REPLICA_ENV}={replica}".encode(), f"{keys.ATTEMPT_ENV}={attempt}".encode()}
+    want = {f"{keys.REPLICA_ENV}={replica}".encode(), f"{keys.INCARNATION_ENV}={incarnation}".encode()}
     pids = []
     for entry in os.listdir("/proc"):
         try:
@@ -129,8 +129,8 @@ def test_a_spare_killed_while_receiving_its_state_leaves_the_failure_open_for_th
     assert _one(run, "admitted", replica=2, attempt=0)["step"] <= _one(run, "failure", replica=2)["step"]
     (rejoined,) = run.of("rejoined")  # one of the two restarted groups, the other waits as the spare
     assert rejoined["replica"] in (1, 2)
-    # the killed spare (attempt 0) is in no committed step; replica 2 only from its restarted incarnation's rejoin
-    # (seen on a fresh clone: attempt 1 of replica 2 admitted at step 6 and rejoined at 7, replica 1 the spare)
+    # the killed spare (incarnation 0) is in no committed step; replica 2 only from its restarted incarnation's rejoin
+    # (seen on a fresh clone: incarnation 1 of replica 2 admitted at step 6 and rejoined at 7, replica 1 the spare)
     joined_at = rejoined["step"] if rejoined["replica"] == 2 else float("inf")
     assert all(2 not in e["members"] or e["step"] >= joined_at for e in run.of("step")), run.of("step")
     # timed from replica 1's failure, which the dead spare never repaired

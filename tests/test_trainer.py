@@ -91,7 +91,7 @@ def test_one_rank_commits_one_step_in_this_process(tmp_path: Path, run_secret: s
                 "MASTER_ADDR": LOOPBACK,
                 "MASTER_PORT": str(transport.free_port()),
                 keys.REPLICA_ENV: "0",
-                keys.ATTEMPT_ENV: "0",
+                keys.INCARNATION_ENV: "0",
                 keys.COORDINATOR_ENV: f"{LOOPBACK}:{port}",
                 keys.RUN_ENV: run.id,
                 CHANNEL_ENV: channel.path,

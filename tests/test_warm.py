@@ -70,13 +70,13 @@ def test_a_warm_rank_checks_the_job_then_waits_for_its_activation(
 ) -> None:
     path = str(tmp_path / "activation")
     checked: list[str] = []
-    built = lambda config: (config, os.environ[keys.ATTEMPT_ENV], os.environ[CHANNEL_ENV])  # noqa: E731
+    built = lambda config: (config, os.environ[keys.INCARNATION_ENV], os.environ[CHANNEL_ENV])  # noqa: E731
     monkeypatch.delenv(WARM_ENV, raising=False)
     assert warm.stand_by(built, checked.append) is built  # a cold rank builds at once
     monkeypatch.setenv(WARM_ENV, path)
     monkeypatch.setenv(keys.REPLICA_ENV, "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.delenv(keys.ATTEMPT_ENV, raising=False)
+    monkeypatch.delenv(keys.INCARNATION_ENV, raising=False)
     monkeypatch.delenv(CHANNEL_ENV, raising=False)
 
     def launcher() -> None:
@@ -194,7 +194,7 @@ def test_a_warm_incarnation_takes_over_only_once_the_failed_ranks_are_gone() -> 
         assert pool.take(1, [failed.pid]) is standby
         assert time.monotonic() - start >= 0.4  # it waited for the failed rank to be gone
         proc = standby.activate(3, "/dev/shm/channel")
-        assert proc is standby.proc and Activation.parse(Path(standby.path).read_text(), 1).attempt == 3
+        assert proc is standby.proc and Activation.parse(Path(standby.path).read_text(), 1).incarnation == 3
         assert pool.take(1, []) is None  # none waits now: cold, and the activated one's files are gone
         assert not any(os.path.exists(f) for f in standby.files(1))
     finally:
@@ -208,7 +208,7 @@ def test_a_warm_incarnation_takes_over_only_once_the_failed_ranks_are_gone() -> 
 
 def test_a_killed_group_comes_back_as_its_warm_incarnation_on_the_same_trajectory(tmp_path: Path) -> None:
     """A tiny 2 x 2 run with warm incarnations: replica 1 is killed once its warm incarnation was started
-    (it may still be importing on a loaded host), that incarnation becomes attempt 1, rejoins, and the run's
+    (it may still be importing on a loaded host), that incarnation becomes number 1, rejoins, and the run's
     losses are its failure-free twin's (the twin without warm incarnations: they change nothing it computes)."""
     steps = ["--training.steps", "40", "--recover.digest_interval", "10"]
     # replica 0 waits at step 25 until replica 1 is back: on a loaded host its warm incarnation may still be importing

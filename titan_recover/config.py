@@ -568,7 +568,7 @@ def _check_fault_plan(plan: tuple[fault_plan.Fault, ...], job_config: Any) -> No
         _check_fault_target(f, job_config)
         _check_fault_join(f, job_config)
         _check_fault_step(f, job_config.training.steps)
-        _check_fault_attempt(f, job_config.recover.max_restarts)
+        _check_fault_incarnation(f, job_config.recover.max_restarts)
 
 
 def _check_fault_target(f: fault_plan.Fault, job_config: Any) -> None:
@@ -583,7 +583,7 @@ def _check_fault_target(f: fault_plan.Fault, job_config: Any) -> None:
 
 
 def _check_fault_join(f: fault_plan.Fault, job_config: Any) -> None:
-    if f.phase == "join" and f.attempt == 0 and not is_spare(f.replica, job_config):
+    if f.phase == "join" and f.incarnation == 0 and not is_spare(f.replica, job_config):
         raise ConfigError(
             f"recover.fault_plan: '{f.action} replica={f.replica} phase=join attempt=0' can never fire: replica "
             f"{f.replica} starts as a member and joins only once restarted (attempt >= 1); only a hot spare "
@@ -600,11 +600,11 @@ def _check_fault_step(f: fault_plan.Fault, steps: int) -> None:
         )
 
 
-def _check_fault_attempt(f: fault_plan.Fault, max_restarts: int) -> None:
-    # with restarts counted per window any attempt can come in a long enough run; with none, only attempt 0
-    if f.attempt > 0 and max_restarts == 0:
+def _check_fault_incarnation(f: fault_plan.Fault, max_restarts: int) -> None:
+    # with restarts counted per window any incarnation can come in a long enough run; with none, only incarnation 0
+    if f.incarnation > 0 and max_restarts == 0:
         raise ConfigError(
-            f"recover.fault_plan: '{f.action} replica={f.replica} phase={f.phase} attempt={f.attempt}' can "
+            f"recover.fault_plan: '{f.action} replica={f.replica} phase={f.phase} attempt={f.incarnation}' can "
             "never fire: recover.max_restarts = 0 allows no restart, so only attempt 0 ever runs"
         )
 

@@ -42,7 +42,7 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
-def plan(ids: list[int], members: tuple[int, ...], epoch: int, attempts: dict[int, int]) -> dict[int, int]:
+def plan(ids: list[int], members: tuple[int, ...], epoch: int, incarnations: dict[int, int]) -> dict[int, int]:
     """The incarnation to drain of each group; DrainError when one is no member, or when no member would be left."""
     missing = [r for r in ids if r not in members]
     if missing:
@@ -55,7 +55,7 @@ def plan(ids: list[int], members: tuple[int, ...], epoch: int, attempts: dict[in
             f"draining {ids} would leave no replica group of {list(members)}: nothing was drained "
             "(stop the run instead)"
         )
-    return {r: attempts.get(r, 0) for r in ids}
+    return {r: incarnations.get(r, 0) for r in ids}
 
 
 def on_node(node: str, owners: dict[int, list[Launcher]], members: tuple[int, ...]) -> list[int]:
@@ -120,8 +120,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return keys.EXIT_BAD_INPUT
     now = time.time()
-    for replica, attempt in drains.items():
-        client.drain(replica, Drain(attempt, args.reason, now))
+    for replica, incarnation in drains.items():
+        client.drain(replica, Drain(incarnation, args.reason, now))
     log.info(
         f"asked replica group(s) {ids} to leave at their next step boundary ({args.reason}); their launchers act "
         "within a few seconds, and the run's log and events say when each left"

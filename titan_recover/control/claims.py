@@ -9,7 +9,7 @@ A live owner's claim is refused.
 
 Incarnation numbers come from the store (``incarnation/<replica>``), not from a
 launcher's memory: a replacement launcher's first start of a group that already ran
-is attempt >= 1, so the group asks to rejoin and receives its state from a live peer.
+is incarnation >= 1, so the group asks to rejoin and receives its state from a live peer.
 """
 
 import time

@@ -246,8 +246,8 @@ class ControlClient:
     def admit(self, replica: int, admission: Admission) -> None:
         self.put(keys.admitted_key(replica, admission.attempt), admission)
 
-    def admitted(self, replica: int, attempt: int) -> bool:
-        return self.store.read(keys.admitted_key(replica, attempt)) is not None
+    def admitted(self, replica: int, incarnation: int) -> bool:
+        return self.store.read(keys.admitted_key(replica, incarnation)) is not None
 
     def record_transfer(self, replica: int, group_rank: int, record: TransferRecord) -> None:
         self.put(keys.transfer_key(replica, group_rank), record)
@@ -255,7 +255,7 @@ class ControlClient:
     def read_transfer(self, replica: int, group_rank: int) -> TransferRecord | None:
         return self.read(keys.transfer_key(replica, group_rank), TransferRecord)
 
-    def next_attempt(self, replica: int) -> int:
+    def next_incarnation(self, replica: int) -> int:
         """The next incarnation number of ``replica``: 0 for its first start in the run, whoever starts it."""
         return int(self.store.add(keys.incarnation_key(replica), 1)) - 1
 
@@ -267,8 +267,8 @@ class ControlClient:
     def read_rendezvous(self, replica: int) -> Rendezvous | None:
         return self.read(keys.rendezvous_key(replica), Rendezvous)
 
-    def set_joined(self, replica: int, part: int, attempt: int) -> None:
-        self.store.set(keys.joined_key(replica, part), str(attempt))
+    def set_joined(self, replica: int, part: int, incarnation: int) -> None:
+        self.store.set(keys.joined_key(replica, part), str(incarnation))
 
     def joined(self, replica: int, part: int) -> int | None:
         """The incarnation of ``replica`` its node part ``part`` last started (None: none yet)."""
@@ -348,8 +348,8 @@ class ControlClient:
     def forget_reports(self, slots: range) -> None:
         self._delete([keys.report_key(i) for i in slots])
 
-    def forget_admission(self, replica: int, attempt: int) -> None:
-        self._delete([keys.admitted_key(replica, attempt)])
+    def forget_admission(self, replica: int, incarnation: int) -> None:
+        self._delete([keys.admitted_key(replica, incarnation)])
 
     def forget_node(self, index: int, name: str) -> None:
         """A launcher gone for good (``name``: its launcher key): its registration first, so a new

@@ -14,13 +14,13 @@ GROUP_NODE_ENV = "TITAN_RECOVER_GROUP_NODE"  # which node part of its replica gr
 SECRET_ENV = "TITAN_RECOVER_SECRET"  # this run's secret: it seals every record of the run (``sealed``)
 RUN_ENV = "TITAN_RECOVER_RUN_ID"  # this run's id: a new id is a new run; the same id relaunched rejoins it
 LISTEN_FD_ENV = "TITAN_RECOVER_LISTEN_FD"  # the listening socket its launcher bound and handed to the coordinator
-ATTEMPT_ENV = "TITAN_RECOVER_ATTEMPT"  # incarnation of this replica group: 0, then +1 per restart
+INCARNATION_ENV = "TITAN_RECOVER_ATTEMPT"  # incarnation of this replica group: 0, then +1 per restart
 NOTICE_STOPS_RUN_ENV = "TITAN_RECOVER_NOTICE_STOPS_RUN"  # "1": a SIGTERM here stops the whole run (its coordinator)
 
 
-def attempt() -> int:
+def incarnation() -> int:
     """This process's incarnation of its replica group (counted in the store: ``incarnation_key``)."""
-    return int(os.environ.get(ATTEMPT_ENV, "0"))
+    return int(os.environ.get(INCARNATION_ENV, "0"))
 
 
 # exit codes of every titan_recover process, what its supervisor (the launcher, Slurm, Kubernetes) acts on
@@ -116,10 +116,10 @@ def fault_key(replica: int) -> str:
     return f"fault/{replica}"
 
 
-def admitted_key(replica: int, attempt: int) -> str:
+def admitted_key(replica: int, incarnation: int) -> str:
     """The coordinator's answer to that incarnation's ranks being ready to join (their node agents
     say so); it comes with a new epoch, which is when a joiner looks."""
-    return f"admitted/{replica}/{attempt}"
+    return f"admitted/{replica}/{incarnation}"
 
 
 def fenced_key(replica: int) -> str:

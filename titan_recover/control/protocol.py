@@ -567,8 +567,8 @@ class CoordinatorState(Record):
     attempts: dict[int, int] = field(default_factory=dict)  # incarnation of each member
     admitted_epoch: dict[int, int] = field(default_factory=dict)  # epoch each member was admitted in
     joining: dict[int, int] = field(default_factory=dict)  # admitted, no step committed yet -> admission epoch
-    spares: dict[int, int] = field(default_factory=dict)  # groups ready to join while the membership is full -> attempt
-    dropped: dict[int, int] = field(default_factory=dict)  # waiting incarnations fenced for silence -> attempt
+    spares: dict[int, int] = field(default_factory=dict)  # ready to join while the membership is full -> incarnation
+    dropped: dict[int, int] = field(default_factory=dict)  # waiting incarnations fenced for silence -> incarnation
     down_since: dict[int, float] = field(default_factory=dict)  # failed replica, not yet replaced -> when it failed
     repairs: dict[int, tuple[int, float]] = field(
         default_factory=dict
@@ -646,14 +646,14 @@ class CoordinatorState(Record):
             rec,
         )
         pair = lambda v: isinstance(v, list) and len(v) == 2 and is_int(v[0]) and is_seconds(v[1])  # noqa: E731
-        attempts, admitted_epoch, joining, spares, dropped = (
+        incarnations, admitted_epoch, joining, spares, dropped = (
             _ids(key, rec[k], k, is_int) for k in ("attempts", "admitted_epoch", "joining", "spares", "dropped")
         )
         return CoordinatorState(
             None if progress is None else Progress(progress["step"], progress["epoch"], progress["time"]),
             rec["next_report"],
             rec["retries"],
-            attempts,
+            incarnations,
             admitted_epoch,
             joining,
             spares,

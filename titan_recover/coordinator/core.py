@@ -114,7 +114,7 @@ class Forget:
     vote_epochs: range = range(0)  # the epochs those steps were voted in
     epochs: range = range(0)  # their members and their groups' rendezvous keys
     reports: range = range(0)  # report slots read, and saved as read
-    admissions: tuple[tuple[int, int], ...] = ()  # (replica, attempt): admissions read, or of a replaced incarnation
+    admissions: tuple[tuple[int, int], ...] = ()  # (replica, incarnation): admissions read, or of a replaced one
 
 
 Effect = Union[Publish, Save, FenceOut, Admit, Emit, LogStep, Usage, Say, Stop, Forget]
@@ -133,7 +133,7 @@ class CoordinatorCore:
         rules: Rules,
         detector: FailureDetector,
         *,
-        fault_time: Callable[[int, int], float | None] = lambda replica, attempt: None,
+        fault_time: Callable[[int, int], float | None] = lambda replica, incarnation: None,
         committed: Callable[[int, int], bool] = lambda step, epoch: False,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -152,7 +152,7 @@ class CoordinatorCore:
         self.start_step: int | None = None  # the step the ranks started from (a DCP checkpoint's, or 0)
         self.reporters: set[int] = set()  # replicas that reported a broken collective in this step
         self.errors: dict[int, tuple[str, int]] = {}  # replica -> (its ranks' own error, step)
-        self.views: dict[tuple[int, int], GroupView] = {}  # (replica, attempt) -> folded over its nodes
+        self.views: dict[tuple[int, int], GroupView] = {}  # (replica, incarnation) -> folded over its nodes
         self.asking: dict[int, int] = {}  # replica -> its latest incarnation whose ranks wait to join
         self.commit_epochs: dict[int, int] = {}  # step -> its commit epoch, for the steps this leader saw commit
         self.leaving: dict[int, Report] = {}  # members whose own report says they leave on notice: no failure
@@ -274,10 +274,10 @@ class CoordinatorCore:
         """The groups as the node messages show them: beats of current incarnations reach the
         detector; a rank whose main loop is stuck is its group's failure."""
         self.views = views
-        self.asking = {replica: attempt for (replica, attempt), view in sorted(views.items()) if view.ready}
+        self.asking = {replica: incarnation for (replica, incarnation), view in sorted(views.items()) if view.ready}
         for replica in (*self.membership.members, *self.state.spares):
-            attempt = self._attempt(replica)
-            view = None if attempt is None else views.get((replica, attempt))
+            incarnation = self._incarnation(replica)
+            view = None if incarnation is None else views.get((replica, incarnation))
             if view is None or view.ranks < self.rules.group_ranks:
                 continue  # not every rank has beaten yet: the startup bound holds
             self.detector.beat(replica, view.alive_at)
@@ -290,7 +290,7 @@ class CoordinatorCore:
             return []  # about an epoch already replaced
         if suspect is not None and report.epoch < self.state.admitted_epoch.get(suspect, 0):
             return []  # about an incarnation already replaced
-        if report.attempt is not None and (suspect is None or report.attempt != self._attempt(suspect)):
+        if report.attempt is not None and (suspect is None or report.attempt != self._incarnation(suspect)):
             return []  # a launcher's report about another incarnation (it crossed that group's restart)
         if suspect is None and report.replica is not None and not report.waiting:
             self.reporters.add(report.replica)
@@ -305,8 +305,8 @@ class CoordinatorCore:
         self.detector.report(suspect, report.cause, now, report.waiting)
         return effects
 
-    def _attempt(self, replica: int) -> int | None:
-        """The attempt of the incarnation of ``replica`` the run holds now: as a member or as a waiting spare."""
+    def _incarnation(self, replica: int) -> int | None:
+        """The number of the incarnation of ``replica`` the run holds now: as a member or as a waiting spare."""
         return self.state.spares[replica] if replica in self.state.spares else self.state.attempts.get(replica)
 
     def _failure_time(self, replica: int, detected: float, now: float) -> tuple[float, str]:
@@ -430,11 +430,11 @@ class CoordinatorCore:
         last_beat = {r: self.detector.silent_since(r) for r in state.spares}
         decision = joins(self._roster(), self.limits, self.asking, self.views, last_beat, now)
         effects: list[Effect] = []
-        for replica, attempt in decision.replace:  # its previous incarnation is still a member: it takes its place back
-            effects += self.on_failure({replica: f"restarted by its launcher (attempt {attempt})"}, now)
+        for replica, incarnation in decision.replace:  # its previous incarnation is a member: it takes its place back
+            effects += self.on_failure({replica: f"restarted by its launcher (attempt {incarnation})"}, now)
             if stops(effects):
                 return effects
-            effects += self._admit(replica, attempt, now)
+            effects += self._admit(replica, incarnation, now)
         effects += [
             Say(f"ignoring a join request of replica {replica}: the run has ids 0..{self.rules.replica_ids - 1}")
             for replica in decision.outside
@@ -443,35 +443,35 @@ class CoordinatorCore:
             del state.spares[replica]
         for replica, cause in decision.drop:
             effects += self._drop_spare(replica, cause)
-        for replica, attempt in decision.admit:
+        for replica, incarnation in decision.admit:
             state.spares.pop(replica, None)
-            effects += self._admit(replica, attempt, now)
-        for replica, attempt in decision.hold:
-            state.spares[replica] = attempt
+            effects += self._admit(replica, incarnation, now)
+        for replica, incarnation in decision.hold:
+            state.spares[replica] = incarnation
             self.detector.expect(replica, now)  # its beats are watched from now on
-            effects.append(Emit("spare_ready", {"replica": replica, "attempt": attempt, "step": self.step()}))
+            effects.append(Emit("spare_ready", {"replica": replica, "attempt": incarnation, "step": self.step()}))
         return effects
 
     def _drop_spare(self, replica: int, cause: str) -> list[Effect]:
-        attempt = self.state.spares.pop(replica)
-        self.state.dropped[replica] = attempt
+        incarnation = self.state.spares.pop(replica)
+        self.state.dropped[replica] = incarnation
         return [
             Save(),
-            FenceOut(replica, Fence(attempt, self.membership.epoch)),
-            Emit("spare_lost", {"replica": replica, "attempt": attempt, "step": self.step(), "cause": cause}),
-            Say(f"spare replica {replica} (attempt {attempt}) fenced: {cause}"),
+            FenceOut(replica, Fence(incarnation, self.membership.epoch)),
+            Emit("spare_lost", {"replica": replica, "attempt": incarnation, "step": self.step(), "cause": cause}),
+            Say(f"spare replica {replica} (attempt {incarnation}) fenced: {cause}"),
         ]
 
-    def _admit(self, replica: int, attempt: int, now: float) -> list[Effect]:
+    def _admit(self, replica: int, incarnation: int, now: float) -> list[Effect]:
         """Makes a ready group a member in a new epoch; it takes the state from a live peer."""
         state = self.state
         new = admit(self.membership, replica)
-        replaced_attempt = state.attempts.get(replica)
+        replaced_incarnation = state.attempts.get(replica)
         # the admission before the epoch: a joiner looks for it when it sees an epoch that includes it
-        effects: list[Effect] = [Admit(replica, Admission(attempt, new.epoch)), *self._publish(new)]
-        if replaced_attempt is not None and replaced_attempt != attempt:
-            effects.append(Forget(admissions=((replica, replaced_attempt),)))
-        state.attempts[replica] = attempt
+        effects: list[Effect] = [Admit(replica, Admission(incarnation, new.epoch)), *self._publish(new)]
+        if replaced_incarnation is not None and replaced_incarnation != incarnation:
+            effects.append(Forget(admissions=((replica, replaced_incarnation),)))
+        state.attempts[replica] = incarnation
         state.admitted_epoch[replica] = state.joining[replica] = new.epoch
         self.detector.set_members(new.members, now)
         replaced = repaired_failure(replica, state.down_since)
@@ -483,14 +483,14 @@ class CoordinatorCore:
                 "admitted",
                 {
                     "replica": replica,
-                    "attempt": attempt,
+                    "attempt": incarnation,
                     "epoch": new.epoch,
                     "step": self.step(),
                     **({"replaces": replaced} if replaced is not None else {}),
                 },
             ),
             Say(
-                f"epoch {new.epoch}: replica {replica} (attempt {attempt}) "
+                f"epoch {new.epoch}: replica {replica} (attempt {incarnation}) "
                 f"admitted{instead}, members {id_list(new.members)}"
             ),
         ]

@@ -247,8 +247,8 @@ class Coordinator:
         self.control.forget_steps(forget.steps, forget.vote_epochs, self.core.rules.replica_ids)
         self.control.forget_epochs(forget.epochs)
         self.control.forget_reports(forget.reports)
-        for replica, attempt in forget.admissions:
-            self.control.forget_admission(replica, attempt)
+        for replica, incarnation in forget.admissions:
+            self.control.forget_admission(replica, incarnation)
 
     def _take_over(self, saved: CoordinatorState) -> None:
         """Continues a run from the state its previous leader saved: the epochs from the store (those
@@ -273,13 +273,13 @@ class Coordinator:
                     self.events.step(record.to_json())
         log.info(f"took over at step {self.core.step()}: epoch {epoch}, members {id_list(self.membership.members)}")
 
-    def _fault_time(self, replica: int, attempt: int) -> float | None:
+    def _fault_time(self, replica: int, incarnation: int) -> float | None:
         """An injected fault's own time, if that incarnation had one (measurement only)."""
         try:
             rec = self.control.read_fault(replica)
         except MessageError:
             return None
-        return rec.time if rec is not None and rec.attempt == attempt else None
+        return rec.time if rec is not None and rec.attempt == incarnation else None
 
     def _read_start_step(self) -> None:
         if self.core.state.progress is None and self.core.start_step is None:  # written once: read once

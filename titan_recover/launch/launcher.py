@@ -4,7 +4,7 @@
 on etcd, a candidate; start the groups; register and claim them; watch, restart and fence them;
 drain), restarting only a failed group, which rejoins from a live peer. torchrun's own
 ``--max_restarts`` is not used: with ``--standalone`` in torch 2.13 a restarted group read its
-previous attempt's gloo addresses and failed to connect. ``enable = false``: one torchrun world,
+previous incarnation's gloo addresses and failed to connect. ``enable = false``: one torchrun world,
 stock TorchTitan, restarted as a whole (checkpoint-and-restart) on the same budget. docs/design.md,
 docs/multi-node.md and docs/trust-model.md say the rest.
 """
@@ -191,9 +191,9 @@ def run_stock(job_config: Any, argv: list[str]) -> int:
     budget = RestartBudget(rc.max_restarts, rc.restart_window_s)
     nproc = par.data_parallel_replicate_degree * config.group_ranks(par)
     log.info(f"[recover] enable = false: stock TorchTitan HSDP, {nproc} ranks in one torchrun world")
-    attempt = 0
+    incarnation = 0
     while True:
-        env = with_threads({**os.environ, keys.ATTEMPT_ENV: str(attempt)}, nproc)
+        env = with_threads({**os.environ, keys.INCARNATION_ENV: str(incarnation)}, nproc)
         code = subprocess.call(torchrun(nproc, argv, "hsdp"), env=env)
         now = time.monotonic()
         if code == 0:
@@ -201,8 +201,10 @@ def run_stock(job_config: Any, argv: list[str]) -> int:
         if not budget.take(now):
             log.info(f"torchrun exited with code {code}; {budget.refusal(now)}; not restarting the job")
             return code
-        attempt += 1
-        log.info(f"torchrun exited with code {code}; restarting the whole job ({budget.used(now)}, attempt {attempt})")
+        incarnation += 1
+        log.info(
+            f"torchrun exited with code {code}; restarting the whole job ({budget.used(now)}, attempt {incarnation})"
+        )
 
 
 class NodeLauncher:
@@ -405,10 +407,10 @@ class NodeLauncher:
         )
         return True
 
-    def _started(self, replica: int, attempt: int, warm: bool) -> None:
+    def _started(self, replica: int, incarnation: int, warm: bool) -> None:
         """The event log says where and when each incarnation started, and whether warm (the status page's restarts)."""
         self.events.emit(
-            "group_started", replica=replica, attempt=attempt, host=self.me.host, part=self.part, warm=warm
+            "group_started", replica=replica, attempt=incarnation, host=self.me.host, part=self.part, warm=warm
         )
 
     def register(self) -> ControlClient | None:

@@ -42,12 +42,12 @@ class Standby:
     def files(self, ranks: int) -> list[str]:
         return [self.path, *(ready_file(self.path, k) for k in range(ranks))]
 
-    def activate(self, attempt: int, channel: str) -> subprocess.Popen:
-        """Makes it the group's incarnation ``attempt`` with that node channel; its torchrun."""
-        Activation(self.replica, attempt, channel).write(self.path)
+    def activate(self, incarnation: int, channel: str) -> subprocess.Popen:
+        """Makes it incarnation ``incarnation`` of the group, with that node channel; its torchrun."""
+        Activation(self.replica, incarnation, channel).write(self.path)
         log.info(
             f"replica group {self.replica}: its warm incarnation ({'waiting' if self.ready else 'still importing'}) "
-            f"takes over as attempt {attempt}"
+            f"takes over as attempt {incarnation}"
         )
         return self.proc
 

@@ -112,16 +112,16 @@ def kill_fenced(fence: Fence | None, agent: NodeAgent, replica: int, mark: str, 
     """
     if fence is None:
         return False
-    attempt = fence.attempt
-    if handled.get(replica, -1) >= attempt:
+    incarnation = fence.attempt
+    if handled.get(replica, -1) >= incarnation:
         return False
-    handled[replica] = attempt
-    for local_rank, pid in agent.pids(replica, attempt).items():
+    handled[replica] = incarnation
+    for local_rank, pid in agent.pids(replica, incarnation).items():
         if not is_incarnation(pid, replica, mark):
             continue  # the pid now belongs to someone else
         try:
             os.kill(pid, signal.SIGKILL)
-            log.info(f"killed local rank {local_rank} of fenced replica {replica} (attempt {attempt}, pid {pid})")
+            log.info(f"killed local rank {local_rank} of fenced replica {replica} (attempt {incarnation}, pid {pid})")
         except ProcessLookupError:
             pass  # already gone
     return True
@@ -148,15 +148,15 @@ class LeaderPart:
     incarnation, restarts a failed one within its budget, and says where one that spans nodes meets."""
 
     def begin(self, groups: "Torchruns", client: ControlClient, replica: int, taken_over: bool) -> None:
-        attempt = client.next_attempt(replica)  # 0 for a group started before the store was up
+        incarnation = client.next_incarnation(replica)  # 0 for a group started before the store was up
         if replica not in groups.procs:  # >= 1 for a group that ran under a launcher now dead: it rejoins
-            groups.start(replica, attempt)
+            groups.start(replica, incarnation)
         self.publish(groups, client, replica)
 
     def publish(self, groups: "Torchruns", client: ControlClient, replica: int) -> None:
         if groups.span.parts > 1:
             meet = groups.meetings[replica]
-            client.publish_rendezvous(replica, Rendezvous(groups.attempts[replica], meet.host, meet.port))
+            client.publish_rendezvous(replica, Rendezvous(groups.incarnations[replica], meet.host, meet.port))
 
     def exited(self, groups: "Torchruns", client: ControlClient, replica: int, code: int) -> None:
         now = groups.clock()
@@ -172,9 +172,9 @@ class LeaderPart:
             return
         budget.record(now)
         groups.report_exit(client, replica, code, "")
-        attempt = client.next_attempt(replica)
-        log.info(f"{groups.span.of(replica)} exited with code {code}; {budget.used(now)} (attempt {attempt})")
-        groups.start(replica, attempt)
+        incarnation = client.next_incarnation(replica)
+        log.info(f"{groups.span.of(replica)} exited with code {code}; {budget.used(now)} (attempt {incarnation})")
+        groups.start(replica, incarnation)
         self.publish(groups, client, replica)
 
     def poll(self, groups: "Torchruns", client: ControlClient) -> None:
@@ -200,7 +200,7 @@ class FollowerPart:
     def exited(self, groups: "Torchruns", client: ControlClient, replica: int, code: int) -> None:
         groups.report_exit(client, replica, code, "")
         log.info(f"{groups.span.of(replica)} exited with code {code}; waiting for part 0 to start its next incarnation")
-        groups.waiting[replica] = groups.attempts[replica] + 1
+        groups.waiting[replica] = groups.incarnations[replica] + 1
 
     def poll(self, groups: "Torchruns", client: ControlClient) -> None:
         """Starts this part of part 0's latest incarnation of each waiting group, if it may join it."""
@@ -236,13 +236,13 @@ class Torchruns:
         agent: NodeAgent,
         span: Span = Span(),
         clock: Callable[[], float] = time.monotonic,
-        on_start: Callable[[int, int, bool], None] = lambda replica, attempt, warm: None,
+        on_start: Callable[[int, int, bool], None] = lambda replica, incarnation, warm: None,
         warm: bool = False,
         on_warm: Callable[[int, float], object] = lambda replica, seconds: None,
         notice_budget_s: float = 12.0,
     ) -> None:
         self.argv, self.envs, self.local_ranks, self.launcher, self.clock = argv, envs, local_ranks, launcher, clock
-        self.on_start = on_start  # (replica, attempt, warm): an incarnation started here (the event log says so)
+        self.on_start = on_start  # (replica, incarnation, warm): an incarnation started here (the event log says so)
         self.notice_budget_s = notice_budget_s  # how long a drained group may take to leave
         # the torchrun of a group spanning nodes starts with its other parts: no warm one
         self.standbys = (
@@ -256,9 +256,9 @@ class Torchruns:
         self.meetings: dict[int, Meeting] = {}  # groups that span nodes: where the current incarnation meets
         self.waiting: dict[int, int] = {}  # parts > 0: group -> the lowest incarnation of part 0's it may join
         self.fences_read = (-2, 0.0)  # the epoch at the last look for fenced incarnations, and when
-        self.attempts: dict[
+        self.incarnations: dict[
             int, int
-        ] = {}  # the incarnation each group runs, numbered by the store (ControlClient.next_attempt)
+        ] = {}  # the incarnation each group runs, numbered by the store (ControlClient.next_incarnation)
         self.budgets = {r: RestartBudget(max_restarts, restart_window_s) for r in envs}
         self.procs: dict[int, subprocess.Popen] = {}
         self.given_up: set[int] = set()
@@ -269,34 +269,34 @@ class Torchruns:
         self.stopping = False  # the run stops in order (this node runs its coordinator and goes away): no restarts
         self.drains_read = -DRAIN_PROBE_S  # when this launcher last looked for the operator's drains
 
-    def start(self, replica: int, attempt: int, meet: tuple[str, int] | None = None) -> None:
+    def start(self, replica: int, incarnation: int, meet: tuple[str, int] | None = None) -> None:
         """Starts that incarnation; a group that spans nodes meets at ``meet`` (part 0 picks a port)."""
         span = self.span
         if span.parts > 1:
             host, port = meet or (span.host, transport.free_port())
             self.meetings[replica] = Meeting(host, port, span.part, span.parts, span.timeout_s)
         standby = None
-        if self.standbys is not None and replica in self.attempts:
-            failed = self.agent.pids(replica, self.attempts[replica]).values()
+        if self.standbys is not None and replica in self.incarnations:
+            failed = self.agent.pids(replica, self.incarnations[replica]).values()
             standby = self.standbys.take(
                 replica, [p for p in failed if is_incarnation(p, replica, self.marks[replica])]
             )
-        self.attempts[replica] = attempt
+        self.incarnations[replica] = incarnation
         self.waiting.pop(replica, None)
         if standby is None:
-            self.procs[replica], self.marks[replica] = self._start(replica), f"{keys.ATTEMPT_ENV}={attempt}"
+            self.procs[replica], self.marks[replica] = self._start(replica), f"{keys.INCARNATION_ENV}={incarnation}"
         else:
-            self.procs[replica] = standby.activate(attempt, self.agent.open(replica, attempt))
+            self.procs[replica] = standby.activate(incarnation, self.agent.open(replica, incarnation))
             self.marks[replica] = f"{WARM_ENV}={standby.path}"
-        self.on_start(replica, attempt, standby is not None)
+        self.on_start(replica, incarnation, standby is not None)
 
     def _start(self, replica: int) -> subprocess.Popen:
-        attempt = self.attempts[replica]
+        incarnation = self.incarnations[replica]
         env = {
             **self.envs[replica],
             keys.REPLICA_ENV: str(replica),
-            keys.ATTEMPT_ENV: str(attempt),
-            CHANNEL_ENV: self.agent.open(replica, attempt),
+            keys.INCARNATION_ENV: str(incarnation),
+            CHANNEL_ENV: self.agent.open(replica, incarnation),
         }
         return subprocess.Popen(
             torchrun(self.local_ranks, self.argv, f"replica{replica}", self.meetings.get(replica)),
@@ -321,7 +321,7 @@ class Torchruns:
                 cause=cause,
                 replica=replica,
                 suspect=replica,
-                attempt=self.attempts[replica],
+                attempt=self.incarnations[replica],
             )
         )
 
@@ -400,7 +400,7 @@ class Torchruns:
         if look and now - self.drains_read >= DRAIN_PROBE_S:
             drains, self.drains_read = client.read_drains(list(self.procs)), now
         for r, drain in drains.items():
-            if drain is not None and drain.attempt == self.attempts.get(r):
+            if drain is not None and drain.attempt == self.incarnations.get(r):
                 self.leave(drain.time, self.notice_budget_s, [r], f"drained by the operator: {drain.reason}")
         for r, proc in list(self.procs.items()):
             if r in self.leave_by:  # it exits by itself: its fence (the coordinator's, after its leave) kills nothing
@@ -408,7 +408,12 @@ class Torchruns:
                 continue
             fence = fences.get(r)
             if look and kill_fenced(fence, self.agent, r, self.marks[r], self.killed):
-                if fence is not None and fence.attempt == self.attempts[r] and self.standbys and self.standbys.has(r):
+                if (
+                    fence is not None
+                    and fence.attempt == self.incarnations[r]
+                    and self.standbys
+                    and self.standbys.has(r)
+                ):
                     proc.kill()  # its torchrun need not wind down: the warm incarnation takes over at once
             code = proc.poll()
             if code in (None, 0) or r in self.given_up or r in self.waiting or self.stopping:

@@ -58,7 +58,7 @@ class SlotWatch:
     def new(slots: int, now: float) -> "SlotWatch":
         return SlotWatch(np.zeros(slots, dtype=np.int64), np.full(slots, now))
 
-    def entry(self, attempt: int, slots: np.ndarray, now: float) -> NodeGroup:
+    def entry(self, incarnation: int, slots: np.ndarray, now: float) -> NodeGroup:
         """This incarnation's part of the node message, from its slots (rows of beat, state, pid, step)."""
         beat, state = slots[:, BEAT], slots[:, STATE]
         moved = beat != self.beats
@@ -70,7 +70,7 @@ class SlotWatch:
             self.most_silent = int(np.flatnonzero(live)[np.argmin(self.changed[live])])
         stuck = np.flatnonzero(state == STUCK)
         return NodeGroup(
-            attempt=attempt,
+            attempt=incarnation,
             ranks=int(((beat > 0) | finished).sum()),
             ready=int((state == READY).sum()),
             finished=int(finished.sum()),
@@ -87,7 +87,7 @@ class NodeAgent:
     run: Run
     slots: int  # local ranks per group
     channels: dict[int, Channel] = field(default_factory=dict)  # replica -> its current incarnation's channel
-    attempts: dict[int, int] = field(default_factory=dict)
+    incarnations: dict[int, int] = field(default_factory=dict)
     watches: dict[int, SlotWatch] = field(default_factory=dict)
     hang_timeout_s: float = 0.0  # > 0: report a rank silent this long (0: leave it to the coordinator)
     epoch: int = -1
@@ -97,26 +97,26 @@ class NodeAgent:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _waiter: threading.Thread | None = None
     _hangs: list[Report] = field(default_factory=list)  # reports for the launcher to send
-    _hung: set[tuple[int, int]] = field(default_factory=set)  # (replica, attempt) already reported
+    _hung: set[tuple[int, int]] = field(default_factory=set)  # (replica, incarnation) already reported
 
-    def open(self, replica: int, attempt: int) -> str:
+    def open(self, replica: int, incarnation: int) -> str:
         """A fresh channel for this incarnation of ``replica``; its path, for the ranks' environment.
         The previous incarnation's file is unlinked: its leftovers cannot pass for the new one."""
-        channel = Channel.create(replica, attempt, self.slots)
+        channel = Channel.create(replica, incarnation, self.slots)
         with self._lock:
             old = self.channels.get(replica)
             channel.publish(self.epoch, self._channel_flags(replica), self.notices.get(replica))
-            self.channels[replica], self.attempts[replica] = channel, attempt
+            self.channels[replica], self.incarnations[replica] = channel, incarnation
             self.watches[replica] = SlotWatch.new(self.slots, time.monotonic())
         if old is not None:
             old.remove()
         return channel.path
 
-    def pids(self, replica: int, attempt: int) -> dict[int, int]:
+    def pids(self, replica: int, incarnation: int) -> dict[int, int]:
         """Local rank -> pid, as the ranks of that incarnation wrote them into their slots
         (none if it is not the current one)."""
         with self._lock:
-            if self.attempts.get(replica) != attempt or replica not in self.channels:
+            if self.incarnations.get(replica) != incarnation or replica not in self.channels:
                 return {}
             slots = self.channels[replica].read_slots()
         return {k: int(p) for k, p in enumerate(slots[:, PID]) if p > 0}
@@ -144,7 +144,7 @@ class NodeAgent:
         """The current incarnation of ``replica`` is a restart none of whose ranks was ever admitted:
         it holds nothing the run needs (a first incarnation's ranks stay STARTING until they finish)."""
         with self._lock:
-            if self.attempts.get(replica, 0) == 0 or replica not in self.channels:
+            if self.incarnations.get(replica, 0) == 0 or replica not in self.channels:
                 return False
             states = self.channels[replica].read_slots()[:, STATE]
         return not np.isin(states, (RUNNING, STUCK, FINISHED)).any()
@@ -157,7 +157,7 @@ class NodeAgent:
             for channel in self.channels.values():
                 channel.tick()  # the ranks watch this move
             groups = {
-                r: self.watches[r].entry(self.attempts[r], channel.read_slots(), now)
+                r: self.watches[r].entry(self.incarnations[r], channel.read_slots(), now)
                 for r, channel in self.channels.items()
             }
             for r, entry in groups.items():
@@ -166,14 +166,16 @@ class NodeAgent:
 
     def _check_hang(self, replica: int, silent_s: float) -> None:
         """Queues one report per incarnation whose most silent live rank passed ``hang_timeout_s``."""
-        incarnation = (replica, self.attempts[replica])
-        if self.hang_timeout_s <= 0 or silent_s <= self.hang_timeout_s or incarnation in self._hung:
+        hung = (replica, self.incarnations[replica])
+        if self.hang_timeout_s <= 0 or silent_s <= self.hang_timeout_s or hung in self._hung:
             return
-        self._hung.add(incarnation)
-        rank, attempt = self.watches[replica].most_silent, incarnation[1]
-        cause = f"heartbeat silent for {silent_s:.2f}s (local rank {rank} of attempt {attempt}, seen by its node agent)"
+        self._hung.add(hung)
+        rank, incarnation = self.watches[replica].most_silent, hung[1]
+        cause = (
+            f"heartbeat silent for {silent_s:.2f}s (local rank {rank} of attempt {incarnation}, seen by its node agent)"
+        )
         self._hangs.append(
-            Report(epoch=max(self.epoch, 0), cause=cause, replica=replica, suspect=replica, attempt=attempt)
+            Report(epoch=max(self.epoch, 0), cause=cause, replica=replica, suspect=replica, attempt=incarnation)
         )
 
     def take_hangs(self) -> list[Report]:

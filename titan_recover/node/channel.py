@@ -50,7 +50,7 @@ def shm_dir() -> str:
 
 CHANNEL_FILE = re.compile(
     r"titan_recover-(\d+)-r\d+-(?:a\d+|warm)-[0-9a-f]+(?:\.partial|\.ready\d+)?"
-)  # titan_recover-<agent pid>-r<replica>-a<attempt>-<random>, and a warm incarnation's activation (node.warm)
+)  # titan_recover-<agent pid>-r<replica>-a<incarnation>-<random>, and a warm incarnation's activation (node.warm)
 
 
 def remove_orphans(directory: str | None = None) -> list[str]:
@@ -78,9 +78,9 @@ class Channel:
         self.slots = (len(words) - HEADER) // SLOT
 
     @staticmethod
-    def create(replica: int, attempt: int, slots: int, directory: str | None = None) -> "Channel":
+    def create(replica: int, incarnation: int, slots: int, directory: str | None = None) -> "Channel":
         path = os.path.join(
-            directory or shm_dir(), f"titan_recover-{os.getpid()}-r{replica}-a{attempt}-{secrets.token_hex(4)}"
+            directory or shm_dir(), f"titan_recover-{os.getpid()}-r{replica}-a{incarnation}-{secrets.token_hex(4)}"
         )
         size = 8 * (HEADER + SLOT * slots)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -6,7 +6,7 @@ the group's next incarnation under a torchrun of its own with ``$TITAN_RECOVER_W
 its ranks import everything, parse the job and check its model, then wait here, before the
 Trainer is built: before ``set_device`` (no CUDA context, no accelerator memory) and before
 ``init_process_group``. When the group fails, the launcher reaps the failed torchrun and
-writes this incarnation's ``Activation`` (its attempt number, assigned now, and its node
+writes this incarnation's ``Activation`` (its incarnation number, assigned now, and its node
 channel) to the file the variable names; the ranks read it, take it as their environment
 and build the model as any restart does.
 
@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from titan_recover.control import keys
@@ -40,15 +40,15 @@ class WarmError(ValueError):
 
 @dataclass(frozen=True)
 class Activation:
-    """What makes a warm incarnation the group's current one: the attempt number the store gave
-    it when the group failed, and the node channel the launcher opened for that attempt."""
+    """What makes a warm incarnation the group's current one: the incarnation number the store gave
+    it when the group failed, and the node channel the launcher opened for that incarnation."""
 
     replica: int
-    attempt: int
+    incarnation: int
     channel: str
 
     def dumps(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps({"replica": self.replica, "attempt": self.incarnation, "channel": self.channel})
 
     @classmethod
     def parse(cls, text: str, replica: int) -> "Activation":
@@ -59,14 +59,14 @@ class Activation:
             raise WarmError(f"the activation is not JSON ({e})") from None
         if not isinstance(rec, dict) or set(rec) != {"replica", "attempt", "channel"}:
             raise WarmError(f"the activation must be an object with replica, attempt and channel: {text[:200]!r}")
-        got, attempt, channel = rec["replica"], rec["attempt"], rec["channel"]
+        got, incarnation, channel = rec["replica"], rec["attempt"], rec["channel"]
         if type(got) is not int or got != replica:
             raise WarmError(f"the activation names replica {got!r}; this warm rank stands in for replica {replica}")
-        if type(attempt) is not int or attempt < 1:
-            raise WarmError(f"the activation's attempt {attempt!r} is not a restart's (an int >= 1)")
+        if type(incarnation) is not int or incarnation < 1:
+            raise WarmError(f"the activation's attempt {incarnation!r} is not a restart's (an int >= 1)")
         if not isinstance(channel, str) or not channel:
             raise WarmError(f"the activation's channel {channel!r} is not a file path")
-        return cls(got, attempt, channel)
+        return cls(got, incarnation, channel)
 
     def write(self, path: str) -> None:
         """Atomically: a rank polling ``path`` reads the whole message or nothing."""
@@ -136,9 +136,9 @@ def stand_by(build: Callable[[Any], Any], ready: Callable[[Any], None]) -> Calla
             time.sleep(POLL_S)
         with open(path) as f:
             activation = Activation.parse(f.read(), replica)
-        os.environ[keys.ATTEMPT_ENV] = str(activation.attempt)
+        os.environ[keys.INCARNATION_ENV] = str(activation.incarnation)
         os.environ[CHANNEL_ENV] = activation.channel
-        log.info(f"warm incarnation of replica group {replica} activated as attempt {activation.attempt}")
+        log.info(f"warm incarnation of replica group {replica} activated as attempt {activation.incarnation}")
         return build(job_config)
 
     return warm_build

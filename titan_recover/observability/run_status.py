@@ -31,7 +31,7 @@ PHASE_EVENTS = frozenset({"failure", "recovered", "recovery_moments", "group_sta
 class LiveGroup:
     """One replica group's newest incarnation as the node messages show it."""
 
-    attempt: int
+    incarnation: int
     nodes: tuple[str, ...]
     heartbeat_age_s: float
 
@@ -47,10 +47,10 @@ class Live:
 
 @dataclass
 class _Group:
-    attempt: int = 0
+    incarnation: int = 0
     nodes: tuple[str, ...] = ()
     failed_at: float | None = None  # the last failure
-    failed_attempt: int = -1  # ... of this incarnation
+    failed_incarnation: int = -1  # ... of this incarnation
     started_at: float = 0.0  # the newest incarnation's start
     admitted_at: float | None = None  # the last admission
     joining: bool = False  # admitted, no step committed with it yet
@@ -158,7 +158,7 @@ class RunHistory:
     def _on_failure(self, e: dict[str, Any], t: float) -> None:
         group = self._group(e)
         if group is not None:
-            group.failed_at, group.failed_attempt, group.joining, group.spare = t, group.attempt, False, False
+            group.failed_at, group.failed_incarnation, group.joining, group.spare = t, group.incarnation, False, False
         detected = e.get("detected")
         self.failures.append(
             {
@@ -175,7 +175,7 @@ class RunHistory:
     def _on_left(self, e: dict[str, Any], t: float) -> None:
         group = self._group(e)
         if group is not None:
-            group.failed_at, group.failed_attempt, group.joining, group.spare = t, group.attempt, False, False
+            group.failed_at, group.failed_incarnation, group.joining, group.spare = t, group.incarnation, False, False
             group.left = True
         if isinstance(e.get("replica"), int) and e["replica"] in self.members:
             self.members = [m for m in self.members if m != e["replica"]]
@@ -193,11 +193,12 @@ class RunHistory:
 
     def _on_group_started(self, e: dict[str, Any], t: float) -> None:
         group = self._group(e)
-        attempt = e.get("attempt")
-        if group is None or type(attempt) is not int or attempt < group.attempt:
+        incarnation = e.get("attempt")
+        if group is None or type(incarnation) is not int or incarnation < group.incarnation:
             return
-        nodes = group.nodes if attempt == group.attempt and group.started_at else ()  # a group's parts, one per node
-        group.attempt, group.started_at = attempt, t
+        same = incarnation == group.incarnation
+        nodes = group.nodes if same and group.started_at else ()  # a group's parts, one per node
+        group.incarnation, group.started_at = incarnation, t
         group.nodes = tuple(sorted({*nodes, str(e.get("host", "?"))}))
 
     def _on_admitted(self, e: dict[str, Any], t: float) -> None:
@@ -223,7 +224,7 @@ class RunHistory:
     def _on_spare_lost(self, e: dict[str, Any], t: float) -> None:
         group = self._group(e)
         if group is not None:
-            group.spare, group.failed_at, group.failed_attempt = False, t, group.attempt
+            group.spare, group.failed_at, group.failed_incarnation = False, t, group.incarnation
 
     def _on_param_digest(self, e: dict[str, Any], t: float) -> None:
         if type(e.get("step")) is int:
@@ -254,8 +255,8 @@ class RunHistory:
         failed = group.failed_at is not None and group.failed_at > (group.admitted_at or 0.0)
         if replica in self.members and not failed:
             return "live"
-        newest = live.groups[replica].attempt if live is not None and replica in live.groups else group.attempt
-        if group.started_at > (group.failed_at or 0.0) or newest > group.failed_attempt:
+        newest = live.groups[replica].incarnation if live is not None and replica in live.groups else group.incarnation
+        if group.started_at > (group.failed_at or 0.0) or newest > group.failed_incarnation:
             return "restarting"
         return "left" if group.left else "fenced"
 
@@ -285,7 +286,7 @@ class RunHistory:
                 {
                     "replica": r,
                     "state": state,
-                    "incarnation": max(group.attempt, seen.attempt if seen else 0),
+                    "incarnation": max(group.incarnation, seen.incarnation if seen else 0),
                     "nodes": list(seen.nodes if seen and seen.nodes else group.nodes),
                     "heartbeat_age_s": round(seen.heartbeat_age_s, 3) if seen else None,
                     "microbatches": int(self.quotas.get(str(r), 0)) if state == "live" else 0,

@@ -84,9 +84,9 @@ class StoreReader:
             for replica, entry in message.groups.items():
                 age = entry.silent_s + (now - since)  # a launcher that stopped writing: its groups age
                 old = groups.get(replica)
-                if old is None or entry.attempt > old.attempt:
+                if old is None or entry.attempt > old.incarnation:
                     groups[replica] = LiveGroup(entry.attempt, (host,), age)
-                elif entry.attempt == old.attempt:
+                elif entry.attempt == old.incarnation:
                     groups[replica] = LiveGroup(
                         entry.attempt, tuple(sorted({*old.nodes, host})), max(age, old.heartbeat_age_s)
                     )

@@ -66,7 +66,7 @@ class Fault:
     rank: int = 0
     phase: str = "backward"
     microbatch: int = 1
-    attempt: int = 0
+    incarnation: int = 0
     seconds: float = 0.0
     factor: float = 1.0
     until: str = ""  # "epoch": a sleep ends at the next epoch
@@ -149,5 +149,7 @@ def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
         if phase == "join":
             fields.setdefault("attempt", 1)  # attempt=0 only for a hot spare (checked against the layout by config)
         fields.setdefault("step", None)
+        if "attempt" in fields:  # the plan's key (as users write it) is the Fault's incarnation
+            fields["incarnation"] = fields.pop("attempt")
         faults.append(Fault(action=action, **fields))  # type: ignore[arg-type]  # each field was parsed to its type above
     return tuple(faults)

@@ -73,15 +73,15 @@ def donor(membership: Membership, joining: Sequence[int], joiner: int) -> int:
 
 
 def join_action(
-    members: Sequence[int], replica: int, admitted_attempt: int, attempt: int, ready: int, shards: int
+    members: Sequence[int], replica: int, admitted_incarnation: int, incarnation: int, ready: int, shards: int
 ) -> str:
-    """What the coordinator does with a join request of ``replica``'s incarnation ``attempt``.
+    """What the coordinator does with a join request of incarnation ``incarnation`` of ``replica``.
 
     "wait": not every rank of the group is up yet, or the request is stale;
     "admit": admit it in a new epoch; "replace": its previous incarnation is still a
     member (the restart beat detection), so fence that first, then admit.
     """
-    if attempt <= admitted_attempt or ready < shards:
+    if incarnation <= admitted_incarnation or ready < shards:
         return "wait"
     return "replace" if replica in members else "admit"
 
@@ -98,7 +98,7 @@ class GroupView:
 
 
 def group_views(entries: Iterable[tuple[int, NodeGroup, float]]) -> dict[tuple[int, int], GroupView]:
-    """(replica, attempt) -> its view, from (replica, node message entry, when that message was
+    """(replica, incarnation) -> its view, from (replica, node message entry, when that message was
     last seen changing): counts add up over nodes, the most silent node sets ``alive_at``."""
     views: dict[tuple[int, int], GroupView] = {}
     for replica, entry, seen in entries:

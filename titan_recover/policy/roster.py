@@ -37,7 +37,7 @@ class Roster:
 
     membership: Membership
     spares: Mapping[int, int] = field(default_factory=dict)  # replica -> its incarnation waiting for a seat
-    attempts: Mapping[int, int] = field(default_factory=dict)  # replica -> its latest incarnation admitted
+    incarnations: Mapping[int, int] = field(default_factory=dict)  # replica -> its latest incarnation admitted
     dropped: Mapping[int, int] = field(default_factory=dict)  # replica -> its latest incarnation dropped as a spare
     closed: bool = False  # nobody joins any more: the last step is done, or the run stops in order
 
@@ -49,12 +49,12 @@ class Roster:
 class Joins:
     """What to do with the groups asking to join, carried out in this order."""
 
-    replace: tuple[tuple[int, int], ...] = ()  # (replica, attempt): its previous incarnation is a member: fence, admit
+    replace: tuple[tuple[int, int], ...] = ()  # (replica, incarnation): its previous one is a member: fence, admit
     outside: tuple[int, ...] = ()  # ids outside the run: ignored
     gone: tuple[int, ...] = ()  # spares whose incarnation no longer asks: forgotten
     drop: tuple[tuple[int, str], ...] = ()  # (spare, cause): silent while waiting: fenced, so its launcher restarts it
-    admit: tuple[tuple[int, int], ...] = ()  # (replica, attempt): members in a new epoch, while seats are free
-    hold: tuple[tuple[int, int], ...] = ()  # (replica, attempt): new spares, waiting for a free seat
+    admit: tuple[tuple[int, int], ...] = ()  # (replica, incarnation): members in a new epoch, while seats are free
+    hold: tuple[tuple[int, int], ...] = ()  # (replica, incarnation): new spares, waiting for a free seat
 
 
 def joins(
@@ -74,17 +74,17 @@ def joins(
     replace: list[tuple[int, int]] = []
     outside: list[int] = []
     ready: dict[int, int] = {}
-    for replica, attempt in asking.items():
+    for replica, incarnation in asking.items():
         if replica >= limits.replica_ids:
             outside.append(replica)
             continue
-        seen = max(roster.attempts.get(replica, -1), roster.dropped.get(replica, -1))
-        up = views[(replica, attempt)].ready
-        action = join_action(roster.membership.members, replica, seen, attempt, up, limits.group_ranks)
+        seen = max(roster.incarnations.get(replica, -1), roster.dropped.get(replica, -1))
+        up = views[(replica, incarnation)].ready
+        action = join_action(roster.membership.members, replica, seen, incarnation, up, limits.group_ranks)
         if action == "replace":
-            replace.append((replica, attempt))
+            replace.append((replica, incarnation))
         elif action == "admit":
-            ready[replica] = attempt
+            ready[replica] = incarnation
     waiting = {r: a for r, a in roster.spares.items() if ready.get(r) == a}  # same incarnation, still asking
     drop = tuple(
         (r, f"heartbeat silent for {now - last:.2f}s while waiting as a spare")

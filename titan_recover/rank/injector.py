@@ -25,12 +25,14 @@ class FaultInjector:
         replica: int,
         rank: int,
         on_fire: Callable[[Fault], None],
-        attempt: int = 0,
+        incarnation: int = 0,
         epoch: Callable[[], int] | None = None,
     ) -> None:
         plan_faults = parse_fault_plan(plan)
         self.faults = [
-            f for f in plan_faults if f.action != "slow" and (f.replica, f.rank, f.attempt) == (replica, rank, attempt)
+            f
+            for f in plan_faults
+            if f.action != "slow" and (f.replica, f.rank, f.incarnation) == (replica, rank, incarnation)
         ]
         self.slow = [f for f in plan_faults if f.action == "slow" and f.replica == replica]
         self._slowing: set[Fault] = set()

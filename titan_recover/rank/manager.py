@@ -158,13 +158,13 @@ class ReplicaManager:
         slot: int,
         replica: int,
         group_rank: int,
-        attempt: int,
+        incarnation: int,
         rejoining: bool,
         rc: Recover,
         on_lost: Callable[[str], None],
     ) -> None:
         self.store, self.control, self.channel, self.slot = client, ControlClient(client), channel, slot
-        self.replica, self.group_rank, self.attempt, self.rc = replica, group_rank, attempt, rc
+        self.replica, self.group_rank, self.incarnation, self.rc = replica, group_rank, incarnation, rc
         self.log = logs.for_rank(log, replica, group_rank)  # its lines begin with replica and rank
         self.rejoining = rejoining  # holds no training state until a peer sends it
         self.base_epoch = 0  # the epoch the previous step committed with
@@ -194,7 +194,7 @@ class ReplicaManager:
 
     @classmethod
     def connect(
-        cls, rc: Recover, *, replica: int, group_rank: int, attempt: int, rejoining: bool, resume_hint: str
+        cls, rc: Recover, *, replica: int, group_rank: int, incarnation: int, rejoining: bool, resume_hint: str
     ) -> "ReplicaManager":
         """The manager of this process: the coordinator's store (it may still be starting) and
         the channel of this node's agent, both named by the environment the launcher sets."""
@@ -208,7 +208,7 @@ class ReplicaManager:
             slot=devices.local_rank(os.environ),
             replica=replica,
             group_rank=group_rank,
-            attempt=attempt,
+            incarnation=incarnation,
             rejoining=rejoining,
             rc=rc,
             on_lost=lambda reason: procs.exit_lost(who, reason, resume_hint),
@@ -318,7 +318,7 @@ class ReplicaManager:
                     replica=self.replica,
                     suspect=self.replica,
                     step=leaving.step,
-                    attempt=self.attempt,
+                    attempt=self.incarnation,
                     left=True,
                     notice_s=round(leaving.notice_s, 3),
                 )
@@ -522,7 +522,7 @@ class ReplicaManager:
         with the run (RunDone / RunFatal), and the lifeline ends it if the coordinator is lost."""
         self.step = step
         self.channel.set_state(self.slot, READY)
-        self.log.info(f"(attempt {self.attempt}) asks to join; " + self._why_wait(wanted))
+        self.log.info(f"(attempt {self.incarnation}) asks to join; " + self._why_wait(wanted))
         looked = -1
         while True:  # an admission comes with a new epoch: the store is read only then
             epoch = self._read_epoch()
@@ -550,7 +550,7 @@ class ReplicaManager:
         """Whether this incarnation is admitted and a member of ``epoch``. The coordinator writes an
         admission before it publishes the epoch that includes the group; one whose leader died in
         between names an epoch its successor may publish without the group, which then re-admits it."""
-        return self.control.admitted(self.replica, self.attempt) and self.replica in self.membership(epoch).members
+        return self.control.admitted(self.replica, self.incarnation) and self.replica in self.membership(epoch).members
 
     @contextmanager
     def transfer_group(self, epoch: int, joiner: int, donor: bool) -> Iterator[Any]:

@@ -72,12 +72,12 @@ class RecoverTrainer(BaseTrainer):
         for section in (titan.profiler(job_config), job_config.comm):
             section.save_traces_folder = os.path.join(section.save_traces_folder, f"replica{replica}")
         # a restarted group, or a hot spare, holds no state until a peer sends it
-        rejoining = keys.attempt() > 0 or is_spare(replica, job_config)
+        rejoining = keys.incarnation() > 0 or is_spare(replica, job_config)
         self.manager = ReplicaManager.connect(  # before TorchTitan builds the model: its lifeline beats meanwhile
             rc,
             replica=replica,
             group_rank=group_rank,
-            attempt=keys.attempt(),
+            incarnation=keys.incarnation(),
             rejoining=rejoining,
             resume_hint=resume_hint(job_config, titan.dump_folder(job_config)),
         )

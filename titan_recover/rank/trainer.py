@@ -14,7 +14,7 @@ import torch
 
 from titan_recover import titan
 from titan_recover.config import Recover, num_microbatches, reports_data
-from titan_recover.control.keys import attempt
+from titan_recover.control.keys import incarnation
 from titan_recover.control.protocol import FaultRecord, StepRecord
 from titan_recover.data.dataloader import AddressableDataLoader, build_addressable_dataloader
 from titan_recover.observability.events import EventLog
@@ -29,14 +29,14 @@ class BaseTrainer(titan.Trainer):
     def __init__(self, job_config: titan.JobConfig, rc: Recover, replica: int, group_rank: int) -> None:
         self.rc = rc
         self.events = EventLog(titan.dump_folder(job_config))
-        self.attempt = attempt()
+        self.incarnation = incarnation()
         self.replica, self.group_rank = replica, group_rank
         self.reports_data = reports_data(group_rank, job_config.parallelism)
         self.ft_buffer_bytes = 0  # the replicate all-reduce's one extra gradient copy (none in stock mode)
         super().__init__(job_config)
         self.num_microbatches = num_microbatches(job_config)
         self.injector = FaultInjector(
-            rc.fault_plan, replica, group_rank, self._on_fault, self.attempt, self._epoch_view()
+            rc.fault_plan, replica, group_rank, self._on_fault, self.incarnation, self._epoch_view()
         )
         self.global_tokens = float(self.dataloader.valid_tokens_per_step())
         # a device tensor, as TorchTitan's loss takes it: a CUDA graph replays with it as an input
@@ -53,7 +53,7 @@ class BaseTrainer(titan.Trainer):
         return None
 
     def _fault_record(self, fault: Fault) -> FaultRecord:
-        return FaultRecord(self.replica, self.group_rank, self.attempt, self.step, fault.phase)
+        return FaultRecord(self.replica, self.group_rank, self.incarnation, self.step, fault.phase)
 
     def _on_fault(self, fault: Fault) -> None:
         self.events.emit(
