@@ -8,7 +8,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -98,6 +98,30 @@ def test_a_node_asking_for_any_free_ids_gets_unused_ones_first_then_those_of_sil
         assert claims.holds(client, live, 4)  # a live launcher's spare is not free
     finally:
         lifeline.stop()
+
+
+@pytest.mark.unit
+def test_an_owner_whose_message_cannot_be_read_yet_is_judged_from_its_first_reading() -> None:
+    """On etcd between two coordinator leaders no board serves the node messages (a launcher started again at
+    once on the lost leader's node asks before the next leader is elected): no reading is neither life nor
+    silence. A dead owner is silent ``stale_s`` after its first reading, a live one is seen changing, and one
+    never read within ``stale_s + unreadable_s`` is a refusal that names it."""
+    owner = Launcher.this()
+    start = time.monotonic()
+
+    def reader(*values: bytes) -> Callable[[Launcher], bytes | None]:
+        """None for the first 0.3 s, then ``values`` one a call, the last one from then on."""
+        left = list(values)
+        return lambda o: None if time.monotonic() - start < 0.3 else left.pop(0) if len(left) > 1 else left[0]
+
+    assert claims.silent(reader(b"1"), {owner}, stale_s=0.5, unreadable_s=5.0) == {owner}
+    assert time.monotonic() - start >= 0.3 + 0.5  # from its first reading, not from the first try
+    start = time.monotonic()
+    assert claims.silent(reader(b"1", b"2"), {owner}, stale_s=0.5, unreadable_s=5.0) == set()
+    start = time.monotonic()
+    with pytest.raises(claims.ClaimRefused, match=r"cannot tell whether .* node message could not be read for 1s"):
+        claims.silent(lambda o: None, {owner}, stale_s=0.5, unreadable_s=0.5)
+    assert 1.0 <= time.monotonic() - start < 2.0
 
 
 def test_a_malformed_claim_is_refused_naming_the_key(client: ControlClient) -> None:

@@ -26,16 +26,38 @@ class ClaimRefused(RuntimeError):
     """Another launcher, alive, already runs some of this launcher's replica groups."""
 
 
-def silent(message_of: Callable[[Launcher], bytes], owners: set[Launcher], stale_s: float) -> set[Launcher]:
+def silent(
+    message_of: Callable[[Launcher], bytes | None], owners: set[Launcher], stale_s: float, unreadable_s: float = 0.0
+) -> set[Launcher]:
     """The ``owners`` whose node message (``message_of``) does not change for ``stale_s``: they are
     dead (or cut off for longer than the coordinator's own heartbeat bound). A live one answers
-    within one lifeline interval, so a refusal is quick; only a dead owner costs the whole wait."""
-    start = {o: message_of(o) for o in owners}
-    waiting, deadline = set(owners), time.monotonic() + stale_s
-    while waiting and time.monotonic() < deadline:
+    within one lifeline interval, so a refusal is quick; only a dead owner costs the whole wait.
+
+    A reading of None is none to be had now (on etcd, between two coordinator leaders no board serves the
+    node messages): neither a sign of life nor of silence, so an owner's wait starts at its first reading.
+    ``ClaimRefused`` when some owner's message could not be read at all within ``stale_s + unreadable_s``."""
+    first: dict[Launcher, tuple[bytes, float]] = {}  # each owner's first reading, and when
+    waiting, start = set(owners), time.monotonic()
+    while True:
+        now = time.monotonic()
+        for o in list(waiting):
+            raw = message_of(o)
+            if raw is None:
+                continue
+            if o not in first:
+                first[o] = (raw, now)
+            elif raw != first[o][0]:
+                waiting.discard(o)  # a sign of life
+        unread = [o for o in waiting if o not in first]
+        if not unread and all(now - first[o][1] >= stale_s for o in waiting):
+            return waiting
+        if unread and now - start >= stale_s + unreadable_s:
+            raise ClaimRefused(
+                f"cannot tell whether {', '.join(map(str, unread))} still runs its replica groups: its node message "
+                f"could not be read for {now - start:.0f}s (on etcd: no coordinator leader serves the node board); "
+                "start this launcher again once the run has a coordinator"
+            )
         time.sleep(POLL_S)
-        waiting = {o for o in waiting if message_of(o) == start[o]}
-    return waiting
 
 
 def claim(
@@ -45,17 +67,19 @@ def claim(
     stale_s: float,
     log: Callable[[str], None],
     part: int = 0,
-    message_of: Callable[[Launcher], bytes] | None = None,
+    message_of: Callable[[Launcher], bytes | None] | None = None,
+    unreadable_s: float = 0.0,
 ) -> list[int]:
     """Claims ``replicas`` (their part ``part``, when groups span nodes) for ``me``, taking over
     those of launchers silent for ``stale_s`` (by ``message_of``: their node message, from the
-    store or, on etcd, the leader's board); returns the groups taken over.
+    store or, on etcd, the leader's board, None while it cannot be read, for ``unreadable_s`` at most:
+    ``silent``); returns the groups taken over.
 
     Raises ``ClaimRefused`` naming the groups, their live launcher and what to do; the
     claims made here are released then, so the right launcher is not kept waiting.
     """
     try:
-        return _claim(client, me, replicas, stale_s, log, part, message_of or client.node_message_raw)
+        return _claim(client, me, replicas, stale_s, log, part, message_of or client.node_message_raw, unreadable_s)
     except MessageError as e:
         release(client, me, replicas, part)
         raise ClaimRefused(f"cannot tell who runs replica groups {replicas}{_of(part)}: {e}") from None
@@ -72,7 +96,8 @@ def _claim(
     stale_s: float,
     log: Callable[[str], None],
     part: int,
-    message_of: Callable[[Launcher], bytes],
+    message_of: Callable[[Launcher], bytes | None],
+    unreadable_s: float,
 ) -> list[int]:
     held: dict[int, tuple[bytes, Launcher]] = {}  # claimed by someone else: their exact value, them
     for r in replicas:
@@ -85,7 +110,11 @@ def _claim(
             f"replica groups {sorted(held)}{_of(part)} are claimed by {', '.join(map(str, owners))}; taking them over "
             f"unless it shows a sign of life within {stale_s:g}s"
         )
-    dead = silent(message_of, owners, stale_s)
+    try:
+        dead = silent(message_of, owners, stale_s, unreadable_s)
+    except ClaimRefused:
+        release(client, me, replicas, part)
+        raise
     live: dict[int, Launcher] = {}
     for r, (raw, owner) in sorted(held.items()):
         if owner not in dead:
@@ -120,7 +149,8 @@ def claim_free(
     members: tuple[int, ...],
     stale_s: float,
     log: Callable[[str], None],
-    message_of: Callable[[Launcher], bytes],
+    message_of: Callable[[Launcher], bytes | None],
+    unreadable_s: float = 0.0,
 ) -> list[int]:
     """``count`` replica ids of ``ids`` for a node that asks for any free ones: ids no member of the run
     uses, never claimed first (in order), then ids whose launcher shows no sign of life for ``stale_s`` (a
@@ -142,7 +172,11 @@ def claim_free(
     except MessageError as e:
         release(client, me, taken)
         raise ClaimRefused(f"cannot tell which replica ids are free: {e}") from None
-    dead = silent(message_of, {o for _, o in held.values()}, stale_s) if held else set()
+    try:
+        dead = silent(message_of, {o for _, o in held.values()}, stale_s, unreadable_s) if held else set()
+    except ClaimRefused:
+        release(client, me, taken)
+        raise
     for r, (raw, owner) in sorted(held.items()):
         if len(taken) < count and owner in dead and _take_over(client, me, r, raw, 0) == mine.encode():
             taken.append(r)

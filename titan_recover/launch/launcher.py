@@ -27,6 +27,7 @@ import torch.distributed as dist
 from titan_recover import config, titan
 from titan_recover.control import claims, keys, transport
 from titan_recover.control.addresses import LOOPBACK, local_host, node_host, route_address
+from titan_recover.control.board import BoardMissing
 from titan_recover.control.client import ControlClient
 from titan_recover.control.keys import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_LEFT, EXIT_OK, EXIT_STOPPED
 from titan_recover.control.lifeline import Heartbeat, one_line, store_errors
@@ -286,15 +287,27 @@ class NodeLauncher:
             rc.heartbeat_timeout_s,
             log.info,
             self.message_of(client),
+            rc.coordinator_timeout_s,
         )
         log.info(f"{keys.REPLICAS_ENV}=any: replica ids {free} are free (members {list(members)}); this node runs them")
         return free
 
-    def message_of(self, client: ControlClient) -> Callable[[Launcher], bytes]:
-        """How a claimant reads another launcher's node message: from the store, or on etcd the leader's board."""
+    def message_of(self, client: ControlClient) -> Callable[[Launcher], bytes | None]:
+        """How a claimant reads another launcher's node message: from the store, or on etcd the leader's board,
+        None while no leader serves one (a launcher started again at once on the lost leader's node reads
+        before the next leader is elected; ``claims.silent`` waits for it)."""
         assert self.run is not None
         reader = self.store.board(self.run)
-        return client.node_message_raw if reader is None else lambda o: reader.read(client.store, o.key)
+        if reader is None:
+            return client.node_message_raw
+
+        def read(owner: Launcher) -> bytes | None:
+            try:
+                return reader.read(client.store, owner.key)
+            except (BoardMissing, dist.DistError, OSError):
+                return None
+
+        return read
 
     def start_coordinator_here(self) -> None:
         """The run's coordinator, on a port bound here and handed over: no other process can take a
@@ -445,7 +458,16 @@ class NodeLauncher:
         )
         self.agent.start(on_error=log.warning)
         message_of = self.message_of(client)  # its own board reader: the lifeline's is used by the lifeline's thread
-        taken = claims.claim(client, self.me, self.local, rc.heartbeat_timeout_s, log.info, self.part, message_of)
+        taken = claims.claim(
+            client,
+            self.me,
+            self.local,
+            rc.heartbeat_timeout_s,
+            log.info,
+            self.part,
+            message_of,
+            rc.coordinator_timeout_s,
+        )
         for r in self.local:
             self.groups.begin(client, r, r in taken)
         return client
