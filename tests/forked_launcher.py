@@ -15,6 +15,7 @@ plain subprocess instead (to measure what the server saves, or to rule it out).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import json
 import os
@@ -139,9 +140,14 @@ def start(
     same file): forked from the server where it is a launcher, else a plain subprocess."""
     global _server
     if not forks(args):
-        with stdout.open("w") as out, (stderr or stdout).open("a") as err:
+        with stdout.open("w") as out, stderr.open("w") if stderr else contextlib.nullcontext() as err:
             return subprocess.Popen(
-                args, cwd=ROOT, env=dict(env), stdout=out, stderr=err, start_new_session=new_session
+                args,
+                cwd=ROOT,
+                env=dict(env),
+                stdout=out,
+                stderr=err or subprocess.STDOUT,  # one file: one descriptor, not two offsets writing over each other
+                start_new_session=new_session,
             )
     if _server is None:
         _server = _Server()
