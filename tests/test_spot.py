@@ -2,11 +2,13 @@
 notice or is killed, and when (pure, milliseconds)."""
 
 import re
+import threading
 
 import pytest
 
 from bench.spot import TRACE, Action, Replay, schedule
 from titan_recover.tools.goodput import (
+    CapacitySystem,
     Cluster,
     Costs,
     TraceEvent,
@@ -136,3 +138,58 @@ def test_a_batch_that_follows_the_membership_discards_the_step_and_shrinks() -> 
     out = simulated("membership")
     assert (out["steps"], out["redone_steps"], out["global_batch_groups"]) == (28, 0.5, [1, 2])
     assert out["tokens"] == (10 * 2 + 11 + 7 * 2) * 50
+
+
+SYSTEMS: tuple[CapacitySystem, ...] = ("elastic", "fixed", "membership", "restart")
+
+
+def each(text: str, cluster: Cluster = SMALL, **kwargs: object) -> dict[str, dict]:
+    """Every system over one trace (checkpoint-and-restart every 4 steps, on every change and on its losses)."""
+    events, out = read_capacity_trace(text), {}
+    for system in SYSTEMS:
+        for grow in (True, False) if system == "restart" else (True,):
+            out[f"{system}{'' if grow else '_on_losses'}"] = simulate_capacity(
+                system,
+                events,
+                cluster,
+                COSTS,
+                ckpt_every=4,
+                grow=grow,
+                **kwargs,  # type: ignore[arg-type]
+            )
+    return out
+
+
+def test_a_trace_whose_first_node_arrives_late_runs_from_its_first_line() -> None:
+    # the same trace 5 s later: every system the same (the clock starts at the trace's first line)
+    assert each("5000,add,a\n5000,add,b\n15500,remove,b\n25000,add,c\n35000,add,end\n") == each(TRACE_TEXT)
+    assert simulated("fixed")["steps"] == 22 and simulated("restart", ckpt_every=4, grow=False)["steps"] == 15
+
+
+def test_groups_at_most_is_the_most_groups_that_trained_at_once() -> None:
+    # three nodes on a cluster of 32 groups: elastic's cap is 32, but 3 groups trained at most
+    wide = Cluster(gpus=32, group_gpus=1, microbatches=96, tokens_per_step=100)
+    out = each("0,add,a\n0,add,b\n0,add,c\n30000,add,end\n", wide)
+    assert (out["elastic"]["groups_at_most"], out["fixed"]["groups_at_most"]) == (3, 3)
+
+
+def test_elastic_returns_when_the_only_node_is_under_notice_and_no_member_is_left() -> None:
+    # a alone (2 s a step) leaves at the 6 s boundary, its notice at 5 s; b arrives at 10 s already under its
+    # notice (both go at 30 s): neither is started (neither could be admitted), nothing trains until 40 s
+    events = read_capacity_trace("0,add,a\n10000,add,b\n30000,remove,a\n30000,remove,b\n40000,add,end\n")
+    out: list[dict] = []
+    worker = threading.Thread(
+        target=lambda: out.append(simulate_capacity("elastic", events, SMALL, COSTS)), daemon=True
+    )
+    worker.start()
+    worker.join(timeout=20)
+    assert out, "simulate_capacity('elastic') did not return within 20 s: a loop of goodput._titan stopped advancing"
+    assert (out[0]["steps"], out[0]["leaves"], out[0]["crashes"], out[0]["joins"]) == (3, 1, 0, 0)
+
+
+def test_a_node_added_again_after_its_removal_is_live_in_both_lives() -> None:
+    # the same trace with the second life under a new name: every system the same
+    again = each("0,add,a\n10000,remove,a\n20000,add,a\n30000,add,end\n", notice_s=2.0)
+    assert again == each("0,add,a\n10000,remove,a\n20000,add,b\n30000,add,end\n", notice_s=2.0)
+    # elastic: a trains 0-8 s (4 steps of 2 s; its notice at 8 s), again 22-30 s once started (4 steps)
+    assert again["elastic"]["steps"] == 8

@@ -42,7 +42,7 @@ from titan_recover.node.agent import NodeAgent
 from titan_recover.node.channel import remove_orphans, shm_dir
 from titan_recover.node.procs import EXITING_S, exit_lost, on_notice, stop_within
 from titan_recover.observability import logs
-from titan_recover.observability.events import EventLog, event_files, events_path, remove_events
+from titan_recover.observability.events import EventLog, event_files, events_path, rotate_events
 from titan_recover.observability.summary import format_summary, summarize_events
 from titan_recover.policy.restarts import RestartBudget
 from titan_recover.titan import cpu_shim
@@ -714,8 +714,10 @@ def main(argv: list[str]) -> int:
     argv = cpu_argv
     path = events_path(titan.dump_folder(job_config))
     first = address is None  # this launcher starts the run and its coordinator; other nodes' launchers join it
-    if store.begins_new_run(first):
-        remove_events(titan.dump_folder(job_config))
+    if store.begins_new_run(first):  # the run before's logs (a requeued or resumed job's too) are kept aside
+        moved = rotate_events(titan.dump_folder(job_config))
+        if moved:
+            log.info(f"the event logs of the run before this one in {titan.dump_folder(job_config)} are in {moved}")
     start = time.time()
     try:
         if job_config.recover.enable:

@@ -34,7 +34,7 @@ import json
 import math
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
@@ -268,62 +268,120 @@ CAPACITY_SYSTEMS: dict[CapacitySystem, str] = {
 }
 
 
+# a node's life: its name and which of its lives (a name added again after its removal is a new node)
+_Life = tuple[str, int]
+
+
 @dataclass
 class _Nodes:
-    """A capacity trace seen from one node-sized replica group each: when each node arrives and goes."""
+    """A capacity trace seen from one node-sized replica group each: when each node's life starts and ends.
+    The run starts at the trace's first line (``start_s``) and ends at its last."""
 
-    added: dict[str, float]
-    removed: dict[str, float]
+    added: dict[_Life, float]
+    removed: dict[_Life, float]
+    start_s: float
     end_s: float
 
     @staticmethod
     def of(events: Sequence[TraceEvent]) -> _Nodes:
-        return _Nodes(
-            {e.node: e.time_s for e in events if e.kind == "add"},
-            {e.node: e.time_s for e in events if e.kind == "remove"},
-            events[-1].time_s,
-        )
+        if not events:
+            raise ValueError("the capacity trace has no events: give it at least one add line")
+        added: dict[_Life, float] = {}
+        removed: dict[_Life, float] = {}
+        lives: dict[str, int] = {}
+        for e in events:
+            if e.kind == "add":
+                lives[e.node] = lives.get(e.node, 0) + 1
+                added[(e.node, lives[e.node])] = e.time_s
+            else:
+                removed[(e.node, lives[e.node])] = e.time_s
+        return _Nodes(added, removed, events[0].time_s, events[-1].time_s)
 
-    def gone(self, node: str) -> float:
+    def gone(self, node: _Life) -> float:
         return self.removed.get(node, math.inf)
 
-    def live(self, t: float) -> list[str]:
+    def live(self, t: float) -> list[_Life]:
         return [n for n, a in self.added.items() if a <= t < self.gone(n)]
 
+    def next_change(self, t: float, *times: float) -> float:
+        """The first arrival, removal or one of ``times`` after ``t`` (the trace's end at the latest): where
+        a run with nothing to train waits to, always forward."""
+        later = [x for x in (*self.added.values(), *self.removed.values(), *times) if x > t]
+        return min([*later, self.end_s]) if t < self.end_s else self.end_s
 
-def _titan(nodes: _Nodes, cluster: Cluster, costs: Costs, notice_s: float, elastic: bool) -> dict:
+
+# Where a member under notice leaves: "first", the first step boundary after its notice; "last", the last
+# boundary before its removal, the one after which the next step would not end before it
+LeaveAt = Literal["first", "last"]
+
+
+def _leaving_last(members: set[_Life], nodes: _Nodes, t: float, notice_s: float, step: Callable[[int], float]) -> set:
+    """The noticed members that cannot finish the step starting at ``t`` on the members that stay
+    (``step``: its time on that many groups); each one leaving makes the step longer, so until none more."""
+    leaving: set[_Life] = set()
+    while len(leaving) < len(members):
+        dt = step(len(members) - len(leaving))
+        more = {n for n in members - leaving if nodes.gone(n) - notice_s <= t and nodes.gone(n) <= t + dt}
+        if not more:
+            break
+        leaving |= more
+    return leaving
+
+
+def _titan(
+    nodes: _Nodes,
+    cluster: Cluster,
+    costs: Costs,
+    notice_s: float,
+    elastic: bool,
+    leave: LeaveAt = "first",
+    policy: Policy = "balanced",
+) -> dict:
     """titan_recover on a capacity trace. ``elastic``: up to every live node a member, a member under notice
-    leaves at the first step boundary after it (a crash at its removal, detection 0, only where no boundary
-    came in between); a new node starts at once (``rejoin_s``) and is admitted at a boundary (``transfer_s``).
-    Else R is the start's node count: a node beyond it waits, unstarted, for a slot; every removal is a crash
-    (``detect_s``, the lost share of the step redone) and the slot goes to a waiting node (``rejoin_s``)."""
-    cap = len(nodes.live(0.0)) if not elastic else cluster.groups
-    members = set(nodes.live(0.0)[:cap])
-    starting: dict[str, float] = {}  # node -> when it can be admitted
-    t, steps, redone, leaves, crashes, joins = 0.0, 0, 0.0, 0, 0, 0
+    leaves at a step boundary (``leave``; a crash at its removal, detection 0, only where no boundary came in
+    between); a new node not under notice starts at once (``rejoin_s``) and is admitted at a boundary
+    (``transfer_s``). Else R is the start's node count: a node beyond it waits, unstarted, for a slot; every
+    removal is a crash (``detect_s``, the lost share of the step redone) and the slot goes to a waiting node
+    (``rejoin_s``). ``policy`` "ideal": fractional quotas (M / live microbatches a group), a bound."""
+    t = nodes.start_s
+    cap = len(nodes.live(t)) if not elastic else cluster.groups
+    members = set(nodes.live(t)[:cap])
+    starting: dict[_Life, float] = {}  # node -> when it can be admitted
+    steps, redone, leaves, crashes, joins, most = 0, 0.0, 0, 0, 0, 0
+
+    def noticed(n: _Life) -> bool:
+        return elastic and nodes.gone(n) - notice_s <= t
+
+    def step(live: int, microbatches: float = cluster.microbatches) -> float:
+        return step_time(cluster, costs, live, policy=policy, microbatches=microbatches)
+
     while t < nodes.end_s:
-        for n in nodes.live(t):  # nodes that start: any (elastic), or into a free slot
-            if n not in members and n not in starting and len(members) + len(starting) < cap:
+        for n in nodes.live(t):  # nodes that start: any not under notice (elastic), or into a free slot
+            if n not in members and n not in starting and not noticed(n) and len(members) + len(starting) < cap:
                 starting[n] = t + costs.rejoin_s
-        starting = {n: r for n, r in starting.items() if nodes.gone(n) > t}
-        if elastic:  # noticed members leave here, at the boundary
-            noticed = {n for n in members if nodes.gone(n) - notice_s <= t}
-            leaves, members = leaves + len(noticed), members - noticed
+        starting = {n: r for n, r in starting.items() if nodes.gone(n) > t and not noticed(n)}
+        if elastic and leave == "first":  # noticed members leave here, at the boundary
+            going = {n for n in members if noticed(n)}
+            leaves, members = leaves + len(going), members - going
         gone = {n for n in members if nodes.gone(n) <= t}  # lost between steps (in a pause): found, nothing redone
         if gone:
             crashes, members, t = crashes + len(gone), members - gone, t + (0.0 if elastic else costs.detect_s)
-        ready = {n for n, r in starting.items() if r <= t and (not elastic or nodes.gone(n) - notice_s > t)}
+        ready = {n for n, r in starting.items() if r <= t}
         if ready:
             t += costs.transfer_s if members else 0.0
             members |= ready
             joins += len(ready)
             starting = {n: r for n, r in starting.items() if n not in ready}
-        if not members:  # nothing trains until a node is ready
-            t = min([*starting.values(), *(a for a in nodes.added.values() if a > t), nodes.end_s])
+        if elastic and leave == "last":  # after any pause: those whose removal comes before the step's end
+            going = _leaving_last(members, nodes, t, notice_s, step)
+            leaves, members = leaves + len(going), members - going
+        if not members:  # nothing trains until a node is ready, arrives or goes
+            t = nodes.next_change(t, *starting.values())
             continue
+        most = max(most, len(members))
         remaining = float(cluster.microbatches)
         while remaining > 0 and members:
-            dt = step_time(cluster, costs, len(members), microbatches=remaining)
+            dt = step(len(members), remaining)
             lost = {n for n in members if t < nodes.gone(n) < t + dt}
             if not lost:
                 t += dt
@@ -337,7 +395,7 @@ def _titan(nodes: _Nodes, cluster: Cluster, costs: Costs, notice_s: float, elast
             t = at + (0.0 if elastic else costs.detect_s)
         steps += 1 if members and t <= nodes.end_s else 0  # a step the trace's end cuts is not counted
     return {"steps": steps, "redone_steps": redone / cluster.microbatches, "leaves": leaves, "crashes": crashes,
-            "joins": joins, "groups_at_most": cap}  # fmt: skip
+            "joins": joins, "groups_at_most": most}  # fmt: skip
 
 
 def _restart(nodes: _Nodes, cluster: Cluster, costs: Costs, ckpt_every: int, grow: bool) -> dict:
@@ -346,8 +404,8 @@ def _restart(nodes: _Nodes, cluster: Cluster, costs: Costs, ckpt_every: int, gro
     (a notice shorter than ``ckpt_save_s`` cannot save one), and, with ``grow``, at an arrival too, taken
     after a checkpoint (nothing lost); then ``restart_s`` on every live node, and a change during a restart
     starts it over."""
-    stamps = sorted({*nodes.added.values(), *nodes.removed.values()} - {0.0})
-    t, steps, saved, lost, restarts, i = 0.0, 0, 0, 0, 0, 0
+    stamps = sorted({*nodes.added.values(), *nodes.removed.values()} - {nodes.start_s})
+    t, steps, saved, lost, restarts, i = nodes.start_s, 0, 0, 0, 0, 0
     while t < nodes.end_s:
         used = nodes.live(t)
         while i < len(stamps) and not (grow or any(nodes.gone(n) == stamps[i] for n in used)):
@@ -382,8 +440,9 @@ def _membership(nodes: _Nodes, cluster: Cluster, costs: Costs) -> dict:
     """The global batch follows the membership: each member computes its own share of a full cluster's batch
     in ``step_s`` whatever the others do; a member lost in a step discards that step for all (no drain path),
     found after ``detect_s``; a new node heals from a peer (``rejoin_s``, then ``transfer_s`` at a step)."""
-    members = set(nodes.live(0.0))
-    t, steps, tokens, discarded, batches = 0.0, 0, 0.0, 0.0, []
+    t = nodes.start_s
+    members = set(nodes.live(t))
+    steps, tokens, discarded, batches = 0, 0.0, 0.0, []
     per_group = cluster.tokens_per_step / cluster.groups
     while t < nodes.end_s:
         gone = {n for n in members if nodes.gone(n) <= t}  # lost between steps: found after the detection
@@ -394,7 +453,7 @@ def _membership(nodes: _Nodes, cluster: Cluster, costs: Costs) -> dict:
             t += costs.transfer_s if members else 0.0
             members |= ready
         if not members:
-            t = min([*(a + costs.rejoin_s for a in nodes.added.values() if a + costs.rejoin_s > t), nodes.end_s])
+            t = nodes.next_change(t, *(a + costs.rejoin_s for a in nodes.added.values()))
             continue
         lost = [nodes.gone(n) for n in members if t < nodes.gone(n) < t + costs.step_s]
         if lost:
@@ -419,25 +478,36 @@ def simulate_capacity(
     notice_s: float = 25.0,
     ckpt_every: int = 0,
     grow: bool = True,
+    leave: LeaveAt = "first",
+    policy: Policy = "balanced",
 ) -> dict:
     """One system over a capacity trace (``read_capacity_trace``), one node = one replica group of
     ``cluster.group_gpus`` GPUs; ``cluster.groups`` is the most nodes live at once, and M is fixed except
-    under ``membership``. Tokens per hour over the trace, steps, the work computed again (in steps: a crash's
-    share redone, a restart's steps since its checkpoint, a discarded step's part done) and its fraction.
-    ``restart`` checkpoints every ``ckpt_every`` steps and, with ``grow``, restarts to take arrivals too."""
+    under ``membership``. The run starts at the trace's first line and ends at its last. Tokens per hour
+    over that span, steps, the work computed again (in steps: a crash's share redone, a restart's steps since
+    its checkpoint, a discarded step's part done) and its fraction. ``restart`` checkpoints every
+    ``ckpt_every`` steps and, with ``grow``, restarts to take arrivals too. titan_recover's: ``groups_at_most``,
+    the most groups that trained a step at once; ``leave``, where a noticed member leaves (elastic); ``policy``
+    "ideal" for fractional quotas (a bound). Finer microbatches: a larger ``cluster.microbatches``, the same
+    ``tokens_per_step``; no pause for a joiner: ``costs.transfer_s`` 0."""
+    if costs.step_s <= 0 or (system == "restart" and ckpt_every < 1):
+        raise ValueError(
+            f"need costs.step_s > 0 (got {costs.step_s}) and, for restart, ckpt_every >= 1 (got {ckpt_every})"
+        )
     nodes = _Nodes.of(events)
     if system == "restart":
         out = _restart(nodes, cluster, costs, ckpt_every, grow)
     elif system == "membership":
         out = _membership(nodes, cluster, costs)
     else:
-        out = _titan(nodes, cluster, costs, notice_s, elastic=system == "elastic")
+        out = _titan(nodes, cluster, costs, notice_s, system == "elastic", leave, policy)
     tokens = out.pop("tokens", out["steps"] * float(cluster.tokens_per_step))
+    span_h = (nodes.end_s - nodes.start_s) / HOUR
     return {
         "system": CAPACITY_SYSTEMS[system],
         **out,
         "tokens": tokens,
-        "tokens_per_hour": tokens / (nodes.end_s / HOUR),
+        "tokens_per_hour": tokens / span_h if span_h > 0 else 0.0,
         "redone_fraction": out["redone_steps"] / max(1e-9, out["steps"] + out["redone_steps"]),
     }
 
