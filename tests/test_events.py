@@ -337,6 +337,28 @@ def test_two_node_files_in_one_folder_are_merged(tmp_path: Path, monkeypatch: py
 
 
 @pytest.mark.unit
+def test_a_new_run_moves_the_earlier_runs_logs_aside_keeping_the_newest(tmp_path: Path) -> None:
+    """A requeued or resumed job begins a new run in the same dump folder: every node's file of the run before
+    moves under its own name to previous/<n>, where the folder's readers do not take it for a node of this run
+    and event_files of that folder reads it; the oldest go past ``keep``."""
+    from titan_recover.observability import events
+
+    names = [EVENTS_FILE, "recover_events.node0.jsonl", "recover_events.node1.jsonl"]
+    assert events.rotate_events(str(tmp_path)) is None and not (tmp_path / "previous").exists()  # nothing yet
+    for run in range(1, 6):
+        for name in names:
+            (tmp_path / name).write_text(json.dumps({"event": "step", "step": run, "time": 1.0}) + "\n")
+        (tmp_path / "checkpoint").mkdir(exist_ok=True)  # the rest of the dump folder stays
+        assert events.rotate_events(str(tmp_path), keep=3) == str(tmp_path / "previous" / str(run))
+        assert events.event_files(str(tmp_path)) == []
+    assert sorted(p.name for p in (tmp_path / "previous").iterdir()) == ["3", "4", "5"]
+    last = events.event_files(str(tmp_path / "previous" / "5"))
+    assert [Path(p).name for p in last] == names
+    assert {e["step"] for e in read_log(*last).events} == {5}
+    assert (tmp_path / "checkpoint").is_dir()
+
+
+@pytest.mark.unit
 def test_a_node_name_that_cannot_name_a_file_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from titan_recover.observability import events
 
@@ -382,7 +404,7 @@ def test_a_named_nodes_run_logs_to_its_own_file_and_its_summary_reads_every_node
 ) -> None:
     """A real run on node "node0" (coordinator and ranks inherit the name) beside another node's
     file, written during the run and cut short mid-line: the summary names both files, skips the
-    partial line, misses no step. A previous run's file is removed when the run begins."""
+    partial line, misses no step. A previous run's file is moved aside (previous/1) when the run begins."""
     from titan_recover.observability import events
 
     dump = tmp_path / "dump"
@@ -408,6 +430,7 @@ def test_a_named_nodes_run_logs_to_its_own_file_and_its_summary_reads_every_node
     writer.join(timeout=1)
     assert run.returncode == 0, run.output[-3000:]
     assert not (dump / EVENTS_FILE).exists() and not stale.exists()
+    assert (dump / "previous" / "1" / stale.name).read_text() == '{"event": "step", "step": 99, "time": 1.0}\n'
     own = read_log(str(own_file))
     assert [e["step"] for e in own.events if e["event"] == "step"] == list(range(1, 7))  # the coordinator's lines
     assert any(e["event"] == "rank_memory" for e in own.events)  # ... and the ranks'

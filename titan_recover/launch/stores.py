@@ -25,7 +25,7 @@ from titan_recover.control.board import Board
 from titan_recover.control.client import ControlClient
 from titan_recover.control.keys import EXIT_OK, EXIT_STOPPED
 from titan_recover.control.sealed import Run
-from titan_recover.observability.events import remove_events
+from titan_recover.observability.events import rotate_events
 
 log = logging.getLogger(__name__)
 
@@ -167,13 +167,16 @@ class Etcd:
     def _begin_or_join(self, launcher: NodeLauncher) -> None:
         """The first node starts the run, unless it is running already: then this launcher is a
         relaunched node (a replaced pod, the same command again) and joins it like any other. A new run's
-        event log (every node's file in the shared dump folder) is started afresh before its hello, which
+        event log (every node's file in the shared dump folder, the run before's moved aside) is started afresh
+        before its hello, which
         every other process of the run waits for before it writes (a candidate, a launcher's connect)."""
         run = launcher.run
         assert run is not None, "a run on etcd is named by its id"
         client = ControlClient(transport.in_run(transport.etcd(self.url, launcher.rc.startup_timeout_s), run))
         if not client.begun():  # a new run's log starts afresh before its hello: every other node waits for that
-            remove_events(titan.dump_folder(launcher.job_config))
+            moved = rotate_events(titan.dump_folder(launcher.job_config))
+            if moved:
+                log.info(f"the event logs of the run before this one are in {moved}")
         if client.begin():
             return
         ended = client.ended()

@@ -1,6 +1,7 @@
 """The JSONL event log, one JSON object per line, one file per node in ``{dump_folder}``:
 ``recover_events.jsonl``, or ``recover_events.<node>.jsonl`` where ``$TITAN_RECOVER_NODE``
-names the node (a multi-node run).
+names the node (a multi-node run). A new run moves the run before's files to ``previous/<n>``
+(``rotate_events``).
 
 A node's processes (coordinator, trainers) append to its file, each event with one
 ``os.write`` on an ``O_APPEND`` descriptor, so their lines never interleave. Appends from
@@ -27,6 +28,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,6 +41,8 @@ collectives torn down, re-formed in the new epoch, and the first step summed the
 names, for every report of where a recovery's time went)."""
 PENDING_MAX_BYTES = 16 * 2**20  # what one process keeps of an event log it cannot write (a step event: ~1 KiB)
 REPORT_EVERY_S = 30.0  # how often a process says that it cannot write its event log
+PREVIOUS_DIR = "previous"  # in the dump folder: earlier runs' event logs, one numbered folder each
+KEEP_PREVIOUS = 10  # how many earlier runs' logs a dump folder keeps (a step event: ~1 KiB per node)
 NODE_ENV = "TITAN_RECOVER_NODE"  # this node's name in a multi-node run: its processes log to their own file
 _NODE_NAME = re.compile(r"[A-Za-z0-9_-]+")
 log = logging.getLogger(__name__)
@@ -63,11 +67,24 @@ def event_files(dump_folder: str) -> list[str]:
     return ([plain] if os.path.exists(plain) else []) + named
 
 
-def remove_events(dump_folder: str) -> None:
-    """Starts a new run's event log (every node's file of it); a launcher joining a run (another node,
-    a replacement) only appends."""
-    for path in event_files(dump_folder):
-        os.remove(path)
+def rotate_events(dump_folder: str, keep: int = KEEP_PREVIOUS) -> str | None:
+    """Starts a new run's event log: every node's file of the run before (a requeued or resumed job's
+    first part, or an earlier run) moves, under its own name, to ``previous/<n>`` (n one more than the
+    last; ``event_files`` of it reads that run), and only the ``keep`` newest such folders are kept.
+    Readers of the dump folder never take them for another node's log. A launcher joining a run
+    (another node, a replacement) only appends. The folder they moved to, or None when there were none."""
+    files = event_files(dump_folder)
+    if not files:
+        return None
+    previous = os.path.join(dump_folder, PREVIOUS_DIR)
+    numbers = sorted(int(n) for n in os.listdir(previous) if n.isdigit()) if os.path.isdir(previous) else []
+    folder = os.path.join(previous, str(numbers[-1] + 1 if numbers else 1))
+    os.makedirs(folder)
+    for path in files:
+        os.rename(path, os.path.join(folder, os.path.basename(path)))
+    for old in numbers[: max(0, len(numbers) + 1 - keep)]:
+        shutil.rmtree(os.path.join(previous, str(old)), ignore_errors=True)
+    return folder
 
 
 @dataclass
