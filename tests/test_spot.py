@@ -193,3 +193,29 @@ def test_a_node_added_again_after_its_removal_is_live_in_both_lives() -> None:
     assert again == each("0,add,a\n10000,remove,a\n20000,add,b\n30000,add,end\n", notice_s=2.0)
     # elastic: a trains 0-8 s (4 steps of 2 s; its notice at 8 s), again 22-30 s once started (4 steps)
     assert again["elastic"]["steps"] == 8
+
+
+def test_leaving_at_the_last_boundary_trains_through_the_notice() -> None:
+    # b's notice at 8.5 s: the step 9-10 s still ends before its removal (10.5 s), so it leaves at 10 s (10 steps);
+    # a alone 10-22 s (6 steps), c (started at 20 s) admitted at 22 s with a 0.5 s transfer: 22.5-29.5 s, 7 steps
+    out = simulated("elastic", notice_s=2.0, leave="last")
+    assert (out["steps"], out["leaves"], out["crashes"], out["joins"]) == (23, 1, 0, 1)
+
+
+def test_a_leave_that_lengthens_the_step_takes_the_next_noticed_member_with_it() -> None:
+    # 3 groups, M = 3: 1 s a step, 2 s on two, 3 s alone; b goes at 10.4 s, c at 11.5 s, both noticed by 9 s.
+    # At 10 s b cannot finish a 1 s step; without it the step takes 2 s, which c cannot finish: both leave
+    # there (c staying would crash at 11.5 s); a alone 10-16 s: 2 steps
+    three = Cluster(gpus=3, group_gpus=1, microbatches=3, tokens_per_step=100)
+    events = read_capacity_trace("0,add,a\n0,add,b\n0,add,c\n10400,remove,b\n11500,remove,c\n16000,add,end\n")
+    out = simulate_capacity("elastic", events, three, COSTS, notice_s=5.0, leave="last")
+    assert (out["steps"], out["leaves"], out["crashes"]) == (12, 2, 0)
+
+
+def test_fractional_quotas_drop_the_rounding_of_a_split_that_does_not_divide() -> None:
+    # 4 groups, M = 8 (0.5 s a microbatch): on 3 nodes each computes ceil(8 / 3) = 3 (1.5 s a step), or 8 / 3
+    # fractionally (1.33 s): 8 or 9 steps in 12.5 s
+    four = Cluster(gpus=4, group_gpus=1, microbatches=8, tokens_per_step=100)
+    events = read_capacity_trace("0,add,a\n0,add,b\n0,add,c\n12500,add,end\n")
+    steps = {p: simulate_capacity("elastic", events, four, COSTS, policy=p)["steps"] for p in ("balanced", "ideal")}
+    assert steps == {"balanced": 8, "ideal": 9}
