@@ -32,5 +32,6 @@ if [ ${#mode[@]} -eq 0 ]; then step bench.warm --repeats 3; else step bench.warm
 if [ ${#mode[@]} -eq 0 ]; then step bench.leave --pairs 2; else step bench.leave --pairs 1; fi  # a notice against a node lost
 step bench.status_cost  # the status page: the coordinator's CPU with and without a 1 s refresh, refresh time at 100k steps
 step bench.simulate
+step bench.spot_options  # the simulator: three changes to elastic on the spot trace against the membership-following run
 step bench.report
 echo "bench finished in $((SECONDS - start)) s"

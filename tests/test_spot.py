@@ -3,9 +3,11 @@ notice or is killed, and when (pure, milliseconds)."""
 
 import re
 import threading
+from dataclasses import replace
 
 import pytest
 
+from bench import spot_options
 from bench.spot import TRACE, Action, Replay, schedule
 from titan_recover.tools.goodput import (
     CapacitySystem,
@@ -219,3 +221,14 @@ def test_fractional_quotas_drop_the_rounding_of_a_split_that_does_not_divide() -
     events = read_capacity_trace("0,add,a\n0,add,b\n0,add,c\n12500,add,end\n")
     steps = {p: simulate_capacity("elastic", events, four, COSTS, policy=p)["steps"] for p in ("balanced", "ideal")}
     assert steps == {"balanced": 8, "ideal": 9}
+
+
+def test_the_options_table_sets_each_elastic_variant_against_the_membership_run() -> None:
+    out = spot_options.compare(read_capacity_trace(TRACE_TEXT), SMALL, COSTS, notice_s=2.0)
+    base = simulated("membership")["tokens_per_hour"]
+    last = simulated("elastic", notice_s=2.0, leave="last")
+    assert out["rows"]["leave_last"]["vs_membership"] == last["tokens_per_hour"] / base
+    assert out["rows"]["leave_last"]["steps"] == 23 and out["rows"]["elastic"]["steps"] == 22
+    finer = simulate_capacity("elastic", read_capacity_trace(TRACE_TEXT), replace(SMALL, microbatches=8), COSTS, 2.0)
+    assert out["rows"]["m_x4"]["steps"] == finer["steps"]
+    assert spot_options.table(out).count("\n") == 2 + len(out["rows"])

@@ -36,7 +36,7 @@ from titan_recover.control.sealed import Run
 from titan_recover.data.tokens import DataError
 from titan_recover.launch import preflight
 from titan_recover.launch.stores import ControlStore, store_of
-from titan_recover.launch.torchruns import Span, Torchruns, torchrun, with_threads
+from titan_recover.launch.torchruns import Span, Torchruns, torchrun, torchrun_grace, with_threads
 from titan_recover.node import devices, warm
 from titan_recover.node.agent import NodeAgent
 from titan_recover.node.channel import remove_orphans, shm_dir
@@ -230,6 +230,10 @@ class NodeLauncher:
                 "its groups on this node alone (recover.group_nodes = 1): name the ids otherwise"
             )
         self.store = store_of(rc)
+        self.grace = torchrun_grace(torch.__version__, rc.notice_budget_s)
+        if self.grace.cut:  # the coordinator's settings, this launcher and its groups read the budget cut
+            log.warning(self.grace.cut)
+            rc.notice_budget_s = self.grace.budget_s
         self.replicas = config.replica_ids(job_config)
         self.ranks = config.group_ranks(par) // rc.group_nodes  # of each group, on this node
         # the run is this launcher's alone: it starts the coordinator and every replica group, whole
@@ -388,6 +392,7 @@ class NodeLauncher:
             warm=self.keeps_warm(span),
             on_warm=lambda replica, seconds: self.events.emit("warm_ready", replica=replica, seconds=seconds),
             notice_budget_s=rc.notice_budget_s,
+            grace=self.grace.flags,
         )
         if self.first and self.part == 0:
             for r in self.local:
