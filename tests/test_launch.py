@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+import torch
 from conftest import ROOT, coordinator_command
 from test_store import accepts, non_loopback_ip
 
@@ -153,6 +154,47 @@ def test_a_group_spanning_nodes_meets_at_part_0s_rendezvous_and_needs_a_reachabl
         launcher.coordinator_bind("", [0, 1], 2, parts=2)
     assert launcher.coordinator_bind("127.0.0.1", [0, 1], 2, parts=2) == "127.0.0.1"
     assert addresses.route_address("127.0.0.1:29500") == "127.0.0.1"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "version,budget,grace",
+    [
+        ("2.13.0+cpu", 12.0, torchruns.Grace(12.0, ("--shutdown-timeout", "22"), None)),  # this machine's
+        ("2.14.1", 100.0, torchruns.Grace(100.0, ("--shutdown-timeout", "110"), None)),  # AWS spot's budget
+        ("2.12.0", 12.5, torchruns.Grace(12.5, ("--shutdown-timeout", "23"), None)),  # the first with the flag
+        ("2.12.0a0+git1234", 60.0, torchruns.Grace(60.0, ("--shutdown-timeout", "70"), None)),
+        ("3.0.0", 5.0, torchruns.Grace(5.0, ("--shutdown-timeout", "15"), None)),
+        ("2.11.0", 12.0, torchruns.Grace(12.0, (), None)),  # the GPU machine's: within torchrun's 30 s
+        ("2.11.0", 20.0, torchruns.Grace(20.0, (), None)),
+    ],
+)
+def test_torchrun_is_told_the_notice_budget_where_it_can_be(
+    version: str, budget: float, grace: torchruns.Grace
+) -> None:
+    assert torchruns.torchrun_grace(version, budget) == grace
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("version", ["2.11.0", "2.9.1+cu128", "unknown"])
+def test_before_torch_2_12_a_budget_torchrun_would_cut_short_is_cut_saying_why(version: str) -> None:
+    grace = torchruns.torchrun_grace(version, 100.0)
+    assert (grace.budget_s, grace.flags) == (20, ())
+    assert grace.cut is not None and grace.cut.startswith(
+        f"recover.notice_budget_s = 100s is cut to 20s: torch {version}"
+    )
+    assert "torch >= 2.12" in grace.cut
+
+
+@pytest.mark.unit
+def test_the_installed_torchrun_takes_the_shutdown_flags_before_the_module() -> None:
+    from torch.distributed.run import get_args_parser
+
+    grace = torchruns.torchrun_grace(torch.__version__, 12.0)
+    cmd = torchruns.torchrun(2, ["--x.y", "1"], "replica0", grace=grace.flags)
+    args = get_args_parser().parse_args(cmd[3:])  # past python -m torch.distributed.run
+    assert (args.training_script, args.training_script_args) == ("titan_recover.train", ["--x.y", "1"])
+    assert args.shutdown_timeout == (22 if grace.flags else None)
 
 
 def test_a_rank_whose_parent_died_before_it_asked_to_die_with_it_does_not_live_on() -> None:

@@ -8,7 +8,9 @@ incarnation's torchrun agents meet.
 """
 
 import logging
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,7 +32,46 @@ from titan_recover.policy.restarts import RestartBudget
 from titan_recover.policy.roster import GiveUp, on_exit
 
 DRAIN_PROBE_S = 2.0  # how often a launcher looks for the operator's drains of its groups (one read per node)
+TORCHRUN_GRACE_S = 30  # torchrun SIGKILLs its ranks this long after its own SIGTERM, unless told otherwise
+SHUTDOWN_TIMEOUT_SINCE = (2, 12)  # the first torch whose torchrun takes --shutdown-timeout (pytorch PR 172596)
+SHUTDOWN_MARGIN_S = 10
+"""torchrun's SIGKILL must come after titan_recover's own verdict on a notice. Both clocks start at one SIGTERM
+(Slurm signals the node's processes together); once the budget is spent the launcher kills a group still in
+its step at its next look and reports it failed, and on the coordinator's node the coordinator declares the
+stop failed; then the ranks exit. 10 s leaves room for all of that, so torchrun's kill is only a backstop; a
+longer torchrun grace costs nothing, since the scheduler's own SIGKILL (KillWait) ends every process anyway."""
 log = logging.getLogger(__name__)
+
+
+class Grace(NamedTuple):
+    """A notice's budget as the run uses it, and what torchrun is told of it."""
+
+    budget_s: float  # recover.notice_budget_s, cut where torchrun would kill the ranks first
+    flags: tuple[str, ...]  # torchrun's, before its module
+    cut: str | None  # why budget_s is below the config's (the launcher logs it at start); None: it is not
+
+
+def torchrun_grace(torch_version: str, budget_s: float) -> Grace:
+    """Where torchrun itself gets the notice's SIGTERM (Slurm and systemd signal every process of the node),
+    it SIGKILLs its ranks ``TORCHRUN_GRACE_S`` later whatever ``recover.notice_budget_s`` says. From torch 2.12
+    its ``--shutdown-timeout`` is set to the budget plus ``SHUTDOWN_MARGIN_S``; before (or for a version it
+    cannot read), the budget is cut to ``TORCHRUN_GRACE_S - SHUTDOWN_MARGIN_S``, whichever scheduler sends the
+    notice: the launcher cannot tell which notices reach torchrun too."""
+    found = re.match(r"(\d+)\.(\d+)", torch_version)
+    if found is not None and (int(found[1]), int(found[2])) >= SHUTDOWN_TIMEOUT_SINCE:
+        return Grace(budget_s, ("--shutdown-timeout", str(math.ceil(budget_s) + SHUTDOWN_MARGIN_S)), None)
+    cap = TORCHRUN_GRACE_S - SHUTDOWN_MARGIN_S
+    if budget_s <= cap:
+        return Grace(budget_s, (), None)
+    return Grace(
+        cap,
+        (),
+        f"recover.notice_budget_s = {budget_s:g}s is cut to {cap}s: torch {torch_version}'s torchrun SIGKILLs its "
+        f"ranks {TORCHRUN_GRACE_S}s after its own SIGTERM (Slurm and systemd signal every process of the node), and "
+        f"only torch >= {'.'.join(map(str, SHUTDOWN_TIMEOUT_SINCE))} lets the launcher lengthen that "
+        f"(--shutdown-timeout); {SHUTDOWN_MARGIN_S}s are kept for the launcher's own verdict. Install torch >= "
+        f"{'.'.join(map(str, SHUTDOWN_TIMEOUT_SINCE))} for a longer budget",
+    )
 
 
 class Meeting(NamedTuple):
@@ -58,7 +99,10 @@ class Meeting(NamedTuple):
         ]
 
 
-def torchrun(nproc: int, argv: list[str], role: str, meeting: Meeting | None = None) -> list[str]:
+def torchrun(
+    nproc: int, argv: list[str], role: str, meeting: Meeting | None = None, grace: tuple[str, ...] = ()
+) -> list[str]:
+    """The command of one torchrun job; ``grace``: its shutdown flags (``torchrun_grace``)."""
     where = ["--standalone", "--nnodes", "1"] if meeting is None else meeting.args()
     return [
         sys.executable,
@@ -74,6 +118,7 @@ def torchrun(nproc: int, argv: list[str], role: str, meeting: Meeting | None = N
         "3",
         "--local-ranks-filter",
         "0",
+        *grace,
         "-m",
         "titan_recover.train",
         *argv,
@@ -240,13 +285,23 @@ class Torchruns:
         warm: bool = False,
         on_warm: Callable[[int, float], object] = lambda replica, seconds: None,
         notice_budget_s: float = 12.0,
+        grace: tuple[str, ...] = (),
     ) -> None:
+        """``grace``: torchrun's shutdown flags (``torchrun_grace``)."""
         self.argv, self.envs, self.local_ranks, self.launcher, self.clock = argv, envs, local_ranks, launcher, clock
         self.on_start = on_start  # (replica, incarnation, warm): an incarnation started here (the event log says so)
         self.notice_budget_s = notice_budget_s  # how long a drained group may take to leave
+        self.grace = grace
         # the torchrun of a group spanning nodes starts with its other parts: no warm one
         self.standbys = (
-            Standbys(lambda r: torchrun(local_ranks, argv, f"replica{r}"), envs, local_ranks, agent, clock, on_warm)
+            Standbys(
+                lambda r: torchrun(local_ranks, argv, f"replica{r}", grace=grace),
+                envs,
+                local_ranks,
+                agent,
+                clock,
+                on_warm,
+            )
             if warm and span.parts == 1
             else None
         )
@@ -299,7 +354,7 @@ class Torchruns:
             CHANNEL_ENV: self.agent.open(replica, incarnation),
         }
         return subprocess.Popen(
-            torchrun(self.local_ranks, self.argv, f"replica{replica}", self.meetings.get(replica)),
+            torchrun(self.local_ranks, self.argv, f"replica{replica}", self.meetings.get(replica), self.grace),
             env=env,
             preexec_fn=die_with_parent,
         )
