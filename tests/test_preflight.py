@@ -160,3 +160,44 @@ def test_the_launcher_refuses_a_too_short_in_group_timeout_before_anything_start
     assert (
         "starting replica groups" not in done.stdout + done.stderr and "coordinator at" not in done.stdout
     )  # nothing started
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "version, level",
+    [
+        ("2.10.1", REFUSE),
+        ("2.11.0+cu130", OK),  # the H200's
+        ("2.12.0", OK),
+        ("2.13.0+cpu", OK),
+        ("2.14.1", OK),
+        ("2.15.0a0+git5228986", REFUSE),  # a container's pre-release of an unrun minor
+        ("3.0.0", REFUSE),
+        ("1.13.1", REFUSE),
+        ("nightly", REFUSE),
+    ],
+)
+def test_the_torch_release_is_checked_against_the_supported_range(version: str, level: str) -> None:
+    found = preflight.torch_finding(version, "/site/torch", {})
+    assert found.level == level and f"torch {version} (/site/torch)" in found.text
+    assert "2.11 <= torch < 2.15" in found.text
+    if level == REFUSE:
+        assert (
+            "./run_train.sh makes ./.venv with torch 2.13.0" in found.text
+            and "TITAN_RECOVER_PREFLIGHT=warn" in found.text
+        )
+        warned = preflight.torch_finding(version, "/site/torch", {preflight.OVERRIDE_ENV: "warn"})
+        assert warned.level == WARN and "turned into a warning" in warned.text
+
+
+@pytest.mark.unit
+def test_the_launcher_refuses_a_torch_outside_the_range_before_reading_the_job(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", "2.10.0")
+    done = launch_argv([*job(tmp_path, tiny=True), "--no.such_key", "1"], capfd)  # the job is never read
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("error:")]
+    assert "torch 2.10.0 (" in line and "outside the releases titan_recover supports, 2.11 <= torch < 2.15" in line

@@ -115,9 +115,7 @@ def device_plan(rc: config.Recover, groups: int, ranks: int) -> devices.DevicePl
 def run_preflight(job_config: Any, backend: str, env: dict[str, str]) -> preflight.Preflight:
     """Logs every finding of the preflight and adds the environment it derives to ``env`` (its job
     flags are the caller's); a ``config.ConfigError`` naming each refused setting."""
-    checked = preflight.check(
-        preflight.nccl_version(), backend, env, job_config.recover, preflight.comm_facts(job_config)
-    )
+    checked = preflight.on_this_node(job_config, backend, env)
     for finding in checked.findings:
         (log.warning if finding.level == preflight.WARN else log.info)(finding.line())
     if checked.refusals:
@@ -683,6 +681,11 @@ def run_recover(
 
 def main(argv: list[str]) -> int:
     logs.setup("launcher")  # the process's entry point (python -m titan_recover.launch)
+    supported = preflight.torch_finding(torch.__version__, os.path.dirname(torch.__file__), os.environ)
+    if supported.level == preflight.REFUSE:  # before TorchTitan's import, which may fail on it less clearly
+        print(f"error: {supported.text}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    (log.warning if supported.level == preflight.WARN else log.info)(supported.line())
     local: list[int] | int = []
     address: str | None = None
     part = 0

@@ -1,10 +1,10 @@
 """The preflight: before a run trusts NCCL to abort and the replicate dimension to re-form, it checks
-the NCCL release, the PyTorch NCCL settings of the environment and the timeouts against each other.
+the torch and NCCL releases, the PyTorch NCCL settings of the environment and the timeouts against each other.
 
-Pure decisions from facts (the NCCL version, the environment, the ``[recover]`` keys, TorchTitan's
-``[comm]`` keys), so every rule is unit-tested without a GPU. The launcher runs it on
-every run and logs each finding; a refusal stops it with exit 2 naming the setting, and
-``TITAN_RECOVER_PREFLIGHT=warn`` turns refusals into warnings for an operator who knows better.
+Pure decisions from facts (the torch and NCCL versions, the environment, the ``[recover]`` keys, TorchTitan's
+``[comm]`` keys), so every rule is unit-tested without a GPU. The launcher runs it on every run and logs each
+finding (the torch release first, before it reads the job); a refusal stops it with exit 2 naming the setting,
+and ``TITAN_RECOVER_PREFLIGHT=warn`` turns refusals into warnings for an operator who knows better.
 The self-test prints the same findings.
 
 The timeout hierarchy, innermost first (each bound must end before the next one starts to matter):
@@ -17,6 +17,7 @@ The timeout hierarchy, innermost first (each bound must end before the next one 
 """
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -33,6 +34,19 @@ KILLS_SURVIVORS = (
     "(TorchTitan's default group) acts on it when that group was made with TORCH_NCCL_DUMP_ON_TIMEOUT on: it "
     "dumps, waits TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (480 s) and aborts the process, so every survivor of a "
     "replicate failure would be killed 8 minutes later"
+)
+
+
+SUPPORTED_TORCH = ((2, 11), (2, 15))
+"""The torch releases titan_recover supports, (major, minor) from the first included to the first excluded: what
+it has run on, 2.11 (one H200, TorchTitan 0.2.2), 2.13.0 (TorchTitan 0.2.2's pin, every CI run) and 2.14.1
+(TorchTitan 0.3.0's pin), and 2.12 between them. Below 2.11 nothing ran, and this module's NCCL rules are read
+from torch 2.11's ProcessGroupNCCL; from 2.15 (its pre-releases included, as containers ship them) that code may
+have moved. What would break is failure handling, which a failure-free run never exercises: the launcher refuses
+outside the range (``OVERRIDE_ENV`` turns it into a warning) rather than fail at the first fault hours in."""
+TORCH_FIX = (
+    "./run_train.sh makes ./.venv with torch 2.13.0 (TorchTitan 0.2.2) or ./.venv-0.3.0 with 2.14.1 "
+    "(TORCHTITAN=0.3.0); an environment of your own needs a torch in that range"
 )
 
 
@@ -267,6 +281,40 @@ def timeout_finding(t: Timeouts, default_s: float | None, out: Preflight) -> Fin
     )
 
 
+def release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a torch version string ("2.11.0+cu130", "2.15.0a0+git1234"), None where it has none."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def torch_finding(version: str, where: str, env: Mapping[str, str]) -> Finding:
+    """The torch the launcher runs on (``version``, imported from ``where``) against ``SUPPORTED_TORCH``."""
+    (low, high), rule = SUPPORTED_TORCH, "torch-version"
+    supported = f"{low[0]}.{low[1]} <= torch < {high[0]}.{high[1]}"
+    found = release(version)
+    if found is not None and low <= found < high:
+        return Finding(OK, rule, f"torch {version} ({where}): within {supported}")
+    refusal = Finding(
+        REFUSE,
+        rule,
+        f"torch {version} ({where}) is outside the releases titan_recover supports, {supported} (run on 2.11, "
+        f"2.13.0 and 2.14.1): {TORCH_FIX}; or set {OVERRIDE_ENV}=warn to run on it anyway",
+    )
+    return overridden([refusal], env)[0]
+
+
+def overridden(findings: list[Finding], env: Mapping[str, str]) -> list[Finding]:
+    """``findings`` with each refusal turned into a warning where ``OVERRIDE_ENV`` says so."""
+    if env.get(OVERRIDE_ENV) != "warn":
+        return findings
+    return [
+        Finding(WARN, f.rule, f"{f.text} (refusal turned into a warning by {OVERRIDE_ENV}=warn)", f.source)
+        if f.level == REFUSE
+        else f
+        for f in findings
+    ]
+
+
 def check(
     nccl_version: tuple[int, int, int] | None,
     backend: str,
@@ -290,14 +338,13 @@ def check(
         out.findings.append(nvls_finding(env))
         if (monitoring := monitoring_finding(env)) is not None:
             out.findings.append(monitoring)
-    if env.get(OVERRIDE_ENV) == "warn":
-        out.findings = [
-            Finding(WARN, f.rule, f"{f.text} (refusal turned into a warning by {OVERRIDE_ENV}=warn)", f.source)
-            if f.level == REFUSE
-            else f
-            for f in out.findings
-        ]
+    out.findings = overridden(out.findings, env)
     return out
+
+
+def on_this_node(job_config: Any, backend: str, env: Mapping[str, str]) -> Preflight:
+    """The findings for this job on this node: its NCCL, ``env`` and the job's keys (for the launcher and --check)."""
+    return check(nccl_version(), backend, env, job_config.recover, comm_facts(job_config))
 
 
 COMM_KEYS = ("train_timeout_seconds", "trace_buf_size")
