@@ -41,6 +41,10 @@ HEADLINES = {
     "spot_exact_every_step": ("spot", "the same replay: every parameter digest equal to the exact twin's, all steps"),
     "spot_membership_max_rel_loss_dev": ("spot", "the same: max relative loss drift, the batch following the members"),
     "sim_spot_vs_elastic": ("spot", "simulated whole trace, 32 nodes of 8 GPUs: tokens per hour / elastic's"),
+    "sim_spot_elastic_options_vs_membership": (
+        "spot_options",
+        "simulated whole spot trace: elastic with one change each, tokens per hour / the membership-following run's",
+    ),
     "spare_failure_free_step_ratio": ("spares", "failure-free step time with a waiting spare / without, worst R"),
     "straggler_speed_vs_ideal": (
         "stragglers",
@@ -65,7 +69,13 @@ def load(results: Path) -> dict[str, dict]:
 
 
 def headline(scenarios: dict[str, dict]) -> dict:
-    return {key: scenarios.get(scenario, {}).get(key) for key, (scenario, _) in HEADLINES.items()}
+    """Each headline's value and, where its scenario file gives one (``<key>_caveat``), its caveat beside it."""
+    out: dict[str, object] = {}
+    for key, (scenario, _) in HEADLINES.items():
+        out[key] = scenarios.get(scenario, {}).get(key)
+        if caveat := scenarios.get(scenario, {}).get(f"{key}_caveat"):
+            out[f"{key}_caveat"] = caveat
+    return out
 
 
 def _fmt(value: object) -> str:
@@ -80,7 +90,10 @@ def _fmt(value: object) -> str:
 
 def table(scenarios: dict[str, dict]) -> str:
     rows = ["| metric | value | meaning |", "|---|---|---|"]
-    rows += [f"| `{key}` | {_fmt(value)} | {HEADLINES[key][1]} |" for key, value in headline(scenarios).items()]
+    values = headline(scenarios)
+    for key, (_, meaning) in HEADLINES.items():
+        caveat = values.get(f"{key}_caveat")
+        rows.append(f"| `{key}` | {_fmt(values[key])}{f' (caveat: {caveat})' if caveat else ''} | {meaning} |")
     return "\n".join(rows)
 
 

@@ -77,6 +77,16 @@ def test_report_writes_summary_table_and_plots(tmp_path: Path) -> None:
 
 
 @pytest.mark.unit
+def test_a_headline_with_a_caveat_shows_it_beside_its_value() -> None:
+    caveat = "on 2 cores, more groups add contention, not compute"
+    scenarios = {"spot": {"spot_steps_vs_elastic": {"fixed": 1.034}, "spot_steps_vs_elastic_caveat": caveat}}
+    assert report.headline(scenarios)["spot_steps_vs_elastic_caveat"] == caveat
+    assert f"| `spot_steps_vs_elastic` | fixed: 1.03 (caveat: {caveat}) |" in report.table(scenarios)
+    assert "spot_steps_vs_elastic_caveat" not in report.headline({})
+    assert "| `spot_steps_vs_elastic` | not run |" in report.table({})
+
+
+@pytest.mark.unit
 def test_an_ops_self_time_leaves_out_its_childrens_and_exact_modes_ops_are_told_apart() -> None:
     from bench.exact_ops import op_times
 

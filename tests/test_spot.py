@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from bench import spot_options
-from bench.spot import TRACE, Action, Replay, schedule
+from bench.spot import TRACE, Action, Replay, headlines, schedule
 from titan_recover.tools.goodput import (
     CapacitySystem,
     Cluster,
@@ -232,3 +232,11 @@ def test_the_options_table_sets_each_elastic_variant_against_the_membership_run(
     finer = simulate_capacity("elastic", read_capacity_trace(TRACE_TEXT), replace(SMALL, microbatches=8), COSTS, 2.0)
     assert out["rows"]["m_x4"]["steps"] == finer["steps"]
     assert spot_options.table(out).count("\n") == 2 + len(out["rows"])
+
+
+def test_the_replays_step_ratios_carry_their_caveat_where_the_groups_outnumber_the_cores() -> None:
+    rows = {"elastic": {"steps_per_trace_hour": 100.0}, "fixed": {"steps_per_trace_hour": 103.4}}
+    two = headlines(rows, max_groups=4, cores=2)
+    assert two["spot_steps_vs_elastic"] == {"fixed": pytest.approx(1.034)}
+    assert two["spot_steps_vs_elastic_caveat"].startswith("on 2 cores, up to 4 single-rank groups: more groups add")
+    assert headlines(rows, max_groups=4, cores=16)["spot_steps_vs_elastic_caveat"] is None
