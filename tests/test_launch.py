@@ -180,9 +180,11 @@ def test_torchrun_is_told_the_notice_budget_where_it_can_be(
 def test_before_torch_2_12_a_budget_torchrun_would_cut_short_is_cut_saying_why(version: str) -> None:
     grace = torchruns.torchrun_grace(version, 100.0)
     assert (grace.budget_s, grace.flags) == (20, ())
-    assert grace.cut is not None and grace.cut.startswith(
-        f"recover.notice_budget_s = 100s is cut to 20s: torch {version}"
+    assert grace.cut is not None
+    assert grace.cut.startswith(
+        "recover.notice_budget_s = 100s is cut to 20s for a SIGTERM notice (a drain keeps 100s)"
     )
+    assert f"torch {version}'s torchrun SIGKILLs its ranks 30s after its own SIGTERM" in grace.cut
     assert "torch >= 2.12" in grace.cut
 
 

@@ -228,8 +228,9 @@ class NodeLauncher:
                 "its groups on this node alone (recover.group_nodes = 1): name the ids otherwise"
             )
         self.store = store_of(rc)
+        self.drain_budget_s = rc.notice_budget_s  # a drain signals no torchrun: its budget is never cut
         self.grace = torchrun_grace(torch.__version__, rc.notice_budget_s)
-        if self.grace.cut:  # the coordinator's settings, this launcher and its groups read the budget cut
+        if self.grace.cut:  # a SIGTERM notice's budget, as this launcher and the coordinator's settings read it
             log.warning(self.grace.cut)
             rc.notice_budget_s = self.grace.budget_s
         self.replicas = config.replica_ids(job_config)
@@ -389,7 +390,7 @@ class NodeLauncher:
             on_start=self._started,
             warm=self.keeps_warm(span),
             on_warm=lambda replica, seconds: self.events.emit("warm_ready", replica=replica, seconds=seconds),
-            notice_budget_s=rc.notice_budget_s,
+            notice_budget_s=self.drain_budget_s,
             grace=self.grace.flags,
         )
         if self.first and self.part == 0:

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 class Grace(NamedTuple):
     """A notice's budget as the run uses it, and what torchrun is told of it."""
 
-    budget_s: float  # recover.notice_budget_s, cut where torchrun would kill the ranks first
+    budget_s: float  # recover.notice_budget_s for a SIGTERM notice, cut where torchrun would kill the ranks first
     flags: tuple[str, ...]  # torchrun's, before its module
     cut: str | None  # why budget_s is below the config's (the launcher logs it at start); None: it is not
 
@@ -55,8 +55,9 @@ def torchrun_grace(torch_version: str, budget_s: float) -> Grace:
     """Where torchrun itself gets the notice's SIGTERM (Slurm and systemd signal every process of the node),
     it SIGKILLs its ranks ``TORCHRUN_GRACE_S`` later whatever ``recover.notice_budget_s`` says. From torch 2.12
     its ``--shutdown-timeout`` is set to the budget plus ``SHUTDOWN_MARGIN_S``; before (or for a version it
-    cannot read), the budget is cut to ``TORCHRUN_GRACE_S - SHUTDOWN_MARGIN_S``, whichever scheduler sends the
-    notice: the launcher cannot tell which notices reach torchrun too."""
+    cannot read), a SIGTERM notice's budget is cut to ``TORCHRUN_GRACE_S - SHUTDOWN_MARGIN_S``, whichever
+    scheduler sends it (the launcher cannot tell which notices reach torchrun too); a drain signals no torchrun,
+    and keeps the config's."""
     found = re.match(r"(\d+)\.(\d+)", torch_version)
     if found is not None and (int(found[1]), int(found[2])) >= SHUTDOWN_TIMEOUT_SINCE:
         return Grace(budget_s, ("--shutdown-timeout", str(math.ceil(budget_s) + SHUTDOWN_MARGIN_S)), None)
@@ -66,7 +67,8 @@ def torchrun_grace(torch_version: str, budget_s: float) -> Grace:
     return Grace(
         cap,
         (),
-        f"recover.notice_budget_s = {budget_s:g}s is cut to {cap}s: torch {torch_version}'s torchrun SIGKILLs its "
+        f"recover.notice_budget_s = {budget_s:g}s is cut to {cap}s for a SIGTERM notice (a drain keeps "
+        f"{budget_s:g}s): torch {torch_version}'s torchrun SIGKILLs its "
         f"ranks {TORCHRUN_GRACE_S}s after its own SIGTERM (Slurm and systemd signal every process of the node), and "
         f"only torch >= {'.'.join(map(str, SHUTDOWN_TIMEOUT_SINCE))} lets the launcher lengthen that "
         f"(--shutdown-timeout); {SHUTDOWN_MARGIN_S}s are kept for the launcher's own verdict. Install torch >= "
