@@ -315,7 +315,9 @@ class _Nodes:
 LeaveAt = Literal["first", "last"]
 
 
-def _leaving_last(members: set[_Life], nodes: _Nodes, t: float, notice_s: float, step: Callable[[int], float]) -> set:
+def _leaving_last(
+    members: set[_Life], nodes: _Nodes, t: float, notice_s: float, step: Callable[[int], float]
+) -> set[_Life]:
     """The noticed members that cannot finish the step starting at ``t`` on the members that stay
     (``step``: its time on that many groups); each one leaving makes the step longer, so until none more."""
     leaving: set[_Life] = set()
