@@ -32,7 +32,7 @@ from titan_recover.control.client import ControlClient
 from titan_recover.control.keys import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_LEFT, EXIT_OK, EXIT_STOPPED
 from titan_recover.control.lifeline import Heartbeat, one_line, store_errors
 from titan_recover.control.protocol import Launcher
-from titan_recover.control.sealed import Run
+from titan_recover.control.sealed import Run, given_secret
 from titan_recover.data.tokens import DataError
 from titan_recover.launch import preflight
 from titan_recover.launch.stores import ControlStore, store_of
@@ -152,10 +152,15 @@ def coordinator_bind(configured: str, local: list[int], replicas: int, parts: in
 
 
 def choose_secret(env: dict[str, str], only_this_node: bool) -> str:
-    """The run's secret: the user's ``$TITAN_RECOVER_SECRET``, or a fresh one when this launcher
-    starts the coordinator and every replica group, so no other launcher needs to know it."""
-    if env.get(keys.SECRET_ENV):
-        return env[keys.SECRET_ENV]
+    """The run's secret: the user's (``$TITAN_RECOVER_SECRET``, or the file ``$TITAN_RECOVER_SECRET_FILE``
+    names), or a fresh one when this launcher starts the coordinator and every replica group, so no other
+    launcher needs to know it."""
+    try:
+        given = given_secret(env)
+    except ValueError as e:
+        raise config.ConfigError(str(e)) from None
+    if given:
+        return given
     if only_this_node:
         return secrets.token_hex(16)
     raise config.ConfigError(
