@@ -14,13 +14,21 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the package it was taken from, which titan_recover depends on
+    import tomli as tomllib
 from conftest import ROOT
+
+from titan_recover.control.sealed import given_secret
 
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 NODE_SH = ROOT / "scripts" / "node.sh"
 NODE_SLURM_SH = ROOT / "scripts" / "slurm" / "node_slurm.sh"  # node.sh sources it under Slurm
 MANIFEST = ROOT / "scripts" / "k8s" / "train-indexed-job.yaml"
 CFG = "train_configs/llama3_debug_cpu.toml"
+GPU_CONFIGS = ["train_configs/llama3_8b_hsdp_gpu.toml", "train_configs/llama3_8b_hsdp_tp_gpu.toml"]
 SCRIPTS_TOML = "the Slurm and Kubernetes scripts take the job as CONFIG_FILE, a TOML"
 # what the scripts read from the environment: the tests' own values only
 OURS = (
@@ -234,6 +242,7 @@ def test_the_real_path_runs_node_sh_once_per_node_under_srun(tmp_path: Path) -> 
         FAKE_SRUN_ARGS=str(srun_args),
         TITAN_RECOVER_COORDINATOR="stale:1",
         NODE_INDEX="5",
+        TITAN_RECOVER_SECRET_FILE=str(tmp_path / "secret"),  # not in the checkout's outputs/
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ignoring TITAN_RECOVER_COORDINATOR=stale:1" in out.stdout and "ignoring NODE_INDEX=5" in out.stdout
@@ -243,6 +252,7 @@ def test_the_real_path_runs_node_sh_once_per_node_under_srun(tmp_path: Path) -> 
     assert all("TITAN_RECOVER_SECRET='<hidden>'" in line for line in plan)  # the log has no secret
     nodes = nodes_in("\n".join(ran))  # what srun's tasks ran, each finding its index from its host name
     check_layout(nodes, ["c1", "c2", "c3"], 2, 0, "c1:29510")
+    assert (tmp_path / "secret").read_text() == nodes[0].env["TITAN_RECOVER_SECRET"] + "\n"
 
     def unlabelled(line: str) -> str:
         return re.sub(r"SECRET=\S+", "SECRET=x", re.sub(r"^\d: ", "", line))
@@ -260,6 +270,77 @@ def test_the_real_path_runs_node_sh_once_per_node_under_srun(tmp_path: Path) -> 
     ):
         assert flag in args
     assert args[args.index("./scripts/node.sh") :] == ["./scripts/node.sh", "--training.steps", "7"]
+
+
+def test_the_runs_secret_is_saved_for_the_user_alone_and_a_requeue_a_joining_job_and_drain_find_it(
+    tmp_path: Path,
+) -> None:
+    """A job that makes its run's secret saves it in outputs/slurm/<job id>/secret of the submit directory (mode
+    0600 in a 0700 folder whatever the umask; the log names the path, never the secret). The same job requeued
+    reads it back, a JOIN_RUN job of that run id finds it with no secret given, and drain's reader takes the same
+    file; a JOIN_RUN job of a run with no such file stops naming it. In a copy of the scripts whose srun runs
+    each node's plan only."""
+    repo, fake = tmp_path / "repo", tmp_path / "bin"
+    (repo / "scripts" / "slurm").mkdir(parents=True)
+    fake.mkdir()
+    for script in (SBATCH, NODE_SH, NODE_SLURM_SH):
+        shutil.copy(script, repo / script.relative_to(ROOT))
+    (repo / "scripts" / "bootstrap.sh").write_text("")  # the environment is there
+    (repo / "run_train.sh").write_text("#!/usr/bin/env bash\nexit 1\n")  # never run: srun plans only
+    (repo / "c.toml").write_text("")
+    (fake / "srun").write_text(
+        "#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\n"
+        'for i in 0 1; do SLURMD_NODENAME=c$((i + 1)) PLAN_ONLY=1 SHOW_SECRET=1 "$@" | sed "s/^/$i: /" || exit; done\n'
+    )
+    for f in (fake / "srun", repo / "run_train.sh", *repo.glob("scripts/**/*.sh")):
+        f.chmod(0o755)
+    job = dict(
+        PATH=f"{fake}:{os.environ['PATH']}",
+        SLURM_SUBMIT_DIR=str(repo),
+        DRY_RUN_NODES="c1 c2",  # the hosts, without scontrol
+        GPUS_PER_NODE="0",
+        SLURM_JOB_ID="1234",
+    )
+
+    def submitted(**env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", "-c", 'umask 022 && exec bash "$0" c.toml', str(repo / "scripts" / "slurm" / "train.sbatch")],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=clean_env(**{**job, **env}),
+        )
+
+    def secrets(out: subprocess.CompletedProcess) -> set[str]:
+        """The secrets srun's tasks were given."""
+        return {
+            n.env["TITAN_RECOVER_SECRET"] for n in nodes_in(out.stdout) if n.env["TITAN_RECOVER_SECRET"] != "<hidden>"
+        }
+
+    first = submitted()
+    assert first.returncode == 0, first.stdout + first.stderr
+    saved = repo / "outputs" / "slurm" / "1234" / "secret"
+    secret = saved.read_text().strip()
+    assert re.fullmatch(r"[0-9a-f]{32}", secret)
+    assert (saved.stat().st_mode & 0o777, saved.parent.stat().st_mode & 0o777) == (0o600, 0o700)
+    assert secrets(first) == {secret}
+    said = [line for line in first.stdout.splitlines() if not re.match(r"\d: ", line)]  # the batch script's own log
+    assert f"the run's secret is saved in {saved} (mode 0600)" in first.stdout and secret not in "\n".join(said)
+    requeued = submitted()
+    assert requeued.returncode == 0, requeued.stderr
+    assert f"the run's secret: from {saved}" in requeued.stdout
+    assert secrets(requeued) == {secret}
+    joining = dict(DRY_RUN="1", DRY_RUN_NODES="c9", SLURM_JOB_ID="1300", JOIN_RUN="c1:29510")
+    joined = submitted(**joining, TITAN_RECOVER_RUN_ID="1234")
+    assert joined.returncode == 0, joined.stderr
+    [node] = nodes_in(joined.stdout)
+    assert (node.env["TITAN_RECOVER_SECRET"], node.env["TITAN_RECOVER_REPLICAS"]) == (secret, "any:1")
+    assert given_secret({"TITAN_RECOVER_SECRET_FILE": str(saved)}) == secret  # drain's and the launcher's reader
+    with pytest.raises(ValueError, match="TITAN_RECOVER_SECRET_FILE=/nowhere: cannot read the run's secret"):
+        given_secret({"TITAN_RECOVER_SECRET_FILE": "/nowhere"})
+    unknown = submitted(**joining, TITAN_RECOVER_RUN_ID="999")
+    assert unknown.returncode == 2 and f"no secret for run 999 in {repo}/outputs/slurm/999/secret" in unknown.stderr
 
 
 def test_node_sh_runs_run_train_sh_with_that_environment(tmp_path: Path) -> None:
@@ -363,6 +444,24 @@ def test_ranks_per_group_are_read_from_the_config_and_its_overrides() -> None:
     assert out.returncode == 0, out.stderr
     assert "GROUPS_PER_NODE=2: 8 GPUs per node / 4 ranks per group on a node" in out.stdout
     assert [n.replicas for n in nodes_in(out.stdout)] == [[0, 1], [2, 3]]
+
+
+@pytest.mark.toml(SCRIPTS_TOML)
+@pytest.mark.parametrize("config", GPU_CONFIGS)
+def test_the_8b_configs_fill_nodes_of_8_gpus(config: str) -> None:
+    """``sbatch --nodes=2 --gpus-per-node=8 scripts/slurm/train.sbatch <8B config>`` (docs/multi-node.md) as its dry
+    run: each node runs 8 GPUs' worth of replica groups (8 / the config's ranks per group, read by TorchTitan's
+    parser) and the run's replicate degree is 2 nodes' worth; the coordinator's port and bind address, which the
+    8B configs leave unset, come from the script."""
+    par = tomllib.loads((ROOT / config).read_text())["parallelism"]
+    ranks = par["data_parallel_shard_degree"] * par["tensor_parallel_degree"] * par["pipeline_parallel_degree"]
+    groups = 8 // ranks
+    out = dry_run("n1 n2", config, GPUS_PER_NODE="8", VENV=str(Path(sys.executable).parent.parent))
+    assert out.returncode == 0, out.stderr
+    assert f"GROUPS_PER_NODE={groups}: 8 GPUs per node / {ranks} ranks per group on a node" in out.stdout
+    nodes = nodes_in(out.stdout)
+    check_layout(nodes, ["n1", "n2"], groups, 0, "n1:29510")  # replicate degree 2 x groups, ids by node
+    assert all(n.env["CONFIG_FILE"] == config and len(n.replicas) * ranks == 8 for n in nodes)
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,13 @@ on its node's notice (docs/elasticity.md), and the others take its quota; nothin
 
     TITAN_RECOVER_COORDINATOR=host:port TITAN_RECOVER_SECRET=... python -m titan_recover.drain --replicas 1,3
     TITAN_RECOVER_COORDINATOR=host:port TITAN_RECOVER_SECRET=... python -m titan_recover.drain --node gpu-node-17
+    export TITAN_RECOVER_SECRET_FILE=outputs/slurm/1234/secret  # a Slurm job's, saved by its batch script
+    python -m titan_recover.drain --coordinator node0:29510 --replicas 1
 
-The run's coordinator address and secret are the ones its other nodes' launchers are given; the run's id
-is found from the secret on the TCPStore (``TITAN_RECOVER_RUN_ID`` names it on etcd). A drained group's
-launcher exits 4 once all of its groups left; started again, its groups rejoin from a live peer.
+The run's coordinator address and secret are the ones its other nodes' launchers are given (the secret in
+``TITAN_RECOVER_SECRET``, or in the file ``TITAN_RECOVER_SECRET_FILE`` names); the run's id is found from the
+secret on the TCPStore (``TITAN_RECOVER_RUN_ID`` names it on etcd). A drained group's launcher exits 4 once all
+of its groups left; started again, its groups rejoin from a live peer.
 """
 
 import argparse
@@ -18,7 +21,7 @@ import time
 from titan_recover.control import keys, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Drain, Launcher, MessageError
-from titan_recover.control.sealed import Run
+from titan_recover.control.sealed import Run, given_secret
 from titan_recover.control.transport import WrongRunError
 from titan_recover.observability import logs
 
@@ -86,9 +89,15 @@ def owners(client: ControlClient, members: tuple[int, ...]) -> dict[int, list[La
 
 
 def connect(address: str, env: dict[str, str]) -> ControlClient:
-    secret = env.get(keys.SECRET_ENV, "")
+    try:
+        secret = given_secret(env)
+    except ValueError as e:
+        raise DrainError(str(e)) from None
     if not secret:
-        raise DrainError(f"{keys.SECRET_ENV} is not set: give the run's secret, as its other nodes' launchers have it")
+        raise DrainError(
+            f"{keys.SECRET_ENV} is not set: give the run's secret, as its other nodes' launchers have it, or "
+            f"{keys.SECRET_FILE_ENV}: the file that holds it (a Slurm job's: outputs/slurm/<job id>/secret)"
+        )
     run_id = env.get(keys.RUN_ENV) or transport.find_run(address, CONNECT_S, secret).id
     return ControlClient(transport.connect(address, CONNECT_S, Run(secret, run_id)))
 

@@ -12,6 +12,7 @@ REPLICA_ENV = "TITAN_RECOVER_REPLICA"  # this process's replica group id
 REPLICAS_ENV = "TITAN_RECOVER_REPLICAS"  # comma-separated replica group ids a node's launcher runs
 GROUP_NODE_ENV = "TITAN_RECOVER_GROUP_NODE"  # which node part of its replica groups a node runs (recover.group_nodes)
 SECRET_ENV = "TITAN_RECOVER_SECRET"  # this run's secret: it seals every record of the run (``sealed``)
+SECRET_FILE_ENV = "TITAN_RECOVER_SECRET_FILE"  # a file holding it, read where SECRET_ENV is unset (``sealed``)
 RUN_ENV = "TITAN_RECOVER_RUN_ID"  # this run's id: a new id is a new run; the same id relaunched rejoins it
 LISTEN_FD_ENV = "TITAN_RECOVER_LISTEN_FD"  # the listening socket its launcher bound and handed to the coordinator
 INCARNATION_ENV = "TITAN_RECOVER_ATTEMPT"  # incarnation of this replica group: 0, then +1 per restart

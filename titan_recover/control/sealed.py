@@ -41,6 +41,29 @@ class ForgedRecord(MessageError):
     """A store value that does not carry this run's seal: written by a process without the secret."""
 
 
+def given_secret(env: os._Environ[str] | dict[str, str] = os.environ) -> str:
+    """The run's secret as the user gave it: ``$TITAN_RECOVER_SECRET``, else the first line of the file
+    ``$TITAN_RECOVER_SECRET_FILE`` names (``scripts/slurm/train.sbatch`` saves each run's, mode 0600), so a
+    joining node or ``python -m titan_recover.drain`` need not have it in a variable; "" for neither. A
+    ValueError naming the file when it cannot be read or holds none."""
+    if env.get(keys.SECRET_ENV):
+        return env[keys.SECRET_ENV]
+    path = env.get(keys.SECRET_FILE_ENV, "")
+    if not path:
+        return ""
+    try:
+        with open(path) as f:
+            secret = f.readline().strip()
+    except OSError as e:
+        raise ValueError(
+            f"{keys.SECRET_FILE_ENV}={path}: cannot read the run's secret ({e.strerror}): name the file that holds "
+            f"it (a Slurm job's: outputs/slurm/<job id>/secret in its checkout), or set {keys.SECRET_ENV}"
+        ) from None
+    if not secret:
+        raise ValueError(f"{keys.SECRET_FILE_ENV}={path} holds no secret on its first line: name the run's own file")
+    return secret
+
+
 @dataclass(frozen=True)
 class Run:
     """Who a process works for: the run's secret (never stored, printed or put in a key) and its id."""
