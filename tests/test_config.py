@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -506,3 +507,57 @@ def test_group_nodes_must_split_a_group_evenly() -> None:
         load("--recover.group_nodes", "3")
     with pytest.raises(ConfigError, match=r"recover\.group_nodes must be >= 1, got 0"):
         load("--recover.group_nodes", "0")
+
+
+def header_commands(config_file: Path) -> dict[int, list[str]]:
+    """The per-node commands in a config's header comments (``#   node i: ...``, ``\\`` continuing a line), as
+    words."""
+    commands: dict[int, str] = {}
+    node = None
+    for line in config_file.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        text = line.lstrip("#").strip()
+        if m := re.match(r"node (\d+): (.*)", text):
+            node, text = int(m[1]), m[2]
+            commands[node] = ""
+        elif node is None or not commands[node].endswith("\\"):
+            node = None
+            continue
+        commands[node] = commands[node].removesuffix("\\") + " " + text
+    return {i: shlex.split(command) for i, command in commands.items()}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", ["llama3_8b_hsdp_gpu", "llama3_8b_hsdp_tp_gpu"])
+def test_the_8b_configs_manual_commands_pass_the_launchers_checks(name: str) -> None:
+    """Each node's command in the 8B config's header, as the launcher reads it before anything starts: the job
+    with the command's flags loads; node 0, which starts the coordinator, listens on an address the other node
+    can reach (``launcher.coordinator_bind``) at the fixed port node 1 dials; every node has the run's secret
+    (``launcher.choose_secret``), replica ids of its own that together are the run's, and an event log of its
+    own. The header's Slurm command is the one tests/test_cluster_launch.py dry-runs."""
+    from titan_recover.launch import launcher
+
+    config_file = ROOT / "train_configs" / f"{name}.toml"
+    commands = header_commands(config_file)
+    assert sorted(commands) == [0, 1], commands
+    envs, jobs = {}, {}
+    for i, words in commands.items():
+        run = words.index("./run_train.sh")
+        env = dict(word.split("=", 1) for word in words[:run])
+        assert env["CONFIG_FILE"] == f"train_configs/{name}.toml", env
+        envs[i], jobs[i] = env, load(*words[run + 1 :], config_file=ROOT / env["CONFIG_FILE"])
+    ids = replica_ids(jobs[0])
+    local = {i: launcher.parse_replicas(env["TITAN_RECOVER_REPLICAS"], ids) for i, env in envs.items()}
+    assert sorted(local[0] + local[1]) == list(range(ids)), local
+    rc = jobs[0].recover
+    assert "TITAN_RECOVER_COORDINATOR" not in envs[0]  # node 0's launcher starts the coordinator
+    bind = launcher.coordinator_bind(rc.coordinator_bind, local[0], ids, rc.group_nodes)
+    assert bind not in ("127.0.0.1", "0.0.0.0") and rc.coordinator_port > 0, (bind, rc.coordinator_port)
+    assert envs[1]["TITAN_RECOVER_COORDINATOR"] == f"{bind}:{rc.coordinator_port}"
+    for env in envs.values():
+        assert launcher.choose_secret(env, only_this_node=False) == "$SECRET"  # the same on both nodes
+    assert sorted(env["TITAN_RECOVER_NODE"] for env in envs.values()) == ["node0", "node1"]
+    assert f"sbatch --nodes=2 --gpus-per-node=8 scripts/slurm/train.sbatch train_configs/{name}.toml" in (
+        config_file.read_text()
+    )
