@@ -89,22 +89,55 @@ def model_vocab_size(job_config: Any) -> int:
         raise DataError(str(e)) from None
 
 
+def tokens_to_prepare(job_config: Any) -> int:
+    """A ``prepare --max-tokens`` budget for the job: the tokens its steps read (``seq_len + 1`` per sample), 1%
+    over for the windows lost at shard ends, rounded up to a million. A shorter corpus is read again, in a new
+    order; a longer one costs tokenizing time before step 1."""
+    tr = job_config.training
+    read = tr.steps * tr.global_batch_size * (tr.seq_len + 1)
+    return -(-read * 101 // (100 * 10**6)) * 10**6
+
+
+def prepare_command(job_config: Any, folder: str) -> str:
+    """The command that prepares the job's dataset into ``folder``, with the job's token budget."""
+    from titan_recover import titan
+
+    name, tokenizer_dir = titan.dataset(job_config)[0], titan.assets_path(job_config)
+    source = f"--dataset {name}" if name in titan.text_datasets() else "--files YOUR_FILES"
+    return (
+        f"python -m titan_recover.data prepare {folder} {source} --tokenizer {tokenizer_dir} "
+        f"--max-tokens {tokens_to_prepare(job_config)}"
+    )
+
+
+def dataset_folder(job_config: Any) -> str | None:
+    """The job's dataset folder; None for the synthetic corpus not prepared yet (the run prepares it there
+    first); a ``DataError`` naming the setting, and the command that prepares it, where there is none."""
+    from titan_recover import titan
+    from titan_recover.titan.jobs import FLAGS
+
+    (name, path), key = titan.dataset(job_config), FLAGS["dataset_path"].lstrip("-")
+    folder = path or (DEFAULT_SYNTHETIC_DIR if name == SYNTHETIC else "")
+    if name == SYNTHETIC:
+        return folder if os.path.exists(os.path.join(folder, tokens.MANIFEST)) else None
+    if not folder or not os.path.exists(folder):
+        what = f"{folder!r} does not exist" if folder else "unset"
+        raise DataError(
+            f"{key}: {what}, and dataset {name!r} is read from a prepared dataset folder: prepare it once with "
+            f"`{prepare_command(job_config, folder or './data/' + name)}` (the run's tokens; docs/data.md)"
+            + ("" if folder else f", and set {key} to that folder")
+        )
+    return folder
+
+
 def open_dataset(job_config: Any, tokenizer_vocab: int) -> TokenDataset:
     """The job's dataset folder, checked against its tokenizer and model (synthetic: prepared if absent)."""
     from titan_recover import titan
 
-    (name, path), tokenizer_dir = titan.dataset(job_config), titan.assets_path(job_config)
-    if name == SYNTHETIC:
-        folder = path or DEFAULT_SYNTHETIC_DIR
-        if not os.path.exists(os.path.join(folder, tokens.MANIFEST)):
-            prepare.prepare_synthetic(folder, tokenizer_dir, SYNTHETIC_TOKENS, SYNTHETIC_SHARDS)
-    elif not path:
-        raise DataError(
-            f"dataset {name!r} needs a dataset_path: a folder prepared with "
-            f"`python -m titan_recover.data prepare DIR --dataset {name} --tokenizer {tokenizer_dir}`"
-        )
-    else:
-        folder = path
+    folder, tokenizer_dir = dataset_folder(job_config), titan.assets_path(job_config)
+    if folder is None:
+        folder = titan.dataset(job_config)[1] or DEFAULT_SYNTHETIC_DIR
+        prepare.prepare_synthetic(folder, tokenizer_dir, SYNTHETIC_TOKENS, SYNTHETIC_SHARDS)
     dataset = TokenDataset(folder)
     dataset.check_tokenizer(tokenizer_dir, tokenizer_vocab, titan.ASSETS_KEY)
     model, flavor = titan.model_name(job_config)
@@ -149,8 +182,10 @@ def check_data(job_config: Any) -> str:
         dataset, first, seq_len=tr.seq_len, seed=job_config.recover.data_seed, vocab_size=model_vocab_size(job_config)
     )
     windows, per_step, mf = dataset.num_windows(tr.seq_len), m * shards * tr.local_batch_size, dataset.manifest
+    read = tr.steps * per_step / windows
     return (
         f"data: {dataset.folder}: {mf.num_tokens:,} tokens in {len(mf.shards)} {mf.layout} shards ({mf.dtype}, "
         f"ids < {mf.max_token_id + 1:,}); {windows:,} samples of {tr.seq_len + 1} tokens, "
-        f"read once every {windows / per_step:,.1f} steps"
+        f"read once every {windows / per_step:,.1f} steps: the run's {tr.steps:,} steps read "
+        + (f"{read:.1%} of it" if read < 1 else f"it {read:,.2f} times (a new order each time)")
     )
