@@ -249,7 +249,8 @@ def test_a_group_joins_beyond_r_and_the_operator_drains_another_on_the_coordinat
     """``recover.max_replicas = 3`` on a run of R = 2 whose one launcher runs replicas 0 and 1 and the
     coordinator. A node started once step 2 is logged, asking for any free id (it gets 2), is admitted at a step
     boundary while replica 0 holds step 4, receives its state from a live peer and computes a share of the same 4
-    microbatches. Then, while replica 1 holds step 8 for 20 s, ``python -m titan_recover.drain --replicas 1``:
+    microbatches. Then, while replica 1 holds step 8 for 20 s, ``python -m titan_recover.drain --replicas 1``, the
+    run's secret in the file ``TITAN_RECOVER_SECRET_FILE`` names:
     replica 1 leaves at the boundary (a ``left`` event, no failure), its launcher runs replica 0 on to exit 0.
     Draining a group that is no member, or every member (also by naming this host, where every launcher runs),
     or a node that runs none exits 2 naming it and drains nothing. In exact mode
@@ -275,7 +276,10 @@ def test_a_group_joins_beyond_r_and_the_operator_drains_another_on_the_coordinat
             refused = [
                 run_main(drain_main, ["--coordinator", f"127.0.0.1:{port}", *which], capfd, env) for which in refusals
             ]
-            asked = drain(env, port, "--replicas", "1", "--reason", "disk swap")
+            saved = tmp_path / "secret"  # the run's secret in a file, as the Slurm batch script saves it
+            saved.write_text(env[keys.SECRET_ENV] + "\n")
+            by_file = {**{k: v for k, v in env.items() if k != keys.SECRET_ENV}, keys.SECRET_FILE_ENV: str(saved)}
+            asked = drain(by_file, port, "--replicas", "1", "--reason", "disk swap")
             said = asked.communicate(timeout=120)[1]
             assert a.wait(timeout=300) == 0, a.output()[-4000:]
             assert c.wait(timeout=60) == 0, c.output()[-4000:]

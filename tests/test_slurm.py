@@ -48,7 +48,8 @@ def submit(
     dump: Path | None = None,
 ) -> str:
     """The tests' job (``SINGLES``, fault plan ``plan``) submitted on both nodes (``extra``: sbatch's
-    options, then the job's), logging to ``out``.out and dumping to ``dump`` (default: ``out``); its job id."""
+    options, then the job's), logging to ``out``.out, its run's secret saved in ``out``.secret unless ``env`` names
+    another file, and dumping to ``dump`` (default: ``out``); its job id."""
     config, path, *args = job(dump or out, tiny=True)
     assert config == "--job.config_file"
     options = [a for a in extra if a.startswith("--nodes") or a.startswith("--nodelist")]
@@ -66,7 +67,7 @@ def submit(
             plan,
             *overrides,
         ],
-        env=env,
+        env={keys.SECRET_FILE_ENV: f"{out}.secret", **(env or {})},
         cwd=ROOT,
     )
 
@@ -90,19 +91,20 @@ def test_a_failed_node_costs_only_its_group_then_a_job_on_the_repaired_node_join
     slurmd too) while its replica stalls in a forward pass; Slurm marks it down and, with the script's
     ``--no-kill``, neither signals node 0's task nor requeues the job: replica 0 takes over the step's
     microbatches. Node 1's slurmd starts again, and a second ``sbatch`` job on it (``JOIN_RUN``: the
-    running run's coordinator, its secret and run id) takes the lost group's replica id and is admitted
+    running run's coordinator and run id, its secret read from the file the first job saved, mode 0600, as
+    neither job is given one) takes the lost group's replica id and is admitted
     while replica 0 holds step 5. Slurm then signals that job (``scancel --signal=TERM``, as a preemption
     does) while replica 0 is slow in step 7: its group leaves at a step boundary and its job ends with
     exit 4. The first job completes, exit 0, no restart, every step once with M microbatches on the
     failure-free data."""
     dump = tmp_path / "dump"
-    secret = "slurm-test-secret"
+    unset = {keys.SECRET_ENV: ""}  # as a user who sets none: the first job makes the run's and saves it
     plan = (
         "sleep replica=1 step=3 phase=forward seconds=60; "
         "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch; "
         "sleep replica=0 step=7 phase=forward seconds=8"
     )
-    first = submit(slurm, dump, plan, env={keys.SECRET_ENV: secret})
+    first = submit(slurm, dump, plan, env=unset)
     slurm.wait(stalled(dump, 1), RUN_S, "replica 1's stall")
     slurm.fail(1)
     # until Slurm marks it down, node 1 stays in the first job's allocation: the repair comes after that
@@ -117,7 +119,7 @@ def test_a_failed_node_costs_only_its_group_then_a_job_on_the_repaired_node_join
         "--nodelist=node1",
         "--parallelism.data_parallel_replicate_degree",
         "2",
-        env={keys.SECRET_ENV: secret, keys.RUN_ENV: first, "JOIN_RUN": "node0:29510"},
+        env={**unset, keys.SECRET_FILE_ENV: f"{dump}.secret", keys.RUN_ENV: first, "JOIN_RUN": "node0:29510"},
         dump=dump,
     )
     slurm.wait(lambda: any(e["event"] == "rejoined" for e in events(dump)), RUN_S, "the joining job's group admitted")
@@ -127,6 +129,8 @@ def test_a_failed_node_costs_only_its_group_then_a_job_on_the_repaired_node_join
     print(fields["JobState"], fields["ExitCode"], left["JobState"], left["ExitCode"])
     assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "0"), run.output[-3000:]
     assert left["ExitCode"] == "4:0", Path(f"{tmp_path / 'joined'}.out").read_text()[-3000:]
+    assert Path(f"{dump}.secret").stat().st_mode & 0o777 == 0o600
+    assert f"the run's secret: from {dump}.secret" in Path(f"{tmp_path / 'joined'}.out").read_text()
     assert_same_trajectory(two_singles, run, 1e-3, num_microbatches=4)
     [failure] = run.of("failure")
     [rejoined] = run.of("rejoined")
