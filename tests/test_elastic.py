@@ -251,7 +251,9 @@ def test_a_group_joins_beyond_r_and_the_operator_drains_another_on_the_coordinat
     boundary while replica 0 holds step 4, receives its state from a live peer and computes a share of the same 4
     microbatches. Then, while replica 1 holds step 8 for 20 s, ``python -m titan_recover.drain --replicas 1``, the
     run's secret in the file ``TITAN_RECOVER_SECRET_FILE`` names:
-    replica 1 leaves at the boundary (a ``left`` event, no failure), its launcher runs replica 0 on to exit 0.
+    replica 1 says in step 8's all-reduce that it leaves and reports it with the step's commit, so replica 1 dying
+    at once after (killed before its optimizer step) is still a leave at the boundary (a ``left`` event, no
+    failure) and the survivors' next all-reduce waits for no one; its launcher runs replica 0 on to exit 0.
     Draining a group that is no member, or every member (also by naming this host, where every launcher runs),
     or a node that runs none exits 2 naming it and drains nothing. In exact mode
     throughout: every member's parameters after every step are the bits of one group's failure-free run, with
@@ -259,7 +261,8 @@ def test_a_group_joins_beyond_r_and_the_operator_drains_another_on_the_coordinat
     dump = tmp_path / "dump"
     plan = (
         "sleep replica=0 step=4 phase=optimizer seconds=120 until=epoch; "  # until the new group is admitted
-        "sleep replica=1 step=8 phase=backward seconds=20"  # the drain command imports torch meanwhile
+        "sleep replica=1 step=8 phase=backward seconds=20; "  # the drain command imports torch meanwhile
+        "kill replica=1 step=8 phase=optimizer"  # after the commit that announced its leave
     )
     budget = ("--recover.notice_budget_s", "40")  # above the 20 s hold
     args, env, env_c = two_nodes(
@@ -299,6 +302,8 @@ def test_a_group_joins_beyond_r_and_the_operator_drains_another_on_the_coordinat
     joined, gone = rejoined["step"], left["step"]
     assert left["replica"] == 1 and 2 < joined < gone <= LAST and rejoined["bytes"] > 0, (rejoined, left)
     assert not run.of("failure")
+    aborted = {e["replica"]: e["aborted"] for e in run.of("recovery_moments") if e["step"] == gone}
+    assert aborted == {0: 0, 2: 0}, run.of("recovery_moments")  # no survivor's all-reduce waited for replica 1
     for s, e in run.steps().items():
         members = [0, 1] if s < joined else [0, 1, 2] if s < gone else [0, 2]
         assert e["members"] == members and sum(e["quotas"].values()) == 4, (s, e)

@@ -27,7 +27,7 @@ from titan_recover.data.tokens import DataError
 from titan_recover.node.channel import DONE, FATAL, FINISHED, READY, RUNNING, STARTING, STATE, Channel
 from titan_recover.policy.membership import Membership
 from titan_recover.rank.collectives import CollectiveAborted
-from titan_recover.rank.manager import ReplicaFenced, ReplicaManager, RunDone, RunFatal
+from titan_recover.rank.manager import ReplicaFenced, ReplicaLeaving, ReplicaManager, RunDone, RunFatal
 
 pytestmark = pytest.mark.unit
 
@@ -224,6 +224,68 @@ def test_an_allreduce_aborted_by_a_new_epoch_is_not_reported(coord: Coordinator)
     current = m.history(m.start_step(2))[-1]
     assert not m.allreduce(current, [torch.ones(1)], on_launched=lambda: None)
     assert groups.calls == [0] and not coord.reports()
+    assert m.aborted == 1  # the step's all-reduces given up, for its recovery_moments event
+    m.start_step(3)
+    assert m.aborted == 0
+
+
+def test_a_leaver_reports_with_its_last_steps_commit_and_leaves_before_the_next(coord: Coordinator) -> None:
+    """Its group heard a notice as step 3 began: it computes step 3 with the others and says so in the step's
+    all-reduce; its first rank reports the leave as the step commits, naming step 4 as the first without it,
+    and the group leaves as step 4 begins."""
+    coord.publish(0, (0, 1))
+    first, second = coord.manager(1), coord.manager(1, group_rank=1)
+    for m in (first, second):
+        m.notice(time.time() - 2.0)
+        assert m.start_step(3) == 0 and m.leave_agreed  # the notice is heard; the step goes on
+        m.announce((1,))
+    (report,) = coord.reports()  # its first rank's only
+    assert (report.suspect, report.replica, report.step, report.left) == (1, 1, 4, True)
+    assert report.notice_s is not None and 2.0 <= report.notice_s < 10, report
+    assert report.cause.startswith("left on notice before step 4 (2.")
+    for m in (first, second):
+        with pytest.raises(ReplicaLeaving, match="leaves on notice before step 4"):
+            m.start_step(4)
+    assert len(coord.reports()) == 1
+
+
+def test_the_step_after_a_leave_all_reduces_once_the_epoch_without_the_leaver_is_out(coord: Coordinator) -> None:
+    """Replica 1 said in step 3's all-reduce that it leaves after it: replica 0's step 4 waits, its share
+    computed, for the epoch without it instead of an all-reduce that would wait for replica 1."""
+    coord.publish(0, (0, 1))
+    m = coord.manager(0)
+    m.start_step(3)
+    m.announce((1,))
+    m.committed(m.history(0)[-1])
+    assert not coord.reports()  # another group's leave: nothing to say
+    assert m.start_step(4) == 0
+    later(0.1, lambda: coord.publish(1, (0,)))
+    assert m.settled_epoch(0) == 1
+    assert m.settled_epoch(1) == 1  # replica 1 is out: nothing to wait for
+    assert not coord.reports()
+    m.announce(())
+    coord.publish(2, (0, 2))
+    assert m.settled_epoch(1) == 2  # no leave: the latest epoch, at once
+
+
+def test_the_wait_for_a_leavers_epoch_reports_itself_and_is_bounded(
+    coord: Coordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The leaver's report never came (it died as it left): after report_confirm_s the wait is reported (a silent
+    leaver is fenced), after collective_timeout_s the step all-reduces in the epoch it has, saying so."""
+    coord.publish(0, (0, 1))
+    m = coord.manager(0)
+    m.rc = dataclasses.replace(RC, collective_timeout_s=0.3, report_confirm_s=0.05)
+    m.start_step(3)
+    m.announce((1,))
+    m.committed(m.history(0)[-1])
+    m.start_step(4)
+    with caplog.at_level(logging.INFO):
+        assert m.settled_epoch(0) == 0
+    assert "step 4: an epoch without replica(s) [1], which leave after step 3, did not come within 0.3s" in caplog.text
+    (report,) = coord.reports()
+    assert report.waiting and report.suspect is None and report.step == 4, report
+    assert "waited 0.05s for an epoch without replica(s) [1]" in report.cause
 
 
 def test_the_groups_own_failure_is_reported_with_the_error(coord: Coordinator) -> None:

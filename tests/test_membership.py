@@ -17,6 +17,7 @@ from titan_recover.policy.membership import (
     Membership,
     TooFewReplicasError,
     admit,
+    awaited,
     donor,
     group_views,
     join_action,
@@ -210,6 +211,25 @@ def test_several_joiners_come_in_member_order() -> None:
 def test_only_last_epoch_members_can_be_joiners() -> None:
     history = [Membership(0, (0,)), Membership(1, (0, 1)), Membership(2, (0,))]  # 1 admitted, then fenced
     assert joiners(history) == ()
+
+
+# --- awaited ---------------------------------------------------------------------
+
+
+def test_a_leaver_still_in_every_epoch_since_the_commit_is_awaited() -> None:
+    history = [Membership(3, (0, 1, 2)), Membership(4, (0, 1, 2, 5))]  # an admission, the leave not out yet
+    assert awaited(history, (2, 1)) == (1, 2)
+    assert awaited(history[:1], ()) == ()  # nobody said it leaves: nothing to wait for
+
+
+def test_a_leaver_out_of_one_epoch_is_gone_even_if_admitted_again() -> None:
+    history = [Membership(3, (0, 1, 2)), Membership(4, (0, 2)), Membership(5, (0, 1, 2))]  # 1 left, came back
+    assert awaited(history, (1,)) == ()
+
+
+def test_of_several_leavers_only_those_still_in_are_awaited() -> None:
+    history = [Membership(3, (0, 1, 2, 3)), Membership(4, (0, 2, 3))]  # 1's leave is out, 3's not yet
+    assert awaited(history, (1, 3)) == (3,)
 
 
 # --- donor -----------------------------------------------------------------------

@@ -18,6 +18,7 @@ from titan_recover.policy.steps import (
     new_tally,
     step_assignment,
     summarize,
+    tally_leaving,
     tally_microbatch,
     tally_time,
 )
@@ -249,6 +250,25 @@ def test_seconds_per_microbatch_and_quotas_come_out_of_the_reduced_tally() -> No
     assert s.microbatches == (0, 1, 2, 3)
     assert s.quotas == {0: 3, 2: 1}
     assert s.seconds_per_microbatch == {0: 0.5, 2: 2.0}  # replica 1 computed nothing: no measurement
+
+
+def test_the_groups_that_leave_after_the_step_come_out_of_the_reduced_tally() -> None:
+    """A leaving group's rank 0 says so in its tally: after the reduction every rank knows who leaves, and the
+    step's own counts are untouched."""
+    m, slots = 2, 4
+    reduced = new_tally(m, slots)
+    for replica, leaves in [(0, False), (1, True), (3, True)]:
+        t = new_tally(m, slots)
+        if replica < m:
+            tally_microbatch(t, replica, 1, 10, torch.tensor(1.0))
+            tally_time(t, slots, replica, 0.5)
+        if leaves:
+            tally_leaving(t, slots, replica)
+        reduced += t
+    s = summarize(reduced, 1, expected_tokens=20, replica_slots=slots)
+    assert s.leaving == (1, 3)
+    assert s.quotas == {0: 1, 1: 1} and s.seconds_per_microbatch == {0: 0.5, 1: 0.5}
+    assert summarize(new_tally(0, slots), 1, 0, slots).leaving == ()
 
 
 def test_the_steps_loss_is_the_same_bits_whoever_computed_which_microbatch() -> None:

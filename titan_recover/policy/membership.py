@@ -64,6 +64,13 @@ def joiners(history: Sequence[Membership]) -> tuple[int, ...]:
     return tuple(r for r in last if any(r not in m.members for m in history))
 
 
+def awaited(history: Sequence[Membership], leaving: Iterable[int]) -> tuple[int, ...]:
+    """The groups of ``leaving`` (they said in the previous step's all-reduce that they leave after it) still in
+    every epoch of ``history`` (from that step's commit epoch on): the step's all-reduce would wait for them, so
+    it waits for an epoch without them instead. One absent from any epoch since is gone, even if admitted again."""
+    return tuple(sorted(r for r in set(leaving) if all(r in m.members for m in history)))
+
+
 def donor(membership: Membership, joining: Sequence[int], joiner: int) -> int:
     """Which member sends ``joiner`` its state: joiners are spread over the members with state."""
     donors = [m for m in membership.members if m not in joining]

@@ -8,13 +8,15 @@ microbatches move.
 
 Each rank tallies what it computed in one float64 vector that travels with the
 gradients through the same all-reduce: [label tokens, data digest, (count, loss) per
-microbatch id, compute seconds per replica id, microbatches per replica id]. Each
+microbatch id, compute seconds per replica id, microbatches per replica id, whether each
+replica id leaves after the step]. Each
 microbatch's loss has a slot of its own, which only its owner writes (x + 0 is exact), and the
 step's loss sums the slots in microbatch order: the same bits whoever computed which.
 After the reduction every rank can check that each of the M microbatches was summed
 exactly once (once per shard) before stepping, and knows how long each replica took
 per microbatch: one rank per replica writes its slots, so every rank reads the same
-exact value (the next step's quotas depend on it).
+exact value (the next step's quotas depend on it). A group that agreed to leave on notice says
+so in the step's own sum, so every member knows at the commit that the next step runs without it.
 """
 
 from dataclasses import dataclass
@@ -46,13 +48,13 @@ def step_assignment(
 
 def new_tally(num_microbatches: int, replica_slots: int = 0) -> torch.Tensor:
     """``replica_slots``: replica ids whose time is measured (none in stock mode)."""
-    return torch.zeros(MICROBATCHES + 2 * num_microbatches + 2 * replica_slots, dtype=torch.float64)
+    return torch.zeros(MICROBATCHES + 2 * num_microbatches + 3 * replica_slots, dtype=torch.float64)
 
 
-def _slots(tally: torch.Tensor, replica_slots: int) -> tuple[int, int]:
-    """Where the seconds and the microbatch counts per replica start."""
-    seconds = len(tally) - 2 * replica_slots
-    return seconds, seconds + replica_slots
+def _slots(tally: torch.Tensor, replica_slots: int) -> tuple[int, int, int]:
+    """Where the seconds, the microbatch counts and the leave flags per replica start."""
+    seconds = len(tally) - 3 * replica_slots
+    return seconds, seconds + replica_slots, seconds + 2 * replica_slots
 
 
 def tally_microbatch(tally: torch.Tensor, microbatch: int, digest: int, tokens: int, loss: torch.Tensor) -> None:
@@ -64,9 +66,14 @@ def tally_microbatch(tally: torch.Tensor, microbatch: int, digest: int, tokens: 
 
 def tally_time(tally: torch.Tensor, replica_slots: int, replica: int, seconds: float) -> None:
     """One microbatch of ``replica`` took ``seconds``; only one rank per replica may call this."""
-    seconds_at, counts_at = _slots(tally, replica_slots)
+    seconds_at, counts_at, _ = _slots(tally, replica_slots)
     tally[seconds_at + replica] += seconds
     tally[counts_at + replica] += 1
+
+
+def tally_leaving(tally: torch.Tensor, replica_slots: int, replica: int) -> None:
+    """``replica`` leaves after this step (its group agreed on a notice); only one rank per replica may call this."""
+    tally[_slots(tally, replica_slots)[2] + replica] = 1
 
 
 @dataclass(frozen=True)
@@ -77,11 +84,12 @@ class StepSummary:
     data_digest: str
     seconds_per_microbatch: dict[int, float]  # replicas that computed some microbatches
     quotas: dict[int, int]  # microbatches each replica computed in the step
+    leaving: tuple[int, ...] = ()  # replicas that leave after the step: the next one runs without them
 
 
 def summarize(tally: torch.Tensor, shards: int, expected_tokens: int, replica_slots: int = 0) -> StepSummary:
     """Checks a reduced tally: every microbatch counted once per shard, all tokens there."""
-    seconds_at, counts_at = _slots(tally, replica_slots)
+    seconds_at, counts_at, leaving_at = _slots(tally, replica_slots)
     counts = tally[MICROBATCHES:seconds_at:2].tolist()
     wrong = {m: c / shards for m, c in enumerate(counts) if c != shards}
     if wrong:
@@ -89,7 +97,7 @@ def summarize(tally: torch.Tensor, shards: int, expected_tokens: int, replica_sl
     tokens = int(tally[TOKENS])
     if tokens != expected_tokens:
         raise InvariantError(f"step summed {tokens} label tokens, expected {expected_tokens}")
-    seconds, computed = tally[seconds_at:counts_at].tolist(), tally[counts_at:].tolist()
+    seconds, computed = tally[seconds_at:counts_at].tolist(), tally[counts_at:leaving_at].tolist()
     return StepSummary(
         loss=sum(tally[MICROBATCHES + 1 : seconds_at : 2].tolist()),  # in microbatch order
         tokens=tokens,
@@ -97,4 +105,5 @@ def summarize(tally: torch.Tensor, shards: int, expected_tokens: int, replica_sl
         data_digest=f"{int(tally[DIGEST]):016x}",
         seconds_per_microbatch={r: s / n for r, (s, n) in enumerate(zip(seconds, computed)) if n},
         quotas={r: int(n) for r, n in enumerate(computed) if n},
+        leaving=tuple(r for r, flag in enumerate(tally[leaving_at:].tolist()) if flag),
     )

@@ -12,6 +12,8 @@ the protocol needs lives here too, so the trainer never touches a store key:
 - the commit vote (``ok/<step>/<epoch>`` counter, ``decision/<step>/<epoch>`` outcome);
 - failure reports: a replicate-dim collective that broke, the group's own failure, a
   fault the plan injected, a diverged replica;
+- a leave on notice: said in the group's last step's all-reduce and reported with its commit, and the other
+  members' wait for the epoch without it before the next all-reduce (``announce``, ``settled_epoch``);
 - the rejoin handshake (ready to join, then the admission) and the transfer record;
 - where the run's step records begin, the committed step's record, the parameter digests, and the end of the run;
 - the rank's lifeline (``RankBeat``), started once, before TorchTitan builds
@@ -55,7 +57,7 @@ from titan_recover.node.channel import (
 )
 from titan_recover.observability import logs
 from titan_recover.policy import steps
-from titan_recover.policy.membership import Membership
+from titan_recover.policy.membership import Membership, awaited
 from titan_recover.rank import transfer
 from titan_recover.rank.collectives import POLL_S, CollectiveAborted, backoff
 from titan_recover.rank.exact import NonFinite
@@ -88,7 +90,7 @@ class RunStopping(Exception):
 
 class ReplicaLeaving(Exception):
     """This replica group's node was told it goes away: the group leaves before ``step``, having
-    committed every step before it (``ReplicaManager.start_step``)."""
+    committed every step before it and reported its leave with the last one's commit (``ReplicaManager.start_step``)."""
 
     def __init__(self, step: int, notice_s: float) -> None:
         super().__init__(f"leaves on notice before step {step}, {notice_s:.1f}s after the notice")
@@ -179,6 +181,9 @@ class ReplicaManager:
         self._start_told = False
         self.noticed_at: float | None = None  # when this rank's node was told it goes away (wall clock)
         self.leave_agreed = False  # ...and every rank of its group has (each acts at the same step boundary)
+        self.leaving: tuple[int, ...] = ()  # groups that said in the last committed step's all-reduce they leave
+        self.announced = False  # this group is one of them: its leave is reported with that step's commit
+        self.aborted = 0  # this step's replicate all-reduces given up (an epoch change or a broken peer ended them)
         # step records are written off the step's path (on etcd each is a Raft write), in order
         self._offers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-recover-steps")
         self._offered: list[Future[None]] = []
@@ -294,36 +299,71 @@ class ReplicaManager:
 
     def start_step(self, step: int) -> int:
         """Begins ``step``; returns the epoch this group starts it in. A group holding state
-        tells the coordinator once where the run's step records begin (after a DCP resume too)."""
-        self.step = step
+        tells the coordinator once where the run's step records begin (after a DCP resume too). A group that
+        said in the last step's all-reduce that it leaves (``announce``) leaves here; a notice heard here or
+        later in the step goes into this step's all-reduce, the group's last."""
+        self.step, self.aborted = step, 0
         if not self.rejoining and not self._start_told:
             self.control.tell_start_step(step - 1)
             self._start_told = True
         epoch = self.agree_epoch()
-        if self.leave_agreed and not self.rejoining:
+        if self.announced:
             stops_before(self.membership(epoch), step)  # the run stops here too: the group stops with it, may save
-            self.noticed_at = self.noticed_at or time.time()  # a peer of the group heard it first
-            raise ReplicaLeaving(step, time.time() - self.noticed_at)
+            raise ReplicaLeaving(step, self._notice_s())
         return epoch
 
-    def leave(self, leaving: ReplicaLeaving) -> None:
-        """The group leaves before ``leaving.step``: its step records are written, and its first rank tells
-        the coordinator, which takes the group out of the next epoch at once (no detection, no failure)."""
-        self.flush_steps()
-        if self.group_rank == 0:
+    def _notice_s(self) -> float:
+        """Seconds since this group's notice (since now, when a peer of the group heard it first)."""
+        self.noticed_at = self.noticed_at or time.time()
+        return time.time() - self.noticed_at
+
+    def announce(self, leaving: tuple[int, ...]) -> None:
+        """The step committed, and ``leaving`` said in its all-reduce that they leave after it (their ranks had
+        agreed on a notice, ``leave_agreed``): the next step all-reduces in an epoch without them
+        (``settled_epoch``). When this group is one of them, it leaves before the next step (``start_step``), and
+        its first rank tells the coordinator now, before its optimizer step, which takes the group out of the
+        next epoch at once (no detection, no failure), so that epoch is out while every member steps."""
+        self.leaving = leaving
+        self.announced = self.replica in leaving
+        if self.announced and self.group_rank == 0:
+            step, notice_s = self.step + 1, self._notice_s()
             self.control.report(
                 Report(
                     epoch=max(self.channel.epoch(), 0),
-                    cause=f"left on notice before step {leaving.step} ({leaving.notice_s:.1f}s after the notice)",
+                    cause=f"left on notice before step {step} ({notice_s:.1f}s after the notice)",
                     replica=self.replica,
                     suspect=self.replica,
-                    step=leaving.step,
+                    step=step,
                     attempt=self.incarnation,
                     left=True,
-                    notice_s=round(leaving.notice_s, 3),
+                    notice_s=round(notice_s, 3),
                 )
             )
-        self.finish()
+
+    def settled_epoch(self, epoch: int) -> int:
+        """The epoch this group all-reduces the step in, its share in ``epoch`` computed: the latest its ranks
+        agree on. While that is still ``epoch`` and holds a group that said in the previous step's all-reduce it
+        leaves after it (``membership.awaited``; it reported with that step's commit), a newer one is waited
+        for, not an all-reduce that would wait for the leaver. The wait reports itself after report_confirm_s
+        (a leaver that died silent is fenced) and ends after collective_timeout_s: the step then all-reduces
+        in ``epoch``, where an all-reduce that breaks or is aborted recovers as any does."""
+        latest = self.agree_epoch()
+        if latest != epoch or not (gone := awaited(self.history(epoch), self.leaving)):
+            return latest
+        what = f"an epoch without replica(s) {list(gone)}, which leave after step {self.step - 1}"
+        waited = self._waiting(epoch, lambda: what)
+        deadline = time.monotonic() + self.rc.collective_timeout_s
+        while latest == epoch:
+            if not self.group_all(time.monotonic() < deadline):
+                self.log.info(
+                    f"step {self.step}: {what}, did not come within {self.rc.collective_timeout_s:g}s; "
+                    f"it all-reduces in epoch {epoch}, which waits for them or for a newer epoch"
+                )
+                break
+            waited()
+            time.sleep(EPOCH_POLL_S)
+            latest = self.agree_epoch()
+        return latest
 
     def allreduce(self, membership: Membership, tensors: list[torch.Tensor], on_launched: Callable[[], None]) -> bool:
         """Sums ``tensors`` in place across ``membership``'s replicas; False (reported, the
@@ -335,6 +375,7 @@ class ReplicaManager:
                 membership, tensors, abort=lambda: self.epoch_moved(epoch), on_launched=on_launched
             )
         except CollectiveAborted as e:
+            self.aborted += 1
             self.report_broken(epoch, f"replicate all-reduce broke (replica {self.replica} rank {self.group_rank})", e)
             return False
         return True

@@ -296,7 +296,7 @@ class RecoverTrainer(BaseTrainer):
                     if m not in done:
                         self._compute(m, tally, len(done), len(owned))
                         done.add(m)
-                latest = self.manager.agree_epoch()
+                latest = self.manager.settled_epoch(epoch)  # past an epoch that still holds a group that left
                 if latest != epoch:
                     epoch = latest  # membership changed while computing: take on more work first
                     continue
@@ -384,6 +384,8 @@ class RecoverTrainer(BaseTrainer):
         overflow; last, the MoE layers' token counts where the optimizer balances experts): the replicate
         all-reduce is out-of-place, so a broken one leaves the local state intact."""
         group_tally = tally.to(self.device, copy=True)
+        if self.manager.leave_agreed and self.group_rank == 0:  # the members know at the commit that it leaves
+            steps.tally_leaving(group_tally, self.replica_slots, self.replica)
         extra = [] if self.exact is None else [self.exact.histogram.clone()]
         if self.parallel_dims.world_size > 1:
             for t in (group_tally, *extra):
@@ -403,6 +405,7 @@ class RecoverTrainer(BaseTrainer):
     def _commit(self, current: Membership, buffers: list[torch.Tensor], lr: float) -> None:
         flat, tally = buffers[:2]
         summary = steps.summarize(tally, self.parallel_dims.dp_shard, int(self.global_tokens), self.replica_slots)
+        self.manager.announce(summary.leaving)  # a leaver's report now: its epoch is out before the next all-reduce
         self.speeds = workload.update_speeds(
             self.speeds,
             summary.seconds_per_microbatch,
@@ -439,6 +442,7 @@ class RecoverTrainer(BaseTrainer):
                     step=self.step,
                     torn_down=torn_down,
                     reformed=reformed,
+                    aborted=self.manager.aborted,
                 )
                 self.events.emit(
                     "resources",
@@ -522,10 +526,8 @@ class RecoverTrainer(BaseTrainer):
     def train(self) -> None:
         try:
             super().train()
-        except ReplicaLeaving as leaving:  # before a step: every step before it is committed
+        except ReplicaLeaving as leaving:  # before a step: every step before it committed, the last with its report
             self.log.info(f"replica {self.replica} {leaving}: the other groups take its quota")
-            self.manager.leave(leaving)
-            return
         except RunStopping as stopping:  # every group stops at this boundary; the step's leader saves
             self.log.info(f"replica {self.replica} {stopping}")
             self.step = stopping.step  # the checkpoint's train state: the step its parameters are of
