@@ -3,6 +3,7 @@
 .venv/bin/python -m bench.report [results_dir]   -> summary.json, summary.md, *.png there
 """
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -202,7 +203,13 @@ def plots(scenarios: dict[str, dict], out: Path) -> list[Path]:
 
 
 def main(argv: list[str]) -> None:
-    results = Path(argv[0]) if argv else RESULTS
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "results", nargs="?", type=Path, default=RESULTS, help="the scenarios' <scenario>.json (default: bench/results)"
+    )
+    results = parser.parse_args(argv).results
     scenarios = load(results)
     (results / "summary.json").write_text(json.dumps(headline(scenarios), indent=2) + "\n")
     md = table(scenarios)

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -685,6 +686,32 @@ def run_recover(
         launcher.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class NodeJob:
+    """The job and this node's part of it, as its command line and environment say."""
+
+    job_config: Any
+    local: list[int] | int  # the replica ids this node launches, or how many free ones it asks for (any:N)
+    part: int  # its part of each of its replica groups
+    address: str | None  # the coordinator it joins (None: it starts the run)
+
+
+def node_job(argv: list[str], environ: Mapping[str, str]) -> NodeJob:
+    """The job config from ``argv`` and this node's part of it from ``environ``, checked as the launcher checks
+    them before anything starts (``config.ConfigError`` naming the problem); the control store's own check,
+    which may reach the network, is the caller's. The manual's commands are checked with it too."""
+    job_config = titan.load_config(argv)
+    titan.check_model(job_config)
+    if not job_config.recover.enable:
+        return NodeJob(job_config, [], 0, None)
+    wanted = parse_any(environ.get(keys.REPLICAS_ENV), config.replica_ids(job_config))
+    local = wanted or parse_replicas(
+        environ.get(keys.REPLICAS_ENV), config.replica_ids(job_config), config.started_ids(job_config)
+    )
+    part = parse_group_node(environ.get(keys.GROUP_NODE_ENV), job_config.recover.group_nodes)
+    return NodeJob(job_config, local, part, environ.get(keys.COORDINATOR_ENV))
+
+
 def main(argv: list[str]) -> int:
     logs.setup("launcher")  # the process's entry point (python -m titan_recover.launch)
     supported = preflight.torch_finding(torch.__version__, os.path.dirname(torch.__file__), os.environ)
@@ -692,20 +719,11 @@ def main(argv: list[str]) -> int:
         print(f"error: {supported.text}", file=sys.stderr)
         return EXIT_BAD_INPUT
     (log.warning if supported.level == preflight.WARN else log.info)(supported.line())
-    local: list[int] | int = []
-    address: str | None = None
-    part = 0
     try:
-        job_config = titan.load_config(argv)
-        titan.check_model(job_config)
+        node = node_job(argv, os.environ)
+        job_config, local, part, address = node.job_config, node.local, node.part, node.address
         store = store_of(job_config.recover)
         if job_config.recover.enable:  # the node's environment, checked before the data and any process
-            wanted = parse_any(os.environ.get(keys.REPLICAS_ENV), config.replica_ids(job_config))
-            local = wanted or parse_replicas(
-                os.environ.get(keys.REPLICAS_ENV), config.replica_ids(job_config), config.started_ids(job_config)
-            )
-            part = parse_group_node(os.environ.get(keys.GROUP_NODE_ENV), job_config.recover.group_nodes)
-            address = os.environ.get(keys.COORDINATOR_ENV)
             said = store.check(job_config.recover, address)
             if said:
                 log.info(said)
