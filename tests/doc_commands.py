@@ -53,6 +53,7 @@ RUN_TRAIN = "./run_train.sh"
 RUN_TESTS = "./run_tests.sh"
 DEFAULT_CONFIG = "./train_configs/llama3_debug_cpu.toml"
 DEFAULT_RECIPE = "llama3_debug_cpu"
+CHECK = "--check"  # the launcher's check of the job (titan_recover.launch.check.FLAG): the job loads without it
 
 
 class Unchecked(ValueError):
@@ -274,11 +275,11 @@ def kind_or_none(command: Command) -> str | None:
 
 def launcher_argv(command: Command) -> list[str]:
     """What ``python -m titan_recover.launch`` gets for a LAUNCH command (``./run_train.sh`` builds it)."""
-    words = list(command.words)
+    words = [w for w in command.words if w != CHECK]
     if words[0] != RUN_TRAIN:
         found = module_of(command)
         assert found is not None and found[0] == LAUNCHER, command
-        return found[1]
+        return [a for a in found[1] if a != CHECK]
     if command.env.get("TORCHTITAN") == "0.3.0":
         return ["--module", "titan_recover.recipes", "--config", command.env.get("RECIPE", DEFAULT_RECIPE), *words[1:]]
     return ["--job.config_file", command.env.get("CONFIG_FILE", DEFAULT_CONFIG), *words[1:]]

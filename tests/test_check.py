@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import doc_commands
 import pytest
 from launcher_in_process import ROOT, run_main
 
@@ -86,7 +87,9 @@ def test_a_config_that_does_not_load_is_one_problem_naming_its_key(capfd: pytest
 
 
 def test_the_launchers_check_flag_is_the_check() -> None:
-    """In a real process: ``python -m titan_recover.launch --check`` runs the check (its exit code, no traceback)."""
+    """In a real process: ``python -m titan_recover.launch --check`` runs the check (its exit code, no traceback).
+    The manual's checked commands know the flag (``doc_commands.CHECK``)."""
+    assert doc_commands.CHECK == check.FLAG
     done = subprocess.run(
         [sys.executable, "-m", "titan_recover.launch", "--job.config_file", str(GPU_8B[0]), check.FLAG],
         cwd=ROOT,
