@@ -33,12 +33,7 @@ else:  # Python 3.10: the package it was taken from, which titan_recover depends
 
 ROOT = dc.ROOT
 COMMANDS = dc.page_commands()
-CODE = [
-    p.read_text()
-    for pattern in ("titan_recover/**/*.py", "scripts/**/*", "bench/*.py", "bench/*.sh", "*.sh")
-    for p in ROOT.glob(pattern)
-    if p.is_file()
-]
+CODE = ("titan_recover/**/*.py", "scripts/**/*", "bench/*.py", "bench/*.sh", "*.sh")
 """Where an environment variable a command sets must be read."""
 SLURM_STEP_S = 60  # a dry run of the Slurm script prints in a fraction of a second; bounded all the same
 
@@ -138,6 +133,21 @@ def test_run_train_builds_the_launcher_command_line_mirrored_here() -> None:
     assert '--job.config_file "$CONFIG_FILE" "$@"' in script
 
 
+@pytest.mark.unit
+def test_test_and_script_checks_name_what_is_wrong() -> None:
+    markers, tests = {"unit"}, {ROOT / "tests" / "test_x.py": {"test_kill_one"}}
+    assert dc.pytest_problems(["-m", "unit and not slow", "-k", "rejoin", "tests/test_x.py", "-q"], markers, tests) == [
+        "-m 'unit and not slow': marker 'slow' is not registered (pyproject.toml)",
+        "tests/test_x.py: no such path",
+        "-k 'rejoin' names no test of tests/",
+    ]
+    assert dc.pytest_problems(["-k", "kill", "--lf"], markers, tests) == [
+        "pytest option '--lf': not one this check knows (['-q', '-ra', '-s', '-v', '-x'])"
+    ]
+    (quick,) = dc.extract("```bash\n./bench/run.sh --fast\n```\n", "p.md")
+    assert dc.script_problems(quick) == ["./bench/run.sh does not handle --fast"]
+
+
 # every page's commands -----------------------------------------------------------------------------------------
 
 
@@ -155,8 +165,9 @@ def test_every_command_has_a_check_or_a_marker() -> None:
 
 @pytest.mark.unit
 def test_the_environment_a_command_sets_is_read_by_the_code() -> None:
+    code = [p.read_text() for pattern in CODE for p in ROOT.glob(pattern) if p.is_file()]
     unread = [
-        f"{c.where}: {name}" for c in COMMANDS if c.needs is None for name in dc.env_names_read(CODE, list(c.own_env))
+        f"{c.where}: {name}" for c in COMMANDS if c.needs is None for name in dc.env_names_read(code, list(c.own_env))
     ]
     assert unread == [], f"environment variables no code of titan_recover, scripts/ or bench/ reads: {unread}"
 
@@ -201,9 +212,18 @@ def _load(argv: tuple[str, ...], env: tuple[tuple[str, str], ...]) -> Any:
             return f"TorchTitan's command-line parser exited {e.code} (an unknown flag or a bad value: see stderr)"
 
 
+def job_of(command: dc.Command) -> Any:
+    """A LAUNCH command's job as the launcher loads it (``--check``: the same job, which the launcher's check
+    loads), or the error it stops on."""
+    from titan_recover.launch import check
+
+    argv = tuple(a for a in dc.launcher_argv(command) if a != check.FLAG)
+    return _load(argv, tuple(sorted(command.env.items())))
+
+
 def loaded(command: dc.Command) -> Any:
-    """``command``'s job as the launcher loads it (a LAUNCH command); pytest fails naming the page and line."""
-    found = _load(tuple(dc.launcher_argv(command)), tuple(sorted(command.env.items())))
+    """``command``'s job (``job_of``); pytest fails naming the page and line where it does not load."""
+    found = job_of(command)
     if isinstance(found, str):
         pytest.fail(f"{command.where}: {command.text}\n{found}")
     return found
@@ -375,7 +395,7 @@ def documented_dump_folders() -> set[str]:
     folders = set()
     for command in COMMANDS:
         if dc.kind_or_none(command) == dc.LAUNCH and dc.line_of(command) in (None, LINE):
-            found = _load(tuple(dc.launcher_argv(command)), tuple(sorted(command.env.items())))
+            found = job_of(command)
             if not isinstance(found, str):
                 folders.add(os.path.normpath(titan.dump_folder(found.job_config)))
     return folders
@@ -417,3 +437,17 @@ def test_a_compare_command_compares_what_documented_runs_write(
         log.write_text(small_events(exact="--exact" in args))
     outcome, said = run_module(module, args, tmp_path, capsys, command.env)
     assert outcome == 0, f"{command.where}: {command.text}\nexited {outcome} on two identical logs: {said}"
+
+
+@pytest.mark.toml("the job's TOML config")
+def test_the_checks_fail_on_a_bad_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """A misspelled flag fails the job's load and a module's parse, saying so."""
+    (bad_job, bad_flag) = dc.extract(
+        "```bash\n./run_train.sh --training.stepz 3\n.venv/bin/python -m titan_recover.tools.goodput --gpuz 8\n```\n",
+        "p.md",
+    )
+    assert isinstance(job_of(bad_job), str)
+    found = dc.module_of(bad_flag)
+    assert found is not None
+    outcome, said = run_module(*found, ROOT, capsys, {}, parse_only=True)
+    assert outcome == 2 and "unrecognized arguments: --gpuz 8" in said, said
