@@ -9,7 +9,6 @@ how much of it the run reads. No process, process group or training: the store's
 it, the data check reads the first microbatch. Exit 0 where the launcher would start the run, 2 where not.
 """
 
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,7 +24,6 @@ from titan_recover.data.tokens import DataError
 from titan_recover.launch import launcher, preflight
 from titan_recover.launch.stores import store_of
 from titan_recover.node import devices, warm
-from titan_recover.observability import logs
 from titan_recover.policy import workload
 
 FLAG = "--check"
@@ -241,9 +239,8 @@ def check(argv: list[str]) -> tuple[str, Report]:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m titan_recover.launch --check ARGV``: prints the report; 0 where the run would start, else 2."""
-    logs.setup("check")
-    logging.getLogger("titan_recover").setLevel(logging.WARNING)  # the report says what the launcher would log
+    """``python -m titan_recover.launch --check ARGV``: prints the report; 0 where the run would start, else 2.
+    No ``logs.setup``: the report says what the launcher would log, and warnings still reach stderr."""
     job, report = check([a for a in argv if a != FLAG])
     print(report.render(job), flush=True)
     return EXIT_BAD_INPUT if report.problems else EXIT_OK
