@@ -6,11 +6,19 @@ logged, node B either gets SIGTERM (a notice: its group leaves at the step bound
 or loses its whole process tree to SIGKILL (a preemption without notice: the node is gone, found by the
 heartbeat timeout). Runs alternate which comes first.
 
-Per run: the survivor's stall (the gap of the step in which the membership changed, less the median gap
-of replica 0's steps alone after it), how the coordinator learned of it (a ``left`` event, or a
-``failure`` and its detection), and whether every step still summed M microbatches.
+Per run: the survivor's stall (the gaps of the step in which the membership changed and the one after,
+less two median gaps of replica 0's steps alone after it), the part of it not spent computing microbatches
+(``idle_s``: waiting for the leaver or for the new membership, re-forming groups; the rest is the survivor's
+own compute slowed, on one host, by the leaving node's processes as they exit), how many of the survivor's
+all-reduces in the changed step were given up (``aborted``), how the coordinator learned of it (a ``left``
+event, or a ``failure`` and its detection), and whether every step still summed M microbatches.
 
-    .venv/bin/python -m bench.leave [--pairs 2]   -> bench/results/leave.json
+``--leaver-hold-s S``: replica 1 holds S seconds in the optimizer step of steps ``AT`` + 1 and + 2, after their
+commit, as a leaver slow after its last commit would (a big model's optimizer step, a checkpoint save as the
+step's leader): what the others wait for when the leave is reported only as the next step begins.
+
+    .venv/bin/python -m bench.leave [--pairs 2]                    -> bench/results/leave.json
+    .venv/bin/python -m bench.leave --pairs 1 --leaver-hold-s 1    -> bench/results/leave_held.json
 """
 
 import argparse
@@ -38,8 +46,10 @@ def start(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-def run(notice: bool) -> dict:
-    """One run; node B noticed (SIGTERM) or lost (SIGKILL of its tree) once step ``AT`` is logged."""
+def run(notice: bool, hold_s: float = 0.0) -> dict:
+    """One run; node B noticed (SIGTERM) or lost (SIGKILL of its tree) once step ``AT`` is logged; replica 1
+    holding ``hold_s`` in the optimizer step of the two steps after it."""
+    plan = "; ".join(f"sleep replica=1 step={AT + k} phase=optimizer seconds={hold_s:g}" for k in (1, 2) if hold_s)
     with tempfile.TemporaryDirectory() as scratch:
         dump = Path(scratch) / "dump"
         port = transport.free_port()
@@ -52,7 +62,7 @@ def run(notice: bool) -> dict:
             str(STEPS),
             *GROUPS,
             "--recover.fault_plan",
-            "none",
+            plan or "none",
             "--recover.max_restarts",
             "0",  # the lost group stays out, as the one that left: the same members after either
             "--recover.coordinator_port",
@@ -89,6 +99,13 @@ def run(notice: bool) -> dict:
     changed = next(e["step"] for e in steps if e["members"] == [0])
     gaps = step_gaps(steps)
     alone = statistics.median(gaps[s] for s in gaps if s > changed + 1)
+    idle = {
+        e["step"]: gaps[e["step"]] - e["quotas"]["0"] * e["seconds_per_microbatch"]["0"]
+        for e in steps
+        if e["step"] in gaps
+    }
+    idle_alone = statistics.median(idle[s] for s in idle if s > changed + 1)
+    moments = [e for e in of_kind(log, "recovery_moments") if e["replica"] == 0 and e["step"] == changed]
     failures = of_kind(log, "failure")
     return {
         "notice": notice,
@@ -97,6 +114,8 @@ def run(notice: bool) -> dict:
         "changed_at_step": changed,
         "stall_s": round(gaps[changed] + gaps.get(changed + 1, alone) - 2 * alone, 3),
         "step_alone_s": round(alone, 3),
+        "idle_s": round(idle[changed] + idle.get(changed + 1, idle_alone) - 2 * idle_alone, 3),
+        "aborted": moments[0]["aborted"] if moments else None,
         "left": len(of_kind(log, "left")),
         "failures": len(failures),
         "detection_s": round(failures[0]["detected"] - sent, 3) if failures else None,
@@ -108,33 +127,47 @@ def run(notice: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--leaver-hold-s", type=float, default=0.0, help="replica 1 slow after its commits (s)")
     args = parser.parse_args()
     runs = []
     for i in range(args.pairs):
         for notice in (True, False) if i % 2 == 0 else (False, True):  # alternate which goes first
-            row = run(notice)
+            row = run(notice, args.leaver_hold_s)
             runs.append(row)
             print(
-                f"{'notice (SIGTERM)' if notice else 'node lost (SIGKILL)':19} stall {row['stall_s']:.2f}s, "
+                f"{'notice (SIGTERM)' if notice else 'node lost (SIGKILL)':19} stall {row['stall_s']:.2f}s "
+                f"(idle {row['idle_s']:.2f}s, all-reduces aborted {row['aborted']}), "
                 f"changed at step {row['changed_at_step']}, left {row['left']}, failures {row['failures']}, "
                 f"detection {row['detection_s']}s, M every step {row['m_every_step']}",
                 flush=True,
             )
     leave = statistics.median(r["stall_s"] for r in runs if r["notice"])
     lost = statistics.median(r["stall_s"] for r in runs if not r["notice"])
+    idle_notice = statistics.median(r["idle_s"] for r in runs if r["notice"])
+    idle_lost = statistics.median(r["idle_s"] for r in runs if not r["notice"])
     result = {
         "job": (
             f"two launchers on one host, 2 single-rank groups of train_configs/llama3_debug_cpu.toml, M = {M}, "
             f"{STEPS} steps, "
             f"node B noticed or lost once step {AT} is logged, float32 on a CPU"
+            + (
+                f", replica 1 held {args.leaver_hold_s:g}s in the optimizer of steps {AT + 1}-{AT + 2}"
+                if args.leaver_hold_s
+                else ""
+            )
         ),
         "stall_s_notice": leave,
         "stall_s_lost": lost,
         "stall_saved_s": round(lost - leave, 3),
+        "idle_s_notice": idle_notice,
+        "idle_s_lost": idle_lost,
         "runs": runs,
     }
-    path = write_result("leave", result)
-    print(f"the survivor's stall: {leave:.2f}s on a notice, {lost:.2f}s when the node is lost -> {path}")
+    path = write_result("leave_held" if args.leaver_hold_s else "leave", result)
+    print(
+        f"the survivor's stall: {leave:.2f}s on a notice, {lost:.2f}s when the node is lost (idle "
+        f"{idle_notice:.2f}s and {idle_lost:.2f}s of it) -> {path}"
+    )
 
 
 if __name__ == "__main__":
