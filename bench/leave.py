@@ -141,10 +141,10 @@ def main() -> None:
                 f"detection {row['detection_s']}s, M every step {row['m_every_step']}",
                 flush=True,
             )
-    leave = statistics.median(r["stall_s"] for r in runs if r["notice"])
-    lost = statistics.median(r["stall_s"] for r in runs if not r["notice"])
-    idle_notice = statistics.median(r["idle_s"] for r in runs if r["notice"])
-    idle_lost = statistics.median(r["idle_s"] for r in runs if not r["notice"])
+    leave, lost, idle_notice, idle_lost = (
+        round(statistics.median(r[key] for r in runs if r["notice"] == notice), 3)
+        for key, notice in (("stall_s", True), ("stall_s", False), ("idle_s", True), ("idle_s", False))
+    )
     result = {
         "job": (
             f"two launchers on one host, 2 single-rank groups of train_configs/llama3_debug_cpu.toml, M = {M}, "
