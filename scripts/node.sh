@@ -35,6 +35,7 @@
 #                     coordinator; pass the running run's layout as arguments
 #                     (--parallelism.data_parallel_replicate_degree R, and --recover.spares, --recover.max_replicas
 #                     where it has them), its TITAN_RECOVER_SECRET and TITAN_RECOVER_RUN_ID
+#   NODE_GPUS         what the plan line says of the node's GPUs (the batch script sets it where it counted them)
 #   PLAN_ONLY=1       print the node's command and exit (SHOW_SECRET=1 prints the secret too; else
 #                     it is shown as <hidden>, e.g. in a Slurm log); unset: print it, then run it
 #
@@ -150,7 +151,7 @@ fi
 
 # the secret comes from this process's environment (not the command line, which `ps` shows)
 shown=$([ -n "${SHOW_SECRET:-}" ] && quote "$TITAN_RECOVER_SECRET" || echo "'<hidden>'")
-echo "node $NODE_INDEX ($NODE_NAME): TITAN_RECOVER_SECRET=$shown $(quote env "${env_args[@]}" "${cmd[@]}")"
+echo "node $NODE_INDEX ($NODE_NAME${NODE_GPUS:+, $NODE_GPUS}): TITAN_RECOVER_SECRET=$shown $(quote env "${env_args[@]}" "${cmd[@]}")"
 if [ -n "${PLAN_ONLY:-}" ]; then exit 0; fi
 # Under Slurm, scripts/slurm/node_slurm.sh runs the command and does what Slurm leaves undone when the batch
 # host is lost (a requeue on the TCPStore, the job's end on etcd); elsewhere this shell becomes the launcher.

@@ -88,7 +88,7 @@ class Node:
 def nodes_in(stdout: str) -> list[Node]:
     nodes = []
     for line in stdout.splitlines():
-        m = re.fullmatch(r"(?:\d+: )?node (\d+) \((\S+)\): (.*)", line)  # srun --label prefixes "i: "
+        m = re.fullmatch(r"(?:\d+: )?node (\d+) \(([^,) ]+)(?:, [^)]*)?\): (.*)", line)  # srun --label prefixes "i: "
         if not m:
             continue
         words = shlex.split(m[3])  # the printed command reads back as the words it runs
@@ -459,6 +459,9 @@ def test_the_8b_configs_fill_nodes_of_8_gpus(config: str) -> None:
     out = dry_run("n1 n2", config, GPUS_PER_NODE="8", VENV=str(Path(sys.executable).parent.parent))
     assert out.returncode == 0, out.stderr
     assert f"GROUPS_PER_NODE={groups}: 8 GPUs per node / {ranks} ranks per group on a node" in out.stdout
+    plan = [line for line in out.stdout.splitlines() if line.startswith("node ")]
+    assert [line.split(":")[0] for line in plan] == [f"node {i} (n{i + 1}, 8 GPUs" for i in range(2)]
+    assert all(f"8 GPUs: {groups} x {ranks} ranks)" in line for line in plan)  # each node's plan with its GPUs
     nodes = nodes_in(out.stdout)
     check_layout(nodes, ["n1", "n2"], groups, 0, "n1:29510")  # replicate degree 2 x groups, ids by node
     assert all(n.env["CONFIG_FILE"] == config and len(n.replicas) * ranks == 8 for n in nodes)
