@@ -10,7 +10,6 @@ incarnation's torchrun agents meet.
 import logging
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from titan_recover.control.client import ControlClient
 from titan_recover.control.keys import EXIT_FAILED, EXIT_OK, EXIT_STOPPED
 from titan_recover.control.lifeline import PROBE_S
 from titan_recover.control.protocol import Fence, Launcher, Rendezvous, Report
+from titan_recover.launch import preflight
 from titan_recover.launch.standbys import Standbys
 from titan_recover.node.agent import NodeAgent
 from titan_recover.node.channel import CHANNEL_ENV, FATAL
@@ -58,8 +58,8 @@ def torchrun_grace(torch_version: str, budget_s: float) -> Grace:
     cannot read), a SIGTERM notice's budget is cut to ``TORCHRUN_GRACE_S - SHUTDOWN_MARGIN_S``, whichever
     scheduler sends it (the launcher cannot tell which notices reach torchrun too); a drain signals no torchrun,
     and keeps the config's."""
-    found = re.match(r"(\d+)\.(\d+)", torch_version)
-    if found is not None and (int(found[1]), int(found[2])) >= SHUTDOWN_TIMEOUT_SINCE:
+    found = preflight.release(torch_version)
+    if found is not None and found >= SHUTDOWN_TIMEOUT_SINCE:
         return Grace(budget_s, ("--shutdown-timeout", str(math.ceil(budget_s) + SHUTDOWN_MARGIN_S)), None)
     cap = TORCHRUN_GRACE_S - SHUTDOWN_MARGIN_S
     if budget_s <= cap:
