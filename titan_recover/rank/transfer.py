@@ -21,7 +21,7 @@ data loader needs nothing: its whole position is the step number.
 """
 
 import json
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.distributed.checkpoint.state_dict import _init_optim_state
@@ -37,7 +37,18 @@ CHECKSUM_CHUNK = 1 << 22  # 8-byte words per checksum pass: bounds its temporari
 
 
 class TransferError(RuntimeError):
-    """The donor's state does not fit this rank's model or optimizer."""
+    """The donor's (or a snapshot's) state does not fit this rank's model or optimizer."""
+
+
+class Source(NamedTuple):
+    """Where the state a rank takes comes from, as its errors name it."""
+
+    name: str
+    verb: str
+    hint: str
+
+
+DONOR = Source("the donor", "sent", "are both replica groups running the same model, optimizer and parallelism?")
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -95,9 +106,25 @@ def manifest(tensors: list[tuple[str, torch.Tensor]]) -> list[list[Any]]:
     return [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors]
 
 
-def pack(tensors: list[tuple[str, torch.Tensor]], device: torch.device = torch.device("cpu")) -> torch.Tensor:
-    """The tensors' bytes in order, as one buffer on ``device`` (state may span CPU and GPU)."""
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).to(device) for _, t in tensors])
+def pack(
+    tensors: list[tuple[str, torch.Tensor]],
+    device: torch.device = torch.device("cpu"),
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The tensors' bytes in order, as one buffer on ``device`` (state may span CPU and GPU).
+
+    Each tensor is copied once, straight into its slice; ``out`` (uint8, on ``device``, of the
+    state's size) is reused rather than allocated, as a snapshot writer does from one write to the next.
+    """
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    if out is None or out.numel() != total or out.device != device:
+        out = torch.empty(total, dtype=torch.uint8, device=device)
+    offset = 0
+    for _, t in tensors:
+        n = t.numel() * t.element_size()
+        out[offset : offset + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        offset += n
+    return out
 
 
 def unpack(payload: torch.Tensor, tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -136,17 +163,50 @@ def checksum(payload: torch.Tensor) -> int:
     return int(total.item())
 
 
-def check_manifest(theirs: object, ours: list[list[Any]]) -> None:
+def check_manifest(theirs: object, ours: list[list[Any]], source: Source = DONOR) -> None:
     if not isinstance(theirs, list):
-        raise TransferError(f"the donor's tensor manifest is not a list: {theirs!r:.80}")
+        raise TransferError(f"{source.name}'s tensor manifest is not a list: {theirs!r:.80}")
     if len(theirs) != len(ours):
         raise TransferError(
-            f"the donor sent {len(theirs)} tensors, this rank has {len(ours)}: "
-            "are both replica groups running the same model, optimizer and parallelism?"
+            f"{source.name} {source.verb} {len(theirs)} tensors, this rank has {len(ours)}: {source.hint}"
         )
     for mine, sent in zip(ours, theirs):
         if mine != sent:
-            raise TransferError(f"the donor's tensor {sent} does not match this rank's {mine}")
+            raise TransferError(f"{source.name}'s tensor {sent} does not match this rank's {mine}")
+
+
+def is_optim(entry: object) -> bool:
+    return isinstance(entry, list) and bool(entry) and str(entry[0]).startswith("optim")
+
+
+def accept(
+    theirs: object, payload_bytes: int, model_parts: list[torch.nn.Module], optimizers: Any, source: Source = DONOR
+) -> list[tuple[str, torch.Tensor]]:
+    """This rank's tensors that take a sender's state listed by manifest ``theirs``, or a ``TransferError``.
+
+    A fresh optimizer has no state until it steps: if the sender's has, it is created
+    first (zero grads, lr 0), as DCP does before loading, then overwritten. The model's
+    entries are checked before that, so a different model leaves this rank as it was.
+    """
+    if isinstance(theirs, list) and any(is_optim(entry) for entry in theirs):
+        model_only = [entry for entry in manifest(state_tensors(model_parts, optimizers)) if not is_optim(entry)]
+        check_manifest([entry for entry in theirs if not is_optim(entry)], model_only, source)
+        for opt in optimizers.optimizers:
+            _init_optim_state(opt)
+    tensors = state_tensors(model_parts, optimizers)
+    check_manifest(theirs, manifest(tensors), source)
+    expected = sum(t.numel() * t.element_size() for _, t in tensors)
+    if payload_bytes != expected:
+        raise TransferError(f"{source.name} {source.verb} {payload_bytes} bytes of state, this rank holds {expected}")
+    return tensors
+
+
+def fill(payload: torch.Tensor, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Copies a checked payload into the tensors ``accept`` gave, and takes its RNG states."""
+    unpack(payload, tensors)
+    torch.set_rng_state(dict(tensors)[RNG])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(dict(tensors)[CUDA_RNG])
 
 
 def send(
@@ -177,11 +237,7 @@ def receive(
     abort: Callable[[], bool],
     after_header: Callable[[dict[str, Any]], None],
 ) -> tuple[dict[str, Any], int]:
-    """The joiner's side: fills this rank's tensors; returns (header, payload bytes).
-
-    A fresh optimizer has no state until it steps: if the donor's has, it is created
-    first (zero grads, lr 0), as DCP does before loading, then overwritten.
-    """
+    """The joiner's side: fills this rank's tensors; returns (header, payload bytes)."""
     sizes = torch.zeros(2, dtype=torch.int64, device=groups.device)
     groups.broadcast(group, sizes, abort)
     header_len, payload_len = (int(v) for v in sizes)
@@ -199,17 +255,7 @@ def receive(
         raise MessageError(
             "state transfer header lacks the payload's checksum: do both replica groups run the same titan_recover?"
         )
-    with_optim = any(
-        str(entry[0]).startswith("optim") for entry in header["tensors"] if isinstance(entry, list) and entry
-    )
-    if with_optim:
-        for opt in optimizers.optimizers:
-            _init_optim_state(opt)
-    tensors = state_tensors(model_parts, optimizers)
-    check_manifest(header["tensors"], manifest(tensors))
-    expected = sum(t.numel() * t.element_size() for _, t in tensors)
-    if payload_len != expected:
-        raise TransferError(f"the donor sends {payload_len} bytes of state, this rank holds {expected}")
+    tensors = accept(header["tensors"], payload_len, model_parts, optimizers)
     after_header(header)
     payload = torch.empty(payload_len, dtype=torch.uint8, device=groups.device)
     groups.broadcast(group, payload, abort)
@@ -219,10 +265,7 @@ def receive(
             f"state transfer payload is corrupt: its checksum is {received}, the donor's was "
             f"{header['payload_checksum']} ({payload_len} B): it changed between the two ranks; none of it was applied"
         )
-    unpack(payload, tensors)
-    torch.set_rng_state(dict(tensors)[RNG])
-    if torch.cuda.is_available():
-        torch.cuda.set_rng_state(dict(tensors)[CUDA_RNG])
+    fill(payload, tensors)
     return header, payload_len
 
 
