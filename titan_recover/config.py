@@ -157,6 +157,24 @@ class Recover:
     digest_interval: int = 10
     """Every this many steps (and at the last) each replica logs a digest of its parameters."""
 
+    snapshot_interval: int = 10
+    """Every this many committed steps each rank copies its committed state into its node's memory
+    (files in its launcher's folder under ``snapshot_dir``), off the step's path. When every replica
+    group is lost at once while their nodes' launchers live, the restarted ranks resume from the newest
+    step whose every shard has a verified copy, computing at most this many steps again instead of
+    going back to the last DCP checkpoint. 0 = off."""
+
+    snapshot_keep: int = 1
+    """Complete snapshots kept per shard on each node, besides the one being written. More lets a run
+    roll back further (past a corrupted copy), at (keep + 1) x the state's size in host memory."""
+
+    snapshot_dir: str = ""
+    """The tmpfs under which each launcher makes its snapshot folder (mode 0700, removed when the
+    launcher exits; a dead launcher's is removed by the next on the node). "" = /dev/shm where the host
+    has it writable, else the temp dir. A container's /dev/shm is often 64 MiB and counts against its
+    memory limit: raise it (Docker ``--shm-size``, a Kubernetes ``emptyDir`` with ``medium: Memory``)
+    or name another tmpfs. Checked on each node by its launcher: an existing writable directory."""
+
     data_seed: int = 0
     """Seed of the sample order: each data epoch visits every window of the corpus once, in an
     order drawn from this seed and the epoch (see titan_recover.data.order)."""
@@ -305,6 +323,8 @@ _COUNTS = {
     "max_step_retries": 1,
     "group_nodes": 1,
     "digest_interval": 1,
+    "snapshot_interval": 0,
+    "snapshot_keep": 1,
 }
 """Integer keys of ``[recover]`` and their smallest allowed value."""
 

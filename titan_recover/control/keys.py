@@ -17,6 +17,8 @@ RUN_ENV = "TITAN_RECOVER_RUN_ID"  # this run's id: a new id is a new run; the sa
 LISTEN_FD_ENV = "TITAN_RECOVER_LISTEN_FD"  # the listening socket its launcher bound and handed to the coordinator
 INCARNATION_ENV = "TITAN_RECOVER_ATTEMPT"  # incarnation of this replica group: 0, then +1 per restart
 NOTICE_STOPS_RUN_ENV = "TITAN_RECOVER_NOTICE_STOPS_RUN"  # "1": a SIGTERM here stops the whole run (its coordinator)
+SNAPSHOT_DIR_ENV = "TITAN_RECOVER_SNAPSHOTS"  # this launcher's snapshot folder (node.memory); unset or "": none
+NODE_RANKS_ENV = "TITAN_RECOVER_NODE_RANKS"  # ranks this launcher runs on its node, all groups: they share it
 
 
 def incarnation() -> int:

@@ -4,12 +4,14 @@ node, or each problem that would stop it, with nothing started.
 The launcher's own checks, in its order and with its functions (the torch release, the config, this node's part
 of the run, the control store, the GPUs and the replicate backend, the preflight, the data), each problem
 collected instead of ending the check; then what they decided, printed: R, M and each group's failure-free quota,
-the timeouts, the control store, the backend and NCCL settings, the GPUs, the groups on this node, the data and
-how much of it the run reads. No process, process group or training: the store's checks bind a port and close
-it, the data check reads the first microbatch. Exit 0 where the launcher would start the run, 2 where not.
+the timeouts, the control store, the backend and NCCL settings, the GPUs, the groups on this node, the host-memory
+snapshots (how often, how many, their folder's filesystem and its room), the data and how much of it the run
+reads. No process, process group or training: the store's checks bind a port and close it, the data check reads
+the first microbatch. Exit 0 where the launcher would start the run, 2 where not.
 """
 
 import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +25,7 @@ from titan_recover.control.keys import COORDINATOR_ENV, EXIT_BAD_INPUT, EXIT_OK,
 from titan_recover.data.tokens import DataError
 from titan_recover.launch import launcher, preflight
 from titan_recover.launch.stores import store_of
-from titan_recover.node import devices, warm
+from titan_recover.node import devices, memory, warm
 from titan_recover.policy import workload
 
 FLAG = "--check"
@@ -131,6 +133,24 @@ def gpus_seen(env: Mapping[str, str]) -> str:
     return f"{len(gpus)} ({', '.join(gpus)}), {torch.cuda.get_device_name(0)}"
 
 
+def snapshots(rc: config.Recover) -> str:
+    """Host-memory snapshots as this node's launcher would keep them: how often, how many, and the filesystem its
+    folder would be on with the room there."""
+    if not rc.snapshot_interval:
+        return "off (recover.snapshot_interval = 0): losing every group at once goes back to the last checkpoint"
+    under = memory.root(rc.snapshot_dir)
+    head = (
+        f"every {rc.snapshot_interval} committed steps (recover.snapshot_interval), {rc.snapshot_keep} kept per "
+        f"shard besides the one being written (recover.snapshot_keep)"
+    )
+    if not os.path.isdir(under):
+        return f"{head}; {under} is not a directory on this node"
+    kind = memory.filesystem(under) or "filesystem unknown"
+    disk = "" if kind == "tmpfs" else ", not tmpfs: the copies would be written to disk"
+    free = shutil.disk_usage(under).free
+    return f"{head}; each launcher's folder under {under} ({kind}{disk}), {free:,} bytes ({free / 2**30:.1f} GiB) free"
+
+
 def check_node(node: "launcher.NodeJob", argv: list[str], report: Report) -> None:
     """This node's part of a ``[recover] enable = true`` run: what ``NodeLauncher`` would decide, shown, and its
     refusal (the first of: the device plan, the preflight's refusals, the secret, the run id) as a problem."""
@@ -178,6 +198,7 @@ def check_node(node: "launcher.NodeJob", argv: list[str], report: Report) -> Non
         rc.warm, rc.group_nodes > 1, warm.host_available_bytes(), os.cpu_count() or 1, groups * ranks, groups * ranks
     )
     report.add("warm restarts", f"off ({why})" if why else "on: each group's next incarnation waits imported")
+    report.add("snapshots", snapshots(rc))
 
 
 def check_data(job_config: Any, report: Report) -> None:

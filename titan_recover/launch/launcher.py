@@ -38,7 +38,7 @@ from titan_recover.data.tokens import DataError
 from titan_recover.launch import preflight
 from titan_recover.launch.stores import ControlStore, store_of
 from titan_recover.launch.torchruns import Span, Torchruns, torchrun, torchrun_grace, with_threads
-from titan_recover.node import devices, warm
+from titan_recover.node import devices, memory, warm
 from titan_recover.node.agent import NodeAgent
 from titan_recover.node.channel import remove_orphans, shm_dir
 from titan_recover.node.procs import EXITING_S, exit_lost, on_notice, stop_within
@@ -120,10 +120,11 @@ def run_preflight(job_config: Any, backend: str, env: dict[str, str]) -> preflig
     for finding in checked.findings:
         (log.warning if finding.level == preflight.WARN else log.info)(finding.line())
     if checked.refusals:
+        overridable = any(f.rule != preflight.SNAPSHOT_DIR for f in checked.refusals)
         raise config.ConfigError(
             "the preflight refuses this run:\n  "
             + "\n  ".join(f.line() for f in checked.refusals)
-            + f"\n(set {preflight.OVERRIDE_ENV}=warn to run anyway)"
+            + (f"\n(set {preflight.OVERRIDE_ENV}=warn to run anyway)" if overridable else "")
         )
     env.update(checked.env)
     return checked
@@ -261,6 +262,7 @@ class NodeLauncher:
         self.lost_once = threading.Lock()
         self.me = Launcher.this()
         self.noticed: float | None = None  # when SIGTERM told this node it goes away (wall clock)
+        self.snapshots: str | None = None  # this launcher's snapshot folder (node.memory), once made
 
     def notice(self) -> None:
         """SIGTERM's handler: this node goes away. It only notes the time; the loop acts on it."""
@@ -374,14 +376,15 @@ class NodeLauncher:
         )
         gpus = "" if self.plan.visible[0] is None else f"; GPUs per group: {' | '.join(map(str, self.plan.visible))}"
         log.info(f"replicate dimension on {self.plan.backend} ({self.plan.reason}){gpus}")
-        envs = {
-            r: {**self.env, **devices.group_env(visible, self.plan.rank_per_host), **self.notice_env()}
-            for r, visible in zip(self.local, self.plan.visible)
-        }
         assert self.run is not None, "start_coordinator() first"
         orphans = remove_orphans()
         if orphans:
             log.info(f"removed {len(orphans)} channel file(s) of launchers that are gone from {shm_dir()}")
+        snapshots = self.snapshot_env(self.run)
+        envs = {
+            r: {**self.env, **devices.group_env(visible, self.plan.rank_per_host), **self.notice_env(), **snapshots}
+            for r, visible in zip(self.local, self.plan.visible)
+        }
         self.agent = NodeAgent(address, self.run, self.ranks, hang_timeout_s=rc.heartbeat_timeout_s)
         self.events = EventLog(titan.dump_folder(self.job_config))
         self.groups = Torchruns(
@@ -408,6 +411,42 @@ class NodeLauncher:
         """Whether a notice to this node stops the whole run in order: it runs the coordinator, and on a
         TCPStore the run's store goes with it."""
         return self.coordinator is not None and self.store.notice_stops_run
+
+    def snapshot_env(self, run: Run) -> dict[str, str]:
+        """The ranks' snapshot settings, the same for every incarnation: this launcher's folder, made here when
+        ``recover.snapshot_interval`` is on ("" when off), and how many ranks on this node share it. Folders of
+        launchers that are gone are removed first: a SIGKILLed one leaves its folder in memory."""
+        rc = self.rc
+        under = memory.root(rc.snapshot_dir)
+        for name, size in memory.sweep_orphans(under):
+            log.info(f"removed the snapshot folder {name} of a launcher that is gone from {under}: {size:,} bytes")
+        if rc.snapshot_interval:
+            try:
+                self.snapshots = memory.make_folder(under, run.public_id)
+            except OSError as e:
+                raise config.ConfigError(
+                    f"recover.snapshot_dir: cannot make this launcher's snapshot folder under {under} ({e}); name "
+                    "a writable tmpfs folder, or set recover.snapshot_interval = 0 for no snapshots"
+                ) from None
+            log.info(
+                f"snapshots: every {rc.snapshot_interval} committed steps, {rc.snapshot_keep} kept per shard, "
+                f"in {self.snapshots}"
+            )
+        ranks = len(self.local) * self.ranks
+        return {keys.SNAPSHOT_DIR_ENV: self.snapshots or "", keys.NODE_RANKS_ENV: str(ranks)}
+
+    def free_snapshots(self) -> None:
+        """Removes this launcher's snapshot folder, once, and says how much memory that gave back."""
+        folder, self.snapshots = self.snapshots, None
+        if folder is None:
+            return
+        freed = memory.free_folder(folder)
+        left = (
+            "; a rank still writing left files there, which the next launcher here removes"
+            if os.path.lexists(folder)
+            else ""
+        )
+        log.info(f"removed this launcher's snapshot folder {folder}: {freed:,} bytes freed{left}")
 
     def notice_env(self) -> dict[str, str]:
         """The ranks' environment for a notice: where it stops the run, a rank's own SIGTERM (Slurm's, to every
@@ -611,6 +650,7 @@ class NodeLauncher:
             self.events.close()
         if self.coordinator is not None:
             stop_within(self.coordinator, 0.0)
+        self.free_snapshots()
 
     # ---- the coordinator lost ---------------------------------------------------------------
 
@@ -625,6 +665,7 @@ class NodeLauncher:
         if self._run_ended():
             return  # the coordinator ended the run (done or fatal) and closed its store: not lost
         self.groups.kill()
+        self.free_snapshots()  # exit_lost ends the process at once: close() never runs
         if exited and coordinator is not None and self.store.lost_by(coordinator):  # a candidate's end is not the run's
             reason = self._exit_reason(coordinator)
         exit_lost("launcher", reason, config.resume_hint(self.job_config, titan.dump_folder(self.job_config)))

@@ -2,9 +2,10 @@
 the torch and NCCL releases, the PyTorch NCCL settings of the environment and the timeouts against each other.
 
 Pure decisions from facts (the torch and NCCL versions, the environment, the ``[recover]`` keys, TorchTitan's
-``[comm]`` keys), so every rule is unit-tested without a GPU. The launcher runs it on every run and logs each
-finding (the torch release first, before it reads the job); a refusal stops it with exit 2 naming the setting,
-and ``TITAN_RECOVER_PREFLIGHT=warn`` turns refusals into warnings for an operator who knows better.
+``[comm]`` keys, whether the snapshot folder's directory is here), so every rule is unit-tested without a GPU. The
+launcher runs it on every run and logs each finding (the torch release first, before it reads the job); a refusal
+stops it with exit 2 naming the setting, and ``TITAN_RECOVER_PREFLIGHT=warn`` turns refusals into warnings for an
+operator who knows better.
 The self-test prints the same findings.
 
 The timeout hierarchy, innermost first (each bound must end before the next one starts to matter):
@@ -17,6 +18,7 @@ The timeout hierarchy, innermost first (each bound must end before the next one 
 """
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -342,9 +344,34 @@ def check(
     return out
 
 
+SNAPSHOT_DIR = "recover.snapshot_dir"
+
+
+def snapshot_dir_finding(rc: Any) -> Finding | None:
+    """With snapshots on, the folder ``recover.snapshot_dir`` names must be a directory this node's launcher can
+    make its own folder in; each node has its own filesystem, so only its launcher can tell. ``OVERRIDE_ENV``
+    does not turn this refusal into a warning: the launcher could not run without the folder."""
+    where = rc.snapshot_dir
+    if not rc.snapshot_interval or not where:
+        return None
+    if os.path.isdir(where) and os.access(where, os.W_OK | os.X_OK):
+        return None
+    what = "is not writable by this user" if os.path.isdir(where) else "is not a directory on this node"
+    return Finding(
+        REFUSE,
+        SNAPSHOT_DIR,
+        f"{SNAPSHOT_DIR} = {where!r} {what}: name a writable tmpfs folder every node has (e.g. /dev/shm), "
+        '"" for /dev/shm, or recover.snapshot_interval = 0 for no snapshots',
+    )
+
+
 def on_this_node(job_config: Any, backend: str, env: Mapping[str, str]) -> Preflight:
-    """The findings for this job on this node: its NCCL, ``env`` and the job's keys (for the launcher and --check)."""
-    return check(nccl_version(), backend, env, job_config.recover, comm_facts(job_config))
+    """The findings for this job on this node: its NCCL, ``env``, the job's keys and its snapshot folder (for the
+    launcher and --check)."""
+    out = check(nccl_version(), backend, env, job_config.recover, comm_facts(job_config))
+    if (snapshots := snapshot_dir_finding(job_config.recover)) is not None:
+        out.findings.append(snapshots)
+    return out
 
 
 COMM_KEYS = ("train_timeout_seconds", "trace_buf_size")
