@@ -1,6 +1,7 @@
 """The coordinator's decisions on the pure core: records in, effects out, no store, no processes."""
 
 import json
+from typing import Callable
 
 import pytest
 
@@ -8,10 +9,12 @@ from titan_recover.control.protocol import (
     Admission,
     CoordinatorState,
     Fence,
+    Loss,
     MessageError,
     NodeGroup,
     Progress,
     Report,
+    Snapshots,
     StepRecord,
     TransferRecord,
 )
@@ -36,7 +39,17 @@ pytestmark = pytest.mark.unit
 RANKS = 2
 
 
-def core(replicas: int = 3, spares: int = 0, min_replicas: int = 1, retries: int = 2, **lookups) -> CoordinatorCore:
+def core(
+    replicas: int = 3,
+    spares: int = 0,
+    min_replicas: int = 1,
+    retries: int = 2,
+    host_memory: bool = False,
+    resume_wait_s: float = 0.0,
+    wall: Callable[[], float] = lambda: 1000.0,
+    **lookups,
+) -> CoordinatorCore:
+    """A core of ``replicas`` groups of ``RANKS`` ranks; ``host_memory``: ``Rules.snapshots``."""
     rules = Rules(
         replicas=replicas,
         replica_ids=replicas + spares,
@@ -45,9 +58,11 @@ def core(replicas: int = 3, spares: int = 0, min_replicas: int = 1, retries: int
         min_replicas=min_replicas,
         max_step_retries=retries,
         spare_timeout_s=5.0,
+        snapshots=host_memory,
+        resume_wait_s=resume_wait_s,
     )
     detector = FailureDetector(members=tuple(range(replicas)), timeout_s=5.0, confirm_s=0.5, startup_s=60.0, start=0.0)
-    return CoordinatorCore(rules, detector, wall=lambda: 1000.0, **lookups)
+    return CoordinatorCore(rules, detector, wall=wall, **lookups)
 
 
 def nodes(c: CoordinatorCore, now: float, **groups: NodeGroup) -> None:
@@ -364,3 +379,230 @@ def test_an_admission_is_forgotten_once_its_group_rejoined_or_a_newer_incarnatio
     c.on_failure({1: "killed again"}, now=20.0)
     nodes(c, 21.0, r0=up(), r2=up(), r1=up(incarnation=2, ready=RANKS))
     assert forgotten(c.on_joins(now=21.0)) == Forget(admissions=((1, 1),))  # the incarnation it replaces
+
+
+# ---- every group's state lost: resuming from the nodes' memory ------------------------------
+
+
+class Clock:
+    """The core's wall clock, moved by hand."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def lists(*per_rank: tuple[int, ...]) -> dict[int, Snapshots | None]:
+    """A restarted group's lists: group rank k verified the steps ``per_rank[k]``."""
+    return {k: Snapshots(steps) for k, steps in enumerate(per_rank)}
+
+
+HeldLists = dict[tuple[int, int], dict[int, Snapshots | None]]
+
+
+def lost_run(held: HeldLists, clock: Clock, resume_wait_s: float = 30.0) -> tuple[CoordinatorCore, list]:
+    """Steps 1..6 committed, then every group fails in step 7 at 1000.0; ``held``: (replica, incarnation) -> the
+    lists its ranks wrote (read at each look, so a test adds them as the groups come back)."""
+    c = core(
+        host_memory=True,
+        resume_wait_s=resume_wait_s,
+        wall=clock,
+        snapshots=lambda replica, incarnation: held.get((replica, incarnation), {}),
+    )
+    for step in range(1, 7):
+        commit(c, step)
+    return c, c.on_failure({r: "its node went away" for r in (0, 1, 2)}, now=10.0)
+
+
+def back(c: CoordinatorCore, now: float, *replicas: int, incarnation: int = 1) -> None:
+    """These groups restarted (``incarnation``) with every rank up and waiting to join."""
+    nodes(c, now, **{f"r{r}": up(incarnation=incarnation, ready=RANKS) for r in replicas})
+
+
+def test_every_member_failing_stops_the_run_without_host_memory_snapshots() -> None:
+    c = core()
+    effects = c.on_failure({r: "killed" for r in (0, 1, 2)}, now=1.0)
+    assert stops(effects) and "only 0 replica group(s) left" in of(effects, Stop)[0].error
+    assert of(effects, Publish) == [] and c.state.loss is None
+
+
+def test_a_group_with_state_left_below_min_replicas_still_stops_with_host_memory_snapshots() -> None:
+    """Too few groups but one still holds the state: not a loss the snapshots are for (``StateLost``)."""
+    c = core(replicas=2, min_replicas=2, host_memory=True)
+    effects = c.on_failure({0: "killed"}, now=1.0)
+    assert "recover.min_replicas is 2" in of(effects, Stop)[0].error and c.state.loss is None
+    stopping = core(host_memory=True)
+    stopping.on_notice("the coordinator's node goes away")
+    assert stops(stopping.on_failure({r: "killed" for r in (0, 1, 2)}, now=1.0))  # a run that stops does not wait
+
+
+def test_every_member_failing_with_host_memory_snapshots_waits_in_an_epoch_without_members() -> None:
+    c, effects = lost_run({}, Clock())
+    assert not stops(effects)
+    assert of(effects, Publish) == [Publish(Membership(1, ()))] and c.membership == Membership(1, ())
+    assert of(effects, FenceOut) == [FenceOut(r, Fence(0, 1)) for r in (0, 1, 2)]
+    assert effects.index(Save()) < effects.index(FenceOut(0, Fence(0, 1)))  # saved with the loss, before the fences
+    assert events(effects) == ["failure", "failure", "failure", "state_lost"]
+    lost = of(effects, Emit)[-1].fields
+    assert {k: lost[k] for k in ("step", "epoch", "groups")} == {"step": 7, "epoch": 1, "groups": [0, 1, 2]}
+    assert "only 0 replica group(s) left" in lost["cause"]
+    assert c.state.loss == Loss(7, 1000.0, (0, 1, 2)) and c.state.failures == 3
+    assert not c.finished()  # no member: nothing to wait for, but the run is not over
+    assert c.on_joins(now=11.0) == []  # nobody back yet
+
+
+def test_a_group_still_rejoining_is_fenced_with_the_others_when_no_member_holds_state() -> None:
+    c = core(host_memory=True)
+    c.on_failure({1: "killed"}, now=10.0)
+    nodes(c, 11.0, r0=up(), r2=up(), r1=up(incarnation=1, ready=RANKS))
+    c.on_joins(now=11.0)  # epoch 2: replica 1 (attempt 1) rejoins, without state until it commits
+    assert c.state.joining == {1: 2}
+    effects = c.on_failure({0: "killed", 2: "killed"}, now=12.0)
+    assert not stops(effects) and of(effects, Publish) == [Publish(Membership(3, ()))]
+    assert of(effects, FenceOut) == [FenceOut(0, Fence(0, 3)), FenceOut(1, Fence(1, 3)), FenceOut(2, Fence(0, 3))]
+    assert c.state.joining == {} and c.state.loss is not None and c.state.loss.groups == (0, 1, 2)
+    assert events(effects)[-1] == "state_lost" and c.state.failures == 3
+
+
+def test_restarted_groups_resume_from_the_newest_step_one_of_them_holds_whole() -> None:
+    """Replicas 0 and 2 hold both shards of step 4 (2's step 7 was never committed: ignored), replica 1 only
+    of step 2: 0 and 2 resume from step 4, steps 5..7 are computed again, and 1 rejoins from them."""
+    clock, held = Clock(), HeldLists()
+    c, _ = lost_run(held, clock)
+    held[(0, 1)] = lists((6, 4), (4, 2))
+    held[(1, 1)] = lists((4, 2), (2,))
+    held[(2, 1)] = lists((7, 4), (7, 4))
+    clock.t = 1020.0
+    back(c, 20.0, 0, 1, 2)
+    effects = c.on_joins(now=20.0)
+    resume = Publish(Membership(2, (0, 2)))
+    assert of(effects, Admit) == [Admit(0, Admission(1, 2, 4)), Admit(2, Admission(1, 2, 4))]
+    assert of(effects, Publish) == [resume]
+    assert all(effects.index(a) < effects.index(resume) for a in of(effects, Admit))  # admissions first
+    assert forgotten(effects) == Forget(steps=range(5, 8))
+    assert events(effects) == ["resuming"]
+    assert of(effects, Emit)[0].fields == {"step": 4, "lost_step": 7, "recomputed": 2, "groups": [0, 2]}
+    assert c.step() == 5 and c.state.progress == Progress(4, 2, 1020.0)
+    assert c.state.attempts == {0: 1, 1: 0, 2: 1} and list(c.state.down_since) == [1]
+    assert c.state.loss == Loss(7, 1000.0, (0, 1, 2), resume_step=4)
+    assert of(c.on_joins(now=20.5), Admit) == [Admit(1, Admission(1, 3))]  # then the ordinary joins
+
+    def record(epoch: int, time: float = 1030.0) -> StepRecord:
+        return StepRecord(5, epoch, [0, 1, 2], [], "d", 1.0, None, time=time)
+
+    assert not c.accepts(record(0))  # step 5 as committed before the loss: undone by the resume
+    assert not c.accepts(record(1))
+    assert c.accepts(record(2)) and c.accepts(record(3))
+
+
+def test_a_group_without_the_resumed_step_rejoins_the_ordinary_way_and_the_first_commit_ends_the_loss() -> None:
+    clock, held = Clock(), HeldLists()
+    c, _ = lost_run(held, clock)
+    held[(0, 1)] = lists((4,), (4,))
+    held[(1, 1)] = lists((4,), ())  # its rank 1 verified nothing
+    held[(2, 1)] = lists((4,), (4,))
+    back(c, 20.0, 0, 1, 2)
+    assert of(c.on_joins(now=20.0), Publish) == [Publish(Membership(2, (0, 2)))]
+    joined = c.on_joins(now=21.0)
+    assert of(joined, Admit) == [Admit(1, Admission(1, 3))]  # no resume_step: it takes the state from a member
+    assert of(joined, Publish) == [Publish(Membership(3, (0, 1, 2)))]
+    assert events(joined) == ["admitted"] and c.state.joining == {1: 3}
+    first = c.on_step(StepRecord(5, 3, [0, 1, 2], [], "d", 1.0, None, time=1042.5))
+    assert events(first) == ["resumed"]
+    assert of(first, Emit)[0].fields == {"step": 5, "from_step": 4, "lost_step": 7, "seconds": 42.5}
+    assert c.state.loss is None
+    rejoined = of(c.on_rejoined(lambda r: []), Emit)
+    assert [(e.event, e.fields["replica"], e.fields["step"]) for e in rejoined] == [("rejoined", 1, 5)]
+    assert "resumed" not in events(commit(c, 6))
+
+
+def test_the_resume_waits_for_every_lost_group_until_resume_wait_s_then_goes_on_with_those_back() -> None:
+    clock, held = Clock(), HeldLists()
+    c, _ = lost_run(held, clock, resume_wait_s=30.0)
+    held[(0, 1)] = lists((6,), (6,))
+    held[(1, 1)] = {0: Snapshots((6,)), 1: None}  # its rank 1 has not written its list yet
+    held[(2, 0)] = lists((6,), (6,))  # the fenced incarnation's lists: not a group that came back
+    nodes(c, 20.0, r0=up(incarnation=1, ready=RANKS), r1=up(incarnation=1, ready=RANKS), r2=up(ready=RANKS))
+    clock.t = 1010.0
+    assert c.on_joins(now=20.0) == []
+    held[(1, 1)] = lists((6,), (6,))
+    clock.t = 1029.9
+    assert c.on_joins(now=21.0) == []  # replica 2 is not back, and 30 s have not passed
+    assert not c.finished()
+    clock.t = 1030.0
+    effects = c.on_joins(now=22.0)
+    assert of(effects, Admit) == [Admit(0, Admission(1, 2, 6)), Admit(1, Admission(1, 2, 6))]
+    assert of(effects, Publish) == [Publish(Membership(2, (0, 1)))]
+    assert forgotten(effects) == Forget(steps=range(7, 8))  # only the step in progress when they were lost
+    assert of(effects, Emit)[0].fields["recomputed"] == 0 and c.step() == 7
+    nodes(c, 40.0, r0=up(incarnation=1), r1=up(incarnation=1), r2=up(incarnation=1, ready=RANKS))
+    late = c.on_joins(now=40.0)
+    assert of(late, Admit) == [Admit(2, Admission(1, 3))] and c.state.joining == {2: 3}
+
+
+def test_every_group_back_resumes_at_once_without_waiting() -> None:
+    clock = Clock()
+    c, _ = lost_run({(r, 1): lists((6,), (6,)) for r in (0, 1, 2)}, clock, resume_wait_s=600.0)
+    clock.t = 1001.0
+    back(c, 20.0, 0, 1, 2)
+    assert of(c.on_joins(now=20.0), Publish) == [Publish(Membership(2, (0, 1, 2)))]
+
+
+def test_no_snapshot_of_a_shard_anywhere_stops_the_run_naming_it_and_the_checkpoint() -> None:
+    c, _ = lost_run({(r, 1): lists((6, 4), ()) for r in (0, 1, 2)}, Clock())
+    back(c, 20.0, 0, 1, 2)
+    effects = c.on_joins(now=20.0)
+    assert of(effects, Admit) == [] and of(effects, Publish) == []
+    [stop] = of(effects, Stop)
+    assert "lost its state in step 7" in stop.error
+    assert "shard(s) [1]" in stop.error and "shard 0: steps [4, 6]" in stop.error
+    assert "resume from the last checkpoint" in stop.error
+
+
+def test_no_group_back_at_all_stops_the_run_after_twice_resume_wait_s() -> None:
+    clock = Clock()
+    c, _ = lost_run({}, clock, resume_wait_s=30.0)
+    clock.t = 1059.0
+    assert c.on_joins(now=59.0) == []
+    clock.t = 1060.0
+    [stop] = of(c.on_joins(now=60.0), Stop)
+    assert "no replica group came back" in stop.error and "checkpoint" in stop.error
+
+
+def test_a_loss_round_trips_through_json_and_a_new_leader_resumes_from_it() -> None:
+    clock = Clock()
+    held = {(r, 1): lists((6,), (6,)) for r in (0, 1, 2)}
+    c, _ = lost_run(held, clock)
+    raw = json.loads(c.state.dumps())
+    assert raw["loss"] == {"step": 7, "time": 1000.0, "groups": [0, 1, 2], "resume_step": None}
+    state = CoordinatorState.from_json("coordinator/state", raw)
+    assert state == c.state
+    successor = core(
+        host_memory=True, resume_wait_s=30.0, wall=clock, snapshots=lambda replica, incarnation: held[replica, 1]
+    )
+    successor.take_over(state, dict(c.history), epoch=1)
+    assert successor.membership == Membership(1, ()) and not successor.finished()
+    back(successor, 20.0, 0, 1, 2)
+    assert of(successor.on_joins(now=20.0), Publish) == [Publish(Membership(2, (0, 1, 2)))]
+    assert successor.state.loss == Loss(7, 1000.0, (0, 1, 2), resume_step=6)
+    again = CoordinatorState.from_json("coordinator/state", json.loads(successor.state.dumps()))
+    assert again == successor.state
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        [7, 1000.0, [0]],
+        {"step": 7, "time": 1000.0},
+        {"step": -1, "time": 1000.0, "groups": []},
+        {"step": 7, "time": "noon", "groups": []},
+        {"step": 7, "time": 1000.0, "groups": ["0"]},
+        {"step": 7, "time": 1000.0, "groups": [0], "resume_step": "4"},
+    ],
+)
+def test_a_malformed_loss_in_the_saved_state_is_refused(loss: object) -> None:
+    raw = {**json.loads(core().state.dumps()), "loss": loss}
+    with pytest.raises(MessageError, match="loss needs step, time, groups and an optional resume_step"):
+        CoordinatorState.from_json("coordinator/state", raw)

@@ -438,3 +438,70 @@ def test_a_named_nodes_run_logs_to_its_own_file_and_its_summary_reads_every_node
     assert "unreadable lines     : 1 skipped, the first " in run.output
     assert "steps committed      : 6" in run.output
     assert "MISSING" not in run.output and "only node" not in run.output and "Traceback" not in run.output
+
+
+# --- a resume from the nodes' memory: the steps it computes again count once ----------------------
+
+RESUMED_RUN: list[dict[str, Any]] = [
+    {"event": "step", "step": 1, "time": 100.0, "loss": 8.0, "microbatches": [0, 1], "members": [0, 1]},
+    {"event": "param_digest", "step": 1, "replica": 0, "digest": "a1", "time": 100.1},
+    {"event": "step", "step": 2, "time": 102.0, "loss": 7.5, "microbatches": [0, 1], "members": [0, 1]},
+    {"event": "param_digest", "step": 2, "replica": 0, "digest": "a2", "time": 102.1},
+    {"event": "data_epoch", "step": 3, "epoch": 1, "samples": 8, "time": 103.9},
+    {"event": "step", "step": 3, "time": 104.0, "loss": 7.25, "microbatches": [0, 1], "members": [0, 1]},
+    {"event": "param_digest", "step": 3, "replica": 1, "digest": "a3", "time": 104.1},
+    {"event": "state_lost", "step": 4, "epoch": 1, "groups": [0, 1], "cause": "both nodes went away", "time": 105.0},
+    {"event": "resuming", "step": 1, "lost_step": 4, "recomputed": 2, "groups": [0], "time": 120.0},
+    {"event": "resumed", "step": 2, "from_step": 1, "lost_step": 4, "seconds": 17.0, "time": 122.0},
+    {"event": "step", "step": 2, "time": 122.0, "loss": 7.5, "microbatches": [0, 1], "members": [0]},
+    {"event": "param_digest", "step": 2, "replica": 0, "digest": "b2", "time": 122.1},
+    {"event": "data_epoch", "step": 3, "epoch": 1, "samples": 8, "time": 123.9},
+    {"event": "step", "step": 3, "time": 124.0, "loss": 7.0, "microbatches": [0, 1], "members": [0]},
+    {"event": "step", "step": 4, "time": 126.0, "loss": 6.5, "microbatches": [0, 1], "members": [0]},
+]
+
+
+@pytest.mark.unit
+def test_steps_a_resume_computed_again_count_once_with_their_second_lines(tmp_path: Path) -> None:
+    log = read_log(write_log(tmp_path / EVENTS_FILE, RESUMED_RUN))
+    kept = [(e["event"], e["step"], e["time"]) for e in log.events if e["event"] in ("step", "data_epoch")]
+    assert kept == [
+        ("step", 1, 100.0),
+        ("step", 2, 122.0),
+        ("data_epoch", 3, 123.9),
+        ("step", 3, 124.0),
+        ("step", 4, 126.0),
+    ]
+    assert [(e["event"], e["step"]) for e in log.undone] == [
+        ("step", 2),
+        ("param_digest", 2),
+        ("data_epoch", 3),
+        ("step", 3),
+        ("param_digest", 3),
+    ]
+    assert [e["digest"] for e in log.events if e["event"] == "param_digest"] == ["a1", "b2"]  # the undone digests go
+    assert log.duplicates == []  # computed again is not logged again
+    assert [e["event"] for e in log.events].count("resuming") == 1
+
+
+@pytest.mark.unit
+def test_the_summary_of_a_resumed_run_counts_each_step_once_and_says_how_it_came_back(tmp_path: Path) -> None:
+    s = summarize_events(write_log(tmp_path / EVENTS_FILE, RESUMED_RUN))
+    assert (s["steps"], s["final_loss"], s["duplicates"], s["missing_steps"]) == (4, 6.5, [], [])
+    assert s["digest_steps"] == [1, 2]
+    assert s["state_lost"] == [4]
+    assert s["resumed"] == [{"from_step": 1, "lost_step": 4, "recomputed": 2, "seconds": 17.0}]
+    text = format_summary(s, tokens_per_step=1)
+    assert "every group lost     : in step(s) [4]" in text
+    assert "resumed from memory at step 1 (2 step(s) computed again), back 17.0s after the loss" in text
+    unresumed = summarize_events(write_log(tmp_path / "cut.jsonl", RESUMED_RUN[:9]))
+    assert unresumed["steps"] == 1 and unresumed["resumed"][0]["seconds"] is None
+    assert "no step committed after it" in format_summary(unresumed, tokens_per_step=1)
+
+
+@pytest.mark.unit
+def test_a_run_without_a_resume_says_nothing_of_one(tmp_path: Path) -> None:
+    s = summarize_events(write_log(tmp_path / EVENTS_FILE, HAND_WRITTEN))
+    assert s["state_lost"] == [] and s["resumed"] == []
+    assert read_log(write_log(tmp_path / "again.jsonl", HAND_WRITTEN)).undone == []
+    assert "every group lost" not in format_summary(s, tokens_per_step=1)

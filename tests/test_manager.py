@@ -21,7 +21,7 @@ import torch.distributed as dist
 from titan_recover.config import Recover
 from titan_recover.control import transport
 from titan_recover.control.client import ABORT, COMMIT, REDO, ControlClient
-from titan_recover.control.protocol import Admission, Report, StepRecord, TransferRecord
+from titan_recover.control.protocol import Admission, Report, Snapshots, StepRecord, TransferRecord
 from titan_recover.control.sealed import Run
 from titan_recover.data.tokens import DataError
 from titan_recover.node.channel import DONE, FATAL, FINISHED, READY, RUNNING, STARTING, STATE, Channel
@@ -129,6 +129,11 @@ def step_record(step: int, loss: float) -> StepRecord:
         grad_norm=None,
         time=time.time(),
     )
+
+
+def no_snapshots() -> Snapshots:
+    """A rank that verified no host-memory snapshot on its node."""
+    return Snapshots(())
 
 
 def later(seconds: float, action: Callable[[], None]) -> threading.Thread:
@@ -334,7 +339,7 @@ def test_join_request_then_admission(coord: Coordinator) -> None:
     coord.publish(0, (0, 1))
     m = coord.manager(2, incarnation=1, rejoining=True)
     assert coord.slot_state(m) == STARTING
-    waiter = threading.Thread(target=m.wait_for_admission, args=(0, 2), daemon=True)
+    waiter = threading.Thread(target=m.wait_for_admission, args=(0, 2, no_snapshots), daemon=True)
     waiter.start()
     time.sleep(0.05)
     assert coord.slot_state(m) == READY  # the node agent tells the coordinator
@@ -354,7 +359,7 @@ def test_a_spare_waiting_for_admission_ends_with_the_run(coord: Coordinator) -> 
     m = coord.manager(2, rejoining=True)
     later(0.05, lambda: coord.channel.publish(0, DONE))
     with pytest.raises(RunDone):
-        m.wait_for_admission(0, 2)
+        m.wait_for_admission(0, 2, no_snapshots)
 
 
 @pytest.mark.parametrize(
@@ -371,7 +376,7 @@ def test_a_joiner_says_what_it_waits_for(
     m = coord.manager(1 if len(members) == 1 else 2, incarnation=1, rejoining=True)
     later(0.05, lambda: coord.channel.publish(0, DONE))
     with caplog.at_level(logging.INFO), pytest.raises(RunDone):
-        m.wait_for_admission(3, 2)
+        m.wait_for_admission(3, 2, no_snapshots)
     assert f"(attempt 1) asks to join; {says}" in caplog.text
 
 
@@ -448,7 +453,7 @@ def test_a_joiner_goes_on_only_in_an_epoch_that_includes_it(coord: Coordinator) 
     admission whose epoch never includes the group: the joiner waits for its successor's admission."""
     coord.publish(0, (0, 1))
     m = coord.manager(2, incarnation=1, rejoining=True)
-    waiter = threading.Thread(target=m.wait_for_admission, args=(0, 2), daemon=True)
+    waiter = threading.Thread(target=m.wait_for_admission, args=(0, 2, no_snapshots), daemon=True)
     waiter.start()
     coord.control.admit(2, Admission(attempt=1, epoch=1))  # then its leader died before publishing epoch 1
     time.sleep(0.05)
@@ -459,3 +464,56 @@ def test_a_joiner_goes_on_only_in_an_epoch_that_includes_it(coord: Coordinator) 
     coord.publish(2, (0, 2))
     waiter.join(timeout=5)
     assert not waiter.is_alive() and coord.slot_state(m) == RUNNING
+
+
+class Offers:
+    """``offer`` of a rank with snapshots of steps 4 and 2 on its node: counts its calls and the slot state at each."""
+
+    def __init__(self, coord: Coordinator, m: ReplicaManager) -> None:
+        self.coord, self.m = coord, m
+        self.states: list[int] = []
+
+    def __call__(self) -> Snapshots:
+        self.states.append(self.coord.slot_state(self.m))
+        return Snapshots((4, 2))
+
+
+def until(check: Callable[[], bool], seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return check()
+
+
+@pytest.mark.parametrize("lost_before", [True, False], ids=["lost-before-the-wait", "lost-during-the-wait"])
+def test_a_rank_waiting_while_no_group_is_a_member_writes_its_snapshot_list_once(
+    coord: Coordinator, lost_before: bool
+) -> None:
+    """Every group lost its state: the coordinator waits, in an epoch without members, for the restarted
+    groups' lists. A rank writes its list once, while its slot says it is not ready (the group is counted
+    ready only once every rank's list is there), and its admission says which step it resumes from."""
+    coord.publish(0, (0, 1))
+    if lost_before:
+        coord.publish(1, ())
+    m = coord.manager(0, group_rank=1, incarnation=1, rejoining=True)
+    offer = Offers(coord, m)
+    admitted: list[Admission] = []
+    waiter = threading.Thread(target=lambda: admitted.append(m.wait_for_admission(5, 2, offer)), daemon=True)
+    waiter.start()
+    assert until(lambda: coord.slot_state(m) == READY)
+    if not lost_before:
+        time.sleep(0.05)
+        assert offer.states == []  # the epoch has members: nothing to write
+        coord.publish(1, ())
+    assert until(lambda: len(offer.states) == 1)
+    assert offer.states == [STARTING]
+    assert until(lambda: coord.slot_state(m) == READY)
+    assert coord.control.snapshots(0, 1, group_ranks=2) == {0: None, 1: Snapshots((4, 2))}
+    coord.publish(2, ())  # a later epoch without members (a leader taking over): written once
+    time.sleep(0.05)
+    assert len(offer.states) == 1 and waiter.is_alive()
+    coord.control.admit(0, Admission(attempt=1, epoch=3, resume_step=4))
+    coord.publish(3, (0,))
+    waiter.join(timeout=5)
+    assert not waiter.is_alive() and admitted == [Admission(1, 3, 4)]
+    assert coord.slot_state(m) == RUNNING and len(offer.states) == 1

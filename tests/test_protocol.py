@@ -8,12 +8,14 @@ import pytest
 
 from titan_recover.config import ConfigError, CoordinatorSettings, Recover
 from titan_recover.control.protocol import (
+    MAX_SNAPSHOTS,
     Admission,
     CoordinatorState,
     Fatal,
     FaultRecord,
     Fence,
     Launcher,
+    Loss,
     Membership,
     MessageError,
     NodeGroup,
@@ -22,6 +24,7 @@ from titan_recover.control.protocol import (
     Record,
     Rendezvous,
     Report,
+    Snapshots,
     StepRecord,
     Stuck,
     TransferRecord,
@@ -40,6 +43,10 @@ RECORDS: list[Record] = [
     Rendezvous(2, "10.0.0.5", 29600),
     Fence(1, 4),
     Admission(1, 5),
+    Admission(2, 6, resume_step=4),
+    Admission(2, 6, resume_step=0),
+    Snapshots((8, 4)),
+    Snapshots(()),
     Launcher("h:1:ab", "h", 1),
     TransferRecord(1024, 0.5, 10, 3),
     FaultRecord(1, 0, 0, 5, "backward", 99.0),
@@ -47,6 +54,7 @@ RECORDS: list[Record] = [
     CoordinatorState(
         Progress(4, 2, 1003.0), 7, 1, {0: 0, 1: 2}, {0: 0, 1: 5}, {1: 5}, {2: 0}, {3: 1}, {4: 900.0}, {1: (1, 950.5)}
     ),
+    CoordinatorState(Progress(4, 6, 1003.0), attempts={0: 1}, loss=Loss(7, 990.5, (0, 1), resume_step=4)),
 ]
 
 
@@ -58,6 +66,21 @@ def test_every_record_round_trips_through_its_json(record: Record) -> None:
 def test_fences_and_admissions_are_distinct_records() -> None:
     assert type(Fence.loads("fenced/1", Fence(1, 2).dumps().encode())) is Fence
     assert Fence(1, 2) != Admission(1, 2)
+
+
+def test_an_admission_without_a_resume_step_writes_what_it_always_did() -> None:
+    """A rejoiner that takes the state from a live peer: the record an older reader knows, read back the same."""
+    assert json.loads(Admission(1, 5).dumps()) == {"attempt": 1, "epoch": 5}
+    assert json.loads(Admission(1, 5, 3).dumps()) == {"attempt": 1, "epoch": 5, "resume_step": 3}
+    assert Admission.loads("admitted/2/1", b'{"attempt": 1, "epoch": 5}').resume_step is None
+    assert Admission.loads("admitted/2/1", b'{"attempt": 1, "epoch": 5, "resume_step": null}') == Admission(1, 5)
+
+
+def test_a_snapshot_list_of_the_most_steps_is_read() -> None:
+    steps = tuple(range(MAX_SNAPSHOTS, 0, -1))
+    assert Snapshots.loads("snapshots/0/1/0", Snapshots(steps).dumps().encode()) == Snapshots(steps)
+    with pytest.raises(MessageError, match=r"lacks fields \['steps'\]"):
+        Snapshots.loads("snapshots/0/1/0", b"{}")
 
 
 def test_a_launcher_record_is_canonical_json() -> None:
@@ -98,6 +121,14 @@ def test_a_launcher_record_is_canonical_json() -> None:
         (Rendezvous, {"attempt": 2, "host": "10.0.0.5", "port": 0}, "port in 1..65535"),
         (Fence, {"attempt": -1, "epoch": 0}, "attempt and epoch must be integers >= 0"),
         (Launcher, {"launcher": "x", "host": "h", "pid": "1"}, "pid an integer"),
+        (Admission, {"attempt": 1, "epoch": 2, "resume_step": -1}, "resume_step must be a step (int >= 0)"),
+        (Admission, {"attempt": 1, "epoch": 2, "resume_step": "4"}, "resume_step must be a step (int >= 0)"),
+        (Admission, {"attempt": 1, "epoch": 2, "resume_step": True}, "resume_step must be a step (int >= 0)"),
+        (Admission, {"attempt": -1, "epoch": 2, "resume_step": 4}, "attempt and epoch must be integers >= 0"),
+        (Snapshots, {"steps": 4}, f"steps must be a list of at most {MAX_SNAPSHOTS} steps"),
+        (Snapshots, {"steps": [4, "2"]}, f"steps must be a list of at most {MAX_SNAPSHOTS} steps"),
+        (Snapshots, {"steps": [4, -2]}, f"steps must be a list of at most {MAX_SNAPSHOTS} steps"),
+        (Snapshots, {"steps": list(range(MAX_SNAPSHOTS + 1))}, f"steps must be a list of at most {MAX_SNAPSHOTS}"),
         (
             CoordinatorState,
             {
