@@ -261,7 +261,7 @@ def test_check_room_refuses_what_the_filesystem_cannot_hold(tiny_tmpfs: Path) ->
     assert root in message and "need 4.2 MB" in message and "has room for 1.0 MB (1.0 MB free, 0 B in old" in message
     for fragment in ("recover.snapshot_dir", "mount -o remount,size=", "--shm-size", "recover.snapshot_interval = 0"):
         assert fragment in message
-    assert "128 GB per copy in fp32 with AdamW" in message
+    assert "96 GB per copy in fp32 with AdamW" in message
 
 
 def test_check_room_counts_what_the_folder_already_holds(tiny_tmpfs: Path) -> None:
@@ -380,7 +380,7 @@ def test_a_file_renamed_to_another_step_is_refused(tmp_path: Path) -> None:
     expect(moved, 6, "holds step 4, its name says 6")
 
 
-GOOD = {
+GOOD: dict[str, Any] = {
     "step": 4,
     "tensors": [["a", "uint8", [3]]],
     "payload_checksum": transfer.checksum(torch.tensor([1, 2, 3], dtype=torch.uint8)),

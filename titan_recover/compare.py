@@ -2,7 +2,8 @@
 
 Every step committed once, every step summing microbatches 0..M-1, the same
 ``data_digest`` per step as the reference, and losses within a relative tolerance. A step's
-line logged again (lines are written at least once, see ``events``) is counted once. With
+line logged again (lines are written at least once, see ``events``) is counted once; the steps a resume
+from host memory computed again count as their second commit. With
 ``--exact`` (runs with ``[recover] exact``) every loss must be the same bits, and every parameter
 digest a replica logged must equal the reference's at that step.
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from titan_recover.control.keys import EXIT_FAILED, EXIT_OK
-from titan_recover.observability.events import Log, event_files, read_log
+from titan_recover.observability.events import Log, event_files, read_log, undo_resumed
 
 
 @dataclass
@@ -60,7 +61,7 @@ def compare_runs(
     reference: Iterable[dict[str, Any]], run: Iterable[dict[str, Any]], rel_tol: float, exact: bool = False
 ) -> Comparison:
     """``exact``: losses compared bit for bit (``rel_tol`` unused), and the parameter digests too."""
-    reference, run = list(reference), list(run)
+    (reference, _), (run, _) = undo_resumed(reference), undo_resumed(run)  # a resume's steps count once, as redone
     out = Comparison()
     ref, got = _steps(reference, "reference", out.exact), _steps(run, "run", out.exact)
     if sorted(ref) != sorted(got):

@@ -26,6 +26,7 @@ from titan_recover.control.protocol import (
     Record,
     Rendezvous,
     Report,
+    Snapshots,
     StepRecord,
     TransferRecord,
     decode_int,
@@ -248,6 +249,24 @@ class ControlClient:
 
     def admitted(self, replica: int, incarnation: int) -> bool:
         return self.store.read(keys.admitted_key(replica, incarnation)) is not None
+
+    def admission(self, replica: int, incarnation: int) -> Admission | None:
+        return self.read(keys.admitted_key(replica, incarnation), Admission)
+
+    def put_snapshots(self, replica: int, incarnation: int, group_rank: int, found: Snapshots) -> None:
+        self.put(keys.snapshots_key(replica, incarnation, group_rank), found)
+
+    def snapshots(self, replica: int, incarnation: int, group_ranks: int) -> dict[int, Snapshots | None]:
+        """Group rank -> the steps it verified (None: not written yet, or not a record: ``MessageError`` is
+        not raised, a rank whose list cannot be read holds nothing the run can resume from)."""
+        names = [keys.snapshots_key(replica, incarnation, k) for k in range(group_ranks)]
+        out: dict[int, Snapshots | None] = {}
+        for k, (name, raw) in enumerate(zip(names, self.store.multi_read(names))):
+            try:
+                out[k] = None if raw is None else Snapshots.loads(name, raw)
+            except MessageError:
+                out[k] = None
+        return out
 
     def record_transfer(self, replica: int, group_rank: int, record: TransferRecord) -> None:
         self.put(keys.transfer_key(replica, group_rank), record)

@@ -61,6 +61,7 @@ NO_PASS = (
     "fenced/",
     "admitted/",
     "drain/",
+    "snapshots/",
 )
 """Keys whose writes wake no coordinator pass on etcd: the ranks' own per-step agreement and the
 coordinator's own writes (node messages are not in etcd: ``board``)."""
@@ -117,6 +118,12 @@ def step_key(step: int) -> str:
 
 def fault_key(replica: int) -> str:
     return f"fault/{replica}"
+
+
+def snapshots_key(replica: int, incarnation: int, group_rank: int) -> str:
+    """The snapshot steps that incarnation's rank verified on its node (``protocol.Snapshots``), written while
+    it waits to join a run whose every group lost its state."""
+    return f"snapshots/{replica}/{incarnation}/{group_rank}"
 
 
 def admitted_key(replica: int, incarnation: int) -> str:

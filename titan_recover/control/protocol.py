@@ -71,6 +71,8 @@ def _ids(key: str, obj: object, what: str, value: Callable[[Any], bool]) -> dict
 
 R = TypeVar("R", bound="Record")
 
+MAX_SNAPSHOTS = 64  # steps a rank may list in its ``Snapshots``: more is a corrupted record, not a setting
+
 
 class Record:
     """A message with one JSON form. Subclasses are dataclasses; ``REQUIRED`` fields must be present."""
@@ -417,8 +419,49 @@ class Fence(Incarnation):
     """That incarnation is out: its launcher kills what is left of it."""
 
 
+@dataclass(frozen=True)
 class Admission(Incarnation):
-    """That incarnation is a member from ``epoch`` on: its ranks take the state from a live peer."""
+    """That incarnation is a member from ``epoch`` on: its ranks take the state from a live peer, or, with
+    ``resume_step`` (every group had lost its state), each loads that step's snapshot from its node's memory."""
+
+    resume_step: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        rec: dict[str, Any] = {"attempt": self.attempt, "epoch": self.epoch}
+        if self.resume_step is not None:
+            rec["resume_step"] = self.resume_step
+        return rec
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "Admission":
+        base = Incarnation.from_json(key, rec)
+        step = rec.get("resume_step")
+        _require(key, step is None or is_count(step), "resume_step must be a step (int >= 0)", rec)
+        return cls(base.attempt, base.epoch, step)
+
+
+@dataclass(frozen=True)
+class Snapshots(Record):
+    """The steps whose host-memory snapshot of its shard a restarted rank found on its node and verified,
+    newest first: what the coordinator resumes from when every group lost its state."""
+
+    steps: tuple[int, ...]
+
+    REQUIRED = ("steps",)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"steps": list(self.steps)}
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "Snapshots":
+        steps = rec["steps"]
+        _require(
+            key,
+            isinstance(steps, list) and len(steps) <= MAX_SNAPSHOTS and all(is_count(s) for s in steps),
+            f"steps must be a list of at most {MAX_SNAPSHOTS} steps (ints >= 0)",
+            rec,
+        )
+        return cls(tuple(steps))
 
 
 @dataclass(frozen=True)
@@ -553,6 +596,17 @@ class Progress:
     time: float
 
 
+@dataclass(frozen=True)
+class Loss:
+    """Every replica group lost its state in ``step`` at ``time`` (wall clock): the run waits for them to come
+    back and resumes from host-memory snapshots; ``resume_step`` once it has (until that resume's first commit)."""
+
+    step: int
+    time: float
+    groups: tuple[int, ...] = ()  # the members it took: the run waits for them to come back
+    resume_step: int | None = None
+
+
 @dataclass
 class CoordinatorState(Record):
     """The coordinator's bookkeeping: what a new leader needs that the store does not hold otherwise.
@@ -581,6 +635,7 @@ class CoordinatorState(Record):
     rejoins: int = 0  # groups back with state so far
     last_recovery_s: float | None = None  # the last failure's recovery latency
     last_downtime_s: float | None = None  # the last rejoin's downtime
+    loss: Loss | None = None  # every group lost its state: waiting for them, or resumed and not committed yet
 
     REQUIRED = (
         "progress",
@@ -649,7 +704,7 @@ class CoordinatorState(Record):
         incarnations, admitted_epoch, joining, spares, dropped = (
             _ids(key, rec[k], k, is_int) for k in ("attempts", "admitted_epoch", "joining", "spares", "dropped")
         )
-        return CoordinatorState(
+        state = CoordinatorState(
             None if progress is None else Progress(progress["step"], progress["epoch"], progress["time"]),
             rec["next_report"],
             rec["retries"],
@@ -664,3 +719,23 @@ class CoordinatorState(Record):
             *counts,
             *seconds,
         )
+        state.loss = _loss(key, rec.get("loss"))
+        return state
+
+
+def _loss(key: str, rec: object) -> Loss | None:
+    if rec is None:
+        return None
+    _require(
+        key,
+        isinstance(rec, dict)
+        and is_count(rec.get("step"))
+        and is_seconds(rec.get("time"))
+        and isinstance(rec.get("groups"), list)
+        and all(is_count(g) for g in rec["groups"])
+        and (rec.get("resume_step") is None or is_count(rec.get("resume_step"))),
+        "loss needs step, time, groups and an optional resume_step",
+        rec,
+    )
+    assert isinstance(rec, dict)
+    return Loss(rec["step"], float(rec["time"]), tuple(rec["groups"]), rec.get("resume_step"))

@@ -19,8 +19,10 @@ from titan_recover.control.protocol import (
     Admission,
     CoordinatorState,
     Fence,
+    Loss,
     Progress,
     Report,
+    Snapshots,
     StepRecord,
     TransferRecord,
 )
@@ -33,6 +35,7 @@ from titan_recover.policy.membership import (
     repaired_failure,
     retry_verdict,
 )
+from titan_recover.policy.resume import ResumePlan, resume_plan
 from titan_recover.policy.roster import DropSpare, Leave, Limits, Roster, joins, reported, take_out
 
 KEEP_STEPS = 4  # a committed step's store keys outlive it by this many steps. A step commits only once
@@ -53,6 +56,8 @@ class Rules:
     max_step_retries: int
     spare_timeout_s: float  # a waiting spare silent this long is fenced (the heartbeat timeout)
     max_members: int = 0  # the most members at once (0: ``replicas``): groups beyond R are admitted up to it
+    snapshots: bool = False  # ranks keep host-memory snapshots: a loss of every group's state is resumed from them
+    resume_wait_s: float = 0.0  # after such a loss, how long to wait for every lost group to come back
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,7 @@ class CoordinatorCore:
         *,
         fault_time: Callable[[int, int], float | None] = lambda replica, incarnation: None,
         committed: Callable[[int, int], bool] = lambda step, epoch: False,
+        snapshots: Callable[[int, int], dict[int, Snapshots | None]] = lambda replica, incarnation: {},
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.rules, self.detector = rules, detector
@@ -145,7 +151,7 @@ class CoordinatorCore:
             min_replicas=rules.min_replicas,
             spare_timeout_s=rules.spare_timeout_s,
         )
-        self.fault_time, self.committed, self.wall = fault_time, committed, wall
+        self.fault_time, self.committed, self.snapshots, self.wall = fault_time, committed, snapshots, wall
         members = tuple(range(rules.replicas))
         self.state = CoordinatorState(attempts={r: 0 for r in members}, admitted_epoch={r: 0 for r in members})
         self.history: dict[int, Membership] = {0: Membership(0, members)}
@@ -195,13 +201,19 @@ class CoordinatorCore:
 
     def accepts(self, record: StepRecord) -> bool:
         """Whether ``record`` is the step in progress, committed in an epoch this run published."""
-        return record.step == self.step() and record.epoch in self.history
+        progress = self.state.progress
+        return (
+            record.step == self.step()
+            and record.epoch in self.history
+            and (progress is None or record.epoch >= progress.epoch)  # not a record of steps a resume undid
+        )
 
     def on_step(self, record: StepRecord) -> list[Effect]:
         """A committed step: saved before its event, so a leader that dies in between has its successor log it."""
         forget = self._commit(record.step, record.epoch, record.time)
         return [
             Save(),
+            *self._resumed(record.step, record.time),
             LogStep(record),
             *(
                 Say(
@@ -223,9 +235,11 @@ class CoordinatorCore:
         epoch = next((e for e in sorted(self.history) if e >= since and self.committed(step, e)), None)
         if epoch is None:
             return []
-        forget = self._commit(step, epoch, self.wall())
+        when = self.wall()
+        forget = self._commit(step, epoch, when)
         return [
             Save(),
+            *self._resumed(step, when),
             Emit("step_unrecorded", {"step": step, "epoch": epoch, "error": error}),
             Say(
                 f"step {step} committed in epoch {epoch} without a readable record ({error}): it is not in the "
@@ -364,6 +378,8 @@ class CoordinatorCore:
             ]
         new = out.membership
         if new is None:
+            if out.lost and self.rules.snapshots and self.stopping is None:
+                return effects + self._lose(len(crashed), first, out.stop)
             return effects + [Stop(out.stop)]
         if crashed:  # counted before the publish, so the state saved with it holds them
             state.failures += len(crashed)
@@ -422,11 +438,111 @@ class CoordinatorCore:
             )
         ]
 
+    # ---- every group's state lost: resuming from host memory ------------------------------
+
+    def _lose(self, crashed: int, since: float, why: str) -> list[Effect]:
+        """No member with state is left (``why``): every member is fenced (one still rejoining holds nothing), and
+        the run waits, in an epoch without members, for the groups to come back with their nodes' snapshots."""
+        state, step = self.state, self.step()
+        state.failures += crashed
+        # the groups that held the last committed state, failed since or not: their nodes have its snapshots
+        committed = self.history.get(state.progress.epoch) if state.progress is not None else None
+        held = set(self.membership.members) | set(committed.members if committed is not None else ())
+        state.loss = Loss(step, since, groups=tuple(sorted(held)))
+        members = self.membership.members
+        new = Membership(self.membership.epoch + 1, ())
+        effects = self._publish(new)
+        for replica in members:
+            state.joining.pop(replica, None)
+            effects.append(FenceOut(replica, Fence(state.attempts[replica], new.epoch)))
+        self.detector.set_members(())
+        return effects + [
+            Emit("state_lost", {"step": step, "epoch": new.epoch, "groups": list(state.loss.groups), "cause": why}),
+            Say(
+                f"every replica group lost its state in step {step} ({why}): the run resumes from the newest "
+                f"snapshot in the nodes' memory once groups {id_list(state.loss.groups)} are back"
+            ),
+        ]
+
+    def _resume(self, now: float) -> list[Effect]:
+        """Once every lost group is back (or ``resume_wait_s`` after the loss, those that are): the groups that
+        hold every shard of the newest common snapshot are admitted holding it; the others rejoin from them."""
+        state, loss = self.state, self.state.loss
+        assert loss is not None
+        found: dict[int, dict[int, tuple[int, ...]]] = {}
+        for replica, incarnation in self.asking.items():
+            view = self.views.get((replica, incarnation))
+            if replica >= self.rules.replica_ids or incarnation <= state.attempts.get(replica, -1):
+                continue
+            if view is None or view.ready < self.rules.group_ranks:
+                continue
+            lists = self.snapshots(replica, incarnation)
+            if len(lists) == self.rules.group_ranks and all(v is not None for v in lists.values()):
+                found[replica] = {k: v.steps for k, v in lists.items() if v is not None}
+        waited = self.wall() - loss.time
+        if not set(loss.groups) <= set(found) and waited < self.rules.resume_wait_s:
+            return []
+        plan = resume_plan(found, self.rules.group_ranks, at_most=loss.step - 1)
+        if not isinstance(plan, ResumePlan):
+            if not found and waited < 2 * self.rules.resume_wait_s:
+                return []  # nobody is back yet: one more bound to come
+            return [
+                Stop(
+                    f"every replica group lost its state in step {loss.step} and the run cannot resume from the "
+                    f"nodes' memory: {plan}; resume from the last checkpoint"
+                )
+            ]
+        return self._resume_from(plan, {r: self.asking[r] for r in plan.groups}, loss)
+
+    def _resume_from(self, plan: ResumePlan, incarnations: dict[int, int], loss: Loss) -> list[Effect]:
+        state, step = self.state, plan.step
+        new = Membership(self.membership.epoch + 1, plan.groups)
+        effects: list[Effect] = [Admit(r, Admission(incarnations[r], new.epoch, step)) for r in plan.groups]
+        effects += self._publish(new)
+        for replica in plan.groups:
+            state.attempts[replica] = incarnations[replica]
+            state.admitted_epoch[replica] = new.epoch
+            state.down_since.pop(replica, None)
+        # the steps after the snapshot are committed again: their old records and digests go first
+        undone = range(step + 1, loss.step + 1)
+        state.progress = Progress(step, new.epoch, self.wall())
+        state.retries, self.reporters = 0, set()
+        state.forgotten_steps = min(state.forgotten_steps, step)
+        self.commit_epochs = {s: e for s, e in self.commit_epochs.items() if s <= step}
+        state.loss = replace(loss, resume_step=step)
+        self.detector.set_members(new.members, self.wall())
+        recomputed = loss.step - 1 - step
+        return effects + [
+            Forget(steps=undone),
+            Emit(
+                "resuming",
+                {"step": step, "lost_step": loss.step, "recomputed": recomputed, "groups": list(plan.groups)},
+            ),
+            Say(
+                f"epoch {new.epoch}: resuming from step {step}, which replica group(s) {id_list(plan.groups)} load "
+                f"from their nodes' memory ({recomputed} committed step(s) computed again); the others rejoin from them"
+            ),
+        ]
+
+    def _resumed(self, step: int, when: float) -> list[Effect]:
+        """``step`` committed at ``when``: the first after a resume from memory ends the loss."""
+        loss = self.state.loss
+        if loss is None or loss.resume_step is None or step != loss.resume_step + 1:
+            return []
+        self.state.loss = None
+        seconds = when - loss.time
+        return [
+            Emit("resumed", {"step": step, "from_step": loss.resume_step, "lost_step": loss.step, "seconds": seconds}),
+            Say(f"step {step} committed {seconds:.1f}s after every group lost its state: the run is back"),
+        ]
+
     # ---- joins, spares, rejoins ---------------------------------------------------------
 
     def on_joins(self, now: float) -> list[Effect]:
         """Carries out ``roster.joins``: replaces, admits, holds and drops the groups whose ranks are all up."""
         state = self.state
+        if state.loss is not None and state.loss.resume_step is None:
+            return self._resume(now)
         last_beat = {r: self.detector.silent_since(r) for r in state.spares}
         decision = joins(self._roster(), self.limits, self.asking, self.views, last_beat, now)
         effects: list[Effect] = []
@@ -551,6 +667,8 @@ class CoordinatorCore:
 
     def finished(self) -> bool:
         """Every member with state has finished (a group still rejoining is not waited for)."""
+        if self.state.loss is not None and self.state.loss.resume_step is None:
+            return False  # no member: the run waits for its groups to resume
         return all(
             (view := self.views.get((r, self.state.attempts[r]))) is not None
             and view.finished >= self.rules.group_ranks

@@ -110,6 +110,8 @@ def rules(settings: CoordinatorSettings) -> Rules:
         min_replicas=rc.min_replicas,
         max_step_retries=rc.max_step_retries,
         spare_timeout_s=rc.heartbeat_timeout_s,
+        snapshots=rc.snapshot_interval > 0,
+        resume_wait_s=rc.startup_timeout_s,
     )
 
 
@@ -186,6 +188,7 @@ class Coordinator:
             detector,
             fault_time=self._fault_time,
             committed=lambda step, epoch: self.control.decision(step, epoch) == COMMIT,
+            snapshots=lambda replica, incarnation: self.control.snapshots(replica, incarnation, settings.group_ranks),
         )
         self.slot_seen: dict[int, float] = {}  # unread report slots (``state.unread_reports``) -> first seen empty
         self.nodes: dict[

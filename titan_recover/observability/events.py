@@ -32,7 +32,7 @@ import shutil
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterable
 
 EVENTS_FILE = "recover_events.jsonl"
 RECOVERY_PHASES = ("detect", "abort", "reform", "first_good_step")
@@ -252,6 +252,7 @@ class Log:
     files: list[str]
     skipped: list[str] = field(default_factory=list)  # "path:line: why" of each line that is no event
     duplicates: list[dict[str, Any]] = field(default_factory=list)  # a step's lines logged again, dropped
+    undone: list[dict[str, Any]] = field(default_factory=list)  # lines of steps a resume from memory computed again
 
 
 def _parse(line: str) -> dict[str, Any] | str:
@@ -292,13 +293,33 @@ def _once(event: dict[str, Any]) -> Hashable | None:
     return None
 
 
+UNDONE = ("step", "data_epoch", "param_digest")
+"""Events of one step: a resume from host memory (``resuming``, back to its ``step``) undoes those of later steps."""
+
+
+def undo_resumed(events: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(kept, undone): each ``resuming`` event undoes the lines of the steps after its ``step`` logged before it
+    (those steps are computed and logged again after it; the second lines count)."""
+    kept: list[dict[str, Any]] = []
+    undone: list[dict[str, Any]] = []
+    for event in events:
+        if event["event"] == "resuming" and type(event.get("step")) is int:
+            back = event["step"]
+            undone += [e for e in kept if e["event"] in UNDONE and e.get("step", -1) > back]
+            kept = [e for e in kept if not (e["event"] in UNDONE and e.get("step", -1) > back)]
+        kept.append(event)
+    return kept, undone
+
+
 def read_log(*paths: str) -> Log:
     """The events of these files, merged by time (each file's own order kept); a line that is no
-    event is skipped, and a step logged again is dropped (the first line wins), both counted."""
+    event is skipped, and a step logged again is dropped (the first line wins), both counted. A
+    ``resuming`` event moves the lines of the steps it computes again to ``undone`` first (``undo_resumed``)."""
     out = Log([], list(paths))
     seen: set[Hashable] = set()
     per_file = [_read_file(path, out.skipped) for path in paths]
-    for event in heapq.merge(*per_file, key=lambda e: e.get("time", 0.0)):
+    merged, out.undone = undo_resumed(heapq.merge(*per_file, key=lambda e: e.get("time", 0.0)))
+    for event in merged:
         key = _once(event)
         if key is not None and key in seen:
             out.duplicates.append(event)

@@ -49,10 +49,26 @@ def summarize_events(*paths: str, last_step: int | None = None) -> dict[str, Any
         "events_dropped": sum(e.get("dropped", 0) for e in events if e["event"] == "events_delayed"),
         "events_late_s": max((e.get("seconds", 0.0) for e in events if e["event"] == "events_delayed"), default=0.0),
         "checkpoints_failed": sorted({e["step"] for e in events if e["event"] == "checkpoint_failed"}),
+        "state_lost": [e["step"] for e in events if e["event"] == "state_lost"],
+        "resumed": _resumes(events),
     }
     if len(steps) >= 2:
         span = steps[-1]["time"] - steps[0]["time"]
         out["step_time_s"] = span / (len(steps) - 1)
+    return out
+
+
+def _resumes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each resume from host memory: the step it went back to, the steps computed again, and the seconds from
+    the loss to the first step committed after it (None: the run ended before one)."""
+    out = []
+    for e in events:
+        if e["event"] == "resuming":
+            out.append(
+                {"from_step": e["step"], "lost_step": e["lost_step"], "recomputed": e["recomputed"], "seconds": None}
+            )
+        elif e["event"] == "resumed" and out:
+            out[-1]["seconds"] = e["seconds"]
     return out
 
 
@@ -117,6 +133,13 @@ def format_summary(s: dict[str, Any], tokens_per_step: int) -> str:
             f"    replica {e['replica']} before step {e['step']}"
             + ("" if e["notice_s"] is None else f", {e['notice_s']:.1f}s after the notice")
             for e in s["left"]
+        ]
+    if s.get("state_lost"):
+        lines.append(f"  every group lost     : in step(s) {s['state_lost']}")
+        lines += [
+            f"    resumed from memory at step {r['from_step']} ({r['recomputed']} step(s) computed again), "
+            + ("no step committed after it" if r["seconds"] is None else f"back {r['seconds']:.1f}s after the loss")
+            for r in s["resumed"]
         ]
     lines.append(f"  rejoined             : {len(s['rejoined'])}")
     lines += [

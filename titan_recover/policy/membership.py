@@ -14,6 +14,11 @@ class TooFewReplicasError(RuntimeError):
     """Fewer live replica groups than ``recover.min_replicas``."""
 
 
+class StateLost(TooFewReplicasError):
+    """No member with training state is left: every group is gone or still waiting for its state. With
+    host-memory snapshots the run resumes from them (``policy.resume``); without, from a checkpoint."""
+
+
 def next_membership(
     current: Membership, failed: Iterable[int], min_replicas: int, joining: Iterable[int] = ()
 ) -> Membership:
@@ -24,13 +29,14 @@ def next_membership(
     """
     gone = set(failed)
     members = tuple(m for m in current.members if m not in gone)
+    holders = set(members) - set(joining)
     if len(members) < min_replicas:
-        raise TooFewReplicasError(
+        raise (TooFewReplicasError if holders else StateLost)(
             f"only {len(members)} replica group(s) left {list(members)} after losing "
             f"{sorted(gone)}; recover.min_replicas is {min_replicas}"
         )
-    if not set(members) - set(joining):
-        raise TooFewReplicasError(
+    if not holders:
+        raise StateLost(
             f"no replica group with training state is left after losing {sorted(gone)} "
             f"(only rejoining groups {list(members)}); resume from a checkpoint"
         )

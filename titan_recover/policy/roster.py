@@ -12,6 +12,7 @@ from typing import Collection, Mapping
 from titan_recover.control.protocol import Membership
 from titan_recover.policy.membership import (
     GroupView,
+    StateLost,
     TooFewReplicasError,
     job_error,
     join_action,
@@ -144,6 +145,7 @@ class TakeOut:
     crashed: tuple[int, ...]  # failures: counted, a seat held for their return
     membership: Membership | None = None
     stop: str = ""
+    lost: bool = False  # ``stop`` because no member with state is left (``StateLost``)
 
 
 def take_out(
@@ -167,7 +169,7 @@ def take_out(
     try:
         new = next_membership(roster.membership, failed, limits.min_replicas, joining)
     except TooFewReplicasError as e:
-        return TakeOut(left, crashed, stop=str(e))
+        return TakeOut(left, crashed, stop=str(e), lost=isinstance(e, StateLost))
     return TakeOut(left, crashed, new)
 
 

@@ -39,7 +39,15 @@ import torch.distributed as dist
 from titan_recover.config import Recover
 from titan_recover.control import transport
 from titan_recover.control.client import ABORT, COMMIT, REDO, ControlClient, redone
-from titan_recover.control.protocol import FaultRecord, MessageError, Report, StepRecord, TransferRecord
+from titan_recover.control.protocol import (
+    Admission,
+    FaultRecord,
+    MessageError,
+    Report,
+    Snapshots,
+    StepRecord,
+    TransferRecord,
+)
 from titan_recover.control.sealed import SealedStore
 from titan_recover.data.tokens import DataError
 from titan_recover.node import devices, procs
@@ -556,12 +564,17 @@ class ReplicaManager:
 
     # ---- rejoin ---------------------------------------------------------------------
 
-    def wait_for_admission(self, step: int, wanted: int) -> None:
+    def wait_for_admission(self, step: int, wanted: int, offer: Callable[[], Snapshots]) -> Admission:
         """Tells this node's agent the rank is ready to join (the agent tells the coordinator
         once every rank of the group is), then waits for the admission. A hot spare waits here
         while the membership is full (``wanted`` members): the wait ends with the admission, or
-        with the run (RunDone / RunFatal), and the lifeline ends it if the coordinator is lost."""
+        with the run (RunDone / RunFatal), and the lifeline ends it if the coordinator is lost.
+
+        In an epoch without members (every group lost its state) the coordinator resumes from the
+        nodes' snapshots: ``offer`` lists the ones this rank verified, written once, before it says ready
+        (so a group counted ready has written every rank's list)."""
         self.step = step
+        offered = self._offer_if_lost(offer, self._read_epoch(), False)
         self.channel.set_state(self.slot, READY)
         self.log.info(f"(attempt {self.incarnation}) asks to join; " + self._why_wait(wanted))
         looked = -1
@@ -571,8 +584,26 @@ class ReplicaManager:
                 looked = epoch
                 if self._admitted_in(epoch):
                     break
+                if not offered and self._offer_if_lost(offer, epoch, True):
+                    offered = True
             time.sleep(EPOCH_POLL_S)
         self.channel.set_state(self.slot, RUNNING)
+        admission = self.control.admission(self.replica, self.incarnation)
+        assert admission is not None  # _admitted_in read it
+        return admission
+
+    def _offer_if_lost(self, offer: Callable[[], Snapshots], epoch: int, ready: bool) -> bool:
+        """Writes this rank's snapshot list where ``epoch`` has no members; whether it did. A rank already
+        counted ready says it is not for as long as it verifies its files: its group is counted once it has
+        written its list."""
+        if epoch < 0 or self.membership(epoch).members:
+            return False
+        if ready:
+            self.channel.set_state(self.slot, STARTING)
+        self.control.put_snapshots(self.replica, self.incarnation, self.group_rank, offer())
+        if ready:
+            self.channel.set_state(self.slot, READY)
+        return True
 
     def _why_wait(self, wanted: int) -> str:
         """What the rank waits for, from the latest membership: a free place, or one to free up."""

@@ -32,7 +32,7 @@ from titan_recover.config import is_spare, replica_ids, resume_hint, validate
 from titan_recover.control import keys, transport
 from titan_recover.control.addresses import route_address
 from titan_recover.control.client import COMMIT, REDO
-from titan_recover.control.protocol import MessageError, TransferRecord
+from titan_recover.control.protocol import MAX_SNAPSHOTS, Admission, MessageError, Snapshots, TransferRecord
 from titan_recover.control.sealed import Run
 from titan_recover.data import addressing
 from titan_recover.node import procs
@@ -40,7 +40,7 @@ from titan_recover.observability import logs, resources
 from titan_recover.policy import membership, steps, workload
 from titan_recover.policy.fault_plan import Fault
 from titan_recover.policy.membership import Membership, diverged
-from titan_recover.rank import balancing, exact, transfer
+from titan_recover.rank import balancing, exact, snapshot, transfer
 from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.rank.manager import ReplicaFenced, ReplicaLeaving, ReplicaManager, RunDone, RunStopping
 from titan_recover.rank.trainer import BaseTrainer
@@ -114,6 +114,7 @@ class RecoverTrainer(BaseTrainer):
             self.optimizers.zero_grad()  # the zeros _grads() made to count them
         self.speeds = workload.Speeds()  # seconds per microbatch of each replica, from committed steps
         self._synced_epoch = -1  # the last epoch in which this rank received the state
+        self.snapshots = self._snapshot_writer(rc)  # copies of the committed state in this node's memory
         # DCP checkpoints stay a backstop: one replica group saves (the step's leader), and a
         # rejoining group never loads one: its state comes from a live peer
         self._leader = True
@@ -159,8 +160,15 @@ class RecoverTrainer(BaseTrainer):
         return super().should_continue_training()
 
     def _join(self) -> None:
-        """Waits for the coordinator to admit this group, then takes the state from a live peer."""
-        self.manager.wait_for_admission(self.step, self.job_config.parallelism.data_parallel_replicate_degree)
+        """Waits for the coordinator to admit this group, then takes the state from a live peer, or, where every
+        group had lost it, from this node's snapshot of the step the coordinator resumes from."""
+        admission = self.manager.wait_for_admission(
+            self.step, self.job_config.parallelism.data_parallel_replicate_degree, self._verified_snapshots
+        )
+        if admission.resume_step is not None:
+            self._load_snapshot(admission)
+            self.step -= 1
+            return
         epoch = self.manager.agree_epoch()
         while not self.manager.group_all(self._receive_state(epoch)):
             epoch = self.manager.agree_epoch(newer_than=epoch)
@@ -187,13 +195,21 @@ class RecoverTrainer(BaseTrainer):
             )
             return False
         elapsed = time.perf_counter() - start
-        step, base_epoch, tokens = (header.get(k) for k in ("step", "base_epoch", "ntokens_seen"))
-        if not (isinstance(step, int) and isinstance(base_epoch, int) and isinstance(tokens, int)):
-            raise MessageError(f"state transfer header has bad counters: step {step!r}, base_epoch {base_epoch!r}")
+        step = self._take_header(header, "state transfer header", epoch)
+        self.manager.record_transfer(TransferRecord(nbytes, elapsed, step, epoch))
+        self.log.info(f"received {nbytes / 2**20:.1f} MiB of state for step {step} in {elapsed:.3f}s (epoch {epoch})")
+        return True
+
+    def _take_header(self, header: dict[str, Any], what: str, epoch: int, base_epoch: int | None = None) -> int:
+        """Takes the counters, schedules and speeds of a state whose tensors are in place (received, or loaded
+        from a snapshot, whose group starts anew in ``base_epoch``); returns the step it starts."""
+        step, sent_epoch, tokens = (header.get(k) for k in ("step", "base_epoch", "ntokens_seen"))
+        if not (isinstance(step, int) and isinstance(sent_epoch, int) and isinstance(tokens, int)):
+            raise MessageError(f"{what} has bad counters: step {step!r}, base_epoch {sent_epoch!r}")
         try:
             speeds = workload.Speeds.from_json(header.get("speeds"))
         except workload.WorkloadError as e:
-            raise MessageError(f"state transfer header: {e}") from e
+            raise MessageError(f"{what}: {e}") from e
         if self.exact is not None:
             bound = header.get("exact_bound")
             if (
@@ -202,25 +218,38 @@ class RecoverTrainer(BaseTrainer):
                 or not exact.LOW_EXPONENT <= bound <= exact.HIGH_EXPONENT + exact.MARGIN_BITS
             ):
                 raise MessageError(
-                    "state transfer header has no valid exact_bound (got "
-                    f"{bound!r}): is the donor running with recover.exact?"
+                    f"{what} has no valid exact_bound (got {bound!r}): was it written with recover.exact?"
                 )
             self.exact.bound = bound
         if self._synced_epoch >= 0 and step != self.step:
             raise transfer.TransferError(f"donor is at step {step}, this rank at {self.step}")
         transfer.restore(header, self.optimizers, self.lr_schedulers)
-        self.step, self.manager.base_epoch, self.ntokens_seen, self.speeds = step, base_epoch, tokens, speeds
+        self.step, self.ntokens_seen, self.speeds = step, tokens, speeds
+        self.manager.base_epoch = sent_epoch if base_epoch is None else base_epoch
         self._synced_epoch = epoch
-        self.manager.record_transfer(TransferRecord(nbytes, elapsed, step, epoch))
-        self.log.info(f"received {nbytes / 2**20:.1f} MiB of state for step {step} in {elapsed:.3f}s (epoch {epoch})")
-        return True
+        return step
 
-    def _send_state(self, epoch: int, joiner: int) -> bool:
-        """Hands this rank's state to the same group rank of ``joiner``; False if that broke."""
-        header = transfer.meta(
+    # ---- host-memory snapshots ---------------------------------------------------------
+
+    def _snapshot_writer(self, rc: Any) -> snapshot.SnapshotWriter | None:
+        """This rank's writer into its launcher's folder, once the folder is checked to hold (keep + 1) copies of
+        every rank's state on this node (parameters and two AdamW moments: the optimizer holds none yet)."""
+        root = os.environ.get(keys.SNAPSHOT_DIR_ENV, "")
+        if rc.snapshot_interval <= 0 or not root:
+            return None
+        state = sum(t.numel() * t.element_size() for _, t in transfer.state_tensors(self.model_parts, self.optimizers))
+        params = sum(transfer.local(p).numel() * p.element_size() for m in self.model_parts for p in m.parameters())
+        ranks = int(os.environ.get(keys.NODE_RANKS_ENV, "1"))
+        snapshot.check_room(root, snapshot.room_needed(state + 2 * params, rc.snapshot_keep, ranks))
+        return snapshot.SnapshotWriter(root, self.group_rank, rc.snapshot_keep)
+
+    def _state_header(self, base_epoch: int) -> dict[str, Any]:
+        """What a state transfer (at the start of step ``self.step``) or a snapshot (of committed step
+        ``self.step``) carries besides the tensors."""
+        return transfer.meta(
             {
                 "step": self.step,
-                "base_epoch": self.manager.base_epoch,
+                "base_epoch": base_epoch,
                 "ntokens_seen": self.ntokens_seen,
                 "speeds": self.speeds.to_json(),  # the joiner derives the same quotas from here on
                 **({"exact_bound": self.exact.bound} if self.exact is not None else {}),
@@ -228,6 +257,45 @@ class RecoverTrainer(BaseTrainer):
             self.optimizers,
             self.lr_schedulers,
         )
+
+    def _snapshot(self, current: Membership) -> None:
+        """Step ``self.step`` committed: its state goes into this node's memory (``write`` returns once it is
+        copied; the file is written meanwhile)."""
+        assert self.snapshots is not None
+        header = self._state_header(current.epoch)
+        self.snapshots.write(self.step, header, transfer.state_tensors(self.model_parts, self.optimizers))
+
+    def _verified_snapshots(self) -> Snapshots:
+        """The steps whose snapshot of this rank's shard is on this node and checks out, newest first."""
+        root = os.environ.get(keys.SNAPSHOT_DIR_ENV, "")
+        good = []
+        for step in snapshot.inventory(root, self.group_rank) if root else []:
+            try:
+                snapshot.load(root, self.group_rank, step)
+            except snapshot.SnapshotError as e:
+                self.log.warning(f"snapshot of step {step} is not used: {e}")
+                continue
+            good.append(step)
+        self.log.info(f"snapshots on this node that check out: steps {good}")
+        return Snapshots(tuple(good[:MAX_SNAPSHOTS]))
+
+    def _load_snapshot(self, admission: Admission) -> None:
+        """Every group lost its state: this rank loads the snapshot of the step the coordinator resumes from."""
+        root, step = os.environ.get(keys.SNAPSHOT_DIR_ENV, ""), admission.resume_step
+        assert step is not None
+        start = time.perf_counter()
+        header, payload = snapshot.load(root, self.group_rank, step)
+        snapshot.apply(header, payload, self.model_parts, self.optimizers)
+        self._take_header(header, f"snapshot of step {step}", admission.epoch, base_epoch=admission.epoch)
+        self.step += 1  # a snapshot is of a committed step; a state transfer's header names the step it starts
+        self.log.info(
+            f"resumed from this node's snapshot of step {step} ({payload.numel() / 2**20:.1f} MiB) "
+            f"in {time.perf_counter() - start:.3f}s (epoch {admission.epoch})"
+        )
+
+    def _send_state(self, epoch: int, joiner: int) -> bool:
+        """Hands this rank's state to the same group rank of ``joiner``; False if that broke."""
+        header = self._state_header(self.manager.base_epoch)
         try:
             with self.manager.transfer_group(epoch, joiner, donor=True) as group:
                 nbytes = transfer.send(
@@ -455,6 +523,8 @@ class RecoverTrainer(BaseTrainer):
                 )
         if self.step % self.rc.digest_interval == 0 or self.step == self.job_config.training.steps:
             self._check_param_digest(current)
+        if self.snapshots is not None and self.step % self.rc.snapshot_interval == 0:
+            self._snapshot(current)
         if self.metrics_processor.should_log(self.step):
             if not self.metrics_processor.data_loading_times:
                 self.metrics_processor.data_loading_times.append(0.0)  # computed nothing since the last log
@@ -536,6 +606,8 @@ class RecoverTrainer(BaseTrainer):
 
     def close(self) -> None:
         super().close()
+        if self.snapshots is not None:
+            self.snapshots.close()  # the copy in flight is whole before the rank goes
         self.manager.close()
         self.events.close()  # what it still keeps is written, or said to be lost
 

@@ -230,7 +230,7 @@ class SnapshotWriter:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)  # held until closed, past the rename: stale-temp sweeps skip it
             write_all(fd, memoryview(PREFIX.pack(MAGIC, VERSION, len(raw), digest) + raw))
-            write_all(fd, memoryview(payload.numpy()))
+            write_all(fd, payload.numpy().data)
             # no fsync: the file has to outlive the process, not the node (a tmpfs does not outlive it)
             os.replace(temp, final)
         except OSError as e:
@@ -323,7 +323,7 @@ def read_snapshot(f: Any, path: str, step: int) -> tuple[dict[str, Any], torch.T
     if size > expected:
         raise SnapshotError(f"snapshot {path} has {size - expected:,} B past the payload its header says: corrupt")
     payload = torch.empty(payload_len, dtype=torch.uint8)
-    read_exact(f, memoryview(payload.numpy()), path)
+    read_exact(f, payload.numpy().data, path)
     found = transfer.checksum(payload)
     if found != header["payload_checksum"]:
         raise SnapshotError(
@@ -369,8 +369,8 @@ def check_room(root: str, needed: int) -> None:
             f"snapshot folder {root} has room for {amount(free + held)} ({amount(free)} free, {amount(held)} in old "
             f"snapshots); this node's snapshots need {amount(needed)}. Set recover.snapshot_dir to a bigger tmpfs "
             "(grow one with `mount -o remount,size=... /dev/shm`, or a container's --shm-size), or "
-            "recover.snapshot_interval = 0 to turn snapshots off. An 8B model's replica group needs about 128 GB "
-            "per copy in fp32 with AdamW (16 bytes per parameter)"
+            "recover.snapshot_interval = 0 to turn snapshots off. An 8B model's replica group needs about 96 GB "
+            "per copy in fp32 with AdamW (12 bytes per parameter: the weights and two moments)"
         )
 
 
