@@ -609,3 +609,23 @@ def test_a_launcher_registered_during_a_pass_that_reads_no_node_message_is_named
     c._poll_nodes(now, changed={keys.NODES, keys.node_key(1)})  # too early to read node messages: the put is kept
     c._poll_nodes(now + 1, changed=set())
     assert len(c.nodes) == 1
+
+
+def test_each_nodes_snapshot_memory_is_logged_as_it_grows_and_its_peak_at_the_end(make, tmp_path: Path) -> None:
+    """Node messages with the bytes of their launcher's snapshot folder: the coordinator logs a node's figure
+    once it reaches 1 MiB and each time it passes 1.25 times the last logged one, the exact peak at the end, and
+    nothing for a node with snapshots off."""
+    c, client = make()
+    a, off = FakeNode(client, "host-a:11:aa"), FakeNode(client, "host-b:12:bb")
+    mib, now = 1 << 20, time.monotonic()
+    for size in (4321, 10 * mib, 12 * mib, 20 * mib, 15 * mib, 21 * mib, 0):
+        a.seq += 1
+        a.control.write_node(a.launcher, NodeMessage(a.seq, {}, snapshot_bytes=size))
+        off.write()
+        poll(c, now)
+    assert [(e["node"], e["bytes"]) for e in events(tmp_path, "host_memory")] == [
+        ("host-a:11", 10 * mib),
+        ("host-a:11", 20 * mib),
+    ]
+    c.end()
+    assert [e["bytes"] for e in events(tmp_path, "host_memory")] == [10 * mib, 20 * mib, 21 * mib]

@@ -19,7 +19,7 @@ from conftest import ROOT
 from titan_recover.control import protocol
 from titan_recover.control.protocol import NodeGroup, NodeMessage, Stuck
 from titan_recover.control.sealed import Run
-from titan_recover.node.agent import NodeAgent, SlotWatch
+from titan_recover.node.agent import SNAPSHOT_MEASURE_S, NodeAgent, SlotWatch
 from titan_recover.node.channel import (
     BEAT,
     DONE,
@@ -130,6 +130,25 @@ def test_slot_watch_counts_ranks_and_the_most_silent_one(channel: Channel) -> No
     channel.set_state(1, READY)
     entry = watch.entry(1, channel.read_slots(), 103.0)
     assert (entry.finished, entry.ready) == (1, 1) and entry.stuck is None and "stuck" not in entry.to_json()
+
+
+@pytest.mark.unit
+def test_the_node_message_carries_the_snapshot_folders_bytes_measured_at_a_bounded_rate(tmp_path: Path) -> None:
+    """The file sizes under the launcher's folder, measured again only once ``SNAPSHOT_MEASURE_S`` passed; no
+    figure with snapshots off."""
+    folder = tmp_path / "titan_recover-snapshots-ab-1"
+    (folder / "shard0").mkdir(parents=True)
+    (folder / "shard0" / "step000000000010").write_bytes(b"x" * 3000)
+    agent = NodeAgent("127.0.0.1:1", Run("secret", ""), slots=1, snapshots=str(folder))
+    first = NodeMessage.loads("launcher/h:1:ab", agent.message().dumps().encode())
+    assert first.snapshot_bytes == 3000
+    (folder / "shard1").mkdir()
+    (folder / "shard1" / "step000000000010").write_bytes(b"y" * 500)
+    assert agent.message().snapshot_bytes == 3000  # measured a moment ago: not again yet
+    agent._measured_at -= SNAPSHOT_MEASURE_S  # as if the interval passed
+    assert agent.message().snapshot_bytes == 3500
+    assert NodeAgent("127.0.0.1:1", Run("secret", ""), slots=1).message().snapshot_bytes is None
+    assert "snapshot_bytes" not in json.loads(NodeAgent("127.0.0.1:1", Run("secret", ""), slots=1).message().dumps())
 
 
 @pytest.mark.unit

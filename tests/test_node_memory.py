@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import stat
 import subprocess
 import threading
@@ -168,7 +169,8 @@ def ranks_environ(under: Path) -> dict[tuple[str, str, str], tuple[str, str]]:
 def test_the_launcher_hands_every_incarnation_its_folder_and_frees_it_sweeping_a_dead_ones(tmp_path: Path) -> None:
     """A run of two groups of two ranks whose replica 1 is killed and restarted: the launcher removes a dead
     launcher's folder, makes its own, every rank of both incarnations gets it with the node's 4 ranks, and at the
-    end the folder and what was written into it are gone, the log saying how many bytes that freed."""
+    end the folder and what was written into it are gone, the log saying how many bytes that freed; the node's
+    messages carried the folder's bytes, whose peak the event log and the summary give."""
     shm = tmp_path / "shm"
     orphan = shm / f"titan_recover-snapshots-{PUBLIC_ID}-{dead_pid()}"
     fill(orphan, {"shard0/step_10": 1234})
@@ -203,4 +205,12 @@ def test_the_launcher_hands_every_incarnation_its_folder_and_frees_it_sweeping_a
     freed = re.search(rf"removed this launcher's snapshot folder {re.escape(folder)}: ([\d,]+) bytes freed", run.output)
     assert freed is not None, run.output[-3000:]
     assert written == [folder] and int(freed.group(1).replace(",", "")) >= 4321  # the ranks may have written too
+    # its node messages carried the folder's bytes: the coordinator logged the node's peak, the summary says it
+    named = memory.FOLDER.fullmatch(os.path.basename(folder))
+    assert named is not None
+    node = f"{socket.gethostname()}:{named.group(2)}"  # the launcher's host and pid
+    logged = [(e["node"], e["bytes"]) for e in run.events if e["event"] == "host_memory"]
+    assert logged and {n for n, _ in logged} == {node} and max(b for _, b in logged) >= 4321, logged
+    peak = max(b for _, b in logged)
+    assert f"    node {node}: {peak / 2**20:.1f} MiB" in run.output, run.output[-3000:]
     assert os.listdir(shm) == []

@@ -36,6 +36,8 @@ pytestmark = pytest.mark.unit
 RECORDS: list[Record] = [
     Membership(3, (0, 2)),
     NodeMessage(3, {0: NodeGroup(1, 2, 2, 0, 0.25), 7: NodeGroup(0, 1, 0, 1, 1.5, Stuck(0, 9))}),
+    NodeMessage(4, {0: NodeGroup(1, 2, 2, 0, 0.25)}, snapshot_bytes=146_800_640),
+    NodeMessage(5, {}, snapshot_bytes=0),
     Report(epoch=2, cause="torchrun of replica 1 exited with code 1", replica=1, suspect=1, attempt=0, time=12.5),
     Report(epoch=0, cause="replicate all-reduce broke", replica=0, step=4, error="E"),
     Report(epoch=1, cause="replica 0 rank 0 waited 1s for the commit votes of step 4", replica=0, step=4, waiting=True),
@@ -81,6 +83,22 @@ def test_a_snapshot_list_of_the_most_steps_is_read() -> None:
     assert Snapshots.loads("snapshots/0/1/0", Snapshots(steps).dumps().encode()) == Snapshots(steps)
     with pytest.raises(MessageError, match=r"lacks fields \['steps'\]"):
         Snapshots.loads("snapshots/0/1/0", b"{}")
+
+
+def test_a_node_message_without_snapshot_bytes_writes_and_reads_what_it_always_did() -> None:
+    """Snapshots off, or a launcher that predates the field: no ``snapshot_bytes`` key, read back as None."""
+    assert json.loads(NodeMessage(1, {}).dumps()) == {"seq": 1, "groups": {}}
+    assert json.loads(NodeMessage(1, {}, 2048).dumps()) == {"seq": 1, "groups": {}, "snapshot_bytes": 2048}
+    assert NodeMessage.loads("launcher/h:1:ab", b'{"seq": 1, "groups": {}}').snapshot_bytes is None
+    assert NodeMessage.loads("launcher/h:1:ab", b'{"seq": 1, "groups": {}, "snapshot_bytes": null}') == NodeMessage(
+        1, {}
+    )
+
+
+@pytest.mark.parametrize("bad", [-1, "1024", 1.5, True, [1], {"bytes": 1}])
+def test_snapshot_bytes_that_are_not_a_count_are_refused(bad: object) -> None:
+    with pytest.raises(MessageError, match="store key 'launcher/h:1:ab'.*snapshot_bytes must be an int >= 0"):
+        NodeMessage.loads("launcher/h:1:ab", json.dumps({"seq": 1, "groups": {}, "snapshot_bytes": bad}).encode())
 
 
 def test_a_launcher_record_is_canonical_json() -> None:

@@ -9,6 +9,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -98,6 +99,8 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Watched:
         PLAN,
         "--recover.status_port",
         str(port),
+        "--recover.snapshot_interval",
+        "2",  # a snapshot in host memory before the kill, and every two steps: the page and /metrics show its bytes
         "--metrics.enable_tensorboard",
         "--metrics.enable_wandb",
     ]
@@ -193,6 +196,30 @@ def test_prometheus_counters_only_grow_and_count_the_failure_and_the_rejoin(watc
     assert counts["detect"] == counts["rejoin"] == 1, counts
     lows = [value(text, "titan_recover_live_groups") for text in watched.metrics]
     assert min(lows) == 1 and lows[-1] == 2
+
+
+def test_the_page_metrics_and_summary_show_the_nodes_snapshot_memory(watched: Watched) -> None:
+    """One launcher: one node (its host and pid), whose snapshot folder's bytes the node messages carried."""
+    figures: dict[str, list[tuple[str, float]]] = {
+        "titan_recover_snapshot_bytes": [],
+        "titan_recover_snapshot_peak_bytes": [],
+    }
+    for text in watched.metrics:
+        for family in text_string_to_metric_families(text):
+            if family.name in figures:
+                figures[family.name] += [(s.labels["node"], s.value) for s in family.samples]
+    [node] = {node for pairs in figures.values() for node, _ in pairs}
+    assert re.fullmatch(rf"{re.escape(socket.gethostname())}:\d+", node), node
+    largest = max(value for _, value in figures["titan_recover_snapshot_bytes"])
+    assert largest > 0 and max(v for _, v in figures["titan_recover_snapshot_peak_bytes"]) >= largest
+    peaks = [s["host_memory"][0]["peak_bytes"] for s in watched.snapshots if s["host_memory"]]
+    assert peaks and peaks == sorted(peaks) and peaks[-1] >= largest, peaks  # a peak never goes down
+    logged = [e for e in read_events(str(watched.dump / "recover_events.jsonl")) if e["event"] == "host_memory"]
+    assert logged and {e["node"] for e in logged} == {node} and max(e["bytes"] for e in logged) >= largest, logged
+    assert f"    node {node}: {max(e['bytes'] for e in logged) / 2**20:.1f} MiB" in watched.output  # the summary
+    if watched.dom is not None:
+        shown = html.unescape(found(r'<span id="host-memory"[^>]*>([^<]*)</span>', watched.dom).group(1))
+        assert re.fullmatch(rf"{re.escape(node)}: [\d.]+ MiB \(peak [\d.]+ MiB\)", shown), shown
 
 
 def test_no_response_holds_the_secret(watched: Watched) -> None:

@@ -189,15 +189,20 @@ class NodeGroup(Record):
 
 @dataclass(frozen=True)
 class NodeMessage(Record):
-    """A node agent's message, rewritten every heartbeat interval: its groups (replica -> entry)."""
+    """A node agent's message, rewritten every heartbeat interval: its groups (replica -> entry), and the bytes
+    of its launcher's snapshot folder as last measured (None: snapshots off, or a launcher that predates it)."""
 
     seq: int
     groups: dict[int, NodeGroup]
+    snapshot_bytes: int | None = None
 
     REQUIRED = ("seq", "groups")
 
     def to_json(self) -> dict[str, Any]:
-        return {"seq": self.seq, "groups": {str(r): g.to_json() for r, g in self.groups.items()}}
+        rec: dict[str, Any] = {"seq": self.seq, "groups": {str(r): g.to_json() for r, g in self.groups.items()}}
+        if self.snapshot_bytes is not None:
+            rec["snapshot_bytes"] = self.snapshot_bytes
+        return rec
 
     @classmethod
     def from_json(cls, key: str, rec: dict[str, Any]) -> "NodeMessage":
@@ -207,6 +212,8 @@ class NodeMessage(Record):
             "seq must be an integer and groups an object",
             rec,
         )
+        snapshot_bytes = rec.get("snapshot_bytes")
+        _require(key, snapshot_bytes is None or is_count(snapshot_bytes), "snapshot_bytes must be an int >= 0", rec)
         groups = {}
         for replica, entry in rec["groups"].items():
             _require(
@@ -219,7 +226,7 @@ class NodeMessage(Record):
                 groups[int(replica)] = NodeGroup.from_json(key, entry)
             except MessageError as e:
                 raise MessageError(f"{e} (group {replica})") from None
-        return NodeMessage(rec["seq"], groups)
+        return NodeMessage(rec["seq"], groups, snapshot_bytes)
 
 
 @dataclass(frozen=True)

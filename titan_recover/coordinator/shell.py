@@ -60,7 +60,7 @@ from titan_recover.coordinator.core import (
     Usage,
 )
 from titan_recover.node.procs import on_notice
-from titan_recover.observability import resources
+from titan_recover.observability import host_memory, resources
 from titan_recover.observability.events import EventLog, Tail, event_files, logged_steps
 from titan_recover.observability.logs import id_list
 from titan_recover.observability.run_status import RunHistory
@@ -200,6 +200,7 @@ class Coordinator:
         self.node_raw: dict[str, bytes] = {}  # each node's last message
         self.node_changed: dict[str, float] = {}  # ... when it last changed
         self.node_groups: dict[str, tuple[NodeMessage, float]] = {}  # ... parsed, and when it last changed
+        self.snapshot_memory = host_memory.Peaks()  # each node's snapshot folder: latest, peak, logged
         self.claims_checked: dict[str, float] = {}  # silent nodes still holding a claim -> when that was read
         self.malformed_step: int | None = None  # the step whose record was last found malformed (warned once)
         self.next_node_read = 0.0
@@ -349,9 +350,14 @@ class Coordinator:
         for key, raw in moved:
             self.node_raw[key], self.node_changed[key] = raw, now
             try:
-                self.node_groups[key] = (NodeMessage.loads(key, raw), now)
+                message = NodeMessage.loads(key, raw)
             except MessageError as e:
                 log.warning(f"ignoring malformed node message: {e}")
+                continue
+            self.node_groups[key] = (message, now)
+            node = host_memory.node_of(key)
+            if message.snapshot_bytes is not None and self.snapshot_memory.observe(node, message.snapshot_bytes):
+                self.events.emit("host_memory", node=node, bytes=message.snapshot_bytes)
         self._forget_nodes(now)
         self.core.on_nodes(
             group_views(
@@ -545,9 +551,11 @@ class Coordinator:
                 changed = None
 
     def end(self) -> None:
-        """Wakes every node agent, blocked until the next epoch, to read the run's end (done or fatal), and
-        writes what the event log still keeps (or says it cannot)."""
+        """Wakes every node agent, blocked until the next epoch, to read the run's end (done or fatal), logs each
+        node's snapshot memory peak not logged yet, and writes what the event log still keeps (or says it cannot)."""
         self._apply(self.core.end())
+        for node, peak in self.snapshot_memory.unlogged().items():
+            self.events.emit("host_memory", node=node, bytes=peak)
         self.events.close()
 
 

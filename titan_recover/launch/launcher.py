@@ -385,7 +385,9 @@ class NodeLauncher:
             r: {**self.env, **devices.group_env(visible, self.plan.rank_per_host), **self.notice_env(), **snapshots}
             for r, visible in zip(self.local, self.plan.visible)
         }
-        self.agent = NodeAgent(address, self.run, self.ranks, hang_timeout_s=rc.heartbeat_timeout_s)
+        self.agent = NodeAgent(
+            address, self.run, self.ranks, hang_timeout_s=rc.heartbeat_timeout_s, snapshots=self.snapshots or ""
+        )
         self.events = EventLog(titan.dump_folder(self.job_config))
         self.groups = Torchruns(
             self.argv,

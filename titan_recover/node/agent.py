@@ -11,6 +11,9 @@
   detection costs the timeout plus one lifeline interval whatever the number of nodes,
   instead of waiting for the coordinator's pass over every node message (the silence in
   the message stays the backstop, and what finds a whole node gone).
+- **Snapshot memory.** The message carries the bytes of the launcher's host-memory snapshot folder
+  (``node.memory``), summed from the files' sizes at most once per ``SNAPSHOT_MEASURE_S``: the
+  coordinator reports each node's figure and its peak (``observability.host_memory``).
 - **Epochs pushed.** One thread per node blocks on the store until the next epoch's
   members are published (``TCPStore.wait``: the server answers when the key is set) and
   writes the epoch into every local channel, where ranks read it from memory.
@@ -27,6 +30,7 @@ from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import MessageError, NodeGroup, NodeMessage, Report, Stuck
 from titan_recover.control.sealed import Run
 from titan_recover.control.transport import connect
+from titan_recover.node import memory
 from titan_recover.node.channel import (
     BEAT,
     DONE,
@@ -43,6 +47,7 @@ from titan_recover.node.channel import (
     Channel,
 )
 
+SNAPSHOT_MEASURE_S = 2.0  # the snapshot folder's size is measured at most this often (a walk of its few files)
 EPOCH_WAIT_S = 24 * 3600.0  # one wait per epoch; a lost coordinator is the lifeline's to find, within its bound
 
 
@@ -94,6 +99,9 @@ class NodeAgent:
     flags: int = 0  # the run's, from the store (FATAL, DONE)
     notices: dict[int, float] = field(default_factory=dict)  # group -> when it was told to leave (wall clock)
     seq: int = 0
+    snapshots: str = ""  # the launcher's snapshot folder ("": snapshots off)
+    _snapshot_bytes: int | None = None  # its size as last measured
+    _measured_at: float = -SNAPSHOT_MEASURE_S  # when (monotonic)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _waiter: threading.Thread | None = None
     _hangs: list[Report] = field(default_factory=list)  # reports for the launcher to send
@@ -162,7 +170,17 @@ class NodeAgent:
             }
             for r, entry in groups.items():
                 self._check_hang(r, entry.silent_s)
-        return NodeMessage(self.seq, groups)
+            seq = self.seq
+        return NodeMessage(seq, groups, self._measure_snapshots(now))
+
+    def _measure_snapshots(self, now: float) -> int | None:
+        """The snapshot folder's bytes, measured again once ``SNAPSHOT_MEASURE_S`` passed (sizes only, no
+        contents read); None with snapshots off. Outside the lock: the epoch push never waits for the walk."""
+        if not self.snapshots:
+            return None
+        if now - self._measured_at >= SNAPSHOT_MEASURE_S or self._snapshot_bytes is None:
+            self._snapshot_bytes, self._measured_at = memory.folder_bytes(self.snapshots), now
+        return self._snapshot_bytes
 
     def _check_hang(self, replica: int, silent_s: float) -> None:
         """Queues one report per incarnation whose most silent live rank passed ``hang_timeout_s``."""

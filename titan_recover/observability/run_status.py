@@ -18,7 +18,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
-from titan_recover.observability import phases
+from titan_recover.observability import host_memory, phases
 
 STATES = ("live", "fenced", "restarting", "joining", "spare", "left")
 MAX_POINTS = 1500  # plotted points per series: a long run's history is sampled down to this
@@ -39,10 +39,12 @@ class LiveGroup:
 @dataclass(frozen=True)
 class Live:
     """The control store now: the coordinator's saved bookkeeping (``protocol.CoordinatorState``
-    as JSON; None before its first save) and the groups in the node messages."""
+    as JSON; None before its first save), the groups in the node messages and each node's snapshot
+    folder bytes (``host_memory.node_of`` -> bytes; only nodes with snapshots on)."""
 
     state: dict[str, Any] | None
     groups: dict[int, LiveGroup] = field(default_factory=dict)
+    snapshot_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,6 +96,7 @@ class RunHistory:
         self.recovery_s: list[float] = []
         self.phase_events: list[dict[str, Any]] = []  # what ``phases.recoveries`` reads: a few per failure
         self._recoveries: tuple[int, list[dict[str, Any]]] = (0, [])  # for how many phase events, and what it gave
+        self.snapshot_peaks: dict[str, int] = {}  # node -> its largest snapshot bytes, logged or read in the store
         self.digest_steps: set[int] = set()
         self.mismatches = 0
         self.leader: dict[str, Any] | None = None
@@ -233,6 +236,23 @@ class RunHistory:
     def _on_param_digest_mismatch(self, e: dict[str, Any], t: float) -> None:
         self.mismatches += 1
 
+    def _on_host_memory(self, e: dict[str, Any], t: float) -> None:
+        found = host_memory.figure(e)
+        if found is not None:
+            node, size = found
+            self.snapshot_peaks[node] = max(self.snapshot_peaks.get(node, 0), size)
+
+    def snapshot_memory(self, live: Live | None) -> list[dict[str, Any]]:
+        """Each node's snapshot folder: its bytes now (None: not in the store, e.g. a finished run's events read
+        alone) and the run's peak, the largest of what the events logged and the bytes this page read (kept: the
+        coordinator logs a figure only once it grew by a margin, and a peak shown never goes down)."""
+        now = live.snapshot_bytes if live is not None else {}
+        for n, size in now.items():
+            self.snapshot_peaks[n] = max(self.snapshot_peaks.get(n, 0), size)
+        return [
+            {"node": n, "bytes": now.get(n), "peak_bytes": self.snapshot_peaks[n]} for n in sorted(self.snapshot_peaks)
+        ]
+
     def _on_leader(self, e: dict[str, Any], t: float) -> None:
         self.leader = {"host": e.get("host"), "pid": e.get("pid")}
 
@@ -316,6 +336,7 @@ class RunHistory:
             },
             "groups": groups,
             "failures": failures,
+            "host_memory": self.snapshot_memory(live),
             "rejoins": self.rejoins[-RECENT:][::-1],
             "leaves": self.leaves[-RECENT:][::-1],
             "digests": {

@@ -27,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import MessageError, NodeMessage
+from titan_recover.observability import host_memory
 from titan_recover.observability.events import Tail
 from titan_recover.observability.run_status import STATES, Live, LiveGroup, RunHistory
 
@@ -68,6 +69,7 @@ class StoreReader:
             self._names[index] = name
         names = list(self._names.values())
         groups: dict[int, LiveGroup] = {}
+        snapshot_bytes: dict[str, int] = {}
         for key, raw in zip(names, self._messages(client, names)):
             if not raw:
                 continue
@@ -81,6 +83,8 @@ class StoreReader:
                 self._seen[key] = (message.seq, now)
                 since = now
             host = key.split("/", 1)[-1].split(":", 1)[0]  # launcher/<host>:<pid>:<token>
+            if message.snapshot_bytes is not None:
+                snapshot_bytes[host_memory.node_of(key)] = message.snapshot_bytes
             for replica, entry in message.groups.items():
                 age = entry.silent_s + (now - since)  # a launcher that stopped writing: its groups age
                 old = groups.get(replica)
@@ -90,7 +94,8 @@ class StoreReader:
                     groups[replica] = LiveGroup(
                         entry.attempt, tuple(sorted({*old.nodes, host})), max(age, old.heartbeat_age_s)
                     )
-        return Live(None if state is None else json.loads(state.dumps()), groups)  # as stored: replica ids as strings
+        saved = None if state is None else json.loads(state.dumps())  # as stored: replica ids as strings
+        return Live(saved, groups, snapshot_bytes)
 
 
 class StatusSource:
@@ -190,6 +195,23 @@ class Metrics:
                 if g[key] is not None:
                     family.add_metric([str(g["replica"])], g[key])
         yield from per_group.values()
+        per_node = {
+            "bytes": GaugeMetricFamily(
+                "titan_recover_snapshot_bytes",
+                "Bytes of the node's host-memory snapshot folder, as its node message last said.",
+                labels=["node"],
+            ),
+            "peak_bytes": GaugeMetricFamily(
+                "titan_recover_snapshot_peak_bytes",
+                "The run's peak of the node's host-memory snapshot folder.",
+                labels=["node"],
+            ),
+        }
+        for n in s.get("host_memory", []):
+            for key, family in per_node.items():
+                if n[key] is not None:
+                    family.add_metric([n["node"]], n[key])
+        yield from per_node.values()
         counts = s["counts"]
         yield CounterMetricFamily("titan_recover_failures", "Replica group failures.", value=counts["failures"])
         yield CounterMetricFamily(

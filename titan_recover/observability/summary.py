@@ -3,7 +3,7 @@
 import os
 from typing import Any
 
-from titan_recover.observability import logs, phases
+from titan_recover.observability import host_memory, logs, phases
 from titan_recover.observability.events import EVENTS_FILE, read_log
 
 
@@ -51,6 +51,7 @@ def summarize_events(*paths: str, last_step: int | None = None) -> dict[str, Any
         "checkpoints_failed": sorted({e["step"] for e in events if e["event"] == "checkpoint_failed"}),
         "state_lost": [e["step"] for e in events if e["event"] == "state_lost"],
         "resumed": _resumes(events),
+        "snapshot_peaks": host_memory.peaks_of(events),
     }
     if len(steps) >= 2:
         span = steps[-1]["time"] - steps[0]["time"]
@@ -141,6 +142,9 @@ def format_summary(s: dict[str, Any], tokens_per_step: int) -> str:
             + ("no step committed after it" if r["seconds"] is None else f"back {r['seconds']:.1f}s after the loss")
             for r in s["resumed"]
         ]
+    if s.get("snapshot_peaks"):
+        lines.append("  snapshot memory      : the peak of each node's host-memory snapshot folder")
+        lines += [f"    node {node}: {host_memory.mib(peak)}" for node, peak in s["snapshot_peaks"].items()]
     lines.append(f"  rejoined             : {len(s['rejoined'])}")
     lines += [
         f"    replica {r['replica']}{spare_note(r)} at step {r['step']}: down {r['downtime_s']:.1f}s, "
