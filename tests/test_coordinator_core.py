@@ -49,7 +49,7 @@ def core(
     wall: Callable[[], float] = lambda: 1000.0,
     **lookups,
 ) -> CoordinatorCore:
-    """A core of ``replicas`` groups of ``RANKS`` ranks; ``host_memory``: ``Rules.snapshots``."""
+    """A core of ``replicas`` groups of ``RANKS`` ranks; ``host_memory``: snapshots every 2 steps."""
     rules = Rules(
         replicas=replicas,
         replica_ids=replicas + spares,
@@ -58,7 +58,7 @@ def core(
         min_replicas=min_replicas,
         max_step_retries=retries,
         spare_timeout_s=5.0,
-        snapshots=host_memory,
+        snapshot_interval=2 if host_memory else 0,
         resume_wait_s=resume_wait_s,
     )
     detector = FailureDetector(members=tuple(range(replicas)), timeout_s=5.0, confirm_s=0.5, startup_s=60.0, start=0.0)
@@ -421,6 +421,14 @@ def back(c: CoordinatorCore, now: float, *replicas: int, incarnation: int = 1) -
     nodes(c, now, **{f"r{r}": up(incarnation=incarnation, ready=RANKS) for r in replicas})
 
 
+def test_every_member_failing_before_a_snapshot_could_be_taken_stops_the_run() -> None:
+    """Snapshots every 2 steps, step 1 committed: no node can hold one, so waiting for the groups is pointless."""
+    c = core(host_memory=True)
+    commit(c, 1)
+    effects = c.on_failure({r: "killed" for r in (0, 1, 2)}, now=10.0)
+    assert stops(effects) and "only 0 replica group(s) left" in of(effects, Stop)[0].error
+
+
 def test_every_member_failing_stops_the_run_without_host_memory_snapshots() -> None:
     c = core()
     effects = c.on_failure({r: "killed" for r in (0, 1, 2)}, now=1.0)
@@ -455,6 +463,8 @@ def test_every_member_failing_with_host_memory_snapshots_waits_in_an_epoch_witho
 
 def test_a_group_still_rejoining_is_fenced_with_the_others_when_no_member_holds_state() -> None:
     c = core(host_memory=True)
+    for step in (1, 2):  # step 2's snapshot may exist
+        commit(c, step)
     c.on_failure({1: "killed"}, now=10.0)
     nodes(c, 11.0, r0=up(), r2=up(), r1=up(incarnation=1, ready=RANKS))
     c.on_joins(now=11.0)  # epoch 2: replica 1 (attempt 1) rejoins, without state until it commits

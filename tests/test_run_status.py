@@ -119,6 +119,23 @@ def test_steps_read_out_of_order_are_plotted_in_order() -> None:
     assert h.snapshot(None, T0)["series"]["step"] == [1, 2, 3]
 
 
+def test_a_resume_from_host_memory_plots_the_steps_computed_again_once_as_read_by_the_tail(tmp_path: Path) -> None:
+    """Steps 1..4 logged, every group lost, resumed from step 2: steps 3 and 4 logged again count, once."""
+    log = EventLog(str(tmp_path))
+    lines = [step(n, [0, 1], {"0": 2, "1": 2}, T0 + n) for n in (1, 2, 3, 4)]
+    lines.append({"event": "resuming", "step": 2, "lost_step": 5, "recomputed": 2, "groups": [0, 1], "time": T0 + 6})
+    lines += [step(n, [0, 1], {"0": 2, "1": 2}, T0 + 5 + n) | {"loss": 20.0 + n} for n in (3, 4)]
+    for e in lines:
+        log.emit(e.pop("event"), **{k: v for k, v in e.items() if k != "time"})
+    log.close()
+    tail, h = Tail(lambda: event_files(str(tmp_path))), RunHistory()
+    for e in tail.read():
+        h.add(e)
+    series = h.snapshot(None, T0)["series"]
+    assert series["step"] == [1, 2, 3, 4]
+    assert series["loss"][2:] == [23.0, 24.0]  # the second commits'
+
+
 def test_a_group_that_left_on_notice_is_left_not_fenced_and_counted_apart() -> None:
     h = RunHistory(replicas=2, replica_ids=2, steps=10)
     h.add(step(1, [0, 1], {"0": 2, "1": 2}, T0))

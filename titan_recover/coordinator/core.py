@@ -56,7 +56,7 @@ class Rules:
     max_step_retries: int
     spare_timeout_s: float  # a waiting spare silent this long is fenced (the heartbeat timeout)
     max_members: int = 0  # the most members at once (0: ``replicas``): groups beyond R are admitted up to it
-    snapshots: bool = False  # ranks keep host-memory snapshots: a loss of every group's state is resumed from them
+    snapshot_interval: int = 0  # ranks keep host-memory snapshots of every this many steps (0: none)
     resume_wait_s: float = 0.0  # after such a loss, how long to wait for every lost group to come back
 
 
@@ -378,7 +378,7 @@ class CoordinatorCore:
             ]
         new = out.membership
         if new is None:
-            if out.lost and self.rules.snapshots and self.stopping is None:
+            if out.lost and self._snapshots_exist() and self.stopping is None:
                 return effects + self._lose(len(crashed), first, out.stop)
             return effects + [Stop(out.stop)]
         if crashed:  # counted before the publish, so the state saved with it holds them
@@ -439,6 +439,13 @@ class CoordinatorCore:
         ]
 
     # ---- every group's state lost: resuming from host memory ------------------------------
+
+    def _snapshots_exist(self) -> bool:
+        """Whether the ranks may hold a snapshot: one of a step committed since the run (re)started."""
+        interval, progress = self.rules.snapshot_interval, self.state.progress
+        if interval <= 0 or progress is None:
+            return False
+        return progress.step // interval * interval > (self.start_step or 0)
 
     def _lose(self, crashed: int, since: float, why: str) -> list[Effect]:
         """No member with state is left (``why``): every member is fenced (one still rejoining holds nothing), and

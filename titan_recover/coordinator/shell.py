@@ -110,7 +110,7 @@ def rules(settings: CoordinatorSettings) -> Rules:
         min_replicas=rc.min_replicas,
         max_step_retries=rc.max_step_retries,
         spare_timeout_s=rc.heartbeat_timeout_s,
-        snapshots=rc.snapshot_interval > 0,
+        snapshot_interval=rc.snapshot_interval,
         resume_wait_s=rc.startup_timeout_s,
     )
 

@@ -32,7 +32,7 @@ import shutil
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable
+from typing import Any, Callable, Iterable
 
 EVENTS_FILE = "recover_events.jsonl"
 RECOVERY_PHASES = ("detect", "abort", "reform", "first_good_step")
@@ -284,7 +284,7 @@ def _read_file(path: str, skipped: list[str]) -> list[dict[str, Any]]:
     return events
 
 
-def _once(event: dict[str, Any]) -> Hashable | None:
+def _once(event: dict[str, Any]) -> tuple[Any, ...] | None:
     """What makes an event one of a kind logged once per run: a step, and the data epochs it starts."""
     if event["event"] == "step":
         return "step", event["step"]
@@ -316,7 +316,7 @@ def read_log(*paths: str) -> Log:
     event is skipped, and a step logged again is dropped (the first line wins), both counted. A
     ``resuming`` event moves the lines of the steps it computes again to ``undone`` first (``undo_resumed``)."""
     out = Log([], list(paths))
-    seen: set[Hashable] = set()
+    seen: set[tuple[Any, ...]] = set()
     per_file = [_read_file(path, out.skipped) for path in paths]
     merged, out.undone = undo_resumed(heapq.merge(*per_file, key=lambda e: e.get("time", 0.0)))
     for event in merged:
@@ -341,7 +341,7 @@ class Tail:
     def __init__(self, files: Callable[[], list[str]]) -> None:
         self.files = files
         self.offsets: dict[str, int] = {}
-        self.seen: set[Hashable] = set()
+        self.seen: set[tuple[Any, ...]] = set()
         self.skipped = 0  # lines that are no event
 
     def _new_lines(self, path: str) -> list[str]:
@@ -363,6 +363,9 @@ class Tail:
                 if isinstance(parsed, str):
                     self.skipped += line.strip() != ""
                     continue
+                if parsed["event"] == "resuming" and type(parsed.get("step")) is int:
+                    back = parsed["step"]  # the steps after it are committed again: their new lines count
+                    self.seen = {k for k in self.seen if k[1] <= back}
                 key = _once(parsed)
                 if key is not None:
                     if key in self.seen:

@@ -158,6 +158,13 @@ class RunHistory:
                 if type(r) is int:
                     self.groups.setdefault(r, _Group()).joining = False
 
+    def _on_resuming(self, e: dict[str, Any], t: float) -> None:
+        """A resume from host memory went back to ``step``: the steps after it are committed again."""
+        if type(e.get("step")) is int:
+            keep = bisect.bisect(self.steps, e["step"])
+            del self.steps[keep:], self.times[keep:], self.losses[keep:], self.live[keep:]
+            self.digest_steps = {s for s in self.digest_steps if s <= e["step"]}
+
     def _on_failure(self, e: dict[str, Any], t: float) -> None:
         group = self._group(e)
         if group is not None:
