@@ -6,15 +6,19 @@ in step 8 resumes from step 6 and computes step 7 again."""
 
 import glob
 import os
+import sys
 import time
 from pathlib import Path
 from threading import Thread
 
 import pytest
-from conftest import Run, run_job
+from conftest import Node, Run, events, run_job
 
 from titan_recover.compare import compare_runs
+from titan_recover.control import keys, transport
 from titan_recover.observability.events import undo_resumed
+from titan_recover.titan.jobs import job
+from titan_recover.tools.clusters.partitions import wait_until
 
 STEPS = 10
 JOB = [
@@ -114,3 +118,61 @@ def test_a_snapshot_altered_in_memory_is_never_loaded_and_an_older_one_is(tmp_pa
     resumed_on_the_twins_bits(run, twin, from_step=3)
     assert "snapshot of step 6 is not used" in run.output
     assert not os.listdir(memory), os.listdir(memory)  # every launcher freed its folder at the end
+
+
+def test_a_node_lost_whole_with_the_other_nodes_group_resumes_from_the_survivors_memory(tmp_path: Path) -> None:
+    """Two launchers on one host stand for two nodes: A runs the coordinator and replica 0, B replica 1. B's whole
+    tree is SIGKILLed after step 7 (its memory goes with it: B's command started again sweeps the dead launcher's
+    folder) and replica 0 is killed in step 8: no group with state is left. Replica 0 comes back on A and resumes
+    from A's snapshot of step 6; replica 1, started again on B, holds none and rejoins from replica 0 by the state
+    transfer. The run ends on its failure-free twin's bits."""
+    dump, memory = tmp_path / "dump", tmp_path / "memory"
+    memory.mkdir()
+    port, secret = transport.free_port(), "host-memory-test-secret"
+    single = ["--parallelism.data_parallel_shard_degree", "1", "--training.global_batch_size", "8"]
+    twin = run_job(
+        tmp_path / "twin",
+        *JOB,
+        *single,
+        "--parallelism.data_parallel_replicate_degree",
+        "1",
+        "--recover.fault_plan",
+        "none",
+    )
+    assert twin.returncode == 0, twin.output[-3000:]
+    args = [
+        sys.executable,
+        "-m",
+        "titan_recover.launch",
+        *job(dump, tiny=True),
+        *JOB,
+        *single,
+        "--recover.fault_plan",
+        "kill replica=0 step=8 phase=backward",
+        "--recover.snapshot_dir",
+        str(memory),
+        "--recover.coordinator_port",
+        str(port),
+        "--recover.coordinator_bind",
+        "127.0.0.1",
+    ]
+    env = {**os.environ, keys.SECRET_ENV: secret, "PYTHONUNBUFFERED": "1"}
+    env_b = {**env, keys.REPLICAS_ENV: "1", keys.COORDINATOR_ENV: f"127.0.0.1:{port}"}
+    logged = lambda kind: [e for e in events(dump) if e["event"] == kind]  # noqa: E731
+    with Node("a", dump, args, {**env, keys.REPLICAS_ENV: "0"}) as a, Node("b", dump, args, env_b) as b:
+        wait_until("step 7", lambda: any(e["step"] >= 7 for e in logged("step")), 240, [a, b])
+        b.kill_node()
+        wait_until("every group's state lost", lambda: bool(logged("state_lost")), 120, [a])
+        with Node("b2", dump, args, env_b) as b2:
+            assert a.wait(timeout=240) == 0, a.output()[-3000:]
+            assert b2.wait(timeout=60) == 0, b2.output()[-3000:]
+    run = Run(0, a.output(), events(dump))
+    [resuming] = run.of("resuming")
+    assert resuming["step"] == 6 and resuming["groups"] == [0], resuming
+    [rejoined] = run.of("rejoined")
+    assert rejoined["replica"] == 1 and rejoined["bytes"] > 0, rejoined
+    assert "of a launcher that is gone" in b2.output(), b2.output()[-3000:]  # B's folder, swept by B2
+    assert not os.listdir(memory), os.listdir(memory)
+    result = compare_runs(twin.events, run.events, rel_tol=0.0, exact=True)
+    assert not result.problems, result.problems
+    assert result.steps == STEPS and result.digest_steps == STEPS
