@@ -35,6 +35,9 @@
 #                     coordinator; pass the running run's layout as arguments
 #                     (--parallelism.data_parallel_replicate_degree R, and --recover.spares, --recover.max_replicas
 #                     where it has them), its TITAN_RECOVER_SECRET and TITAN_RECOVER_RUN_ID
+#   TITAN_RECOVER_FAILURE_DOMAIN  this node's failure domain (a rack, a leaf switch), passed on as it is; unset
+#                     under Slurm's topology/tree plugin: SLURM_TOPOLOGY_ADDR up to the node name (its leaf
+#                     switch's path); unset elsewhere: unknown (docs/host-memory.md#failure-domains)
 #   NODE_GPUS         what the plan line says of the node's GPUs (the batch script sets it where it counted them)
 #   PLAN_ONLY=1       print the node's command and exit (SHOW_SECRET=1 prints the secret too; else
 #                     it is shown as <hidden>, e.g. in a Slurm log); unset: print it, then run it
@@ -138,6 +141,11 @@ fi
 env_args=("${coordinator[@]}" "CONFIG_FILE=$CONFIG_FILE" "TITAN_RECOVER_REPLICAS=$replicas"
           "TITAN_RECOVER_GROUP_NODE=$((NODE_INDEX % GROUP_NODES))")
 if [ -n "$RUN_ID" ]; then env_args+=("TITAN_RECOVER_RUN_ID=$RUN_ID"); fi
+# the node's failure domain (docs/host-memory.md#failure-domains): under Slurm's topology/tree plugin
+# SLURM_TOPOLOGY_ADDR is the switch path down to the node (top.leaf.node): the path to its leaf switch
+if [ -z "${TITAN_RECOVER_FAILURE_DOMAIN:-}" ] && [[ ${SLURM_TOPOLOGY_ADDR:-} == ?*.?* ]]; then
+    env_args+=("TITAN_RECOVER_FAILURE_DOMAIN=${SLURM_TOPOLOGY_ADDR%.*}")
+fi
 # each node's processes log to a file of their own (recover_events.node<i>.jsonl): a shared dump folder
 # (NFS) does not make appends from several hosts atomic
 if [ -n "$JOIN_RUN" ]; then  # a log of its own beside the running run's node<i> files; the run's layout in "$@"

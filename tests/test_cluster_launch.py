@@ -517,6 +517,33 @@ def test_a_node_not_in_the_allocation_stops() -> None:
     assert out.returncode == 2 and 'this node (n9) is not in NODE_LIST="n1 n2"' in out.stderr
 
 
+@pytest.mark.parametrize(
+    "env, domain",
+    [
+        ({"SLURM_TOPOLOGY_ADDR": "top.leaf3.c1"}, "top.leaf3"),  # topology/tree: the switches down to the node
+        ({"SLURM_TOPOLOGY_ADDR": "c1"}, None),  # no topology plugin: the node's name alone says no domain
+        ({"SLURM_TOPOLOGY_ADDR": "top.leaf3.c1", "TITAN_RECOVER_FAILURE_DOMAIN": "rack-7"}, None),  # set: kept
+        ({}, None),
+    ],
+)
+def test_under_slurm_the_failure_domain_is_the_nodes_leaf_switch(env: dict[str, str], domain: str | None) -> None:
+    """``SLURM_TOPOLOGY_ADDR`` up to the node name becomes ``TITAN_RECOVER_FAILURE_DOMAIN`` where that is unset (a set
+    one reaches the launcher as it is, through node.sh's own environment)."""
+    out = sh(
+        NODE_SH,
+        NODE_INDEX="0",
+        NUM_NODES="2",
+        COORDINATOR_ADDR="c1:29510",
+        CONFIG_FILE=CFG,
+        TITAN_RECOVER_SECRET="s",
+        PLAN_ONLY="1",
+        **env,
+    )
+    assert out.returncode == 0, out.stderr
+    passed = re.findall(r"TITAN_RECOVER_FAILURE_DOMAIN=(\S+)", out.stdout)
+    assert passed == ([] if domain is None else [domain]), out.stdout
+
+
 def test_with_an_etcd_control_store_every_node_names_it_and_none_binds_a_coordinator() -> None:
     url = "etcd://e1:2379,e2:2379,e3:2379"
     lines = [
@@ -606,6 +633,9 @@ def test_each_kubernetes_pod_runs_its_node_command() -> None:
             if e["name"] == "TITAN_RECOVER_RUN_ID":  # the Job's uid: the same in every pod, a new one per Job
                 assert ref["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/controller-uid']"
                 env[e["name"]] = "2f6c3b8e-uid"
+            elif e["name"] == "TITAN_RECOVER_FAILURE_DOMAIN":  # the node's zone label, once copied onto the pod
+                assert ref["fieldRef"]["fieldPath"] == "metadata.labels['topology.kubernetes.io/zone']"
+                env[e["name"]] = f"zone-{i % 2}"
             elif "fieldRef" in ref:
                 assert (
                     ref["fieldRef"]["fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"

@@ -12,12 +12,15 @@ import json
 import logging
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from titan_recover.control import keys
 from titan_recover.control.addresses import check_bindable, check_port_free, parse_etcd_url, parse_host
+from titan_recover.control.protocol import MAX_DOMAIN
 from titan_recover.policy import fault_plan, workload
 
 log = logging.getLogger(__name__)
@@ -175,6 +178,12 @@ class Recover:
     memory limit: raise it (Docker ``--shm-size``, a Kubernetes ``emptyDir`` with ``medium: Memory``)
     or name another tmpfs. Checked on each node by its launcher: an existing writable directory."""
 
+    failure_domain: str = ""
+    """This node's failure domain (its rack, leaf switch or power feed): what one loss takes down together.
+    $TITAN_RECOVER_FAILURE_DOMAIN wins where set and not empty (a scheduler sets it per node: ``scripts/node.sh``
+    from Slurm's SLURM_TOPOLOGY_ADDR). The coordinator warns when every host-memory copy of some shard sits in
+    one domain (docs/host-memory.md#failure-domains). "" = unknown."""
+
     data_seed: int = 0
     """Seed of the sample order: each data epoch visits every window of the corpus once, in an
     order drawn from this seed and the epoch (see titan_recover.data.order)."""
@@ -212,6 +221,18 @@ class Recover:
 
 ETCD_NODE_MESSAGE_S = 0.4
 """The shortest interval between a launcher's node messages on etcd."""
+
+
+def failure_domain(rc: Recover, env: Mapping[str, str]) -> str:
+    """This node's failure domain: $TITAN_RECOVER_FAILURE_DOMAIN where set and not empty, else ``[recover]
+    failure_domain`` ("" = unknown). Every launcher's claims carry it, so a name other launchers would refuse is
+    refused here."""
+    from_env = env.get(keys.FAILURE_DOMAIN_ENV, "").strip()
+    domain = from_env or rc.failure_domain.strip()
+    if len(domain) > MAX_DOMAIN:
+        where = keys.FAILURE_DOMAIN_ENV if from_env else "recover.failure_domain"
+        raise ConfigError(f"{where} is {len(domain)} characters long: name the domain in at most {MAX_DOMAIN}")
+    return domain
 
 
 def node_message_interval_s(rc: Recover) -> float:

@@ -8,6 +8,7 @@ decides whether to ignore it or stop. A value without the run's seal reads as mi
 
 import time
 import uuid
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import TypeVar
 
@@ -377,17 +378,23 @@ class ControlClient:
 
     def claim_holders(self, replicas: int, parts: int) -> set[str]:
         """The launcher keys of the launchers that hold a claim on a group 0..``replicas``-1 (any of its
-        ``parts`` node parts); a released or malformed claim names none. One read of every claim (12,500
-        groups read one by one took seconds of the coordinator's pass)."""
-        names = [keys.owner_key(replica, part) for replica in range(replicas) for part in range(parts)]
-        holders = set()
-        for key, raw in zip(names, self.store.multi_read(names)):
+        ``parts`` node parts)."""
+        return {owner.key for owner in self.claims(range(replicas), parts).values()}
+
+    def claims(self, replicas: Iterable[int], parts: int) -> dict[tuple[int, int], Launcher]:
+        """(replica, node part) -> the launcher that claims it, for each of the ``parts`` parts of ``replicas``; a
+        released or malformed claim is left out. One read of every claim (12,500 groups read one by one took
+        seconds of the coordinator's pass)."""
+        where = [(replica, part) for replica in replicas for part in range(parts)]
+        names = [keys.owner_key(replica, part) for replica, part in where]
+        found = {}
+        for at, key, raw in zip(where, names, self.store.multi_read(names)):
             if raw:
                 try:
-                    holders.add(Launcher.loads(key, raw).key)
+                    found[at] = Launcher.loads(key, raw)
                 except MessageError:
                     continue
-        return holders
+        return found
 
     def key_count(self) -> int | None:
         """How many keys the run has in the store (None where the store cannot list them: etcd)."""

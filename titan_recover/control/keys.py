@@ -19,6 +19,7 @@ INCARNATION_ENV = "TITAN_RECOVER_ATTEMPT"  # incarnation of this replica group: 
 NOTICE_STOPS_RUN_ENV = "TITAN_RECOVER_NOTICE_STOPS_RUN"  # "1": a SIGTERM here stops the whole run (its coordinator)
 SNAPSHOT_DIR_ENV = "TITAN_RECOVER_SNAPSHOTS"  # this launcher's snapshot folder (node.memory); unset or "": none
 NODE_RANKS_ENV = "TITAN_RECOVER_NODE_RANKS"  # ranks this launcher runs on its node, all groups: they share it
+FAILURE_DOMAIN_ENV = "TITAN_RECOVER_FAILURE_DOMAIN"  # this node's failure domain (a rack, a switch); "": unknown
 
 
 def incarnation() -> int:

@@ -72,6 +72,7 @@ def _ids(key: str, obj: object, what: str, value: Callable[[Any], bool]) -> dict
 R = TypeVar("R", bound="Record")
 
 MAX_SNAPSHOTS = 64  # steps a rank may list in its ``Snapshots``: more is a corrupted record, not a setting
+MAX_DOMAIN = 256  # characters of a launcher's failure domain: a name, not a document
 
 
 class Record:
@@ -497,18 +498,20 @@ class Drain(Record):
 @dataclass(frozen=True)
 class Launcher(Record):
     """One launcher process of the run (the owner of its claims); ``id`` is unique even across
-    hosts and pid reuse."""
+    hosts and pid reuse. ``domain``: its node's failure domain ("" = unknown; absent from the JSON then, so
+    a launcher without one writes the bytes it always did)."""
 
     launcher: str  # its id
     host: str
     pid: int
+    domain: str = ""
 
     REQUIRED = ("launcher", "host", "pid")
 
     @staticmethod
-    def this() -> "Launcher":
+    def this(domain: str = "") -> "Launcher":
         host, pid = socket.gethostname(), os.getpid()
-        return Launcher(f"{host}:{pid}:{secrets.token_hex(4)}", host, pid)
+        return Launcher(f"{host}:{pid}:{secrets.token_hex(4)}", host, pid, domain)
 
     @property
     def id(self) -> str:
@@ -519,18 +522,29 @@ class Launcher(Record):
         """Where its lifeline writes its node message."""
         return keys.launcher_key(self.launcher)
 
+    def to_json(self) -> dict[str, Any]:
+        rec: dict[str, Any] = {"launcher": self.launcher, "host": self.host, "pid": self.pid}
+        if self.domain:
+            rec["domain"] = self.domain
+        return rec
+
     def dumps(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True)  # claims compare the bytes
 
     @classmethod
     def from_json(cls, key: str, rec: dict[str, Any]) -> "Launcher":
+        domain = rec.get("domain", "")
         _require(
             key,
-            isinstance(rec["launcher"], str) and isinstance(rec["host"], str) and is_int(rec["pid"]),
-            "launcher and host must be strings, pid an integer",
+            isinstance(rec["launcher"], str)
+            and isinstance(rec["host"], str)
+            and is_int(rec["pid"])
+            and isinstance(domain, str)
+            and len(domain) <= MAX_DOMAIN,
+            f"launcher, host and domain (at most {MAX_DOMAIN} characters) must be strings, pid an integer",
             rec,
         )
-        return Launcher(rec["launcher"], rec["host"], rec["pid"])
+        return Launcher(rec["launcher"], rec["host"], rec["pid"], domain)
 
     def __str__(self) -> str:
         return f"the launcher on host {self.host} (pid {self.pid})"

@@ -65,6 +65,7 @@ from titan_recover.observability.events import EventLog, Tail, event_files, logg
 from titan_recover.observability.logs import id_list
 from titan_recover.observability.run_status import RunHistory
 from titan_recover.observability.status_server import StatusServer, StatusSource, StoreReader
+from titan_recover.policy import domains
 from titan_recover.policy.membership import FailureDetector, group_views, store_stalled
 
 POLL_S = 0.02  # detection is bounded by report_confirm_s / heartbeats, not by this
@@ -202,6 +203,10 @@ class Coordinator:
         self.node_groups: dict[str, tuple[NodeMessage, float]] = {}  # ... parsed, and when it last changed
         self.snapshot_memory = host_memory.Peaks()  # each node's snapshot folder: latest, peak, logged
         self.claims_checked: dict[str, float] = {}  # silent nodes still holding a claim -> when that was read
+        self.next_domains_read = 0.0  # when the members' claims are next read for their failure domains
+        self.placement: dict[int, tuple[tuple[int, str], ...]] | None = None  # ... as last read, every part claimed
+        self.exposed: dict[str, tuple[int, ...]] = {}  # domain -> shards whose copies all sit in it, as last warned
+        self.unknown_said = False  # the line saying some nodes' domains are unknown (once)
         self.malformed_step: int | None = None  # the step whose record was last found malformed (warned once)
         self.next_node_read = 0.0
         self.last_node_read: float | None = None  # when the node messages were last read
@@ -388,6 +393,43 @@ class Coordinator:
                     "forgot it once another launcher had taken its claims over); skipped"
                 )
 
+    def _check_domains(self, now: float) -> None:
+        """With host-memory snapshots on: once every part of every member group is claimed, and again whenever the
+        members' nodes move to other failure domains (a group restarted on another node), logs a ``domains`` event
+        and warns when every copy of some shard sits in one domain (``policy.domains``). The claims are read once
+        per heartbeat timeout, the bound in which a restarted group's launcher claims it."""
+        if not self.rc.snapshot_interval or now < self.next_domains_read or not self.membership.members:
+            return
+        self.next_domains_read = now + self.rc.heartbeat_timeout_s
+        members, parts = self.membership.members, self.rc.group_nodes
+        owners = self.control.claims(members, parts)
+        if len(owners) < len(members) * parts:
+            return  # a launcher has yet to claim its part
+        placement = {r: tuple((p, owners[r, p].domain) for p in range(parts)) for r in members}
+        if placement == self.placement:
+            return
+        self.placement = placement
+        found = domains.exposure(placement, self.core.rules.group_ranks, parts)
+        self.events.emit(
+            "domains",
+            step=self.core.step(),
+            domains=list(found.domains),
+            unknown=len(found.unknown),
+            shards={d: list(ks) for d, ks in found.single.items()},
+        )
+        if found.single and found.single != self.exposed:
+            log.warning(domains.warning(found))
+        elif self.exposed and not found.single:
+            log.info(f"every shard now has host-memory copies in more than one failure domain ({len(found.domains)})")
+        self.exposed = dict(found.single)
+        if found.unknown and not self.unknown_said and len({o.id for o in owners.values()}) > 1:  # nodes, not one
+            self.unknown_said = True
+            log.info(
+                f"the failure domains of replica groups {id_list(found.unknown)}'s nodes are unknown: set "
+                f"{keys.FAILURE_DOMAIN_ENV} (or [recover] failure_domain) on every node to be warned when every "
+                "host-memory copy of a shard sits in one domain (docs/host-memory.md#failure-domains)"
+            )
+
     def _forget_nodes(self, now: float) -> None:
         """Stops reading, and deletes, the launchers silent for longer than a claim's takeover bound
         (the heartbeat timeout) whose claims another launcher took over: replacement launchers
@@ -511,6 +553,7 @@ class Coordinator:
         if changed is None or any(k.startswith(("step/", START_STEP)) for k in changed):
             self._poll_steps()
         self._poll_nodes(now, changed)
+        self._check_domains(now)
         self._poll_reports(now, changed)
         failed, retry = self.core.detector.decide(now)
         if failed or retry:

@@ -5,9 +5,9 @@ The launcher's own checks, in its order and with its functions (the torch releas
 of the run, the control store, the GPUs and the replicate backend, the preflight, the data), each problem
 collected instead of ending the check; then what they decided, printed: R, M and each group's failure-free quota,
 the timeouts, the control store, the backend and NCCL settings, the GPUs, the groups on this node, the host-memory
-snapshots (how often, how many, their folder's filesystem and its room), the data and how much of it the run
-reads. No process, process group or training: the store's checks bind a port and close it, the data check reads
-the first microbatch. Exit 0 where the launcher would start the run, 2 where not.
+snapshots (how often, how many, their folder's filesystem and its room), the node's failure domain, the data and
+how much of it the run reads. No process, process group or training: the store's checks bind a port and close it,
+the data check reads the first microbatch. Exit 0 where the launcher would start the run, 2 where not.
 """
 
 import os
@@ -21,7 +21,15 @@ import torch
 from titan_recover import config, titan
 from titan_recover.control import transport
 from titan_recover.control.addresses import LOOPBACK
-from titan_recover.control.keys import COORDINATOR_ENV, EXIT_BAD_INPUT, EXIT_OK, GROUP_NODE_ENV, REPLICAS_ENV, RUN_ENV
+from titan_recover.control.keys import (
+    COORDINATOR_ENV,
+    EXIT_BAD_INPUT,
+    EXIT_OK,
+    FAILURE_DOMAIN_ENV,
+    GROUP_NODE_ENV,
+    REPLICAS_ENV,
+    RUN_ENV,
+)
 from titan_recover.data.tokens import DataError
 from titan_recover.launch import launcher, preflight
 from titan_recover.launch.stores import store_of
@@ -151,6 +159,26 @@ def snapshots(rc: config.Recover) -> str:
     return f"{head}; each launcher's folder under {under} ({kind}{disk}), {free:,} bytes ({free / 2**30:.1f} GiB) free"
 
 
+def failure_domain(rc: config.Recover, env: Mapping[str, str], report: Report) -> str:
+    """This node's failure domain as its launcher's claims would carry it, and where it comes from; a name the
+    launcher refuses is a problem (once: ``NodeLauncher``'s own refusal may name it too)."""
+    try:
+        domain = config.failure_domain(rc, env)
+    except config.ConfigError as e:
+        if str(e) not in report.problems:
+            report.problems.append(str(e))
+        return "refused (below)"
+    unused = "" if rc.snapshot_interval else " (not used: recover.snapshot_interval = 0)"
+    if not domain:
+        return (
+            f"unknown: set {FAILURE_DOMAIN_ENV} (under Slurm node.sh takes it from SLURM_TOPOLOGY_ADDR) or "
+            "[recover] failure_domain, and the coordinator warns when every host-memory copy of a shard sits in "
+            "one domain" + unused
+        )
+    source = FAILURE_DOMAIN_ENV if env.get(FAILURE_DOMAIN_ENV, "").strip() else "recover.failure_domain"
+    return f"{domain!r} ({source})" + unused
+
+
 def check_node(node: "launcher.NodeJob", argv: list[str], report: Report) -> None:
     """This node's part of a ``[recover] enable = true`` run: what ``NodeLauncher`` would decide, shown, and its
     refusal (the first of: the device plan, the preflight's refusals, the secret, the run id) as a problem."""
@@ -199,6 +227,7 @@ def check_node(node: "launcher.NodeJob", argv: list[str], report: Report) -> Non
     )
     report.add("warm restarts", f"off ({why})" if why else "on: each group's next incarnation waits imported")
     report.add("snapshots", snapshots(rc))
+    report.add("failure domain", failure_domain(rc, env, report))
 
 
 def check_data(job_config: Any, report: Report) -> None:

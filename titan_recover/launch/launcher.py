@@ -260,7 +260,7 @@ class NodeLauncher:
         self.coordinator: subprocess.Popen | None = None
         self.lifeline: Heartbeat | None = None
         self.lost_once = threading.Lock()
-        self.me = Launcher.this()
+        self.me = Launcher.this(config.failure_domain(rc, os.environ))  # its claims tell the coordinator where
         self.noticed: float | None = None  # when SIGTERM told this node it goes away (wall clock)
         self.snapshots: str | None = None  # this launcher's snapshot folder (node.memory), once made
 
