@@ -6,6 +6,7 @@ in step 8 resumes from step 6 and computes step 7 again."""
 
 import glob
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -176,3 +177,19 @@ def test_a_node_lost_whole_with_the_other_nodes_group_resumes_from_the_survivors
     result = compare_runs(twin.events, run.events, rel_tol=0.0, exact=True)
     assert not result.problems, result.problems
     assert result.steps == STEPS and result.digest_steps == STEPS
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a 1 MiB tmpfs: needs root")
+def test_a_snapshot_folder_without_room_stops_the_run_at_start_saying_what_to_set(tmp_path: Path) -> None:
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        run = run_job(tmp_path / "run", "--recover.snapshot_dir", str(small), timeout=300)
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    assert run.returncode == 1, run.output[-3000:]
+    [fatal] = run.of("fatal")
+    assert fatal["error"].startswith("SnapshotError: snapshot folder"), fatal
+    assert "recover.snapshot_interval = 0" in fatal["error"] and "recover.snapshot_dir" in fatal["error"]
+    assert not run.of("step")  # it stopped before training

@@ -66,7 +66,7 @@ from titan_recover.node.channel import (
 from titan_recover.observability import logs
 from titan_recover.policy import steps
 from titan_recover.policy.membership import Membership, awaited
-from titan_recover.rank import transfer
+from titan_recover.rank import snapshot, transfer
 from titan_recover.rank.collectives import POLL_S, CollectiveAborted, backoff
 from titan_recover.rank.exact import NonFinite
 
@@ -543,10 +543,11 @@ class ReplicaManager:
     def report_failure(self, epoch: int, e: BaseException) -> None:
         """Tells the coordinator this group failed in ``epoch`` with ``e`` (a peer of ours died,
         or our own error); bad data stops the run instead, as every replica would meet it.
-        A NaN or inf gradient (``[recover] exact``) stops it too. ``NOT_REPORTED`` errors are left alone."""
+        A NaN or inf gradient (``[recover] exact``) stops it too, and a snapshot folder without room for the
+        node's snapshots (checked at start). ``NOT_REPORTED`` errors are left alone."""
         if isinstance(e, NOT_REPORTED):
             return
-        if isinstance(e, (DataError, NonFinite)):
+        if isinstance(e, (DataError, NonFinite, snapshot.SnapshotError)):
             self.control.stop(f"{type(e).__name__}: {e}")
             return
         error = own_error(e)

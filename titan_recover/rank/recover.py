@@ -240,8 +240,12 @@ class RecoverTrainer(BaseTrainer):
         state = sum(t.numel() * t.element_size() for _, t in transfer.state_tensors(self.model_parts, self.optimizers))
         params = sum(transfer.local(p).numel() * p.element_size() for m in self.model_parts for p in m.parameters())
         ranks = int(os.environ.get(keys.NODE_RANKS_ENV, "1"))
-        snapshot.check_room(root, snapshot.room_needed(state + 2 * params, rc.snapshot_keep, ranks))
-        return snapshot.SnapshotWriter(root, self.group_rank, rc.snapshot_keep)
+        try:
+            snapshot.check_room(root, snapshot.room_needed(state + 2 * params, rc.snapshot_keep, ranks))
+            return snapshot.SnapshotWriter(root, self.group_rank, rc.snapshot_keep)
+        except snapshot.SnapshotError as e:  # the node's setup, not a fault: a restart would meet it again
+            self.manager.report_failure(0, e)  # the run stops, saying why
+            raise
 
     def _state_header(self, base_epoch: int) -> dict[str, Any]:
         """What a state transfer (at the start of step ``self.step``) or a snapshot (of committed step
@@ -263,7 +267,23 @@ class RecoverTrainer(BaseTrainer):
         copied; the file is written meanwhile)."""
         assert self.snapshots is not None
         header = self._state_header(current.epoch)
-        self.snapshots.write(self.step, header, transfer.state_tensors(self.model_parts, self.optimizers))
+        try:
+            self.snapshots.write(self.step, header, transfer.state_tensors(self.model_parts, self.optimizers))
+        except snapshot.SnapshotError as e:  # the safety net has a hole, the training goes on: say so
+            self._snapshot_failed(e)
+            return
+        w = self.snapshots
+        if self.group_rank == 0 and w.last_bytes:  # write() waited for the previous one: its figures are final
+            self.log.info(
+                f"previous snapshot: {w.last_bytes / 2**20:.1f} MiB copied in {w.last_copy_s:.3f}s, "
+                f"written in {w.last_write_s:.3f}s"
+            )
+
+    def _snapshot_failed(self, e: snapshot.SnapshotError) -> None:
+        """A snapshot that could not be copied or written (a full folder, a slow disk): the run trains on, and a
+        loss of every group resumes from an older copy, or stops for the last checkpoint."""
+        self.log.error(f"host-memory snapshot failed, training goes on: {e}")
+        self.events.emit("snapshot_failed", step=self.step, replica=self.replica, rank=self.group_rank, error=str(e))
 
     def _verified_snapshots(self) -> Snapshots:
         """The steps whose snapshot of this rank's shard is on this node and checks out, newest first."""
@@ -607,7 +627,10 @@ class RecoverTrainer(BaseTrainer):
     def close(self) -> None:
         super().close()
         if self.snapshots is not None:
-            self.snapshots.close()  # the copy in flight is whole before the rank goes
+            try:
+                self.snapshots.close()  # the copy in flight is whole before the rank goes
+            except snapshot.SnapshotError as e:
+                self._snapshot_failed(e)
         self.manager.close()
         self.events.close()  # what it still keeps is written, or said to be lost
 
