@@ -581,6 +581,24 @@ def test_no_group_back_at_all_stops_the_run_after_twice_resume_wait_s() -> None:
     assert "no replica group came back" in stop.error and "checkpoint" in stop.error
 
 
+def test_groups_their_launchers_restart_no_more_are_not_waited_for() -> None:
+    """Every launcher said it restarts its group no more (``Report.final``): the run stops at once, without
+    waiting ``resume_wait_s``; one given up among groups that are back does not hold the resume up."""
+    clock = Clock()
+    c, _ = lost_run({}, clock, resume_wait_s=600.0)
+    for r in (0, 1, 2):
+        c.on_report(
+            Report(epoch=1, cause="exited (no restarts left)", replica=r, suspect=r, attempt=0, final=True), 11.0
+        )
+    [stop] = of(c.on_joins(now=12.0), Stop)
+    assert "no replica group came back" in stop.error
+    held = {(r, 1): lists((6,), (6,)) for r in (0, 1)}
+    c, _ = lost_run(held, clock, resume_wait_s=600.0)
+    c.on_report(Report(epoch=1, cause="exited (no restarts left)", replica=2, suspect=2, attempt=0, final=True), 11.0)
+    back(c, 12.0, 0, 1)
+    assert of(c.on_joins(now=12.0), Admit) == [Admit(r, Admission(1, 2, 6)) for r in (0, 1)]
+
+
 def test_a_loss_round_trips_through_json_and_a_new_leader_resumes_from_it() -> None:
     clock = Clock()
     held = {(r, 1): lists((6,), (6,)) for r in (0, 1, 2)}

@@ -41,6 +41,7 @@ RECORDS: list[Record] = [
     Report(epoch=2, cause="torchrun of replica 1 exited with code 1", replica=1, suspect=1, attempt=0, time=12.5),
     Report(epoch=0, cause="replicate all-reduce broke", replica=0, step=4, error="E"),
     Report(epoch=1, cause="replica 0 rank 0 waited 1s for the commit votes of step 4", replica=0, step=4, waiting=True),
+    Report(epoch=3, cause="exited with code 1 (no restarts left)", replica=1, suspect=1, attempt=2, final=True),
     StepRecord(5, 2, [0, 1], [[0, 1], [2, 3]], "abc", 6.5, 0.9, 1000.0, [1], {"0": 2, "1": 2}, {"0": 0.1}, [[0, 64]]),
     Rendezvous(2, "10.0.0.5", 29600),
     Fence(1, 4),
@@ -129,6 +130,8 @@ def test_a_launcher_record_is_canonical_json() -> None:
         (Report, {"epoch": "0", "cause": "x"}, "epoch must be a non-negative integer"),
         (Report, {"epoch": 0, "cause": "x", "suspect": True}, "suspect must be a non-negative integer"),
         (Report, {"epoch": 0, "cause": ["x"]}, "cause and error must be strings"),
+        (Report, {"epoch": 0, "cause": "x", "suspect": 1, "final": "yes"}, "final must be a boolean"),
+        (Report, {"epoch": 0, "cause": "x", "final": True}, "said of a suspect"),
         (Report, {"epoch": 0, "cause": "x", "waiting": 1}, "waiting must be a boolean"),
         (Report, {"epoch": 0, "cause": "x", "waiting": True, "suspect": 1}, "a waiting report names no suspect"),
         (

@@ -249,6 +249,7 @@ class Report(Record):
     waiting: bool = False
     left: bool = False  # ``suspect`` (the reporter's own group) leaves on notice before ``step``: no failure
     notice_s: float | None = None  # a leave's: seconds from the notice to the leave
+    final: bool = False  # a launcher's: it does not restart ``suspect`` (no restarts left in its window)
 
     REQUIRED = ("epoch", "cause")
 
@@ -285,6 +286,13 @@ class Report(Record):
         )
         notice = rec.get("notice_s")
         _require(key, notice is None or (left and is_seconds(notice)), "notice_s must be a leave's seconds", rec)
+        final = rec.get("final", False)
+        _require(
+            key,
+            isinstance(final, bool) and not (final and rec.get("suspect") is None),
+            "final must be a boolean, said of a suspect",
+            rec,
+        )
         return Report(
             rec["epoch"],
             rec["cause"],
@@ -297,6 +305,7 @@ class Report(Record):
             waiting,
             left,
             None if notice is None else float(notice),
+            final,
         )
 
 

@@ -163,6 +163,7 @@ class CoordinatorCore:
         self.commit_epochs: dict[int, int] = {}  # step -> its commit epoch, for the steps this leader saw commit
         self.leaving: dict[int, Report] = {}  # members whose own report says they leave on notice: no failure
         self.stopping: tuple[int, str] | None = None  # the run stops in order: (its last step at most, why)
+        self.given_up: set[int] = set()  # groups their launchers restart no more (until an incarnation asks again)
 
     def take_over(self, state: CoordinatorState, history: dict[int, Membership], epoch: int) -> None:
         """Continues from the state a previous leader saved and the epochs the store holds (those from
@@ -310,6 +311,8 @@ class CoordinatorCore:
             self.reporters.add(report.replica)
         if suspect is not None and report.error and report.step is not None:
             self.errors[suspect] = (report.error, report.step)
+        if suspect is not None and report.final:
+            self.given_up.add(suspect)
         decision = reported(self._roster(), suspect, report.left, report.cause)
         effects: list[Effect] = []
         if isinstance(decision, Leave):
@@ -487,11 +490,13 @@ class CoordinatorCore:
             if len(lists) == self.rules.group_ranks and all(v is not None for v in lists.values()):
                 found[replica] = {k: v.steps for k, v in lists.items() if v is not None}
         waited = self.wall() - loss.time
-        if not set(loss.groups) <= set(found) and waited < self.rules.resume_wait_s:
+        self.given_up -= set(self.asking)  # a group whose incarnation asks is back, whoever started it
+        expected = set(loss.groups) - self.given_up  # their launchers restart them
+        if not expected <= set(found) and waited < self.rules.resume_wait_s:
             return []
         plan = resume_plan(found, self.rules.group_ranks, at_most=loss.step - 1)
         if not isinstance(plan, ResumePlan):
-            if not found and waited < 2 * self.rules.resume_wait_s:
+            if not found and expected and waited < 2 * self.rules.resume_wait_s:
                 return []  # nobody is back yet: one more bound to come
             return [
                 Stop(

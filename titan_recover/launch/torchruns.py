@@ -210,7 +210,7 @@ class LeaderPart:
         budget = groups.budgets[replica]
         decision = on_exit(budget, now)
         if isinstance(decision, GiveUp):
-            groups.report_exit(client, replica, code, " (no restarts left in the window)")
+            groups.report_exit(client, replica, code, " (no restarts left in the window)", final=True)
             log.info(
                 f"replica group {replica} exited with code {code}; {decision.why}; not restarting it; "
                 "the run goes on with the other groups"
@@ -365,13 +365,13 @@ class Torchruns:
         """Once this launcher holds its claims: starts, or waits to join, the group's current incarnation."""
         self.part.begin(self, client, replica, taken_over)
 
-    def report_exit(self, client: ControlClient, replica: int, code: int, note: str) -> None:
-        """The group is certainly dead: say so first (faster than heartbeats)."""
+    def report_exit(self, client: ControlClient, replica: int, code: int, note: str, final: bool = False) -> None:
+        """The group is certainly dead: say so first (faster than heartbeats); ``final``: it is not restarted."""
         self.report_gone(
-            client, replica, f"torchrun of replica {replica}{self.span.suffix} exited with code {code}{note}"
+            client, replica, f"torchrun of replica {replica}{self.span.suffix} exited with code {code}{note}", final
         )
 
-    def report_gone(self, client: ControlClient, replica: int, cause: str) -> None:
+    def report_gone(self, client: ControlClient, replica: int, cause: str, final: bool = False) -> None:
         client.report(
             Report(
                 epoch=max(self.agent.epoch, 0),
@@ -379,6 +379,7 @@ class Torchruns:
                 replica=replica,
                 suspect=replica,
                 attempt=self.incarnations[replica],
+                final=final,
             )
         )
 
