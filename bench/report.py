@@ -36,6 +36,15 @@ HEADLINES = {
     "restart_rejoin_downtime_s": ("spares", "the same by restarting the failed group, no spare"),
     "warm_rejoin_downtime_s": ("warm", "failure to the group back from its warm incarnation, default job (median)"),
     "cold_rejoin_downtime_s": ("warm", "the same restarting cold, importing anew, same bench run (median)"),
+    "snapshot_default_step_time_ratio": (
+        "host_memory",
+        "failure-free step time with snapshots every 10 steps (the default) / off, default job (median of rounds)",
+    ),
+    "host_memory_resume_s": ("host_memory", "every replica group lost -> first step committed, resumed from memory"),
+    "host_memory_dcp_restart_s": (
+        "host_memory",
+        "the same kill with snapshots off: FATAL, then the same command from the DCP checkpoint (same K)",
+    ),
     "stall_s_notice": ("leave", "survivor's stall when a node leaves on notice (SIGTERM), two launchers (median)"),
     "stall_s_lost": ("leave", "the same when that node is lost whole (SIGKILL, no notice), same bench run (median)"),
     "spot_steps_vs_elastic": ("spot", "a spot-trace window replayed: each system's steps per trace hour / elastic's"),

@@ -30,6 +30,7 @@ if [ -n "${SOAK_FAULTS:-}" ]; then  # the soak (issue #12) runs over an hour on 
 fi
 if [ ${#mode[@]} -eq 0 ]; then step bench.warm --repeats 3; else step bench.warm --repeats 1; fi  # warm against cold restarts
 if [ ${#mode[@]} -eq 0 ]; then step bench.leave --pairs 2; else step bench.leave --pairs 1; fi  # a notice against a node lost
+step bench.host_memory "${mode[@]}"  # snapshots' step-time cost and bytes, every group lost: resume from memory against DCP
 step bench.status_cost  # the status page: the coordinator's CPU with and without a 1 s refresh, refresh time at 100k steps
 step bench.simulate
 step bench.spot_options  # the simulator: three changes to elastic on the spot trace against the membership-following run
