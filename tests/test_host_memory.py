@@ -87,9 +87,17 @@ def test_a_snapshot_altered_in_memory_is_never_loaded_and_an_older_one_is(tmp_pa
     altered: list[str] = []
 
     def alter() -> None:
+        """Once step 7 committed (replica 0 then sleeps 15 s in step 8) and no write is in flight: both groups'
+        ranks write each shard's step 6 to the same name, and the later rename would put an intact copy back."""
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and len(altered) < 2:
-            for path in glob.glob(str(memory / "*" / "shard*" / "*")):
+            files = glob.glob(str(memory / "*" / "shard*" / "*")) + glob.glob(str(memory / "*" / "shard*" / ".*"))
+            if not any(e["step"] >= 7 for e in events(tmp_path / "run") if e["event"] == "step") or any(
+                name.endswith(".tmp") for name in files
+            ):
+                time.sleep(0.05)
+                continue
+            for path in files:
                 name = os.path.basename(path)
                 if path in altered or not name.startswith(f"step{6:012d}"):  # not a temp file (".step...tmp")
                     continue

@@ -202,6 +202,7 @@ def node_launcher(coordinator: subprocess.Popen, etcd: bool, errors: list[Except
     nl.lifeline = Lifeline()
     nl.lost_once = launcher.threading.Lock()
     nl.noticed = None
+    nl.snapshots = None  # no snapshot folder made
     return nl
 
 
