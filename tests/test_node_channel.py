@@ -97,6 +97,22 @@ def test_a_stuck_main_loop_marks_its_slot_and_stops_beating_then_resumes(channel
         beat.stop()
 
 
+@pytest.mark.unit
+def test_a_rank_has_beaten_once_its_lifeline_starts(channel: Channel) -> None:
+    """A rank may train its first steps before its beat thread's first interval ends (later still under load)
+    and hang there: its slot has beaten already, so its agent measures the silence instead of counting a rank
+    still starting (a SIGSTOPped group was then fenced only after max_step_retries broken steps)."""
+    beat = RankBeat(channel, 0, interval_s=3600, progress_timeout_s=1e6, agent_timeout_s=1e6, on_lost=pytest.fail)
+    try:
+        assert channel.read_slots()[0, BEAT] == 1
+        watch = SlotWatch.new(2, now=100.0)
+        watch.entry(1, channel.read_slots(), 100.0)  # the agent's first look; the thread never beats again
+        entry = watch.entry(1, channel.read_slots(), 111.0)
+        assert (entry.ranks, entry.silent_s) == (1, 11.0)
+    finally:
+        beat.stop()
+
+
 def test_a_rank_whose_agent_stops_beating_is_told_within_the_bound(channel: Channel) -> None:
     lost: list[tuple[float, str]] = []
     beat = RankBeat(channel, 1, 0.02, 1e6, agent_timeout_s=0.5, on_lost=lambda r: lost.append((time.monotonic(), r)))

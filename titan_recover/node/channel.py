@@ -178,6 +178,11 @@ class RankBeat:
       A SIGSTOPped rank beats no more either; a slow one, whose thread runs, keeps beating.
     - Watches the agent: if its beat stops for ``agent_timeout_s`` (a frozen launcher cannot
       kill or restart anything), ``on_lost(reason)`` runs.
+
+    The first beat is the constructor's, in the main thread: a slot that never beat counts as a
+    rank still starting (its agent measures no silence, the coordinator waits ``startup_timeout_s``),
+    and a rank can train its first steps before the thread's first beat, one interval later or more
+    under load, then hang there unseen.
     """
 
     def __init__(
@@ -194,7 +199,7 @@ class RankBeat:
         self._on_lost = on_lost
         self._tick = (time.monotonic(), "start")
         self._stop = threading.Event()
-        channel._slot(slot)  # an out-of-range slot fails here, in the main thread
+        channel.beat(slot)  # an out-of-range slot fails here, in the main thread
         self._thread = threading.Thread(target=self._run, name="titan-recover-beat", daemon=True)
         self._thread.start()
 
