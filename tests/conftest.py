@@ -1,5 +1,6 @@
 """Runs real titan_recover jobs (coordinator + torchrun replica groups) for the tests."""
 
+import contextlib
 import json
 import os
 import secrets
@@ -242,6 +243,17 @@ def run_data_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     )
 
 
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process under it, parents first (each thread's ``children`` in /proc)."""
+    found, i = [pid], 0
+    while i < len(found):
+        for task in Path(f"/proc/{found[i]}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                found += [int(c) for c in (task / "children").read_text().split()]
+        i += 1
+    return found
+
+
 class Node:
     """One node's launcher, in a session of its own so that the whole node can be SIGKILLed."""
 
@@ -269,6 +281,15 @@ class Node:
         else:
             self.proc.send_signal(signal.SIGTERM)
         return time.monotonic()
+
+    def notice_tree(self) -> list[int]:
+        """SIGTERM to every process of the launcher's tree, as Slurm signals every process of a job step: a
+        ``killpg`` of the launcher's group misses the ranks, which torchrun starts in sessions of their own."""
+        pids = descendants(self.proc.pid)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        return pids
 
     def __enter__(self) -> "Node":
         return self

@@ -231,6 +231,44 @@ def test_the_coordinators_node_told_it_goes_away_stops_the_run_in_order_and_the_
     assert_same_trajectory(two_singles, Run(0, "", first.events + second.events), rel_tol=1e-5, num_microbatches=4)
 
 
+def test_a_whole_job_notice_with_checkpoints_off_saves_the_stop_and_the_same_commands_lose_no_step(
+    tmp_path: Path, two_singles: Run
+) -> None:
+    """SIGTERM to every process of both nodes at once (a whole-job preemption: each launcher's tree walked, ranks
+    included), DCP checkpoints off, while replica 1 is inside step 4. The coordinator's node stops the run in
+    order; the groups that read the stop save the state of step 4 to the stop folder, one copy per shard; node B
+    may have taken its group out first (its own notice), which the save does not need. A exits 5, saying how to
+    resume; no DCP checkpoint exists. The same two commands then resume from step 4's saved state: steps 5-10
+    run, and the two parts together are the failure-free twin's data and losses."""
+    dump = tmp_path / "dump"
+    plan = f"sleep replica=1 step={HOLD_STEP} phase=backward seconds={HOLD_S}"
+    args, env_a, env_b = two_nodes(dump, "--recover.fault_plan", plan)
+    with Node("a", dump, args, env_a) as a, Node("b", dump, args, env_b) as b:
+        wait_until(f"step {HOLD_STEP - 1}", lambda: len(steps(dump)) >= HOLD_STEP - 1, 240, [a, b])
+        time.sleep(1.0)  # replica 1 is in its hold by now
+        signalled = len(a.notice_tree()) + len(b.notice_tree())
+        code_a, code_b = a.wait(timeout=120), b.wait(timeout=60)
+    print(f"SIGTERM to {signalled} processes; exit codes {code_a}, {code_b}")
+    assert code_a == EXIT_STOPPED, a.output()[-4000:]
+    assert code_b in (EXIT_LEFT, EXIT_STOPPED), b.output()[-4000:]
+    first = Run(code_a, a.output(), events(dump))
+    assert sorted(first.steps()) == list(range(1, HOLD_STEP + 1))
+    assert not first.of("failure") and not first.of("fatal"), first.of("failure")
+    [stopped] = first.of("stopped")
+    assert stopped["step"] == HOLD_STEP, stopped
+    [saved] = first.of("stop_saved")  # one copy of the one shard
+    assert saved["step"] == HOLD_STEP, saved
+    assert not list((dump / "checkpoint").glob("step-*")), "checkpoints are off: no DCP save"
+    assert "it resumes from the state saved at the stop" in a.output(), a.output()[-3000:]
+    with Node("a2", dump, args, env_a) as a2, Node("b2", dump, args, env_b) as b2:
+        assert a2.wait(timeout=300) == 0, a2.output()[-4000:]
+        assert b2.wait(timeout=60) == 0, b2.output()[-4000:]
+    second = Run(0, a2.output(), events(dump))
+    assert sorted(second.steps()) == list(range(HOLD_STEP + 1, LAST + 1)), second.output[-3000:]
+    assert {e["replica"] for e in second.of("stop_resumed")} == {0, 1}, second.of("stop_resumed")
+    assert_same_trajectory(two_singles, Run(0, "", first.events + second.events), rel_tol=1e-5, num_microbatches=4)
+
+
 def drain(env: dict[str, str], port: int, *args: str) -> subprocess.Popen:
     """``python -m titan_recover.drain`` against the run's coordinator, started (its output piped)."""
     return subprocess.Popen(

@@ -201,3 +201,20 @@ def test_a_snapshot_folder_without_room_stops_the_run_at_start_saying_what_to_se
     assert fatal["error"].startswith("SnapshotError: snapshot folder"), fatal
     assert "recover.snapshot_interval = 0" in fatal["error"] and "recover.snapshot_dir" in fatal["error"]
     assert not run.of("step")  # it stopped before training
+
+
+def test_a_damaged_state_saved_at_a_stop_stops_the_run_at_start_naming_it(tmp_path: Path) -> None:
+    """The stop folder holds files of step 3 whose bytes do not verify: every group would have resumed there,
+    so none starts elsewhere: the run stops before its first step, naming the file and what to remove."""
+    dump = tmp_path / "run"
+    stop = dump / "checkpoint" / "stop"
+    for shard in (0, 1):  # the job's groups have two ranks
+        damaged = stop / f"shard{shard}" / "step000000000003.snapshot"
+        damaged.parent.mkdir(parents=True)
+        damaged.write_bytes(b"TRSNAP\r\n" + bytes(200))
+    run = run_job(dump, timeout=300)
+    assert run.returncode == 1, run.output[-3000:]
+    [fatal] = run.of("fatal")
+    assert "the state saved at the stop of step 3" in fatal["error"], fatal
+    assert "Remove that folder" in fatal["error"] and str(stop) in fatal["error"], fatal
+    assert not run.of("step")  # it stopped before training

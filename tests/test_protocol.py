@@ -210,6 +210,7 @@ SETTINGS = CoordinatorSettings(
     precision="float32",
     dump_folder="/tmp/run",
     resume_hint="To resume, run the same command again",
+    stop_hint="To resume, run the same command again: it resumes from the state saved at the stop",
 )
 
 

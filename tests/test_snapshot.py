@@ -230,6 +230,37 @@ def test_pruning_leaves_files_newer_than_the_step_written(tmp_path: Path) -> Non
     assert snapshot.inventory(str(tmp_path), 0) == [90, 20]
 
 
+def test_newest_complete_is_the_newest_step_every_shard_has(tmp_path: Path) -> None:
+    assert snapshot.newest_complete(str(tmp_path), 2) is None  # nothing saved
+    for shard, steps in ((0, (4, 8, 12)), (1, (4, 8)), (2, (8, 12))):
+        folder = tmp_path / f"shard{shard}"
+        folder.mkdir()
+        for step in steps:
+            (folder / snapshot.file_name(step)).write_bytes(b"")
+        (folder / f".{snapshot.file_name(16)}.0a1b.tmp").write_bytes(b"")  # a write cut short: not complete
+    assert snapshot.newest_complete(str(tmp_path), 1) == 12
+    assert snapshot.newest_complete(str(tmp_path), 2) == 8  # shard 1 has no 12
+    assert snapshot.newest_complete(str(tmp_path), 3) == 8
+    assert snapshot.newest_complete(str(tmp_path), 4) is None  # shard 3 has nothing
+
+
+def test_one_claim_per_shard_and_step_and_a_write_prunes_older_claims(tmp_path: Path) -> None:
+    assert snapshot.claim(str(tmp_path), 0, 4)
+    assert not snapshot.claim(str(tmp_path), 0, 4)  # another replica of shard 0 wrote, or writes, step 4
+    assert snapshot.claim(str(tmp_path), 1, 4) and snapshot.claim(str(tmp_path), 0, 8)
+    writer = SnapshotWriter(str(tmp_path), 0, keep=1, durable=True)
+    writer.write(8, {}, plain_tensors(100))
+    writer.close()
+    assert sorted(os.listdir(tmp_path / "shard0")) == [snapshot.claim_name(8), snapshot.file_name(8)]
+    assert snapshot.claim(str(tmp_path), 0, 4)  # its claim went with the write of a newer step
+
+
+def test_a_claim_in_a_folder_that_cannot_be_made_names_it(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(SnapshotError, match="cannot be used"):
+        snapshot.claim(str(tmp_path / "file"), 0, 4)
+
+
 # --- a full folder ---------------------------------------------------------------
 
 

@@ -263,6 +263,8 @@ class CoordinatorSettings:
     dump_folder: str
     resume_hint: str
     """The line every process prints when the run stops for good."""
+    stop_hint: str
+    """The line every process prints when the run stopped in order."""
 
     @classmethod
     def of(cls, job_config: Any, dump_folder: str) -> "CoordinatorSettings":
@@ -278,6 +280,7 @@ class CoordinatorSettings:
             precision=tr.mixed_precision_param,
             dump_folder=dump_folder,
             resume_hint=resume_hint(job_config, dump_folder),
+            stop_hint=stop_hint(job_config, dump_folder),
         )
 
     def to_json(self) -> str:
@@ -716,6 +719,20 @@ def resume_hint(job_config: Any, dump_folder: str) -> str:
     return (
         "To resume, run the same command again; [checkpoint] enable = false, so the run starts over "
         "(enable checkpoints to resume where it stopped)"
+    )
+
+
+def stop_folder(job_config: Any, dump_folder: str) -> str:
+    """Where the groups that stop in order save the state of the stop's step (``rank.snapshot`` files, one copy
+    per shard), DCP checkpoints on or off: beside TorchTitan's ``step-N`` folders, which it never reads."""
+    return os.path.join(dump_folder, job_config.checkpoint.folder, "stop")
+
+
+def stop_hint(job_config: Any, dump_folder: str) -> str:
+    """What to do after the run stopped in order: the same command resumes from the state saved at the stop."""
+    return (
+        "To resume, run the same command again: it resumes from the state saved at the stop in "
+        f"{stop_folder(job_config, dump_folder)}"
     )
 
 

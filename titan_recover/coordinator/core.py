@@ -673,7 +673,8 @@ class CoordinatorCore:
             Emit("stopping", {"step": self.step(), "reason": why}),
             Say(
                 f"{why}: the run stops in order after step {self.step()} at the latest (every group at the same step "
-                "boundary, a checkpoint of the whole state first where checkpoints are on)"
+                "boundary, its state saved first: one copy per shard in the stop folder, and a DCP checkpoint where "
+                "checkpoints are on)"
             ),
         ]
 

@@ -536,7 +536,7 @@ class Coordinator:
         step, why = self.core.step() - 1, self.core.stopping[1]
         self.control.finish(stopped=True)
         self.events.emit("stopped", step=step, reason=why, notice_s=round(time.time() - self.noticed, 3))
-        log.info(f"the run stopped in order after step {step} ({why}). {self.settings.resume_hint}")
+        log.info(f"the run stopped in order after step {step} ({why}). {self.settings.stop_hint}")
         return EXIT_STOPPED
 
     def _pass(self, changed: Collection[str] | None = None) -> int | None:

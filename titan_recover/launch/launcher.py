@@ -581,7 +581,7 @@ class NodeLauncher:
 
     def act_on_notice(self, noticed: float) -> None:
         """This node goes away (SIGTERM at ``noticed``): where it runs the TCPStore's coordinator, the coordinator
-        stops the whole run in order (every group at one step boundary, a checkpoint of the whole state first);
+        stops the whole run in order (every group at one step boundary, its state saved first);
         else its groups leave at their step boundary, and its coordinator candidate, told too, gives up the lead."""
         coordinator = self.coordinator
         if self.stops_run():
@@ -823,7 +823,7 @@ def main(argv: list[str]) -> int:
         EXIT_OK: "finished",
         EXIT_LEFT: "left the run on notice",
         EXIT_STOPPED: "stopped in order at a step boundary, its coordinator's node going away. "
-        + config.resume_hint(job_config, titan.dump_folder(job_config)),
+        + config.stop_hint(job_config, titan.dump_folder(job_config)),
     }.get(code, "FAILED")
     log.info(f"{outcome} in {time.time() - start:.1f}s; events: {path}")
     return code

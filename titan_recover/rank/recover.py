@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titan_recover import titan
-from titan_recover.config import is_spare, replica_ids, resume_hint, validate
+from titan_recover.config import is_spare, replica_ids, resume_hint, stop_folder, validate
 from titan_recover.control import keys, transport
 from titan_recover.control.addresses import route_address
 from titan_recover.control.client import COMMIT, REDO
@@ -114,6 +114,9 @@ class RecoverTrainer(BaseTrainer):
             self.optimizers.zero_grad()  # the zeros _grads() made to count them
         self.speeds = workload.Speeds()  # seconds per microbatch of each replica, from committed steps
         self._synced_epoch = -1  # the last epoch in which this rank received the state
+        self._started = False  # its first should_continue_training: a state saved at a stop is newer?
+        self.stop_root = stop_folder(job_config, titan.dump_folder(job_config))
+        self.snapshot_root = os.environ.get(keys.SNAPSHOT_DIR_ENV, "")  # the launcher's folder; "": none
         self.snapshots = self._snapshot_writer(rc)  # copies of the committed state in this node's memory
         # DCP checkpoints stay a backstop: one replica group saves (the step's leader), and a
         # rejoining group never loads one: its state comes from a live peer
@@ -157,6 +160,9 @@ class RecoverTrainer(BaseTrainer):
             except RunDone:
                 self.log.info("the run finished before it could rejoin")
                 return False
+        elif not self._started:  # after TorchTitan's own load, before the first step
+            self._resume_from_stop()
+        self._started = True
         return super().should_continue_training()
 
     def _join(self) -> None:
@@ -167,7 +173,6 @@ class RecoverTrainer(BaseTrainer):
         )
         if admission.resume_step is not None:
             self._load_snapshot(admission)
-            self.step -= 1
             return
         epoch = self.manager.agree_epoch()
         while not self.manager.group_all(self._receive_state(epoch)):
@@ -202,7 +207,7 @@ class RecoverTrainer(BaseTrainer):
 
     def _take_header(self, header: dict[str, Any], what: str, epoch: int, base_epoch: int | None = None) -> int:
         """Takes the counters, schedules and speeds of a state whose tensors are in place (received, or loaded
-        from a snapshot, whose group starts anew in ``base_epoch``); returns the step it starts."""
+        from a snapshot, whose group starts anew in ``base_epoch``); returns the header's step."""
         step, sent_epoch, tokens = (header.get(k) for k in ("step", "base_epoch", "ntokens_seen"))
         if not (isinstance(step, int) and isinstance(sent_epoch, int) and isinstance(tokens, int)):
             raise MessageError(f"{what} has bad counters: step {step!r}, base_epoch {sent_epoch!r}")
@@ -234,7 +239,7 @@ class RecoverTrainer(BaseTrainer):
     def _snapshot_writer(self, rc: Any) -> snapshot.SnapshotWriter | None:
         """This rank's writer into its launcher's folder, once the folder is checked to hold (keep + 1) copies of
         every rank's state on this node (parameters and two AdamW moments: the optimizer holds none yet)."""
-        root = os.environ.get(keys.SNAPSHOT_DIR_ENV, "")
+        root = self.snapshot_root
         if rc.snapshot_interval <= 0 or not root:
             return None
         state = sum(t.numel() * t.element_size() for _, t in transfer.state_tensors(self.model_parts, self.optimizers))
@@ -287,7 +292,7 @@ class RecoverTrainer(BaseTrainer):
 
     def _verified_snapshots(self) -> Snapshots:
         """The steps whose snapshot of this rank's shard is on this node and checks out, newest first."""
-        root = os.environ.get(keys.SNAPSHOT_DIR_ENV, "")
+        root = self.snapshot_root
         good = []
         for step in snapshot.inventory(root, self.group_rank) if root else []:
             try:
@@ -301,17 +306,70 @@ class RecoverTrainer(BaseTrainer):
 
     def _load_snapshot(self, admission: Admission) -> None:
         """Every group lost its state: this rank loads the snapshot of the step the coordinator resumes from."""
-        root, step = os.environ.get(keys.SNAPSHOT_DIR_ENV, ""), admission.resume_step
+        step = admission.resume_step
         assert step is not None
         start = time.perf_counter()
-        header, payload = snapshot.load(root, self.group_rank, step)
+        header, payload = snapshot.load(self.snapshot_root, self.group_rank, step)
         snapshot.apply(header, payload, self.model_parts, self.optimizers)
+        # a snapshot is of committed step S (TorchTitan's loop adds one); a transfer's header names the step it starts
         self._take_header(header, f"snapshot of step {step}", admission.epoch, base_epoch=admission.epoch)
-        self.step += 1  # a snapshot is of a committed step; a state transfer's header names the step it starts
         self.log.info(
             f"resumed from this node's snapshot of step {step} ({payload.numel() / 2**20:.1f} MiB) "
             f"in {time.perf_counter() - start:.3f}s (epoch {admission.epoch})"
         )
+
+    def _save_stop(self) -> None:
+        """The run stops in order after committed step ``self.step``: this shard's state goes to the stop folder,
+        written once per shard by the first group to claim it (whichever groups read the stop before leaving),
+        so the same command resumes here with DCP checkpoints on or off. A failure is said; the run still stops."""
+        start = time.perf_counter()
+        try:
+            if not snapshot.claim(self.stop_root, self.group_rank, self.step):
+                return  # another group writes this shard
+            writer = snapshot.SnapshotWriter(self.stop_root, self.group_rank, keep=1, durable=True)
+            try:
+                tensors = transfer.state_tensors(self.model_parts, self.optimizers)
+                writer.write(self.step, self._state_header(self.manager.base_epoch), tensors)
+            finally:
+                writer.close()
+        except snapshot.SnapshotError as e:
+            self.log.error(f"the state at the stop (step {self.step}) was not saved: {e}")
+            self.events.emit(
+                "snapshot_failed", step=self.step, replica=self.replica, rank=self.group_rank, error=str(e)
+            )
+            return
+        seconds = time.perf_counter() - start
+        self.log.info(
+            f"saved shard {self.group_rank}'s state of step {self.step} to {self.stop_root} in {seconds:.2f}s"
+        )
+        self.events.emit(
+            "stop_saved", step=self.step, replica=self.replica, rank=self.group_rank, seconds=round(seconds, 3)
+        )
+
+    def _resume_from_stop(self) -> None:
+        """A run that stopped in order saved its state (``_save_stop``): where that step is newer than what
+        TorchTitan loaded (a DCP checkpoint, or none), every group starts from it. A file that does not verify
+        stops the run, naming it: no group may start elsewhere."""
+        step = snapshot.newest_complete(self.stop_root, self.parallel_dims.world_size)
+        if step is None or step <= self.step:
+            return
+        start = time.perf_counter()
+        try:
+            header, payload = snapshot.load(self.stop_root, self.group_rank, step)
+            snapshot.apply(header, payload, self.model_parts, self.optimizers)
+            self._take_header(header, f"the state saved at the stop of step {step}", -1, self.manager.base_epoch)
+        except (snapshot.SnapshotError, transfer.TransferError, MessageError) as e:
+            error = snapshot.SnapshotError(
+                f"the state saved at the stop of step {step} in {self.stop_root} cannot be used: {e}. Remove that "
+                "folder to start from the last DCP checkpoint instead (or from scratch without one)"
+            )
+            self.manager.report_failure(0, error)  # the run stops, saying why
+            raise error from e
+        self.log.info(
+            f"resumed from the state saved at the stop of step {step} ({payload.numel() / 2**20:.1f} MiB) "
+            f"in {time.perf_counter() - start:.3f}s"
+        )
+        self.events.emit("stop_resumed", step=step, replica=self.replica, rank=self.group_rank)
 
     def _send_state(self, epoch: int, joiner: int) -> bool:
         """Hands this rank's state to the same group rank of ``joiner``; False if that broke."""
@@ -621,6 +679,7 @@ class RecoverTrainer(BaseTrainer):
         except RunStopping as stopping:  # every group stops at this boundary; the step's leader saves
             self.log.info(f"replica {self.replica} {stopping}")
             self.step = stopping.step  # the checkpoint's train state: the step its parameters are of
+            self._save_stop()
             self.checkpointer.save_whole(stopping.step)
         self.manager.finish()
 

@@ -47,6 +47,7 @@ PREFIX = struct.Struct("<8sIQ32s")  # magic, version, header bytes, header diges
 DIGEST_BYTES = 32
 NAME = re.compile(r"step(\d{1,19})\.snapshot")
 TEMP = re.compile(r"\.step\d{1,19}\.snapshot\.[0-9a-f]+\.tmp")
+CLAIM = re.compile(r"\.step(\d{1,19})\.snapshot\.claim")
 IO_CHUNK = 1 << 30  # bytes per read or write call: Linux moves at most ~2 GiB per call
 WRITE_GRACE_S = 60.0  # a write's bound: this plus its bytes at WRITE_FLOOR_BYTES_S (a tmpfs is far faster)
 WRITE_FLOOR_BYTES_S = 100e6
@@ -71,6 +72,10 @@ def file_name(step: int) -> str:
     return f"step{step:012d}.snapshot"
 
 
+def claim_name(step: int) -> str:
+    return f".{file_name(step)}.claim"
+
+
 def inventory(root: str, group_rank: int) -> list[int]:
     """Steps of this shard's complete files by their names (not read, not verified), newest first."""
     try:
@@ -78,6 +83,29 @@ def inventory(root: str, group_rank: int) -> list[int]:
     except FileNotFoundError:
         return []
     return sorted((int(m.group(1)) for m in map(NAME.fullmatch, names) if m), reverse=True)
+
+
+def newest_complete(root: str, shards: int) -> int | None:
+    """The newest step of which every shard ``0 .. shards-1`` has a complete file (by name: ``load`` verifies),
+    None if none: every rank of a group, reading one folder, picks the same step."""
+    common = set(inventory(root, 0))
+    for k in range(1, shards):
+        common &= set(inventory(root, k))
+    return max(common, default=None)
+
+
+def claim(root: str, group_rank: int, step: int) -> bool:
+    """Whether this process is the first to claim shard ``group_rank``'s file of ``step`` (an exclusive create,
+    which NFS keeps too): one writer per shard where several replicas hold the same bits."""
+    folder = shard_dir(root, group_rank)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        os.close(os.open(os.path.join(folder, claim_name(step)), os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    except OSError as e:
+        raise SnapshotError(f"snapshot folder {folder} cannot be used: {e}") from e
+    return True
 
 
 def remove_stale_temps(folder: str) -> list[str]:
@@ -144,10 +172,12 @@ class SnapshotWriter:
     step); the file is written meanwhile. A failed write is raised by the next ``wait``, ``write`` or ``close``.
     """
 
-    def __init__(self, root: str, group_rank: int, keep: int) -> None:
+    def __init__(self, root: str, group_rank: int, keep: int, durable: bool = False) -> None:
+        """``durable``: each file is on disk (fsync) before its name appears, for a folder that has to outlive
+        the node (the state saved at a stop), not only the process (a tmpfs)."""
         if keep < 1:
             raise ValueError(f"a snapshot writer keeps at least one snapshot, not {keep}")
-        self.root, self.group_rank, self.keep = root, group_rank, keep
+        self.root, self.group_rank, self.keep, self.durable = root, group_rank, keep, durable
         self.folder = shard_dir(root, group_rank)
         try:
             os.makedirs(self.folder, exist_ok=True)
@@ -231,7 +261,8 @@ class SnapshotWriter:
             fcntl.flock(fd, fcntl.LOCK_EX)  # held until closed, past the rename: stale-temp sweeps skip it
             write_all(fd, memoryview(PREFIX.pack(MAGIC, VERSION, len(raw), digest) + raw))
             write_all(fd, payload.numpy().data)
-            # no fsync: the file has to outlive the process, not the node (a tmpfs does not outlive it)
+            if self.durable:  # else the file has to outlive the process, not the node (a tmpfs does not outlive it)
+                os.fsync(fd)
             os.replace(temp, final)
         except OSError as e:
             with contextlib.suppress(OSError):
@@ -256,9 +287,10 @@ class SnapshotWriter:
         """Removes the complete files older than the newest ``keep`` up to ``step``. Newer ones are not
         this write's to judge: every replica of the shard writes here, each at its own pace."""
         older = [s for s in inventory(self.root, self.group_rank) if s <= step]
-        for old in older[self.keep :]:
+        claims = [m for m in map(CLAIM.fullmatch, os.listdir(self.folder)) if m and int(m.group(1)) < step]
+        for name in [file_name(old) for old in older[self.keep :]] + [m.group(0) for m in claims]:
             with contextlib.suppress(FileNotFoundError):  # another replica's writer pruned it first
-                os.unlink(os.path.join(self.folder, file_name(old)))
+                os.unlink(os.path.join(self.folder, name))
 
 
 def load(root: str, group_rank: int, step: int) -> tuple[dict[str, Any], torch.Tensor]:
