@@ -20,6 +20,7 @@ modes log the same per-step events so their trajectories can be compared.
 import hashlib
 import logging
 import os
+import shutil
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -681,6 +682,9 @@ class RecoverTrainer(BaseTrainer):
             self.step = stopping.step  # the checkpoint's train state: the step its parameters are of
             self._save_stop()
             self.checkpointer.save_whole(stopping.step)
+        else:
+            if self.step >= self.job_config.training.steps:  # the run ended: a state saved at a stop is spent
+                shutil.rmtree(snapshot.shard_dir(self.stop_root, self.group_rank), ignore_errors=True)
         self.manager.finish()
 
     def close(self) -> None:
