@@ -153,14 +153,25 @@ def test_the_coordinators_node_lost_requeues_the_job_and_it_resumes_from_the_che
     0 is back, the requeued job runs the same command (the stall again): TorchTitan resumes from the step-4
     checkpoint, steps 5-10 run, and the two runs together are the failure-free trajectory."""
     dump = tmp_path / "dump"
-    checkpoint = ("--checkpoint.enable", "--checkpoint.interval", "2", "--recover.coordinator_timeout_s", "5")
+    # the real loss is seen at once (the coordinator's connections reset); a live coordinator slow to answer on a
+    # loaded machine is not taken for lost, which would requeue nothing once node 0 really goes
+    checkpoint = ("--checkpoint.enable", "--checkpoint.interval", "2", "--recover.coordinator_timeout_s", "15")
     job_id = submit(slurm, dump, "sleep replica=1 step=5 phase=forward seconds=15", *checkpoint)
     slurm.wait(stalled(dump, 1), RUN_S, "replica 1's stall")
     # replica 0 saves step 4 while replica 1 goes on into step 5: its last file, .metadata, may come after the stall
     slurm.wait((dump / "checkpoint" / "step-4" / ".metadata").exists, 30, "the step-4 checkpoint")
     first = Run(1, "", events(dump))  # a new run's launchers start the event files again
     slurm.fail(0)
-    slurm.wait_job(job_id, ("PENDING",), 120)  # by node 1's node.sh, once Slurm finds node 0 not responding
+    try:  # by node 1's node.sh, once Slurm finds node 0 not responding
+        slurm.wait_job(job_id, ("PENDING",), 120)
+    except TimeoutError as e:  # what node 1 said while node 0 forwarded its lines, and what it logged after
+        node1 = dump / "recover_events.node1.jsonl"
+        said = node1.read_text()[-3000:] if node1.exists() else "(no event file)"
+        slurmd = (slurm.folder / "slurmd.node1.log").read_text()[-3000:]
+        raise TimeoutError(
+            f"{e}\n--- the job's output ---\n{Path(f'{dump}.out').read_text()[-4000:]}\n--- node 1's events ---\n"
+            f"{said}\n--- node 1's slurmd ---\n{slurmd}"
+        ) from e
     slurm.wait(lambda: slurm.down(0), 60, "node0 down")
     slurm.start_node(0)
     slurm.wait(lambda: slurm.states().get("node0") == "idle", 60, "node0 idle again")
