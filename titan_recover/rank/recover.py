@@ -309,15 +309,18 @@ class RecoverTrainer(BaseTrainer):
         """Every group lost its state: this rank loads the snapshot of the step the coordinator resumes from."""
         step = admission.resume_step
         assert step is not None
+        what = f"this node's snapshot of step {step}"
+        self._apply_snapshot(self.snapshot_root, step, what, admission.epoch, admission.epoch)
+
+    def _apply_snapshot(self, root: str, step: int, what: str, epoch: int, base_epoch: int) -> None:
+        """Loads this shard's file of committed step ``step`` under ``root`` (``what``, as the lines name it) into the
+        model and optimizer, and its header's counters: a snapshot is of committed step S (TorchTitan's loop adds
+        one), where a transfer's header names the step it starts."""
         start = time.perf_counter()
-        header, payload = snapshot.load(self.snapshot_root, self.group_rank, step)
+        header, payload = snapshot.load(root, self.group_rank, step)
         snapshot.apply(header, payload, self.model_parts, self.optimizers)
-        # a snapshot is of committed step S (TorchTitan's loop adds one); a transfer's header names the step it starts
-        self._take_header(header, f"snapshot of step {step}", admission.epoch, base_epoch=admission.epoch)
-        self.log.info(
-            f"resumed from this node's snapshot of step {step} ({payload.numel() / 2**20:.1f} MiB) "
-            f"in {time.perf_counter() - start:.3f}s (epoch {admission.epoch})"
-        )
+        self._take_header(header, what, epoch, base_epoch=base_epoch)
+        self.log.info(f"resumed from {what} ({payload.numel() / 2**20:.1f} MiB) in {time.perf_counter() - start:.3f}s")
 
     def _save_stop(self) -> None:
         """The run stops in order after committed step ``self.step``: this shard's state goes to the stop folder,
@@ -354,11 +357,9 @@ class RecoverTrainer(BaseTrainer):
         step = snapshot.newest_complete(self.stop_root, self.parallel_dims.world_size)
         if step is None or step <= self.step:
             return
-        start = time.perf_counter()
         try:
-            header, payload = snapshot.load(self.stop_root, self.group_rank, step)
-            snapshot.apply(header, payload, self.model_parts, self.optimizers)
-            self._take_header(header, f"the state saved at the stop of step {step}", -1, self.manager.base_epoch)
+            what = f"the state saved at the stop of step {step}"
+            self._apply_snapshot(self.stop_root, step, what, -1, self.manager.base_epoch)
         except (snapshot.SnapshotError, transfer.TransferError, MessageError) as e:
             error = snapshot.SnapshotError(
                 f"the state saved at the stop of step {step} in {self.stop_root} cannot be used: {e}. Remove that "
@@ -366,10 +367,6 @@ class RecoverTrainer(BaseTrainer):
             )
             self.manager.report_failure(0, error)  # the run stops, saying why
             raise error from e
-        self.log.info(
-            f"resumed from the state saved at the stop of step {step} ({payload.numel() / 2**20:.1f} MiB) "
-            f"in {time.perf_counter() - start:.3f}s"
-        )
         self.events.emit("stop_resumed", step=step, replica=self.replica, rank=self.group_rank)
 
     def _send_state(self, epoch: int, joiner: int) -> bool:
