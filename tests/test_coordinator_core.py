@@ -29,6 +29,7 @@ from titan_recover.coordinator.core import (
     Publish,
     Rules,
     Save,
+    Say,
     Stop,
     stops,
 )
@@ -476,9 +477,9 @@ def test_a_group_still_rejoining_is_fenced_with_the_others_when_no_member_holds_
     assert events(effects)[-1] == "state_lost" and c.state.failures == 3
 
 
-def test_restarted_groups_resume_from_the_newest_step_one_of_them_holds_whole() -> None:
-    """Replicas 0 and 2 hold both shards of step 4 (2's step 7 was never committed: ignored), replica 1 only
-    of step 2: 0 and 2 resume from step 4, steps 5..7 are computed again, and 1 rejoins from them."""
+def test_restarted_groups_resume_from_the_newest_step_of_which_every_shard_has_a_copy() -> None:
+    """Replicas 0 and 2 hold both shards of step 4 (2's step 7 was never committed: ignored), replica 1 only shard
+    0: all three resume from step 4, 1's rank 1 taking shard 1 from 0 or 2, and steps 5..7 are computed again."""
     clock, held = Clock(), HeldLists()
     c, _ = lost_run(held, clock)
     held[(0, 1)] = lists((6, 4), (4, 2))
@@ -487,31 +488,67 @@ def test_restarted_groups_resume_from_the_newest_step_one_of_them_holds_whole() 
     clock.t = 1020.0
     back(c, 20.0, 0, 1, 2)
     effects = c.on_joins(now=20.0)
-    resume = Publish(Membership(2, (0, 2)))
-    assert of(effects, Admit) == [Admit(0, Admission(1, 2, 4)), Admit(2, Admission(1, 2, 4))]
+    resume = Publish(Membership(2, (0, 1, 2)))
+    assert of(effects, Admit) == [Admit(r, Admission(1, 2, 4, {1: (0, 2)})) for r in (0, 1, 2)]
     assert of(effects, Publish) == [resume]
     assert all(effects.index(a) < effects.index(resume) for a in of(effects, Admit))  # admissions first
     assert forgotten(effects) == Forget(steps=range(5, 8))
     assert events(effects) == ["resuming"]
-    assert of(effects, Emit)[0].fields == {"step": 4, "lost_step": 7, "recomputed": 2, "groups": [0, 2]}
+    assert of(effects, Emit)[0].fields == {
+        "step": 4,
+        "lost_step": 7,
+        "recomputed": 2,
+        "groups": [0, 1, 2],
+        "whole": [0, 2],
+        "holders": {"1": [0, 2]},
+    }
     assert c.step() == 5 and c.state.progress == Progress(4, 2, 1020.0)
-    assert c.state.attempts == {0: 1, 1: 0, 2: 1} and list(c.state.down_since) == [1]
+    assert c.state.attempts == {0: 1, 1: 1, 2: 1} and not c.state.down_since
     assert c.state.loss == Loss(7, 1000.0, (0, 1, 2), resume_step=4)
-    assert of(c.on_joins(now=20.5), Admit) == [Admit(1, Admission(1, 3))]  # then the ordinary joins
+    assert not of(c.on_joins(now=20.5), Admit)  # nobody left to join
 
     def record(epoch: int, time: float = 1030.0) -> StepRecord:
         return StepRecord(5, epoch, [0, 1, 2], [], "d", 1.0, None, time=time)
 
     assert not c.accepts(record(0))  # step 5 as committed before the loss: undone by the resume
     assert not c.accepts(record(1))
-    assert c.accepts(record(2)) and c.accepts(record(3))
+    assert c.accepts(record(2))
+
+
+def test_copies_spread_over_groups_resume_with_each_rank_missing_its_shard_taking_it_from_another_group() -> None:
+    """A rack lost with the groups spanning racks: replica 0 kept shard 0 of step 4, replica 1 shard 1; neither holds
+    it whole, and both are admitted, each told which group holds the shard its other rank lacks."""
+    clock, held = Clock(), HeldLists()
+    c, _ = lost_run(held, clock)
+    held[(0, 1)] = lists((4, 2), ())
+    held[(1, 1)] = lists((), (4,))
+    back(c, 20.0, 0, 1)
+    assert not c.on_joins(now=20.0)  # replica 2 may still come back
+    clock.t = 1031.0  # it did not, and resume_wait_s passed
+    effects = c.on_joins(now=31.0)
+    assert of(effects, Admit) == [Admit(r, Admission(1, 2, 4, {0: (0,), 1: (1,)})) for r in (0, 1)]
+    assert of(effects, Publish) == [Publish(Membership(2, (0, 1)))]
+    assert of(effects, Emit)[0].fields["whole"] == [] and not stops(effects)
+    said = " ".join(e.message for e in of(effects, Say))
+    assert "no group holding every shard: shard 0 from group(s) [0]; shard 1 from group(s) [1]" in said, said
+
+
+def test_copies_of_different_steps_on_different_groups_stop_the_run_naming_them() -> None:
+    clock, held = Clock(), HeldLists()
+    c, _ = lost_run(held, clock)
+    held[(0, 1)] = lists((4,), ())
+    held[(1, 1)] = lists((), (6, 2))
+    held[(2, 1)] = lists((), ())
+    back(c, 20.0, 0, 1, 2)
+    [stop] = of(c.on_joins(now=20.0), Stop)
+    assert "shard 0: steps [4]; shard 1: steps [2, 6]" in stop.error and "last checkpoint" in stop.error
 
 
 def test_a_group_without_the_resumed_step_rejoins_the_ordinary_way_and_the_first_commit_ends_the_loss() -> None:
     clock, held = Clock(), HeldLists()
     c, _ = lost_run(held, clock)
     held[(0, 1)] = lists((4,), (4,))
-    held[(1, 1)] = lists((4,), ())  # its rank 1 verified nothing
+    held[(1, 1)] = lists((2,), (2,))  # no copy of step 4
     held[(2, 1)] = lists((4,), (4,))
     back(c, 20.0, 0, 1, 2)
     assert of(c.on_joins(now=20.0), Publish) == [Publish(Membership(2, (0, 2)))]

@@ -59,6 +59,11 @@ def test_two_domains_where_one_holds_every_copy_of_each_shard() -> None:
     assert "Spread the replica groups' nodes over domains" in text
 
 
+def test_one_group_left_names_nothing_to_spread() -> None:
+    """While the other groups are away (fenced in a loss), each shard has the one copy: no placement could spread it."""
+    assert exposure({1: [(0, "rack-a"), (1, "rack-b")]}, group_ranks=2, parts=2).single == {}
+
+
 def test_spanning_groups_crossed_over_domains_spread_every_shard() -> None:
     placement = {0: [(0, "rack-a"), (1, "rack-b")], 1: [(0, "rack-b"), (1, "rack-a")]}
     assert exposure(placement, group_ranks=4, parts=2).single == {}

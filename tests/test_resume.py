@@ -1,4 +1,5 @@
-"""``policy.resume.resume_plan``: which step and which groups a run resumes from once every group lost its state."""
+"""``policy.resume.resume_plan``: which step a run resumes from once every group lost its state, and which groups' ranks
+load each shard from their nodes' memory."""
 
 import pytest
 
@@ -9,26 +10,29 @@ Found = dict[int, dict[int, tuple[int, ...]]]  # replica -> group rank -> the st
 pytestmark = pytest.mark.unit
 
 
-def test_the_newest_step_some_group_holds_whole_is_chosen_with_every_group_holding_it() -> None:
+def test_the_newest_step_every_shard_has_is_chosen_with_the_groups_holding_some_of_it() -> None:
     found: Found = {
         0: {0: (8, 4), 1: (8, 4)},
-        1: {0: (12, 8, 4), 1: (8, 4)},  # shard 1 of step 12 is missing: 12 is not whole here
-        2: {0: (4,), 1: (8, 4)},
+        1: {0: (12, 8, 4), 1: (8, 4)},  # no copy of shard 1 of step 12 anywhere: 12 is not whole
+        2: {0: (4,), 1: (8, 4)},  # its rank 0 receives shard 0 of step 8
         3: {0: (12, 8), 1: (8,)},
+        4: {0: (4,), 1: (4,)},  # holds none of step 8: rejoins from the others
     }
-    assert resume_plan(found, group_ranks=2, at_most=20) == ResumePlan(8, (0, 1, 3))
+    plan = resume_plan(found, group_ranks=2, at_most=20)
+    assert plan == ResumePlan(8, (0, 1, 2, 3), ((0, 1, 3), (0, 1, 2, 3)))
+    assert isinstance(plan, ResumePlan) and plan.whole == (0, 1, 3)
 
 
 def test_steps_after_the_last_commit_are_ignored() -> None:
     """A copy newer than the last committed step cannot be the committed state: one that claims to is skipped."""
     found: Found = {0: {0: (9, 6), 1: (9, 6)}, 1: {0: (6,), 1: (6,)}}
-    assert resume_plan(found, group_ranks=2, at_most=8) == ResumePlan(6, (0, 1))
-    assert resume_plan(found, group_ranks=2, at_most=9) == ResumePlan(9, (0,))
+    assert resume_plan(found, group_ranks=2, at_most=8) == ResumePlan(6, (0, 1), ((0, 1), (0, 1)))
+    assert resume_plan(found, group_ranks=2, at_most=9) == ResumePlan(9, (0,), ((0,), (0,)))
 
 
 def test_a_group_without_a_list_for_a_shard_holds_no_step() -> None:
     found = {0: {0: (4,)}, 1: {0: (2,), 1: (2,)}}
-    assert resume_plan(found, group_ranks=2, at_most=10) == ResumePlan(2, (1,))
+    assert resume_plan(found, group_ranks=2, at_most=10) == ResumePlan(2, (1,), ((1,), (1,)))
 
 
 def test_no_group_back_says_so() -> None:
@@ -47,10 +51,14 @@ def test_no_copy_at_all_names_every_shard_and_nothing_held() -> None:
     assert why == "no restarted group's nodes hold a verified snapshot of shard(s) [0, 1]"
 
 
-def test_copies_spread_over_groups_are_named_as_not_supported() -> None:
-    """Every shard of step 4 exists, but on two groups: loading across groups is not supported (yet)."""
-    why = resume_plan({0: {0: (4,), 1: ()}, 1: {0: (), 1: (4, 2)}}, group_ranks=2, at_most=10)
-    assert isinstance(why, str)
-    assert "no one group holds all of one step" in why
-    assert "shard 0: steps [4]; shard 1: steps [2, 4]" in why
-    assert "spread over groups is not supported" in why
+def test_copies_spread_over_groups_make_a_plan_with_no_group_whole() -> None:
+    """A rack lost with groups spanning racks: group 0 kept shard 0, group 1 shard 1; each rank missing its shard
+    takes it from the other group's same rank."""
+    plan = resume_plan({0: {0: (4,), 1: ()}, 1: {0: (), 1: (4, 2)}}, group_ranks=2, at_most=10)
+    assert plan == ResumePlan(4, (0, 1), ((0,), (1,)))
+    assert isinstance(plan, ResumePlan) and plan.whole == ()
+
+
+def test_shards_held_only_at_different_steps_have_no_plan() -> None:
+    why = resume_plan({0: {0: (4,), 1: ()}, 1: {0: (), 1: (6, 2)}}, group_ranks=2, at_most=10)
+    assert why == "every shard has a verified snapshot, but of no one step (shard 0: steps [4]; shard 1: steps [2, 6])"

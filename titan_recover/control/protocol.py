@@ -12,7 +12,7 @@ import os
 import secrets
 import socket
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, ClassVar, TypeGuard, TypeVar
+from typing import Any, Callable, ClassVar, Mapping, TypeGuard, TypeVar
 
 from titan_recover.control import keys
 
@@ -439,14 +439,19 @@ class Fence(Incarnation):
 @dataclass(frozen=True)
 class Admission(Incarnation):
     """That incarnation is a member from ``epoch`` on: its ranks take the state from a live peer, or, with
-    ``resume_step`` (every group had lost its state), each loads that step's snapshot from its node's memory."""
+    ``resume_step`` (every group had lost its state), each loads that step's snapshot from its node's memory.
+    ``holders``: the shards some admitted group lacks a copy of -> the groups that have one (rank k of a group
+    missing shard k receives it from one of them); a shard not named is on every admitted group's nodes."""
 
     resume_step: int | None = None
+    holders: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         rec: dict[str, Any] = {"attempt": self.attempt, "epoch": self.epoch}
         if self.resume_step is not None:
             rec["resume_step"] = self.resume_step
+        if self.holders:
+            rec["holders"] = {str(k): list(v) for k, v in sorted(self.holders.items())}
         return rec
 
     @classmethod
@@ -454,7 +459,19 @@ class Admission(Incarnation):
         base = Incarnation.from_json(key, rec)
         step = rec.get("resume_step")
         _require(key, step is None or is_count(step), "resume_step must be a step (int >= 0)", rec)
-        return cls(base.attempt, base.epoch, step)
+        holders = rec.get("holders", {})
+        _require(
+            key,
+            isinstance(holders, dict)
+            and (step is not None or not holders)
+            and all(
+                isinstance(k, str) and k.isdigit() and isinstance(v, list) and v and all(is_count(r) for r in v)
+                for k, v in holders.items()
+            ),
+            'holders must map shards ("<k>") to non-empty lists of replica ids, and only with a resume_step',
+            rec,
+        )
+        return cls(base.attempt, base.epoch, step, {int(k): tuple(v) for k, v in holders.items()})
 
 
 @dataclass(frozen=True)

@@ -475,8 +475,8 @@ class CoordinatorCore:
         ]
 
     def _resume(self, now: float) -> list[Effect]:
-        """Once every lost group is back (or ``resume_wait_s`` after the loss, those that are): the groups that
-        hold every shard of the newest common snapshot are admitted holding it; the others rejoin from them."""
+        """Once every lost group is back (or ``resume_wait_s`` after the loss, those that are): every group back is
+        admitted at the newest step of which each shard has a copy on some group's node."""
         state, loss = self.state, self.state.loss
         assert loss is not None
         found: dict[int, dict[int, tuple[int, ...]]] = {}
@@ -509,7 +509,8 @@ class CoordinatorCore:
     def _resume_from(self, plan: ResumePlan, incarnations: dict[int, int], loss: Loss) -> list[Effect]:
         state, step = self.state, plan.step
         new = Membership(self.membership.epoch + 1, plan.groups)
-        effects: list[Effect] = [Admit(r, Admission(incarnations[r], new.epoch, step)) for r in plan.groups]
+        holders = {k: held for k, held in enumerate(plan.holders) if held != plan.groups}
+        effects: list[Effect] = [Admit(r, Admission(incarnations[r], new.epoch, step, holders)) for r in plan.groups]
         effects += self._publish(new)
         for replica in plan.groups:
             state.attempts[replica] = incarnations[replica]
@@ -524,15 +525,28 @@ class CoordinatorCore:
         state.loss = replace(loss, resume_step=step)
         self.detector.set_members(new.members, self.wall())
         recomputed = loss.step - 1 - step
+        where = (
+            f"which replica group(s) {id_list(plan.whole)} load whole from their nodes' memory"
+            if plan.whole
+            else "no group holding every shard: "
+            + "; ".join(f"shard {k} from group(s) {id_list(held)}" for k, held in sorted(holders.items()))
+        )
         return effects + [
             Forget(steps=undone),
             Emit(
                 "resuming",
-                {"step": step, "lost_step": loss.step, "recomputed": recomputed, "groups": list(plan.groups)},
+                {
+                    "step": step,
+                    "lost_step": loss.step,
+                    "recomputed": recomputed,
+                    "groups": list(plan.groups),
+                    "whole": list(plan.whole),
+                    "holders": {str(k): list(v) for k, v in sorted(holders.items())},
+                },
             ),
             Say(
-                f"epoch {new.epoch}: resuming from step {step}, which replica group(s) {id_list(plan.groups)} load "
-                f"from their nodes' memory ({recomputed} committed step(s) computed again); the others rejoin from them"
+                f"epoch {new.epoch}: resuming from step {step}, {where} ({recomputed} committed step(s) computed "
+                f"again); a rank without its shard's copy takes it from the same rank of a group that has one"
             ),
         ]
 

@@ -37,7 +37,8 @@ def exposure(placement: Mapping[int, Iterable[tuple[int, str]]], group_ranks: in
 
     ``placement``: replica group -> (node part, that part's domain) for each part of the group; ``parts``:
     ``recover.group_nodes``. A shard with a copy on a node of unknown domain is not counted as in one domain: it
-    may be spread. With one known domain (or none) nothing can be spread, and nothing is named."""
+    may be spread. With one known domain (or none), or one group (one copy of each shard: while the others are
+    away in a loss), nothing can be spread, and nothing is named."""
     where: dict[int, set[str]] = {k: set() for k in range(group_ranks)}  # shard -> domains of its copies
     unknown: set[int] = set()
     for replica, held in placement.items():
@@ -48,7 +49,7 @@ def exposure(placement: Mapping[int, Iterable[tuple[int, str]]], group_ranks: in
                 where[k].add(domain)
     domains = tuple(sorted({d for found in where.values() for d in found if d}))
     single: dict[str, list[int]] = {}
-    if len(domains) > 1:
+    if len(domains) > 1 and len(placement) > 1:
         for k, found in sorted(where.items()):
             if len(found) == 1 and "" not in found:
                 single.setdefault(next(iter(found)), []).append(k)

@@ -168,12 +168,12 @@ class RecoverTrainer(BaseTrainer):
 
     def _join(self) -> None:
         """Waits for the coordinator to admit this group, then takes the state from a live peer, or, where every
-        group had lost it, from this node's snapshot of the step the coordinator resumes from."""
+        group had lost it, from the nodes' snapshots of the step the coordinator resumes from."""
         admission = self.manager.wait_for_admission(
             self.step, self.job_config.parallelism.data_parallel_replicate_degree, self._verified_snapshots
         )
         if admission.resume_step is not None:
-            self._load_snapshot(admission)
+            self._resume_from_memory(admission)
             return
         epoch = self.manager.agree_epoch()
         while not self.manager.group_all(self._receive_state(epoch)):
@@ -305,12 +305,34 @@ class RecoverTrainer(BaseTrainer):
         self.log.info(f"snapshots on this node that check out: steps {good}")
         return Snapshots(tuple(good[:MAX_SNAPSHOTS]))
 
-    def _load_snapshot(self, admission: Admission) -> None:
-        """Every group lost its state: this rank loads the snapshot of the step the coordinator resumes from."""
-        step = admission.resume_step
+    def _resume_from_memory(self, admission: Admission) -> None:
+        """Every group lost its state: this rank loads the snapshot of the step the coordinator resumes from where its
+        node holds this shard's copy, and hands it to the same rank of the admitted groups that lack one; a rank
+        whose node does not hold it receives it from one that does. A group that did not get every shard raises:
+        it leaves, is fenced, and comes back to rejoin from a member."""
+        step, epoch = admission.resume_step, admission.epoch
         assert step is not None
-        what = f"this node's snapshot of step {step}"
-        self._apply_snapshot(self.snapshot_root, step, what, admission.epoch, admission.epoch)
+        members = self.manager.membership(epoch).members
+        holders = admission.holders.get(self.group_rank, members)
+        if not set(holders) <= set(members) or not holders:
+            raise MessageError(
+                f"admission of epoch {epoch} names holders {holders} of shard {self.group_rank} "
+                f"outside its members {members}"
+            )
+        lacking = [r for r in members if r not in holders]
+        if self.replica in holders:
+            what = f"this node's snapshot of step {step}"
+            self._apply_snapshot(self.snapshot_root, step, what, epoch, epoch)
+            for joiner in lacking:
+                if membership.donor(Membership(epoch, members), lacking, joiner) == self.replica:
+                    self._send_state(epoch, joiner)  # a receiver that broke is fenced; this group goes on
+            ok = True
+        else:
+            ok = self._receive_state(epoch)
+        if not self.manager.group_all(ok):
+            raise transfer.TransferError(
+                f"replica {self.replica} did not get every shard of step {step} in the resume from memory"
+            )
 
     def _apply_snapshot(self, root: str, step: int, what: str, epoch: int, base_epoch: int) -> None:
         """Loads this shard's file of committed step ``step`` under ``root`` (``what``, as the lines name it) into the
