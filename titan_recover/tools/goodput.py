@@ -17,7 +17,9 @@ hardware is usable again after ``repair_s`` (0: a process crash, restarted at on
   takes ``ceil(M / live) / ceil(M / R)`` times as long. A repaired group starts
   (``rejoin_s``) and is admitted after survivors pause ``transfer_s`` to send its state.
   With hot spares (``Cluster.spares``), a ready spare is called up at once instead
-  (``spare_admit_s``) and the restarted group becomes a spare.
+  (``spare_admit_s``) and the restarted group becomes a spare. A failure that leaves no
+  group with state resumes from host-memory ``Snapshots`` where a copy of every shard is
+  left, else from a DCP checkpoint; ``rack_failures`` draws whole racks lost.
 
 Both systems pay for every working group, spares included. Stragglers (``Straggler``)
 slow some groups for a time window; titan_recover splits the microbatches by a
