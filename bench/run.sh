@@ -34,5 +34,6 @@ step bench.host_memory "${mode[@]}"  # snapshots' step-time cost and bytes, ever
 step bench.status_cost  # the status page: the coordinator's CPU with and without a 1 s refresh, refresh time at 100k steps
 step bench.simulate
 step bench.spot_options  # the simulator: three changes to elastic on the spot trace against the membership-following run
+step bench.sim_memory  # the simulator: the spot trace and whole racks lost, with and without snapshots, against restart
 step bench.report
 echo "bench finished in $((SECONDS - start)) s"

@@ -17,7 +17,9 @@ hardware is usable again after ``repair_s`` (0: a process crash, restarted at on
   takes ``ceil(M / live) / ceil(M / R)`` times as long. A repaired group starts
   (``rejoin_s``) and is admitted after survivors pause ``transfer_s`` to send its state.
   With hot spares (``Cluster.spares``), a ready spare is called up at once instead
-  (``spare_admit_s``) and the restarted group becomes a spare.
+  (``spare_admit_s``) and the restarted group becomes a spare. A failure that leaves no
+  group with state resumes from host-memory ``Snapshots`` where a copy of every shard is
+  left, else from a DCP checkpoint; ``rack_failures`` draws whole racks lost.
 
 Both systems pay for every working group, spares included. Stragglers (``Straggler``)
 slow some groups for a time window; titan_recover splits the microbatches by a
@@ -88,6 +90,21 @@ class Failure:
     time_s: float | None = None
     step: int | None = None
     groups: int = 1
+    # where it leaves no group with state: whether the live nodes' memory still holds a copy of every shard
+    # (False: it took every copy of some shard, a rack holding them all or every host)
+    memory_kept: bool = True
+
+
+@dataclass(frozen=True)
+class Snapshots:
+    """Host-memory snapshots (docs/host-memory.md): every ``interval`` committed steps each rank copies its
+    shard into its node's memory, the step that takes one lasting ``step_s`` longer. A failure that leaves no
+    group with state but a copy of every shard on live nodes is followed by the first step again ``resume_s``
+    after it, from the newest snapshot (no DCP read), the steps since it computed again."""
+
+    interval: int
+    step_s: float
+    resume_s: float
 
 
 @dataclass(frozen=True)
@@ -115,6 +132,8 @@ class Result:
     gpu_hours: float
     failures: int
     curve: list[tuple[float, float, float]] = field(default_factory=list)  # (time s, tokens, GPU-hours)
+    redone_steps: int = 0  # steps committed again after going back to a checkpoint or a snapshot
+    resumes: dict[str, int] = field(default_factory=dict)  # every group lost: "checkpoint" or "memory", how often
 
     @property
     def throughput(self) -> float:
@@ -195,6 +214,56 @@ def poisson_failures(cluster: Cluster, rate_per_gpu_hour: float, horizon_s: floa
 def spread_failures(count: int, horizon_s: float, groups: int = 1) -> list[Failure]:
     """``count`` failures evenly spread over the run (the paper's "lost spread over the run")."""
     return [Failure(time_s=horizon_s * (i + 1) / (count + 1), groups=groups) for i in range(count)]
+
+
+# How replica groups' parts (one node each) are laid over racks: "groups", each group's parts on consecutive
+# nodes; "aligned", part p of every group on consecutive nodes (a rack may hold every copy of some shards: the
+# layout docs/host-memory.md warns about); "spread", aligned with group g's parts rotated by g, so that part p's
+# copies sit in different stripes of ``groups`` nodes
+Placement = Literal["groups", "aligned", "spread"]
+
+
+def rack_placement(groups: int, parts: int, rack_nodes: int, placement: Placement) -> list[frozenset[tuple[int, int]]]:
+    """The (group, part) pairs each rack runs: ``groups`` replica groups of ``parts`` nodes, a node running one
+    part (its shards), ordered by ``placement`` and filled into racks of ``rack_nodes`` nodes."""
+    if min(groups, parts, rack_nodes) < 1:
+        raise ValueError(f"need groups, parts and rack_nodes >= 1 (got {groups}, {parts}, {rack_nodes})")
+    index = {
+        "groups": lambda g, p: g * parts + p,
+        "aligned": lambda g, p: p * groups + g,
+        "spread": lambda g, p: ((p + g) % parts) * groups + g,
+    }[placement]
+    racks: list[set[tuple[int, int]]] = [set() for _ in range(math.ceil(groups * parts / rack_nodes))]
+    for g in range(groups):
+        for p in range(parts):
+            racks[index(g, p) // rack_nodes].add((g, p))
+    return [frozenset(r) for r in racks]
+
+
+def rack_loss(racks: Sequence[frozenset[tuple[int, int]]], rack: int, time_s: float) -> Failure:
+    """Rack ``rack`` lost whole at ``time_s``: the groups with a part in it fail, and the nodes' memory keeps a
+    copy of every shard where each part runs on some other rack too."""
+    left = {p for i, r in enumerate(racks) if i != rack for _, p in r}
+    return Failure(
+        time_s=time_s,
+        groups=len({g for g, _ in racks[rack]}),
+        memory_kept={p for r in racks for _, p in r} <= left,
+    )
+
+
+def rack_failures(
+    racks: Sequence[frozenset[tuple[int, int]]], rate_per_rack_hour: float, horizon_s: float, seed: int, most: int
+) -> list[Failure]:
+    """Correlated losses, a whole rack at a time: each rack fails at ``rate_per_rack_hour`` (Poisson), the one
+    that fails drawn at random; at most ``most`` losses before ``horizon_s``, the same ones for a seed."""
+    rng, t, out = random.Random(seed), 0.0, list[Failure]()
+    rate = rate_per_rack_hour * len(racks) / HOUR
+    while rate > 0 and len(out) < most:
+        t += rng.expovariate(rate)
+        if t >= horizon_s:
+            break
+        out.append(rack_loss(racks, rng.randrange(len(racks)), t))
+    return out
 
 
 @dataclass(frozen=True)
@@ -338,18 +407,22 @@ def _titan(
     elastic: bool,
     leave: LeaveAt = "first",
     policy: Policy = "balanced",
+    snapshots: Snapshots | None = None,
 ) -> dict:
     """titan_recover on a capacity trace. ``elastic``: up to every live node a member, a member under notice
     leaves at a step boundary (``leave``; a crash at its removal, detection 0, only where no boundary came in
     between); a new node not under notice starts at once (``rejoin_s``) and is admitted at a boundary
     (``transfer_s``). Else R is the start's node count: a node beyond it waits, unstarted, for a slot; every
     removal is a crash (``detect_s``, the lost share of the step redone) and the slot goes to a waiting node
-    (``rejoin_s``). ``policy`` "ideal": fractional quotas (M / live microbatches a group), a bound."""
+    (``rejoin_s``). ``policy`` "ideal": fractional quotas (M / live microbatches a group), a bound. With
+    ``snapshots``, a step that takes one lasts ``snapshots.step_s`` longer; a node's memory goes with it, so
+    they never resume anything here. ``no_members``: how often every member was gone at once (the run goes on as
+    if the state were kept: count it before trusting a trace's figures)."""
     t = nodes.start_s
     cap = len(nodes.live(t)) if not elastic else cluster.groups
     members = set(nodes.live(t)[:cap])
     starting: dict[_Life, float] = {}  # node -> when it can be admitted
-    steps, redone, leaves, crashes, joins, most = 0, 0.0, 0, 0, 0, 0
+    steps, redone, leaves, crashes, joins, most, no_members, holding = 0, 0.0, 0, 0, 0, 0, 0, False
 
     def noticed(n: _Life) -> bool:
         return elastic and nodes.gone(n) - notice_s <= t
@@ -378,15 +451,17 @@ def _titan(
             going = _leaving_last(members, nodes, t, notice_s, step)
             leaves, members = leaves + len(going), members - going
         if not members:  # nothing trains until a node is ready, arrives or goes
+            no_members, holding = no_members + holding, False
             t = nodes.next_change(t, *starting.values())
             continue
-        most = max(most, len(members))
+        most, holding = max(most, len(members)), True
         remaining = float(cluster.microbatches)
+        snap = snapshots.step_s if snapshots and (steps + 1) % snapshots.interval == 0 else 0.0
         while remaining > 0 and members:
             dt = step(len(members), remaining)
             lost = {n for n in members if t < nodes.gone(n) < t + dt}
             if not lost:
-                t += dt
+                t += dt + snap
                 break
             at = min(nodes.gone(n) for n in lost)
             lost = {n for n in lost if nodes.gone(n) == at}
@@ -397,7 +472,7 @@ def _titan(
             t = at + (0.0 if elastic else costs.detect_s)
         steps += 1 if members and t <= nodes.end_s else 0  # a step the trace's end cuts is not counted
     return {"steps": steps, "redone_steps": redone / cluster.microbatches, "leaves": leaves, "crashes": crashes,
-            "joins": joins, "groups_at_most": most}  # fmt: skip
+            "joins": joins, "groups_at_most": most, "no_members": no_members}  # fmt: skip
 
 
 def _restart(nodes: _Nodes, cluster: Cluster, costs: Costs, ckpt_every: int, grow: bool) -> dict:
@@ -482,6 +557,7 @@ def simulate_capacity(
     grow: bool = True,
     leave: LeaveAt = "first",
     policy: Policy = "balanced",
+    snapshots: Snapshots | None = None,
 ) -> dict:
     """One system over a capacity trace (``read_capacity_trace``), one node = one replica group of
     ``cluster.group_gpus`` GPUs; ``cluster.groups`` is the most nodes live at once, and M is fixed except
@@ -490,19 +566,21 @@ def simulate_capacity(
     its checkpoint, a discarded step's part done) and its fraction. ``restart`` checkpoints every
     ``ckpt_every`` steps and, with ``grow``, restarts to take arrivals too. titan_recover's: ``groups_at_most``,
     the most groups that trained a step at once; ``leave``, where a noticed member leaves (elastic); ``policy``
-    "ideal" for fractional quotas (a bound). Finer microbatches: a larger ``cluster.microbatches``, the same
-    ``tokens_per_step``; no pause for a joiner: ``costs.transfer_s`` 0."""
+    "ideal" for fractional quotas (a bound); ``snapshots``, host-memory snapshots' step cost. Finer microbatches:
+    a larger ``cluster.microbatches``, the same ``tokens_per_step``; no pause for a joiner: ``costs.transfer_s`` 0."""
     if costs.step_s <= 0 or (system == "restart" and ckpt_every < 1):
         raise ValueError(
             f"need costs.step_s > 0 (got {costs.step_s}) and, for restart, ckpt_every >= 1 (got {ckpt_every})"
         )
+    if snapshots and system in ("restart", "membership"):
+        raise ValueError(f"snapshots are titan_recover's (elastic or fixed), not {system}'s")
     nodes = _Nodes.of(events)
     if system == "restart":
         out = _restart(nodes, cluster, costs, ckpt_every, grow)
     elif system == "membership":
         out = _membership(nodes, cluster, costs)
     else:
-        out = _titan(nodes, cluster, costs, notice_s, system == "elastic", leave, policy)
+        out = _titan(nodes, cluster, costs, notice_s, system == "elastic", leave, policy, snapshots)
     tokens = out.pop("tokens", out["steps"] * float(cluster.tokens_per_step))
     span_h = (nodes.end_s - nodes.start_s) / HOUR
     return {
@@ -545,6 +623,9 @@ class _Run:
         self.by_step = [f for f in failures if f.step is not None]
         self.stragglers = stragglers
         self.t, self.steps, self.fired, self.gpu_hours = 0.0, 0, 0, 0.0
+        self.memory_kept = True  # the last failure's Failure.memory_kept
+        self.redone = 0  # steps committed again after going back to a checkpoint or snapshot
+        self.resumes = {"memory": 0, "checkpoint": 0}  # every group lost: where the run went on from
         self.healthy = cluster.groups + cluster.spares  # groups whose hardware works (they are paid for)
         self.repairs: list[float] = []  # heap: when failed groups' hardware is back
         self.curve: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)]
@@ -588,6 +669,7 @@ class _Run:
         lost = min(failure.groups, exposed, self.healthy)
         self.healthy -= lost
         self.fired += 1
+        self.memory_kept = failure.memory_kept
         for _ in range(lost):
             heapq.heappush(self.repairs, self.t + self.costs.repair_s)
         return lost
@@ -595,10 +677,18 @@ class _Run:
     def record(self) -> None:
         self.curve.append((self.t, self.steps * float(self.cluster.tokens_per_step), self.gpu_hours))
 
+    def back_to(self, step: int, source: str) -> None:
+        """Every group's state lost: training goes on from ``step`` (a checkpoint's or a snapshot's)."""
+        self.redone += self.steps - step
+        self.steps = step
+        self.resumes[source] = self.resumes.get(source, 0) + 1
+
     def result(self) -> Result:
         self.record()
         tokens = self.steps * float(self.cluster.tokens_per_step)
-        return Result(self.system, self.t, self.steps, tokens, self.gpu_hours, self.fired, self.curve)
+        return Result(
+            self.system, self.t, self.steps, tokens, self.gpu_hours, self.fired, self.curve, self.redone, self.resumes
+        )
 
 
 def simulate_restart(
@@ -625,7 +715,7 @@ def simulate_restart(
             continue
         run.advance(at)
         run.fail(live)
-        run.steps = ckpt_step  # work since the last checkpoint is lost
+        run.back_to(ckpt_step, "checkpoint")  # work since the last checkpoint is lost
         restart_end = run.t + costs.restart_s
         while run.timed and run.next_timed() < restart_end:  # a failure during the restart starts it over
             run.advance(run.next_timed())
@@ -688,8 +778,53 @@ def _recover_step(run: _Run, live: int, outside: _Outside, policy: Policy) -> in
         live -= lost
         for _ in range(lost):
             outside.lose(run.t, run.costs)
-        run.advance(run.t + run.costs.detect_s)
+        if live:  # the survivors regroup; with none left, the run's backstop counts from the loss
+            run.advance(run.t + run.costs.detect_s)
     return live
+
+
+def _pause(run: _Run, live: int, outside: _Outside, seconds: float) -> int:
+    """The live groups pause ``seconds`` after a step (a blocking save); returns the groups live at its end
+    (0: every group died in it, the save incomplete). A failure in the pause loses no work; the survivors regroup
+    (``detect_s``) before the next step."""
+    end = run.t + seconds
+    while live and run.next_timed() < end:
+        run.advance(run.next_timed())
+        lost = run.fail(live)
+        live -= lost
+        for _ in range(lost):
+            outside.lose(run.t, run.costs)
+        end = max(end, run.t + run.costs.detect_s)
+    if live:
+        run.advance(end)
+    return live
+
+
+def _start_again(run: _Run, resume: Callable[[], tuple[float, str] | None]) -> tuple[_Outside, str] | None:
+    """Every group lost at ``run.t``: ``resume`` gives the seconds to the first step again and where from
+    ("memory" or "checkpoint"), or None where the run cannot go on. A failure meanwhile starts it over (and may
+    take the memory with it); with no group's hardware working, the start waits for the first repair, as
+    checkpoint-and-restart's does. Returns who is outside the membership then, the repaired groups beyond R as
+    ready spares and the unrepaired ones asking to join once repaired and restarted, and where the run went on
+    from; None: it stops."""
+    how = resume()
+    if how is None:
+        return None
+    end = run.t + how[0]
+    while run.timed and run.next_timed() < end:
+        run.advance(run.next_timed())
+        run.fail(min(run.cluster.groups, run.healthy))
+        how = resume()
+        if how is None:
+            return None
+        end = run.t + how[0]
+    run.advance(end)
+    if run.healthy == 0 and run.repairs and math.isfinite(run.repairs[0]):
+        run.advance(run.repairs[0])
+    if run.healthy == 0:
+        return None
+    ready = run.healthy - min(run.cluster.groups, run.healthy)
+    return _Outside(ready=ready, asks=sorted(r + run.costs.rejoin_s for r in run.repairs)), how[1]
 
 
 def simulate_recover(
@@ -699,16 +834,45 @@ def simulate_recover(
     horizon: Horizon,
     stragglers: Sequence[Straggler] = (),
     policy: Policy = "balanced",
+    ckpt_every: int = 0,
+    snapshots: Snapshots | None = None,
 ) -> Result:
-    """titan_recover: survivors finish the step in flight and carry all M microbatches."""
-    run = _Run("titan_recover", cluster, costs, failures, horizon, stragglers)
+    """titan_recover: survivors finish the step in flight and carry all M microbatches. A failure that leaves no
+    group with state stops the run, unless: with ``snapshots`` and the memory kept (``Failure.memory_kept``), it
+    resumes from the newest snapshot ``snapshots.resume_s`` after the loss; else, with ``ckpt_every`` (a
+    blocking DCP save every that many steps, ``ckpt_save_s``), from the last checkpoint ``restart_s`` after it,
+    as checkpoint-and-restart does. Then it trains on the groups whose hardware works; the others rejoin."""
+    name = "titan_recover" + (f" snapshots every {snapshots.interval}" if snapshots else "")
+    run = _Run(name, cluster, costs, failures, horizon, stragglers)
     live, outside = cluster.groups, _Outside(ready=cluster.spares)
+    saved = {"checkpoint": 0, "memory": 0}  # the newest step of each kind of copy
+
+    def resume() -> tuple[float, str] | None:
+        if snapshots and run.memory_kept:
+            return snapshots.resume_s, "memory"
+        return (costs.restart_s, "checkpoint") if ckpt_every else None
+
     while not run.done():
         live = outside.admit(run, live)
         live = _recover_step(run, live, outside, policy)
-        if live == 0:  # no group holds the state: the DCP backstop, which this model leaves out
+        if live:
+            run.steps += 1
+            ckpt = ckpt_every > 0 and run.steps % ckpt_every == 0
+            snap = snapshots is not None and run.steps % snapshots.interval == 0
+            pause = (costs.ckpt_save_s if ckpt else 0.0) + (snapshots.step_s if snapshots and snap else 0.0)
+            live = _pause(run, live, outside, pause) if pause else live
+            if live:
+                saved["checkpoint"] = run.steps if ckpt else saved["checkpoint"]
+                saved["memory"] = run.steps if snap else saved["memory"]
+                run.record()
+                continue
+        restarted = _start_again(run, resume)  # no group holds the state
+        if restarted is None:
             break
-        run.steps += 1
+        outside, source = restarted
+        run.back_to(saved[source], source)
+        saved = {kind: min(step, run.steps) for kind, step in saved.items()}  # later copies: another trajectory
+        live = min(cluster.groups, run.healthy)
         run.record()
     return run.result()
 
