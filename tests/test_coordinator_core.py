@@ -127,6 +127,26 @@ def test_a_leave_and_a_crash_in_one_decision_are_told_apart() -> None:
     assert c.membership.members == (0,) and c.state.failures == 1 and list(c.state.down_since) == [1]
 
 
+def test_every_member_leaving_on_notice_stops_the_run_in_order_instead_of_leaving_nobody() -> None:
+    """A whole-job notice on any store: the leaves of every member, read before or in the decision, stop the run
+    in order (the groups stop after the step they announced it in, its state saved) instead of a run with no
+    group left; the leaves are no failures, and the run ends once every member finished."""
+    c = core()
+    c.on_step(StepRecord(4, 0, [0, 1, 2], [], "d", 1.0, None, time=1004.0))
+    for r in (0, 1):
+        c.on_report(Report(epoch=0, cause="left", replica=r, suspect=r, step=5, left=True), now=1.0)
+    effects = c.on_failure(c.detector.decide(now=1.0)[0], now=1.0)
+    assert events(effects) == ["left", "left"] and c.membership.members == (2,)  # one member still goes on
+    c.on_report(Report(epoch=1, cause="left", replica=2, suspect=2, step=5, left=True), now=2.0)
+    effects = c.on_failure(c.detector.decide(now=2.0)[0], now=2.0)
+    assert events(effects) == ["stopping"] and not stops(effects)
+    assert of(effects, Publish) == [Publish(Membership(2, (2,), last_step=5))]
+    assert c.stopping is not None and c.stopping[1] == "every replica group leaves on notice"
+    assert c.detector.decide(now=3.0)[0] == {} and c.state.failures == 0
+    nodes(c, 4.0, r2=up(finished=RANKS))
+    assert c.finished()
+
+
 def test_a_report_of_a_leave_for_another_group_is_refused() -> None:
     raw = {"epoch": 0, "cause": "left", "replica": 0, "suspect": 1, "left": True}
     with pytest.raises(MessageError, match="a group leaves only on its own report"):

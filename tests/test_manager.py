@@ -27,7 +27,7 @@ from titan_recover.data.tokens import DataError
 from titan_recover.node.channel import DONE, FATAL, FINISHED, READY, RUNNING, STARTING, STATE, Channel
 from titan_recover.policy.membership import Membership
 from titan_recover.rank.collectives import CollectiveAborted
-from titan_recover.rank.manager import ReplicaFenced, ReplicaLeaving, ReplicaManager, RunDone, RunFatal
+from titan_recover.rank.manager import ReplicaFenced, ReplicaLeaving, ReplicaManager, RunDone, RunFatal, RunStopping
 
 pytestmark = pytest.mark.unit
 
@@ -243,7 +243,7 @@ def test_a_leaver_reports_with_its_last_steps_commit_and_leaves_before_the_next(
     for m in (first, second):
         m.notice(time.time() - 2.0)
         assert m.start_step(3) == 0 and m.leave_agreed  # the notice is heard; the step goes on
-        m.announce((1,))
+        m.announce((1,), (0, 1))
     (report,) = coord.reports()  # its first rank's only
     assert (report.suspect, report.replica, report.step, report.left) == (1, 1, 4, True)
     assert report.notice_s is not None and 2.0 <= report.notice_s < 10, report
@@ -254,13 +254,28 @@ def test_a_leaver_reports_with_its_last_steps_commit_and_leaves_before_the_next(
     assert len(coord.reports()) == 1
 
 
+def test_every_member_leaving_after_one_step_stops_the_run_in_order_there(coord: Coordinator) -> None:
+    """A whole-job notice: both groups said in step 3's all-reduce that they leave. Each group's ranks know it from
+    the same all-reduce, so each stops in order after step 3 (and saves it), with no word from the coordinator."""
+    coord.publish(0, (0, 1))
+    m = coord.manager(1)
+    m.notice(time.time() - 1.0)
+    m.start_step(3)
+    m.announce((0, 1), (0, 1))
+    with pytest.raises(RunStopping) as stopping:
+        m.start_step(4)
+    assert stopping.value.step == 3
+    (report,) = coord.reports()  # the leave is still reported: a coordinator that reads it stops the run in order
+    assert report.left and report.step == 4
+
+
 def test_the_step_after_a_leave_all_reduces_once_the_epoch_without_the_leaver_is_out(coord: Coordinator) -> None:
     """Replica 1 said in step 3's all-reduce that it leaves after it: replica 0's step 4 waits, its share
     computed, for the epoch without it instead of an all-reduce that would wait for replica 1."""
     coord.publish(0, (0, 1))
     m = coord.manager(0)
     m.start_step(3)
-    m.announce((1,))
+    m.announce((1,), (0, 1))
     m.committed(m.history(0)[-1])
     assert not coord.reports()  # another group's leave: nothing to say
     assert m.start_step(4) == 0
@@ -268,7 +283,7 @@ def test_the_step_after_a_leave_all_reduces_once_the_epoch_without_the_leaver_is
     assert m.settled_epoch(0) == 1
     assert m.settled_epoch(1) == 1  # replica 1 is out: nothing to wait for
     assert not coord.reports()
-    m.announce(())
+    m.announce((), (0, 1))
     coord.publish(2, (0, 2))
     assert m.settled_epoch(1) == 2  # no leave: the latest epoch, at once
 
@@ -282,7 +297,7 @@ def test_the_wait_for_a_leavers_epoch_reports_itself_and_is_bounded(
     m = coord.manager(0)
     m.rc = dataclasses.replace(RC, collective_timeout_s=0.3, report_confirm_s=0.05)
     m.start_step(3)
-    m.announce((1,))
+    m.announce((1,), (0, 1))
     m.committed(m.history(0)[-1])
     m.start_step(4)
     with caplog.at_level(logging.INFO):

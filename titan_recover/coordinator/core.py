@@ -345,6 +345,13 @@ class CoordinatorCore:
         reported its own leave on notice (``leaving``) goes the same way, as a leave: no failure counted,
         no slot held for its return."""
         wall, step, state = self.wall(), self.step(), self.state
+        members = self.membership.members
+        if self.stopping is None and members and set(members) | set(failed) <= set(self.leaving):
+            # a whole-job notice: the groups stop in order after the step they announced it in (each knows from
+            # its all-reduce), each shard saved; the run ends stopped, not with nobody left
+            self.leaving.clear()
+            self.detector.withdraw(members)
+            return self.on_notice("every replica group leaves on notice")
         effects: list[Effect] = []
         first = wall
         out = take_out(self._roster(), self.limits, failed, self.leaving, self._still_joining(), self.errors)

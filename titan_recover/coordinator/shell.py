@@ -532,10 +532,11 @@ class Coordinator:
 
     def _end_stopped(self) -> int:
         """Every group stopped at the same step boundary: the run's end says so, with the resume line."""
-        assert self.core.stopping is not None and self.noticed is not None
+        assert self.core.stopping is not None
         step, why = self.core.step() - 1, self.core.stopping[1]
         self.control.finish(stopped=True)
-        self.events.emit("stopped", step=step, reason=why, notice_s=round(time.time() - self.noticed, 3))
+        notice_s = None if self.noticed is None else round(time.time() - self.noticed, 3)  # this node's own notice
+        self.events.emit("stopped", step=step, reason=why, notice_s=notice_s)
         log.info(f"the run stopped in order after step {step} ({why}). {self.settings.stop_hint}")
         return EXIT_STOPPED
 

@@ -200,6 +200,11 @@ class FailureDetector:
         elif suspect in self.members:
             self._suspects.setdefault(suspect, cause)
 
+    def withdraw(self, replicas: Iterable[int]) -> None:
+        """The reports naming these are void: their leave became the run's stop in order."""
+        for replica in replicas:
+            self._suspects.pop(replica, None)
+
     def _silent_for(self, replica: int, now: float) -> tuple[float, bool]:
         """Longest silence among the replica's ranks, and whether one never beat."""
         last = self._beats.get(replica)

@@ -88,11 +88,12 @@ class RunDone(Exception):
 
 
 class RunStopping(Exception):
-    """The run stops in order (its coordinator's node goes away): this group's step is past the
-    epoch's ``last_step``, so it stops here, every step up to ``step`` committed."""
+    """The run stops in order (its coordinator's node goes away, or every group leaves on notice): this group's
+    step is past the epoch's ``last_step``, or every member said it leaves, so it stops here, every step up to
+    ``step`` committed."""
 
-    def __init__(self, step: int) -> None:
-        super().__init__(f"stops in order after step {step}: the coordinator's node goes away")
+    def __init__(self, step: int, why: str = "the coordinator's node goes away") -> None:
+        super().__init__(f"stops in order after step {step}: {why}")
         self.step = step
 
 
@@ -191,6 +192,7 @@ class ReplicaManager:
         self.leave_agreed = False  # ...and every rank of its group has (each acts at the same step boundary)
         self.leaving: tuple[int, ...] = ()  # groups that said in the last committed step's all-reduce they leave
         self.announced = False  # this group is one of them: its leave is reported with that step's commit
+        self.everyone_leaves = False  # and so is every member of that step: the run stops in order after it
         self.aborted = 0  # this step's replicate all-reduces given up (an epoch change or a broken peer ended them)
         # step records are written off the step's path (on etcd each is a Raft write), in order
         self._offers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-recover-steps")
@@ -317,6 +319,8 @@ class ReplicaManager:
         epoch = self.agree_epoch()
         if self.announced:
             stops_before(self.membership(epoch), step)  # the run stops here too: the group stops with it, may save
+            if self.everyone_leaves:  # nobody would go on: every group stops here, the state saved
+                raise RunStopping(step - 1, "every replica group leaves on notice after it")
             raise ReplicaLeaving(step, self._notice_s())
         return epoch
 
@@ -325,14 +329,17 @@ class ReplicaManager:
         self.noticed_at = self.noticed_at or time.time()
         return time.time() - self.noticed_at
 
-    def announce(self, leaving: tuple[int, ...]) -> None:
-        """The step committed, and ``leaving`` said in its all-reduce that they leave after it (their ranks had
-        agreed on a notice, ``leave_agreed``): the next step all-reduces in an epoch without them
+    def announce(self, leaving: tuple[int, ...], members: tuple[int, ...]) -> None:
+        """The step committed with ``members``, and ``leaving`` said in its all-reduce that they leave after it
+        (their ranks had agreed on a notice, ``leave_agreed``): the next step all-reduces in an epoch without them
         (``settled_epoch``). When this group is one of them, it leaves before the next step (``start_step``), and
         its first rank tells the coordinator now, before its optimizer step, which takes the group out of the
-        next epoch at once (no detection, no failure), so that epoch is out while every member steps."""
+        next epoch at once (no detection, no failure), so that epoch is out while every member steps. Where every
+        member leaves (a whole-job notice, on any store), the groups stop in order there instead: each knows it
+        from the same all-reduce, so all save the same step, with no word from the coordinator needed."""
         self.leaving = leaving
         self.announced = self.replica in leaving
+        self.everyone_leaves = self.announced and set(members) <= set(leaving)
         if self.announced and self.group_rank == 0:
             step, notice_s = self.step + 1, self._notice_s()
             self.control.report(

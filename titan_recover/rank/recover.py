@@ -571,7 +571,9 @@ class RecoverTrainer(BaseTrainer):
     def _commit(self, current: Membership, buffers: list[torch.Tensor], lr: float) -> None:
         flat, tally = buffers[:2]
         summary = steps.summarize(tally, self.parallel_dims.dp_shard, int(self.global_tokens), self.replica_slots)
-        self.manager.announce(summary.leaving)  # a leaver's report now: its epoch is out before the next all-reduce
+        self.manager.announce(
+            summary.leaving, current.members
+        )  # a leaver's report now: its epoch is out before the next all-reduce
         self.speeds = workload.update_speeds(
             self.speeds,
             summary.seconds_per_microbatch,
