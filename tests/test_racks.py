@@ -6,7 +6,9 @@ group 1 part 0 in rack a and part 1 in rack b, so each shard has a copy in each 
 rack b's first launcher. Rack a's two launchers are SIGKILLed with every process under them in step 8 (snapshots
 every 3 steps), then started again, as repaired or replacement nodes with empty memory: no group holds step 6 whole,
 group 0's node in rack b holds shard 0 and group 1's holds shard 1. Each rank there loads its shard and sends it to
-the same rank of the other group; no checkpoint exists (DCP off). The run ends on its failure-free twin's bits."""
+the same rank of the other group; no checkpoint exists (DCP off). The first time, group 0's rank in rack b is
+SIGKILLed as it sends shard 0 (a donor lost mid-resume): both groups fail again in the step after the resumed one,
+and the run resumes again from the same copies. It ends on its failure-free twin's bits."""
 
 import contextlib
 import os
@@ -15,13 +17,16 @@ import sys
 from pathlib import Path
 
 from conftest import Node, Run, descendants, events
-from test_host_memory import JOB, resumed_on_the_twins_bits, twin  # noqa: F401 (a fixture of this file too)
+from test_host_memory import JOB, STEPS, twin  # noqa: F401 (a fixture of this file too)
 
+from titan_recover.compare import compare_runs
 from titan_recover.control import keys, transport
+from titan_recover.observability.events import undo_resumed
 from titan_recover.titan.jobs import job
 from titan_recover.tools.clusters.partitions import wait_until
 
 HELD = "sleep replica=0 step=8 phase=forward seconds=120 until=epoch"  # step 8 is in flight when rack a goes
+DONOR_LOST = "kill replica=0 rank=0 step=6 phase=donate attempt=1"  # the first resume's donor of shard 0
 
 
 def kill_rack(*nodes: Node) -> None:
@@ -50,7 +55,7 @@ def test_a_rack_lost_whole_resumes_from_the_other_racks_memory_with_no_group_hol
         "--recover.group_nodes",
         "2",
         "--recover.fault_plan",
-        HELD,
+        f"{HELD}; {DONOR_LOST}",
         "--recover.snapshot_dir",
         str(memory),
         "--recover.coordinator_port",
@@ -80,9 +85,15 @@ def test_a_rack_lost_whole_resumes_from_the_other_racks_memory_with_no_group_hol
             for launcher in (coordinator_node, other_b, g0_again, g1_again):
                 assert launcher.wait(timeout=300) == 0, launcher.output()[-4000:]
     run = Run(0, coordinator_node.output(), events(dump))
-    resumed_on_the_twins_bits(run, twin, from_step=6)
-    [resuming] = run.of("resuming")
-    assert resuming["whole"] == [] and resuming["holders"] == {"0": [0], "1": [1]}, resuming
+    assert [(e["step"], e["groups"]) for e in run.of("state_lost")] == [(8, [0, 1]), (7, [0, 1])]
+    for resuming in run.of("resuming"):  # no group holds step 6 whole: each lends the other the shard it kept
+        assert resuming["step"] == 6 and resuming["whole"] == [] and resuming["holders"] == {"0": [0], "1": [1]}
+    assert len(run.of("resuming")) == 2 and [e["step"] for e in run.of("resumed")] == [7]
+    kept, _ = undo_resumed(run.events)
+    assert sorted(e["step"] for e in kept if e["event"] == "step") == list(range(1, STEPS + 1))
+    result = compare_runs(twin.events, run.events, rel_tol=0.0, exact=True)
+    assert not result.problems, result.problems
+    assert result.steps == STEPS and result.digest_steps == STEPS
     assert "one failure domain" not in coordinator_node.output()  # every shard has a copy in each rack
     for again in (g0_again, g1_again):  # each restarted rank took its shard from the other group's rank in rack b
         assert "of state for step 6" in again.output(), again.output()[-3000:]
