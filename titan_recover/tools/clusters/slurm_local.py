@@ -73,9 +73,16 @@ MessageTimeout=5
 InactiveLimit=0
 KillWait={kill_wait}
 MinJobAge=300
+{preemption}
 {nodes}
-PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP{main}
 """
+URGENT = "urgent"  # the partition whose jobs preempt main's, where preemption is on
+PREEMPTION = """\
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+JobRequeue=1
+PartitionName={urgent} Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF"""
 
 
 def unavailable() -> str | None:
@@ -93,12 +100,13 @@ class SlurmCluster:
     """``size`` Slurm nodes (``node0`` ...) and a controller, state and logs under ``folder``:
     ``with SlurmCluster(2, tmp) as s: job = s.sbatch([...])``."""
 
-    def __init__(self, size: int, folder: Path, kill_wait_s: int = 30) -> None:
+    def __init__(self, size: int, folder: Path, kill_wait_s: int = 30, grace_s: int = 0) -> None:
         self.net = netns.Cluster(size + 1)  # namespace 0: the controller
         self.controller, *self.nodes = self.net.nodes
         self.names = [f"{NODE_PREFIX}{i}" for i in range(size)]
         self.folder = folder
         self.kill_wait_s = kill_wait_s
+        self.grace_s = grace_s
         self.conf = folder / "slurm.conf"
         self.hosts = folder / "hosts"
         self.munged: subprocess.Popen | None = None
@@ -145,6 +153,8 @@ class SlurmCluster:
                 folder=self.folder,
                 kill_wait=self.kill_wait_s,
                 nodes=nodes,
+                preemption=PREEMPTION.format(urgent=URGENT) if self.grace_s else "",
+                main=f" PriorityTier=1 GraceTime={self.grace_s}" if self.grace_s else "",
             )
         )
         self.munged = subprocess.Popen(
