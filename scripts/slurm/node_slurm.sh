@@ -16,11 +16,10 @@
 # requeued). So a preempted node's task outlives its launcher until Slurm ends the job, and requeues nothing itself,
 # on any exit: the job is requeued once.
 preempted() { scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -q ' PreemptTime=[0-9]'; }
-await_requeue() {  # until Slurm ends the preempted job (and requeues it): its EndTime, the grace's end, then its periodic check (30 s)
-    local end now state wait=300
-    end=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/.* EndTime=\([^ ]*\).*/\1/p' || true)
-    now=$(date +%s)
-    if [ -n "$end" ] && end=$(date -d "$end" +%s 2>/dev/null); then wait=$((end > now ? end - now + 120 : 120)); fi
+await_requeue() {  # until Slurm ends the preempted job (and requeues it): its grace, then Slurm's periodic check (30 s)
+    local grace state wait
+    grace=$(scontrol show partition "${SLURM_JOB_PARTITION:-}" 2>/dev/null | sed -n 's/.*GraceTime=\([0-9]*\).*/\1/p' | head -n 1 || true)
+    wait=$((${grace:-0} + 300))  # generous: a task that ends first ends the job, which Slurm then never requeues
     echo "[node.sh] job $SLURM_JOB_ID is preempted (the launcher exited $rc): Slurm requeues it when it ends it, after its GraceTime; waiting for that (at most ${wait}s)"
     local deadline=$((SECONDS + wait))
     while [ "$SECONDS" -lt "$deadline" ]; do
@@ -34,7 +33,7 @@ node_state() { sinfo -h -N -n "$1" -o %t 2>/dev/null || true; }  # as sinfo prin
 is_lost() { case $1 in *'*'* | down* | fail*) return 0 ;; *) return 1 ;; esac; }  # not responding, down or failed
 requeue_if_lost() {  # the coordinator's Slurm node
     local node=$1 wait state
-    wait=$(scontrol show config 2>/dev/null | sed -n 's/^SlurmdTimeout *= *\([0-9]*\).*/\1/p')
+    wait=$(scontrol show config 2>/dev/null | sed -n 's/^SlurmdTimeout *= *\([0-9]*\).*/\1/p' || true)  # none: 300
     local deadline=$((SECONDS + ${wait:-300} + 30))
     while [ "$SECONDS" -lt "$deadline" ]; do
         state=$(node_state "$node")
