@@ -1,7 +1,8 @@
 """``scripts/slurm/train.sbatch`` under a real Slurm (Debian's 22.05, ``titan_recover.tools.clusters.slurm_local``):
 two Slurm nodes, each a network namespace with its own host name and address, one replica group per
 node, submitted with ``sbatch`` as a user does. Each run is held against the failure-free trajectory
-(every step once, M microbatches, the same data and losses). One cluster serves the whole file."""
+(every step once, M microbatches, the same data and losses). One cluster serves the whole file; its jobs run in
+``main``, whose jobs a job of ``urgent`` preempts (``GRACE_S``), as the preemption case does."""
 
 from __future__ import annotations
 

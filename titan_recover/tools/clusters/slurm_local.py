@@ -10,6 +10,11 @@ pulled), and brought back (``slurmd`` started again: ``ReturnToService=2`` makes
 registers). The cluster removes everything it made on exit, also when the test fails: daemons, tasks,
 namespaces (the mounts live in the daemons' mount namespaces and go with them).
 
+Preemption (``grace_s``): ``PreemptType=preempt/partition_prio``, ``PreemptMode=REQUEUE``, the default partition
+``main`` with that ``GraceTime`` under ``urgent`` (``URGENT``), a partition of a higher ``PriorityTier`` over the
+same nodes: a job submitted there preempts main's, which Slurm SIGTERMs and, once the grace is over, requeues.
+Jobs within ``main`` never preempt each other.
+
 Needs root, ``nsenter`` and ``unshare`` (util-linux), netns's ``ip`` and ``nft``, and Debian's
 ``slurmctld``, ``slurmd``, ``slurm-client`` and ``munge``; ``unavailable()`` says why not where they
 are missing. Client commands (``sbatch``, ``scontrol``, ...) run inside the controller's namespace.
