@@ -421,6 +421,53 @@ def test_on_etcd_the_first_node_left_ends_a_job_whose_batch_host_is_lost(
     assert ("lost its batch host node0" in ran.stdout) == ends
 
 
+@pytest.mark.parametrize(
+    "code, preempt_time, requeues",
+    [
+        (5, "2026-01-02T03:04:05", False),  # preempted: the run stopped, and Slurm requeues the job itself
+        (3, "2026-01-02T03:04:05", False),  # preempted, the coordinator gone first: still Slurm's requeue alone
+        (3, "None", True),  # the coordinator's node lost (down* to Slurm): node.sh requeues
+        (5, "None", False),  # stopped on another notice: resubmitting is the user's call
+    ],
+)
+def test_a_preempted_jobs_node_waits_for_slurms_requeue_and_requeues_nothing_itself(
+    tmp_path: Path, code: int, preempt_time: str, requeues: bool
+) -> None:
+    """node.sh's decision under Slurm once node 1's launcher has ended, from what Slurm's commands (stand-ins here)
+    say: where the job has a ``PreemptTime`` it waits until Slurm no longer has it RUNNING (here at once) and
+    requeues nothing, whatever the exit code; the real path runs in tests/test_slurm.py."""
+    (tmp_path / "scripts" / "slurm").mkdir(parents=True)
+    shutil.copy(NODE_SH, tmp_path / "scripts" / "node.sh")
+    shutil.copy(NODE_SLURM_SH, tmp_path / "scripts" / "slurm" / "node_slurm.sh")
+    (tmp_path / "c.toml").write_text("")
+    (tmp_path / "bin").mkdir()
+    job = f"JobId=77 JobState=RUNNING PreemptTime={preempt_time} EndTime=2026-01-02T03:04:25"
+    scripts = {
+        "run_train.sh": f"exit {code}",
+        "bin/sinfo": "echo 'down*'",
+        "bin/squeue": "echo COMPLETING",
+        "bin/scontrol": f'case $1 in show) [ "$2" = job ] && echo "{job}" ;; '
+        f'requeue) echo "$2" >> {tmp_path}/requeued ;; esac',
+    }
+    for name, body in scripts.items():
+        (tmp_path / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    ran = sh(
+        tmp_path / "scripts" / "node.sh",
+        SLURMD_NODENAME="node1",
+        NODE_LIST="node0 node1",
+        SLURM_JOB_ID="77",
+        COORDINATOR_ADDR="node0:29510",
+        CONFIG_FILE="c.toml",
+        TITAN_RECOVER_SECRET="s",
+        PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+    )
+    assert ran.returncode == code, ran.stderr
+    requeued = (tmp_path / "requeued").read_text().split() if (tmp_path / "requeued").exists() else []
+    assert requeued == (["77"] if requeues else []), ran.stdout
+    assert ("job 77 is preempted" in ran.stdout) == (preempt_time != "None"), ran.stdout
+
+
 def test_groups_per_node_default_to_gpus_per_node_over_ranks_per_group() -> None:
     out = dry_run("n1 n2", CFG, GPUS_PER_NODE="8", RANKS_PER_GROUP="4")
     assert out.returncode == 0, out.stderr

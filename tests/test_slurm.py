@@ -1,10 +1,12 @@
 """``scripts/slurm/train.sbatch`` under a real Slurm (Debian's 22.05, ``titan_recover.tools.clusters.slurm_local``):
 two Slurm nodes, each a network namespace with its own host name and address, one replica group per
 node, submitted with ``sbatch`` as a user does. Each run is held against the failure-free trajectory
-(every step once, M microbatches, the same data and losses). One cluster serves the whole file."""
+(every step once, M microbatches, the same data and losses). One cluster serves the whole file; its jobs run in
+``main``, whose jobs a job of ``urgent`` preempts (``GRACE_S``), as the preemption case does."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,11 +23,12 @@ REASON = slurm_local.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no Slurm cluster here: {REASON}")
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY")
 RUN_S = 240.0  # a job's bound, start to end
+GRACE_S = 20  # the preempted job's GraceTime: above the runs' recover.notice_budget_s, 12 s
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm_local.SlurmCluster]:
-    with slurm_local.SlurmCluster(2, tmp_path_factory.mktemp("slurm")) as cluster:
+    with slurm_local.SlurmCluster(2, tmp_path_factory.mktemp("slurm"), grace_s=GRACE_S) as cluster:
         yield cluster
 
 
@@ -77,6 +80,30 @@ def finished(slurm: slurm_local.SlurmCluster, job_id: str, dump: Path) -> tuple[
     fields = slurm.wait_job(job_id, ENDED, RUN_S)
     output = Path(f"{dump}.out").read_text()
     return fields, Run(0 if "0: titan_recover summary" in output else 1, output, events(dump))
+
+
+def told(slurm: slurm_local.SlurmCluster, dump: Path) -> str:
+    """What a timeout prints: the job's output, node 1's events and its slurmd log (node 1's lines are lost with
+    srun, where node 0 ran it and is gone), the end of slurmctld's log."""
+    node1 = dump / "recover_events.node1.jsonl"
+    said = node1.read_text()[-3000:] if node1.exists() else "(no event file)"
+    slurmd = (slurm.folder / "slurmd.node1.log").read_text()[-3000:]
+    output = Path(f"{dump}.out").read_text()[-4000:]
+    slurmctld = (slurm.folder / "slurmctld.log").read_text()[-2000:]
+    return (
+        f"--- the job's output ---\n{output}\n--- node 1's events ---\n{said}\n--- node 1's slurmd ---\n{slurmd}\n"
+        f"--- slurmctld ---\n{slurmctld}"
+    )
+
+
+def wait_job(
+    slurm: slurm_local.SlurmCluster, job_id: str, states: tuple[str, ...], timeout_s: float, dump: Path
+) -> dict:
+    """``slurm.wait_job``, its timeout saying what the job said (``told``)."""
+    try:
+        return slurm.wait_job(job_id, states, timeout_s)
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}\n{told(slurm, dump)}") from e
 
 
 def stalled(dump: Path, replica: int) -> Callable[[], bool]:
@@ -162,16 +189,7 @@ def test_the_coordinators_node_lost_requeues_the_job_and_it_resumes_from_the_che
     slurm.wait((dump / "checkpoint" / "step-4" / ".metadata").exists, 30, "the step-4 checkpoint")
     first = Run(1, "", events(dump))  # a new run's launchers start the event files again
     slurm.fail(0)
-    try:  # by node 1's node.sh, once Slurm finds node 0 not responding
-        slurm.wait_job(job_id, ("PENDING",), 120)
-    except TimeoutError as e:  # what node 1 said while node 0 forwarded its lines, and what it logged after
-        node1 = dump / "recover_events.node1.jsonl"
-        said = node1.read_text()[-3000:] if node1.exists() else "(no event file)"
-        slurmd = (slurm.folder / "slurmd.node1.log").read_text()[-3000:]
-        raise TimeoutError(
-            f"{e}\n--- the job's output ---\n{Path(f'{dump}.out').read_text()[-4000:]}\n--- node 1's events ---\n"
-            f"{said}\n--- node 1's slurmd ---\n{slurmd}"
-        ) from e
+    wait_job(slurm, job_id, ("PENDING",), 120, dump)  # by node 1's node.sh, once Slurm finds node 0 not responding
     slurm.wait(lambda: slurm.down(0), 60, "node0 down")
     slurm.start_node(0)
     slurm.wait(lambda: slurm.states().get("node0") == "idle", 60, "node0 idle again")
@@ -238,3 +256,49 @@ def test_on_etcd_the_batch_hosts_node_lost_is_survived_and_the_orphaned_job_ende
     assert (failure["replica"], failure["step"]) == (0, 5), failure
     assert {s: e["members"] for s, e in run.steps().items()} == {s: [0, 1] if s < 5 else [1] for s in range(1, 11)}
     assert run.of("param_digest")[-1]["step"] == 10
+
+
+def test_slurms_own_preemption_stops_the_run_which_saves_is_requeued_once_by_slurm_and_resumes_with_no_step_lost(
+    tmp_path: Path, slurm: slurm_local.SlurmCluster, two_singles: Run
+) -> None:
+    """Slurm's preemption as a cluster configures it (``PreemptType=preempt/partition_prio``,
+    ``PreemptMode=REQUEUE``, the run's partition ``GraceTime=20`` under a higher ``PriorityTier`` one over the same
+    nodes), DCP checkpoints off. While replica 1 is inside step 4, a job submitted to the higher partition needs both
+    nodes: Slurm SIGTERMs every task of the run, the coordinator's node stops the run in order after step 4 and the
+    groups save its state to the stop folder. Slurm requeues the job by itself once the grace is over, and only
+    then: ``node_slurm.sh`` waits for it (a job that ended first would not be requeued) and requeues nothing. The
+    preemptor runs; once it has ended, the requeued job (same id, same command) resumes from the stop: steps 5-10,
+    one restart, and the two runs together are the failure-free trajectory."""
+    dump = tmp_path / "dump"
+    job_id = submit(slurm, dump, "sleep replica=1 step=4 phase=backward seconds=6")
+    slurm.wait(stalled(dump, 1), RUN_S, "replica 1's stall")
+    noticed = time.monotonic()
+    urgent = slurm.sbatch(
+        ["--nodes=2", "--exclusive", f"--partition={slurm_local.URGENT}", f"--output={tmp_path}/urgent.out"]
+        + ["--wrap", "sleep 2"],
+        cwd=tmp_path,
+    )
+    # the grace, then Slurm's periodic check (every 30 s) ends the job and requeues it
+    wait_job(slurm, job_id, ("PENDING",), GRACE_S + 60, dump)
+    requeued_s = time.monotonic() - noticed
+    first = Run(5, "", events(dump))  # a new run's launchers start the event files again
+    ran = slurm.wait_job(urgent, ENDED, 60)
+    slurm.client(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])  # Slurm holds a requeued job 120 s
+    fields, second = finished(slurm, job_id, dump)
+    print(f"requeued {requeued_s:.1f}s after the preemptor's submission;", fields["JobState"], fields["Restarts"])
+    assert ran["JobState"] == "COMPLETED", ran
+    ended = (fields["JobState"], fields["ExitCode"], fields["Restarts"])
+    assert ended == ("COMPLETED", "0:0", "1"), second.output[-3000:]
+    assert f"GraceTime={GRACE_S}s (partition main): the run stops and saves" in second.output, second.output[:3000]
+    assert f"job {job_id} is preempted" in second.output and "requeueing job" not in second.output, second.output[
+        -3000:
+    ]
+    assert sorted(first.steps()) == [1, 2, 3, 4], first.steps()
+    assert not first.of("failure") and not first.of("fatal"), first.of("failure") + first.of("fatal")
+    [saved] = first.of("stop_saved")  # one copy of the one shard
+    assert saved["step"] == 4, saved
+    assert not list((dump / "checkpoint").glob("step-*")), "checkpoints are off: no DCP save"
+    assert sorted(second.steps()) == list(range(5, 11)), second.output[-3000:]
+    assert {e["replica"] for e in second.of("stop_resumed")} == {0, 1}, second.of("stop_resumed")
+    assert second.output.count("0: titan_recover summary") == 2  # the stopped run's, kept (--open-mode=append)
+    assert_same_trajectory(two_singles, Run(0, "", first.events + second.events), 1e-3, num_microbatches=4)

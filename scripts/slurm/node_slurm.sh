@@ -9,11 +9,31 @@
 # EXIT_COORDINATOR_LOST) waits for Slurm's own verdict on that node (not responding or down, within its
 # SlurmdTimeout) and requeues the job: it resumes from the last checkpoint. A coordinator lost from here
 # only (a partition between the nodes, the node still answering Slurm) requeues nothing.
+#
+# Slurm's own preemption (PreemptMode=REQUEUE, a GraceTime on the run's partition) sets the job's PreemptTime and
+# SIGTERMs every task: the run stops in order and saves (exit 5, or 4). Slurm requeues the job by itself, but only
+# when it ends it, once the grace is over: a job whose batch script ended first is over (measured: COMPLETED, never
+# requeued). So a preempted node's task outlives its launcher until Slurm ends the job, and requeues nothing itself,
+# on any exit: the job is requeued once.
+preempted() { scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -q ' PreemptTime=[0-9]'; }
+await_requeue() {  # until Slurm ends the preempted job (and requeues it): its grace, then Slurm's periodic check (30 s)
+    local grace state wait
+    grace=$(scontrol show partition "${SLURM_JOB_PARTITION:-}" 2>/dev/null | sed -n 's/.*GraceTime=\([0-9]*\).*/\1/p' | head -n 1 || true)
+    wait=$((${grace:-0} + 300))  # generous: a task that ends first ends the job, which Slurm then never requeues
+    echo "[node.sh] job $SLURM_JOB_ID is preempted (the launcher exited $rc): Slurm requeues it when it ends it, after its GraceTime; waiting for that (at most ${wait}s)"
+    local deadline=$((SECONDS + wait))
+    while [ "$SECONDS" -lt "$deadline" ]; do
+        state=$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null || true)  # none: Slurm did not answer
+        [ -z "$state" ] || [ "$state" = RUNNING ] || return 0
+        sleep 1
+    done
+    echo "error: [node.sh] job $SLURM_JOB_ID still running ${wait}s after its launcher exited: this task ends, and a job that ends by itself is not requeued: requeue it by hand (scontrol requeue $SLURM_JOB_ID)" >&2
+}
 node_state() { sinfo -h -N -n "$1" -o %t 2>/dev/null || true; }  # as sinfo prints it: idle, alloc*, down*, ...
 is_lost() { case $1 in *'*'* | down* | fail*) return 0 ;; *) return 1 ;; esac; }  # not responding, down or failed
 requeue_if_lost() {  # the coordinator's Slurm node
     local node=$1 wait state
-    wait=$(scontrol show config 2>/dev/null | sed -n 's/^SlurmdTimeout *= *\([0-9]*\).*/\1/p')
+    wait=$(scontrol show config 2>/dev/null | sed -n 's/^SlurmdTimeout *= *\([0-9]*\).*/\1/p' || true)  # none: 300
     local deadline=$((SECONDS + ${wait:-300} + 30))
     while [ "$SECONDS" -lt "$deadline" ]; do
         state=$(node_state "$node")
@@ -51,7 +71,9 @@ set +e
 env "${env_args[@]}" "${cmd[@]}"
 rc=$?
 set -e
-if [ "$rc" -eq 3 ] && [ -z "$CONTROL_STORE" ] && [ -z "$JOIN_RUN" ] && [ "$NODE_INDEX" -gt 0 ]; then
+if [ "$rc" -ne 0 ] && preempted; then
+    await_requeue
+elif [ "$rc" -eq 3 ] && [ -z "$CONTROL_STORE" ] && [ -z "$JOIN_RUN" ] && [ "$NODE_INDEX" -gt 0 ]; then
     requeue_if_lost "${hosts[0]:-${addr%:*}}"
 elif [ -n "$CONTROL_STORE" ] && [ "$NODE_INDEX" -gt 0 ] && [ ${#hosts[@]} -gt 0 ]; then
     end_if_orphaned "${hosts[0]}"

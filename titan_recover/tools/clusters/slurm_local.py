@@ -10,6 +10,11 @@ pulled), and brought back (``slurmd`` started again: ``ReturnToService=2`` makes
 registers). The cluster removes everything it made on exit, also when the test fails: daemons, tasks,
 namespaces (the mounts live in the daemons' mount namespaces and go with them).
 
+Preemption (``grace_s``): ``PreemptType=preempt/partition_prio``, ``PreemptMode=REQUEUE``, the default partition
+``main`` with that ``GraceTime`` under ``urgent`` (``URGENT``), a partition of a higher ``PriorityTier`` over the
+same nodes: a job submitted there preempts main's, which Slurm SIGTERMs and, once the grace is over, requeues.
+Jobs within ``main`` never preempt each other.
+
 Needs root, ``nsenter`` and ``unshare`` (util-linux), netns's ``ip`` and ``nft``, and Debian's
 ``slurmctld``, ``slurmd``, ``slurm-client`` and ``munge``; ``unavailable()`` says why not where they
 are missing. Client commands (``sbatch``, ``scontrol``, ...) run inside the controller's namespace.
@@ -73,9 +78,16 @@ MessageTimeout=5
 InactiveLimit=0
 KillWait={kill_wait}
 MinJobAge=300
+{preemption}
 {nodes}
-PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP{main}
 """
+URGENT = "urgent"  # the partition whose jobs preempt main's, where preemption is on
+PREEMPTION = """\
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+JobRequeue=1
+PartitionName={urgent} Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF"""
 
 
 def unavailable() -> str | None:
@@ -93,12 +105,13 @@ class SlurmCluster:
     """``size`` Slurm nodes (``node0`` ...) and a controller, state and logs under ``folder``:
     ``with SlurmCluster(2, tmp) as s: job = s.sbatch([...])``."""
 
-    def __init__(self, size: int, folder: Path, kill_wait_s: int = 30) -> None:
+    def __init__(self, size: int, folder: Path, kill_wait_s: int = 30, grace_s: int = 0) -> None:
         self.net = netns.Cluster(size + 1)  # namespace 0: the controller
         self.controller, *self.nodes = self.net.nodes
         self.names = [f"{NODE_PREFIX}{i}" for i in range(size)]
         self.folder = folder
         self.kill_wait_s = kill_wait_s
+        self.grace_s = grace_s
         self.conf = folder / "slurm.conf"
         self.hosts = folder / "hosts"
         self.munged: subprocess.Popen | None = None
@@ -145,6 +158,8 @@ class SlurmCluster:
                 folder=self.folder,
                 kill_wait=self.kill_wait_s,
                 nodes=nodes,
+                preemption=PREEMPTION.format(urgent=URGENT) if self.grace_s else "",
+                main=f" PriorityTier=1 GraceTime={self.grace_s}" if self.grace_s else "",
             )
         )
         self.munged = subprocess.Popen(
