@@ -63,6 +63,20 @@ def sh(script: Path | str, *args: str, **env: str) -> subprocess.CompletedProces
     )
 
 
+def slurm_stand_ins(folder: Path, scripts: dict[str, str]) -> Path:
+    """``folder`` laid out as a checkout holding node.sh and node_slurm.sh, with ``scripts`` (path -> bash body: the
+    launcher's ``run_train.sh`` and Slurm's commands under ``bin/``) as executables; the folder of the commands."""
+    (folder / "scripts" / "slurm").mkdir(parents=True)
+    shutil.copy(NODE_SH, folder / "scripts" / "node.sh")
+    shutil.copy(NODE_SLURM_SH, folder / "scripts" / "slurm" / "node_slurm.sh")
+    (folder / "c.toml").write_text("")
+    (folder / "bin").mkdir()
+    for name, body in scripts.items():
+        (folder / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (folder / name).chmod(0o755)
+    return folder / "bin"
+
+
 def dry_run(nodes: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     return sh(SBATCH, *args, DRY_RUN="1", DRY_RUN_NODES=nodes, GPUS_PER_NODE=env.pop("GPUS_PER_NODE", "0"), **env)
 
@@ -388,22 +402,16 @@ def test_on_etcd_the_first_node_left_ends_a_job_whose_batch_host_is_lost(
 ) -> None:
     """node.sh's decision under Slurm (``scripts/slurm/node_slurm.sh``) once its launcher has ended, from what
     Slurm's commands (stand-ins here) say: the real path runs in tests/test_slurm.py."""
-    (tmp_path / "scripts" / "slurm").mkdir(parents=True)
-    shutil.copy(NODE_SH, tmp_path / "scripts" / "node.sh")
-    shutil.copy(NODE_SLURM_SH, tmp_path / "scripts" / "slurm" / "node_slurm.sh")
-    (tmp_path / "c.toml").write_text("")
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    scripts = {
-        "run_train.sh": "exit 0",
-        "bin/sinfo": f"echo '{batch_host_state}'",
-        "bin/squeue": f"echo '{job_nodes}'",
-        "bin/scontrol": 'printf "%s\\n" $3',  # `scontrol show hostnames LIST`: here LIST is the names
-        "bin/scancel": f'echo "$@" >> {tmp_path}/cancelled',
-    }
-    for name, body in scripts.items():
-        (tmp_path / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
-        (tmp_path / name).chmod(0o755)
+    fake = slurm_stand_ins(
+        tmp_path,
+        {
+            "run_train.sh": "exit 0",
+            "bin/sinfo": f"echo '{batch_host_state}'",
+            "bin/squeue": f"echo '{job_nodes}'",
+            "bin/scontrol": 'printf "%s\\n" $3',  # `scontrol show hostnames LIST`: here LIST is the names
+            "bin/scancel": f'echo "$@" >> {tmp_path}/cancelled',
+        },
+    )
     ran = sh(
         tmp_path / "scripts" / "node.sh",
         SLURMD_NODENAME=node,
@@ -436,22 +444,17 @@ def test_a_preempted_jobs_node_waits_for_slurms_requeue_and_requeues_nothing_its
     """node.sh's decision under Slurm once node 1's launcher has ended, from what Slurm's commands (stand-ins here)
     say: where the job has a ``PreemptTime`` it waits until Slurm no longer has it RUNNING (here at once) and
     requeues nothing, whatever the exit code; the real path runs in tests/test_slurm.py."""
-    (tmp_path / "scripts" / "slurm").mkdir(parents=True)
-    shutil.copy(NODE_SH, tmp_path / "scripts" / "node.sh")
-    shutil.copy(NODE_SLURM_SH, tmp_path / "scripts" / "slurm" / "node_slurm.sh")
-    (tmp_path / "c.toml").write_text("")
-    (tmp_path / "bin").mkdir()
     job = f"JobId=77 JobState=RUNNING PreemptTime={preempt_time} EndTime=2026-01-02T03:04:25"
-    scripts = {
-        "run_train.sh": f"exit {code}",
-        "bin/sinfo": "echo 'down*'",
-        "bin/squeue": "echo COMPLETING",
-        "bin/scontrol": f'case $1 in show) [ "$2" = job ] && echo "{job}" ;; '
-        f'requeue) echo "$2" >> {tmp_path}/requeued ;; esac',
-    }
-    for name, body in scripts.items():
-        (tmp_path / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
-        (tmp_path / name).chmod(0o755)
+    fake = slurm_stand_ins(
+        tmp_path,
+        {
+            "run_train.sh": f"exit {code}",
+            "bin/sinfo": "echo 'down*'",
+            "bin/squeue": "echo COMPLETING",
+            "bin/scontrol": f'case $1 in show) [ "$2" = job ] && echo "{job}" ;; '
+            f'requeue) echo "$2" >> {tmp_path}/requeued ;; esac',
+        },
+    )
     ran = sh(
         tmp_path / "scripts" / "node.sh",
         SLURMD_NODENAME="node1",
@@ -460,7 +463,7 @@ def test_a_preempted_jobs_node_waits_for_slurms_requeue_and_requeues_nothing_its
         COORDINATOR_ADDR="node0:29510",
         CONFIG_FILE="c.toml",
         TITAN_RECOVER_SECRET="s",
-        PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        PATH=f"{fake}:{os.environ['PATH']}",
     )
     assert ran.returncode == code, ran.stderr
     requeued = (tmp_path / "requeued").read_text().split() if (tmp_path / "requeued").exists() else []
