@@ -260,6 +260,9 @@ def test_a_whole_job_notice_with_checkpoints_off_saves_the_stop_and_the_same_com
     assert saved["step"] == HOLD_STEP, saved
     assert not list((dump / "checkpoint").glob("step-*")), "checkpoints are off: no DCP save"
     assert "it resumes from the state saved at the stop" in a.output(), a.output()[-3000:]
+    for node in (a, b):  # the rate of a save measured at start: 4.5 MiB fits 12 s
+        assert "a whole-job notice's save of this shard's state fits recover.notice_budget_s" in node.output()
+    assert not first.of("stop_save_short"), first.of("stop_save_short")
     with Node("a2", dump, args, env_a) as a2, Node("b2", dump, args, env_b) as b2:
         assert a2.wait(timeout=300) == 0, a2.output()[-4000:]
         assert b2.wait(timeout=60) == 0, b2.output()[-4000:]

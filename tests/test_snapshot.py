@@ -346,18 +346,18 @@ def test_a_durable_write_fsyncs_the_file_then_its_folder(tmp_path: Path, monkeyp
     assert directory == str(folder)
 
 
-# --- the stop folder's write rate ---------------------------------------------------
+# --- the rate of a save into the stop folder ---------------------------------------------------
 
 
-def test_write_rate_measures_a_durable_write_and_leaves_nothing(tmp_path: Path) -> None:
+def test_save_rate_measures_a_durable_write_and_leaves_nothing(tmp_path: Path) -> None:
     folder = tmp_path / "stop" / "shard0"
-    probe = snapshot.write_rate(str(folder), 8 << 20)
+    probe = snapshot.save_rate(str(folder), 8 << 20)
     assert probe.finished and probe.rate > 0
     assert os.listdir(folder) == []
 
 
-def test_write_rate_is_bounded_and_its_file_is_removed_after(tmp_path: Path) -> None:
-    probe = snapshot.write_rate(str(tmp_path), snapshot.PROBE_BYTES, timeout_s=1e-4)
+def test_save_rate_is_bounded_and_its_file_is_removed_after(tmp_path: Path) -> None:
+    probe = snapshot.save_rate(str(tmp_path), snapshot.PROBE_BYTES, timeout_s=1e-4)
     assert not probe.finished  # still writing at its bound: its rate is an upper bound
     assert probe.rate <= snapshot.PROBE_BYTES / 1e-4
     deadline = time.monotonic() + 60
@@ -366,16 +366,16 @@ def test_write_rate_is_bounded_and_its_file_is_removed_after(tmp_path: Path) -> 
     assert os.listdir(tmp_path) == []
 
 
-def test_write_rate_into_a_folder_that_cannot_be_made_names_it(tmp_path: Path) -> None:
+def test_save_rate_into_a_folder_that_cannot_be_made_names_it(tmp_path: Path) -> None:
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(SnapshotError, match=f"folder {tmp_path / 'file' / 'shard0'} cannot be written"):
-        snapshot.write_rate(str(tmp_path / "file" / "shard0"), 1000)
+        snapshot.save_rate(str(tmp_path / "file" / "shard0"), 1000)
 
 
 def test_a_probe_left_by_a_dead_process_is_swept_like_a_temp(tmp_path: Path) -> None:
     folder = tmp_path / "shard0"
     folder.mkdir()
-    left = folder / ".write-probe.0a1b2c.tmp"
+    left = folder / ".save-probe.0a1b2c.tmp"
     left.write_bytes(b"x" * 1000)
     SnapshotWriter(str(tmp_path), 0, keep=1).close()
     assert not left.exists()

@@ -30,7 +30,8 @@ def test_the_start_line_names_every_number_and_what_to_set() -> None:
     line = stop_budget.at_start(fit)
     for fragment in (
         "would not fit recover.notice_budget_s",
-        "12.0 GB at the stop folder's measured 200.0 MB/s takes about 60.0 s",  # the shard, the rate, the time
+        "12.0 GB at the 200.0 MB/s measured for a save into the stop folder (its checksum and fsynced write) takes "
+        "about 60.0 s",  # the shard, the rate, the time
         "over the 12 s budget",
         "that time holds 2.4 GB at this rate",  # what fits
         "12.0 GB in 12.0 s needs 1.0 GB/s",  # the rate that would fit
@@ -50,7 +51,8 @@ def test_the_notice_line_names_the_time_left_and_where_the_next_run_starts() -> 
     line = stop_budget.at_notice(fit, 41, stop_budget.fallback(40, None))
     for fragment in (
         "step 41's state will not fit the notice",
-        "3.0 GB at the stop folder's measured 100.0 MB/s takes about 30.0 s",
+        "3.0 GB at the 100.0 MB/s measured for a save into the stop folder (its checksum and fsynced write) takes "
+        "about 30.0 s",
         "over the 7.2 s at most left of recover.notice_budget_s",
         "that time holds 725.0 MB",
         "It is written anyway (a write cut short is never used)",
@@ -95,6 +97,8 @@ def test_an_8b_group_in_a_30s_grace() -> None:
     assert round(8 * whole_grace.needed_rate / GB, 1) == 3.2
     after_a_step = SaveFit(shard, rate=400e6, budget_s=15.0)  # a 25 s budget, a 10 s step reaching the boundary
     assert round(after_a_step.needed_rate / 1e6) == 803 and round(8 * after_a_step.needed_rate / GB, 1) == 6.4
+    sixteen_bytes = SaveFit(LLAMA3_8B_PARAMS * 16 // 8, rate=400e6, budget_s=30.0)  # 128 GB per copy
+    assert round(sixteen_bytes.needed_rate / 1e6) == 535
     nfs = SaveFit(shard, rate=1.25e9 / 8, budget_s=30.0)  # a node's 10 Gb/s link, shared by its 8 ranks
     assert round(nfs.needed_s) == 77 and round(nfs.fitting_bytes / GB, 2) == 4.69  # per rank
     assert round(8 * nfs.fitting_bytes / STATE_BYTES_PER_PARAM / 1e9, 1) == 3.1  # a 3.1B-parameter group fits

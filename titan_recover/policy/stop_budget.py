@@ -1,10 +1,10 @@
 """Whether a shard's save at a stop fits the notice: pure arithmetic and the lines that say it.
 
-When the run stops in order on a notice, every rank writes its shard's state to the stop folder at once
-(``rank.snapshot``, fsynced), one copy per shard. Each rank measures the folder's write rate once at start;
-its shard's bytes at that rate, against ``recover.notice_budget_s`` (or what is left of it at the notice),
-say whether the save lands before the scheduler's kill. A save that does not land is never used (it is
-written under a temp name): the next run starts from the last complete checkpoint instead.
+When the run stops in order on a notice, every rank saves its shard's state to the stop folder at once
+(``rank.snapshot``: a checksum, then an fsynced write), one copy per shard. Each rank measures the rate of
+such a save once at start; its shard's bytes at that rate, against ``recover.notice_budget_s`` (or what is
+left of it at the notice), say whether the save lands before the scheduler's kill. A save that does not land
+is never used (it is written under a temp name): the next run starts from the last complete checkpoint.
 """
 
 import math
@@ -28,7 +28,7 @@ class SaveFit:
     """One shard's save at a stop against the time it has."""
 
     state_bytes: int  # the shard's state as the save writes it
-    rate: float  # bytes/s: the stop folder's durable write rate as measured, > 0
+    rate: float  # bytes/s: a save's into the stop folder (checksum and fsynced write) as measured, > 0
     budget_s: float  # the time the save has
 
     @property
@@ -53,7 +53,8 @@ class SaveFit:
         """The figures, ``budget`` naming the time the save has."""
         needs = "cannot fit" if math.isinf(self.needed_rate) else f"needs {amount(self.needed_rate)}/s"
         return (
-            f"{amount(self.state_bytes)} at the stop folder's measured {amount(self.rate)}/s takes about "
+            f"{amount(self.state_bytes)} at the {amount(self.rate)}/s measured for a save into the stop folder "
+            f"(its checksum and fsynced write) takes about "
             f"{seconds(self.needed_s)}, {budget}; that time holds {amount(self.fitting_bytes)} at this rate, and "
             f"{amount(self.state_bytes)} in {max(self.budget_s, 0.0):.1f} s {needs}"
         )

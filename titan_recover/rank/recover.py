@@ -17,6 +17,7 @@ With ``enable = false`` the rank runs ``stock.StockTrainer``, stock TorchTitan H
 modes log the same per-step events so their trajectories can be compared.
 """
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -119,7 +120,7 @@ class RecoverTrainer(BaseTrainer):
         self._started = False  # its first should_continue_training: a state saved at a stop is newer?
         self.stop_root = stop_folder(job_config, titan.dump_folder(job_config))
         self.snapshot_root = os.environ.get(keys.SNAPSHOT_DIR_ENV, "")  # the launcher's folder; "": none
-        self._stop_rate: snapshot.Probe | None = None  # the stop folder's write rate, measured at the first start
+        self._stop_rate: snapshot.Probe | None = None  # a save's rate into the stop folder, measured at the first start
         self._verified: tuple[int, dict[str, Any], torch.Tensor] | None = None  # the newest snapshot read at a join
         self.snapshots = self._snapshot_writer(rc)  # copies of the committed state in this node's memory
         # DCP checkpoints stay a backstop: one replica group saves (the step's leader), and a
@@ -376,24 +377,25 @@ class RecoverTrainer(BaseTrainer):
         )
 
     def _probe_stop_folder(self) -> None:
-        """Once, before the first step: the stop folder's write rate, measured by every rank (each writes its own
-        shard at a stop, all at once: their probes meet the same contention, and the figure is at hand at the
-        notice with no collective). Where a whole-job notice's save of this shard would not fit
-        ``recover.notice_budget_s``, a warning and a ``stop_save_short`` event; where the folder cannot be
-        written, a warning. It costs the probe's write of at most ``snapshot.PROBE_BYTES``."""
+        """Once, before the first step: the rate of a save into the stop folder (checksum and fsynced write),
+        measured by every rank (each saves its own shard at a stop, all at once: their probes meet that
+        contention, and each has its figure at the notice with no collective). Where a whole-job notice's save of
+        this shard would not fit ``recover.notice_budget_s``, a warning and a ``stop_save_short`` event; where the
+        folder cannot be written, a warning. It costs the probe: at most ``snapshot.PROBE_BYTES``, checksummed
+        and written once."""
         state = transfer.state_bytes(self.model_parts, self.optimizers)
         folder = snapshot.shard_dir(self.stop_root, self.group_rank)
-        self.manager.tick("measuring the stop folder's write rate")
+        self.manager.tick("measuring the rate of a save into the stop folder")
         try:
-            probe = snapshot.write_rate(folder, min(snapshot.PROBE_BYTES, state))
+            probe = snapshot.save_rate(folder, min(snapshot.PROBE_BYTES, state))
         except snapshot.SnapshotError as e:
             self.log.warning(f"the stop {e}: a whole-job notice cannot save this shard's state there")
             return
         self._stop_rate = probe
         if not probe.finished:
             self.log.warning(
-                f"the stop folder {folder} took over {snapshot.PROBE_TIMEOUT_S:g} s to take "
-                f"{stop_budget.amount(min(snapshot.PROBE_BYTES, state))} (under {stop_budget.amount(probe.rate)}/s)"
+                f"a save of {stop_budget.amount(min(snapshot.PROBE_BYTES, state))} into the stop folder {folder} "
+                f"took over {snapshot.PROBE_TIMEOUT_S:g} s: under {stop_budget.amount(probe.rate)}/s"
             )
         fit = stop_budget.SaveFit(state, probe.rate, self.rc.notice_budget_s)
         if fit.fits:
@@ -767,6 +769,9 @@ class RecoverTrainer(BaseTrainer):
         else:
             if self.step >= self.job_config.training.steps:  # the run ended: a state saved at a stop is spent
                 shutil.rmtree(snapshot.shard_dir(self.stop_root, self.group_rank), ignore_errors=True)
+                for folder in (self.stop_root, os.path.dirname(self.stop_root)):  # the last rank's, once empty
+                    with contextlib.suppress(OSError):
+                        os.rmdir(folder)
         self.manager.finish()
 
     def close(self) -> None:

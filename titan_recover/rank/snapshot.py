@@ -47,13 +47,13 @@ VERSION = 1
 PREFIX = struct.Struct("<8sIQ32s")  # magic, version, header bytes, header digest
 DIGEST_BYTES = 32
 NAME = re.compile(r"step(\d{1,19})\.snapshot")
-TEMP = re.compile(r"\.(?:step\d{1,19}\.snapshot|write-probe)\.[0-9a-f]+\.tmp")  # a file's, or a rate probe's
+TEMP = re.compile(r"\.(?:step\d{1,19}\.snapshot|save-probe)\.[0-9a-f]+\.tmp")  # a file's, or a rate probe's
 CLAIM = re.compile(r"\.step(\d{1,19})\.snapshot\.claim")
 IO_CHUNK = 1 << 30  # bytes per read or write call: Linux moves at most ~2 GiB per call
 WRITE_GRACE_S = 60.0  # a write's bound: this plus its bytes at WRITE_FLOOR_BYTES_S (a tmpfs is far faster)
 WRITE_FLOOR_BYTES_S = 100e6
 JOIN_S = 10.0  # an idle writer's thread stops at once
-PROBE_BYTES = 64 << 20  # the most a write-rate probe writes
+PROBE_BYTES = 64 << 20  # the most a save-rate probe writes
 PROBE_CHUNK = 4 << 20
 PROBE_TIMEOUT_S = 10.0
 SNAPSHOT = transfer.Source(
@@ -144,33 +144,34 @@ def remove_stale_temps(folder: str) -> list[str]:
 
 
 class Probe(NamedTuple):
-    """A folder's durable write rate as ``write_rate`` measured it."""
+    """The rate of a save into a folder as ``save_rate`` measured it."""
 
     rate: float  # bytes/s
-    finished: bool  # False: still writing at the probe's bound, so ``rate`` is an upper bound
+    finished: bool  # False: still at work at the probe's bound, so ``rate`` is an upper bound
 
 
-def write_rate(folder: str, nbytes: int, timeout_s: float = PROBE_TIMEOUT_S) -> Probe:
-    """The rate at which ``folder`` takes a durable write, as a stop's save writes there: ``nbytes`` of random
-    bytes (a compressing filesystem does not shrink them) into a locked temp file, fsynced, then removed.
-    Timed on a thread of its own, so that storage that hangs holds the caller ``timeout_s`` at most; the thread
-    removes its file once the write returns (a process that dies first leaves a temp a writer's sweep removes).
+def save_rate(folder: str, nbytes: int, timeout_s: float = PROBE_TIMEOUT_S) -> Probe:
+    """The rate at which a durable save into ``folder`` takes its bytes, measured on ``nbytes`` of random bytes (a
+    compressing filesystem does not shrink them): their checksum, as a file's header holds it (on the CPU, and on
+    a slow one slower than a disk), and their write into a locked temp file, fsynced, then removed. Timed on a
+    thread of its own, so that storage that hangs holds the caller ``timeout_s`` at most; the thread removes its
+    file once the write returns (a process that dies first leaves a temp a writer's sweep removes).
     ``SnapshotError`` where the folder cannot be written."""
     if nbytes < 1:
-        raise ValueError(f"a write-rate probe writes at least one byte, not {nbytes}")
+        raise ValueError(f"a save-rate probe takes at least one byte, not {nbytes}")
     done = threading.Event()
     outcome: list[float | OSError] = []
 
     def probe() -> None:
         try:
-            outcome.append(timed_write(folder, nbytes))
+            outcome.append(timed_save(folder, nbytes))
         except OSError as e:
             outcome.append(e)
         finally:
             done.set()
 
     start = time.perf_counter()
-    threading.Thread(target=probe, name="stop-folder-probe", daemon=True).start()
+    threading.Thread(target=probe, name="save-rate-probe", daemon=True).start()
     if not done.wait(timeout_s):
         return Probe(nbytes / (time.perf_counter() - start), finished=False)
     [seconds] = outcome
@@ -179,17 +180,19 @@ def write_rate(folder: str, nbytes: int, timeout_s: float = PROBE_TIMEOUT_S) -> 
     return Probe(nbytes / max(seconds, 1e-9), finished=True)
 
 
-def timed_write(folder: str, nbytes: int) -> float:
-    """Seconds to create, write and fsync a temp file of ``nbytes`` in ``folder``; the file is removed after."""
+def timed_save(folder: str, nbytes: int) -> float:
+    """Seconds to checksum ``nbytes`` and to create, write and fsync a temp file of them in ``folder``; the file
+    is removed after."""
     os.makedirs(folder, exist_ok=True)
-    chunk = memoryview(os.urandom(min(nbytes, PROBE_CHUNK)))
-    path = os.path.join(folder, f".write-probe.{secrets.token_hex(6)}.tmp")
+    chunk = torch.frombuffer(bytearray(os.urandom(min(nbytes, PROBE_CHUNK))), dtype=torch.uint8)
+    payload = chunk.repeat(-(-nbytes // chunk.numel()))[:nbytes]
+    path = os.path.join(folder, f".save-probe.{secrets.token_hex(6)}.tmp")
     start = time.perf_counter()
+    transfer.checksum(payload)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # a sweep of stale temps skips it while it is written
-        for offset in range(0, nbytes, len(chunk)):
-            write_all(fd, chunk[: nbytes - offset])
+        write_all(fd, payload.numpy().data)
         os.fsync(fd)
         return time.perf_counter() - start
     finally:
