@@ -1,8 +1,13 @@
 """Tests for titan_recover.policy.stop_budget: whether a shard's save at a stop fits the notice, and the lines
-that say so with their numbers; and the newest DCP checkpoint a stop falls back to (real folders)."""
+that say so with their numbers; the newest DCP checkpoint a stop falls back to (real folders); and the rank's
+check at the notice."""
 
+import functools
 import math
+import os
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -65,7 +70,7 @@ def test_no_time_left_holds_nothing_and_no_rate_fits() -> None:
     fit = SaveFit(state_bytes=GB, rate=1e9, budget_s=-0.5)
     assert not fit.fits and fit.fitting_bytes == 0 and math.isinf(fit.needed_rate)
     line = stop_budget.at_notice(fit, 3, stop_budget.fallback(None, None))
-    assert "over the 0.0 s at most left" in line and "in 0.0 s cannot fit" in line, line
+    assert "over the 0.000 s at most left" in line and "in 0.000 s cannot fit" in line, line
     assert "starts from scratch: there is no DCP checkpoint and no earlier stop's save" in line, line
 
 
@@ -130,3 +135,61 @@ def test_the_newest_checkpoint_is_the_newest_step_folder_with_its_metadata(tmp_p
     (tmp_path / "stop").mkdir()
     (tmp_path / "step-20.tmp").mkdir()
     assert newest_checkpoint(str(tmp_path)) == 10
+
+
+# --- the rank's check at the notice (its trainer's method, on a stand-in holding only what it reads) ---------
+
+
+def notice_check(tmp_path: Path, noticed_s_ago: float | None, state: int) -> tuple[list[dict], list[str]]:
+    """``RecoverTrainer._check_notice_budget`` for shard 0 of replica 1 at step 41: a save measured at 100 MB/s,
+    a 12 s budget, a real checkpoint folder (step 40 complete, 45 cut short) and a real event log."""
+    from titan_recover.observability.events import EventLog, events_path, read_events
+    from titan_recover.rank import snapshot
+    from titan_recover.rank.recover import RecoverTrainer
+
+    folder = tmp_path / "checkpoint"
+    for step in (40, 45):
+        (folder / f"step-{step}").mkdir(parents=True)
+    (folder / "step-40" / ".metadata").write_bytes(b"")
+    said: list[str] = []
+    trainer = SimpleNamespace(
+        _stop_rate=snapshot.Probe(100e6, finished=True),
+        manager=SimpleNamespace(noticed_at=None),
+        _run_noticed_at=None if noticed_s_ago is None else time.time() - noticed_s_ago,
+        rc=SimpleNamespace(notice_budget_s=12.0),
+        checkpointer=SimpleNamespace(enable=True),
+        stop_root=str(folder / "stop"),
+        parallel_dims=SimpleNamespace(world_size=2),
+        log=SimpleNamespace(warning=said.append),
+        events=EventLog(str(tmp_path)),
+        step=41,
+        replica=1,
+        group_rank=0,
+    )
+    trainer._emit_stop_short = functools.partial(RecoverTrainer._emit_stop_short, trainer)  # type: ignore[arg-type]
+    RecoverTrainer._check_notice_budget(trainer, state)  # type: ignore[arg-type]
+    trainer.events.close()
+    path = events_path(str(tmp_path))
+    return (read_events(path) if os.path.exists(path) else []), said
+
+
+def test_at_the_notice_a_save_past_the_time_left_is_said_with_its_fallback(tmp_path: Path) -> None:
+    events, said = notice_check(tmp_path, noticed_s_ago=9.0, state=500_000_000)  # 5 s needed, about 3 s left
+    [line] = said
+    assert "the save of step 41's state will not fit the notice" in line, line
+    assert "takes about 5.0 s, over the 3.0 s at most left" in line, line
+    assert "the next run starts from the DCP checkpoint of step 40" in line, line  # 45 has no .metadata
+    [event] = events
+    assert event["event"] == "stop_save_short" and event["at"] == "notice" and event["fallback_step"] == 40
+    assert (event["step"], event["replica"], event["rank"], event["bytes"]) == (41, 1, 0, 500_000_000)
+    assert event["needed_s"] == 5.0 and 2.5 < event["budget_s"] <= 3.0 and event["rate"] == 100_000_000
+
+
+def test_at_the_notice_a_save_that_fits_the_time_left_is_not_said(tmp_path: Path) -> None:
+    assert notice_check(tmp_path, noticed_s_ago=2.0, state=500_000_000) == ([], [])  # 5 s of about 10 s
+
+
+def test_at_the_notice_without_its_time_the_whole_budget_is_the_bound(tmp_path: Path) -> None:
+    assert notice_check(tmp_path, noticed_s_ago=None, state=1_100_000_000) == ([], [])  # 11 s of 12
+    events, said = notice_check(tmp_path / "again", noticed_s_ago=None, state=1_300_000_000)  # 13 s of 12
+    assert [e["budget_s"] for e in events] == [12.0] and "over the 12.0 s at most left" in said[0]

@@ -56,7 +56,7 @@ class SaveFit:
             f"{amount(self.state_bytes)} at the {amount(self.rate)}/s measured for a save into the stop folder "
             f"(its checksum and fsynced write) takes about "
             f"{seconds(self.needed_s)}, {budget}; that time holds {amount(self.fitting_bytes)} at this rate, and "
-            f"{amount(self.state_bytes)} in {max(self.budget_s, 0.0):.1f} s {needs}"
+            f"{amount(self.state_bytes)} in {seconds(max(self.budget_s, 0.0))} {needs}"
         )
 
 
@@ -75,7 +75,7 @@ def at_notice(fit: SaveFit, step: int, fallback: str) -> str:
     """The warning at the notice, where this shard's save will not land in the time left."""
     return (
         f"the save of step {step}'s state will not fit the notice: "
-        f"{fit.numbers(f'over the {max(fit.budget_s, 0.0):.1f} s at most left of recover.notice_budget_s')}. "
+        f"{fit.numbers(f'over the {seconds(max(fit.budget_s, 0.0))} at most left of recover.notice_budget_s')}. "
         f"It is written anyway (a write cut short is never used); if it does not land, the next run starts "
         f"from {fallback}"
     )
