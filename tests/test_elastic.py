@@ -270,6 +270,7 @@ def test_a_whole_job_notice_with_checkpoints_off_saves_the_stop_and_the_same_com
     assert sorted(second.steps()) == list(range(HOLD_STEP + 1, LAST + 1)), second.output[-3000:]
     assert {e["replica"] for e in second.of("stop_resumed")} == {0, 1}, second.of("stop_resumed")
     assert not list((dump / "checkpoint" / "stop").rglob("*.snapshot")), "the run ended: the stop's state is spent"
+    assert not (dump / "checkpoint").exists(), "checkpoints are off: the stop folder's parent goes with it"
     assert_same_trajectory(two_singles, Run(0, "", first.events + second.events), rel_tol=1e-5, num_microbatches=4)
 
 

@@ -769,7 +769,10 @@ class RecoverTrainer(BaseTrainer):
         else:
             if self.step >= self.job_config.training.steps:  # the run ended: a state saved at a stop is spent
                 shutil.rmtree(snapshot.shard_dir(self.stop_root, self.group_rank), ignore_errors=True)
-                for folder in (self.stop_root, os.path.dirname(self.stop_root)):  # the last rank's, once empty
+                # the last rank's, once empty: the start's probe made them, and TorchTitan's own folder only
+                # matters where checkpoints are on
+                made = [self.stop_root] + ([] if self.checkpointer.enable else [os.path.dirname(self.stop_root)])
+                for folder in made:
                     with contextlib.suppress(OSError):
                         os.rmdir(folder)
         self.manager.finish()
