@@ -260,6 +260,9 @@ def test_a_whole_job_notice_with_checkpoints_off_saves_the_stop_and_the_same_com
     assert saved["step"] == HOLD_STEP, saved
     assert not list((dump / "checkpoint").glob("step-*")), "checkpoints are off: no DCP save"
     assert "it resumes from the state saved at the stop" in a.output(), a.output()[-3000:]
+    for node in (a, b):  # the rate of a save measured at start: 4.5 MiB fits 12 s
+        assert "a whole-job notice's save of this shard's state fits recover.notice_budget_s" in node.output()
+    assert not first.of("stop_save_short"), first.of("stop_save_short")
     with Node("a2", dump, args, env_a) as a2, Node("b2", dump, args, env_b) as b2:
         assert a2.wait(timeout=300) == 0, a2.output()[-4000:]
         assert b2.wait(timeout=60) == 0, b2.output()[-4000:]
@@ -267,6 +270,7 @@ def test_a_whole_job_notice_with_checkpoints_off_saves_the_stop_and_the_same_com
     assert sorted(second.steps()) == list(range(HOLD_STEP + 1, LAST + 1)), second.output[-3000:]
     assert {e["replica"] for e in second.of("stop_resumed")} == {0, 1}, second.of("stop_resumed")
     assert not list((dump / "checkpoint" / "stop").rglob("*.snapshot")), "the run ended: the stop's state is spent"
+    assert not (dump / "checkpoint").exists(), "checkpoints are off: the stop folder's parent goes with it"
     assert_same_trajectory(two_singles, Run(0, "", first.events + second.events), rel_tol=1e-5, num_microbatches=4)
 
 

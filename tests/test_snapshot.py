@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -287,7 +288,7 @@ def test_check_room_refuses_what_the_filesystem_cannot_hold(tiny_tmpfs: Path) ->
     root = str(tiny_tmpfs / "snapshots")
     snapshot.check_room(root, 512 << 10)
     with pytest.raises(SnapshotError) as info:
-        snapshot.check_room(root, snapshot.room_needed(1 << 20, keep=1, ranks_on_node=2))
+        snapshot.check_room(root, snapshot.room_needed(1 << 20, keep=1, ranks_on_node=2, shards_on_node=2))
     message = str(info.value)
     assert root in message and "need 4.2 MB" in message and "has room for 1.0 MB (1.0 MB free, 0 B in old" in message
     for fragment in ("recover.snapshot_dir", "mount -o remount,size=", "--shm-size", "recover.snapshot_interval = 0"):
@@ -305,9 +306,79 @@ def test_check_room_counts_what_the_folder_already_holds(tiny_tmpfs: Path) -> No
         snapshot.check_room(str(root), 2_000_000)
 
 
-def test_room_needed_is_keep_plus_one_copies_per_rank() -> None:
-    assert snapshot.room_needed(16 * 10**9, keep=1, ranks_on_node=8) == 2 * 16 * 10**9 * 8
-    assert snapshot.room_needed(100, keep=3, ranks_on_node=1) == 400
+def test_room_needed_is_keep_plus_one_copies_per_rank_with_one_group_per_node() -> None:
+    assert snapshot.room_needed(16 * 10**9, keep=1, ranks_on_node=8, shards_on_node=8) == 2 * 16 * 10**9 * 8
+    assert snapshot.room_needed(100, keep=3, ranks_on_node=1, shards_on_node=1) == 400
+
+
+@pytest.mark.parametrize(
+    ("keep", "groups", "copies_per_shard"),
+    [
+        (1, 2, 4),  # 1 kept, 2 temps, and the file a lagging writer renames after the other pruned it
+        (2, 2, 4),  # 2 kept and 2 temps: the files of one step share a name (not 3 copies per rank)
+        (1, 3, 5),
+        (3, 4, 7),
+    ],
+)
+def test_groups_sharing_a_node_share_its_complete_files(keep: int, groups: int, copies_per_shard: int) -> None:
+    shards = 2  # each group's part on the node
+    needed = snapshot.room_needed(100, keep=keep, ranks_on_node=groups * shards, shards_on_node=shards)
+    assert needed == copies_per_shard * shards * 100
+    assert needed <= (keep + 1) * groups * shards * 100  # never above one copy set per rank
+
+
+def test_a_durable_write_fsyncs_the_file_then_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(snapshot.os, "fsync", spy)
+    folder = tmp_path / "shard0"
+    for durable in (False, True):
+        writer = SnapshotWriter(str(tmp_path), 0, keep=1, durable=durable)
+        writer.write(3, {}, plain_tensors(100))
+        writer.close()
+    [file, directory] = synced  # none for the write that need not outlive the node
+    assert Path(file).parent == folder and Path(file).name.endswith(".tmp")  # renamed after its fsync
+    assert directory == str(folder)
+
+
+# --- the rate of a save into the stop folder ---------------------------------------------------
+
+
+def test_save_rate_measures_a_durable_write_and_leaves_nothing(tmp_path: Path) -> None:
+    folder = tmp_path / "stop" / "shard0"
+    probe = snapshot.save_rate(str(folder), 8 << 20)
+    assert probe.finished and probe.rate > 0
+    assert os.listdir(folder) == []
+
+
+def test_save_rate_is_bounded_and_its_file_is_removed_after(tmp_path: Path) -> None:
+    probe = snapshot.save_rate(str(tmp_path), snapshot.PROBE_BYTES, timeout_s=1e-4)
+    assert not probe.finished  # still writing at its bound: its rate is an upper bound
+    assert probe.rate <= snapshot.PROBE_BYTES / 1e-4
+    deadline = time.monotonic() + 60
+    while os.listdir(tmp_path) and time.monotonic() < deadline:  # the thread finishes and removes its file
+        time.sleep(0.05)
+    assert os.listdir(tmp_path) == []
+
+
+def test_save_rate_into_a_folder_that_cannot_be_made_names_it(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(SnapshotError, match=f"folder {tmp_path / 'file' / 'shard0'} cannot be written"):
+        snapshot.save_rate(str(tmp_path / "file" / "shard0"), 1000)
+
+
+def test_a_probe_left_by_a_dead_process_is_swept_like_a_temp(tmp_path: Path) -> None:
+    folder = tmp_path / "shard0"
+    folder.mkdir()
+    left = folder / ".save-probe.0a1b2c.tmp"
+    left.write_bytes(b"x" * 1000)
+    SnapshotWriter(str(tmp_path), 0, keep=1).close()
+    assert not left.exists()
 
 
 # --- corrupt files ---------------------------------------------------------------

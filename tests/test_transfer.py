@@ -287,6 +287,16 @@ def test_state_tensors_of_a_fresh_optimizer_are_params_and_rng() -> None:
 
 
 @pytest.mark.unit
+def test_state_bytes_counts_the_moments_a_fresh_adamw_will_make() -> None:
+    fresh, fresh_opts, _ = make_trainer(steps=0)
+    stepped, opts, _ = make_trainer(steps=1)
+    measured = sum(t.numel() * t.element_size() for _, t in transfer.state_tensors([stepped], opts))
+    steps = 4 * len(list(stepped.parameters()))  # AdamW's float32 step per parameter: the estimate leaves it out
+    assert transfer.state_bytes([fresh], fresh_opts) == measured - steps
+    assert transfer.state_bytes([stepped], opts) == measured  # moments it holds are counted once
+
+
+@pytest.mark.unit
 def test_meta_restore_round_trip_through_json() -> None:
     _, d_opts, d_scheds = make_trainer(steps=2)
     _, j_opts, j_scheds = make_trainer(steps=0)

@@ -17,6 +17,7 @@ With ``enable = false`` the rank runs ``stock.StockTrainer``, stock TorchTitan H
 modes log the same per-step events so their trajectories can be compared.
 """
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -38,7 +39,7 @@ from titan_recover.control.sealed import Run
 from titan_recover.data import addressing
 from titan_recover.node import procs
 from titan_recover.observability import logs, resources
-from titan_recover.policy import membership, steps, workload
+from titan_recover.policy import membership, steps, stop_budget, workload
 from titan_recover.policy.fault_plan import Fault
 from titan_recover.policy.membership import Membership, diverged
 from titan_recover.rank import balancing, exact, snapshot, transfer
@@ -84,7 +85,8 @@ class RecoverTrainer(BaseTrainer):
         )
         # SIGTERM to every process of the node: leave, do not die; where the coordinator runs, it stops the whole
         # run at one step boundary instead, which this group's own leave would forestall
-        procs.on_notice((lambda: None) if os.environ.get(keys.NOTICE_STOPS_RUN_ENV) else self.manager.notice)
+        self._run_noticed_at: float | None = None  # there: when this process was told (the save's time left)
+        procs.on_notice(self._note_run_notice if os.environ.get(keys.NOTICE_STOPS_RUN_ENV) else self.manager.notice)
         metrics = job_config.metrics
         wanted = metrics.enable_tensorboard, metrics.enable_wandb
         metrics.enable_tensorboard = metrics.enable_wandb = False  # TorchTitan's own write to a folder per start time
@@ -118,6 +120,8 @@ class RecoverTrainer(BaseTrainer):
         self._started = False  # its first should_continue_training: a state saved at a stop is newer?
         self.stop_root = stop_folder(job_config, titan.dump_folder(job_config))
         self.snapshot_root = os.environ.get(keys.SNAPSHOT_DIR_ENV, "")  # the launcher's folder; "": none
+        self._stop_rate: snapshot.Probe | None = None  # a save's rate into the stop folder, measured at the first start
+        self._verified: tuple[int, dict[str, Any], torch.Tensor] | None = None  # the newest snapshot read at a join
         self.snapshots = self._snapshot_writer(rc)  # copies of the committed state in this node's memory
         # DCP checkpoints stay a backstop: one replica group saves (the step's leader), and a
         # rejoining group never loads one: its state comes from a live peer
@@ -145,6 +149,11 @@ class RecoverTrainer(BaseTrainer):
         finally:
             par.data_parallel_replicate_degree = replicas
 
+    def _note_run_notice(self) -> None:
+        """SIGTERM on the node whose notice stops the run: the coordinator stops it; this rank notes when."""
+        if self._run_noticed_at is None:
+            self._run_noticed_at = time.time()
+
     def _epoch_view(self) -> Callable[[], int]:
         return self.manager.channel.epoch
 
@@ -163,6 +172,7 @@ class RecoverTrainer(BaseTrainer):
                 return False
         elif not self._started:  # after TorchTitan's own load, before the first step
             self._resume_from_stop()
+            self._probe_stop_folder()
         self._started = True
         return super().should_continue_training()
 
@@ -172,8 +182,9 @@ class RecoverTrainer(BaseTrainer):
         admission = self.manager.wait_for_admission(
             self.step, self.job_config.parallelism.data_parallel_replicate_degree, self._verified_snapshots
         )
+        verified, self._verified = self._verified, None  # held for this resume only
         if admission.resume_step is not None:
-            self._resume_from_memory(admission)
+            self._resume_from_memory(admission, verified)
             return
         epoch = self.manager.agree_epoch()
         while not self.manager.group_all(self._receive_state(epoch)):
@@ -238,16 +249,16 @@ class RecoverTrainer(BaseTrainer):
     # ---- host-memory snapshots ---------------------------------------------------------
 
     def _snapshot_writer(self, rc: Any) -> snapshot.SnapshotWriter | None:
-        """This rank's writer into its launcher's folder, once the folder is checked to hold (keep + 1) copies of
-        every rank's state on this node (parameters and two AdamW moments: the optimizer holds none yet)."""
+        """This rank's writer into its launcher's folder, once the folder is checked to hold the snapshots of every
+        rank on this node (``snapshot.room_needed``; the state counts the AdamW moments a fresh optimizer lacks)."""
         root = self.snapshot_root
         if rc.snapshot_interval <= 0 or not root:
             return None
-        state = sum(t.numel() * t.element_size() for _, t in transfer.state_tensors(self.model_parts, self.optimizers))
-        params = sum(transfer.local(p).numel() * p.element_size() for m in self.model_parts for p in m.parameters())
+        state = transfer.state_bytes(self.model_parts, self.optimizers)
         ranks = int(os.environ.get(keys.NODE_RANKS_ENV, "1"))
+        shards = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))  # torchrun's: this group's ranks on this node
         try:
-            snapshot.check_room(root, snapshot.room_needed(state + 2 * params, rc.snapshot_keep, ranks))
+            snapshot.check_room(root, snapshot.room_needed(state, rc.snapshot_keep, ranks, shards))
             return snapshot.SnapshotWriter(root, self.group_rank, rc.snapshot_keep)
         except snapshot.SnapshotError as e:  # the node's setup, not a fault: a restart would meet it again
             self.manager.report_failure(0, e)  # the run stops, saying why
@@ -292,24 +303,30 @@ class RecoverTrainer(BaseTrainer):
         self.events.emit("snapshot_failed", step=self.step, replica=self.replica, rank=self.group_rank, error=str(e))
 
     def _verified_snapshots(self) -> Snapshots:
-        """The steps whose snapshot of this rank's shard is on this node and checks out, newest first."""
+        """The steps whose snapshot of this rank's shard is on this node and checks out, newest first; the newest
+        one's contents are kept for the resume (one copy of the state in host memory while the rank waits)."""
         root = self.snapshot_root
-        good = []
+        good: list[int] = []
         for step in snapshot.inventory(root, self.group_rank) if root else []:
             try:
-                snapshot.load(root, self.group_rank, step)
+                header, payload = snapshot.load(root, self.group_rank, step)
             except snapshot.SnapshotError as e:
                 self.log.warning(f"snapshot of step {step} is not used: {e}")
                 continue
+            if not good:  # the newest, which a resume loads unless another shard lacks it: kept, not read again
+                self._verified = (step, header, payload)
             good.append(step)
         self.log.info(f"snapshots on this node that check out: steps {good}")
         return Snapshots(tuple(good[:MAX_SNAPSHOTS]))
 
-    def _resume_from_memory(self, admission: Admission) -> None:
+    def _resume_from_memory(
+        self, admission: Admission, verified: tuple[int, dict[str, Any], torch.Tensor] | None
+    ) -> None:
         """Every group lost its state: this rank loads the snapshot of the step the coordinator resumes from where its
-        node holds this shard's copy, and hands it to the same rank of the admitted groups that lack one; a rank
-        whose node does not hold it receives it from one that does. A group that did not get every shard raises:
-        it leaves, is fenced, and comes back to rejoin from a member."""
+        node holds this shard's copy (the one ``verified`` read, where it is that step's), and hands it to the same
+        rank of the admitted groups that lack one; a rank whose node does not hold it receives it from one that
+        does. A group that did not get every shard raises: it leaves, is fenced, and comes back to rejoin from a
+        member."""
         step, epoch = admission.resume_step, admission.epoch
         assert step is not None
         members = self.manager.membership(epoch).members
@@ -322,7 +339,8 @@ class RecoverTrainer(BaseTrainer):
         lacking = [r for r in members if r not in holders]
         if self.replica in holders:
             what = f"this node's snapshot of step {step}"
-            self._apply_snapshot(self.snapshot_root, step, what, epoch, epoch)
+            loaded = verified[1:] if verified is not None and verified[0] == step else None
+            self._apply_snapshot(self.snapshot_root, step, what, epoch, epoch, loaded)
             for joiner in lacking:
                 if membership.donor(Membership(epoch, members), lacking, joiner) == self.replica:
                     self._send_state(epoch, joiner)  # a receiver that broke is fenced; this group goes on
@@ -334,12 +352,21 @@ class RecoverTrainer(BaseTrainer):
                 f"replica {self.replica} did not get every shard of step {step} in the resume from memory"
             )
 
-    def _apply_snapshot(self, root: str, step: int, what: str, epoch: int, base_epoch: int) -> None:
-        """Loads this shard's file of committed step ``step`` under ``root`` (``what``, as the lines name it) into the
-        model and optimizer, and its header's counters: a snapshot is of committed step S (TorchTitan's loop adds
-        one), where a transfer's header names the step it starts."""
+    def _apply_snapshot(
+        self,
+        root: str,
+        step: int,
+        what: str,
+        epoch: int,
+        base_epoch: int,
+        loaded: tuple[dict[str, Any], torch.Tensor] | None = None,
+    ) -> None:
+        """Loads this shard's file of committed step ``step`` under ``root`` (``what``, as the lines name it;
+        ``loaded``: its contents, already read and verified) into the model and optimizer, and its header's
+        counters: a snapshot is of committed step S (TorchTitan's loop adds one), where a transfer's header names
+        the step it starts."""
         start = time.perf_counter()
-        header, payload = snapshot.load(root, self.group_rank, step)
+        header, payload = loaded or snapshot.load(root, self.group_rank, step)
         snapshot.apply(header, payload, self.model_parts, self.optimizers)
         self._take_header(header, what, epoch, base_epoch=base_epoch)
         self.log.info(f"resumed from {what} ({payload.numel() / 2**20:.1f} MiB) in {time.perf_counter() - start:.3f}s")
@@ -352,9 +379,10 @@ class RecoverTrainer(BaseTrainer):
         try:
             if not snapshot.claim(self.stop_root, self.group_rank, self.step):
                 return  # another group writes this shard
+            tensors = transfer.state_tensors(self.model_parts, self.optimizers)
+            self._check_notice_budget(sum(t.numel() * t.element_size() for _, t in tensors))
             writer = snapshot.SnapshotWriter(self.stop_root, self.group_rank, keep=1, durable=True)
             try:
-                tensors = transfer.state_tensors(self.model_parts, self.optimizers)
                 writer.write(self.step, self._state_header(self.manager.base_epoch), tensors)
             finally:
                 writer.close()
@@ -370,6 +398,67 @@ class RecoverTrainer(BaseTrainer):
         )
         self.events.emit(
             "stop_saved", step=self.step, replica=self.replica, rank=self.group_rank, seconds=round(seconds, 3)
+        )
+
+    def _probe_stop_folder(self) -> None:
+        """Once, before the first step: the rate of a save into the stop folder (checksum and fsynced write),
+        measured by every rank (each saves its own shard at a stop, all at once: their probes meet that
+        contention, and each has its figure at the notice with no collective). Where a whole-job notice's save of
+        this shard would not fit ``recover.notice_budget_s``, a warning and a ``stop_save_short`` event; where the
+        folder cannot be written, a warning. It costs the probe: at most ``snapshot.PROBE_BYTES``, checksummed
+        and written once."""
+        state = transfer.state_bytes(self.model_parts, self.optimizers)
+        folder = snapshot.shard_dir(self.stop_root, self.group_rank)
+        self.manager.tick("measuring the rate of a save into the stop folder")
+        try:
+            probe = snapshot.save_rate(folder, min(snapshot.PROBE_BYTES, state))
+        except snapshot.SnapshotError as e:
+            self.log.warning(f"the stop {e}: a whole-job notice cannot save this shard's state there")
+            return
+        self._stop_rate = probe
+        if not probe.finished:
+            self.log.warning(
+                f"a save of {stop_budget.amount(min(snapshot.PROBE_BYTES, state))} into the stop folder {folder} "
+                f"took over {snapshot.PROBE_TIMEOUT_S:g} s: under {stop_budget.amount(probe.rate)}/s"
+            )
+        fit = stop_budget.SaveFit(state, probe.rate, self.rc.notice_budget_s)
+        if fit.fits:
+            self.log.info(
+                "a whole-job notice's save of this shard's state fits recover.notice_budget_s: "
+                + fit.numbers(f"within the {fit.budget_s:g} s budget")
+            )
+            return
+        self.log.warning(stop_budget.at_start(fit))
+        self._emit_stop_short("start", fit)
+
+    def _check_notice_budget(self, state: int) -> None:
+        """At the stop, before this shard's save: where the rate measured at start says it will not land in the
+        time left of the notice (all of ``recover.notice_budget_s`` where this process was not told when the notice
+        came), a warning naming where the next run starts instead, and a ``stop_save_short`` event."""
+        if self._stop_rate is None:  # not measured: a group that joined, or a folder that could not be written
+            return
+        noticed = self.manager.noticed_at or self._run_noticed_at
+        left = self.rc.notice_budget_s - (time.time() - noticed if noticed is not None else 0.0)
+        fit = stop_budget.SaveFit(state, self._stop_rate.rate, left)
+        if fit.fits:
+            return
+        dcp = titan.newest_checkpoint(os.path.dirname(self.stop_root)) if self.checkpointer.enable else None
+        earlier = snapshot.newest_complete(self.stop_root, self.parallel_dims.world_size)
+        self.log.warning(stop_budget.at_notice(fit, self.step, stop_budget.fallback(dcp, earlier)))
+        self._emit_stop_short("notice", fit, fallback_step=stop_budget.fallback_step(dcp, earlier))
+
+    def _emit_stop_short(self, at: str, fit: stop_budget.SaveFit, **extra: Any) -> None:
+        self.events.emit(
+            "stop_save_short",
+            at=at,
+            step=self.step,
+            replica=self.replica,
+            rank=self.group_rank,
+            bytes=fit.state_bytes,
+            rate=round(fit.rate),
+            needed_s=round(fit.needed_s, 3),
+            budget_s=round(fit.budget_s, 3),
+            **extra,
         )
 
     def _resume_from_stop(self) -> None:
@@ -706,6 +795,12 @@ class RecoverTrainer(BaseTrainer):
         else:
             if self.step >= self.job_config.training.steps:  # the run ended: a state saved at a stop is spent
                 shutil.rmtree(snapshot.shard_dir(self.stop_root, self.group_rank), ignore_errors=True)
+                # the last rank's, once empty: the start's probe made them, and TorchTitan's own folder only
+                # matters where checkpoints are on
+                made = [self.stop_root] + ([] if self.checkpointer.enable else [os.path.dirname(self.stop_root)])
+                for folder in made:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(folder)
         self.manager.finish()
 
     def close(self) -> None:

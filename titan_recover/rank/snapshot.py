@@ -32,10 +32,11 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable, NamedTuple
 
 import torch
 
+from titan_recover.policy.stop_budget import amount
 from titan_recover.rank import transfer
 from titan_recover.rank.transfer import MAX_HEADER_BYTES
 
@@ -46,12 +47,15 @@ VERSION = 1
 PREFIX = struct.Struct("<8sIQ32s")  # magic, version, header bytes, header digest
 DIGEST_BYTES = 32
 NAME = re.compile(r"step(\d{1,19})\.snapshot")
-TEMP = re.compile(r"\.step\d{1,19}\.snapshot\.[0-9a-f]+\.tmp")
+TEMP = re.compile(r"\.(?:step\d{1,19}\.snapshot|save-probe)\.[0-9a-f]+\.tmp")  # a file's, or a rate probe's
 CLAIM = re.compile(r"\.step(\d{1,19})\.snapshot\.claim")
 IO_CHUNK = 1 << 30  # bytes per read or write call: Linux moves at most ~2 GiB per call
 WRITE_GRACE_S = 60.0  # a write's bound: this plus its bytes at WRITE_FLOOR_BYTES_S (a tmpfs is far faster)
 WRITE_FLOOR_BYTES_S = 100e6
 JOIN_S = 10.0  # an idle writer's thread stops at once
+PROBE_BYTES = 64 << 20  # the most a save-rate probe writes
+PROBE_CHUNK = 4 << 20
+PROBE_TIMEOUT_S = 10.0
 SNAPSHOT = transfer.Source(
     "the snapshot",
     "holds",
@@ -76,13 +80,17 @@ def claim_name(step: int) -> str:
     return f".{file_name(step)}.claim"
 
 
+def complete_steps(names: Iterable[str]) -> list[int]:
+    """Steps of the complete files among a folder's ``names``, newest first."""
+    return sorted((int(m.group(1)) for m in map(NAME.fullmatch, names) if m), reverse=True)
+
+
 def inventory(root: str, group_rank: int) -> list[int]:
     """Steps of this shard's complete files by their names (not read, not verified), newest first."""
     try:
-        names = os.listdir(shard_dir(root, group_rank))
+        return complete_steps(os.listdir(shard_dir(root, group_rank)))
     except FileNotFoundError:
         return []
-    return sorted((int(m.group(1)) for m in map(NAME.fullmatch, names) if m), reverse=True)
 
 
 def newest_complete(root: str, shards: int) -> int | None:
@@ -135,6 +143,64 @@ def remove_stale_temps(folder: str) -> list[str]:
     return removed
 
 
+class Probe(NamedTuple):
+    """The rate of a save into a folder as ``save_rate`` measured it."""
+
+    rate: float  # bytes/s
+    finished: bool  # False: still at work at the probe's bound, so ``rate`` is an upper bound
+
+
+def save_rate(folder: str, nbytes: int, timeout_s: float = PROBE_TIMEOUT_S) -> Probe:
+    """The rate at which a durable save into ``folder`` takes its bytes, measured on ``nbytes`` of random bytes (a
+    compressing filesystem does not shrink them): their checksum, as a file's header holds it (on the CPU, and on
+    a slow one slower than a disk), and their write into a locked temp file, fsynced, then removed. Timed on a
+    thread of its own, so that storage that hangs holds the caller ``timeout_s`` at most; the thread removes its
+    file once the write returns (a process that dies first leaves a temp a writer's sweep removes).
+    ``SnapshotError`` where the folder cannot be written."""
+    if nbytes < 1:
+        raise ValueError(f"a save-rate probe takes at least one byte, not {nbytes}")
+    done = threading.Event()
+    outcome: list[float | OSError] = []
+
+    def probe() -> None:
+        try:
+            outcome.append(timed_save(folder, nbytes))
+        except OSError as e:
+            outcome.append(e)
+        finally:
+            done.set()
+
+    start = time.perf_counter()
+    threading.Thread(target=probe, name="save-rate-probe", daemon=True).start()
+    if not done.wait(timeout_s):
+        return Probe(nbytes / (time.perf_counter() - start), finished=False)
+    [seconds] = outcome
+    if isinstance(seconds, OSError):
+        raise SnapshotError(f"folder {folder} cannot be written: {seconds}") from seconds
+    return Probe(nbytes / max(seconds, 1e-9), finished=True)
+
+
+def timed_save(folder: str, nbytes: int) -> float:
+    """Seconds to checksum ``nbytes`` and to create, write and fsync a temp file of them in ``folder``; the file
+    is removed after."""
+    os.makedirs(folder, exist_ok=True)
+    chunk = torch.frombuffer(bytearray(os.urandom(min(nbytes, PROBE_CHUNK))), dtype=torch.uint8)
+    payload = chunk.repeat(-(-nbytes // chunk.numel()))[:nbytes]
+    path = os.path.join(folder, f".save-probe.{secrets.token_hex(6)}.tmp")
+    start = time.perf_counter()
+    transfer.checksum(payload)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a sweep of stale temps skips it while it is written
+        write_all(fd, payload.numpy().data)
+        os.fsync(fd)
+        return time.perf_counter() - start
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def write_all(fd: int, data: memoryview) -> None:
     offset = 0
     while offset < len(data):
@@ -148,6 +214,14 @@ def read_exact(f: Any, into: memoryview, path: str) -> None:
         if not n:
             raise SnapshotError(f"snapshot {path} ended {len(into) - offset} B early while read: it was truncated")
         offset += n
+
+
+def fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_bound_s(payload_bytes: int) -> float:
@@ -264,6 +338,8 @@ class SnapshotWriter:
             if self.durable:  # else the file has to outlive the process, not the node (a tmpfs does not outlive it)
                 os.fsync(fd)
             os.replace(temp, final)
+            if self.durable:  # the rename itself, which lives in the folder
+                fsync_dir(self.folder)
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
@@ -286,8 +362,9 @@ class SnapshotWriter:
     def _prune(self, step: int) -> None:
         """Removes the complete files older than the newest ``keep`` up to ``step``. Newer ones are not
         this write's to judge: every replica of the shard writes here, each at its own pace."""
-        older = [s for s in inventory(self.root, self.group_rank) if s <= step]
-        claims = [m for m in map(CLAIM.fullmatch, os.listdir(self.folder)) if m and int(m.group(1)) < step]
+        names = os.listdir(self.folder)
+        older = [s for s in complete_steps(names) if s <= step]
+        claims = [m for m in map(CLAIM.fullmatch, names) if m and int(m.group(1)) < step]
         for name in [file_name(old) for old in older[self.keep :]] + [m.group(0) for m in claims]:
             with contextlib.suppress(FileNotFoundError):  # another replica's writer pruned it first
                 os.unlink(os.path.join(self.folder, name))
@@ -373,9 +450,15 @@ def apply(header: dict[str, Any], payload: torch.Tensor, model_parts: list[torch
     transfer.fill(payload, tensors)
 
 
-def room_needed(payload_bytes: int, keep: int, ranks_on_node: int) -> int:
-    """Bytes a node's snapshots take at most: ``keep`` complete copies and one being written, per rank."""
-    return (keep + 1) * payload_bytes * ranks_on_node
+def room_needed(payload_bytes: int, keep: int, ranks_on_node: int, shards_on_node: int) -> int:
+    """Bytes a node's snapshots take at most. The ranks of every group on a node write each shard's files
+    under the same names, so per shard: ``keep`` complete files, one temp per writer, and one complete file
+    more: a writer's new file before it prunes (it has no temp then), or, where several writers share the
+    shard and ``keep`` is 1, the file a writer one snapshot behind renames after another pruned it (with every
+    temp at once). With one group per node that is ``keep + 1`` copies per rank."""
+    writers = max(1, ranks_on_node // shards_on_node)  # the groups on this node: each one's part holds the same shards
+    lagging = 1 if keep == 1 and writers > 1 else 0
+    return (keep + writers + lagging) * shards_on_node * payload_bytes
 
 
 def held_bytes(root: str) -> int:
@@ -404,10 +487,3 @@ def check_room(root: str, needed: int) -> None:
             "recover.snapshot_interval = 0 to turn snapshots off. An 8B model's replica group needs about 96 GB "
             "per copy in fp32 with AdamW (12 bytes per parameter: the weights and two moments)"
         )
-
-
-def amount(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"

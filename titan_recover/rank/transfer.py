@@ -90,6 +90,19 @@ def state_tensors(model_parts: list[torch.nn.Module], optimizers: Any) -> list[t
     return tensors
 
 
+def state_bytes(model_parts: list[torch.nn.Module], optimizers: Any) -> int:
+    """Bytes of this rank's state as a snapshot or a stop's save holds it once the optimizer has stepped: a
+    parameter the optimizer keeps no state for yet (before its first step) counts the two moments of its
+    size Adam and AdamW make then."""
+    total = sum(t.numel() * t.element_size() for _, t in state_tensors(model_parts, optimizers))
+    for opt in optimizers.optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if not opt.state.get(p):
+                    total += 2 * local(p).numel() * p.element_size()
+    return total
+
+
 def meta(trainer_state: dict[str, Any], optimizers: Any, lr_schedulers: Any) -> dict[str, Any]:
     """The non-tensor state: the trainer's counters, LR schedulers and hyperparameters."""
     return {

@@ -17,6 +17,7 @@ The interface:
                                   a save the disk does not take is reported to ``failed(step, why)``, not raised;
                                   ``trainer.checkpointer.save_whole(step)`` saves the whole state at ``step``
                                   whatever the interval (the run stops in order there)
+    newest_checkpoint(folder)     the step of the newest complete DCP checkpoint in ``folder`` (None: none)
     count_tokens(trainer, labels) a computed microbatch's tokens, in the counters TorchTitan does not keep itself
     expert_counts(trainer)        each MoE layer's tokens-per-expert buffer that the optimizer step's load
                                   balancing turns into its expert bias (none when the model's optimizers do not
@@ -53,6 +54,7 @@ INTERFACE = (
     "check_model",
     "clip_grad_norm",
     "guard_checkpointer",
+    "newest_checkpoint",
     "count_tokens",
     "expert_counts",
     "model_inputs",

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import shutil
 import sys
 import threading
@@ -95,6 +96,22 @@ a ``RuntimeError``, not an ``OSError`` (a full tmpfs gave ``unexpected pos 704 v
 def disk_failure(e: BaseException) -> bool:
     """Whether ``e`` is the disk refusing a write: an ``OSError``, or torch.save's writer saying so."""
     return isinstance(e, OSError) or (isinstance(e, RuntimeError) and any(m in str(e) for m in WRITER_FAILED))
+
+
+CHECKPOINT = re.compile(r"step-(\d+)")
+
+
+def newest_checkpoint(folder: str) -> int | None:
+    """The step of the newest complete DCP checkpoint in ``folder``: a ``step-N`` folder with its ``.metadata``,
+    as TorchTitan's own resume picks it. None if there is none (or no such folder)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    found = [m for m in map(CHECKPOINT.fullmatch, names) if m]
+    return max(
+        (int(m.group(1)) for m in found if os.path.isfile(os.path.join(folder, m.group(0), ".metadata"))), default=None
+    )
 
 
 def save_or_report(save: Callable[[], T], step: int, checkpointer: Any, failed: Callable[[int, str], None]) -> T | None:

@@ -19,7 +19,13 @@ from titan_recover.titan import cpu_shim
 from titan_recover.config import ConfigError, check_experts_faults
 
 from titan_recover.titan import common  # binds TorchTitan's device type first
-from titan_recover.titan.common import clip_grad_norm, comm_setting, save_or_report, text_datasets  # noqa: F401 (the interface)
+from titan_recover.titan.common import (  # noqa: F401 (the interface)
+    clip_grad_norm,
+    comm_setting,
+    newest_checkpoint,
+    save_or_report,
+    text_datasets,
+)
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
