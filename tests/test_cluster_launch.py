@@ -77,6 +77,11 @@ def slurm_stand_ins(folder: Path, scripts: dict[str, str]) -> Path:
     return folder / "bin"
 
 
+def called(record: Path) -> list[str]:
+    """The job ids a stand-in command (scancel, scontrol requeue) was given, in order; none if it never ran."""
+    return record.read_text().split() if record.exists() else []
+
+
 def dry_run(nodes: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     return sh(SBATCH, *args, DRY_RUN="1", DRY_RUN_NODES=nodes, GPUS_PER_NODE=env.pop("GPUS_PER_NODE", "0"), **env)
 
@@ -424,8 +429,7 @@ def test_on_etcd_the_first_node_left_ends_a_job_whose_batch_host_is_lost(
         PATH=f"{fake}:{os.environ['PATH']}",
     )
     assert ran.returncode == 0, ran.stderr
-    cancelled = (tmp_path / "cancelled").read_text().split() if (tmp_path / "cancelled").exists() else []
-    assert cancelled == (["77"] if ends else []), ran.stdout
+    assert called(tmp_path / "cancelled") == (["77"] if ends else []), ran.stdout
     assert ("lost its batch host node0" in ran.stdout) == ends
 
 
@@ -466,8 +470,7 @@ def test_a_preempted_jobs_node_waits_for_slurms_requeue_and_requeues_nothing_its
         PATH=f"{fake}:{os.environ['PATH']}",
     )
     assert ran.returncode == code, ran.stderr
-    requeued = (tmp_path / "requeued").read_text().split() if (tmp_path / "requeued").exists() else []
-    assert requeued == (["77"] if requeues else []), ran.stdout
+    assert called(tmp_path / "requeued") == (["77"] if requeues else []), ran.stdout
     assert ("job 77 is preempted" in ran.stdout) == (preempt_time != "None"), ran.stdout
 
 
