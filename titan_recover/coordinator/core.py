@@ -482,8 +482,9 @@ class CoordinatorCore:
         ]
 
     def _resume(self, now: float) -> list[Effect]:
-        """Once every lost group is back (or ``resume_wait_s`` after the loss, those that are): every group back is
-        admitted at the newest step of which each shard has a copy on some group's node."""
+        """Once every lost group is back (or ``resume_wait_s`` after the loss, those that are): the groups holding a
+        copy of some shard of the newest step every shard has a copy of are admitted at it (``resume_plan``); the
+        others rejoin from them."""
         state, loss = self.state, self.state.loss
         assert loss is not None
         found: dict[int, dict[int, tuple[int, ...]]] = {}

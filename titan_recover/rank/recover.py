@@ -380,7 +380,7 @@ class RecoverTrainer(BaseTrainer):
             if not snapshot.claim(self.stop_root, self.group_rank, self.step):
                 return  # another group writes this shard
             tensors = transfer.state_tensors(self.model_parts, self.optimizers)
-            self._check_notice_budget(sum(t.numel() * t.element_size() for _, t in tensors))
+            self._check_notice_budget(transfer.nbytes(tensors))
             writer = snapshot.SnapshotWriter(self.stop_root, self.group_rank, keep=1, durable=True)
             try:
                 writer.write(self.step, self._state_header(self.manager.base_epoch), tensors)
@@ -408,17 +408,18 @@ class RecoverTrainer(BaseTrainer):
         folder cannot be written, a warning. It costs the probe: at most ``snapshot.PROBE_BYTES``, checksummed
         and written once."""
         state = transfer.state_bytes(self.model_parts, self.optimizers)
+        probed = min(snapshot.PROBE_BYTES, state)
         folder = snapshot.shard_dir(self.stop_root, self.group_rank)
         self.manager.tick("measuring the rate of a save into the stop folder")
         try:
-            probe = snapshot.save_rate(folder, min(snapshot.PROBE_BYTES, state))
+            probe = snapshot.save_rate(folder, probed)
         except snapshot.SnapshotError as e:
             self.log.warning(f"the stop {e}: a whole-job notice cannot save this shard's state there")
             return
         self._stop_rate = probe
         if not probe.finished:
             self.log.warning(
-                f"a save of {stop_budget.amount(min(snapshot.PROBE_BYTES, state))} into the stop folder {folder} "
+                f"a save of {stop_budget.amount(probed)} into the stop folder {folder} "
                 f"took over {snapshot.PROBE_TIMEOUT_S:g} s: under {stop_budget.amount(probe.rate)}/s"
             )
         fit = stop_budget.SaveFit(state, probe.rate, self.rc.notice_budget_s)
@@ -660,9 +661,8 @@ class RecoverTrainer(BaseTrainer):
     def _commit(self, current: Membership, buffers: list[torch.Tensor], lr: float) -> None:
         flat, tally = buffers[:2]
         summary = steps.summarize(tally, self.parallel_dims.dp_shard, int(self.global_tokens), self.replica_slots)
-        self.manager.announce(
-            summary.leaving, current.members
-        )  # a leaver's report now: its epoch is out before the next all-reduce
+        # a leaver's report now: its epoch is out before the next all-reduce
+        self.manager.announce(summary.leaving, current.members)
         self.speeds = workload.update_speeds(
             self.speeds,
             summary.seconds_per_microbatch,

@@ -90,11 +90,16 @@ def state_tensors(model_parts: list[torch.nn.Module], optimizers: Any) -> list[t
     return tensors
 
 
+def nbytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
+    """Bytes of named tensors as a buffer, a transfer or a snapshot holds them."""
+    return sum(t.numel() * t.element_size() for _, t in tensors)
+
+
 def state_bytes(model_parts: list[torch.nn.Module], optimizers: Any) -> int:
     """Bytes of this rank's state as a snapshot or a stop's save holds it once the optimizer has stepped: a
     parameter the optimizer keeps no state for yet (before its first step) counts the two moments of its
     size Adam and AdamW make then."""
-    total = sum(t.numel() * t.element_size() for _, t in state_tensors(model_parts, optimizers))
+    total = nbytes(state_tensors(model_parts, optimizers))
     for opt in optimizers.optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
@@ -129,7 +134,7 @@ def pack(
     Each tensor is copied once, straight into its slice; ``out`` (uint8, on ``device``, of the
     state's size) is reused rather than allocated, as a snapshot writer does from one write to the next.
     """
-    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    total = nbytes(tensors)
     if out is None or out.numel() != total or out.device != device:
         out = torch.empty(total, dtype=torch.uint8, device=device)
     offset = 0
@@ -208,7 +213,7 @@ def accept(
             _init_optim_state(opt)
     tensors = state_tensors(model_parts, optimizers)
     check_manifest(theirs, manifest(tensors), source)
-    expected = sum(t.numel() * t.element_size() for _, t in tensors)
+    expected = nbytes(tensors)
     if payload_bytes != expected:
         raise TransferError(f"{source.name} {source.verb} {payload_bytes} bytes of state, this rank holds {expected}")
     return tensors
