@@ -303,3 +303,9 @@ def events(dump: Path) -> list[dict]:
     """The run's events so far (a line still being written, after the last newline, is left for later)."""
     path = dump / "recover_events.jsonl"
     return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
+
+
+def unexplained_tracebacks(output: str, explained_by: str) -> list[str]:
+    """Each traceback in ``output`` that does not end in ``explained_by`` (the one a test expects, such as
+    torchrun's report of a rank its launcher killed), whole: a failing check shows what raised, not the log's tail."""
+    return ["Traceback" + block[:4000] for block in output.split("Traceback")[1:] if explained_by not in block[:4000]]

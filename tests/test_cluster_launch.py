@@ -291,6 +291,66 @@ def test_the_real_path_runs_node_sh_once_per_node_under_srun(tmp_path: Path) -> 
     assert args[args.index("./scripts/node.sh") :] == ["./scripts/node.sh", "--training.steps", "7"]
 
 
+def sbatch_checkout(tmp_path: Path, commands: dict[str, str]) -> tuple[Path, dict[str, str]]:
+    """A copy of the Slurm scripts with the environment in place and a ``run_train.sh`` never run, Slurm's commands
+    stood in by ``commands`` (name -> bash body; srun's gets the command after its options); the folder, and the
+    environment of a job 1234 on hosts c1 and c2 run from it."""
+    repo, fake = tmp_path / "repo", tmp_path / "bin"
+    (repo / "scripts" / "slurm").mkdir(parents=True)
+    fake.mkdir()
+    for script in (SBATCH, NODE_SH, NODE_SLURM_SH):
+        shutil.copy(script, repo / script.relative_to(ROOT))
+    (repo / "scripts" / "bootstrap.sh").write_text("")  # the environment is there
+    (repo / "run_train.sh").write_text("#!/usr/bin/env bash\nexit 1\n")
+    (repo / "c.toml").write_text("")
+    for name, body in commands.items():
+        options = "while [[ $1 == --* ]]; do shift; done\n" if name == "srun" else ""
+        (fake / name).write_text(f"#!/usr/bin/env bash\n{options}{body}\n")
+    for f in (*fake.iterdir(), repo / "run_train.sh", *repo.glob("scripts/**/*.sh")):
+        f.chmod(0o755)
+    env = dict(
+        PATH=f"{fake}:{os.environ['PATH']}",
+        SLURM_SUBMIT_DIR=str(repo),
+        DRY_RUN_NODES="c1 c2",  # the hosts, without scontrol
+        GPUS_PER_NODE="0",
+        SLURM_JOB_ID="1234",
+    )
+    return repo, env
+
+
+def submit(repo: Path, **env: str) -> subprocess.CompletedProcess:
+    """``train.sbatch c.toml`` as the batch script of a job run from ``repo``, umask 022."""
+    return subprocess.run(
+        ["bash", "-c", 'umask 022 && exec bash "$0" c.toml', str(repo / "scripts" / "slurm" / "train.sbatch")],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(**env),
+    )
+
+
+def test_a_node_that_left_the_job_on_a_failure_counts_only_where_the_nodes_still_in_it_wrote_their_status(
+    tmp_path: Path,
+) -> None:
+    """A node that fails leaves the job (--no-kill), and Slurm kills its tasks once it answers again: srun exits
+    137. The job's status is then the worst of the nodes still in it, as each task wrote it (node_slurm.sh's
+    exits/ folder); srun's where one of them wrote none, or where no node left the job. Stand-ins: srun writes the
+    given statuses and exits 137, scontrol shows the job's node list now."""
+    wrote = 'for n in $WROTE; do echo "${n#*=}" > "$TITAN_RECOVER_EXITS_DIR/${n%=*}"; done; exit 137'
+    scontrol = (
+        'case "$1 $2" in "show job") echo "JobId=1234 NodeList=$KEPT Restarts=0" ;;'
+        ' "show hostnames") tr , "\\n" <<< "$3" ;; *) exit 1 ;; esac'
+    )
+    repo, job = sbatch_checkout(tmp_path, {"srun": wrote, "scontrol": scontrol})
+    for kept, statuses, status in [("c1", "c1=0", 0), ("c1", "c1=3", 3), ("c1", "", 137), ("c1,c2", "c1=0 c2=0", 137)]:
+        ended = submit(repo, **job, KEPT=kept, WROTE=statuses)
+        assert ended.returncode == status, (kept, statuses, ended.stdout, ended.stderr)
+        left = "c2 left the job on a node failure" in ended.stdout
+        assert left == (statuses != "" and kept == "c1"), ended.stdout
+    assert sorted(p.name for p in (repo / "outputs" / "slurm" / "1234" / "job1234.exits").iterdir()) == ["c1", "c2"]
+
+
 def test_the_runs_secret_is_saved_for_the_user_alone_and_a_requeue_a_joining_job_and_drain_find_it(
     tmp_path: Path,
 ) -> None:
@@ -299,37 +359,13 @@ def test_the_runs_secret_is_saved_for_the_user_alone_and_a_requeue_a_joining_job
     reads it back, a JOIN_RUN job of that run id finds it with no secret given, and drain's reader takes the same
     file; a JOIN_RUN job of a run with no such file stops naming it. In a copy of the scripts whose srun runs
     each node's plan only."""
-    repo, fake = tmp_path / "repo", tmp_path / "bin"
-    (repo / "scripts" / "slurm").mkdir(parents=True)
-    fake.mkdir()
-    for script in (SBATCH, NODE_SH, NODE_SLURM_SH):
-        shutil.copy(script, repo / script.relative_to(ROOT))
-    (repo / "scripts" / "bootstrap.sh").write_text("")  # the environment is there
-    (repo / "run_train.sh").write_text("#!/usr/bin/env bash\nexit 1\n")  # never run: srun plans only
-    (repo / "c.toml").write_text("")
-    (fake / "srun").write_text(
-        "#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\n"
-        'for i in 0 1; do SLURMD_NODENAME=c$((i + 1)) PLAN_ONLY=1 SHOW_SECRET=1 "$@" | sed "s/^/$i: /" || exit; done\n'
+    plan_only = (
+        'for i in 0 1; do SLURMD_NODENAME=c$((i + 1)) PLAN_ONLY=1 SHOW_SECRET=1 "$@" | sed "s/^/$i: /" || exit; done'
     )
-    for f in (fake / "srun", repo / "run_train.sh", *repo.glob("scripts/**/*.sh")):
-        f.chmod(0o755)
-    job = dict(
-        PATH=f"{fake}:{os.environ['PATH']}",
-        SLURM_SUBMIT_DIR=str(repo),
-        DRY_RUN_NODES="c1 c2",  # the hosts, without scontrol
-        GPUS_PER_NODE="0",
-        SLURM_JOB_ID="1234",
-    )
+    repo, job = sbatch_checkout(tmp_path, {"srun": plan_only})
 
     def submitted(**env: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            ["bash", "-c", 'umask 022 && exec bash "$0" c.toml', str(repo / "scripts" / "slurm" / "train.sbatch")],
-            cwd=repo,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=clean_env(**{**job, **env}),
-        )
+        return submit(repo, **{**job, **env})
 
     def secrets(out: subprocess.CompletedProcess) -> set[str]:
         """The secrets srun's tasks were given."""

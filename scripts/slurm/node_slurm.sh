@@ -78,4 +78,7 @@ elif [ "$rc" -eq 3 ] && [ -z "$CONTROL_STORE" ] && [ -z "$JOIN_RUN" ] && [ "$NOD
 elif [ -n "$CONTROL_STORE" ] && [ "$NODE_INDEX" -gt 0 ] && [ ${#hosts[@]} -gt 0 ]; then
     end_if_orphaned "${hosts[0]}"
 fi
+if [ -n "${TITAN_RECOVER_EXITS_DIR:-}" ]; then  # for train.sbatch: srun's status counts nodes that left the job
+    echo "$rc" > "$TITAN_RECOVER_EXITS_DIR/$NODE_NAME" || echo "[node.sh] could not write this node's status to $TITAN_RECOVER_EXITS_DIR" >&2
+fi
 exit "$rc"
