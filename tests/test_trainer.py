@@ -13,6 +13,7 @@ import math
 import os
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 from launcher_in_process import restored
 
@@ -26,6 +27,7 @@ from titan_recover.data.synthetic import TOKENIZER_DIR
 from titan_recover.data.tokens import TokenDataset
 from titan_recover.node.channel import CHANNEL_ENV, FINISHED, STATE, Channel
 from titan_recover.observability.events import events_path, of_kind, read_events
+from titan_recover.rank.manager import ReplicaFenced
 from titan_recover.titan.jobs import FLAGS, job
 
 LOOPBACK = "127.0.0.1"
@@ -129,3 +131,22 @@ def test_one_rank_commits_one_step_in_this_process(tmp_path: Path, run_secret: s
     assert control.digests(1, [0]) == {0: after}
     assert [(e["replica"], e["rank"]) for e in of_kind(events, "rank_memory")] == [(0, 0)]
     assert int(channel.read_slots()[0, STATE]) == FINISHED
+
+
+@pytest.mark.unit
+def test_a_rank_that_finds_its_group_fenced_ends_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ReplicaFenced ends the rank with exit 1 and one error line, no traceback: its launcher restarts the group."""
+    from titan_recover import train
+
+    def fenced(_: object) -> None:
+        raise ReplicaFenced("replica 1 was fenced out in epoch 3")
+
+    monkeypatch.setattr(train.titan, "run", fenced)
+    with pytest.raises(SystemExit) as ended:
+        train.main()
+    assert ended.value.code == 1 and ended.value.__suppress_context__
+    assert caplog.messages == [
+        "replica 1 was fenced out in epoch 3: this rank ends, and its launcher restarts the group to rejoin"
+    ]

@@ -9,6 +9,7 @@ with ``enable = false``, ``rank.stock.StockTrainer`` (stock TorchTitan HSDP); a 
 """
 
 import gc
+import logging
 import os
 
 from titan_recover.node import devices, procs
@@ -21,10 +22,14 @@ if __name__ == "__main__":
 
 from titan_recover import titan
 from titan_recover.config import validate
+from titan_recover.control.keys import EXIT_FAILED
 from titan_recover.node import warm
 from titan_recover.observability import logs
+from titan_recover.rank.manager import ReplicaFenced
 from titan_recover.rank.recover import RecoverTrainer
 from titan_recover.rank.stock import StockTrainer
+
+log = logging.getLogger(__name__)
 
 
 def trainer(job_config: titan.JobConfig) -> titan.Trainer:
@@ -38,9 +43,19 @@ def checked(job_config: titan.JobConfig) -> None:
     titan.check_model(job_config)
 
 
+def main() -> None:
+    """Runs the trainer. A rank that finds its group fenced out (its launcher, told too, restarts the group to
+    rejoin; it may kill this rank first) ends with one line: nothing in it failed that a traceback would show."""
+    try:
+        titan.run(warm.stand_by(trainer, checked))
+    except ReplicaFenced as e:
+        log.error("%s: this rank ends, and its launcher restarts the group to rejoin", e)
+        raise SystemExit(EXIT_FAILED) from None
+
+
 if __name__ == "__main__":
     logs.setup("rank")
     gc.freeze()  # what the imports made is never collected, and later collections skip it
     gc.enable()
     procs.dumps_stacks()
-    procs.leave(lambda: titan.run(warm.stand_by(trainer, checked)))
+    procs.leave(main)
