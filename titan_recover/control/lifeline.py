@@ -192,6 +192,13 @@ class Heartbeat:
         self._board_error, self._board_reached = "", True
 
     @property
+    def seen_alive(self) -> bool:
+        """Whether the coordinator's alive counter has moved past 0 here: it serves, and this watch bounds its
+        silence by ``coordinator_timeout_s`` from now on."""
+        with self._lock:
+            return self._clock.value > 0
+
+    @property
     def ending(self) -> bool:
         return self._ended()
 

@@ -31,7 +31,7 @@ from titan_recover.control.addresses import LOOPBACK, local_host, node_host, rou
 from titan_recover.control.board import BoardMissing
 from titan_recover.control.client import ControlClient
 from titan_recover.control.keys import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_LEFT, EXIT_OK, EXIT_STOPPED
-from titan_recover.control.lifeline import Heartbeat, one_line, store_errors
+from titan_recover.control.lifeline import AliveClock, Heartbeat, one_line, store_errors
 from titan_recover.control.protocol import Launcher
 from titan_recover.control.sealed import Run, given_secret
 from titan_recover.data.tokens import DataError
@@ -41,7 +41,7 @@ from titan_recover.launch.torchruns import Span, Torchruns, torchrun, torchrun_g
 from titan_recover.node import devices, memory, warm
 from titan_recover.node.agent import NodeAgent
 from titan_recover.node.channel import remove_orphans, shm_dir
-from titan_recover.node.procs import EXITING_S, exit_lost, on_notice, stop_within
+from titan_recover.node.procs import EXITING_S, cpu_ticks, exit_lost, on_notice, stop_within
 from titan_recover.observability import logs
 from titan_recover.observability.events import EventLog, event_files, events_path, rotate_events
 from titan_recover.observability.summary import format_summary, summarize_events
@@ -105,6 +105,7 @@ def parse_group_node(value: str | None, parts: int) -> int:
 
 
 log = logging.getLogger(__name__)
+START_PROBE_S = 0.5  # how often a starting coordinator's CPU time is read
 
 
 def device_plan(rc: config.Recover, groups: int, ranks: int) -> devices.DevicePlan:
@@ -342,6 +343,31 @@ class NodeLauncher:
             )
         finally:
             os.close(fd)
+        threading.Thread(
+            target=self._watch_start, args=(self.coordinator,), name="titan-recover-start-watch", daemon=True
+        ).start()
+
+    def _watch_start(self, coordinator: subprocess.Popen) -> None:
+        """Until the lifeline sees the coordinator's first beat (its watch bounds the silence from then on), the
+        coordinator's process must use CPU within ``coordinator_timeout_s``: its imports, its store's start and
+        its reading of the dump folder all do, on a loaded host too. One whose count stands still that long is
+        frozen or blocked while starting, and the run is lost, as it would be once serving; without this, every
+        process waited out ``startup_timeout_s`` (connecting to its store, then the lifeline's first bound)."""
+        clock = AliveClock(self.rc.coordinator_timeout_s, time.monotonic())
+        while coordinator.poll() is None and not (self.lifeline is not None and self.lifeline.seen_alive):
+            now = time.monotonic()
+            clock.tick(now, START_PROBE_S)  # this launcher paused: not the coordinator's silence
+            ticks = cpu_ticks(coordinator.pid)
+            if ticks is None:  # no /proc here: startup_timeout_s bounds it
+                return
+            clock.read(ticks, now)
+            if clock.silent(now) >= clock.timeout_s:
+                self.on_lost(
+                    f"the coordinator (pid {coordinator.pid}) used no CPU for {clock.timeout_s:g}s while starting, "
+                    "before it served (stopped, or blocked)"
+                )
+                return
+            time.sleep(START_PROBE_S)
 
     def start_candidate(self) -> None:
         """A coordinator candidate beside this launcher (on etcd): it leads once it holds the lease."""

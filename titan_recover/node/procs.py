@@ -53,6 +53,18 @@ def holds_memory(pid: int) -> bool:
         return pid_alive(pid)  # no /proc: as far as the kernel's signal check tells
 
 
+def cpu_ticks(pid: int) -> int | None:
+    """The CPU time process ``pid`` has used, user and system, in clock ticks; None where ``/proc`` cannot
+    say (gone, or no ``/proc``). A starting process's count moves (imports use CPU); a stopped or blocked one's
+    stands still."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime: the 14th and 15th of stat(5)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def stop_within(proc: subprocess.Popen, timeout_s: float) -> bool:
     """Waits up to ``timeout_s`` for ``proc`` to exit, then SIGKILLs and reaps it: a frozen child
     must not hang its parent. Whether it exited on its own."""
