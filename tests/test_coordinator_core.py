@@ -47,6 +47,7 @@ def core(
     retries: int = 2,
     host_memory: bool = False,
     resume_wait_s: float = 0.0,
+    launcher_timeout_s: float = 0.0,
     wall: Callable[[], float] = lambda: 1000.0,
     **lookups,
 ) -> CoordinatorCore:
@@ -61,6 +62,7 @@ def core(
         spare_timeout_s=5.0,
         snapshot_interval=2 if host_memory else 0,
         resume_wait_s=resume_wait_s,
+        launcher_timeout_s=launcher_timeout_s,
     )
     detector = FailureDetector(members=tuple(range(replicas)), timeout_s=5.0, confirm_s=0.5, startup_s=60.0, start=0.0)
     return CoordinatorCore(rules, detector, wall=wall, **lookups)
@@ -423,12 +425,15 @@ def lists(*per_rank: tuple[int, ...]) -> dict[int, Snapshots | None]:
 HeldLists = dict[tuple[int, int], dict[int, Snapshots | None]]
 
 
-def lost_run(held: HeldLists, clock: Clock, resume_wait_s: float = 30.0) -> tuple[CoordinatorCore, list]:
+def lost_run(
+    held: HeldLists, clock: Clock, resume_wait_s: float = 30.0, launcher_timeout_s: float = 0.0
+) -> tuple[CoordinatorCore, list]:
     """Steps 1..6 committed, then every group fails in step 7 at 1000.0; ``held``: (replica, incarnation) -> the
     lists its ranks wrote (read at each look, so a test adds them as the groups come back)."""
     c = core(
         host_memory=True,
         resume_wait_s=resume_wait_s,
+        launcher_timeout_s=launcher_timeout_s,
         wall=clock,
         snapshots=lambda replica, incarnation: held.get((replica, incarnation), {}),
     )
@@ -551,6 +556,25 @@ def test_copies_spread_over_groups_resume_with_each_rank_missing_its_shard_takin
     assert of(effects, Emit)[0].fields["whole"] == [] and not stops(effects)
     said = " ".join(e.message for e in of(effects, Say))
     assert "no group holding every shard: shard 0 from group(s) [0]; shard 1 from group(s) [1]" in said, said
+
+
+def test_a_lost_group_whose_launchers_went_silent_is_not_waited_for() -> None:
+    """Replica 2's node is gone with the state (its launcher's last message, of incarnation 0, was written at 10.0):
+    with launcher_timeout_s 5 the groups back resume at 20.0 without it, not resume_wait_s (30 s) after the loss.
+    Its launcher still writing at 19.0 (its group restarting), the resume waits for it."""
+    for written, resumes in ((10.0, True), (19.0, False)):
+        clock, held = Clock(1020.0), HeldLists()
+        c, _ = lost_run(held, clock, launcher_timeout_s=5.0)
+        held[(0, 1)] = lists((4,), (4,))
+        held[(1, 1)] = lists((4,), (4,))
+        views = group_views([(0, up(1, ready=RANKS), 20.0), (1, up(1, ready=RANKS), 20.0), (2, up(0), written)])
+        c.on_nodes(views, 20.0)
+        effects = c.on_joins(now=20.0)
+        assert bool(of(effects, Admit)) == resumes, (written, effects)
+        if resumes:
+            assert of(effects, Publish) == [Publish(Membership(2, (0, 1)))]
+            said = " ".join(e.message for e in of(effects, Say))
+            assert "not waited for: group(s) [2], whose launchers wrote nothing for 5s" in said, said
 
 
 def test_copies_of_different_steps_on_different_groups_stop_the_run_naming_them() -> None:

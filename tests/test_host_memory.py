@@ -133,8 +133,9 @@ def test_a_node_lost_whole_with_the_other_nodes_group_resumes_from_the_survivors
     """Two launchers on one host stand for two nodes: A runs the coordinator and replica 0, B replica 1. B's whole
     tree is SIGKILLed after step 7 (its memory goes with it: B's command started again sweeps the dead launcher's
     folder) and replica 0 is killed in step 8: no group with state is left. Replica 0 comes back on A and resumes
-    from A's snapshot of step 6; replica 1, started again on B, holds none and rejoins from replica 0 by the state
-    transfer. The run ends on its failure-free twin's bits."""
+    from A's snapshot of step 6 without waiting for replica 1, whose launcher is silent; replica 1, started again on
+    B after that, holds none and rejoins from replica 0 by the state transfer. The run ends on its failure-free
+    twin's bits."""
     dump, memory = tmp_path / "dump", tmp_path / "memory"
     memory.mkdir()
     port, secret = transport.free_port(), "host-memory-test-secret"
@@ -157,7 +158,8 @@ def test_a_node_lost_whole_with_the_other_nodes_group_resumes_from_the_survivors
         *JOB,
         *single,
         "--recover.fault_plan",
-        "kill replica=0 step=8 phase=backward",
+        # the resumed replica 0 holds its second step long enough for B's command, started again, to join the run
+        "kill replica=0 step=8 phase=backward; sleep replica=0 attempt=1 step=+2 seconds=20",
         "--recover.snapshot_dir",
         str(memory),
         "--recover.coordinator_port",
@@ -172,6 +174,8 @@ def test_a_node_lost_whole_with_the_other_nodes_group_resumes_from_the_survivors
         wait_until("step 7", lambda: any(e["step"] >= 7 for e in logged("step")), 240, [a, b])
         b.kill_node()
         wait_until("every group's state lost", lambda: bool(logged("state_lost")), 120, [a])
+        # B's launcher is silent: the resume waits heartbeat_timeout_s for it, not startup_timeout_s (600 s)
+        wait_until("the resume without B", lambda: bool(logged("resuming")), 60, [a])
         with Node("b2", dump, args, env_b) as b2:
             assert a.wait(timeout=240) == 0, a.output()[-3000:]
             assert b2.wait(timeout=60) == 0, b2.output()[-3000:]

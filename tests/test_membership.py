@@ -682,9 +682,14 @@ def test_group_views_add_ranks_over_nodes_and_take_the_most_silent() -> None:
     old = NodeGroup(attempt=0, ranks=8, ready=0, finished=0, silent_s=0.0)
     views = group_views([(5, a, 100.0), (5, b, 99.0), (5, old, 50.0)])
     assert views[(5, 1)] == GroupView(
-        ranks=8, ready=7, finished=0, alive_at=97.0, stuck="the main loop of its rank 3 made no progress (at step 7)"
+        ranks=8,
+        ready=7,
+        finished=0,
+        alive_at=97.0,
+        stuck="the main loop of its rank 3 made no progress (at step 7)",
+        launcher_at=99.0,  # the launcher that wrote last least recently
     )
-    assert views[(5, 0)].alive_at == 50.0  # another incarnation: a view of its own
+    assert views[(5, 0)].alive_at == views[(5, 0)].launcher_at == 50.0  # another incarnation: a view of its own
 
 
 @pytest.mark.parametrize(

@@ -58,6 +58,8 @@ class Rules:
     max_members: int = 0  # the most members at once (0: ``replicas``): groups beyond R are admitted up to it
     snapshot_interval: int = 0  # ranks keep host-memory snapshots of every this many steps (0: none)
     resume_wait_s: float = 0.0  # after such a loss, how long to wait for every lost group to come back
+    # ... except those whose launchers wrote nothing this long (their nodes gone): 0 waits for every one
+    launcher_timeout_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -499,7 +501,7 @@ class CoordinatorCore:
                 found[replica] = {k: v.steps for k, v in lists.items() if v is not None}
         waited = self.wall() - loss.time
         self.given_up -= set(self.asking)  # a group whose incarnation asks is back, whoever started it
-        expected = set(loss.groups) - self.given_up  # their launchers restart them
+        expected = set(loss.groups) - self.given_up - self._launchers_gone(now)  # their launchers restart them
         if not expected <= set(found) and waited < self.rules.resume_wait_s:
             return []
         plan = resume_plan(found, self.rules.group_ranks, at_most=loss.step - 1)
@@ -512,7 +514,23 @@ class CoordinatorCore:
                     f"nodes' memory: {plan}; resume from the last checkpoint"
                 )
             ]
-        return self._resume_from(plan, {r: self.asking[r] for r in plan.groups}, loss)
+        effects = self._resume_from(plan, {r: self.asking[r] for r in plan.groups}, loss)
+        if gone := sorted(set(loss.groups) & self._launchers_gone(now) - set(found)):
+            effects.append(
+                Say(
+                    f"not waited for: group(s) {gone}, whose launchers wrote nothing for "
+                    f"{self.rules.launcher_timeout_s:g}s (their nodes gone?); each rejoins once started again"
+                )
+            )
+        return effects
+
+    def _launchers_gone(self, now: float) -> set[int]:
+        """The groups whose newest incarnation's launchers wrote no node message for ``launcher_timeout_s``: their
+        nodes are gone, and nothing restarts them until a launcher starts there again (which then rejoins); a
+        resume that waited for them would wait out ``resume_wait_s`` (``startup_timeout_s``)."""
+        bound = self.rules.launcher_timeout_s
+        newest = {replica: view for (replica, _), view in sorted(self.views.items())}  # the highest incarnation's
+        return {r for r, view in newest.items() if bound > 0 and now - view.launcher_at > bound}
 
     def _resume_from(self, plan: ResumePlan, incarnations: dict[int, int], loss: Loss) -> list[Effect]:
         state, step = self.state, plan.step

@@ -113,6 +113,7 @@ def rules(settings: CoordinatorSettings) -> Rules:
         spare_timeout_s=rc.heartbeat_timeout_s,
         snapshot_interval=rc.snapshot_interval,
         resume_wait_s=rc.startup_timeout_s,
+        launcher_timeout_s=rc.heartbeat_timeout_s,
     )
 
 

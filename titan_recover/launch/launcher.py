@@ -535,16 +535,20 @@ class NodeLauncher:
         )
         self.agent.start(on_error=log.warning)
         message_of = self.message_of(client)  # its own board reader: the lifeline's is used by the lifeline's thread
-        taken = claims.claim(
-            client,
-            self.me,
-            self.local,
-            rc.heartbeat_timeout_s,
-            log.info,
-            self.part,
-            message_of,
-            rc.coordinator_timeout_s,
-        )
+        try:
+            taken = claims.claim(
+                client,
+                self.me,
+                self.local,
+                rc.heartbeat_timeout_s,
+                log.info,
+                self.part,
+                message_of,
+                rc.coordinator_timeout_s,
+            )
+        except store_errors(str(self.address)) as e:  # its store closed meanwhile: the run ended, or was lost
+            self.on_lost(f"its store failed while this launcher claimed replica ids {self.local} ({one_line(e)})")
+            return None
         for r in self.local:
             self.groups.begin(client, r, r in taken)
         return client

@@ -4,6 +4,7 @@ The coordinator feeds heartbeats and reports in and publishes what comes out, so
 every rule here is testable in microseconds.
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -108,11 +109,14 @@ class GroupView:
     finished: int
     alive_at: float  # when its most silent rank last beat (coordinator's clock)
     stuck: str | None = None  # why a rank's main loop counts as stuck, if one's does
+    # when the most silent of the launchers running it last wrote its node message (coordinator's clock): one that
+    # stopped writing (its node gone) restarts nothing
+    launcher_at: float = math.inf
 
 
 def group_views(entries: Iterable[tuple[int, NodeGroup, float]]) -> dict[tuple[int, int], GroupView]:
     """(replica, incarnation) -> its view, from (replica, node message entry, when that message was
-    last seen changing): counts add up over nodes, the most silent node sets ``alive_at``."""
+    last seen changing): counts add up over nodes, the most silent node sets ``alive_at`` and ``launcher_at``."""
     views: dict[tuple[int, int], GroupView] = {}
     for replica, entry, seen in entries:
         key = (replica, entry.attempt)
@@ -120,7 +124,7 @@ def group_views(entries: Iterable[tuple[int, NodeGroup, float]]) -> dict[tuple[i
         why = (
             None if stuck is None else f"the main loop of its rank {stuck.rank} made no progress (at step {stuck.step})"
         )
-        view = GroupView(entry.ranks, entry.ready, entry.finished, seen - entry.silent_s, why)
+        view = GroupView(entry.ranks, entry.ready, entry.finished, seen - entry.silent_s, why, seen)
         old = views.get(key)
         if old is not None:
             view = GroupView(
@@ -129,6 +133,7 @@ def group_views(entries: Iterable[tuple[int, NodeGroup, float]]) -> dict[tuple[i
                 view.finished + old.finished,
                 min(view.alive_at, old.alive_at),
                 old.stuck or why,
+                min(view.launcher_at, old.launcher_at),
             )
         views[key] = view
     return views
