@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, SINGLES, Run, assert_same_trajectory, run_job
 
+from titan_recover.control import keys, transport
 from titan_recover.titan.jobs import job
 
 NO_RESTART = ["--recover.max_restarts", "0"]  # the survivors finish the run; a restart would only cost seconds
@@ -171,64 +172,91 @@ def test_a_frozen_or_killed_coordinator_stops_every_process_with_one_line(tmp_pa
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
-def test_a_coordinator_killed_or_frozen_before_it_serves_stops_the_run_within_the_bound(
+def test_a_coordinator_killed_or_frozen_before_it_serves_stops_both_nodes_within_the_bound(
     tmp_path: Path, sig: signal.Signals
 ) -> None:
-    """Killed or frozen the moment its process starts (while it still imports torch): the launcher, waiting for it
-    to listen, must not wait out ``startup_timeout_s``. Killed: at once (in CI it once waited, the coordinator
-    killed before the launcher's own connect had found it). Frozen: within ``coordinator_timeout_s`` (5 s here),
-    its CPU time standing still; before, 7 processes waited without a word (150 s watched)."""
-    cmd = [
+    """Two launchers on this host stand for two nodes: A starts the coordinator and replica 0, B runs replica 1 and
+    dials A's port. The coordinator is killed or frozen the moment its process starts (while it still imports
+    torch): neither launcher may wait out ``startup_timeout_s`` (600 s). A: killed, within a handshake try (in CI it
+    once waited, the coordinator killed before A's own connect had found it); frozen, within
+    ``coordinator_timeout_s`` (5 s here), its CPU time standing still (before, the main job's 7 processes waited
+    without a word, 150 s watched).
+    B, frozen case: once A is gone, its port refuses B's next handshake try (``transport.HANDSHAKE_TRY_S``;
+    before, B's one try waited out the whole bound). Both exit 3 with the lost line, and no process is left. In
+    the killed case A's port closes before B first dials it, and B cannot tell a coordinator gone from one not
+    started yet: it waits ``startup_timeout_s`` (node 0 is still special on the TCPStore), so it is stopped."""
+    dump = tmp_path / "dump"
+    port = transport.free_port()
+    args = [
         sys.executable,
         "-m",
         "titan_recover.launch",
-        *job(tmp_path, tiny=True),
+        *job(dump, tiny=True),
         *SINGLES,
         "--recover.fault_plan",
         "none",
         "--recover.coordinator_timeout_s",
         "5",
+        "--recover.coordinator_port",
+        str(port),
+        "--recover.coordinator_bind",
+        "127.0.0.1",
     ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    run: list[int] = []
+    env = {**os.environ, keys.SECRET_ENV: "frozen-coordinator-test-secret", "PYTHONUNBUFFERED": "1"}
+    env_b = {**env, keys.REPLICAS_ENV: "1", keys.COORDINATOR_ENV: f"127.0.0.1:{port}"}
+    logs = {name: tmp_path / f"{name}.log" for name in "ab"}
+    nodes = {}  # plain processes, not the tests' forked launchers: what is timed is each one's own exit
+    for name, node_env in (("a", {**env, keys.REPLICAS_ENV: "0"}), ("b", env_b)):
+        with logs[name].open("w") as out:
+            nodes[name] = subprocess.Popen(
+                args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=node_env
+            )
+    a, b = nodes["a"], nodes["b"]
+    tree: list[int] = []
     try:
-        deadline = time.monotonic() + 120
-        coordinator: list[int] = []
-        while not coordinator:
-            assert proc.poll() is None and time.monotonic() < deadline
-            coordinator = [p for p in _children(proc.pid) if b"titan_recover.coordinator" in _cmdline(p)]
+        deadline, coordinator = time.monotonic() + 120, None
+        while coordinator is None:
+            assert a.poll() is None and time.monotonic() < deadline, logs["a"].read_text()[-3000:]
+            found = [p for p in _tree(a.pid) if b"titan_recover.coordinator" in _cmdline(p)]
+            coordinator = found[0] if found else None
             time.sleep(0.02)
-        os.kill(coordinator[0], sig)
+        tree = _tree(a.pid) + _tree(b.pid)
+        os.kill(coordinator, sig)
         start = time.monotonic()
-        run = _tree(proc.pid)
-        _, err = proc.communicate(timeout=60)
-        took = time.monotonic() - start
+        code_a = a.wait(timeout=60)
+        took_a = time.monotonic() - start
+        if sig == signal.SIGKILL:  # A's port closed before B dialled it: B cannot tell "gone" from "not yet up"
+            b.kill()
+        code_b = b.wait(timeout=60)
+        took_b = time.monotonic() - start
         deadline = time.monotonic() + 10
-        while any(_alive(p) for p in run) and time.monotonic() < deadline:
+        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = [p for p in run if _alive(p)]
+        left = [p for p in tree if _alive(p)]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        for p in run:
+        for proc in (a, b):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        for p in tree:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
-    print(f"{sig.name} -> the launcher exited {proc.returncode} after {took:.1f}s")
-    assert proc.returncode == 3, err[-3000:]
-    (line,) = [x for x in err.splitlines() if x.startswith("error: launcher: lost the titan_recover coordinator")]
+    print(f"{sig.name} -> A exited {code_a} after {took_a:.1f}s, B {code_b} after {took_b:.1f}s")
+
+    def lost_line(node: str) -> str:
+        (line,) = [x for x in logs[node].read_text().splitlines() if x.startswith("error: launcher: lost the titan_")]
+        assert "To resume, run the same command again" in line, line
+        return line
+
+    assert code_a == 3, logs["a"].read_text()[-3000:]
     if sig == signal.SIGKILL:
-        assert f"(pid {coordinator[0]}) died of signal 9" in line and "To resume" in line, line
+        assert f"(pid {coordinator}) died of signal 9" in lost_line("a")
+        assert took_a < transport.HANDSHAKE_TRY_S + 5, took_a  # its handshake's next try, not startup_timeout_s
     else:
-        assert f"(pid {coordinator[0]}) used no CPU for 5s while starting" in line and "To resume" in line, line
-        assert 5 <= took < 5 + 10, took  # the bound, not startup_timeout_s (600 s)
+        assert f"(pid {coordinator}) used no CPU for 5s while starting" in lost_line("a")
+        assert 5 <= took_a < 5 + 10, took_a  # the bound, not startup_timeout_s
+        assert code_b == 3, logs["b"].read_text()[-3000:]
+        assert f"its port at 127.0.0.1:{port} accepted this client, then refused it" in lost_line("b")
+        assert took_b < took_a + transport.HANDSHAKE_TRY_S + 10, (took_a, took_b)
     assert not left, _described(left)  # no rank, agent or coordinator is left behind
 
 

@@ -30,6 +30,9 @@ if TYPE_CHECKING:  # the etcd extra's client: imported only where a run on etcd 
 
 HELLO_WAIT_S = 10.0  # how long a client waits for the hello (the coordinator sets it right after listening)
 LISTEN_POLL_S = 0.1  # how often a starting client probes the coordinator's port
+# one try of a TCPStore client's handshake: between tries, a port that accepted and now refuses is a coordinator
+# gone (its launcher with it), not one still starting
+HANDSHAKE_TRY_S = 2.0
 
 
 T = TypeVar("T")
@@ -60,7 +63,8 @@ class WrongRunError(RuntimeError):
 
 
 class CoordinatorGone(RuntimeError):
-    """The coordinator this process started ended before it served the run."""
+    """The coordinator ended before it served the run: the one this process started, or one whose port
+    accepted this client and then refused it."""
 
 
 def free_port() -> int:
@@ -218,11 +222,27 @@ def wait_listening(address: str, timeout_s: float, gone: Callable[[], str | None
 
 
 def _tcp_client(address: str, timeout_s: float, gone: Callable[[], str | None]) -> dist.TCPStore:
+    """A client of the TCPStore at ``address`` once it listens, its handshake tried ``HANDSHAKE_TRY_S`` at a time
+    within ``timeout_s``: a launcher's bound port accepts before its coordinator serves, and a client that waited
+    out the whole bound in one try missed the port closing when that launcher lost it (600 s, measured)."""
     start = time.monotonic()
     wait_listening(address, timeout_s, gone)
     host, port = parse_host_port(address)
-    left = max(1.0, timeout_s - (time.monotonic() - start))
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=left))
+    while True:
+        left = max(1.0, timeout_s - (time.monotonic() - start))
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=min(left, HANDSHAKE_TRY_S)))
+        except dist.DistError:
+            if time.monotonic() - start >= timeout_s:
+                raise
+            why = gone()
+            if why is None and connection_refused(address):
+                why = f"its port at {address} accepted this client, then refused it: the coordinator is gone"
+            if why is not None:
+                raise CoordinatorGone(why) from None
+            continue
+        store.set_timeout(timedelta(seconds=left))
+        return store
 
 
 def _wrong_run(address: str) -> WrongRunError:

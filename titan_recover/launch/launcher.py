@@ -748,7 +748,10 @@ def run_recover(
     launcher = NodeLauncher(job_config, argv, local, coordinator_address, part)
     try:
         on_notice(launcher.notice)  # this node goes away: it leaves the run, or stops it where the run's store is
-        launcher.start_coordinator()
+        try:
+            launcher.start_coordinator()
+        except transport.CoordinatorGone as e:  # the run's, on another node: nothing started here yet
+            exit_lost("launcher", str(e), config.resume_hint(job_config, titan.dump_folder(job_config)))
         launcher.start_groups()
         client = launcher.register()
         if client is None:  # the coordinator ended on its own (0 or 1) and said why
