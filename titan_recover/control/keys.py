@@ -45,6 +45,7 @@ START_STEP = "start_step"  # the step the run resumed from (0, or a DCP checkpoi
 ALIVE = "coordinator/alive"  # the coordinator bumps it every pass: a frozen coordinator stops it
 COORDINATOR_STATE = "coordinator/state"  # what a new coordinator leader restores (``protocol.CoordinatorState``)
 BOARD = "coordinator/board"  # on etcd: where the leader serves the node messages (``protocol.BoardAddress``)
+CANDIDATES = "candidates/"  # on etcd: each live coordinator candidate, under its lease (``protocol.Candidate``)
 REPLICATE_BACKEND = "replicate_backend"  # "gloo" or "nccl": the first rank sets it, every other must match
 NODES = "nodes"  # counter: launchers registered so far; node_key(1..n) name them
 
@@ -57,6 +58,7 @@ NO_PASS = (
     ALIVE,
     COORDINATOR_STATE,
     BOARD,
+    CANDIDATES,
     "members/",
     EPOCH,
     "fenced/",
