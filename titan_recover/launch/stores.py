@@ -179,7 +179,8 @@ class Etcd:
 
     def _begin_or_join(self, launcher: NodeLauncher) -> None:
         """The first node starts the run, unless it is running already: then this launcher is a
-        relaunched node (a replaced pod, the same command again) and joins it like any other. A new run's
+        relaunched node (a replaced pod, the same command again) and joins it like any other. A run that
+        stopped in order is begun again (its keys cleared: the stop folder holds what it resumes from). A new run's
         event log (every node's file in the shared dump folder, the run before's moved aside) is started afresh
         before its hello, which
         every other process of the run waits for before it writes (a candidate, a launcher's connect)."""
