@@ -200,14 +200,17 @@ def test_a_whole_job_notice_stops_the_run_in_order_and_the_same_commands_with_th
     """SIGTERM to every process of both nodes at once (a whole-job preemption, ranks included), DCP checkpoints
     off, while the group on the leader's node is inside its step (replica 0 holds step 4, replica 1 step 7; the
     notice comes in the leader's node's hold). Every candidate is noticed, so the leader leads on (none would
-    outlast it). The held group says in that step's all-reduce that it leaves (its launcher, with no group left,
-    waits for its candidate while that leads, should it see the leave before the run's end), the other group says
-    so one step later, alone, and the run stops in order there with no failure, its state saved. Both launchers
-    exit 5.
+    outlast it). The held group says in that step's all-reduce that it leaves, and its launcher, with no group
+    left, waits for its candidate while that leads; the other group says so one step later, alone (held 3 s in
+    it, so that the leave comes well before the run's end), and the run stops in order there with no failure,
+    its state saved. Both launchers exit 5.
     The same two commands, with the same run id, resume from the stop's state: the steps after it run, and the
     two parts together are the failure-free twin's data and losses."""
     dump = tmp_path / "dump"
-    plan = "sleep replica=0 step=4 phase=backward seconds=4; sleep replica=1 step=7 phase=backward seconds=4"
+    plan = (  # each node's group holds a step; the other group the step after it, so the run ends after its leave
+        "sleep replica=0 step=4 phase=backward seconds=4; sleep replica=1 step=5 phase=forward seconds=3; "
+        "sleep replica=1 step=7 phase=backward seconds=4; sleep replica=0 step=8 phase=forward seconds=3"
+    )
     args = launcher(dump, etcd.url, plan)
     env_a, env_b = node_env(None, "0"), node_env(etcd.url, "1")
     with Node("a", dump, args, env_a) as a, Node("b", dump, args, env_b) as b:
@@ -223,8 +226,7 @@ def test_a_whole_job_notice_stops_the_run_in_order_and_the_same_commands_with_th
     [stopped] = run.of("stopped")
     print(
         f"SIGTERM to {signalled} processes in step {held}; stopped after step {stopped['step']} "
-        f"{stopped['time'] - sent:.2f}s after the notice; exit codes {codes}; the leader's launcher waited for it: "
-        f"{'leads on until the run ends' in leading.output()}"
+        f"{stopped['time'] - sent:.2f}s after the notice; exit codes {codes}"
     )
     assert codes == (EXIT_STOPPED, EXIT_STOPPED), a.output()[-3000:] + b.output()[-3000:]
     assert not run.of("failure") and not run.of("fatal"), (run.of("failure"), run.of("fatal"))
@@ -233,6 +235,7 @@ def test_a_whole_job_notice_stops_the_run_in_order_and_the_same_commands_with_th
     assert [e["step"] for e in run.of("stop_saved")] == [held + 1], run.of("stop_saved")
     assert len(run.of("leader")) == 1  # the noticed leader led on: no hand-over
     assert "leads on, so that the run stops in order" in leading.output()
+    assert "leads on until the run ends" in leading.output() and "led the run's stop" in leading.output()
     for node in (a, b):  # torchrun's agent, SIGTERMed itself, prints its own SignalException; nothing else
         assert not (extra := unexplained_tracebacks(node.output(), "SignalException: Process")), extra
     with Node("a2", dump, args, env_a) as a2, Node("b2", dump, args, env_b) as b2:
