@@ -45,6 +45,7 @@ class Presence:
         self._lease = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._ignored: set[str] = set()  # entries found forged or malformed (warned once each)
         self._put()
         threading.Thread(target=self._keep, name="titan-recover-presence", daemon=True).start()
 
@@ -92,7 +93,9 @@ class Presence:
             try:
                 found.append(Candidate.loads(key, self.run.unseal(key, raw)))
             except (ForgedRecord, MessageError) as e:
-                log.warning(f"ignoring a candidate entry: {e}")
+                if key not in self._ignored:  # said once: it is read again on every look
+                    self._ignored.add(key)
+                    log.warning(f"ignoring a candidate entry: {e}")
         return found
 
     def leads_on(self) -> bool:
