@@ -204,7 +204,8 @@ def test_a_whole_job_notice_stops_the_run_in_order_and_the_same_commands_with_th
     left, waits for its candidate while that leads; the other group says so one step later, alone (held 3 s in
     it, so that the leave comes well before the run's end), and the run stops in order there with no failure,
     its state saved. Both launchers exit 5.
-    The same two commands, with the same run id, resume from the stop's state: the steps after it run, and the
+    The same two commands, with the same run id, resume from the stop's state (node B's, started first, waits
+    for node 0 to begin the run again rather than join the stopped one): the steps after it run, and the
     two parts together are the failure-free twin's data and losses."""
     dump = tmp_path / "dump"
     plan = (  # each node's group holds a step; the other group the step after it, so the run ends after its leave
@@ -238,9 +239,12 @@ def test_a_whole_job_notice_stops_the_run_in_order_and_the_same_commands_with_th
     assert "leads on until the run ends" in leading.output() and "led the run's stop" in leading.output()
     for node in (a, b):  # torchrun's agent, SIGTERMed itself, prints its own SignalException; nothing else
         assert not (extra := unexplained_tracebacks(node.output(), "SignalException: Process")), extra
-    with Node("a2", dump, args, env_a) as a2, Node("b2", dump, args, env_b) as b2:
-        assert a2.wait(timeout=300) == 0, a2.output()[-3000:] + b2.output()[-3000:]
-        assert b2.wait(timeout=60) == 0, b2.output()[-3000:]
+    with Node("b2", dump, args, env_b) as b2:  # first: it waits for node 0 to begin the run again
+        waits = "for its first node to start it again"
+        wait_until("node B waiting for the restart", lambda: waits in b2.output(), 120, [b2])
+        with Node("a2", dump, args, env_a) as a2:
+            assert a2.wait(timeout=300) == 0, a2.output()[-3000:] + b2.output()[-3000:]
+            assert b2.wait(timeout=60) == 0, b2.output()[-3000:]
     assert "stopped in order: it starts again" in a2.output()
     again = Run(0, a2.output(), events(dump))
     assert sorted(again.steps()) == list(range(held + 2, 11)), again.steps()
