@@ -25,6 +25,7 @@ from titan_recover.control.client import ABORT, COMMIT, ControlClient, redone
 from titan_recover.control.etcd_store import Changes, EtcdStore, LeadershipLost, check_cluster
 from titan_recover.control.leader import Lease
 from titan_recover.control.lifeline import alive_reading
+from titan_recover.control.presence import Presence
 from titan_recover.control.protocol import CoordinatorState, Progress
 from titan_recover.control.sealed import Run, SealedStore
 from titan_recover.observability.events import logged_steps
@@ -305,6 +306,42 @@ def test_a_follower_stops_campaigning_when_the_run_ended(cluster: LocalEtcd) -> 
     threading.Timer(0.3, ended.set).start()
     assert Lease(raw(cluster), key, 5.0).campaign(ended=ended.is_set) is None
     holder.resign()
+
+
+def test_a_noticed_candidate_yields_to_a_live_one_whose_node_stays_and_leads_when_none_is_left(
+    cluster: LocalEtcd,
+) -> None:
+    """Two candidates' entries on a real etcd: the noticed one leads on only while the other is noticed
+    too or gone (closed, or its lease left to expire); a forged entry counts for nothing, and a noticed
+    follower defers its campaign meanwhile."""
+    run = Run("presence-secret", f"presence-{uuid.uuid4().hex[:8]}")
+    first, second = Presence(raw(cluster), run, 2.0), Presence(raw(cluster), run, 2.0)
+
+    def settles(presence: Presence, expected: bool) -> None:
+        deadline = time.monotonic() + 5.0  # the keeper puts a notice at once
+        while presence.leads_on() != expected:
+            assert time.monotonic() < deadline, [c.to_json() for c in presence.others()]
+            time.sleep(0.05)
+
+    assert first.leads_on() and second.leads_on()  # un-noticed: leads
+    first.notice()
+    settles(first, False)  # the second's node stays
+    key = f"run/{run.tag}/{keys.CANDIDATES}forged"
+    raw(cluster).set(
+        key,
+        Run("another-secret", run.id).seal(f"{keys.CANDIDATES}forged", b'{"pid": 1, "host": "x", "noticed": false}'),
+    )
+    lease = Lease(raw(cluster), f"run/{run.tag}/coordinator/leader", 2.0)
+    ended = threading.Event()
+    threading.Timer(1.5, ended.set).start()
+    assert lease.campaign(ended.is_set, first.leads_on) is None  # deferred: never tried while the second stays
+    second.notice()
+    settles(first, True)  # a whole-job notice: none would outlast it; the forged entry is no candidate
+    assert [c.noticed for c in first.others()] == [True]
+    second.close()
+    settles(first, True)
+    first.close()
+    assert Presence(raw(cluster), run, 2.0).others() == []  # both dropped out at once
 
 
 def test_an_unreachable_cluster_is_named() -> None:

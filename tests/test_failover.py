@@ -15,12 +15,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SINGLES, Run, assert_all_rejoined, assert_same_trajectory, coordinator_command
+from conftest import (
+    ROOT,
+    SINGLES,
+    Run,
+    assert_all_rejoined,
+    assert_same_trajectory,
+    coordinator_command,
+    unexplained_tracebacks,
+)
 from test_nodes import Node, events, wait_until
 
 from titan_recover.control import keys, sealed, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.etcd_store import EtcdStore
+from titan_recover.control.keys import EXIT_STOPPED
+from titan_recover.control.presence import leads_on
+from titan_recover.control.protocol import Candidate, MessageError
 from titan_recover.status import fetch
 from titan_recover.titan.jobs import job
 from titan_recover.tools.etcd_local import LocalEtcd
@@ -163,6 +174,82 @@ def test_the_leaders_node_told_it_goes_away_hands_the_lead_over_and_the_run_goes
     assert_same_trajectory(two_singles, run, rel_tol=1e-3, num_microbatches=4)
     assert "starting another" not in noticed.output()
     assert "Traceback" not in other.output(), other.output()[-3000:]
+
+
+@pytest.mark.unit
+def test_a_noticed_candidate_leads_only_while_no_live_candidate_is_left_whose_node_stays() -> None:
+    assert leads_on(False, []) and leads_on(False, [False, True])  # its node stays
+    assert not leads_on(True, [True, False])  # another's stays: that one leads on
+    assert leads_on(True, [True, True])  # a whole-job notice: none would outlast it
+    assert leads_on(True, [])  # the last candidate
+
+
+@pytest.mark.unit
+def test_a_candidates_entry_is_checked_as_it_is_read() -> None:
+    assert Candidate.loads("candidates/a", b'{"pid": 7, "host": "n0", "noticed": true}') == Candidate(7, "n0", True)
+    for bad in (b'{"pid": -1, "host": "n0", "noticed": true}', b'{"pid": 7, "host": "n0", "noticed": "yes"}'):
+        with pytest.raises(MessageError, match="noticed a boolean"):
+            Candidate.loads("candidates/a", bad)
+    with pytest.raises(MessageError, match="noticed"):
+        Candidate.loads("candidates/a", b'{"pid": 7, "host": "n0"}')
+
+
+def test_a_whole_job_notice_stops_the_run_in_order_and_the_same_commands_with_the_same_id_resume_it(
+    tmp_path: Path, two_singles: Run, etcd: LocalEtcd
+) -> None:
+    """SIGTERM to every process of both nodes at once (a whole-job preemption, ranks included), DCP checkpoints
+    off, while the group on the leader's node is inside its step (replica 0 holds step 4, replica 1 step 7; the
+    notice comes in the leader's node's hold). Every candidate is noticed, so the leader leads on (none would
+    outlast it). The held group says in that step's all-reduce that it leaves, and its launcher, with no group
+    left, waits for its candidate while that leads; the other group says so one step later, alone (held 3 s in
+    it, so that the leave comes well before the run's end), and the run stops in order there with no failure,
+    its state saved. Both launchers exit 5.
+    The same two commands, with the same run id, resume from the stop's state (node B's, started first, waits
+    for node 0 to begin the run again rather than join the stopped one): the steps after it run, and the
+    two parts together are the failure-free twin's data and losses."""
+    dump = tmp_path / "dump"
+    plan = (  # each node's group holds a step; the other group the step after it, so the run ends after its leave
+        "sleep replica=0 step=4 phase=backward seconds=4; sleep replica=1 step=5 phase=forward seconds=3; "
+        "sleep replica=1 step=7 phase=backward seconds=4; sleep replica=0 step=8 phase=forward seconds=3"
+    )
+    args = launcher(dump, etcd.url, plan)
+    env_a, env_b = node_env(None, "0"), node_env(etcd.url, "1")
+    with Node("a", dump, args, env_a) as a, Node("b", dump, args, env_b) as b:
+        wait_until("step 3", lambda: 3 in steps(dump), 240, [a, b])
+        [first] = leaders(dump)
+        leading, held = (a, 4) if parent_of(first["pid"]) == a.proc.pid else (b, 7)
+        wait_until(f"step {held - 1}", lambda: held - 1 in steps(dump), 240, [a, b])
+        time.sleep(1.0)  # the leader's node's group is in its hold by now
+        sent = time.time()
+        signalled = len(a.notice_tree()) + len(b.notice_tree())
+        codes = a.wait(timeout=120), b.wait(timeout=60)
+    run = Run(codes[0], a.output(), events(dump))
+    [stopped] = run.of("stopped")
+    print(
+        f"SIGTERM to {signalled} processes in step {held}; stopped after step {stopped['step']} "
+        f"{stopped['time'] - sent:.2f}s after the notice; exit codes {codes}"
+    )
+    assert codes == (EXIT_STOPPED, EXIT_STOPPED), a.output()[-3000:] + b.output()[-3000:]
+    assert not run.of("failure") and not run.of("fatal"), (run.of("failure"), run.of("fatal"))
+    assert [(e["replica"], e["step"]) for e in run.of("left")] == [(int(leading is b), held + 1)], run.of("left")
+    assert stopped["step"] == held + 1 and sorted(run.steps()) == list(range(1, held + 2)), (stopped, run.steps())
+    assert [e["step"] for e in run.of("stop_saved")] == [held + 1], run.of("stop_saved")
+    assert len(run.of("leader")) == 1  # the noticed leader led on: no hand-over
+    assert "leads on, so that the run stops in order" in leading.output()
+    assert "leads on until the run ends" in leading.output() and "led the run's stop" in leading.output()
+    for node in (a, b):  # torchrun's agent, SIGTERMed itself, prints its own SignalException; nothing else
+        assert not (extra := unexplained_tracebacks(node.output(), "SignalException: Process")), extra
+    with Node("b2", dump, args, env_b) as b2:  # first: it waits for node 0 to begin the run again
+        waits = "for its first node to start it again"
+        wait_until("node B waiting for the restart", lambda: waits in b2.output(), 120, [b2])
+        with Node("a2", dump, args, env_a) as a2:
+            assert a2.wait(timeout=300) == 0, a2.output()[-3000:] + b2.output()[-3000:]
+            assert b2.wait(timeout=60) == 0, b2.output()[-3000:]
+    assert "stopped in order: it starts again" in a2.output()
+    again = Run(0, a2.output(), events(dump))
+    assert sorted(again.steps()) == list(range(held + 2, 11)), again.steps()
+    assert {e["replica"] for e in again.of("stop_resumed")} == {0, 1}, again.of("stop_resumed")
+    assert_same_trajectory(two_singles, Run(0, "", run.events + again.events), rel_tol=1e-5, num_microbatches=4)
 
 
 def raft_leader(cluster: LocalEtcd) -> str:

@@ -322,6 +322,11 @@ class EtcdStore(dist.Store):
             values += [r["response_range"].get("kvs", []) for r in answer.get("responses", [])]
         return [_decode(kvs[0].get("value", "")) if kvs else None for kvs in values]
 
+    def read_under(self, prefix: str) -> dict[str, bytes]:
+        """Every key under ``prefix`` and its value, in one request (for a few keys: a range is not paged)."""
+        answer = self.post("kv/range", under(prefix))
+        return {_decode(kv["key"]).decode(): _decode(kv.get("value", "")) for kv in answer.get("kvs", [])}
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """``read_many``, blocking for the missing keys like TCPStore."""
         values = self.read_many(keys)

@@ -33,7 +33,7 @@ EXIT_FAILED = 1  # the run (or the check) failed or stopped for good; its last l
 EXIT_BAD_INPUT = 2  # a config value, the environment or the data cannot run: fix it, a restart fails the same way
 EXIT_COORDINATOR_LOST = 3  # no sign of life from the coordinator: every process stops; the same command resumes
 EXIT_LEFT = 4  # this node was told it goes away and left the run (its groups at a step boundary); the run goes on
-EXIT_STOPPED = 5  # the run stopped in order at a step boundary (its coordinator's node went away); resume it
+EXIT_STOPPED = 5  # the run stopped in order at a step boundary (its coordinator's or every node went away); resume it
 
 
 HELLO = "hello"  # the coordinator sets it on start: a client that cannot read it is not in this run
@@ -45,6 +45,7 @@ START_STEP = "start_step"  # the step the run resumed from (0, or a DCP checkpoi
 ALIVE = "coordinator/alive"  # the coordinator bumps it every pass: a frozen coordinator stops it
 COORDINATOR_STATE = "coordinator/state"  # what a new coordinator leader restores (``protocol.CoordinatorState``)
 BOARD = "coordinator/board"  # on etcd: where the leader serves the node messages (``protocol.BoardAddress``)
+CANDIDATES = "candidates/"  # on etcd: each live coordinator candidate, under its lease (``protocol.Candidate``)
 REPLICATE_BACKEND = "replicate_backend"  # "gloo" or "nccl": the first rank sets it, every other must match
 NODES = "nodes"  # counter: launchers registered so far; node_key(1..n) name them
 
@@ -57,6 +58,7 @@ NO_PASS = (
     ALIVE,
     COORDINATOR_STATE,
     BOARD,
+    CANDIDATES,
     "members/",
     EPOCH,
     "fenced/",

@@ -46,10 +46,14 @@ class Lease:
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
 
-    def campaign(self, ended: Callable[[], bool]) -> EtcdStore | None:
+    def campaign(self, ended: Callable[[], bool], may_lead: Callable[[], bool] = lambda: True) -> EtcdStore | None:
         """Blocks until this candidate leads (the store to act through, every write guarded by
-        the lease), or returns None once ``ended()`` says the run is over."""
+        the lease), or returns None once ``ended()`` says the run is over; it tries only while
+        ``may_lead()`` (asked again every ``CAMPAIGN_WAIT_S``)."""
         while not ended():
+            if not may_lead():
+                time.sleep(CAMPAIGN_WAIT_S)
+                continue
             grant = self.store.post("lease/grant", {"TTL": max(2, round(self.ttl_s))})
             lease = int(grant["ID"])
             won = self.store.txn(

@@ -416,6 +416,28 @@ class BoardAddress(Record):
 
 
 @dataclass(frozen=True)
+class Candidate(Record):
+    """A coordinator candidate of a run on etcd as it shows itself (``control.presence``): which process, and
+    whether its node was told it goes away (``noticed``)."""
+
+    pid: int
+    host: str
+    noticed: bool = False
+
+    REQUIRED = ("pid", "host", "noticed")
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "Candidate":
+        _require(
+            key,
+            is_count(rec["pid"]) and isinstance(rec["host"], str) and isinstance(rec["noticed"], bool),
+            "pid must be an integer >= 0, host a string and noticed a boolean",
+            rec,
+        )
+        return Candidate(rec["pid"], rec["host"], rec["noticed"])
+
+
+@dataclass(frozen=True)
 class Incarnation(Record):
     """An incarnation of a replica group (``attempt``) and the epoch a coordinator decision about it came with."""
 

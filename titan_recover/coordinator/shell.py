@@ -17,10 +17,9 @@ import argparse
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Collection
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from titan_recover import config
 from titan_recover.config import ConfigError, CoordinatorSettings
@@ -68,11 +67,16 @@ from titan_recover.observability.status_server import StatusServer, StatusSource
 from titan_recover.policy import domains
 from titan_recover.policy.membership import FailureDetector, group_views, store_stalled
 
+if TYPE_CHECKING:
+    from titan_recover.control.etcd_store import EtcdStore
+    from titan_recover.control.presence import Presence
+
 POLL_S = 0.02  # detection is bounded by report_confirm_s / heartbeats, not by this
 ALIVE_S = 0.25  # how often the alive counter moves (watchers allow coordinator_timeout_s)
 ETCD_ALIVE_S = 1.0  # ... on etcd, where each move is a Raft write
 REPORT_GRACE_S = 5.0  # a reserved report slot still empty after this: its reporter died in between
 FULL_PASS_S = 5.0  # on etcd a pass reads only the keys put since the last; every key at least this often
+PRESENCE_CHECK_S = 0.5  # how often a noticed leader looks for a candidate whose node stays (one etcd read)
 log = logging.getLogger(__name__)
 
 
@@ -621,85 +625,126 @@ def serve(settings: CoordinatorSettings, port: int) -> Coordinator:
 
 def lead(settings: CoordinatorSettings, address: str) -> int:
     """A candidate on etcd: campaigns, and once it leads, coordinates until the run ends; a
-    leadership lost meanwhile (it froze past its lease) sends it back to campaigning."""
-    from titan_recover.control.etcd_store import Changes, LeadershipLost  # the etcd extra: only a run on etcd needs it
-    from titan_recover.control.leader import Lease
+    leadership lost meanwhile (it froze past its lease, or its node goes away and another's stays)
+    sends it back to campaigning. It shows itself among the run's candidates meanwhile (``presence``)."""
+    from titan_recover.control.presence import Presence  # the etcd extra: only a run on etcd needs it
 
     rc = settings.recover
     run = Run.from_env()
     raw = transport.etcd(address, rc.coordinator_timeout_s)
-    lease = Lease(raw, leader_key(run.prefix), rc.leader_lease_s)
-    view = ControlClient(transport.in_run(raw, run))
+    presence = Presence(raw, run, rc.leader_lease_s)
+    on_notice(presence.notice)  # this node goes away: the lead passes to a candidate whose node stays, if one lives
+    try:
+        return Campaign(settings, address, run, raw, presence).run()
+    finally:
+        presence.close()
 
-    noticed = threading.Event()
-    on_notice(noticed.set)  # this node goes away: the lead passes to another node's candidate at once
 
-    def ended() -> bool:
-        return view.finished() or view.stopped()
+class Campaign:
+    """A candidate's campaigns, and its terms as the leader, until the run ends (``lead``)."""
 
-    def confirm() -> None:
-        lease.check()
-        if noticed.is_set():
-            raise LeadershipLost("this node goes away (SIGTERM): the lead passes to another node's candidate")
+    def __init__(
+        self, settings: CoordinatorSettings, address: str, run: Run, raw: "EtcdStore", presence: "Presence"
+    ) -> None:
+        from titan_recover.control.leader import Lease  # the etcd extra: only a run on etcd needs it
 
-    if not view.begun():  # the first node starts the run's event log afresh first: a leader's lines must come after
-        log.info(f"waiting up to {rc.startup_timeout_s:g}s for run {run.id!r} to begin (its first node's launcher)")
-        try:
-            transport.wait_for(view.store, keys.HELLO, rc.startup_timeout_s, poll_s=0.1)
-        except TimeoutError:
-            log.error(
-                f"run {run.id!r} did not begin within recover.startup_timeout_s = {rc.startup_timeout_s:g}s: "
-                "start the run's first node, with the same run id and secret"
+        self.settings, self.address, self.of, self.raw, self.presence = (
+            settings,
+            address,
+            run,
+            raw,
+            presence,
+        )  # of: the run
+        self.lease = Lease(raw, leader_key(run.prefix), settings.recover.leader_lease_s)
+        self.view = ControlClient(transport.in_run(raw, run))
+        self.next_check = 0.0  # when a noticed leader next looks for a candidate whose node stays
+        self.leads_on_said = False
+
+    def ended(self) -> bool:
+        return self.view.finished() or self.view.stopped()
+
+    def confirm(self) -> None:
+        """Raises ``LeadershipLost`` once the lease expired, or once this node goes away while another live
+        candidate's stays (asked every ``PRESENCE_CHECK_S``)."""
+        from titan_recover.control.etcd_store import LeadershipLost
+
+        self.lease.check()
+        if not self.presence.noticed or time.monotonic() < self.next_check:
+            return
+        self.next_check = time.monotonic() + PRESENCE_CHECK_S
+        if not self.presence.leads_on():
+            raise LeadershipLost("this node goes away (SIGTERM): the lead passes to a candidate whose node stays")
+        if not self.leads_on_said:
+            self.leads_on_said = True
+            log.info(
+                "this node goes away (SIGTERM), and so does every other live candidate's: this one leads on, so "
+                "that the run stops in order (a whole-job notice)"
             )
-            return EXIT_FAILED
-    while True:
-        guarded = lease.campaign(lambda: ended() or noticed.is_set())
-        if guarded is None or ended():  # another candidate led the run to its end (perhaps as this one won)
-            lease.resign()
-            return EXIT_FAILED if view.stopped() else EXIT_OK
-        log.info(f"leading (lease {rc.leader_lease_s:g}s)")
-        client = transport.in_run(guarded, run)
-        changes = Changes(raw, f"{run.prefix}/", NO_PASS)  # a pass when a key it acts on changed
-        board = LeaderBoard(address, run, rc.collective_timeout_s)
-        status: StatusServer | None = None
-        try:
-            ControlClient(client).put(BOARD, board.where)
-            log.info(f"node messages on {board.where.address}")
-            events = LeaderEvents(settings.dump_folder, guarded.confirm_guard)
+
+    def run(self) -> int:
+        """The candidate's exit code: the run's end as it read it (a leader's: as it ended it)."""
+        from titan_recover.control.etcd_store import Changes, LeadershipLost
+
+        settings, address, run, raw, lease, view = self.settings, self.address, self.of, self.raw, self.lease, self.view
+        rc = settings.recover
+        if not view.begun():  # the first node starts the run's event log afresh first: a leader's lines must come after
+            log.info(f"waiting up to {rc.startup_timeout_s:g}s for run {run.id!r} to begin (its first node's launcher)")
             try:
-                coordinator = Coordinator(
-                    settings, client, events, config.node_message_interval_s(rc), changes.wait, board.messages
+                transport.wait_for(view.store, keys.HELLO, rc.startup_timeout_s, poll_s=0.1)
+            except TimeoutError:
+                log.error(
+                    f"run {run.id!r} did not begin within recover.startup_timeout_s = {rc.startup_timeout_s:g}s: "
+                    "start the run's first node, with the same run id and secret"
                 )
-            except MessageError as e:  # no leader could act on it: the run stops, saying why
-                error = f"the coordinator state in etcd cannot be taken over: {e}; {settings.resume_hint}"
-                ControlClient(client).stop(error)
-                events.emit("fatal", error=error)
-                log.error(f"FATAL: {error}")
                 return EXIT_FAILED
-            events.emit(
-                "leader",
-                pid=os.getpid(),
-                host=socket.gethostname(),
-                step=coordinator.core.step(),
-                epoch=coordinator.membership.epoch,
-            )
-            status = status_page(
-                settings,
-                lambda: ControlClient(transport.in_run(transport.etcd(address, rc.coordinator_timeout_s), run)),
-                lambda _, names: board.messages(names),
-                events,
-            )
-            code = coordinator.run(confirm)
-            coordinator.end()
-            return code  # the state stays in etcd: no store to keep up for the others to read
-        except LeadershipLost as e:
-            log.info(f"no longer the leader ({e}); campaigning again")
-        finally:
-            if status is not None:
-                status.close()
-            changes.close()
-            board.close()
-            lease.resign()
+        while True:
+            guarded = lease.campaign(self.ended, self.presence.leads_on)
+            if guarded is None or self.ended():  # another candidate led the run to its end (perhaps as this one won)
+                lease.resign()
+                return EXIT_FAILED if view.stopped() else EXIT_STOPPED if view.stopped_in_order() else EXIT_OK
+            log.info(f"leading (lease {rc.leader_lease_s:g}s)")
+            client = transport.in_run(guarded, run)
+            changes = Changes(raw, f"{run.prefix}/", NO_PASS)  # a pass when a key it acts on changed
+            board = LeaderBoard(address, run, rc.collective_timeout_s)
+            status: StatusServer | None = None
+            try:
+                ControlClient(client).put(BOARD, board.where)
+                log.info(f"node messages on {board.where.address}")
+                events = LeaderEvents(settings.dump_folder, guarded.confirm_guard)
+                try:
+                    coordinator = Coordinator(
+                        settings, client, events, config.node_message_interval_s(rc), changes.wait, board.messages
+                    )
+                except MessageError as e:  # no leader could act on it: the run stops, saying why
+                    error = f"the coordinator state in etcd cannot be taken over: {e}; {settings.resume_hint}"
+                    ControlClient(client).stop(error)
+                    events.emit("fatal", error=error)
+                    log.error(f"FATAL: {error}")
+                    return EXIT_FAILED
+                events.emit(
+                    "leader",
+                    pid=os.getpid(),
+                    host=socket.gethostname(),
+                    step=coordinator.core.step(),
+                    epoch=coordinator.membership.epoch,
+                )
+                status = status_page(
+                    settings,
+                    lambda: ControlClient(transport.in_run(transport.etcd(address, rc.coordinator_timeout_s), run)),
+                    lambda _, names: board.messages(names),
+                    events,
+                )
+                code = coordinator.run(self.confirm)
+                coordinator.end()
+                return code  # the state stays in etcd: no store to keep up for the others to read
+            except LeadershipLost as e:
+                log.info(f"no longer the leader ({e}); campaigning again")
+            finally:
+                if status is not None:
+                    status.close()
+                changes.close()
+                board.close()
+                lease.resign()
 
 
 def parse_settings(argv: list[str]) -> str:

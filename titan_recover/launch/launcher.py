@@ -9,6 +9,7 @@ stock TorchTitan, restarted as a whole (checkpoint-and-restart) on the same budg
 docs/multi-node.md and docs/trust-model.md say the rest.
 """
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -172,6 +173,7 @@ def choose_secret(env: dict[str, str], only_this_node: bool) -> str:
     )
 
 
+LEADS_POLL_S = 0.5  # how often a launcher whose groups left reads whether its candidate still leads the run
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 
 
@@ -638,11 +640,13 @@ class NodeLauncher:
             self.lifeline.stop()  # the run is ending and the store ends with it
         self.groups.stop_standbys()
         if self.groups.outcome is None and self.groups.gone():
-            log.info(
-                f"this node left the run on notice: replica groups {self.groups.left} at a step boundary"
-                + (f", {sorted(self.groups.given_up)} failed at once" if self.groups.given_up else "")
-                + "; the run goes on without them"
+            left = f"this node left the run on notice: replica groups {self.groups.left} at a step boundary" + (
+                f", {sorted(self.groups.given_up)} failed at once" if self.groups.given_up else ""
             )
+            if self.lead_to_the_end() == EXIT_STOPPED:
+                log.info(f"{left}; its {self.store.coordinator} led the run's stop in order")
+                return EXIT_STOPPED
+            log.info(f"{left}; the run goes on without them")
             return EXIT_LEFT
         coordinator = self.coordinator
         if coordinator is not None:
@@ -671,6 +675,37 @@ class NodeLauncher:
         # the run's status, as on the coordinator's node: a group still starting or rejoining at the end does not fail
         # it
         return self.groups.outcome if self.groups.outcome is not None else max(p.returncode for p in procs)
+
+    def lead_to_the_end(self) -> int | None:
+        """This node's groups left on notice. Where its candidate leads the run even so (every live candidate's
+        node goes away: ``control.presence``), the run is stopping with no candidate to take over: the launcher
+        waits while the candidate leads, until it ends with the run, at most until the notice's budget is spent
+        (``close`` stops it then). The candidate's exit code once it ended; None where it did not lead."""
+        coordinator, run = self.coordinator, self.run
+        if self.noticed is None or coordinator is None or run is None:
+            return None
+        deadline = self.noticed + self.rc.notice_budget_s
+        led = False
+        while coordinator.poll() is None and time.time() < deadline:
+            try:
+                if not self.store.leads(run, coordinator, self.rc.coordinator_timeout_s):
+                    break
+            except Exception as e:  # etcd unreachable: the candidate cannot lead either
+                log.warning(f"cannot read who leads the run ({one_line(e)}): the {self.store.coordinator} stops")
+                break
+            if not led:
+                led = True
+                log.info(
+                    f"this node's {self.store.coordinator} leads the run, every live candidate's node going away: "
+                    f"it leads on until the run ends (at most {deadline - time.time():.1f}s more)"
+                )
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                coordinator.wait(timeout=LEADS_POLL_S)
+        if not led:
+            return None
+        with contextlib.suppress(subprocess.TimeoutExpired):  # it gives the lease back as it ends, then exits
+            coordinator.wait(timeout=min(EXITING_S, max(1.0, deadline - time.time())))
+        return coordinator.poll()
 
     def close(self) -> None:
         """Frees everything this launcher started, whatever happened."""
@@ -855,7 +890,7 @@ def main(argv: list[str]) -> int:
     outcome = {
         EXIT_OK: "finished",
         EXIT_LEFT: "left the run on notice",
-        EXIT_STOPPED: "stopped in order at a step boundary, its coordinator's node going away. "
+        EXIT_STOPPED: "stopped in order at a step boundary, its nodes going away. "
         + config.stop_hint(job_config, titan.dump_folder(job_config)),
     }.get(code, "FAILED")
     log.info(f"{outcome} in {time.time() - start:.1f}s; events: {path}")

@@ -13,9 +13,12 @@
 which one it is; ``check`` runs before anything starts.
 """
 
+import json
 import logging
 import secrets
+import socket
 import subprocess
+import time
 from typing import Any, Protocol
 
 from titan_recover import config, titan
@@ -27,6 +30,7 @@ from titan_recover.control.keys import EXIT_OK, EXIT_STOPPED
 from titan_recover.control.sealed import Run
 from titan_recover.observability.events import rotate_events
 
+RESTART_POLL_S = 0.5  # how often a node of a run that stopped in order looks whether its first node restarted it
 log = logging.getLogger(__name__)
 
 
@@ -89,6 +93,10 @@ class ControlStore(Protocol):
         later, says more than its silence (a frozen one would never answer again)."""
         ...
 
+    def leads(self, run: Run, coordinator: subprocess.Popen, timeout_s: float) -> bool:
+        """Whether ``coordinator``, this launcher's, leads the run as one candidate of several."""
+        ...
+
 
 class TcpStore:
     """The coordinator's own TCPStore, its coordinator started by the first launcher."""
@@ -129,6 +137,9 @@ class TcpStore:
     def exiting(self, address: str) -> bool:
         return transport.connection_refused(address)
 
+    def leads(self, run: Run, coordinator: subprocess.Popen, timeout_s: float) -> bool:
+        return False  # the one coordinator: its node stops the run rather than leave it
+
 
 class Etcd:
     """An etcd cluster, a coordinator candidate beside every launcher."""
@@ -162,17 +173,24 @@ class Etcd:
         launcher.address = launcher.env[keys.COORDINATOR_ENV] = self.url
         if launcher.first:
             self._begin_or_join(launcher)
+        else:
+            self._await_restart(launcher)
         launcher.start_candidate()
 
     def _begin_or_join(self, launcher: NodeLauncher) -> None:
         """The first node starts the run, unless it is running already: then this launcher is a
-        relaunched node (a replaced pod, the same command again) and joins it like any other. A new run's
+        relaunched node (a replaced pod, the same command again) and joins it like any other. A run that
+        stopped in order is begun again (its keys cleared: the stop folder holds what it resumes from). A new run's
         event log (every node's file in the shared dump folder, the run before's moved aside) is started afresh
         before its hello, which
         every other process of the run waits for before it writes (a candidate, a launcher's connect)."""
         run = launcher.run
         assert run is not None, "a run on etcd is named by its id"
-        client = ControlClient(transport.in_run(transport.etcd(self.url, launcher.rc.startup_timeout_s), run))
+        raw = transport.etcd(self.url, launcher.rc.startup_timeout_s)
+        client = ControlClient(transport.in_run(raw, run))
+        if client.stopped_in_order():  # the same commands again resume it: from the state saved at the stop
+            raw.delete([], [f"{run.prefix}/"])
+            log.info(f"run {run.id!r} stopped in order: it starts again on {self.url}, from what it saved at the stop")
         if not client.begun():  # a new run's log starts afresh before its hello: every other node waits for that
             moved = rotate_events(titan.dump_folder(launcher.job_config))
             if moved:
@@ -187,6 +205,25 @@ class Etcd:
         log.info(f"run {run.id!r} is already running on {self.url}: this launcher joins it")
         launcher.first = False
 
+    def _await_restart(self, launcher: NodeLauncher) -> None:
+        """A run that stopped in order is started again by its first node, which clears what the stop left
+        in etcd (``_begin_or_join``): another node started with it waits for that, up to
+        ``startup_timeout_s``, rather than join the stopped run."""
+        run, bound = launcher.run, launcher.rc.startup_timeout_s
+        assert run is not None, "a run on etcd is named by its id"
+        client = ControlClient(transport.in_run(transport.etcd(self.url, bound), run))
+        deadline = time.monotonic() + bound
+        if client.stopped_in_order():
+            log.info(f"run {run.id!r} stopped in order: waiting up to {bound:g}s for its first node to start it again")
+        while client.stopped_in_order():
+            if time.monotonic() > deadline:
+                raise config.ConfigError(
+                    f"run {run.id!r} on {self.url} stopped in order, and its first node (the launcher without "
+                    f"{keys.COORDINATOR_ENV}) did not start it again within recover.startup_timeout_s = {bound:g}s: "
+                    "start the same command there"
+                )
+            time.sleep(RESTART_POLL_S)
+
     def board(self, run: Run) -> Board | None:
         return Board(run)  # the leader serves the node messages
 
@@ -198,6 +235,18 @@ class Etcd:
 
     def exiting(self, address: str) -> bool:
         return False  # the lease passes on; the lifeline judges the leader
+
+    def leads(self, run: Run, coordinator: subprocess.Popen, timeout_s: float) -> bool:
+        """As the leader key names its holder (``control.leader.Lease``: its pid and host)."""
+        raw = transport.etcd(self.url, timeout_s).read(keys.leader_key(run.prefix))
+        try:
+            holder = json.loads(raw) if raw else {}
+        except ValueError:
+            return False
+        return isinstance(holder, dict) and (holder.get("pid"), holder.get("host")) == (
+            coordinator.pid,
+            socket.gethostname(),
+        )
 
 
 def store_of(rc: config.Recover) -> ControlStore:
