@@ -501,7 +501,8 @@ class CoordinatorCore:
                 found[replica] = {k: v.steps for k, v in lists.items() if v is not None}
         waited = self.wall() - loss.time
         self.given_up -= set(self.asking)  # a group whose incarnation asks is back, whoever started it
-        expected = set(loss.groups) - self.given_up - self._launchers_gone(now)  # their launchers restart them
+        silent = self._launchers_gone(now)
+        expected = set(loss.groups) - self.given_up - silent  # their launchers restart them
         if not expected <= set(found) and waited < self.rules.resume_wait_s:
             return []
         plan = resume_plan(found, self.rules.group_ranks, at_most=loss.step - 1)
@@ -515,7 +516,7 @@ class CoordinatorCore:
                 )
             ]
         effects = self._resume_from(plan, {r: self.asking[r] for r in plan.groups}, loss)
-        if gone := sorted(set(loss.groups) & self._launchers_gone(now) - set(found)):
+        if gone := sorted(set(loss.groups) & silent - set(found)):
             effects.append(
                 Say(
                     f"not waited for: group(s) {gone}, whose launchers wrote nothing for "

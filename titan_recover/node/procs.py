@@ -43,25 +43,33 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command's name (its state first); None where ``/proc``
+    cannot say (gone, or no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def holds_memory(pid: int) -> bool:
     """Whether process ``pid`` still exists as more than a zombie (an exited process whose parent has not
     reaped it yet holds no memory, a GPU's included)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+    fields = _stat(pid)
+    if not fields:
         return pid_alive(pid)  # no /proc: as far as the kernel's signal check tells
+    return fields[0] != "Z"
 
 
 def cpu_ticks(pid: int) -> int | None:
     """The CPU time process ``pid`` has used, user and system, in clock ticks; None where ``/proc`` cannot
     say (gone, or no ``/proc``). A starting process's count moves (imports use CPU); a stopped or blocked one's
     stands still."""
+    fields = _stat(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime, stime: the 14th and 15th of stat(5)
-    except (OSError, IndexError, ValueError):
+        return None if fields is None else int(fields[11]) + int(fields[12])  # utime, stime: stat(5)'s 14th, 15th
+    except (IndexError, ValueError):
         return None
 
 
