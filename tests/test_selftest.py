@@ -1,8 +1,10 @@
 """The node self-test (``python -m titan_recover.selftest``): its verdicts from the probe's figures, and
-the whole self-test on this machine's CPUs, as an operator runs it (real processes, real signals).
+the self-test on this machine's CPUs, as an operator runs it (real processes, real signals).
 
-The whole run includes ``[recover] exact`` with a kill at R = 2 and at R = 3 and a step redone on the
-coarser grid, bit-equal to the failure-free R = 2 run; the suite has no other run of that."""
+The run includes ``[recover] exact`` with a kill at R = 2 and at R = 3 and a step redone on the coarser grid,
+bit-equal to the failure-free R = 2 run; the suite has no other run of that. It leaves out the ``default job``
+check, for CI time (about 140 of its 220 s on a slow day): its two runs are the default job killed and rejoined
+against its twin, which ``test_e2e`` and ``test_rejoin`` run; ``python -m titan_recover.selftest`` runs it."""
 
 import json
 import subprocess
@@ -98,8 +100,19 @@ def test_a_check_that_cannot_run_fails_the_self_test_saying_why(
 @pytest.mark.toml("the self-test's exact runs use the 0.2 flags")
 def test_the_self_test_passes_on_this_machines_cpus(tmp_path: Path) -> None:
     out = tmp_path / "selftest.json"
+    only = "preflight,collectives,exact"
     done = subprocess.run(
-        [sys.executable, "-m", "titan_recover.selftest", "--out", str(out), "--work", str(tmp_path / "runs")],
+        [
+            sys.executable,
+            "-m",
+            "titan_recover.selftest",
+            "--only",
+            only,
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "runs"),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -122,8 +135,7 @@ def test_the_self_test_passes_on_this_machines_cpus(tmp_path: Path) -> None:
     stopped = collectives["recoveries"][2]["phases"]["detect"]
     # a stopped replica is found by its silence (its last beat came up to BEAT_S before the signal)
     assert probe.SILENT_S - probe.BEAT_S <= stopped < probe.SILENT_S + 2
-    job = result["checks"]["default job"]
-    assert job["passed"] and job["rejoined"][0]["replica"] == 1 and job["rejoined"][0]["step"] <= selftest.STEPS
+    assert list(result["checks"]) == only.split(",")
     exact = result["checks"]["exact"]
     assert [v.split(" (")[0] for v in exact["verdicts"].values()] == ["the same bits", "the same bits"]
     assert exact["redone_steps"] == {"free": [2], "R=2": [2], "R=3": [2]}
