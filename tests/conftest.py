@@ -21,6 +21,7 @@ from titan_recover.compare import compare_runs
 from titan_recover.control import keys
 from titan_recover.observability.events import of_kind
 from titan_recover.titan.jobs import LINE, job
+from titan_recover.tools import etcd_local
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,6 +47,19 @@ DURATIONS = json.loads((ROOT / "tests" / "durations.json").read_text())
 """Each test file's measured seconds (``scripts/test_durations.py`` writes it from a ``--durations=0`` run): run
 with ``--dist loadfile --no-loadscope-reorder``, both workers start on the longest files and the suite ends on
 short ones, not on a long file queued last behind a worker's other files. A file not listed counts as 0 s."""
+
+
+NO_ETCD = etcd_local.unavailable()
+"""Why this machine has no etcd the tests may start (none on ``PATH``, or a release with etcd-io/etcd#13766), or
+None: ``./run_tests.sh`` installs Debian's where it runs as root."""
+needs_etcd = pytest.mark.skipif(NO_ETCD is not None, reason=f"no etcd to start here: {NO_ETCD}")
+
+
+def local_etcd(members: int = 3) -> etcd_local.LocalEtcd:
+    """A started etcd cluster of ``members`` on loopback; the test is skipped, saying why, where there is none."""
+    if NO_ETCD is not None:
+        pytest.skip(f"no etcd to start here: {NO_ETCD}")
+    return etcd_local.LocalEtcd(members).start()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

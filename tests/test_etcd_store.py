@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import ROOT
+from conftest import ROOT, local_etcd
 
 from titan_recover import config, titan
 from titan_recover.control import addresses, keys, protocol, transport
@@ -30,12 +30,13 @@ from titan_recover.control.protocol import CoordinatorState, Progress
 from titan_recover.control.sealed import Run, SealedStore
 from titan_recover.observability.events import logged_steps
 from titan_recover.titan.jobs import config_args
+from titan_recover.tools import etcd_local
 from titan_recover.tools.etcd_local import LocalEtcd
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalEtcd]:
-    c = LocalEtcd(3).start()
+    c = local_etcd(3)
     yield c
     c.stop()
 
@@ -243,7 +244,7 @@ def test_a_follower_watches_the_leader_key_instead_of_campaigning_in_a_loop(clus
 
 
 def test_counters_stay_exact_while_the_raft_leader_member_is_killed() -> None:
-    c = LocalEtcd(3).start()
+    c = local_etcd(3)
     try:
         counters = [raw(c, 30) for _ in range(3)]
         totals: list[int] = []
@@ -445,3 +446,35 @@ def test_the_package_runs_without_the_etcd_client_until_a_run_names_etcd() -> No
     assert out.returncode == 0, out.stderr[-2000:]
     assert "recover.control_store names etcd but its client is missing" in out.stdout
     assert "pip install 'titan_recover[etcd]'" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "printed, refused",
+    [
+        ("etcd Version: 3.4.23", None),
+        ("etcd Version: 3.5.4", None),
+        ("etcd Version: 3.5.1", "etcd 3.5.1 (ETCD) is refused: 3.4, or 3.5.4 and later (etcd-io/etcd#13766)"),
+        ("etcd Version: 3.3.25", "etcd 3.3.25 (ETCD) is refused"),
+        ("etcd version unknown", "--version printed 'etcd version unknown', not 'etcd Version: X.Y.Z'"),
+    ],
+)
+def test_an_etcd_with_the_crash_inconsistency_bug_is_refused_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, printed: str, refused: str | None
+) -> None:
+    etcd = tmp_path / "etcd"
+    etcd.write_text(f"#!/bin/sh\necho '{printed}'\necho 'Git SHA: 0'\n")
+    etcd.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    why = etcd_local.unavailable()
+    if refused is None:
+        assert why is None
+    else:
+        assert why is not None and refused.replace("ETCD", str(etcd)) in why, why
+        assert "apt-get install etcd-server etcd-client" in why
+        with pytest.raises(RuntimeError, match="refused|printed"):
+            etcd_local.LocalEtcd(1, str(tmp_path / "data")).start()
+
+
+def test_no_etcd_on_path_says_how_to_install_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert etcd_local.unavailable() == f"no etcd on PATH: {etcd_local.INSTALL}"

@@ -22,6 +22,7 @@ from conftest import (
     assert_all_rejoined,
     assert_same_trajectory,
     coordinator_command,
+    local_etcd,
     unexplained_tracebacks,
 )
 from test_nodes import Node, events, wait_until
@@ -39,7 +40,7 @@ from titan_recover.tools.etcd_local import LocalEtcd
 
 @pytest.fixture
 def etcd() -> Iterator[LocalEtcd]:
-    cluster = LocalEtcd(3).start()
+    cluster = local_etcd(3)
     yield cluster
     cluster.stop()
 
@@ -319,7 +320,7 @@ def test_an_etcd_member_killed_is_invisible_and_a_stale_leader_cannot_change_mem
 @pytest.mark.parametrize("members", [0, 2])
 def test_an_etcd_control_store_configured_wrong_stops_before_training(tmp_path: Path, members: int) -> None:
     """Unreachable (nothing listens) or two members only: exit 2 with a line saying what to fix."""
-    cluster = LocalEtcd(members).start() if members else None
+    cluster = local_etcd(members) if members else None
     url = (
         cluster.url
         if cluster

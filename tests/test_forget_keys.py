@@ -6,12 +6,12 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from conftest import local_etcd
 
 from titan_recover.control import addresses, keys, transport
 from titan_recover.control.client import COMMIT, ControlClient
 from titan_recover.control.etcd_store import EtcdStore
 from titan_recover.control.sealed import Run, SealedStore
-from titan_recover.tools.etcd_local import LocalEtcd
 
 RUN = Run("s3cret", "forget")
 
@@ -24,7 +24,7 @@ def store(request: pytest.FixtureRequest) -> Iterator[SealedStore]:
         )
         yield transport.in_run(tcp, RUN)
         return
-    cluster = LocalEtcd(3).start()
+    cluster = local_etcd(3)
     raw = EtcdStore(addresses.parse_etcd_url(cluster.url), 5.0)  # a PrefixStore holds only its C++ half: kept here
     try:
         yield transport.in_run(raw, RUN)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import SINGLES, Run
+from conftest import SINGLES, Run, needs_etcd
 from test_netns import needs_netns
 from test_partitions import rejoined
 
@@ -27,6 +27,7 @@ def three() -> Iterator[Cluster]:
 
 
 @needs_netns
+@needs_etcd
 def test_the_coordinator_leaders_node_cut_off_past_its_lease_is_replaced_and_writes_nothing_more(
     tmp_path: Path, three: Cluster, two_singles: Run
 ) -> None:
@@ -52,6 +53,7 @@ def test_the_coordinator_leaders_node_cut_off_past_its_lease_is_replaced_and_wri
 
 
 @needs_netns
+@needs_etcd
 def test_an_etcd_member_cut_off_and_back_is_invisible_to_the_run(
     tmp_path: Path, three: Cluster, two_singles: Run
 ) -> None:

