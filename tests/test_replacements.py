@@ -1,7 +1,9 @@
 """Replacement requests ([recover] replace): the pure decision (``policy.replacements``), the core's effects and
 events around it, the launcher's record, and the sbatch command the Slurm plumbing builds (nothing submitted)."""
 
+import json
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +12,7 @@ from titan_recover.control import keys
 from titan_recover.control.protocol import MessageError, Replacing
 from titan_recover.coordinator import slurm
 from titan_recover.coordinator.core import Cancel, CoordinatorCore, Emit, Replace, Rules, Say
+from titan_recover.observability.summary import format_summary, summarize_events
 from titan_recover.policy.membership import FailureDetector
 from titan_recover.policy.replacements import (
     CANCELLED,
@@ -218,3 +221,20 @@ def test_no_submitter_outside_the_batch_scripts_job_and_it_says_what_is_missing(
     env = {k: v for k, v in SLURM_ENV.items() if k != slurm.SCRIPT_ENV}
     submitter, why = slurm.Submitter.of(config.Recover(enable=True), env)
     assert submitter is None and slurm.SCRIPT_ENV in why
+
+
+def test_the_summary_names_each_request_and_what_became_of_it(tmp_path: Path) -> None:
+    events = [
+        {"event": "replacement_requested", "request": 1, "job": "42", "replicas": [1], "out_s": [60.0]},
+        {"event": "replacement_joined", "request": 1, "job": "42", "replicas": [1]},
+        {"event": "replacement_requested", "request": 2, "job": "43", "replicas": [2], "out_s": [61.0]},
+        {"event": "replacement_cancelled", "request": 2, "job": "43", "replicas": [2], "reason": "the run ended"},
+        {"event": "replacement_failed", "request": 3, "job": None, "replicas": [0], "error": "no sbatch on PATH here"},
+    ]
+    path = tmp_path / "recover_events.jsonl"
+    path.write_text("".join(json.dumps({**e, "time": 1.0 + i}) + "\n" for i, e in enumerate(events)))
+    text = format_summary(summarize_events(str(path)), tokens_per_step=1)
+    assert "  replacement requests : 3\n" in text
+    assert "    request 1 (job 42) for replica group(s) [1]: joined: replica group(s) [1]\n" in text
+    assert "    request 2 (job 43) for replica group(s) [2]: cancelled: the run ended\n" in text
+    assert "    request 3 for replica group(s) [0]: failed: no sbatch on PATH here\n" in text
