@@ -761,8 +761,11 @@ class CoordinatorCore:
 
     def on_replacements(self, ended: bool = False) -> list[Effect]:
         """Carries out ``replacements.decide``: new requests for the groups out of the run too long, cancellations
-        of open ones whose groups are back (or of every open one once the run ``ended``)."""
-        if self.replace_bounds is None or (ended and not self.requests):
+        of open ones whose groups are back (or of every open one once the run ``ended``, its last step committed
+        or its stop in order begun)."""
+        progress = self.state.progress
+        ended = ended or self.stopping is not None or (progress is not None and progress.step >= self.rules.steps)
+        if self.replace_bounds is None or (ended and not any(r.outcome is None for r in self.requests)):
             return []
         now = self.wall()
         out = {} if ended else dict(self.state.down_since)

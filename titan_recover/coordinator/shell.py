@@ -216,6 +216,7 @@ class Coordinator:
             else replacements.Bounds(rc.replace_after_s, rc.max_replacements, submitter.groups),
         )
         self.next_answers = 0.0  # when the replacement nodes' records are next read
+        self.out_seen: set[int] = set()  # the groups out of the run when they were last read
         self.next_list = 0.0  # when the scheduler is next asked about the open requests' jobs
         self.slot_seen: dict[int, float] = {}  # unread report slots (``state.unread_reports``) -> first seen empty
         self.nodes: dict[
@@ -543,8 +544,10 @@ class Coordinator:
         if self.scheduler is None:
             return
         self._scheduled(self.scheduler.results())
-        if now >= self.next_answers:
-            self.next_answers = now + ANSWER_S
+        out = set(self.core.state.down_since)
+        if now >= self.next_answers or out != self.out_seen:  # a group back: was it a request's node, which
+            self.next_answers = now + ANSWER_S  # recorded its ids before its groups started? (else it is cancelled)
+            self.out_seen = out
             self._read_answers()
         if now >= self.next_list:
             self.next_list = now + LIST_S
