@@ -219,9 +219,9 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(
     assert "rejoined             : 1" in a.output() and "failures             : 1" in a.output()
     for node in (a, b2):
         assert "Traceback" not in node.output(), node.output()[-3000:]
-    [refused] = run.of("replacement_failed")
-    assert refused["replicas"] == [1] and refused["job"] is None, refused
-    assert refused["error"] == f"sbatch exited 1: {REFUSAL}", refused
+    [not_asked] = run.of("replacement_failed")
+    assert not_asked["replicas"] == [1] and not_asked["job"] is None, not_asked
+    assert not_asked["error"] == f"sbatch exited 1: {REFUSAL}", not_asked
     command = (
         f"cd {tmp_path} && sbatch --parsable --nodes=1 --export=ALL,JOIN_RUN=127.0.0.1:{port},TITAN_RECOVER_RUN_ID="
     )
