@@ -136,6 +136,21 @@ def test_a_refused_submission_is_said_once_with_the_command_and_nothing_is_asked
     assert c.on_replacements() == []
     # a person ran the command: its node's record still names the request
     assert kinds(c.on_answered(1, (1,), "77")) == ["replacement_joined"] and c.requests[0].job == "77"
+    assert c.on_replacements() == []  # and none is asked for again
+
+
+def test_a_refused_request_still_cancels_the_open_ones_at_the_end() -> None:
+    wall = [1000.0]
+    c = core(wall)
+    c.on_failure({1: "node lost"}, now=1.0)
+    wall[0] = 1060.0
+    c.on_replacements()
+    c.on_submitted(1, "42", "sbatch")
+    c.on_failure({2: "node lost"}, now=1.0)
+    wall[0] = 1130.0
+    assert c.on_replacements() == [Replace(2, (2,))]
+    c.on_submit_failed(2, "sbatch exited 1: denied", "sbatch")
+    assert [e for e in c.on_replacements(ended=True) if isinstance(e, Cancel)] == [Cancel(1, "42")]
 
 
 def test_a_node_that_found_no_free_id_left_and_a_job_that_ended_silently_failed() -> None:

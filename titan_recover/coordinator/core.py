@@ -188,6 +188,7 @@ class CoordinatorCore:
         self.stopping: tuple[int, str] | None = None  # the run stops in order: (its last step at most, why)
         self.given_up: set[int] = set()  # groups their launchers restart no more (until an incarnation asks again)
         self.replace_bounds = replace_bounds
+        self.refused = False  # the scheduler refused a request: no more are made
         self.requests: list[Request] = []  # every replacement request of this run, in order (number i + 1 at i)
 
     def take_over(self, state: CoordinatorState, history: dict[int, Membership], epoch: int) -> None:
@@ -774,8 +775,9 @@ class CoordinatorCore:
         for number in decision.cancel:
             why = "the run ended" if ended else "every replica group it was for is back in the run"
             effects += self._cancel(number, why)
-        for ids in decision.request:
-            self.requests.append(Request(len(self.requests) + 1, ids, now))
+        for ids in () if self.refused else decision.request:  # none once the scheduler refused one: it would again
+            out_s = tuple(round(now - out[r], 1) for r in ids)
+            self.requests.append(Request(len(self.requests) + 1, ids, now, out_s=out_s))
             effects.append(Replace(len(self.requests), ids))
         return effects
 
@@ -810,7 +812,7 @@ class CoordinatorCore:
         """The scheduler took request ``number`` as job ``job`` (submitted with ``command``)."""
         request = self.requests[number - 1]
         self.requests[number - 1] = replace(request, job=job)
-        out_s = [round(request.asked - self.state.down_since.get(r, request.asked), 1) for r in request.replicas]
+        out_s = list(request.out_s)
         effects: list[Effect] = [
             Emit(
                 "replacement_requested",
@@ -829,7 +831,7 @@ class CoordinatorCore:
         """The scheduler refused request ``number`` (or cannot be reached from here): said once, with the command
         for a person to run, and no request follows in this run."""
         request = self._ended(number, replacements.FAILED)
-        self.replace_bounds = None
+        self.refused = True
         return [
             Emit(
                 "replacement_failed",

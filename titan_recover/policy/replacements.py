@@ -32,6 +32,7 @@ class Request:
     outcome: str | None = None  # one of OUTCOMES, once it ended
     ended: float | None = None  # when that was known
     why: str = ""  # why it was cancelled
+    out_s: tuple[float, ...] = ()  # how long each of ``replicas`` had been out when it was made
 
 
 @dataclass(frozen=True)
