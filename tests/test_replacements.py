@@ -61,6 +61,14 @@ def test_a_request_whose_groups_are_all_back_is_cancelled_and_every_open_one_onc
     assert decide(100.0, {2: 1.0}, requests, True, BOUNDS) == Decision(cancel=(1, 2))  # a joined one is the run's
 
 
+def test_a_joined_nodes_groups_are_not_asked_for_again_while_they_start_but_a_later_loss_is() -> None:
+    joined = [Request(1, (1,), 70.0, job="7", outcome=JOINED, ended=90.0, took=(1,))]
+    assert decide(100.0, {1: 10.0}, joined, False, BOUNDS) == Decision()  # admitted soon: the same loss
+    assert decide(200.0, {1: 120.0}, joined, False, BOUNDS).request == ((1,),)  # lost again after it joined
+    other = [Request(1, (1,), 70.0, job="7", outcome=JOINED, ended=90.0, took=(2,))]  # it took another free id
+    assert decide(100.0, {1: 10.0, 2: 10.0}, other, False, BOUNDS).request == ((1,),)
+
+
 def test_an_id_is_asked_for_again_only_a_bound_after_a_request_for_it_failed_and_at_most_tries_times() -> None:
     failed = [Request(1, (1,), 70.0, job="7", outcome=FAILED, ended=90.0)]
     assert decide(100.0, {1: 0.0}, failed, False, BOUNDS) == Decision()
@@ -104,6 +112,8 @@ def test_the_core_asks_once_a_failed_group_is_out_past_the_bound_and_logs_the_jo
     }
     assert kinds(c.on_answered(1, (1,), "42")) == ["replacement_joined"]
     assert c.requests[0].outcome == JOINED
+    wall[0] = 1200.0
+    assert c.on_replacements() == []  # its group is starting: not asked for again
     assert c.on_replacements(ended=True) == []  # a joined node is the run's: nothing to cancel
 
 

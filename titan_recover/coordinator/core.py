@@ -854,7 +854,7 @@ class CoordinatorCore:
         job = request.job or job
         fields = {"request": number, "job": job, "replicas": list(replicas)}
         if replicas:
-            self._ended(number, replacements.JOINED, job=job)
+            self._ended(number, replacements.JOINED, job=job, took=replicas)
             return [
                 Emit("replacement_joined", fields),
                 Say(f"replacement request {number} (job {job}) joined the run: replica group(s) {id_list(replicas)}"),

@@ -6,7 +6,8 @@ for a node that joins it and takes free replica ids. One request brings one node
 free ids as the run runs on a node (``per_request``): fewer free ids would turn it away, so a remainder
 smaller than that waits. At most ``outstanding`` requests are open at once (a scheduler queue is not a
 place to pile jobs up), none is made once the run ended, and every open one is cancelled then, or as
-soon as every id it was made for is back by itself. A request that ended without bringing a group
+soon as every id it was made for is back by itself. The ids a joined node took are not asked for again
+while they start (they are out since before it joined); a later loss of them is. A request that ended without bringing a group
 (its job failed, or found no free id) counts against its ids: after ``TRIES`` of them an id is asked for
 no more, and the next request for it waits ``replace_after_s`` after the last one ended, so a job that
 always fails is not resubmitted in a loop.
@@ -33,6 +34,7 @@ class Request:
     ended: float | None = None  # when that was known
     why: str = ""  # why it was cancelled
     out_s: tuple[float, ...] = ()  # how long each of ``replicas`` had been out when it was made
+    took: tuple[int, ...] = ()  # the ids its node took, once it joined
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,9 @@ def decide(now: float, out: Mapping[int, float], requests: Sequence[Request], en
     if ended:
         return Decision(cancel=tuple(r.number for r in open_))
     cancel = tuple(r.number for r in open_ if not set(r.replicas) & set(out))  # every id back by itself
-    covered = {i for r in open_ if r.number not in cancel for i in r.replicas}
+    covered = {i for r in open_ if r.number not in cancel for i in r.replicas} | {
+        i for r in requests if r.outcome == JOINED for i in r.took if i in out and out[i] <= (r.ended or now)
+    }  # a joined node's groups are on their way in: until they are, the loss they repair is not asked for again
     eligible = sorted(
         (since, replica)
         for replica, since in out.items()
