@@ -7,10 +7,10 @@ free ids as the run runs on a node (``per_request``): fewer free ids would turn 
 smaller than that waits. At most ``outstanding`` requests are open at once (a scheduler queue is not a
 place to pile jobs up), none is made once the run ended, and every open one is cancelled then, or as
 soon as every id it was made for is back by itself. The ids a joined node took are not asked for again
-while they start (they are out since before it joined); a later loss of them is. A request that ended without bringing a group
-(its job failed, or found no free id) counts against its ids: after ``TRIES`` of them an id is asked for
-no more, and the next request for it waits ``replace_after_s`` after the last one ended, so a job that
-always fails is not resubmitted in a loop.
+while they start (they are out since before it joined); a later loss of them is. A request that ended
+without bringing a group (its job failed, or found no free id) counts against its ids: after ``TRIES`` of
+them an id is asked for no more, and the next request for it waits ``replace_after_s`` after the last one
+ended, so a job that always fails is not resubmitted in a loop.
 """
 
 from collections.abc import Mapping, Sequence
