@@ -152,7 +152,8 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(
     A runs as under ``scripts/slurm/train.sbatch`` (the replacement command handed over, ``SLURM_JOB_ID``) on a
     site that forbids submitting from compute nodes (an ``sbatch`` that refuses, first on its PATH): replica 1
     out for ``replace_after_s`` (1 s), its coordinator tries to ask for a node once, says so in one line with the
-    command to run, and asks no more.
+    command to run, and asks no more. A node started from that command once B2 holds replica 1 (a replacement
+    that arrives after the group came back) finds no free id, says so and exits 0, and the run records that.
     """
     dump = tmp_path / "dump"
     port, secret = transport.free_port(), "nodes-test-secret"
@@ -192,6 +193,8 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(
             owner = lambda: Launcher.loads(keys.owner_key(1), client.get(keys.owner_key(1)))  # noqa: E731
             wait_until("B2 takes replica 1 over", lambda: owner().pid == b2.proc.pid, 120, [a, b2])
             duplicate = launch_argv(args[3:], capfd, env_b)  # the same group while B2 lives
+            # the node of request 1, started by hand from the refused command's line, once B2 took replica 1 back
+            late = launch_argv(args[3:], capfd, {**env_b, keys.REPLICAS_ENV: "any:1", keys.REPLACEMENT_ENV: "1"})
             assert a.wait(timeout=180) == 0, a.output()[-3000:]
             assert b2.wait(timeout=60) == 0, b2.output()[-3000:]
     assert duplicate.returncode == 2, duplicate.stderr[-3000:]
@@ -227,8 +230,12 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(
     )
     said = [line for line in a.output().splitlines() if "could not ask the scheduler for a replacement" in line]
     assert len(said) == 1 and f"To bring them back, run: {command}" in said[0], said
-    assert "request 1 for replica group(s) [1]: failed: sbatch exited 1" in a.output()
     assert not run.of("replacement_requested"), run.of("replacement_requested")
+    assert late.returncode == 0, late.stderr[-3000:]
+    assert "replacement request 1: no free replica id to take" in late.stdout + late.stderr, late.stderr[-3000:]
+    [arrived_late] = run.of("replacement_left")
+    assert (arrived_late["request"], arrived_late["replicas"]) == (1, []), arrived_late
+    assert "request 1 for replica group(s) [1]: left at once: no free replica id" in a.output()
 
 
 REFUSAL = "sbatch: error: Batch job submission failed: Access/permission denied"

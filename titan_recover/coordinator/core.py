@@ -844,25 +844,26 @@ class CoordinatorCore:
             ),
         ]
 
-    def on_answered(self, number: int, replicas: tuple[int, ...], job: str) -> list[Effect]:
+    def on_answered(self, number: int, replicas: tuple[int, ...], job: str | None) -> list[Effect]:
         """The node of request ``number`` (its scheduler's job ``job``) took ``replicas``, as its launcher's record
         says: none when every id it could take was back already, and it left at once. A request whose submission
         failed may be answered too: a person ran its command."""
         request = self.requests[number - 1]
         if request.outcome in (replacements.JOINED, replacements.LEFT):
             return []
-        job = request.job or job
+        job = request.job or job or None  # "": its node knew no job id (started outside the scheduler)
         fields = {"request": number, "job": job, "replicas": list(replicas)}
+        what = f"replacement request {number}" + (f" (job {job})" if job else "")
         if replicas:
             self._ended(number, replacements.JOINED, job=job, took=replicas)
             return [
                 Emit("replacement_joined", fields),
-                Say(f"replacement request {number} (job {job}) joined the run: replica group(s) {id_list(replicas)}"),
+                Say(f"{what} joined the run: replica group(s) {id_list(replicas)}"),
             ]
         self._ended(number, replacements.LEFT, job=job)
         return [
             Emit("replacement_left", {**fields, "reason": "no free replica id: the groups it was for are back"}),
-            Say(f"replacement request {number} (job {job}) found no free replica id and left at once"),
+            Say(f"{what} found no free replica id and left at once"),
         ]
 
     def on_job_gone(self, number: int, state: str) -> list[Effect]:
