@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import Node, Run, assert_all_rejoined, assert_same_trajectory, events
+from conftest import ROOT, Node, Run, assert_all_rejoined, assert_same_trajectory, events
 from launcher_in_process import error_lines, launch_argv
 
 from titan_recover.control import claims, keys, protocol, store_api, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import Launcher, NodeMessage, Rendezvous
 from titan_recover.control.sealed import SealedStore
+from titan_recover.coordinator import slurm
 from titan_recover.titan.jobs import job
 from titan_recover.tools.clusters.partitions import wait_until
 
@@ -147,6 +148,12 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(
     lives is refused (exit 2; in the test's process, where starting any process fails the test). Replica 1
     comes back as incarnation 1 by state transfer; A and B2 end with exit 0, every step is logged once and
     nothing of the first part is lost.
+
+    A runs as under ``scripts/slurm/train.sbatch`` (the replacement command handed over, ``SLURM_JOB_ID``) on a
+    site that forbids submitting from compute nodes (an ``sbatch`` that refuses, first on its PATH): replica 1
+    out for ``replace_after_s`` (1 s), its coordinator tries to ask for a node once, says so in one line with the
+    command to run, and asks no more. A node started from that command once B2 holds replica 1 (a replacement
+    that arrives after the group came back) finds no free id, says so and exits 0, and the run records that.
     """
     dump = tmp_path / "dump"
     port, secret = transport.free_port(), "nodes-test-secret"
@@ -169,11 +176,14 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(
         str(port),
         "--recover.coordinator_bind",
         "127.0.0.1",
+        "--recover.replace_after_s",
+        "1",
     ]
     env = {**os.environ, keys.SECRET_ENV: secret, "PYTHONUNBUFFERED": "1"}
+    env_a = {**env, keys.REPLICAS_ENV: "0", **forbidding_slurm(tmp_path, port)}
     env_b = {**env, keys.REPLICAS_ENV: "1", keys.COORDINATOR_ENV: f"127.0.0.1:{port}"}
     steps = lambda: [e for e in events(dump) if e["event"] == "step"]  # noqa: E731
-    with Node("a", dump, args, {**env, keys.REPLICAS_ENV: "0"}) as a, Node("b", dump, args, env_b) as b:
+    with Node("a", dump, args, env_a) as a, Node("b", dump, args, env_b) as b:
         wait_until("step 1", lambda: len(steps()) >= 1, 240, [a, b])
         b.kill_node()
         with Node("b2", dump, args, env_b) as b2:
@@ -183,6 +193,8 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(
             owner = lambda: Launcher.loads(keys.owner_key(1), client.get(keys.owner_key(1)))  # noqa: E731
             wait_until("B2 takes replica 1 over", lambda: owner().pid == b2.proc.pid, 120, [a, b2])
             duplicate = launch_argv(args[3:], capfd, env_b)  # the same group while B2 lives
+            # the node of request 1, started by hand from the refused command's line, once B2 took replica 1 back
+            late = launch_argv(args[3:], capfd, {**env_b, keys.REPLICAS_ENV: "any:1", keys.REPLACEMENT_ENV: "1"})
             assert a.wait(timeout=180) == 0, a.output()[-3000:]
             assert b2.wait(timeout=60) == 0, b2.output()[-3000:]
     assert duplicate.returncode == 2, duplicate.stderr[-3000:]
@@ -210,6 +222,43 @@ def test_a_lost_nodes_launcher_started_again_brings_its_group_back(
     assert "rejoined             : 1" in a.output() and "failures             : 1" in a.output()
     for node in (a, b2):
         assert "Traceback" not in node.output(), node.output()[-3000:]
+    [not_asked] = run.of("replacement_failed")
+    assert not_asked["replicas"] == [1] and not_asked["job"] is None, not_asked
+    assert not_asked["error"] == f"sbatch exited 1: {REFUSAL}", not_asked
+    command = (
+        f"cd {tmp_path} && sbatch --parsable --nodes=1 --export=ALL,JOIN_RUN=127.0.0.1:{port},TITAN_RECOVER_RUN_ID="
+    )
+    said = [line for line in a.output().splitlines() if "could not ask the scheduler for a replacement" in line]
+    assert len(said) == 1 and f"To bring them back, run: {command}" in said[0], said
+    assert not run.of("replacement_requested"), run.of("replacement_requested")
+    assert late.returncode == 0, late.stderr[-3000:]
+    assert "replacement request 1: no free replica id to take" in late.stdout + late.stderr, late.stderr[-3000:]
+    [arrived_late] = run.of("replacement_left")
+    assert (arrived_late["request"], arrived_late["replicas"]) == (1, []), arrived_late
+    assert "request 1 for replica group(s) [1]: left at once: no free replica id" in a.output()
+
+
+REFUSAL = "sbatch: error: Batch job submission failed: Access/permission denied"
+
+
+def forbidding_slurm(tmp_path: Path, port: int) -> dict[str, str]:
+    """A launcher's environment as ``scripts/slurm/train.sbatch`` makes it for the run's first node, on a site that
+    forbids submitting from compute nodes: its ``sbatch`` (first on PATH) refuses every job, ``squeue`` answers
+    nothing."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for name, body in (("sbatch", f"echo '{REFUSAL}' >&2; exit 1"), ("squeue", "exit 1")):
+        (bin_ / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_ / name).chmod(0o755)
+    return {
+        "PATH": f"{bin_}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4242",
+        slurm.SCRIPT_ENV: str(ROOT / "scripts" / "slurm" / "train.sbatch"),
+        slurm.ARGS_ENV: "train_configs/x.toml",
+        slurm.DIR_ENV: str(tmp_path),
+        slurm.JOIN_ENV: f"127.0.0.1:{port}",
+        keys.SECRET_FILE_ENV: str(tmp_path / "secret"),
+    }
 
 
 def spanning(dump: Path, port: int, plan: str) -> list[str]:

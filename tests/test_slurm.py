@@ -111,53 +111,46 @@ def stalled(dump: Path, replica: int) -> Callable[[], bool]:
     return lambda: any(e["event"] == "fault_injected" and e["replica"] == replica for e in events(dump))
 
 
-def test_a_failed_node_costs_only_its_group_then_a_job_on_the_repaired_node_joins_and_leaves_on_slurms_signal(
+def test_a_failed_node_costs_only_its_group_then_the_runs_own_request_lands_on_the_repaired_node_and_leaves_on_signal(
     tmp_path: Path, slurm: slurm_local.SlurmCluster, two_singles: Run
 ) -> None:
-    """A node lost, capacity back, then preempted. Node 1 fails in step 3 (every process of it SIGKILLed,
-    slurmd too) while its replica stalls in a forward pass; Slurm marks it down and, with the script's
-    ``--no-kill``, neither signals node 0's task nor requeues the job: replica 0 takes over the step's
-    microbatches. Node 1's slurmd starts again, and a second ``sbatch`` job on it (``JOIN_RUN``: the
-    running run's coordinator and run id, its secret read from the file the first job saved, mode 0600, as
-    neither job is given one) takes the lost group's replica id and is admitted
-    while replica 0 holds step 5. Slurm then signals that job (``scancel --signal=TERM``, as a preemption
-    does) while replica 0 is slow in step 7: its group leaves at a step boundary and its job ends with
-    exit 4. The first job completes, exit 0, no restart, every step once with M microbatches on the
-    failure-free data."""
+    """A node lost, capacity back by the run's own request, then preempted. Node 1 fails in step 3 (every process
+    of it SIGKILLed, slurmd too) while its replica stalls in a forward pass; Slurm marks it down and, with the
+    script's ``--no-kill``, neither signals node 0's task nor requeues the job: replica 0 takes over the step's
+    microbatches. Node 1's slurmd starts again. Replica 1 out of the run for ``recover.replace_after_s`` (30 s, past
+    Slurm taking node 1 out of the job), the coordinator submits the batch script on one node itself (``JOIN_RUN``
+    its own address, the run id, the file the first job saved the run's secret in, mode 0600, as neither job is
+    given one; node 1 not excluded, out of the job): the test submits nothing. That job lands on the repaired node,
+    takes the lost group's replica id and is admitted while replica 0 holds step 5. Slurm then signals it
+    (``scancel --signal=TERM``, as a preemption does) while replica 0 is slow in step 7: its group leaves at a step
+    boundary and its job ends with exit 4. The first job completes, exit 0, no restart, every step once with M
+    microbatches on the failure-free data; its events and summary name the request, its job, and that it joined."""
     dump = tmp_path / "dump"
     unset = {keys.SECRET_ENV: ""}  # as a user who sets none: the first job makes the run's and saves it
     plan = (
         "sleep replica=1 step=3 phase=forward seconds=60; "
-        "sleep replica=0 step=5 phase=optimizer seconds=120 until=epoch; "
+        "sleep replica=0 step=5 phase=optimizer seconds=180 until=epoch; "
         "sleep replica=0 step=7 phase=forward seconds=8"
     )
-    first = submit(slurm, dump, plan, env=unset)
+    first = submit(slurm, dump, plan, "--recover.replace_after_s", "30", env=unset)
     slurm.wait(stalled(dump, 1), RUN_S, "replica 1's stall")
     slurm.fail(1)
     # until Slurm marks it down, node 1 stays in the first job's allocation: the repair comes after that
     slurm.wait(lambda: slurm.down(1), 60, "node1 down")
     slurm.start_node(1)
-    slurm.wait(lambda: slurm.states().get("node1") == "idle", 60, "node1 idle again")
-    joining = submit(
-        slurm,
-        tmp_path / "joined",
-        "none",
-        "--nodes=1",
-        "--nodelist=node1",
-        "--parallelism.data_parallel_replicate_degree",
-        "2",
-        env={**unset, keys.SECRET_FILE_ENV: f"{dump}.secret", keys.RUN_ENV: first, "JOIN_RUN": "node0:29510"},
-        dump=dump,
-    )
-    slurm.wait(lambda: any(e["event"] == "rejoined" for e in events(dump)), RUN_S, "the joining job's group admitted")
+    asked = lambda: [e for e in events(dump) if e["event"] == "replacement_requested"]  # noqa: E731
+    slurm.wait(lambda: bool(asked()), RUN_S, "the run's replacement request")
+    joining = asked()[0]["job"]
+    slurm.wait(lambda: any(e["event"] == "rejoined" for e in events(dump)), RUN_S, "the requested job's group admitted")
     slurm.client(["scancel", "--signal=TERM", joining])
     left = slurm.wait_job(joining, ENDED, RUN_S)
     fields, run = finished(slurm, first, dump)
-    print(fields["JobState"], fields["ExitCode"], left["JobState"], left["ExitCode"])
+    print(fields["JobState"], fields["ExitCode"], left["JobState"], left["ExitCode"], left["NodeList"])
+    joined_out = tmp_path / f"replacement-{joining}.out"  # beside the run's secret file
     assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "0"), run.output[-3000:]
-    assert left["ExitCode"] == "4:0", Path(f"{tmp_path / 'joined'}.out").read_text()[-3000:]
+    assert (left["ExitCode"], left["NodeList"]) == ("4:0", "node1"), joined_out.read_text()[-3000:]
     assert Path(f"{dump}.secret").stat().st_mode & 0o777 == 0o600
-    assert f"the run's secret: from {dump}.secret" in Path(f"{tmp_path / 'joined'}.out").read_text()
+    assert f"the run's secret: from {dump}.secret" in joined_out.read_text()
     assert_same_trajectory(two_singles, run, 1e-3, num_microbatches=4)
     [failure] = run.of("failure")
     [rejoined] = run.of("rejoined")
@@ -167,6 +160,13 @@ def test_a_failed_node_costs_only_its_group_then_a_job_on_the_repaired_node_join
     assert members[3] == [0] and members[rejoined["step"]] == [0, 1] and members[10] == [0], members
     assert gone["step"] > rejoined["step"], (rejoined, gone)
     assert "this node goes away" not in run.output, run.output[-3000:]  # Slurm never signalled node 0's task
+    [requested] = run.of("replacement_requested")
+    assert requested["replicas"] == [1] and "--exclude" not in requested["command"], requested
+    assert requested["out_s"][0] >= 30, requested
+    [joined] = run.of("replacement_joined")
+    assert (joined["job"], joined["replicas"]) == (joining, [1]), joined
+    assert not run.of("replacement_cancelled") and not run.of("replacement_failed")
+    assert f"request 1 (job {joining}) for replica group(s) [1]: joined" in run.output, run.output[-3000:]
 
 
 def test_the_coordinators_node_lost_requeues_the_job_and_it_resumes_from_the_checkpoint(

@@ -31,6 +31,9 @@ BACKENDS = ("auto", "nccl", "gloo")
 WARM = ("auto", "on", "off")
 """Values of ``recover.warm`` (``titan_recover.node.warm.off_because`` resolves "auto")."""
 
+REPLACE = ("auto", "on", "off")
+"""Values of ``recover.replace`` (``titan_recover.coordinator.slurm.Submitter.of`` resolves "auto")."""
+
 
 class ConfigError(ValueError):
     """A config value titan_recover cannot run with; the message names the key."""
@@ -73,6 +76,25 @@ class Recover:
     the trajectory does not change (M is fixed), and each step gets faster where each rank has its own
     device. Hot spares then join whenever fewer than this many are members. At most M (a member with no
     microbatch would idle) (docs/elasticity.md)."""
+
+    replace: str = "auto"
+    """Ask the scheduler for a node when a replica group stays out of the run longer than replace_after_s (its
+    node lost): a job that joins the run for free replica ids (as a ``JOIN_RUN`` job does), never on a node still
+    in the run's job, at most max_replacements at once, none once the run ended, those still open cancelled then
+    (docs/multi-node.md#capacity-back-by-itself). "auto": on where the run's batch script handed the coordinator
+    the command to submit one (``scripts/slurm/train.sbatch`` on the coordinator's TCPStore, one node per group):
+    a request costs a queued job that leaves at once when nothing is missing, and without it a lost node's groups
+    stay out until someone submits a job by hand. "on": the same, and a run without that command says so at its
+    start. "off": never asks; a run goes on with the groups it has."""
+
+    replace_after_s: float = 60.0
+    """How long a replica group stays out of the run before the run asks for a replacement. Above a group's own
+    restart (its launcher's: 3 s warm, 20 s cold on the default job, docs/benchmarks.md), so a group coming back
+    by itself costs no request, and short beside the queue wait and start of a new job."""
+
+    max_replacements: int = 2
+    """The most replacement requests open at once (submitted, not yet joined or ended): a rack lost costs this
+    many queued jobs at a time, not one per node."""
 
     warm: str = "auto"
     """Keep each replica group's next incarnation warm (titan_recover.node.warm): once a group trains,
@@ -325,6 +347,7 @@ def validate(job_config: Any) -> Recover:
     _check_leader_lease(rc)
     _check_backend(rc)
     _check_warm(rc)
+    _check_replace(rc)
     _check_policy(rc)
     plan = _parse_fault_plan(rc)
     _check_degrees(rc, job_config.parallelism)
@@ -349,6 +372,7 @@ _COUNTS = {
     "digest_interval": 1,
     "snapshot_interval": 0,
     "snapshot_keep": 1,
+    "max_replacements": 1,
 }
 """Integer keys of ``[recover]`` and their smallest allowed value."""
 
@@ -366,6 +390,7 @@ _SECONDS = (
     "progress_timeout_s",
     "restart_window_s",
     "leader_lease_s",
+    "replace_after_s",
 )
 """Durations of ``[recover]``: each a finite number of seconds > 0."""
 
@@ -517,6 +542,11 @@ def _check_leader_lease(rc: Recover) -> None:
 def _check_warm(rc: Recover) -> None:
     if rc.warm not in WARM:
         raise ConfigError(f"recover.warm must be one of {', '.join(WARM)}, got {rc.warm!r}")
+
+
+def _check_replace(rc: Recover) -> None:
+    if rc.replace not in REPLACE:
+        raise ConfigError(f"recover.replace must be one of {', '.join(REPLACE)}, got {rc.replace!r}")
 
 
 def _check_backend(rc: Recover) -> None:

@@ -20,6 +20,7 @@ NOTICE_STOPS_RUN_ENV = "TITAN_RECOVER_NOTICE_STOPS_RUN"  # "1": a SIGTERM here s
 SNAPSHOT_DIR_ENV = "TITAN_RECOVER_SNAPSHOTS"  # this launcher's snapshot folder (node.memory); unset or "": none
 NODE_RANKS_ENV = "TITAN_RECOVER_NODE_RANKS"  # ranks this launcher runs on its node, all groups: they share it
 FAILURE_DOMAIN_ENV = "TITAN_RECOVER_FAILURE_DOMAIN"  # this node's failure domain (a rack, a switch); "": unknown
+REPLACEMENT_ENV = "TITAN_RECOVER_REPLACEMENT"  # set on a node the run asked its scheduler for: the request's number
 
 
 def incarnation() -> int:
@@ -143,6 +144,11 @@ def fenced_key(replica: int) -> str:
 def drain_key(replica: int) -> str:
     """An operator asks that incarnation to leave at a step boundary (``protocol.Drain``); its launcher reads it."""
     return f"drain/{replica}"
+
+
+def replacement_key(request: int) -> str:
+    """What the node of replacement request ``request`` took (``protocol.Replacing``); the coordinator reads it."""
+    return f"replacement/{request}"
 
 
 def owner_key(replica: int, part: int = 0) -> str:

@@ -544,6 +544,32 @@ class Drain(Record):
 
 
 @dataclass(frozen=True)
+class Replacing(Record):
+    """What the launcher of a node the run asked its scheduler for (``$TITAN_RECOVER_REPLACEMENT``, the request's
+    number) found: the free replica ids it took, none when every id it could take was back already (it then leaves
+    at once); ``job``: its scheduler's id for it ("" where none is known)."""
+
+    replicas: tuple[int, ...]
+    job: str
+
+    REQUIRED = ("replicas", "job")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"replicas": list(self.replicas), "job": self.job}
+
+    @classmethod
+    def from_json(cls, key: str, rec: dict[str, Any]) -> "Replacing":
+        replicas = rec["replicas"]
+        _require(
+            key,
+            isinstance(replicas, list) and all(is_count(r) for r in replicas) and isinstance(rec["job"], str),
+            "replicas must be a list of replica ids and job a string",
+            rec,
+        )
+        return Replacing(tuple(replicas), rec["job"])
+
+
+@dataclass(frozen=True)
 class Launcher(Record):
     """One launcher process of the run (the owner of its claims); ``id`` is unique even across
     hosts and pid reuse. ``domain``: its node's failure domain ("" = unknown; absent from the JSON then, so

@@ -27,6 +27,7 @@ from titan_recover.control.protocol import (
     TransferRecord,
 )
 from titan_recover.observability.logs import id_list
+from titan_recover.policy import replacements
 from titan_recover.policy.membership import (
     FailureDetector,
     GroupView,
@@ -35,6 +36,7 @@ from titan_recover.policy.membership import (
     repaired_failure,
     retry_verdict,
 )
+from titan_recover.policy.replacements import Bounds, Request
 from titan_recover.policy.resume import ResumePlan, resume_plan
 from titan_recover.policy.roster import DropSpare, Leave, Limits, Roster, joins, reported, take_out
 
@@ -105,6 +107,7 @@ class Usage:
 @dataclass(frozen=True)
 class Say:
     message: str
+    warn: bool = False  # a WARNING: something the user should act on
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,23 @@ class Forget:
     admissions: tuple[tuple[int, int], ...] = ()  # (replica, incarnation): admissions read, or of a replaced one
 
 
-Effect = Union[Publish, Save, FenceOut, Admit, Emit, LogStep, Usage, Say, Stop, Forget]
+@dataclass(frozen=True)
+class Replace:
+    """Ask the scheduler for a node that joins the run for free replica ids (``replicas``: those it is for)."""
+
+    request: int
+    replicas: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Cancel the scheduler's job ``job`` of a replacement request that never joined."""
+
+    request: int
+    job: str
+
+
+Effect = Union[Publish, Save, FenceOut, Admit, Emit, LogStep, Usage, Say, Stop, Forget, Replace, Cancel]
 
 
 def stops(effects: list[Effect]) -> bool:
@@ -144,7 +163,9 @@ class CoordinatorCore:
         committed: Callable[[int, int], bool] = lambda step, epoch: False,
         snapshots: Callable[[int, int], dict[int, Snapshots | None]] = lambda replica, incarnation: {},
         wall: Callable[[], float] = time.time,
+        replace_bounds: Bounds | None = None,
     ) -> None:
+        """``replace_bounds``: the bounds of replacement requests (``[recover] replace``); None: it makes none."""
         self.rules, self.detector = rules, detector
         self.limits = Limits(
             replica_ids=rules.replica_ids,
@@ -166,6 +187,9 @@ class CoordinatorCore:
         self.leaving: dict[int, Report] = {}  # members whose own report says they leave on notice: no failure
         self.stopping: tuple[int, str] | None = None  # the run stops in order: (its last step at most, why)
         self.given_up: set[int] = set()  # groups their launchers restart no more (until an incarnation asks again)
+        self.replace_bounds = replace_bounds
+        self.refused = False  # the scheduler refused a request: no more are made
+        self.requests: list[Request] = []  # every replacement request of this run, in order (number i + 1 at i)
 
     def take_over(self, state: CoordinatorState, history: dict[int, Membership], epoch: int) -> None:
         """Continues from the state a previous leader saved and the epochs the store holds (those from
@@ -733,3 +757,126 @@ class CoordinatorCore:
     def end(self) -> list[Effect]:
         """Wakes every node agent, blocked until the next epoch, to read the run's end (done or fatal)."""
         return self._publish(Membership(self.membership.epoch + 1, self.membership.members))
+
+    # ---- replacement requests -----------------------------------------------------------
+
+    def on_replacements(self, ended: bool = False) -> list[Effect]:
+        """Carries out ``replacements.decide``: new requests for the groups out of the run too long, cancellations
+        of open ones whose groups are back (or of every open one once the run ``ended``, its last step committed
+        or its stop in order begun)."""
+        progress = self.state.progress
+        ended = ended or self.stopping is not None or (progress is not None and progress.step >= self.rules.steps)
+        if self.replace_bounds is None or (ended and not any(r.outcome is None for r in self.requests)):
+            return []
+        now = self.wall()
+        out = {} if ended else dict(self.state.down_since)
+        decision = replacements.decide(now, out, self.requests, ended, self.replace_bounds)
+        effects: list[Effect] = []
+        for number in decision.cancel:
+            why = "the run ended" if ended else "every replica group it was for is back in the run"
+            effects += self._cancel(number, why)
+        for ids in () if self.refused else decision.request:  # none once the scheduler refused one: it would again
+            out_s = tuple(round(now - out[r], 1) for r in ids)
+            self.requests.append(Request(len(self.requests) + 1, ids, now, out_s=out_s))
+            effects.append(Replace(len(self.requests), ids))
+        return effects
+
+    def _ended(self, number: int, outcome: str, **changes: Any) -> Request:
+        """Request ``number`` as it was, now ended with ``outcome``."""
+        request = self.requests[number - 1]
+        self.requests[number - 1] = replace(request, outcome=outcome, ended=self.wall(), **changes)
+        return request
+
+    def _cancel(self, number: int, why: str) -> list[Effect]:
+        """Cancels an open request; one still being submitted is cancelled once its job is known (``on_submitted``)."""
+        request = self._ended(number, replacements.CANCELLED, why=why)
+        return [] if request.job is None else self._cancelled(self.requests[number - 1])
+
+    def _cancelled(self, request: Request) -> list[Effect]:
+        assert request.job is not None
+        return [
+            Cancel(request.number, request.job),
+            Emit(
+                "replacement_cancelled",
+                {
+                    "request": request.number,
+                    "job": request.job,
+                    "replicas": list(request.replicas),
+                    "reason": request.why,
+                },
+            ),
+            Say(f"replacement request {request.number} (job {request.job}) cancelled: {request.why}"),
+        ]
+
+    def on_submitted(self, number: int, job: str, command: str) -> list[Effect]:
+        """The scheduler took request ``number`` as job ``job`` (submitted with ``command``)."""
+        request = self.requests[number - 1]
+        self.requests[number - 1] = replace(request, job=job)
+        out_s = list(request.out_s)
+        effects: list[Effect] = [
+            Emit(
+                "replacement_requested",
+                {"request": number, "job": job, "replicas": list(request.replicas), "out_s": out_s, "command": command},
+            ),
+            Say(
+                f"replica group(s) {id_list(request.replicas)} out of the run for {max(out_s):g}s: asked the scheduler "
+                f"for a node that joins it for free replica ids (request {number}, job {job})"
+            ),
+        ]
+        if request.outcome == replacements.CANCELLED:  # cancelled while it was being submitted
+            effects += self._cancelled(self.requests[number - 1])
+        return effects
+
+    def on_submit_failed(self, number: int, error: str, command: str) -> list[Effect]:
+        """The scheduler refused request ``number`` (or cannot be reached from here): said once, with the command
+        for a person to run, and no request follows in this run."""
+        request = self._ended(number, replacements.FAILED)
+        self.refused = True
+        return [
+            Emit(
+                "replacement_failed",
+                {"request": number, "job": None, "replicas": list(request.replicas), "error": error},
+            ),
+            Say(
+                f"could not ask the scheduler for a replacement of replica group(s) {id_list(request.replicas)} "
+                f"({error}); the run goes on without them and asks no more. To bring them back, run: {command}",
+                warn=True,
+            ),
+        ]
+
+    def on_answered(self, number: int, replicas: tuple[int, ...], job: str | None) -> list[Effect]:
+        """The node of request ``number`` (its scheduler's job ``job``) took ``replicas``, as its launcher's record
+        says: none when every id it could take was back already, and it left at once. A request whose submission
+        failed may be answered too: a person ran its command."""
+        request = self.requests[number - 1]
+        if request.outcome in (replacements.JOINED, replacements.LEFT):
+            return []
+        job = request.job or job or None  # "": its node knew no job id (started outside the scheduler)
+        fields = {"request": number, "job": job, "replicas": list(replicas)}
+        what = f"replacement request {number}" + (f" (job {job})" if job else "")
+        if replicas:
+            self._ended(number, replacements.JOINED, job=job, took=replicas)
+            return [
+                Emit("replacement_joined", fields),
+                Say(f"{what} joined the run: replica group(s) {id_list(replicas)}"),
+            ]
+        self._ended(number, replacements.LEFT, job=job)
+        return [
+            Emit("replacement_left", {**fields, "reason": "no free replica id: the groups it was for are back"}),
+            Say(f"{what} found no free replica id and left at once"),
+        ]
+
+    def on_job_gone(self, number: int, state: str) -> list[Effect]:
+        """The scheduler's job of open request ``number`` ended (``state``) without its launcher's record."""
+        request = self.requests[number - 1]
+        if request.outcome is not None:
+            return []
+        self._ended(number, replacements.FAILED)
+        error = f"job {request.job} ended ({state}) without joining"
+        return [
+            Emit(
+                "replacement_failed",
+                {"request": number, "job": request.job, "replicas": list(request.replicas), "error": error},
+            ),
+            Say(f"replacement request {number}: {error}; its groups may be asked for again"),
+        ]

@@ -41,10 +41,19 @@ from titan_recover.control.keys import (
     leader_key,
 )
 from titan_recover.control.lifeline import PROBE_S
-from titan_recover.control.protocol import CoordinatorState, Membership, MessageError, NodeMessage, TransferRecord
+from titan_recover.control.protocol import (
+    CoordinatorState,
+    Membership,
+    MessageError,
+    NodeMessage,
+    Replacing,
+    TransferRecord,
+)
 from titan_recover.control.sealed import Run, SealedStore
+from titan_recover.coordinator import slurm
 from titan_recover.coordinator.core import (
     Admit,
+    Cancel,
     CoordinatorCore,
     Effect,
     Emit,
@@ -52,6 +61,7 @@ from titan_recover.coordinator.core import (
     Forget,
     LogStep,
     Publish,
+    Replace,
     Rules,
     Save,
     Say,
@@ -64,7 +74,7 @@ from titan_recover.observability.events import EventLog, Tail, event_files, logg
 from titan_recover.observability.logs import id_list
 from titan_recover.observability.run_status import RunHistory
 from titan_recover.observability.status_server import StatusServer, StatusSource, StoreReader
-from titan_recover.policy import domains
+from titan_recover.policy import domains, replacements
 from titan_recover.policy.membership import FailureDetector, group_views, store_stalled
 
 if TYPE_CHECKING:
@@ -77,6 +87,8 @@ ETCD_ALIVE_S = 1.0  # ... on etcd, where each move is a Raft write
 REPORT_GRACE_S = 5.0  # a reserved report slot still empty after this: its reporter died in between
 FULL_PASS_S = 5.0  # on etcd a pass reads only the keys put since the last; every key at least this often
 PRESENCE_CHECK_S = 0.5  # how often a noticed leader looks for a candidate whose node stays (one etcd read)
+ANSWER_S = 1.0  # how often the records of replacement nodes are read
+LIST_S = 10.0  # how often the scheduler is asked about the jobs of open replacement requests
 log = logging.getLogger(__name__)
 
 
@@ -189,13 +201,23 @@ class Coordinator:
             startup_s=rc.startup_timeout_s,
             start=time.monotonic(),
         )
+        submitter, why = slurm.Submitter.of(rc, os.environ)
+        if why and rc.replace == "on":
+            log.warning(f"recover.replace = on, but {why}")
+        self.scheduler = None if submitter is None else slurm.Scheduler(submitter)
         self.core = CoordinatorCore(
             rules(settings),
             detector,
             fault_time=self._fault_time,
             committed=lambda step, epoch: self.control.decision(step, epoch) == COMMIT,
             snapshots=lambda replica, incarnation: self.control.snapshots(replica, incarnation, settings.group_ranks),
+            replace_bounds=None
+            if submitter is None
+            else replacements.Bounds(rc.replace_after_s, rc.max_replacements, submitter.groups),
         )
+        self.next_answers = 0.0  # when the replacement nodes' records are next read
+        self.out_seen: set[int] = set()  # the groups out of the run when they were last read
+        self.next_list = 0.0  # when the scheduler is next asked about the open requests' jobs
         self.slot_seen: dict[int, float] = {}  # unread report slots (``state.unread_reports``) -> first seen empty
         self.nodes: dict[
             str, int
@@ -247,9 +269,16 @@ class Coordinator:
             elif isinstance(e, Usage):
                 self.events.emit("resources", process="coordinator", step=e.step, **resources.usage())
             elif isinstance(e, Say):
-                log.info(e.message)
+                (log.warning if e.warn else log.info)(e.message)
             elif isinstance(e, Forget):
                 self._forget(e)
+            elif isinstance(e, Replace):
+                assert self.scheduler is not None
+                owners = self.control.claims(e.replicas, 1)  # the lost groups' last launchers
+                self.scheduler.request(e.request, [owner.host for owner in owners.values()])
+            elif isinstance(e, Cancel):
+                assert self.scheduler is not None
+                self.scheduler.cancel(e.job)
             elif isinstance(e, Stop):
                 self.control.stop(e.error)
                 self.events.emit("fatal", step=self.core.step(), error=e.error)
@@ -509,6 +538,50 @@ class Coordinator:
         log.error(f"FATAL: {error}")
         return True
 
+    def _replacements(self, now: float) -> None:
+        """Replacement requests (``[recover] replace``): the scheduler's answers, the replacement nodes' records
+        (every ``ANSWER_S``), the open requests' jobs (every ``LIST_S``), then the core's new requests."""
+        if self.scheduler is None:
+            return
+        self._scheduled(self.scheduler.results())
+        out = set(self.core.state.down_since)
+        if now >= self.next_answers or out != self.out_seen:  # a group back: was it a request's node, which
+            self.next_answers = now + ANSWER_S  # recorded its ids before its groups started? (else it is cancelled)
+            self.out_seen = out
+            self._read_answers()
+        if now >= self.next_list:
+            self.next_list = now + LIST_S
+            self.scheduler.ask_states({r.number: r.job for r in self.core.requests if r.outcome is None and r.job})
+        self._apply(self.core.on_replacements())
+
+    def _scheduled(self, results: list[slurm.Result]) -> None:
+        for result in results:
+            if isinstance(result, slurm.Submitted):
+                self._apply(self.core.on_submitted(result.request, result.job, result.command))
+            elif isinstance(result, slurm.Refused):
+                self._apply(self.core.on_submit_failed(result.request, result.error, result.command))
+            elif isinstance(result, slurm.Listed):
+                ended = {n: state for n, state in result.states.items() if state not in slurm.ACTIVE}
+                if ended:
+                    self._read_answers()  # a node that joined, or left at once, wrote its record first
+                for number, state in ended.items():
+                    self._apply(self.core.on_job_gone(number, state))
+            else:
+                log.warning(f"could not cancel job {result.job} of a replacement request: {result.error}")
+
+    def _read_answers(self) -> None:
+        """The record of each replacement node that has not answered yet (one whose submission failed, too: a
+        person may have run its command)."""
+        for request in self.core.requests:
+            if request.outcome is None or (request.outcome == replacements.FAILED and request.job is None):
+                try:
+                    answer = self.control.read(keys.replacement_key(request.number), Replacing)
+                except MessageError as e:
+                    log.warning(f"ignoring a malformed replacement record: {e}")
+                    continue
+                if answer is not None:
+                    self._apply(self.core.on_answered(request.number, answer.replicas, answer.job))
+
     def notice(self) -> None:
         """SIGTERM's handler (on a TCPStore): this coordinator's node goes away, and its store with it. It
         only notes the time; the next pass stops the run in order (``CoordinatorCore.on_notice``)."""
@@ -571,6 +644,7 @@ class Coordinator:
         if not self._apply(self.core.on_joins(now)):
             return EXIT_FAILED
         self._apply(self.core.on_rejoined(self._transfers))
+        self._replacements(now)
         if self.core.finished():
             self._poll_steps()  # the last steps belong before the end, and their logging forgets older ones
             keys_left = self.control.key_count()
@@ -600,9 +674,15 @@ class Coordinator:
                 changed = None
 
     def end(self) -> None:
-        """Wakes every node agent, blocked until the next epoch, to read the run's end (done or fatal), logs each
-        node's snapshot memory peak not logged yet, and writes what the event log still keeps (or says it cannot)."""
+        """Wakes every node agent, blocked until the next epoch, to read the run's end (done or fatal), cancels the
+        replacement requests that never joined, logs each node's snapshot memory peak not logged yet, and writes
+        what the event log still keeps (or says it cannot)."""
         self._apply(self.core.end())
+        if self.scheduler is not None:  # the requests that never joined are cancelled: none is left queued
+            self._read_answers()
+            self._apply(self.core.on_replacements(ended=True))
+            self._scheduled(self.scheduler.close())
+            self._scheduled(self.scheduler.results())  # the cancellations of jobs submitted meanwhile
         for node, peak in self.snapshot_memory.unlogged().items():
             self.events.emit("host_memory", node=node, bytes=peak)
         self.events.close()

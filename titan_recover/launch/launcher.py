@@ -33,7 +33,7 @@ from titan_recover.control.board import BoardMissing
 from titan_recover.control.client import ControlClient
 from titan_recover.control.keys import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_LEFT, EXIT_OK, EXIT_STOPPED
 from titan_recover.control.lifeline import AliveClock, Heartbeat, one_line, store_errors
-from titan_recover.control.protocol import Launcher
+from titan_recover.control.protocol import Launcher, Replacing
 from titan_recover.control.sealed import Run, given_secret
 from titan_recover.data.tokens import DataError
 from titan_recover.launch import preflight
@@ -292,17 +292,22 @@ class NodeLauncher:
         assert run is not None, "the run is named first"
         client = ControlClient(transport.connect(str(self.address), rc.startup_timeout_s, run))
         members = client.membership(client.epoch()).members
-        free = claims.claim_free(
-            client,
-            self.me,
-            self.wanted,
-            range(self.replicas),
-            members,
-            rc.heartbeat_timeout_s,
-            log.info,
-            self.message_of(client),
-            rc.coordinator_timeout_s,
-        )
+        try:
+            free = claims.claim_free(
+                client,
+                self.me,
+                self.wanted,
+                range(self.replicas),
+                members,
+                rc.heartbeat_timeout_s,
+                log.info,
+                self.message_of(client),
+                rc.coordinator_timeout_s,
+            )
+        except claims.ClaimRefused:
+            answer_replacement(client, [])
+            raise
+        answer_replacement(client, free)
         log.info(f"{keys.REPLICAS_ENV}=any: replica ids {free} are free (members {list(members)}); this node runs them")
         return free
 
@@ -797,6 +802,15 @@ def run_recover(
         launcher.close()
 
 
+def answer_replacement(client: ControlClient, replicas: list[int]) -> None:
+    """On a node the run asked its scheduler for ($TITAN_RECOVER_REPLACEMENT: the request's number): tells the
+    coordinator which free ids it took, none when there were none to take (it leaves at once)."""
+    request = os.environ.get(keys.REPLACEMENT_ENV, "")
+    if request.isdigit():
+        job = os.environ.get("SLURM_JOB_ID", "")
+        client.put(keys.replacement_key(int(request)), Replacing(tuple(replicas), job))
+
+
 @dataclasses.dataclass(frozen=True)
 class NodeJob:
     """The job and this node's part of it, as its command line and environment say."""
@@ -871,6 +885,13 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except claims.ClaimRefused as e:  # another launcher runs these groups: what this one started is stopped
+        request = os.environ.get(keys.REPLACEMENT_ENV)
+        if request:  # the run asked for this node, and its groups came back meanwhile: nothing to do, exit 0
+            log.info(
+                f"replacement request {request}: no free replica id to take (the groups it was for are back in the "
+                "run): this node leaves, exit 0"
+            )
+            return EXIT_OK
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     tr = job_config.training

@@ -52,11 +52,36 @@ def summarize_events(*paths: str, last_step: int | None = None) -> dict[str, Any
         "state_lost": [e["step"] for e in events if e["event"] == "state_lost"],
         "resumed": _resumes(events),
         "snapshot_peaks": host_memory.peaks_of(events),
+        "replacements": _replacements(events),
     }
     if len(steps) >= 2:
         span = steps[-1]["time"] - steps[0]["time"]
         out["step_time_s"] = span / (len(steps) - 1)
     return out
+
+
+REPLACEMENT_OUTCOMES = {
+    "replacement_joined": "joined",
+    "replacement_left": "left at once",
+    "replacement_cancelled": "cancelled",
+    "replacement_failed": "failed",
+}
+
+
+def _replacements(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each replacement request of the run (``[recover] replace``) and what became of it (its last word)."""
+    found: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if e["event"] == "replacement_requested" or e["event"] in REPLACEMENT_OUTCOMES:
+            request = found.setdefault(e["request"], {"request": e["request"], "replicas": e["replicas"]})
+            request["job"] = e.get("job") or request.get("job")
+            if e["event"] in REPLACEMENT_OUTCOMES:
+                why = e.get("reason") or e.get("error") or ""
+                took = f"replica group(s) {e['replicas']}" if e["event"] == "replacement_joined" else ""
+                request["outcome"] = REPLACEMENT_OUTCOMES[e["event"]] + (f": {why or took}" if why or took else "")
+            else:
+                request["replicas"] = e["replicas"]
+    return [found[n] for n in sorted(found)]
 
 
 def _resumes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -145,6 +170,14 @@ def format_summary(s: dict[str, Any], tokens_per_step: int) -> str:
     if s.get("snapshot_peaks"):
         lines.append("  snapshot memory      : the peak of each node's host-memory snapshot folder")
         lines += [f"    node {node}: {host_memory.mib(peak)}" for node, peak in s["snapshot_peaks"].items()]
+    if s.get("replacements"):
+        lines.append(f"  replacement requests : {len(s['replacements'])}")
+        lines += [
+            f"    request {r['request']}"
+            + (f" (job {r['job']})" if r.get("job") else "")
+            + f" for replica group(s) {r['replicas']}: {r.get('outcome', 'open')}"
+            for r in s["replacements"]
+        ]
     lines.append(f"  rejoined             : {len(s['rejoined'])}")
     lines += [
         f"    replica {r['replica']}{spare_note(r)} at step {r['step']}: down {r['downtime_s']:.1f}s, "
