@@ -88,6 +88,16 @@ def core(wall: list[float], per_request: int = 1) -> CoordinatorCore:
     return CoordinatorCore(rules, detector, wall=lambda: wall[0], replace_bounds=bounds)
 
 
+def asked_for_replica_1(wall: list[float]) -> CoordinatorCore:
+    """A core whose replica 1 was lost at wall 1000 and asked for at 1060, as Slurm's job 42."""
+    c = core(wall)
+    c.on_failure({1: "node lost"}, now=1.0)
+    wall[0] = 1060.0
+    c.on_replacements()
+    c.on_submitted(1, "42", "sbatch")
+    return c
+
+
 def kinds(effects: list) -> list[str]:
     return [e.event for e in effects if isinstance(e, Emit)]
 
@@ -151,11 +161,7 @@ def test_a_refused_submission_is_said_once_with_the_command_and_nothing_is_asked
 
 def test_a_refused_request_still_cancels_the_open_ones_at_the_end() -> None:
     wall = [1000.0]
-    c = core(wall)
-    c.on_failure({1: "node lost"}, now=1.0)
-    wall[0] = 1060.0
-    c.on_replacements()
-    c.on_submitted(1, "42", "sbatch")
+    c = asked_for_replica_1(wall)
     c.on_failure({2: "node lost"}, now=1.0)
     wall[0] = 1130.0
     assert c.on_replacements() == [Replace(2, (2,))]
@@ -165,11 +171,7 @@ def test_a_refused_request_still_cancels_the_open_ones_at_the_end() -> None:
 
 def test_a_node_that_found_no_free_id_left_and_a_job_that_ended_silently_failed() -> None:
     wall = [1000.0]
-    c = core(wall)
-    c.on_failure({1: "node lost"}, now=1.0)
-    wall[0] = 1060.0
-    c.on_replacements()
-    c.on_submitted(1, "42", "sbatch")
+    c = asked_for_replica_1(wall)
     assert kinds(c.on_answered(1, (), "42")) == ["replacement_left"]
     assert c.on_job_gone(1, "COMPLETED") == []  # ended as it said
     wall[0] = 1200.0
@@ -180,11 +182,7 @@ def test_a_node_that_found_no_free_id_left_and_a_job_that_ended_silently_failed(
 
 def test_every_open_request_is_cancelled_when_the_run_ends() -> None:
     wall = [1000.0]
-    c = core(wall)
-    c.on_failure({1: "node lost"}, now=1.0)
-    wall[0] = 1060.0
-    c.on_replacements()
-    c.on_submitted(1, "42", "sbatch")
+    c = asked_for_replica_1(wall)
     effects = c.on_replacements(ended=True)
     assert [e for e in effects if isinstance(e, Cancel)] == [Cancel(1, "42")]
     assert kinds(effects) == ["replacement_cancelled"]
