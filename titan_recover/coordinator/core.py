@@ -833,10 +833,7 @@ class CoordinatorCore:
         request = self._ended(number, replacements.FAILED)
         self.refused = True
         return [
-            Emit(
-                "replacement_failed",
-                {"request": number, "job": None, "replicas": list(request.replicas), "error": error},
-            ),
+            _failed(request, error),
             Say(
                 f"could not ask the scheduler for a replacement of replica group(s) {id_list(request.replicas)} "
                 f"({error}); the run goes on without them and asks no more. To bring them back, run: {command}",
@@ -874,9 +871,14 @@ class CoordinatorCore:
         self._ended(number, replacements.FAILED)
         error = f"job {request.job} ended ({state}) without joining"
         return [
-            Emit(
-                "replacement_failed",
-                {"request": number, "job": request.job, "replicas": list(request.replicas), "error": error},
-            ),
+            _failed(request, error),
             Say(f"replacement request {number}: {error}; its groups may be asked for again"),
         ]
+
+
+def _failed(request: Request, error: str) -> Emit:
+    """The ``replacement_failed`` event of ``request`` (its job, None where the scheduler never took it)."""
+    return Emit(
+        "replacement_failed",
+        {"request": request.number, "job": request.job, "replicas": list(request.replicas), "error": error},
+    )
