@@ -26,12 +26,11 @@ import time
 
 from bench.common import write_result
 from titan_recover import config
-from titan_recover.control import keys, transport
+from titan_recover.control import etcd_process, keys, transport
 from titan_recover.control.client import ControlClient
 from titan_recover.control.protocol import NodeGroup, NodeMessage
 from titan_recover.control.sealed import Run
 from titan_recover.observability import logs
-from titan_recover.tools import etcd_local
 from titan_recover.tools.etcd_local import LocalEtcd
 
 log = logging.getLogger(__name__)
@@ -156,7 +155,7 @@ def main() -> None:
         "etcd_nodes",
         {
             "setup": {
-                "etcd": f"3 members on this machine (etcd {etcd_local.release()})",
+                "etcd": f"3 members on this machine (etcd {etcd_process.release()})",
                 "interval_s": INTERVAL_S,
                 "workers": args.workers,
                 "cores": os.cpu_count(),

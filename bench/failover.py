@@ -52,10 +52,9 @@ from bench.common import (
     timeline,
     write_result,
 )
-from titan_recover.control import keys, transport
+from titan_recover.control import etcd_process, keys, transport
 from titan_recover.control.sealed import Run
 from titan_recover.observability.events import of_kind, read_events
-from titan_recover.tools import etcd_local
 from titan_recover.tools.etcd_local import LocalEtcd
 
 STEPS, KILL_AFTER = 40, 10
@@ -375,7 +374,7 @@ def main() -> None:
     kept = {k: committed["setup"][k] for k in ("failure_free_pairs_run", "ff_pairs") if k in committed.get("setup", {})}
     result = {
         "setup": {
-            "etcd": f"3 members on this machine (etcd {etcd_local.release()})",
+            "etcd": f"3 members on this machine (etcd {etcd_process.release()})",
             "model": "llama3 tiny (fail-over, DCP) / debugmodel 2x2 (failure-free)",
             "precision": "float32",
             "steps": STEPS,

@@ -23,7 +23,8 @@
 #   CONTROL_STORE     etcd://host:port,host:port,host:port of an etcd cluster (3+ members) for coordinator
 #                     fail-over (--recover.control_store): every node's launcher runs a coordinator
 #                     candidate and the run survives the loss of any node; COORDINATOR_ADDR and
-#                     COORDINATOR_BIND are then not used
+#                     COORDINATOR_BIND are then not used. nodes://host,host,host (3 or 5 of the
+#                     job's nodes): the same on an etcd the launchers on those nodes run themselves
 #   CONFIG_FILE, TITAN_RECOVER_SECRET   the run's config and its secret, the same on every node
 #   TITAN_RECOVER_RUN_ID  the run's id, the same on every node (required with CONTROL_STORE): a node
 #                     started again with the same id (a replaced pod) rejoins the run; a new id is a
@@ -90,7 +91,8 @@ CONTROL_STORE=${CONTROL_STORE:-}
 addr=${COORDINATOR_ADDR:-}
 port=${addr##*:}
 if [ -n "$CONTROL_STORE" ]; then
-    [[ $CONTROL_STORE == etcd://?* ]] || fail "CONTROL_STORE='$CONTROL_STORE' must be etcd://host:port,host:port,host:port"
+    [[ $CONTROL_STORE == etcd://?* || $CONTROL_STORE == nodes://?* ]] \
+        || fail "CONTROL_STORE='$CONTROL_STORE' must be etcd://host:port,host:port,host:port or nodes://host,host,host"
 else
     [[ $addr == ?*:* ]] && is_count "$port" && [ "$port" -ge 1 ] && [ "$port" -le 65535 ] \
         || fail "COORDINATOR_ADDR='$addr' is not host:port (port 1..65535): set it to the first node's host and a fixed port"

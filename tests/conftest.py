@@ -18,7 +18,7 @@ import pytest
 from filelock import FileLock
 
 from titan_recover.compare import compare_runs
-from titan_recover.control import keys
+from titan_recover.control import etcd_process, keys
 from titan_recover.observability.events import of_kind
 from titan_recover.titan.jobs import LINE, job
 from titan_recover.tools import etcd_local
@@ -49,7 +49,7 @@ with ``--dist loadfile --no-loadscope-reorder``, both workers start on the longe
 short ones, not on a long file queued last behind a worker's other files. A file not listed counts as 0 s."""
 
 
-NO_ETCD = etcd_local.unavailable()
+NO_ETCD = etcd_process.unavailable()
 """Why this machine has no etcd the tests may start (none on ``PATH``, or a release with etcd-io/etcd#13766), or
 None: ``./run_tests.sh`` installs Debian's where it runs as root."""
 needs_etcd = pytest.mark.skipif(NO_ETCD is not None, reason=f"no etcd to start here: {NO_ETCD}")

@@ -633,6 +633,24 @@ def test_under_slurm_the_failure_domain_is_the_nodes_leaf_switch(env: dict[str, 
     assert passed == ([] if domain is None else [domain]), out.stdout
 
 
+@pytest.mark.parametrize(("hosts", "members"), [("c1 c2 c3 c4", "c1,c2,c3"), ("c1 c2 c3 c4 c5 c6", "c1,c2,c3,c4,c5")])
+def test_control_store_nodes_puts_an_etcd_member_on_the_jobs_first_three_or_five_nodes(
+    hosts: str, members: str
+) -> None:
+    """``CONTROL_STORE=nodes``: the batch script names the job's first 3 nodes (5 from 5 nodes on) as the run's
+    etcd members, every node's launcher gets that ``nodes://`` store and the job's id, none binds a coordinator."""
+    out = dry_run(hosts, CFG, CONTROL_STORE="nodes", SLURM_JOB_ID="88")
+    assert out.returncode == 0, out.stderr
+    url = f"nodes://{members}"
+    assert f"control store: an etcd member on each of {members.replace(',', ' ')} ({url})" in out.stdout
+    launches = [line for line in out.stdout.splitlines() if line.startswith("node ")]
+    assert len(launches) == len(hosts.split()), out.stdout
+    assert all(f"--recover.control_store {url}" in line and "coordinator_port" not in line for line in launches)
+    assert all("TITAN_RECOVER_RUN_ID=88" in line for line in launches)
+    few = dry_run("c1 c2", CFG, CONTROL_STORE="nodes")
+    assert few.returncode == 2 and "CONTROL_STORE=nodes needs 3 or more nodes" in few.stderr and "has 2" in few.stderr
+
+
 def test_with_an_etcd_control_store_every_node_names_it_and_none_binds_a_coordinator() -> None:
     url = "etcd://e1:2379,e2:2379,e3:2379"
     lines = [

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from conftest import ROOT, local_etcd
 
 from titan_recover import config, titan
-from titan_recover.control import addresses, keys, protocol, transport
+from titan_recover.control import addresses, etcd_process, keys, protocol, transport
 from titan_recover.control.client import ABORT, COMMIT, ControlClient, redone
 from titan_recover.control.etcd_store import Changes, EtcdStore, LeadershipLost, check_cluster
 from titan_recover.control.leader import Lease
@@ -465,7 +465,7 @@ def test_an_etcd_with_the_crash_inconsistency_bug_is_refused_naming_it(
     etcd.write_text(f"#!/bin/sh\necho '{printed}'\necho 'Git SHA: 0'\n")
     etcd.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
-    why = etcd_local.unavailable()
+    why = etcd_process.unavailable()
     if refused is None:
         assert why is None
     else:
@@ -477,4 +477,4 @@ def test_an_etcd_with_the_crash_inconsistency_bug_is_refused_naming_it(
 
 def test_no_etcd_on_path_says_how_to_install_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert etcd_local.unavailable() == f"no etcd on PATH: {etcd_local.INSTALL}"
+    assert etcd_process.unavailable() == f"no etcd on PATH: {etcd_process.INSTALL}"

@@ -79,16 +79,26 @@ def test_any_io_error_of_the_event_log_takes_the_same_path(
     events.close()
 
 
-FULL_FOR_AT_MOST_S = 20.0  # freed by then even where the coordinator's own events still fit the log's last page
+# The folder is filled once the event log's last page has at most this much room left (events then wait within
+# a step or two, wherever the file stood), and freed once events wait, or at the latest after step 12 (steps 13-16
+# still run): neither depends on how fast the machine is, as a bound in time did.
+SLACK_AT_MOST = 1024
+FREED_BY_STEP = 12
+FULL_FOR_AT_MOST_S = 180.0
 
 
 def fill(folder: Path) -> Path:
-    """Takes every free byte of ``folder``'s filesystem, as another job would."""
+    """Takes every free byte of ``folder``'s filesystem at once (``fallocate``, then what is left), as another
+    job would."""
     filler = folder / "filler"
     with open(filler, "wb", buffering=0) as f:
+        free = os.statvfs(folder)
+        # all but a few blocks at once (a fallocate that does not fit takes nothing), then the rest block by block
+        os.posix_fallocate(f.fileno(), 0, max(1, free.f_bavail - 64) * free.f_frsize)
+        f.seek(0, os.SEEK_END)
         try:
             while True:
-                f.write(b"\0" * 2**20)
+                f.write(b"\0" * free.f_frsize)
         except OSError as e:
             assert e.errno == errno.ENOSPC, e
     return filler
@@ -176,8 +186,8 @@ def test_the_main_job_goes_on_while_its_dump_folder_is_full_and_writes_every_eve
     """The tests' tiny main job (2 single-rank groups, a kill at step 4 and a rejoin, digests every step: more
     events while the folder is full than the slack of the log's last page takes, replica 0 sleeping 25 s at
     step 12 so that the run is still going when the folder is freed) with TensorBoard and DCP checkpoints
-    every 3 steps, its dump folder filled once step 2 is logged and freed once the coordinator's status
-    page shows 3 events waiting, or 20 s later (the ranks' events wait by then):
+    every 3 steps, its dump folder filled once step 2 is logged and the log's last page is nearly full, and
+    freed once the coordinator's status page shows 3 events waiting, or after step 12:
     exit 0, every step in the event log once, the late events counted in the summary, the checkpoints the
     full disk refused reported and a later one complete (a resume's)."""
     dump = small_disk / "out"
@@ -185,22 +195,28 @@ def test_the_main_job_goes_on_while_its_dump_folder_is_full_and_writes_every_eve
     moments: dict[str, float] = {}
     port = transport.free_port()
 
-    def waiting() -> int:
-        """The events the coordinator keeps, as its status page says (0 before the page is up)."""
+    def page() -> tuple[int, int]:
+        """The events the coordinator keeps and the run's step, as its status page says (0, 0 before it is up)."""
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/status.json", timeout=5) as page:
-                return int((json.load(page)["run"].get("event_log") or {}).get("events", 0))
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/status.json", timeout=5) as answer:
+                run = json.load(answer)["run"]
+            return int((run.get("event_log") or {}).get("events", 0)), int(run.get("step") or 0)
         except OSError:
-            return 0
+            return 0, 0
 
     def another_job() -> None:
-        deadline = time.monotonic() + 240
+        deadline, page_bytes = time.monotonic() + 240, os.statvfs(small_disk).f_bsize
         while time.monotonic() < deadline and not (events.exists() and '"step": 2,' in events.read_text()):
             time.sleep(0.05)
+        while time.monotonic() < deadline and -events.stat().st_size % page_bytes > SLACK_AT_MOST:
+            time.sleep(0.005)
         filler = fill(small_disk)
         moments["filled"] = time.time()
         full_until = min(deadline, time.monotonic() + FULL_FOR_AT_MOST_S)
-        while time.monotonic() < full_until and waiting() < 3:  # the log's last page is full: events wait
+        while time.monotonic() < full_until:  # until the log's last page is full and events wait
+            held, step = page()
+            if held >= 3 or step >= FREED_BY_STEP:
+                break
             time.sleep(0.2)
         moments["waited"] = time.time()
         filler.unlink()

@@ -158,8 +158,8 @@ def test_a_node_lost_whole_with_the_other_nodes_group_resumes_from_the_survivors
         *JOB,
         *single,
         "--recover.fault_plan",
-        # the resumed replica 0 holds its second step long enough for B's command, started again, to join the run
-        "kill replica=0 step=8 phase=backward; sleep replica=0 attempt=1 step=+2 seconds=20",
+        # the resumed replica 0 holds its second step until B's command, started again, joins the run (at most 120 s)
+        "kill replica=0 step=8 phase=backward; sleep replica=0 attempt=1 step=+2 seconds=120 until=epoch",
         "--recover.snapshot_dir",
         str(memory),
         "--recover.coordinator_port",

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import SINGLES, Run, needs_etcd
+from conftest import SINGLES, THREE, Run, assert_same_trajectory, needs_etcd
 from test_netns import needs_netns
 from test_partitions import rejoined
 
@@ -67,3 +67,27 @@ def test_an_etcd_member_cut_off_and_back_is_invisible_to_the_run(
     assert not run.of("failure") and not run.of("recovered"), run.of("failure")
     assert all(e["members"] == [0, 1] for e in run.of("step"))
     assert len(run.of("leader")) == 1, run.of("leader")
+
+
+@needs_netns
+@needs_etcd
+def test_on_an_etcd_the_nodes_form_themselves_node_0_killed_whole_is_a_group_failure_like_any_other(
+    tmp_path: Path, three: Cluster, three_replicas: Run
+) -> None:
+    """``control_store = "nodes://<the 3 nodes>"``: each launcher runs an etcd member and a coordinator candidate
+    beside replica group i (three single-rank groups), and nobody runs etcd beforehand. After step 3 node 0,
+    the node that began the run, is SIGKILLed whole, its member and candidate with it, and never comes back: the
+    two members left keep quorum, a candidate on nodes 1 or 2 leads (taking over if node 0's led), replica 0's
+    loss is a group failure like any other, and the run ends normally on the two other nodes, every step once,
+    M = 6 every step, on the failure-free data and losses."""
+    outcome = partitions.self_formed_node0_killed(three, tmp_path / "dump", *THREE)
+    print(outcome.timings)
+    assert outcome.exits == [0, 0], [out[-3000:] for out in outcome.outputs]
+    run = Run(0, outcome.outputs[0], outcome.events)
+    assert_same_trajectory(three_replicas, run, 1e-3, num_microbatches=6)
+    [failure] = run.of("failure")
+    assert failure["replica"] == 0, failure
+    assert all(e["members"] == [1, 2] for e in run.of("step") if e["step"] > 4), run.of("step")
+    assert not run.of("requeued") and "etcd member m1 of nodes://" in outcome.outputs[0]
+    # the summary, once, by the node whose candidate led last (the first node, which began the run, is gone)
+    assert sum(out.count("titan_recover summary") for out in outcome.outputs) == 1, outcome.outputs

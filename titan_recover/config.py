@@ -19,7 +19,14 @@ from typing import Any
 import torch
 
 from titan_recover.control import keys
-from titan_recover.control.addresses import check_bindable, check_port_free, parse_etcd_url, parse_host
+from titan_recover.control.addresses import (
+    NODES_SCHEME,
+    check_bindable,
+    check_port_free,
+    parse_etcd_url,
+    parse_host,
+    parse_nodes_url,
+)
 from titan_recover.control.protocol import MAX_DOMAIN
 from titan_recover.policy import fault_plan, workload
 
@@ -215,7 +222,10 @@ class Recover:
     dies the run stops with a resume hint). "etcd://host:port,host:port,host:port" = an etcd
     cluster of at least 3 members: a coordinator candidate runs beside every launcher, one leads
     on an etcd lease, and when it dies another takes over within seconds, restoring the state from
-    etcd; ranks and launchers carry on. Needs the etcd3gw client (pip extra "etcd")."""
+    etcd; ranks and launchers carry on. Needs the etcd3gw client (pip extra "etcd").
+    "nodes://host,host,host" (3 or 5 of the run's nodes, each host[:port], default port 2379, peers on
+    the next): the same, on an etcd cluster the launchers on those nodes run themselves, one member each
+    (launch.members; the etcd binaries on PATH, docs/etcd-operations.md#on-the-runs-own-nodes)."""
 
     leader_lease_s: float = 3.0
     """TTL of the coordinator leader's etcd lease: a dead leader is replaced this long after its
@@ -523,11 +533,11 @@ def _check_control_store(rc: Recover) -> None:
     if not rc.control_store:
         return
     try:
-        parse_etcd_url(rc.control_store)
+        (parse_nodes_url if rc.control_store.startswith(NODES_SCHEME) else parse_etcd_url)(rc.control_store)
     except ValueError as e:
         raise ConfigError(
-            f'recover.control_store: {e}; use "" (the coordinator\'s own TCPStore) or '
-            '"etcd://host:port,host:port,host:port"'
+            f'recover.control_store: {e}; use "" (the coordinator\'s own TCPStore), '
+            '"etcd://host:port,host:port,host:port" or "nodes://host,host,host" (etcd members on those nodes)'
         ) from None
 
 

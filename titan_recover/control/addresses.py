@@ -1,4 +1,5 @@
-"""Control-store addresses: ``host:port`` of a TCPStore or ``etcd://host:port,...``, parsed and resolved in one place.
+"""Control-store addresses: ``host:port`` of a TCPStore, ``etcd://host:port,...`` or ``nodes://host,...`` (an etcd
+the run's own launchers form, ``launch.members``), parsed and resolved in one place.
 
 Hosts are IPv4 addresses or names: a bracketed IPv6 literal is refused when parsed. Supporting it would
 reach past the store (the launcher writes the coordinator's address as ``host:port``, a group's parts
@@ -12,6 +13,9 @@ import socket
 
 LOOPBACK = "127.0.0.1"
 ETCD_SCHEME = "etcd://"
+NODES_SCHEME = "nodes://"
+ETCD_CLIENT_PORT = 2379  # etcd's own default; its peers talk on the port after it (2380)
+NODES_MEMBERS = (3, 5)  # a majority survives 1 (2) losses; more members slow every write and survive no more here
 _HOST = re.compile(r"[A-Za-z0-9.\-_]+", re.ASCII)
 _HOST_PORT = re.compile(r"(.*):(\d{1,5})", re.ASCII | re.DOTALL)
 NO_IPV6 = "IPv6 is not supported: use an IPv4 address or a host name that resolves to one"
@@ -112,6 +116,40 @@ def parse_etcd_url(url: str) -> list[tuple[str, int]]:
     if len(set(endpoints)) != len(endpoints):
         raise ValueError(f"{url!r} lists an endpoint twice")
     return endpoints
+
+
+def parse_nodes_url(url: str) -> list[tuple[str, int]]:
+    """``nodes://host[:port],...`` -> the hosts whose launchers run an etcd member and each one's client port
+    (default ``ETCD_CLIENT_PORT``, its peer port the next); ValueError naming what is wrong."""
+    if not url.startswith(NODES_SCHEME):
+        raise ValueError(f"{url!r} does not start with {NODES_SCHEME}")
+    members = []
+    for item in (item.strip() for item in url[len(NODES_SCHEME) :].split(",")):
+        try:
+            host, port = parse_host_port(item) if _HOST_PORT.fullmatch(item) else (parse_host(item), ETCD_CLIENT_PORT)
+        except ValueError as e:
+            raise ValueError(f"{url!r}: {e}") from None
+        if port > 65534:
+            raise ValueError(f"{url!r}: {item!r}: port {port} leaves no peer port after it (at most 65534)")
+        if host == "localhost" or (_is_ip(host) and ipaddress.ip_address(host).is_loopback):
+            raise ValueError(f"{url!r}: {host!r} is loopback: name each node by an address the other nodes reach")
+        members.append((host, port))
+    if len({host for host, _ in members}) != len(members):
+        raise ValueError(f"{url!r} lists a host twice: one etcd member per node")
+    if len(members) not in NODES_MEMBERS:
+        raise ValueError(
+            f"{url!r} names {len(members)} node(s): etcd members on 3 or 5 nodes (a majority of them must live; 3 "
+            "survive the loss of one, 5 of two)"
+        )
+    return members
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 def first_endpoint(address: str) -> tuple[str, int]:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from titan_recover import config, titan
 from titan_recover.control import claims, keys, transport
-from titan_recover.control.addresses import LOOPBACK, local_host, node_host, route_address
+from titan_recover.control.addresses import LOOPBACK, NODES_SCHEME, local_host, node_host, route_address
 from titan_recover.control.board import BoardMissing
 from titan_recover.control.client import ControlClient
 from titan_recover.control.keys import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_LEFT, EXIT_OK, EXIT_STOPPED
@@ -36,7 +36,7 @@ from titan_recover.control.lifeline import AliveClock, Heartbeat, one_line, stor
 from titan_recover.control.protocol import Launcher, Replacing
 from titan_recover.control.sealed import Run, given_secret
 from titan_recover.data.tokens import DataError
-from titan_recover.launch import preflight
+from titan_recover.launch import members, preflight
 from titan_recover.launch.stores import ControlStore, store_of
 from titan_recover.launch.torchruns import Span, Torchruns, torchrun, torchrun_grace, with_threads
 from titan_recover.node import devices, memory, warm
@@ -44,8 +44,8 @@ from titan_recover.node.agent import NodeAgent
 from titan_recover.node.channel import remove_orphans, shm_dir
 from titan_recover.node.procs import EXITING_S, cpu_ticks, exit_lost, on_notice, stop_within
 from titan_recover.observability import logs
-from titan_recover.observability.events import EventLog, event_files, events_path, rotate_events
-from titan_recover.observability.summary import format_summary, summarize_events
+from titan_recover.observability.events import NODE_ENV, EventLog, event_files, events_path, rotate_events
+from titan_recover.observability.summary import format_summary, last_leader_file, summarize_events
 from titan_recover.policy.restarts import RestartBudget
 from titan_recover.titan import cpu_shim
 
@@ -846,6 +846,15 @@ def main(argv: list[str]) -> int:
     (log.warning if supported.level == preflight.WARN else log.info)(supported.line())
     try:
         node = node_job(argv, os.environ)
+        nodes_url = node.job_config.recover.control_store
+        if node.job_config.recover.enable and nodes_url.startswith(NODES_SCHEME):  # every process dials etcd://
+            etcd_url, member = members.form(
+                nodes_url, os.environ, titan.dump_folder(node.job_config), node.job_config.recover.startup_timeout_s
+            )
+            if os.environ.get(keys.COORDINATOR_ENV) == nodes_url:
+                os.environ[keys.COORDINATOR_ENV] = etcd_url
+            argv = with_flags(argv, {"--recover.control_store": etcd_url})
+            node = node_job(argv, os.environ)
         job_config, local, part, address = node.job_config, node.local, node.part, node.address
         store = store_of(job_config.recover)
         if job_config.recover.enable:  # the node's environment, checked before the data and any process
@@ -896,11 +905,14 @@ def main(argv: list[str]) -> int:
         return EXIT_BAD_INPUT
     tr = job_config.training
     files = event_files(titan.dump_folder(job_config))
-    if not first:
-        log.info(
-            f"the run's summary is printed by the launcher that started its coordinator ({address}); "
-            f"this node's ranks logged their events to {path}"
+    led_last = last_leader_file(files) if os.environ.get(NODE_ENV) else None  # each node logs to its own file
+    if path != led_last and (led_last is not None or not first):
+        by = (
+            f"whose coordinator candidate led last ({led_last})"
+            if led_last
+            else f"that started its coordinator ({address})"
         )
+        log.info(f"the run's summary is printed by the launcher {by}; this node's ranks logged their events to {path}")
     elif files:
         try:  # the summary is a report: a log it cannot make sense of never costs the run its exit code
             summary = summarize_events(*files, last_step=tr.steps if code == 0 else None)

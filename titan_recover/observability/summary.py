@@ -132,6 +132,18 @@ def _files(s: dict[str, Any]) -> list[str]:
     return lines
 
 
+def last_leader_file(files: list[str]) -> str | None:
+    """The event file of the node whose coordinator candidate led last (on etcd each node's candidate logs to its
+    node's file, ``events.NODE_ENV``), which prints the run's summary since the first node may be gone; None where
+    no candidate led (the TCPStore's one coordinator)."""
+    last: tuple[float, str] | None = None
+    for path in files:
+        for e in read_log(path).events:
+            if e["event"] == "leader" and (last is None or e["time"] >= last[0]):
+                last = (e["time"], path)
+    return None if last is None else last[1]
+
+
 def format_summary(s: dict[str, Any], tokens_per_step: int) -> str:
     lines = [
         "titan_recover summary",

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -26,52 +25,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from titan_recover.control.addresses import ETCD_SCHEME, LOOPBACK
+from titan_recover.control.etcd_process import CTL_TIMEOUT_S, etcd_binary, member_command, unavailable
 from titan_recover.control.transport import free_port
 
-CTL_TIMEOUT_S = 5.0  # one etcdctl command
 # how member i's processes start (member index, argv, Popen's keywords): here, or in its node's namespace
 Spawn = Callable[..., subprocess.Popen]
-
-
-INSTALL = (
-    "apt-get install etcd-server etcd-client (Debian's 3.4.23), or put an etcd release of 3.5.4 or later first on "
-    "PATH (docs/etcd-operations.md#which-etcd)"
-)
-BROKEN = ((3, 5, 0), (3, 5, 3))  # etcd-io/etcd#13766: data inconsistency after a member's crash, fixed in 3.5.4
-
-
-def etcd_binary(name: str = "etcd") -> str:
-    """``etcd`` (or ``etcdctl``) from ``PATH``; RuntimeError saying how to install one where there is none."""
-    path = shutil.which(name)
-    if path is None:
-        raise RuntimeError(f"no {name} on PATH: {INSTALL}")
-    return path
-
-
-def version() -> tuple[int, int, int]:
-    """The version of the ``etcd`` on ``PATH`` (``etcd --version``'s first line: ``etcd Version: 3.4.23``)."""
-    out = subprocess.run([etcd_binary(), "--version"], capture_output=True, text=True, timeout=CTL_TIMEOUT_S).stdout
-    first = out.splitlines()[0] if out else ""
-    if not (m := re.fullmatch(r"etcd Version: (\d+)\.(\d+)\.(\d+)\S*", first.strip())):
-        raise RuntimeError(f"{etcd_binary()} --version printed {first!r}, not 'etcd Version: X.Y.Z': {INSTALL}")
-    major, minor, patch = map(int, m.groups())
-    return major, minor, patch
-
-
-def release() -> str:
-    """The version of the ``etcd`` on ``PATH`` as it prints it: ``3.4.23``."""
-    return ".".join(map(str, version()))
-
-
-def unavailable() -> str | None:
-    """Why this machine cannot start a cluster (no etcd, or a release with etcd-io/etcd#13766), or None."""
-    try:
-        found = version()
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-        return str(e)
-    if BROKEN[0] <= found <= BROKEN[1] or found < (3, 4, 0):
-        return f"etcd {release()} ({etcd_binary()}) is refused: 3.4, or 3.5.4 and later (etcd-io/etcd#13766): {INSTALL}"
-    return None
 
 
 def _here(index: int, argv: list[str], **popen: Any) -> subprocess.Popen:
@@ -106,34 +64,8 @@ class LocalEtcd:
 
     def _command(self, name: str) -> list[str]:
         cluster = ",".join(f"{n}={self._peer(n)}" for n in self.names)
-        client = self._client(name)
-        return [
-            etcd_binary(),
-            "--name",
-            name,
-            "--data-dir",
-            os.path.join(self.root, name),
-            "--listen-client-urls",
-            client,
-            "--advertise-client-urls",
-            client,
-            "--listen-peer-urls",
-            self._peer(name),
-            "--initial-advertise-peer-urls",
-            self._peer(name),
-            "--initial-cluster",
-            cluster,
-            "--initial-cluster-state",
-            "new",
-            "--initial-cluster-token",
-            self.root,
-            "--heartbeat-interval",
-            "100",
-            "--election-timeout",
-            "1000",
-            "--log-level",
-            "error",
-        ]  # no auto-compaction, as on a cluster set up without it: the run's leader compacts (``leader``)
+        data = os.path.join(self.root, name)
+        return member_command(name, self._client(name), self._peer(name), data, cluster, self.root)
 
     def start(self, timeout_s: float = 30.0) -> "LocalEtcd":
         if (why := unavailable()) is not None:

@@ -151,15 +151,15 @@ def wait_until(what: str, predicate: Callable[[], bool], timeout: float, launche
         time.sleep(0.1)
 
 
-def launcher_args(dump: Path, control: Node | LocalEtcd, plan: str, *extra: str) -> list[str]:
+def launcher_args(dump: Path, control: Node | LocalEtcd | str, plan: str, *extra: str) -> list[str]:
     """A launcher's command: the job with fault plan ``plan``, its control store the TCPStore coordinator
-    on node ``control`` (bound to its address) or the etcd cluster ``control``. Each scenario passes on its
-    ``layout`` overrides last (the tests run single-rank groups; the benchmark, the job as it is)."""
-    store = (
-        ["--recover.control_store", control.url]
-        if isinstance(control, LocalEtcd)
-        else ["--recover.coordinator_port", str(PORT), "--recover.coordinator_bind", control.address]
-    )
+    on node ``control`` (bound to its address), the etcd cluster ``control`` or the ``control_store`` URL
+    ``control``. Each scenario passes on its ``layout`` overrides last (the tests run single-rank groups; the
+    benchmark, the job as it is)."""
+    if isinstance(control, Node):
+        store = ["--recover.coordinator_port", str(PORT), "--recover.coordinator_bind", control.address]
+    else:
+        store = ["--recover.control_store", control if isinstance(control, str) else control.url]
     return [
         sys.executable,
         "-m",
@@ -391,6 +391,55 @@ def etcd_member_cut_off(cluster: Cluster, dump: Path, *layout: str) -> Outcome:
             except RuntimeError as e:
                 raise Hang(f"node 2's etcd member after the reconnection: {e}") from None
             return finish(dump, launchers, {"rejoined_after_reconnect_s": time.monotonic() - back})
+
+
+def nodes_url(cluster: Cluster) -> str:
+    """The control store the launchers of the first ``ETCD_NODES`` nodes form themselves (``launch.members``)."""
+    return "nodes://" + ",".join(n.address for n in cluster.nodes[:ETCD_NODES])
+
+
+def self_formed_node0_killed(cluster: Cluster, dump: Path, *layout: str) -> Outcome:
+    """Three nodes with ``control_store = "nodes://..."``: each launcher runs an etcd member and a coordinator
+    candidate beside replica group i, node 0's launcher begins the run. After step 3 every process of node 0
+    (its launcher, its group, its etcd member and the candidate that leads, if it does) is SIGKILLed, and it is
+    not started again: nodes 1 and 2 go on with two groups of three. Timings: the kill to the first step
+    committed after it (``first_step_s``) and to the next leader's event, if node 0's led (``new_leader_s``)."""
+    url = nodes_url(cluster)
+    args = launcher_args(dump, url, "none", *layout)
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    (dump.parent / "tmp").mkdir(parents=True, exist_ok=True)  # the members' data: this scenario's own
+    env.update(
+        {keys.SECRET_ENV: "partition-test-secret", "PYTHONUNBUFFERED": "1", keys.RUN_ENV: RUN_ID},
+        TMPDIR=str(dump.parent / "tmp"),
+    )
+    launchers = [
+        Launcher(
+            cluster,
+            n,
+            dump,
+            args,
+            {
+                **env,
+                keys.REPLICAS_ENV: str(n.index),
+                NODE_ENV: node_name(n),
+                **({keys.COORDINATOR_ENV: url} if n.index else {}),
+            },
+        )
+        for n in cluster.nodes[:ETCD_NODES]
+    ]
+    wait_until("step 3", lambda: 3 in steps(dump), 300, launchers)
+    before = leaders(dump)
+    led = node_of(cluster, before[-1]["pid"]).index == 0 if before else False
+    cluster.kill(cluster.nodes[0])
+    killed = time.time()
+    wait_until("a step after node 0's loss", lambda: max(steps(dump)) > 3, 120, launchers[1:])
+    outcome = finish(dump, launchers[1:], {})
+    after = [e["time"] for e in outcome.of("step") if e["time"] > killed]
+    outcome.timings["first_step_s"] = min(after) - killed if after else float("nan")
+    if led:
+        new = [e["time"] for e in leaders(dump) if e["time"] > killed]
+        outcome.timings["new_leader_s"] = min(new) - killed if new else float("nan")
+    return outcome
 
 
 CASES: dict[str, Callable[[Cluster, Path], Outcome]] = {

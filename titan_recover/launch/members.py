@@ -1,0 +1,144 @@
+"""A control plane the run forms on its own nodes: ``[recover] control_store = "nodes://h1,h2,h3"``.
+
+The launcher on each host of the list runs one etcd member, and the members bootstrap one cluster at the
+start (``--initial-cluster`` is the list, the token the run's id): nobody runs etcd off the compute nodes,
+and no node is special, since a majority of the members (2 of 3, 3 of 5) carries the run through the loss of
+any node. Every process then uses the cluster as ``etcd://h1:2379,h2:2379,h3:2379``, exactly as an etcd the
+user runs (``launch.stores.Etcd``): the launcher rewrites ``recover.control_store`` before anything starts.
+
+A member lives as long as its launcher (``die_with_parent``), its data in this host's temporary folder under
+the run's id: the same node started again with the same id (a relaunched launcher) restarts its member from
+that data and it catches up with the others. The etcd binaries come from ``PATH``, as for ``tools.etcd_local``:
+Debian's 3.4.23, or 3.5.4 and later (3.5.0-3.5.3 carry etcd-io/etcd#13766, data lost by a member SIGKILLed
+with its node, which is what a node loss does to a member here).
+"""
+
+import logging
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from titan_recover import config
+from titan_recover.control import keys
+from titan_recover.control.addresses import ETCD_SCHEME, parse_nodes_url, resolve
+from titan_recover.control.etcd_process import member_command, release, unavailable
+from titan_recover.node.procs import die_with_parent
+
+SERVE_POLL_S = 0.5  # how often a launcher asks whether the members serve yet
+SAY_EVERY_S = 10.0  # how often it says it still waits
+log = logging.getLogger(__name__)
+
+
+def bindable(ip: str) -> bool:
+    """Whether ``ip`` is one of this host's addresses (a socket can listen on it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((ip, 0))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Members:
+    """The members a ``nodes://`` URL names: member i (``m<i>``) on ``hosts[i]`` (``ips[i]``), clients on
+    ``ports[i]``, peers on the port after it."""
+
+    hosts: tuple[str, ...]
+    ips: tuple[str, ...]
+    ports: tuple[int, ...]
+
+    @classmethod
+    def of(cls, url: str, lookup: Callable[[str], str] = resolve) -> "Members":
+        """ValueError naming what is wrong with ``url`` (a host that does not resolve too)."""
+        listed = parse_nodes_url(url)
+        return cls(tuple(h for h, _ in listed), tuple(lookup(h) for h, _ in listed), tuple(p for _, p in listed))
+
+    @property
+    def etcd_url(self) -> str:
+        """What every process of the run dials: ``etcd://host:port,...``."""
+        return ETCD_SCHEME + ",".join(f"{h}:{p}" for h, p in zip(self.hosts, self.ports))
+
+    def client(self, i: int) -> str:
+        return f"http://{self.ips[i]}:{self.ports[i]}"
+
+    def peer(self, i: int) -> str:
+        return f"http://{self.ips[i]}:{self.ports[i] + 1}"
+
+    @property
+    def cluster(self) -> str:
+        return ",".join(f"m{i}={self.peer(i)}" for i in range(len(self.hosts)))
+
+    def here(self, local: Callable[[str], bool] = bindable) -> int | None:
+        """Which member this host runs (its address among the list), or None."""
+        return next((i for i, ip in enumerate(self.ips) if local(ip)), None)
+
+
+def data_dir(run_id: str, member: int) -> str:
+    """Member ``member``'s data on this host: kept across the launcher's restarts for the same run id."""
+    return os.path.join(tempfile.gettempdir(), "titan_recover-etcd", run_id, f"m{member}")
+
+
+def form(url: str, environ: Mapping[str, str], dump: str, timeout_s: float) -> tuple[str, subprocess.Popen | None]:
+    """Starts this host's member of ``nodes://`` ``url`` (if it names this host) and waits, at most ``timeout_s``
+    (``startup_timeout_s``), until the members serve: the ``etcd://`` URL of the cluster and the member's
+    process (None on a host without one). ``config.ConfigError`` naming the problem."""
+    run_id = environ.get(keys.RUN_ENV, "")
+    if not run_id:
+        raise config.ConfigError(
+            f"recover.control_store = {url!r} needs {keys.RUN_ENV}, the same on every node (the job's id): its "
+            "members' cluster is the run's"
+        )
+    try:
+        members = Members.of(url)
+    except ValueError as e:
+        raise config.ConfigError(f"recover.control_store: {e}") from None
+    mine, proc = members.here(), None
+    if mine is not None:
+        if (why := unavailable()) is not None:
+            raise config.ConfigError(f"recover.control_store = {url!r} runs an etcd member on this node: {why}")
+        os.makedirs(dump, exist_ok=True)
+        folder = data_dir(run_id, mine)
+        kept = os.path.isdir(folder)
+        with open(os.path.join(dump, f"etcd.m{mine}.log"), "ab") as out:
+            argv = member_command(
+                f"m{mine}", members.client(mine), members.peer(mine), folder, members.cluster, f"titan_recover-{run_id}"
+            )
+            proc = subprocess.Popen(argv, stdout=out, stderr=out, preexec_fn=die_with_parent)
+        log.info(
+            f"etcd member m{mine} of {url} started here (pid {proc.pid}, {release()}, data in {folder}"
+            + (", kept from this run's earlier start" if kept else "")
+            + ")"
+        )
+    wait_serving(members.etcd_url, proc, timeout_s)
+    return members.etcd_url, proc
+
+
+def wait_serving(url: str, member: subprocess.Popen | None, timeout_s: float) -> None:
+    """Returns once the cluster at ``url`` answers a linearizable read (a leader and a quorum: the other nodes'
+    launchers started their members); ``config.ConfigError`` after ``timeout_s`` or if this host's member exits."""
+    from titan_recover.launch.stores import check_control_store
+
+    start = said = time.monotonic()
+    while True:
+        try:
+            check_control_store(url)  # the launcher's own check says what it found
+            return
+        except config.ConfigError as e:
+            why = str(e)
+        if member is not None and member.poll() is not None:
+            raise config.ConfigError(f"this node's etcd member exited with {member.returncode}: see its log; {why}")
+        waited = time.monotonic() - start
+        if waited > timeout_s:
+            raise config.ConfigError(
+                f"the etcd members of the run did not serve within recover.startup_timeout_s = {timeout_s:g}s "
+                f"({why}): start the launchers of the nodes the control store names"
+            )
+        if time.monotonic() - said > SAY_EVERY_S:
+            said = time.monotonic()
+            log.info(f"waiting for the run's etcd members ({waited:.0f}s): {why}")
+        time.sleep(SERVE_POLL_S)
