@@ -167,7 +167,7 @@ class Heartbeat:
             except Exception as e:  # retried on a fresh connection; the watch bounds how long
                 client, self._error = None, one_line(e)
                 self._refused = connection_refused(self._address)
-            if self._board is not None and client is not None:
+            if self._board is not None and client is not None and not self._ended():  # the leader's board closes
                 self._write_board(client)
             self._stop.wait(self._interval)
         if watch is not None:

@@ -816,6 +816,7 @@ class Campaign:
                 )
                 code = coordinator.run(self.confirm)
                 coordinator.end()
+                time.sleep(4 * PROBE_S)  # the board stays up while the launchers read the end and stop writing to it
                 return code  # the state stays in etcd: no store to keep up for the others to read
             except LeadershipLost as e:
                 log.info(f"no longer the leader ({e}); campaigning again")

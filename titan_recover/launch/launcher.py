@@ -844,6 +844,7 @@ def main(argv: list[str]) -> int:
         print(f"error: {supported.text}", file=sys.stderr)
         return EXIT_BAD_INPUT
     (log.warning if supported.level == preflight.WARN else log.info)(supported.line())
+    member = None  # this node's etcd member, where the run forms its control store on its nodes
     try:
         node = node_job(argv, os.environ)
         nodes_url = node.job_config.recover.control_store
@@ -927,4 +928,6 @@ def main(argv: list[str]) -> int:
         + config.stop_hint(job_config, titan.dump_folder(job_config)),
     }.get(code, "FAILED")
     log.info(f"{outcome} in {time.time() - start:.1f}s; events: {path}")
+    if member is not None:  # the leader's final writes need the members' quorum
+        members.linger(member, job_config.recover.control_store, keys.leader_key(Run.from_env(os.environ).prefix))
     return code

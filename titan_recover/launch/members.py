@@ -23,13 +23,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from titan_recover import config
-from titan_recover.control import keys
+from titan_recover.control import keys, transport
 from titan_recover.control.addresses import ETCD_SCHEME, parse_nodes_url, resolve
 from titan_recover.control.etcd_process import member_command, release, unavailable
 from titan_recover.node.procs import die_with_parent
 
 SERVE_POLL_S = 0.5  # how often a launcher asks whether the members serve yet
 SAY_EVERY_S = 10.0  # how often it says it still waits
+LINGER_S = 15.0  # how long a member may outlive its launcher's end while the run's leader still holds its lease
 log = logging.getLogger(__name__)
 
 
@@ -142,3 +143,18 @@ def wait_serving(url: str, member: subprocess.Popen | None, timeout_s: float) ->
             said = time.monotonic()
             log.info(f"waiting for the run's etcd members ({waited:.0f}s): {why}")
         time.sleep(SERVE_POLL_S)
+
+
+def linger(member: subprocess.Popen, url: str, leader_key: str, bound_s: float = LINGER_S) -> None:
+    """At its launcher's end, this node's member serves on while the run's leader holds its lease (at most
+    ``bound_s``): the leader resigns last, after its final writes, and the members of the launchers that end
+    first must not take its quorum away. Returns at once where the cluster does not answer."""
+    if member.poll() is not None:
+        return
+    deadline = time.monotonic() + bound_s
+    try:
+        store = transport.etcd(url, 2.0)
+        while store.read(leader_key) and time.monotonic() < deadline:
+            time.sleep(SERVE_POLL_S)
+    except Exception as e:  # no quorum (the other members' launchers ended first), or no answer: nothing to serve
+        log.debug(f"this node's etcd member stops with its launcher ({type(e).__name__}: {e})")
