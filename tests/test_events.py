@@ -14,7 +14,7 @@ import pytest
 from conftest import run_job
 
 from titan_recover.observability.events import EVENTS_FILE, EventLog, events_path, read_events, read_log
-from titan_recover.observability.summary import format_summary, summarize_events
+from titan_recover.observability.summary import format_summary, last_leader_file, summarize_events
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,6 +145,20 @@ def test_two_processes_never_interleave(tmp_path: Path) -> None:
 
 
 # --- read_events ----------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_the_summary_is_the_node_whose_candidate_led_last_or_none_without_a_leader(tmp_path: Path) -> None:
+    """On etcd each node's candidate logs to its node's file: the last ``leader`` event names the node that prints
+    the run's summary (the first node may be gone); the TCPStore's one coordinator logs none."""
+    files = [tmp_path / "recover_events.node0.jsonl", tmp_path / "recover_events.node1.jsonl"]
+    files[0].write_text('{"event": "leader", "time": 1.0}\n{"event": "step", "step": 1, "time": 9.0}\n')
+    files[1].write_text('{"event": "leader", "time": 5.0}\n')
+    assert last_leader_file([str(f) for f in files]) == str(files[1])
+    files[1].write_text('{"event": "step", "step": 1, "time": 2.0}\n')
+    assert last_leader_file([str(f) for f in files]) == str(files[0])
+    files[0].write_text('{"event": "step", "step": 1, "time": 2.0}\n')
+    assert last_leader_file([str(f) for f in files]) is None
 
 
 @pytest.mark.unit
