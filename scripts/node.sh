@@ -30,7 +30,8 @@
 #                     started again with the same id (a replaced pod) rejoins the run; a new id is a
 #                     new run, which never reads an earlier run's state. The batch script passes
 #                     $SLURM_JOB_ID, the Kubernetes manifest the Job's uid
-#   JOIN_RUN          host:port of a running run's coordinator (TCPStore) that this job's nodes join, each
+#   JOIN_RUN          host:port of a running run's coordinator (TCPStore), or etcd://host:port,... of its
+#                     control store (a run on etcd; nodes:// runs print theirs), that this job's nodes join, each
 #                     asking for GROUPS_PER_NODE free replica ids (TITAN_RECOVER_REPLICAS=any:G): a lost
 #                     node's ids, or new ones up to the run's recover.max_replicas. No node starts a
 #                     coordinator; pass the running run's layout as arguments
@@ -93,7 +94,7 @@ port=${addr##*:}
 if [ -n "$CONTROL_STORE" ]; then
     [[ $CONTROL_STORE == etcd://?* || $CONTROL_STORE == nodes://?* ]] \
         || fail "CONTROL_STORE='$CONTROL_STORE' must be etcd://host:port,host:port,host:port or nodes://host,host,host"
-else
+elif [ -z "${JOIN_RUN:-}" ]; then  # a joining node reaches the run through JOIN_RUN alone
     [[ $addr == ?*:* ]] && is_count "$port" && [ "$port" -ge 1 ] && [ "$port" -le 65535 ] \
         || fail "COORDINATOR_ADDR='$addr' is not host:port (port 1..65535): set it to the first node's host and a fixed port"
 fi
@@ -108,8 +109,8 @@ fi
 JOIN_RUN=${JOIN_RUN:-}
 if [ -n "$JOIN_RUN" ]; then
     [ -z "$CONTROL_STORE" ] || fail "JOIN_RUN and CONTROL_STORE are both set: on etcd a node joins with CONTROL_STORE and the run's TITAN_RECOVER_RUN_ID alone"
-    [[ $JOIN_RUN == ?*:* ]] && is_count "${JOIN_RUN##*:}" \
-        || fail "JOIN_RUN='$JOIN_RUN' is not host:port: set it to the running run's coordinator (its first node and port)"
+    [[ $JOIN_RUN == etcd://?* ]] || { [[ $JOIN_RUN == ?*:* ]] && is_count "${JOIN_RUN##*:}"; } \
+        || fail "JOIN_RUN='$JOIN_RUN' is not host:port or etcd://host:port,...: set it to the running run's coordinator (its first node and port) or its etcd"
     [ -n "$RUN_ID" ] || fail "TITAN_RECOVER_RUN_ID is not set: a joining job needs the running run's id (the first job's id under Slurm)"
 fi
 for arg in "$@"; do
@@ -152,7 +153,9 @@ fi
 # (NFS) does not make appends from several hosts atomic
 if [ -n "$JOIN_RUN" ]; then  # a log of its own beside the running run's node<i> files; the run's layout in "$@"
     env_args+=("TITAN_RECOVER_NODE=joined-${SLURM_JOB_ID:-$$}-node$NODE_INDEX")
-    cmd=(./run_train.sh --recover.group_nodes "$GROUP_NODES" "$@")
+    cmd=(./run_train.sh --recover.group_nodes "$GROUP_NODES")
+    if [[ $JOIN_RUN == etcd://* ]]; then cmd+=(--recover.control_store "$JOIN_RUN"); fi
+    cmd+=("$@")
 else
     if [ "$NUM_NODES" -gt 1 ]; then env_args+=("TITAN_RECOVER_NODE=node$NODE_INDEX"); fi
     cmd=(./run_train.sh --parallelism.data_parallel_replicate_degree "$replicate" --recover.spares "$SPARES"

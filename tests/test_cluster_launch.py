@@ -175,6 +175,7 @@ def test_the_dry_run_prints_one_launcher_per_node(hosts: list[str], groups: int,
         GROUPS_PER_NODE=str(groups),
         SPARES=str(spares),
         GROUP_NODES=str(span),
+        CONTROL_STORE="tcpstore",  # from 3 nodes on the default is an etcd where there is one
     )
     assert out.returncode == 0, out.stderr
     nodes = nodes_in(out.stdout)
@@ -184,6 +185,35 @@ def test_the_dry_run_prints_one_launcher_per_node(hosts: list[str], groups: int,
         assert n.args[-4:] == ["--training.steps", "100", "--job.description", "two words"]
     assert "DRY_RUN: nothing started" in out.stdout
     assert "srun --nodes=%d --ntasks=%d --ntasks-per-node=1 " % (len(hosts), len(hosts)) in out.stdout
+
+
+def test_from_three_nodes_on_the_default_control_store_is_an_etcd_on_the_nodes_where_etcd_is_installed(
+    tmp_path: Path,
+) -> None:
+    """Unset ``CONTROL_STORE``: ``nodes`` on 3 or more nodes with an etcd on PATH; node 0's TCPStore on 2 nodes,
+    or without one (each saying why, and what to install); ``tcpstore`` asks for the TCPStore on any number."""
+    with_etcd, without = tmp_path / "with", tmp_path / "without"
+    for folder in (with_etcd, without):  # every command on PATH but etcd; one of them has a stand-in etcd
+        folder.mkdir()
+        for directory in os.environ["PATH"].split(os.pathsep):
+            for tool in Path(directory).glob("*") if Path(directory).is_dir() else ():
+                if not tool.name.startswith("etcd") and not (folder / tool.name).exists():
+                    (folder / tool.name).symlink_to(tool)
+    (with_etcd / "etcd").write_text("#!/bin/sh\necho 'etcd Version: 3.4.23'\n")
+    (with_etcd / "etcd").chmod(0o755)
+    three = dry_run("c1 c2 c3", CFG, SLURM_JOB_ID="5", PATH=str(with_etcd))
+    assert three.returncode == 0, three.stderr
+    assert "an etcd member on each of c1 c2 c3 (nodes://c1,c2,c3)" in three.stdout
+    assert all(n.arg("--recover.control_store") == "nodes://c1,c2,c3" for n in nodes_in(three.stdout))
+    two = dry_run("c1 c2", CFG, PATH=str(with_etcd))
+    assert "2 node(s) are too few for an etcd quorum" in two.stdout
+    check_layout(nodes_in(two.stdout), ["c1", "c2"], 1, 0, "c1:29510")
+    bare = dry_run("c1 c2 c3", CFG, PATH=str(without))
+    assert "no etcd on PATH here, so node 0's loss stops the run; install etcd 3.4" in bare.stdout, bare.stdout
+    check_layout(nodes_in(bare.stdout), ["c1", "c2", "c3"], 1, 0, "c1:29510")
+    asked = dry_run("c1 c2 c3", CFG, PATH=str(with_etcd), CONTROL_STORE="tcpstore")
+    assert "control store:" not in asked.stdout
+    check_layout(nodes_in(asked.stdout), ["c1", "c2", "c3"], 1, 0, "c1:29510")
 
 
 def test_the_defaults_one_group_per_cpu_node_and_a_fresh_secret_per_run() -> None:
@@ -213,6 +243,7 @@ def test_the_nodes_come_from_the_slurm_node_list(tmp_path: Path) -> None:
         GPUS_PER_NODE="0",
         TITAN_RECOVER_PORT="31000",
         COORDINATOR_BIND="10.0.0.7",
+        CONTROL_STORE="tcpstore",
     )
     assert out.returncode == 0, out.stderr
     nodes = nodes_in(out.stdout)
@@ -259,6 +290,7 @@ def test_the_real_path_runs_node_sh_once_per_node_under_srun(tmp_path: Path) -> 
         EXTRAS="test",
         PYTHON="false",
         FAKE_SRUN_ARGS=str(srun_args),
+        CONTROL_STORE="tcpstore",
         TITAN_RECOVER_COORDINATOR="stale:1",
         NODE_INDEX="5",
         TITAN_RECOVER_SECRET_FILE=str(tmp_path / "secret"),  # not in the checkout's outputs/
@@ -515,7 +547,9 @@ def test_groups_per_node_default_to_gpus_per_node_over_ranks_per_group() -> None
     assert out.returncode == 0, out.stderr
     assert "GROUPS_PER_NODE=2: 8 GPUs per node / 4 ranks per group on a node" in out.stdout
     check_layout(nodes_in(out.stdout), ["n1", "n2"], 2, 0, "n1:29510")
-    spanning = dry_run("n1 n2 n3 n4", CFG, GPUS_PER_NODE="8", RANKS_PER_GROUP="32", GROUP_NODES="4")  # TP 8 x PP 4
+    spanning = dry_run(
+        "n1 n2 n3 n4", CFG, GPUS_PER_NODE="8", RANKS_PER_GROUP="32", GROUP_NODES="4", CONTROL_STORE="tcpstore"
+    )  # TP 8 x PP 4
     assert spanning.returncode == 0, spanning.stderr
     assert "GROUPS_PER_NODE=1: 8 GPUs per node / 8 ranks per group on a node" in spanning.stdout
     check_layout(nodes_in(spanning.stdout), ["n1", "n2", "n3", "n4"], 1, 0, "n1:29510", span=4)
@@ -694,6 +728,20 @@ def test_with_an_etcd_control_store_every_node_names_it_and_none_binds_a_coordin
         PLAN_ONLY="1",
     )
     assert bad.returncode == 2 and "CONTROL_STORE='e1:2379' must be etcd://" in bad.stderr
+
+
+def test_a_job_joins_a_run_on_etcd_by_its_store_and_takes_free_ids() -> None:
+    """``JOIN_RUN=etcd://...`` (what a run on etcd submits for a lost node): the node names that store and asks for
+    free ids; it neither starts a run nor sets the layout, which comes with the arguments."""
+    url = "etcd://n1:2379,n2:2379,n3:2379"
+    env = dict(NODE_INDEX="0", NUM_NODES="1", GROUPS_PER_NODE="2", CONFIG_FILE=CFG, TITAN_RECOVER_SECRET="s")
+    joined = sh(NODE_SH, "--parallelism.data_parallel_replicate_degree", "6", **env, JOIN_RUN=url,
+                TITAN_RECOVER_RUN_ID="41", PLAN_ONLY="1")  # fmt: skip
+    assert joined.returncode == 0, joined.stderr
+    assert f"TITAN_RECOVER_COORDINATOR={url} " in joined.stdout and "TITAN_RECOVER_REPLICAS=any:2" in joined.stdout
+    assert f"--recover.control_store {url} --parallelism.data_parallel_replicate_degree 6" in joined.stdout
+    bad = sh(NODE_SH, **env, JOIN_RUN="n1", TITAN_RECOVER_RUN_ID="41", PLAN_ONLY="1")
+    assert bad.returncode == 2 and "JOIN_RUN='n1' is not host:port or etcd://" in bad.stderr
 
 
 def manifest() -> dict[str, dict]:

@@ -9,22 +9,21 @@ import pytest
 
 from titan_recover import config
 from titan_recover.control import keys
-from titan_recover.control.protocol import MessageError, Replacing
-from titan_recover.coordinator import slurm
-from titan_recover.coordinator.core import Cancel, CoordinatorCore, Emit, Replace, Rules, Say
-from titan_recover.observability.summary import format_summary, summarize_events
-from titan_recover.policy.membership import FailureDetector
-from titan_recover.policy.replacements import (
+from titan_recover.control.protocol import (
     CANCELLED,
     FAILED,
     JOINED,
     LEFT,
-    TRIES,
-    Bounds,
-    Decision,
+    CoordinatorState,
+    MessageError,
+    Replacing,
     Request,
-    decide,
 )
+from titan_recover.coordinator import slurm
+from titan_recover.coordinator.core import Cancel, CoordinatorCore, Emit, Replace, Rules, Save, Say
+from titan_recover.observability.summary import format_summary, summarize_events
+from titan_recover.policy.membership import FailureDetector
+from titan_recover.policy.replacements import TRIES, Bounds, Decision, decide
 
 pytestmark = pytest.mark.unit
 
@@ -108,7 +107,7 @@ def test_the_core_asks_once_a_failed_group_is_out_past_the_bound_and_logs_the_jo
     c.on_failure({1: "node lost"}, now=1.0)
     assert c.on_replacements() == []
     wall[0] = 1060.0
-    assert c.on_replacements() == [Replace(1, (1,))]
+    assert c.on_replacements() == [Save(), Replace(1, (1,))]
     assert c.on_replacements() == []  # open: not asked for twice
     effects = c.on_submitted(1, "42", "cd /repo && sbatch ...")
     [requested] = [e for e in effects if isinstance(e, Emit)]
@@ -121,7 +120,7 @@ def test_the_core_asks_once_a_failed_group_is_out_past_the_bound_and_logs_the_jo
         "command": "cd /repo && sbatch ...",
     }
     assert kinds(c.on_answered(1, (1,), "42")) == ["replacement_joined"]
-    assert c.requests[0].outcome == JOINED
+    assert c.state.requests[0].outcome == JOINED
     wall[0] = 1200.0
     assert c.on_replacements() == []  # its group is starting: not asked for again
     assert c.on_replacements(ended=True) == []  # a joined node is the run's: nothing to cancel
@@ -134,7 +133,7 @@ def test_a_group_back_by_itself_cancels_the_open_request_even_one_still_being_su
     wall[0] = 1061.0
     c.on_replacements()
     c.state.down_since.clear()  # admitted again: its own launcher restarted it
-    assert c.on_replacements() == []  # the job is not known yet: cancelled once it is
+    assert c.on_replacements() == [Save()]  # the job is not known yet: cancelled once it is
     effects = c.on_submitted(1, "42", "sbatch ...")
     assert kinds(effects) == ["replacement_requested", "replacement_cancelled"]
     assert [e for e in effects if isinstance(e, Cancel)] == [Cancel(1, "42")]
@@ -146,7 +145,7 @@ def test_a_refused_submission_is_said_once_with_the_command_and_nothing_is_asked
     c.on_failure({1: "node lost"}, now=1.0)
     c.on_failure({2: "node lost"}, now=1.0)
     wall[0] = 1060.0
-    assert c.on_replacements() == [Replace(1, (1,)), Replace(2, (2,))]
+    assert c.on_replacements() == [Save(), Replace(1, (1,)), Replace(2, (2,))]
     effects = c.on_submit_failed(1, "no sbatch on PATH here", "cd /repo && sbatch --nodes=1 x")
     [line] = [e for e in effects if isinstance(e, Say)]
     assert line.warn and line.message.endswith("To bring them back, run: cd /repo && sbatch --nodes=1 x")
@@ -155,7 +154,7 @@ def test_a_refused_submission_is_said_once_with_the_command_and_nothing_is_asked
     wall[0] = 5000.0
     assert c.on_replacements() == []
     # a person ran the command: its node's record still names the request
-    assert kinds(c.on_answered(1, (1,), "77")) == ["replacement_joined"] and c.requests[0].job == "77"
+    assert kinds(c.on_answered(1, (1,), "77")) == ["replacement_joined"] and c.state.requests[0].job == "77"
     assert c.on_replacements() == []  # and none is asked for again
 
 
@@ -164,7 +163,7 @@ def test_a_refused_request_still_cancels_the_open_ones_at_the_end() -> None:
     c = asked_for_replica_1(wall)
     c.on_failure({2: "node lost"}, now=1.0)
     wall[0] = 1130.0
-    assert c.on_replacements() == [Replace(2, (2,))]
+    assert c.on_replacements() == [Save(), Replace(2, (2,))]
     c.on_submit_failed(2, "sbatch exited 1: denied", "sbatch")
     assert [e for e in c.on_replacements(ended=True) if isinstance(e, Cancel)] == [Cancel(1, "42")]
 
@@ -175,7 +174,7 @@ def test_a_node_that_found_no_free_id_left_and_a_job_that_ended_silently_failed(
     assert kinds(c.on_answered(1, (), "42")) == ["replacement_left"]
     assert c.on_job_gone(1, "COMPLETED") == []  # ended as it said
     wall[0] = 1200.0
-    assert c.on_replacements() == [Replace(2, (1,))]  # still out: asked again a bound later
+    assert c.on_replacements() == [Save(), Replace(2, (1,))]  # still out: asked again a bound later
     c.on_submitted(2, "43", "sbatch")
     assert kinds(c.on_job_gone(2, "FAILED")) == ["replacement_failed"]
 
@@ -186,7 +185,44 @@ def test_every_open_request_is_cancelled_when_the_run_ends() -> None:
     effects = c.on_replacements(ended=True)
     assert [e for e in effects if isinstance(e, Cancel)] == [Cancel(1, "42")]
     assert kinds(effects) == ["replacement_cancelled"]
-    assert c.requests[0].outcome == CANCELLED and c.requests[0].why == "the run ended"
+    assert c.state.requests[0].outcome == CANCELLED and c.state.requests[0].why == "the run ended"
+
+
+def test_a_new_leader_goes_on_with_the_requests_its_predecessor_saved() -> None:
+    wall = [1000.0]
+    old = asked_for_replica_1(wall)
+    old.on_failure({2: "node lost"}, now=1.0)
+    wall[0] = 1130.0
+    assert old.on_replacements() == [Save(), Replace(2, (2,))]  # saved, then the leader died before sbatch answered
+    raw = old.state.dumps().encode()
+    new = core(wall)
+    new.take_over(CoordinatorState.loads("state", raw), dict(old.history), max(old.history))
+    submitted, lost = new.state.requests
+    assert (submitted.job, submitted.outcome) == ("42", None)  # still open: cancelled when the run ends
+    assert (lost.outcome, lost.why) == (FAILED, "its leader ended before the scheduler answered")
+    assert new.on_replacements() == []  # two asked for already: not asked again at once
+    assert kinds(new.on_answered(2, (2,), "43")) == ["replacement_joined"]  # its node came after all
+    assert [e for e in new.on_replacements(ended=True) if isinstance(e, Cancel)] == [Cancel(1, "42")]
+    refused = core(wall)
+    refused.state.refused = True
+    assert CoordinatorState.loads("state", refused.state.dumps().encode()).refused
+
+
+@pytest.mark.parametrize(
+    "request_json",
+    [
+        {"number": 2, "replicas": [1], "asked": 1.0},  # out of order
+        {"number": 1, "replicas": [-1], "asked": 1.0},
+        {"number": 1, "replicas": [1], "asked": 1.0, "outcome": "maybe"},
+        {"number": 1, "replicas": [1], "asked": 1.0, "job": 42},
+        {"number": 1, "replicas": [1], "asked": "soon"},
+        "request 1",
+    ],
+)
+def test_a_saved_request_is_checked_as_it_is_read(request_json: object) -> None:
+    rec = {**CoordinatorState().to_json(), "requests": [request_json]}
+    with pytest.raises(MessageError, match="request"):
+        CoordinatorState.loads("state", json.dumps(rec).encode())
 
 
 def test_the_launchers_record_round_trips_and_a_bad_one_is_refused() -> None:
@@ -215,23 +251,38 @@ def test_the_submit_command_joins_the_run_by_its_secret_file_and_never_carries_t
     submitter, why = slurm.Submitter.of(rc, SLURM_ENV)
     assert submitter is not None and why == ""
     argv = submitter.command(2, ["node1"])
-    assert argv[:4] == ["sbatch", "--parsable", "--nodes=1", "--exclude=node1"]
-    assert argv[4] == (
-        "--export=ALL,JOIN_RUN=node0:29510,TITAN_RECOVER_RUN_ID=7,TITAN_RECOVER_SECRET_FILE=/out/secret,"
-        "GROUPS_PER_NODE=1,TITAN_RECOVER_REPLACEMENT=2"
-    )
-    assert argv[5:8] == ["--output=/out/replacement-%j.out", "--partition=main", "/repo/scripts/slurm/train.sbatch"]
-    assert argv[8:11] == ["train_configs/x.toml", "--recover.fault_plan", "sleep replica=1; x"]
+    assert argv[:6] == [
+        "env",
+        "JOIN_RUN=node0:29510",
+        "TITAN_RECOVER_RUN_ID=7",
+        "TITAN_RECOVER_SECRET_FILE=/out/secret",
+        "GROUPS_PER_NODE=1",
+        "TITAN_RECOVER_REPLACEMENT=2",
+    ]
+    assert argv[6:11] == ["sbatch", "--parsable", "--nodes=1", "--exclude=node1", "--export=ALL"]
+    assert argv[11:14] == ["--output=/out/replacement-%j.out", "--partition=main", "/repo/scripts/slurm/train.sbatch"]
+    assert argv[14:17] == ["train_configs/x.toml", "--recover.fault_plan", "sleep replica=1; x"]
     assert shlex.split(submitter.shown(argv).split(" && ", 1)[1]) == argv
-    env = slurm.environment({"PATH": "/bin", "SLURM_JOB_ID": "7", "SLURM_CONF": "/c", keys.SECRET_ENV: "s"})
+    env = slurm.environment(
+        {"PATH": "/bin", "SLURM_JOB_ID": "7", "SLURM_CONF": "/c", keys.SECRET_ENV: "s", "CONTROL_STORE": "nodes://a"}
+    )
     assert env == {"PATH": "/bin", "SLURM_CONF": "/c"}
+
+
+def test_on_etcd_a_replacement_joins_the_runs_control_store_as_its_launchers_rewrote_it() -> None:
+    store = "etcd://n1:2379,n2:2379,n3:2379"
+    env = {k: v for k, v in SLURM_ENV.items() if k != slurm.JOIN_ENV}  # train.sbatch sets it on the TCPStore only
+    submitter, why = slurm.Submitter.of(config.Recover(enable=True, control_store=store), env)
+    assert submitter is not None and why == ""
+    assert submitter.command(1, [])[1] == f"JOIN_RUN={store}"  # in the environment: --export splits at commas
+    submitter, why = slurm.Submitter.of(config.Recover(enable=True), env)
+    assert submitter is None and slurm.JOIN_ENV in why
 
 
 @pytest.mark.parametrize(
     "change, said",
     [
         ({"replace": "off"}, ""),
-        ({"control_store": "etcd://h:1,h:2,h:3"}, "TCPStore"),
         ({"group_nodes": 2}, "one node per replica group"),
     ],
 )

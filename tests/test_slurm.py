@@ -1,8 +1,9 @@
 """``scripts/slurm/train.sbatch`` under a real Slurm (Debian's 22.05, ``titan_recover.tools.clusters.slurm_local``):
-two Slurm nodes, each a network namespace with its own host name and address, one replica group per
-node, submitted with ``sbatch`` as a user does. Each run is held against the failure-free trajectory
-(every step once, M microbatches, the same data and losses). One cluster serves the whole file; its jobs run in
-``main``, whose jobs a job of ``urgent`` preempts (``GRACE_S``), as the preemption case does."""
+three Slurm nodes, each a network namespace with its own host name and address, one replica group per node
+(two-node jobs: the third node is drained for them), submitted with ``sbatch`` as a user does. Each run is held
+against the failure-free trajectory (every step once, M microbatches, the same data and losses). One cluster
+serves the whole file; its jobs run in ``main``, whose jobs a job of ``urgent`` preempts (``GRACE_S``), as the
+preemption case does."""
 
 from __future__ import annotations
 
@@ -28,18 +29,33 @@ GRACE_S = 20  # the preempted job's GraceTime: above the runs' recover.notice_bu
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm_local.SlurmCluster]:
-    with slurm_local.SlurmCluster(2, tmp_path_factory.mktemp("slurm"), grace_s=GRACE_S) as cluster:
+    with slurm_local.SlurmCluster(3, tmp_path_factory.mktemp("slurm"), grace_s=GRACE_S) as cluster:
         yield cluster
+
+
+def ready(cluster: slurm_local.SlurmCluster, nodes: int) -> slurm_local.SlurmCluster:
+    """The file's cluster with its first ``nodes`` nodes idle and the others drained (a two-node test's jobs, and
+    the run's own requests, land where they always did): a node an earlier test failed is repaired first."""
+    for index in range(len(cluster.names)):
+        if cluster.down(index):
+            cluster.start_node(index)
+    cluster.wait(lambda: not any(cluster.down(i) for i in range(len(cluster.names))), 60, "every node up")
+    for index, name in enumerate(cluster.names):
+        change = ["State=RESUME"] if index < nodes else ["State=DRAIN", "Reason=unused"]
+        cluster.client(["scontrol", "update", f"NodeName={name}", *change], check=False)  # refused where it is so
+    want = {name: "idle" if index < nodes else "drain" for index, name in enumerate(cluster.names)}
+    cluster.wait(lambda: cluster.states() == want, 60, f"nodes {want}")
+    return cluster
 
 
 @pytest.fixture
 def slurm(cluster: slurm_local.SlurmCluster) -> slurm_local.SlurmCluster:
-    """The file's cluster with every node idle: a node an earlier test failed is repaired first."""
-    for index in range(len(cluster.names)):
-        if cluster.down(index):
-            cluster.start_node(index)
-    cluster.wait(lambda: set(cluster.states().values()) == {"idle"}, 60, "every node idle")
-    return cluster
+    return ready(cluster, 2)
+
+
+@pytest.fixture
+def slurm3(cluster: slurm_local.SlurmCluster) -> slurm_local.SlurmCluster:
+    return ready(cluster, 3)
 
 
 def submit(
@@ -50,7 +66,7 @@ def submit(
     env: dict[str, str] | None = None,
     dump: Path | None = None,
 ) -> str:
-    """The tests' job (``SINGLES``, fault plan ``plan``) submitted on both nodes (``extra``: sbatch's
+    """The tests' job (``SINGLES``, fault plan ``plan``) submitted on two nodes (``extra``: sbatch's
     options, then the job's), logging to ``out``.out, its run's secret saved in ``out``.secret unless ``env`` names
     another file, and dumping to ``dump`` (default: ``out``); its job id."""
     config, path, *args = job(dump or out, tiny=True)
@@ -111,6 +127,18 @@ def stalled(dump: Path, replica: int) -> Callable[[], bool]:
     return lambda: any(e["event"] == "fault_injected" and e["replica"] == replica for e in events(dump))
 
 
+def lost_then_asked_for(slurm: slurm_local.SlurmCluster, dump: Path, node: int) -> str:
+    """Node ``node`` fails whole once replica 1 stalls and is repaired once Slurm marks it down (until then it
+    stays in the job's allocation), then the run asks for a replacement: the job id of that request."""
+    slurm.wait(stalled(dump, 1), RUN_S, "replica 1's stall")
+    slurm.fail(node)
+    slurm.wait(lambda: slurm.down(node), 60, f"node{node} down")
+    slurm.start_node(node)
+    asked = lambda: [e for e in events(dump) if e["event"] == "replacement_requested"]  # noqa: E731
+    slurm.wait(lambda: bool(asked()), RUN_S, "the run's replacement request")
+    return asked()[0]["job"]
+
+
 def test_a_failed_node_costs_only_its_group_then_the_runs_own_request_lands_on_the_repaired_node_and_leaves_on_signal(
     tmp_path: Path, slurm: slurm_local.SlurmCluster, two_singles: Run
 ) -> None:
@@ -133,14 +161,7 @@ def test_a_failed_node_costs_only_its_group_then_the_runs_own_request_lands_on_t
         "sleep replica=0 step=7 phase=forward seconds=8"
     )
     first = submit(slurm, dump, plan, "--recover.replace_after_s", "30", env=unset)
-    slurm.wait(stalled(dump, 1), RUN_S, "replica 1's stall")
-    slurm.fail(1)
-    # until Slurm marks it down, node 1 stays in the first job's allocation: the repair comes after that
-    slurm.wait(lambda: slurm.down(1), 60, "node1 down")
-    slurm.start_node(1)
-    asked = lambda: [e for e in events(dump) if e["event"] == "replacement_requested"]  # noqa: E731
-    slurm.wait(lambda: bool(asked()), RUN_S, "the run's replacement request")
-    joining = asked()[0]["job"]
+    joining = lost_then_asked_for(slurm, dump, 1)
     slurm.wait(lambda: any(e["event"] == "rejoined" for e in events(dump)), RUN_S, "the requested job's group admitted")
     slurm.client(["scancel", "--signal=TERM", joining])
     left = slurm.wait_job(joining, ENDED, RUN_S)
@@ -232,31 +253,51 @@ def test_a_node_cut_off_costs_only_its_group_and_slurm_ends_its_tasks_when_it_is
 
 
 @needs_etcd
-def test_on_etcd_the_batch_hosts_node_lost_is_survived_and_the_orphaned_job_ended(
-    tmp_path: Path, slurm: slurm_local.SlurmCluster, two_singles: Run
+def test_with_the_defaults_on_three_nodes_the_batch_hosts_loss_is_a_group_failure_and_its_capacity_comes_back(
+    tmp_path: Path, slurm3: slurm_local.SlurmCluster, three_replicas: Run
 ) -> None:
-    """With ``CONTROL_STORE`` (three etcd members on the controller's host) every node runs a coordinator
-    candidate, and whichever won the first campaign leads. Node 0, the batch host, fails (every process
-    SIGKILLed) in step 5 while replica 1 stalls: node 1's candidate leads (it did, or takes the lead over
-    once node 0's lease expires), fences replica 0 and finishes the run alone, with no requeue. Slurm
-    removes node 0 from the job but, its batch script dead, would leave the job running (measured); node
-    1's ``node.sh`` ends it (``scancel``) once the run has ended there."""
+    """``sbatch --nodes=3 scripts/slurm/train.sbatch`` with no ``CONTROL_STORE``: from three nodes on the run keeps
+    its membership on an etcd whose members the three launchers start themselves, and every node runs a
+    coordinator candidate. Node 0, the batch host, fails whole (every process SIGKILLed, slurmd, its etcd member
+    and its candidate too) in step 4 while replica 1 stalls: the two members left keep quorum, a candidate on node
+    1 or 2 leads, and replica 0's loss is a group failure like any other (no requeue, no checkpoint read). Node 0's
+    slurmd starts again; replica 0 out for ``replace_after_s`` (30 s), the leading candidate submits the batch
+    script on one node (``JOIN_RUN`` the run's ``etcd://`` store): the job lands on the repaired node 0, takes
+    replica id 0 and is admitted while replicas 1 and 2 hold step 5. The run ends normally, every step once with M
+    microbatches on the failure-free data (three single-rank groups, M = 6, as ``THREE``). Slurm removed node 0
+    from the first job but, its batch script dead, would leave it running (measured): the first node whose run
+    ended ends it (``scancel``, CANCELLED); the replacement's job completes."""
     dump = tmp_path / "dump"
-    with slurm.etcd(tmp_path / "etcd") as etcd:
-        job_id = submit(slurm, dump, "sleep replica=1 step=5 phase=forward seconds=10", env={"CONTROL_STORE": etcd.url})
-        slurm.wait(stalled(dump, 1), RUN_S, "replica 1's stall")
-        slurm.fail(0)
-        fields = slurm.wait_job(job_id, ENDED, RUN_S)
-    run = Run(0, "", events(dump))  # srun ran on node 0: the lines of node 1 went with it
+    three = ("--training.global_batch_size", "12", "--training.steps", "6")  # M = 6, two each; THREE's steps
+    # both survivors wait after step 5's commit (neither in a collective, which would time out) until the next
+    # epoch: the replacement's admission
+    hold = "; ".join(f"sleep replica={r} step=5 phase=optimizer seconds=180 until=epoch" for r in (1, 2))
+    plan = f"sleep replica=1 step=4 phase=forward seconds=10; {hold}"
+    job_id = submit(slurm3, dump, plan, "--nodes=3", "--recover.replace_after_s", "30", *three)
+    joining = lost_then_asked_for(slurm3, dump, 0)
+    fields = wait_job(slurm3, job_id, ENDED, RUN_S, dump)
+    joined = wait_job(slurm3, joining, ENDED, 60, dump)
+    run = Run(0, "", events(dump))  # srun ran on node 0: the other nodes' lines went with it
     hosts = [e["host"] for e in leaders(dump)]
-    print(fields["JobState"], fields["ExitCode"], fields["Restarts"], fields["NodeList"], "leaders:", hosts)
+    print(fields["JobState"], fields["Restarts"], joined["JobState"], joined["NodeList"], "leaders:", hosts)
     assert (fields["JobState"], fields["Restarts"]) == ("CANCELLED", "0"), fields
-    assert_same_trajectory(two_singles, run, 1e-3, num_microbatches=4)
-    assert hosts in (["node0", "node1"], ["node1"]), hosts  # a takeover, where node 0 led
+    joined_out = tmp_path / f"replacement-{joining}.out"
+    assert (joined["JobState"], joined["ExitCode"], joined["NodeList"]) == ("COMPLETED", "0:0", "node0"), (
+        joined_out.read_text()[-3000:]
+    )
+    output = Path(f"{dump}.out").read_text()
+    assert "an etcd member on each of node0 node1 node2 (nodes://node0,node1,node2)" in output, output[-3000:]
+    assert_same_trajectory(three_replicas, run, 1e-3, num_microbatches=6)
+    assert hosts[-1] in ("node1", "node2") and "node0" not in hosts[1:], hosts  # a takeover, where node 0 led
     [failure] = run.of("failure")
-    assert (failure["replica"], failure["step"]) == (0, 5), failure
-    assert {s: e["members"] for s, e in run.steps().items()} == {s: [0, 1] if s < 5 else [1] for s in range(1, 11)}
-    assert run.of("param_digest")[-1]["step"] == 10
+    [rejoined] = run.of("rejoined")
+    assert (failure["replica"], failure["step"], rejoined["replica"]) == (0, 4, 0), (failure, rejoined)
+    members = {s: e["members"] for s, e in run.steps().items()}
+    assert members == {s: [1, 2] if 4 <= s < rejoined["step"] else [0, 1, 2] for s in range(1, 7)}, members
+    [requested] = run.of("replacement_requested")
+    assert requested["replicas"] == [0] and "JOIN_RUN=etcd://node0:2379,node1:2379,node2:2379" in requested["command"]
+    [took] = run.of("replacement_joined")
+    assert (took["job"], took["replicas"]) == (joining, [0]), took
 
 
 def test_slurms_own_preemption_stops_the_run_which_saves_is_requeued_once_by_slurm_and_resumes_with_no_step_lost(

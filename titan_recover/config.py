@@ -89,7 +89,7 @@ class Recover:
     node lost): a job that joins the run for free replica ids (as a ``JOIN_RUN`` job does), never on a node still
     in the run's job, at most max_replacements at once, none once the run ended, those still open cancelled then
     (docs/multi-node.md#capacity-back-by-itself). "auto": on where the run's batch script handed the coordinator
-    the command to submit one (``scripts/slurm/train.sbatch`` on the coordinator's TCPStore, one node per group):
+    the command to submit one (``scripts/slurm/train.sbatch``, one node per group; on etcd every candidate has it):
     a request costs a queued job that leaves at once when nothing is missing, and without it a lost node's groups
     stay out until someone submits a job by hand. "on": the same, and a run without that command says so at its
     start. "off": never asks; a run goes on with the groups it has."""

@@ -2,6 +2,7 @@
 command: shared by the members a run forms on its nodes (``launch.members``) and the tests' and benches' local
 clusters (``tools.etcd_local``)."""
 
+import functools
 import re
 import shutil
 import subprocess
@@ -24,10 +25,16 @@ def etcd_binary(name: str = "etcd") -> str:
 
 def version() -> tuple[int, int, int]:
     """The version of the ``etcd`` on ``PATH`` (``etcd --version``'s first line: ``etcd Version: 3.4.23``)."""
-    out = subprocess.run([etcd_binary(), "--version"], capture_output=True, text=True, timeout=CTL_TIMEOUT_S).stdout
+    return _version_of(etcd_binary())
+
+
+@functools.lru_cache(maxsize=8)
+def _version_of(binary: str) -> tuple[int, int, int]:
+    """``binary``'s version, asked once per process (a launcher checks it, then logs it)."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=CTL_TIMEOUT_S).stdout
     first = out.splitlines()[0] if out else ""
     if not (m := re.fullmatch(r"etcd Version: (\d+)\.(\d+)\.(\d+)\S*", first.strip())):
-        raise RuntimeError(f"{etcd_binary()} --version printed {first!r}, not 'etcd Version: X.Y.Z': {INSTALL}")
+        raise RuntimeError(f"{binary} --version printed {first!r}, not 'etcd Version: X.Y.Z': {INSTALL}")
     major, minor, patch = map(int, m.groups())
     return major, minor, patch
 

@@ -702,6 +702,27 @@ class Loss:
     resume_step: int | None = None
 
 
+JOINED, LEFT, CANCELLED, FAILED = "joined", "left", "cancelled", "failed"  # what became of a replacement request
+OUTCOMES = (JOINED, LEFT, CANCELLED, FAILED)
+MAX_REQUESTS = 4096  # replacement requests a saved state may hold: more is a corrupted record, not a run
+
+
+@dataclass(frozen=True)
+class Request:
+    """One replacement request of the run (``policy.replacements``), open while ``outcome`` is None. Kept in the
+    coordinator's saved state: a new leader on etcd goes on with the requests its predecessor made."""
+
+    number: int  # the run's own count: 1, 2, ...
+    replicas: tuple[int, ...]  # the ids it was made for (its node takes whichever are free)
+    asked: float  # when it was made (wall clock)
+    job: str | None = None  # the scheduler's id for it, once submitted
+    outcome: str | None = None  # one of OUTCOMES, once it ended
+    ended: float | None = None  # when that was known
+    why: str = ""  # why it was cancelled, or why it ended without its scheduler's answer
+    out_s: tuple[float, ...] = ()  # how long each of ``replicas`` had been out when it was made
+    took: tuple[int, ...] = ()  # the ids its node took, once it joined
+
+
 @dataclass
 class CoordinatorState(Record):
     """The coordinator's bookkeeping: what a new leader needs that the store does not hold otherwise.
@@ -731,6 +752,8 @@ class CoordinatorState(Record):
     last_recovery_s: float | None = None  # the last failure's recovery latency
     last_downtime_s: float | None = None  # the last rejoin's downtime
     loss: Loss | None = None  # every group lost its state: waiting for them, or resumed and not committed yet
+    requests: list[Request] = field(default_factory=list)  # every replacement request, in order (number i + 1 at i)
+    refused: bool = False  # the scheduler refused a replacement request: no more are made
 
     REQUIRED = (
         "progress",
@@ -815,7 +838,46 @@ class CoordinatorState(Record):
             *seconds,
         )
         state.loss = _loss(key, rec.get("loss"))
+        requests = rec.get("requests", [])
+        _require(key, isinstance(requests, list) and len(requests) <= MAX_REQUESTS, "requests must be a list", requests)
+        state.requests = [_request(key, number, r) for number, r in enumerate(requests, 1)]
+        _require(key, isinstance(rec.get("refused", False), bool), "refused must be true or false", rec.get("refused"))
+        state.refused = rec.get("refused", False)
         return state
+
+
+def _request(key: str, number: int, rec: object) -> Request:
+    """The saved replacement request ``number``, checked."""
+    ids = lambda v: isinstance(v, list) and all(is_count(i) for i in v)  # noqa: E731
+    short = lambda v: isinstance(v, str) and len(v) <= MAX_DOMAIN  # noqa: E731
+    _require(
+        key,
+        isinstance(rec, dict)
+        and rec.get("number") == number
+        and ids(rec.get("replicas"))
+        and is_seconds(rec.get("asked"))
+        and (rec.get("job") is None or short(rec.get("job")))
+        and rec.get("outcome", None) in (None, *OUTCOMES)
+        and (rec.get("ended") is None or is_seconds(rec.get("ended")))
+        and short(rec.get("why", ""))
+        and isinstance(rec.get("out_s", []), list)
+        and all(is_seconds(s) for s in rec.get("out_s", []))
+        and ids(rec.get("took", [])),
+        f"replacement request {number} needs number {number}, replicas, asked and valid optional fields",
+        rec,
+    )
+    assert isinstance(rec, dict)
+    return Request(
+        number,
+        tuple(rec["replicas"]),
+        rec["asked"],
+        rec.get("job"),
+        rec.get("outcome"),
+        rec.get("ended"),
+        rec.get("why", ""),
+        tuple(rec.get("out_s", [])),
+        tuple(rec.get("took", [])),
+    )
 
 
 def _loss(key: str, rec: object) -> Loss | None:

@@ -16,12 +16,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Union
 
 from titan_recover.control.protocol import (
+    CANCELLED,
+    FAILED,
+    JOINED,
+    LEFT,
     Admission,
     CoordinatorState,
     Fence,
     Loss,
     Progress,
     Report,
+    Request,
     Snapshots,
     StepRecord,
     TransferRecord,
@@ -36,7 +41,7 @@ from titan_recover.policy.membership import (
     repaired_failure,
     retry_verdict,
 )
-from titan_recover.policy.replacements import Bounds, Request
+from titan_recover.policy.replacements import Bounds
 from titan_recover.policy.resume import ResumePlan, resume_plan
 from titan_recover.policy.roster import DropSpare, Leave, Limits, Roster, joins, reported, take_out
 
@@ -188,14 +193,15 @@ class CoordinatorCore:
         self.stopping: tuple[int, str] | None = None  # the run stops in order: (its last step at most, why)
         self.given_up: set[int] = set()  # groups their launchers restart no more (until an incarnation asks again)
         self.replace_bounds = replace_bounds
-        self.refused = False  # the scheduler refused a request: no more are made
-        self.requests: list[Request] = []  # every replacement request of this run, in order (number i + 1 at i)
 
     def take_over(self, state: CoordinatorState, history: dict[int, Membership], epoch: int) -> None:
         """Continues from the state a previous leader saved and the epochs the store holds (those from
         ``state.kept_epoch``)."""
         self.state, self.history = state, {e: m for e, m in history.items() if state.kept_epoch <= e <= epoch}
         self.detector.set_members(self.membership.members)
+        for request in state.requests:  # its submission's answer went with the previous leader: its node may still
+            if request.outcome is None and request.job is None:  # join, and answers then (``on_answered``)
+                self._ended(request.number, FAILED, why="its leader ended before the scheduler answered")
 
     @property
     def membership(self) -> Membership:
@@ -766,31 +772,33 @@ class CoordinatorCore:
         or its stop in order begun)."""
         progress = self.state.progress
         ended = ended or self.stopping is not None or (progress is not None and progress.step >= self.rules.steps)
-        if self.replace_bounds is None or (ended and not any(r.outcome is None for r in self.requests)):
+        if self.replace_bounds is None or (ended and not any(r.outcome is None for r in self.state.requests)):
             return []
         now = self.wall()
         out = {} if ended else dict(self.state.down_since)
-        decision = replacements.decide(now, out, self.requests, ended, self.replace_bounds)
+        decision = replacements.decide(now, out, self.state.requests, ended, self.replace_bounds)
         effects: list[Effect] = []
         for number in decision.cancel:
             why = "the run ended" if ended else "every replica group it was for is back in the run"
             effects += self._cancel(number, why)
-        for ids in () if self.refused else decision.request:  # none once the scheduler refused one: it would again
+        asked = () if self.state.refused else decision.request  # none once the scheduler refused one: it would again
+        for ids in asked:
             out_s = tuple(round(now - out[r], 1) for r in ids)
-            self.requests.append(Request(len(self.requests) + 1, ids, now, out_s=out_s))
-            effects.append(Replace(len(self.requests), ids))
-        return effects
+            self.state.requests.append(Request(len(self.state.requests) + 1, ids, now, out_s=out_s))
+            effects.append(Replace(len(self.state.requests), ids))
+        # saved before anything is submitted or cancelled: a new leader knows every request this one made
+        return [Save(), *effects] if decision.cancel or asked else effects
 
     def _ended(self, number: int, outcome: str, **changes: Any) -> Request:
         """Request ``number`` as it was, now ended with ``outcome``."""
-        request = self.requests[number - 1]
-        self.requests[number - 1] = replace(request, outcome=outcome, ended=self.wall(), **changes)
+        request = self.state.requests[number - 1]
+        self.state.requests[number - 1] = replace(request, outcome=outcome, ended=self.wall(), **changes)
         return request
 
     def _cancel(self, number: int, why: str) -> list[Effect]:
         """Cancels an open request; one still being submitted is cancelled once its job is known (``on_submitted``)."""
-        request = self._ended(number, replacements.CANCELLED, why=why)
-        return [] if request.job is None else self._cancelled(self.requests[number - 1])
+        request = self._ended(number, CANCELLED, why=why)
+        return [] if request.job is None else self._cancelled(self.state.requests[number - 1])
 
     def _cancelled(self, request: Request) -> list[Effect]:
         assert request.job is not None
@@ -810,10 +818,11 @@ class CoordinatorCore:
 
     def on_submitted(self, number: int, job: str, command: str) -> list[Effect]:
         """The scheduler took request ``number`` as job ``job`` (submitted with ``command``)."""
-        request = self.requests[number - 1]
-        self.requests[number - 1] = replace(request, job=job)
+        request = self.state.requests[number - 1]
+        self.state.requests[number - 1] = replace(request, job=job)
         out_s = list(request.out_s)
         effects: list[Effect] = [
+            Save(),
             Emit(
                 "replacement_requested",
                 {"request": number, "job": job, "replicas": list(request.replicas), "out_s": out_s, "command": command},
@@ -823,16 +832,17 @@ class CoordinatorCore:
                 f"for a node that joins it for free replica ids (request {number}, job {job})"
             ),
         ]
-        if request.outcome == replacements.CANCELLED:  # cancelled while it was being submitted
-            effects += self._cancelled(self.requests[number - 1])
+        if request.outcome == CANCELLED:  # cancelled while it was being submitted
+            effects += self._cancelled(self.state.requests[number - 1])
         return effects
 
     def on_submit_failed(self, number: int, error: str, command: str) -> list[Effect]:
         """The scheduler refused request ``number`` (or cannot be reached from here): said once, with the command
         for a person to run, and no request follows in this run."""
-        request = self._ended(number, replacements.FAILED)
-        self.refused = True
+        request = self._ended(number, FAILED)
+        self.state.refused = True
         return [
+            Save(),
             _failed(request, error),
             Say(
                 f"could not ask the scheduler for a replacement of replica group(s) {id_list(request.replicas)} "
@@ -845,32 +855,35 @@ class CoordinatorCore:
         """The node of request ``number`` (its scheduler's job ``job``) took ``replicas``, as its launcher's record
         says: none when every id it could take was back already, and it left at once. A request whose submission
         failed may be answered too: a person ran its command."""
-        request = self.requests[number - 1]
-        if request.outcome in (replacements.JOINED, replacements.LEFT):
+        request = self.state.requests[number - 1]
+        if request.outcome in (JOINED, LEFT):
             return []
         job = request.job or job or None  # "": its node knew no job id (started outside the scheduler)
         fields = {"request": number, "job": job, "replicas": list(replicas)}
         what = f"replacement request {number}" + (f" (job {job})" if job else "")
         if replicas:
-            self._ended(number, replacements.JOINED, job=job, took=replicas)
+            self._ended(number, JOINED, job=job, took=replicas)
             return [
+                Save(),
                 Emit("replacement_joined", fields),
                 Say(f"{what} joined the run: replica group(s) {id_list(replicas)}"),
             ]
-        self._ended(number, replacements.LEFT, job=job)
+        self._ended(number, LEFT, job=job)
         return [
+            Save(),
             Emit("replacement_left", {**fields, "reason": "no free replica id: the groups it was for are back"}),
             Say(f"{what} found no free replica id and left at once"),
         ]
 
     def on_job_gone(self, number: int, state: str) -> list[Effect]:
         """The scheduler's job of open request ``number`` ended (``state``) without its launcher's record."""
-        request = self.requests[number - 1]
+        request = self.state.requests[number - 1]
         if request.outcome is not None:
             return []
-        self._ended(number, replacements.FAILED)
+        self._ended(number, FAILED)
         error = f"job {request.job} ended ({state}) without joining"
         return [
+            Save(),
             _failed(request, error),
             Say(f"replacement request {number}: {error}; its groups may be asked for again"),
         ]

@@ -42,6 +42,7 @@ from titan_recover.control.keys import (
 )
 from titan_recover.control.lifeline import PROBE_S
 from titan_recover.control.protocol import (
+    FAILED,
     CoordinatorState,
     Membership,
     MessageError,
@@ -551,7 +552,8 @@ class Coordinator:
             self._read_answers()
         if now >= self.next_list:
             self.next_list = now + LIST_S
-            self.scheduler.ask_states({r.number: r.job for r in self.core.requests if r.outcome is None and r.job})
+            open_ = {r.number: r.job for r in self.core.state.requests if r.outcome is None and r.job}
+            self.scheduler.ask_states(open_)
         self._apply(self.core.on_replacements())
 
     def _scheduled(self, results: list[slurm.Result]) -> None:
@@ -572,8 +574,8 @@ class Coordinator:
     def _read_answers(self) -> None:
         """The record of each replacement node that has not answered yet (one whose submission failed, too: a
         person may have run its command)."""
-        for request in self.core.requests:
-            if request.outcome is None or (request.outcome == replacements.FAILED and request.job is None):
+        for request in self.core.state.requests:
+            if request.outcome is None or (request.outcome == FAILED and request.job is None):
                 try:
                     answer = self.control.read(keys.replacement_key(request.number), Replacing)
                 except MessageError as e:

@@ -3,9 +3,10 @@
 ``scripts/slurm/train.sbatch`` hands the coordinator, through its environment, what a request needs: the
 batch script and the arguments that make a job join this run (the config, the run's layout), the job's own
 sbatch options (partition, account, GPUs, where the output goes) and the folder to submit from; the run's id,
-the file its secret is saved in (never the secret) and the coordinator's address come with them. A request is
-``sbatch --parsable --nodes=1 [--exclude=...] --export=ALL,JOIN_RUN=...,TITAN_RECOVER_RUN_ID=...,
-TITAN_RECOVER_SECRET_FILE=...,GROUPS_PER_NODE=...,TITAN_RECOVER_REPLACEMENT=<request> <options> <script>
+the file its secret is saved in (never the secret) and the coordinator's address (on etcd, the run's control
+store) come with them. A request is
+``env JOIN_RUN=... TITAN_RECOVER_RUN_ID=... TITAN_RECOVER_SECRET_FILE=... GROUPS_PER_NODE=...
+TITAN_RECOVER_REPLACEMENT=<request> sbatch --parsable --nodes=1 [--exclude=...] --export=ALL <options> <script>
 <arguments>``, from an environment without the secret or this job's own Slurm variables. Every command has a
 timeout, and each runs in the coordinator's worker thread, never in its pass.
 """
@@ -24,7 +25,7 @@ SCRIPT_ENV = "TITAN_RECOVER_REPLACE_SCRIPT"  # the batch script a replacement jo
 ARGS_ENV = "TITAN_RECOVER_REPLACE_ARGS"  # its arguments, shell words: the config, overrides, the run's layout
 OPTIONS_ENV = "TITAN_RECOVER_REPLACE_OPTIONS"  # the run's job's sbatch options, shell words
 DIR_ENV = "TITAN_RECOVER_REPLACE_DIR"  # the checkout to submit from (the job's SLURM_SUBMIT_DIR)
-JOIN_ENV = "TITAN_RECOVER_REPLACE_JOIN"  # host:port of this coordinator, as other nodes reach it
+JOIN_ENV = "TITAN_RECOVER_REPLACE_JOIN"  # host:port of this coordinator, as other nodes reach it (TCPStore only)
 GROUPS_ENV = "GROUPS_PER_NODE"  # replica groups per node: the free ids a replacement node asks for
 SUBMIT_S = 30.0  # sbatch's bound: slurmctld answers within its MessageTimeout (10 s by default)
 QUERY_S = 10.0  # squeue's, scontrol's and scancel's
@@ -45,7 +46,7 @@ class Submitter:
     args: tuple[str, ...]
     options: tuple[str, ...]
     folder: str
-    join: str
+    join: str  # what a replacement job joins (JOIN_RUN): the coordinator's host:port, or the run's etcd:// store
     run_id: str
     secret_file: str
     groups: int
@@ -56,11 +57,12 @@ class Submitter:
         """The submitter for ``[recover] replace`` in this environment, or None and why not ("" where it is off)."""
         if rc.replace == "off":
             return None, ""
-        missing = [k for k in (SCRIPT_ENV, DIR_ENV, JOIN_ENV, keys.RUN_ENV, keys.SECRET_FILE_ENV) if not env.get(k)]
-        if rc.control_store or rc.group_nodes > 1 or missing or "SLURM_JOB_ID" not in env:
+        needed = (SCRIPT_ENV, DIR_ENV, keys.RUN_ENV, keys.SECRET_FILE_ENV, *(() if rc.control_store else (JOIN_ENV,)))
+        missing = [k for k in needed if not env.get(k)]
+        if rc.group_nodes > 1 or missing or "SLURM_JOB_ID" not in env:
             return None, (
-                "no replacement is asked for: only a run started by scripts/slurm/train.sbatch on the coordinator's "
-                "TCPStore, one node per replica group, hands its coordinator the command to submit one"
+                "no replacement is asked for: only a run started by scripts/slurm/train.sbatch, one node per replica "
+                "group, hands its coordinator the command to submit one"
                 + (f" (unset here: {', '.join(missing)})" if missing else "")
             )
         groups = env.get(GROUPS_ENV, "1")
@@ -71,7 +73,7 @@ class Submitter:
             args=tuple(shlex.split(env.get(ARGS_ENV, ""))),
             options=tuple(shlex.split(env.get(OPTIONS_ENV, ""))),
             folder=env[DIR_ENV],
-            join=env[JOIN_ENV],
+            join=rc.control_store or env[JOIN_ENV],  # on etcd the run's members, as the launchers rewrote nodes://
             run_id=env[keys.RUN_ENV],
             secret_file=env[keys.SECRET_FILE_ENV],
             groups=int(groups),
@@ -79,7 +81,9 @@ class Submitter:
         ), ""
 
     def command(self, request: int, exclude: Sequence[str]) -> list[str]:
-        """The sbatch command of request ``request``, avoiding the nodes ``exclude``."""
+        """The sbatch command of request ``request``, avoiding the nodes ``exclude``. Its variables go through
+        ``env`` and ``--export=ALL``: sbatch's ``--export=NAME=VALUE,...`` splits a value at its commas, and an
+        ``etcd://`` store has them."""
         export = {
             "JOIN_RUN": self.join,
             keys.RUN_ENV: self.run_id,
@@ -88,11 +92,13 @@ class Submitter:
             keys.REPLACEMENT_ENV: str(request),
         }
         return [
+            "env",
+            *(f"{k}={v}" for k, v in export.items()),
             "sbatch",
             "--parsable",
             "--nodes=1",
             *([f"--exclude={','.join(exclude)}"] if exclude else []),
-            "--export=ALL," + ",".join(f"{k}={v}" for k, v in export.items()),
+            "--export=ALL",
             *self.options,
             self.script,
             *self.args,
@@ -143,12 +149,14 @@ class Submitter:
 
 
 def environment(env: Mapping[str, str]) -> dict[str, str]:
-    """A submission's environment: this one without the run's secret, this node's titan_recover variables and
-    this job's Slurm variables (the new job gets its own), which ``--export=ALL`` would hand over."""
+    """A submission's environment: this one without the run's secret, this node's titan_recover variables, the
+    run's control store (the new job joins by ``JOIN_RUN``) and this job's Slurm variables (the new job gets its
+    own), which ``--export=ALL`` would hand over."""
     return {
         k: v
         for k, v in env.items()
-        if k in KEPT or not (k.startswith(("SLURM_", "TITAN_RECOVER_")) or k in ("NODE_INDEX", "NODE_NAME"))
+        if k in KEPT
+        or not (k.startswith(("SLURM_", "TITAN_RECOVER_")) or k in ("NODE_INDEX", "NODE_NAME", "CONTROL_STORE"))
     }
 
 

@@ -16,25 +16,9 @@ ended, so a job that always fails is not resubmitted in a loop.
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from titan_recover.control.protocol import FAILED, JOINED, LEFT, Request
+
 TRIES = 3  # requests per replica id that ended without bringing a group, before it is asked for no more
-
-JOINED, LEFT, CANCELLED, FAILED = "joined", "left", "cancelled", "failed"  # what became of a request
-OUTCOMES = (JOINED, LEFT, CANCELLED, FAILED)
-
-
-@dataclass(frozen=True)
-class Request:
-    """One request of the run, open while ``outcome`` is None."""
-
-    number: int  # the run's own count: 1, 2, ...
-    replicas: tuple[int, ...]  # the ids it was made for (its node takes whichever are free)
-    asked: float  # when it was made (wall clock)
-    job: str | None = None  # the scheduler's id for it, once submitted
-    outcome: str | None = None  # one of OUTCOMES, once it ended
-    ended: float | None = None  # when that was known
-    why: str = ""  # why it was cancelled
-    out_s: tuple[float, ...] = ()  # how long each of ``replicas`` had been out when it was made
-    took: tuple[int, ...] = ()  # the ids its node took, once it joined
 
 
 @dataclass(frozen=True)

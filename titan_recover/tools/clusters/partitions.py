@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Protocol
 
 from titan_recover.control import keys
+from titan_recover.control.addresses import NODES_SCHEME
 from titan_recover.observability.events import NODE_ENV, event_files, of_kind
 from titan_recover.titan.jobs import job
 from titan_recover.tools.clusters.netns import Cluster, Node
@@ -172,30 +173,30 @@ def launcher_args(dump: Path, control: Node | LocalEtcd | str, plan: str, *extra
     ]
 
 
-def node_envs(cluster: Cluster, etcd: LocalEtcd | None = None) -> list[dict[str, str]]:
-    """Replica group i on node i of nodes 0 and 1; node 0 starts the run, the other dials node 0's
-    coordinator, or the ``etcd`` cluster, where each node logs to a file of its own: a line's node is
-    known (a coordinator leader cut off must log nothing once its lease ended)."""
+def node_envs(cluster: Cluster, store: str | None = None, nodes: int = 2) -> list[dict[str, str]]:
+    """Replica group i on node i of the first ``nodes``; node 0 starts the run, the others dial node 0's
+    coordinator, or the etcd ``store`` (an ``etcd://`` or ``nodes://`` URL), where each node logs to a file of its
+    own: a line's node is known (a coordinator leader cut off must log nothing once its lease ended)."""
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     env.update({keys.SECRET_ENV: "partition-test-secret", "PYTHONUNBUFFERED": "1"})
-    coordinator = f"{cluster.nodes[0].address}:{PORT}" if etcd is None else etcd.url
-    on_etcd = {} if etcd is None else {keys.RUN_ENV: RUN_ID}
+    coordinator = f"{cluster.nodes[0].address}:{PORT}" if store is None else store
+    on_etcd = {} if store is None else {keys.RUN_ENV: RUN_ID}
     return [
         {
             **env,
             **on_etcd,
             keys.REPLICAS_ENV: str(n.index),
             **({keys.COORDINATOR_ENV: coordinator} if n.index else {}),
-            **({NODE_ENV: node_name(n)} if etcd else {}),
+            **({NODE_ENV: node_name(n)} if store else {}),
         }
-        for n in cluster.nodes[:2]
+        for n in cluster.nodes[:nodes]
     ]
 
 
 @contextlib.contextmanager
 def two_nodes(cluster: Cluster, dump: Path, args: list[str], etcd: LocalEtcd | None = None) -> Iterator[list[Launcher]]:
     """Node 0's and node 1's launchers; one still running at the end is left to the cluster's teardown."""
-    env0, env1 = node_envs(cluster, etcd)
+    env0, env1 = node_envs(cluster, None if etcd is None else etcd.url)
     yield [Launcher(cluster, cluster.nodes[0], dump, args, env0), Launcher(cluster, cluster.nodes[1], dump, args, env1)]
 
 
@@ -395,7 +396,24 @@ def etcd_member_cut_off(cluster: Cluster, dump: Path, *layout: str) -> Outcome:
 
 def nodes_url(cluster: Cluster) -> str:
     """The control store the launchers of the first ``ETCD_NODES`` nodes form themselves (``launch.members``)."""
-    return "nodes://" + ",".join(n.address for n in cluster.nodes[:ETCD_NODES])
+    return NODES_SCHEME + ",".join(n.address for n in cluster.nodes[:ETCD_NODES])
+
+
+def three_nodes(cluster: Cluster, dump: Path, store: str | None, *layout: str) -> list[Launcher]:
+    """Launchers on the first ``ETCD_NODES`` nodes, replica group i on node i, on node 0's TCPStore (``store`` None)
+    or on the control store ``store`` (``nodes_url``: the members they form themselves)."""
+    args = launcher_args(dump, cluster.nodes[0] if store is None else store, "none", *layout)
+    (dump.parent / "tmp").mkdir(parents=True, exist_ok=True)  # the members' data: this scenario's own
+    envs = node_envs(cluster, store, ETCD_NODES)
+    return [
+        Launcher(cluster, n, dump, args, {**env, "TMPDIR": str(dump.parent / "tmp")})
+        for n, env in zip(cluster.nodes, envs)
+    ]
+
+
+def failure_free_on_three(cluster: Cluster, dump: Path, store: str | None, *layout: str) -> Outcome:
+    """``three_nodes``' run, no fault: what a step costs on that control store."""
+    return finish(dump, three_nodes(cluster, dump, store, *layout), {})
 
 
 def self_formed_node0_killed(cluster: Cluster, dump: Path, *layout: str) -> Outcome:
@@ -404,29 +422,7 @@ def self_formed_node0_killed(cluster: Cluster, dump: Path, *layout: str) -> Outc
     (its launcher, its group, its etcd member and the candidate that leads, if it does) is SIGKILLed, and it is
     not started again: nodes 1 and 2 go on with two groups of three. Timings: the kill to the first step
     committed after it (``first_step_s``) and to the next leader's event, if node 0's led (``new_leader_s``)."""
-    url = nodes_url(cluster)
-    args = launcher_args(dump, url, "none", *layout)
-    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
-    (dump.parent / "tmp").mkdir(parents=True, exist_ok=True)  # the members' data: this scenario's own
-    env.update(
-        {keys.SECRET_ENV: "partition-test-secret", "PYTHONUNBUFFERED": "1", keys.RUN_ENV: RUN_ID},
-        TMPDIR=str(dump.parent / "tmp"),
-    )
-    launchers = [
-        Launcher(
-            cluster,
-            n,
-            dump,
-            args,
-            {
-                **env,
-                keys.REPLICAS_ENV: str(n.index),
-                NODE_ENV: node_name(n),
-                **({keys.COORDINATOR_ENV: url} if n.index else {}),
-            },
-        )
-        for n in cluster.nodes[:ETCD_NODES]
-    ]
+    launchers = three_nodes(cluster, dump, nodes_url(cluster), *layout)
     wait_until("step 3", lambda: 3 in steps(dump), 300, launchers)
     before = leaders(dump)
     led = node_of(cluster, before[-1]["pid"]).index == 0 if before else False

@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from titan_recover.tools.clusters import netns
-from titan_recover.tools.etcd_local import LocalEtcd
 
 log = logging.getLogger(__name__)
 
@@ -272,23 +271,6 @@ class SlurmCluster:
     def down(self, index: int) -> bool:
         """Whether Slurm has marked node ``index`` down (``down``, or ``down*``: down and not responding)."""
         return self.states().get(self.names[index], "").startswith("down")
-
-    @contextlib.contextmanager
-    def etcd(self, root: Path) -> Iterator[LocalEtcd]:
-        """An etcd cluster of three members (``CONTROL_STORE``) on the controller's host, as on a cluster whose
-        etcd runs on its service nodes: no compute node's loss takes a member. Data under ``root``; stopped
-        when the block ends."""
-        etcd = LocalEtcd(
-            3,
-            root=str(root),
-            hosts=[self.controller.address] * 3,
-            spawn=lambda i, argv, **popen: self.net.spawn(self.controller, argv, **popen),
-        )
-        root.mkdir(parents=True, exist_ok=True)
-        try:
-            yield etcd.start()
-        finally:
-            etcd.stop()
 
     def processes(self, index: int) -> list[str]:
         """The names of node ``index``'s processes (``slurmd``, a job's ``slurmstepd``, ``python3``, ...)."""

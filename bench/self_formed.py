@@ -1,0 +1,104 @@
+"""The etcd a run forms on its own nodes (``control_store = "nodes://..."``, issue 68): what a step costs on it
+against node 0's TCPStore, measured side by side, and what node 0's loss costs on it.
+
+Three network-namespace nodes (``titan_recover.tools.clusters.netns``), replica group i (one rank, the tiny
+llama3, fp32, M = 6: ``--training.global_batch_size 12``) on node i, ``--steps`` steps. Pairs of failure-free
+runs, alternated: every process on node 0's TCPStore (the coordinator bound to its address), then on an etcd
+whose three members the launchers start themselves (one per node, a coordinator candidate beside each). The
+mean step time of each run (steps after the first two, which include the process groups' first rendezvous),
+and the ratio of the medians. Then node 0 SIGKILLed whole after step 3 on the self-formed etcd
+(``partitions.self_formed_node0_killed``, as ``tests/test_partitions_etcd.py`` runs it): seconds from the kill
+to the first step committed after it, and to the next leader's event where node 0's candidate led.
+
+    .venv/bin/python -m bench.self_formed [--pairs 2] [--steps 20]    # root, iproute2, nftables, etcd on PATH
+
+Writes bench/results/self_formed.json.
+"""
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.common import step_gaps, write_result
+from titan_recover.control import etcd_process
+from titan_recover.observability import logs
+from titan_recover.tools.clusters import netns
+from titan_recover.tools.clusters.netns import Cluster
+from titan_recover.tools.clusters.partitions import (
+    ETCD_NODES,
+    Outcome,
+    failure_free_on_three,
+    nodes_url,
+    self_formed_node0_killed,
+)
+
+log = logging.getLogger(__name__)
+LAYOUT = ("--parallelism.data_parallel_replicate_degree", "3", "--parallelism.data_parallel_shard_degree", "1")
+WARMUP_STEPS = 2  # the first steps include the process groups' first rendezvous
+
+
+def mean_step_s(outcome: Outcome) -> float:
+    gaps = step_gaps(sorted(outcome.of("step"), key=lambda e: e["step"]))
+    return statistics.mean(s for step, s in gaps.items() if step > WARMUP_STEPS + 1)
+
+
+def checked(outcome: Outcome, steps: int, what: str) -> Outcome:
+    """``outcome``, or RuntimeError where its run did not end well: a failed run's step times measure nothing."""
+    logged = sorted(e["step"] for e in outcome.of("step"))
+    if logged != list(range(1, steps + 1)) or any(outcome.exits):
+        raise RuntimeError(f"{what}: steps {logged}, exits {outcome.exits}:\n{outcome.outputs[0][-3000:]}")
+    return outcome
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=2, help="alternated TCPStore / self-formed etcd runs")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args(argv)
+    logs.setup("bench")
+    reason = netns.unavailable() or etcd_process.unavailable()
+    if reason:
+        print(f"bench.self_formed cannot run here: {reason}", file=sys.stderr)
+        return 2
+    layout = (*LAYOUT, "--training.global_batch_size", "12", "--training.steps", str(args.steps))
+    step_s: dict[str, list[float]] = {"tcpstore": [], "self_formed_etcd": []}
+    with tempfile.TemporaryDirectory(prefix="self-formed-") as work:
+        for pair in range(args.pairs):
+            for name in step_s:
+                dump = Path(work) / f"{name}-{pair}" / "dump"
+                dump.parent.mkdir()
+                with Cluster(ETCD_NODES) as cluster:
+                    store = None if name == "tcpstore" else nodes_url(cluster)
+                    outcome = checked(failure_free_on_three(cluster, dump, store, *layout), args.steps, name)
+                step_s[name].append(round(mean_step_s(outcome), 4))
+                log.info(f"pair {pair + 1}: {name}: {step_s[name][-1]:.3f} s per step")
+        dump = Path(work) / "node0-killed" / "dump"
+        dump.parent.mkdir()
+        with Cluster(ETCD_NODES) as cluster:
+            killed = self_formed_node0_killed(cluster, dump, *layout)
+    if killed.exits != [0, 0]:
+        raise RuntimeError(f"node 0 killed: the other nodes exited {killed.exits}:\n{killed.outputs[0][-3000:]}")
+    ratio = statistics.median(step_s["self_formed_etcd"]) / statistics.median(step_s["tcpstore"])
+    result = {
+        "issue": 68,
+        "setup": (
+            f"3 network-namespace nodes on one {len(os.sched_getaffinity(0))}-core machine, replica "
+            f"group i (llama3 tiny, one rank, fp32) on node i, M = 6, {args.steps} steps; the etcd members "
+            f"(etcd {etcd_process.release()}) started by the launchers, one per node"
+        ),
+        "command": f"python -m bench.self_formed --pairs {args.pairs} --steps {args.steps}",
+        "step_s": step_s,
+        "self_formed_over_tcpstore_step_ratio": round(ratio, 3),
+        "node0_killed": {k: round(v, 2) for k, v in killed.timings.items()},
+    }
+    path = write_result("self_formed", result)
+    log.info(f"step time, self-formed etcd / TCPStore: {ratio:.3f}; node 0 killed: {result['node0_killed']}; {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
