@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pairs", type=int, default=2, help="alternated TCPStore / self-formed etcd runs")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
-    logs.setup("bench")
+    logs.setup("bench", "__main__")
     reason = netns.unavailable() or etcd_process.unavailable()
     if reason:
         print(f"bench.self_formed cannot run here: {reason}", file=sys.stderr)

@@ -144,6 +144,8 @@ fi
 env_args=("${coordinator[@]}" "CONFIG_FILE=$CONFIG_FILE" "TITAN_RECOVER_REPLICAS=$replicas"
           "TITAN_RECOVER_GROUP_NODE=$((NODE_INDEX % GROUP_NODES))")
 if [ -n "$RUN_ID" ]; then env_args+=("TITAN_RECOVER_RUN_ID=$RUN_ID"); fi
+# on etcd the environment needs the etcd extra's client (a no-op where the batch script's bootstrap made it already)
+if [ -n "$CONTROL_STORE" ] || [[ $JOIN_RUN == etcd://* ]]; then env_args+=("EXTRAS=${EXTRAS:+$EXTRAS,}etcd"); fi
 # the node's failure domain (docs/host-memory.md#failure-domains): under Slurm's topology/tree plugin
 # SLURM_TOPOLOGY_ADDR is the switch path down to the node (top.leaf.node): the path to its leaf switch
 if [ -z "${TITAN_RECOVER_FAILURE_DOMAIN:-}" ] && [[ ${SLURM_TOPOLOGY_ADDR:-} == ?*.?* ]]; then

@@ -706,7 +706,7 @@ def test_with_an_etcd_control_store_every_node_names_it_and_none_binds_a_coordin
             and "coordinator_bind" not in line
             and "coordinator_port" not in line
         )
-        assert "TITAN_RECOVER_RUN_ID=job-7" in line
+        assert "TITAN_RECOVER_RUN_ID=job-7" in line and "EXTRAS=etcd " in line  # the bootstrap adds its client
     assert "-u TITAN_RECOVER_COORDINATOR" in lines[0] and f"TITAN_RECOVER_COORDINATOR={url}" in lines[1]
     unnamed = sh(
         NODE_SH,

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import SINGLES, THREE, Run, assert_same_trajectory, needs_etcd
+from conftest import SINGLES, THREE, Run, assert_all_rejoined, assert_same_trajectory, needs_etcd
 from test_netns import needs_netns
 from test_partitions import rejoined
 
@@ -91,3 +91,24 @@ def test_on_an_etcd_the_nodes_form_themselves_node_0_killed_whole_is_a_group_fai
     assert not run.of("requeued") and "etcd member m1 of nodes://" in outcome.outputs[0]
     # the summary, once, by the node whose candidate led last (the first node, which began the run, is gone)
     assert sum(out.count("titan_recover summary") for out in outcome.outputs) == 1, outcome.outputs
+
+
+@needs_netns
+@needs_etcd
+def test_on_an_etcd_the_nodes_form_themselves_a_member_node_cut_off_and_back_is_fenced_and_rejoins(
+    tmp_path: Path, three: Cluster, three_replicas: Run
+) -> None:
+    """``control_store = "nodes://<the 3 nodes>"``: node 2 (its etcd member, its coordinator candidate and replica
+    group 2) cut off for 8 s after step 2, then back. The two other members keep quorum, so the run goes on:
+    replica 2 is fenced on its silent heartbeat, and once its node is back (its member catching up from the
+    others) its launcher restarts it and it rejoins; every node ends with exit 0, every step once, M = 6 every
+    step, on the failure-free data and losses, all three groups equal at the end."""
+    outcome = partitions.self_formed_member_cut_off(three, tmp_path / "dump", *THREE)
+    print(outcome.timings)
+    assert outcome.exits == [0, 0, 0], [out[-3000:] for out in outcome.outputs]
+    run = Run(0, outcome.outputs[0], outcome.events)
+    assert_same_trajectory(three_replicas, run, 1e-3, num_microbatches=6)
+    [failure] = run.of("failure")
+    [back] = run.of("rejoined")
+    assert (failure["replica"], back["replica"]) == (2, 2), (failure, back)
+    assert_all_rejoined(run, 3, 6)

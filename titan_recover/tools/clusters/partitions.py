@@ -399,10 +399,10 @@ def nodes_url(cluster: Cluster) -> str:
     return NODES_SCHEME + ",".join(n.address for n in cluster.nodes[:ETCD_NODES])
 
 
-def three_nodes(cluster: Cluster, dump: Path, store: str | None, *layout: str) -> list[Launcher]:
+def three_nodes(cluster: Cluster, dump: Path, store: str | None, *layout: str, plan: str = "none") -> list[Launcher]:
     """Launchers on the first ``ETCD_NODES`` nodes, replica group i on node i, on node 0's TCPStore (``store`` None)
-    or on the control store ``store`` (``nodes_url``: the members they form themselves)."""
-    args = launcher_args(dump, cluster.nodes[0] if store is None else store, "none", *layout)
+    or on the control store ``store`` (``nodes_url``: the members they form themselves), fault plan ``plan``."""
+    args = launcher_args(dump, cluster.nodes[0] if store is None else store, plan, *layout)
     (dump.parent / "tmp").mkdir(parents=True, exist_ok=True)  # the members' data: this scenario's own
     envs = node_envs(cluster, store, ETCD_NODES)
     return [
@@ -414,6 +414,18 @@ def three_nodes(cluster: Cluster, dump: Path, store: str | None, *layout: str) -
 def failure_free_on_three(cluster: Cluster, dump: Path, store: str | None, *layout: str) -> Outcome:
     """``three_nodes``' run, no fault: what a step costs on that control store."""
     return finish(dump, three_nodes(cluster, dump, store, *layout), {})
+
+
+def self_formed_member_cut_off(cluster: Cluster, dump: Path, *layout: str) -> Outcome:
+    """On the etcd the three nodes form themselves: node 2 (its member, its coordinator candidate and replica group
+    2) unplugged for 8 s after step 2, then plugged back. The other two members keep quorum, replica 2 is fenced
+    on its silent heartbeat and rejoins once its node is back (its member catching up), replicas 0 and 1 holding
+    step 5 until it does."""
+    plan = f"sleep replica=2 step=3 phase=forward seconds=3; {hold(0)}; {hold(1)}"
+    timeout = ("--recover.collective_timeout_s", "60")  # the cut is seen by the heartbeat, as in ``cut_off``
+    launchers = three_nodes(cluster, dump, nodes_url(cluster), *timeout, *layout, plan=plan)
+    timings = fenced_and_back(dump, launchers, cluster.unplugged(cluster.nodes[2]), CUT_S, "reconnect")
+    return finish(dump, launchers, timings)
 
 
 def self_formed_node0_killed(cluster: Cluster, dump: Path, *layout: str) -> Outcome:
