@@ -8,7 +8,8 @@ whose three members the launchers start themselves (one per node, a coordinator 
 mean step time of each run (steps after the first two, which include the process groups' first rendezvous),
 and the ratio of the medians. Then node 0 SIGKILLed whole after step 3 on the self-formed etcd
 (``partitions.self_formed_node0_killed``, as ``tests/test_partitions_etcd.py`` runs it): seconds from the kill
-to the first step committed after it, and to the next leader's event where node 0's candidate led.
+to the first step committed after it, and to the next leader's event where node 0's candidate led. Beside the
+self-formed runs, the largest etcd member's peak resident memory (sampled every 0.5 s).
 
     .venv/bin/python -m bench.self_formed [--pairs 2] [--steps 20]    # root, iproute2, nftables, etcd on PATH
 
@@ -21,6 +22,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from bench.common import step_gaps, write_result
@@ -46,6 +48,49 @@ def mean_step_s(outcome: Outcome) -> float:
     return statistics.mean(s for step, s in gaps.items() if step > WARMUP_STEPS + 1)
 
 
+class MemberMemory:
+    """The etcd members' resident memory while a run goes on, sampled every ``SAMPLE_S`` from ``/proc`` (the bench's
+    own members: nothing else on the machine runs etcd meanwhile): the largest member's peak, and the members'
+    peak together."""
+
+    SAMPLE_S = 0.5
+
+    def __init__(self) -> None:
+        self.peak_mb, self.peak_total_mb = 0.0, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> "MemberMemory":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.SAMPLE_S):
+            sizes = [rss_mb(pid) for pid in Path("/proc").iterdir() if pid.name.isdigit() and comm(pid) == "etcd"]
+            self.peak_mb = max([self.peak_mb, *sizes])
+            self.peak_total_mb = max(self.peak_total_mb, sum(sizes))
+
+
+def comm(proc: Path) -> str:
+    try:
+        return (proc / "comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def rss_mb(proc: Path) -> float:
+    try:
+        status = (proc / "status").read_text()
+    except OSError:
+        return 0.0
+    kb = [line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")]
+    return int(kb[0]) / 1024 if kb else 0.0
+
+
 def checked(outcome: Outcome, steps: int, what: str) -> Outcome:
     """``outcome``, or RuntimeError where its run did not end well: a failed run's step times measure nothing."""
     logged = sorted(e["step"] for e in outcome.of("step"))
@@ -66,14 +111,17 @@ def main(argv: list[str]) -> int:
         return 2
     layout = (*LAYOUT, "--training.global_batch_size", "12", "--training.steps", str(args.steps))
     step_s: dict[str, list[float]] = {"tcpstore": [], "self_formed_etcd": []}
+    member_mb: list[float] = []  # each self-formed run's largest member's peak RSS
     with tempfile.TemporaryDirectory(prefix="self-formed-") as work:
         for pair in range(args.pairs):
             for name in step_s:
                 dump = Path(work) / f"{name}-{pair}" / "dump"
                 dump.parent.mkdir()
-                with Cluster(ETCD_NODES) as cluster:
+                with Cluster(ETCD_NODES) as cluster, MemberMemory() as memory:
                     store = None if name == "tcpstore" else nodes_url(cluster)
                     outcome = checked(failure_free_on_three(cluster, dump, store, *layout), args.steps, name)
+                if store is not None:
+                    member_mb.append(round(memory.peak_mb, 1))
                 step_s[name].append(round(mean_step_s(outcome), 4))
                 log.info(f"pair {pair + 1}: {name}: {step_s[name][-1]:.3f} s per step")
         dump = Path(work) / "node0-killed" / "dump"
@@ -93,6 +141,7 @@ def main(argv: list[str]) -> int:
         "command": f"python -m bench.self_formed --pairs {args.pairs} --steps {args.steps}",
         "step_s": step_s,
         "self_formed_over_tcpstore_step_ratio": round(ratio, 3),
+        "member_peak_rss_mb": member_mb,
         "node0_killed": {k: round(v, 2) for k, v in killed.timings.items()},
     }
     path = write_result("self_formed", result)
