@@ -66,3 +66,14 @@ def test_a_host_runs_the_member_whose_address_is_its_own_or_none() -> None:
 def test_a_nodes_store_without_the_runs_id_is_refused_before_any_member_starts() -> None:
     with pytest.raises(config.ConfigError, match=keys.RUN_ENV):
         members.form("nodes://n0,n1,n2", {}, "/nonexistent", 1.0)
+
+
+def test_a_members_data_is_kept_for_the_same_run_on_the_same_members_and_not_shared_with_other_members() -> None:
+    """A relaunch (or a job requeued onto the same nodes) finds its member's data; a job requeued onto other nodes
+    starts a cluster of its own, whose members' data would otherwise name peers that are not there."""
+    same = Members.of("nodes://10.0.0.1,10.0.0.2,10.0.0.3")
+    moved = Members.of("nodes://10.0.0.1,10.0.0.2,10.0.0.4")
+    assert members.data_dir("7", same, 1) == members.data_dir("7", Members.of("nodes://10.0.0.1,10.0.0.2,10.0.0.3"), 1)
+    assert members.data_dir("7", same, 1) != members.data_dir("7", moved, 1)
+    assert members.data_dir("7", same, 1) != members.data_dir("8", same, 1)
+    assert members.data_dir("7", same, 1).endswith(f"/7/{same.digest}/m1") and len(same.digest) == 8

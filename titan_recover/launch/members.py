@@ -7,12 +7,15 @@ any node. Every process then uses the cluster as ``etcd://h1:2379,h2:2379,h3:237
 user runs (``launch.stores.Etcd``): the launcher rewrites ``recover.control_store`` before anything starts.
 
 A member lives as long as its launcher (``die_with_parent``), its data in this host's temporary folder under
-the run's id: the same node started again with the same id (a relaunched launcher) restarts its member from
-that data and it catches up with the others. The etcd binaries come from ``PATH``, as for ``tools.etcd_local``:
-Debian's 3.4.23, or 3.5.4 and later (3.5.0-3.5.3 carry etcd-io/etcd#13766, data lost by a member SIGKILLed
-with its node, which is what a node loss does to a member here).
+the run's id and its set of members: the same node started again with the same id and members (a relaunched
+launcher, a job requeued onto the same nodes) restarts its member from that data and it catches up with the
+others; other members (a job requeued elsewhere) form a cluster of their own. The etcd binaries come from
+``PATH``, as for ``tools.etcd_local``: Debian's 3.4.23, or 3.5.4 and later (3.5.0-3.5.3 carry
+etcd-io/etcd#13766, data lost by a member SIGKILLed with its node, which is what a node loss does to a member
+here).
 """
 
+import hashlib
 import logging
 import os
 import socket
@@ -74,14 +77,21 @@ class Members:
     def cluster(self) -> str:
         return ",".join(f"m{i}={self.peer(i)}" for i in range(len(self.hosts)))
 
+    @property
+    def digest(self) -> str:
+        """A short name of this set of members: a member's data and token are those of its set's cluster."""
+        return hashlib.sha256(self.cluster.encode()).hexdigest()[:8]
+
     def here(self, local: Callable[[str], bool] = bindable) -> int | None:
         """Which member this host runs (its address among the list), or None."""
         return next((i for i, ip in enumerate(self.ips) if local(ip)), None)
 
 
-def data_dir(run_id: str, member: int) -> str:
-    """Member ``member``'s data on this host: kept across the launcher's restarts for the same run id."""
-    return os.path.join(tempfile.gettempdir(), "titan_recover-etcd", run_id, f"m{member}")
+def data_dir(run_id: str, members: Members, member: int) -> str:
+    """Member ``member``'s data on this host: kept across the launcher's restarts for the same run id and the same
+    members. A run requeued onto other nodes forms a new cluster: a member's data names its old peers, and would
+    never reach a quorum of the new ones."""
+    return os.path.join(tempfile.gettempdir(), "titan_recover-etcd", run_id, members.digest, f"m{member}")
 
 
 def form(url: str, environ: Mapping[str, str], dump: str, timeout_s: float) -> tuple[str, subprocess.Popen | None]:
@@ -103,11 +113,16 @@ def form(url: str, environ: Mapping[str, str], dump: str, timeout_s: float) -> t
         if (why := unavailable()) is not None:
             raise config.ConfigError(f"recover.control_store = {url!r} runs an etcd member on this node: {why}")
         os.makedirs(dump, exist_ok=True)
-        folder = data_dir(run_id, mine)
+        folder = data_dir(run_id, members, mine)
         kept = os.path.isdir(folder)
         with open(os.path.join(dump, f"etcd.m{mine}.log"), "ab") as out:
             argv = member_command(
-                f"m{mine}", members.client(mine), members.peer(mine), folder, members.cluster, f"titan_recover-{run_id}"
+                f"m{mine}",
+                members.client(mine),
+                members.peer(mine),
+                folder,
+                members.cluster,
+                f"titan_recover-{run_id}-{members.digest}",
             )
             proc = subprocess.Popen(argv, stdout=out, stderr=out, preexec_fn=die_with_parent)
         log.info(
