@@ -89,6 +89,8 @@ def test_on_an_etcd_the_nodes_form_themselves_node_0_killed_whole_is_a_group_fai
     assert failure["replica"] == 0, failure
     assert all(e["members"] == [1, 2] for e in run.of("step") if e["step"] > 4), run.of("step")
     assert not run.of("requeued") and "etcd member m1 of nodes://" in outcome.outputs[0]
+    # the run finished on nodes 1 and 2: their members' data went with them; node 0's, killed, stays
+    assert [p.name for p in (tmp_path / "tmp" / "titan_recover-etcd").glob("*/*/m*")] == ["m0"]
     # the summary, once, by the node whose candidate led last (the first node, which began the run, is gone)
     assert sum(out.count("titan_recover summary") for out in outcome.outputs) == 1, outcome.outputs
 

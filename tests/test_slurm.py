@@ -70,6 +70,8 @@ def submit(
     options, then the job's), logging to ``out``.out, its run's secret saved in ``out``.secret unless ``env`` names
     another file, and dumping to ``dump`` (default: ``out``); its job id."""
     config, path, *args = job(dump or out, tiny=True)
+    tmp = Path(f"{out}.tmp")  # the job's temporary folder (etcd members' data): this test's own
+    tmp.mkdir(exist_ok=True)
     assert config == "--job.config_file"
     options = [a for a in extra if a.startswith("--nodes") or a.startswith("--nodelist")]
     overrides = [a for a in extra if a not in options]
@@ -86,7 +88,7 @@ def submit(
             plan,
             *overrides,
         ],
-        env={keys.SECRET_FILE_ENV: f"{out}.secret", **(env or {})},
+        env={keys.SECRET_FILE_ENV: f"{out}.secret", "TMPDIR": str(tmp), **(env or {})},
         cwd=ROOT,
     )
 

@@ -930,4 +930,6 @@ def main(argv: list[str]) -> int:
     log.info(f"{outcome} in {time.time() - start:.1f}s; events: {path}")
     if member is not None:  # the leader's final writes need the members' quorum
         members.linger(member, job_config.recover.control_store, keys.leader_key(Run.from_env(os.environ).prefix))
+        if code == EXIT_OK:
+            members.retire(member)
     return code

@@ -15,9 +15,11 @@ etcd-io/etcd#13766, data lost by a member SIGKILLed with its node, which is what
 here).
 """
 
+import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from titan_recover import config
 from titan_recover.control import keys, transport
 from titan_recover.control.addresses import ETCD_SCHEME, parse_nodes_url, resolve
-from titan_recover.control.etcd_process import member_command, release, unavailable
+from titan_recover.control.etcd_process import CTL_TIMEOUT_S, member_command, release, unavailable
 from titan_recover.node.procs import die_with_parent
 
 SERVE_POLL_S = 0.5  # how often a launcher asks whether the members serve yet
@@ -94,7 +96,15 @@ def data_dir(run_id: str, members: Members, member: int) -> str:
     return os.path.join(tempfile.gettempdir(), "titan_recover-etcd", run_id, members.digest, f"m{member}")
 
 
-def form(url: str, environ: Mapping[str, str], dump: str, timeout_s: float) -> tuple[str, subprocess.Popen | None]:
+@dataclass(frozen=True)
+class Member:
+    """This host's etcd member: its process and its data folder."""
+
+    proc: subprocess.Popen
+    folder: str
+
+
+def form(url: str, environ: Mapping[str, str], dump: str, timeout_s: float) -> tuple[str, Member | None]:
     """Starts this host's member of ``nodes://`` ``url`` (if it names this host) and waits, at most ``timeout_s``
     (``startup_timeout_s``), until the members serve: the ``etcd://`` URL of the cluster and the member's
     process (None on a host without one). ``config.ConfigError`` naming the problem."""
@@ -131,7 +141,7 @@ def form(url: str, environ: Mapping[str, str], dump: str, timeout_s: float) -> t
             + ")"
         )
     wait_serving(members.etcd_url, proc, timeout_s)
-    return members.etcd_url, proc
+    return members.etcd_url, None if proc is None else Member(proc, folder)
 
 
 def wait_serving(url: str, member: subprocess.Popen | None, timeout_s: float) -> None:
@@ -160,11 +170,11 @@ def wait_serving(url: str, member: subprocess.Popen | None, timeout_s: float) ->
         time.sleep(SERVE_POLL_S)
 
 
-def linger(member: subprocess.Popen, url: str, leader_key: str, bound_s: float = LINGER_S) -> None:
+def linger(member: Member, url: str, leader_key: str, bound_s: float = LINGER_S) -> None:
     """At its launcher's end, this node's member serves on while the run's leader holds its lease (at most
     ``bound_s``): the leader resigns last, after its final writes, and the members of the launchers that end
     first must not take its quorum away. Returns at once where the cluster does not answer."""
-    if member.poll() is not None:
+    if member.proc.poll() is not None:
         return
     deadline = time.monotonic() + bound_s
     try:
@@ -173,3 +183,20 @@ def linger(member: subprocess.Popen, url: str, leader_key: str, bound_s: float =
             time.sleep(SERVE_POLL_S)
     except Exception as e:  # no quorum (the other members' launchers ended first), or no answer: nothing to serve
         log.debug(f"this node's etcd member stops with its launcher ({type(e).__name__}: {e})")
+
+
+def retire(member: Member) -> None:
+    """At the end of a run that finished, this node's member stops and its data goes (a few tens of MB, its write-
+    ahead log preallocated): nothing reads a finished run's keys, and the same command again starts a new run, as
+    on a TCPStore. A run that stopped in order or failed keeps it for the same command to go on from."""
+    member.proc.terminate()
+    try:
+        member.proc.wait(timeout=CTL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        member.proc.kill()
+        member.proc.wait()
+    shutil.rmtree(member.folder, ignore_errors=True)
+    members = os.path.dirname(member.folder)
+    for folder in (members, os.path.dirname(members)):  # the members' and the run's folders, where empty now
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
