@@ -31,7 +31,7 @@ from titan_recover import config
 from titan_recover.control import keys, transport
 from titan_recover.control.addresses import ETCD_SCHEME, parse_nodes_url, resolve
 from titan_recover.control.etcd_process import CTL_TIMEOUT_S, member_command, release, unavailable
-from titan_recover.node.procs import die_with_parent
+from titan_recover.node.procs import die_with_parent, stop_within
 
 SERVE_POLL_S = 0.5  # how often a launcher asks whether the members serve yet
 SAY_EVERY_S = 10.0  # how often it says it still waits
@@ -190,11 +190,7 @@ def retire(member: Member) -> None:
     ahead log preallocated): nothing reads a finished run's keys, and the same command again starts a new run, as
     on a TCPStore. A run that stopped in order or failed keeps it for the same command to go on from."""
     member.proc.terminate()
-    try:
-        member.proc.wait(timeout=CTL_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        member.proc.kill()
-        member.proc.wait()
+    stop_within(member.proc, CTL_TIMEOUT_S)
     shutil.rmtree(member.folder, ignore_errors=True)
     members = os.path.dirname(member.folder)
     for folder in (members, os.path.dirname(members)):  # the members' and the run's folders, where empty now
