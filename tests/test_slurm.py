@@ -35,7 +35,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm_local.Sl
 
 def ready(cluster: slurm_local.SlurmCluster, nodes: int) -> slurm_local.SlurmCluster:
     """The file's cluster with its first ``nodes`` nodes idle and the others drained (a two-node test's jobs, and
-    the run's own requests, land where they always did): a node an earlier test failed is repaired first."""
+    the run's own requests, land where they always did): a node an earlier test failed is repaired first, and the
+    jobs a failed test left running are cancelled (they would hold the nodes)."""
+    left = cluster.queued()
+    if left:
+        cluster.client(["scancel", *left], check=False)
+        cluster.wait(lambda: not cluster.queued(), 120, f"jobs {' '.join(left)}, left by an earlier test, ended")
     for index in range(len(cluster.names)):
         if cluster.down(index):
             cluster.start_node(index)
@@ -101,17 +106,15 @@ def finished(slurm: slurm_local.SlurmCluster, job_id: str, dump: Path) -> tuple[
 
 
 def told(slurm: slurm_local.SlurmCluster, dump: Path) -> str:
-    """What a timeout prints: the job's output, node 1's events and its slurmd log (node 1's lines are lost with
-    srun, where node 0 ran it and is gone), the end of slurmctld's log."""
-    node1 = dump / "recover_events.node1.jsonl"
-    said = node1.read_text()[-3000:] if node1.exists() else "(no event file)"
-    slurmd = (slurm.folder / "slurmd.node1.log").read_text()[-3000:]
-    output = Path(f"{dump}.out").read_text()[-4000:]
-    slurmctld = (slurm.folder / "slurmctld.log").read_text()[-2000:]
-    return (
-        f"--- the job's output ---\n{output}\n--- node 1's events ---\n{said}\n--- node 1's slurmd ---\n{slurmd}\n"
-        f"--- slurmctld ---\n{slurmctld}"
-    )
+    """What a timeout prints: the job's output, every other node's events and slurmd log (their lines are lost
+    with srun, where node 0 ran it and is gone), the end of slurmctld's log."""
+    parts = [f"--- the job's output ---\n{Path(f'{dump}.out').read_text()[-4000:]}"]
+    for name in slurm.names[1:]:
+        said = dump / f"recover_events.{name}.jsonl"
+        parts.append(f"--- {name}'s events ---\n{said.read_text()[-3000:] if said.exists() else '(no event file)'}")
+        parts.append(f"--- {name}'s slurmd ---\n{(slurm.folder / f'slurmd.{name}.log').read_text()[-3000:]}")
+    parts.append(f"--- slurmctld ---\n{(slurm.folder / 'slurmctld.log').read_text()[-2000:]}")
+    return "\n".join(parts)
 
 
 def wait_job(
@@ -130,14 +133,18 @@ def stalled(dump: Path, replica: int) -> Callable[[], bool]:
 
 
 def lost_then_asked_for(slurm: slurm_local.SlurmCluster, dump: Path, node: int) -> str:
-    """Node ``node`` fails whole once replica 1 stalls and is repaired once Slurm marks it down (until then it
-    stays in the job's allocation), then the run asks for a replacement: the job id of that request."""
-    slurm.wait(stalled(dump, 1), RUN_S, "replica 1's stall")
+    """Node ``node`` fails whole once its replica (one group per node) stalls, and is repaired once Slurm marks it
+    down (until then it stays in the job's allocation), then the run asks for a replacement: the job id of that
+    request. The stall outlasts any delay in seeing it, so the node always dies in the stalled step."""
+    slurm.wait(stalled(dump, node), RUN_S, f"replica {node}'s stall")
     slurm.fail(node)
     slurm.wait(lambda: slurm.down(node), 60, f"node{node} down")
     slurm.start_node(node)
     asked = lambda: [e for e in events(dump) if e["event"] == "replacement_requested"]  # noqa: E731
-    slurm.wait(lambda: bool(asked()), RUN_S, "the run's replacement request")
+    try:
+        slurm.wait(lambda: bool(asked()), RUN_S, "the run's replacement request")
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}\n{told(slurm, dump)}") from e
     return asked()[0]["job"]
 
 
@@ -261,20 +268,21 @@ def test_with_the_defaults_on_three_nodes_the_batch_hosts_loss_is_a_group_failur
     """``sbatch --nodes=3 scripts/slurm/train.sbatch`` with no ``CONTROL_STORE``: from three nodes on the run keeps
     its membership on an etcd whose members the three launchers start themselves, and every node runs a
     coordinator candidate. Node 0, the batch host, fails whole (every process SIGKILLed, slurmd, its etcd member
-    and its candidate too) in step 4 while replica 1 stalls: the two members left keep quorum, a candidate on node
-    1 or 2 leads, and replica 0's loss is a group failure like any other (no requeue, no checkpoint read). Node 0's
-    slurmd starts again; replica 0 out for ``replace_after_s`` (30 s), the leading candidate submits the batch
-    script on one node (``JOIN_RUN`` the run's ``etcd://`` store): the job lands on the repaired node 0, takes
-    replica id 0 and is admitted while replicas 1 and 2 hold step 5. The run ends normally, every step once with M
-    microbatches on the failure-free data (three single-rank groups, M = 6, as ``THREE``). Slurm removed node 0
-    from the first job but, its batch script dead, would leave it running (measured): the first node whose run
-    ended ends it (``scancel``, CANCELLED); the replacement's job completes."""
+    and its candidate too) in step 4 while its replica stalls in a forward pass (replicas 1 and 2 wait in the
+    all-reduce): the two members left keep quorum, a candidate on node 1 or 2 leads, and replica 0's loss is a
+    group failure like any other (no requeue, no checkpoint read). Node 0's slurmd starts again; replica 0 out for
+    ``replace_after_s`` (30 s), the leading candidate submits the batch script on one node (``JOIN_RUN`` the run's
+    ``etcd://`` store): the job lands on the repaired node 0, takes replica id 0 and is admitted while replicas 1
+    and 2 hold step 5. The run ends normally, every step once with M microbatches on the failure-free data (three
+    single-rank groups, M = 6, as ``THREE``). Slurm removed node 0 from the first job but, its batch script dead,
+    would leave it running (measured): the first node whose run ended ends it (``scancel``, CANCELLED); the
+    replacement's job completes."""
     dump = tmp_path / "dump"
     three = ("--training.global_batch_size", "12", "--training.steps", "6")  # M = 6, two each; THREE's steps
     # both survivors wait after step 5's commit (neither in a collective, which would time out) until the next
     # epoch: the replacement's admission
     hold = "; ".join(f"sleep replica={r} step=5 phase=optimizer seconds=180 until=epoch" for r in (1, 2))
-    plan = f"sleep replica=1 step=4 phase=forward seconds=10; {hold}"
+    plan = f"sleep replica=0 step=4 phase=forward seconds=60; {hold}"
     job_id = submit(slurm3, dump, plan, "--nodes=3", "--recover.replace_after_s", "30", *three)
     joining = lost_then_asked_for(slurm3, dump, 0)
     fields = wait_job(slurm3, job_id, ENDED, RUN_S, dump)

@@ -263,6 +263,10 @@ class SlurmCluster:
             time.sleep(0.2)
         return fields
 
+    def queued(self) -> list[str]:
+        """The ids of the jobs not ended yet (pending, running, completing)."""
+        return self.client(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
+
     def states(self) -> dict[str, str]:
         """Each node's state as ``sinfo`` prints it (``idle``, ``alloc``, ``down*``, ...)."""
         out = self.client(["sinfo", "-h", "-N", "-o", "%N %t"], check=False).stdout
