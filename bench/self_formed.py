@@ -7,7 +7,7 @@ runs, alternated: every process on node 0's TCPStore (the coordinator bound to i
 whose three members the launchers start themselves (one per node, a coordinator candidate beside each). The
 mean step time of each run (steps after the first two, which include the process groups' first rendezvous),
 and the ratio of the medians. Then node 0 SIGKILLed whole after step 3 on the self-formed etcd
-(``partitions.self_formed_node0_killed``, as ``tests/test_partitions_etcd.py`` runs it): seconds from the kill
+(``partitions.self_formed_node0_killed``; the tests kill it first of three member nodes on five): seconds from the kill
 to the first step committed after it, and to the next leader's event where node 0's candidate led. Beside the
 self-formed runs, the largest etcd member's peak resident memory (sampled every 0.5 s).
 

@@ -478,3 +478,54 @@ def test_an_etcd_with_the_crash_inconsistency_bug_is_refused_naming_it(
 def test_no_etcd_on_path_says_how_to_install_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     assert etcd_process.unavailable() == f"no etcd on PATH: {etcd_process.INSTALL}"
+
+
+def test_members_replaced_one_after_another_leave_a_client_that_followed_them_served(tmp_path: Path) -> None:
+    """The calls ``launch.keeper`` makes, on a real etcd: a lost member removed, a new one added and started from
+    an empty folder (``--initial-cluster-state existing``), twice. A client that began with the first three members
+    follows the membership after each fail-over, so when the last of them is lost too it reads on from the two
+    members added meanwhile. A lease keeps a volunteer's offer while renewed."""
+    c = local_etcd(3)
+    started: list[subprocess.Popen] = []
+    try:
+        client = raw(c)
+        client.set("k", b"v")
+
+        def replace(lost: str, name: str, asking: EtcdStore) -> None:
+            c.kill(lost)
+            [gone] = [m["ID"] for m in asking.members() if m.get("name") == lost]
+            asking.remove_member(str(gone))
+            port, peer_port = transport.free_port(), transport.free_port()
+            peer = f"http://127.0.0.1:{peer_port}"
+            asking.add_member(peer)
+            cluster = ",".join(f"{m['name']}={m['peerURLs'][0]}" for m in asking.members() if m.get("name"))
+            argv = etcd_process.member_command(
+                name,
+                f"http://127.0.0.1:{port}",
+                peer,
+                str(tmp_path / name),
+                f"{cluster},{name}={peer}",
+                "unused",
+                "existing",
+            )
+            started.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            one = EtcdStore([("127.0.0.1", port)], 30)
+            assert one.read("k") == b"v"  # a linearizable read: the new member caught up and serves
+
+        replace("m0", "m3", raw(c))  # the client's first member; the asking store moved this process's view
+        client._cluster.next_follow = 0.0  # FOLLOW_S passed
+        assert client.read("k") == b"v"  # and followed: m1, m2, m3
+        assert len(client.endpoints) == 3 and ("127.0.0.1", c.client_ports["m0"]) not in client.endpoints
+        replace("m1", "m4", client)
+        client._cluster.next_follow = 0.0  # its FOLLOW_S passed
+        assert client.read("k") == b"v"
+        c.kill("m2")  # the last member the client began with: m3 and m4 of three are a quorum
+        assert client.read("k") == b"v" and len(client.endpoints) == 3, client.endpoints
+        lease = client.grant(5)
+        client.put_on("offers/a", b"x", lease)
+        assert client.keep_alive(lease) and client.read_under("offers/") == {"offers/a": b"x"}
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait()
+        c.stop()

@@ -8,9 +8,11 @@ import pytest
 
 from titan_recover import config
 from titan_recover.control import keys
-from titan_recover.control.addresses import parse_nodes_url
+from titan_recover.control.addresses import parse_etcd_url, parse_nodes_url
+from titan_recover.control.etcd_store import client_endpoints, cluster_of, followed
 from titan_recover.launch import members
 from titan_recover.launch.members import Members
+from titan_recover.policy import etcd_members
 
 pytestmark = pytest.mark.unit
 
@@ -77,3 +79,111 @@ def test_a_members_data_is_kept_for_the_same_run_on_the_same_members_and_not_sha
     assert members.data_dir("7", same, 1) != members.data_dir("7", moved, 1)
     assert members.data_dir("7", same, 1) != members.data_dir("8", same, 1)
     assert members.data_dir("7", same, 1).endswith(f"/7/{same.digest}/m1") and len(same.digest) == 8
+
+
+# --- a lost member replaced (``policy.etcd_members``, the keepers' decision) -------------------------------------
+
+PEERS = {f"m{i}": f"http://10.0.0.{i + 1}:2380" for i in range(6)}
+SPARE = etcd_members.Volunteer("10.0.0.4", PEERS["m3"])
+
+
+def seen(*live: str, silent: tuple[str, ...] = (), unstarted: tuple[str, ...] = ()) -> list[etcd_members.Seen]:
+    """Members by name: ``live`` answering, ``silent`` not; ``unstarted`` added with these peers' names, no name."""
+    return [
+        *(etcd_members.Seen(f"id-{n}", n, PEERS[n], True) for n in live),
+        *(etcd_members.Seen(f"id-{n}", n, PEERS[n], False) for n in silent),
+        *(etcd_members.Seen(f"id-{n}", "", PEERS[n], False) for n in unstarted),
+    ]
+
+
+def test_a_member_silent_for_the_bound_is_removed_by_the_lowest_live_members_keeper_first() -> None:
+    keeping = etcd_members.Keeping(3, after_s=10.0)
+    members = seen("m1", "m2", silent=("m0",))
+    assert keeping.decide(members, [SPARE], "m1", now=100.0) is None  # silent since now
+    assert keeping.decide(members, [SPARE], "m1", now=109.9) is None
+    assert keeping.decide(members, [SPARE], "m2", now=110.0) is None  # not the lowest live member's keeper
+    change = keeping.decide(members, [SPARE], "m1", now=110.0)
+    assert change == etcd_members.Remove(members[2], 10.0)
+
+
+def test_a_member_that_answers_again_starts_its_bound_over() -> None:
+    keeping = etcd_members.Keeping(3, after_s=10.0)
+    keeping.decide(seen("m1", "m2", silent=("m0",)), [SPARE], "m1", now=100.0)
+    keeping.decide(seen("m0", "m1", "m2"), [SPARE], "m1", now=105.0)
+    assert keeping.decide(seen("m1", "m2", silent=("m0",)), [SPARE], "m1", now=112.0) is None
+    assert isinstance(keeping.decide(seen("m1", "m2", silent=("m0",)), [SPARE], "m1", 122.0), etcd_members.Remove)
+
+
+def test_a_keeper_that_sees_no_majority_answer_changes_nothing() -> None:
+    """A keeper cut off sees the live side silent: it must not try to remove it."""
+    keeping = etcd_members.Keeping(3, after_s=1.0)
+    members = seen("m0", silent=("m1", "m2"))
+    keeping.decide(members, [SPARE], "m0", now=0.0)
+    assert keeping.decide(members, [SPARE], "m0", now=60.0) is None
+
+
+def test_after_the_removal_a_volunteer_is_added_with_every_started_member_and_a_new_name() -> None:
+    keeping = etcd_members.Keeping(3, after_s=10.0)
+    change = keeping.decide(seen("m1", "m2"), [SPARE], "m1", now=0.0)
+    assert change == etcd_members.Add(SPARE, "m3", f"m1={PEERS['m1']},m2={PEERS['m2']},m3={PEERS['m3']}")
+
+
+def test_without_a_volunteer_a_lost_member_stays_listed() -> None:
+    """Three nodes: removing the lost member would leave two of two, no quorum more than two of three live."""
+    keeping = etcd_members.Keeping(3, after_s=10.0)
+    members = seen("m1", "m2", silent=("m0",))
+    keeping.decide(members, [], "m1", now=0.0)
+    assert keeping.decide(members, [], "m1", now=60.0) is None
+    assert keeping.decide(members, [SPARE], "m1", now=61.0) == etcd_members.Remove(members[2], 61.0)
+
+
+def test_nothing_is_added_without_a_volunteer_nor_a_volunteer_that_is_a_member_already() -> None:
+    keeping = etcd_members.Keeping(3, after_s=10.0)
+    assert keeping.decide(seen("m1", "m2"), [], "m1", now=0.0) is None
+    member = etcd_members.Volunteer("10.0.0.2", PEERS["m1"])
+    assert keeping.decide(seen("m1", "m2"), [member], "m1", now=0.0) is None
+    assert keeping.decide(seen("m1", "m2"), [member, SPARE], "m1", now=0.0) == etcd_members.Add(
+        SPARE, "m3", f"m1={PEERS['m1']},m2={PEERS['m2']},m3={PEERS['m3']}"
+    )
+
+
+def test_a_member_added_and_never_started_is_waited_for_then_removed() -> None:
+    keeping = etcd_members.Keeping(3, after_s=10.0)
+    members = seen("m1", "m2", unstarted=("m3",))
+    other = etcd_members.Volunteer("10.0.0.5", PEERS["m4"])
+    assert keeping.decide(members, [other], "m1", now=0.0) is None  # its node starts it
+    assert keeping.decide(members, [other], "m1", now=9.0) is None
+    assert keeping.decide(members, [other], "m1", now=10.0) == etcd_members.Remove(members[2], 10.0)
+
+
+def test_a_whole_cluster_is_left_alone_and_five_members_are_kept_as_five() -> None:
+    assert etcd_members.Keeping(3, after_s=1.0).decide(seen("m0", "m1", "m2"), [SPARE], "m0", now=0.0) is None
+    five = etcd_members.Keeping(5, after_s=1.0)
+    change = five.decide(seen("m0", "m1", "m2", "m4"), [etcd_members.Volunteer("10.0.0.6", PEERS["m5"])], "m0", 0.0)
+    assert isinstance(change, etcd_members.Add) and change.name == "m5", change
+
+
+def test_a_clients_endpoints_are_the_started_members_client_addresses_and_nothing_malformed() -> None:
+    listed = [
+        {"ID": "1", "name": "m0", "clientURLs": ["http://10.0.0.1:2379"]},
+        {"ID": "2", "name": "", "peerURLs": ["http://10.0.0.4:2380"]},  # added, not started: no client address
+        {"ID": "3", "name": "m2", "clientURLs": ["https://10.0.0.3:2379"]},  # not what the run's members serve
+        {"ID": "4", "name": "m3", "clientURLs": ["http://10.0.0.4"]},  # no port
+        {"ID": "5", "name": "m4", "clientURLs": [7]},
+        "not a member",
+        {"ID": "6", "name": "m5", "clientURLs": ["http://n5:2479"]},
+    ]
+    assert client_endpoints(listed) == {"1": ("10.0.0.1", 2379), "6": ("n5", 2479)}
+    assert client_endpoints("not a list") == {}  # type: ignore[arg-type]
+
+
+def test_a_process_started_now_is_given_the_members_as_this_process_last_read_them() -> None:
+    """What a replacement job the run submits joins (``Submitter``'s ``JOIN_RUN``): not the URL the run began with
+    where a lost member was replaced since."""
+    url = "etcd://10.9.0.1:2379,10.9.0.2:2379,10.9.0.3:2379"  # a cluster no other test dials
+    assert followed(url) == url  # no client of it in this process
+    cluster_of(parse_etcd_url(url)).endpoints = [("10.9.0.2", 2379), ("10.9.0.4", 2379)]  # as ``follow`` leaves it
+    assert followed(url) == "etcd://10.9.0.2:2379,10.9.0.4:2379"
+    named = "etcd://localhost:12379,127.0.0.1:12380,127.0.0.1:12381"  # the same members, read back as addresses
+    cluster_of(parse_etcd_url(named)).endpoints = [("127.0.0.1", 12380), ("127.0.0.1", 12379), ("127.0.0.1", 12381)]
+    assert followed(named) == named

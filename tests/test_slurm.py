@@ -1,6 +1,6 @@
 """``scripts/slurm/train.sbatch`` under a real Slurm (Debian's 22.05, ``titan_recover.tools.clusters.slurm_local``):
-three Slurm nodes, each a network namespace with its own host name and address, one replica group per node
-(two-node jobs: the third node is drained for them), submitted with ``sbatch`` as a user does. Each run is held
+four Slurm nodes, each a network namespace with its own host name and address, one replica group per node
+(a job on fewer nodes: the others are drained for it), submitted with ``sbatch`` as a user does. Each run is held
 against the failure-free trajectory (every step once, M microbatches, the same data and losses). One cluster
 serves the whole file; its jobs run in ``main``, whose jobs a job of ``urgent`` preempts (``GRACE_S``), as the
 preemption case does."""
@@ -29,7 +29,7 @@ GRACE_S = 20  # the preempted job's GraceTime: above the runs' recover.notice_bu
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm_local.SlurmCluster]:
-    with slurm_local.SlurmCluster(3, tmp_path_factory.mktemp("slurm"), grace_s=GRACE_S) as cluster:
+    with slurm_local.SlurmCluster(4, tmp_path_factory.mktemp("slurm"), grace_s=GRACE_S) as cluster:
         yield cluster
 
 
@@ -61,6 +61,11 @@ def slurm(cluster: slurm_local.SlurmCluster) -> slurm_local.SlurmCluster:
 @pytest.fixture
 def slurm3(cluster: slurm_local.SlurmCluster) -> slurm_local.SlurmCluster:
     return ready(cluster, 3)
+
+
+@pytest.fixture
+def slurm4(cluster: slurm_local.SlurmCluster) -> slurm_local.SlurmCluster:
+    return ready(cluster, 4)
 
 
 def submit(
@@ -308,6 +313,39 @@ def test_with_the_defaults_on_three_nodes_the_batch_hosts_loss_is_a_group_failur
     assert requested["replicas"] == [0] and "JOIN_RUN=etcd://node0:2379,node1:2379,node2:2379" in requested["command"]
     [took] = run.of("replacement_joined")
     assert (took["job"], took["replicas"]) == (joining, [0]), took
+
+
+@needs_etcd
+def test_with_the_defaults_on_four_nodes_the_member_nodes_lost_one_after_another_keep_the_quorum(
+    tmp_path: Path, slurm4: slurm_local.SlurmCluster, two_singles: Run
+) -> None:
+    """``sbatch --nodes=4`` with no ``CONTROL_STORE``: etcd members on nodes 0-2, started by their launchers, node 3
+    without one (it volunteers). Every group holds after step 2's commit while node 0 (the batch host) and then
+    node 1 fail whole: node 0's member is replaced by one on node 3 (``member_replace_after_s`` 5 s), so node 1's
+    loss leaves two of three members, a quorum (without the replacement, two of three lost). Groups 2 and 3 end
+    the run: every step once, M = 4 every step, on the failure-free data (``SINGLES`` on four single-rank groups);
+    no replacement job (``replace off``: capacity back is the three-node case's), no requeue, ``Restarts=0``."""
+    dump = tmp_path / "dump"
+    hold = "; ".join(f"sleep replica={r} step=2 phase=optimizer seconds=45" for r in range(4))
+    extra = ("--recover.member_replace_after_s", "5", "--recover.replace", "off")
+    job_id = submit(slurm4, dump, hold, "--nodes=4", *extra)
+    held = lambda: {e["replica"] for e in events(dump) if e["event"] == "fault_injected"} == {0, 1, 2, 3}  # noqa: E731
+    slurm4.wait(held, RUN_S, "every group's hold")
+    slurm4.fail(0)
+    killed = time.monotonic()
+    try:  # node 3's launcher logs it through srun, which died with node 0: its member's log shows it
+        slurm4.wait(lambda: (dump / "etcd.m3.log").exists(), 90, "m3 started on node 3")
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}\n{told(slurm4, dump)}") from e
+    print(f"m3 started {time.monotonic() - killed:.1f}s after node 0's loss")
+    slurm4.fail(1)
+    fields = wait_job(slurm4, job_id, ENDED, RUN_S, dump)
+    run = Run(0, "", events(dump))
+    assert (fields["JobState"], fields["Restarts"]) == ("CANCELLED", "0"), fields
+    assert_same_trajectory(two_singles, run, 1e-3, num_microbatches=4)
+    assert sorted(f["replica"] for f in run.of("failure")) == [0, 1], run.of("failure")
+    assert run.steps()[10]["members"] == [2, 3], run.steps()[10]
+    assert not run.of("requeued")
 
 
 def test_slurms_own_preemption_stops_the_run_which_saves_is_requeued_once_by_slurm_and_resumes_with_no_step_lost(

@@ -227,6 +227,13 @@ class Recover:
     the next): the same, on an etcd cluster the launchers on those nodes run themselves, one member each
     (launch.members; the etcd binaries on PATH, docs/etcd-operations.md#on-the-runs-own-nodes)."""
 
+    member_replace_after_s: float = 30.0
+    """With control_store = "nodes://...": how long a member of the run's etcd stays unreachable before the
+    launchers remove it and start one in its place on a node without one (a node that volunteers: four or more
+    nodes). Above a member's own restart with its launcher, and short beside the time to a second loss; a member
+    cut off this long and then back finds itself removed, and its node volunteers again
+    (docs/etcd-operations.md#a-lost-member-replaced)."""
+
     leader_lease_s: float = 3.0
     """TTL of the coordinator leader's etcd lease: a dead leader is replaced this long after its
     last refresh. Must stay below coordinator_timeout_s (every process waits that long for a leader)."""
@@ -401,6 +408,7 @@ _SECONDS = (
     "restart_window_s",
     "leader_lease_s",
     "replace_after_s",
+    "member_replace_after_s",
 )
 """Durations of ``[recover]``: each a finite number of seconds > 0."""
 

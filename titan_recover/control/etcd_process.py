@@ -55,9 +55,12 @@ def unavailable() -> str | None:
     return None
 
 
-def member_command(name: str, client: str, peer: str, data_dir: str, cluster: str, token: str) -> list[str]:
+def member_command(
+    name: str, client: str, peer: str, data_dir: str, cluster: str, token: str, state: str = "new"
+) -> list[str]:
     """One member's ``etcd`` command: ``client`` and ``peer`` are its ``http://ip:port`` URLs, ``cluster``
-    every member's ``name=peer`` (``--initial-cluster``; ignored once its data folder holds a cluster)."""
+    every member's ``name=peer`` (``--initial-cluster``; ignored once its data folder holds a cluster). ``state``
+    "existing": a member added to a running cluster, which it joins with an empty data folder."""
     return [
         etcd_binary(),
         "--name",
@@ -75,7 +78,7 @@ def member_command(name: str, client: str, peer: str, data_dir: str, cluster: st
         "--initial-cluster",
         cluster,
         "--initial-cluster-state",
-        "new",
+        state,
         "--initial-cluster-token",
         token,
         "--heartbeat-interval",

@@ -6,7 +6,12 @@ JSON, never pickle), so every caller of the TCPStore API (the coordinator, node 
 ranks, ``PrefixStore``, and the replicate groups' gloo rendezvous) uses it unchanged:
 
 - **Member loss is invisible.** A request that finds its member gone, or without a
-  leader, is sent to the next endpoint until the store's timeout runs out.
+  leader, is sent to the next endpoint until the store's timeout runs out. The endpoints follow
+  the cluster's members (read again after every fail-over and every ``FOLLOW_S``, shared by the
+  process's stores): a run whose launchers replace a lost member with one on another node
+  (``launch.keeper``) is dialled there. A process idle while every member it knew was replaced
+  (a rank held in a long step) finds the addresses its node's other processes last read in the
+  node's file (``keys.ETCD_ENDPOINTS_ENV``), which every store that follows writes.
 - **Counters are exact.** ``add`` is a compare-and-swap on the key's revision that also
   records its sequence number and result under a marker key of this client; a request whose
   answer was lost (its member died mid-request) is looked up there, never applied twice.
@@ -20,8 +25,11 @@ ranks, ``PrefixStore``, and the replicate groups' gloo rendezvous) uses it uncha
 from __future__ import annotations
 
 import json
+import logging
+import os
 import threading
 import time
+import urllib.parse
 import uuid
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -32,7 +40,8 @@ from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import Etcd3Exception, InternalServerError, PreconditionFailedError
 from etcd3gw.utils import _decode, _encode
 
-from titan_recover.control.addresses import parse_etcd_url
+from titan_recover.control.addresses import ETCD_SCHEME, parse_etcd_url, resolve
+from titan_recover.control.keys import ETCD_ENDPOINTS_ENV
 
 REQUEST_S = 2.0  # one HTTP request; a member cut off from the quorum is left after this
 RETRY_S = (0.002, 0.25)  # first and longest pause before asking every member again
@@ -45,6 +54,10 @@ MARKERS = "titan_recover/adds/"  # the clients' add markers, one per live client
 MAX_COUNTERS = 64  # counters whose last value a client remembers (see ``EtcdStore.add``)
 MARKER_TTL_S = 600.0  # a gone client's marker is deleted by etcd within this (longer for long store timeouts)
 REFUSED_CODES = {3, 5, 11}  # gRPC InvalidArgument, NotFound, OutOfRange: the request is wrong, not the member
+FOLLOW_S = 30.0  # how often a client reads the cluster's members again, besides after every fail-over
+MEMBER_LIST = "cluster/member/list"
+MAX_MEMBERS = 16  # the most members a client takes from a member list (a run forms 3 or 5)
+log = logging.getLogger(__name__)
 
 
 class LeadershipLost(RuntimeError):
@@ -68,16 +81,60 @@ def _b(data: str | bytes) -> bytes:
     return data if isinstance(data, bytes) else data.encode()
 
 
+class Cluster:
+    """One etcd cluster's client addresses as this process last read them, shared by every store of the process
+    that dials it: one that follows the membership moves them all (a store used rarely, as a rank's report of its
+    own failure, would otherwise begin with addresses long gone)."""
+
+    def __init__(self, endpoints: list[tuple[str, int]]) -> None:
+        self.endpoints = list(endpoints)
+        self.version = 0  # moved on by each follow that changed them
+        self.next_follow = time.monotonic() + FOLLOW_S
+
+
+_CLUSTERS: dict[tuple[tuple[str, int], ...], Cluster] = {}  # by the addresses a store was first given
+_CLUSTERS_LOCK = threading.Lock()
+
+
+def cluster_of(endpoints: list[tuple[str, int]]) -> Cluster:
+    with _CLUSTERS_LOCK:
+        return _CLUSTERS.setdefault(tuple(endpoints), Cluster(endpoints))
+
+
+def followed(url: str) -> str:
+    """The ``etcd://`` ``url`` as this process's clients of that cluster last read its members (the addresses a
+    process started now should dial: some of those the run began with may be gone); ``url`` where none has."""
+    began = parse_etcd_url(url)
+    with _CLUSTERS_LOCK:
+        known = _CLUSTERS.get(tuple(began))
+    if known is None or set(known.endpoints) in ({*began}, {(_address(h), p) for h, p in began}):
+        return url  # the same members, by the names the run was given
+    return ETCD_SCHEME + ",".join(f"{h}:{p}" for h, p in known.endpoints)
+
+
+def _address(host: str) -> str:
+    try:
+        return resolve(host)
+    except ValueError:
+        return host
+
+
 class EtcdStore(dist.Store):
     """The TCPStore API on etcd, with fail-over across ``endpoints`` (see the module doc)."""
 
     def __init__(
-        self, endpoints: list[tuple[str, int]], timeout_s: float, guard: tuple[str, str] | None = None
+        self,
+        endpoints: list[tuple[str, int]],
+        timeout_s: float,
+        guard: tuple[str, str] | None = None,
+        cluster: Cluster | None = None,
     ) -> None:
         super().__init__()
-        self.endpoints = endpoints
-        self._clients = [Etcd3Client(host, port, timeout=REQUEST_S, api_path="/v3/") for host, port in endpoints]
+        self._cluster = cluster or cluster_of(endpoints)
+        self._version = -1  # the cluster's version ``_clients`` were made for
+        self._clients: list[Etcd3Client] = []
         self._current = 0
+        self._dial()
         self._guard = guard
         self._marker = f"{MARKERS}{uuid.uuid4().hex}"
         self._marker_lease: tuple[int, float] | None = None  # its id, and when it expires (monotonic)
@@ -95,9 +152,21 @@ class EtcdStore(dist.Store):
     def guarded(self, guard: tuple[str, str]) -> EtcdStore:
         """A store like this one whose writes are all conditional on ``guard``; its first request goes
         to the member that last answered this one (a member cut off would cost a request's timeout)."""
-        store = EtcdStore(self.endpoints, self.timeout.total_seconds(), guard=guard)
+        store = EtcdStore(self.endpoints, self.timeout.total_seconds(), guard=guard, cluster=self._cluster)
         store._current = self._current
         return store
+
+    @property
+    def endpoints(self) -> list[tuple[str, int]]:
+        return self._cluster.endpoints
+
+    def _dial(self) -> list[Etcd3Client]:
+        """A client per endpoint, made again where a store of this process followed the membership since."""
+        if self._version != self._cluster.version:
+            version, endpoints = self._cluster.version, self._cluster.endpoints
+            self._clients = [Etcd3Client(host, port, timeout=REQUEST_S, api_path="/v3/") for host, port in endpoints]
+            self._version, self._current = version, 0
+        return self._clients
 
     # ---- transport ------------------------------------------------------------------
 
@@ -108,13 +177,16 @@ class EtcdStore(dist.Store):
         errors: dict[str, str] = {}
         pause = RETRY_S[0]
         while True:
-            for i in range(len(self._clients)):
-                index = (self._current + i) % len(self._clients)
-                client = self._clients[index]
+            clients, first = self._dial(), self._current  # a follow may replace them meanwhile
+            for i in range(len(clients)):
+                index = (first + i) % len(clients)
+                client = clients[index]
                 try:
                     with self._lock:
                         answer = client.post(client.get_url(path), json=body)
                     self._current = index
+                    if path != MEMBER_LIST and (errors or time.monotonic() > self._cluster.next_follow):
+                        self._follow()
                     return answer
                 except PreconditionFailedError:
                     raise  # the request itself is wrong: no other member would take it
@@ -122,6 +194,8 @@ class EtcdStore(dist.Store):
                     if (why := _refusal(e)) is not None:
                         raise EtcdRefused(f"etcd refused {path}: {why}") from None
                     errors[f"{client.host}:{client.port}"] = f"{type(e).__name__}: {str(e.detail_text or e)[:120]}"
+            if self._reread():  # the node's file names others: they are tried at once
+                continue
             if time.monotonic() > deadline:
                 raise EtcdUnavailable(
                     f"no etcd member answered within {self.timeout.total_seconds():g}s: "
@@ -180,7 +254,7 @@ class EtcdStore(dist.Store):
         (a watch saw it), after about ``seconds``, or at any error; the value a put wrote when the
         watch saw one (no read needed), None otherwise: the caller reads the key again. One watch
         stream on a connection of its own, so a blocking wait never holds the store's lock."""
-        client = self._clients[self._current]
+        client = self._dial()[self._current]
         body: dict[str, dict[str, str | int | list[str]]] = {
             "create_request": {
                 "key": _encode(key),
@@ -258,7 +332,91 @@ class EtcdStore(dist.Store):
         return int(kvs[0]["version"]) if kvs else 0
 
     def members(self) -> list[dict]:
-        return self.post("cluster/member/list", {}).get("members", [])
+        return self.post(MEMBER_LIST, {}).get("members", [])
+
+    def _follow(self) -> None:
+        """``follow`` after a fail-over or ``FOLLOW_S``: a member list that does not come leaves the endpoints."""
+        try:
+            self.follow()
+        except EtcdError as e:
+            log.debug(f"etcd store: the members were not read ({e}); the endpoints stay {self.endpoints}")
+
+    def follow(self) -> list[dict]:
+        """Reads the members (returned; ``EtcdError`` where none answers) and dials their client addresses from
+        now on, the member that answered first (a member added and not started yet has none), every store of the
+        cluster in this process with it; a change is written to the node's file (``keys.ETCD_ENDPOINTS_ENV``)."""
+        self._cluster.next_follow = time.monotonic() + FOLLOW_S
+        answer = self.post(MEMBER_LIST, {})
+        members = answer.get("members", [])
+        listed = client_endpoints(members)
+        if not listed or set(listed.values()) == set(self.endpoints):
+            return members
+        answering = str(answer.get("header", {}).get("member_id", ""))
+        first = [e for id_, e in listed.items() if id_ == answering] or list(listed.values())[:1]
+        endpoints = first + [e for e in listed.values() if e not in first]
+        log.info(f"etcd store: the cluster's members moved: endpoints {endpoints} (were {self.endpoints})")
+        self._adopt(endpoints)
+        if path := os.environ.get(ETCD_ENDPOINTS_ENV):
+            try:
+                with open(f"{path}.{os.getpid()}", "w") as out:
+                    json.dump(endpoints, out)
+                os.replace(f"{path}.{os.getpid()}", path)
+            except OSError as e:
+                log.debug(f"etcd store: {path} not written ({e})")
+        return members
+
+    def _adopt(self, endpoints: list[tuple[str, int]]) -> None:
+        with _CLUSTERS_LOCK:
+            self._cluster.endpoints = endpoints
+            self._cluster.version += 1
+
+    def _reread(self) -> bool:
+        """Where the node's file (``keys.ETCD_ENDPOINTS_ENV``) names other addresses than this process dials
+        (what another process of the node read from the members since): adopts them, True."""
+        path = os.environ.get(ETCD_ENDPOINTS_ENV)
+        if not path:
+            return False
+        try:
+            with open(path) as f:
+                listed = json.load(f)
+        except (OSError, ValueError):
+            return False
+        endpoints = (
+            [
+                (h, p)
+                for h, p in (e for e in listed if isinstance(e, list) and len(e) == 2)
+                if isinstance(h, str) and isinstance(p, int) and 0 < p < 65536
+            ][:MAX_MEMBERS]
+            if isinstance(listed, list)
+            else []
+        )
+        if not endpoints or set(endpoints) == set(self.endpoints):
+            return False
+        log.info(f"etcd store: no member it knew answered: endpoints {endpoints} from {path}")
+        self._adopt(endpoints)
+        return True
+
+    def remove_member(self, member_id: str) -> None:
+        """Removes member ``member_id`` from the cluster (a lost one): EtcdRefused where it is not a member."""
+        self.post("cluster/member/remove", {"ID": member_id})
+
+    def add_member(self, peer: str) -> str:
+        """Adds a member whose peers reach it at ``peer``: its id. It counts in the quorum from now on, started
+        or not: add one only where every other member answers (``policy.etcd_members``)."""
+        return str(self.post("cluster/member/add", {"peerURLs": [peer]})["member"]["ID"])
+
+    def grant(self, ttl_s: float) -> int:
+        """A lease of ``ttl_s`` seconds: its id (a key put on it goes when it expires)."""
+        return int(self.post("lease/grant", {"TTL": max(1, round(ttl_s))})["ID"])
+
+    def keep_alive(self, lease: int) -> bool:
+        """Renews ``lease``; False where it expired already."""
+        answer = self.post("lease/keepalive", {"ID": lease})
+        return int(answer.get("result", answer).get("TTL", 0)) > 0
+
+    def put_on(self, key: str, value: bytes, lease: int) -> None:
+        """``key`` set to ``value`` on ``lease``."""
+        self._guarded([], [put_op(key, value, lease)])
 
     def revision(self) -> int:
         """The cluster's current revision (a linearizable read)."""
@@ -460,7 +618,7 @@ class Changes:
         while not self._stop.is_set():
             try:
                 revision = revision or self.store.revision()
-                client = self.store._clients[self.store._current]
+                client = self.store._dial()[self.store._current]
                 request = {"create_request": {**body, "start_revision": revision + 1}}
                 with requests.post(
                     client.get_url("watch"),
@@ -511,6 +669,24 @@ class Changes:
 
     def close(self) -> None:
         self._stop.set()
+
+
+def client_endpoints(members: list) -> dict[str, tuple[str, int]]:
+    """Each member's first client address (id -> (host, port)), from a member list: the started members, at
+    most ``MAX_MEMBERS``; entries that are not well-formed are left out."""
+    found: dict[str, tuple[str, int]] = {}
+    for member in members[:MAX_MEMBERS] if isinstance(members, list) else []:
+        urls = member.get("clientURLs") if isinstance(member, dict) else None
+        if not isinstance(urls, list) or not urls or not isinstance(urls[0], str):
+            continue
+        try:
+            parsed = urllib.parse.urlsplit(urls[0])
+            host, port = parsed.hostname, parsed.port
+        except ValueError:
+            continue
+        if parsed.scheme == "http" and host and port:
+            found[str(member.get("ID", ""))] = (host, port)
+    return found
 
 
 def _refusal(e: Etcd3Exception) -> str | None:

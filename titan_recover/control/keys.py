@@ -20,6 +20,8 @@ NOTICE_STOPS_RUN_ENV = "TITAN_RECOVER_NOTICE_STOPS_RUN"  # "1": a SIGTERM here s
 SNAPSHOT_DIR_ENV = "TITAN_RECOVER_SNAPSHOTS"  # this launcher's snapshot folder (node.memory); unset or "": none
 NODE_RANKS_ENV = "TITAN_RECOVER_NODE_RANKS"  # ranks this launcher runs on its node, all groups: they share it
 FAILURE_DOMAIN_ENV = "TITAN_RECOVER_FAILURE_DOMAIN"  # this node's failure domain (a rack, a switch); "": unknown
+ETCD_ENDPOINTS_ENV = "TITAN_RECOVER_ETCD_ENDPOINTS"  # a node-local file: the run's etcd members' addresses, as
+# its processes last read them (``etcd_store``); where none of a process's own answers, it dials those
 REPLACEMENT_ENV = "TITAN_RECOVER_REPLACEMENT"  # set on a node the run asked its scheduler for: the request's number
 
 
@@ -78,6 +80,17 @@ def leader_key(prefix: str) -> str:
     """The etcd key of the run's coordinator leader (its lease's), outside the run's ``PrefixStore``
     (``prefix`` is the run's): the guard of every leader write compares it as stored."""
     return f"{prefix}/coordinator/leader"
+
+
+def etcd_volunteers(prefix: str) -> str:
+    """Where nodes without an etcd member of a run's own (``nodes://``) offer to run one, each under its address
+    (on a lease of its own: a node gone leaves no offer)."""
+    return f"{prefix}/etcd/volunteers/"
+
+
+def etcd_assigned(prefix: str, host: str) -> str:
+    """Where a keeper tells volunteer ``host`` the member it was added as (``launch.members``)."""
+    return f"{prefix}/etcd/assigned/{host}"
 
 
 def replicate_group_prefix(epoch: int, shard: int) -> str:

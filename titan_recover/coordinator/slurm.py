@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from titan_recover import config
 from titan_recover.control import keys
+from titan_recover.control.addresses import is_etcd
 
 SCRIPT_ENV = "TITAN_RECOVER_REPLACE_SCRIPT"  # the batch script a replacement job runs
 ARGS_ENV = "TITAN_RECOVER_REPLACE_ARGS"  # its arguments, shell words: the config, overrides, the run's layout
@@ -85,7 +86,7 @@ class Submitter:
         ``env`` and ``--export=ALL``: sbatch's ``--export=NAME=VALUE,...`` splits a value at its commas, and an
         ``etcd://`` store has them."""
         export = {
-            "JOIN_RUN": self.join,
+            "JOIN_RUN": self._joining(),
             keys.RUN_ENV: self.run_id,
             keys.SECRET_FILE_ENV: self.secret_file,
             GROUPS_ENV: str(self.groups),
@@ -103,6 +104,14 @@ class Submitter:
             self.script,
             *self.args,
         ]
+
+    def _joining(self) -> str:
+        """``join`` now: on etcd, the members this process last read (a lost member may have been replaced)."""
+        if not is_etcd(self.join):
+            return self.join
+        from titan_recover.control.etcd_store import followed  # the etcd client: a run on etcd has it
+
+        return followed(self.join)
 
     def shown(self, argv: Sequence[str]) -> str:
         """``argv`` as a person runs it from a login node's shell."""

@@ -845,17 +845,23 @@ def main(argv: list[str]) -> int:
         return EXIT_BAD_INPUT
     (log.warning if supported.level == preflight.WARN else log.info)(supported.line())
     member = None  # this node's etcd member, where the run forms its control store on its nodes
+    keeper = None  # ... and this node's part in replacing a lost one
     try:
         node = node_job(argv, os.environ)
         nodes_url = node.job_config.recover.control_store
         if node.job_config.recover.enable and nodes_url.startswith(NODES_SCHEME):  # every process dials etcd://
-            etcd_url, member = members.form(
-                nodes_url, os.environ, titan.dump_folder(node.job_config), node.job_config.recover.startup_timeout_s
-            )
+            dump = titan.dump_folder(node.job_config)
+            etcd_url, member = members.form(nodes_url, os.environ, dump, node.job_config.recover.startup_timeout_s)
             if os.environ.get(keys.COORDINATOR_ENV) == nodes_url:
                 os.environ[keys.COORDINATOR_ENV] = etcd_url
             argv = with_flags(argv, {"--recover.control_store": etcd_url})
             node = node_job(argv, os.environ)
+            from titan_recover.launch.keeper import Keeper  # the etcd extra's client: here only
+
+            spec, run_id = members.Members.of(nodes_url), os.environ[keys.RUN_ENV]
+            os.environ[keys.ETCD_ENDPOINTS_ENV] = members.endpoints_file(run_id, spec)  # for every process here
+            keeper = Keeper(etcd_url, spec, run_id, dump, member, node.job_config.recover.member_replace_after_s)
+            keeper.start()
         job_config, local, part, address = node.job_config, node.local, node.part, node.address
         store = store_of(job_config.recover)
         if job_config.recover.enable:  # the node's environment, checked before the data and any process
@@ -928,8 +934,13 @@ def main(argv: list[str]) -> int:
         + config.stop_hint(job_config, titan.dump_folder(job_config)),
     }.get(code, "FAILED")
     log.info(f"{outcome} in {time.time() - start:.1f}s; events: {path}")
+    if keeper is not None:  # the member this node runs now (it may have started one, or lost its own)
+        keeper.stop()
+        member = keeper.member
+        with contextlib.suppress(OSError):
+            os.remove(os.environ[keys.ETCD_ENDPOINTS_ENV])
     if member is not None:  # the leader's final writes need the members' quorum
-        members.linger(member, job_config.recover.control_store, keys.leader_key(Run.from_env(os.environ).prefix))
+        members.linger(member, keys.leader_key(Run.from_env(os.environ).prefix))
         if code == EXIT_OK:
             members.retire(member)
     return code

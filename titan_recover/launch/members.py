@@ -96,12 +96,20 @@ def data_dir(run_id: str, members: Members, member: int) -> str:
     return os.path.join(tempfile.gettempdir(), "titan_recover-etcd", run_id, members.digest, f"m{member}")
 
 
+def endpoints_file(run_id: str, members: Members) -> str:
+    """Where this node's processes keep the members' addresses they last read (``keys.ETCD_ENDPOINTS_ENV``): a
+    process that slept through the loss of every member it knew dials those."""
+    return os.path.join(tempfile.gettempdir(), f"titan_recover-etcd-{run_id}-{members.digest}.json")
+
+
 @dataclass(frozen=True)
 class Member:
-    """This host's etcd member: its process and its data folder."""
+    """This host's etcd member: its name, process, data folder and client address (``http://ip:port``)."""
 
+    name: str
     proc: subprocess.Popen
     folder: str
+    client: str
 
 
 def form(url: str, environ: Mapping[str, str], dump: str, timeout_s: float) -> tuple[str, Member | None]:
@@ -118,30 +126,32 @@ def form(url: str, environ: Mapping[str, str], dump: str, timeout_s: float) -> t
         members = Members.of(url)
     except ValueError as e:
         raise config.ConfigError(f"recover.control_store: {e}") from None
-    mine, proc = members.here(), None
+    mine, member = members.here(), None
     if mine is not None:
         if (why := unavailable()) is not None:
             raise config.ConfigError(f"recover.control_store = {url!r} runs an etcd member on this node: {why}")
-        os.makedirs(dump, exist_ok=True)
         folder = data_dir(run_id, members, mine)
         kept = os.path.isdir(folder)
-        with open(os.path.join(dump, f"etcd.m{mine}.log"), "ab") as out:
-            argv = member_command(
-                f"m{mine}",
-                members.client(mine),
-                members.peer(mine),
-                folder,
-                members.cluster,
-                f"titan_recover-{run_id}-{members.digest}",
-            )
-            proc = subprocess.Popen(argv, stdout=out, stderr=out, preexec_fn=die_with_parent)
+        token = f"titan_recover-{run_id}-{members.digest}"
+        member = start(f"m{mine}", members.client(mine), members.peer(mine), folder, members.cluster, dump, token)
         log.info(
-            f"etcd member m{mine} of {url} started here (pid {proc.pid}, {release()}, data in {folder}"
+            f"etcd member m{mine} of {url} started here (pid {member.proc.pid}, {release()}, data in {folder}"
             + (", kept from this run's earlier start" if kept else "")
             + ")"
         )
-    wait_serving(members.etcd_url, proc, timeout_s)
-    return members.etcd_url, None if proc is None else Member(proc, folder)
+    wait_serving(members.etcd_url, None if member is None else member.proc, timeout_s)
+    return members.etcd_url, member
+
+
+def start(name: str, client: str, peer: str, folder: str, cluster: str, dump: str, token: str = "") -> Member:
+    """Member ``name``'s etcd started on this host, logging to ``dump``/etcd.<name>.log: a member of a new
+    cluster (``token`` its name), or, without a token, one added to the running cluster (``Keeper``)."""
+    os.makedirs(dump, exist_ok=True)
+    state = "new" if token else "existing"
+    with open(os.path.join(dump, f"etcd.{name}.log"), "ab") as out:
+        argv = member_command(name, client, peer, folder, cluster, token or name, state)
+        proc = subprocess.Popen(argv, stdout=out, stderr=out, preexec_fn=die_with_parent)
+    return Member(name, proc, folder, client)
 
 
 def wait_serving(url: str, member: subprocess.Popen | None, timeout_s: float) -> None:
@@ -170,15 +180,16 @@ def wait_serving(url: str, member: subprocess.Popen | None, timeout_s: float) ->
         time.sleep(SERVE_POLL_S)
 
 
-def linger(member: Member, url: str, leader_key: str, bound_s: float = LINGER_S) -> None:
+def linger(member: Member, leader_key: str, bound_s: float = LINGER_S) -> None:
     """At its launcher's end, this node's member serves on while the run's leader holds its lease (at most
-    ``bound_s``): the leader resigns last, after its final writes, and the members of the launchers that end
-    first must not take its quorum away. Returns at once where the cluster does not answer."""
+    ``bound_s``, read through the member itself: the members the run began with may be gone): the leader resigns
+    last, after its final writes, and the members of the launchers that end first must not take its quorum away.
+    Returns at once where the cluster does not answer."""
     if member.proc.poll() is not None:
         return
     deadline = time.monotonic() + bound_s
     try:
-        store = transport.etcd(url, 2.0)
+        store = transport.etcd(ETCD_SCHEME + member.client.removeprefix("http://"), 2.0)
         while store.read(leader_key) and time.monotonic() < deadline:
             time.sleep(SERVE_POLL_S)
     except Exception as e:  # no quorum (the other members' launchers ended first), or no answer: nothing to serve

@@ -52,6 +52,7 @@ HOLD = hold(0)
 STALL = "sleep replica=1 step=3 phase=forward seconds=3"
 STEPS, MICROBATCHES = 6, 4
 CUT_S, PAUSE_S, TIMEOUT_S = 8.0, 20.0, 10.0
+MEMBER_LOST_S, REPLACE_HOLD_S = 5.0, 75  # ``members_lost_one_after_another``'s
 
 
 class Hang(AssertionError):
@@ -399,12 +400,15 @@ def nodes_url(cluster: Cluster) -> str:
     return NODES_SCHEME + ",".join(n.address for n in cluster.nodes[:ETCD_NODES])
 
 
-def three_nodes(cluster: Cluster, dump: Path, store: str | None, *layout: str, plan: str = "none") -> list[Launcher]:
-    """Launchers on the first ``ETCD_NODES`` nodes, replica group i on node i, on node 0's TCPStore (``store`` None)
-    or on the control store ``store`` (``nodes_url``: the members they form themselves), fault plan ``plan``."""
+def three_nodes(
+    cluster: Cluster, dump: Path, store: str | None, *layout: str, plan: str = "none", nodes: int = ETCD_NODES
+) -> list[Launcher]:
+    """Launchers on the first ``nodes`` nodes (``ETCD_NODES``), replica group i on node i, on node 0's TCPStore
+    (``store`` None) or on the control store ``store`` (``nodes_url``: the members the first ``ETCD_NODES`` nodes
+    form themselves), fault plan ``plan``."""
     args = launcher_args(dump, cluster.nodes[0] if store is None else store, plan, *layout)
     (dump.parent / "tmp").mkdir(parents=True, exist_ok=True)  # the members' data: this scenario's own
-    envs = node_envs(cluster, store, ETCD_NODES)
+    envs = node_envs(cluster, store, nodes)
     return [
         Launcher(cluster, n, dump, args, {**env, "TMPDIR": str(dump.parent / "tmp")})
         for n, env in zip(cluster.nodes, envs)
@@ -448,6 +452,35 @@ def self_formed_node0_killed(cluster: Cluster, dump: Path, *layout: str) -> Outc
         new = [e["time"] for e in leaders(dump) if e["time"] > killed]
         outcome.timings["new_leader_s"] = min(new) - killed if new else float("nan")
     return outcome
+
+
+def members_lost_one_after_another(cluster: Cluster, dump: Path, *layout: str) -> Outcome:
+    """Five nodes with ``control_store = "nodes://<nodes 0-2>"``: etcd members on nodes 0-2, nodes 3 and 4
+    volunteer, replica group i on node i. Every group holds after step 2's commit (``REPLACE_HOLD_S``, none in a
+    collective) while nodes 0, 1 and 2 are SIGKILLed whole one after another, each once the member lost before
+    it was replaced (``member_replace_after_s``: ``MEMBER_LOST_S``): m3 starts on node 3 in m0's place, m4 on node
+    4 in m1's. Node 2's loss then leaves m3 and m4 of three, a quorum, and none of the endpoints every process
+    began with: each must have followed the membership. Groups 3 and 4 end the run. Timings: each kill to its
+    replacement's start (``replaced_m0_s``, ``replaced_m1_s``)."""
+    plan = "; ".join(f"sleep replica={r} step=2 phase=optimizer seconds={REPLACE_HOLD_S}" for r in range(5))
+    extra = ("--recover.member_replace_after_s", str(MEMBER_LOST_S))
+    launchers = three_nodes(cluster, dump, nodes_url(cluster), *extra, *layout, plan=plan, nodes=5)
+    wait_until("every group's hold", lambda: holding(dump) == set(range(5)), 300, launchers)
+    timings: dict[str, float] = {}
+    for lost, volunteer in ((0, 3), (1, 4)):
+        cluster.kill(cluster.nodes[lost])
+        killed = time.monotonic()
+        started = f"etcd member m{volunteer} starts on this node"
+        live = launchers[lost + 1 :]
+        wait_until(f"m{volunteer} on node {volunteer}", lambda: started in launchers[volunteer].output(), 90, live)
+        timings[f"replaced_m{lost}_s"] = time.monotonic() - killed
+    cluster.kill(cluster.nodes[2])
+    return finish(dump, launchers[3:], timings, timeout=300)
+
+
+def holding(dump: Path) -> set[int]:
+    """The replicas whose step-2 hold has begun."""
+    return {e["replica"] for e in events(dump) if e["event"] == "fault_injected" and e.get("step") == 2}
 
 
 CASES: dict[str, Callable[[Cluster, Path], Outcome]] = {
