@@ -381,15 +381,7 @@ class EtcdStore(dist.Store):
                 listed = json.load(f)
         except (OSError, ValueError):
             return False
-        endpoints = (
-            [
-                (h, p)
-                for h, p in (e for e in listed if isinstance(e, list) and len(e) == 2)
-                if isinstance(h, str) and isinstance(p, int) and 0 < p < 65536
-            ][:MAX_MEMBERS]
-            if isinstance(listed, list)
-            else []
-        )
+        endpoints = [(e[0], e[1]) for e in listed if _endpoint(e)][:MAX_MEMBERS] if isinstance(listed, list) else []
         if not endpoints or set(endpoints) == set(self.endpoints):
             return False
         log.info(f"etcd store: no member it knew answered: endpoints {endpoints} from {path}")
@@ -687,6 +679,17 @@ def client_endpoints(members: list) -> dict[str, tuple[str, int]]:
         if parsed.scheme == "http" and host and port:
             found[str(member.get("ID", ""))] = (host, port)
     return found
+
+
+def _endpoint(entry: object) -> bool:
+    """Whether an entry of the node's file is a ``[host, port]`` pair."""
+    return (
+        isinstance(entry, list)
+        and len(entry) == 2
+        and isinstance(entry[0], str)
+        and isinstance(entry[1], int)
+        and 0 < entry[1] < 65536
+    )
 
 
 def _refusal(e: Etcd3Exception) -> str | None:
