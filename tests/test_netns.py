@@ -179,6 +179,19 @@ def test_a_paused_node_stops_every_process_and_a_killed_one_loses_them_all(clust
 
 
 @needs_netns
+def test_a_killed_node_loses_at_once_the_processes_it_forks_while_it_dies(cluster: Cluster) -> None:
+    """Through the node's cgroup: one by one, a listing misses what forks after it, and a process may see
+    another die first (srun then aborts the job step on every node)."""
+    if netns._cgroups() is None:
+        pytest.skip("no cgroup v2 with cgroup.kill: a node's processes are killed one by one")
+    a = cluster.nodes[0]
+    forker = cluster.spawn(a, ["sh", "-c", "while :; do sleep 30 & sleep 0.002; done"])  # a 30 s child every 2 ms
+    time.sleep(0.3)
+    assert forker.pid in cluster.kill(a, timeout_s=5)
+    assert cluster.pids(a) == [] and forker.poll() == -9
+
+
+@needs_netns
 def test_a_spawned_process_is_inside_its_node_when_spawn_returns() -> None:
     """``ip netns exec`` enters the namespace after its own start: spawn waits for it, or a pause or
     kill of the node right after could miss the process."""

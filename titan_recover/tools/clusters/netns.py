@@ -7,8 +7,9 @@ sit on a bridge in a switch namespace of their own, with no route out, so nothin
 machine. Faults: a node's cable pulled (its switch port down), its packets dropped by nftables rules
 on the switch's bridge (both ways, one way, or a random share: loss; neither end sees an error, as
 on a real link), latency (every new TCP connection between nodes through a relay that delays each
-byte, ``delay_relay``), every process of a node SIGSTOPped or SIGKILLed. This kernel has no netem;
-nftables (Debian's ``nftables``), bridges and veth work.
+byte, ``delay_relay``), every process of a node SIGSTOPped or SIGKILLed (at one instant, through the
+node's cgroup, where cgroup v2 has ``cgroup.kill``). This kernel has no netem; nftables (Debian's
+``nftables``), bridges and veth work.
 Every fault is a context manager that undoes itself, and the cluster removes all it made on exit,
 also when the test fails; namespaces left by a SIGKILLed test process are removed by the next one.
 
@@ -18,6 +19,7 @@ Needs root, ``ip`` (iproute2) and ``nft``; ``unavailable()`` says why not where 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -28,6 +30,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from titan_recover.node.procs import pid_alive
@@ -72,10 +75,37 @@ def unavailable() -> str | None:
     return None
 
 
+@functools.cache
+def _cgroups() -> Path | None:
+    """Where each node gets a cgroup v2 of its own, one that can kill all its processes at once
+    (``cgroup.kill``, Linux 5.14), or None where there is none to make."""
+    for root in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")):
+        probe = root / f"{PREFIX}{os.getpid()}probe"
+        if not (root / "cgroup.controllers").exists():  # not a cgroup v2 hierarchy
+            continue
+        try:
+            probe.mkdir()
+        except OSError:
+            continue
+        usable = (probe / "cgroup.kill").exists()
+        probe.rmdir()
+        if usable:
+            return root
+    log.info("no cgroup v2 with cgroup.kill here: a node's processes are SIGKILLed one by one")
+    return None
+
+
+def _cgroup(ns: str) -> Path | None:
+    root = _cgroups()
+    return root / ns if root else None
+
+
 def remove_orphans() -> list[str]:
-    """Removes the namespaces (and their processes) of clusters whose owner process is gone."""
+    """Removes the namespaces (and their processes and cgroups) of clusters whose owner process is gone."""
     removed = []
-    for name in _run("ip", "netns", "list").split():
+    root = _cgroups()
+    left = {path.name for path in root.iterdir() if path.is_dir()} if root else set()
+    for name in sorted(set(_run("ip", "netns", "list").split()) | left):
         match = _NAME.match(name)
         if match and not pid_alive(int(match.group(1))):
             _remove(name)
@@ -119,10 +149,33 @@ def _signal_all(ns: str, sig: signal.Signals) -> list[int]:
     return pids
 
 
+def _kill_all(ns: str) -> list[int]:
+    """Every process of ``ns`` SIGKILLed; the ones listed. Those of its cgroup die at one instant, as on a node
+    that fails: killed one by one, a process could see another one die first and act on it (srun aborts
+    the whole job step, every node's tasks, when it sees its own node's slurmstepd die)."""
+    pids = _pids(ns) if Path(f"/run/netns/{ns}").exists() else []
+    cgroup = _cgroup(ns)
+    if cgroup and cgroup.exists():
+        (cgroup / "cgroup.kill").write_text("1")
+    if pids:
+        pids += [pid for pid in _signal_all(ns, signal.SIGKILL) if pid not in pids]  # any outside the cgroup
+    return pids
+
+
 def _remove(ns: str) -> None:
     with contextlib.suppress(NetnsError):
-        _signal_all(ns, signal.SIGKILL)
+        _kill_all(ns)
     subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=COMMAND_TIMEOUT_S)
+    cgroup = _cgroup(ns)
+    deadline = time.monotonic() + COMMAND_TIMEOUT_S
+    while cgroup and cgroup.exists():
+        try:
+            cgroup.rmdir()
+        except OSError as e:  # its processes still dying
+            if time.monotonic() > deadline:
+                log.warning(f"cgroup {cgroup} not removed: {e}")
+                break
+            time.sleep(0.05)
 
 
 @dataclass(frozen=True)
@@ -165,6 +218,9 @@ class Cluster:
         _run("ip", "-n", self.switch, "link", "set", "br0", "up")
         for node in self.nodes:
             _run("ip", "netns", "add", node.ns)
+            cgroup = _cgroup(node.ns)
+            if cgroup:
+                cgroup.mkdir()
             _run(
                 "ip",
                 "link",
@@ -204,7 +260,7 @@ class Cluster:
         """``argv`` started inside ``node``'s namespace (``ip netns exec`` execs it: the pid is its own).
         Returns once the process is inside (or has already ended): until ``ip netns exec`` has entered
         the namespace, the node's process list, pause and kill would miss it."""
-        proc = subprocess.Popen(["ip", "netns", "exec", node.ns, *argv], **popen)
+        proc = subprocess.Popen([*self.entering(node), "ip", "netns", "exec", node.ns, *argv], **popen)
         self.procs.append(proc)
         deadline = time.monotonic() + COMMAND_TIMEOUT_S
         while not _inside(proc.pid, node.ns) and proc.poll() is None:
@@ -214,12 +270,18 @@ class Cluster:
             time.sleep(0.005)
         return proc
 
+    def entering(self, node: Node) -> list[str]:
+        """The command prefix that starts a process in ``node``'s cgroup (its children with it), so that the
+        node's loss kills them all at once; nothing where there is no cgroup."""
+        cgroup = _cgroup(node.ns)
+        return ["sh", "-c", 'echo 0 > "$0" && exec "$@"', str(cgroup / "cgroup.procs")] if cgroup else []
+
     def pids(self, node: Node) -> list[int]:
         return _pids(node.ns)
 
     def kill(self, node: Node, timeout_s: float = COMMAND_TIMEOUT_S) -> list[int]:
         """SIGKILLs every process of ``node`` (a node lost, or replaced) and waits until none is left."""
-        pids = _signal_all(node.ns, signal.SIGKILL)
+        pids = _kill_all(node.ns)
         deadline = time.monotonic() + timeout_s
         while self.pids(node):
             if time.monotonic() > deadline:

@@ -200,6 +200,7 @@ class SlurmCluster:
         script = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
         proc = subprocess.Popen(
             [
+                *self.net.entering(node),
                 "nsenter",
                 f"--net=/run/netns/{node.ns}",
                 "unshare",
