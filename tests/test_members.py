@@ -4,6 +4,13 @@ whole is ``tests/test_partitions_etcd.py``'s."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
 import pytest
 
 from titan_recover import config
@@ -187,3 +194,74 @@ def test_a_process_started_now_is_given_the_members_as_this_process_last_read_th
     named = "etcd://localhost:12379,127.0.0.1:12380,127.0.0.1:12381"  # the same members, read back as addresses
     cluster_of(parse_etcd_url(named)).endpoints = [("127.0.0.1", 12380), ("127.0.0.1", 12379), ("127.0.0.1", 12381)]
     assert followed(named) == named
+
+
+def test_a_member_host_back_without_its_data_or_removed_volunteers_and_otherwise_starts_its_member() -> None:
+    peer = PEERS["m0"]
+    started = {peer: "m0", PEERS["m1"]: "m1", PEERS["m2"]: "m2"}
+    assert not etcd_members.volunteers_instead(None, peer, kept=False)  # nobody answers: the run's first start
+    assert not etcd_members.volunteers_instead({**started, peer: ""}, peer, kept=False)  # first start, this host late
+    assert not etcd_members.volunteers_instead(started, peer, kept=True)  # restarted with its data: it catches up
+    assert etcd_members.volunteers_instead(started, peer, kept=False)  # its data gone with the node
+    removed = {PEERS["m1"]: "m1", PEERS["m2"]: "m2", PEERS["m3"]: "m3"}
+    assert etcd_members.volunteers_instead(removed, peer, kept=True)  # replaced meanwhile: its data is of no use
+
+
+def test_a_lost_members_own_node_volunteering_replaces_it_once_the_bound_is_over() -> None:
+    """Three nodes, node 0 back without its data: its offer is at m0's own peer address."""
+    keeping = etcd_members.Keeping(3, after_s=10.0)
+    members = seen("m1", "m2", silent=("m0",))
+    back = etcd_members.Volunteer("10.0.0.1", PEERS["m0"])
+    assert keeping.decide(members, [back], "m1", now=0.0) is None
+    assert keeping.decide(members, [back], "m1", now=10.0) == etcd_members.Remove(members[2], 10.0)
+    change = keeping.decide(seen("m1", "m2"), [back], "m1", now=11.0)
+    assert change == etcd_members.Add(back, "m3", f"m1={PEERS['m1']},m2={PEERS['m2']},m3={PEERS['m0']}")
+
+
+@contextlib.contextmanager
+def answering(body: bytes) -> Iterator[int]:
+    """A member's client port on loopback that answers every request with ``body``; its port."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_starting_member_host_reads_the_running_members_from_another_and_nothing_where_none_listens(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    local = ("127.0.0.1", "127.0.0.1")
+    alone = Members(("n0", "n1"), local, (free_port(), free_port()))
+    begun = time.monotonic()
+    assert members.listed(alone, 0) is None  # the run's first start: nobody to ask, and no wait
+    assert time.monotonic() - begun < 1.0
+    running = b'{"members": [{"name": "m0", "peerURLs": ["http://10.0.0.1:2380"]}, {"name": "", "peerURLs": []}]}'
+    with answering(running) as port:
+        assert members.listed(Members(("n0", "n1"), local, (free_port(), port)), 0) == {
+            "http://10.0.0.1:2380": "m0",
+            "": "",
+        }
+    with answering(b'{"members": "m0"}') as port:  # not etcd's answer: not taken, said, and the wait bounded
+        assert members.listed(Members(("n0", "n1"), local, (free_port(), port)), 0, timeout_s=0.5) is None
+    assert "in a form not etcd's" in caplog.text

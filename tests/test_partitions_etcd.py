@@ -101,6 +101,28 @@ def test_on_an_etcd_the_nodes_form_themselves_a_member_node_cut_off_and_back_is_
 
 @needs_netns
 @needs_etcd
+def test_on_an_etcd_the_nodes_form_themselves_a_member_node_replaced_by_a_new_one_comes_back_as_a_new_member(
+    tmp_path: Path, three: Cluster, three_replicas: Run
+) -> None:
+    """``control_store = "nodes://<the 3 nodes>"``: node 0 (the node that began the run) SIGKILLed whole while every
+    group holds step 2, its member's data removed, and the same command started on it at once, as a scheduler
+    replacing a node or a pod does. Its launcher does not start m0 empty (etcd would take it for m0 with its data
+    lost): it volunteers, node 1's keeper removes m0 once it is silent for 5 s and adds node 0 as m3, and node 0's
+    group rejoins. Node 1 then lost whole leaves m2 and m3 of three, a quorum. Nodes 0 and 2 end the run with exit
+    0, every step once, M = 6 every step, on the failure-free data and losses."""
+    outcome = partitions.member_node_replaced(three, tmp_path / "dump", *THREE)
+    print(outcome.timings)
+    assert outcome.exits == [0, 0], [out[-3000:] for out in outcome.outputs]
+    run = Run(0, outcome.outputs[0], outcome.events)
+    assert_same_trajectory(three_replicas, run, 1e-3, num_microbatches=6)
+    assert sorted(f["replica"] for f in run.of("failure")) == [0, 1], run.of("failure")
+    assert [e["replica"] for e in run.of("rejoined")] == [0], run.of("rejoined")
+    assert run.of("step")[-1]["members"] == [0, 2], run.of("step")[-1]
+    assert "ran on this node before" in outcome.outputs[0] and "volunteers" in outcome.outputs[0], outcome.outputs[0]
+
+
+@needs_netns
+@needs_etcd
 def test_on_an_etcd_the_nodes_form_themselves_members_lost_one_after_another_are_replaced_and_quorum_holds(
     tmp_path: Path, ten_microbatches: Run
 ) -> None:

@@ -32,10 +32,13 @@ from titan_recover.control import keys, transport
 from titan_recover.control.addresses import ETCD_SCHEME, parse_nodes_url, resolve
 from titan_recover.control.etcd_process import CTL_TIMEOUT_S, member_command, release, unavailable
 from titan_recover.node.procs import die_with_parent, stop_within
+from titan_recover.policy import etcd_members
 
 SERVE_POLL_S = 0.5  # how often a launcher asks whether the members serve yet
 SAY_EVERY_S = 10.0  # how often it says it still waits
 LINGER_S = 15.0  # how long a member may outlive its launcher's end while the run's leader still holds its lease
+LISTED_S = 5.0  # how long a starting member host asks the members that listen for the cluster's members
+LISTED_PROBE_S = 1.0  # one member's connect, and its answer
 log = logging.getLogger(__name__)
 
 
@@ -132,6 +135,15 @@ def form(url: str, environ: Mapping[str, str], dump: str, timeout_s: float) -> t
             raise config.ConfigError(f"recover.control_store = {url!r} runs an etcd member on this node: {why}")
         folder = data_dir(run_id, members, mine)
         kept = os.path.isdir(folder)
+        if etcd_members.volunteers_instead(listed(members, mine), members.peer(mine), kept):
+            log.warning(
+                f"etcd member m{mine} of {url} ran on this node before, and the run's etcd "
+                + ("removed it" if kept else "goes on without it, its data gone with the node")
+                + ": this node volunteers, and the run's keepers add it back as a new member"
+            )
+            shutil.rmtree(folder, ignore_errors=True)
+            mine = None
+    if mine is not None:
         token = f"titan_recover-{run_id}-{members.digest}"
         member = start(f"m{mine}", members.client(mine), members.peer(mine), folder, members.cluster, dump, token)
         log.info(
@@ -141,6 +153,45 @@ def form(url: str, environ: Mapping[str, str], dump: str, timeout_s: float) -> t
         )
     wait_serving(members.etcd_url, None if member is None else member.proc, timeout_s)
     return members.etcd_url, member
+
+
+def listed(members: Members, mine: int, timeout_s: float = LISTED_S) -> dict[str, str] | None:
+    """The run's cluster's members as another host's member lists them (peer address: name, "" for one never
+    started), or None where no other member listens (the run's first start: they start with this one) or none
+    that listens answers within ``timeout_s``."""
+    from etcd3gw.client import Etcd3Client  # the etcd extra: a nodes:// run has it
+    from etcd3gw.exceptions import Etcd3Exception
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listening = False
+        for i in (i for i in range(len(members.hosts)) if i != mine):
+            try:
+                socket.create_connection((members.ips[i], members.ports[i]), timeout=LISTED_PROBE_S).close()
+            except OSError:
+                continue
+            listening = True
+            client = Etcd3Client(members.ips[i], members.ports[i], timeout=LISTED_PROBE_S, api_path="/v3/")
+            try:
+                answer = client.post(client.get_url("cluster/member/list"), json={})
+            except (Etcd3Exception, OSError, ValueError) as e:  # asked again below
+                log.debug(f"m{i} did not list the members: {type(e).__name__}: {e}")
+                continue
+            found = answer.get("members") if isinstance(answer, dict) else None
+            if not isinstance(found, list) or not all(isinstance(m, dict) for m in found):
+                log.warning(f"m{i} listed the members in a form not etcd's: {str(answer)[:200]}")
+                continue
+            return {_first(m.get("peerURLs")): str(m.get("name", "")) for m in found}
+        if not listening:
+            return None
+        if time.monotonic() > deadline:
+            log.warning(f"the run's etcd members listen but did not list themselves within {timeout_s:g}s")
+            return None
+        time.sleep(SERVE_POLL_S)
+
+
+def _first(urls: object) -> str:
+    return str(urls[0]) if isinstance(urls, list) and urls else ""
 
 
 def start(name: str, client: str, peer: str, folder: str, cluster: str, dump: str, token: str = "") -> Member:

@@ -6,6 +6,8 @@ comes first: adding to a cluster of three with one member lost makes four, and t
 two live members cannot make. One change at a time, decided by the keeper of the live member with the lowest
 name (every keeper sees the same members; a keeper that sees no majority answer decides nothing, so one cut
 off never removes the live side). A member added whose node never starts it is removed after ``after_s`` too.
+A member's own node, back without its data (``volunteers_instead``), volunteers and stands in for its lost
+member: that one is removed, and the node added back as a new member.
 With no volunteer (three nodes, or every other node lost), a lost member stays listed (removing it changes no
 quorum: two live members are needed either way) and comes back by itself if its node does.
 """
@@ -47,6 +49,18 @@ class Add:
 Change = Remove | Add
 
 
+def volunteers_instead(listed: dict[str, str] | None, peer: str, kept: bool) -> bool:
+    """Whether the launcher of a host the ``nodes://`` URL names, starting, volunteers rather than start its member
+    (at ``peer``): the run's cluster (``listed``: each member's peer and name, "" for one never started; None
+    where it did not answer, as at a run's first start) removed that member, or it ran before and its data is
+    gone (``kept`` False: a node replaced, a new disk). Started empty as a member of the first start, it would
+    come back as the same member without its data, which etcd cannot tell from a member that lost writes it
+    acknowledged; the keepers replace it by a new member instead, started from the live members' data."""
+    if listed is None:
+        return False
+    return peer not in listed or (listed[peer] != "" and not kept)
+
+
 def index_of(name: str) -> int:
     """``m3`` -> 3; -1 for a name not of that form (a member the run did not name)."""
     return int(name[1:]) if name.startswith("m") and name[1:].isdigit() else -1
@@ -72,9 +86,9 @@ class Keeping:
         live = [m for m in members if m.answers and m.name]
         if 2 * len(live) <= len(members) or mine != min((m.name for m in live), key=index_of, default=""):
             return None
-        taken = {m.peer for m in members}
-        candidate = next((v for v in volunteers if v.peer not in taken), None)
         silent = [m for m in members if not m.answers and now - self.silent_since[m.id] >= self.after_s]
+        taken = {m.peer for m in members if m not in silent}  # a lost member's node may come back to replace it
+        candidate = next((v for v in volunteers if v.peer not in taken), None)
         if not candidate:  # a lost member stays listed: two live of three hold the quorum two of two would
             silent = [m for m in silent if not m.name]  # (a member added and never started goes all the same)
         if silent:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -406,13 +407,17 @@ def three_nodes(
     """Launchers on the first ``nodes`` nodes (``ETCD_NODES``), replica group i on node i, on node 0's TCPStore
     (``store`` None) or on the control store ``store`` (``nodes_url``: the members the first ``ETCD_NODES`` nodes
     form themselves), fault plan ``plan``."""
-    args = launcher_args(dump, cluster.nodes[0] if store is None else store, plan, *layout)
     (dump.parent / "tmp").mkdir(parents=True, exist_ok=True)  # the members' data: this scenario's own
-    envs = node_envs(cluster, store, nodes)
-    return [
-        Launcher(cluster, n, dump, args, {**env, "TMPDIR": str(dump.parent / "tmp")})
-        for n, env in zip(cluster.nodes, envs)
-    ]
+    return [again(cluster, dump, store, i, *layout, plan=plan, nodes=nodes) for i in range(nodes)]
+
+
+def again(
+    cluster: Cluster, dump: Path, store: str | None, i: int, *layout: str, plan: str, nodes: int, name: str = ""
+) -> Launcher:
+    """``three_nodes``' launcher of node ``i``: the same command started again, where ``name`` is given."""
+    args = launcher_args(dump, cluster.nodes[0] if store is None else store, plan, *layout)
+    env = {**node_envs(cluster, store, nodes)[i], "TMPDIR": str(dump.parent / "tmp")}
+    return Launcher(cluster, cluster.nodes[i], dump, args, env, name=name)
 
 
 def failure_free_on_three(cluster: Cluster, dump: Path, store: str | None, *layout: str) -> Outcome:
@@ -476,6 +481,40 @@ def members_lost_one_after_another(cluster: Cluster, dump: Path, *layout: str) -
         timings[f"replaced_m{lost}_s"] = time.monotonic() - killed
     cluster.kill(cluster.nodes[2])
     return finish(dump, launchers[3:], timings, timeout=300)
+
+
+def member_node_replaced(cluster: Cluster, dump: Path, *layout: str) -> Outcome:
+    """Three nodes on ``nodes://`` (a member each), every group holding after step 2's commit: node 0 SIGKILLed
+    whole, its member's data removed (a new machine, a new pod), and its command started again at once. Its
+    launcher volunteers instead of starting m0 empty; m0, silent for ``member_replace_after_s`` (``MEMBER_LOST_S``),
+    is removed and node 0 added back as m3, and its group rejoins (replicas 1 and 2 hold steps 2, 3 and 4 until the
+    next epoch: node 0's loss, its admission, node 1's loss). Then node 1 is SIGKILLed: m2 and m3 are a quorum of
+    three (without the replacement, m0 and m1 lost of three would stop the run), and nodes 0 and 2 end the run.
+    Timings: the relaunch to m3's start (``m3_started_s``) and to replica 0's rejoin (``rejoined_s``)."""
+    plan = "; ".join(
+        [
+            "sleep replica=0 step=2 phase=optimizer seconds=180",  # node 0 is lost here
+            *(f"sleep replica={r} step={s} phase=optimizer seconds=180 until=epoch" for r in (1, 2) for s in (2, 3, 4)),
+        ]
+    )
+    store, extra = nodes_url(cluster), ("--recover.member_replace_after_s", str(MEMBER_LOST_S))
+    launchers = three_nodes(cluster, dump, store, *extra, *layout, plan=plan)
+    wait_until("every group's hold", lambda: holding(dump) == {0, 1, 2}, 300, launchers)
+    cluster.kill(cluster.nodes[0])
+    for data in (dump.parent / "tmp" / "titan_recover-etcd").glob("*/*/m0"):
+        shutil.rmtree(data)
+    relaunched = time.monotonic()
+    launchers[0] = again(cluster, dump, store, 0, *extra, *layout, plan=plan, nodes=3, name="node0-again")
+    started = "etcd member m3 starts on this node"
+    wait_until("m3 on node 0", lambda: started in launchers[0].output(), 120, launchers)
+    timings = {"m3_started_s": time.monotonic() - relaunched}
+    rejoined = lambda: any(e["event"] == "rejoined" for e in events(dump))  # noqa: E731
+    wait_until("replica 0 rejoined", rejoined, 240, launchers)
+    timings["rejoined_s"] = time.monotonic() - relaunched
+    held = lambda: {e["replica"] for e in events(dump) if e["event"] == "fault_injected" and e.get("step") == 4}  # noqa: E731
+    wait_until("replicas 1 and 2 holding step 4", lambda: held() == {1, 2}, 240, launchers)
+    cluster.kill(cluster.nodes[1])
+    return finish(dump, [launchers[0], launchers[2]], timings, timeout=300)
 
 
 def holding(dump: Path) -> set[int]:
