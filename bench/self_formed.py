@@ -6,7 +6,9 @@ llama3, fp32, M = 6: ``--training.global_batch_size 12``) on node i, ``--steps``
 runs, alternated: every process on node 0's TCPStore (the coordinator bound to its address), then on an etcd
 whose three members the launchers start themselves (one per node, a coordinator candidate beside each). The
 mean step time of each run (steps after the first two, which include the process groups' first rendezvous),
-and the ratio of the medians. Then node 0 SIGKILLed whole after step 3 on the self-formed etcd
+and the ratio of the medians. A third run of each pair keeps the members' data on tmpfs (``/dev/shm``), where
+an fsync costs nothing: its ratio to the run with the data on the disk (the default, ``$TMPDIR``) is what the
+members' fsyncs cost a step. Then node 0 SIGKILLed whole after step 3 on the self-formed etcd
 (``partitions.self_formed_node0_killed``; the tests kill it first of three member nodes on five): seconds from the kill
 to the first step committed after it, and to the next leader's event where node 0's candidate led. Beside the
 self-formed runs, the largest etcd member's peak resident memory (sampled every 0.5 s).
@@ -110,13 +112,16 @@ def main(argv: list[str]) -> int:
         print(f"bench.self_formed cannot run here: {reason}", file=sys.stderr)
         return 2
     layout = (*LAYOUT, "--training.global_batch_size", "12", "--training.steps", str(args.steps))
-    step_s: dict[str, list[float]] = {"tcpstore": [], "self_formed_etcd": []}
+    step_s: dict[str, list[float]] = {"tcpstore": [], "self_formed_etcd": [], "self_formed_etcd_data_on_tmpfs": []}
     member_mb: list[float] = []  # each self-formed run's largest member's peak RSS
-    with tempfile.TemporaryDirectory(prefix="self-formed-") as work:
+    with (
+        tempfile.TemporaryDirectory(prefix="self-formed-") as work,
+        tempfile.TemporaryDirectory(prefix="self-formed-", dir="/dev/shm") as memory_work,
+    ):
         for pair in range(args.pairs):
             for name in step_s:
-                dump = Path(work) / f"{name}-{pair}" / "dump"
-                dump.parent.mkdir()
+                dump = Path(memory_work if name.endswith("tmpfs") else work) / f"{name}-{pair}" / "dump"
+                dump.parent.mkdir()  # the members' data goes beside it (``partitions.three_nodes``)
                 with Cluster(ETCD_NODES) as cluster, MemberMemory() as memory:
                     store = None if name == "tcpstore" else nodes_url(cluster)
                     outcome = checked(failure_free_on_three(cluster, dump, store, *layout), args.steps, name)
@@ -131,6 +136,7 @@ def main(argv: list[str]) -> int:
     if killed.exits != [0, 0]:
         raise RuntimeError(f"node 0 killed: the other nodes exited {killed.exits}:\n{killed.outputs[0][-3000:]}")
     ratio = statistics.median(step_s["self_formed_etcd"]) / statistics.median(step_s["tcpstore"])
+    fsync = statistics.median(step_s["self_formed_etcd"]) / statistics.median(step_s["self_formed_etcd_data_on_tmpfs"])
     result = {
         "issue": 68,
         "setup": (
@@ -141,11 +147,15 @@ def main(argv: list[str]) -> int:
         "command": f"python -m bench.self_formed --pairs {args.pairs} --steps {args.steps}",
         "step_s": step_s,
         "self_formed_over_tcpstore_step_ratio": round(ratio, 3),
+        "data_on_disk_over_tmpfs_step_ratio": round(fsync, 3),
         "member_peak_rss_mb": member_mb,
         "node0_killed": {k: round(v, 2) for k, v in killed.timings.items()},
     }
     path = write_result("self_formed", result)
-    log.info(f"step time, self-formed etcd / TCPStore: {ratio:.3f}; node 0 killed: {result['node0_killed']}; {path}")
+    log.info(
+        f"step time, self-formed etcd / TCPStore: {ratio:.3f}; members' data on the disk / on tmpfs: {fsync:.3f}; "
+        f"node 0 killed: {result['node0_killed']}; {path}"
+    )
     return 0
 
 

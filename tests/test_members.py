@@ -198,12 +198,12 @@ def test_a_process_started_now_is_given_the_members_as_this_process_last_read_th
 
 def test_a_member_host_back_without_its_data_or_removed_volunteers_and_otherwise_starts_its_member() -> None:
     peer = PEERS["m0"]
-    started = {peer: "m0", PEERS["m1"]: "m1", PEERS["m2"]: "m2"}
+    started = {peer: True, PEERS["m1"]: True, PEERS["m2"]: True}
     assert not etcd_members.volunteers_instead(None, peer, kept=False)  # nobody answers: the run's first start
-    assert not etcd_members.volunteers_instead({**started, peer: ""}, peer, kept=False)  # first start, this host late
+    assert not etcd_members.volunteers_instead({**started, peer: False}, peer, kept=False)  # first start, host late
     assert not etcd_members.volunteers_instead(started, peer, kept=True)  # restarted with its data: it catches up
     assert etcd_members.volunteers_instead(started, peer, kept=False)  # its data gone with the node
-    removed = {PEERS["m1"]: "m1", PEERS["m2"]: "m2", PEERS["m3"]: "m3"}
+    removed = {PEERS["m1"]: True, PEERS["m2"]: True, PEERS["m3"]: True}
     assert etcd_members.volunteers_instead(removed, peer, kept=True)  # replaced meanwhile: its data is of no use
 
 
@@ -256,11 +256,15 @@ def test_a_starting_member_host_reads_the_running_members_from_another_and_nothi
     begun = time.monotonic()
     assert members.listed(alone, 0) is None  # the run's first start: nobody to ask, and no wait
     assert time.monotonic() - begun < 1.0
-    running = b'{"members": [{"name": "m0", "peerURLs": ["http://10.0.0.1:2380"]}, {"name": "", "peerURLs": []}]}'
+    # etcd 3.4.23's answer while m0 and m1 of a first start run and m2 has not started: named, no client address
+    running = (
+        b'{"members": [{"name": "m1", "peerURLs": ["http://10.0.0.2:2380"], "clientURLs": ["http://10.0.0.2:2379"]},'
+        b' {"name": "m2", "peerURLs": ["http://10.0.0.3:2380"]}]}'
+    )
     with answering(running) as port:
         assert members.listed(Members(("n0", "n1"), local, (free_port(), port)), 0) == {
-            "http://10.0.0.1:2380": "m0",
-            "": "",
+            "http://10.0.0.2:2380": True,
+            "http://10.0.0.3:2380": False,
         }
     with answering(b'{"members": "m0"}') as port:  # not etcd's answer: not taken, said, and the wait bounded
         assert members.listed(Members(("n0", "n1"), local, (free_port(), port)), 0, timeout_s=0.5) is None

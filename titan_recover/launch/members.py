@@ -155,10 +155,10 @@ def form(url: str, environ: Mapping[str, str], dump: str, timeout_s: float) -> t
     return members.etcd_url, member
 
 
-def listed(members: Members, mine: int, timeout_s: float = LISTED_S) -> dict[str, str] | None:
-    """The run's cluster's members as another host's member lists them (peer address: name, "" for one never
-    started), or None where no other member listens (the run's first start: they start with this one) or none
-    that listens answers within ``timeout_s``."""
+def listed(members: Members, mine: int, timeout_s: float = LISTED_S) -> dict[str, bool] | None:
+    """The run's cluster's members as another host's member lists them (peer address: whether it ever started,
+    that is published its client address), or None where no other member listens (the run's first start: they
+    start with this one) or none that listens answers within ``timeout_s``."""
     from etcd3gw.client import Etcd3Client  # the etcd extra: a nodes:// run has it
     from etcd3gw.exceptions import Etcd3Exception
 
@@ -181,7 +181,7 @@ def listed(members: Members, mine: int, timeout_s: float = LISTED_S) -> dict[str
             if not isinstance(found, list) or not all(isinstance(m, dict) for m in found):
                 log.warning(f"m{i} listed the members in a form not etcd's: {str(answer)[:200]}")
                 continue
-            return {_first(m.get("peerURLs")): str(m.get("name", "")) for m in found}
+            return {_first(m.get("peerURLs")): bool(_first(m.get("clientURLs"))) for m in found}
         if not listening:
             return None
         if time.monotonic() > deadline:

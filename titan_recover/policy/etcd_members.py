@@ -49,16 +49,17 @@ class Add:
 Change = Remove | Add
 
 
-def volunteers_instead(listed: dict[str, str] | None, peer: str, kept: bool) -> bool:
+def volunteers_instead(listed: dict[str, bool] | None, peer: str, kept: bool) -> bool:
     """Whether the launcher of a host the ``nodes://`` URL names, starting, volunteers rather than start its member
-    (at ``peer``): the run's cluster (``listed``: each member's peer and name, "" for one never started; None
-    where it did not answer, as at a run's first start) removed that member, or it ran before and its data is
-    gone (``kept`` False: a node replaced, a new disk). Started empty as a member of the first start, it would
-    come back as the same member without its data, which etcd cannot tell from a member that lost writes it
-    acknowledged; the keepers replace it by a new member instead, started from the live members' data."""
+    (at ``peer``): the run's cluster (``listed``: each member's peer and whether it ever started, that is published
+    a client address; None where it did not answer, as at a run's first start) removed that member, or it ran
+    before and its data is gone (``kept`` False: a node replaced, a new disk). Started empty as a member of the
+    first start, it would come back as the same member without its data, which etcd cannot tell from a member
+    that lost writes it acknowledged; the keepers replace it by a new member instead, started from the live
+    members' data. A member of the first start not started yet is listed by name, without a client address."""
     if listed is None:
         return False
-    return peer not in listed or (listed[peer] != "" and not kept)
+    return peer not in listed or (listed[peer] and not kept)
 
 
 def index_of(name: str) -> int:
