@@ -39,6 +39,20 @@ if [ ! -e "$VENV/bin/python" ] && [ -e "$VENV/bin/python3" ]; then  # e.g. VENV=
     echo "error: VENV=$VENV has bin/python3 but no bin/python: name an environment with bin/python (a conda environment, a virtualenv), or reuse this one's torch from ./.venv with TORCH_FROM=env PYTHON=$VENV/bin/python3" >&2
     exit 2
 fi
+# One bootstrap at a time per environment: the launchers of a multi-node job share it (one folder on a shared
+# file system) and start together; two pip installs into one environment break each other. The others wait,
+# then find it made. The lock is released before the command runs (fd 9 closed below).
+lock_wait_s=1800
+if command -v flock > /dev/null && mkdir -p "$VENV" 2> /dev/null && [ -w "$VENV" ]; then
+    exec 9>> "$VENV/.titan_recover-lock"
+    if ! flock -n 9; then
+        echo "[bootstrap] another bootstrap is setting up $VENV: waiting for it (at most ${lock_wait_s}s)" >&2
+        flock -w "$lock_wait_s" 9 || {
+            echo "error: another bootstrap of $VENV held it for ${lock_wait_s}s: if that one is stuck, stop it (fuser -v $VENV/.titan_recover-lock names it)" >&2
+            exit 1
+        }
+    fi
+fi
 stamp="$VENV/.titan_recover-installed"
 made="$VENV/.titan_recover-made"  # this script made the environment (python -m venv): it is never adopted
 own_torch="torch from: this environment's own"  # the stamp of an adopted environment says so
@@ -116,4 +130,5 @@ for name in ("torch", "triton", "numpy"):  # pip is held to the versions install
     fi
     stamp_for "$extras" > "$stamp"
 fi
+exec 9>&-  # the bootstrap's lock, released (closed where it was never opened: a no-op)
 export PYTHONUNBUFFERED=1

@@ -9,6 +9,7 @@ suite's environment was made). The package index is pointed at a closed port, so
 reaches for the network fails.
 """
 
+import fcntl
 import os
 import shlex
 import subprocess
@@ -228,3 +229,27 @@ def test_an_environment_this_script_made_keeps_the_pinned_torch(tmp_path: Path) 
     refused = bootstrap(usr, "none")
     assert refused.returncode == 2 and "has bin/python3 but no bin/python" in refused.stderr
     assert sorted(p.name for p in usr.iterdir()) == ["bin"]  # nothing written there
+
+
+def test_bootstraps_of_one_environment_at_once_take_turns_and_the_command_after_holds_no_lock(tmp_path: Path) -> None:
+    """The launchers of a multi-node job share one environment and bootstrap together: while one holds the
+    environment's lock, another says it waits and installs nothing; it then finds the extra it lacked and adds it.
+    The lock is released before the command runs (a test run holding it would stall every node's launcher)."""
+    venv, log = recording_environment(tmp_path / "venv")
+    (venv / STAMP).write_text((ROOT / "pyproject.toml").read_text() + "extras: torchtitan022\n")
+    lock = venv / ".titan_recover-lock"
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_FROM", "WHEELS", "PYTHONPATH")}
+    env |= {"VENV": str(venv), "EXTRAS": "test", "TORCHTITAN": "0.2.2", "PYTHON": "false"}
+    after = f"source scripts/bootstrap.sh && flock -n {shlex.quote(str(lock))} echo free"
+    with lock.open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiting = subprocess.Popen(
+            ["bash", "-c", after], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        assert waiting.stderr is not None
+        said = waiting.stderr.readline()  # the first line is the wait's, before any install
+        assert said.startswith(f"[bootstrap] another bootstrap is setting up {venv}: waiting"), said
+        assert waiting.poll() is None and calls(log) == []
+    out, err = waiting.communicate(timeout=60)
+    assert waiting.returncode == 0 and out == "free\n", err
+    assert calls(log) == ["-m pip install -e .[torchtitan022,test]"]

@@ -158,8 +158,10 @@ def test_a_node_lost_whole_with_the_other_nodes_group_resumes_from_the_survivors
         *JOB,
         *single,
         "--recover.fault_plan",
-        # the resumed replica 0 holds its second step until B's command, started again, joins the run (at most 120 s)
-        "kill replica=0 step=8 phase=backward; sleep replica=0 attempt=1 step=+2 seconds=120 until=epoch",
+        # the resumed replica 0 holds its second step until B's command, started again, joins the run (at most 120 s);
+        # it resumes as its incarnation 1, or 2 where incarnation 1 was admitted before B's silence was seen
+        "kill replica=0 step=8 phase=backward; "
+        + "; ".join(f"sleep replica=0 attempt={a} step=+2 seconds=120 until=epoch" for a in (1, 2)),
         "--recover.snapshot_dir",
         str(memory),
         "--recover.coordinator_port",
