@@ -2,7 +2,7 @@
 
     PYTEST_ADDOPTS=--durations=0 ./run_tests.sh > suite.log 2>&1; python scripts/test_durations.py suite.log
 
-``tests/conftest.py`` runs the files heaviest first from that file: with ``--dist loadfile`` each of the two
+``tests/conftest.py`` runs the files heaviest first from that file: with ``--dist loadfile`` each of the
 workers takes the next file as it frees up, so a heavy file queued last would stretch the suite's end. A file's
 figure is the sum of its tests' setup, call and teardown (a session fixture's run counts where it was made).
 """

@@ -45,7 +45,7 @@ class Run:
 
 DURATIONS = json.loads((ROOT / "tests" / "durations.json").read_text())
 """Each test file's measured seconds (``scripts/test_durations.py`` writes it from a ``--durations=0`` run): run
-with ``--dist loadfile --no-loadscope-reorder``, both workers start on the longest files and the suite ends on
+with ``--dist loadfile --no-loadscope-reorder``, the workers start on the longest files and the suite ends on
 short ones, not on a long file queued last behind a worker's other files. A file not listed counts as 0 s."""
 
 

@@ -133,9 +133,9 @@ def test_a_node_lost_whole_with_the_other_nodes_group_resumes_from_the_survivors
     """Two launchers on one host stand for two nodes: A runs the coordinator and replica 0, B replica 1. B's whole
     tree is SIGKILLed after step 7 (its memory goes with it: B's command started again sweeps the dead launcher's
     folder) and replica 0 is killed in step 8: no group with state is left. Replica 0 comes back on A and resumes
-    from A's snapshot of step 6 without waiting for replica 1, whose launcher is silent; replica 1, started again on
-    B after that, holds none and rejoins from replica 0 by the state transfer. The run ends on its failure-free
-    twin's bits."""
+    from A's newest snapshot (step 6, or 3 while 6's was still written) without waiting for replica 1, whose
+    launcher is silent; replica 1, started again on B after that, holds none and rejoins from replica 0 by the state
+    transfer. The run ends on its failure-free twin's bits."""
     dump, memory = tmp_path / "dump", tmp_path / "memory"
     memory.mkdir()
     port, secret = transport.free_port(), "host-memory-test-secret"
@@ -183,7 +183,8 @@ def test_a_node_lost_whole_with_the_other_nodes_group_resumes_from_the_survivors
             assert b2.wait(timeout=60) == 0, b2.output()[-3000:]
     run = Run(0, a.output(), events(dump))
     [resuming] = run.of("resuming")
-    assert resuming["step"] == 6 and resuming["groups"] == [0], resuming
+    # step 6's snapshot, or step 3's where step 6's was still being written (a background thread) when the group died
+    assert resuming["step"] in (3, 6) and resuming["groups"] == [0], resuming
     [rejoined] = run.of("rejoined")
     assert rejoined["replica"] == 1 and rejoined["bytes"] > 0, rejoined
     assert "of a launcher that is gone" in b2.output(), b2.output()[-3000:]  # B's folder, swept by B2

@@ -174,6 +174,7 @@ def choose_secret(env: dict[str, str], only_this_node: bool) -> str:
 
 
 LEADS_POLL_S = 0.5  # how often a launcher whose groups left reads whether its candidate still leads the run
+STOP_SEEN_S = 5.0  # how long a launcher whose groups were the run's last members waits to see the stop pushed
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 
 
@@ -639,8 +640,9 @@ class NodeLauncher:
             if coordinator is not None and coordinator.poll() is None:
                 coordinator.send_signal(signal.SIGTERM)  # a candidate: it gives up the lead, if it has it
 
-    def drain(self) -> int:
-        """Stops what is left once the run ended; the run's exit code as this node sees it."""
+    def drain(self, client: ControlClient | None = None) -> int:
+        """Stops what is left once the run ended; the run's exit code as this node sees it (``client``: the
+        launcher's, to read whether its groups' leave stopped the run)."""
         if self.lifeline is not None:
             self.lifeline.stop()  # the run is ending and the store ends with it
         self.groups.stop_standbys()
@@ -650,6 +652,9 @@ class NodeLauncher:
             )
             if self.lead_to_the_end() == EXIT_STOPPED:
                 log.info(f"{left}; its {self.store.coordinator} led the run's stop in order")
+                return EXIT_STOPPED
+            if self.stopped_by_leaving(client):
+                log.info(f"{left}, the run's last members: the run stopped in order")
                 return EXIT_STOPPED
             log.info(f"{left}; the run goes on without them")
             return EXIT_LEFT
@@ -711,6 +716,23 @@ class NodeLauncher:
         with contextlib.suppress(subprocess.TimeoutExpired):  # it gives the lease back as it ends, then exits
             coordinator.wait(timeout=min(EXITING_S, max(1.0, deadline - time.time())))
         return coordinator.poll()
+
+    def stopped_by_leaving(self, client: ControlClient | None) -> bool:
+        """Whether this node's groups that left were the run's last members, so that their leave stopped the run
+        in order. The groups' exit can come before the epoch push that says so: the stop is waited for, at most
+        ``STOP_SEEN_S``, only where no member is left elsewhere (a node leaving a run that goes on exits at once)."""
+        if client is None:
+            return False
+        deadline = time.monotonic() + STOP_SEEN_S
+        try:
+            if not set(client.membership(client.epoch()).members) <= set(self.groups.left):
+                return False
+            while not self.agent.flags and time.monotonic() < deadline:
+                time.sleep(LEADS_POLL_S / 5)
+            return client.stopped_in_order()
+        except Exception as e:  # the store gone with the run: nothing says it stopped in order
+            log.warning(f"cannot read whether the run stopped in order ({one_line(e)}): this node says it left")
+            return False
 
     def close(self) -> None:
         """Frees everything this launcher started, whatever happened."""
@@ -797,7 +819,7 @@ def run_recover(
         if client is None:  # the coordinator ended on its own (0 or 1) and said why
             return int(launcher.coordinator.returncode) if launcher.coordinator is not None else 1
         launcher.loop(client)
-        return launcher.drain()
+        return launcher.drain(client)
     finally:
         launcher.close()
 
