@@ -654,7 +654,7 @@ class NodeLauncher:
                 log.info(f"{left}; its {self.store.coordinator} led the run's stop in order")
                 return EXIT_STOPPED
             if self.stopped_by_leaving(client):
-                log.info(f"{left}, the run's last members: the run stopped in order")
+                log.info(f"{left}; the run stopped in order")
                 return EXIT_STOPPED
             log.info(f"{left}; the run goes on without them")
             return EXIT_LEFT
@@ -718,13 +718,16 @@ class NodeLauncher:
         return coordinator.poll()
 
     def stopped_by_leaving(self, client: ControlClient | None) -> bool:
-        """Whether this node's groups that left were the run's last members, so that their leave stopped the run
-        in order. The groups' exit can come before the epoch push that says so: the stop is waited for, at most
-        ``STOP_SEEN_S``, only where no member is left elsewhere (a node leaving a run that goes on exits at once)."""
+        """Whether the run stopped in order as this node's groups left: the stop recorded already (a candidate
+        here that led it may still be lingering), or this node's groups were the run's last members. Their exit can
+        come before the epoch push that says so: the stop is waited for, at most ``STOP_SEEN_S``, only where no
+        member is left elsewhere (a node leaving a run that goes on exits at once)."""
         if client is None:
             return False
         deadline = time.monotonic() + STOP_SEEN_S
         try:
+            if client.stopped_in_order():
+                return True
             if not set(client.membership(client.epoch()).members) <= set(self.groups.left):
                 return False
             while not self.agent.flags and time.monotonic() < deadline:
