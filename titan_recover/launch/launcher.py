@@ -650,11 +650,11 @@ class NodeLauncher:
             left = f"this node left the run on notice: replica groups {self.groups.left} at a step boundary" + (
                 f", {sorted(self.groups.given_up)} failed at once" if self.groups.given_up else ""
             )
-            if self.lead_to_the_end() == EXIT_STOPPED:
-                log.info(f"{left}; its {self.store.coordinator} led the run's stop in order")
-                return EXIT_STOPPED
-            if self.stopped_by_leaving(client):
-                log.info(f"{left}; the run stopped in order")
+            led = self.lead_to_the_end()
+            ended = self.coordinator is not None and self.coordinator.returncode == EXIT_STOPPED
+            if (led and ended) or self.stopped_by_leaving(client):
+                how = f"its {self.store.coordinator} led the run's stop in order" if led else "the run stopped in order"
+                log.info(f"{left}; {how}")
                 return EXIT_STOPPED
             log.info(f"{left}; the run goes on without them")
             return EXIT_LEFT
@@ -686,14 +686,15 @@ class NodeLauncher:
         # it
         return self.groups.outcome if self.groups.outcome is not None else max(p.returncode for p in procs)
 
-    def lead_to_the_end(self) -> int | None:
+    def lead_to_the_end(self) -> bool:
         """This node's groups left on notice. Where its candidate leads the run even so (every live candidate's
         node goes away: ``control.presence``), the run is stopping with no candidate to take over: the launcher
         waits while the candidate leads, until it ends with the run, at most until the notice's budget is spent
-        (``close`` stops it then). The candidate's exit code once it ended; None where it did not lead."""
+        (``close`` stops it then). Whether it led (its exit code, once it ended, says how the run ended; one
+        still lingering after the end has none yet)."""
         coordinator, run = self.coordinator, self.run
         if self.noticed is None or coordinator is None or run is None:
-            return None
+            return False
         deadline = self.noticed + self.rc.notice_budget_s
         led = False
         while coordinator.poll() is None and time.time() < deadline:
@@ -712,10 +713,10 @@ class NodeLauncher:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 coordinator.wait(timeout=LEADS_POLL_S)
         if not led:
-            return None
+            return False
         with contextlib.suppress(subprocess.TimeoutExpired):  # it gives the lease back as it ends, then exits
             coordinator.wait(timeout=min(EXITING_S, max(1.0, deadline - time.time())))
-        return coordinator.poll()
+        return True
 
     def stopped_by_leaving(self, client: ControlClient | None) -> bool:
         """Whether the run stopped in order as this node's groups left: the stop recorded already (a candidate
