@@ -768,9 +768,11 @@ def test_the_kubernetes_manifest_is_an_indexed_job_behind_a_headless_service() -
     env = {e["name"]: e for e in container["env"]}
     assert int(env["NUM_NODES"]["value"]) == job["completions"]
     assert env["TITAN_RECOVER_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": "titan-recover", "key": "secret"}
-    host, port = env["COORDINATOR_ADDR"]["value"].rsplit(":", 1)
-    assert host == f"{docs['Job']['metadata']['name']}-0.{service['metadata']['name']}"  # pod 0's DNS name
-    assert int(port) == service["spec"]["ports"][0]["port"] == container["ports"][0]["containerPort"]
+    pods = [f"{docs['Job']['metadata']['name']}-{i}.{service['metadata']['name']}" for i in range(3)]
+    assert env["CONTROL_STORE"]["value"] == "nodes://" + ",".join(pods)  # pods 0-2 by their DNS names
+    assert "COORDINATOR_ADDR" not in env and job["completions"] >= 3  # no node special: a quorum survives one loss
+    ports = {p["port"] for p in service["spec"]["ports"]}
+    assert ports == {p["containerPort"] for p in container["ports"]} == {2379, 2380}  # etcd's client and peer
     assert (ROOT / env["CONFIG_FILE"]["value"]).is_file()
 
 
@@ -813,5 +815,12 @@ def test_each_kubernetes_pod_runs_its_node_command() -> None:
         lines.append(out.stdout)
     nodes = nodes_in("".join(lines))
     groups = int(next(e["value"] for e in container["env"] if e["name"] == "GROUPS_PER_NODE"))
-    coordinator = next(e["value"] for e in container["env"] if e["name"] == "COORDINATOR_ADDR")
-    check_layout(nodes, [f"pod{i}" for i in range(job["completions"])], groups, 0, coordinator)
+    store = next(e["value"] for e in container["env"] if e["name"] == "CONTROL_STORE")
+    assert [(n.index, n.host) for n in nodes] == [(i, f"pod{i}") for i in range(job["completions"])]
+    for n in nodes:  # every pod names the run's nodes:// store and binds no coordinator; pod 0 begins the run
+        assert n.arg("--recover.control_store") == store and "--recover.coordinator_port" not in n.args
+        assert n.env["TITAN_RECOVER_RUN_ID"] == "2f6c3b8e-uid" and "etcd" in n.env["EXTRAS"].split(",")
+        assert n.unset == ["TITAN_RECOVER_COORDINATOR"] if n.index == 0 else n.env["TITAN_RECOVER_COORDINATOR"] == store
+        assert n.replicas == list(range(n.index * groups, (n.index + 1) * groups))
+        assert int(n.arg("--parallelism.data_parallel_replicate_degree")) == len(nodes) * groups
+    assert len({n.env["TITAN_RECOVER_SECRET"] for n in nodes}) == 1

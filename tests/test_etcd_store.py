@@ -5,6 +5,7 @@ writes fenced by the lease."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -28,6 +29,8 @@ from titan_recover.control.lifeline import alive_reading
 from titan_recover.control.presence import Presence
 from titan_recover.control.protocol import CoordinatorState, Progress
 from titan_recover.control.sealed import Run, SealedStore
+from titan_recover.launch import keeper
+from titan_recover.launch.members import Members
 from titan_recover.observability.events import logged_steps
 from titan_recover.titan.jobs import config_args
 from titan_recover.tools import etcd_local
@@ -529,3 +532,23 @@ def test_members_replaced_one_after_another_leave_a_client_that_followed_them_se
             proc.kill()
             proc.wait()
         c.stop()
+
+
+def test_a_node_joining_by_the_etcd_url_volunteers_only_for_an_etcd_the_run_formed_on_its_nodes(
+    cluster: LocalEtcd, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replacement job joins by the run's ``etcd://`` URL (``JOIN_RUN``). On an etcd the user runs it never touches
+    the members; on one the run formed on its nodes (its keepers wrote ``FORMED_KEY``) its keeper volunteers, with
+    the members the run named; a value that names no such members is logged, and the node joins without one."""
+    store = raw(cluster)
+    store.delete_key(keeper.FORMED_KEY)
+    assert keeper.joining(cluster.url, "run-1", str(tmp_path), 30.0) is None
+    store.set(keeper.FORMED_KEY, Members.of("nodes://192.0.2.7,192.0.2.8,192.0.2.9").nodes_url)
+    volunteer = keeper.joining(cluster.url, "run-1", str(tmp_path), 30.0)
+    assert volunteer is not None and volunteer.member is None and not volunteer.is_alive()
+    assert volunteer.spec.hosts == ("192.0.2.7", "192.0.2.8", "192.0.2.9") and volunteer.spec.ports[0] == 2379
+    store.set(keeper.FORMED_KEY, "nodes://192.0.2.7")
+    with caplog.at_level(logging.WARNING):
+        assert keeper.joining(cluster.url, "run-1", str(tmp_path), 30.0) is None
+    assert "names 1 node(s)" in caplog.text and "joins without volunteering" in caplog.text
+    store.delete_key(keeper.FORMED_KEY)

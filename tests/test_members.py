@@ -77,6 +77,28 @@ def test_a_nodes_store_without_the_runs_id_is_refused_before_any_member_starts()
         members.form("nodes://n0,n1,n2", {}, "/nonexistent", 1.0)
 
 
+def test_a_member_nodes_name_that_does_not_resolve_yet_is_looked_up_again_within_the_bound() -> None:
+    """A pod's name exists once its pod does (a Job's pods start in any order): the launcher asks again, and names
+    the host after ``startup_timeout_s``; a malformed URL is refused at once."""
+    up = {"n0": "10.0.0.1", "n1": "10.0.0.2"}
+
+    def lookup(host: str) -> str:
+        if host not in up:
+            up["n2"] = "10.0.0.3"  # up at the next look
+            raise ValueError(f"host {host!r} does not resolve to an IPv4 address")
+        return up[host]
+
+    assert members.resolved("nodes://n0,n1,n2", 5.0, lookup).ips == ("10.0.0.1", "10.0.0.2", "10.0.0.3")
+    t0 = time.monotonic()
+    with pytest.raises(
+        config.ConfigError, match=r"host 'n9' does not resolve .* after 0.2s \(recover.startup_timeout_s"
+    ):
+        members.resolved("nodes://n0,n1,n9", 0.2, lookup)
+    assert time.monotonic() - t0 < 2.0
+    with pytest.raises(config.ConfigError, match="names 2 node"):
+        members.resolved("nodes://n0,n1", 60.0, lookup)
+
+
 def test_a_members_data_is_kept_for_the_same_run_on_the_same_members_and_not_shared_with_other_members() -> None:
     """A relaunch (or a job requeued onto the same nodes) finds its member's data; a job requeued onto other nodes
     starts a cluster of its own, whose members' data would otherwise name peers that are not there."""

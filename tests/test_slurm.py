@@ -285,10 +285,11 @@ def test_with_the_defaults_on_three_nodes_the_batch_hosts_loss_is_a_group_failur
     checkpoint read). Node 0's slurmd starts again; replica 0 out for
     ``replace_after_s`` (30 s), the leading candidate submits the batch script on one node (``JOIN_RUN`` the run's
     ``etcd://`` store): the job lands on the repaired node 0, takes replica id 0 and is admitted while replicas 1
-    and 2 hold step 5. The run ends normally, every step once with M microbatches on the failure-free data (three
-    single-rank groups, M = 6, as ``THREE``). Slurm removed node 0 from the first job but, its batch script dead,
-    would leave it running (measured): the first node whose run ended ends it (``scancel``, CANCELLED); the
-    replacement's job completes."""
+    and 2 hold step 5. Its launcher, joining an etcd the run formed on its nodes, volunteers and takes m0's place
+    as m3 (three members again) while its group holds after the last step. The run ends normally, every step once
+    with M microbatches on the failure-free data (three single-rank groups, M = 6, as ``THREE``). Slurm removed
+    node 0 from the first job but, its batch script dead, would leave it running (measured): the first node whose
+    run ended ends it (``scancel``, CANCELLED); the replacement's job completes."""
     dump = tmp_path / "dump"
     three = ("--training.global_batch_size", "12", "--training.steps", "6")  # M = 6, two each; THREE's steps
     # both survivors wait after step 5's commit (neither in a collective, which would time out) until the next
@@ -297,8 +298,12 @@ def test_with_the_defaults_on_three_nodes_the_batch_hosts_loss_is_a_group_failur
     # node 0 fails while every group waits after step 4's commit, none in a collective: the kill lands in the
     # same place however slow the machine is
     wait = "; ".join(f"sleep replica={r} step=4 phase=optimizer seconds=60 until=epoch" for r in (1, 2))
-    plan = f"sleep replica=0 step=4 phase=optimizer seconds=60; {wait}; {hold}"
-    job_id = submit(slurm3, dump, plan, "--nodes=3", "--recover.replace_after_s", "30", *three)
+    # the replacement's group holds after the last step's commit while its node takes the lost member's place
+    # (three keeper passes of 2 s, once m0 has been silent member_replace_after_s)
+    member = "sleep replica=0 step=6 phase=optimizer seconds=10"
+    plan = f"sleep replica=0 step=4 phase=optimizer seconds=60; {wait}; {hold}; {member}"
+    extra = ("--recover.replace_after_s", "30", "--recover.member_replace_after_s", "10")
+    job_id = submit(slurm3, dump, plan, "--nodes=3", *extra, *three)
     joining = lost_then_asked_for(slurm3, dump, 0)
     fields = wait_job(slurm3, job_id, ENDED, RUN_S, dump)
     joined = wait_job(slurm3, joining, ENDED, 60, dump)
@@ -312,6 +317,9 @@ def test_with_the_defaults_on_three_nodes_the_batch_hosts_loss_is_a_group_failur
     )
     output = Path(f"{dump}.out").read_text()
     assert "an etcd member on each of node0 node1 node2 (nodes://node0,node1,node2)" in output, output[-3000:]
+    replaced = joined_out.read_text()  # the node took m0's place: three members again, a second loss survivable
+    assert "this node volunteers for a lost member" in replaced, replaced[-3000:]
+    assert "etcd member m3 starts on this node" in replaced, replaced[-3000:]
     assert_same_trajectory(three_replicas, run, 1e-3, num_microbatches=6)
     assert hosts[-1] in ("node1", "node2") and "node0" not in hosts[1:], hosts  # a takeover, where node 0 led
     [failure] = run.of("failure")

@@ -22,6 +22,7 @@ PROBE_S = 1.0  # one member's status request
 REQUEST_BOUND_S = 5.0  # a keeper's request to the cluster, fail-over included
 VOLUNTEER_TTL_S = 15.0  # an offer outlives its node by this
 PREFIX = "titan_recover/etcd"  # the keepers' keys: the cluster is this run's alone (its token names the run)
+FORMED_KEY = f"{PREFIX}/nodes"  # the nodes:// URL the run's etcd was formed from, read by a node that joins it
 RECHECK_S = 30.0  # how often a node that does not offer looks whether it should
 MAX_VOLUNTEERS = 4  # nodes that offer at once: a member lost needs one, and keepers read every offer each pass
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class Keeper(threading.Thread):
         self.lease: int | None = None
         self.next_offer = 0.0  # when a node that does not offer (enough do) looks again
         self.said = ""  # the last problem logged (each said once)
+        self.published = False  # whether FORMED_KEY was written by this keeper
         ip = route_address(f"{spec.ips[0]}:{spec.ports[0]}")
         self.me = etcd_members.Volunteer(ip, f"http://{ip}:{spec.ports[0] + 1}")
         self.client = f"http://{ip}:{spec.ports[0]}"
@@ -61,6 +63,9 @@ class Keeper(threading.Thread):
     def run(self) -> None:
         while not self.halt.wait(KEEP_S):
             try:
+                if not self.published:
+                    self.store.set(FORMED_KEY, self.spec.nodes_url)
+                    self.published = True
                 if self.member is not None and self.member.proc.poll() is not None:
                     self._lost_own()
                 if self.member is not None:
@@ -161,3 +166,30 @@ def offer(raw: bytes) -> etcd_members.Volunteer | None:
     if isinstance(told, dict) and isinstance(told.get("host"), str) and isinstance(told.get("peer"), str):
         return etcd_members.Volunteer(told["host"], told["peer"])
     return None
+
+
+def joining(url: str, run_id: str, dump: str, after_s: float) -> Keeper | None:
+    """On a node that joins a run by its ``etcd://`` ``url`` (a replacement job's ``JOIN_RUN``), where the run formed
+    that etcd on its nodes (its keepers wrote ``FORMED_KEY``): a keeper that volunteers, so the node takes the place
+    of a member lost with its node (on three nodes, the only way back to three members). None on an etcd the user
+    runs, which the run never changes."""
+    try:
+        raw = EtcdStore(parse_etcd_url(url), REQUEST_BOUND_S).read(FORMED_KEY)
+    except (EtcdError, Etcd3Exception, OSError) as e:
+        log.warning(
+            f"the run's etcd did not say whether it was formed on the run's nodes ({type(e).__name__}: {e}): "
+            "this node joins without volunteering for an etcd member"
+        )
+        return None
+    if raw is None:
+        return None
+    formed = raw.decode(errors="replace")
+    try:
+        spec = Members.of(formed)
+    except ValueError as e:
+        log.warning(
+            f"the run's etcd names the nodes it was formed on as {formed[:200]!r} ({e}): this node joins "
+            "without volunteering for an etcd member"
+        )
+        return None
+    return Keeper(url, spec, run_id, dump, None, after_s)

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,9 @@ from titan_recover.observability.events import NODE_ENV, EventLog, event_files, 
 from titan_recover.observability.summary import format_summary, last_leader_file, summarize_events
 from titan_recover.policy.restarts import RestartBudget
 from titan_recover.titan import cpu_shim
+
+if TYPE_CHECKING:  # the etcd extra's client: imported where a run is on etcd
+    from titan_recover.launch.keeper import Keeper
 
 
 def parse_replicas(value: str | None, replicas: int, started: int | None = None) -> list[int]:
@@ -863,6 +866,20 @@ def node_job(argv: list[str], environ: Mapping[str, str]) -> NodeJob:
     return NodeJob(job_config, local, part, environ.get(keys.COORDINATOR_ENV))
 
 
+def volunteer(rc: config.Recover, run_id: str, dump: str) -> "Keeper | None":
+    """On a node that joins a run on etcd (``JOIN_RUN``) formed on the run's own nodes: its keeper, started, which
+    volunteers for a lost member's place (``keeper.joining``); None on an etcd the user runs."""
+    from titan_recover.launch.keeper import joining  # the etcd extra's client: a run on etcd has it
+
+    keeper = joining(rc.control_store, run_id, dump, rc.member_replace_after_s)
+    if keeper is not None:
+        spec = keeper.spec
+        os.environ[keys.ETCD_ENDPOINTS_ENV] = members.endpoints_file(run_id, spec)  # for every process here
+        log.info(f"the run formed its etcd on its nodes ({spec.nodes_url}): this node volunteers for a lost member")
+        keeper.start()
+    return keeper
+
+
 def main(argv: list[str]) -> int:
     logs.setup("launcher")  # the process's entry point (python -m titan_recover.launch)
     supported = preflight.torch_finding(torch.__version__, os.path.dirname(torch.__file__), os.environ)
@@ -871,7 +888,7 @@ def main(argv: list[str]) -> int:
         return EXIT_BAD_INPUT
     (log.warning if supported.level == preflight.WARN else log.info)(supported.line())
     member = None  # this node's etcd member, where the run forms its control store on its nodes
-    keeper = None  # ... and this node's part in replacing a lost one
+    keeper: "Keeper | None" = None  # ... and this node's part in replacing a lost one
     try:
         node = node_job(argv, os.environ)
         nodes_url = node.job_config.recover.control_store
@@ -894,6 +911,8 @@ def main(argv: list[str]) -> int:
             said = store.check(job_config.recover, address)
             if said:
                 log.info(said)
+            if keeper is None and job_config.recover.control_store and os.environ.get(keys.RUN_ENV):
+                keeper = volunteer(job_config.recover, os.environ[keys.RUN_ENV], titan.dump_folder(job_config))
     except config.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

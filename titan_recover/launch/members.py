@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from titan_recover import config
 from titan_recover.control import keys, transport
-from titan_recover.control.addresses import ETCD_SCHEME, parse_nodes_url, resolve
+from titan_recover.control.addresses import ETCD_SCHEME, NODES_SCHEME, parse_nodes_url, resolve
 from titan_recover.control.etcd_process import CTL_TIMEOUT_S, member_command, release, unavailable
 from titan_recover.node.procs import die_with_parent, stop_within
 from titan_recover.policy import etcd_members
@@ -66,6 +66,11 @@ class Members:
         """ValueError naming what is wrong with ``url`` (a host that does not resolve too)."""
         listed = parse_nodes_url(url)
         return cls(tuple(h for h, _ in listed), tuple(lookup(h) for h, _ in listed), tuple(p for _, p in listed))
+
+    @property
+    def nodes_url(self) -> str:
+        """The ``nodes://`` URL of these members, every port given."""
+        return NODES_SCHEME + ",".join(f"{h}:{p}" for h, p in zip(self.hosts, self.ports))
 
     @property
     def etcd_url(self) -> str:
@@ -125,10 +130,7 @@ def form(url: str, environ: Mapping[str, str], dump: str, timeout_s: float) -> t
             f"recover.control_store = {url!r} needs {keys.RUN_ENV}, the same on every node (the job's id): its "
             "members' cluster is the run's"
         )
-    try:
-        members = Members.of(url)
-    except ValueError as e:
-        raise config.ConfigError(f"recover.control_store: {e}") from None
+    members = resolved(url, timeout_s)
     mine, member = members.here(), None
     if mine is not None:
         if (why := unavailable()) is not None:
@@ -153,6 +155,32 @@ def form(url: str, environ: Mapping[str, str], dump: str, timeout_s: float) -> t
         )
     wait_serving(members.etcd_url, None if member is None else member.proc, timeout_s)
     return members.etcd_url, member
+
+
+def resolved(url: str, timeout_s: float, lookup: Callable[[str], str] = resolve) -> Members:
+    """The members ``url`` names, each host resolved. A host that does not resolve yet is looked up again, at most
+    ``timeout_s``: a pod's name (Kubernetes' headless Service) exists only once its pod does, and a Job's pods
+    start in any order. ``config.ConfigError`` at once for a malformed URL, after the bound naming the host."""
+    try:
+        parse_nodes_url(url)
+    except ValueError as e:
+        raise config.ConfigError(f"recover.control_store: {e}") from None
+    start = said = time.monotonic()
+    while True:
+        try:
+            return Members.of(url, lookup)
+        except ValueError as e:
+            why = str(e)
+        waited = time.monotonic() - start
+        if waited > timeout_s:
+            raise config.ConfigError(
+                f"recover.control_store = {url!r}: {why} after {timeout_s:g}s (recover.startup_timeout_s): name "
+                "each member node by a name every node resolves once that node is up"
+            )
+        if time.monotonic() - said > SAY_EVERY_S:
+            said = time.monotonic()
+            log.info(f"waiting for the etcd member nodes' names to resolve ({waited:.0f}s): {why}")
+        time.sleep(SERVE_POLL_S)
 
 
 def listed(members: Members, mine: int, timeout_s: float = LISTED_S) -> dict[str, bool] | None:
