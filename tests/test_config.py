@@ -246,12 +246,23 @@ def test_report_confirm_must_exceed_twice_the_node_message_interval(store: tuple
             ["--recover.spares", "1", "--recover.fault_plan", "kill replica=3 step=3"],
             "names no rank: the job has 3 replica groups (0..2, spares included)",
         ),
+        (
+            ["--recover.fault_plan", "flip replica=1 step=3"],
+            "'flip replica=1' flips a microbatch's own gradient before it is summed, which only exact mode holds "
+            "apart (elsewhere the backward adds it into the step's at once): set --recover.exact",
+        ),
     ],
 )
 def test_fault_that_can_never_fire_is_refused(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as info:
         load(*overrides)
     assert message in str(info.value)
+
+
+@pytest.mark.unit
+def test_a_flip_loads_in_exact_mode() -> None:
+    plan = "flip replica=1 step=3 microbatch=0 bit=30; flip replica=0 rank=0 step=2 repeat=true"
+    assert load("--recover.exact", "--recover.fault_plan", plan).recover.fault_plan == plan
 
 
 @pytest.mark.unit

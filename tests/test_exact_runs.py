@@ -4,7 +4,7 @@ with a step redone on the coarser grid, is the node self-test's ``exact`` check 
 from pathlib import Path
 
 import pytest
-from conftest import run_job
+from conftest import EXACT_EVERY_STEP, SINGLES, Run, run_job
 
 from titan_recover.selftest import EXACT
 
@@ -31,3 +31,26 @@ def test_a_nan_gradient_stops_the_run_naming_the_step_and_microbatch(tmp_path: P
     assert "FATAL" in run.output and "NonFinite: the gradient of step 2 microbatch" in run.output, run.output[-3000:]
     assert "holds a NaN or an inf" in run.output
     assert sorted(run.steps()) == [1]  # nothing after the first step was committed
+
+
+def test_a_flipped_gradient_bit_trains_in_unseen_by_the_parameter_digests(tmp_path: Path, exact_single: Run) -> None:
+    """What the SDC checks are for: ``flip`` changes one microbatch's gradient before the step's sum, and the
+    replicate all-reduce hands every group the same wrong sum. Two single-rank groups in exact mode (``SINGLES``):
+    the default bit (the top mantissa bit) in replica 1's first microbatch of step 3, an exponent bit (30) in
+    replica 0's second of step 6. The parameters agree across groups at every step (no digest mismatch) and equal
+    the failure-free bits (``exact_single``) until step 2, then differ from them: trained in. The exponent flip
+    makes the term huge, off the exact grid: the step is redone on a coarser grid, not stopped."""
+    plan = "flip replica=1 step=3 microbatch=0; flip replica=0 step=6 microbatch=1 bit=30"
+    run = run_job(tmp_path / "flip", *SINGLES, *EXACT_EVERY_STEP, "--recover.fault_plan", plan)
+    assert run.returncode == 0, run.output[-3000:]
+    fired = sorted((e["replica"], e["step"], e["action"]) for e in run.of("fault_injected"))
+    assert fired == [(0, 6, "flip"), (1, 3, "flip")], fired
+    assert not run.of("param_digest_mismatch") and not run.of("failure")
+    digests: dict[int, set[str]] = {}
+    for e in run.of("param_digest"):
+        digests.setdefault(e["step"], set()).add(e["digest"])
+    assert all(len(d) == 1 for d in digests.values()) and sorted(digests) == list(range(1, 11)), digests
+    twin = {e["step"]: e["digest"] for e in exact_single.of("param_digest")}
+    same = [s for s in range(1, 11) if digests[s] == {twin[s]}]
+    assert same == [1, 2], (same, digests, twin)
+    assert [(e["step"], e["replica"]) for e in run.of("exact_redo")] in ([(6, 0), (6, 1)], [(6, 1), (6, 0)])

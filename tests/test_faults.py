@@ -7,6 +7,7 @@ The injector calls ``on_fire`` before it SIGKILLs its own process, so an
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from titan_recover.policy.fault_plan import PHASES, Fault, FaultPlanError, parse_fault_plan
-from titan_recover.rank.injector import FaultInjector
+from titan_recover.rank.injector import FaultInjector, flip_bit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,6 +92,89 @@ def test_errors_name_the_bad_token(plan: str, fragments: list[str]) -> None:
         parse_fault_plan(plan)
     for fragment in fragments:
         assert fragment in str(info.value), (plan, str(info.value))
+
+
+@pytest.mark.unit
+def test_a_flip_names_its_microbatch_and_bit_or_repeats_from_its_step_in_every_incarnation() -> None:
+    [once] = parse_fault_plan("flip replica=1 rank=1 step=2 microbatch=0")
+    assert (once.action, once.step, once.microbatch, once.bit, once.repeat) == ("flip", 2, 0, None, False)
+    [bad] = parse_fault_plan("flip replica=1 step=2 repeat=true bit=30")
+    assert (bad.repeat, bad.bit, bad.incarnation) == (True, 30, 0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "plan, fragment",
+    [
+        ("flip replica=1 step=2 phase=backward", "flip fires after a microbatch's backward and takes no phase="),
+        ("flip replica=1 step=+2", "flip takes an absolute step="),
+        (
+            "flip replica=1 step=2 repeat=true microbatch=1",
+            "every microbatch from step= on, in every incarnation: not microbatch",
+        ),
+        ("flip replica=1 step=2 repeat=true attempt=1", "not attempt"),
+        ("flip replica=1 step=2 repeat=yes", "repeat= takes true or false, got 'yes'"),
+        ("flip replica=1 step=2 bit=64", "bit out of range: 64"),
+        ("kill replica=1 step=2 bit=3", "bit= only goes with flip"),
+        ("sleep replica=1 step=2 seconds=1 repeat=true", "repeat= only goes with flip"),
+        ("flip replica=1", "step= is required"),
+    ],
+)
+def test_a_bad_flip_is_refused_naming_why(plan: str, fragment: str) -> None:
+    with pytest.raises(FaultPlanError, match=re.escape(fragment)):
+        parse_fault_plan(plan)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype, top", [(torch.float32, 22), (torch.bfloat16, 6), (torch.float16, 9)])
+def test_a_flip_moves_the_largest_element_by_at_most_half_and_keeps_it_finite(dtype: torch.dtype, top: int) -> None:
+    """The default bit, the top mantissa bit, of the largest-magnitude element of the first nonzero gradient."""
+    zero, grad = torch.zeros(4, dtype=dtype), torch.tensor([0.25, -3.0, 1.0], dtype=dtype)
+    before = grad.clone()
+    flip_bit([zero, grad], None)
+    assert torch.equal(zero, torch.zeros(4, dtype=dtype)) and torch.equal(grad[[0, 2]], before[[0, 2]])
+    assert float(grad[1]) != -3.0 and 0.5 <= float(grad[1]) / -3.0 <= 1.5 and torch.isfinite(grad).all()
+    flip_bit([zero, grad], None)  # the same bit again: the element back
+    assert torch.equal(grad, before)
+    flip_bit([grad], top + 1)  # the lowest exponent bit: the element halved or doubled
+    assert float(grad[1]) / -3.0 in (0.5, 2.0)
+
+
+@pytest.mark.unit
+def test_a_flip_of_an_exponent_or_the_sign_bit_and_a_bit_past_the_dtype() -> None:
+    grad = torch.tensor([1e-3, 0.0], dtype=torch.float32)
+    flip_bit([grad], 30)  # the top exponent bit of a small value: huge, still finite
+    assert 1e30 < float(grad[0]) < float("inf")
+    grad = torch.tensor([2.0], dtype=torch.float32)
+    flip_bit([grad], 31)
+    assert float(grad[0]) == -2.0
+    flip_bit([torch.zeros(3)], 5)  # an all-zero gradient: nothing to flip
+    with pytest.raises(FaultPlanError, match="a torch.bfloat16 gradient element has 16 bits"):
+        flip_bit([torch.ones(2, dtype=torch.bfloat16)], 20)
+
+
+@pytest.mark.unit
+def test_a_flip_fires_once_on_its_microbatch_and_a_repeated_one_on_every_microbatch_from_its_step() -> None:
+    fired: list[Fault] = []
+    once = FaultInjector("flip replica=1 step=2 microbatch=1", 1, 0, fired.append)
+    grads = [torch.tensor([1.0, -4.0])]
+    once.flip(1, 1, 3, grads)  # another step
+    once.flip(2, 0, 3, grads)  # another microbatch
+    assert torch.equal(grads[0], torch.tensor([1.0, -4.0])) and not fired
+    once.flip(2, 1, 3, grads)
+    assert float(grads[0][1]) == -6.0 and len(fired) == 1  # -4 = -1.0 x 2**2; the top mantissa bit makes it -1.5
+    once.flip(2, 1, 3, grads)
+    assert float(grads[0][1]) == -6.0 and len(fired) == 1  # once
+    assert FaultInjector("flip replica=1 step=2", 1, 0, fired.append, incarnation=1).flips == []
+    fired.clear()
+    bad = FaultInjector("flip replica=1 step=2 repeat=true", 1, 0, fired.append, incarnation=3)
+    flips = 0
+    for step, index in [(1, 0), (2, 0), (2, 1), (3, 0)]:
+        grads = [torch.tensor([1.0, -4.0])]
+        bad.flip(step, index, 2, grads)
+        flips += float(grads[0][1]) != -4.0
+    assert flips == 3 and len(fired) == 1  # every microbatch from step 2 on, reported once
+    assert FaultInjector("flip replica=1 step=2", 0, 0, fired.append).flips == []  # another group's
 
 
 @pytest.mark.unit

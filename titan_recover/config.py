@@ -661,6 +661,16 @@ def _check_fault_plan(plan: tuple[fault_plan.Fault, ...], job_config: Any) -> No
         _check_fault_join(f, job_config)
         _check_fault_step(f, job_config.training.steps)
         _check_fault_incarnation(f, job_config.recover.max_restarts)
+        _check_fault_flip(f, job_config.recover)
+
+
+def _check_fault_flip(f: fault_plan.Fault, rc: Recover) -> None:
+    if f.action == "flip" and not (rc.enable and rc.exact):
+        raise ConfigError(
+            f"recover.fault_plan: 'flip replica={f.replica}' flips a microbatch's own gradient before it is summed, "
+            "which only exact mode holds apart (elsewhere the backward adds it into the step's at once): set "
+            "--recover.exact"
+        )
 
 
 def _check_fault_target(f: fault_plan.Fault, job_config: Any) -> None:

@@ -3,7 +3,7 @@
 Grammar (whitespace-separated ``key=value`` after an action, entries joined by ``;``)::
 
     plan   := "none" | entry (";" entry)*
-    entry  := ("kill" | "stop" | "sleep" | "corrupt" | "raise" | "slow") key=value ...
+    entry  := ("kill" | "stop" | "sleep" | "corrupt" | "raise" | "slow" | "flip") key=value ...
     keys   := replica=INT   replica group of the rank (required)
               rank=INT      rank inside that group (its shard index; default 0)
               step=INT      training step, 1-based (required, except for join/donate:
@@ -25,6 +25,10 @@ Grammar (whitespace-separated ``key=value`` after an action, entries joined by `
                             a new epoch (a failure or an admission); ``seconds`` bounds it
               factor=FLOAT  how many times as long each microbatch takes (slow only,
                             required, > 1)
+              bit=INT       which bit of the gradient's element flip flips (flip only;
+                            default: the dtype's top mantissa bit, 22 in float32)
+              repeat=true   flip only: every microbatch from ``step`` on, in every
+                            incarnation of the group (a bad device), not just one
 
 Actions: ``kill`` sends SIGKILL to the rank itself, ``stop`` sends SIGSTOP (a hang:
 the process and its heartbeat freeze), ``sleep`` makes it slow but alive (with
@@ -33,7 +37,11 @@ restarts resumes the moment that group is admitted, instead of a fixed time), ``
 flips the sign of the rank's first parameter shard (a silent data corruption: the
 replica trains on with parameters that differ from the others'), ``raise`` raises an
 exception in the training code (a bug of the job: the same entry on several replicas
-stands for a config or code error that every replica meets). ``slow`` makes a straggler:
+stands for a config or code error that every replica meets). ``flip`` flips one bit of the
+largest-magnitude element of that microbatch's gradient on that rank, after its backward and
+before it is added to the step's sum (a silent data corruption inside the computation: every
+replica receives the same wrong sum, so the parameter digests cannot see it); its default bit,
+the top mantissa bit, moves the element by at most half its size and keeps it finite. ``slow`` makes a straggler:
 from ``step`` on (default: the first), every microbatch of every rank of that replica
 group, in every incarnation, takes ``factor`` times as long (it sleeps the difference
 after computing), as a slower GPU or a throttled host would. Points:
@@ -51,7 +59,8 @@ from dataclasses import dataclass
 
 PHASES = ("forward", "backward", "experts", "allreduce", "optimizer", "join", "donate")
 TRANSFER_PHASES = ("join", "donate")  # step is optional for these
-ACTIONS = ("kill", "stop", "sleep", "corrupt", "raise", "slow")
+ACTIONS = ("kill", "stop", "sleep", "corrupt", "raise", "slow", "flip")
+MAX_BIT = 63  # a gradient element's bits: checked against its dtype's width when it fires
 
 
 class FaultPlanError(ValueError):
@@ -70,6 +79,8 @@ class Fault:
     seconds: float = 0.0
     factor: float = 1.0
     until: str = ""  # "epoch": a sleep ends at the next epoch
+    bit: int | None = None  # flip: which bit (None: the dtype's top mantissa bit)
+    repeat: bool = False  # flip: every microbatch from ``step`` on, in every incarnation
     relative: bool = False  # step=+N: the incarnation's N-th step (see ``at_step``)
 
     def at_step(self, first: int | None) -> int | None:
@@ -118,14 +129,18 @@ def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
                 fields[key] = value
             elif key == "factor":
                 fields[key] = _positive(key, value, 1)
-            elif key in ("replica", "rank", "step", "microbatch", "attempt"):
+            elif key == "repeat":
+                if value not in ("true", "false"):
+                    raise FaultPlanError(f"repeat= takes true or false, got {value!r} in {entry.strip()!r}")
+                fields[key] = value == "true"
+            elif key in ("replica", "rank", "step", "microbatch", "attempt", "bit"):
                 if key == "step" and value.startswith("+"):
                     fields["relative"], value = True, value[1:]
                 try:
                     number = int(value)
                 except ValueError:
                     raise FaultPlanError(f"{key} must be an integer, got {value!r}") from None
-                if number < (1 if key == "step" else 0):
+                if number < (1 if key == "step" else 0) or (key == "bit" and number > MAX_BIT):
                     raise FaultPlanError(f"{key} out of range: {number}")
                 fields[key] = number
             else:
@@ -137,9 +152,17 @@ def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
                 f"slow takes replica=, factor= and step= only (it slows every rank of the "
                 f"group, in every incarnation), not {', '.join(extra)}, in {entry.strip()!r}"
             )
+        if action == "flip":
+            _check_flip(fields, entry.strip())
         phase = fields.setdefault("phase", "backward")
         required = ["replica"] if phase in TRANSFER_PHASES or action == "slow" else ["replica", "step"]
-        for key, owner in (("seconds", "sleep"), ("until", "sleep"), ("factor", "slow")):
+        for key, owner in (
+            ("seconds", "sleep"),
+            ("until", "sleep"),
+            ("factor", "slow"),
+            ("bit", "flip"),
+            ("repeat", "flip"),
+        ):
             if action != owner and key in fields:
                 raise FaultPlanError(f"{key}= only goes with {owner}, in {entry.strip()!r}")
         required += {"sleep": ["seconds"], "slow": ["factor"]}.get(action, [])
@@ -153,3 +176,17 @@ def parse_fault_plan(plan: str) -> tuple[Fault, ...]:
             fields["incarnation"] = fields.pop("attempt")
         faults.append(Fault(action=action, **fields))  # type: ignore[arg-type]  # each field was parsed to its type above
     return tuple(faults)
+
+
+def _check_flip(fields: dict[str, object], entry: str) -> None:
+    """A flip fires between a microbatch's backward and its addition to the sum: it has no phase, and a repeated
+    one lasts from ``step`` on in every incarnation, on every microbatch, so it names neither."""
+    if "phase" in fields:
+        raise FaultPlanError(f"flip fires after a microbatch's backward and takes no phase=, in {entry!r}")
+    if fields.get("relative"):
+        raise FaultPlanError(f"flip takes an absolute step=, in {entry!r}")
+    if fields.get("repeat") and (extra := sorted(fields.keys() & {"microbatch", "attempt"})):
+        raise FaultPlanError(
+            f"flip repeat=true flips every microbatch from step= on, in every incarnation: not {', '.join(extra)}, "
+            f"in {entry!r}"
+        )

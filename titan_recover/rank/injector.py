@@ -2,6 +2,7 @@
 (its grammar: ``policy.fault_plan``), fired at the points the trainer reaches."""
 
 import contextlib
+import math
 import os
 import signal
 import time
@@ -29,13 +30,11 @@ class FaultInjector:
         epoch: Callable[[], int] | None = None,
     ) -> None:
         plan_faults = parse_fault_plan(plan)
-        self.faults = [
-            f
-            for f in plan_faults
-            if f.action != "slow" and (f.replica, f.rank, f.incarnation) == (replica, rank, incarnation)
-        ]
+        mine = [f for f in plan_faults if (f.replica, f.rank) == (replica, rank)]
+        self.faults = [f for f in mine if f.action not in ("slow", "flip") and f.incarnation == incarnation]
         self.slow = [f for f in plan_faults if f.action == "slow" and f.replica == replica]
         self._slowing: set[Fault] = set()
+        self.flips = [f for f in mine if f.action == "flip" and (f.repeat or f.incarnation == incarnation)]
         self.on_fire = on_fire
         self.epoch = epoch  # the rank's view of the epoch (None in stock mode: until=epoch sleeps it all)
         self.first: int | None = None  # this incarnation's first step (step=+N faults count from it)
@@ -51,6 +50,24 @@ class FaultInjector:
                     self._slowing.add(f)
                     self.on_fire(f)
         return factor
+
+    def flip(self, step: int, index: int, count: int, grads: list[torch.Tensor]) -> None:
+        """Fires this rank's flips of the ``index``-th of ``count`` microbatches of ``step`` on its gradient
+        (``grads``, this rank's shards, after the backward and before the step's sum); a repeated flip is
+        reported at its first microbatch, and fires on every one after."""
+        for f in list(self.flips):
+            if f.repeat:
+                if f.step is not None and f.step > step:
+                    continue
+                if f not in self._slowing:  # reported once, as a slow fault is
+                    self._slowing.add(f)
+                    self.on_fire(f)
+            elif f.step != step or index != min(f.microbatch, count - 1):
+                continue
+            else:
+                self.flips.remove(f)
+                self.on_fire(f)
+            flip_bit(grads, f.bit)
 
     def _match(self, step: int | None, phase: str, index: int | None = None, count: int = 0) -> Fault | None:
         if self.first is None and step is not None:
@@ -121,6 +138,24 @@ class FaultInjector:
         finally:
             for handle in handles:
                 handle.remove()
+
+
+def flip_bit(grads: list[torch.Tensor], bit: int | None) -> None:
+    """Flips ``bit`` (None: the dtype's top mantissa bit) of the largest-magnitude element of the first gradient
+    holding a nonzero one, in place: a zero would stay below the exact grid's resolution, the largest surely moves
+    the microbatch's contribution. The top mantissa bit moves it by at most half its size and keeps it finite; an
+    exponent bit may make it huge (off the exact grid) or tiny. An all-zero gradient has nothing to flip."""
+    g = next((g for g in grads if g.numel() and bool(g.ne(0).any())), None)
+    if g is None:
+        return
+    info = torch.finfo(g.dtype)
+    top = round(-math.log2(info.eps)) - 1  # float32 22, bfloat16 6, float16 9
+    b = top if bit is None else bit
+    if b >= info.bits:
+        raise FaultPlanError(f"flip bit={b}: a {g.dtype} gradient element has {info.bits} bits (0..{info.bits - 1})")
+    ints = g.view(-1).view({16: torch.int16, 32: torch.int32, 64: torch.int64}[info.bits])
+    i = int(g.view(-1).abs().argmax())
+    ints[i : i + 1].bitwise_xor_(1 << b if b < info.bits - 1 else -(1 << b))  # the sign bit, in two's complement
 
 
 def middle_experts(model: torch.nn.Module) -> torch.nn.Module:

@@ -607,6 +607,7 @@ class RecoverTrainer(BaseTrainer):
             )
         if self.exact is not None:  # this microbatch's gradient alone onto the fixed-point sum
             grads = self._grads()
+            self.injector.flip(self.step, index, count, grads)  # a bad device's wrong gradient, before it is summed
             self.exact.add(grads, f"step {self.step} microbatch {microbatch}")
             for part in self.model_parts:  # the next backward writes its gradient afresh: no zeroing, no adding
                 part.zero_grad(set_to_none=True)
