@@ -33,7 +33,7 @@ class FaultInjector:
         mine = [f for f in plan_faults if (f.replica, f.rank) == (replica, rank)]
         self.faults = [f for f in mine if f.action not in ("slow", "flip") and f.incarnation == incarnation]
         self.slow = [f for f in plan_faults if f.action == "slow" and f.replica == replica]
-        self._slowing: set[Fault] = set()
+        self._lasting: set[Fault] = set()  # the slow and repeated flip faults reported (each once)
         self.flips = [f for f in mine if f.action == "flip" and (f.repeat or f.incarnation == incarnation)]
         self.on_fire = on_fire
         self.epoch = epoch  # the rank's view of the epoch (None in stock mode: until=epoch sleeps it all)
@@ -46,8 +46,8 @@ class FaultInjector:
         for f in self.slow:
             if f.step is None or f.step <= step:
                 factor *= f.factor
-                if f not in self._slowing:
-                    self._slowing.add(f)
+                if f not in self._lasting:
+                    self._lasting.add(f)
                     self.on_fire(f)
         return factor
 
@@ -57,15 +57,15 @@ class FaultInjector:
         reported at its first microbatch, and fires on every one after."""
         for f in list(self.flips):
             if f.repeat:
-                if f.step is not None and f.step > step:
+                if f.step is None or f.step > step:  # the grammar requires a step: None never fires
                     continue
-                if f not in self._slowing:  # reported once, as a slow fault is
-                    self._slowing.add(f)
+                if f not in self._lasting:  # reported once, as a slow fault is
+                    self._lasting.add(f)
                     self.on_fire(f)
-            elif f.step != step or index != min(f.microbatch, count - 1):
-                continue
             else:
-                self.flips.remove(f)
+                if (f.step, min(f.microbatch, count - 1)) != (step, index):
+                    continue
+                self.flips.remove(f)  # fires once
                 self.on_fire(f)
             flip_bit(grads, f.bit)
 
