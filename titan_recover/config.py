@@ -186,6 +186,17 @@ class Recover:
     """Restarts of a group older than this no longer count against max_restarts, so a long run
     keeps healing occasional failures and gives up only on a group that keeps failing."""
 
+    sdc_check: bool = False
+    """Silent-data-corruption checks (exact mode only): at a step drawn with probability sdc_check_rate from
+    data_seed and the step, one microbatch, drawn too, is computed again by the replica group after its owner,
+    and the two groups' digests of its gradient are compared bit for bit before the step commits. A mismatch
+    asks a third group; the group outvoted two to one fails in that step and the others compute its
+    microbatches. See docs/sdc-checks.md."""
+
+    sdc_check_rate: float = 0.05
+    """The share of steps sdc_check checks, in (0, 1]: each check costs one microbatch's forward and backward
+    on one group (at 1 and M = 8 on 4 groups, about a quarter of a group's step)."""
+
     digest_interval: int = 10
     """Every this many steps (and at the last) each replica logs a digest of its parameters."""
 
@@ -375,6 +386,7 @@ def validate(job_config: Any) -> Recover:
     _check_faults_outside_cuda_graphs(plan, cuda_graphs(job_config))
     _check_context_parallel(job_config.parallelism)
     _check_exact(rc, job_config.parallelism)
+    _check_sdc(rc)
     _check_batch(job_config)
     return rc
 
@@ -734,6 +746,20 @@ def _check_exact(rc: Recover, par: Any) -> None:
             "recover.exact needs replica groups of FSDP ranks only: parallelism.tensor_parallel_degree = "
             f"{par.tensor_parallel_degree} and parallelism.pipeline_parallel_degree = {par.pipeline_parallel_degree} "
             "must both be 1 (their sums inside a group are not made order-free), or set recover.exact = false"
+        )
+
+
+def _check_sdc(rc: Recover) -> None:
+    if rc.sdc_check and not (rc.enable and rc.exact):
+        raise ConfigError(
+            "recover.sdc_check compares two replica groups' gradients of one microbatch bit for bit, which only "
+            "exact mode makes the same on every group (elsewhere the kernels' sums may differ in their last bits, "
+            "and a check could not tell a bad device from rounding): set --recover.exact, or recover.sdc_check = false"
+        )
+    if not 0.0 < rc.sdc_check_rate <= 1.0:
+        raise ConfigError(
+            f"recover.sdc_check_rate = {rc.sdc_check_rate!r}: the share of steps checked, in (0, 1] "
+            "(turn the checks off with recover.sdc_check = false)"
         )
 
 

@@ -69,6 +69,7 @@ from titan_recover.policy.membership import Membership, awaited
 from titan_recover.rank import snapshot, transfer
 from titan_recover.rank.collectives import POLL_S, CollectiveAborted, backoff
 from titan_recover.rank.exact import NonFinite
+from titan_recover.rank.sdc_checks import CheckUndecided
 
 EPOCH_POLL_S = 0.02  # how stale a rank's view of the epoch may be while it waits
 DECISION_WAIT_S = 0.1  # on etcd a rank watches for the commit decision this long at a time, then looks at
@@ -554,7 +555,7 @@ class ReplicaManager:
         node's snapshots (checked at start). ``NOT_REPORTED`` errors are left alone."""
         if isinstance(e, NOT_REPORTED):
             return
-        if isinstance(e, (DataError, NonFinite, snapshot.SnapshotError)):
+        if isinstance(e, (DataError, NonFinite, snapshot.SnapshotError, CheckUndecided)):
             self.control.stop(f"{type(e).__name__}: {e}")
             return
         error = own_error(e)

@@ -39,12 +39,13 @@ from titan_recover.control.sealed import Run
 from titan_recover.data import addressing
 from titan_recover.node import procs
 from titan_recover.observability import logs, resources
-from titan_recover.policy import membership, steps, stop_budget, workload
+from titan_recover.policy import membership, sdc, steps, stop_budget, workload
 from titan_recover.policy.fault_plan import Fault
 from titan_recover.policy.membership import Membership, diverged
 from titan_recover.rank import balancing, exact, snapshot, transfer
 from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.rank.manager import ReplicaFenced, ReplicaLeaving, ReplicaManager, RunDone, RunStopping
+from titan_recover.rank.sdc_checks import Checks, CheckUndecided
 from titan_recover.rank.trainer import BaseTrainer
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,13 @@ log = logging.getLogger(__name__)
 
 class ReplicaDiverged(RuntimeError):
     """This replica's parameters differ from the others': it reported itself and restarts."""
+
+
+class ReplicaOutvoted(RuntimeError):
+    """Two other groups' gradients of a checked microbatch agree, and this group's differs: it fails in the step."""
+
+
+THIRD, RECOMPUTE, NEXT_EPOCH = "third opinion", "computed again", "outvoted"  # what a check's mismatch leads to
 
 
 class RecoverTrainer(BaseTrainer):
@@ -115,6 +123,9 @@ class RecoverTrainer(BaseTrainer):
         if rc.exact:
             self.exact = exact.ExactSum(sum(g.numel() for g in self._grads()), self.num_microbatches, self.device)
             self.optimizers.zero_grad()  # the zeros _grads() made to count them
+        self.checks: Checks | None = None
+        if rc.sdc_check:
+            self.checks = Checks(rc.data_seed, rc.sdc_check_rate, self.num_microbatches, replica, self.replica_slots)
         self.speeds = workload.Speeds()  # seconds per microbatch of each replica, from committed steps
         self._synced_epoch = -1  # the last epoch in which this rank received the state
         self._started = False  # its first should_continue_training: a state saved at a stop is newer?
@@ -536,6 +547,7 @@ class RecoverTrainer(BaseTrainer):
         synced = -1  # the epoch this step's state was handed over in (a redo stays in it)
         if self.exact is not None:
             self.exact.reset()
+        checked = self.checks.begin(self.step) if self.checks is not None else None
         try:
             while True:
                 history = self.manager.history(epoch)
@@ -545,13 +557,16 @@ class RecoverTrainer(BaseTrainer):
                         epoch = self.manager.agree_epoch(newer_than=epoch)
                         continue
                     synced = current.epoch
-                owned = steps.step_assignment(self.rc.policy, history, self.num_microbatches, self.speeds.rates())[
-                    self.replica
-                ]
+                assignment = steps.step_assignment(self.rc.policy, history, self.num_microbatches, self.speeds.rates())
+                owned = assignment[self.replica]
                 for m in owned:
                     if m not in done:
                         self._compute(m, tally, len(done), len(owned))
                         done.add(m)
+                if self.checks is not None and checked is not None:
+                    self.checks.ask(next(r for r, ms in assignment.items() if checked in ms), current.members)
+                    if self.checks.wants_duplicate():
+                        self._duplicate(checked)
                 latest = self.manager.settled_epoch(epoch)  # past an epoch that still holds a group that left
                 if latest != epoch:
                     epoch = latest  # membership changed while computing: take on more work first
@@ -564,10 +579,18 @@ class RecoverTrainer(BaseTrainer):
                 )
                 if reduced:
                     coarser = self.exact.redo_bound(buffers[2]) if self.exact is not None else None
-                    decision = self.manager.should_commit(current, redo=coarser is not None)
+                    verdict = self.checks.read(buffers[3], self.parallel_dims.world_size) if self.checks else None
+                    disagree = verdict is not None and not verdict.agree
+                    decision = self.manager.should_commit(current, redo=coarser is not None or disagree)
                     if decision == COMMIT:
                         break
-                    if decision == REDO:
+                    if decision == REDO and verdict is not None and disagree:  # before any grid's redo
+                        again = self._disagreed(verdict, current)
+                        if again == RECOMPUTE:
+                            tally, done = steps.new_tally(self.num_microbatches, self.replica_slots), set()
+                        if again != NEXT_EPOCH:
+                            continue
+                    elif decision == REDO:
                         assert coarser is not None  # every member read the same histogram
                         self._redo(coarser)
                         tally, done = steps.new_tally(self.num_microbatches, self.replica_slots), set()
@@ -594,6 +617,82 @@ class RecoverTrainer(BaseTrainer):
         self.exact.reset()
         balancing.reset(self.expert_counts)
 
+    def _disagreed(self, verdict: sdc.Verdict, current: Membership) -> str:
+        """Every member read the same mismatch of the checked microbatch's digests. Where one group is outvoted two
+        to one, it fails in the step (``ReplicaOutvoted``, reported as its failure) and the others go on in the
+        next epoch without it (``NEXT_EPOCH``); where two disagree, a third group is asked (``THIRD``: the same
+        epoch, the work kept). With two groups there is no third: the step is computed again from its start, once
+        (``RECOMPUTE``: a transient fault gives way); a second mismatch, or three opinions without a majority,
+        stop the run (``CheckUndecided``), since a wrong gradient would otherwise train in."""
+        assert self.checks is not None and self.checks.microbatch is not None
+        m, asked = self.checks.microbatch, self.checks.opinions
+        if verdict.outvoted:
+            outcome = NEXT_EPOCH
+        elif len(asked) == 2 and self.checks.ask_third(current.members) is not None:
+            outcome = THIRD
+        elif len(asked) == 2 and len(current.members) == 2 and not self.checks.recomputed:
+            outcome = RECOMPUTE
+        else:
+            outcome = "undecided"
+        reporter = next(r for r in current.members if r not in verdict.outvoted)
+        if self.group_rank == 0 and self.replica == reporter:
+            self.events.emit(
+                "sdc_mismatch",
+                step=self.step,
+                microbatch=m,
+                groups=list(asked),
+                outvoted=list(verdict.outvoted),
+                outcome=outcome,
+            )
+        where = f"step {self.step} microbatch {m}"
+        if outcome == NEXT_EPOCH:
+            self.log.error(
+                f"replicas {list(verdict.outvoted)}' gradient of {where} differs from two other groups' (silent "
+                "data corruption): each fails in the step, and the others compute its microbatches"
+            )
+            if self.replica in verdict.outvoted:
+                raise ReplicaOutvoted(f"replica {self.replica}: its gradient of {where} was outvoted two to one")
+        elif outcome == THIRD:
+            self.log.warning(
+                f"replicas {list(asked)} computed different gradients of {where}: replica "
+                f"{self.checks.opinions[-1]} computes it for a third opinion"
+            )
+        elif outcome == RECOMPUTE:
+            self.log.warning(
+                f"replicas {list(asked)} computed different gradients of {where}, and there is no third group to "
+                "tell which is wrong: the step is computed again from its start, without either contribution"
+            )
+            assert self.exact is not None  # the checks are exact mode's
+            self.checks.recomputed, self.checks.mine = True, 0
+            self.exact.reset()
+            balancing.reset(self.expert_counts)
+        else:
+            raise CheckUndecided(
+                f"the gradients of {where} computed by replicas {list(asked)} give no majority (silent data "
+                "corruption on more than one group, or on one of two twice): the step does not commit, and the "
+                "run stops; resume it from its last checkpoint with the suspect nodes left out"
+            )
+        return outcome
+
+    def _duplicate(self, microbatch: int) -> None:
+        """The checked microbatch computed on top of this group's quota, for its digest only: outside the exact
+        sum, the tally, the token counts and the MoE load counts. A bad device's flip (``repeat=true``) fires
+        here too; a once-only flip names one of the group's own microbatches, so never this one."""
+        self.manager.tick(f"the check of microbatch {microbatch} of step {self.step}")
+        counts = [transfer.local(c).clone() for c in self.expert_counts]
+        inputs, labels = self.dataloader.load(self.step, microbatch)
+        input_dict, targets = titan.model_inputs(self, inputs.to(self.device), labels.to(self.device))
+        self.forward_backward_step(input_dict=input_dict, labels=targets, global_valid_tokens=self.valid_tokens)
+        grads = self._grads()
+        self.injector.flip(self.step, -1, 1, grads)
+        assert self.checks is not None
+        self.checks.note(microbatch, grads)
+        for part in self.model_parts:
+            part.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for c, saved in zip(self.expert_counts, counts):
+                transfer.local(c).copy_(saved)
+
     def _compute(self, microbatch: int, tally: torch.Tensor, index: int, count: int) -> None:
         self.manager.tick(f"microbatch {microbatch} of step {self.step}")
         start = time.perf_counter()
@@ -608,6 +707,8 @@ class RecoverTrainer(BaseTrainer):
         if self.exact is not None:  # this microbatch's gradient alone onto the fixed-point sum
             grads = self._grads()
             self.injector.flip(self.step, index, count, grads)  # a bad device's wrong gradient, before it is summed
+            if self.checks is not None:
+                self.checks.note(microbatch, grads)
             self.exact.add(grads, f"step {self.step} microbatch {microbatch}")
             for part in self.model_parts:  # the next backward writes its gradient afresh: no zeroing, no adding
                 part.zero_grad(set_to_none=True)
@@ -638,7 +739,8 @@ class RecoverTrainer(BaseTrainer):
     def _reduction_buffers(self, tally: torch.Tensor) -> list[torch.Tensor]:
         """Fresh copies of the local gradients and of the group's summed tally (in exact mode, of the
         fixed-point sum and its histogram, summed inside the group so every rank reads the same
-        overflow; last, the MoE layers' token counts where the optimizer balances experts): the replicate
+        overflow; with ``sdc_check``, the checked microbatch's digest per group; last, the MoE layers' token
+        counts where the optimizer balances experts): the replicate
         all-reduce is out-of-place, so a broken one leaves the local state intact."""
         group_tally = tally.to(self.device, copy=True)
         if self.manager.leave_agreed and self.group_rank == 0:  # the members know at the commit that it leaves
@@ -647,6 +749,8 @@ class RecoverTrainer(BaseTrainer):
         if self.parallel_dims.world_size > 1:
             for t in (group_tally, *extra):
                 dist.all_reduce(t)  # inside the group: sum over its ranks
+        if self.checks is not None:  # each group's digest of the checked microbatch (this shard's), in its own slot
+            extra.append(self.checks.slots(self.device))
         flat = torch.cat([g.reshape(-1) for g in self._grads()]) if self.exact is None else self.exact.total.clone()
         self.ft_buffer_bytes = flat.numel() * flat.element_size()  # the one extra gradient copy
         counts = [balancing.gather(self.expert_counts)] if self.expert_counts else []
@@ -687,6 +791,10 @@ class RecoverTrainer(BaseTrainer):
         after_failure = self.manager.committed(current)
         torn_down, reformed = self.replicate_groups.moments()  # this step's, if its epoch changed
         self._leader = self.replica == current.members[0]
+        if self.checks is not None and self.checks.microbatch is not None and self._leader and self.group_rank == 0:
+            self.events.emit(
+                "sdc_checked", step=self.step, microbatch=self.checks.microbatch, groups=list(self.checks.opinions)
+            )
         if self.group_rank == 0:
             # every member offers the record, the first one counts
             self.manager.publish_step(

@@ -1,0 +1,113 @@
+"""``[recover] sdc_check`` on real runs in exact mode: a flipped gradient bit (the fault plan's ``flip``) in a
+checked microbatch caught in its step, against the failure-free run's bits; one in a microbatch no check draws
+not claimed; two groups without a third opinion; a third opinion that agrees with neither."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import EXACT_EVERY_STEP, SINGLES, THREE, Run, run_job, shared_run
+
+from titan_recover.policy import sdc, workload
+
+SIX = [*THREE, "--training.steps", "6"]  # three single-rank groups, M = 6, two each
+CHECKS = ["--recover.sdc_check", "--recover.sdc_check_rate"]
+SEED = 0  # recover.data_seed's default: the draw's seed
+
+
+@pytest.fixture(scope="session")
+def exact_six(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Run:
+    """One single-rank group in exact mode, M = 6, six steps: the bits of every exact run of ``SIX``'s batch."""
+    one = ("--parallelism.data_parallel_replicate_degree", "1", "--recover.fault_plan", "none")
+    return shared_run(tmp_path_factory, worker_id, "exact_six", *SIX, *EXACT_EVERY_STEP, *one)
+
+
+def digests(run: Run) -> dict[int, set[str]]:
+    """Each step's parameter digests over the groups."""
+    out: dict[int, set[str]] = {}
+    for e in run.of("param_digest"):
+        out.setdefault(e["step"], set()).add(e["digest"])
+    return out
+
+
+def same_as(run: Run, twin: Run) -> list[int]:
+    """The steps whose every group's parameters have the twin's bits."""
+    theirs = {e["step"]: e["digest"] for e in twin.of("param_digest")}
+    return sorted(s for s, d in digests(run).items() if d == {theirs[s]})
+
+
+def owner_and_index(step: int, rate: float, groups: tuple[int, ...]) -> tuple[int, int, int]:
+    """The microbatch ``step`` checks, the group that owns it with every group a member, and its index among
+    that group's own (what ``flip microbatch=`` names)."""
+    m = sdc.checked_microbatch(SEED, step, rate, 6)
+    assert m is not None, f"step {step} is not checked at rate {rate}"
+    owner, owned = next((r, ms) for r, ms in workload.assign("balanced", groups, 6).items() if m in ms)
+    return m, owner, owned.index(m)
+
+
+def test_a_flip_in_a_checked_microbatch_is_outvoted_in_its_step_and_one_no_check_draws_trains_in(
+    tmp_path: Path, exact_six: Run
+) -> None:
+    """Three groups, half the steps checked. The first checked step from 2 on: its microbatch's owner flips it
+    (the top mantissa bit): the checker disagrees, the third group agrees with the checker, the owner fails in
+    the step, the other two compute its microbatches, and the step commits the failure-free bits. The first step
+    after it that no check draws: a group that never failed flips one of its microbatches, unseen (no mismatch
+    claimed), and from then on the parameters differ from the failure-free ones."""
+    rate = 0.5
+    drawn = {s: sdc.checked_microbatch(SEED, s, rate, 6) for s in range(1, 7)}
+    caught = next(s for s in range(2, 6) if drawn[s] is not None)
+    unseen = next(s for s in range(caught + 1, 7) if drawn[s] is None)
+    m, owner, index = owner_and_index(caught, rate, (0, 1, 2))
+    other = next(r for r in (0, 1, 2) if r != owner)
+    plan = f"flip replica={owner} step={caught} microbatch={index}; flip replica={other} step={unseen} microbatch=0"
+    run = run_job(tmp_path / "dump", *SIX, *EXACT_EVERY_STEP, *CHECKS, str(rate), "--recover.fault_plan", plan)
+    assert run.returncode == 0, run.output[-3000:]
+    checker = sdc.after(owner, (0, 1, 2))
+    mismatches = [(e["step"], e["microbatch"], e["outcome"], e["outvoted"]) for e in run.of("sdc_mismatch")]
+    assert mismatches == [(caught, m, "third opinion", []), (caught, m, "outvoted", [owner])], mismatches
+    assert run.of("sdc_mismatch")[0]["groups"] == [owner, checker]
+    [failure] = run.of("failure")
+    assert failure["replica"] == owner and "outvoted two to one" in failure["cause"], failure
+    checked = {e["step"]: e["microbatch"] for e in run.of("sdc_checked")}
+    assert checked == {s: d for s, d in drawn.items() if d is not None}, checked
+    assert same_as(run, exact_six) == list(range(1, unseen)), (caught, unseen, digests(run))
+    assert all(len(d) == 1 for d in digests(run).values())  # the unseen flip trained into every group alike
+
+
+def test_with_two_groups_a_mismatch_computes_the_step_again_and_a_bad_device_stops_the_run(
+    tmp_path: Path, exact_single: Run
+) -> None:
+    """Two groups (``SINGLES``, M = 4), every step checked: no third opinion. A flip once in step 2's checked
+    microbatch: the step is computed again from its start, without either contribution, and commits the
+    failure-free bits. Replica 1 flipping every microbatch from step 4 on (``repeat=true``, a bad device): the
+    step's second computation disagrees again, and the run stops there rather than train it in."""
+    m = sdc.checked_microbatch(SEED, 2, 1.0, 4)
+    assert m is not None
+    owner, owned = next((r, ms) for r, ms in workload.assign("balanced", (0, 1), 4).items() if m in ms)
+    plan = f"flip replica={owner} step=2 microbatch={owned.index(m)}; flip replica=1 step=4 repeat=true"
+    run = run_job(tmp_path / "dump", *SINGLES, *EXACT_EVERY_STEP, *CHECKS, "1", "--recover.fault_plan", plan)
+    assert run.returncode == 1, run.output[-3000:]
+    outcomes = [(e["step"], e["outcome"]) for e in run.of("sdc_mismatch")]
+    assert outcomes == [(2, "computed again"), (4, "computed again"), (4, "undecided")], outcomes
+    assert sorted(run.steps()) == [1, 2, 3]  # step 4 never commits
+    assert same_as(run, exact_single) == [1, 2, 3], digests(run)
+    assert "CheckUndecided" in run.output and "give no majority" in run.output, run.output[-3000:]
+
+
+def test_a_third_opinion_that_agrees_with_neither_stops_the_step_from_committing(tmp_path: Path) -> None:
+    """Three groups, every step checked: at step 2 the owner of the checked microbatch flips it once, and the
+    third group flips another bit of every microbatch from step 2 on (its duplicate of the checked one too; the
+    same bit would make the two wrong digests alike, and outvote the right one). Three digests, no two alike: the
+    step does not commit and the run stops, saying so."""
+    m, owner, index = owner_and_index(2, 1.0, (0, 1, 2))
+    checker = sdc.after(owner, (0, 1, 2))
+    assert checker is not None
+    third = sdc.after(checker, (0, 1, 2), skip=(owner, checker))
+    plan = f"flip replica={owner} step=2 microbatch={index}; flip replica={third} step=2 bit=21 repeat=true"
+    run = run_job(tmp_path / "dump", *SIX, *EXACT_EVERY_STEP, *CHECKS, "1", "--recover.fault_plan", plan)
+    assert run.returncode == 1, run.output[-3000:]
+    outcomes = [(e["step"], e["microbatch"], e["outcome"], e["groups"]) for e in run.of("sdc_mismatch")]
+    assert outcomes == [(2, m, "third opinion", [owner, checker]), (2, m, "undecided", [owner, checker, third])]
+    assert sorted(run.steps()) == [1]
+    assert "give no majority" in run.output, run.output[-3000:]

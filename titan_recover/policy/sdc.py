@@ -1,0 +1,83 @@
+"""Silent-data-corruption checks (``[recover] sdc_check``): which microbatch a step checks, who computes it
+again, and what the groups' digests of it say.
+
+In exact mode a microbatch's gradient has the same bits on any replica group of the same shard layout (the
+same parameters, the same data, pinned kernels), so a second group computing it must get the digest the
+owner got, shard by shard. At a checked step the microbatch is drawn from the run's seed and the step alone,
+so every rank of every group agrees without a message; the next member after its owner computes it on top of
+its quota (outside every sum), and each group's digest rides the step's replicate all-reduce in the group's own
+slot. On a mismatch the member after those two gives a third opinion: the group it agrees with is right, the
+other is outvoted and treated as failed in that step. With two groups there is no third opinion (the step is
+computed again, and a second mismatch stops the run); a third that agrees with neither stops it too.
+
+Everything here is pure: digests are integers below ``2**62``, 0 meaning "not computed by this group".
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+DIGEST_BITS = 62  # an int64 slot of the all-reduce holds one group's digest, the others add 0
+
+
+def _uniform(seed: int, step: int, what: str) -> int:
+    """A 64-bit draw every rank makes alike from the run's seed and the step."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{step}:{what}".encode(), digest_size=8).digest(), "big")
+
+
+def checked_microbatch(seed: int, step: int, rate: float, num_microbatches: int) -> int | None:
+    """The microbatch id ``step`` checks, or None where the step is not drawn (probability ``1 - rate``)."""
+    if rate <= 0.0 or _uniform(seed, step, "checked") >= rate * 2**64:
+        return None
+    return _uniform(seed, step, "microbatch") % num_microbatches
+
+
+def after(replica: int, members: Sequence[int], skip: Sequence[int] = ()) -> int | None:
+    """The first member after ``replica`` in ``members``' order (cyclically) that is neither it nor in ``skip``:
+    the checker of its microbatch, or the third opinion; None where there is none."""
+    order = sorted(members)
+    start = next((i for i, r in enumerate(order) if r > replica), 0)
+    for r in order[start:] + order[:start]:
+        if r != replica and r not in skip:
+            return r
+    return None
+
+
+def digest(chunks: Sequence[bytes | memoryview]) -> int:
+    """A nonzero ``DIGEST_BITS``-bit digest of one microbatch's gradient on one rank (its shards' bytes, in
+    parameter order)."""
+    h = hashlib.blake2b(digest_size=8)
+    for chunk in chunks:
+        h.update(chunk)
+    return (int.from_bytes(h.digest(), "big") & (2**DIGEST_BITS - 1)) | 1
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the digests of one checked microbatch say, over every shard."""
+
+    agree: bool  # every group that computed it got the same digest on every shard
+    outvoted: tuple[int, ...] = ()  # groups a majority of two disagrees with on some shard
+    undecided: bool = False  # some shard's opinions are all different, or only two that differ
+
+
+def verdict(shards: Sequence[Mapping[int, int]]) -> Verdict:
+    """``shards``: per shard, each group's digest of the checked microbatch (groups that did not compute it left
+    out). A group outvoted on any shard is outvoted; a shard whose opinions do not give a majority leaves the
+    verdict undecided."""
+    outvoted: set[int] = set()
+    undecided = False
+    for opinions in shards:
+        values = list(opinions.values())
+        if len(set(values)) <= 1:
+            continue
+        counts = {v: values.count(v) for v in set(values)}
+        top = max(counts.values())
+        if top < 2 or list(counts.values()).count(top) > 1:
+            undecided = True
+            continue
+        majority = next(v for v, c in counts.items() if c == top)
+        outvoted |= {g for g, v in opinions.items() if v != majority}
+    return Verdict(agree=not outvoted and not undecided, outvoted=tuple(sorted(outvoted)), undecided=undecided)
