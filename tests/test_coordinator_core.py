@@ -715,3 +715,68 @@ def test_a_malformed_loss_in_the_saved_state_is_refused(loss: object) -> None:
     raw = {**json.loads(core().state.dumps()), "loss": loss}
     with pytest.raises(MessageError, match="loss needs step, time, groups and an optional resume_step"):
         CoordinatorState.from_json("coordinator/state", raw)
+
+
+def test_a_group_outvoted_twice_within_the_window_is_quarantined_and_its_restarts_are_fenced() -> None:
+    """SDC checks: an outvoted group's ranks each report themselves (``outvoted``): one strike per incarnation.
+    The first fails the group as any report does, and it may come back; the second within ``sdc_window_s``
+    quarantines it: saved in the state (a new leader keeps it), a ``quarantined`` event, and every incarnation its
+    launcher starts after is fenced when it asks to join, never admitted."""
+    clock = [1000.0]
+    c = core(wall=lambda: clock[0])
+    outvoted = lambda attempt: Report(  # noqa: E731
+        epoch=c.membership.epoch, cause="outvoted", replica=1, suspect=1, step=4, attempt=None, outvoted=True
+    )
+    for _ in range(RANKS):  # one report per rank: one strike
+        assert events(c.on_report(outvoted(0), now=1.0)) == []
+    assert c.state.strikes == {1: [1000.0]} and c.state.quarantined == {}
+    c.on_failure(c.detector.decide(now=1.0)[0], now=1.0)
+    nodes(c, 2.0, r0=up(), r1=up(incarnation=1, ready=RANKS), r2=up())
+    assert events(c.on_joins(2.0)) == ["admitted"]  # back after its first strike
+    clock[0] = 1000.0 + 3600.0
+    effects = c.on_report(outvoted(1), now=3.0)
+    assert events(effects) == ["quarantined"] and Save() in effects
+    [quarantined] = of(effects, Emit)
+    assert quarantined.fields == {"replica": 1, "step": 4, "strikes": [1000.0, 4600.0]}
+    assert c.state.quarantined == {1: 4}
+    assert CoordinatorState.from_json("s", json.loads(json.dumps(c.state.to_json()))).quarantined == {1: 4}
+    c.on_failure(c.detector.decide(now=3.0)[0], now=3.0)
+    nodes(c, 4.0, r0=up(), r1=up(incarnation=2, ready=RANKS), r2=up())
+    effects = c.on_joins(4.0)
+    assert of(effects, FenceOut) == [FenceOut(1, Fence(2, c.membership.epoch))] and not of(effects, Admit)
+    assert of(c.on_joins(4.5), FenceOut) == []  # fenced once per incarnation
+    assert 1 not in c.membership.members
+
+
+def test_strikes_older_than_the_window_do_not_count() -> None:
+    clock = [1000.0]
+    c = core(wall=lambda: clock[0])
+    for attempt, now in ((0, 1000.0), (1, 1000.0 + 86400.0)):
+        clock[0] = now
+        report = Report(epoch=0, cause="outvoted", replica=2, suspect=2, step=3, outvoted=True)
+        c.state.attempts[2] = attempt
+        assert events(c.on_report(report, now=1.0)) == []
+    assert c.state.strikes == {2: [87400.0]} and not c.state.quarantined
+
+
+@pytest.mark.parametrize(
+    "rec",
+    [
+        {"epoch": 0, "cause": "x", "replica": 1, "suspect": 2, "outvoted": True},  # of another group
+        {"epoch": 0, "cause": "x", "replica": 1, "outvoted": True},  # of nobody
+        {"epoch": 0, "cause": "x", "replica": 1, "suspect": 1, "outvoted": "yes"},
+    ],
+)
+def test_an_outvoted_report_is_only_a_groups_own(rec: dict) -> None:
+    with pytest.raises(MessageError, match="outvoted must be a boolean, said by a group of itself"):
+        Report.from_json("k", rec)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("strikes", {"1": ["a"]}), ("strikes", {"1": [1.0] * 17}), ("quarantined", {"x": 3}), ("quarantined", {"1": -1})],
+)
+def test_a_saved_state_with_malformed_strikes_or_quarantine_is_refused(field: str, value: object) -> None:
+    rec = CoordinatorState().to_json() | {field: value}
+    with pytest.raises(MessageError, match=field):
+        CoordinatorState.from_json("s", json.loads(json.dumps(rec)))

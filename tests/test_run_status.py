@@ -85,7 +85,16 @@ def test_a_group_goes_live_fenced_restarting_joining_live_from_the_events_alone(
     assert snap["failures"][0]["detection_s"] == pytest.approx(0.5) and snap["failures"][0]["recovery_s"] == 0.7
     assert snap["rejoins"][0]["downtime_s"] == 7.0
     assert snap["series"]["live_groups"] == [2, 1, 2] and snap["series"]["step_time_s"] == [None, 2.0, 6.0]
-    assert snap["counts"] == {"failures": 1, "leaves": 0, "rejoins": 1, "steps": 3, "digest_mismatches": 0}
+    assert snap["counts"] == {
+        "failures": 1,
+        "leaves": 0,
+        "rejoins": 1,
+        "steps": 3,
+        "digest_mismatches": 0,
+        "sdc_checks": 0,
+        "sdc_mismatches": 0,
+        "quarantined": 0,
+    }
     assert [g["nodes"] for g in snap["groups"]] == [["n0"], ["n0"], ["n1"]]
 
 

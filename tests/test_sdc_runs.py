@@ -111,3 +111,36 @@ def test_a_third_opinion_that_agrees_with_neither_stops_the_step_from_committing
     assert outcomes == [(2, m, "third opinion", [owner, checker]), (2, m, "undecided", [owner, checker, third])]
     assert sorted(run.steps()) == [1]
     assert "give no majority" in run.output, run.output[-3000:]
+
+
+def test_a_bad_device_outvoted_twice_is_quarantined_and_never_readmitted(tmp_path: Path, exact_six: Run) -> None:
+    """Three groups, every step checked, ten steps; the owner of step 2's checked microbatch flips every
+    microbatch from step 2 on, in every incarnation (``repeat=true``: a bad device). Step 2: outvoted, a strike;
+    it fails in the step, the others commit the failure-free bits without it, and hold after step 3 until it is
+    back. Back, it is outvoted again at the first check it takes part in: quarantined (the event, the summary),
+    its launcher restarts it no more, and the other two end the run."""
+    steps = 10
+    m, bad, _ = owner_and_index(2, 1.0, (0, 1, 2))
+    others = [r for r in (0, 1, 2) if r != bad]
+    involved = [
+        s for s in range(5, steps + 1) if bad in (o := owner_and_index(s, 1.0, (0, 1, 2))[1], sdc.after(o, (0, 1, 2)))
+    ]
+    assert involved, "no check from step 5 on involves the bad group: choose another layout"
+    hold = "; ".join(f"sleep replica={r} step=3 phase=optimizer seconds=120 until=epoch" for r in others)
+    plan = f"flip replica={bad} step=2 repeat=true; {hold}"
+    layout = [*THREE, "--training.steps", str(steps)]
+    run = run_job(tmp_path / "dump", *layout, *EXACT_EVERY_STEP, *CHECKS, "1", "--recover.fault_plan", plan)
+    assert run.returncode == 0, run.output[-3000:]
+    [first, *_] = run.of("sdc_mismatch")
+    assert (first["step"], first["outvoted"]) == (2, []) and first["groups"][0] == bad, first
+    outvoted = [(e["step"], e["outvoted"]) for e in run.of("sdc_mismatch") if e["outvoted"]]
+    assert outvoted[0] == (2, [bad]) and len(outvoted) == 2 and outvoted[1][0] <= involved[0], outvoted
+    [quarantined] = run.of("quarantined")
+    assert (quarantined["replica"], quarantined["step"]) == (bad, outvoted[1][0]), quarantined
+    assert [e["replica"] for e in run.of("admitted")] == [bad]  # back once, after its first strike only
+    assert f"replica group {bad} exited" in run.output and "it is quarantined" in run.output, run.output[-3000:]
+    assert f"QUARANTINED          : replica {bad} at step {outvoted[1][0]}" in run.output
+    last = run.steps()[steps]
+    assert last["members"] == others, last
+    twin = {e["step"]: e["digest"] for e in exact_six.of("param_digest")}
+    assert all(digests(run)[s] == {twin[s]} for s in (1, 2, 3)), digests(run)

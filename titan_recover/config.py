@@ -197,6 +197,11 @@ class Recover:
     """The share of steps sdc_check checks, in (0, 1]: each check costs one microbatch's forward and backward
     on one group (at 1 and M = 8 on 4 groups, about a quarter of a group's step)."""
 
+    sdc_quarantine_window_s: float = 86400.0
+    """A replica group outvoted by sdc_check twice within this many seconds is quarantined: fenced, never
+    readmitted, its launcher restarting it no more (a device wrong once may have been hit by a particle; wrong
+    twice, it is bad)."""
+
     digest_interval: int = 10
     """Every this many steps (and at the last) each replica logs a digest of its parameters."""
 
@@ -421,6 +426,7 @@ _SECONDS = (
     "leader_lease_s",
     "replace_after_s",
     "member_replace_after_s",
+    "sdc_quarantine_window_s",
 )
 """Durations of ``[recover]``: each a finite number of seconds > 0."""
 

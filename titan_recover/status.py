@@ -78,6 +78,10 @@ def format_status(s: dict[str, Any]) -> str:
     if digests["steps"]:
         verdict = f"MISMATCH ({digests['mismatches']})" if digests["mismatches"] else "equal across replicas"
         lines.append(f"param digests: {verdict}, last checked at step {digests['last']}")
+    sdc = s.get("sdc")
+    if sdc and (sdc["checks"] or sdc["mismatches"]):
+        lines.append(f"SDC checks: {sdc['checks']} steps checked, {sdc['mismatches']} mismatches")
+        lines += [f"  QUARANTINED: replica {q['replica']} at step {q['step']}" for q in sdc["quarantined"]]
     return "\n".join(lines)
 
 

@@ -73,6 +73,7 @@ R = TypeVar("R", bound="Record")
 
 MAX_SNAPSHOTS = 64  # steps a rank may list in its ``Snapshots``: more is a corrupted record, not a setting
 MAX_DOMAIN = 256  # characters of a launcher's failure domain: a name, not a document
+MAX_STRIKES = 16  # SDC strikes kept per group: quarantine comes at the second within the window
 
 
 class Record:
@@ -250,6 +251,7 @@ class Report(Record):
     left: bool = False  # ``suspect`` (the reporter's own group) leaves on notice before ``step``: no failure
     notice_s: float | None = None  # a leave's: seconds from the notice to the leave
     final: bool = False  # a launcher's: it does not restart ``suspect`` (no restarts left in its window)
+    outvoted: bool = False  # ``suspect`` (the reporter's own group) was outvoted by an SDC check: a strike
 
     REQUIRED = ("epoch", "cause")
 
@@ -293,6 +295,14 @@ class Report(Record):
             "final must be a boolean, said of a suspect",
             rec,
         )
+        outvoted = rec.get("outvoted", False)
+        _require(
+            key,
+            isinstance(outvoted, bool)
+            and not (outvoted and (rec.get("suspect") is None or rec.get("suspect") != rec.get("replica"))),
+            "outvoted must be a boolean, said by a group of itself (suspect = replica)",
+            rec,
+        )
         return Report(
             rec["epoch"],
             rec["cause"],
@@ -306,6 +316,7 @@ class Report(Record):
             left,
             None if notice is None else float(notice),
             final,
+            outvoted,
         )
 
 
@@ -754,6 +765,8 @@ class CoordinatorState(Record):
     loss: Loss | None = None  # every group lost its state: waiting for them, or resumed and not committed yet
     requests: list[Request] = field(default_factory=list)  # every replacement request, in order (number i + 1 at i)
     refused: bool = False  # the scheduler refused a replacement request: no more are made
+    strikes: dict[int, list[float]] = field(default_factory=dict)  # group -> when SDC checks outvoted it (wall)
+    quarantined: dict[int, int] = field(default_factory=dict)  # group -> the step it was quarantined at: never back
 
     REQUIRED = (
         "progress",
@@ -843,6 +856,9 @@ class CoordinatorState(Record):
         state.requests = [_request(key, number, r) for number, r in enumerate(requests, 1)]
         _require(key, isinstance(rec.get("refused", False), bool), "refused must be true or false", rec.get("refused"))
         state.refused = rec.get("refused", False)
+        times = lambda v: isinstance(v, list) and len(v) <= MAX_STRIKES and all(is_seconds(t) for t in v)  # noqa: E731
+        state.strikes = _ids(key, rec.get("strikes", {}), "strikes", times)
+        state.quarantined = _ids(key, rec.get("quarantined", {}), "quarantined", is_count)
         return state
 
 

@@ -32,7 +32,7 @@ from titan_recover.control.protocol import (
     TransferRecord,
 )
 from titan_recover.observability.logs import id_list
-from titan_recover.policy import replacements
+from titan_recover.policy import replacements, sdc
 from titan_recover.policy.membership import (
     FailureDetector,
     GroupView,
@@ -67,6 +67,7 @@ class Rules:
     resume_wait_s: float = 0.0  # after such a loss, how long to wait for every lost group to come back
     # ... except those whose launchers wrote nothing this long (their nodes gone): 0 waits for every one
     launcher_timeout_s: float = 0.0
+    sdc_window_s: float = 86400.0  # a group outvoted by SDC checks twice within this is quarantined
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,8 @@ class CoordinatorCore:
         self.stopping: tuple[int, str] | None = None  # the run stops in order: (its last step at most, why)
         self.given_up: set[int] = set()  # groups their launchers restart no more (until an incarnation asks again)
         self.replace_bounds = replace_bounds
+        self.fenced_quarantined: dict[int, int] = {}  # quarantined replica -> its latest incarnation fenced
+        self.struck: set[tuple[int, int | None]] = set()  # (replica, incarnation) strikes counted by this leader
 
     def take_over(self, state: CoordinatorState, history: dict[int, Membership], epoch: int) -> None:
         """Continues from the state a previous leader saved and the epochs the store holds (those from
@@ -346,13 +349,39 @@ class CoordinatorCore:
         if suspect is not None and report.final:
             self.given_up.add(suspect)
         decision = reported(self._roster(), suspect, report.left, report.cause)
-        effects: list[Effect] = []
+        effects: list[Effect] = self._strike(suspect, report.step) if suspect is not None and report.outvoted else []
         if isinstance(decision, Leave):
             self.leaving.setdefault(decision.replica, report)  # taken out of the next epoch at once, as a failure is
         elif isinstance(decision, DropSpare):
-            effects = self._drop_spare(decision.replica, decision.cause)
+            effects += self._drop_spare(decision.replica, decision.cause)
         self.detector.report(suspect, report.cause, now, report.waiting)
         return effects
+
+    def _strike(self, replica: int, step: int | None) -> list[Effect]:
+        """``replica`` was outvoted by an SDC check (its ranks' own report, once per rank): a strike, counted
+        once per incarnation; the second within ``sdc_window_s`` quarantines it."""
+        state, attempt = self.state, self._incarnation(replica)
+        if replica in state.quarantined or (replica, attempt) in self.struck:
+            return []
+        self.struck.add((replica, attempt))
+        state.strikes[replica], quarantined = sdc.strikes(
+            state.strikes.get(replica, []), self.wall(), self.rules.sdc_window_s
+        )
+        if not quarantined:
+            return [Save()]
+        state.quarantined[replica] = self.step() if step is None else step
+        return [
+            Save(),
+            Emit(
+                "quarantined",
+                {"replica": replica, "step": state.quarantined[replica], "strikes": state.strikes[replica]},
+            ),
+            Say(
+                f"replica {replica} quarantined: SDC checks outvoted it {len(state.strikes[replica])} times within "
+                f"recover.sdc_quarantine_window_s = {self.rules.sdc_window_s:g}s; it is fenced and never readmitted "
+                "(check or replace its devices)"
+            ),
+        ]
 
     def _incarnation(self, replica: int) -> int | None:
         """The number of the incarnation of ``replica`` the run holds now: as a member or as a waiting spare."""
@@ -626,9 +655,17 @@ class CoordinatorCore:
         state = self.state
         if state.loss is not None and state.loss.resume_step is None:
             return self._resume(now)
+        effects: list[Effect] = []
+        for replica in sorted(self.asking.keys() & state.quarantined.keys()):  # its launcher restarted it: fenced
+            incarnation = self.asking.pop(replica)
+            if self.fenced_quarantined.get(replica) != incarnation:
+                self.fenced_quarantined[replica] = incarnation
+                effects += [
+                    FenceOut(replica, Fence(incarnation, self.membership.epoch)),
+                    Say(f"replica {replica} (attempt {incarnation}) asks to join, but is quarantined: fenced"),
+                ]
         last_beat = {r: self.detector.silent_since(r) for r in state.spares}
         decision = joins(self._roster(), self.limits, self.asking, self.views, last_beat, now)
-        effects: list[Effect] = []
         for replica, incarnation in decision.replace:  # its previous incarnation is a member: it takes its place back
             effects += self.on_failure({replica: f"restarted by its launcher (attempt {incarnation})"}, now)
             if stops(effects):

@@ -131,6 +131,7 @@ def rules(settings: CoordinatorSettings) -> Rules:
         snapshot_interval=rc.snapshot_interval,
         resume_wait_s=rc.startup_timeout_s,
         launcher_timeout_s=rc.heartbeat_timeout_s,
+        sdc_window_s=rc.sdc_quarantine_window_s,
     )
 
 

@@ -208,6 +208,15 @@ class LeaderPart:
     def exited(self, groups: "Torchruns", client: ControlClient, replica: int, code: int) -> None:
         now = groups.clock()
         budget = groups.budgets[replica]
+        state = client.read_state()
+        if state is not None and replica in state.quarantined:
+            groups.report_exit(client, replica, code, " (quarantined)", final=True)
+            log.info(
+                f"replica group {replica} exited with code {code}; it is quarantined (SDC checks outvoted it twice, "
+                f"at step {state.quarantined[replica]}): not restarting it; the run goes on with the other groups"
+            )
+            groups.given_up.add(replica)
+            return
         decision = on_exit(budget, now)
         if isinstance(decision, GiveUp):
             groups.report_exit(client, replica, code, " (no restarts left in the window)", final=True)

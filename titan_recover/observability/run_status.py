@@ -99,6 +99,9 @@ class RunHistory:
         self.snapshot_peaks: dict[str, int] = {}  # node -> its largest snapshot bytes, logged or read in the store
         self.digest_steps: set[int] = set()
         self.mismatches = 0
+        self.sdc_checks = 0  # steps committed with an SDC check (sdc_checked events)
+        self.sdc_mismatches = 0
+        self.quarantined: dict[int, int] = {}  # replica -> the step it was quarantined at
         self.leader: dict[str, Any] | None = None
         self.fatal: str | None = None
         self.started: float | None = None
@@ -243,6 +246,16 @@ class RunHistory:
     def _on_param_digest_mismatch(self, e: dict[str, Any], t: float) -> None:
         self.mismatches += 1
 
+    def _on_sdc_checked(self, e: dict[str, Any], t: float) -> None:
+        self.sdc_checks += 1
+
+    def _on_sdc_mismatch(self, e: dict[str, Any], t: float) -> None:
+        self.sdc_mismatches += 1
+
+    def _on_quarantined(self, e: dict[str, Any], t: float) -> None:
+        if self._group(e) is not None and type(e.get("step")) is int:
+            self.quarantined[e["replica"]] = e["step"]
+
     def _on_host_memory(self, e: dict[str, Any], t: float) -> None:
         found = host_memory.figure(e)
         if found is not None:
@@ -272,6 +285,8 @@ class RunHistory:
         """The group's state (see the module docstring); the store's bookkeeping, when there is
         one, says who is joining or waiting as a spare."""
         group = self.groups[replica]
+        if replica in self.quarantined:
+            return "quarantined"
         saved = live.state if live is not None else None
         joining = str(replica) in saved.get("joining", {}) if saved is not None else group.joining
         spare = str(replica) in saved.get("spares", {}) if saved is not None else group.spare
@@ -351,6 +366,11 @@ class RunHistory:
                 "mismatches": self.mismatches,
                 "last": max(self.digest_steps, default=None),
             },
+            "sdc": {
+                "checks": self.sdc_checks,
+                "mismatches": self.sdc_mismatches,
+                "quarantined": [{"replica": r, "step": s} for r, s in sorted(self.quarantined.items())],
+            },
             "series": {
                 "step": [self.steps[i] for i in picked],
                 "time": [self.times[i] for i in picked],
@@ -366,6 +386,9 @@ class RunHistory:
                 "rejoins": len(self.rejoins),
                 "steps": len(self.steps),
                 "digest_mismatches": self.mismatches,
+                "sdc_checks": self.sdc_checks,
+                "sdc_mismatches": self.sdc_mismatches,
+                "quarantined": len(self.quarantined),
             },
             "latencies": {
                 "recovery_s": list(self.recovery_s),

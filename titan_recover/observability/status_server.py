@@ -225,6 +225,21 @@ class Metrics:
             "Parameter digests that differed across replicas.",
             value=counts["digest_mismatches"],
         )
+        yield CounterMetricFamily(
+            "titan_recover_sdc_checks",
+            "Steps committed with an SDC check (recover.sdc_check).",
+            value=counts["sdc_checks"],
+        )
+        yield CounterMetricFamily(
+            "titan_recover_sdc_mismatches",
+            "SDC checks whose groups' gradients of the checked microbatch differed.",
+            value=counts["sdc_mismatches"],
+        )
+        yield GaugeMetricFamily(
+            "titan_recover_quarantined_groups",
+            "Replica groups quarantined: outvoted by SDC checks twice within the window.",
+            value=counts["quarantined"],
+        )
         for name, key, doc in (
             ("recovery_latency_seconds", "recovery_s", "From a failure to the survivors' new membership."),
             ("rejoin_downtime_seconds", "downtime_s", "From a failure to the group (or a spare) back with state."),

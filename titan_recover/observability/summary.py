@@ -40,6 +40,13 @@ def summarize_events(*paths: str, last_step: int | None = None) -> dict[str, Any
         ],
         "digest_steps": sorted({e["step"] for e in events if e["event"] == "param_digest"}),
         "digest_mismatches": [e for e in events if e["event"] == "param_digest_mismatch"],
+        "sdc_checks": sum(e["event"] == "sdc_checked" for e in events),
+        "sdc_mismatches": [
+            {k: e.get(k) for k in ("step", "microbatch", "groups", "outcome", "outvoted")}
+            for e in events
+            if e["event"] == "sdc_mismatch"
+        ],
+        "quarantined": [{k: e.get(k) for k in ("replica", "step")} for e in events if e["event"] == "quarantined"],
         "leaders": [{k: e.get(k) for k in ("pid", "host", "step")} for e in events if e["event"] == "leader"],
         "files": log.files,
         "skipped": log.skipped,
@@ -199,6 +206,17 @@ def format_summary(s: dict[str, Any], tokens_per_step: int) -> str:
     if s["digest_steps"]:
         verdict = "MISMATCH" if s["digest_mismatches"] else "equal across replicas"
         lines.append(f"  param digests        : {verdict} at steps {s['digest_steps']}")
+    if s.get("sdc_checks") or s.get("sdc_mismatches"):
+        lines.append(f"  SDC checks           : {s['sdc_checks']} steps checked, {len(s['sdc_mismatches'])} mismatches")
+        lines += [
+            f"    step {m['step']} microbatch {m['microbatch']}, groups {m['groups']}: {m['outcome']}"
+            + (f", replica(s) {m['outvoted']} outvoted" if m["outvoted"] else "")
+            for m in s["sdc_mismatches"]
+        ]
+    for q in s.get("quarantined", []):
+        lines.append(
+            f"  QUARANTINED          : replica {q['replica']} at step {q['step']} (check or replace its devices)"
+        )
     if "step_time_s" in s:
         lines.append(f"  mean step time (s)   : {s['step_time_s']:.3f}")
         lines.append(f"  tokens/s             : {tokens_per_step / s['step_time_s']:.0f}")

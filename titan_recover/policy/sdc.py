@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 DIGEST_BITS = 62  # an int64 slot of the all-reduce holds one group's digest, the others add 0
+QUARANTINE_STRIKES = 2  # outvoted this often within the window: quarantined
 
 
 def _uniform(seed: int, step: int, what: str) -> int:
@@ -52,6 +53,13 @@ def digest(chunks: Sequence[bytes | memoryview]) -> int:
     for chunk in chunks:
         h.update(chunk)
     return (int.from_bytes(h.digest(), "big") & (2**DIGEST_BITS - 1)) | 1
+
+
+def strikes(earlier: Sequence[float], now: float, window_s: float) -> tuple[list[float], bool]:
+    """A group outvoted at ``now``: its strikes within ``window_s`` (this one last, at most ``QUARANTINE_STRIKES``
+    kept), and whether it is quarantined."""
+    kept = [t for t in earlier if now - t < window_s][-(QUARANTINE_STRIKES - 1) :] + [now]
+    return kept, len(kept) >= QUARANTINE_STRIKES
 
 
 @dataclass(frozen=True)

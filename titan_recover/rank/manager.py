@@ -69,7 +69,7 @@ from titan_recover.policy.membership import Membership, awaited
 from titan_recover.rank import snapshot, transfer
 from titan_recover.rank.collectives import POLL_S, CollectiveAborted, backoff
 from titan_recover.rank.exact import NonFinite
-from titan_recover.rank.sdc_checks import CheckUndecided
+from titan_recover.rank.sdc_checks import CheckUndecided, ReplicaOutvoted
 
 EPOCH_POLL_S = 0.02  # how stale a rank's view of the epoch may be while it waits
 DECISION_WAIT_S = 0.1  # on etcd a rank watches for the commit decision this long at a time, then looks at
@@ -538,9 +538,19 @@ class ReplicaManager:
 
     # ---- failure reports ------------------------------------------------------------
 
-    def _report(self, epoch: int, suspect: int | None, cause: str, error: str | None = None) -> None:
+    def _report(
+        self, epoch: int, suspect: int | None, cause: str, error: str | None = None, outvoted: bool = False
+    ) -> None:
         self.control.report(
-            Report(epoch=epoch, cause=cause, replica=self.replica, suspect=suspect, step=self.step, error=error)
+            Report(
+                epoch=epoch,
+                cause=cause,
+                replica=self.replica,
+                suspect=suspect,
+                step=self.step,
+                error=error,
+                outvoted=outvoted,
+            )
         )
 
     def report_broken(self, epoch: int, cause: str, e: BaseException) -> None:
@@ -561,7 +571,7 @@ class ReplicaManager:
         error = own_error(e)
         rank = self.group_rank
         cause = f"rank {rank} raised {error}" if error else f"rank {rank} saw its own group fail: {brief(e)}"
-        self._report(epoch, self.replica, cause, error)
+        self._report(epoch, self.replica, cause, error, outvoted=isinstance(e, ReplicaOutvoted))
 
     def report_diverged(self, epoch: int, cause: str) -> None:
         """This replica's parameters differ from the others': it reports itself before it restarts."""

@@ -45,7 +45,7 @@ from titan_recover.policy.membership import Membership, diverged
 from titan_recover.rank import balancing, exact, snapshot, transfer
 from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.rank.manager import ReplicaFenced, ReplicaLeaving, ReplicaManager, RunDone, RunStopping
-from titan_recover.rank.sdc_checks import Checks, CheckUndecided
+from titan_recover.rank.sdc_checks import Checks, CheckUndecided, ReplicaOutvoted
 from titan_recover.rank.trainer import BaseTrainer
 
 log = logging.getLogger(__name__)
@@ -53,10 +53,6 @@ log = logging.getLogger(__name__)
 
 class ReplicaDiverged(RuntimeError):
     """This replica's parameters differ from the others': it reported itself and restarts."""
-
-
-class ReplicaOutvoted(RuntimeError):
-    """Two other groups' gradients of a checked microbatch agree, and this group's differs: it fails in the step."""
 
 
 THIRD, RECOMPUTE, NEXT_EPOCH = "third opinion", "computed again", "outvoted"  # what a check's mismatch leads to

@@ -9,6 +9,11 @@ import torch.distributed as dist
 from titan_recover.policy import sdc
 
 
+class ReplicaOutvoted(RuntimeError):
+    """Two other groups' gradients of a checked microbatch agree, and this group's differs: it fails in the step,
+    and its report is a strike (``Report.outvoted``) towards its quarantine."""
+
+
 class CheckUndecided(RuntimeError):
     """The groups' digests of a checked microbatch give no majority: the step cannot commit, and the run stops."""
 
