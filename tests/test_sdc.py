@@ -75,3 +75,21 @@ def test_the_checks_outside_exact_mode_or_at_an_impossible_rate_are_refused(over
 def test_the_checks_load_in_exact_mode() -> None:
     rc = load("--recover.exact", "--recover.sdc_check", "--recover.sdc_check_rate", "0.25").recover
     assert rc.sdc_check and rc.sdc_check_rate == 0.25
+
+
+def test_each_group_puts_its_digest_and_its_device_models_in_its_own_slots() -> None:
+    """What a rank adds to the replicate all-reduce: the checked microbatch's digest (0 until computed) and its
+    device model's; the sum over the groups holds each in its group's slot. Two models among the members: the
+    first step warns (``RecoverTrainer._tell_models``)."""
+    import torch
+
+    from titan_recover.rank.sdc_checks import Checks
+
+    mine, other = Checks(0, 1.0, 4, replica=1, replica_slots=3), Checks(0, 1.0, 4, replica=2, replica_slots=3)
+    assert mine.begin(1) is not None
+    mine.note(mine.microbatch or 0, [torch.ones(3)])
+    summed = mine.slots(torch.device("cpu")) + other.slots(torch.device("cpu"))
+    assert summed[0] == 0 and summed[1] == mine.mine != 0 and summed[2] == 0  # the other has not computed it
+    assert mine.models(summed) == 1
+    summed[3] = 12345  # replica 0 on another model
+    assert mine.models(summed) == 2

@@ -120,6 +120,7 @@ class RecoverTrainer(BaseTrainer):
             self.exact = exact.ExactSum(sum(g.numel() for g in self._grads()), self.num_microbatches, self.device)
             self.optimizers.zero_grad()  # the zeros _grads() made to count them
         self.checks: Checks | None = None
+        self._models_told = False  # whether the members' device models were looked at (once, at the first step)
         if rc.sdc_check:
             self.checks = Checks(rc.data_seed, rc.sdc_check_rate, self.num_microbatches, replica, self.replica_slots)
         self.speeds = workload.Speeds()  # seconds per microbatch of each replica, from committed steps
@@ -576,6 +577,8 @@ class RecoverTrainer(BaseTrainer):
                 if reduced:
                     coarser = self.exact.redo_bound(buffers[2]) if self.exact is not None else None
                     verdict = self.checks.read(buffers[3], self.parallel_dims.world_size) if self.checks else None
+                    if self.checks is not None and not self._models_told:
+                        self._tell_models(self.checks.models(buffers[3]))
                     disagree = verdict is not None and not verdict.agree
                     decision = self.manager.should_commit(current, redo=coarser is not None or disagree)
                     if decision == COMMIT:
@@ -669,6 +672,17 @@ class RecoverTrainer(BaseTrainer):
                 "run stops; resume it from its last checkpoint with the suspect nodes left out"
             )
         return outcome
+
+    def _tell_models(self, models: int) -> None:
+        """At the first all-reduce: a warning where the members' groups run on different device models, whose
+        gradients may differ in their bits with no corruption (a check would then fail them)."""
+        self._models_told = True
+        if models > 1 and self.group_rank == 0:
+            self.log.warning(
+                f"recover.sdc_check: the replica groups run on {models} different device models, whose gradients "
+                "may differ in their last bits with no corruption; a check would outvote a healthy group. Run the "
+                "checks on groups of one device model"
+            )
 
     def _duplicate(self, microbatch: int) -> None:
         """The checked microbatch computed on top of this group's quota, for its digest only: outside the exact

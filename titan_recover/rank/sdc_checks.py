@@ -3,6 +3,8 @@ group's reading of every group's digests (``policy.sdc`` decides; this holds the
 
 from __future__ import annotations
 
+import platform
+
 import torch
 import torch.distributed as dist
 
@@ -65,16 +67,30 @@ class Checks:
             self.mine = sdc.digest([host_bytes(g) for g in grads if g.numel()])
 
     def slots(self, device: torch.device) -> torch.Tensor:
-        """This group's digest in its replica slot, zeros elsewhere: summed over the groups by the all-reduce."""
-        out = torch.zeros(self.replica_slots, dtype=torch.int64, device=device)
+        """This group's digest in its replica slot, zeros elsewhere, then its device model's digest in its slot:
+        summed over the groups by the all-reduce."""
+        out = torch.zeros(2 * self.replica_slots, dtype=torch.int64, device=device)
         out[self.replica] = self.mine
+        out[self.replica_slots + self.replica] = sdc.digest([device_model(device).encode()])
         return out
 
     def read(self, reduced: torch.Tensor, group_size: int) -> sdc.Verdict:
         """The verdict over every shard of the group: each rank's reduced slots, gathered inside the group, so
         every rank of every group reads the same."""
-        shards = [reduced]
+        digests = reduced[: self.replica_slots].contiguous()
+        shards = [digests]
         if group_size > 1:
-            shards = [torch.empty_like(reduced) for _ in range(group_size)]
-            dist.all_gather(shards, reduced)
+            shards = [torch.empty_like(digests) for _ in range(group_size)]
+            dist.all_gather(shards, digests)
         return sdc.verdict([{g: v for g, v in enumerate(s.tolist()) if v} for s in shards])
+
+    def models(self, reduced: torch.Tensor) -> int:
+        """How many device models the members' ranks of this shard run on (their digests, summed into slots)."""
+        return len({v for v in reduced[self.replica_slots :].tolist() if v})
+
+
+def device_model(device: torch.device) -> str:
+    """What a device's bits depend on: its model (an accelerator's name, a CPU's architecture)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type}:{platform.machine()}:{platform.processor()}"
