@@ -1,5 +1,6 @@
 """The coordinator's decisions on the pure core: records in, effects out, no store, no processes."""
 
+import dataclasses
 import json
 from typing import Callable
 
@@ -685,7 +686,7 @@ def test_a_loss_round_trips_through_json_and_a_new_leader_resumes_from_it() -> N
     held = {(r, 1): lists((6,), (6,)) for r in (0, 1, 2)}
     c, _ = lost_run(held, clock)
     raw = json.loads(c.state.dumps())
-    assert raw["loss"] == {"step": 7, "time": 1000.0, "groups": [0, 1, 2], "resume_step": None}
+    assert raw["loss"] == {"step": 7, "time": 1000.0, "groups": [0, 1, 2], "resume_step": None, "at_most": None}
     state = CoordinatorState.from_json("coordinator/state", raw)
     assert state == c.state
     successor = core(
@@ -725,8 +726,8 @@ def test_a_group_outvoted_twice_within_the_window_is_quarantined_and_its_restart
     clock = [1000.0]
     c = core(wall=lambda: clock[0])
     outvoted = lambda attempt: Report(  # noqa: E731
-        epoch=c.membership.epoch, cause="outvoted", replica=1, suspect=1, step=4, attempt=None, outvoted=True
-    )
+        epoch=c.membership.epoch, cause="outvoted", replica=1, suspect=1, step=c.step(), attempt=None, outvoted=True
+    )  # caught in the step in progress, at its first since it joined: nothing to roll back
     for _ in range(RANKS):  # one report per rank: one strike
         assert events(c.on_report(outvoted(0), now=1.0)) == []
     assert c.state.strikes == {1: [1000.0]} and c.state.quarantined == {}
@@ -737,9 +738,9 @@ def test_a_group_outvoted_twice_within_the_window_is_quarantined_and_its_restart
     effects = c.on_report(outvoted(1), now=3.0)
     assert events(effects) == ["quarantined"] and Save() in effects
     [quarantined] = of(effects, Emit)
-    assert quarantined.fields == {"replica": 1, "step": 4, "strikes": [1000.0, 4600.0]}
-    assert c.state.quarantined == {1: 4}
-    assert CoordinatorState.from_json("s", json.loads(json.dumps(c.state.to_json()))).quarantined == {1: 4}
+    assert quarantined.fields == {"replica": 1, "step": 1, "strikes": [1000.0, 4600.0]}
+    assert c.state.quarantined == {1: 1}
+    assert CoordinatorState.from_json("s", json.loads(json.dumps(c.state.to_json()))).quarantined == {1: 1}
     c.on_failure(c.detector.decide(now=3.0)[0], now=3.0)
     nodes(c, 4.0, r0=up(), r1=up(incarnation=2, ready=RANKS), r2=up())
     effects = c.on_joins(4.0)
@@ -753,7 +754,7 @@ def test_strikes_older_than_the_window_do_not_count() -> None:
     c = core(wall=lambda: clock[0])
     for attempt, now in ((0, 1000.0), (1, 1000.0 + 86400.0)):
         clock[0] = now
-        report = Report(epoch=0, cause="outvoted", replica=2, suspect=2, step=3, outvoted=True)
+        report = Report(epoch=0, cause="outvoted", replica=2, suspect=2, step=1, outvoted=True)
         c.state.attempts[2] = attempt
         assert events(c.on_report(report, now=1.0)) == []
     assert c.state.strikes == {2: [87400.0]} and not c.state.quarantined
@@ -780,3 +781,64 @@ def test_a_saved_state_with_malformed_strikes_or_quarantine_is_refused(field: st
     rec = CoordinatorState().to_json() | {field: value}
     with pytest.raises(MessageError, match=field):
         CoordinatorState.from_json("s", json.loads(json.dumps(rec)))
+
+
+def rolled(keep: int, checked_at: int = 2) -> tuple[CoordinatorCore, HeldLists, list]:
+    """Snapshots every 2 steps, ``keep`` of them; steps 1..6 committed, replica 1's gradients vouched for by step
+    ``checked_at``'s check; then replica 1 outvoted in step 7 (its ranks' reports)."""
+    held: HeldLists = {}
+    c = core(host_memory=True, snapshots=lambda replica, incarnation: held.get((replica, incarnation), {}))
+    c.rules = dataclasses.replace(c.rules, snapshot_keep=keep)
+    for step in range(1, 7):
+        checked = [1, 2] if step == checked_at else []
+        c.on_step(
+            StepRecord(step, c.membership.epoch, [0, 1, 2], [], "d", 1.0, None, time=1000.0 + step, checked=checked)
+        )
+    assert c.state.trusted == {1: checked_at, 2: checked_at}
+    report = Report(epoch=c.membership.epoch, cause="outvoted", replica=1, suspect=1, step=7, outvoted=True)
+    return c, held, c.on_report(report, now=1.0)
+
+
+def test_a_bad_group_caught_after_unchecked_steps_rolls_the_run_back_to_a_snapshot_from_before_them() -> None:
+    """Replica 1 last passed a check at step 2 and is outvoted in step 7: its gradients of steps 3..6 may be wrong.
+    Snapshots reach back to step 2 (every 2 steps, 3 kept): at its failure every group is fenced, the run waits
+    for them as after losing every group, and resumes from step 2 at the newest, not from step 6."""
+    c, held, effects = rolled(keep=3)
+    assert events(effects) == ["sdc_rollback"]
+    assert of(effects, Emit)[0].fields == {"replica": 1, "step": 7, "to": 2, "steps": 4}
+    effects = c.on_failure(c.detector.decide(now=1.0)[0], now=1.0)
+    assert events(effects) == ["failure", "state_lost"] and of(effects, Publish) == [Publish(Membership(1, ()))]
+    assert of(effects, FenceOut) == [FenceOut(r, Fence(0, 1)) for r in (0, 1, 2)]
+    assert c.state.loss is not None and c.state.loss.at_most == 2 and c.rollback is None
+    for r in (0, 1, 2):
+        held[(r, 1)] = lists((6, 4, 2), (6, 4, 2))
+    back(c, 2.0, 0, 1, 2)
+    effects = c.on_joins(now=2.0)
+    assert of(effects, Admit) == [Admit(r, Admission(1, 2, 2, {})) for r in (0, 1, 2)]
+    assert of(effects, Emit)[0].fields["step"] == 2 and c.state.trusted == {1: 2, 2: 2}
+
+
+def test_a_bad_group_caught_past_the_snapshots_kept_says_how_many_steps_may_have_trained_in() -> None:
+    c, _, effects = rolled(keep=1)
+    assert events(effects) == ["sdc_trained_in"]
+    assert of(effects, Emit)[0].fields == {"replica": 1, "step": 7, "from": 3, "steps": 4}
+    assert [s.warn for s in of(effects, Say)] == [True]
+    effects = c.on_failure(c.detector.decide(now=1.0)[0], now=1.0)
+    assert of(effects, Publish) == [Publish(Membership(1, (0, 2)))]  # in-step recovery only
+
+
+def test_a_bad_group_caught_at_its_first_step_since_its_last_check_rolls_nothing_back() -> None:
+    c, _, effects = rolled(keep=3, checked_at=6)
+    assert events(effects) == [] and c.rollback is None
+
+
+@pytest.mark.parametrize(
+    ("trusted", "committed", "interval", "keep", "expected"),
+    [(5, 9, 1, 8, 5), (5, 9, 1, 4, None), (5, 9, 2, 3, 4), (5, 9, 2, 2, None), (0, 9, 1, 20, None), (3, 9, 0, 9, None)],
+)
+def test_the_rollback_goes_to_the_newest_snapshot_at_or_before_the_last_vouched_step_still_kept(
+    trusted: int, committed: int, interval: int, keep: int, expected: int | None
+) -> None:
+    from titan_recover.policy import sdc
+
+    assert sdc.rollback_step(trusted, committed, interval, keep) == expected

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import EXACT_EVERY_STEP, SINGLES, THREE, Run, run_job, shared_run
 
+from titan_recover.compare import compare_runs
+from titan_recover.observability.events import undo_resumed
 from titan_recover.policy import sdc, workload
 
 SIX = [*THREE, "--training.steps", "6"]  # three single-rank groups, M = 6, two each
@@ -144,3 +146,34 @@ def test_a_bad_device_outvoted_twice_is_quarantined_and_never_readmitted(tmp_pat
     assert last["members"] == others, last
     twin = {e["step"]: e["digest"] for e in exact_six.of("param_digest")}
     assert all(digests(run)[s] == {twin[s]} for s in (1, 2, 3)), digests(run)
+
+
+def test_a_bad_device_caught_after_unchecked_steps_is_rolled_back_past_and_the_run_ends_on_the_twins_bits(
+    tmp_path: Path, exact_six: Run
+) -> None:
+    """Three groups, every step checked, a snapshot every step (4 kept). The bad group is one whose gradients step
+    1's check vouches for, that no check draws in step 2, and that step 3's check draws: it flips every microbatch
+    from step 2 on, in every incarnation. Step 2 commits its wrong gradients unseen; step 3 outvotes it. The run
+    rolls back to step 1's snapshot (every group restarts and resumes from its node's memory) and computes step 2
+    again, the bad group with it, which step 3 outvotes again: quarantined, and the run rolls back to step 1
+    once more, without it. The other two end the run on the failure-free bits."""
+    pairs = {s: (o := owner_and_index(s, 1.0, (0, 1, 2))[1], sdc.after(o, (0, 1, 2))) for s in (1, 2, 3)}
+    bad = next((r for r in (0, 1, 2) if r in pairs[1] and r not in pairs[2] and r in pairs[3]), None)
+    assert bad is not None, f"no group fits the scenario with seed {SEED}: {pairs}"
+    keep = ["--recover.snapshot_interval", "1", "--recover.snapshot_keep", "4", "--checkpoint.no-enable"]
+    plan = f"flip replica={bad} step=2 repeat=true"
+    run = run_job(tmp_path / "dump", *SIX, *EXACT_EVERY_STEP, *CHECKS, "1", *keep, "--recover.fault_plan", plan)
+    assert run.returncode == 0, run.output[-4000:]
+    rollbacks = [(e["replica"], e["step"], e["to"]) for e in run.of("sdc_rollback")]
+    assert rollbacks == [(bad, 3, 1), (bad, 3, 1)], rollbacks
+    assert [e["step"] for e in run.of("resuming")] == [1, 1]
+    [quarantined] = run.of("quarantined")
+    assert quarantined["replica"] == bad
+    kept, _ = undo_resumed(run.events)
+    steps = [e for e in kept if e["event"] == "step"]
+    assert [e["step"] for e in steps] == list(range(1, 7)) and steps[-1]["members"] == [
+        r for r in (0, 1, 2) if r != bad
+    ]
+    result = compare_runs(exact_six.events, run.events, rel_tol=0.0, exact=True)
+    assert not result.problems, result.problems
+    assert result.steps == 6 and result.digest_steps == 6

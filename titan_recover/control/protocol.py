@@ -337,6 +337,7 @@ class StepRecord(Record):
     seconds_per_microbatch: dict[str, float] = field(default_factory=dict)
     samples: Any = None  # the dataloader's windows (events of data epochs name them)
     commit_round_s: float | None = None  # the recording rank's vote to decision (None: stock mode)
+    checked: list[int] = field(default_factory=list)  # the groups whose gradients of the step's SDC check agreed
 
     REQUIRED = ("step", "epoch", "members", "microbatches", "data_digest", "loss", "time")
 
@@ -363,6 +364,13 @@ class StepRecord(Record):
         )
         commit_round_s = rec.get("commit_round_s")
         _require(key, commit_round_s is None or is_seconds(commit_round_s), "commit_round_s must be seconds", rec)
+        checked = rec.get("checked", [])
+        _require(
+            key,
+            isinstance(checked, list) and all(g in rec["members"] for g in checked),
+            "checked must be members of the step",
+            rec,
+        )
         return StepRecord(
             rec["step"],
             rec["epoch"],
@@ -377,6 +385,7 @@ class StepRecord(Record):
             rec.get("seconds_per_microbatch", {}),
             rec.get("samples"),
             commit_round_s,
+            checked,
         )
 
 
@@ -711,6 +720,7 @@ class Loss:
     time: float
     groups: tuple[int, ...] = ()  # the members it took: the run waits for them to come back
     resume_step: int | None = None
+    at_most: int | None = None  # a rollback past a bad device's gradients: resume from this step or an older one
 
 
 JOINED, LEFT, CANCELLED, FAILED = "joined", "left", "cancelled", "failed"  # what became of a replacement request
@@ -767,6 +777,9 @@ class CoordinatorState(Record):
     refused: bool = False  # the scheduler refused a replacement request: no more are made
     strikes: dict[int, list[float]] = field(default_factory=dict)  # group -> when SDC checks outvoted it (wall)
     quarantined: dict[int, int] = field(default_factory=dict)  # group -> the step it was quarantined at: never back
+    trusted: dict[int, int] = field(
+        default_factory=dict
+    )  # group -> the last step whose gradients of it a check vouched for
 
     REQUIRED = (
         "progress",
@@ -859,6 +872,7 @@ class CoordinatorState(Record):
         times = lambda v: isinstance(v, list) and len(v) <= MAX_STRIKES and all(is_seconds(t) for t in v)  # noqa: E731
         state.strikes = _ids(key, rec.get("strikes", {}), "strikes", times)
         state.quarantined = _ids(key, rec.get("quarantined", {}), "quarantined", is_count)
+        state.trusted = _ids(key, rec.get("trusted", {}), "trusted", is_count)
         return state
 
 
@@ -906,9 +920,10 @@ def _loss(key: str, rec: object) -> Loss | None:
         and is_seconds(rec.get("time"))
         and isinstance(rec.get("groups"), list)
         and all(is_count(g) for g in rec["groups"])
-        and (rec.get("resume_step") is None or is_count(rec.get("resume_step"))),
-        "loss needs step, time, groups and an optional resume_step",
+        and (rec.get("resume_step") is None or is_count(rec.get("resume_step")))
+        and (rec.get("at_most") is None or is_count(rec.get("at_most"))),
+        "loss needs step, time, groups and an optional resume_step and at_most",
         rec,
     )
     assert isinstance(rec, dict)
-    return Loss(rec["step"], float(rec["time"]), tuple(rec["groups"]), rec.get("resume_step"))
+    return Loss(rec["step"], float(rec["time"]), tuple(rec["groups"]), rec.get("resume_step"), rec.get("at_most"))

@@ -68,6 +68,7 @@ class Rules:
     # ... except those whose launchers wrote nothing this long (their nodes gone): 0 waits for every one
     launcher_timeout_s: float = 0.0
     sdc_window_s: float = 86400.0  # a group outvoted by SDC checks twice within this is quarantined
+    snapshot_keep: int = 1  # complete snapshots each rank keeps: how far back a rollback reaches
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,7 @@ class CoordinatorCore:
         self.replace_bounds = replace_bounds
         self.fenced_quarantined: dict[int, int] = {}  # quarantined replica -> its latest incarnation fenced
         self.struck: set[tuple[int, int | None]] = set()  # (replica, incarnation) strikes counted by this leader
+        self.rollback: int | None = None  # the snapshot step a strike asked to roll back to, at its failure
 
     def take_over(self, state: CoordinatorState, history: dict[int, Membership], epoch: int) -> None:
         """Continues from the state a previous leader saved and the epochs the store holds (those from
@@ -247,6 +249,8 @@ class CoordinatorCore:
     def on_step(self, record: StepRecord) -> list[Effect]:
         """A committed step: saved before its event, so a leader that dies in between has its successor log it."""
         forget = self._commit(record.step, record.epoch, record.time)
+        for group in record.checked:  # its gradients of this step passed a check: trusted up to here
+            self.state.trusted[group] = max(self.state.trusted.get(group, 0), record.step)
         return [
             Save(),
             *self._resumed(record.step, record.time),
@@ -367,11 +371,12 @@ class CoordinatorCore:
         state.strikes[replica], quarantined = sdc.strikes(
             state.strikes.get(replica, []), self.wall(), self.rules.sdc_window_s
         )
+        caught = self.step() if step is None else step
+        effects: list[Effect] = [Save(), *self._roll_back(replica, caught)]
         if not quarantined:
-            return [Save()]
-        state.quarantined[replica] = self.step() if step is None else step
-        return [
-            Save(),
+            return effects
+        state.quarantined[replica] = caught
+        return effects + [
             Emit(
                 "quarantined",
                 {"replica": replica, "step": state.quarantined[replica], "strikes": state.strikes[replica]},
@@ -380,6 +385,37 @@ class CoordinatorCore:
                 f"replica {replica} quarantined: SDC checks outvoted it {len(state.strikes[replica])} times within "
                 f"recover.sdc_quarantine_window_s = {self.rules.sdc_window_s:g}s; it is fenced and never readmitted "
                 "(check or replace its devices)"
+            ),
+        ]
+
+    def _roll_back(self, replica: int, caught: int) -> list[Effect]:
+        """``replica`` was outvoted in step ``caught``: its gradients in the committed steps since the last check it
+        passed (``trusted``) may be wrong too. Where the nodes' snapshots reach back that far, the run rolls back
+        to the newest one at or before it once the group's failure is decided (every group restarts and resumes
+        from it, ``_lose``); where they do not, it says how many steps may have trained on wrong gradients."""
+        trusted = self.state.trusted.get(replica, self.start_step or 0)
+        if trusted >= caught - 1:
+            return []  # caught at its first step since it was vouched for: nothing trained in
+        back = sdc.rollback_step(trusted, caught - 1, self.rules.snapshot_interval, self.rules.snapshot_keep)
+        if back is None:
+            steps = caught - 1 - trusted
+            return [
+                Emit("sdc_trained_in", {"replica": replica, "step": caught, "from": trusted + 1, "steps": steps}),
+                Say(
+                    f"replica {replica} was outvoted in step {caught}; its gradients in steps "
+                    f"{trusted + 1}..{caught - 1} ({steps} step(s)) were never checked and may have trained in: the "
+                    "nodes keep no snapshot that old (raise recover.snapshot_keep, or lower "
+                    "recover.snapshot_interval, to reach back further)",
+                    warn=True,
+                ),
+            ]
+        self.rollback = back if self.rollback is None else min(self.rollback, back)
+        return [
+            Emit("sdc_rollback", {"replica": replica, "step": caught, "to": back, "steps": caught - 1 - back}),
+            Say(
+                f"replica {replica} was outvoted in step {caught}; its gradients since step {trusted + 1} were never "
+                f"checked: the run rolls back to step {back}'s snapshot and computes steps {back + 1}..{caught - 1} "
+                "again"
             ),
         ]
 
@@ -452,6 +488,10 @@ class CoordinatorCore:
             if out.lost and self._snapshots_exist() and self.stopping is None:
                 return effects + self._lose(len(crashed), first, out.stop)
             return effects + [Stop(out.stop)]
+        if self.rollback is not None and self.stopping is None:  # past a bad group's gradients: every group resumes
+            back, self.rollback = self.rollback, None
+            why = f"a rollback to step {back}, past gradients an SDC check found wrong"
+            return effects + self._lose(len(crashed), first, why, at_most=back)
         if crashed:  # counted before the publish, so the state saved with it holds them
             state.failures += len(crashed)
             state.last_recovery_s = latency = self.wall() - first
@@ -518,15 +558,16 @@ class CoordinatorCore:
             return False
         return progress.step // interval * interval > (self.start_step or 0)
 
-    def _lose(self, crashed: int, since: float, why: str) -> list[Effect]:
+    def _lose(self, crashed: int, since: float, why: str, at_most: int | None = None) -> list[Effect]:
         """No member with state is left (``why``): every member is fenced (one still rejoining holds nothing), and
-        the run waits, in an epoch without members, for the groups to come back with their nodes' snapshots."""
+        the run waits, in an epoch without members, for the groups to come back with their nodes' snapshots (of
+        step ``at_most`` at the newest: a rollback)."""
         state, step = self.state, self.step()
         state.failures += crashed
         # the groups that held the last committed state, failed since or not: their nodes have its snapshots
         committed = self.history.get(state.progress.epoch) if state.progress is not None else None
         held = set(self.membership.members) | set(committed.members if committed is not None else ())
-        state.loss = Loss(step, since, groups=tuple(sorted(held)))
+        state.loss = Loss(step, since, groups=tuple(sorted(held - set(state.quarantined))), at_most=at_most)
         members = self.membership.members
         new = Membership(self.membership.epoch + 1, ())
         effects = self._publish(new)
@@ -564,7 +605,8 @@ class CoordinatorCore:
         expected = set(loss.groups) - self.given_up - silent  # their launchers restart them
         if not expected <= set(found) and waited < self.rules.resume_wait_s:
             return []
-        plan = resume_plan(found, self.rules.group_ranks, at_most=loss.step - 1)
+        newest = loss.step - 1 if loss.at_most is None else min(loss.step - 1, loss.at_most)
+        plan = resume_plan(found, self.rules.group_ranks, at_most=newest)
         if not isinstance(plan, ResumePlan):
             if not found and expected and waited < 2 * self.rules.resume_wait_s:
                 return []  # nobody is back yet: one more bound to come
@@ -602,6 +644,7 @@ class CoordinatorCore:
             state.attempts[replica] = incarnations[replica]
             state.admitted_epoch[replica] = new.epoch
             state.down_since.pop(replica, None)
+        state.trusted = {r: min(t, step) for r, t in state.trusted.items()}  # what comes after is computed again
         # the steps after the snapshot are committed again: their old records and digests go first
         undone = range(step + 1, loss.step + 1)
         state.progress = Progress(step, new.epoch, self.wall())
@@ -653,8 +696,6 @@ class CoordinatorCore:
     def on_joins(self, now: float) -> list[Effect]:
         """Carries out ``roster.joins``: replaces, admits, holds and drops the groups whose ranks are all up."""
         state = self.state
-        if state.loss is not None and state.loss.resume_step is None:
-            return self._resume(now)
         effects: list[Effect] = []
         for replica in sorted(self.asking.keys() & state.quarantined.keys()):  # its launcher restarted it: fenced
             incarnation = self.asking.pop(replica)
@@ -664,6 +705,8 @@ class CoordinatorCore:
                     FenceOut(replica, Fence(incarnation, self.membership.epoch)),
                     Say(f"replica {replica} (attempt {incarnation}) asks to join, but is quarantined: fenced"),
                 ]
+        if state.loss is not None and state.loss.resume_step is None:
+            return effects + self._resume(now)
         last_beat = {r: self.detector.silent_since(r) for r in state.spares}
         decision = joins(self._roster(), self.limits, self.asking, self.views, last_beat, now)
         for replica, incarnation in decision.replace:  # its previous incarnation is a member: it takes its place back
@@ -709,6 +752,8 @@ class CoordinatorCore:
             effects.append(Forget(admissions=((replica, replaced_incarnation),)))
         state.attempts[replica] = incarnation
         state.admitted_epoch[replica] = state.joining[replica] = new.epoch
+        # its gradients count from this step on: none before it can be wrong
+        state.trusted[replica] = max(state.trusted.get(replica, 0), self.step() - 1)
         self.detector.set_members(new.members, now)
         replaced = repaired_failure(replica, state.down_since)
         if replaced is not None:

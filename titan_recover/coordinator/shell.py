@@ -132,6 +132,7 @@ def rules(settings: CoordinatorSettings) -> Rules:
         resume_wait_s=rc.startup_timeout_s,
         launcher_timeout_s=rc.heartbeat_timeout_s,
         sdc_window_s=rc.sdc_quarantine_window_s,
+        snapshot_keep=rc.snapshot_keep,
     )
 
 

@@ -62,6 +62,16 @@ def strikes(earlier: Sequence[float], now: float, window_s: float) -> tuple[list
     return kept, len(kept) >= QUARANTINE_STRIKES
 
 
+def rollback_step(trusted: int, committed: int, interval: int, keep: int) -> int | None:
+    """The snapshot step a rollback goes back to: the newest multiple of ``interval`` at or before ``trusted`` (the
+    last step a bad group's gradients were vouched for), if the nodes still keep it (the newest ``keep`` of those at
+    or before ``committed``, the last committed step); None where there is none that old (or no snapshots)."""
+    if interval <= 0:
+        return None
+    back, newest = trusted // interval * interval, committed // interval * interval
+    return back if back >= 1 and back >= newest - (keep - 1) * interval else None
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What the digests of one checked microbatch say, over every shard."""

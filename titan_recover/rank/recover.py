@@ -18,6 +18,7 @@ modes log the same per-step events so their trajectories can be compared.
 """
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -807,9 +808,12 @@ class RecoverTrainer(BaseTrainer):
             )
         if self.group_rank == 0:
             # every member offers the record, the first one counts
-            self.manager.publish_step(
-                self._step_record(summary, current.epoch, list(current.members), grad_norm, self.manager.commit_round_s)
+            record = self._step_record(
+                summary, current.epoch, list(current.members), grad_norm, self.manager.commit_round_s
             )
+            if self.checks is not None and self.checks.microbatch is not None:  # who the step's check vouched for
+                record = dataclasses.replace(record, checked=[r for r in self.checks.opinions if r in current.members])
+            self.manager.publish_step(record)
             if after_failure:  # leaks would show here, failure after failure
                 self.events.emit(
                     "recovery_moments",
