@@ -93,3 +93,13 @@ def test_each_group_puts_its_digest_and_its_device_models_in_its_own_slots() -> 
     assert mine.models(summed) == 1
     summed[3] = 12345  # replica 0 on another model
     assert mine.models(summed) == 2
+
+
+def test_the_start_says_how_soon_a_bad_device_is_caught_and_whether_the_snapshots_reach_back_that_far() -> None:
+    said, enough = sdc.reach(4, 0.05, 10, 1)
+    assert "caught after about 40 step(s) on average, 120 at the 95th percentile" in said and not enough
+    assert "reach back 10 step(s)" in said and "raise recover.snapshot_keep to 12" in said
+    said, enough = sdc.reach(3, 1.0, 1, 8)
+    assert enough and "about 2 step(s) on average, 5 at the 95th percentile" in said
+    said, enough = sdc.reach(2, 0.5, 0, 1)
+    assert not enough and "set recover.snapshot_interval" in said and "about 2 step(s)" in said

@@ -75,7 +75,7 @@ from titan_recover.observability.events import EventLog, Tail, event_files, logg
 from titan_recover.observability.logs import id_list
 from titan_recover.observability.run_status import RunHistory
 from titan_recover.observability.status_server import StatusServer, StatusSource, StoreReader
-from titan_recover.policy import domains, replacements
+from titan_recover.policy import domains, replacements, sdc
 from titan_recover.policy.membership import FailureDetector, group_views, store_stalled
 
 if TYPE_CHECKING:
@@ -208,6 +208,9 @@ class Coordinator:
         if why and rc.replace == "on":
             log.warning(f"recover.replace = on, but {why}")
         self.scheduler = None if submitter is None else slurm.Scheduler(submitter)
+        if rc.sdc_check:
+            said, enough = sdc.reach(settings.replicas, rc.sdc_check_rate, rc.snapshot_interval, rc.snapshot_keep)
+            (log.info if enough else log.warning)(said)
         self.core = CoordinatorCore(
             rules(settings),
             detector,

@@ -16,6 +16,7 @@ Everything here is pure: digests are integers below ``2**62``, 0 meaning "not co
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -60,6 +61,28 @@ def strikes(earlier: Sequence[float], now: float, window_s: float) -> tuple[list
     kept), and whether it is quarantined."""
     kept = [t for t in earlier if now - t < window_s][-(QUARANTINE_STRIKES - 1) :] + [now]
     return kept, len(kept) >= QUARANTINE_STRIKES
+
+
+def reach(groups: int, rate: float, interval: int, keep: int) -> tuple[str, bool]:
+    """What the run says at start: how soon a device wrong on every microbatch is caught on average (it is caught
+    at a checked step whose microbatch it computes, about ``2/groups`` of them) and at the 95th percentile (about
+    3 times that: a geometric wait), against how far back the nodes' snapshots reach; and whether they reach that
+    far (else a rollback may find none, and the steps before it may have trained in)."""
+    mean = 1 / rate if groups <= 2 else groups / (2 * rate)
+    p95, back = math.ceil(3 * mean), interval * keep if interval > 0 else 0
+    said = (
+        f"recover.sdc_check at rate {rate:g} on {groups} groups: a device wrong on every microbatch is caught "
+        f"after about {mean:.0f} step(s) on average, {p95} at the 95th percentile; the nodes' snapshots reach back "
+        f"{back} step(s) (snapshot_keep {keep} x snapshot_interval {interval})"
+    )
+    if back >= p95:
+        return said + ": a rollback past its gradients finds one", True
+    fix = (
+        f"raise recover.snapshot_keep to {math.ceil(p95 / interval)}"
+        if interval > 0
+        else "set recover.snapshot_interval (and snapshot_keep)"
+    )
+    return said + f": a later catch cannot roll back past all its gradients; {fix}", False
 
 
 def rollback_step(trusted: int, committed: int, interval: int, keep: int) -> int | None:
