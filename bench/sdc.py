@@ -10,20 +10,22 @@
 - **false positives**: a failure-free run of three single-rank groups checking every step, for at least 2,000
   checks: the mismatches (0 expected in exact mode) and the checks made, from its events.
 
-    .venv/bin/python -m bench.sdc [--triples 2] [--steps 20] [--seeds 2000] [--checks 2000]
+    .venv/bin/python -m bench.sdc [--parts cost delay free] [--triples 2] [--steps 20] [--seeds 2000] [--checks 2000]
 
-Writes bench/results/sdc.json.
+Writes bench/results/sdc.json: the parts run replace theirs, each with the command that measured it (the cost
+wants a machine nobody else loads; the false-positive run takes minutes).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
 import sys
 from typing import Any
 
-from bench.common import PRECISION, launch, write_result
+from bench.common import PRECISION, RESULTS, launch, write_result
 from bench.exact import step_time
 from titan_recover.config import Recover
 from titan_recover.observability import logs
@@ -81,18 +83,11 @@ def catch_delay(seeds: int, rate: float, groups: int, num_microbatches: int) -> 
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--triples", type=int, default=2, help="interleaved (off, default, every step) cost runs")
-    p.add_argument("--steps", type=int, default=20, help="steps of each cost run")
-    p.add_argument("--seeds", type=int, default=2000, help="seeds of the catch-delay count")
-    p.add_argument("--checks", type=int, default=2000, help="checks (steps) of the false-positive run")
-    a = p.parse_args(argv)
-    logs.setup("bench", __name__, "bench")
-
+def cost(triples: int, steps: int) -> dict[str, Any]:
+    """The step-time ratios of the checks at the default rate and at every step to none, in interleaved runs."""
     times: dict[str, list[float]] = {mode: [] for mode in RATES}
-    base = [*PRECISION, "--recover.fault_plan", "none", "--training.steps", str(a.steps)]
-    for i in range(a.triples):
+    base = [*PRECISION, "--recover.fault_plan", "none", "--training.steps", str(steps)]
+    for i in range(triples):
         for mode, rate in RATES.items():
             events, _ = launch([*base, *checks(rate)], f"exact job, checks {mode}", "llama3_exact_cpu")
             times[mode].append(step_time(events))
@@ -102,38 +97,54 @@ def main(argv: list[str] | None = None) -> int:
     off = statistics.median(times["off"])
     ratios = {mode: round(statistics.median(ts) / off, 3) for mode, ts in times.items() if mode != "off"}
     log.info(f"step time against checks off: {ratios}")
+    return {"step_time_ratio": ratios, "step_time_s": {mode: [round(t, 4) for t in ts] for mode, ts in times.items()}}
 
-    delays = [catch_delay(a.seeds, rate, g, m) for g, m in LAYOUTS for rate in (Recover.sdc_check_rate, 1.0)]
+
+def delay(seeds: int) -> dict[str, Any]:
+    delays = [catch_delay(seeds, rate, g, m) for g, m in LAYOUTS for rate in (Recover.sdc_check_rate, 1.0)]
     for d in delays:
         log.info(
             f"R={d['groups']} M={d['microbatches']} rate {d['rate']}: caught after {d['mean_steps']} steps on average "
             f"(expected {d['expected_mean_steps']}), p95 {d['p95_steps']}"
         )
+    return {"catch_delay": delays}
 
+
+def free(steps: int) -> dict[str, Any]:
+    """A failure-free run checking every step: its checks and mismatches."""
     events, wall = launch(
-        [*PRECISION, *FREE, *checks(1.0), "--recover.fault_plan", "none", "--training.steps", str(a.checks)],
-        f"failure-free, {a.checks} steps each checked",
+        [*PRECISION, *FREE, *checks(1.0), "--recover.fault_plan", "none", "--training.steps", str(steps)],
+        f"failure-free, {steps} steps each checked",
         "llama3_exact_cpu",
     )
-    free = {
+    found = {
         "steps": len(of_kind(events, "step")),
         "checks": len(of_kind(events, "sdc_checked")),
         "mismatches": len(of_kind(events, "sdc_mismatch")),
         "wall_s": round(wall, 1),
     }
-    log.info(f"failure-free: {free['checks']} checks, {free['mismatches']} mismatches in {wall:.0f}s")
+    log.info(f"failure-free: {found['checks']} checks, {found['mismatches']} mismatches in {wall:.0f}s")
+    return {"false_positives": found}
 
-    result = {
-        "issue": 69,
-        "command": "python -m bench.sdc " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "precision": PRECISION[-1],
-        "step_time_ratio": ratios,
-        "step_time_s": {mode: [round(t, 4) for t in ts] for mode, ts in times.items()},
-        "catch_delay": delays,
-        "false_positives": free,
-    }
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", nargs="+", choices=("cost", "delay", "free"), default=["cost", "delay", "free"])
+    p.add_argument("--triples", type=int, default=2, help="interleaved (off, default, every step) cost runs")
+    p.add_argument("--steps", type=int, default=20, help="steps of each cost run")
+    p.add_argument("--seeds", type=int, default=2000, help="seeds of the catch-delay count")
+    p.add_argument("--checks", type=int, default=2000, help="checks (steps) of the false-positive run")
+    a = p.parse_args(argv)
+    logs.setup("bench", __name__, "bench")
+    command = "python -m bench.sdc " + " ".join(argv if argv is not None else sys.argv[1:])
+    path = RESULTS / "sdc.json"
+    result: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    result |= {"issue": 69, "precision": PRECISION[-1]}
+    runs = {"cost": lambda: cost(a.triples, a.steps), "delay": lambda: delay(a.seeds), "free": lambda: free(a.checks)}
+    for part in a.parts:
+        result[part] = {"command": command, **runs[part]()}
     print(write_result("sdc", result))
-    return 0 if free["mismatches"] == 0 else 1
+    return 0 if result.get("free", {}).get("false_positives", {}).get("mismatches", 0) == 0 else 1
 
 
 if __name__ == "__main__":

@@ -103,3 +103,15 @@ def test_the_start_says_how_soon_a_bad_device_is_caught_and_whether_the_snapshot
     assert enough and "about 2 step(s) on average, 5 at the 95th percentile" in said
     said, enough = sdc.reach(2, 0.5, 0, 1)
     assert not enough and "set recover.snapshot_interval" in said and "about 2 step(s)" in said
+
+
+def test_the_benchs_catch_delay_follows_the_ranks_draw_and_the_geometric_expectation() -> None:
+    """``bench.sdc``'s count: with two groups every checked step draws a bad group's microbatch (it owns it or
+    checks it), so at every step it is caught at once; with four, half the microbatches involve it."""
+    from bench.sdc import catch_delay
+
+    two = catch_delay(100, 1.0, 2, 12)
+    assert two["mean_steps"] == two["expected_mean_steps"] == 1.0 and two["p95_steps"] == 1
+    four = catch_delay(400, 1.0, 4, 8)
+    assert four["expected_mean_steps"] == 2.0 and 1.7 < four["mean_steps"] < 2.3
+    assert four["not_caught_within"]["seeds"] == 0
