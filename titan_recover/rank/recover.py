@@ -46,7 +46,7 @@ from titan_recover.policy.membership import Membership, diverged
 from titan_recover.rank import balancing, exact, snapshot, transfer
 from titan_recover.rank.collectives import CollectiveAborted, ReplicateProcessGroups
 from titan_recover.rank.manager import ReplicaFenced, ReplicaLeaving, ReplicaManager, RunDone, RunStopping
-from titan_recover.rank.sdc_checks import Checks, CheckUndecided, ReplicaOutvoted
+from titan_recover.rank.sdc_checks import Checks, CheckUndecided, ReplicaOutvoted, host_bytes
 from titan_recover.rank.trainer import BaseTrainer
 
 log = logging.getLogger(__name__)
@@ -942,7 +942,7 @@ def _digest(parts: Iterable[list[tuple[str, torch.Tensor]]]) -> bytes:
     h = hashlib.blake2b(digest_size=8)
     for tensors in parts:
         for _, t in tensors:
-            h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().data)
+            h.update(host_bytes(t))
     return h.digest()
 
 
