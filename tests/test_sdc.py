@@ -85,10 +85,12 @@ def test_each_group_puts_its_digest_and_its_device_models_in_its_own_slots() -> 
 
     from titan_recover.rank.sdc_checks import Checks
 
-    mine, other = Checks(0, 1.0, 4, replica=1, replica_slots=3), Checks(0, 1.0, 4, replica=2, replica_slots=3)
+    cpu = torch.device("cpu")
+    mine = Checks(0, 1.0, 4, replica=1, replica_slots=3, device=cpu)
+    other = Checks(0, 1.0, 4, replica=2, replica_slots=3, device=cpu)
     assert mine.begin(1) is not None
     mine.note(mine.microbatch or 0, [torch.ones(3)])
-    summed = mine.slots(torch.device("cpu")) + other.slots(torch.device("cpu"))
+    summed = mine.slots() + other.slots()
     assert summed[0] == 0 and summed[1] == mine.mine != 0 and summed[2] == 0  # the other has not computed it
     assert mine.models(summed) == 1
     summed[3] = 12345  # replica 0 on another model

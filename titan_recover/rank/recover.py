@@ -123,7 +123,9 @@ class RecoverTrainer(BaseTrainer):
         self.checks: Checks | None = None
         self._models_told = False  # whether the members' device models were looked at (once, at the first step)
         if rc.sdc_check:
-            self.checks = Checks(rc.data_seed, rc.sdc_check_rate, self.num_microbatches, replica, self.replica_slots)
+            self.checks = Checks(
+                rc.data_seed, rc.sdc_check_rate, self.num_microbatches, replica, self.replica_slots, self.device
+            )
         self.speeds = workload.Speeds()  # seconds per microbatch of each replica, from committed steps
         self._synced_epoch = -1  # the last epoch in which this rank received the state
         self._started = False  # its first should_continue_training: a state saved at a stop is newer?
@@ -761,7 +763,7 @@ class RecoverTrainer(BaseTrainer):
             for t in (group_tally, *extra):
                 dist.all_reduce(t)  # inside the group: sum over its ranks
         if self.checks is not None:  # each group's digest of the checked microbatch (this shard's), in its own slot
-            extra.append(self.checks.slots(self.device))
+            extra.append(self.checks.slots())
         flat = torch.cat([g.reshape(-1) for g in self._grads()]) if self.exact is None else self.exact.total.clone()
         self.ft_buffer_bytes = flat.numel() * flat.element_size()  # the one extra gradient copy
         counts = [balancing.gather(self.expert_counts)] if self.expert_counts else []

@@ -29,9 +29,12 @@ class Checks:
     """The step's check: which microbatch (``policy.sdc.checked_microbatch``), which groups are to compute it, and
     this group's digest of it on this rank's shards (0 until computed)."""
 
-    def __init__(self, seed: int, rate: float, num_microbatches: int, replica: int, replica_slots: int) -> None:
+    def __init__(
+        self, seed: int, rate: float, num_microbatches: int, replica: int, replica_slots: int, device: torch.device
+    ) -> None:
         self.seed, self.rate, self.num_microbatches = seed, rate, num_microbatches
-        self.replica, self.replica_slots = replica, replica_slots
+        self.replica, self.replica_slots, self.device = replica, replica_slots, device
+        self.model = sdc.digest([device_model(device).encode()])  # what this rank's bits depend on, once
         self.microbatch: int | None = None
         self.opinions: tuple[int, ...] = ()  # the groups asked for it: its owner, the checker, maybe a third
         self.mine = 0
@@ -66,12 +69,12 @@ class Checks:
         if microbatch == self.microbatch:
             self.mine = sdc.digest([host_bytes(g) for g in grads if g.numel()])
 
-    def slots(self, device: torch.device) -> torch.Tensor:
+    def slots(self) -> torch.Tensor:
         """This group's digest in its replica slot, zeros elsewhere, then its device model's digest in its slot:
         summed over the groups by the all-reduce."""
-        out = torch.zeros(2 * self.replica_slots, dtype=torch.int64, device=device)
+        out = torch.zeros(2 * self.replica_slots, dtype=torch.int64, device=self.device)
         out[self.replica] = self.mine
-        out[self.replica_slots + self.replica] = sdc.digest([device_model(device).encode()])
+        out[self.replica_slots + self.replica] = self.model
         return out
 
     def read(self, reduced: torch.Tensor, group_size: int) -> sdc.Verdict:
