@@ -93,6 +93,11 @@ def steps(dump: Path) -> list[int]:
     return [e["step"] for e in events(dump) if e["event"] == "step"]
 
 
+def fired(dump: Path, step: int) -> set[tuple[int, str]]:
+    """The (replica, phase) of each fault the plan fired in ``step``."""
+    return {(e["replica"], e["phase"]) for e in events(dump) if e["event"] == "fault_injected" and e["step"] == step}
+
+
 def test_the_leader_killed_mid_step_is_replaced_and_its_successor_fences_and_readmits(
     tmp_path: Path, two_singles: Run, etcd: LocalEtcd
 ) -> None:
@@ -158,8 +163,9 @@ def test_the_leaders_node_told_it_goes_away_hands_the_lead_over_and_the_run_goes
     plan = "sleep replica=0 step=4 phase=backward seconds=4; sleep replica=1 step=4 phase=backward seconds=4"
     args = launcher(dump, etcd.url, plan)
     with Node("a", dump, args, node_env(None, "0")) as a, Node("b", dump, args, node_env(etcd.url, "1")) as b:
-        wait_until("step 3", lambda: 3 in steps(dump), 240, [a, b])
-        time.sleep(1.0)  # both groups are in their hold
+        wait_until(
+            "both groups in their hold", lambda: {(0, "backward"), (1, "backward")} <= fired(dump, 4), 240, [a, b]
+        )
         [first] = leaders(dump)
         noticed, other = (a, b) if parent_of(first["pid"]) == a.proc.pid else (b, a)
         sent = time.time()
@@ -211,7 +217,9 @@ def test_a_whole_job_notice_stops_the_run_in_order_and_the_same_commands_with_th
     dump = tmp_path / "dump"
     plan = (  # each node's group holds a step; the other group the step after it, so the run ends after its leave
         "sleep replica=0 step=4 phase=backward seconds=4; sleep replica=1 step=5 phase=forward seconds=3; "
-        "sleep replica=1 step=7 phase=backward seconds=4; sleep replica=0 step=8 phase=forward seconds=3"
+        "sleep replica=1 step=7 phase=backward seconds=4; sleep replica=0 step=8 phase=forward seconds=3; "
+        # a mark that the other group is in the held step's all-reduce: past its start, where a notice is heard
+        "sleep replica=1 step=4 phase=allreduce seconds=0.01; sleep replica=0 step=7 phase=allreduce seconds=0.01"
     )
     args = launcher(dump, etcd.url, plan)
     env_a, env_b = node_env(None, "0"), node_env(etcd.url, "1")
@@ -219,8 +227,8 @@ def test_a_whole_job_notice_stops_the_run_in_order_and_the_same_commands_with_th
         wait_until("step 3", lambda: 3 in steps(dump), 240, [a, b])
         [first] = leaders(dump)
         leading, held = (a, 4) if parent_of(first["pid"]) == a.proc.pid else (b, 7)
-        wait_until(f"step {held - 1}", lambda: held - 1 in steps(dump), 240, [a, b])
-        time.sleep(1.0)  # the leader's node's group is in its hold by now
+        in_step = {(int(leading is b), "backward"), (int(leading is a), "allreduce")}  # both past its start
+        wait_until(f"both groups in step {held}", lambda: in_step <= fired(dump, held), 240, [a, b])
         sent = time.time()
         signalled = len(a.notice_tree()) + len(b.notice_tree())
         codes = a.wait(timeout=120), b.wait(timeout=60)
