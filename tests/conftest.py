@@ -319,6 +319,12 @@ def events(dump: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
 
 
+def fired(dump: Path, step: int) -> set[tuple[int, str]]:
+    """The (replica, phase) of each fault the plan fired in ``step``: a hold that began shows its group is past
+    that step's start, where a notice is heard (a fixed wait after the step before is not enough on a loaded CI)."""
+    return {(e["replica"], e["phase"]) for e in events(dump) if e["event"] == "fault_injected" and e["step"] == step}
+
+
 def unexplained_tracebacks(output: str, explained_by: str) -> list[str]:
     """Each traceback in ``output`` that does not end in ``explained_by`` (the one a test expects, such as
     torchrun's report of a rank its launcher killed), whole: a failing check shows what raised, not the log's tail."""

@@ -21,6 +21,7 @@ from conftest import (
     assert_all_rejoined,
     assert_same_trajectory,
     events,
+    fired,
     unexplained_tracebacks,
 )
 from launcher_in_process import run_main
@@ -117,9 +118,8 @@ def run_with_notice(tmp_path: Path, *overrides: str, comes_back: bool = False) -
     nodes: list[Node] = []
     gone: list[float] = []
 
-    def leaves(node: Node, after_step: int, every_process: bool) -> None:
-        wait_until(f"step {after_step}", lambda: len(steps(dump)) >= after_step, 240, [a, node])
-        time.sleep(1.0)  # replica 1 is in its hold by now
+    def leaves(node: Node, held: int, every_process: bool) -> None:
+        wait_until(f"replica 1's hold in step {held}", lambda: (1, "backward") in fired(dump, held), 240, [a, node])
         sent = node.notice(every_process)
         code = node.wait(timeout=120)
         gone.append(time.monotonic() - sent)
@@ -127,10 +127,10 @@ def run_with_notice(tmp_path: Path, *overrides: str, comes_back: bool = False) -
         assert code == EXIT_LEFT, node.output()[-4000:]
 
     with Node("a", dump, args, env_a) as a, Node("b", dump, args, env_b) as b:
-        leaves(b, HOLD_STEP - 1, every_process=False)
+        leaves(b, HOLD_STEP, every_process=False)
         if comes_back:
             with Node("b2", dump, args, env_b) as b2:
-                leaves(b2, AGAIN_STEP - 1, every_process=True)
+                leaves(b2, AGAIN_STEP, every_process=True)
         assert a.wait(timeout=240) == 0, a.output()[-4000:]
     return Run(0, a.output(), events(dump)), nodes, gone
 
@@ -207,8 +207,9 @@ def test_the_coordinators_node_told_it_goes_away_stops_the_run_in_order_and_the_
     plan = f"sleep replica=1 step={HOLD_STEP} phase=backward seconds={HOLD_S}"
     args, env_a, env_b = two_nodes(dump, "--recover.fault_plan", plan, *ckpt)
     with Node("a", dump, args, env_a) as a, Node("b", dump, args, env_b) as b:
-        wait_until(f"step {HOLD_STEP - 1}", lambda: len(steps(dump)) >= HOLD_STEP - 1, 240, [a, b])
-        time.sleep(1.0)  # replica 1 is in its hold by now
+        wait_until(
+            f"replica 1's hold in step {HOLD_STEP}", lambda: (1, "backward") in fired(dump, HOLD_STEP), 240, [a, b]
+        )
         sent = a.notice(every_process=True)
         code_a = a.wait(timeout=120)
         gone_s = time.monotonic() - sent
@@ -254,8 +255,9 @@ def test_a_whole_job_notice_with_checkpoints_off_saves_the_stop_and_the_same_com
     plan = f"sleep replica=1 step={HOLD_STEP} phase=backward seconds={HOLD_S}"
     args, env_a, env_b = two_nodes(dump, "--recover.fault_plan", plan)
     with Node("a", dump, args, env_a) as a, Node("b", dump, args, env_b) as b:
-        wait_until(f"step {HOLD_STEP - 1}", lambda: len(steps(dump)) >= HOLD_STEP - 1, 240, [a, b])
-        time.sleep(1.0)  # replica 1 is in its hold by now
+        wait_until(
+            f"replica 1's hold in step {HOLD_STEP}", lambda: (1, "backward") in fired(dump, HOLD_STEP), 240, [a, b]
+        )
         signalled = len(a.notice_tree()) + len(b.notice_tree())
         code_a, code_b = a.wait(timeout=120), b.wait(timeout=60)
     print(f"SIGTERM to {signalled} processes; exit codes {code_a}, {code_b}")

@@ -22,6 +22,7 @@ from conftest import (
     assert_all_rejoined,
     assert_same_trajectory,
     coordinator_command,
+    fired,
     local_etcd,
     unexplained_tracebacks,
 )
@@ -91,11 +92,6 @@ def leaders(dump: Path) -> list[dict]:
 
 def steps(dump: Path) -> list[int]:
     return [e["step"] for e in events(dump) if e["event"] == "step"]
-
-
-def fired(dump: Path, step: int) -> set[tuple[int, str]]:
-    """The (replica, phase) of each fault the plan fired in ``step``."""
-    return {(e["replica"], e["phase"]) for e in events(dump) if e["event"] == "fault_injected" and e["step"] == step}
 
 
 def test_the_leader_killed_mid_step_is_replaced_and_its_successor_fences_and_readmits(
