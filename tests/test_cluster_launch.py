@@ -762,6 +762,8 @@ def test_the_kubernetes_manifest_is_an_indexed_job_behind_a_headless_service() -
     assert job["podReplacementPolicy"] == "Failed"  # the API requires it with podFailurePolicy
     left = [r for r in job["podFailurePolicy"]["rules"] if r.get("onExitCodes", {}).get("values") == [4, 5]]
     assert left and left[0]["action"] == "Ignore"  # left (4), or stopped in order (5): replaced, uncounted
+    never = [r for r in job["podFailurePolicy"]["rules"] if r.get("onExitCodes", {}).get("values") == [2, 6]]
+    assert never and never[0]["action"] == "FailIndex"  # bad input (2), quarantined ids (6): no new pod helps
     assert pod["terminationGracePeriodSeconds"] > 12  # above recover.notice_budget_s's default
     assert pod["subdomain"] == service["metadata"]["name"]
     (container,) = pod["containers"]

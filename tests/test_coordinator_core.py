@@ -749,6 +749,45 @@ def test_a_group_outvoted_twice_within_the_window_is_quarantined_and_its_restart
     assert 1 not in c.membership.members
 
 
+def quarantine_on(placement: dict[str, set[int]]) -> tuple[CoordinatorCore, list]:
+    """Three groups placed on nodes as ``placement`` says; replica 1 outvoted in two incarnations."""
+    c = core()
+    c.placement = placement
+    outvoted = lambda: Report(  # noqa: E731
+        epoch=c.membership.epoch, cause="outvoted", replica=1, suspect=1, step=c.step(), outvoted=True
+    )
+    c.on_report(outvoted(), now=1.0)
+    c.on_failure(c.detector.decide(now=1.0)[0], now=1.0)
+    nodes(c, 2.0, r0=up(), r1=up(incarnation=1, ready=RANKS), r2=up())
+    assert events(c.on_joins(2.0)) == ["admitted"]
+    return c, c.on_report(outvoted(), now=3.0)
+
+
+def test_a_quarantine_takes_the_other_groups_of_the_bad_groups_node_with_it() -> None:
+    """Node a runs replicas 0 and 1, node b replica 2: replica 1 quarantined takes replica 0 with it, which fails
+    now (its microbatches go to replica 2) and is never readmitted; node b's group is untouched."""
+    c, effects = quarantine_on({"a": {0, 1}, "b": {2}})
+    quarantined = [e.fields for e in of(effects, Emit) if e.event == "quarantined"]
+    assert [q["replica"] for q in quarantined] == [1, 0], quarantined
+    assert quarantined[1] == {"replica": 0, "step": 1, "with": 1, "nodes": ["a"]}
+    assert c.state.quarantined == {1: 1, 0: 1}
+    failed, _ = c.detector.decide(now=4.0)
+    assert sorted(failed) == [0, 1], failed
+    c.on_failure(failed, now=4.0)
+    assert c.membership.members == (2,)
+    nodes(c, 5.0, r0=up(incarnation=1, ready=RANKS), r1=up(incarnation=2, ready=RANKS), r2=up())
+    assert sorted(f.replica for f in of(c.on_joins(5.0), FenceOut)) == [0, 1]
+
+
+def test_a_quarantine_leaves_the_nodes_other_groups_where_no_member_runs_elsewhere() -> None:
+    """Every group on one node (one launcher): quarantining the node would end the run. Replica 1 alone is
+    quarantined, and the operator is told to replace the node."""
+    c, effects = quarantine_on({"a": {0, 1, 2}})
+    assert [e.fields["replica"] for e in of(effects, Emit) if e.event == "quarantined"] == [1]
+    assert c.state.quarantined == {1: 1}
+    assert any("also runs replica(s) [0, 2]; they stay" in s.message and s.warn for s in of(effects, Say)), effects
+
+
 def test_strikes_older_than_the_window_do_not_count() -> None:
     clock = [1000.0]
     c = core(wall=lambda: clock[0])

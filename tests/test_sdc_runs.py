@@ -4,14 +4,18 @@ not claimed; two groups without a third opinion; a third opinion that agrees wit
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import EXACT_EVERY_STEP, SINGLES, THREE, Run, run_job, shared_run
+from conftest import EXACT_EVERY_STEP, SINGLES, THREE, Node, Run, events, run_job, shared_run
 
 from titan_recover.compare import compare_runs
+from titan_recover.control import keys, transport
 from titan_recover.observability.events import undo_resumed
 from titan_recover.policy import sdc, workload
+from titan_recover.titan.jobs import job
 
 SIX = [*THREE, "--training.steps", "6"]  # three single-rank groups, M = 6, two each
 CHECKS = ["--recover.sdc_check", "--recover.sdc_check_rate"]
@@ -115,12 +119,15 @@ def test_a_third_opinion_that_agrees_with_neither_stops_the_step_from_committing
     assert "give no majority" in run.output, run.output[-3000:]
 
 
-def test_a_bad_device_outvoted_twice_is_quarantined_and_never_readmitted(tmp_path: Path, exact_six: Run) -> None:
-    """Three groups, every step checked, ten steps; the owner of step 2's checked microbatch flips every
-    microbatch from step 2 on, in every incarnation (``repeat=true``: a bad device). Step 2: outvoted, a strike;
-    it fails in the step, the others commit the failure-free bits without it, and hold after step 3 until it is
-    back. Back, it is outvoted again at the first check it takes part in: quarantined (the event, the summary),
-    its launcher restarts it no more, and the other two end the run."""
+def test_a_bad_device_outvoted_twice_is_quarantined_with_its_node_and_never_readmitted(
+    tmp_path: Path, exact_six: Run
+) -> None:
+    """Three groups on two launchers, every step checked, ten steps; the owner of step 2's checked microbatch
+    flips every microbatch from step 2 on, in every incarnation (``repeat=true``: a bad device). Its node (launcher
+    B) also runs one of the other groups; launcher A runs the coordinator and the third. Step 2: outvoted, a
+    strike; it fails in the step, the others commit the failure-free bits without it, and hold after step 3 until
+    it is back. Back, it is outvoted again at the first check it takes part in: quarantined (the event, the
+    summary), and its node's other group with it. B restarts neither and exits; A's group ends the run alone."""
     steps = 10
     m, bad, _ = owner_and_index(2, 1.0, (0, 1, 2))
     others = [r for r in (0, 1, 2) if r != bad]
@@ -128,22 +135,50 @@ def test_a_bad_device_outvoted_twice_is_quarantined_and_never_readmitted(tmp_pat
         s for s in range(5, steps + 1) if bad in (o := owner_and_index(s, 1.0, (0, 1, 2))[1], sdc.after(o, (0, 1, 2)))
     ]
     assert involved, "no check from step 5 on involves the bad group: choose another layout"
+    mate, alone = others
     hold = "; ".join(f"sleep replica={r} step=3 phase=optimizer seconds=120 until=epoch" for r in others)
     plan = f"flip replica={bad} step=2 repeat=true; {hold}"
-    layout = [*THREE, "--training.steps", str(steps)]
-    run = run_job(tmp_path / "dump", *layout, *EXACT_EVERY_STEP, *CHECKS, "1", "--recover.fault_plan", plan)
-    assert run.returncode == 0, run.output[-3000:]
+    dump, port = tmp_path / "dump", transport.free_port()
+    args = [
+        sys.executable,
+        "-m",
+        "titan_recover.launch",
+        *job(dump, tiny=True),
+        *THREE,
+        "--training.steps",
+        str(steps),
+        *EXACT_EVERY_STEP,
+        *CHECKS,
+        "1",
+        "--recover.fault_plan",
+        plan,
+        "--recover.coordinator_port",
+        str(port),
+        "--recover.coordinator_bind",
+        "127.0.0.1",
+    ]
+    env = {**os.environ, keys.SECRET_ENV: "sdc-test-secret", "PYTHONUNBUFFERED": "1"}
+    env_a = {**env, keys.REPLICAS_ENV: str(alone)}
+    env_b = {**env, keys.REPLICAS_ENV: f"{bad},{mate}", keys.COORDINATOR_ENV: f"127.0.0.1:{port}"}
+    with Node("a", dump, args, env_a) as a, Node("b", dump, args, env_b) as b:
+        code_a, code_b = a.wait(timeout=300), b.wait(timeout=60)
+    run = Run(code_a, a.output() + b.output(), events(dump))
+    assert code_a == 0, a.output()[-3000:]
+    assert code_b == keys.EXIT_QUARANTINED and "quarantined: the run goes on without this node" in b.output()
     [first, *_] = run.of("sdc_mismatch")
     assert (first["step"], first["outvoted"]) == (2, []) and first["groups"][0] == bad, first
     outvoted = [(e["step"], e["outvoted"]) for e in run.of("sdc_mismatch") if e["outvoted"]]
     assert outvoted[0] == (2, [bad]) and len(outvoted) == 2 and outvoted[1][0] <= involved[0], outvoted
-    [quarantined] = run.of("quarantined")
-    assert (quarantined["replica"], quarantined["step"]) == (bad, outvoted[1][0]), quarantined
+    caught = outvoted[1][0]
+    quarantined = [(e["replica"], e["step"], e.get("with")) for e in run.of("quarantined")]
+    assert quarantined == [(bad, caught, None), (mate, caught, bad)], quarantined
     assert [e["replica"] for e in run.of("admitted")] == [bad]  # back once, after its first strike only
-    assert f"replica group {bad} exited" in run.output and "it is quarantined" in run.output, run.output[-3000:]
-    assert f"QUARANTINED          : replica {bad} at step {outvoted[1][0]}" in run.output
+    for r in (bad, mate):
+        assert f"replica group {r} exited" in b.output() and "it is quarantined" in b.output(), b.output()[-3000:]
+    assert f"replica {mate} quarantined with replica {bad}'s node" in a.output(), a.output()[-3000:]
+    assert f"QUARANTINED          : replica {bad} at step {caught}" in a.output(), a.output()[-3000:]
     last = run.steps()[steps]
-    assert last["members"] == others, last
+    assert last["members"] == [alone], last
     twin = {e["step"]: e["digest"] for e in exact_six.of("param_digest")}
     assert all(digests(run)[s] == {twin[s]} for s in (1, 2, 3)), digests(run)
 

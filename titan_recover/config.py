@@ -200,7 +200,7 @@ class Recover:
     sdc_quarantine_window_s: float = 86400.0
     """A replica group outvoted by sdc_check twice within this many seconds is quarantined: fenced, never
     readmitted, its launcher restarting it no more (a device wrong once may have been hit by a particle; wrong
-    twice, it is bad)."""
+    twice, it is bad); the other groups of its node with it, where a group on another node goes on."""
 
     digest_interval: int = 10
     """Every this many steps (and at the last) each replica logs a digest of its parameters."""

@@ -37,6 +37,7 @@ EXIT_BAD_INPUT = 2  # a config value, the environment or the data cannot run: fi
 EXIT_COORDINATOR_LOST = 3  # no sign of life from the coordinator: every process stops; the same command resumes
 EXIT_LEFT = 4  # this node was told it goes away and left the run (its groups at a step boundary); the run goes on
 EXIT_STOPPED = 5  # the run stopped in order at a step boundary (its coordinator's or every node went away); resume it
+EXIT_QUARANTINED = 6  # SDC checks quarantined every group of this node; the run goes on: check or replace the node
 
 
 HELLO = "hello"  # the coordinator sets it on start: a client that cannot read it is not in this run

@@ -198,6 +198,7 @@ class CoordinatorCore:
         self.fenced_quarantined: dict[int, int] = {}  # quarantined replica -> its latest incarnation fenced
         self.struck: set[tuple[int, int | None]] = set()  # (replica, incarnation) strikes counted by this leader
         self.rollback: int | None = None  # the snapshot step a strike asked to roll back to, at its failure
+        self.placement: dict[str, set[int]] = {}  # node -> the replica groups running on it (from node messages)
 
     def take_over(self, state: CoordinatorState, history: dict[int, Membership], epoch: int) -> None:
         """Continues from the state a previous leader saved and the epochs the store holds (those from
@@ -353,7 +354,9 @@ class CoordinatorCore:
         if suspect is not None and report.final:
             self.given_up.add(suspect)
         decision = reported(self._roster(), suspect, report.left, report.cause)
-        effects: list[Effect] = self._strike(suspect, report.step) if suspect is not None and report.outvoted else []
+        effects: list[Effect] = (
+            self._strike(suspect, report.step, now) if suspect is not None and report.outvoted else []
+        )
         if isinstance(decision, Leave):
             self.leaving.setdefault(decision.replica, report)  # taken out of the next epoch at once, as a failure is
         elif isinstance(decision, DropSpare):
@@ -361,7 +364,7 @@ class CoordinatorCore:
         self.detector.report(suspect, report.cause, now, report.waiting)
         return effects
 
-    def _strike(self, replica: int, step: int | None) -> list[Effect]:
+    def _strike(self, replica: int, step: int | None, now: float) -> list[Effect]:
         """``replica`` was outvoted by an SDC check (its ranks' own report, once per rank): a strike, counted
         once per incarnation; the second within ``sdc_window_s`` quarantines it."""
         state, attempt = self.state, self._incarnation(replica)
@@ -376,7 +379,8 @@ class CoordinatorCore:
         if not quarantined:
             return effects
         state.quarantined[replica] = caught
-        return effects + [
+        return [
+            *effects,
             Emit(
                 "quarantined",
                 {"replica": replica, "step": state.quarantined[replica], "strikes": state.strikes[replica]},
@@ -386,7 +390,37 @@ class CoordinatorCore:
                 f"recover.sdc_quarantine_window_s = {self.rules.sdc_window_s:g}s; it is fenced and never readmitted "
                 "(check or replace its devices)"
             ),
+            *self._quarantine_node_of(replica, caught, now),
         ]
+
+    def _quarantine_node_of(self, replica: int, caught: int, now: float) -> list[Effect]:
+        """The other groups on the quarantined group's nodes go with it: what is bad may be the node (its CPU, its
+        memory), and the node is what a scheduler drains and repairs. Each is quarantined too and, where a member,
+        failed now (its microbatches go to the others). Where no member would be left on another node, the
+        node's other groups stay: quarantining them would end the run, so the operator is told instead."""
+        nodes = sorted(n for n, groups in self.placement.items() if replica in groups)
+        mates = sorted({r for n in nodes for r in self.placement[n]} - {replica} - set(self.state.quarantined))
+        if not mates:
+            return []
+        if not set(self.membership.members) - set(mates) - set(self.state.quarantined):
+            return [
+                Say(
+                    f"replica {replica}'s node {', '.join(nodes)} also runs replica(s) {mates}; they stay in the "
+                    "run, for no member group runs on another node: replace that node",
+                    warn=True,
+                )
+            ]
+        why = f"quarantined with replica {replica}'s node {', '.join(nodes)}"
+        effects: list[Effect] = []
+        for mate in mates:
+            self.state.quarantined[mate] = caught
+            if mate in self.membership.members:
+                self.detector.report(mate, why, now)
+            effects += [
+                Emit("quarantined", {"replica": mate, "step": caught, "with": replica, "nodes": nodes}),
+                Say(f"replica {mate} {why}: fenced, never readmitted", warn=True),
+            ]
+        return effects
 
     def _roll_back(self, replica: int, caught: int) -> list[Effect]:
         """``replica`` was outvoted in step ``caught``: its gradients in the committed steps since the last check it

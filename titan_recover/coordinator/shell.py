@@ -412,6 +412,9 @@ class Coordinator:
             ),
             now,
         )
+        self.core.placement = {
+            host_memory.node_of(key): set(message.groups) for key, (message, _) in self.node_groups.items()
+        }
         self.last_node_read = now + (time.monotonic() - started)  # read and folded
 
     def _register_nodes(self, now: float) -> None:

@@ -31,7 +31,14 @@ from titan_recover.control import claims, keys, transport
 from titan_recover.control.addresses import LOOPBACK, NODES_SCHEME, local_host, node_host, route_address
 from titan_recover.control.board import BoardMissing
 from titan_recover.control.client import ControlClient
-from titan_recover.control.keys import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_LEFT, EXIT_OK, EXIT_STOPPED
+from titan_recover.control.keys import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_LEFT,
+    EXIT_OK,
+    EXIT_QUARANTINED,
+    EXIT_STOPPED,
+)
 from titan_recover.control.lifeline import AliveClock, Heartbeat, one_line, store_errors
 from titan_recover.control.protocol import Launcher, Replacing
 from titan_recover.control.sealed import Run, given_secret
@@ -685,6 +692,13 @@ class NodeLauncher:
         # the run's outcome, as the coordinator ended it
         if coordinator is not None and coordinator.returncode in (EXIT_OK, EXIT_FAILED, EXIT_STOPPED):
             return int(coordinator.returncode)
+        if procs and self.groups.quarantined >= set(self.groups.procs):
+            log.warning(
+                f"every replica group of this node ({sorted(self.groups.quarantined)}) is quarantined: SDC checks "
+                "found wrong gradients here, and the run goes on without this node; check or replace its devices "
+                "before it runs again"
+            )
+            return EXIT_QUARANTINED
         # the run's status, as on the coordinator's node: a group still starting or rejoining at the end does not fail
         # it
         return self.groups.outcome if self.groups.outcome is not None else max(p.returncode for p in procs)
@@ -975,6 +989,7 @@ def main(argv: list[str]) -> int:
     outcome = {
         EXIT_OK: "finished",
         EXIT_LEFT: "left the run on notice",
+        EXIT_QUARANTINED: "quarantined: the run goes on without this node",
         EXIT_STOPPED: "stopped in order at a step boundary, its nodes going away. "
         + config.stop_hint(job_config, titan.dump_folder(job_config)),
     }.get(code, "FAILED")

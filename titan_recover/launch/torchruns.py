@@ -212,10 +212,12 @@ class LeaderPart:
         if state is not None and replica in state.quarantined:
             groups.report_exit(client, replica, code, " (quarantined)", final=True)
             log.info(
-                f"replica group {replica} exited with code {code}; it is quarantined (SDC checks outvoted it twice, "
-                f"at step {state.quarantined[replica]}): not restarting it; the run goes on with the other groups"
+                f"replica group {replica} exited with code {code}; it is quarantined (SDC checks outvoted it, or a "
+                f"group on its node, twice, at step {state.quarantined[replica]}): not restarting it; the run goes on "
+                "with the other groups"
             )
             groups.given_up.add(replica)
+            groups.quarantined.add(replica)
             return
         decision = on_exit(budget, now)
         if isinstance(decision, GiveUp):
@@ -328,6 +330,7 @@ class Torchruns:
         self.budgets = {r: RestartBudget(max_restarts, restart_window_s) for r in envs}
         self.procs: dict[int, subprocess.Popen] = {}
         self.given_up: set[int] = set()
+        self.quarantined: set[int] = set()  # given up for good: SDC checks quarantined them (or their node)
         self.killed: dict[int, int] = {}
         self.outcome: int | None = None  # the run's exit status (1: fatal) once the coordinator ended it
         self.leave_by: dict[int, float] = {}  # groups told to leave (their node goes away, or drained) -> by when

@@ -237,7 +237,7 @@ class Metrics:
         )
         yield GaugeMetricFamily(
             "titan_recover_quarantined_groups",
-            "Replica groups quarantined: outvoted by SDC checks twice within the window.",
+            "Replica groups quarantined: outvoted by SDC checks twice within the window, or on such a group's node.",
             value=counts["quarantined"],
         )
         for name, key, doc in (

@@ -46,7 +46,9 @@ def summarize_events(*paths: str, last_step: int | None = None) -> dict[str, Any
             for e in events
             if e["event"] == "sdc_mismatch"
         ],
-        "quarantined": [{k: e.get(k) for k in ("replica", "step")} for e in events if e["event"] == "quarantined"],
+        "quarantined": [
+            {k: e.get(k) for k in ("replica", "step", "with")} for e in events if e["event"] == "quarantined"
+        ],
         "leaders": [{k: e.get(k) for k in ("pid", "host", "step")} for e in events if e["event"] == "leader"],
         "files": log.files,
         "skipped": log.skipped,
@@ -215,7 +217,12 @@ def format_summary(s: dict[str, Any], tokens_per_step: int) -> str:
         ]
     for q in s.get("quarantined", []):
         lines.append(
-            f"  QUARANTINED          : replica {q['replica']} at step {q['step']} (check or replace its devices)"
+            f"  QUARANTINED          : replica {q['replica']} at step {q['step']} "
+            + (
+                f"(on replica {q['with']}'s node: replace it)"
+                if q.get("with") is not None
+                else "(check or replace its devices)"
+            )
         )
     if "step_time_s" in s:
         lines.append(f"  mean step time (s)   : {s['step_time_s']:.3f}")
