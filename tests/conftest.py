@@ -18,7 +18,7 @@ import pytest
 from filelock import FileLock
 
 from titan_recover.compare import compare_runs
-from titan_recover.control import etcd_process, keys
+from titan_recover.control import etcd_process, keys, transport
 from titan_recover.observability.events import of_kind
 from titan_recover.titan.jobs import LINE, job
 from titan_recover.tools import etcd_local
@@ -266,6 +266,25 @@ def descendants(pid: int) -> list[int]:
                 found += [int(c) for c in (task / "children").read_text().split()]
         i += 1
     return found
+
+
+def on_nodes(dump: Path, secret: str, *overrides: str) -> tuple[list[str], dict[str, str], str]:
+    """The tests' tiny job for launchers standing for nodes on this host: the command (the first launcher runs
+    the TCPStore coordinator on a free loopback port), the environment they share, and the coordinator's address
+    the others name (``keys.COORDINATOR_ENV``)."""
+    port = transport.free_port()
+    args = [
+        sys.executable,
+        "-m",
+        "titan_recover.launch",
+        *job(dump, tiny=True),
+        *overrides,
+        "--recover.coordinator_port",
+        str(port),
+        "--recover.coordinator_bind",
+        "127.0.0.1",
+    ]
+    return args, {**os.environ, keys.SECRET_ENV: secret, "PYTHONUNBUFFERED": "1"}, f"127.0.0.1:{port}"
 
 
 class Node:

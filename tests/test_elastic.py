@@ -4,7 +4,6 @@ short for the step falls back to in-step recovery at once. Two launchers on one 
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -22,16 +21,16 @@ from conftest import (
     assert_same_trajectory,
     events,
     fired,
+    on_nodes,
     unexplained_tracebacks,
 )
 from launcher_in_process import run_main
 
-from titan_recover.control import keys, transport
+from titan_recover.control import keys
 from titan_recover.control.keys import EXIT_LEFT, EXIT_STOPPED
 from titan_recover.control.protocol import Drain, Launcher, MessageError
 from titan_recover.drain import DrainError, on_node, parse_ids, plan
 from titan_recover.drain import main as drain_main
-from titan_recover.titan.jobs import job
 from titan_recover.tools.clusters.partitions import wait_until
 
 LAST = 10  # SINGLES' steps
@@ -73,25 +72,8 @@ def test_a_drain_record_is_checked_as_it_is_read() -> None:
 
 def two_nodes(dump: Path, *overrides: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
     """The tests' tiny job on two launchers: A runs the coordinator and replica 0, B replica 1."""
-    port = transport.free_port()
-    args = [
-        sys.executable,
-        "-m",
-        "titan_recover.launch",
-        *job(dump, tiny=True),
-        *SINGLES,
-        "--recover.coordinator_port",
-        str(port),
-        "--recover.coordinator_bind",
-        "127.0.0.1",
-        *overrides,
-    ]
-    env = {**os.environ, keys.SECRET_ENV: "elastic-test-secret", "PYTHONUNBUFFERED": "1"}
-    return (
-        args,
-        {**env, keys.REPLICAS_ENV: "0"},
-        {**env, keys.REPLICAS_ENV: "1", keys.COORDINATOR_ENV: f"127.0.0.1:{port}"},
-    )
+    args, env, coordinator = on_nodes(dump, "elastic-test-secret", *SINGLES, *overrides)
+    return args, {**env, keys.REPLICAS_ENV: "0"}, {**env, keys.REPLICAS_ENV: "1", keys.COORDINATOR_ENV: coordinator}
 
 
 def steps(dump: Path) -> list[dict]:

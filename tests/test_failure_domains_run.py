@@ -5,23 +5,18 @@ and the run goes on to its end."""
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
-from conftest import Node, events
+from conftest import Node, events, on_nodes
 
-from titan_recover.control import keys, transport
-from titan_recover.titan.jobs import job
+from titan_recover.control import keys
 
 
 def test_groups_whose_parts_share_a_rack_are_warned_about_from_the_launchers_domains(tmp_path: Path) -> None:
-    dump, port = tmp_path / "dump", transport.free_port()
-    args = [
-        sys.executable,
-        "-m",
-        "titan_recover.launch",
-        *job(dump, tiny=True),
+    dump = tmp_path / "dump"
+    args, env, coordinator = on_nodes(
+        dump,
+        "domains-test-secret",
         "--training.steps",
         "4",
         "--recover.group_nodes",
@@ -30,18 +25,14 @@ def test_groups_whose_parts_share_a_rack_are_warned_about_from_the_launchers_dom
         "2",
         "--recover.fault_plan",
         "",  # no failure: the warning comes from where the groups run
-        "--recover.coordinator_port",
-        str(port),
-        "--recover.coordinator_bind",
-        "127.0.0.1",
-    ]
-    env = {**os.environ, keys.SECRET_ENV: "domains-test-secret", "PYTHONUNBUFFERED": "1", keys.REPLICAS_ENV: "0,1"}
+    )
+    env = {**env, keys.REPLICAS_ENV: "0,1"}
     env_a = {**env, keys.GROUP_NODE_ENV: "0", keys.FAILURE_DOMAIN_ENV: "rack-a"}
     env_b = {
         **env,
         keys.GROUP_NODE_ENV: "1",
         keys.FAILURE_DOMAIN_ENV: "rack-b",
-        keys.COORDINATOR_ENV: f"127.0.0.1:{port}",
+        keys.COORDINATOR_ENV: coordinator,
     }
     with Node("a", dump, args, env_a) as a, Node("b", dump, args, env_b) as b:
         assert a.wait(timeout=300) == 0, a.output()[-3000:] + b.output()[-3000:]

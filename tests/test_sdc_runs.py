@@ -4,18 +4,15 @@ not claimed; two groups without a third opinion; a third opinion that agrees wit
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import EXACT_EVERY_STEP, SINGLES, THREE, Node, Run, events, run_job, shared_run
+from conftest import EXACT_EVERY_STEP, SINGLES, THREE, Node, Run, events, on_nodes, run_job, shared_run
 
 from titan_recover.compare import compare_runs
-from titan_recover.control import keys, transport
+from titan_recover.control import keys
 from titan_recover.observability.events import undo_resumed
 from titan_recover.policy import sdc, workload
-from titan_recover.titan.jobs import job
 
 SIX = [*THREE, "--training.steps", "6"]  # three single-rank groups, M = 6, two each
 CHECKS = ["--recover.sdc_check", "--recover.sdc_check_rate"]
@@ -138,28 +135,11 @@ def test_a_bad_device_outvoted_twice_is_quarantined_with_its_node_and_never_read
     mate, alone = others
     hold = "; ".join(f"sleep replica={r} step=3 phase=optimizer seconds=120 until=epoch" for r in others)
     plan = f"flip replica={bad} step=2 repeat=true; {hold}"
-    dump, port = tmp_path / "dump", transport.free_port()
-    args = [
-        sys.executable,
-        "-m",
-        "titan_recover.launch",
-        *job(dump, tiny=True),
-        *THREE,
-        "--training.steps",
-        str(steps),
-        *EXACT_EVERY_STEP,
-        *CHECKS,
-        "1",
-        "--recover.fault_plan",
-        plan,
-        "--recover.coordinator_port",
-        str(port),
-        "--recover.coordinator_bind",
-        "127.0.0.1",
-    ]
-    env = {**os.environ, keys.SECRET_ENV: "sdc-test-secret", "PYTHONUNBUFFERED": "1"}
+    dump = tmp_path / "dump"
+    layout = [*THREE, "--training.steps", str(steps), *EXACT_EVERY_STEP, *CHECKS, "1", "--recover.fault_plan", plan]
+    args, env, coordinator = on_nodes(dump, "sdc-test-secret", *layout)
     env_a = {**env, keys.REPLICAS_ENV: str(alone)}
-    env_b = {**env, keys.REPLICAS_ENV: f"{bad},{mate}", keys.COORDINATOR_ENV: f"127.0.0.1:{port}"}
+    env_b = {**env, keys.REPLICAS_ENV: f"{bad},{mate}", keys.COORDINATOR_ENV: coordinator}
     with Node("a", dump, args, env_a) as a, Node("b", dump, args, env_b) as b:
         code_a, code_b = a.wait(timeout=300), b.wait(timeout=60)
     run = Run(code_a, a.output() + b.output(), events(dump))
