@@ -9,9 +9,13 @@ mean step time of each run (steps after the first two, which include the process
 and the ratio of the medians. A third run of each pair keeps the members' data on tmpfs (``/dev/shm``), where
 an fsync costs nothing: its ratio to the run with the data on the disk (the default, ``$TMPDIR``) is what the
 members' fsyncs cost a step. Then node 0 SIGKILLed whole after step 3 on the self-formed etcd
-(``partitions.self_formed_node0_killed``; the tests kill it first of three member nodes on five): seconds from the kill
-to the first step committed after it, and to the next leader's event where node 0's candidate led. Beside the
-self-formed runs, the largest etcd member's peak resident memory (sampled every 0.5 s).
+(``partitions.self_formed_node0_killed``): seconds from the kill
+to the first step committed after it, and to the next leader's event where node 0's candidate led. Last, on five
+nodes (``partitions.members_lost_one_after_another``: members on nodes 0-2, nodes 3 and 4 volunteering, one
+single-rank group each, M = 10), the three members' nodes SIGKILLed whole one after another: seconds from each of
+the first two kills to its volunteer's member starting, and the run checked to end on nodes 3 and 4 with every
+step once, on members none of its processes began with. Beside the self-formed runs, the largest etcd member's
+peak resident memory (sampled every 0.5 s).
 
     .venv/bin/python -m bench.self_formed [--pairs 2] [--steps 20]    # root, iproute2, nftables, etcd on PATH
 
@@ -36,12 +40,14 @@ from titan_recover.tools.clusters.partitions import (
     ETCD_NODES,
     Outcome,
     failure_free_on_three,
+    members_lost_one_after_another,
     nodes_url,
     self_formed_node0_killed,
 )
 
 log = logging.getLogger(__name__)
 LAYOUT = ("--parallelism.data_parallel_replicate_degree", "3", "--parallelism.data_parallel_shard_degree", "1")
+FIVE = ("--parallelism.data_parallel_replicate_degree", "5", "--parallelism.data_parallel_shard_degree", "1")
 WARMUP_STEPS = 2  # the first steps include the process groups' first rendezvous
 
 
@@ -133,8 +139,16 @@ def main(argv: list[str]) -> int:
         dump.parent.mkdir()
         with Cluster(ETCD_NODES) as cluster:
             killed = self_formed_node0_killed(cluster, dump, *layout)
-    if killed.exits != [0, 0]:
-        raise RuntimeError(f"node 0 killed: the other nodes exited {killed.exits}:\n{killed.outputs[0][-3000:]}")
+        if killed.exits != [0, 0]:
+            raise RuntimeError(f"node 0 killed: the other nodes exited {killed.exits}:\n{killed.outputs[0][-3000:]}")
+        dump = Path(work) / "members-lost" / "dump"
+        dump.parent.mkdir()
+        steps = ("--training.global_batch_size", "20", "--training.steps", str(args.steps))
+        with Cluster(5) as cluster:
+            lost = checked(members_lost_one_after_another(cluster, dump, *FIVE, *steps), args.steps, "members lost")
+        last = max(lost.of("step"), key=lambda e: e["step"])
+        if last["members"] != [3, 4]:
+            raise RuntimeError(f"members lost: the run ended with groups {last['members']}, not nodes 3 and 4's")
     ratio = statistics.median(step_s["self_formed_etcd"]) / statistics.median(step_s["tcpstore"])
     fsync = statistics.median(step_s["self_formed_etcd"]) / statistics.median(step_s["self_formed_etcd_data_on_tmpfs"])
     result = {
@@ -150,11 +164,12 @@ def main(argv: list[str]) -> int:
         "data_on_disk_over_tmpfs_step_ratio": round(fsync, 3),
         "member_peak_rss_mb": member_mb,
         "node0_killed": {k: round(v, 2) for k, v in killed.timings.items()},
+        "members_lost_one_after_another": {k: round(v, 2) for k, v in lost.timings.items()},
     }
     path = write_result("self_formed", result)
     log.info(
         f"step time, self-formed etcd / TCPStore: {ratio:.3f}; members' data on the disk / on tmpfs: {fsync:.3f}; "
-        f"node 0 killed: {result['node0_killed']}; {path}"
+        f"node 0 killed: {result['node0_killed']}; members lost: {result['members_lost_one_after_another']}; {path}"
     )
     return 0
 

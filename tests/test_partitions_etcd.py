@@ -1,6 +1,7 @@
 """The network-namespace cluster's etcd cases (see test_partitions.py): a member on each of three
 nodes, and the coordinator leader's node or an etcd member cut off; the etcd the run forms on its own
-nodes, a member's node cut off, and the members' nodes lost one after another on five nodes."""
+nodes, a member's node cut off, and a member's node replaced. The members' nodes lost one after another are
+test_slurm.py's four-node case (and bench/self_formed.py's five-node run)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import SINGLES, THREE, Run, assert_all_rejoined, assert_same_trajectory, needs_etcd, shared_run
+from conftest import SINGLES, THREE, Run, assert_all_rejoined, assert_same_trajectory, needs_etcd
 from test_netns import needs_netns
 from test_partitions import rejoined
 
@@ -18,14 +19,6 @@ from titan_recover.tools.clusters import partitions
 from titan_recover.tools.clusters.netns import Cluster
 
 LEASE_S = Recover.leader_lease_s  # the coordinator leader's lease on etcd (the scenarios keep the default)
-FIVE = [*THREE[:1], "5", *THREE[2:5], "20"]  # five single-rank groups, M = 20 / 2 = 10, two each
-TWO_OF_TEN = [*THREE[:1], "2", *THREE[2:5], "20"]  # M = 10 on two groups: FIVE's failure-free twin
-
-
-@pytest.fixture(scope="session")
-def ten_microbatches(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Run:
-    """Two single-rank groups, M = 10, no failure: the reference of the five-node case."""
-    return shared_run(tmp_path_factory, worker_id, "ten_microbatches", *TWO_OF_TEN, "--recover.fault_plan", "none")
 
 
 @pytest.fixture
@@ -120,34 +113,3 @@ def test_on_an_etcd_the_nodes_form_themselves_a_member_node_replaced_by_a_new_on
     last = run.steps()[max(run.steps())]  # each node writes its own file: the files' order is not the steps'
     assert last["members"] == [0, 2], last
     assert "ran on this node before" in outcome.outputs[0] and "volunteers" in outcome.outputs[0], outcome.outputs[0]
-
-
-@needs_netns
-@needs_etcd
-def test_on_an_etcd_the_nodes_form_themselves_members_lost_one_after_another_are_replaced_and_quorum_holds(
-    tmp_path: Path, ten_microbatches: Run
-) -> None:
-    """``control_store = "nodes://<nodes 0-2>"`` on five nodes, one single-rank group each (M = 10), nobody running
-    etcd beforehand: the nodes of the three members SIGKILLed whole one after another, node 0 (the node that began
-    the run) first, each loss a group failure like any other. Each of the first two losses is met by a volunteer
-    node's member (m3 on node 3, m4 on node 4) started in its place from the live members' data; the third
-    leaves two of three members, a quorum, at addresses no process was given at its start (the groups, held
-    in a step meanwhile, dial them from their node's file). Nodes 3 and 4 end the run with exit 0, every step
-    once, M = 10 every step, on the failure-free data and losses."""
-    with Cluster(5) as five:
-        outcome = partitions.members_lost_one_after_another(five, tmp_path / "dump", *FIVE)
-    print(outcome.timings)
-    assert outcome.exits == [0, 0], [out[-3000:] for out in outcome.outputs]
-    run = Run(0, outcome.outputs[0], outcome.events)
-    assert_same_trajectory(ten_microbatches, run, 1e-3, num_microbatches=10)
-    assert sorted(f["replica"] for f in run.of("failure")) == [0, 1, 2], run.of("failure")
-    last = run.steps()[max(run.steps())]
-    assert last["members"] == [3, 4], last
-    assert "etcd member m3 starts on this node" in outcome.outputs[0], outcome.outputs[0][-3000:]
-    assert "etcd member m4 starts on this node" in outcome.outputs[1], outcome.outputs[1][-3000:]
-    assert not run.of("requeued")
-    # the run finished on nodes 3 and 4: their members' data went with them; the killed nodes' stays
-    data = sorted(p.name for p in (tmp_path / "tmp" / "titan_recover-etcd").glob("*/*/m*"))
-    assert data == ["m0", "m1", "m2"], data
-    # the summary, once, by the node whose candidate led last (the first node, which began the run, is gone)
-    assert sum(out.count("titan_recover summary") for out in outcome.outputs) == 1, outcome.outputs

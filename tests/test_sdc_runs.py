@@ -156,7 +156,8 @@ def test_a_bad_device_outvoted_twice_is_quarantined_with_its_node_and_never_read
     for r in (bad, mate):
         assert f"replica group {r} exited" in b.output() and "it is quarantined" in b.output(), b.output()[-3000:]
     assert f"replica {mate} quarantined with replica {bad}'s node" in a.output(), a.output()[-3000:]
-    assert f"QUARANTINED          : replica {bad} at step {caught}" in a.output(), a.output()[-3000:]
+    assert f"QUARANTINED          : replica {bad} at step {caught} (check" in a.output(), a.output()[-3000:]
+    assert f"QUARANTINED          : replica {mate} at step {caught} (on replica {bad}'s node" in a.output()
     last = run.steps()[steps]
     assert last["members"] == [alone], last
     twin = {e["step"]: e["digest"] for e in exact_six.of("param_digest")}
