@@ -134,7 +134,9 @@ def test_a_bad_device_outvoted_twice_is_quarantined_with_its_node_and_never_read
     assert involved, "no check from step 5 on involves the bad group: choose another layout"
     mate, alone = others
     hold = "; ".join(f"sleep replica={r} step=3 phase=optimizer seconds=120 until=epoch" for r in others)
-    plan = f"flip replica={bad} step=2 repeat=true; {hold}"
+    # the last step waits for B to see its groups exit: a run that ends first ends B with the run's outcome
+    last_hold = f"sleep replica={alone} step={steps} phase=optimizer seconds=10"
+    plan = f"flip replica={bad} step=2 repeat=true; {hold}; {last_hold}"
     dump = tmp_path / "dump"
     layout = [*THREE, "--training.steps", str(steps), *EXACT_EVERY_STEP, *CHECKS, "1", "--recover.fault_plan", plan]
     args, env, coordinator = on_nodes(dump, "sdc-test-secret", *layout)
