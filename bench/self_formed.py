@@ -6,16 +6,16 @@ llama3, fp32, M = 6: ``--training.global_batch_size 12``) on node i, ``--steps``
 runs, alternated: every process on node 0's TCPStore (the coordinator bound to its address), then on an etcd
 whose three members the launchers start themselves (one per node, a coordinator candidate beside each). The
 mean step time of each run (steps after the first two, which include the process groups' first rendezvous),
-and the ratio of the medians. A third run of each pair keeps the members' data on tmpfs (``/dev/shm``), where
-an fsync costs nothing: its ratio to the run with the data on the disk (the default, ``$TMPDIR``) is what the
-members' fsyncs cost a step. Then node 0 SIGKILLed whole after step 3 on the self-formed etcd
-(``partitions.self_formed_node0_killed``): seconds from the kill
-to the first step committed after it, and to the next leader's event where node 0's candidate led. Last, on five
-nodes (``partitions.members_lost_one_after_another``: members on nodes 0-2, nodes 3 and 4 volunteering, one
-single-rank group each, M = 10), the three members' nodes SIGKILLed whole one after another: seconds from each of
-the first two kills to its volunteer's member starting, and the run checked to end on nodes 3 and 4 with every
-step once, on members none of its processes began with. Beside the self-formed runs, the largest etcd member's
-peak resident memory (sampled every 0.5 s).
+and the ratio of the medians. A third run of each pair keeps the members' data on tmpfs (``/dev/shm``), where an
+fsync costs nothing: its ratio to the run with the data on the disk (the default, ``$TMPDIR``) is what the members'
+fsyncs cost a step. Then node 0 SIGKILLed whole after step 3 on the self-formed etcd
+(``partitions.self_formed_node0_killed``): seconds from the kill to the first step committed after it, and to the
+next leader's event where node 0's candidate led. Last, on five nodes
+(``partitions.members_lost_one_after_another``: members on nodes 0-2, nodes 3 and 4 volunteering, one single-rank
+group each, M = 10), the three members' nodes SIGKILLed whole one after another: seconds from each of the first two
+kills to its volunteer's member starting, and the run checked to end on nodes 3 and 4 with every step once, on
+members none of its processes began with. Beside the self-formed runs, the largest etcd member's peak resident
+memory (sampled every 0.5 s).
 
     .venv/bin/python -m bench.self_formed [--pairs 2] [--steps 20]    # root, iproute2, nftables, etcd on PATH
 

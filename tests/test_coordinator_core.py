@@ -751,8 +751,7 @@ def test_a_group_outvoted_twice_within_the_window_is_quarantined_and_its_restart
 
 def quarantine_on(placement: dict[str, set[int]]) -> tuple[CoordinatorCore, list]:
     """Three groups placed on nodes as ``placement`` says; replica 1 outvoted in two incarnations."""
-    c = core()
-    c.placement = placement
+    c = core(node_groups=lambda: placement)
     outvoted = lambda: Report(  # noqa: E731
         epoch=c.membership.epoch, cause="outvoted", replica=1, suspect=1, step=c.step(), outvoted=True
     )

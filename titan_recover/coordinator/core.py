@@ -170,9 +170,12 @@ class CoordinatorCore:
         committed: Callable[[int, int], bool] = lambda step, epoch: False,
         snapshots: Callable[[int, int], dict[int, Snapshots | None]] = lambda replica, incarnation: {},
         wall: Callable[[], float] = time.time,
+        node_groups: Callable[[], dict[str, set[int]]] = dict,
         replace_bounds: Bounds | None = None,
     ) -> None:
-        """``replace_bounds``: the bounds of replacement requests (``[recover] replace``); None: it makes none."""
+        """``node_groups``: node -> the replica groups running on it, as the node messages last said (read at a
+        quarantine only); ``replace_bounds``: the bounds of replacement requests (``[recover] replace``); None: it
+        makes none."""
         self.rules, self.detector = rules, detector
         self.limits = Limits(
             replica_ids=rules.replica_ids,
@@ -182,6 +185,7 @@ class CoordinatorCore:
             spare_timeout_s=rules.spare_timeout_s,
         )
         self.fault_time, self.committed, self.snapshots, self.wall = fault_time, committed, snapshots, wall
+        self.node_groups = node_groups
         members = tuple(range(rules.replicas))
         self.state = CoordinatorState(attempts={r: 0 for r in members}, admitted_epoch={r: 0 for r in members})
         self.history: dict[int, Membership] = {0: Membership(0, members)}
@@ -198,7 +202,6 @@ class CoordinatorCore:
         self.fenced_quarantined: dict[int, int] = {}  # quarantined replica -> its latest incarnation fenced
         self.struck: set[tuple[int, int | None]] = set()  # (replica, incarnation) strikes counted by this leader
         self.rollback: int | None = None  # the snapshot step a strike asked to roll back to, at its failure
-        self.placement: dict[str, set[int]] = {}  # node -> the replica groups running on it (from node messages)
 
     def take_over(self, state: CoordinatorState, history: dict[int, Membership], epoch: int) -> None:
         """Continues from the state a previous leader saved and the epochs the store holds (those from
@@ -398,8 +401,9 @@ class CoordinatorCore:
         memory), and the node is what a scheduler drains and repairs. Each is quarantined too and, where a member,
         failed now (its microbatches go to the others). Where no member would be left on another node, the
         node's other groups stay: quarantining them would end the run, so the operator is told instead."""
-        nodes = sorted(n for n, groups in self.placement.items() if replica in groups)
-        mates = sorted({r for n in nodes for r in self.placement[n]} - {replica} - set(self.state.quarantined))
+        placement = self.node_groups()
+        nodes = sorted(n for n, groups in placement.items() if replica in groups)
+        mates = sorted({r for n in nodes for r in placement[n]} - {replica} - set(self.state.quarantined))
         if not mates:
             return []
         if not set(self.membership.members) - set(mates) - set(self.state.quarantined):

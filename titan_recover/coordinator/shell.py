@@ -215,6 +215,9 @@ class Coordinator:
             rules(settings),
             detector,
             fault_time=self._fault_time,
+            node_groups=lambda: {
+                host_memory.node_of(key): set(message.groups) for key, (message, _) in self.node_groups.items()
+            },
             committed=lambda step, epoch: self.control.decision(step, epoch) == COMMIT,
             snapshots=lambda replica, incarnation: self.control.snapshots(replica, incarnation, settings.group_ranks),
             replace_bounds=None
@@ -412,9 +415,6 @@ class Coordinator:
             ),
             now,
         )
-        self.core.placement = {
-            host_memory.node_of(key): set(message.groups) for key, (message, _) in self.node_groups.items()
-        }
         self.last_node_read = now + (time.monotonic() - started)  # read and folded
 
     def _register_nodes(self, now: float) -> None:
